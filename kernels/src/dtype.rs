@@ -1,0 +1,82 @@
+//! Element types: `f32` and `bf16` (`half::bf16` storage). Every kernel computes and accumulates in `f32`;
+//! `bf16` is converted when a tile is loaded and rounded (to nearest even) when a result is stored.
+
+use half::bf16;
+
+/// The element types the kernels take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DType {
+    /// IEEE single precision.
+    F32,
+    /// bfloat16: 8 exponent bits, 7 mantissa bits.
+    Bf16,
+}
+
+impl DType {
+    /// The type's name as used in error messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::Bf16 => "bf16",
+        }
+    }
+}
+
+/// A storage element: `f32` or `bf16`. Sealed; conversions are exact for `f32` and round-to-nearest-even
+/// for `bf16` on store.
+pub trait Element: Copy + Send + Sync + Default + bytemuck::Pod + private::Sealed + 'static {
+    /// The runtime tag of this type.
+    const DTYPE: DType;
+    /// Widen to `f32`.
+    fn to_f32(self) -> f32;
+    /// Narrow from `f32`.
+    fn from_f32(x: f32) -> Self;
+}
+
+impl Element for f32 {
+    const DTYPE: DType = DType::F32;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+}
+
+impl Element for bf16 {
+    const DTYPE: DType = DType::Bf16;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        bf16::from_f32(x)
+    }
+}
+
+mod private {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for half::bf16 {}
+}
+
+/// Widens `src` into `dst` (same length).
+#[inline]
+pub fn load_f32<T: Element>(src: &[T], dst: &mut [f32]) {
+    debug_assert_eq!(src.len(), dst.len());
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d = s.to_f32();
+    }
+}
+
+/// Narrows `src` into `dst` (same length).
+#[inline]
+pub fn store_f32<T: Element>(src: &[f32], dst: &mut [T]) {
+    debug_assert_eq!(src.len(), dst.len());
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d = T::from_f32(*s);
+    }
+}

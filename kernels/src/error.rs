@@ -1,0 +1,70 @@
+//! The one error type of this crate.
+
+use thiserror::Error;
+
+/// What went wrong in a kernel call. Every check happens before any work starts, so an `Err` never leaves an
+/// output half written.
+#[derive(Debug, Clone, PartialEq, Error)]
+#[non_exhaustive]
+pub enum KernelError {
+    /// A buffer's length does not match the shape it is used with.
+    #[error("buffer `{name}` has {got} elements, expected {expected} for the given shape")]
+    BufferLength {
+        /// The argument's name, e.g. `q` or `d_k`.
+        name: &'static str,
+        /// Elements the shape implies.
+        expected: usize,
+        /// Elements the buffer has.
+        got: usize,
+    },
+    /// A dimension that must be positive is zero.
+    #[error("dimension `{0}` must be at least 1")]
+    ZeroDim(&'static str),
+    /// Grouped-query attention needs the query heads to be a multiple of the key/value heads.
+    #[error("query heads ({q_heads}) must be a multiple of key/value heads ({kv_heads})")]
+    HeadsNotDivisible {
+        /// Query heads.
+        q_heads: usize,
+        /// Key/value heads.
+        kv_heads: usize,
+    },
+    /// Head dimension outside 32..=256 or not a multiple of 8.
+    #[error("head dim {0} unsupported: must be 32..=256 in steps of 8")]
+    HeadDim(usize),
+    /// The buffers of one call disagree in element type, or a buffer has a type the op does not take.
+    #[error("dtype mismatch for `{name}`: expected {expected}, got {got}")]
+    DType {
+        /// The argument's name.
+        name: &'static str,
+        /// The type required.
+        expected: &'static str,
+        /// The type given.
+        got: &'static str,
+    },
+    /// A scalar argument is out of its domain (e.g. a non-finite softmax scale or a zero window).
+    #[error("invalid argument `{name}`: {why}")]
+    InvalidArgument {
+        /// The argument's name.
+        name: &'static str,
+        /// What is wrong with it.
+        why: String,
+    },
+    /// A shape relation between arguments does not hold (e.g. matmul inner dimensions).
+    #[error("shape mismatch: {0}")]
+    Shape(String),
+    /// The operation is not available in this build or on this backend.
+    #[error("not supported: {0}")]
+    Unsupported(&'static str),
+}
+
+/// Result alias of this crate.
+pub type Result<T, E = KernelError> = std::result::Result<T, E>;
+
+/// Checks a buffer length against the shape's expectation.
+pub(crate) fn check_len(name: &'static str, got: usize, expected: usize) -> Result<()> {
+    if got == expected {
+        Ok(())
+    } else {
+        Err(KernelError::BufferLength { name, expected, got })
+    }
+}

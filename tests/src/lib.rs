@@ -1,0 +1,1 @@
+//! Cross-crate integration and property tests of longctx live in `tests/tests/`; this library is empty.
