@@ -48,7 +48,8 @@ impl<'a> HostSlice<'a> {
         match self {
             HostSlice::F32(s) => dst.copy_from_slice(&s[start..start + dst.len()]),
             HostSlice::Bf16(s) => {
-                for (d, x) in dst.iter_mut().zip(&s[start..start + dst.len()]) {
+                let n = dst.len();
+                for (d, x) in dst.iter_mut().zip(&s[start..start + n]) {
                     *d = x.to_f32();
                 }
             }
