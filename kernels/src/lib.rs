@@ -6,10 +6,14 @@
 #![warn(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+pub mod attention;
 pub mod dtype;
 pub mod error;
 pub mod view;
 
+pub use attention::{
+    attention_backward, attention_forward, merge_partial_attention, AttnMask, AttnParams, AttnShape, Positions,
+};
 pub use dtype::{DType, Element};
 pub use error::{KernelError, Result};
 pub use view::{HostSlice, HostSliceMut};

@@ -1,0 +1,231 @@
+//! Attention forward: tiled, online softmax, never holding an `Sq × Sk` matrix.
+//!
+//! One task per (batch, query head, query tile of `BR` rows) runs over the key tiles in order, keeping the
+//! running row maximum `m`, row sum `l` and un-normalised output `acc`:
+//! `S = c·Q·Kᵀ` (with `c = scale·log2 e`, so `exp2` replaces `exp`), `m' = max(m, rowmax S)`,
+//! `P = 2^(S - m')`, `l = 2^(m - m')·l + rowsum P`, `acc = 2^(m - m')·acc + P·V`.
+//! At the end `O = acc / l` and `LSE = ln 2 · (m + log2 l)`.
+//! Key tiles the mask hides from the whole query tile are skipped; in a partly hidden tile each group of six
+//! rows computes only the span of keys that some row of the group sees (about half of a causal diagonal tile).
+
+use std::f32::consts::{LN_2, LOG2_E};
+
+use rayon::prelude::*;
+
+use super::mask::{tile_summaries, TileClass};
+use super::pack::{as_f32, pack_transposed_tiles};
+use super::simd;
+use super::{AttnParams, BC, BR};
+use crate::error::Result;
+use crate::view::{HostSlice, HostSliceMut};
+
+/// Rows per register block of the micro-kernel; partial tiles are cut into groups of this many rows.
+pub(crate) const GROUP: usize = 6;
+
+/// Attention forward on the CPU.
+///
+/// Inputs `q` `[B, Hq, Sq, D]`, `k`, `v` `[B, Hkv, Sk, D]` (each `f32` or `bf16`); writes `o` `[B, Hq, Sq, D]`
+/// (`f32` or `bf16`) and `lse` `[B, Hq, Sq]`. Every element of both outputs is written.
+///
+/// ```
+/// use longctx_kernels::attention::{attention_forward, AttnMask, AttnParams, AttnShape};
+/// let shape = AttnShape { batch: 1, q_heads: 2, kv_heads: 1, q_len: 5, kv_len: 5, head_dim: 32 };
+/// let p = AttnParams::new(shape).with_mask(AttnMask::causal());
+/// let q = vec![0.1f32; shape.q_elems()];
+/// let kv = vec![0.2f32; shape.kv_elems()];
+/// let (mut o, mut lse) = (vec![0f32; shape.q_elems()], vec![0f32; shape.lse_elems()]);
+/// attention_forward(&p, (&q).into(), (&kv).into(), (&kv).into(), (&mut o).into(), &mut lse)?;
+/// assert!((o[0] - 0.2).abs() < 1e-6); // every value row is 0.2
+/// # Ok::<(), longctx_kernels::KernelError>(())
+/// ```
+pub fn attention_forward(
+    p: &AttnParams<'_>,
+    q: HostSlice<'_>,
+    k: HostSlice<'_>,
+    v: HostSlice<'_>,
+    o: HostSliceMut<'_>,
+    lse: &mut [f32],
+) -> Result<()> {
+    p.validate()?;
+    p.check_q("q", q.len())?;
+    p.check_kv("k", k.len())?;
+    p.check_kv("v", v.len())?;
+    p.check_q("o", o.len())?;
+    p.check_lse("lse", lse.len())?;
+    let s = p.shape;
+    let d = s.head_dim;
+    let mask = &p.mask;
+    let c = p.scale * LOG2_E;
+
+    let q = as_f32(q);
+    let v = as_f32(v);
+    let kt = pack_transposed_tiles(k, &s);
+    let q_sum = tile_summaries(mask, true, s.q_len, BR);
+    let k_sum = tile_summaries(mask, false, s.kv_len, BC);
+    let k_tiles = s.kv_len.div_ceil(BC);
+
+    // One task per (b, hq, query tile), each owning its rows of O and LSE.
+    let mut tasks = Vec::with_capacity(s.batch * s.q_heads * q_sum.len());
+    for (bh, (o_head, lse_head)) in
+        o.into_chunks(s.q_len * d).into_iter().zip(lse.chunks_mut(s.q_len)).enumerate()
+    {
+        for (t, (o_tile, lse_tile)) in o_head.into_chunks(BR * d).into_iter().zip(lse_head.chunks_mut(BR)).enumerate() {
+            tasks.push((bh, t, o_tile, lse_tile));
+        }
+    }
+
+    tasks.into_par_iter().for_each_init(Scratch::new, |sc, (bh, qt, mut o_tile, lse_tile)| {
+        let (b, hq) = (bh / s.q_heads, bh % s.q_heads);
+        let hk = hq / s.group();
+        let rows = lse_tile.len();
+        let q0 = qt * BR;
+        let q_tile = &q[(bh * s.q_len + q0) * d..(bh * s.q_len + q0 + rows) * d];
+        let kv_head = b * s.kv_heads + hk;
+        sc.reset(rows, d);
+        for t in 0..k_tiles {
+            let class = mask.classify(&q_sum[qt], &k_sum[t]);
+            if class == TileClass::Hidden {
+                continue;
+            }
+            let j0 = t * BC;
+            let bc = BC.min(s.kv_len - j0);
+            let kt_tile = &kt[(kv_head * k_tiles + t) * d * BC..(kv_head * k_tiles + t + 1) * d * BC];
+            let v_tile = &v[(kv_head * s.kv_len + j0) * d..(kv_head * s.kv_len + j0 + bc) * d];
+            let spans = sc.spans(mask, class, rows, q0, j0, bc);
+            // S = Q·Kᵀ over each group's span.
+            for (g, &(lo, hi)) in spans.iter().enumerate() {
+                if lo >= hi {
+                    continue;
+                }
+                let r0 = g * GROUP;
+                let gr = GROUP.min(rows - r0);
+                simd::matmul(gr, hi - lo, d, &q_tile[r0 * d..], d, &kt_tile[lo..], BC, &mut sc.s[r0 * BC + lo..], BC, false);
+            }
+            // Online softmax, row by row.
+            for i in 0..rows {
+                let (lo, hi) = spans[i / GROUP];
+                let hi = hi.min(bc);
+                if lo >= hi {
+                    continue;
+                }
+                let srow = &mut sc.s[i * BC + lo..i * BC + hi];
+                if class == TileClass::Partial {
+                    let vis = &sc.vis[i * BC + lo..i * BC + hi];
+                    for (x, &ok) in srow.iter_mut().zip(vis) {
+                        if !ok {
+                            *x = f32::NEG_INFINITY;
+                        }
+                    }
+                }
+                let mx = simd::max(srow) * c;
+                if mx == f32::NEG_INFINITY {
+                    srow.fill(0.0);
+                    continue;
+                }
+                let m_old = sc.m[i];
+                let m_new = m_old.max(mx);
+                let sum = simd::exp2_scaled_sum(srow, c, m_new);
+                let alpha = (m_old - m_new).exp2();
+                sc.l[i] = sc.l[i] * alpha + sum;
+                if alpha != 1.0 {
+                    simd::scale(&mut sc.acc[i * d..(i + 1) * d], alpha);
+                }
+                sc.m[i] = m_new;
+            }
+            // acc += P·V over each group's span.
+            for (g, &(lo, hi)) in spans.iter().enumerate() {
+                let hi = hi.min(bc);
+                if lo >= hi {
+                    continue;
+                }
+                let r0 = g * GROUP;
+                let gr = GROUP.min(rows - r0);
+                simd::matmul(gr, d, hi - lo, &sc.s[r0 * BC + lo..], BC, &v_tile[lo * d..], d, &mut sc.acc[r0 * d..], d, true);
+            }
+            sc.spans = spans;
+        }
+        // O = acc / l, LSE = ln2·(m + log2 l); rows that saw nothing get O = 0, LSE = -inf.
+        for i in 0..rows {
+            let row = &mut sc.acc[i * d..(i + 1) * d];
+            if sc.l[i] > 0.0 {
+                simd::scale(row, 1.0 / sc.l[i]);
+                lse_tile[i] = LN_2 * (sc.m[i] + sc.l[i].log2());
+            } else {
+                row.fill(0.0);
+                lse_tile[i] = f32::NEG_INFINITY;
+            }
+        }
+        o_tile.store_f32(0, &sc.acc[..rows * d], false);
+    });
+    Ok(())
+}
+
+/// Per-task buffers, reused across the tasks one worker runs.
+pub(crate) struct Scratch {
+    pub s: Vec<f32>,
+    pub acc: Vec<f32>,
+    pub m: Vec<f32>,
+    pub l: Vec<f32>,
+    pub vis: Vec<bool>,
+    pub spans: Vec<(usize, usize)>,
+}
+
+impl Scratch {
+    pub fn new() -> Self {
+        Self {
+            s: vec![0.0; BR * BC],
+            acc: Vec::new(),
+            m: vec![0.0; BR],
+            l: vec![0.0; BR],
+            vis: vec![false; BR * BC],
+            spans: Vec::with_capacity(BR.div_ceil(GROUP)),
+        }
+    }
+
+    fn reset(&mut self, rows: usize, d: usize) {
+        self.acc.clear();
+        self.acc.resize(rows * d, 0.0);
+        self.m[..rows].fill(f32::NEG_INFINITY);
+        self.l[..rows].fill(0.0);
+    }
+
+    /// For each group of `GROUP` rows, the span `[lo, hi)` of key columns (multiples of 8, within the tile
+    /// padded to a multiple of 8) that some row of the group sees. For partial tiles it also fills `vis`.
+    pub fn spans(
+        &mut self,
+        mask: &super::AttnMask<'_>,
+        class: TileClass,
+        rows: usize,
+        q0: usize,
+        j0: usize,
+        bc: usize,
+    ) -> Vec<(usize, usize)> {
+        let bcp = bc.next_multiple_of(8);
+        let groups = rows.div_ceil(GROUP);
+        let mut spans = std::mem::take(&mut self.spans);
+        spans.clear();
+        if class == TileClass::Visible {
+            spans.resize(groups, (0, bcp));
+            return spans;
+        }
+        for g in 0..groups {
+            let (mut lo, mut hi) = (usize::MAX, 0);
+            for i in g * GROUP..((g + 1) * GROUP).min(rows) {
+                for j in 0..bc {
+                    let ok = mask.visible(q0 + i, j0 + j);
+                    self.vis[i * BC + j] = ok;
+                    if ok {
+                        lo = lo.min(j);
+                        hi = hi.max(j + 1);
+                    }
+                }
+            }
+            if lo == usize::MAX {
+                spans.push((0, 0));
+            } else {
+                spans.push((lo / 8 * 8, hi.next_multiple_of(8).min(bcp)));
+            }
+        }
+        spans
+    }
+}

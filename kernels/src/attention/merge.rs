@@ -1,0 +1,57 @@
+//! Combining partial attention results computed over disjoint key sets.
+
+use crate::error::{check_len, KernelError, Result};
+
+/// Merges the partial result `(o2, lse2)` into `(o1, lse1)`, in place, giving exactly the attention over the
+/// union of the two key sets. Rows are `lse1.len()`; each output row has `o1.len() / lse1.len()` elements.
+///
+/// Derivation: for one query row with keys split into sets 1 and 2, let `Z_k = Σ_{j∈k} exp(s_j)`, so
+/// `LSE_k = ln Z_k` and `O_k = Σ_{j∈k} exp(s_j) v_j / Z_k`. Over the union, `Z = Z_1 + Z_2` and
+/// `O = (Z_1 O_1 + Z_2 O_2) / Z`. With `m = max(LSE_1, LSE_2)` and `w_k = exp(LSE_k - m)` (both ≤ 1, one of them
+/// exactly 1, so nothing overflows however large the LSEs are):
+/// `LSE = m + ln(w_1 + w_2)` and `O = (w_1 O_1 + w_2 O_2) / (w_1 + w_2)`.
+/// A side with `LSE = -inf` saw no key and has weight 0; when both do, the row stays `O = 0`, `LSE = -inf`.
+pub fn merge_partial_attention(o1: &mut [f32], lse1: &mut [f32], o2: &[f32], lse2: &[f32]) -> Result<()> {
+    check_len("lse2", lse2.len(), lse1.len())?;
+    check_len("o2", o2.len(), o1.len())?;
+    let rows = lse1.len();
+    if rows == 0 {
+        return check_len("o1", o1.len(), 0);
+    }
+    if o1.len() % rows != 0 {
+        return Err(KernelError::Shape(format!("o1 has {} elements, not a multiple of {rows} rows", o1.len())));
+    }
+    let d = o1.len() / rows;
+    for i in 0..rows {
+        let (a, b) = (lse1[i], lse2[i]);
+        let m = a.max(b);
+        if m == f32::NEG_INFINITY {
+            continue; // neither side saw a key; o1 already holds the zero row
+        }
+        let w1 = (a - m).exp();
+        let w2 = (b - m).exp();
+        let z = w1 + w2;
+        let (c1, c2) = (w1 / z, w2 / z);
+        for (x, y) in o1[i * d..(i + 1) * d].iter_mut().zip(&o2[i * d..(i + 1) * d]) {
+            *x = c1 * *x + c2 * *y;
+        }
+        lse1[i] = m + z.ln();
+    }
+    Ok(())
+}
+
+/// Like [`merge_partial_attention`], but writes the merged result into separate outputs.
+pub fn merge_partial_attention_into(
+    o1: &[f32],
+    lse1: &[f32],
+    o2: &[f32],
+    lse2: &[f32],
+    o: &mut [f32],
+    lse: &mut [f32],
+) -> Result<()> {
+    check_len("o", o.len(), o1.len())?;
+    check_len("lse", lse.len(), lse1.len())?;
+    o.copy_from_slice(o1);
+    lse.copy_from_slice(lse1);
+    merge_partial_attention(o, lse, o2, lse2)
+}

@@ -1,0 +1,148 @@
+//! Exact flash-style attention on the CPU: forward returning the log-sum-exp, backward, and the merge of
+//! partial results over disjoint key sets.
+//!
+//! # Layout
+//! Legend: `B` batch, `Hq` query heads, `Hkv` key/value heads, `Sq` query rows, `Sk` key rows, `D` head dim.
+//! - `Q`, `O`, `dQ`, `dO`: `[B, Hq, Sq, D]`, row-major, contiguous.
+//! - `K`, `V`, `dK`, `dV`: `[B, Hkv, Sk, D]`. Query head `h` reads key/value head `h / (Hq / Hkv)`
+//!   (grouped-query attention; K/V are never copied per query head).
+//! - `LSE`: `[B, Hq, Sq]`, `f32`, natural log: `LSE[i] = ln Σ_j exp(scale · q_i·k_j)` over the visible keys.
+//!
+//! # Numerics
+//! Tiles are loaded as `f32` (bf16 is widened) and all products, softmax statistics and gradients are
+//! accumulated in `f32`. A query row that sees no key gets `O = 0` and `LSE = -inf` (never NaN), and
+//! contributes nothing to any gradient. NaN or infinite inputs are not checked for (that would cost a pass
+//! over every buffer); they propagate into the rows they touch.
+//!
+//! # Determinism
+//! Every output element is produced by exactly one task, which reduces in a fixed order, so results are
+//! bit-identical from run to run whatever the number of threads.
+
+mod backward;
+mod forward;
+pub mod mask;
+mod merge;
+mod pack;
+pub mod reference;
+pub(crate) mod simd;
+
+pub use backward::attention_backward;
+pub use forward::attention_forward;
+pub use mask::{AttnMask, Positions};
+pub use merge::{merge_partial_attention, merge_partial_attention_into};
+
+use crate::error::{check_len, KernelError, Result};
+
+/// Query rows per tile.
+pub(crate) const BR: usize = 64;
+/// Key rows per tile.
+pub(crate) const BC: usize = 64;
+
+/// The sizes of one attention call (see the module docs for the layout).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttnShape {
+    /// `B`.
+    pub batch: usize,
+    /// `Hq`.
+    pub q_heads: usize,
+    /// `Hkv`; `Hq` must be a multiple of it.
+    pub kv_heads: usize,
+    /// `Sq`.
+    pub q_len: usize,
+    /// `Sk`.
+    pub kv_len: usize,
+    /// `D`: 32 to 256 in steps of 8.
+    pub head_dim: usize,
+}
+
+impl AttnShape {
+    /// Elements of `Q` (and `O`, `dQ`, `dO`).
+    pub fn q_elems(&self) -> usize {
+        self.batch * self.q_heads * self.q_len * self.head_dim
+    }
+    /// Elements of `K` (and `V`, `dK`, `dV`).
+    pub fn kv_elems(&self) -> usize {
+        self.batch * self.kv_heads * self.kv_len * self.head_dim
+    }
+    /// Elements of `LSE`.
+    pub fn lse_elems(&self) -> usize {
+        self.batch * self.q_heads * self.q_len
+    }
+    /// Query heads per key/value head.
+    pub fn group(&self) -> usize {
+        self.q_heads / self.kv_heads
+    }
+
+    /// Checks every dimension.
+    pub fn validate(&self) -> Result<()> {
+        for (name, v) in [
+            ("batch", self.batch),
+            ("q_heads", self.q_heads),
+            ("kv_heads", self.kv_heads),
+            ("q_len", self.q_len),
+            ("kv_len", self.kv_len),
+        ] {
+            if v == 0 {
+                return Err(KernelError::ZeroDim(name));
+            }
+        }
+        if self.q_heads % self.kv_heads != 0 {
+            return Err(KernelError::HeadsNotDivisible { q_heads: self.q_heads, kv_heads: self.kv_heads });
+        }
+        if !(32..=256).contains(&self.head_dim) || self.head_dim % 8 != 0 {
+            return Err(KernelError::HeadDim(self.head_dim));
+        }
+        Ok(())
+    }
+}
+
+/// One attention problem: sizes, mask and softmax scale.
+#[derive(Debug, Clone, Copy)]
+pub struct AttnParams<'a> {
+    /// Sizes.
+    pub shape: AttnShape,
+    /// Which keys each query sees.
+    pub mask: AttnMask<'a>,
+    /// Multiplies `q·k` before the softmax; positive and finite.
+    pub scale: f32,
+}
+
+impl<'a> AttnParams<'a> {
+    /// No mask, scale `1/sqrt(D)`.
+    pub fn new(shape: AttnShape) -> Self {
+        Self { shape, mask: AttnMask::full(), scale: 1.0 / (shape.head_dim as f32).sqrt() }
+    }
+    /// Replaces the mask.
+    pub fn with_mask(mut self, mask: AttnMask<'a>) -> Self {
+        self.mask = mask;
+        self
+    }
+    /// Replaces the softmax scale.
+    pub fn with_scale(mut self, scale: f32) -> Self {
+        self.scale = scale;
+        self
+    }
+
+    /// Checks the shape, mask and scale.
+    pub fn validate(&self) -> Result<()> {
+        self.shape.validate()?;
+        self.mask.validate(self.shape.q_len, self.shape.kv_len)?;
+        if !(self.scale.is_finite() && self.scale > 0.0) {
+            return Err(KernelError::InvalidArgument {
+                name: "scale",
+                why: format!("{} is not a positive finite number", self.scale),
+            });
+        }
+        Ok(())
+    }
+
+    pub(crate) fn check_q(&self, name: &'static str, len: usize) -> Result<()> {
+        check_len(name, len, self.shape.q_elems())
+    }
+    pub(crate) fn check_kv(&self, name: &'static str, len: usize) -> Result<()> {
+        check_len(name, len, self.shape.kv_elems())
+    }
+    pub(crate) fn check_lse(&self, name: &'static str, len: usize) -> Result<()> {
+        check_len(name, len, self.shape.lse_elems())
+    }
+}

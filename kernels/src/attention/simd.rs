@@ -1,0 +1,329 @@
+//! The inner loops of the attention kernels: a small register-blocked matrix product and a vectorised
+//! `exp2`. AVX2+FMA is detected at run time; every other machine takes the portable loops, which compute the
+//! same products in the same order of the reduction dimension (results may differ in the last bits between
+//! the two paths, never between runs on one machine).
+//!
+//! The products are tiny (at most 256 × 256 × 256, all operands in L1/L2), so a hand-written micro-kernel
+//! beats calling a general GEMM per tile: there is no packing or dispatch overhead per call.
+
+/// `C[m×n] (+)= A[m×k] · B[k×n]`, all row-major with leading dimensions `lda`, `ldb`, `ldc`; `n` must be a
+/// multiple of 8. With `accumulate` false, `C` is overwritten.
+#[inline]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn matmul(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: &[f32],
+    lda: usize,
+    b: &[f32],
+    ldb: usize,
+    c: &mut [f32],
+    ldc: usize,
+    accumulate: bool,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    assert!(n % 8 == 0, "matmul: n = {n} must be a multiple of 8");
+    assert!(k == 0 || a.len() >= (m - 1) * lda + k, "matmul: A too short");
+    assert!(k == 0 || b.len() >= (k - 1) * ldb + n, "matmul: B too short");
+    assert!(c.len() >= (m - 1) * ldc + n, "matmul: C too short");
+    if k == 0 {
+        if !accumulate {
+            for i in 0..m {
+                c[i * ldc..i * ldc + n].fill(0.0);
+            }
+        }
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        if has_avx2_fma() {
+            // SAFETY: the feature check above, and the bounds asserted on entry cover every access.
+            unsafe { x86::matmul(m, n, k, a.as_ptr(), lda, b.as_ptr(), ldb, c.as_mut_ptr(), ldc, accumulate) };
+            return;
+        }
+    }
+    portable::matmul(m, n, k, a, lda, b, ldb, c, ldc, accumulate);
+}
+
+/// Computes `x[j] = exp2(x[j] * c - m)` for all `j` and returns the sum (accumulated in 8 lanes, then
+/// reduced in a fixed order).
+#[inline]
+pub(crate) fn exp2_scaled_sum(x: &mut [f32], c: f32, m: f32) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if has_avx2_fma() {
+            // SAFETY: feature checked; the function only touches `x`.
+            return unsafe { x86::exp2_scaled_sum(x, c, m) };
+        }
+    }
+    portable::exp2_scaled_sum(x, c, m)
+}
+
+/// Largest element (`-inf` for an empty slice). NaN handling: NaN elements are skipped by `max`.
+#[inline]
+pub(crate) fn max(x: &[f32]) -> f32 {
+    let mut lanes = [f32::NEG_INFINITY; 8];
+    let mut chunks = x.chunks_exact(8);
+    for ch in &mut chunks {
+        for l in 0..8 {
+            lanes[l] = lanes[l].max(ch[l]);
+        }
+    }
+    let mut m = f32::NEG_INFINITY;
+    for v in lanes.iter().chain(chunks.remainder()) {
+        m = m.max(*v);
+    }
+    m
+}
+
+/// `y *= a`.
+#[inline]
+pub(crate) fn scale(y: &mut [f32], a: f32) {
+    for v in y {
+        *v *= a;
+    }
+}
+
+/// Dot product accumulated in 8 lanes (fixed order).
+#[inline]
+pub(crate) fn dot(x: &[f32], y: &[f32]) -> f32 {
+    let mut lanes = [0f32; 8];
+    let mut cx = x.chunks_exact(8);
+    let mut cy = y.chunks_exact(8);
+    for (a, b) in (&mut cx).zip(&mut cy) {
+        for l in 0..8 {
+            lanes[l] += a[l] * b[l];
+        }
+    }
+    let mut s = 0f32;
+    for (a, b) in cx.remainder().iter().zip(cy.remainder()) {
+        s += a * b;
+    }
+    lanes.iter().sum::<f32>() + s
+}
+
+#[cfg(target_arch = "x86_64")]
+#[inline]
+fn has_avx2_fma() -> bool {
+    // `is_x86_feature_detected!` caches its answer in an atomic.
+    std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+}
+
+/// Plain loops; LLVM vectorises the 8-wide inner loops with the baseline instruction set.
+mod portable {
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn matmul(
+        m: usize,
+        n: usize,
+        k: usize,
+        a: &[f32],
+        lda: usize,
+        b: &[f32],
+        ldb: usize,
+        c: &mut [f32],
+        ldc: usize,
+        accumulate: bool,
+    ) {
+        for i in 0..m {
+            let crow = &mut c[i * ldc..i * ldc + n];
+            let mut acc = vec![0f32; n];
+            for p in 0..k {
+                let av = a[i * lda + p];
+                let brow = &b[p * ldb..p * ldb + n];
+                for (o, bv) in acc.iter_mut().zip(brow) {
+                    *o = av.mul_add(*bv, *o);
+                }
+            }
+            if accumulate {
+                for (o, v) in crow.iter_mut().zip(&acc) {
+                    *o += v;
+                }
+            } else {
+                crow.copy_from_slice(&acc);
+            }
+        }
+    }
+
+    pub(super) fn exp2_scaled_sum(x: &mut [f32], c: f32, m: f32) -> f32 {
+        let mut lanes = [0f32; 8];
+        let mut chunks = x.chunks_exact_mut(8);
+        for ch in &mut chunks {
+            for l in 0..8 {
+                ch[l] = (ch[l] * c - m).exp2();
+                lanes[l] += ch[l];
+            }
+        }
+        let mut s = 0f32;
+        for v in chunks.into_remainder() {
+            *v = (*v * c - m).exp2();
+            s += *v;
+        }
+        lanes.iter().sum::<f32>() + s
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    /// Rows of `C` per micro-tile: 6 rows × 16 columns keep 12 accumulators in the 16 ymm registers.
+    const MR: usize = 6;
+
+    /// # Safety
+    /// AVX2 and FMA must be present, and the slices behind the pointers must cover the extents
+    /// `(m-1)*ld + cols` that the caller asserted.
+    #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn matmul(
+        m: usize,
+        n: usize,
+        k: usize,
+        a: *const f32,
+        lda: usize,
+        b: *const f32,
+        ldb: usize,
+        c: *mut f32,
+        ldc: usize,
+        accumulate: bool,
+    ) {
+        let mut i = 0;
+        while i < m {
+            let rows = (m - i).min(MR);
+            let ap = a.add(i * lda);
+            let cp = c.add(i * ldc);
+            match rows {
+                6 => tile::<6>(n, k, ap, lda, b, ldb, cp, ldc, accumulate),
+                5 => tile::<5>(n, k, ap, lda, b, ldb, cp, ldc, accumulate),
+                4 => tile::<4>(n, k, ap, lda, b, ldb, cp, ldc, accumulate),
+                3 => tile::<3>(n, k, ap, lda, b, ldb, cp, ldc, accumulate),
+                2 => tile::<2>(n, k, ap, lda, b, ldb, cp, ldc, accumulate),
+                _ => tile::<1>(n, k, ap, lda, b, ldb, cp, ldc, accumulate),
+            }
+            i += rows;
+        }
+    }
+
+    /// `M` rows of `C`, all `n` columns, 16 (then 8) at a time.
+    ///
+    /// # Safety
+    /// As [`matmul`].
+    #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    unsafe fn tile<const M: usize>(
+        n: usize,
+        k: usize,
+        a: *const f32,
+        lda: usize,
+        b: *const f32,
+        ldb: usize,
+        c: *mut f32,
+        ldc: usize,
+        accumulate: bool,
+    ) {
+        let mut j = 0;
+        while j + 16 <= n {
+            let mut c0 = [_mm256_setzero_ps(); M];
+            let mut c1 = [_mm256_setzero_ps(); M];
+            let mut bp = b.add(j);
+            for p in 0..k {
+                let b0 = _mm256_loadu_ps(bp);
+                let b1 = _mm256_loadu_ps(bp.add(8));
+                for r in 0..M {
+                    let av = _mm256_broadcast_ss(&*a.add(r * lda + p));
+                    c0[r] = _mm256_fmadd_ps(av, b0, c0[r]);
+                    c1[r] = _mm256_fmadd_ps(av, b1, c1[r]);
+                }
+                bp = bp.add(ldb);
+            }
+            for r in 0..M {
+                let cr = c.add(r * ldc + j);
+                if accumulate {
+                    c0[r] = _mm256_add_ps(c0[r], _mm256_loadu_ps(cr));
+                    c1[r] = _mm256_add_ps(c1[r], _mm256_loadu_ps(cr.add(8)));
+                }
+                _mm256_storeu_ps(cr, c0[r]);
+                _mm256_storeu_ps(cr.add(8), c1[r]);
+            }
+            j += 16;
+        }
+        if j < n {
+            // n is a multiple of 8: one 8-wide column block remains.
+            let mut c0 = [_mm256_setzero_ps(); M];
+            let mut bp = b.add(j);
+            for p in 0..k {
+                let b0 = _mm256_loadu_ps(bp);
+                for r in 0..M {
+                    let av = _mm256_broadcast_ss(&*a.add(r * lda + p));
+                    c0[r] = _mm256_fmadd_ps(av, b0, c0[r]);
+                }
+                bp = bp.add(ldb);
+            }
+            for r in 0..M {
+                let cr = c.add(r * ldc + j);
+                if accumulate {
+                    c0[r] = _mm256_add_ps(c0[r], _mm256_loadu_ps(cr));
+                }
+                _mm256_storeu_ps(cr, c0[r]);
+            }
+        }
+    }
+
+    /// `2^x` for `x <= 127`: `x = n + f` with `n = round(x)`, `|f| <= 1/2`, `2^f = 1 + f·P(f)` (the degree-5
+    /// minimax polynomial of Cephes `exp2f`, relative error about 2e-7), and `2^n` built in the exponent bits.
+    /// Inputs at or below -127 (including `-inf`) give exactly 0.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn exp2(x: __m256) -> __m256 {
+        let x = _mm256_max_ps(x, _mm256_set1_ps(-127.0));
+        let n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        let f = _mm256_sub_ps(x, n);
+        let mut p = _mm256_set1_ps(1.535_336_2e-4);
+        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339_887_4e-3));
+        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618_437e-3));
+        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550_332_5e-2));
+        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402_264_8e-1));
+        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931_472e-1));
+        let frac = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0));
+        // n + 127 in the exponent field; n = -127 gives the bit pattern of +0.0.
+        let bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+        _mm256_mul_ps(frac, _mm256_castsi256_ps(bits))
+    }
+
+    /// # Safety
+    /// AVX2 and FMA must be present.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn exp2_scaled_sum(x: &mut [f32], c: f32, m: f32) -> f32 {
+        let cv = _mm256_set1_ps(c);
+        let mv = _mm256_set1_ps(m);
+        let mut acc = _mm256_setzero_ps();
+        let n8 = x.len() / 8 * 8;
+        let p = x.as_mut_ptr();
+        let mut j = 0;
+        while j < n8 {
+            let v = exp2(_mm256_fmsub_ps(_mm256_loadu_ps(p.add(j)), cv, mv));
+            _mm256_storeu_ps(p.add(j), v);
+            acc = _mm256_add_ps(acc, v);
+            j += 8;
+        }
+        let mut lanes = [0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
+        let mut s = 0f32;
+        if j < x.len() {
+            // The tail goes through the same polynomial, padded with -inf (which gives 0).
+            let mut tail = [f32::NEG_INFINITY; 8];
+            let rest = x.len() - j;
+            tail[..rest].copy_from_slice(&x[j..]);
+            let v = exp2(_mm256_fmsub_ps(_mm256_loadu_ps(tail.as_ptr()), cv, mv));
+            _mm256_storeu_ps(tail.as_mut_ptr(), v);
+            x[j..].copy_from_slice(&tail[..rest]);
+            for t in &tail[..rest] {
+                s += t;
+            }
+        }
+        lanes.iter().sum::<f32>() + s
+    }
+}
