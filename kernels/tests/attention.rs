@@ -270,3 +270,299 @@ proptest! {
         prop_assert!(rel_err(&l1, &l64) < 1e-5);
     }
 }
+
+fn fwd_f32(p: &AttnParams<'_>, q: &[f32], k: &[f32], v: &[f32]) -> (Vec<f32>, Vec<f32>) {
+    let s = p.shape;
+    let mut o = vec![f32::NAN; s.q_elems()];
+    let mut lse = vec![f32::NAN; s.lse_elems()];
+    attention_forward(p, q.into(), k.into(), v.into(), (&mut o).into(), &mut lse).unwrap();
+    (o, lse)
+}
+
+#[allow(clippy::type_complexity)]
+fn bwd_f32(p: &AttnParams<'_>, q: &[f32], k: &[f32], v: &[f32], d_o: &[f32]) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let s = p.shape;
+    let (o, lse) = fwd_f32(p, q, k, v);
+    let mut dq = vec![f32::NAN; s.q_elems()];
+    let mut dk = vec![f32::NAN; s.kv_elems()];
+    let mut dv = vec![f32::NAN; s.kv_elems()];
+    attention_backward(
+        p,
+        q.into(),
+        k.into(),
+        v.into(),
+        (&o).into(),
+        d_o.into(),
+        &lse,
+        (&mut dq).into(),
+        (&mut dk).into(),
+        (&mut dv).into(),
+        false,
+    )
+    .unwrap();
+    (dq, dk, dv)
+}
+
+/// Gradients of the kernel match central finite differences of the loss `Σ O ∘ dO`, computed in f64 on the
+/// reference forward (an independent check of the analytic reference too) and in f32 on the kernel itself.
+#[test]
+fn gradients_match_finite_differences() {
+    let shape = AttnShape { batch: 1, q_heads: 2, kv_heads: 1, q_len: 9, kv_len: 11, head_dim: 32 };
+    let qd: Vec<u32> = (0..9).map(|i| (i / 5) as u32).collect();
+    let kd: Vec<u32> = (0..11).map(|i| (i / 6) as u32).collect();
+    let mask = AttnMask::causal().with_positions(Positions::Offset(2), Positions::Offset(0)).with_window(7).with_docs(&qd, &kd);
+    let p = AttnParams::new(shape).with_mask(mask);
+    let q = rand_vec(shape.q_elems(), 11);
+    let k = rand_vec(shape.kv_elems(), 12);
+    let v = rand_vec(shape.kv_elems(), 13);
+    let d_o = rand_vec(shape.q_elems(), 14);
+    let (dq, dk, dv) = bwd_f32(&p, &q, &k, &v, &d_o);
+    let to64 = |x: &[f32]| x.iter().map(|&v| v as f64).collect::<Vec<f64>>();
+    let loss64 = |q: &[f64], k: &[f64], v: &[f64]| {
+        let (o, _) = reference::forward(&p, q, k, v);
+        o.iter().zip(&d_o).map(|(a, b)| a * *b as f64).sum::<f64>()
+    };
+    let loss32 = |q: &[f32], k: &[f32], v: &[f32]| {
+        let (o, _) = fwd_f32(&p, q, k, v);
+        o.iter().zip(&d_o).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>()
+    };
+    let (q64, k64, v64) = (to64(&q), to64(&k), to64(&v));
+    for (which, grad) in [(0usize, &dq), (1, &dk), (2, &dv)] {
+        let mut fd64 = Vec::new();
+        let mut fd32 = Vec::new();
+        for idx in (0..grad.len()).step_by(7) {
+            let (h64, h32) = (1e-5, 1e-2f32);
+            let mut a = [q64.clone(), k64.clone(), v64.clone()];
+            a[which][idx] += h64;
+            let up = loss64(&a[0], &a[1], &a[2]);
+            a[which][idx] -= 2.0 * h64;
+            let dn = loss64(&a[0], &a[1], &a[2]);
+            fd64.push((up - dn) / (2.0 * h64));
+            let mut b = [q.clone(), k.clone(), v.clone()];
+            b[which][idx] += h32;
+            let up = loss32(&b[0], &b[1], &b[2]);
+            b[which][idx] -= 2.0 * h32;
+            let dn = loss32(&b[0], &b[1], &b[2]);
+            fd32.push((up - dn) / (2.0 * h32 as f64));
+        }
+        let got: Vec<f32> = grad.iter().step_by(7).copied().collect();
+        let e64 = rel_err(&got, &fd64);
+        let e32 = rel_err(&got, &fd32);
+        assert!(e64 < 1e-4, "gradient {which}: f64 finite differences differ by {e64:e}");
+        assert!(e32 < 2e-3, "gradient {which}: f32 finite differences differ by {e32:e}");
+    }
+}
+
+/// Sq = 1, Sk = 1, rows that see no key, and a window smaller than a tile.
+#[test]
+fn edge_cases() {
+    let d = 64;
+    // Sq = 1 (decoding) and Sk = 1.
+    for (sq, sk) in [(1, 200), (200, 1), (1, 1)] {
+        let shape = AttnShape { batch: 1, q_heads: 4, kv_heads: 2, q_len: sq, kv_len: sk, head_dim: d };
+        for causal in [false, true] {
+            let mut m = AttnMask::full().with_positions(Positions::Offset(sk as i64 - 1), Positions::Offset(0));
+            m.causal = causal;
+            let case = Case {
+                shape,
+                causal,
+                window: None,
+                docs: None,
+                q_pos: (0..sq as i64).map(|i| sk as i64 - 1 + i).collect(),
+                k_pos: (0..sk as i64).collect(),
+                explicit: false,
+                dtype: DType::F32,
+                seed: 5,
+            };
+            let errs = check_case(&case);
+            assert!(errs.iter().all(|e| *e < 1e-5), "Sq={sq} Sk={sk} causal={causal}: {errs:?}");
+        }
+    }
+    // Fully masked rows: queries before every key (causal) and queries of a document with no keys.
+    let shape = AttnShape { batch: 1, q_heads: 1, kv_heads: 1, q_len: 70, kv_len: 70, head_dim: 32 };
+    let q = rand_vec(shape.q_elems(), 1);
+    let k = rand_vec(shape.kv_elems(), 2);
+    let v = rand_vec(shape.kv_elems(), 3);
+    let d_o = rand_vec(shape.q_elems(), 4);
+    let mask = AttnMask::causal().with_positions(Positions::Offset(0), Positions::Offset(35));
+    let p = AttnParams::new(shape).with_mask(mask);
+    let (o, lse) = fwd_f32(&p, &q, &k, &v);
+    for i in 0..35 {
+        assert_eq!(lse[i], f32::NEG_INFINITY);
+        assert!(o[i * 32..(i + 1) * 32].iter().all(|&x| x == 0.0));
+    }
+    assert!(lse[35..].iter().all(|x| x.is_finite()));
+    let (dq, dk, dv) = bwd_f32(&p, &q, &k, &v, &d_o);
+    assert!(dq[..35 * 32].iter().all(|&x| x == 0.0));
+    assert!(dq.iter().chain(&dk).chain(&dv).all(|x| x.is_finite()));
+    let qd = vec![7u32; 70];
+    let kd: Vec<u32> = (0..70).map(|i| i as u32 % 3).collect();
+    let p = AttnParams::new(shape).with_mask(AttnMask::full().with_docs(&qd, &kd));
+    let (o, lse) = fwd_f32(&p, &q, &k, &v);
+    assert!(lse.iter().all(|&x| x == f32::NEG_INFINITY));
+    assert!(o.iter().all(|&x| x == 0.0));
+    // A window smaller than a tile, crossing tile borders, causal and not, long enough for many tiles.
+    for (w, causal) in [(5u64, true), (3, false), (64, true), (65, false)] {
+        let case = Case {
+            shape: AttnShape { batch: 1, q_heads: 2, kv_heads: 1, q_len: 300, kv_len: 300, head_dim: 40 },
+            causal,
+            window: Some(w),
+            docs: None,
+            q_pos: (0..300).collect(),
+            k_pos: (0..300).collect(),
+            explicit: false,
+            dtype: DType::F32,
+            seed: w,
+        };
+        let errs = check_case(&case);
+        assert!(errs.iter().all(|e| *e < 1e-5), "window {w} causal {causal}: {errs:?}");
+    }
+}
+
+/// Head dims at the ends of the range, and a long causal case spanning many tiles in bf16.
+#[test]
+fn head_dims_and_long_sequences() {
+    for d in [32, 136, 256] {
+        let case = Case {
+            shape: AttnShape { batch: 1, q_heads: 2, kv_heads: 2, q_len: 70, kv_len: 130, head_dim: d },
+            causal: true,
+            window: None,
+            docs: None,
+            q_pos: (60..130).collect(),
+            k_pos: (0..130).collect(),
+            explicit: true,
+            dtype: DType::F32,
+            seed: d as u64,
+        };
+        let errs = check_case(&case);
+        assert!(errs.iter().all(|e| *e < 1e-5), "D={d}: {errs:?}");
+    }
+    let case = Case {
+        shape: AttnShape { batch: 1, q_heads: 4, kv_heads: 1, q_len: 400, kv_len: 400, head_dim: 64 },
+        causal: true,
+        window: None,
+        docs: None,
+        q_pos: (0..400).collect(),
+        k_pos: (0..400).collect(),
+        explicit: false,
+        dtype: DType::Bf16,
+        seed: 99,
+    };
+    let errs = check_case(&case);
+    assert!(errs.iter().all(|e| *e < 2e-2), "bf16 long: {errs:?}");
+}
+
+/// Same inputs, bit-identical outputs with 1 and 3 threads.
+#[test]
+fn deterministic_across_thread_counts() {
+    let shape = AttnShape { batch: 2, q_heads: 4, kv_heads: 2, q_len: 333, kv_len: 333, head_dim: 64 };
+    let p = AttnParams::new(shape).with_mask(AttnMask::causal());
+    let q = rand_vec(shape.q_elems(), 1);
+    let k = rand_vec(shape.kv_elems(), 2);
+    let v = rand_vec(shape.kv_elems(), 3);
+    let d_o = rand_vec(shape.q_elems(), 4);
+    let run = |threads: usize| {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+        pool.install(|| {
+            let (o, lse) = fwd_f32(&p, &q, &k, &v);
+            let (dq, dk, dv) = bwd_f32(&p, &q, &k, &v, &d_o);
+            [o, lse, dq, dk, dv].map(|x| x.iter().map(|f| f.to_bits()).collect::<Vec<u32>>())
+        })
+    };
+    assert_eq!(run(1), run(3));
+}
+
+/// With `accumulate`, gradients are added to the buffers' contents.
+#[test]
+fn backward_accumulates() {
+    let shape = AttnShape { batch: 1, q_heads: 2, kv_heads: 1, q_len: 50, kv_len: 80, head_dim: 32 };
+    let p = AttnParams::new(shape).with_mask(AttnMask::causal().with_positions(Positions::Offset(30), Positions::Offset(0)));
+    let q = rand_vec(shape.q_elems(), 1);
+    let k = rand_vec(shape.kv_elems(), 2);
+    let v = rand_vec(shape.kv_elems(), 3);
+    let d_o = rand_vec(shape.q_elems(), 4);
+    let (o, lse) = fwd_f32(&p, &q, &k, &v);
+    let (dq, dk, dv) = bwd_f32(&p, &q, &k, &v, &d_o);
+    let base = [rand_vec(shape.q_elems(), 5), rand_vec(shape.kv_elems(), 6), rand_vec(shape.kv_elems(), 7)];
+    let [mut aq, mut ak, mut av] = base.clone();
+    attention_backward(
+        &p,
+        (&q).into(),
+        (&k).into(),
+        (&v).into(),
+        (&o).into(),
+        (&d_o).into(),
+        &lse,
+        (&mut aq).into(),
+        (&mut ak).into(),
+        (&mut av).into(),
+        true,
+    )
+    .unwrap();
+    for (acc, (b, g)) in [aq, ak, av].iter().zip(base.iter().zip([dq, dk, dv])) {
+        for i in 0..acc.len() {
+            assert!((acc[i] - (b[i] + g[i])).abs() <= 1e-6 * (1.0 + b[i].abs() + g[i].abs()));
+        }
+    }
+}
+
+/// Bad input is a typed error, never a panic.
+#[test]
+fn bad_input_is_a_typed_error() {
+    let good = AttnShape { batch: 1, q_heads: 4, kv_heads: 2, q_len: 8, kv_len: 8, head_dim: 32 };
+    let q = vec![0.5f32; good.q_elems()];
+    let kv = vec![0.5f32; good.kv_elems()];
+    let run = |p: &AttnParams<'_>, q: &[f32], k: &[f32]| {
+        let mut o = vec![0f32; q.len()];
+        let mut lse = vec![0f32; p.shape.lse_elems()];
+        attention_forward(p, q.into(), k.into(), k.into(), (&mut o).into(), &mut lse)
+    };
+    let e = run(&AttnParams::new(AttnShape { q_heads: 3, ..good }), &q, &kv);
+    assert!(matches!(e, Err(KernelError::HeadsNotDivisible { q_heads: 3, kv_heads: 2 })), "{e:?}");
+    let e = run(&AttnParams::new(AttnShape { head_dim: 36, ..good }), &q, &kv);
+    assert!(matches!(e, Err(KernelError::HeadDim(36))), "{e:?}");
+    let e = run(&AttnParams::new(AttnShape { head_dim: 264, ..good }), &q, &kv);
+    assert!(matches!(e, Err(KernelError::HeadDim(264))), "{e:?}");
+    let e = run(&AttnParams::new(good), &q, &kv[1..]);
+    assert!(matches!(e, Err(KernelError::BufferLength { name: "k", .. })), "{e:?}");
+    let e = run(&AttnParams::new(AttnShape { kv_len: 0, ..good }), &q, &[]);
+    assert!(matches!(e, Err(KernelError::ZeroDim("kv_len"))), "{e:?}");
+    let e = run(&AttnParams::new(good).with_scale(f32::NAN), &q, &kv);
+    assert!(matches!(e, Err(KernelError::InvalidArgument { name: "scale", .. })), "{e:?}");
+    let pos = [0i64; 3];
+    let e = run(&AttnParams::new(good).with_mask(AttnMask::causal().with_positions(Positions::Explicit(&pos), Positions::Offset(0))), &q, &kv);
+    assert!(matches!(e, Err(KernelError::BufferLength { name: "q_pos", .. })), "{e:?}");
+    let e = run(&AttnParams::new(good).with_mask(AttnMask::full().with_window(0)), &q, &kv);
+    assert!(matches!(e, Err(KernelError::InvalidArgument { name: "window", .. })), "{e:?}");
+    let mut m = AttnMask::full();
+    let docs = [0u32; 8];
+    m.q_doc = Some(&docs);
+    let e = run(&AttnParams::new(good).with_mask(m), &q, &kv);
+    assert!(matches!(e, Err(KernelError::InvalidArgument { .. })), "{e:?}");
+    // Merge with mismatched lengths.
+    let mut o1 = vec![0f32; 8];
+    let mut l1 = vec![0f32; 2];
+    let e = merge_partial_attention(&mut o1, &mut l1, &[0f32; 6], &[0f32; 2]);
+    assert!(matches!(e, Err(KernelError::BufferLength { name: "o2", .. })), "{e:?}");
+}
+
+/// The merge is stable for huge and -inf LSEs.
+#[test]
+fn merge_extreme_lse() {
+    let mut o1 = vec![1.0f32, 2.0, 0.0, 0.0, 5.0, 5.0];
+    let mut l1 = vec![1e30f32, f32::NEG_INFINITY, 80.0];
+    let o2 = vec![3.0f32, 4.0, 7.0, 8.0, 1.0, 1.0];
+    let l2 = vec![1e30f32, 3.0, f32::NEG_INFINITY];
+    merge_partial_attention(&mut o1, &mut l1, &o2, &l2).unwrap();
+    assert_eq!(&o1[..2], &[2.0, 3.0]);
+    assert_eq!(l1[0], 1e30 + std::f32::consts::LN_2);
+    assert_eq!(&o1[2..4], &[7.0, 8.0]);
+    assert_eq!(l1[1], 3.0);
+    assert_eq!(&o1[4..], &[5.0, 5.0]);
+    assert_eq!(l1[2], 80.0);
+    let mut o = vec![0f32; 2];
+    let mut l = vec![f32::NEG_INFINITY];
+    merge_partial_attention(&mut o, &mut l, &[0.0, 0.0], &[f32::NEG_INFINITY]).unwrap();
+    assert_eq!(l[0], f32::NEG_INFINITY);
+    assert_eq!(o, vec![0.0, 0.0]);
+}
