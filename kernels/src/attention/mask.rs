@@ -136,6 +136,14 @@ impl<'a> AttnMask<'a> {
         }
     }
 
+    /// False when no query row of the block can see any key row (so the whole block may be skipped); true
+    /// when some may. Conservative: decided from the blocks' position and document ranges.
+    pub fn may_see_any(&self, q_len: usize, kv_len: usize) -> bool {
+        let q = self.summarize(true, 0, q_len);
+        let k = self.summarize(false, 0, kv_len);
+        self.classify(&q, &k) != TileClass::Hidden
+    }
+
     /// Summary of rows `range` of the query block (when `query`) or of the key block.
     pub(crate) fn summarize(&self, query: bool, start: usize, end: usize) -> RangeSummary {
         let (pos, doc) = if query { (self.q_pos, self.q_doc) } else { (self.k_pos, self.k_doc) };
