@@ -31,6 +31,10 @@ pub trait Element: Copy + Send + Sync + Default + bytemuck::Pod + private::Seale
     fn to_f32(self) -> f32;
     /// Narrow from `f32`.
     fn from_f32(x: f32) -> Self;
+    /// The slice as a typed host view.
+    fn host(s: &[Self]) -> crate::HostSlice<'_>;
+    /// The slice as a writable typed host view.
+    fn host_mut(s: &mut [Self]) -> crate::HostSliceMut<'_>;
 }
 
 impl Element for f32 {
@@ -43,6 +47,12 @@ impl Element for f32 {
     fn from_f32(x: f32) -> Self {
         x
     }
+    fn host(s: &[Self]) -> crate::HostSlice<'_> {
+        crate::HostSlice::F32(s)
+    }
+    fn host_mut(s: &mut [Self]) -> crate::HostSliceMut<'_> {
+        crate::HostSliceMut::F32(s)
+    }
 }
 
 impl Element for bf16 {
@@ -54,6 +64,12 @@ impl Element for bf16 {
     #[inline(always)]
     fn from_f32(x: f32) -> Self {
         bf16::from_f32(x)
+    }
+    fn host(s: &[Self]) -> crate::HostSlice<'_> {
+        crate::HostSlice::Bf16(s)
+    }
+    fn host_mut(s: &mut [Self]) -> crate::HostSliceMut<'_> {
+        crate::HostSliceMut::Bf16(s)
     }
 }
 

@@ -42,9 +42,22 @@ impl<'a> HostSlice<'a> {
             HostSlice::Bf16(_) => DType::Bf16,
         }
     }
-    /// Widens `len` elements starting at `start` into `dst[..len]`.
+    /// The elements `start..start + len`.
+    pub fn sub(&self, start: usize, len: usize) -> HostSlice<'a> {
+        match *self {
+            HostSlice::F32(s) => HostSlice::F32(&s[start..start + len]),
+            HostSlice::Bf16(s) => HostSlice::Bf16(&s[start..start + len]),
+        }
+    }
+    /// The whole buffer widened to `f32`.
+    pub fn to_f32_vec(&self) -> Vec<f32> {
+        let mut v = vec![0f32; self.len()];
+        self.load_f32(0, &mut v);
+        v
+    }
+    /// Widens `dst.len()` elements starting at `start` into `dst`.
     #[inline]
-    pub(crate) fn load_f32(&self, start: usize, dst: &mut [f32]) {
+    pub fn load_f32(&self, start: usize, dst: &mut [f32]) {
         match self {
             HostSlice::F32(s) => dst.copy_from_slice(&s[start..start + dst.len()]),
             HostSlice::Bf16(s) => {
@@ -97,9 +110,9 @@ impl<'a> HostSliceMut<'a> {
             HostSliceMut::Bf16(s) => s.chunks_mut(chunk).map(HostSliceMut::Bf16).collect(),
         }
     }
-    /// Stores (or, with `accumulate`, adds) `src` at `start`.
+    /// Stores (or, with `accumulate`, adds) `src` at `start`, rounding to the buffer's type.
     #[inline]
-    pub(crate) fn store_f32(&mut self, start: usize, src: &[f32], accumulate: bool) {
+    pub fn store_f32(&mut self, start: usize, src: &[f32], accumulate: bool) {
         match self {
             HostSliceMut::F32(s) => {
                 let d = &mut s[start..start + src.len()];

@@ -112,19 +112,11 @@ pub fn attention_backward(
                     let q0 = qt * BR;
                     let rows = BR.min(s.q_len - q0);
                     let spans = ctx.probs_and_ds(sc, bs, class, bh, bhk, q0, rows, t);
-                    // Transpose P and dS (zero outside the spans) so both products are row-major.
-                    for j in 0..bc {
-                        for i in 0..rows {
-                            let (lo, hi) = spans[i / GROUP];
-                            let inside = j >= lo && j < hi;
-                            bs.pt[j * BR + i] = if inside { sc.s[i * BC + j] } else { 0.0 };
-                            bs.dst[j * BR + i] = if inside { bs.dp[i * BC + j] } else { 0.0 };
-                        }
-                    }
                     sc.spans = spans;
+                    // dV += Pᵀ·dO and dK += dSᵀ·Q, reading P and dS transposed in place (zero outside the spans).
                     let rq = (bh * s.q_len + q0) * d;
-                    simd::matmul(bc, d, rows, &bs.pt, BR, &ctx.d_o[rq..rq + rows * d], d, &mut bs.dv, d, true);
-                    simd::matmul(bc, d, rows, &bs.dst, BR, &ctx.q[rq..rq + rows * d], d, &mut bs.dk, d, true);
+                    simd::matmul_at(bc, d, rows, &sc.s, BC, &ctx.d_o[rq..rq + rows * d], d, &mut bs.dv, d, true);
+                    simd::matmul_at(bc, d, rows, &bs.dp, BC, &ctx.q[rq..rq + rows * d], d, &mut bs.dk, d, true);
                 }
             }
             simd::scale(&mut bs.dk, p.scale);
@@ -231,6 +223,12 @@ impl Ctx<'_> {
         }
         for i in 0..rows {
             let (lo, hi) = spans[i / GROUP];
+            // Outside its span a row has no probability mass: zero it so products over whole rows are exact.
+            let (lo_z, hi_z) = if lo >= hi { (bc, bc) } else { (lo, hi) };
+            sc.s[i * BC..i * BC + lo_z].fill(0.0);
+            sc.s[i * BC + hi_z.max(lo_z)..i * BC + bc].fill(0.0);
+            bs.dp[i * BC..i * BC + lo_z].fill(0.0);
+            bs.dp[i * BC + hi_z.max(lo_z)..i * BC + bc].fill(0.0);
             if lo >= hi {
                 continue;
             }
@@ -263,8 +261,6 @@ impl Ctx<'_> {
 /// Buffers of the backward tasks, reused across the tasks of one worker.
 struct BwdScratch {
     dp: Vec<f32>,
-    pt: Vec<f32>,
-    dst: Vec<f32>,
     dk: Vec<f32>,
     dv: Vec<f32>,
     dq: Vec<f32>,
@@ -274,8 +270,6 @@ impl BwdScratch {
     fn new() -> Self {
         Self {
             dp: vec![0.0; BR * BC],
-            pt: vec![0.0; BC * BR],
-            dst: vec![0.0; BC * BR],
             dk: Vec::new(),
             dv: Vec::new(),
             dq: Vec::new(),

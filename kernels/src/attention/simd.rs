@@ -22,11 +22,49 @@ pub(crate) fn matmul(
     ldc: usize,
     accumulate: bool,
 ) {
+    matmul_strided(m, n, k, a, lda, 1, b, ldb, c, ldc, accumulate)
+}
+
+/// `C[m×n] (+)= Aᵀ[m×k] · B[k×n]` where `A` is stored `[k×m]` row-major with leading dimension `lda`: the
+/// backward's `Pᵀ·dO` and `dSᵀ·Q` without materialising a transpose.
+#[inline]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn matmul_at(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: &[f32],
+    lda: usize,
+    b: &[f32],
+    ldb: usize,
+    c: &mut [f32],
+    ldc: usize,
+    accumulate: bool,
+) {
+    matmul_strided(m, n, k, a, 1, lda, b, ldb, c, ldc, accumulate)
+}
+
+/// `C (+)= A·B` with `A[i][p]` at `a[i·a_rs + p·a_cs]`.
+#[inline]
+#[allow(clippy::too_many_arguments)]
+fn matmul_strided(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: &[f32],
+    a_rs: usize,
+    a_cs: usize,
+    b: &[f32],
+    ldb: usize,
+    c: &mut [f32],
+    ldc: usize,
+    accumulate: bool,
+) {
     if m == 0 || n == 0 {
         return;
     }
     assert!(n % 8 == 0, "matmul: n = {n} must be a multiple of 8");
-    assert!(k == 0 || a.len() >= (m - 1) * lda + k, "matmul: A too short");
+    assert!(k == 0 || a.len() > (m - 1) * a_rs + (k - 1) * a_cs, "matmul: A too short");
     assert!(k == 0 || b.len() >= (k - 1) * ldb + n, "matmul: B too short");
     assert!(c.len() >= (m - 1) * ldc + n, "matmul: C too short");
     if k == 0 {
@@ -41,11 +79,11 @@ pub(crate) fn matmul(
     {
         if has_avx2_fma() {
             // SAFETY: the feature check above, and the bounds asserted on entry cover every access.
-            unsafe { x86::matmul(m, n, k, a.as_ptr(), lda, b.as_ptr(), ldb, c.as_mut_ptr(), ldc, accumulate) };
+            unsafe { x86::matmul(m, n, k, a.as_ptr(), a_rs, a_cs, b.as_ptr(), ldb, c.as_mut_ptr(), ldc, accumulate) };
             return;
         }
     }
-    portable::matmul(m, n, k, a, lda, b, ldb, c, ldc, accumulate);
+    portable::matmul(m, n, k, a, a_rs, a_cs, b, ldb, c, ldc, accumulate);
 }
 
 /// Computes `x[j] = exp2(x[j] * c - m)` for all `j` and returns the sum (accumulated in 8 lanes, then
@@ -120,7 +158,8 @@ mod portable {
         n: usize,
         k: usize,
         a: &[f32],
-        lda: usize,
+        a_rs: usize,
+        a_cs: usize,
         b: &[f32],
         ldb: usize,
         c: &mut [f32],
@@ -131,7 +170,7 @@ mod portable {
             let crow = &mut c[i * ldc..i * ldc + n];
             let mut acc = vec![0f32; n];
             for p in 0..k {
-                let av = a[i * lda + p];
+                let av = a[i * a_rs + p * a_cs];
                 let brow = &b[p * ldb..p * ldb + n];
                 for (o, bv) in acc.iter_mut().zip(brow) {
                     *o = av.mul_add(*bv, *o);
@@ -182,7 +221,8 @@ mod x86 {
         n: usize,
         k: usize,
         a: *const f32,
-        lda: usize,
+        a_rs: usize,
+        a_cs: usize,
         b: *const f32,
         ldb: usize,
         c: *mut f32,
@@ -192,15 +232,15 @@ mod x86 {
         let mut i = 0;
         while i < m {
             let rows = (m - i).min(MR);
-            let ap = a.add(i * lda);
+            let ap = a.add(i * a_rs);
             let cp = c.add(i * ldc);
             match rows {
-                6 => tile::<6>(n, k, ap, lda, b, ldb, cp, ldc, accumulate),
-                5 => tile::<5>(n, k, ap, lda, b, ldb, cp, ldc, accumulate),
-                4 => tile::<4>(n, k, ap, lda, b, ldb, cp, ldc, accumulate),
-                3 => tile::<3>(n, k, ap, lda, b, ldb, cp, ldc, accumulate),
-                2 => tile::<2>(n, k, ap, lda, b, ldb, cp, ldc, accumulate),
-                _ => tile::<1>(n, k, ap, lda, b, ldb, cp, ldc, accumulate),
+                6 => tile::<6>(n, k, ap, a_rs, a_cs, b, ldb, cp, ldc, accumulate),
+                5 => tile::<5>(n, k, ap, a_rs, a_cs, b, ldb, cp, ldc, accumulate),
+                4 => tile::<4>(n, k, ap, a_rs, a_cs, b, ldb, cp, ldc, accumulate),
+                3 => tile::<3>(n, k, ap, a_rs, a_cs, b, ldb, cp, ldc, accumulate),
+                2 => tile::<2>(n, k, ap, a_rs, a_cs, b, ldb, cp, ldc, accumulate),
+                _ => tile::<1>(n, k, ap, a_rs, a_cs, b, ldb, cp, ldc, accumulate),
             }
             i += rows;
         }
@@ -217,7 +257,8 @@ mod x86 {
         n: usize,
         k: usize,
         a: *const f32,
-        lda: usize,
+        a_rs: usize,
+        a_cs: usize,
         b: *const f32,
         ldb: usize,
         c: *mut f32,
@@ -233,7 +274,7 @@ mod x86 {
                 let b0 = _mm256_loadu_ps(bp);
                 let b1 = _mm256_loadu_ps(bp.add(8));
                 for r in 0..M {
-                    let av = _mm256_broadcast_ss(&*a.add(r * lda + p));
+                    let av = _mm256_broadcast_ss(&*a.add(r * a_rs + p * a_cs));
                     c0[r] = _mm256_fmadd_ps(av, b0, c0[r]);
                     c1[r] = _mm256_fmadd_ps(av, b1, c1[r]);
                 }
@@ -257,7 +298,7 @@ mod x86 {
             for p in 0..k {
                 let b0 = _mm256_loadu_ps(bp);
                 for r in 0..M {
-                    let av = _mm256_broadcast_ss(&*a.add(r * lda + p));
+                    let av = _mm256_broadcast_ss(&*a.add(r * a_rs + p * a_cs));
                     c0[r] = _mm256_fmadd_ps(av, b0, c0[r]);
                 }
                 bp = bp.add(ldb);

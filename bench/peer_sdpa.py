@@ -1,0 +1,70 @@
+#!/usr/bin/env python3
+"""PyTorch CPU scaled_dot_product_attention on the shapes of `attn_bench`, as the peer column.
+
+    python3 bench/peer_sdpa.py [--seqs 1024,4096,16384,32768] [--dims 64,128] [--threads N]
+
+Prints the same table columns as `cargo run --release -p longctx-kernels --example attn_bench`
+(FLOPs: forward 4*B*H*S*S*D, halved for causal; forward+backward 3.5x forward).
+Needs torch; exits with a message (status 0) when it is not installed, so scripts can call it unconditionally.
+"""
+import argparse
+import os
+import sys
+import time
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seqs", default="1024,4096,16384,32768")
+    ap.add_argument("--dims", default="64,128")
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    a = ap.parse_args()
+    try:
+        import torch
+        import torch.nn.functional as F
+    except ImportError:
+        print("# peer_sdpa: torch is not installed; no peer column", file=sys.stderr)
+        return 0
+    torch.set_num_threads(a.threads)
+    B, HQ, HKV = 1, 8, 2
+    print(f"# PyTorch {torch.__version__} CPU SDPA, B={B} Hq={HQ} Hkv={HKV}, {a.threads} threads")
+    print("| S | D | mask | dtype | fwd ms | fwd GFLOP/s | fwd+bwd ms | fwd+bwd GFLOP/s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for s in [int(x) for x in a.seqs.split(",")]:
+        for d in [int(x) for x in a.dims.split(",")]:
+            for causal in (True, False):
+                for dt in (torch.float32, torch.bfloat16):
+                    q = torch.randn(B, HQ, s, d, dtype=dt, requires_grad=True)
+                    # GQA: repeat KV heads (SDPA's enable_gqa where available).
+                    k = torch.randn(B, HKV, s, d, dtype=dt, requires_grad=True)
+                    v = torch.randn(B, HKV, s, d, dtype=dt, requires_grad=True)
+                    kwargs = {"is_causal": causal}
+                    try:
+                        F.scaled_dot_product_attention(q[:, :, :8], k[:, :, :8], v[:, :, :8], enable_gqa=True)
+                        kwargs["enable_gqa"] = True
+                        kk, vv = k, v
+                    except TypeError:
+                        kk = k.repeat_interleave(HQ // HKV, dim=1)
+                        vv = v.repeat_interleave(HQ // HKV, dim=1)
+                    flops = 4 * B * HQ * s * s * d * (0.5 if causal else 1.0)
+                    reps = max(1, min(20, int(2e11 / flops)))
+                    fwd = float("inf")
+                    for _ in range(reps):
+                        t = time.perf_counter()
+                        with torch.no_grad():
+                            F.scaled_dot_product_attention(q, kk, vv, **kwargs)
+                        fwd = min(fwd, time.perf_counter() - t)
+                    fb = float("inf")
+                    for _ in range(reps):
+                        t = time.perf_counter()
+                        o = F.scaled_dot_product_attention(q, kk, vv, **kwargs)
+                        o.backward(torch.ones_like(o))
+                        fb = min(fb, time.perf_counter() - t)
+                    name = "f32" if dt == torch.float32 else "bf16"
+                    print(f"| {s} | {d} | {'causal' if causal else 'full'} | {name} | {fwd*1e3:.1f} | "
+                          f"{flops/fwd/1e9:.1f} | {fb*1e3:.1f} | {3.5*flops/fb/1e9:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
