@@ -1,6 +1,40 @@
-//! `longctx-p2p` (being built).
+//! `longctx-p2p`: the communicator of longctx's context parallelism.
 //!
-//! This crate owns the `Communicator`: ranks, point-to-point send/recv (blocking and async), ring exchange,
-//! collectives and sub-communicators, over in-process threads (default), UCX between processes and hosts
-//! (`ucx` feature) and NCCL on GPUs (`nccl` feature), with a launcher and a rendezvous. It depends on no other
-//! longctx crate.
+//! A [`Communicator`] gives each rank point-to-point messages (blocking and non-blocking), the ring shift that
+//! ring attention is built on ([`Communicator::isendrecv`]), collectives and sub-communicators, over in-process
+//! threads ([`ThreadWorld`]) or, with the `ucx` feature, UCX between processes started by `longctx-launch`.
+//!
+//! ```
+//! use longctx_p2p::{ReduceOp, ThreadWorld};
+//!
+//! let sums = ThreadWorld::run(4, |comm| {
+//!     // Pass each rank's block one step around the ring.
+//!     let mine = [comm.rank() as f32; 8];
+//!     let mut from_prev = [0.0f32; 8];
+//!     comm.sendrecv(&mine, &mut from_prev)?;
+//!     assert_eq!(from_prev[0] as usize, (comm.rank() + 3) % 4);
+//!     // Sum over all ranks.
+//!     let mut x = [comm.rank() as f32 + 1.0];
+//!     comm.all_reduce(&mut x, ReduceOp::Sum)?;
+//!     Ok::<f32, longctx_p2p::CommError>(x[0])
+//! })?;
+//! assert!(sums.into_iter().all(|s| s.unwrap() == 10.0));
+//! # Ok::<(), longctx_p2p::CommError>(())
+//! ```
+#![warn(missing_docs)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+mod collectives;
+mod communicator;
+mod error;
+mod reduce;
+mod request;
+mod stats;
+mod threads;
+
+pub use communicator::Communicator;
+pub use error::CommError;
+pub use reduce::{Reduce, ReduceOp};
+pub use request::Request;
+pub use stats::CommStats;
+pub use threads::{ThreadWorld, ThreadWorldBuilder};

@@ -1,0 +1,364 @@
+//! The `Communicator`: ranks, point-to-point messages and ring shifts, over a private transport enum.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytemuck::Pod;
+
+use crate::request::{Pending, Request};
+use crate::stats::{CommStats, StatsCounters};
+use crate::threads::{self, lock};
+use crate::CommError;
+
+/// Timeout of a new communicator.
+pub(crate) const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Tags of user messages occupy `0..2^32`; messages of collectives and ring shifts use this channel above them.
+pub(crate) const INTERNAL: u64 = 1 << 32;
+/// Tag of [`Communicator::sendrecv`] / [`Communicator::isendrecv`] messages.
+const RING_TAG: u64 = INTERNAL | 0xFF;
+
+enum Transport {
+    Threads(threads::Endpoint),
+    #[cfg(feature = "ucx")]
+    Ucx(crate::ucx::UcxEndpoint),
+}
+
+/// A group of ranks that exchange messages: point-to-point, ring shifts and collectives.
+///
+/// Every rank holds its own `Communicator` (it is `Send`, so each rank can live on its own thread). All ranks
+/// must call collectives (and [`split`](Communicator::split)) in the same order with matching arguments;
+/// mismatches are reported as [`CommError::CollectiveMismatch`] or [`CommError::LengthMismatch`].
+///
+/// Create one with [`ThreadWorld`](crate::ThreadWorld) (ranks as threads of one process) or, with the `ucx`
+/// feature, `Communicator::from_env` (ranks as processes, started by `longctx-launch`, Slurm or `mpirun`).
+pub struct Communicator {
+    transport: Transport,
+    timeout: Duration,
+    stats: Arc<StatsCounters>,
+    /// Reused temporary of the collectives (u64 words so it is aligned for every element type).
+    scratch: Mutex<Vec<u64>>,
+    split_seq: AtomicU64,
+}
+
+impl std::fmt::Debug for Communicator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kind = match &self.transport {
+            Transport::Threads(_) => "threads",
+            #[cfg(feature = "ucx")]
+            Transport::Ucx(_) => "ucx",
+        };
+        f.debug_struct("Communicator")
+            .field("transport", &kind)
+            .field("rank", &self.rank())
+            .field("world_size", &self.world_size())
+            .field("timeout", &self.timeout)
+            .finish()
+    }
+}
+
+impl Communicator {
+    fn new(transport: Transport, timeout: Duration) -> Self {
+        Communicator {
+            transport,
+            timeout,
+            stats: Arc::new(StatsCounters::default()),
+            scratch: Mutex::new(Vec::new()),
+            split_seq: AtomicU64::new(0),
+        }
+    }
+
+    pub(crate) fn from_endpoint(ep: threads::Endpoint, timeout: Duration) -> Self {
+        Self::new(Transport::Threads(ep), timeout)
+    }
+
+    #[cfg(feature = "ucx")]
+    pub(crate) fn from_ucx(ep: crate::ucx::UcxEndpoint, timeout: Duration) -> Self {
+        Self::new(Transport::Ucx(ep), timeout)
+    }
+
+    /// This rank, in `0..world_size()`.
+    pub fn rank(&self) -> usize {
+        match &self.transport {
+            Transport::Threads(ep) => ep.rank,
+            #[cfg(feature = "ucx")]
+            Transport::Ucx(ep) => ep.rank(),
+        }
+    }
+
+    /// Number of ranks.
+    pub fn world_size(&self) -> usize {
+        match &self.transport {
+            Transport::Threads(ep) => ep.size(),
+            #[cfg(feature = "ucx")]
+            Transport::Ucx(ep) => ep.size(),
+        }
+    }
+
+    /// Cumulative traffic of this communicator.
+    pub fn stats(&self) -> CommStats {
+        self.stats.snapshot()
+    }
+
+    /// Sets how long any blocking wait may take before it fails with [`CommError::Timeout`].
+    pub fn set_timeout(&mut self, d: Duration) {
+        self.timeout = d;
+    }
+
+    /// The timeout of blocking waits (default 5 minutes).
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    fn check_peer(&self, peer: usize) -> Result<(), CommError> {
+        let n = self.world_size();
+        if peer >= n {
+            return Err(CommError::InvalidRank {
+                rank: peer,
+                world_size: n,
+            });
+        }
+        Ok(())
+    }
+
+    /// Posts one send or receive of raw bytes.
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` must stay valid, and for a receive unaliased, until the returned op finishes; callers
+    /// ensure it by tying the op to a borrow of the buffer ([`Request`]) or by finishing it before returning.
+    pub(crate) unsafe fn post(
+        &self,
+        is_send: bool,
+        peer: usize,
+        key: u64,
+        meta: u64,
+        ptr: *mut u8,
+        len: usize,
+    ) -> Result<Pending, CommError> {
+        self.check_peer(peer)?;
+        match &self.transport {
+            Transport::Threads(ep) => ep
+                .post(
+                    is_send,
+                    peer,
+                    key,
+                    meta,
+                    ptr,
+                    len,
+                    self.timeout,
+                    &self.stats,
+                )
+                .map(Pending::Threads),
+            #[cfg(feature = "ucx")]
+            Transport::Ucx(ep) => ep
+                .post(
+                    is_send,
+                    peer,
+                    key,
+                    meta,
+                    ptr,
+                    len,
+                    self.timeout,
+                    &self.stats,
+                )
+                .map(Pending::Ucx),
+        }
+    }
+
+    pub(crate) fn post_send(
+        &self,
+        dst: usize,
+        key: u64,
+        meta: u64,
+        buf: &[u8],
+    ) -> Result<Pending, CommError> {
+        // SAFETY: callers finish the op while `buf` is borrowed (see `post`); a send never writes through `ptr`.
+        unsafe { self.post(true, dst, key, meta, buf.as_ptr() as *mut u8, buf.len()) }
+    }
+
+    pub(crate) fn post_recv(
+        &self,
+        src: usize,
+        key: u64,
+        meta: u64,
+        buf: &mut [u8],
+    ) -> Result<Pending, CommError> {
+        // SAFETY: callers finish the op while `buf` is mutably borrowed (see `post`).
+        unsafe { self.post(false, src, key, meta, buf.as_mut_ptr(), buf.len()) }
+    }
+
+    /// Posts a receive from `src` and a send to `dst`, both in flight at once, as one request.
+    pub(crate) fn exchange_start<'a>(
+        &self,
+        key: u64,
+        meta: u64,
+        dst: usize,
+        send: &'a [u8],
+        src: usize,
+        recv: &'a mut [u8],
+    ) -> Result<Request<'a>, CommError> {
+        let r = self.post_recv(src, key, meta, recv)?;
+        match self.post_send(dst, key, meta, send) {
+            Ok(s) => Ok(Request::new(r, Some(s))),
+            Err(e) => {
+                r.cancel();
+                Err(e)
+            }
+        }
+    }
+
+    /// Blocking [`exchange_start`](Self::exchange_start); on failure of one direction the other is withdrawn.
+    pub(crate) fn exchange(
+        &self,
+        key: u64,
+        meta: u64,
+        dst: usize,
+        send: &[u8],
+        src: usize,
+        recv: &mut [u8],
+    ) -> Result<(), CommError> {
+        let mut req = self.exchange_start(key, meta, dst, send, src, recv)?;
+        loop {
+            // Wait part by part so that a failure withdraws the rest instead of waiting for it.
+            match req.test() {
+                Ok(true) => return Ok(()),
+                Ok(false) => {}
+                Err(e) => {
+                    req.cancel();
+                    return Err(e);
+                }
+            }
+            match req.wait_first() {
+                Ok(()) => {}
+                Err(e) => {
+                    req.cancel();
+                    return Err(e);
+                }
+            }
+        }
+    }
+
+    /// Runs `f` on a reused scratch buffer of `len` elements (contents unspecified).
+    pub(crate) fn with_scratch<A: Pod, R>(&self, len: usize, f: impl FnOnce(&mut [A]) -> R) -> R {
+        let bytes = len * std::mem::size_of::<A>();
+        let mut s = lock(&self.scratch);
+        let words = bytes.div_ceil(8);
+        if s.len() < words {
+            s.resize(words, 0);
+        }
+        let b: &mut [u8] = bytemuck::cast_slice_mut(&mut s[..words]);
+        f(bytemuck::cast_slice_mut(&mut b[..bytes]))
+    }
+
+    /// Sends `buf` to `dst` with `tag` and blocks until the receiver has taken it (synchronous send).
+    ///
+    /// Two ranks that both call `send` to each other before receiving wait on each other until the timeout; use
+    /// [`isend`](Self::isend) or [`sendrecv`](Self::sendrecv) for exchanges.
+    pub fn send<T: Pod>(&self, dst: usize, tag: u32, buf: &[T]) -> Result<(), CommError> {
+        self.isend(dst, tag, buf)?.wait()
+    }
+
+    /// Receives the message from `src` with `tag` into `buf`, whose length must equal the message's.
+    pub fn recv<T: Pod>(&self, src: usize, tag: u32, buf: &mut [T]) -> Result<(), CommError> {
+        self.irecv(src, tag, buf)?.wait()
+    }
+
+    /// Starts sending `buf` to `dst`; the request borrows `buf` until it finishes.
+    pub fn isend<'a, T: Pod>(
+        &self,
+        dst: usize,
+        tag: u32,
+        buf: &'a [T],
+    ) -> Result<Request<'a>, CommError> {
+        let op = self.post_send(dst, tag as u64, 0, bytemuck::cast_slice(buf))?;
+        Ok(Request::new(op, None))
+    }
+
+    /// Starts receiving from `src` into `buf`; the request borrows `buf` until it finishes.
+    pub fn irecv<'a, T: Pod>(
+        &self,
+        src: usize,
+        tag: u32,
+        buf: &'a mut [T],
+    ) -> Result<Request<'a>, CommError> {
+        let op = self.post_recv(src, tag as u64, 0, bytemuck::cast_slice_mut(buf))?;
+        Ok(Request::new(op, None))
+    }
+
+    fn ring_peers(&self) -> (usize, usize) {
+        let (r, n) = (self.rank(), self.world_size());
+        ((r + 1) % n, (r + n - 1) % n)
+    }
+
+    /// Ring shift: sends `send` to `(rank+1)%n` and receives into `recv` from `(rank-1+n)%n`, both in flight at
+    /// once. All ranks must pass the same length. With one rank, copies `send` into `recv`.
+    pub fn sendrecv<T: Pod>(&self, send: &[T], recv: &mut [T]) -> Result<(), CommError> {
+        let (next, prev) = self.ring_peers();
+        self.exchange(
+            RING_TAG,
+            0,
+            next,
+            bytemuck::cast_slice(send),
+            prev,
+            bytemuck::cast_slice_mut(recv),
+        )
+    }
+
+    /// Non-blocking ring shift; the request's [`wait`](Request::wait) completes both directions. Overlap compute
+    /// with it: post the shift of the next block, compute on the block in hand, wait.
+    pub fn isendrecv<'a, T: Pod>(
+        &self,
+        send: &'a [T],
+        recv: &'a mut [T],
+    ) -> Result<Request<'a>, CommError> {
+        let (next, prev) = self.ring_peers();
+        self.exchange_start(
+            RING_TAG,
+            0,
+            next,
+            bytemuck::cast_slice(send),
+            prev,
+            bytemuck::cast_slice_mut(recv),
+        )
+    }
+
+    /// Splits into sub-communicators, with `MPI_Comm_split` semantics: ranks passing the same `color` form one
+    /// communicator, in which they are numbered by ascending `key`, ties broken by their rank here. Every rank
+    /// gets a communicator (there is no "undefined" color). Collective over this communicator.
+    ///
+    /// The new communicator has its own message space: its traffic never matches this one's, and its
+    /// [`stats`](Self::stats) start at zero. It inherits the timeout.
+    pub fn split(&self, color: u32, key: u32) -> Result<Communicator, CommError> {
+        let n = self.world_size();
+        let mut all = vec![0u32; 2 * n];
+        self.all_gather(&[color, key], &mut all)?;
+        let mut members: Vec<(u32, usize)> = (0..n)
+            .filter(|&r| all[2 * r] == color)
+            .map(|r| (all[2 * r + 1], r))
+            .collect();
+        members.sort_unstable();
+        let ranks: Vec<usize> = members.iter().map(|&(_, r)| r).collect();
+        let new_rank = ranks
+            .iter()
+            .position(|&r| r == self.rank())
+            .ok_or_else(|| {
+                CommError::InvalidArgument(
+                    "split: this rank is missing from its own color group".into(),
+                )
+            })?;
+        let seq = self.split_seq.fetch_add(1, Ordering::Relaxed);
+        let transport = match &self.transport {
+            Transport::Threads(ep) => {
+                let world = ep.join_split(seq, color, ranks.len());
+                Transport::Threads(threads::Endpoint {
+                    world,
+                    rank: new_rank,
+                })
+            }
+            #[cfg(feature = "ucx")]
+            Transport::Ucx(ep) => Transport::Ucx(ep.split(seq, color, &ranks, new_rank)),
+        };
+        Ok(Communicator::new(transport, self.timeout))
+    }
+}

@@ -1,0 +1,604 @@
+//! The transport-generic test suite: every test is written once as a per-rank body over a [`World`] and
+//! instantiated per transport by `suite_tests!` (threads always, UCX processes with the `ucx` feature).
+#![allow(dead_code)]
+
+use std::time::{Duration, Instant};
+
+use half::bf16;
+use longctx_p2p::{CommError, Communicator, Reduce, ReduceOp};
+
+/// Starts `n` ranks, runs `body` on each and returns each rank's outcome (a dead rank is an `Err`).
+pub trait World {
+    /// Runs the body on `n` ranks with the given communicator timeout.
+    fn run(
+        n: usize,
+        timeout: Duration,
+        name: &str,
+        body: &(dyn Fn(Communicator) -> Result<(), String> + Sync),
+    ) -> Vec<Result<(), String>>;
+    /// Makes this rank die abruptly (thread panic / process exit).
+    fn die() -> !;
+}
+
+pub fn all_ok(outcomes: Vec<Result<(), String>>) {
+    for (r, o) in outcomes.into_iter().enumerate() {
+        if let Err(e) = o {
+            panic!("rank {r} failed: {e}");
+        }
+    }
+}
+
+pub fn e2s(e: CommError) -> String {
+    e.to_string()
+}
+
+/// splitmix64: deterministic data every rank can regenerate for every other rank.
+pub struct Rng(u64);
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Rng(seed ^ 0x9E37_79B9_7F4A_7C15)
+    }
+    pub fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    pub fn f32(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    }
+}
+
+pub trait Gen: Reduce + PartialEq + std::fmt::Debug {
+    fn gen(r: &mut Rng) -> Self;
+    fn close(a: Self, b: Self, n: usize) -> bool;
+}
+impl Gen for f32 {
+    fn gen(r: &mut Rng) -> Self {
+        r.f32()
+    }
+    fn close(a: Self, b: Self, n: usize) -> bool {
+        (a - b).abs() <= 1e-5 * n as f32
+    }
+}
+impl Gen for f64 {
+    fn gen(r: &mut Rng) -> Self {
+        r.f32() as f64
+    }
+    fn close(a: Self, b: Self, n: usize) -> bool {
+        (a - b).abs() <= 1e-12 * n as f64
+    }
+}
+impl Gen for bf16 {
+    fn gen(r: &mut Rng) -> Self {
+        bf16::from_f32(r.f32())
+    }
+    fn close(a: Self, b: Self, n: usize) -> bool {
+        (a.to_f32() - b.to_f32()).abs() <= 1e-5 * n as f32 + b.to_f32().abs() / 128.0
+    }
+}
+impl Gen for i32 {
+    fn gen(r: &mut Rng) -> Self {
+        r.next() as i32
+    }
+    fn close(a: Self, b: Self, _: usize) -> bool {
+        a == b
+    }
+}
+impl Gen for i64 {
+    fn gen(r: &mut Rng) -> Self {
+        r.next() as i64
+    }
+    fn close(a: Self, b: Self, _: usize) -> bool {
+        a == b
+    }
+}
+impl Gen for u64 {
+    fn gen(r: &mut Rng) -> Self {
+        r.next()
+    }
+    fn close(a: Self, b: Self, _: usize) -> bool {
+        a == b
+    }
+}
+
+fn data<T: Gen>(seed: u64, rank: usize, len: usize) -> Vec<T> {
+    let mut r = Rng::new(seed.wrapping_mul(1000).wrapping_add(rank as u64));
+    (0..len).map(|_| T::gen(&mut r)).collect()
+}
+
+/// Sequential reference: reduce every rank's data in rank order, accumulating in `T::Acc`.
+fn reference<T: Gen>(seed: u64, n: usize, len: usize, op: ReduceOp) -> Vec<T> {
+    let mut acc: Vec<T::Acc> = data::<T>(seed, 0, len).into_iter().map(T::to_acc).collect();
+    for r in 1..n {
+        for (a, x) in acc.iter_mut().zip(data::<T>(seed, r, len)) {
+            *a = a.combine(x.to_acc(), op);
+        }
+    }
+    acc.into_iter().map(T::from_acc).collect()
+}
+
+fn check<T: Gen>(what: &str, got: &[T], want: &[T], n: usize) -> Result<(), String> {
+    if got.len() != want.len() {
+        return Err(format!("{what}: length {} != {}", got.len(), want.len()));
+    }
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        if !T::close(g, w, n) {
+            return Err(format!("{what}: element {i}: got {g:?}, want {w:?}"));
+        }
+    }
+    Ok(())
+}
+
+fn reduce_case<T: Gen>(c: &Communicator, seed: u64, len: usize) -> Result<(), String> {
+    let (r, n) = (c.rank(), c.world_size());
+    let ty = std::any::type_name::<T>();
+    for op in [ReduceOp::Sum, ReduceOp::Max] {
+        let mut buf = data::<T>(seed, r, len);
+        c.all_reduce(&mut buf, op).map_err(e2s)?;
+        check(
+            &format!("all_reduce {op:?} {ty}"),
+            &buf,
+            &reference::<T>(seed, n, len, op),
+            n,
+        )?;
+        // Bit-identical on every rank: gather everyone's result and compare with ours.
+        let mut all = vec![T::zeroed(); n * len];
+        c.all_gather(&buf, &mut all).map_err(e2s)?;
+        if all.chunks(len.max(1)).any(|ch| {
+            len > 0 && bytemuck::cast_slice::<T, u8>(ch) != bytemuck::cast_slice::<T, u8>(&buf)
+        }) {
+            return Err(format!("all_reduce {op:?} {ty}: ranks disagree bitwise"));
+        }
+        let k = len / n;
+        let send = data::<T>(seed, r, k * n);
+        let mut recv = vec![T::zeroed(); k];
+        c.reduce_scatter(&send, &mut recv, op).map_err(e2s)?;
+        let full = reference::<T>(seed, n, k * n, op);
+        check(
+            &format!("reduce_scatter {op:?} {ty}"),
+            &recv,
+            &full[r * k..(r + 1) * k],
+            n,
+        )?;
+    }
+    Ok(())
+}
+
+/// Every collective against a sequential reference on random data of `len` elements.
+pub fn collectives(c: Communicator, seed: u64, len: usize) -> Result<(), String> {
+    let (r, n) = (c.rank(), c.world_size());
+    reduce_case::<f32>(&c, seed, len)?;
+    reduce_case::<f64>(&c, seed, len)?;
+    reduce_case::<bf16>(&c, seed, len)?;
+    reduce_case::<i32>(&c, seed, len)?;
+    reduce_case::<i64>(&c, seed, len)?;
+    reduce_case::<u64>(&c, seed, len)?;
+    // all_gather
+    let mine = data::<u64>(seed, r, len);
+    let mut all = vec![0u64; n * len];
+    c.all_gather(&mine, &mut all).map_err(e2s)?;
+    for q in 0..n {
+        check(
+            "all_gather",
+            &all[q * len..(q + 1) * len],
+            &data::<u64>(seed, q, len),
+            n,
+        )?;
+    }
+    // broadcast from every root
+    for root in 0..n {
+        let mut buf = if r == root {
+            data::<f32>(seed, root, len)
+        } else {
+            vec![0.0; len]
+        };
+        c.broadcast(&mut buf, root).map_err(e2s)?;
+        check("broadcast", &buf, &data::<f32>(seed, root, len), 1)?;
+    }
+    // all_to_all: chunk j of rank q's data goes to rank j
+    let k = len / n;
+    let send = data::<i32>(seed, r, k * n);
+    let mut recv = vec![0i32; k * n];
+    c.all_to_all(&send, &mut recv).map_err(e2s)?;
+    for q in 0..n {
+        check(
+            "all_to_all",
+            &recv[q * k..(q + 1) * k],
+            &data::<i32>(seed, q, k * n)[r * k..(r + 1) * k],
+            1,
+        )?;
+    }
+    c.barrier().map_err(e2s)
+}
+
+/// Ring shift (blocking and non-blocking) all the way round: after n shifts every rank holds its own block.
+pub fn ring_shift(c: Communicator) -> Result<(), String> {
+    let (r, n) = (c.rank(), c.world_size());
+    let len = 1000 + 7;
+    let mut block = data::<f32>(7, r, len);
+    let mut next = vec![0.0f32; len];
+    c.sendrecv(&block, &mut next).map_err(e2s)?;
+    check("sendrecv", &next, &data::<f32>(7, (r + n - 1) % n, len), 1)?;
+    std::mem::swap(&mut block, &mut next);
+    for step in 1..n {
+        let req = c.isendrecv(&block, &mut next).map_err(e2s)?;
+        req.wait().map_err(e2s)?;
+        std::mem::swap(&mut block, &mut next);
+        let _ = step;
+    }
+    check("full circle", &block, &data::<f32>(7, r, len), 1)?;
+    let s = c.stats();
+    let bytes = (n * len * 4) as u64;
+    if s.bytes_sent != bytes || s.bytes_received != bytes || s.messages_sent != n as u64 {
+        return Err(format!(
+            "stats {s:?}, expected {bytes} bytes in {n} messages each way"
+        ));
+    }
+    // test() polling completes too.
+    let mut req = c.isendrecv(&block, &mut next).map_err(e2s)?;
+    let t0 = Instant::now();
+    while !req.test().map_err(e2s)? {
+        if t0.elapsed() > Duration::from_secs(20) {
+            return Err("test() never completed".into());
+        }
+        std::thread::yield_now();
+    }
+    drop(req);
+    check(
+        "after test()",
+        &next,
+        &data::<f32>(7, (r + n - 1) % n, len),
+        1,
+    )
+}
+
+/// Messages of the given byte sizes from every rank to the next one, many in flight, random contents.
+pub fn send_recv_sizes(c: Communicator, seed: u64, sizes: &[usize]) -> Result<(), String> {
+    let (r, n) = (c.rank(), c.world_size());
+    let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+    let outs: Vec<Vec<u8>> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &s)| bytes(seed + i as u64, r, s))
+        .collect();
+    let mut ins: Vec<Vec<u8>> = sizes.iter().map(|&s| vec![0u8; s]).collect();
+    let mut reqs = Vec::new();
+    // Post receives in reverse order to exercise tag matching out of order.
+    for (i, buf) in ins.iter_mut().enumerate().rev() {
+        reqs.push(c.irecv(prev, i as u32, buf).map_err(e2s)?);
+    }
+    for (i, buf) in outs.iter().enumerate() {
+        if i % 2 == 0 {
+            reqs.push(c.isend(next, i as u32, buf).map_err(e2s)?);
+        } else {
+            // Blocking sends interleaved: the receives are already posted on the peer... eventually.
+            reqs.push(c.isend(next, i as u32, buf).map_err(e2s)?);
+        }
+    }
+    for q in reqs {
+        q.wait().map_err(e2s)?;
+    }
+    for (i, buf) in ins.iter().enumerate() {
+        if buf != &bytes(seed + i as u64, prev, sizes[i]) {
+            return Err(format!("message {i} of {} bytes corrupted", sizes[i]));
+        }
+    }
+    // Blocking send/recv pairs, ordered to avoid the synchronous-send cycle.
+    if n == 1 {
+        return Ok(()); // a synchronous send to oneself cannot complete before the receive is posted
+    }
+    let payload = bytes(seed, r, 4097);
+    let mut got = vec![0u8; 4097];
+    if r % 2 == 0 {
+        c.send(next, 99, &payload).map_err(e2s)?;
+        c.recv(prev, 99, &mut got).map_err(e2s)?;
+    } else {
+        c.recv(prev, 99, &mut got).map_err(e2s)?;
+        c.send(next, 99, &payload).map_err(e2s)?;
+    }
+    if got != bytes(seed, prev, 4097) {
+        return Err("blocking send/recv corrupted".into());
+    }
+    Ok(())
+}
+
+fn bytes(seed: u64, rank: usize, len: usize) -> Vec<u8> {
+    let mut r = Rng::new(seed.wrapping_mul(31).wrapping_add(rank as u64));
+    let mut v = Vec::with_capacity(len);
+    while v.len() < len {
+        let x = r.next().to_le_bytes();
+        v.extend_from_slice(&x[..(len - v.len()).min(8)]);
+    }
+    v
+}
+
+/// Ranks 0 and 1 send `mib` MiB to each other at the same time (non-blocking sends, then blocking receives).
+pub fn bidirectional(c: Communicator, mib: usize) -> Result<(), String> {
+    let r = c.rank();
+    if r > 1 {
+        return Ok(());
+    }
+    let peer = 1 - r;
+    let len = mib << 20;
+    let out = bytes(5, r, len);
+    let mut inp = vec![0u8; len];
+    let s = c.isend(peer, 1, &out).map_err(e2s)?;
+    c.recv(peer, 1, &mut inp).map_err(e2s)?;
+    s.wait().map_err(e2s)?;
+    if inp != bytes(5, peer, len) {
+        return Err("payload corrupted".into());
+    }
+    Ok(())
+}
+
+/// `split` by parity with reversed keys; the child's traffic must not meet the parent's with the same tag.
+pub fn split(c: Communicator) -> Result<(), String> {
+    let (r, n) = (c.rank(), c.world_size());
+    let color = (r % 2) as u32;
+    let sub = c.split(color, (n - r) as u32).map_err(e2s)?;
+    let members: Vec<usize> = (0..n).filter(|q| q % 2 == r % 2).rev().collect();
+    let want_rank = members.iter().position(|&q| q == r).ok_or("rank missing")?;
+    if sub.rank() != want_rank || sub.world_size() != members.len() {
+        return Err(format!(
+            "sub rank {} of {}, want {want_rank} of {}",
+            sub.rank(),
+            sub.world_size(),
+            members.len()
+        ));
+    }
+    // Same tag on parent and child, both in flight: each must receive its own message.
+    let (pn, pp) = ((r + 1) % n, (r + n - 1) % n);
+    let sn = sub.world_size();
+    let (cn, cp) = ((sub.rank() + 1) % sn, (sub.rank() + sn - 1) % sn);
+    let (mut from_parent, mut from_child) = ([0u64; 4], [0u64; 4]);
+    let rp = c.irecv(pp, 7, &mut from_parent).map_err(e2s)?;
+    let rc = sub.irecv(cp, 7, &mut from_child).map_err(e2s)?;
+    let parent_msg = [r as u64 + 1000; 4];
+    let child_msg = [r as u64 + 2000; 4];
+    let sc = sub.isend(cn, 7, &child_msg).map_err(e2s)?;
+    let sp = c.isend(pn, 7, &parent_msg).map_err(e2s)?;
+    for q in [rp, rc, sc, sp] {
+        q.wait().map_err(e2s)?;
+    }
+    if from_parent[0] != pp as u64 + 1000 {
+        return Err(format!("parent got {}", from_parent[0]));
+    }
+    if from_child[0] != members[cp] as u64 + 2000 {
+        return Err(format!("child got {}", from_child[0]));
+    }
+    let mut x = [r as u64];
+    sub.all_reduce(&mut x, ReduceOp::Sum).map_err(e2s)?;
+    if x[0] != members.iter().map(|&q| q as u64).sum::<u64>() {
+        return Err(format!("sub all_reduce {}", x[0]));
+    }
+    let before = c.stats();
+    let mut y = [1u64];
+    sub.all_reduce(&mut y, ReduceOp::Sum).map_err(e2s)?;
+    if c.stats() != before {
+        return Err("child traffic counted on the parent".into());
+    }
+    c.barrier().map_err(e2s)
+}
+
+/// Rank n-1 dies while the others wait on it: they must get an error naming it, well within the timeout.
+pub fn killed_peer<W: World>(n: usize) {
+    let timeout = Duration::from_secs(20);
+    let out = W::run(n, timeout, "killed_peer", &|c: Communicator| {
+        let (r, n) = (c.rank(), c.world_size());
+        c.barrier().map_err(e2s)?;
+        if r == n - 1 {
+            std::thread::sleep(Duration::from_millis(200));
+            W::die();
+        }
+        let t0 = Instant::now();
+        let mut buf = [0u8; 16];
+        match c.recv(n - 1, 3, &mut buf) {
+            Err(CommError::PeerGone { rank }) if rank == n - 1 => {}
+            Err(e) => return Err(format!("wrong error: {e}")),
+            Ok(()) => return Err("recv from a dead rank succeeded".into()),
+        }
+        if t0.elapsed() > timeout / 2 {
+            return Err(format!("noticed only after {:?}", t0.elapsed()));
+        }
+        Ok(())
+    });
+    for (r, o) in out.iter().enumerate() {
+        if r == n - 1 {
+            assert!(o.is_err(), "the killed rank reported success");
+        } else {
+            assert!(o.is_ok(), "rank {r}: {o:?}");
+        }
+    }
+}
+
+/// Rank n-1 stalls past the timeout: the others' waits fail with a timeout naming it.
+pub fn stalled_peer<W: World>(n: usize) {
+    let timeout = Duration::from_millis(400);
+    let out = W::run(n, timeout, "stalled_peer", &|c: Communicator| {
+        let (r, n) = (c.rank(), c.world_size());
+        if r == n - 1 {
+            std::thread::sleep(timeout * 3);
+            return Ok(());
+        }
+        let t0 = Instant::now();
+        let mut buf = [0u8; 16];
+        match c.recv(n - 1, 3, &mut buf) {
+            Err(CommError::Timeout { peer, .. }) if peer == n - 1 => {}
+            other => {
+                return Err(format!(
+                    "expected a timeout naming rank {}, got {other:?}",
+                    n - 1
+                ))
+            }
+        }
+        let el = t0.elapsed();
+        if el < timeout || el > timeout * 2 + Duration::from_millis(500) {
+            return Err(format!("timed out after {el:?}"));
+        }
+        Ok(())
+    });
+    all_ok(out);
+}
+
+/// Wrong lengths, tags, collective sizes and ranks give typed errors on every rank, never a hang or a panic.
+pub fn bad_input<W: World>(n: usize) {
+    let timeout = Duration::from_secs(2);
+    let out = W::run(n, timeout, "bad_input", &|c: Communicator| {
+        let (r, n) = (c.rank(), c.world_size());
+        match c.send(n, 0, &[1u8]) {
+            Err(CommError::InvalidRank { rank, world_size }) if rank == n && world_size == n => {}
+            other => return Err(format!("out-of-range send: {other:?}")),
+        }
+        let mut b = [0u8; 1];
+        if !matches!(c.recv(n + 5, 0, &mut b), Err(CommError::InvalidRank { .. })) {
+            return Err("out-of-range recv accepted".into());
+        }
+        if !matches!(c.broadcast(&mut b, n), Err(CommError::InvalidRank { .. })) {
+            return Err("out-of-range root accepted".into());
+        }
+        // Length mismatch: ring shift where rank 0's buffer is one element short.
+        let send = [r as u32; 8];
+        let mut recv = vec![0u32; if r == 1 { 7 } else { 8 }];
+        let res = c.sendrecv(&send, &mut recv);
+        if r == 1
+            && !matches!(
+                res,
+                Err(CommError::LengthMismatch {
+                    message_bytes: 32,
+                    buffer_bytes: 28,
+                    ..
+                })
+            )
+        {
+            return Err(format!("short buffer: {res:?}"));
+        }
+        if r == 0 && !matches!(res, Err(CommError::LengthMismatch { .. })) {
+            return Err(format!("sender of a rejected message: {res:?}"));
+        }
+        c.barrier().map_err(e2s)?;
+        // Tag mismatch: rank 0 sends tag 5, rank 1 waits for tag 6.
+        let mut short = c.split(0, r as u32).map_err(e2s)?;
+        // The receiver gives up first, while the sender's message is still waiting.
+        short.set_timeout(Duration::from_millis(if r == 0 { 900 } else { 300 }));
+        if r == 0 {
+            let req = short.isend(1, 5, &[1u8; 4]).map_err(e2s)?;
+            let _ = req.wait();
+        } else if r == 1 {
+            let mut b = [0u8; 4];
+            match short.recv(0, 6, &mut b) {
+                Err(CommError::TagMismatch {
+                    src: 0,
+                    expected: 6,
+                    found: 5,
+                    ..
+                }) => {}
+                other => return Err(format!("tag mismatch: {other:?}")),
+            }
+        }
+        drop(short);
+        c.barrier().map_err(e2s)?;
+        // Collective with different sizes: every rank errors, in time.
+        let t0 = Instant::now();
+        let mut buf = vec![1.0f32; 100 + if r == 0 { 4 } else { 0 }];
+        let res = c.all_reduce(&mut buf, ReduceOp::Sum);
+        if res.is_ok() {
+            return Err("all_reduce with mismatched sizes succeeded".into());
+        }
+        if t0.elapsed() > timeout * 2 {
+            return Err(format!("mismatch noticed after {:?}", t0.elapsed()));
+        }
+        let _ = r;
+        Err(format!(
+            "expected: {}",
+            res.err().map(e2s).unwrap_or_default()
+        ))
+    });
+    for (r, o) in out.iter().enumerate() {
+        match o {
+            Err(e) if e.starts_with("expected: ") => {}
+            other => panic!("rank {r}: {other:?} (all: {out:?})"),
+        }
+    }
+}
+
+/// Instantiates the suite for a world type.
+#[macro_export]
+macro_rules! suite_tests {
+    ($w:ty, $big:expr) => {
+        #[test]
+        fn ring_shift() {
+            for n in [1, 2, 3, 4] {
+                suite::all_ok(<$w>::run(
+                    n,
+                    std::time::Duration::from_secs(30),
+                    "ring_shift",
+                    &suite::ring_shift,
+                ));
+            }
+        }
+        #[test]
+        fn send_recv_random_sizes() {
+            let sizes = [0usize, 1, 3, 4096, 65_537, 1 << 20, 3_000_001];
+            suite::all_ok(<$w>::run(
+                3,
+                std::time::Duration::from_secs(30),
+                "send_recv_random_sizes",
+                &|c| suite::send_recv_sizes(c, 11, &sizes),
+            ));
+        }
+        #[test]
+        fn send_recv_64mib() {
+            suite::all_ok(<$w>::run(
+                2,
+                std::time::Duration::from_secs(60),
+                "send_recv_64mib",
+                &|c| suite::send_recv_sizes(c, 12, &[64 << 20]),
+            ));
+        }
+        #[test]
+        fn bidirectional_large() {
+            suite::all_ok(<$w>::run(
+                2,
+                std::time::Duration::from_secs(60),
+                "bidirectional_large",
+                &|c| suite::bidirectional(c, $big),
+            ));
+        }
+        #[test]
+        fn collectives_fixed() {
+            for (n, len) in [(2usize, 0usize), (3, 1), (4, 1000), (3, 70_001)] {
+                suite::all_ok(<$w>::run(
+                    n,
+                    std::time::Duration::from_secs(30),
+                    "collectives_fixed",
+                    &|c| suite::collectives(c, 3 + len as u64, len),
+                ));
+            }
+        }
+        #[test]
+        fn split() {
+            for n in [1, 3, 4] {
+                suite::all_ok(<$w>::run(
+                    n,
+                    std::time::Duration::from_secs(30),
+                    "split",
+                    &suite::split,
+                ));
+            }
+        }
+        #[test]
+        fn killed_peer() {
+            suite::killed_peer::<$w>(3);
+        }
+        #[test]
+        fn stalled_peer() {
+            suite::stalled_peer::<$w>(3);
+        }
+        #[test]
+        fn bad_input() {
+            suite::bad_input::<$w>(3);
+        }
+    };
+}
