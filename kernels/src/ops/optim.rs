@@ -136,11 +136,12 @@ pub fn adamw_step_with_copy<P: Element, G: Element>(
 }
 
 /// Global L2 norm over all of `grads` (in `f64`); when it exceeds `max_norm`, scales every gradient in place by
-/// `max_norm / (norm + 1e-6)`. Returns the norm before clipping.
+/// `max_norm / (norm + 1e-6)`. Returns the norm before clipping, in `f64` (finite for any finite `f32`
+/// gradients).
 ///
 /// Errors: `max_norm` negative or not finite; a non-finite norm (a NaN or infinite gradient, or overflow) is
 /// reported as [`KernelError::InvalidArgument`] for `grads`, with the gradients left untouched.
-pub fn clip_grad_norm<G: Element>(grads: &mut [&mut [G]], max_norm: f32) -> Result<f32> {
+pub fn clip_grad_norm<G: Element>(grads: &mut [&mut [G]], max_norm: f32) -> Result<f64> {
     finite("max_norm", max_norm as f64, false)?;
     if max_norm < 0.0 {
         return Err(KernelError::InvalidArgument { name: "max_norm", why: format!("{max_norm} < 0") });
@@ -167,5 +168,5 @@ pub fn clip_grad_norm<G: Element>(grads: &mut [&mut [G]], max_norm: f32) -> Resu
             });
         }
     }
-    Ok(norm as f32)
+    Ok(norm)
 }
