@@ -47,13 +47,13 @@ fn emb_case<T: Element>(v: usize, c: usize, t: usize, acc: bool, seed: u64) {
         if acc {
             g.iter_mut().zip(&dt0).for_each(|(a, b)| *a += b);
         }
-        assert_close_f64("fd dtable", &g, &dt_ref, 1e-9);
+        assert_fd("fd dtable", &g, &dt_ref, 1e-9);
     }
     assert_close("embedding dtable", &dt, &dt_ref);
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(32))]
+    #![proptest_config(ProptestConfig::with_cases(cases(32)))]
 
     #[test]
     fn embedding_matches_reference(v in 1usize..60, c in 1usize..24, t in 0usize..80, acc: bool, bf: bool, seed: u64) {
@@ -66,14 +66,26 @@ fn out_of_range_id_is_a_typed_error() {
     let table = vec![1.0f32; 4 * 3];
     let mut out = vec![7.0f32; 2 * 3];
     let e = embedding_forward(&mut out, &[1, 4], &table, 4, 3).unwrap_err();
-    assert!(matches!(e, KernelError::InvalidArgument { name: "ids", .. }), "{e}");
+    assert!(
+        matches!(e, KernelError::InvalidArgument { name: "ids", .. }),
+        "{e}"
+    );
     assert_eq!(out, vec![7.0; 6], "untouched on error");
     let mut dt = vec![0.0f32; 12];
     assert!(matches!(
         embedding_backward(&mut dt, &out, &[0, u32::MAX], 4, 3, true),
         Err(KernelError::InvalidArgument { name: "ids", .. })
     ));
-    assert!(matches!(embedding_forward(&mut out, &[0], &table, 4, 3), Err(KernelError::BufferLength { name: "out", .. })));
-    assert!(matches!(embedding_forward(&mut out, &[0, 1], &table[..11], 4, 3), Err(KernelError::BufferLength { .. })));
-    assert_eq!(embedding_forward(&mut out, &[0, 1], &table, 0, 3), Err(KernelError::ZeroDim("v")));
+    assert!(matches!(
+        embedding_forward(&mut out, &[0], &table, 4, 3),
+        Err(KernelError::BufferLength { name: "out", .. })
+    ));
+    assert!(matches!(
+        embedding_forward(&mut out, &[0, 1], &table[..11], 4, 3),
+        Err(KernelError::BufferLength { .. })
+    ));
+    assert_eq!(
+        embedding_forward(&mut out, &[0, 1], &table, 0, 3),
+        Err(KernelError::ZeroDim("v"))
+    );
 }

@@ -2,7 +2,9 @@
 
 mod ops_util;
 
-use longctx_kernels::{linear_backward, linear_forward, matmul, matmul_backward, DType, Element, KernelError};
+use longctx_kernels::{
+    linear_backward, linear_forward, matmul, matmul_backward, DType, Element, KernelError,
+};
 use ops_util::*;
 use proptest::prelude::*;
 
@@ -27,7 +29,14 @@ fn transpose(a: &[f64], r: usize, c: usize) -> Vec<f64> {
     }
     t
 }
-fn ref_linear(x: &[f64], w: &[f64], b: Option<&[f64]>, t: usize, di: usize, d_o: usize) -> Vec<f64> {
+fn ref_linear(
+    x: &[f64],
+    w: &[f64],
+    b: Option<&[f64]>,
+    t: usize,
+    di: usize,
+    d_o: usize,
+) -> Vec<f64> {
     let mut y = vec![0.0; t * d_o];
     for r in 0..t {
         for o in 0..d_o {
@@ -41,7 +50,14 @@ fn ref_linear(x: &[f64], w: &[f64], b: Option<&[f64]>, t: usize, di: usize, d_o:
     y
 }
 /// (dx, dw, db) of L = Σ dy ⊙ linear(x, w, b).
-fn ref_linear_bwd(dy: &[f64], x: &[f64], w: &[f64], t: usize, di: usize, d_o: usize) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+fn ref_linear_bwd(
+    dy: &[f64],
+    x: &[f64],
+    w: &[f64],
+    t: usize,
+    di: usize,
+    d_o: usize,
+) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
     let dx = ref_matmul(dy, w, t, d_o, di);
     let dw = ref_matmul(&transpose(dy, t, d_o), x, d_o, t, di);
     let mut db = vec![0.0; d_o];
@@ -75,10 +91,10 @@ fn matmul_case<T: Element, G: Element>(m: usize, k: usize, n: usize, acc: bool, 
     let mut db_ref = ref_matmul(&transpose(&a, m, k), &dc, k, m, n);
     // Finite differences of L(a, b) = Σ dc ⊙ (a·b) on the reference (small shapes only: O(size²)).
     if m * k * n <= 6000 {
-    let fa = fd_grad(|a| dot(&dc, &ref_matmul(a, &b, m, k, n)), &a, 1e-3);
-    let fb = fd_grad(|b| dot(&dc, &ref_matmul(&a, b, m, k, n)), &b, 1e-3);
-    assert_close_f64("fd da", &fa, &da_ref, 1e-8);
-    assert_close_f64("fd db", &fb, &db_ref, 1e-8);
+        let fa = fd_grad(|a| dot(&dc, &ref_matmul(a, &b, m, k, n)), &a, 1e-3);
+        let fb = fd_grad(|b| dot(&dc, &ref_matmul(&a, b, m, k, n)), &b, 1e-3);
+        assert_fd("fd da", &fa, &da_ref, 1e-8);
+        assert_fd("fd db", &fb, &db_ref, 1e-8);
     }
     if acc {
         db_ref.iter_mut().zip(&db0).for_each(|(r, g)| *r += g);
@@ -89,7 +105,14 @@ fn matmul_case<T: Element, G: Element>(m: usize, k: usize, n: usize, acc: bool, 
 }
 
 #[allow(clippy::too_many_arguments)]
-fn linear_case<T: Element, G: Element>(t: usize, di: usize, d_o: usize, bias: bool, acc: bool, seed: u64) {
+fn linear_case<T: Element, G: Element>(
+    t: usize,
+    di: usize,
+    d_o: usize,
+    bias: bool,
+    acc: bool,
+    seed: u64,
+) {
     let mut rng = DataRng::new(seed);
     let x = rounded::<T>(&rng.vec(t * di, 1.0));
     let w = rounded::<T>(&rng.vec(d_o * di, 1.0));
@@ -107,13 +130,41 @@ fn linear_case<T: Element, G: Element>(t: usize, di: usize, d_o: usize, bias: bo
     let mut dx = poisoned::<T>(t * di);
     let mut dw: Vec<G> = if acc { to_t(&dw0) } else { poisoned(d_o * di) };
     let mut db: Vec<G> = if acc { to_t(&db0) } else { poisoned(d_o) };
-    linear_backward(Some(&mut dx), &mut dw, bias.then_some(&mut db[..]), &dyt, &xt, &wt, t, di, d_o, acc).unwrap();
+    linear_backward(
+        Some(&mut dx),
+        &mut dw,
+        bias.then_some(&mut db[..]),
+        &dyt,
+        &xt,
+        &wt,
+        t,
+        di,
+        d_o,
+        acc,
+    )
+    .unwrap();
     let (dx_ref, mut dw_ref, mut db_ref) = ref_linear_bwd(&dy, &x, &w, t, di, d_o);
     if t * di * d_o <= 6000 {
-    let loss = |x: &[f64], w: &[f64], b: &[f64]| dot(&dy, &ref_linear(x, w, Some(b), t, di, d_o));
-    assert_close_f64("fd dx", &fd_grad(|v| loss(v, &w, &b), &x, 1e-3), &dx_ref, 1e-8);
-    assert_close_f64("fd dw", &fd_grad(|v| loss(&x, v, &b), &w, 1e-3), &dw_ref, 1e-8);
-    assert_close_f64("fd db", &fd_grad(|v| loss(&x, &w, v), &b, 1e-3), &db_ref, 1e-8);
+        let loss =
+            |x: &[f64], w: &[f64], b: &[f64]| dot(&dy, &ref_linear(x, w, Some(b), t, di, d_o));
+        assert_fd(
+            "fd dx",
+            &fd_grad(|v| loss(v, &w, &b), &x, 1e-3),
+            &dx_ref,
+            1e-8,
+        );
+        assert_fd(
+            "fd dw",
+            &fd_grad(|v| loss(&x, v, &b), &w, 1e-3),
+            &dw_ref,
+            1e-8,
+        );
+        assert_fd(
+            "fd db",
+            &fd_grad(|v| loss(&x, &w, v), &b, 1e-3),
+            &db_ref,
+            1e-8,
+        );
     }
     if acc {
         dw_ref.iter_mut().zip(&dw0).for_each(|(r, g)| *r += g);
@@ -137,7 +188,7 @@ fn dispatch(kind: u8, f32f32: impl FnOnce(), bb: impl FnOnce(), bf: impl FnOnce(
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(32))]
+    #![proptest_config(ProptestConfig::with_cases(cases(32)))]
 
     #[test]
     fn matmul_matches_reference(m in 1usize..24, k in 1usize..40, n in 1usize..24, acc: bool, kind in 0u8..3, seed: u64) {
@@ -172,11 +223,28 @@ fn bad_shapes_are_typed_errors() {
     assert!(matches!(matmul(&mut c, &a, &b, 2, 3, 2), Ok(())));
     assert_eq!(
         matmul(&mut c, &a[..5], &b, 2, 3, 2),
-        Err(KernelError::BufferLength { name: "a", expected: 6, got: 5 })
+        Err(KernelError::BufferLength {
+            name: "a",
+            expected: 6,
+            got: 5
+        })
     );
-    assert_eq!(matmul(&mut c[..3], &a, &b, 2, 3, 2), Err(KernelError::BufferLength { name: "c", expected: 4, got: 3 }));
-    assert_eq!(matmul(&mut c, &a, &b, 0, 3, 2), Err(KernelError::ZeroDim("m")));
-    assert!(matches!(matmul(&mut c, &a, &b, usize::MAX, 3, 2), Err(KernelError::Shape(_))));
+    assert_eq!(
+        matmul(&mut c[..3], &a, &b, 2, 3, 2),
+        Err(KernelError::BufferLength {
+            name: "c",
+            expected: 4,
+            got: 3
+        })
+    );
+    assert_eq!(
+        matmul(&mut c, &a, &b, 0, 3, 2),
+        Err(KernelError::ZeroDim("m"))
+    );
+    assert!(matches!(
+        matmul(&mut c, &a, &b, usize::MAX, 3, 2),
+        Err(KernelError::Shape(_))
+    ));
     let mut y = vec![0.0f32; 4];
     assert!(matches!(
         linear_forward(&mut y, &a, &b, Some(&a[..1]), 2, 3, 2),

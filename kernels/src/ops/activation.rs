@@ -59,7 +59,10 @@ pub fn swiglu_backward<T: Element>(
         .par_chunks_mut(ELEMS_PER_TASK)
         .zip(d_up.par_chunks_mut(ELEMS_PER_TASK))
         .zip(dout.par_chunks(ELEMS_PER_TASK))
-        .zip(gate.par_chunks(ELEMS_PER_TASK).zip(up.par_chunks(ELEMS_PER_TASK)))
+        .zip(
+            gate.par_chunks(ELEMS_PER_TASK)
+                .zip(up.par_chunks(ELEMS_PER_TASK)),
+        )
         .for_each(|(((dg, du), d), (g, u))| {
             for i in 0..g.len() {
                 let (gi, ui, di) = (g[i].to_f32(), u[i].to_f32(), d[i].to_f32());
@@ -77,12 +80,14 @@ pub fn swiglu_backward<T: Element>(
 /// Errors: the lengths differ.
 pub fn squared_relu_forward<T: Element>(out: &mut [T], x: &[T]) -> Result<()> {
     check_len("out", out.len(), x.len())?;
-    out.par_chunks_mut(ELEMS_PER_TASK).zip(x.par_chunks(ELEMS_PER_TASK)).for_each(|(o, x)| {
-        for (o, x) in o.iter_mut().zip(x) {
-            let r = x.to_f32().max(0.0);
-            *o = T::from_f32(r * r);
-        }
-    });
+    out.par_chunks_mut(ELEMS_PER_TASK)
+        .zip(x.par_chunks(ELEMS_PER_TASK))
+        .for_each(|(o, x)| {
+            for (o, x) in o.iter_mut().zip(x) {
+                let r = x.to_f32().max(0.0);
+                *o = T::from_f32(r * r);
+            }
+        });
     Ok(())
 }
 

@@ -38,7 +38,11 @@ pub struct CrossEntropyOptions {
 
 impl Default for CrossEntropyOptions {
     fn default() -> Self {
-        CrossEntropyOptions { ignore_index: -100, chunk_tokens: 256, denominator: None }
+        CrossEntropyOptions {
+            ignore_index: -100,
+            chunk_tokens: 256,
+            denominator: None,
+        }
     }
 }
 
@@ -63,7 +67,10 @@ fn check_targets(targets: &[i64], v: usize, opts: &CrossEntropyOptions) -> Resul
         if y < 0 || y as u64 >= v as u64 {
             return Err(KernelError::InvalidArgument {
                 name: "targets",
-                why: format!("targets[{t}] = {y} is out of range for a vocabulary of {v} (ignore_index {})", opts.ignore_index),
+                why: format!(
+                    "targets[{t}] = {y} is out of range for a vocabulary of {v} (ignore_index {})",
+                    opts.ignore_index
+                ),
             });
         }
         n_valid += 1;
@@ -79,6 +86,11 @@ fn check_targets(targets: &[i64], v: usize, opts: &CrossEntropyOptions) -> Resul
 }
 
 /// Replaces one row of logits by its gradient `(softmax − onehot) · scale`; returns the token's loss.
+///
+/// With `e_j = exp(z_j − max)`, `O = Σ_{j≠y} e_j` and `S = e_y + O` (sums in f64), the target entry is
+/// `dz_y = −O/S · scale` and the loss `ln(S/e_y) = ln1p(O/e_y)`: neither subtracts two nearly equal numbers,
+/// so a confident prediction (`p_y → 1`) keeps full relative precision in both, where `p_y − 1` in f32 would
+/// round to 0.
 #[inline]
 fn softmax_xent_row(z: &mut [f32], target: Option<usize>, scale: f32) -> f64 {
     let Some(y) = target else {
@@ -87,17 +99,29 @@ fn softmax_xent_row(z: &mut [f32], target: Option<usize>, scale: f32) -> f64 {
     };
     let zy = z[y];
     let max = z.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-    let mut sum = 0.0f64;
-    for x in z.iter_mut() {
-        *x = (*x - max).exp();
-        sum += *x as f64;
-    }
-    let loss = max as f64 + sum.ln() - zy as f64;
+    let mut exp_sum = |s: &mut [f32]| {
+        let mut acc = 0.0f64;
+        for x in s.iter_mut() {
+            *x = (*x - max).exp();
+            acc += *x as f64;
+        }
+        acc
+    };
+    let (lo, rest) = z.split_at_mut(y);
+    let other = exp_sum(lo) + exp_sum(&mut rest[1..]);
+    let d = zy - max; // <= 0
+    let ey = d.exp();
+    let sum = other + ey as f64;
+    let loss = if d > -1.0 {
+        (other / ey as f64).ln_1p()
+    } else {
+        sum.ln() - d as f64
+    };
     let k = (scale as f64 / sum) as f32;
     for x in z.iter_mut() {
         *x *= k;
     }
-    z[y] -= scale;
+    z[y] = (-other * scale as f64 / sum) as f32;
     loss
 }
 
@@ -124,19 +148,27 @@ pub fn cross_entropy_logits<T: Element>(
     let (n_valid, denom) = check_targets(targets, v, opts)?;
     let scale = (1.0 / denom) as f32;
     let mut losses = vec![0.0f64; t];
-    logits.par_chunks_mut(v).zip(targets.par_iter()).zip(losses.par_iter_mut()).for_each(|((row, &y), l)| {
-        let target = target_of(y, opts.ignore_index);
-        match super::as_f32_mut(row) {
-            Some(z) => *l = softmax_xent_row(z, target, scale),
-            None => {
-                let mut z = Scratch::widened(row);
-                *l = softmax_xent_row(&mut z, target, scale);
-                super::store(row, &z, false);
+    logits
+        .par_chunks_mut(v)
+        .zip(targets.par_iter())
+        .zip(losses.par_iter_mut())
+        .for_each(|((row, &y), l)| {
+            let target = target_of(y, opts.ignore_index);
+            match super::as_f32_mut(row) {
+                Some(z) => *l = softmax_xent_row(z, target, scale),
+                None => {
+                    let mut z = Scratch::widened(row);
+                    *l = softmax_xent_row(&mut z, target, scale);
+                    super::store(row, &z, false);
+                }
             }
-        }
-    });
+        });
     let loss_sum: f64 = losses.iter().sum();
-    Ok(CrossEntropyOutput { loss: (loss_sum / denom) as f32, loss_sum, n_valid })
+    Ok(CrossEntropyOutput {
+        loss: (loss_sum / denom) as f32,
+        loss_sum,
+        n_valid,
+    })
 }
 
 /// Fused output projection and cross-entropy, chunked over tokens: from `hidden[T,C]` and `weight[V,C]` computes
@@ -192,14 +224,21 @@ pub fn cross_entropy_fused<T: Element, G: Element>(
                 let hc = &h[t0 * c..(t0 + rows) * c];
                 let z = &mut z[..rows * v];
                 gemm_f32(rows, v, c, z, row_major(hc, c), transposed(&w, c), false);
-                z.par_chunks_mut(v).zip(tg.par_iter()).zip(losses[t0..t0 + rows].par_iter_mut()).for_each(
-                    |((row, &y), l)| *l = softmax_xent_row(row, target_of(y, opts.ignore_index), scale),
-                );
+                z.par_chunks_mut(v)
+                    .zip(tg.par_iter())
+                    .zip(losses[t0..t0 + rows].par_iter_mut())
+                    .for_each(|((row, &y), l)| {
+                        *l = softmax_xent_row(row, target_of(y, opts.ignore_index), scale)
+                    });
                 gemm_f32(rows, c, v, dh, row_major(z, v), row_major(&w, c), false);
                 gemm_f32(v, c, rows, dw, transposed(z, v), row_major(hc, c), true);
             }
         });
     });
     let loss_sum: f64 = losses.iter().sum();
-    Ok(CrossEntropyOutput { loss: (loss_sum / denom) as f32, loss_sum, n_valid })
+    Ok(CrossEntropyOutput {
+        loss: (loss_sum / denom) as f32,
+        loss_sum,
+        n_valid,
+    })
 }

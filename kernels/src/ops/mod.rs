@@ -16,6 +16,21 @@
 //! - Every shape and length is checked before any element is written: an `Err` leaves outputs untouched.
 //! - Results are bit-identical for any number of rayon threads: work is split into pieces whose boundaries
 //!   depend only on the shapes, and partial sums are combined in a fixed order on one thread.
+//!
+//! ```
+//! use longctx_kernels::ops::{linear_backward, linear_forward};
+//! // Y[T,OUT] = X[T,IN]·Wᵀ with T = 2, IN = 3, OUT = 2, then the backward with dY = 1.
+//! let x = [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0];
+//! let w = [1.0f32, 0.0, 0.0, 0.0, 1.0, 1.0];
+//! let mut y = [0.0f32; 4];
+//! linear_forward(&mut y, &x, &w, None, 2, 3, 2)?;
+//! assert_eq!(y, [1.0, 5.0, 4.0, 11.0]);
+//! let (mut dx, mut dw) = ([0.0f32; 6], [0.0f32; 6]);
+//! linear_backward(Some(&mut dx[..]), &mut dw[..], None, &[1.0f32; 4], &x, &w, 2, 3, 2, false)?;
+//! assert_eq!(dx, [1.0, 1.0, 1.0, 1.0, 1.0, 1.0]);
+//! assert_eq!(dw, [5.0, 7.0, 9.0, 5.0, 7.0, 9.0]);
+//! # Ok::<(), longctx_kernels::KernelError>(())
+//! ```
 
 pub mod activation;
 pub mod cross_entropy;
@@ -26,7 +41,9 @@ pub mod optim;
 pub mod rmsnorm;
 pub mod rope;
 
-pub use activation::{squared_relu_backward, squared_relu_forward, swiglu_backward, swiglu_forward};
+pub use activation::{
+    squared_relu_backward, squared_relu_forward, swiglu_backward, swiglu_forward,
+};
 pub use cross_entropy::{
     cross_entropy_fused, cross_entropy_logits, CrossEntropyOptions, CrossEntropyOutput,
 };
@@ -52,7 +69,9 @@ pub(crate) const ELEMS_PER_TASK: usize = 1 << 14;
 pub(crate) fn numel(what: &str, dims: &[usize]) -> Result<usize> {
     dims.iter()
         .try_fold(1usize, |acc, &d| acc.checked_mul(d))
-        .ok_or_else(|| KernelError::Shape(format!("{what}: element count {dims:?} overflows usize")))
+        .ok_or_else(|| {
+            KernelError::Shape(format!("{what}: element count {dims:?} overflows usize"))
+        })
 }
 
 /// Errors with [`KernelError::ZeroDim`] when `d` is zero.
@@ -68,7 +87,10 @@ pub(crate) fn nonzero(name: &'static str, d: usize) -> Result<()> {
 pub(crate) fn finite(name: &'static str, x: f64, positive: bool) -> Result<()> {
     if !x.is_finite() || (positive && x <= 0.0) {
         let want = if positive { "finite and > 0" } else { "finite" };
-        Err(KernelError::InvalidArgument { name, why: format!("{x} is not {want}") })
+        Err(KernelError::InvalidArgument {
+            name,
+            why: format!("{x} is not {want}"),
+        })
     } else {
         Ok(())
     }

@@ -101,12 +101,19 @@ impl RopeTable {
     pub fn new(cfg: &RopeConfig) -> Result<Self> {
         let d = cfg.head_dim;
         nonzero("head_dim", d)?;
-        if d % 2 != 0 {
-            return Err(KernelError::InvalidArgument { name: "head_dim", why: format!("{d} is odd") });
+        if d % 2 == 1 {
+            return Err(KernelError::InvalidArgument {
+                name: "head_dim",
+                why: format!("{d} is odd"),
+            });
         }
         positive("base", cfg.base)?;
         let half = d / 2;
-        let base_inv = |base: f64| -> Vec<f64> { (0..half).map(|i| 1.0 / base.powf((2 * i) as f64 / d as f64)).collect() };
+        let base_inv = |base: f64| -> Vec<f64> {
+            (0..half)
+                .map(|i| 1.0 / base.powf((2 * i) as f64 / d as f64))
+                .collect()
+        };
         let mut attention_factor = 1.0;
         let inv_freq = match cfg.scaling {
             RopeScaling::None => base_inv(cfg.base),
@@ -124,7 +131,12 @@ impl RopeTable {
                 }
                 base_inv(cfg.base * factor.powf(d as f64 / (d as f64 - 2.0)))
             }
-            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position } => {
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position,
+            } => {
                 positive("factor", factor)?;
                 positive("low_freq_factor", low_freq_factor)?;
                 positive("high_freq_factor", high_freq_factor)?;
@@ -132,7 +144,9 @@ impl RopeTable {
                 if high_freq_factor <= low_freq_factor {
                     return Err(KernelError::InvalidArgument {
                         name: "high_freq_factor",
-                        why: format!("{high_freq_factor} must exceed low_freq_factor {low_freq_factor}"),
+                        why: format!(
+                            "{high_freq_factor} must exceed low_freq_factor {low_freq_factor}"
+                        ),
                     });
                 }
                 let old = original_max_position as f64;
@@ -147,13 +161,21 @@ impl RopeTable {
                         } else if wavelen < high_wavelen {
                             f
                         } else {
-                            let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                            let smooth = (old / wavelen - low_freq_factor)
+                                / (high_freq_factor - low_freq_factor);
                             (1.0 - smooth) * f / factor + smooth * f
                         }
                     })
                     .collect()
             }
-            RopeScaling::Yarn { factor, original_max_position, beta_fast, beta_slow, attention_factor: af, truncate } => {
+            RopeScaling::Yarn {
+                factor,
+                original_max_position,
+                beta_fast,
+                beta_slow,
+                attention_factor: af,
+                truncate,
+            } => {
                 positive("factor", factor)?;
                 positive("beta_fast", beta_fast)?;
                 positive("beta_slow", beta_slow)?;
@@ -167,7 +189,9 @@ impl RopeTable {
                     None => 0.1 * factor.ln() + 1.0,
                 };
                 let (dim, base, maxp) = (d as f64, cfg.base, original_max_position as f64);
-                let corr = |rot: f64| dim * (maxp / (rot * 2.0 * std::f64::consts::PI)).ln() / (2.0 * base.ln());
+                let corr = |rot: f64| {
+                    dim * (maxp / (rot * 2.0 * std::f64::consts::PI)).ln() / (2.0 * base.ln())
+                };
                 let (mut low, mut high) = (corr(beta_fast), corr(beta_slow));
                 if truncate {
                     low = low.floor();
@@ -189,7 +213,11 @@ impl RopeTable {
                     .collect()
             }
         };
-        Ok(RopeTable { head_dim: d, inv_freq, attention_factor })
+        Ok(RopeTable {
+            head_dim: d,
+            inv_freq,
+            attention_factor,
+        })
     }
 
     /// Head dim `D`.
@@ -220,7 +248,14 @@ impl RopeTable {
         (cos, sin)
     }
 
-    fn check<T: Element>(&self, out: &[T], inp: &[T], positions: &[i64], b: usize, h: usize) -> Result<usize> {
+    fn check<T: Element>(
+        &self,
+        out: &[T],
+        inp: &[T],
+        positions: &[i64],
+        b: usize,
+        h: usize,
+    ) -> Result<usize> {
         nonzero("b", b)?;
         nonzero("h", h)?;
         nonzero("s", positions.len())?;
@@ -233,11 +268,16 @@ impl RopeTable {
     fn apply<T: Element>(&self, out: &mut [T], inp: &[T], positions: &[i64], sign: f32) {
         let (d, half, s_len) = (self.head_dim, self.head_dim / 2, positions.len());
         let (cos, sin) = self.cos_sin(positions);
-        out.par_chunks_mut(d * ROWS_PER_TASK).zip(inp.par_chunks(d * ROWS_PER_TASK)).enumerate().for_each(
-            |(blk, (o, x))| {
+        out.par_chunks_mut(d * ROWS_PER_TASK)
+            .zip(inp.par_chunks(d * ROWS_PER_TASK))
+            .enumerate()
+            .for_each(|(blk, (o, x))| {
                 for (j, (o, x)) in o.chunks_exact_mut(d).zip(x.chunks_exact(d)).enumerate() {
                     let s = (blk * ROWS_PER_TASK + j) % s_len;
-                    let (c, sn) = (&cos[s * half..(s + 1) * half], &sin[s * half..(s + 1) * half]);
+                    let (c, sn) = (
+                        &cos[s * half..(s + 1) * half],
+                        &sin[s * half..(s + 1) * half],
+                    );
                     for i in 0..half {
                         let (x1, x2) = (x[i].to_f32(), x[i + half].to_f32());
                         let si = sign * sn[i];
@@ -245,14 +285,20 @@ impl RopeTable {
                         o[i + half] = T::from_f32(x2 * c[i] + x1 * si);
                     }
                 }
-            },
-        );
+            });
     }
 
     /// Forward: `y[B,H,S,D]` = `x` rotated by the angles of `positions[S]`.
     ///
     /// Errors: a zero size, or `x`/`y` not holding `B·H·S·D` elements.
-    pub fn forward<T: Element>(&self, y: &mut [T], x: &[T], positions: &[i64], b: usize, h: usize) -> Result<()> {
+    pub fn forward<T: Element>(
+        &self,
+        y: &mut [T],
+        x: &[T],
+        positions: &[i64],
+        b: usize,
+        h: usize,
+    ) -> Result<()> {
         self.check(y, x, positions, b, h)?;
         self.apply(y, x, positions, 1.0);
         Ok(())
@@ -261,7 +307,14 @@ impl RopeTable {
     /// Backward: `dx[B,H,S,D]` = `dy` rotated back (the transpose of the forward map).
     ///
     /// Errors: a zero size, or `dx`/`dy` not holding `B·H·S·D` elements.
-    pub fn backward<T: Element>(&self, dx: &mut [T], dy: &[T], positions: &[i64], b: usize, h: usize) -> Result<()> {
+    pub fn backward<T: Element>(
+        &self,
+        dx: &mut [T],
+        dy: &[T],
+        positions: &[i64],
+        b: usize,
+        h: usize,
+    ) -> Result<()> {
         self.check(dx, dy, positions, b, h)?;
         self.apply(dx, dy, positions, -1.0);
         Ok(())
