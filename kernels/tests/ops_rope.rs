@@ -168,6 +168,17 @@ fn rope_case<T: Element>(
         assert_fd("fd rope dx", &fx, &dx_ref, 1e-8);
     }
     assert_close("rope dx", &dx, &dx_ref);
+    // In place gives the same bits.
+    let mut yi = to_t::<T>(&x);
+    table.forward_inplace(&mut yi, &pos, b, h).unwrap();
+    assert_eq!(bits(&yi), bits(&y));
+    let mut di = to_t::<T>(&dy);
+    table.backward_inplace(&mut di, &pos, b, h).unwrap();
+    assert_eq!(bits(&di), bits(&dx));
+}
+
+fn bits<T: Element>(v: &[T]) -> Vec<u32> {
+    v.iter().map(|x| x.to_f32().to_bits()).collect()
 }
 
 proptest! {
@@ -331,6 +342,10 @@ fn bad_inputs_are_typed_errors() {
         t.forward(&mut y, &x, &[], 2, 3),
         Err(KernelError::ZeroDim("s"))
     );
+    assert!(matches!(
+        t.forward_inplace(&mut y[..8], &[0, 1, 2], 2, 1),
+        Err(KernelError::BufferLength { .. })
+    ));
     assert!(matches!(
         t.backward(&mut y[..8], &x, &[0, 1, 2], 2, 1),
         Err(KernelError::BufferLength { .. })

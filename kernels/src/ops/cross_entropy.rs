@@ -99,7 +99,7 @@ fn softmax_xent_row(z: &mut [f32], target: Option<usize>, scale: f32) -> f64 {
     };
     let zy = z[y];
     let max = z.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-    let mut exp_sum = |s: &mut [f32]| {
+    let exp_sum = |s: &mut [f32]| {
         let mut acc = 0.0f64;
         for x in s.iter_mut() {
             *x = (*x - max).exp();
