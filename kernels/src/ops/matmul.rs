@@ -1,0 +1,334 @@
+//! Matrix products and the linear layer, on the `gemm` crate (f32 micro-kernels; `bf16` operands are widened
+//! into reused `f32` scratch first).
+//!
+//! Legend: `M`, `K`, `N` matrix sizes; `T` tokens; `IN`/`OUT` a linear layer's input and output features.
+//!
+//! ```text
+//! matmul:           C[M,N]   = A[M,K] · B[K,N]
+//! matmul_backward:  dA[M,K]  = dC · Bᵀ            dB[K,N] (+)= Aᵀ · dC
+//! linear_forward:   Y[T,OUT] = X[T,IN] · Wᵀ + b    with W[OUT,IN], b[OUT]
+//! linear_backward:  dX[T,IN] = dY · W              dW[OUT,IN] (+)= dYᵀ · X     db[OUT] (+)= Σ_t dY[t,:]
+//! ```
+//!
+//! Determinism: the output is cut into fixed `TILE_M × TILE_N` tiles, each computed by one single-threaded
+//! `gemm` call over the whole `K`; tiles run in parallel on rayon. Every output element is therefore the same
+//! sequence of operations whatever the number of threads.
+
+use rayon::prelude::*;
+
+use super::{as_f32_mut, clear_pool, nonzero, numel, store, F32In, Scratch};
+use crate::dtype::Element;
+use crate::error::{check_len, Result};
+
+const TILE_M: usize = 128;
+const TILE_N: usize = 256;
+/// Below this many multiply-adds a product runs on the calling thread (same tiles, same result).
+const PAR_MIN_FLOPS: usize = 1 << 18;
+
+/// A strided read-only `f32` matrix: element `(i, j)` is at `ptr + i·rs + j·cs`.
+#[derive(Clone, Copy)]
+pub(crate) struct Strided {
+    ptr: *const f32,
+    rs: isize,
+    cs: isize,
+}
+// SAFETY: only read, and the borrow it came from outlives every use (scoped to `gemm_f32`).
+unsafe impl Send for Strided {}
+unsafe impl Sync for Strided {}
+impl Strided {
+    /// Pointer to element `(i, j)` (a method, so closures capture the whole `Send` view).
+    fn at(self, i: usize, j: usize) -> *const f32 {
+        self.ptr
+            .wrapping_offset(i as isize * self.rs + j as isize * self.cs)
+    }
+}
+
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: tiles written through it are disjoint.
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+impl OutPtr {
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+/// `c[M,N] (+)= a[M,K] · b[K,N]` with `c` row-major and `a`, `b` strided views. Callers have checked that the
+/// views stay inside their buffers.
+pub(crate) fn gemm_f32(
+    m: usize,
+    n: usize,
+    k: usize,
+    c: &mut [f32],
+    a: Strided,
+    b: Strided,
+    accumulate: bool,
+) {
+    debug_assert_eq!(c.len(), m * n);
+    let tiles_m = m.div_ceil(TILE_M);
+    let tiles_n = n.div_ceil(TILE_N);
+    let out = OutPtr(c.as_mut_ptr());
+    let run = |tile: usize| {
+        let (ti, tj) = (tile / tiles_n, tile % tiles_n);
+        let (i0, j0) = (ti * TILE_M, tj * TILE_N);
+        let (mm, nn) = (TILE_M.min(m - i0), TILE_N.min(n - j0));
+        // SAFETY: the tile `[i0, i0+mm) × [j0, j0+nn)` lies inside `c` and no other task writes it; the operand
+        // views cover rows `i0..i0+mm` of `a` and columns `j0..j0+nn` of `b`, inside their buffers.
+        unsafe {
+            gemm::gemm(
+                mm,
+                nn,
+                k,
+                out.get().add(i0 * n + j0),
+                1,
+                n as isize,
+                accumulate,
+                a.at(i0, 0),
+                a.cs,
+                a.rs,
+                b.at(0, j0),
+                b.cs,
+                b.rs,
+                1.0f32,
+                1.0f32,
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            )
+        }
+    };
+    let tiles = tiles_m * tiles_n;
+    if tiles == 1 || m.saturating_mul(n).saturating_mul(k) < PAR_MIN_FLOPS {
+        (0..tiles).for_each(run);
+    } else {
+        (0..tiles).into_par_iter().for_each(run);
+    }
+}
+
+pub(crate) fn row_major(s: &[f32], cols: usize) -> Strided {
+    Strided {
+        ptr: s.as_ptr(),
+        rs: cols as isize,
+        cs: 1,
+    }
+}
+pub(crate) fn transposed(s: &[f32], cols: usize) -> Strided {
+    // Element (i, j) of the transpose is s[j·cols + i].
+    Strided {
+        ptr: s.as_ptr(),
+        rs: 1,
+        cs: cols as isize,
+    }
+}
+
+/// Runs `f` on an `f32` output buffer for `dst`: `dst` itself when it is `f32` (then `accumulate` is passed to
+/// `f`), else zeroed scratch whose result is stored or added into `dst` afterwards.
+pub(crate) fn with_out<G: Element>(
+    dst: &mut [G],
+    accumulate: bool,
+    f: impl FnOnce(&mut [f32], bool),
+) {
+    match as_f32_mut(dst) {
+        Some(d) => f(d, accumulate),
+        None => {
+            let mut s = Scratch::zeroed(dst.len());
+            f(&mut s, false);
+            store(dst, &s, accumulate);
+        }
+    }
+}
+
+/// Frees the `f32` conversion buffers the calling thread keeps for `bf16` operands.
+pub fn release_scratch() {
+    clear_pool();
+}
+
+/// `C[M,N] = A[M,K] · B[K,N]`.
+///
+/// Errors: a zero size, or a buffer whose length is not the product of its sizes.
+pub fn matmul<T: Element>(
+    c: &mut [T],
+    a: &[T],
+    b: &[T],
+    m: usize,
+    k: usize,
+    n: usize,
+) -> Result<()> {
+    nonzero("m", m)?;
+    nonzero("k", k)?;
+    nonzero("n", n)?;
+    check_len("a", a.len(), numel("a", &[m, k])?)?;
+    check_len("b", b.len(), numel("b", &[k, n])?)?;
+    check_len("c", c.len(), numel("c", &[m, n])?)?;
+    let (a, b) = (F32In::new(a), F32In::new(b));
+    with_out(c, false, |c, acc| {
+        gemm_f32(m, n, k, c, row_major(&a, k), row_major(&b, n), acc)
+    });
+    Ok(())
+}
+
+/// Backward of [`matmul`]: `dA[M,K] = dC[M,N] · Bᵀ` (overwritten) and `dB[K,N] (+)= Aᵀ · dC` (added to when
+/// `accumulate`). Either gradient may be skipped with `None`.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_backward<T: Element, G: Element>(
+    da: Option<&mut [T]>,
+    db: Option<&mut [G]>,
+    dc: &[T],
+    a: &[T],
+    b: &[T],
+    m: usize,
+    k: usize,
+    n: usize,
+    accumulate: bool,
+) -> Result<()> {
+    nonzero("m", m)?;
+    nonzero("k", k)?;
+    nonzero("n", n)?;
+    let (mk, kn, mn) = (
+        numel("a", &[m, k])?,
+        numel("b", &[k, n])?,
+        numel("dc", &[m, n])?,
+    );
+    check_len("dc", dc.len(), mn)?;
+    check_len("a", a.len(), mk)?;
+    check_len("b", b.len(), kn)?;
+    if let Some(da) = &da {
+        check_len("da", da.len(), mk)?;
+    }
+    if let Some(db) = &db {
+        check_len("db", db.len(), kn)?;
+    }
+    let dc = F32In::new(dc);
+    if let Some(da) = da {
+        let b = F32In::new(b);
+        with_out(da, false, |o, acc| {
+            gemm_f32(m, k, n, o, row_major(&dc, n), transposed(&b, n), acc)
+        });
+    }
+    if let Some(db) = db {
+        let a = F32In::new(a);
+        with_out(db, accumulate, |o, acc| {
+            gemm_f32(k, n, m, o, transposed(&a, k), row_major(&dc, n), acc)
+        });
+    }
+    Ok(())
+}
+
+/// Linear layer forward: `Y[T,OUT] = X[T,IN] · Wᵀ + b`, with `W[OUT,IN]` (PyTorch `nn.Linear` layout) and an
+/// optional bias `b[OUT]`.
+///
+/// Errors: a zero size, or a buffer whose length does not match.
+#[allow(clippy::too_many_arguments)]
+pub fn linear_forward<T: Element>(
+    y: &mut [T],
+    x: &[T],
+    w: &[T],
+    bias: Option<&[T]>,
+    t: usize,
+    d_in: usize,
+    d_out: usize,
+) -> Result<()> {
+    nonzero("t", t)?;
+    nonzero("d_in", d_in)?;
+    nonzero("d_out", d_out)?;
+    check_len("x", x.len(), numel("x", &[t, d_in])?)?;
+    check_len("w", w.len(), numel("w", &[d_out, d_in])?)?;
+    check_len("y", y.len(), numel("y", &[t, d_out])?)?;
+    if let Some(b) = bias {
+        check_len("bias", b.len(), d_out)?;
+    }
+    let (x, w) = (F32In::new(x), F32In::new(w));
+    let bias = bias.map(F32In::new);
+    with_out(y, false, |y, _| {
+        // Start from the bias and let gemm add X·Wᵀ to it.
+        if let Some(b) = &bias {
+            y.chunks_exact_mut(d_out)
+                .for_each(|row| row.copy_from_slice(b));
+        }
+        gemm_f32(
+            t,
+            d_out,
+            d_in,
+            y,
+            row_major(&x, d_in),
+            transposed(&w, d_in),
+            bias.is_some(),
+        );
+    });
+    Ok(())
+}
+
+/// Linear layer backward. `dX[T,IN] = dY · W` (overwritten; `None` skips it, e.g. for the first layer),
+/// `dW[OUT,IN] (+)= dYᵀ · X`, `db[OUT] (+)= Σ_t dY[t,:]` (added to when `accumulate`).
+///
+/// Errors: a zero size, or a buffer whose length does not match.
+#[allow(clippy::too_many_arguments)]
+pub fn linear_backward<T: Element, G: Element>(
+    dx: Option<&mut [T]>,
+    dw: &mut [G],
+    dbias: Option<&mut [G]>,
+    dy: &[T],
+    x: &[T],
+    w: &[T],
+    t: usize,
+    d_in: usize,
+    d_out: usize,
+    accumulate: bool,
+) -> Result<()> {
+    nonzero("t", t)?;
+    nonzero("d_in", d_in)?;
+    nonzero("d_out", d_out)?;
+    let (n_x, n_w) = (numel("x", &[t, d_in])?, numel("w", &[d_out, d_in])?);
+    check_len("dy", dy.len(), numel("dy", &[t, d_out])?)?;
+    check_len("x", x.len(), n_x)?;
+    check_len("w", w.len(), n_w)?;
+    check_len("dw", dw.len(), n_w)?;
+    if let Some(dx) = &dx {
+        check_len("dx", dx.len(), n_x)?;
+    }
+    if let Some(db) = &dbias {
+        check_len("dbias", db.len(), d_out)?;
+    }
+    let dy = F32In::new(dy);
+    if let Some(dx) = dx {
+        let w = F32In::new(w);
+        with_out(dx, false, |o, acc| {
+            gemm_f32(
+                t,
+                d_in,
+                d_out,
+                o,
+                row_major(&dy, d_out),
+                row_major(&w, d_in),
+                acc,
+            )
+        });
+    }
+    {
+        let x = F32In::new(x);
+        with_out(dw, accumulate, |o, acc| {
+            gemm_f32(
+                d_out,
+                d_in,
+                t,
+                o,
+                transposed(&dy, d_out),
+                row_major(&x, d_in),
+                acc,
+            )
+        });
+    }
+    if let Some(db) = dbias {
+        // Column sums in token order (one thread; O(T·OUT), small next to the products).
+        let mut sum = vec![0.0f32; d_out];
+        for row in dy.chunks_exact(d_out) {
+            for (s, v) in sum.iter_mut().zip(row) {
+                *s += *v;
+            }
+        }
+        store(db, &sum, accumulate);
+    }
+    Ok(())
+}

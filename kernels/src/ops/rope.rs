@@ -1,0 +1,366 @@
+//! Rotary position embedding (RoPE) with explicit positions and context-extension scalings.
+//!
+//! Legend: `B` batch, `H` heads, `S` sequence (tokens this rank holds), `D` head dim (even), `i ∈ [0, D/2)`.
+//! Layout `[B, H, S, D]`, row-major, head dim innermost (the attention layout of this crate).
+//!
+//! Half-split pairing (`rotate_half`, the Llama / Hugging Face convention): element `i` pairs with `i + D/2`.
+//!
+//! ```text
+//! θ[s,i]   = pos[s] · inv_freq[i]                  (in f64; positions are explicit, e.g. a context-parallel
+//!                                                    rank's non-contiguous token positions)
+//! c, s     = m · cos θ, m · sin θ                   (m = attention factor: 1, or YaRN's mscale)
+//! forward:  y[i] = x[i]·c − x[i+D/2]·s,   y[i+D/2] = x[i+D/2]·c + x[i]·s
+//! backward: the transposed rotation (the inverse when m = 1):
+//!           dx[i] = dy[i]·c + dy[i+D/2]·s,  dx[i+D/2] = dy[i+D/2]·c − dy[i]·s
+//! ```
+//!
+//! Inverse frequencies start from `inv_freq[i] = base^(−2i/D)` and are rescaled by [`RopeScaling`], following
+//! Hugging Face `modeling_rope_utils`.
+
+use rayon::prelude::*;
+
+use super::{finite, nonzero, numel, ROWS_PER_TASK};
+use crate::dtype::Element;
+use crate::error::{check_len, KernelError, Result};
+
+/// Context-extension scaling of the rotary frequencies.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum RopeScaling {
+    /// Plain RoPE.
+    None,
+    /// Position interpolation: positions divided by `factor` (`inv_freq / factor`).
+    Linear {
+        /// Interpolation factor (> 0).
+        factor: f64,
+    },
+    /// NTK-aware scaling: `base · factor^(D/(D−2))` (the "dynamic" variant evaluated at a fixed factor).
+    NtkAware {
+        /// Context extension factor (> 0).
+        factor: f64,
+    },
+    /// Llama 3.1 (HF `_compute_llama3_parameters`): wavelengths longer than `original_max_position /
+    /// low_freq_factor` are divided by `factor`, shorter than `original_max_position / high_freq_factor` kept,
+    /// and the band between interpolated smoothly.
+    Llama3 {
+        /// Context extension factor (8 for Llama 3.1).
+        factor: f64,
+        /// Low-frequency factor (1 for Llama 3.1).
+        low_freq_factor: f64,
+        /// High-frequency factor (4 for Llama 3.1); must exceed `low_freq_factor`.
+        high_freq_factor: f64,
+        /// Pre-training context length (8192 for Llama 3.1).
+        original_max_position: usize,
+    },
+    /// YaRN (HF `_compute_yarn_parameters`): per-frequency linear ramp between interpolation (`inv_freq /
+    /// factor`) and extrapolation, over the dimensions where the number of rotations in the original context lies
+    /// between `beta_slow` and `beta_fast`; cos and sin are multiplied by the attention factor.
+    Yarn {
+        /// Context extension factor.
+        factor: f64,
+        /// Pre-training context length.
+        original_max_position: usize,
+        /// Rotations above which a dimension extrapolates (HF default 32).
+        beta_fast: f64,
+        /// Rotations below which a dimension interpolates (HF default 1).
+        beta_slow: f64,
+        /// Override of the attention factor; `None` gives `0.1·ln(factor) + 1` (1 when `factor <= 1`).
+        attention_factor: Option<f64>,
+        /// Round the ramp bounds outward to whole dimensions (HF default `true`).
+        truncate: bool,
+    },
+}
+
+/// RoPE parameters.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RopeConfig {
+    /// Head dim `D` (even, ≥ 2).
+    pub head_dim: usize,
+    /// Base `θ` (10000 for Llama 2, 500000 for Llama 3).
+    pub base: f64,
+    /// Context-extension scaling.
+    pub scaling: RopeScaling,
+}
+
+/// Precomputed inverse frequencies and attention factor of a [`RopeConfig`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct RopeTable {
+    head_dim: usize,
+    inv_freq: Vec<f64>,
+    attention_factor: f64,
+}
+
+fn positive(name: &'static str, x: f64) -> Result<()> {
+    finite(name, x, true)
+}
+
+impl RopeTable {
+    /// Computes the inverse frequencies of `cfg`.
+    ///
+    /// Errors: an odd or zero head dim, a non-finite or non-positive base or factor, a zero original context,
+    /// or Llama 3 `high_freq_factor <= low_freq_factor`.
+    pub fn new(cfg: &RopeConfig) -> Result<Self> {
+        let d = cfg.head_dim;
+        nonzero("head_dim", d)?;
+        if d % 2 == 1 {
+            return Err(KernelError::InvalidArgument {
+                name: "head_dim",
+                why: format!("{d} is odd"),
+            });
+        }
+        positive("base", cfg.base)?;
+        let half = d / 2;
+        let base_inv = |base: f64| -> Vec<f64> {
+            (0..half)
+                .map(|i| 1.0 / base.powf((2 * i) as f64 / d as f64))
+                .collect()
+        };
+        let mut attention_factor = 1.0;
+        let inv_freq = match cfg.scaling {
+            RopeScaling::None => base_inv(cfg.base),
+            RopeScaling::Linear { factor } => {
+                positive("factor", factor)?;
+                base_inv(cfg.base).into_iter().map(|f| f / factor).collect()
+            }
+            RopeScaling::NtkAware { factor } => {
+                positive("factor", factor)?;
+                if d == 2 {
+                    return Err(KernelError::InvalidArgument {
+                        name: "head_dim",
+                        why: "NTK-aware scaling needs D > 2 (exponent D/(D-2))".into(),
+                    });
+                }
+                base_inv(cfg.base * factor.powf(d as f64 / (d as f64 - 2.0)))
+            }
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position,
+            } => {
+                positive("factor", factor)?;
+                positive("low_freq_factor", low_freq_factor)?;
+                positive("high_freq_factor", high_freq_factor)?;
+                nonzero("original_max_position", original_max_position)?;
+                if high_freq_factor <= low_freq_factor {
+                    return Err(KernelError::InvalidArgument {
+                        name: "high_freq_factor",
+                        why: format!(
+                            "{high_freq_factor} must exceed low_freq_factor {low_freq_factor}"
+                        ),
+                    });
+                }
+                let old = original_max_position as f64;
+                let low_wavelen = old / low_freq_factor;
+                let high_wavelen = old / high_freq_factor;
+                base_inv(cfg.base)
+                    .into_iter()
+                    .map(|f| {
+                        let wavelen = 2.0 * std::f64::consts::PI / f;
+                        if wavelen > low_wavelen {
+                            f / factor
+                        } else if wavelen < high_wavelen {
+                            f
+                        } else {
+                            let smooth = (old / wavelen - low_freq_factor)
+                                / (high_freq_factor - low_freq_factor);
+                            (1.0 - smooth) * f / factor + smooth * f
+                        }
+                    })
+                    .collect()
+            }
+            RopeScaling::Yarn {
+                factor,
+                original_max_position,
+                beta_fast,
+                beta_slow,
+                attention_factor: af,
+                truncate,
+            } => {
+                positive("factor", factor)?;
+                positive("beta_fast", beta_fast)?;
+                positive("beta_slow", beta_slow)?;
+                nonzero("original_max_position", original_max_position)?;
+                attention_factor = match af {
+                    Some(a) => {
+                        positive("attention_factor", a)?;
+                        a
+                    }
+                    None if factor <= 1.0 => 1.0,
+                    None => 0.1 * factor.ln() + 1.0,
+                };
+                let (dim, base, maxp) = (d as f64, cfg.base, original_max_position as f64);
+                let corr = |rot: f64| {
+                    dim * (maxp / (rot * 2.0 * std::f64::consts::PI)).ln() / (2.0 * base.ln())
+                };
+                let (mut low, mut high) = (corr(beta_fast), corr(beta_slow));
+                if truncate {
+                    low = low.floor();
+                    high = high.ceil();
+                }
+                let low = low.max(0.0);
+                let mut high = high.min(dim - 1.0);
+                if low == high {
+                    high += 0.001;
+                }
+                base_inv(cfg.base)
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, f)| {
+                        let ramp = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+                        let extrapolation = 1.0 - ramp;
+                        (f / factor) * (1.0 - extrapolation) + f * extrapolation
+                    })
+                    .collect()
+            }
+        };
+        Ok(RopeTable {
+            head_dim: d,
+            inv_freq,
+            attention_factor,
+        })
+    }
+
+    /// Head dim `D`.
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+    /// The `D/2` inverse frequencies.
+    pub fn inv_freq(&self) -> &[f64] {
+        &self.inv_freq
+    }
+    /// The factor cos and sin are multiplied by (YaRN's mscale; 1 otherwise).
+    pub fn attention_factor(&self) -> f64 {
+        self.attention_factor
+    }
+
+    /// `(cos, sin)`, each `[S, D/2]`, already multiplied by the attention factor.
+    pub fn cos_sin(&self, positions: &[i64]) -> (Vec<f32>, Vec<f32>) {
+        let half = self.head_dim / 2;
+        let mut cos = vec![0.0f32; positions.len() * half];
+        let mut sin = vec![0.0f32; positions.len() * half];
+        for (s, &p) in positions.iter().enumerate() {
+            for (i, f) in self.inv_freq.iter().enumerate() {
+                let (sn, cs) = (p as f64 * f).sin_cos();
+                cos[s * half + i] = (cs * self.attention_factor) as f32;
+                sin[s * half + i] = (sn * self.attention_factor) as f32;
+            }
+        }
+        (cos, sin)
+    }
+
+    fn check<T: Element>(
+        &self,
+        out: &[T],
+        inp: &[T],
+        positions: &[i64],
+        b: usize,
+        h: usize,
+    ) -> Result<usize> {
+        nonzero("b", b)?;
+        nonzero("h", h)?;
+        nonzero("s", positions.len())?;
+        let n = numel("x", &[b, h, positions.len(), self.head_dim])?;
+        check_len("input", inp.len(), n)?;
+        check_len("output", out.len(), n)?;
+        Ok(n)
+    }
+
+    /// Rotates every `D`-row of `out` (reading `inp`, or `out` itself when `None`) by `sign`·θ.
+    fn apply<T: Element>(&self, out: &mut [T], inp: Option<&[T]>, positions: &[i64], sign: f32) {
+        let (d, half, s_len) = (self.head_dim, self.head_dim / 2, positions.len());
+        let (cos, sin) = self.cos_sin(positions);
+        let block = |blk: usize, o: &mut [T], x: Option<&[T]>| {
+            for j in 0..o.len() / d {
+                let s = (blk * ROWS_PER_TASK + j) % s_len;
+                let (c, sn) = (
+                    &cos[s * half..(s + 1) * half],
+                    &sin[s * half..(s + 1) * half],
+                );
+                let o = &mut o[j * d..(j + 1) * d];
+                let x = x.map(|x| &x[j * d..(j + 1) * d]);
+                for i in 0..half {
+                    let (x1, x2) = match x {
+                        Some(x) => (x[i].to_f32(), x[i + half].to_f32()),
+                        None => (o[i].to_f32(), o[i + half].to_f32()),
+                    };
+                    let si = sign * sn[i];
+                    o[i] = T::from_f32(x1 * c[i] - x2 * si);
+                    o[i + half] = T::from_f32(x2 * c[i] + x1 * si);
+                }
+            }
+        };
+        match inp {
+            Some(inp) => out
+                .par_chunks_mut(d * ROWS_PER_TASK)
+                .zip(inp.par_chunks(d * ROWS_PER_TASK))
+                .enumerate()
+                .for_each(|(blk, (o, x))| block(blk, o, Some(x))),
+            None => out
+                .par_chunks_mut(d * ROWS_PER_TASK)
+                .enumerate()
+                .for_each(|(blk, o)| block(blk, o, None)),
+        }
+    }
+
+    /// Forward: `y[B,H,S,D]` = `x` rotated by the angles of `positions[S]`.
+    ///
+    /// Errors: a zero size, or `x`/`y` not holding `B·H·S·D` elements.
+    pub fn forward<T: Element>(
+        &self,
+        y: &mut [T],
+        x: &[T],
+        positions: &[i64],
+        b: usize,
+        h: usize,
+    ) -> Result<()> {
+        self.check(y, x, positions, b, h)?;
+        self.apply(y, Some(x), positions, 1.0);
+        Ok(())
+    }
+
+    /// Backward: `dx[B,H,S,D]` = `dy` rotated back (the transpose of the forward map).
+    ///
+    /// Errors: a zero size, or `dx`/`dy` not holding `B·H·S·D` elements.
+    pub fn backward<T: Element>(
+        &self,
+        dx: &mut [T],
+        dy: &[T],
+        positions: &[i64],
+        b: usize,
+        h: usize,
+    ) -> Result<()> {
+        self.check(dx, dy, positions, b, h)?;
+        self.apply(dx, Some(dy), positions, -1.0);
+        Ok(())
+    }
+
+    /// In-place forward: `x[B,H,S,D]` is replaced by its rotation (e.g. Q and K before attention).
+    ///
+    /// Errors: a zero size, or `x` not holding `B·H·S·D` elements.
+    pub fn forward_inplace<T: Element>(
+        &self,
+        x: &mut [T],
+        positions: &[i64],
+        b: usize,
+        h: usize,
+    ) -> Result<()> {
+        self.check(x, x, positions, b, h)?;
+        self.apply(x, None, positions, 1.0);
+        Ok(())
+    }
+
+    /// In-place backward: `d[B,H,S,D]` (the gradient of the output) is replaced by the gradient of the input.
+    ///
+    /// Errors: a zero size, or `d` not holding `B·H·S·D` elements.
+    pub fn backward_inplace<T: Element>(
+        &self,
+        d: &mut [T],
+        positions: &[i64],
+        b: usize,
+        h: usize,
+    ) -> Result<()> {
+        self.check(d, d, positions, b, h)?;
+        self.apply(d, None, positions, -1.0);
+        Ok(())
+    }
+}
