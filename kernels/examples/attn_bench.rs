@@ -185,8 +185,7 @@ fn main() {
                     let mut fwd = f64::MAX;
                     for _ in 0..reps {
                         let t = Instant::now();
-                        attention_forward(&p, q.view(), k.view(), v.view(), o.view_mut(), &mut lse)
-                            .expect("forward");
+                        attention_forward(&p, q.view(), k.view(), v.view(), o.view_mut(), &mut lse).expect("forward");
                         fwd = fwd.min(t.elapsed().as_secs_f64());
                     }
                     let mut bwd = f64::NAN;

@@ -40,10 +40,9 @@ pub use backend::{AttentionBackend, CpuBackend};
 pub use dtype::{DType, Element};
 pub use error::{KernelError, Result};
 pub use ops::{
-    adamw_step, adamw_step_with_copy, clip_grad_norm, cross_entropy_fused, cross_entropy_logits,
-    embedding_backward, embedding_forward, layernorm_backward, layernorm_forward, linear_backward,
-    linear_forward, matmul, matmul_backward, rmsnorm_backward, rmsnorm_forward,
-    squared_relu_backward, squared_relu_forward, swiglu_backward, swiglu_forward, AdamW,
-    CrossEntropyOptions, CrossEntropyOutput, RopeConfig, RopeScaling, RopeTable,
+    adamw_step, adamw_step_with_copy, clip_grad_norm, cross_entropy_fused, cross_entropy_logits, embedding_backward,
+    embedding_forward, layernorm_backward, layernorm_forward, linear_backward, linear_forward, matmul, matmul_backward,
+    rmsnorm_backward, rmsnorm_forward, squared_relu_backward, squared_relu_forward, swiglu_backward, swiglu_forward,
+    AdamW, CrossEntropyOptions, CrossEntropyOutput, RopeConfig, RopeScaling, RopeTable,
 };
 pub use view::{HostSlice, HostSliceMut};

@@ -310,7 +310,10 @@ fn gradients_match_finite_differences() {
     let shape = AttnShape { batch: 1, q_heads: 2, kv_heads: 1, q_len: 9, kv_len: 11, head_dim: 32 };
     let qd: Vec<u32> = (0..9).map(|i| (i / 5) as u32).collect();
     let kd: Vec<u32> = (0..11).map(|i| (i / 6) as u32).collect();
-    let mask = AttnMask::causal().with_positions(Positions::Offset(2), Positions::Offset(0)).with_window(7).with_docs(&qd, &kd);
+    let mask = AttnMask::causal()
+        .with_positions(Positions::Offset(2), Positions::Offset(0))
+        .with_window(7)
+        .with_docs(&qd, &kd);
     let p = AttnParams::new(shape).with_mask(mask);
     let q = rand_vec(shape.q_elems(), 11);
     let k = rand_vec(shape.kv_elems(), 12);
@@ -361,8 +364,6 @@ fn edge_cases() {
     for (sq, sk) in [(1, 200), (200, 1), (1, 1)] {
         let shape = AttnShape { batch: 1, q_heads: 4, kv_heads: 2, q_len: sq, kv_len: sk, head_dim: d };
         for causal in [false, true] {
-            let mut m = AttnMask::full().with_positions(Positions::Offset(sk as i64 - 1), Positions::Offset(0));
-            m.causal = causal;
             let case = Case {
                 shape,
                 causal,
@@ -476,7 +477,8 @@ fn deterministic_across_thread_counts() {
 #[test]
 fn backward_accumulates() {
     let shape = AttnShape { batch: 1, q_heads: 2, kv_heads: 1, q_len: 50, kv_len: 80, head_dim: 32 };
-    let p = AttnParams::new(shape).with_mask(AttnMask::causal().with_positions(Positions::Offset(30), Positions::Offset(0)));
+    let p = AttnParams::new(shape)
+        .with_mask(AttnMask::causal().with_positions(Positions::Offset(30), Positions::Offset(0)));
     let q = rand_vec(shape.q_elems(), 1);
     let k = rand_vec(shape.kv_elems(), 2);
     let v = rand_vec(shape.kv_elems(), 3);
@@ -530,7 +532,12 @@ fn bad_input_is_a_typed_error() {
     let e = run(&AttnParams::new(good).with_scale(f32::NAN), &q, &kv);
     assert!(matches!(e, Err(KernelError::InvalidArgument { name: "scale", .. })), "{e:?}");
     let pos = [0i64; 3];
-    let e = run(&AttnParams::new(good).with_mask(AttnMask::causal().with_positions(Positions::Explicit(&pos), Positions::Offset(0))), &q, &kv);
+    let e = run(
+        &AttnParams::new(good)
+            .with_mask(AttnMask::causal().with_positions(Positions::Explicit(&pos), Positions::Offset(0))),
+        &q,
+        &kv,
+    );
     assert!(matches!(e, Err(KernelError::BufferLength { name: "q_pos", .. })), "{e:?}");
     let e = run(&AttnParams::new(good).with_mask(AttnMask::full().with_window(0)), &q, &kv);
     assert!(matches!(e, Err(KernelError::InvalidArgument { name: "window", .. })), "{e:?}");

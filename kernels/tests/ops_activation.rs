@@ -3,8 +3,7 @@
 mod ops_util;
 
 use longctx_kernels::{
-    squared_relu_backward, squared_relu_forward, swiglu_backward, swiglu_forward, Element,
-    KernelError,
+    squared_relu_backward, squared_relu_forward, swiglu_backward, swiglu_forward, Element, KernelError,
 };
 use ops_util::*;
 use proptest::prelude::*;
@@ -28,14 +27,7 @@ fn swiglu_case<T: Element>(n: usize, seed: u64) {
     swiglu_forward(&mut out, &to_t::<T>(&g), &to_t::<T>(&u)).unwrap();
     assert_close("swiglu out", &out, &ref_swiglu(&g, &u));
     let (mut dg, mut du) = (poisoned::<T>(n), poisoned::<T>(n));
-    swiglu_backward(
-        &mut dg,
-        &mut du,
-        &to_t::<T>(&d),
-        &to_t::<T>(&g),
-        &to_t::<T>(&u),
-    )
-    .unwrap();
+    swiglu_backward(&mut dg, &mut du, &to_t::<T>(&d), &to_t::<T>(&g), &to_t::<T>(&u)).unwrap();
     // Analytic f64 reference.
     let dg_ref: Vec<f64> = (0..n)
         .map(|i| {
@@ -91,24 +83,12 @@ fn bad_lengths_are_typed_errors() {
     let a = vec![1.0f32; 4];
     let mut o = vec![0.0f32; 4];
     let mut o2 = [0.0f32; 4];
-    assert!(matches!(
-        swiglu_forward(&mut o, &a, &a[..3]),
-        Err(KernelError::BufferLength { name: "up", .. })
-    ));
-    assert!(matches!(
-        swiglu_forward(&mut o[..2], &a, &a),
-        Err(KernelError::BufferLength { name: "out", .. })
-    ));
+    assert!(matches!(swiglu_forward(&mut o, &a, &a[..3]), Err(KernelError::BufferLength { name: "up", .. })));
+    assert!(matches!(swiglu_forward(&mut o[..2], &a, &a), Err(KernelError::BufferLength { name: "out", .. })));
     assert!(matches!(
         swiglu_backward(&mut o, &mut o2[..1], &a, &a, &a),
         Err(KernelError::BufferLength { name: "d_up", .. })
     ));
-    assert!(matches!(
-        squared_relu_forward(&mut o[..3], &a),
-        Err(KernelError::BufferLength { name: "out", .. })
-    ));
-    assert!(matches!(
-        squared_relu_backward(&mut o, &a[..1], &a),
-        Err(KernelError::BufferLength { name: "dout", .. })
-    ));
+    assert!(matches!(squared_relu_forward(&mut o[..3], &a), Err(KernelError::BufferLength { name: "out", .. })));
+    assert!(matches!(squared_relu_backward(&mut o, &a[..1], &a), Err(KernelError::BufferLength { name: "dout", .. })));
 }

@@ -3,9 +3,7 @@
 
 mod ops_util;
 
-use longctx_kernels::{
-    cross_entropy_fused, cross_entropy_logits, CrossEntropyOptions, Element, KernelError,
-};
+use longctx_kernels::{cross_entropy_fused, cross_entropy_logits, CrossEntropyOptions, Element, KernelError};
 use ops_util::*;
 use proptest::prelude::*;
 
@@ -26,8 +24,7 @@ fn ref_ce(z: &[f64], tg: &[i64], v: usize, denom: Option<f64>) -> (f64, Vec<f64>
         let s: f64 = row.iter().map(|x| (x - m).exp()).sum();
         sum += m + s.ln() - row[y as usize];
         for j in 0..v {
-            dz[t * v + j] =
-                ((row[j] - m).exp() / s - if j == y as usize { 1.0 } else { 0.0 }) / den;
+            dz[t * v + j] = ((row[j] - m).exp() / s - if j == y as usize { 1.0 } else { 0.0 }) / den;
         }
     }
     (sum / den, dz)
@@ -42,14 +39,7 @@ fn logits(h: &[f64], w: &[f64], t: usize, c: usize, v: usize) -> Vec<f64> {
     z
 }
 /// (loss, dh, dw) of the fused op.
-fn ref_fused(
-    h: &[f64],
-    w: &[f64],
-    tg: &[i64],
-    t: usize,
-    c: usize,
-    v: usize,
-) -> (f64, Vec<f64>, Vec<f64>) {
+fn ref_fused(h: &[f64], w: &[f64], tg: &[i64], t: usize, c: usize, v: usize) -> (f64, Vec<f64>, Vec<f64>) {
     let (loss, dz) = ref_ce(&logits(h, w, t, c, v), tg, v, None);
     let mut dh = vec![0.0; t * c];
     let mut dw = vec![0.0; v * c];
@@ -65,15 +55,7 @@ fn ref_fused(
 }
 
 fn targets(r: &mut DataRng, t: usize, v: usize, p_ignore: f64) -> Vec<i64> {
-    (0..t)
-        .map(|_| {
-            if r.unit() < p_ignore {
-                IGN
-            } else {
-                r.below(v) as i64
-            }
-        })
-        .collect()
+    (0..t).map(|_| if r.unit() < p_ignore { IGN } else { r.below(v) as i64 }).collect()
 }
 
 fn logits_case<T: Element>(t: usize, v: usize, scale: f64, p_ignore: f64, seed: u64) {
@@ -84,11 +66,7 @@ fn logits_case<T: Element>(t: usize, v: usize, scale: f64, p_ignore: f64, seed: 
     let out = cross_entropy_logits(&mut zt, &tg, t, v, &CrossEntropyOptions::default()).unwrap();
     let (loss, dz) = ref_ce(&z, &tg, v, None);
     assert_eq!(out.n_valid, tg.iter().filter(|&&y| y != IGN).count());
-    assert!(
-        (out.loss as f64 - loss).abs() <= 1e-5 * loss.abs().max(1.0),
-        "{} vs {loss}",
-        out.loss
-    );
+    assert!((out.loss as f64 - loss).abs() <= 1e-5 * loss.abs().max(1.0), "{} vs {loss}", out.loss);
     if t * v <= 300 {
         let g = fd_grad(|x| ref_ce(x, &tg, v, None).0, &z, 1e-5);
         assert_fd("fd dlogits", &g, &dz, 1e-6);
@@ -96,42 +74,23 @@ fn logits_case<T: Element>(t: usize, v: usize, scale: f64, p_ignore: f64, seed: 
     // Entries below f32's range (e.g. p = e^-500) cannot be represented: measure against a 1e-30 floor.
     let err = rel_err(&to_f64(&zt), &dz) * dz.iter().fold(0.0f64, |m, x| m.max(x.abs()))
         / dz.iter().fold(1e-30f64, |m, x| m.max(x.abs()));
-    assert!(
-        err < tol::<T>(),
-        "dlogits ({:?}): rel err {err:e}",
-        T::DTYPE
-    );
+    assert!(err < tol::<T>(), "dlogits ({:?}): rel err {err:e}", T::DTYPE);
 }
 
 #[allow(clippy::too_many_arguments)]
-fn fused_case<T: Element>(
-    t: usize,
-    c: usize,
-    v: usize,
-    chunk: usize,
-    p_ignore: f64,
-    acc: bool,
-    seed: u64,
-) {
+fn fused_case<T: Element>(t: usize, c: usize, v: usize, chunk: usize, p_ignore: f64, acc: bool, seed: u64) {
     let mut r = DataRng::new(seed);
     let h = rounded::<T>(&r.vec(t * c, 1.0));
     let w = rounded::<T>(&r.vec(v * c, 1.0));
     let dw0 = rounded::<T>(&r.vec(v * c, 1.0));
     let tg = targets(&mut r, t, v, p_ignore);
     let (ht, wt) = (to_t::<T>(&h), to_t::<T>(&w));
-    let opts = CrossEntropyOptions {
-        chunk_tokens: chunk,
-        ..Default::default()
-    };
+    let opts = CrossEntropyOptions { chunk_tokens: chunk, ..Default::default() };
     let mut dh = poisoned::<T>(t * c);
     let mut dw: Vec<T> = if acc { to_t(&dw0) } else { poisoned(v * c) };
     let out = cross_entropy_fused(&mut dh, &mut dw, &ht, &wt, &tg, t, c, v, &opts, acc).unwrap();
     let (loss, dh_ref, mut dw_ref) = ref_fused(&h, &w, &tg, t, c, v);
-    assert!(
-        (out.loss as f64 - loss).abs() <= tol::<f32>() * loss.abs().max(1.0),
-        "{} vs {loss}",
-        out.loss
-    );
+    assert!((out.loss as f64 - loss).abs() <= tol::<f32>() * loss.abs().max(1.0), "{} vs {loss}", out.loss);
     if t * c * v <= 1500 {
         let fh = fd_grad(|x| ref_fused(x, &w, &tg, t, c, v).0, &h, 1e-5);
         let fw = fd_grad(|x| ref_fused(&h, x, &tg, t, c, v).0, &w, 1e-5);
@@ -156,10 +115,7 @@ fn fused_case<T: Element>(
         t,
         c,
         v,
-        &CrossEntropyOptions {
-            chunk_tokens: t,
-            ..opts
-        },
+        &CrossEntropyOptions { chunk_tokens: t, ..opts },
         acc,
     )
     .unwrap();
@@ -190,56 +146,30 @@ fn ignore_index_contributes_nothing() {
     let h: Vec<f32> = r.vec(t * c, 1.0).iter().map(|&x| x as f32).collect();
     let w: Vec<f32> = r.vec(v * c, 1.0).iter().map(|&x| x as f32).collect();
     // A custom ignore_index inside the vocabulary range.
-    let opts = CrossEntropyOptions {
-        ignore_index: 3,
-        chunk_tokens: 4,
-        denominator: None,
-    };
+    let opts = CrossEntropyOptions { ignore_index: 3, chunk_tokens: 4, denominator: None };
     let tg = vec![1i64, 3, 0, 3, 10, 2];
     let (mut dh, mut dw) = (vec![f32::NAN; t * c], vec![f32::NAN; v * c]);
     let out = cross_entropy_fused(&mut dh, &mut dw, &h, &w, &tg, t, c, v, &opts, false).unwrap();
     assert_eq!(out.n_valid, 4);
-    assert!(
-        dh[c..2 * c]
-            .iter()
-            .chain(&dh[3 * c..4 * c])
-            .all(|&x| x == 0.0),
-        "ignored rows get zero gradient"
-    );
+    assert!(dh[c..2 * c].iter().chain(&dh[3 * c..4 * c]).all(|&x| x == 0.0), "ignored rows get zero gradient");
     // Changing the hidden state of ignored tokens changes nothing.
     let mut h2 = h.clone();
     h2[c..2 * c].iter_mut().for_each(|x| *x *= -3.0);
     let (mut dh2, mut dw2) = (vec![f32::NAN; t * c], vec![f32::NAN; v * c]);
-    let out2 =
-        cross_entropy_fused(&mut dh2, &mut dw2, &h2, &w, &tg, t, c, v, &opts, false).unwrap();
+    let out2 = cross_entropy_fused(&mut dh2, &mut dw2, &h2, &w, &tg, t, c, v, &opts, false).unwrap();
     assert_eq!(out.loss, out2.loss);
     assert_close_f64("dw", &to_f64(&dw2), &to_f64(&dw), 1e-6);
     // Mean over valid tokens only: equals the same call on just the valid rows.
     let keep = [0usize, 2, 4, 5];
-    let hv: Vec<f32> = keep
-        .iter()
-        .flat_map(|&i| h[i * c..(i + 1) * c].to_vec())
-        .collect();
+    let hv: Vec<f32> = keep.iter().flat_map(|&i| h[i * c..(i + 1) * c].to_vec()).collect();
     let tv: Vec<i64> = keep.iter().map(|&i| tg[i]).collect();
     let (mut dh3, mut dw3) = (vec![f32::NAN; 4 * c], vec![f32::NAN; v * c]);
-    let out3 = cross_entropy_fused(
-        &mut dh3,
-        &mut dw3,
-        &hv,
-        &w,
-        &tv,
-        4,
-        c,
-        v,
-        &CrossEntropyOptions::default(),
-        false,
-    )
-    .unwrap();
+    let out3 =
+        cross_entropy_fused(&mut dh3, &mut dw3, &hv, &w, &tv, 4, c, v, &CrossEntropyOptions::default(), false).unwrap();
     assert!((out3.loss - out.loss).abs() < 1e-6);
     // All ignored: zero loss, zero gradients.
     let (mut dh4, mut dw4) = (vec![f32::NAN; t * c], vec![f32::NAN; v * c]);
-    let out4 =
-        cross_entropy_fused(&mut dh4, &mut dw4, &h, &w, &[3; 6], t, c, v, &opts, false).unwrap();
+    let out4 = cross_entropy_fused(&mut dh4, &mut dw4, &h, &w, &[3; 6], t, c, v, &opts, false).unwrap();
     assert_eq!((out4.loss, out4.n_valid), (0.0, 0));
     assert!(dh4.iter().chain(&dw4).all(|&x| x == 0.0));
     // An explicit denominator divides the sum instead.
@@ -252,10 +182,7 @@ fn ignore_index_contributes_nothing() {
         t,
         c,
         v,
-        &CrossEntropyOptions {
-            denominator: Some(10.0),
-            ..opts
-        },
+        &CrossEntropyOptions { denominator: Some(10.0), ..opts },
         false,
     )
     .unwrap();
@@ -267,56 +194,24 @@ fn bad_inputs_are_typed_errors() {
     let opts = CrossEntropyOptions::default();
     let mut z = vec![0.5f32; 2 * 3];
     let e = cross_entropy_logits(&mut z, &[0, 3], 2, 3, &opts).unwrap_err();
-    assert!(matches!(
-        e,
-        KernelError::InvalidArgument {
-            name: "targets",
-            ..
-        }
-    ));
+    assert!(matches!(e, KernelError::InvalidArgument { name: "targets", .. }));
     assert_eq!(z, vec![0.5; 6], "untouched on error");
-    assert!(matches!(
-        cross_entropy_logits(&mut z, &[0, -1], 2, 3, &opts),
-        Err(KernelError::InvalidArgument { .. })
-    ));
+    assert!(matches!(cross_entropy_logits(&mut z, &[0, -1], 2, 3, &opts), Err(KernelError::InvalidArgument { .. })));
     assert!(matches!(
         cross_entropy_logits(&mut z, &[0], 2, 3, &opts),
-        Err(KernelError::BufferLength {
-            name: "targets",
-            ..
-        })
+        Err(KernelError::BufferLength { name: "targets", .. })
     ));
-    let bad = CrossEntropyOptions {
-        denominator: Some(0.0),
-        ..opts
-    };
+    let bad = CrossEntropyOptions { denominator: Some(0.0), ..opts };
     assert!(cross_entropy_logits(&mut z, &[0, 1], 2, 3, &bad).is_err());
     let (h, w) = (vec![0.5f32; 2 * 4], vec![0.5f32; 3 * 4]);
     let (mut dh, mut dw) = (vec![0.0f32; 8], vec![0.0f32; 12]);
-    let zero = CrossEntropyOptions {
-        chunk_tokens: 0,
-        ..opts
-    };
+    let zero = CrossEntropyOptions { chunk_tokens: 0, ..opts };
     assert_eq!(
         cross_entropy_fused(&mut dh, &mut dw, &h, &w, &[0, 1], 2, 4, 3, &zero, false),
         Err(KernelError::ZeroDim("chunk_tokens"))
     );
     assert!(matches!(
-        cross_entropy_fused(
-            &mut dh,
-            &mut dw[..11],
-            &h,
-            &w,
-            &[0, 1],
-            2,
-            4,
-            3,
-            &opts,
-            false
-        ),
-        Err(KernelError::BufferLength {
-            name: "dweight",
-            ..
-        })
+        cross_entropy_fused(&mut dh, &mut dw[..11], &h, &w, &[0, 1], 2, 4, 3, &opts, false),
+        Err(KernelError::BufferLength { name: "dweight", .. })
     ));
 }

@@ -2,9 +2,7 @@
 
 mod ops_util;
 
-use longctx_kernels::{
-    linear_backward, linear_forward, matmul, matmul_backward, DType, Element, KernelError,
-};
+use longctx_kernels::{linear_backward, linear_forward, matmul, matmul_backward, DType, Element, KernelError};
 use ops_util::*;
 use proptest::prelude::*;
 
@@ -29,14 +27,7 @@ fn transpose(a: &[f64], r: usize, c: usize) -> Vec<f64> {
     }
     t
 }
-fn ref_linear(
-    x: &[f64],
-    w: &[f64],
-    b: Option<&[f64]>,
-    t: usize,
-    di: usize,
-    d_o: usize,
-) -> Vec<f64> {
+fn ref_linear(x: &[f64], w: &[f64], b: Option<&[f64]>, t: usize, di: usize, d_o: usize) -> Vec<f64> {
     let mut y = vec![0.0; t * d_o];
     for r in 0..t {
         for o in 0..d_o {
@@ -50,14 +41,7 @@ fn ref_linear(
     y
 }
 /// (dx, dw, db) of L = Σ dy ⊙ linear(x, w, b).
-fn ref_linear_bwd(
-    dy: &[f64],
-    x: &[f64],
-    w: &[f64],
-    t: usize,
-    di: usize,
-    d_o: usize,
-) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+fn ref_linear_bwd(dy: &[f64], x: &[f64], w: &[f64], t: usize, di: usize, d_o: usize) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
     let dx = ref_matmul(dy, w, t, d_o, di);
     let dw = ref_matmul(&transpose(dy, t, d_o), x, d_o, t, di);
     let mut db = vec![0.0; d_o];
@@ -105,14 +89,7 @@ fn matmul_case<T: Element, G: Element>(m: usize, k: usize, n: usize, acc: bool, 
 }
 
 #[allow(clippy::too_many_arguments)]
-fn linear_case<T: Element, G: Element>(
-    t: usize,
-    di: usize,
-    d_o: usize,
-    bias: bool,
-    acc: bool,
-    seed: u64,
-) {
+fn linear_case<T: Element, G: Element>(t: usize, di: usize, d_o: usize, bias: bool, acc: bool, seed: u64) {
     let mut rng = DataRng::new(seed);
     let x = rounded::<T>(&rng.vec(t * di, 1.0));
     let w = rounded::<T>(&rng.vec(d_o * di, 1.0));
@@ -130,41 +107,13 @@ fn linear_case<T: Element, G: Element>(
     let mut dx = poisoned::<T>(t * di);
     let mut dw: Vec<G> = if acc { to_t(&dw0) } else { poisoned(d_o * di) };
     let mut db: Vec<G> = if acc { to_t(&db0) } else { poisoned(d_o) };
-    linear_backward(
-        Some(&mut dx),
-        &mut dw,
-        bias.then_some(&mut db[..]),
-        &dyt,
-        &xt,
-        &wt,
-        t,
-        di,
-        d_o,
-        acc,
-    )
-    .unwrap();
+    linear_backward(Some(&mut dx), &mut dw, bias.then_some(&mut db[..]), &dyt, &xt, &wt, t, di, d_o, acc).unwrap();
     let (dx_ref, mut dw_ref, mut db_ref) = ref_linear_bwd(&dy, &x, &w, t, di, d_o);
     if t * di * d_o <= 6000 {
-        let loss =
-            |x: &[f64], w: &[f64], b: &[f64]| dot(&dy, &ref_linear(x, w, Some(b), t, di, d_o));
-        assert_fd(
-            "fd dx",
-            &fd_grad(|v| loss(v, &w, &b), &x, 1e-3),
-            &dx_ref,
-            1e-8,
-        );
-        assert_fd(
-            "fd dw",
-            &fd_grad(|v| loss(&x, v, &b), &w, 1e-3),
-            &dw_ref,
-            1e-8,
-        );
-        assert_fd(
-            "fd db",
-            &fd_grad(|v| loss(&x, &w, v), &b, 1e-3),
-            &db_ref,
-            1e-8,
-        );
+        let loss = |x: &[f64], w: &[f64], b: &[f64]| dot(&dy, &ref_linear(x, w, Some(b), t, di, d_o));
+        assert_fd("fd dx", &fd_grad(|v| loss(v, &w, &b), &x, 1e-3), &dx_ref, 1e-8);
+        assert_fd("fd dw", &fd_grad(|v| loss(&x, v, &b), &w, 1e-3), &dw_ref, 1e-8);
+        assert_fd("fd db", &fd_grad(|v| loss(&x, &w, v), &b, 1e-3), &db_ref, 1e-8);
     }
     if acc {
         dw_ref.iter_mut().zip(&dw0).for_each(|(r, g)| *r += g);
@@ -221,30 +170,10 @@ fn bad_shapes_are_typed_errors() {
     let b = vec![1.0f32; 6];
     let mut c = vec![0.0f32; 4];
     assert!(matches!(matmul(&mut c, &a, &b, 2, 3, 2), Ok(())));
-    assert_eq!(
-        matmul(&mut c, &a[..5], &b, 2, 3, 2),
-        Err(KernelError::BufferLength {
-            name: "a",
-            expected: 6,
-            got: 5
-        })
-    );
-    assert_eq!(
-        matmul(&mut c[..3], &a, &b, 2, 3, 2),
-        Err(KernelError::BufferLength {
-            name: "c",
-            expected: 4,
-            got: 3
-        })
-    );
-    assert_eq!(
-        matmul(&mut c, &a, &b, 0, 3, 2),
-        Err(KernelError::ZeroDim("m"))
-    );
-    assert!(matches!(
-        matmul(&mut c, &a, &b, usize::MAX, 3, 2),
-        Err(KernelError::Shape(_))
-    ));
+    assert_eq!(matmul(&mut c, &a[..5], &b, 2, 3, 2), Err(KernelError::BufferLength { name: "a", expected: 6, got: 5 }));
+    assert_eq!(matmul(&mut c[..3], &a, &b, 2, 3, 2), Err(KernelError::BufferLength { name: "c", expected: 4, got: 3 }));
+    assert_eq!(matmul(&mut c, &a, &b, 0, 3, 2), Err(KernelError::ZeroDim("m")));
+    assert!(matches!(matmul(&mut c, &a, &b, usize::MAX, 3, 2), Err(KernelError::Shape(_))));
     let mut y = vec![0.0f32; 4];
     assert!(matches!(
         linear_forward(&mut y, &a, &b, Some(&a[..1]), 2, 3, 2),

@@ -2,9 +2,7 @@
 
 mod ops_util;
 
-use longctx_kernels::{
-    layernorm_backward, layernorm_forward, rmsnorm_backward, rmsnorm_forward, Element, KernelError,
-};
+use longctx_kernels::{layernorm_backward, layernorm_forward, rmsnorm_backward, rmsnorm_forward, Element, KernelError};
 use ops_util::*;
 use proptest::prelude::*;
 
@@ -20,14 +18,7 @@ fn ref_rms(x: &[f64], w: &[f64], n: usize, c: usize, eps: f64) -> Vec<f64> {
     }
     y
 }
-fn ref_rms_bwd(
-    dy: &[f64],
-    x: &[f64],
-    w: &[f64],
-    n: usize,
-    c: usize,
-    eps: f64,
-) -> (Vec<f64>, Vec<f64>) {
+fn ref_rms_bwd(dy: &[f64], x: &[f64], w: &[f64], n: usize, c: usize, eps: f64) -> (Vec<f64>, Vec<f64>) {
     let (mut dx, mut dw) = (vec![0.0; n * c], vec![0.0; c]);
     for r in 0..n {
         let row = &x[r * c..(r + 1) * c];
@@ -57,14 +48,7 @@ fn ref_ln(x: &[f64], w: &[f64], b: &[f64], n: usize, c: usize, eps: f64) -> Vec<
     }
     y
 }
-fn ref_ln_bwd(
-    dy: &[f64],
-    x: &[f64],
-    w: &[f64],
-    n: usize,
-    c: usize,
-    eps: f64,
-) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+fn ref_ln_bwd(dy: &[f64], x: &[f64], w: &[f64], n: usize, c: usize, eps: f64) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
     let (mut dx, mut dw, mut db) = (vec![0.0; n * c], vec![0.0; c], vec![0.0; c]);
     for r in 0..n {
         let row = &x[r * c..(r + 1) * c];
@@ -119,12 +103,7 @@ fn rms_case<T: Element>(n: usize, c: usize, eps: f64, acc: bool, seed: u64) {
 fn ln_case<T: Element>(n: usize, c: usize, eps: f64, acc: bool, seed: u64) {
     let mut r = DataRng::new(seed);
     // An offset mean exercises the centring.
-    let x = rounded::<T>(
-        &r.vec(n * c, 2.0)
-            .iter()
-            .map(|v| v + 0.5)
-            .collect::<Vec<_>>(),
-    );
+    let x = rounded::<T>(&r.vec(n * c, 2.0).iter().map(|v| v + 0.5).collect::<Vec<_>>());
     let w = rounded::<T>(&r.vec(c, 1.0));
     let b = rounded::<T>(&r.vec(c, 1.0));
     let dy = rounded::<T>(&r.vec(n * c, 1.0));
@@ -132,39 +111,18 @@ fn ln_case<T: Element>(n: usize, c: usize, eps: f64, acc: bool, seed: u64) {
     let (xt, wt, bt, dyt) = (to_t::<T>(&x), to_t::<T>(&w), to_t::<T>(&b), to_t::<T>(&dy));
     let mut y = poisoned::<T>(n * c);
     let (mut mean, mut rstd) = (vec![f32::NAN; n], vec![f32::NAN; n]);
-    layernorm_forward(
-        &mut y, &mut mean, &mut rstd, &xt, &wt, &bt, n, c, eps as f32,
-    )
-    .unwrap();
+    layernorm_forward(&mut y, &mut mean, &mut rstd, &xt, &wt, &bt, n, c, eps as f32).unwrap();
     assert_close("ln y", &y, &ref_ln(&x, &w, &b, n, c, eps));
     let mut dx = poisoned::<T>(n * c);
     let mut dw: Vec<T> = if acc { to_t(&dw0) } else { poisoned(c) };
     let mut db: Vec<T> = if acc { to_t(&db0) } else { poisoned(c) };
-    layernorm_backward(
-        &mut dx, &mut dw, &mut db, &dyt, &xt, &wt, &mean, &rstd, n, c, acc,
-    )
-    .unwrap();
+    layernorm_backward(&mut dx, &mut dw, &mut db, &dyt, &xt, &wt, &mean, &rstd, n, c, acc).unwrap();
     let (dx_ref, mut dw_ref, mut db_ref) = ref_ln_bwd(&dy, &x, &w, n, c, eps);
     if n * c <= 400 {
         let l = |x: &[f64], w: &[f64], b: &[f64]| dot(&dy, &ref_ln(x, w, b, n, c, eps));
-        assert_fd(
-            "fd ln dx",
-            &fd_grad(|v| l(v, &w, &b), &x, 1e-5),
-            &dx_ref,
-            1e-6,
-        );
-        assert_fd(
-            "fd ln dw",
-            &fd_grad(|v| l(&x, v, &b), &w, 1e-5),
-            &dw_ref,
-            1e-6,
-        );
-        assert_fd(
-            "fd ln db",
-            &fd_grad(|v| l(&x, &w, v), &b, 1e-5),
-            &db_ref,
-            1e-6,
-        );
+        assert_fd("fd ln dx", &fd_grad(|v| l(v, &w, &b), &x, 1e-5), &dx_ref, 1e-6);
+        assert_fd("fd ln dw", &fd_grad(|v| l(&x, v, &b), &w, 1e-5), &dw_ref, 1e-6);
+        assert_fd("fd ln db", &fd_grad(|v| l(&x, &w, v), &b, 1e-5), &db_ref, 1e-6);
     }
     if acc {
         dw_ref.iter_mut().zip(&dw0).for_each(|(a, b)| *a += b);
@@ -204,14 +162,8 @@ fn bad_inputs_are_typed_errors() {
         rmsnorm_forward(&mut y, &mut r, &x, &w, 2, 3, f32::NAN),
         Err(KernelError::InvalidArgument { .. })
     ));
-    assert!(matches!(
-        rmsnorm_forward(&mut y, &mut r, &x, &w, 2, 3, -1.0),
-        Err(KernelError::InvalidArgument { .. })
-    ));
-    assert_eq!(
-        rmsnorm_forward(&mut y, &mut r, &x, &w, 0, 3, 1e-5),
-        Err(KernelError::ZeroDim("n"))
-    );
+    assert!(matches!(rmsnorm_forward(&mut y, &mut r, &x, &w, 2, 3, -1.0), Err(KernelError::InvalidArgument { .. })));
+    assert_eq!(rmsnorm_forward(&mut y, &mut r, &x, &w, 0, 3, 1e-5), Err(KernelError::ZeroDim("n")));
     assert!(matches!(
         layernorm_forward(&mut y, &mut m, &mut r[..1], &x, &w, &w, 2, 3, 1e-5),
         Err(KernelError::BufferLength { name: "rstd", .. })

@@ -2,9 +2,7 @@
 
 mod ops_util;
 
-use longctx_kernels::{
-    adamw_step, adamw_step_with_copy, clip_grad_norm, AdamW, Element, KernelError,
-};
+use longctx_kernels::{adamw_step, adamw_step_with_copy, clip_grad_norm, AdamW, Element, KernelError};
 use ops_util::*;
 use proptest::prelude::*;
 
@@ -43,10 +41,7 @@ fn adamw_case<G: Element>(n: usize, steps: u64, hp: AdamW, copy: bool, seed: u64
     assert_close("adamw v", &v, &vr);
     if copy {
         assert_close("adamw bf16 copy", &bf, &pr);
-        assert!(bf
-            .iter()
-            .zip(&p)
-            .all(|(b, p)| *b == half::bf16::from_f32(*p)));
+        assert!(bf.iter().zip(&p).all(|(b, p)| *b == half::bf16::from_f32(*p)));
     }
 }
 
@@ -57,15 +52,8 @@ fn clip_case<G: Element>(lens: Vec<usize>, max_norm: f32, seed: u64) {
     let norm_ref = data.iter().flatten().map(|x| x * x).sum::<f64>().sqrt();
     let mut views: Vec<&mut [G]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
     let norm = clip_grad_norm(&mut views, max_norm).unwrap();
-    assert!(
-        (norm - norm_ref).abs() <= 1e-6 * norm_ref.max(1e-30),
-        "{norm} vs {norm_ref}"
-    );
-    let k = if norm_ref > max_norm as f64 {
-        max_norm as f64 / (norm_ref + 1e-6)
-    } else {
-        1.0
-    };
+    assert!((norm - norm_ref).abs() <= 1e-6 * norm_ref.max(1e-30), "{norm} vs {norm_ref}");
+    let k = if norm_ref > max_norm as f64 { max_norm as f64 / (norm_ref + 1e-6) } else { 1.0 };
     for (b, d) in bufs.iter().zip(&data) {
         let want: Vec<f64> = d.iter().map(|x| x * k).collect();
         if !want.is_empty() {
@@ -97,10 +85,7 @@ fn non_finite_norm_is_reported_and_grads_untouched() {
     let mut b = [f32::NAN, 1.0];
     let before = (a.clone(), b[1]);
     let e = clip_grad_norm(&mut [&mut a[..], &mut b[..]], 1.0).unwrap_err();
-    assert!(
-        matches!(e, KernelError::InvalidArgument { name: "grads", .. }),
-        "{e}"
-    );
+    assert!(matches!(e, KernelError::InvalidArgument { name: "grads", .. }), "{e}");
     assert_eq!((a.clone(), b[1]), before);
     let mut c = [f32::INFINITY];
     assert!(clip_grad_norm(&mut [&mut c[..]], 1.0).is_err());
@@ -113,12 +98,7 @@ fn non_finite_norm_is_reported_and_grads_untouched() {
 #[test]
 fn bad_inputs_are_typed_errors() {
     let hp = AdamW::default();
-    let (mut p, g, mut m, mut v) = (
-        vec![1.0f32; 4],
-        vec![1.0f32; 4],
-        vec![0.0f32; 4],
-        vec![0.0f32; 4],
-    );
+    let (mut p, g, mut m, mut v) = (vec![1.0f32; 4], vec![1.0f32; 4], vec![0.0f32; 4], vec![0.0f32; 4]);
     assert!(matches!(
         adamw_step(&mut p, &g[..3], &mut m, &mut v, &hp, 1),
         Err(KernelError::BufferLength { name: "grads", .. })

@@ -11,23 +11,12 @@ use proptest::prelude::*;
 
 /// Inverse frequencies and attention factor, following HF `modeling_rope_utils` line by line.
 fn ref_inv_freq(d: usize, base: f64, sc: RopeScaling) -> (Vec<f64>, f64) {
-    let plain = |base: f64| {
-        (0..d / 2)
-            .map(|i| 1.0 / base.powf((2 * i) as f64 / d as f64))
-            .collect::<Vec<f64>>()
-    };
+    let plain = |base: f64| (0..d / 2).map(|i| 1.0 / base.powf((2 * i) as f64 / d as f64)).collect::<Vec<f64>>();
     match sc {
         RopeScaling::None => (plain(base), 1.0),
         RopeScaling::Linear { factor } => (plain(base).iter().map(|f| f / factor).collect(), 1.0),
-        RopeScaling::NtkAware { factor } => {
-            (plain(base * factor.powf(d as f64 / (d as f64 - 2.0))), 1.0)
-        }
-        RopeScaling::Llama3 {
-            factor,
-            low_freq_factor,
-            high_freq_factor,
-            original_max_position,
-        } => {
+        RopeScaling::NtkAware { factor } => (plain(base * factor.powf(d as f64 / (d as f64 - 2.0))), 1.0),
+        RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position } => {
             let old = original_max_position as f64;
             let (lw, hw) = (old / low_freq_factor, old / high_freq_factor);
             let mut out = vec![];
@@ -43,23 +32,10 @@ fn ref_inv_freq(d: usize, base: f64, sc: RopeScaling) -> (Vec<f64>, f64) {
             }
             (out, 1.0)
         }
-        RopeScaling::Yarn {
-            factor,
-            original_max_position,
-            beta_fast,
-            beta_slow,
-            attention_factor,
-            truncate,
-        } => {
-            let af = attention_factor.unwrap_or(if factor <= 1.0 {
-                1.0
-            } else {
-                0.1 * factor.ln() + 1.0
-            });
+        RopeScaling::Yarn { factor, original_max_position, beta_fast, beta_slow, attention_factor, truncate } => {
+            let af = attention_factor.unwrap_or(if factor <= 1.0 { 1.0 } else { 0.1 * factor.ln() + 1.0 });
             let dim = d as f64;
-            let cd = |rot: f64| {
-                dim * (original_max_position as f64 / (rot * 2.0 * PI)).ln() / (2.0 * base.ln())
-            };
+            let cd = |rot: f64| dim * (original_max_position as f64 / (rot * 2.0 * PI)).ln() / (2.0 * base.ln());
             let (mut lo, mut hi) = (cd(beta_fast), cd(beta_slow));
             if truncate {
                 lo = lo.floor();
@@ -70,10 +46,7 @@ fn ref_inv_freq(d: usize, base: f64, sc: RopeScaling) -> (Vec<f64>, f64) {
                 hi += 0.001;
             }
             let mut out = vec![];
-            for (i, pf) in (0..d / 2)
-                .map(|i| base.powf((2 * i) as f64 / dim))
-                .enumerate()
-            {
+            for (i, pf) in (0..d / 2).map(|i| base.powf((2 * i) as f64 / dim)).enumerate() {
                 let (ext, int) = (1.0 / pf, 1.0 / (factor * pf));
                 let ramp = ((i as f64 - lo) / (hi - lo)).clamp(0.0, 1.0);
                 let ef = 1.0 - ramp;
@@ -111,12 +84,7 @@ fn scaling(kind: u8, factor: f64, d: usize) -> RopeScaling {
         1 => RopeScaling::Linear { factor },
         2 if d > 2 => RopeScaling::NtkAware { factor },
         2 => RopeScaling::None,
-        3 => RopeScaling::Llama3 {
-            factor,
-            low_freq_factor: 1.0,
-            high_freq_factor: 4.0,
-            original_max_position: 64,
-        },
+        3 => RopeScaling::Llama3 { factor, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position: 64 },
         _ => RopeScaling::Yarn {
             factor,
             original_max_position: 64,
@@ -129,21 +97,8 @@ fn scaling(kind: u8, factor: f64, d: usize) -> RopeScaling {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn rope_case<T: Element>(
-    b: usize,
-    h: usize,
-    d: usize,
-    pos: Vec<i64>,
-    base: f64,
-    sc: RopeScaling,
-    seed: u64,
-) {
-    let table = RopeTable::new(&RopeConfig {
-        head_dim: d,
-        base,
-        scaling: sc,
-    })
-    .unwrap();
+fn rope_case<T: Element>(b: usize, h: usize, d: usize, pos: Vec<i64>, base: f64, sc: RopeScaling, seed: u64) {
+    let table = RopeTable::new(&RopeConfig { head_dim: d, base, scaling: sc }).unwrap();
     let (inv, af) = ref_inv_freq(d, base, sc);
     assert_close_f64("inv_freq", table.inv_freq(), &inv, 1e-12);
     assert!((table.attention_factor() - af).abs() < 1e-12);
@@ -155,16 +110,10 @@ fn rope_case<T: Element>(
     table.forward(&mut y, &to_t::<T>(&x), &pos, b, h).unwrap();
     assert_close("rope y", &y, &ref_rope(&x, &pos, &inv, af, b * h, d));
     let mut dx = poisoned::<T>(n);
-    table
-        .backward(&mut dx, &to_t::<T>(&dy), &pos, b, h)
-        .unwrap();
+    table.backward(&mut dx, &to_t::<T>(&dy), &pos, b, h).unwrap();
     let dx_ref = ref_rope_bwd(&dy, &pos, &inv, af, b * h, d);
     if n <= 512 {
-        let fx = fd_grad(
-            |v| dot(&dy, &ref_rope(v, &pos, &inv, af, b * h, d)),
-            &x,
-            1e-4,
-        );
+        let fx = fd_grad(|v| dot(&dy, &ref_rope(v, &pos, &inv, af, b * h, d)), &x, 1e-4);
         assert_fd("fd rope dx", &fx, &dx_ref, 1e-8);
     }
     assert_close("rope dx", &dx, &dx_ref);
@@ -198,42 +147,23 @@ proptest! {
 
 #[test]
 fn backward_inverts_forward_without_attention_factor() {
-    let t = RopeTable::new(&RopeConfig {
-        head_dim: 8,
-        base: 10_000.0,
-        scaling: RopeScaling::Linear { factor: 4.0 },
-    })
-    .unwrap();
+    let t = RopeTable::new(&RopeConfig { head_dim: 8, base: 10_000.0, scaling: RopeScaling::Linear { factor: 4.0 } })
+        .unwrap();
     let pos = [3i64, 17, 1_000_000, 9];
-    let x = DataRng::new(5)
-        .vec(2 * 4 * 8, 1.0)
-        .iter()
-        .map(|&v| v as f32)
-        .collect::<Vec<f32>>();
+    let x = DataRng::new(5).vec(2 * 4 * 8, 1.0).iter().map(|&v| v as f32).collect::<Vec<f32>>();
     let (mut y, mut z) = (vec![f32::NAN; x.len()], vec![f32::NAN; x.len()]);
     t.forward(&mut y, &x, &pos, 1, 2).unwrap();
     t.backward(&mut z, &y, &pos, 1, 2).unwrap();
-    let e = rel_err(
-        &z.iter().map(|&v| v as f64).collect::<Vec<_>>(),
-        &x.iter().map(|&v| v as f64).collect::<Vec<_>>(),
-    );
+    let e = rel_err(&z.iter().map(|&v| v as f64).collect::<Vec<_>>(), &x.iter().map(|&v| v as f64).collect::<Vec<_>>());
     assert!(e < 1e-6, "{e}");
 }
 
 #[test]
 fn linear_scaling_is_position_interpolation() {
-    let plain = RopeTable::new(&RopeConfig {
-        head_dim: 16,
-        base: 10_000.0,
-        scaling: RopeScaling::None,
-    })
-    .unwrap();
-    let lin = RopeTable::new(&RopeConfig {
-        head_dim: 16,
-        base: 10_000.0,
-        scaling: RopeScaling::Linear { factor: 4.0 },
-    })
-    .unwrap();
+    let plain = RopeTable::new(&RopeConfig { head_dim: 16, base: 10_000.0, scaling: RopeScaling::None }).unwrap();
+    let lin =
+        RopeTable::new(&RopeConfig { head_dim: 16, base: 10_000.0, scaling: RopeScaling::Linear { factor: 4.0 } })
+            .unwrap();
     let (c1, s1) = lin.cos_sin(&[40, 8, 400]);
     let (c2, s2) = plain.cos_sin(&[10, 2, 100]);
     for (a, b) in c1.iter().chain(&s1).zip(c2.iter().chain(&s2)) {
@@ -244,24 +174,10 @@ fn linear_scaling_is_position_interpolation() {
 #[test]
 fn llama3_keeps_high_and_divides_low_frequencies() {
     // Llama 3.1: base 500000, D 128, factor 8, low 1, high 4, original 8192.
-    let sc = RopeScaling::Llama3 {
-        factor: 8.0,
-        low_freq_factor: 1.0,
-        high_freq_factor: 4.0,
-        original_max_position: 8192,
-    };
-    let t = RopeTable::new(&RopeConfig {
-        head_dim: 128,
-        base: 500_000.0,
-        scaling: sc,
-    })
-    .unwrap();
-    let plain = RopeTable::new(&RopeConfig {
-        head_dim: 128,
-        base: 500_000.0,
-        scaling: RopeScaling::None,
-    })
-    .unwrap();
+    let sc =
+        RopeScaling::Llama3 { factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position: 8192 };
+    let t = RopeTable::new(&RopeConfig { head_dim: 128, base: 500_000.0, scaling: sc }).unwrap();
+    let plain = RopeTable::new(&RopeConfig { head_dim: 128, base: 500_000.0, scaling: RopeScaling::None }).unwrap();
     let (a, p) = (t.inv_freq(), plain.inv_freq());
     assert_eq!(a[0], p[0]);
     assert!((a[63] - p[63] / 8.0).abs() <= 1e-18);
@@ -284,12 +200,7 @@ fn yarn_attention_factor() {
         attention_factor: None,
         truncate: true,
     };
-    let t = RopeTable::new(&RopeConfig {
-        head_dim: 64,
-        base: 10_000.0,
-        scaling: sc,
-    })
-    .unwrap();
+    let t = RopeTable::new(&RopeConfig { head_dim: 64, base: 10_000.0, scaling: sc }).unwrap();
     assert!((t.attention_factor() - (0.1 * 4f64.ln() + 1.0)).abs() < 1e-15);
     let (c, s) = t.cos_sin(&[0]);
     assert!((c[0] as f64 - t.attention_factor()).abs() < 1e-6 && s[0] == 0.0);
@@ -297,57 +208,25 @@ fn yarn_attention_factor() {
 
 #[test]
 fn bad_inputs_are_typed_errors() {
-    let cfg = |head_dim, scaling| RopeConfig {
-        head_dim,
-        base: 10_000.0,
-        scaling,
-    };
+    let cfg = |head_dim, scaling| RopeConfig { head_dim, base: 10_000.0, scaling };
     assert!(matches!(
         RopeTable::new(&cfg(7, RopeScaling::None)),
-        Err(KernelError::InvalidArgument {
-            name: "head_dim",
-            ..
-        })
+        Err(KernelError::InvalidArgument { name: "head_dim", .. })
     ));
-    assert_eq!(
-        RopeTable::new(&cfg(0, RopeScaling::None)),
-        Err(KernelError::ZeroDim("head_dim"))
-    );
+    assert_eq!(RopeTable::new(&cfg(0, RopeScaling::None)), Err(KernelError::ZeroDim("head_dim")));
     assert!(RopeTable::new(&cfg(8, RopeScaling::Linear { factor: 0.0 })).is_err());
     assert!(RopeTable::new(&cfg(8, RopeScaling::Linear { factor: f64::NAN })).is_err());
     assert!(RopeTable::new(&cfg(
         8,
-        RopeScaling::Llama3 {
-            factor: 8.0,
-            low_freq_factor: 4.0,
-            high_freq_factor: 1.0,
-            original_max_position: 10
-        }
+        RopeScaling::Llama3 { factor: 8.0, low_freq_factor: 4.0, high_freq_factor: 1.0, original_max_position: 10 }
     ))
     .is_err());
-    assert!(RopeTable::new(&RopeConfig {
-        head_dim: 8,
-        base: -1.0,
-        scaling: RopeScaling::None
-    })
-    .is_err());
+    assert!(RopeTable::new(&RopeConfig { head_dim: 8, base: -1.0, scaling: RopeScaling::None }).is_err());
     let t = RopeTable::new(&cfg(8, RopeScaling::None)).unwrap();
     let x = vec![1.0f32; 2 * 3 * 8];
     let mut y = vec![0.0f32; 2 * 3 * 8];
-    assert!(matches!(
-        t.forward(&mut y, &x, &[0, 1], 2, 2),
-        Err(KernelError::BufferLength { .. })
-    ));
-    assert_eq!(
-        t.forward(&mut y, &x, &[], 2, 3),
-        Err(KernelError::ZeroDim("s"))
-    );
-    assert!(matches!(
-        t.forward_inplace(&mut y[..8], &[0, 1, 2], 2, 1),
-        Err(KernelError::BufferLength { .. })
-    ));
-    assert!(matches!(
-        t.backward(&mut y[..8], &x, &[0, 1, 2], 2, 1),
-        Err(KernelError::BufferLength { .. })
-    ));
+    assert!(matches!(t.forward(&mut y, &x, &[0, 1], 2, 2), Err(KernelError::BufferLength { .. })));
+    assert_eq!(t.forward(&mut y, &x, &[], 2, 3), Err(KernelError::ZeroDim("s")));
+    assert!(matches!(t.forward_inplace(&mut y[..8], &[0, 1, 2], 2, 1), Err(KernelError::BufferLength { .. })));
+    assert!(matches!(t.backward(&mut y[..8], &x, &[0, 1, 2], 2, 1), Err(KernelError::BufferLength { .. })));
 }

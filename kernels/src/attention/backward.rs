@@ -157,7 +157,18 @@ pub fn attention_backward(
                     }
                     let r0 = g * GROUP;
                     let gr = GROUP.min(rows - r0);
-                    simd::matmul(gr, d, hi - lo, &bs.dp[r0 * BC + lo..], BC, &k_tile[lo * d..], d, &mut bs.dq[r0 * d..], d, true);
+                    simd::matmul(
+                        gr,
+                        d,
+                        hi - lo,
+                        &bs.dp[r0 * BC + lo..],
+                        BC,
+                        &k_tile[lo * d..],
+                        d,
+                        &mut bs.dq[r0 * d..],
+                        d,
+                        true,
+                    );
                 }
                 sc.spans = spans;
             }
@@ -217,8 +228,30 @@ impl Ctx<'_> {
             }
             let r0 = g * GROUP;
             let gr = GROUP.min(rows - r0);
-            simd::matmul(gr, hi - lo, d, &q_tile[r0 * d..], d, &kt_tile[lo..], BC, &mut sc.s[r0 * BC + lo..], BC, false);
-            simd::matmul(gr, hi - lo, d, &do_tile[r0 * d..], d, &vt_tile[lo..], BC, &mut bs.dp[r0 * BC + lo..], BC, false);
+            simd::matmul(
+                gr,
+                hi - lo,
+                d,
+                &q_tile[r0 * d..],
+                d,
+                &kt_tile[lo..],
+                BC,
+                &mut sc.s[r0 * BC + lo..],
+                BC,
+                false,
+            );
+            simd::matmul(
+                gr,
+                hi - lo,
+                d,
+                &do_tile[r0 * d..],
+                d,
+                &vt_tile[lo..],
+                BC,
+                &mut bs.dp[r0 * BC + lo..],
+                BC,
+                false,
+            );
             span.1 = hi.min(bc);
         }
         for i in 0..rows {
@@ -268,12 +301,6 @@ struct BwdScratch {
 
 impl BwdScratch {
     fn new() -> Self {
-        Self {
-            dp: vec![0.0; BR * BC],
-            dk: Vec::new(),
-            dv: Vec::new(),
-            dq: Vec::new(),
-        }
+        Self { dp: vec![0.0; BR * BC], dk: Vec::new(), dv: Vec::new(), dq: Vec::new() }
     }
 }
-

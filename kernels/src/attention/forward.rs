@@ -66,9 +66,7 @@ pub fn attention_forward(
 
     // One task per (b, hq, query tile), each owning its rows of O and LSE.
     let mut tasks = Vec::with_capacity(s.batch * s.q_heads * q_sum.len());
-    for (bh, (o_head, lse_head)) in
-        o.into_chunks(s.q_len * d).into_iter().zip(lse.chunks_mut(s.q_len)).enumerate()
-    {
+    for (bh, (o_head, lse_head)) in o.into_chunks(s.q_len * d).into_iter().zip(lse.chunks_mut(s.q_len)).enumerate() {
         for (t, (o_tile, lse_tile)) in o_head.into_chunks(BR * d).into_iter().zip(lse_head.chunks_mut(BR)).enumerate() {
             tasks.push((bh, t, o_tile, lse_tile));
         }
@@ -99,7 +97,18 @@ pub fn attention_forward(
                 }
                 let r0 = g * GROUP;
                 let gr = GROUP.min(rows - r0);
-                simd::matmul(gr, hi - lo, d, &q_tile[r0 * d..], d, &kt_tile[lo..], BC, &mut sc.s[r0 * BC + lo..], BC, false);
+                simd::matmul(
+                    gr,
+                    hi - lo,
+                    d,
+                    &q_tile[r0 * d..],
+                    d,
+                    &kt_tile[lo..],
+                    BC,
+                    &mut sc.s[r0 * BC + lo..],
+                    BC,
+                    false,
+                );
             }
             // Online softmax, row by row.
             for i in 0..rows {
@@ -140,7 +149,18 @@ pub fn attention_forward(
                 }
                 let r0 = g * GROUP;
                 let gr = GROUP.min(rows - r0);
-                simd::matmul(gr, d, hi - lo, &sc.s[r0 * BC + lo..], BC, &v_tile[lo * d..], d, &mut sc.acc[r0 * d..], d, true);
+                simd::matmul(
+                    gr,
+                    d,
+                    hi - lo,
+                    &sc.s[r0 * BC + lo..],
+                    BC,
+                    &v_tile[lo * d..],
+                    d,
+                    &mut sc.acc[r0 * d..],
+                    d,
+                    true,
+                );
             }
             sc.spans = spans;
         }

@@ -43,13 +43,7 @@ pub fn swiglu_forward<T: Element>(out: &mut [T], gate: &[T], up: &[T]) -> Result
 /// SwiGLU backward: `d_gate[N]`, `d_up[N]` (overwritten) from `dout[N]` and the forward inputs.
 ///
 /// Errors: the lengths differ.
-pub fn swiglu_backward<T: Element>(
-    d_gate: &mut [T],
-    d_up: &mut [T],
-    dout: &[T],
-    gate: &[T],
-    up: &[T],
-) -> Result<()> {
+pub fn swiglu_backward<T: Element>(d_gate: &mut [T], d_up: &mut [T], dout: &[T], gate: &[T], up: &[T]) -> Result<()> {
     let n = gate.len();
     check_len("up", up.len(), n)?;
     check_len("dout", dout.len(), n)?;
@@ -59,10 +53,7 @@ pub fn swiglu_backward<T: Element>(
         .par_chunks_mut(ELEMS_PER_TASK)
         .zip(d_up.par_chunks_mut(ELEMS_PER_TASK))
         .zip(dout.par_chunks(ELEMS_PER_TASK))
-        .zip(
-            gate.par_chunks(ELEMS_PER_TASK)
-                .zip(up.par_chunks(ELEMS_PER_TASK)),
-        )
+        .zip(gate.par_chunks(ELEMS_PER_TASK).zip(up.par_chunks(ELEMS_PER_TASK)))
         .for_each(|(((dg, du), d), (g, u))| {
             for i in 0..g.len() {
                 let (gi, ui, di) = (g[i].to_f32(), u[i].to_f32(), d[i].to_f32());
@@ -80,14 +71,12 @@ pub fn swiglu_backward<T: Element>(
 /// Errors: the lengths differ.
 pub fn squared_relu_forward<T: Element>(out: &mut [T], x: &[T]) -> Result<()> {
     check_len("out", out.len(), x.len())?;
-    out.par_chunks_mut(ELEMS_PER_TASK)
-        .zip(x.par_chunks(ELEMS_PER_TASK))
-        .for_each(|(o, x)| {
-            for (o, x) in o.iter_mut().zip(x) {
-                let r = x.to_f32().max(0.0);
-                *o = T::from_f32(r * r);
-            }
-        });
+    out.par_chunks_mut(ELEMS_PER_TASK).zip(x.par_chunks(ELEMS_PER_TASK)).for_each(|(o, x)| {
+        for (o, x) in o.iter_mut().zip(x) {
+            let r = x.to_f32().max(0.0);
+            *o = T::from_f32(r * r);
+        }
+    });
     Ok(())
 }
 
@@ -97,13 +86,12 @@ pub fn squared_relu_forward<T: Element>(out: &mut [T], x: &[T]) -> Result<()> {
 pub fn squared_relu_backward<T: Element>(dx: &mut [T], dout: &[T], x: &[T]) -> Result<()> {
     check_len("dout", dout.len(), x.len())?;
     check_len("dx", dx.len(), x.len())?;
-    dx.par_chunks_mut(ELEMS_PER_TASK)
-        .zip(dout.par_chunks(ELEMS_PER_TASK))
-        .zip(x.par_chunks(ELEMS_PER_TASK))
-        .for_each(|((dx, d), x)| {
+    dx.par_chunks_mut(ELEMS_PER_TASK).zip(dout.par_chunks(ELEMS_PER_TASK)).zip(x.par_chunks(ELEMS_PER_TASK)).for_each(
+        |((dx, d), x)| {
             for ((dx, d), x) in dx.iter_mut().zip(d).zip(x) {
                 *dx = T::from_f32(d.to_f32() * 2.0 * x.to_f32().max(0.0));
             }
-        });
+        },
+    );
     Ok(())
 }

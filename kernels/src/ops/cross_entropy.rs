@@ -38,11 +38,7 @@ pub struct CrossEntropyOptions {
 
 impl Default for CrossEntropyOptions {
     fn default() -> Self {
-        CrossEntropyOptions {
-            ignore_index: -100,
-            chunk_tokens: 256,
-            denominator: None,
-        }
+        CrossEntropyOptions { ignore_index: -100, chunk_tokens: 256, denominator: None }
     }
 }
 
@@ -112,11 +108,7 @@ fn softmax_xent_row(z: &mut [f32], target: Option<usize>, scale: f32) -> f64 {
     let d = zy - max; // <= 0
     let ey = d.exp();
     let sum = other + ey as f64;
-    let loss = if d > -1.0 {
-        (other / ey as f64).ln_1p()
-    } else {
-        sum.ln() - d as f64
-    };
+    let loss = if d > -1.0 { (other / ey as f64).ln_1p() } else { sum.ln() - d as f64 };
     let k = (scale as f64 / sum) as f32;
     for x in z.iter_mut() {
         *x *= k;
@@ -148,27 +140,19 @@ pub fn cross_entropy_logits<T: Element>(
     let (n_valid, denom) = check_targets(targets, v, opts)?;
     let scale = (1.0 / denom) as f32;
     let mut losses = vec![0.0f64; t];
-    logits
-        .par_chunks_mut(v)
-        .zip(targets.par_iter())
-        .zip(losses.par_iter_mut())
-        .for_each(|((row, &y), l)| {
-            let target = target_of(y, opts.ignore_index);
-            match super::as_f32_mut(row) {
-                Some(z) => *l = softmax_xent_row(z, target, scale),
-                None => {
-                    let mut z = Scratch::widened(row);
-                    *l = softmax_xent_row(&mut z, target, scale);
-                    super::store(row, &z, false);
-                }
+    logits.par_chunks_mut(v).zip(targets.par_iter()).zip(losses.par_iter_mut()).for_each(|((row, &y), l)| {
+        let target = target_of(y, opts.ignore_index);
+        match super::as_f32_mut(row) {
+            Some(z) => *l = softmax_xent_row(z, target, scale),
+            None => {
+                let mut z = Scratch::widened(row);
+                *l = softmax_xent_row(&mut z, target, scale);
+                super::store(row, &z, false);
             }
-        });
+        }
+    });
     let loss_sum: f64 = losses.iter().sum();
-    Ok(CrossEntropyOutput {
-        loss: (loss_sum / denom) as f32,
-        loss_sum,
-        n_valid,
-    })
+    Ok(CrossEntropyOutput { loss: (loss_sum / denom) as f32, loss_sum, n_valid })
 }
 
 /// Fused output projection and cross-entropy, chunked over tokens: from `hidden[T,C]` and `weight[V,C]` computes
@@ -227,18 +211,12 @@ pub fn cross_entropy_fused<T: Element, G: Element>(
                 z.par_chunks_mut(v)
                     .zip(tg.par_iter())
                     .zip(losses[t0..t0 + rows].par_iter_mut())
-                    .for_each(|((row, &y), l)| {
-                        *l = softmax_xent_row(row, target_of(y, opts.ignore_index), scale)
-                    });
+                    .for_each(|((row, &y), l)| *l = softmax_xent_row(row, target_of(y, opts.ignore_index), scale));
                 gemm_f32(rows, c, v, dh, row_major(z, v), row_major(&w, c), false);
                 gemm_f32(v, c, rows, dw, transposed(z, v), row_major(hc, c), true);
             }
         });
     });
     let loss_sum: f64 = losses.iter().sum();
-    Ok(CrossEntropyOutput {
-        loss: (loss_sum / denom) as f32,
-        loss_sum,
-        n_valid,
-    })
+    Ok(CrossEntropyOutput { loss: (loss_sum / denom) as f32, loss_sum, n_valid })
 }

@@ -21,10 +21,7 @@ fn check_ids(ids: &[u32], v: usize) -> Result<()> {
     match ids.iter().position(|&i| i as usize >= v) {
         Some(t) => Err(KernelError::InvalidArgument {
             name: "ids",
-            why: format!(
-                "ids[{t}] = {} is out of range for a vocabulary of {v}",
-                ids[t]
-            ),
+            why: format!("ids[{t}] = {} is out of range for a vocabulary of {v}", ids[t]),
         }),
         None => Ok(()),
     }
@@ -33,26 +30,18 @@ fn check_ids(ids: &[u32], v: usize) -> Result<()> {
 /// Embedding forward: `out[T,C] = table[ids[T], :]` with `table[V,C]`.
 ///
 /// Errors: zero `v` or `c`, a length mismatch (`out` must hold `ids.len()·c`), or an id `>= v`.
-pub fn embedding_forward<T: Element>(
-    out: &mut [T],
-    ids: &[u32],
-    table: &[T],
-    v: usize,
-    c: usize,
-) -> Result<()> {
+pub fn embedding_forward<T: Element>(out: &mut [T], ids: &[u32], table: &[T], v: usize, c: usize) -> Result<()> {
     nonzero("v", v)?;
     nonzero("c", c)?;
     check_len("table", table.len(), numel("table", &[v, c])?)?;
     check_len("out", out.len(), numel("out", &[ids.len(), c])?)?;
     check_ids(ids, v)?;
-    out.par_chunks_mut(c * ROWS_PER_TASK)
-        .zip(ids.par_chunks(ROWS_PER_TASK))
-        .for_each(|(o, ids)| {
-            for (o, &id) in o.chunks_exact_mut(c).zip(ids) {
-                let id = id as usize;
-                o.copy_from_slice(&table[id * c..(id + 1) * c]);
-            }
-        });
+    out.par_chunks_mut(c * ROWS_PER_TASK).zip(ids.par_chunks(ROWS_PER_TASK)).for_each(|(o, ids)| {
+        for (o, &id) in o.chunks_exact_mut(c).zip(ids) {
+            let id = id as usize;
+            o.copy_from_slice(&table[id * c..(id + 1) * c]);
+        }
+    });
     Ok(())
 }
 
@@ -87,30 +76,27 @@ pub fn embedding_backward<T: Element, G: Element>(
         order[fill[id as usize]] = t;
         fill[id as usize] += 1;
     }
-    dtable
-        .par_chunks_mut(c * ROWS_PER_TASK)
-        .enumerate()
-        .for_each(|(blk, rows)| {
-            let mut acc = vec![0.0f32; c];
-            for (j, row) in rows.chunks_exact_mut(c).enumerate() {
-                let id = blk * ROWS_PER_TASK + j;
-                let toks = &order[start[id]..start[id + 1]];
-                if toks.is_empty() {
-                    if !accumulate {
-                        row.fill(G::from_f32(0.0));
-                    }
-                    continue;
+    dtable.par_chunks_mut(c * ROWS_PER_TASK).enumerate().for_each(|(blk, rows)| {
+        let mut acc = vec![0.0f32; c];
+        for (j, row) in rows.chunks_exact_mut(c).enumerate() {
+            let id = blk * ROWS_PER_TASK + j;
+            let toks = &order[start[id]..start[id + 1]];
+            if toks.is_empty() {
+                if !accumulate {
+                    row.fill(G::from_f32(0.0));
                 }
-                for (a, r) in acc.iter_mut().zip(row.iter()) {
-                    *a = if accumulate { r.to_f32() } else { 0.0 };
-                }
-                for &t in toks {
-                    for (a, d) in acc.iter_mut().zip(&dout[t * c..(t + 1) * c]) {
-                        *a += d.to_f32();
-                    }
-                }
-                super::store(row, &acc, false);
+                continue;
             }
-        });
+            for (a, r) in acc.iter_mut().zip(row.iter()) {
+                *a = if accumulate { r.to_f32() } else { 0.0 };
+            }
+            for &t in toks {
+                for (a, d) in acc.iter_mut().zip(&dout[t * c..(t + 1) * c]) {
+                    *a += d.to_f32();
+                }
+            }
+            super::store(row, &acc, false);
+        }
+    });
     Ok(())
 }

@@ -44,10 +44,7 @@ pub fn layernorm_forward<T: Element>(
     check_len("bias", bias.len(), c)?;
     finite("eps", eps as f64, false)?;
     if eps < 0.0 {
-        return Err(KernelError::InvalidArgument {
-            name: "eps",
-            why: format!("{eps} < 0"),
-        });
+        return Err(KernelError::InvalidArgument { name: "eps", why: format!("{eps} < 0") });
     }
     let w: Vec<f32> = weight.iter().map(|v| v.to_f32()).collect();
     let b: Vec<f32> = bias.iter().map(|v| v.to_f32()).collect();
@@ -57,12 +54,7 @@ pub fn layernorm_forward<T: Element>(
         .zip(x.par_chunks(c * ROWS_PER_TASK))
         .for_each(|(((y, ms), rs), x)| {
             let mut row = vec![0.0f32; c];
-            for (((y, m), r), x) in y
-                .chunks_exact_mut(c)
-                .zip(ms.iter_mut())
-                .zip(rs.iter_mut())
-                .zip(x.chunks_exact(c))
-            {
+            for (((y, m), r), x) in y.chunks_exact_mut(c).zip(ms.iter_mut()).zip(rs.iter_mut()).zip(x.chunks_exact(c)) {
                 let mut s = 0.0f32;
                 for (d, v) in row.iter_mut().zip(x) {
                     *d = v.to_f32();
@@ -118,21 +110,14 @@ pub fn layernorm_backward<T: Element, G: Element>(
         .par_chunks_mut(c * ROWS_PER_TASK)
         .zip(dy.par_chunks(c * ROWS_PER_TASK))
         .zip(x.par_chunks(c * ROWS_PER_TASK))
-        .zip(
-            mean.par_chunks(ROWS_PER_TASK)
-                .zip(rstd.par_chunks(ROWS_PER_TASK)),
-        )
+        .zip(mean.par_chunks(ROWS_PER_TASK).zip(rstd.par_chunks(ROWS_PER_TASK)))
         .map(|(((dx, dy), x), (ms, rs))| {
             let mut dw = vec![0.0f32; c];
             let mut db = vec![0.0f32; c];
             let mut xh = vec![0.0f32; c];
             let mut g = vec![0.0f32; c];
-            for ((((dx, dy), x), &mu), &r) in dx
-                .chunks_exact_mut(c)
-                .zip(dy.chunks_exact(c))
-                .zip(x.chunks_exact(c))
-                .zip(ms)
-                .zip(rs)
+            for ((((dx, dy), x), &mu), &r) in
+                dx.chunks_exact_mut(c).zip(dy.chunks_exact(c)).zip(x.chunks_exact(c)).zip(ms).zip(rs)
             {
                 let (mut sg, mut sgx) = (0.0f32, 0.0f32);
                 for i in 0..c {

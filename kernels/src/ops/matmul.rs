@@ -38,8 +38,7 @@ unsafe impl Sync for Strided {}
 impl Strided {
     /// Pointer to element `(i, j)` (a method, so closures capture the whole `Send` view).
     fn at(self, i: usize, j: usize) -> *const f32 {
-        self.ptr
-            .wrapping_offset(i as isize * self.rs + j as isize * self.cs)
+        self.ptr.wrapping_offset(i as isize * self.rs + j as isize * self.cs)
     }
 }
 
@@ -56,15 +55,7 @@ impl OutPtr {
 
 /// `c[M,N] (+)= a[M,K] · b[K,N]` with `c` row-major and `a`, `b` strided views. Callers have checked that the
 /// views stay inside their buffers.
-pub(crate) fn gemm_f32(
-    m: usize,
-    n: usize,
-    k: usize,
-    c: &mut [f32],
-    a: Strided,
-    b: Strided,
-    accumulate: bool,
-) {
+pub(crate) fn gemm_f32(m: usize, n: usize, k: usize, c: &mut [f32], a: Strided, b: Strided, accumulate: bool) {
     debug_assert_eq!(c.len(), m * n);
     let tiles_m = m.div_ceil(TILE_M);
     let tiles_n = n.div_ceil(TILE_N);
@@ -108,28 +99,16 @@ pub(crate) fn gemm_f32(
 }
 
 pub(crate) fn row_major(s: &[f32], cols: usize) -> Strided {
-    Strided {
-        ptr: s.as_ptr(),
-        rs: cols as isize,
-        cs: 1,
-    }
+    Strided { ptr: s.as_ptr(), rs: cols as isize, cs: 1 }
 }
 pub(crate) fn transposed(s: &[f32], cols: usize) -> Strided {
     // Element (i, j) of the transpose is s[j·cols + i].
-    Strided {
-        ptr: s.as_ptr(),
-        rs: 1,
-        cs: cols as isize,
-    }
+    Strided { ptr: s.as_ptr(), rs: 1, cs: cols as isize }
 }
 
 /// Runs `f` on an `f32` output buffer for `dst`: `dst` itself when it is `f32` (then `accumulate` is passed to
 /// `f`), else zeroed scratch whose result is stored or added into `dst` afterwards.
-pub(crate) fn with_out<G: Element>(
-    dst: &mut [G],
-    accumulate: bool,
-    f: impl FnOnce(&mut [f32], bool),
-) {
+pub(crate) fn with_out<G: Element>(dst: &mut [G], accumulate: bool, f: impl FnOnce(&mut [f32], bool)) {
     match as_f32_mut(dst) {
         Some(d) => f(d, accumulate),
         None => {
@@ -148,14 +127,7 @@ pub fn release_scratch() {
 /// `C[M,N] = A[M,K] · B[K,N]`.
 ///
 /// Errors: a zero size, or a buffer whose length is not the product of its sizes.
-pub fn matmul<T: Element>(
-    c: &mut [T],
-    a: &[T],
-    b: &[T],
-    m: usize,
-    k: usize,
-    n: usize,
-) -> Result<()> {
+pub fn matmul<T: Element>(c: &mut [T], a: &[T], b: &[T], m: usize, k: usize, n: usize) -> Result<()> {
     nonzero("m", m)?;
     nonzero("k", k)?;
     nonzero("n", n)?;
@@ -163,9 +135,7 @@ pub fn matmul<T: Element>(
     check_len("b", b.len(), numel("b", &[k, n])?)?;
     check_len("c", c.len(), numel("c", &[m, n])?)?;
     let (a, b) = (F32In::new(a), F32In::new(b));
-    with_out(c, false, |c, acc| {
-        gemm_f32(m, n, k, c, row_major(&a, k), row_major(&b, n), acc)
-    });
+    with_out(c, false, |c, acc| gemm_f32(m, n, k, c, row_major(&a, k), row_major(&b, n), acc));
     Ok(())
 }
 
@@ -186,11 +156,7 @@ pub fn matmul_backward<T: Element, G: Element>(
     nonzero("m", m)?;
     nonzero("k", k)?;
     nonzero("n", n)?;
-    let (mk, kn, mn) = (
-        numel("a", &[m, k])?,
-        numel("b", &[k, n])?,
-        numel("dc", &[m, n])?,
-    );
+    let (mk, kn, mn) = (numel("a", &[m, k])?, numel("b", &[k, n])?, numel("dc", &[m, n])?);
     check_len("dc", dc.len(), mn)?;
     check_len("a", a.len(), mk)?;
     check_len("b", b.len(), kn)?;
@@ -203,15 +169,11 @@ pub fn matmul_backward<T: Element, G: Element>(
     let dc = F32In::new(dc);
     if let Some(da) = da {
         let b = F32In::new(b);
-        with_out(da, false, |o, acc| {
-            gemm_f32(m, k, n, o, row_major(&dc, n), transposed(&b, n), acc)
-        });
+        with_out(da, false, |o, acc| gemm_f32(m, k, n, o, row_major(&dc, n), transposed(&b, n), acc));
     }
     if let Some(db) = db {
         let a = F32In::new(a);
-        with_out(db, accumulate, |o, acc| {
-            gemm_f32(k, n, m, o, transposed(&a, k), row_major(&dc, n), acc)
-        });
+        with_out(db, accumulate, |o, acc| gemm_f32(k, n, m, o, transposed(&a, k), row_major(&dc, n), acc));
     }
     Ok(())
 }
@@ -244,18 +206,9 @@ pub fn linear_forward<T: Element>(
     with_out(y, false, |y, _| {
         // Start from the bias and let gemm add X·Wᵀ to it.
         if let Some(b) = &bias {
-            y.chunks_exact_mut(d_out)
-                .for_each(|row| row.copy_from_slice(b));
+            y.chunks_exact_mut(d_out).for_each(|row| row.copy_from_slice(b));
         }
-        gemm_f32(
-            t,
-            d_out,
-            d_in,
-            y,
-            row_major(&x, d_in),
-            transposed(&w, d_in),
-            bias.is_some(),
-        );
+        gemm_f32(t, d_out, d_in, y, row_major(&x, d_in), transposed(&w, d_in), bias.is_some());
     });
     Ok(())
 }
@@ -294,30 +247,12 @@ pub fn linear_backward<T: Element, G: Element>(
     let dy = F32In::new(dy);
     if let Some(dx) = dx {
         let w = F32In::new(w);
-        with_out(dx, false, |o, acc| {
-            gemm_f32(
-                t,
-                d_in,
-                d_out,
-                o,
-                row_major(&dy, d_out),
-                row_major(&w, d_in),
-                acc,
-            )
-        });
+        with_out(dx, false, |o, acc| gemm_f32(t, d_in, d_out, o, row_major(&dy, d_out), row_major(&w, d_in), acc));
     }
     {
         let x = F32In::new(x);
         with_out(dw, accumulate, |o, acc| {
-            gemm_f32(
-                d_out,
-                d_in,
-                t,
-                o,
-                transposed(&dy, d_out),
-                row_major(&x, d_in),
-                acc,
-            )
+            gemm_f32(d_out, d_in, t, o, transposed(&dy, d_out), row_major(&x, d_in), acc)
         });
     }
     if let Some(db) = dbias {

@@ -41,12 +41,8 @@ pub mod optim;
 pub mod rmsnorm;
 pub mod rope;
 
-pub use activation::{
-    squared_relu_backward, squared_relu_forward, swiglu_backward, swiglu_forward,
-};
-pub use cross_entropy::{
-    cross_entropy_fused, cross_entropy_logits, CrossEntropyOptions, CrossEntropyOutput,
-};
+pub use activation::{squared_relu_backward, squared_relu_forward, swiglu_backward, swiglu_forward};
+pub use cross_entropy::{cross_entropy_fused, cross_entropy_logits, CrossEntropyOptions, CrossEntropyOutput};
 pub use embedding::{embedding_backward, embedding_forward};
 pub use layernorm::{layernorm_backward, layernorm_forward};
 pub use matmul::{linear_backward, linear_forward, matmul, matmul_backward, release_scratch};
@@ -69,9 +65,7 @@ pub(crate) const ELEMS_PER_TASK: usize = 1 << 14;
 pub(crate) fn numel(what: &str, dims: &[usize]) -> Result<usize> {
     dims.iter()
         .try_fold(1usize, |acc, &d| acc.checked_mul(d))
-        .ok_or_else(|| {
-            KernelError::Shape(format!("{what}: element count {dims:?} overflows usize"))
-        })
+        .ok_or_else(|| KernelError::Shape(format!("{what}: element count {dims:?} overflows usize")))
 }
 
 /// Errors with [`KernelError::ZeroDim`] when `d` is zero.
@@ -87,10 +81,7 @@ pub(crate) fn nonzero(name: &'static str, d: usize) -> Result<()> {
 pub(crate) fn finite(name: &'static str, x: f64, positive: bool) -> Result<()> {
     if !x.is_finite() || (positive && x <= 0.0) {
         let want = if positive { "finite and > 0" } else { "finite" };
-        Err(KernelError::InvalidArgument {
-            name,
-            why: format!("{x} is not {want}"),
-        })
+        Err(KernelError::InvalidArgument { name, why: format!("{x} is not {want}") })
     } else {
         Ok(())
     }
@@ -215,11 +206,7 @@ pub(crate) fn store<T: Element>(dst: &mut [T], src: &[f32], accumulate: bool) {
 
 /// Sums per-task partial vectors in task order (fixed, thread-count independent) into `dst`.
 pub(crate) fn reduce_partials<G: Element>(dst: &mut [G], partials: &[Vec<f32>], accumulate: bool) {
-    let mut acc: Vec<f32> = if accumulate {
-        dst.iter().map(|x| x.to_f32()).collect()
-    } else {
-        vec![0.0; dst.len()]
-    };
+    let mut acc: Vec<f32> = if accumulate { dst.iter().map(|x| x.to_f32()).collect() } else { vec![0.0; dst.len()] };
     for p in partials {
         for (a, x) in acc.iter_mut().zip(p) {
             *a += *x;

@@ -36,13 +36,7 @@ pub struct AdamW {
 impl Default for AdamW {
     /// PyTorch's defaults: lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight decay 0.01.
     fn default() -> Self {
-        AdamW {
-            lr: 1e-3,
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-            weight_decay: 0.01,
-        }
+        AdamW { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 }
     }
 }
 
@@ -53,17 +47,11 @@ impl AdamW {
         finite("weight_decay", self.weight_decay as f64, false)?;
         for (name, b) in [("beta1", self.beta1), ("beta2", self.beta2)] {
             if !(0.0..1.0).contains(&b) {
-                return Err(KernelError::InvalidArgument {
-                    name,
-                    why: format!("{b} is not in [0, 1)"),
-                });
+                return Err(KernelError::InvalidArgument { name, why: format!("{b} is not in [0, 1)") });
             }
         }
         if step == 0 {
-            return Err(KernelError::InvalidArgument {
-                name: "step",
-                why: "steps count from 1".into(),
-            });
+            return Err(KernelError::InvalidArgument { name: "step", why: "steps count from 1".into() });
         }
         Ok(())
     }
@@ -86,10 +74,7 @@ fn check(n: usize, grads: usize, m: usize, v: usize) -> Result<()> {
 
 fn bias_corrections(h: &AdamW, step: u64) -> (f32, f32) {
     let t = step.min(i32::MAX as u64) as i32;
-    (
-        (1.0 - (h.beta1 as f64).powi(t)) as f32,
-        (1.0 - (h.beta2 as f64).powi(t)) as f32,
-    )
+    ((1.0 - (h.beta1 as f64).powi(t)) as f32, (1.0 - (h.beta2 as f64).powi(t)) as f32)
 }
 
 /// One AdamW step on `f32` parameters `params[P]` with gradients `grads[P]` and moments `m[P]`, `v[P]`; `step`
@@ -110,10 +95,7 @@ pub fn adamw_step<G: Element>(
     params
         .par_chunks_mut(ELEMS_PER_TASK)
         .zip(grads.par_chunks(ELEMS_PER_TASK))
-        .zip(
-            m.par_chunks_mut(ELEMS_PER_TASK)
-                .zip(v.par_chunks_mut(ELEMS_PER_TASK)),
-        )
+        .zip(m.par_chunks_mut(ELEMS_PER_TASK).zip(v.par_chunks_mut(ELEMS_PER_TASK)))
         .for_each(|((p, g), (m, v))| {
             for i in 0..p.len() {
                 update(&mut p[i], g[i].to_f32(), &mut m[i], &mut v[i], hp, bc1, bc2);
@@ -143,10 +125,7 @@ pub fn adamw_step_with_copy<P: Element, G: Element>(
         .par_chunks_mut(ELEMS_PER_TASK)
         .zip(master.par_chunks_mut(ELEMS_PER_TASK))
         .zip(grads.par_chunks(ELEMS_PER_TASK))
-        .zip(
-            m.par_chunks_mut(ELEMS_PER_TASK)
-                .zip(v.par_chunks_mut(ELEMS_PER_TASK)),
-        )
+        .zip(m.par_chunks_mut(ELEMS_PER_TASK).zip(v.par_chunks_mut(ELEMS_PER_TASK)))
         .for_each(|(((q, p), g), (m, v))| {
             for i in 0..p.len() {
                 update(&mut p[i], g[i].to_f32(), &mut m[i], &mut v[i], hp, bc1, bc2);
@@ -165,29 +144,19 @@ pub fn adamw_step_with_copy<P: Element, G: Element>(
 pub fn clip_grad_norm<G: Element>(grads: &mut [&mut [G]], max_norm: f32) -> Result<f64> {
     finite("max_norm", max_norm as f64, false)?;
     if max_norm < 0.0 {
-        return Err(KernelError::InvalidArgument {
-            name: "max_norm",
-            why: format!("{max_norm} < 0"),
-        });
+        return Err(KernelError::InvalidArgument { name: "max_norm", why: format!("{max_norm} < 0") });
     }
     let mut sumsq = 0.0f64;
     for g in grads.iter() {
         let parts: Vec<f64> = g
             .par_chunks(ELEMS_PER_TASK)
-            .map(|c| {
-                c.iter()
-                    .map(|x| (x.to_f32() as f64) * (x.to_f32() as f64))
-                    .sum::<f64>()
-            })
+            .map(|c| c.iter().map(|x| (x.to_f32() as f64) * (x.to_f32() as f64)).sum::<f64>())
             .collect();
         sumsq += parts.iter().sum::<f64>();
     }
     let norm = sumsq.sqrt();
     if !norm.is_finite() {
-        return Err(KernelError::InvalidArgument {
-            name: "grads",
-            why: format!("gradient norm is {norm}"),
-        });
+        return Err(KernelError::InvalidArgument { name: "grads", why: format!("gradient norm is {norm}") });
     }
     if norm > max_norm as f64 {
         let k = (max_norm as f64 / (norm + 1e-6)) as f32;

@@ -41,10 +41,7 @@ pub fn rmsnorm_forward<T: Element>(
     check_len("weight", weight.len(), c)?;
     finite("eps", eps as f64, false)?;
     if eps < 0.0 {
-        return Err(crate::KernelError::InvalidArgument {
-            name: "eps",
-            why: format!("{eps} < 0"),
-        });
+        return Err(crate::KernelError::InvalidArgument { name: "eps", why: format!("{eps} < 0") });
     }
     let w: Vec<f32> = weight.iter().map(|v| v.to_f32()).collect();
     y.par_chunks_mut(c * ROWS_PER_TASK)
@@ -52,11 +49,7 @@ pub fn rmsnorm_forward<T: Element>(
         .zip(x.par_chunks(c * ROWS_PER_TASK))
         .for_each(|((y, rs), x)| {
             let mut row = vec![0.0f32; c];
-            for ((y, r), x) in y
-                .chunks_exact_mut(c)
-                .zip(rs.iter_mut())
-                .zip(x.chunks_exact(c))
-            {
+            for ((y, r), x) in y.chunks_exact_mut(c).zip(rs.iter_mut()).zip(x.chunks_exact(c)) {
                 let mut ss = 0.0f32;
                 for (d, s) in row.iter_mut().zip(x) {
                     *d = s.to_f32();
@@ -107,12 +100,7 @@ pub fn rmsnorm_backward<T: Element, G: Element>(
             let mut dw = vec![0.0f32; c];
             let mut xh = vec![0.0f32; c];
             let mut g = vec![0.0f32; c];
-            for (((dx, dy), x), &r) in dx
-                .chunks_exact_mut(c)
-                .zip(dy.chunks_exact(c))
-                .zip(x.chunks_exact(c))
-                .zip(rs)
-            {
+            for (((dx, dy), x), &r) in dx.chunks_exact_mut(c).zip(dy.chunks_exact(c)).zip(x.chunks_exact(c)).zip(rs) {
                 let mut dot = 0.0f32;
                 for i in 0..c {
                     let d = dy[i].to_f32();

@@ -102,18 +102,12 @@ impl RopeTable {
         let d = cfg.head_dim;
         nonzero("head_dim", d)?;
         if d % 2 == 1 {
-            return Err(KernelError::InvalidArgument {
-                name: "head_dim",
-                why: format!("{d} is odd"),
-            });
+            return Err(KernelError::InvalidArgument { name: "head_dim", why: format!("{d} is odd") });
         }
         positive("base", cfg.base)?;
         let half = d / 2;
-        let base_inv = |base: f64| -> Vec<f64> {
-            (0..half)
-                .map(|i| 1.0 / base.powf((2 * i) as f64 / d as f64))
-                .collect()
-        };
+        let base_inv =
+            |base: f64| -> Vec<f64> { (0..half).map(|i| 1.0 / base.powf((2 * i) as f64 / d as f64)).collect() };
         let mut attention_factor = 1.0;
         let inv_freq = match cfg.scaling {
             RopeScaling::None => base_inv(cfg.base),
@@ -131,12 +125,7 @@ impl RopeTable {
                 }
                 base_inv(cfg.base * factor.powf(d as f64 / (d as f64 - 2.0)))
             }
-            RopeScaling::Llama3 {
-                factor,
-                low_freq_factor,
-                high_freq_factor,
-                original_max_position,
-            } => {
+            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position } => {
                 positive("factor", factor)?;
                 positive("low_freq_factor", low_freq_factor)?;
                 positive("high_freq_factor", high_freq_factor)?;
@@ -144,9 +133,7 @@ impl RopeTable {
                 if high_freq_factor <= low_freq_factor {
                     return Err(KernelError::InvalidArgument {
                         name: "high_freq_factor",
-                        why: format!(
-                            "{high_freq_factor} must exceed low_freq_factor {low_freq_factor}"
-                        ),
+                        why: format!("{high_freq_factor} must exceed low_freq_factor {low_freq_factor}"),
                     });
                 }
                 let old = original_max_position as f64;
@@ -161,8 +148,7 @@ impl RopeTable {
                         } else if wavelen < high_wavelen {
                             f
                         } else {
-                            let smooth = (old / wavelen - low_freq_factor)
-                                / (high_freq_factor - low_freq_factor);
+                            let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
                             (1.0 - smooth) * f / factor + smooth * f
                         }
                     })
@@ -189,9 +175,7 @@ impl RopeTable {
                     None => 0.1 * factor.ln() + 1.0,
                 };
                 let (dim, base, maxp) = (d as f64, cfg.base, original_max_position as f64);
-                let corr = |rot: f64| {
-                    dim * (maxp / (rot * 2.0 * std::f64::consts::PI)).ln() / (2.0 * base.ln())
-                };
+                let corr = |rot: f64| dim * (maxp / (rot * 2.0 * std::f64::consts::PI)).ln() / (2.0 * base.ln());
                 let (mut low, mut high) = (corr(beta_fast), corr(beta_slow));
                 if truncate {
                     low = low.floor();
@@ -213,11 +197,7 @@ impl RopeTable {
                     .collect()
             }
         };
-        Ok(RopeTable {
-            head_dim: d,
-            inv_freq,
-            attention_factor,
-        })
+        Ok(RopeTable { head_dim: d, inv_freq, attention_factor })
     }
 
     /// Head dim `D`.
@@ -248,14 +228,7 @@ impl RopeTable {
         (cos, sin)
     }
 
-    fn check<T: Element>(
-        &self,
-        out: &[T],
-        inp: &[T],
-        positions: &[i64],
-        b: usize,
-        h: usize,
-    ) -> Result<usize> {
+    fn check<T: Element>(&self, out: &[T], inp: &[T], positions: &[i64], b: usize, h: usize) -> Result<usize> {
         nonzero("b", b)?;
         nonzero("h", h)?;
         nonzero("s", positions.len())?;
@@ -272,10 +245,7 @@ impl RopeTable {
         let block = |blk: usize, o: &mut [T], x: Option<&[T]>| {
             for j in 0..o.len() / d {
                 let s = (blk * ROWS_PER_TASK + j) % s_len;
-                let (c, sn) = (
-                    &cos[s * half..(s + 1) * half],
-                    &sin[s * half..(s + 1) * half],
-                );
+                let (c, sn) = (&cos[s * half..(s + 1) * half], &sin[s * half..(s + 1) * half]);
                 let o = &mut o[j * d..(j + 1) * d];
                 let x = x.map(|x| &x[j * d..(j + 1) * d]);
                 for i in 0..half {
@@ -295,24 +265,14 @@ impl RopeTable {
                 .zip(inp.par_chunks(d * ROWS_PER_TASK))
                 .enumerate()
                 .for_each(|(blk, (o, x))| block(blk, o, Some(x))),
-            None => out
-                .par_chunks_mut(d * ROWS_PER_TASK)
-                .enumerate()
-                .for_each(|(blk, o)| block(blk, o, None)),
+            None => out.par_chunks_mut(d * ROWS_PER_TASK).enumerate().for_each(|(blk, o)| block(blk, o, None)),
         }
     }
 
     /// Forward: `y[B,H,S,D]` = `x` rotated by the angles of `positions[S]`.
     ///
     /// Errors: a zero size, or `x`/`y` not holding `B·H·S·D` elements.
-    pub fn forward<T: Element>(
-        &self,
-        y: &mut [T],
-        x: &[T],
-        positions: &[i64],
-        b: usize,
-        h: usize,
-    ) -> Result<()> {
+    pub fn forward<T: Element>(&self, y: &mut [T], x: &[T], positions: &[i64], b: usize, h: usize) -> Result<()> {
         self.check(y, x, positions, b, h)?;
         self.apply(y, Some(x), positions, 1.0);
         Ok(())
@@ -321,14 +281,7 @@ impl RopeTable {
     /// Backward: `dx[B,H,S,D]` = `dy` rotated back (the transpose of the forward map).
     ///
     /// Errors: a zero size, or `dx`/`dy` not holding `B·H·S·D` elements.
-    pub fn backward<T: Element>(
-        &self,
-        dx: &mut [T],
-        dy: &[T],
-        positions: &[i64],
-        b: usize,
-        h: usize,
-    ) -> Result<()> {
+    pub fn backward<T: Element>(&self, dx: &mut [T], dy: &[T], positions: &[i64], b: usize, h: usize) -> Result<()> {
         self.check(dx, dy, positions, b, h)?;
         self.apply(dx, Some(dy), positions, -1.0);
         Ok(())
@@ -337,13 +290,7 @@ impl RopeTable {
     /// In-place forward: `x[B,H,S,D]` is replaced by its rotation (e.g. Q and K before attention).
     ///
     /// Errors: a zero size, or `x` not holding `B·H·S·D` elements.
-    pub fn forward_inplace<T: Element>(
-        &self,
-        x: &mut [T],
-        positions: &[i64],
-        b: usize,
-        h: usize,
-    ) -> Result<()> {
+    pub fn forward_inplace<T: Element>(&self, x: &mut [T], positions: &[i64], b: usize, h: usize) -> Result<()> {
         self.check(x, x, positions, b, h)?;
         self.apply(x, None, positions, 1.0);
         Ok(())
@@ -352,13 +299,7 @@ impl RopeTable {
     /// In-place backward: `d[B,H,S,D]` (the gradient of the output) is replaced by the gradient of the input.
     ///
     /// Errors: a zero size, or `d` not holding `B·H·S·D` elements.
-    pub fn backward_inplace<T: Element>(
-        &self,
-        d: &mut [T],
-        positions: &[i64],
-        b: usize,
-        h: usize,
-    ) -> Result<()> {
+    pub fn backward_inplace<T: Element>(&self, d: &mut [T], positions: &[i64], b: usize, h: usize) -> Result<()> {
         self.check(d, d, positions, b, h)?;
         self.apply(d, None, positions, -1.0);
         Ok(())

@@ -69,11 +69,7 @@ pub fn rel_err(got: &[f64], want: &[f64]) -> f64 {
     if got.iter().any(|x| !x.is_finite()) {
         return f64::INFINITY;
     }
-    let num = got
-        .iter()
-        .zip(want)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0, f64::max);
+    let num = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
     let den = want.iter().map(|x| x.abs()).fold(0.0, f64::max);
     if den == 0.0 {
         num
@@ -86,12 +82,7 @@ pub fn rel_err(got: &[f64], want: &[f64]) -> f64 {
 #[track_caller]
 pub fn assert_close<T: Element>(what: &str, got: &[T], want: &[f64]) {
     let e = rel_err(&to_f64(got), want);
-    assert!(
-        e < tol::<T>(),
-        "{what} ({:?}): rel err {e:e} >= {:e}",
-        T::DTYPE,
-        tol::<T>()
-    );
+    assert!(e < tol::<T>(), "{what} ({:?}): rel err {e:e} >= {:e}", T::DTYPE, tol::<T>());
 }
 
 /// Asserts two f64 vectors agree within `tol`.
@@ -105,17 +96,9 @@ pub fn assert_close_f64(what: &str, got: &[f64], want: &[f64], tol: f64) {
 /// keeps a gradient that is tiny by cancellation (FD round-off dominates there) from failing on round-off alone.
 #[track_caller]
 pub fn assert_fd(what: &str, fd: &[f64], analytic: &[f64], tol: f64) {
-    let num = fd
-        .iter()
-        .zip(analytic)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0, f64::max);
+    let num = fd.iter().zip(analytic).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
     let den = analytic.iter().map(|x| x.abs()).fold(1e-3, f64::max);
-    assert!(
-        num / den < tol,
-        "{what}: finite differences off by {:e} (relative)",
-        num / den
-    );
+    assert!(num / den < tol, "{what}: finite differences off by {:e} (relative)", num / den);
 }
 
 /// Central finite differences of a scalar function at `x` (f64, step `h`).
@@ -150,8 +133,5 @@ pub type Bf16 = bf16;
 
 /// Proptest case count: `PROPTEST_CASES` from the environment when set (for soak runs), else `default`.
 pub fn cases(default: u32) -> u32 {
-    std::env::var("PROPTEST_CASES")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(default)
+    std::env::var("PROPTEST_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(default)
 }

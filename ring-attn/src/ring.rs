@@ -1,0 +1,196 @@
+//! The ring schedule: `CP − 1` steps; at each, the next KV block is already in flight to us while the block in
+//! hand is computed, and the partial result is merged with the kernels' LSE merge.
+//!
+//! Forward, on rank `r` of `n`: step `s` holds the KV block of rank `(r − s) mod n`. Before computing on it,
+//! the block is posted to `r + 1` and the next one is posted for receipt from `r − 1` (double buffer), so the
+//! transfer overlaps the compute. Blocks the mask hides entirely are skipped; the kernel skips the hidden
+//! tiles of the others (with zigzag, an off-diagonal step touches only half of Q or half of KV).
+//!
+//! Backward: KV goes round again, and beside it travels an `f32` accumulator of `dK`, `dV` for that block;
+//! each rank adds its queries' contribution and passes it on. After `n` hops the accumulator is back at its
+//! owner, complete. The KV transfer of step `s + 1` overlaps the compute of step `s`; the accumulator's
+//! transfer overlaps the compute of the next step.
+
+use std::time::Instant;
+
+use longctx_kernels::{attention_backward, attention_forward, merge_partial_attention, HostSlice};
+use longctx_p2p::Communicator;
+
+use crate::block::KvPacking;
+use crate::error::Result;
+use crate::{Local, StepReport};
+
+/// Message tags of the two streams.
+const TAG_KV: u32 = 0x4b56;
+const TAG_DKV: u32 = 0x644b;
+
+/// Ring forward: `o` (`f32`, `[B, Hq, L, D]`) and `lse` receive this rank's rows of full attention.
+pub(crate) fn ring_forward(
+    comm: &Communicator,
+    pb: &Local<'_>,
+    q: HostSlice<'_>,
+    k: HostSlice<'_>,
+    v: HostSlice<'_>,
+    o: &mut [f32],
+    lse: &mut [f32],
+    rep: &mut StepReport,
+) -> Result<()> {
+    let (n, r) = (comm.world_size(), comm.rank());
+    let packing =
+        KvPacking { dtype: k.dtype(), kv_elems: pb.shape.kv_elems(), doc_len: pb.docs.map_or(0, |d| d.len()) };
+    let mut cur = packing.pack(k, v, pb.docs);
+    let mut nxt = vec![0u32; cur.len()];
+    let mut o_part = vec![0f32; o.len()];
+    let mut lse_part = vec![0f32; lse.len()];
+    let mut have = false;
+    for step in 0..n {
+        let src = (r + n - step) % n;
+        // Post the next block's transfer before computing on this one.
+        let reqs = if step + 1 < n {
+            let t = Instant::now();
+            let s = comm.isend((r + 1) % n, TAG_KV, &cur)?;
+            let rv = comm.irecv((r + n - 1) % n, TAG_KV, &mut nxt)?;
+            rep.comm_wait += t.elapsed();
+            Some((s, rv))
+        } else {
+            None
+        };
+        let t = Instant::now();
+        let (kb, vb, k_doc) = packing.view(&cur);
+        let p = pb.params(&pb.positions[src], k_doc);
+        if p.mask.may_see_any(pb.shape.q_len, pb.shape.kv_len) {
+            if !have {
+                attention_forward(&p, q, kb, vb, (&mut *o).into(), lse)?;
+                have = true;
+            } else {
+                attention_forward(&p, q, kb, vb, (&mut o_part).into(), &mut lse_part)?;
+                merge_partial_attention(o, lse, &o_part, &lse_part)?;
+            }
+            rep.blocks_computed += 1;
+        } else {
+            rep.blocks_skipped += 1;
+        }
+        rep.compute += t.elapsed();
+        if let Some((s, rv)) = reqs {
+            let t = Instant::now();
+            s.wait()?;
+            rv.wait()?;
+            rep.comm_wait += t.elapsed();
+            std::mem::swap(&mut cur, &mut nxt);
+        }
+    }
+    if !have {
+        o.fill(0.0);
+        lse.fill(f32::NEG_INFINITY);
+    }
+    Ok(())
+}
+
+/// Ring backward: `dq` (`[B, Hq, L, D]`), `dk`, `dv` (`[B, Hkv, L, D]`), all `f32`, receive this rank's
+/// gradients (overwritten).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn ring_backward(
+    comm: &Communicator,
+    pb: &Local<'_>,
+    q: HostSlice<'_>,
+    k: HostSlice<'_>,
+    v: HostSlice<'_>,
+    o: HostSlice<'_>,
+    d_o: HostSlice<'_>,
+    lse: &[f32],
+    dq: &mut [f32],
+    dk: &mut [f32],
+    dv: &mut [f32],
+    rep: &mut StepReport,
+) -> Result<()> {
+    let (n, r) = (comm.world_size(), comm.rank());
+    let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+    let packing =
+        KvPacking { dtype: k.dtype(), kv_elems: pb.shape.kv_elems(), doc_len: pb.docs.map_or(0, |d| d.len()) };
+    let kv_elems = pb.shape.kv_elems();
+    let mut cur = packing.pack(k, v, pb.docs);
+    let mut nxt = vec![0u32; cur.len()];
+    // `local`: this step's contribution; `acc_out`: the accumulator being passed on; `acc_in`: the one arriving.
+    let mut local = vec![0f32; 2 * kv_elems];
+    let mut acc_out = vec![0f32; 2 * kv_elems];
+    let mut acc_in = vec![0f32; 2 * kv_elems];
+    dq.fill(0.0);
+    let mut acc_reqs = None;
+    for step in 0..n {
+        let src = (r + n - step) % n;
+        let t = Instant::now();
+        let kv_reqs = if step + 1 < n {
+            Some((comm.isend(next, TAG_KV, &cur)?, comm.irecv(prev, TAG_KV, &mut nxt)?))
+        } else {
+            None
+        };
+        rep.comm_wait += t.elapsed();
+
+        // This rank's contribution to the block in hand, while the block's accumulator is still arriving.
+        let t = Instant::now();
+        let (kb, vb, k_doc) = packing.view(&cur);
+        let p = pb.params(&pb.positions[src], k_doc);
+        local.fill(0.0);
+        let (dk_loc, dv_loc) = local.split_at_mut(kv_elems);
+        if p.mask.may_see_any(pb.shape.q_len, pb.shape.kv_len) {
+            attention_backward(&p, q, kb, vb, o, d_o, lse, dq.into(), dk_loc.into(), dv_loc.into(), true)?;
+            rep.blocks_computed += 1;
+        } else {
+            rep.blocks_skipped += 1;
+        }
+        rep.compute += t.elapsed();
+
+        if n == 1 {
+            break;
+        }
+        let t = Instant::now();
+        if let Some((s_req, r_req)) = acc_reqs.take() {
+            wait_pair(s_req, r_req)?;
+            for (a, l) in acc_in.iter_mut().zip(&local) {
+                *a += *l;
+            }
+            std::mem::swap(&mut acc_out, &mut acc_in);
+        } else {
+            std::mem::swap(&mut acc_out, &mut local);
+        }
+        acc_reqs = Some((comm.isend(next, TAG_DKV, &acc_out)?, comm.irecv(prev, TAG_DKV, &mut acc_in)?));
+        if let Some((ks, kr)) = kv_reqs {
+            wait_pair(ks, kr)?;
+        }
+        std::mem::swap(&mut cur, &mut nxt);
+        rep.comm_wait += t.elapsed();
+    }
+    // After n hops the accumulator arriving last is this rank's own block's, complete (with one rank, the
+    // only contribution is the local one).
+    let own = if let Some((s_req, r_req)) = acc_reqs.take() {
+        let t = Instant::now();
+        wait_pair(s_req, r_req)?;
+        rep.comm_wait += t.elapsed();
+        &acc_in
+    } else {
+        &local
+    };
+    dk.copy_from_slice(&own[..kv_elems]);
+    dv.copy_from_slice(&own[kv_elems..]);
+    Ok(())
+}
+
+fn wait_pair(s: longctx_p2p::Request<'_>, r: longctx_p2p::Request<'_>) -> Result<()> {
+    s.wait()?;
+    r.wait()?;
+    Ok(())
+}
+
+/// Bytes one rank sends in a ring forward.
+pub(crate) fn forward_bytes(n: usize, pack_words: usize) -> u64 {
+    (n.saturating_sub(1) * pack_words * 4) as u64
+}
+
+/// Bytes one rank sends in a ring backward.
+pub(crate) fn backward_bytes(n: usize, pack_words: usize, kv_elems: usize) -> u64 {
+    if n == 1 {
+        0
+    } else {
+        ((n - 1) * pack_words * 4 + n * 2 * kv_elems * 4) as u64
+    }
+}
