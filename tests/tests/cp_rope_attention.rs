@@ -1,0 +1,125 @@
+//! Cross-crate: RoPE (kernels) at each rank's global positions (ring-attn layout), then context-parallel
+//! attention over thread ranks (p2p), forward and backward, equals RoPE + attention on the whole sequence.
+
+use longctx_kernels::{
+    attention_backward, attention_forward, AttnMask, AttnParams, AttnShape, RopeConfig, RopeScaling, RopeTable,
+};
+use longctx_p2p::ThreadWorld;
+use longctx_ring_attn::{ContextParallel, CpConfig, CpMask, CpShape, Partition, Schedule, SeqLayout};
+use proptest::prelude::*;
+
+fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            ((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 0.999
+        })
+        .collect()
+}
+
+fn rel_err(got: &[f32], want: &[f32]) -> f64 {
+    let num = got.iter().zip(want).map(|(a, b)| (*a as f64 - *b as f64).abs()).fold(0.0, f64::max);
+    let den = want.iter().map(|b| (*b as f64).abs()).fold(0.0, f64::max);
+    num / den.max(1e-30)
+}
+
+/// Raw (pre-RoPE) q, k, v and d_o over the whole sequence → (O, dQ_raw, dK_raw, dV) on one rank.
+fn full_path(rope: &RopeTable, shape: CpShape, q: &[f32], k: &[f32], v: &[f32], d_o: &[f32]) -> [Vec<f32>; 4] {
+    let s = shape.seq_len;
+    let pos: Vec<i64> = (0..s as i64).collect();
+    let (mut qr, mut kr) = (vec![0f32; q.len()], vec![0f32; k.len()]);
+    rope.forward(&mut qr, q, &pos, shape.batch, shape.q_heads).unwrap();
+    rope.forward(&mut kr, k, &pos, shape.batch, shape.kv_heads).unwrap();
+    let a = AttnShape {
+        batch: shape.batch,
+        q_heads: shape.q_heads,
+        kv_heads: shape.kv_heads,
+        q_len: s,
+        kv_len: s,
+        head_dim: shape.head_dim,
+    };
+    let p = AttnParams::new(a).with_mask(AttnMask::causal());
+    let mut o = vec![0f32; q.len()];
+    let mut lse = vec![0f32; a.lse_elems()];
+    attention_forward(&p, (&qr).into(), (&kr).into(), v.into(), (&mut o).into(), &mut lse).unwrap();
+    let (mut dqr, mut dkr, mut dv) = (vec![0f32; q.len()], vec![0f32; k.len()], vec![0f32; v.len()]);
+    attention_backward(
+        &p,
+        (&qr).into(),
+        (&kr).into(),
+        v.into(),
+        (&o).into(),
+        d_o.into(),
+        &lse,
+        (&mut dqr).into(),
+        (&mut dkr).into(),
+        (&mut dv).into(),
+        false,
+    )
+    .unwrap();
+    let (mut dq, mut dk) = (vec![0f32; q.len()], vec![0f32; k.len()]);
+    rope.backward(&mut dq, &dqr, &pos, shape.batch, shape.q_heads).unwrap();
+    rope.backward(&mut dk, &dkr, &pos, shape.batch, shape.kv_heads).unwrap();
+    [o, dq, dk, dv]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 16, ..ProptestConfig::default() })]
+
+    #[test]
+    fn rope_then_context_parallel_attention_matches_full(
+        cp in 1usize..=4,
+        part in 0usize..3,
+        hybrid in any::<bool>(),
+        m in 1usize..=6,
+        seed in any::<u64>(),
+    ) {
+        let partition = [Partition::Zigzag, Partition::Contiguous, Partition::Striped][part];
+        let schedule = if hybrid && cp % 2 == 0 { Schedule::Hybrid { group: 2 } } else { Schedule::Ring };
+        let shape = CpShape { batch: 1, q_heads: 4, kv_heads: 2, seq_len: 2 * cp * 8 * m, head_dim: 32 };
+        let rope = RopeTable::new(&RopeConfig {
+            head_dim: 32,
+            base: 500_000.0,
+            scaling: RopeScaling::Llama3 { factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position: 64 },
+        }).unwrap();
+        let (d, s) = (shape.head_dim, shape.seq_len);
+        let q = rand_vec(shape.q_heads * s * d, seed);
+        let k = rand_vec(shape.kv_heads * s * d, seed ^ 1);
+        let v = rand_vec(shape.kv_heads * s * d, seed ^ 2);
+        let d_o = rand_vec(shape.q_heads * s * d, seed ^ 3);
+        let want = full_path(&rope, shape, &q, &k, &v, &d_o);
+
+        let layout = SeqLayout::new(partition, cp, s).unwrap();
+        let per_rank = ThreadWorld::run(cp, |comm| {
+            let r = comm.rank();
+            let pos = layout.positions(r);
+            let sh = |x: &[f32], h: usize| layout.shard(x, h, d, r).unwrap();
+            let (ql, kl, vl, dol) = (sh(&q, 4), sh(&k, 2), sh(&v, 2), sh(&d_o, 4));
+            let (mut qr, mut kr) = (vec![0f32; ql.len()], vec![0f32; kl.len()]);
+            rope.forward(&mut qr, &ql, &pos, 1, 4).unwrap();
+            rope.forward(&mut kr, &kl, &pos, 1, 2).unwrap();
+            let cpa = ContextParallel::new(&comm, CpConfig { partition, schedule, scale: None }).unwrap();
+            let mut o = vec![0f32; ql.len()];
+            let mut lse = vec![0f32; ql.len() / d];
+            cpa.forward(&shape, &CpMask::causal(), (&qr).into(), (&kr).into(), (&vl).into(), (&mut o).into(), &mut lse).unwrap();
+            let (mut dqr, mut dkr, mut dv) = (vec![0f32; ql.len()], vec![0f32; kl.len()], vec![0f32; vl.len()]);
+            cpa.backward(&shape, &CpMask::causal(), (&qr).into(), (&kr).into(), (&vl).into(), (&o).into(), (&dol).into(), &lse,
+                         (&mut dqr).into(), (&mut dkr).into(), (&mut dv).into()).unwrap();
+            let (mut dq, mut dk) = (vec![0f32; ql.len()], vec![0f32; kl.len()]);
+            rope.backward(&mut dq, &dqr, &pos, 1, 4).unwrap();
+            rope.backward(&mut dk, &dkr, &pos, 1, 2).unwrap();
+            [o, dq, dk, dv]
+        }).unwrap();
+        let gather = |i: usize, h: usize| {
+            let shards: Vec<Vec<f32>> = per_rank.iter().map(|x| x[i].clone()).collect();
+            layout.unshard(&shards, h, d).unwrap()
+        };
+        for (i, (name, h)) in [("O", 4), ("dQ", 4), ("dK", 2), ("dV", 2)].iter().enumerate() {
+            let e = rel_err(&gather(i, *h), &want[i]);
+            prop_assert!(e < 1e-5, "{name}: relative error {e:e} (cp {cp}, {partition:?}, {schedule:?})");
+        }
+    }
+}
