@@ -3,10 +3,10 @@
 //! With `P = exp(scale·Q·Kᵀ − LSE)` (rows), `Dᵢ = dOᵢ·Oᵢ`:
 //! `dV = Pᵀ·dO`, `dP = dO·Vᵀ`, `dS = P ∘ (dP − D)`, `dQ = scale·dS·K`, `dK = scale·dSᵀ·Q`.
 //!
-//! Two passes keep every output element owned by one task, so no atomics and no thread-count-dependent
-//! reduction order: pass A, one task per (batch, KV head, key tile), sums `dK`, `dV` over the query heads of
-//! the group and every query tile, in order; pass B, one task per (batch, query head, query tile), sums `dQ`
-//! over the key tiles. Both recompute `P` and `dS` (7 tile products instead of 5), the price of determinism.
+//! One pass computes `P` and `dS` once per tile pair (5 tile products). Determinism without atomics: a task
+//! per (batch, KV head, query chunk) owns its query tiles' `dQ` and writes its contributions to `dK`, `dV`
+//! into a partial buffer of its own; the partials are then summed in chunk order. The number of chunks
+//! depends on the shape alone (see `query_chunks`), never on the thread count.
 
 use std::f32::consts::LOG2_E;
 
@@ -81,30 +81,40 @@ pub fn attention_backward(
         k_sum: tile_summaries(&p.mask, false, s.kv_len, BC),
     };
     let k_tiles = s.kv_len.div_ceil(BC);
-    let q_tiles = s.q_len.div_ceil(BR);
 
-    // Pass A: dK, dV per (b, hkv, key tile).
-    let mut tasks = Vec::with_capacity(s.batch * s.kv_heads * k_tiles);
-    for (bh, (dk_head, dv_head)) in
-        d_k.into_chunks(s.kv_len * d).into_iter().zip(d_v.into_chunks(s.kv_len * d)).enumerate()
-    {
-        for (t, (dk_t, dv_t)) in dk_head.into_chunks(BC * d).into_iter().zip(dv_head.into_chunks(BC * d)).enumerate() {
-            tasks.push((bh, t, dk_t, dv_t));
+    let g = s.group();
+    let z = query_chunks(&s);
+    let heads = s.batch * s.kv_heads;
+
+    // One task per (b, KV head, query chunk z); chunk z holds the query tiles `qt ≡ z (mod Z)` (striped, so a
+    // causal mask gives every chunk the same work). The task owns those tiles' dQ for every query head of the
+    // group, and sums its contributions to dK, dV of the whole head into its own partial buffer.
+    let mut dq_tiles: Vec<Vec<(usize, usize, HostSliceMut<'_>)>> = (0..heads * z).map(|_| Vec::new()).collect();
+    for (bh, dq_head) in d_q.into_chunks(s.q_len * d).into_iter().enumerate() {
+        let (b, hq) = (bh / s.q_heads, bh % s.q_heads);
+        for (qt, dq_t) in dq_head.into_chunks(BR * d).into_iter().enumerate() {
+            dq_tiles[(b * s.kv_heads + hq / g) * z + qt % z].push((hq % g, qt, dq_t));
         }
     }
-    tasks.into_par_iter().for_each_init(
+    let part_len = 2 * s.kv_len * d;
+    let mut partials = vec![0f32; heads * z * part_len];
+    dq_tiles.into_par_iter().zip(partials.par_chunks_mut(part_len)).enumerate().for_each_init(
         || (Scratch::new(), BwdScratch::new()),
-        |(sc, bs), (bhk, t, mut dk_t, mut dv_t)| {
-            let (b, hk) = (bhk / s.kv_heads, bhk % s.kv_heads);
-            let j0 = t * BC;
-            let bc = BC.min(s.kv_len - j0);
-            bs.dk.clear();
-            bs.dk.resize(bc * d, 0.0);
-            bs.dv.clear();
-            bs.dv.resize(bc * d, 0.0);
-            for hq in hk * s.group()..(hk + 1) * s.group() {
-                let bh = b * s.q_heads + hq;
-                for qt in 0..q_tiles {
+        |(sc, bs), (task, (mut my_dq, part))| {
+            let bhk = task / z;
+            let b = bhk / s.kv_heads;
+            let hk = bhk % s.kv_heads;
+            bs.dq.clear();
+            bs.dq.resize(my_dq.len() * BR * d, 0.0);
+            let (dk_part, dv_part) = part.split_at_mut(s.kv_len * d);
+            for t in 0..k_tiles {
+                let j0 = t * BC;
+                let bc = BC.min(s.kv_len - j0);
+                let k_tile = &kf[(bhk * s.kv_len + j0) * d..(bhk * s.kv_len + j0 + bc) * d];
+                let dk_t = &mut dk_part[j0 * d..(j0 + bc) * d];
+                let dv_t = &mut dv_part[j0 * d..(j0 + bc) * d];
+                for (slot, (hq_in_group, qt, _)) in my_dq.iter().enumerate() {
+                    let (qt, bh) = (*qt, b * s.q_heads + hk * g + hq_in_group);
                     let class = p.mask.classify(&ctx.q_sum[qt], &ctx.k_sum[t]);
                     if class == TileClass::Hidden {
                         continue;
@@ -112,74 +122,73 @@ pub fn attention_backward(
                     let q0 = qt * BR;
                     let rows = BR.min(s.q_len - q0);
                     let spans = ctx.probs_and_ds(sc, bs, class, bh, bhk, q0, rows, t);
-                    sc.spans = spans;
-                    // dV += Pᵀ·dO and dK += dSᵀ·Q, reading P and dS transposed in place (zero outside the spans).
                     let rq = (bh * s.q_len + q0) * d;
-                    simd::matmul_at(bc, d, rows, &sc.s, BC, &ctx.d_o[rq..rq + rows * d], d, &mut bs.dv, d, true);
-                    simd::matmul_at(bc, d, rows, &bs.dp, BC, &ctx.q[rq..rq + rows * d], d, &mut bs.dk, d, true);
+                    // dV += Pᵀ·dO and dK += dSᵀ·Q, reading P and dS transposed in place (zero outside the spans).
+                    simd::matmul_at(bc, d, rows, &sc.s, BC, &ctx.d_o[rq..rq + rows * d], d, dv_t, d, true);
+                    simd::matmul_at(bc, d, rows, &bs.dp, BC, &ctx.q[rq..rq + rows * d], d, dk_t, d, true);
+                    // dQ += dS·K over each group's span.
+                    let dq = &mut bs.dq[slot * BR * d..];
+                    for (gi, &(lo, hi)) in spans.iter().enumerate() {
+                        if lo >= hi {
+                            continue;
+                        }
+                        let r0 = gi * GROUP;
+                        let gr = GROUP.min(rows - r0);
+                        let (a, kk) = (&bs.dp[r0 * BC + lo..], &k_tile[lo * d..]);
+                        simd::matmul(gr, d, hi - lo, a, BC, kk, d, &mut dq[r0 * d..], d, true);
+                    }
+                    sc.spans = spans;
                 }
             }
-            simd::scale(&mut bs.dk, p.scale);
-            dk_t.store_f32(0, &bs.dk, accumulate);
-            dv_t.store_f32(0, &bs.dv, accumulate);
+            for (slot, (_, _, dq_t)) in my_dq.iter_mut().enumerate() {
+                let acc = &mut bs.dq[slot * BR * d..slot * BR * d + dq_t.len()];
+                simd::scale(acc, p.scale);
+                dq_t.store_f32(0, acc, accumulate);
+            }
         },
     );
 
-    // Pass B: dQ per (b, hq, query tile).
-    let mut tasks = Vec::with_capacity(s.batch * s.q_heads * q_tiles);
-    for (bh, dq_head) in d_q.into_chunks(s.q_len * d).into_iter().enumerate() {
-        for (qt, dq_t) in dq_head.into_chunks(BR * d).into_iter().enumerate() {
-            tasks.push((bh, qt, dq_t));
+    // dK, dV: the chunks' partials summed in chunk order (fixed, so the result does not depend on threads).
+    let mut out = Vec::with_capacity(heads * k_tiles);
+    for (bhk, (dk_head, dv_head)) in
+        d_k.into_chunks(s.kv_len * d).into_iter().zip(d_v.into_chunks(s.kv_len * d)).enumerate()
+    {
+        for (t, (dk_t, dv_t)) in dk_head.into_chunks(BC * d).into_iter().zip(dv_head.into_chunks(BC * d)).enumerate() {
+            out.push((bhk, t, dk_t, dv_t));
         }
     }
-    tasks.into_par_iter().for_each_init(
-        || (Scratch::new(), BwdScratch::new()),
-        |(sc, bs), (bh, qt, mut dq_t)| {
-            let (b, hq) = (bh / s.q_heads, bh % s.q_heads);
-            let bhk = b * s.kv_heads + hq / s.group();
-            let q0 = qt * BR;
-            let rows = BR.min(s.q_len - q0);
-            bs.dq.clear();
-            bs.dq.resize(rows * d, 0.0);
-            for t in 0..k_tiles {
-                let class = p.mask.classify(&ctx.q_sum[qt], &ctx.k_sum[t]);
-                if class == TileClass::Hidden {
-                    continue;
+    out.into_par_iter().for_each_init(Vec::new, |acc, (bhk, t, mut dk_t, mut dv_t)| {
+        let n = dk_t.len();
+        for (which, dst) in [(0usize, &mut dk_t), (1, &mut dv_t)] {
+            acc.clear();
+            acc.resize(n, 0.0);
+            for zi in 0..z {
+                let base = (bhk * z + zi) * part_len + which * s.kv_len * d + t * BC * d;
+                for (a, x) in acc.iter_mut().zip(&partials[base..base + n]) {
+                    *a += *x;
                 }
-                let j0 = t * BC;
-                let bc = BC.min(s.kv_len - j0);
-                let spans = ctx.probs_and_ds(sc, bs, class, bh, bhk, q0, rows, t);
-                let k_tile = &kf[(bhk * s.kv_len + j0) * d..(bhk * s.kv_len + j0 + bc) * d];
-                for (g, &(lo, hi)) in spans.iter().enumerate() {
-                    let hi = hi.min(bc);
-                    if lo >= hi {
-                        continue;
-                    }
-                    let r0 = g * GROUP;
-                    let gr = GROUP.min(rows - r0);
-                    simd::matmul(
-                        gr,
-                        d,
-                        hi - lo,
-                        &bs.dp[r0 * BC + lo..],
-                        BC,
-                        &k_tile[lo * d..],
-                        d,
-                        &mut bs.dq[r0 * d..],
-                        d,
-                        true,
-                    );
-                }
-                sc.spans = spans;
             }
-            simd::scale(&mut bs.dq, p.scale);
-            dq_t.store_f32(0, &bs.dq, accumulate);
-        },
-    );
+            if which == 0 {
+                simd::scale(acc, p.scale);
+            }
+            dst.store_f32(0, acc, accumulate);
+        }
+    });
     Ok(())
 }
 
-/// What both passes read.
+/// Query chunks per KV head, from the shape alone (never the thread count, so results stay bit-identical):
+/// enough tasks to keep 16 threads busy, but no more partial `dK`, `dV` memory than `dQ` itself takes in
+/// `f32` (so memory stays linear in the sequence), one chunk at least, and no more chunks than query tiles.
+fn query_chunks(s: &super::AttnShape) -> usize {
+    const TASKS: usize = 16;
+    let heads = s.batch * s.kv_heads;
+    let for_threads = TASKS.div_ceil(heads);
+    let for_memory = (s.q_elems() / (heads * 2 * s.kv_len * s.head_dim)).max(1);
+    for_threads.min(for_memory).min(s.q_len.div_ceil(BR)).max(1)
+}
+
+/// What the tasks read.
 struct Ctx<'a> {
     p: &'a AttnParams<'a>,
     c: f32,
@@ -294,13 +303,11 @@ impl Ctx<'_> {
 /// Buffers of the backward tasks, reused across the tasks of one worker.
 struct BwdScratch {
     dp: Vec<f32>,
-    dk: Vec<f32>,
-    dv: Vec<f32>,
     dq: Vec<f32>,
 }
 
 impl BwdScratch {
     fn new() -> Self {
-        Self { dp: vec![0.0; BR * BC], dk: Vec::new(), dv: Vec::new(), dq: Vec::new() }
+        Self { dp: vec![0.0; BR * BC], dq: Vec::new() }
     }
 }
