@@ -33,6 +33,9 @@ pub mod rendezvous;
 mod request;
 mod stats;
 mod threads;
+#[cfg(feature = "ucx")]
+#[cfg_attr(docsrs, doc(cfg(feature = "ucx")))]
+mod ucx;
 
 pub use bootstrap::Bootstrap;
 pub use communicator::Communicator;

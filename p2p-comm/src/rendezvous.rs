@@ -25,11 +25,14 @@ pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 const MAX_FRAME: usize = 1 << 20;
 const OP_SET: u8 = 1;
 const OP_GET: u8 = 2;
+const OP_REGISTER: u8 = 3;
 
 #[derive(Default)]
 struct Table {
     map: Mutex<HashMap<String, Vec<u8>>>,
     changed: Condvar,
+    /// Registered connections still open.
+    live: AtomicUsize,
 }
 
 /// The host side: serves the store on a background thread until dropped.
@@ -37,6 +40,8 @@ pub struct StoreHost {
     addr: SocketAddr,
     stop: Arc<AtomicBool>,
     rejected: Arc<AtomicUsize>,
+    table: Arc<Table>,
+    linger: Duration,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -63,6 +68,7 @@ impl StoreHost {
         let rejected = Arc::new(AtomicUsize::new(0));
         let table = Arc::new(Table::default());
         let (stop2, rejected2, token) = (stop.clone(), rejected.clone(), token.to_owned());
+        let table2 = table.clone();
         let thread = std::thread::Builder::new()
             .name("longctx-rendezvous".into())
             .spawn(move || {
@@ -70,7 +76,7 @@ impl StoreHost {
                     match listener.accept() {
                         Ok((s, _)) => {
                             let (table, token, rejected, stop) = (
-                                table.clone(),
+                                table2.clone(),
                                 token.clone(),
                                 rejected2.clone(),
                                 stop2.clone(),
@@ -88,6 +94,8 @@ impl StoreHost {
             addr: local,
             stop,
             rejected,
+            table,
+            linger: Duration::ZERO,
             thread: Some(thread),
         })
     }
@@ -103,8 +111,20 @@ impl StoreHost {
     }
 }
 
+impl StoreHost {
+    /// On drop, keep serving until every registered rank has disconnected, for at most `d` (default zero).
+    /// Ranks learn that a peer died through the store, so its host should outlive them.
+    pub fn set_linger(&mut self, d: Duration) {
+        self.linger = d;
+    }
+}
+
 impl Drop for StoreHost {
     fn drop(&mut self) {
+        let t0 = Instant::now();
+        while self.table.live.load(Ordering::SeqCst) > 0 && t0.elapsed() < self.linger {
+            std::thread::sleep(Duration::from_millis(10));
+        }
         self.stop.store(true, Ordering::Relaxed);
         if let Some(t) = self.thread.take() {
             let _ = t.join();
@@ -155,10 +175,22 @@ fn serve(mut s: TcpStream, table: &Table, token: &str, rejected: &AtomicUsize, s
     if s.write_all(&[1]).is_err() || s.set_read_timeout(None).is_err() {
         return;
     }
-    let _ = serve_requests(&mut s, table, stop);
+    let mut rank = None;
+    let _ = serve_requests(&mut s, table, stop, &mut rank);
+    // The connection of a registered rank closed: its process exited or dropped its communicator.
+    if let Some(r) = rank {
+        table.live.fetch_sub(1, Ordering::SeqCst);
+        lock(&table.map).insert(format!("gone/{r}"), Vec::new());
+        table.changed.notify_all();
+    }
 }
 
-fn serve_requests(s: &mut TcpStream, table: &Table, stop: &AtomicBool) -> std::io::Result<()> {
+fn serve_requests(
+    s: &mut TcpStream,
+    table: &Table,
+    stop: &AtomicBool,
+    rank: &mut Option<String>,
+) -> std::io::Result<()> {
     loop {
         let mut op = [0u8; 1];
         s.read_exact(&mut op)?;
@@ -168,6 +200,13 @@ fn serve_requests(s: &mut TcpStream, table: &Table, stop: &AtomicBool) -> std::i
                 let value = read_frame(s, MAX_FRAME)?;
                 lock(&table.map).insert(key, value);
                 table.changed.notify_all();
+                s.write_all(&[1])?;
+                write_frame(s, &[])?;
+            }
+            OP_REGISTER => {
+                if rank.replace(key).is_none() {
+                    table.live.fetch_add(1, Ordering::SeqCst);
+                }
                 s.write_all(&[1])?;
                 write_frame(s, &[])?;
             }
@@ -261,6 +300,7 @@ impl Store {
         write_frame(&mut s, key.as_bytes()).map_err(io)?;
         match value {
             Some(v) => write_frame(&mut s, v).map_err(io)?,
+            None if op == OP_REGISTER => {}
             None => {
                 let ms = u32::try_from(wait.as_millis()).unwrap_or(u32::MAX);
                 s.write_all(&ms.to_le_bytes()).map_err(io)?
@@ -282,6 +322,17 @@ impl Store {
         }
         self.request(OP_SET, key, Some(value), Duration::ZERO)
             .map(|_| ())
+    }
+
+    /// Registers this connection as rank `rank`'s: when it closes, the host sets key `gone/{rank}`.
+    pub fn register(&self, rank: usize) -> Result<(), CommError> {
+        self.request(OP_REGISTER, &rank.to_string(), None, Duration::ZERO)
+            .map(|_| ())
+    }
+
+    /// Gets `key` if some rank has set it, without waiting.
+    pub fn try_get(&self, key: &str) -> Result<Option<Vec<u8>>, CommError> {
+        self.request(OP_GET, key, None, Duration::ZERO)
     }
 
     /// Gets `key`, waiting until some rank sets it or the store's timeout elapses.
@@ -315,6 +366,17 @@ mod tests {
                 });
             }
         });
+    }
+
+    #[test]
+    fn a_registered_rank_that_disconnects_is_marked_gone() {
+        let host = StoreHost::bind("127.0.0.1:0", "tok").unwrap();
+        let watcher = Store::connect(host.addr(), "tok", Duration::from_secs(2)).unwrap();
+        let leaver = Store::connect(host.addr(), "tok", Duration::from_secs(2)).unwrap();
+        leaver.register(4).unwrap();
+        assert_eq!(watcher.try_get("gone/4").unwrap(), None);
+        drop(leaver);
+        assert_eq!(watcher.get("gone/4").unwrap(), Vec::<u8>::new());
     }
 
     #[test]
