@@ -78,6 +78,30 @@ impl Communicator {
         Self::new(Transport::Ucx(ep), timeout)
     }
 
+    /// Joins the multi-process job described by the environment (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`,
+    /// `MASTER_PORT`, `LONGCTX_JOB_TOKEN`, as set by `longctx-launch`; or Slurm / Open MPI variables, see
+    /// [`Bootstrap::from_env`](crate::Bootstrap::from_env)) over UCX. Rank 0 hosts the rendezvous store on
+    /// `MASTER_ADDR:MASTER_PORT`. Collective: returns once every rank has joined.
+    ///
+    /// Without the `ucx` feature this returns [`CommError::NotCompiled`].
+    pub fn from_env() -> Result<Communicator, CommError> {
+        #[cfg(feature = "ucx")]
+        {
+            crate::ucx::from_env(DEFAULT_TIMEOUT)
+        }
+        #[cfg(not(feature = "ucx"))]
+        {
+            Err(CommError::NotCompiled("ucx"))
+        }
+    }
+
+    /// Zeroes the traffic counters (after a bootstrap's own messages).
+    #[cfg(feature = "ucx")]
+    pub(crate) fn with_fresh_stats(mut self) -> Self {
+        self.stats = Arc::new(StatsCounters::default());
+        self
+    }
+
     /// This rank, in `0..world_size()`.
     pub fn rank(&self) -> usize {
         match &self.transport {
@@ -208,7 +232,8 @@ impl Communicator {
         }
     }
 
-    /// Blocking [`exchange_start`](Self::exchange_start); on failure of one direction the other is withdrawn.
+    /// Blocking [`exchange_start`](Self::exchange_start). Both directions are finished even if one fails, so a
+    /// failure here never withdraws a message a peer is about to receive.
     pub(crate) fn exchange(
         &self,
         key: u64,
@@ -218,25 +243,7 @@ impl Communicator {
         src: usize,
         recv: &mut [u8],
     ) -> Result<(), CommError> {
-        let mut req = self.exchange_start(key, meta, dst, send, src, recv)?;
-        loop {
-            // Wait part by part so that a failure withdraws the rest instead of waiting for it.
-            match req.test() {
-                Ok(true) => return Ok(()),
-                Ok(false) => {}
-                Err(e) => {
-                    req.cancel();
-                    return Err(e);
-                }
-            }
-            match req.wait_first() {
-                Ok(()) => {}
-                Err(e) => {
-                    req.cancel();
-                    return Err(e);
-                }
-            }
-        }
+        self.exchange_start(key, meta, dst, send, src, recv)?.wait()
     }
 
     /// Runs `f` on a reused scratch buffer of `len` elements (contents unspecified).
@@ -331,11 +338,17 @@ impl Communicator {
     /// [`stats`](Self::stats) start at zero. It inherits the timeout.
     pub fn split(&self, color: u32, key: u32) -> Result<Communicator, CommError> {
         let n = self.world_size();
-        let mut all = vec![0u32; 2 * n];
-        self.all_gather(&[color, key], &mut all)?;
+        // Each rank proposes a context id (the UCX transport needs one free on every member; threads don't).
+        let proposal: u32 = match &self.transport {
+            Transport::Threads(_) => 0,
+            #[cfg(feature = "ucx")]
+            Transport::Ucx(ep) => u32::try_from(ep.next_ctx()).unwrap_or(u32::MAX),
+        };
+        let mut all = vec![0u32; 3 * n];
+        self.all_gather(&[color, key, proposal], &mut all)?;
         let mut members: Vec<(u32, usize)> = (0..n)
-            .filter(|&r| all[2 * r] == color)
-            .map(|r| (all[2 * r + 1], r))
+            .filter(|&r| all[3 * r] == color)
+            .map(|r| (all[3 * r + 1], r))
             .collect();
         members.sort_unstable();
         let ranks: Vec<usize> = members.iter().map(|&(_, r)| r).collect();
@@ -357,7 +370,11 @@ impl Communicator {
                 })
             }
             #[cfg(feature = "ucx")]
-            Transport::Ucx(ep) => Transport::Ucx(ep.split(seq, color, &ranks, new_rank)),
+            Transport::Ucx(ep) => {
+                let _ = seq;
+                let ctx = (0..n).map(|r| all[3 * r + 2]).max().unwrap_or(0) as u64;
+                Transport::Ucx(ep.split(ctx, &ranks, new_rank)?)
+            }
         };
         Ok(Communicator::new(transport, self.timeout))
     }

@@ -110,7 +110,6 @@ pub enum CommError {
 }
 
 impl CommError {
-    #[allow(dead_code)] // used by the rendezvous (next commit)
     pub(crate) fn io(context: impl Into<String>, source: std::io::Error) -> Self {
         CommError::Io {
             context: context.into(),

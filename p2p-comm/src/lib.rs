@@ -24,14 +24,20 @@
 #![warn(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+mod bootstrap;
 mod collectives;
 mod communicator;
 mod error;
 mod reduce;
+pub mod rendezvous;
 mod request;
 mod stats;
 mod threads;
+#[cfg(feature = "ucx")]
+#[cfg_attr(docsrs, doc(cfg(feature = "ucx")))]
+mod ucx;
 
+pub use bootstrap::Bootstrap;
 pub use communicator::Communicator;
 pub use error::CommError;
 pub use reduce::{Reduce, ReduceOp};

@@ -95,25 +95,6 @@ impl<'a> Request<'a> {
         }
         Ok(all)
     }
-
-    /// Waits for the first unfinished part only.
-    pub(crate) fn wait_first(&mut self) -> Result<(), CommError> {
-        for slot in self.ops.iter_mut() {
-            if let Some(mut op) = slot.take() {
-                return op.wait();
-            }
-        }
-        Ok(())
-    }
-
-    /// Withdraws what no peer matched yet (waiting for what is matched); for internal error paths.
-    pub(crate) fn cancel(mut self) {
-        for slot in self.ops.iter_mut() {
-            if let Some(op) = slot.take() {
-                op.cancel();
-            }
-        }
-    }
 }
 
 impl std::fmt::Debug for Request<'_> {

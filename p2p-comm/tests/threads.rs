@@ -34,6 +34,7 @@ impl World for Threads {
     fn die() -> ! {
         panic!("rank killed on purpose")
     }
+    const EXACT_ERRORS: bool = true;
 }
 
 suite_tests!(Threads, 64);

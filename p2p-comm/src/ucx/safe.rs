@@ -1,0 +1,231 @@
+//! Owned UCX objects. None of them is thread-safe by itself: the transport keeps the worker (and through it the
+//! endpoints and requests) behind one mutex, and the worker is created in `UCS_THREAD_MODE_SERIALIZED`.
+
+use std::ffi::c_void;
+use std::ptr;
+
+use super::result::{check, started, Started, UcxError};
+use super::sys;
+
+/// A UCP context with the TAG feature.
+pub struct Context(sys::ucp_context_h);
+
+impl Context {
+    /// `ucp_init` (through `ucp_init_version`, as the header's inline `ucp_init` does).
+    pub fn new() -> Result<Context, UcxError> {
+        let mut config: *mut sys::ucp_config_t = ptr::null_mut();
+        // SAFETY: null env prefix and file name select the defaults; config is released below.
+        check(unsafe { sys::ucp_config_read(ptr::null(), ptr::null(), &mut config) })?;
+        let params = sys::ucp_params_t {
+            field_mask: sys::ucp_params_field_UCP_PARAM_FIELD_FEATURES as u64,
+            features: sys::ucp_feature_UCP_FEATURE_TAG as u64,
+            ..Default::default()
+        };
+        let mut h: sys::ucp_context_h = ptr::null_mut();
+        // SAFETY: params and config are valid for the call; h receives the context on success.
+        let s = unsafe {
+            sys::ucp_init_version(
+                sys::UCP_API_MAJOR,
+                sys::UCP_API_MINOR,
+                &params,
+                config,
+                &mut h,
+            )
+        };
+        // SAFETY: config came from ucp_config_read and is not used after this.
+        unsafe { sys::ucp_config_release(config) };
+        check(s)?;
+        Ok(Context(h))
+    }
+}
+
+impl Drop for Context {
+    fn drop(&mut self) {
+        // SAFETY: the context is valid and every worker of it was destroyed first (Worker holds the Context).
+        unsafe { sys::ucp_cleanup(self.0) }
+    }
+}
+
+/// A UCP worker, the engine that progresses communication. Field order drops the worker before its context.
+pub struct Worker {
+    h: sys::ucp_worker_h,
+    _ctx: Context,
+}
+
+impl Worker {
+    /// Creates a worker in serialized thread mode.
+    pub fn new(ctx: Context) -> Result<Worker, UcxError> {
+        let params = sys::ucp_worker_params_t {
+            field_mask: sys::ucp_worker_params_field_UCP_WORKER_PARAM_FIELD_THREAD_MODE as u64,
+            thread_mode: sys::ucs_thread_mode_t_UCS_THREAD_MODE_SERIALIZED,
+            ..Default::default()
+        };
+        let mut h: sys::ucp_worker_h = ptr::null_mut();
+        // SAFETY: ctx is a live context; h receives the worker.
+        check(unsafe { sys::ucp_worker_create(ctx.0, &params, &mut h) })?;
+        Ok(Worker { h, _ctx: ctx })
+    }
+
+    /// The worker's address, to give to peers out of band.
+    pub fn address(&self) -> Result<Vec<u8>, UcxError> {
+        let mut a: *mut sys::ucp_address_t = ptr::null_mut();
+        let mut len = 0usize;
+        // SAFETY: the worker is live; a/len receive a buffer we copy and release.
+        check(unsafe { sys::ucp_worker_get_address(self.h, &mut a, &mut len) })?;
+        // SAFETY: UCX returned `len` readable bytes at `a`.
+        let v = unsafe { std::slice::from_raw_parts(a as *const u8, len) }.to_vec();
+        // SAFETY: `a` came from ucp_worker_get_address on this worker.
+        unsafe { sys::ucp_worker_release_address(self.h, a) };
+        Ok(v)
+    }
+
+    /// Makes progress; returns the number of events processed.
+    pub fn progress(&self) -> u32 {
+        // SAFETY: the worker is live and the caller holds the transport's lock (serialized mode).
+        unsafe { sys::ucp_worker_progress(self.h) }
+    }
+
+    /// Creates an endpoint to the worker whose address is `addr`.
+    pub fn connect(&self, addr: &[u8]) -> Result<Endpoint, UcxError> {
+        let params = sys::ucp_ep_params_t {
+            field_mask: (sys::ucp_ep_params_field_UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
+                | sys::ucp_ep_params_field_UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE)
+                as u64,
+            address: addr.as_ptr() as *const sys::ucp_address_t,
+            err_mode: sys::ucp_err_handling_mode_t_UCP_ERR_HANDLING_MODE_PEER,
+            ..Default::default()
+        };
+        let mut ep: sys::ucp_ep_h = ptr::null_mut();
+        // SAFETY: addr stays alive for the call (UCX copies what it needs); ep receives the endpoint.
+        check(unsafe { sys::ucp_ep_create(self.h, &params, &mut ep) })?;
+        Ok(Endpoint(ep))
+    }
+
+    /// Starts a tagged send of `len` bytes at `buf`.
+    ///
+    /// # Safety
+    /// `buf..buf+len` must stay valid until the returned request completes (or `Done` is returned).
+    pub unsafe fn tag_send(
+        &self,
+        ep: &Endpoint,
+        buf: *const u8,
+        len: usize,
+        tag: u64,
+    ) -> Result<Started, UcxError> {
+        let param = sys::ucp_request_param_t::default();
+        // SAFETY: per the caller's contract; default params: contiguous bytes, no callback.
+        started(unsafe { sys::ucp_tag_send_nbx(ep.0, buf as *const c_void, len, tag, &param) })
+    }
+
+    /// Starts a tagged receive of exactly `tag` into `buf`; `info` receives the message length.
+    ///
+    /// # Safety
+    /// `buf..buf+len` and `info` must stay valid until the request completes (or `Done` is returned).
+    pub unsafe fn tag_recv(
+        &self,
+        buf: *mut u8,
+        len: usize,
+        tag: u64,
+        info: *mut sys::ucp_tag_recv_info_t,
+    ) -> Result<Started, UcxError> {
+        let mut param = sys::ucp_request_param_t {
+            op_attr_mask: sys::ucp_op_attr_t_UCP_OP_ATTR_FIELD_RECV_INFO
+                | sys::ucp_op_attr_t_UCP_OP_ATTR_FIELD_CALLBACK
+                | sys::ucp_op_attr_t_UCP_OP_ATTR_FIELD_USER_DATA
+                // UCX 1.13 leaves `recv_info` unset on immediate completion: always get a request instead.
+                | sys::ucp_op_attr_t_UCP_OP_ATTR_FLAG_NO_IMM_CMPL,
+            user_data: info as *mut c_void,
+            ..Default::default()
+        };
+        // The callback fills `info` on completion.
+        param.recv_info.tag_info = info;
+        param.cb.recv = Some(recv_done);
+        // SAFETY: per the caller's contract.
+        started(unsafe {
+            sys::ucp_tag_recv_nbx(self.h, buf as *mut c_void, len, tag, u64::MAX, &param)
+        })
+    }
+
+    /// Status of a send or receive request (`None` while in progress).
+    ///
+    /// # Safety
+    /// `req` must be a live request of this worker.
+    pub unsafe fn status(&self, req: *mut c_void) -> Option<Result<(), UcxError>> {
+        // SAFETY: per the caller's contract.
+        let s = unsafe { sys::ucp_request_check_status(req) };
+        (s != sys::ucs_status_t::UCS_INPROGRESS).then(|| check(s))
+    }
+
+    /// Asks UCX to cancel a request (completes it with `UCS_ERR_CANCELED` if it was not matched yet).
+    ///
+    /// # Safety
+    /// `req` must be a live request of this worker.
+    pub unsafe fn cancel(&self, req: *mut c_void) {
+        // SAFETY: per the caller's contract.
+        unsafe { sys::ucp_request_cancel(self.h, req) }
+    }
+
+    /// Releases a completed request.
+    ///
+    /// # Safety
+    /// `req` must be a completed request of this worker, not used afterwards.
+    pub unsafe fn free(&self, req: *mut c_void) {
+        // SAFETY: per the caller's contract.
+        unsafe { sys::ucp_request_free(req) }
+    }
+
+    /// Closes an endpoint (`force`: without flushing, failing its outstanding requests) and progresses until the
+    /// close completes or `patience` elapses.
+    pub fn close(&self, ep: Endpoint, force: bool, patience: std::time::Duration) {
+        let mut param = sys::ucp_request_param_t::default();
+        if force {
+            param.op_attr_mask = sys::ucp_op_attr_t_UCP_OP_ATTR_FIELD_FLAGS;
+            param.flags = sys::ucp_ep_close_flags_t_UCP_EP_CLOSE_FLAG_FORCE;
+        }
+        // SAFETY: ep is a live endpoint of this worker, consumed here.
+        let p = unsafe { sys::ucp_ep_close_nbx(ep.0, &param) };
+        if let Ok(Started::Request(req)) = started(p) {
+            let t0 = std::time::Instant::now();
+            loop {
+                self.progress();
+                // SAFETY: req is the live close request.
+                if unsafe { sys::ucp_request_check_status(req) }
+                    != sys::ucs_status_t::UCS_INPROGRESS
+                {
+                    // SAFETY: completed; not used afterwards.
+                    unsafe { sys::ucp_request_free(req) };
+                    break;
+                }
+                if t0.elapsed() > patience {
+                    break; // leaked: the worker is being torn down with the peer unresponsive
+                }
+            }
+        }
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        // SAFETY: the worker is live; its endpoints were closed by the transport.
+        unsafe { sys::ucp_worker_destroy(self.h) }
+    }
+}
+
+/// Receive completion callback: records the message length in the `ucp_tag_recv_info_t` given as user data.
+unsafe extern "C" fn recv_done(
+    _req: *mut c_void,
+    status: sys::ucs_status_t,
+    info: *const sys::ucp_tag_recv_info_t,
+    user_data: *mut c_void,
+) {
+    let ok = status == sys::ucs_status_t::UCS_OK
+        || status == sys::ucs_status_t::UCS_ERR_MESSAGE_TRUNCATED;
+    if ok && !info.is_null() && !user_data.is_null() {
+        // SAFETY: UCX passes a valid info for completed receives; user_data is the op's boxed info, alive until
+        // the request is freed.
+        unsafe { *(user_data as *mut sys::ucp_tag_recv_info_t) = *info };
+    }
+}
+
+/// A UCP endpoint (a connection to one peer worker). Closed with [`Worker::close`].
+pub struct Endpoint(sys::ucp_ep_h);
