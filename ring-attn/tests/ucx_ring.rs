@@ -1,0 +1,176 @@
+//! Ring attention across UCX processes started by `longctx-launch`: the test re-runs itself in each child
+//! process (one rank each), where it joins the job from the environment and checks its rows of the ring
+//! forward and backward against single-rank attention on the whole sequence.
+#![cfg(feature = "ucx")]
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Duration;
+
+use longctx_kernels::{attention_backward, attention_forward, AttnMask, AttnParams, AttnShape, Positions};
+use longctx_p2p::Communicator;
+use longctx_ring_attn::{ContextParallel, CpConfig, CpMask, CpShape, Partition, Schedule, SeqLayout};
+
+const CHILD: &str = "LONGCTX_RING_UCX_CHILD";
+const RESULT: &str = "LONGCTX_RING_RESULT";
+
+fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            ((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 0.999
+        })
+        .collect()
+}
+
+fn rel_err(got: &[f32], want: &[f32]) -> f64 {
+    let num = got.iter().zip(want).map(|(a, b)| (*a as f64 - *b as f64).abs()).fold(0.0, f64::max);
+    let den = want.iter().map(|b| (*b as f64).abs()).fold(0.0, f64::max);
+    num / den.max(1e-30)
+}
+
+/// One rank's work: ring forward and backward with packed documents; errors above tolerance are returned.
+fn child(schedule: Schedule) -> Result<(), String> {
+    let mut comm = Communicator::from_env().map_err(|e| e.to_string())?;
+    comm.set_timeout(Duration::from_secs(60));
+    let (n, r) = (comm.world_size(), comm.rank());
+    let shape = CpShape { batch: 1, q_heads: 4, kv_heads: 2, seq_len: 96 * n, head_dim: 64 };
+    let (s, d) = (shape.seq_len, shape.head_dim);
+    // Every rank builds the same full sequence, runs the single-rank reference, and keeps its own rows.
+    let q = rand_vec(4 * s * d, 1);
+    let k = rand_vec(2 * s * d, 2);
+    let v = rand_vec(2 * s * d, 3);
+    let d_o = rand_vec(4 * s * d, 4);
+    let docs: Vec<u32> = (0..s).map(|i| (i / 70) as u32).collect();
+    let full = AttnShape { batch: 1, q_heads: 4, kv_heads: 2, q_len: s, kv_len: s, head_dim: d };
+    let p = AttnParams::new(full).with_mask(
+        AttnMask::causal().with_positions(Positions::Offset(0), Positions::Offset(0)).with_docs(&docs, &docs),
+    );
+    let mut o = vec![0f32; q.len()];
+    let mut lse = vec![0f32; full.lse_elems()];
+    attention_forward(&p, (&q).into(), (&k).into(), (&v).into(), (&mut o).into(), &mut lse).map_err(|e| e.to_string())?;
+    let (mut dq, mut dk, mut dv) = (vec![0f32; q.len()], vec![0f32; k.len()], vec![0f32; v.len()]);
+    attention_backward(
+        &p,
+        (&q).into(),
+        (&k).into(),
+        (&v).into(),
+        (&o).into(),
+        (&d_o).into(),
+        &lse,
+        (&mut dq).into(),
+        (&mut dk).into(),
+        (&mut dv).into(),
+        false,
+    )
+    .map_err(|e| e.to_string())?;
+
+    let layout = SeqLayout::new(Partition::Zigzag, n, s).map_err(|e| e.to_string())?;
+    let sh = |x: &[f32], h: usize, inner: usize| layout.shard(x, h, inner, r).map_err(|e| e.to_string());
+    let (ql, kl, vl, dol) = (sh(&q, 4, d)?, sh(&k, 2, d)?, sh(&v, 2, d)?, sh(&d_o, 4, d)?);
+    let docs_l: Vec<u32> = layout.shard(&docs, 1, 1, r).map_err(|e| e.to_string())?;
+    let cp = ContextParallel::new(&comm, CpConfig { partition: Partition::Zigzag, schedule, scale: None })
+        .map_err(|e| e.to_string())?;
+    let mask = CpMask { causal: true, window: None, docs: Some(&docs_l) };
+    let mut o_l = vec![0f32; ql.len()];
+    let mut lse_l = vec![0f32; ql.len() / d];
+    let rf = cp
+        .forward(&shape, &mask, (&ql).into(), (&kl).into(), (&vl).into(), (&mut o_l).into(), &mut lse_l)
+        .map_err(|e| e.to_string())?;
+    let (mut dq_l, mut dk_l, mut dv_l) = (vec![0f32; ql.len()], vec![0f32; kl.len()], vec![0f32; vl.len()]);
+    let rb = cp
+        .backward(
+            &shape,
+            &mask,
+            (&ql).into(),
+            (&kl).into(),
+            (&vl).into(),
+            (&o_l).into(),
+            (&dol).into(),
+            &lse_l,
+            (&mut dq_l).into(),
+            (&mut dk_l).into(),
+            (&mut dv_l).into(),
+        )
+        .map_err(|e| e.to_string())?;
+    for (name, got, want) in [
+        ("O", &o_l, sh(&o, 4, d)?),
+        ("LSE", &lse_l, sh(&lse, 4, 1)?),
+        ("dQ", &dq_l, sh(&dq, 4, d)?),
+        ("dK", &dk_l, sh(&dk, 2, d)?),
+        ("dV", &dv_l, sh(&dv, 2, d)?),
+    ] {
+        let e = rel_err(got, &want);
+        if e >= 1e-5 {
+            return Err(format!("rank {r}: {name} relative error {e:e}"));
+        }
+    }
+    if rf.bytes_sent != rf.expected_bytes || rb.bytes_sent != rb.expected_bytes {
+        return Err(format!(
+            "rank {r}: bytes sent {}/{} (forward), {}/{} (backward) against the schedule's formula",
+            rf.bytes_sent, rf.expected_bytes, rb.bytes_sent, rb.expected_bytes
+        ));
+    }
+    Ok(())
+}
+
+/// `longctx-launch` from the same build as this test binary (`target/<profile>/`).
+fn launcher() -> PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    let dir = exe.parent().and_then(|p| p.parent()).expect("target directory");
+    let path = dir.join("longctx-launch");
+    assert!(
+        path.exists(),
+        "{} not found: build it first (`cargo build -p longctx-p2p --bin longctx-launch`, or run the suite with \
+         --all-targets as ./scripts/test does)",
+        path.display()
+    );
+    path
+}
+
+fn launch(test: &str, nproc: usize) {
+    let out = Command::new(launcher())
+        .args(["--nproc", &nproc.to_string(), "--"])
+        .arg(std::env::current_exe().expect("test binary path"))
+        .args([test, "--exact", "--nocapture", "--test-threads=1"])
+        .env(CHILD, "1")
+        .output()
+        .expect("run longctx-launch");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    for r in 0..nproc {
+        let line = stdout
+            .lines()
+            .filter(|l| l.starts_with(&format!("[rank {r}] ")))
+            .find_map(|l| l.split_once(&format!("{RESULT} ")).map(|(_, x)| x.to_string()));
+        assert_eq!(line.as_deref(), Some("ok"), "rank {r}\n--- stdout\n{stdout}\n--- stderr\n{stderr}");
+    }
+    assert!(out.status.success(), "launcher failed: {:?}\n{stderr}", out.status);
+}
+
+fn report(res: Result<(), String>) -> ! {
+    match res {
+        Ok(()) => println!("{RESULT} ok"),
+        Err(e) => println!("{RESULT} err {e}"),
+    }
+    std::process::exit(0)
+}
+
+#[test]
+fn ring_attention_across_ucx_processes() {
+    if std::env::var(CHILD).is_ok() {
+        report(child(Schedule::Ring));
+    }
+    launch("ring_attention_across_ucx_processes", 3);
+}
+
+#[test]
+fn hybrid_attention_across_ucx_processes() {
+    if std::env::var(CHILD).is_ok() {
+        report(child(Schedule::Hybrid { group: 2 }));
+    }
+    launch("hybrid_attention_across_ucx_processes", 4);
+}
