@@ -14,9 +14,7 @@ mod ucx {
         let lib = pkg_config::Config::new()
             .atleast_version("1.10")
             .probe("ucx")
-            .unwrap_or_else(|e| {
-                panic!("feature `ucx`: pkg-config cannot find UCX (install libucx-dev): {e}")
-            });
+            .unwrap_or_else(|e| panic!("feature `ucx`: pkg-config cannot find UCX (install libucx-dev): {e}"));
         let mut b = bindgen::Builder::default()
             .header_contents("ucx_wrapper.h", "#include <ucp/api/ucp.h>\n")
             .allowlist_function("ucp_.*|ucs_status_string")
@@ -31,9 +29,7 @@ mod ucx {
         }
         let out = PathBuf::from(std::env::var("OUT_DIR").expect("OUT_DIR")).join("ucx_bindings.rs");
         b.generate()
-            .unwrap_or_else(|e| {
-                panic!("feature `ucx`: bindgen failed on ucp/api/ucp.h (needs libclang-dev): {e}")
-            })
+            .unwrap_or_else(|e| panic!("feature `ucx`: bindgen failed on ucp/api/ucp.h (needs libclang-dev): {e}"))
             .write_to_file(&out)
             .unwrap_or_else(|e| panic!("writing {}: {e}", out.display()));
     }

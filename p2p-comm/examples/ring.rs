@@ -22,9 +22,7 @@ fn main() -> Result<(), CommError> {
         comm.all_reduce(&mut total, ReduceOp::Sum)?;
         Ok(total[0])
     })?;
-    let s = totals[0]
-        .as_ref()
-        .map_err(|e| CommError::InvalidArgument(e.to_string()))?;
+    let s = totals[0].as_ref().map_err(|e| CommError::InvalidArgument(e.to_string()))?;
     let expected = (n * (n + 1) / 2 * block_len * n) as f64;
     println!("every rank saw every block: total {s} (expected {expected})");
     assert_eq!(*s, expected);

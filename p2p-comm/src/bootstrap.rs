@@ -39,20 +39,14 @@ impl Bootstrap {
         let num = |k: &str| -> Result<Option<usize>, CommError> {
             get(k)
                 .map(|v| {
-                    v.trim()
-                        .parse::<usize>()
-                        .map_err(|_| CommError::Bootstrap(format!("{k}={v:?} is not a number")))
+                    v.trim().parse::<usize>().map_err(|_| CommError::Bootstrap(format!("{k}={v:?} is not a number")))
                 })
                 .transpose()
         };
         let schemes = [
             ("RANK", "WORLD_SIZE", "LOCAL_RANK"),
             ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
-            (
-                "OMPI_COMM_WORLD_RANK",
-                "OMPI_COMM_WORLD_SIZE",
-                "OMPI_COMM_WORLD_LOCAL_RANK",
-            ),
+            ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
         ];
         let mut found = None;
         for (r, w, l) in schemes {
@@ -68,22 +62,17 @@ impl Bootstrap {
             )
         })?;
         if world_size == 0 || rank >= world_size {
-            return Err(CommError::Bootstrap(format!(
-                "rank {rank} is not in a world of {world_size}"
-            )));
+            return Err(CommError::Bootstrap(format!("rank {rank} is not in a world of {world_size}")));
         }
         let master_port = match get("MASTER_PORT") {
-            Some(p) => p
-                .trim()
-                .parse()
-                .map_err(|_| CommError::Bootstrap(format!("MASTER_PORT={p:?} is not a port")))?,
+            Some(p) => {
+                p.trim().parse().map_err(|_| CommError::Bootstrap(format!("MASTER_PORT={p:?} is not a port")))?
+            }
             None => DEFAULT_MASTER_PORT,
         };
         let token = get("LONGCTX_JOB_TOKEN")
             .filter(|t| !t.is_empty())
-            .ok_or_else(|| {
-                CommError::Bootstrap("LONGCTX_JOB_TOKEN is not set (longctx-launch sets it)".into())
-            })?;
+            .ok_or_else(|| CommError::Bootstrap("LONGCTX_JOB_TOKEN is not set (longctx-launch sets it)".into()))?;
         Ok(Bootstrap {
             rank,
             world_size,
@@ -100,9 +89,7 @@ impl Bootstrap {
             .to_socket_addrs()
             .map_err(|e| CommError::io(format!("resolving MASTER_ADDR {}", self.master_addr), e))?
             .next()
-            .ok_or_else(|| {
-                CommError::Bootstrap(format!("MASTER_ADDR {} has no address", self.master_addr))
-            })
+            .ok_or_else(|| CommError::Bootstrap(format!("MASTER_ADDR {} has no address", self.master_addr)))
     }
 }
 
@@ -112,10 +99,7 @@ mod tests {
     use std::collections::HashMap;
 
     fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
-        let m: HashMap<String, String> = pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
+        let m: HashMap<String, String> = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
         move |k| m.get(k).cloned()
     }
 
@@ -129,10 +113,7 @@ mod tests {
             ("LONGCTX_JOB_TOKEN", "t"),
         ]))
         .unwrap();
-        assert_eq!(
-            (b.rank, b.world_size, b.local_rank, b.master_port),
-            (2, 4, 1, 1234)
-        );
+        assert_eq!((b.rank, b.world_size, b.local_rank, b.master_port), (2, 4, 1, 1234));
         let b = Bootstrap::from_lookup(env(&[
             ("SLURM_PROCID", "3"),
             ("SLURM_NTASKS", "8"),
@@ -140,10 +121,7 @@ mod tests {
             ("LONGCTX_JOB_TOKEN", "t"),
         ]))
         .unwrap();
-        assert_eq!(
-            (b.rank, b.world_size, b.local_rank, b.master_port),
-            (3, 8, 3, DEFAULT_MASTER_PORT)
-        );
+        assert_eq!((b.rank, b.world_size, b.local_rank, b.master_port), (3, 8, 3, DEFAULT_MASTER_PORT));
         let b = Bootstrap::from_lookup(env(&[
             ("OMPI_COMM_WORLD_RANK", "0"),
             ("OMPI_COMM_WORLD_SIZE", "2"),
@@ -151,30 +129,14 @@ mod tests {
             ("LONGCTX_JOB_TOKEN", "t"),
         ]))
         .unwrap();
-        assert_eq!(
-            (b.rank, b.world_size, b.master_addr.as_str()),
-            (0, 2, "10.0.0.1")
-        );
+        assert_eq!((b.rank, b.world_size, b.master_addr.as_str()), (0, 2, "10.0.0.1"));
     }
 
     #[test]
     fn rejects_bad_environments() {
         assert!(Bootstrap::from_lookup(env(&[])).is_err());
-        assert!(Bootstrap::from_lookup(env(&[
-            ("RANK", "4"),
-            ("WORLD_SIZE", "4"),
-            ("LONGCTX_JOB_TOKEN", "t")
-        ]))
-        .is_err());
-        assert!(Bootstrap::from_lookup(env(&[
-            ("RANK", "x"),
-            ("WORLD_SIZE", "4"),
-            ("LONGCTX_JOB_TOKEN", "t")
-        ]))
-        .is_err());
-        assert!(
-            Bootstrap::from_lookup(env(&[("RANK", "0"), ("WORLD_SIZE", "4")])).is_err(),
-            "token required"
-        );
+        assert!(Bootstrap::from_lookup(env(&[("RANK", "4"), ("WORLD_SIZE", "4"), ("LONGCTX_JOB_TOKEN", "t")])).is_err());
+        assert!(Bootstrap::from_lookup(env(&[("RANK", "x"), ("WORLD_SIZE", "4"), ("LONGCTX_JOB_TOKEN", "t")])).is_err());
+        assert!(Bootstrap::from_lookup(env(&[("RANK", "0"), ("WORLD_SIZE", "4")])).is_err(), "token required");
     }
 }

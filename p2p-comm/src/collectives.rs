@@ -45,22 +45,12 @@ fn meta(code: u64, bytes: usize, extra: u64) -> u64 {
 }
 
 fn describe(m: u64) -> String {
-    format!(
-        "{} of {} bytes (root/operator {})",
-        name(m >> 56),
-        m & ((1 << 48) - 1),
-        (m >> 48) & 0xFF
-    )
+    format!("{} of {} bytes (root/operator {})", name(m >> 56), m & ((1 << 48) - 1), (m >> 48) & 0xFF)
 }
 
 /// The error for two matched messages whose descriptors differ.
 pub(crate) fn mismatch(peer: usize, ours: u64, theirs: u64) -> CommError {
-    CommError::CollectiveMismatch {
-        op: name(ours >> 56),
-        peer,
-        ours: describe(ours),
-        theirs: describe(theirs),
-    }
+    CommError::CollectiveMismatch { op: name(ours >> 56), peer, ours: describe(ours), theirs: describe(theirs) }
 }
 
 /// Range of chunk `c` when `len` elements are cut into `n` parts whose sizes differ by at most one.
@@ -111,14 +101,7 @@ impl Communicator {
                 let sc = range((r + 2 * n - s - 1) % n);
                 let rc = range((r + 2 * n - s - 2) % n);
                 let tmp = &mut tmp[..rc.len()];
-                self.exchange(
-                    INTERNAL | (m >> 56),
-                    m,
-                    next,
-                    bytes(&buf[sc]),
-                    prev,
-                    bytes_mut(tmp),
-                )?;
+                self.exchange(INTERNAL | (m >> 56), m, next, bytes(&buf[sc]), prev, bytes_mut(tmp))?;
                 combine_into(&mut buf[rc], tmp, op);
             }
             Ok(())
@@ -134,26 +117,13 @@ impl Communicator {
     ) -> Result<(), CommError> {
         let (r, n, next, prev) = self.ring();
         for s in 0..n - 1 {
-            let (send, recv) =
-                disjoint(buf, range((r + n - s) % n), range((r + 2 * n - s - 1) % n));
-            self.exchange(
-                INTERNAL | (m >> 56),
-                m,
-                next,
-                bytes(send),
-                prev,
-                bytes_mut(recv),
-            )?;
+            let (send, recv) = disjoint(buf, range((r + n - s) % n), range((r + 2 * n - s - 1) % n));
+            self.exchange(INTERNAL | (m >> 56), m, next, bytes(send), prev, bytes_mut(recv))?;
         }
         Ok(())
     }
 
-    fn all_reduce_acc<A: Reduce<Acc = A>>(
-        &self,
-        buf: &mut [A],
-        op: ReduceOp,
-        m: u64,
-    ) -> Result<(), CommError> {
+    fn all_reduce_acc<A: Reduce<Acc = A>>(&self, buf: &mut [A], op: ReduceOp, m: u64) -> Result<(), CommError> {
         let (len, n) = (buf.len(), self.world_size());
         self.ring_reduce_scatter(buf, |c| chunk(len, n, c), op, m)?;
         self.ring_all_gather(buf, |c| chunk(len, n, c), m)
@@ -165,14 +135,7 @@ impl Communicator {
         let m = meta(BARRIER, 0, 0);
         let mut k = 1;
         while k < n {
-            self.exchange(
-                INTERNAL | BARRIER,
-                m,
-                (r + k) % n,
-                &[],
-                (r + n - k) % n,
-                &mut [],
-            )?;
+            self.exchange(INTERNAL | BARRIER, m, (r + k) % n, &[], (r + n - k) % n, &mut [])?;
             k <<= 1;
         }
         Ok(())
@@ -209,20 +172,11 @@ impl Communicator {
             )));
         }
         recv[r * k..(r + 1) * k].copy_from_slice(send);
-        self.ring_all_gather(
-            recv,
-            |c| c * k..(c + 1) * k,
-            meta(ALL_GATHER, std::mem::size_of_val(send), 0),
-        )
+        self.ring_all_gather(recv, |c| c * k..(c + 1) * k, meta(ALL_GATHER, std::mem::size_of_val(send), 0))
     }
 
     /// Reduces `send` (n chunks of `recv.len()`) over all ranks and leaves chunk `rank` of the result in `recv`.
-    pub fn reduce_scatter<T: Reduce>(
-        &self,
-        send: &[T],
-        recv: &mut [T],
-        op: ReduceOp,
-    ) -> Result<(), CommError> {
+    pub fn reduce_scatter<T: Reduce>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<(), CommError> {
         let (r, n) = (self.rank(), self.world_size());
         let k = recv.len();
         if send.len() != n * k {
@@ -244,10 +198,7 @@ impl Communicator {
     pub fn broadcast<T: Pod>(&self, buf: &mut [T], root: usize) -> Result<(), CommError> {
         let (r, n) = (self.rank(), self.world_size());
         if root >= n {
-            return Err(CommError::InvalidRank {
-                rank: root,
-                world_size: n,
-            });
+            return Err(CommError::InvalidRank { rank: root, world_size: n });
         }
         let m = meta(BROADCAST, std::mem::size_of_val(buf), root as u64);
         let key = INTERNAL | BROADCAST;
@@ -289,14 +240,7 @@ impl Communicator {
         for s in 1..n {
             let (dst, src) = ((r + s) % n, (r + n - s) % n);
             let out = bytes(&send[dst * k..(dst + 1) * k]);
-            self.exchange(
-                INTERNAL | ALL_TO_ALL,
-                m,
-                dst,
-                out,
-                src,
-                bytes_mut(&mut recv[src * k..(src + 1) * k]),
-            )?;
+            self.exchange(INTERNAL | ALL_TO_ALL, m, dst, out, src, bytes_mut(&mut recv[src * k..(src + 1) * k]))?;
         }
         Ok(())
     }

@@ -138,10 +138,7 @@ impl Communicator {
     fn check_peer(&self, peer: usize) -> Result<(), CommError> {
         let n = self.world_size();
         if peer >= n {
-            return Err(CommError::InvalidRank {
-                rank: peer,
-                world_size: n,
-            });
+            return Err(CommError::InvalidRank { rank: peer, world_size: n });
         }
         Ok(())
     }
@@ -162,52 +159,22 @@ impl Communicator {
     ) -> Result<Pending, CommError> {
         self.check_peer(peer)?;
         match &self.transport {
-            Transport::Threads(ep) => ep
-                .post(
-                    is_send,
-                    peer,
-                    key,
-                    meta,
-                    ptr,
-                    len,
-                    self.timeout,
-                    &self.stats,
-                )
-                .map(Pending::Threads),
+            Transport::Threads(ep) => {
+                ep.post(is_send, peer, key, meta, ptr, len, self.timeout, &self.stats).map(Pending::Threads)
+            }
             #[cfg(feature = "ucx")]
-            Transport::Ucx(ep) => ep
-                .post(
-                    is_send,
-                    peer,
-                    key,
-                    meta,
-                    ptr,
-                    len,
-                    self.timeout,
-                    &self.stats,
-                )
-                .map(Pending::Ucx),
+            Transport::Ucx(ep) => {
+                ep.post(is_send, peer, key, meta, ptr, len, self.timeout, &self.stats).map(Pending::Ucx)
+            }
         }
     }
 
-    pub(crate) fn post_send(
-        &self,
-        dst: usize,
-        key: u64,
-        meta: u64,
-        buf: &[u8],
-    ) -> Result<Pending, CommError> {
+    pub(crate) fn post_send(&self, dst: usize, key: u64, meta: u64, buf: &[u8]) -> Result<Pending, CommError> {
         // SAFETY: callers finish the op while `buf` is borrowed (see `post`); a send never writes through `ptr`.
         unsafe { self.post(true, dst, key, meta, buf.as_ptr() as *mut u8, buf.len()) }
     }
 
-    pub(crate) fn post_recv(
-        &self,
-        src: usize,
-        key: u64,
-        meta: u64,
-        buf: &mut [u8],
-    ) -> Result<Pending, CommError> {
+    pub(crate) fn post_recv(&self, src: usize, key: u64, meta: u64, buf: &mut [u8]) -> Result<Pending, CommError> {
         // SAFETY: callers finish the op while `buf` is mutably borrowed (see `post`).
         unsafe { self.post(false, src, key, meta, buf.as_mut_ptr(), buf.len()) }
     }
@@ -272,23 +239,13 @@ impl Communicator {
     }
 
     /// Starts sending `buf` to `dst`; the request borrows `buf` until it finishes.
-    pub fn isend<'a, T: Pod>(
-        &self,
-        dst: usize,
-        tag: u32,
-        buf: &'a [T],
-    ) -> Result<Request<'a>, CommError> {
+    pub fn isend<'a, T: Pod>(&self, dst: usize, tag: u32, buf: &'a [T]) -> Result<Request<'a>, CommError> {
         let op = self.post_send(dst, tag as u64, 0, bytemuck::cast_slice(buf))?;
         Ok(Request::new(op, None))
     }
 
     /// Starts receiving from `src` into `buf`; the request borrows `buf` until it finishes.
-    pub fn irecv<'a, T: Pod>(
-        &self,
-        src: usize,
-        tag: u32,
-        buf: &'a mut [T],
-    ) -> Result<Request<'a>, CommError> {
+    pub fn irecv<'a, T: Pod>(&self, src: usize, tag: u32, buf: &'a mut [T]) -> Result<Request<'a>, CommError> {
         let op = self.post_recv(src, tag as u64, 0, bytemuck::cast_slice_mut(buf))?;
         Ok(Request::new(op, None))
     }
@@ -302,32 +259,14 @@ impl Communicator {
     /// once. All ranks must pass the same length. With one rank, copies `send` into `recv`.
     pub fn sendrecv<T: Pod>(&self, send: &[T], recv: &mut [T]) -> Result<(), CommError> {
         let (next, prev) = self.ring_peers();
-        self.exchange(
-            RING_TAG,
-            0,
-            next,
-            bytemuck::cast_slice(send),
-            prev,
-            bytemuck::cast_slice_mut(recv),
-        )
+        self.exchange(RING_TAG, 0, next, bytemuck::cast_slice(send), prev, bytemuck::cast_slice_mut(recv))
     }
 
     /// Non-blocking ring shift; the request's [`wait`](Request::wait) completes both directions. Overlap compute
     /// with it: post the shift of the next block, compute on the block in hand, wait.
-    pub fn isendrecv<'a, T: Pod>(
-        &self,
-        send: &'a [T],
-        recv: &'a mut [T],
-    ) -> Result<Request<'a>, CommError> {
+    pub fn isendrecv<'a, T: Pod>(&self, send: &'a [T], recv: &'a mut [T]) -> Result<Request<'a>, CommError> {
         let (next, prev) = self.ring_peers();
-        self.exchange_start(
-            RING_TAG,
-            0,
-            next,
-            bytemuck::cast_slice(send),
-            prev,
-            bytemuck::cast_slice_mut(recv),
-        )
+        self.exchange_start(RING_TAG, 0, next, bytemuck::cast_slice(send), prev, bytemuck::cast_slice_mut(recv))
     }
 
     /// Splits into sub-communicators, with `MPI_Comm_split` semantics: ranks passing the same `color` form one
@@ -346,28 +285,19 @@ impl Communicator {
         };
         let mut all = vec![0u32; 3 * n];
         self.all_gather(&[color, key, proposal], &mut all)?;
-        let mut members: Vec<(u32, usize)> = (0..n)
-            .filter(|&r| all[3 * r] == color)
-            .map(|r| (all[3 * r + 1], r))
-            .collect();
+        let mut members: Vec<(u32, usize)> =
+            (0..n).filter(|&r| all[3 * r] == color).map(|r| (all[3 * r + 1], r)).collect();
         members.sort_unstable();
         let ranks: Vec<usize> = members.iter().map(|&(_, r)| r).collect();
         let new_rank = ranks
             .iter()
             .position(|&r| r == self.rank())
-            .ok_or_else(|| {
-                CommError::InvalidArgument(
-                    "split: this rank is missing from its own color group".into(),
-                )
-            })?;
+            .ok_or_else(|| CommError::InvalidArgument("split: this rank is missing from its own color group".into()))?;
         let seq = self.split_seq.fetch_add(1, Ordering::Relaxed);
         let transport = match &self.transport {
             Transport::Threads(ep) => {
                 let world = ep.join_split(seq, color, ranks.len());
-                Transport::Threads(threads::Endpoint {
-                    world,
-                    rank: new_rank,
-                })
+                Transport::Threads(threads::Endpoint { world, rank: new_rank })
             }
             #[cfg(feature = "ucx")]
             Transport::Ucx(ep) => {

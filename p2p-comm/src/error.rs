@@ -31,9 +31,7 @@ pub enum CommError {
         buffer_bytes: usize,
     },
     /// A receive timed out while a message from the same source with another tag was waiting.
-    #[error(
-        "rank {dst} waited for tag {expected} from rank {src}, but rank {src} sent tag {found}"
-    )]
+    #[error("rank {dst} waited for tag {expected} from rank {src}, but rank {src} sent tag {found}")]
     TagMismatch {
         /// Sending rank.
         src: usize,
@@ -111,9 +109,6 @@ pub enum CommError {
 
 impl CommError {
     pub(crate) fn io(context: impl Into<String>, source: std::io::Error) -> Self {
-        CommError::Io {
-            context: context.into(),
-            source,
-        }
+        CommError::Io { context: context.into(), source }
     }
 }

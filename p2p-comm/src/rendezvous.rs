@@ -47,23 +47,16 @@ pub struct StoreHost {
 
 impl std::fmt::Debug for StoreHost {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("StoreHost")
-            .field("addr", &self.addr)
-            .finish()
+        f.debug_struct("StoreHost").field("addr", &self.addr).finish()
     }
 }
 
 impl StoreHost {
     /// Binds `addr` (port 0 picks a free port) and serves connections that present `token`.
     pub fn bind(addr: impl ToSocketAddrs, token: &str) -> Result<StoreHost, CommError> {
-        let listener =
-            TcpListener::bind(addr).map_err(|e| CommError::io("rendezvous: binding", e))?;
-        let local = listener
-            .local_addr()
-            .map_err(|e| CommError::io("rendezvous: local address", e))?;
-        listener
-            .set_nonblocking(true)
-            .map_err(|e| CommError::io("rendezvous: listener", e))?;
+        let listener = TcpListener::bind(addr).map_err(|e| CommError::io("rendezvous: binding", e))?;
+        let local = listener.local_addr().map_err(|e| CommError::io("rendezvous: local address", e))?;
+        listener.set_nonblocking(true).map_err(|e| CommError::io("rendezvous: listener", e))?;
         let stop = Arc::new(AtomicBool::new(false));
         let rejected = Arc::new(AtomicUsize::new(0));
         let table = Arc::new(Table::default());
@@ -75,12 +68,8 @@ impl StoreHost {
                 while !stop2.load(Ordering::Relaxed) {
                     match listener.accept() {
                         Ok((s, _)) => {
-                            let (table, token, rejected, stop) = (
-                                table2.clone(),
-                                token.clone(),
-                                rejected2.clone(),
-                                stop2.clone(),
-                            );
+                            let (table, token, rejected, stop) =
+                                (table2.clone(), token.clone(), rejected2.clone(), stop2.clone());
                             let _ = std::thread::Builder::new()
                                 .name("longctx-rendezvous-conn".into())
                                 .spawn(move || serve(s, &table, &token, &rejected, &stop));
@@ -90,14 +79,7 @@ impl StoreHost {
                 }
             })
             .map_err(|e| CommError::io("rendezvous: spawning the server", e))?;
-        Ok(StoreHost {
-            addr: local,
-            stop,
-            rejected,
-            table,
-            linger: Duration::ZERO,
-            thread: Some(thread),
-        })
+        Ok(StoreHost { addr: local, stop, rejected, table, linger: Duration::ZERO, thread: Some(thread) })
     }
 
     /// The address the store listens on.
@@ -141,10 +123,7 @@ fn read_u32(s: &mut TcpStream) -> std::io::Result<u32> {
 fn read_frame(s: &mut TcpStream, max: usize) -> std::io::Result<Vec<u8>> {
     let len = read_u32(s)? as usize;
     if len > max {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidData,
-            "frame too large",
-        ));
+        return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "frame too large"));
     }
     let mut v = vec![0u8; len];
     s.read_exact(&mut v)?;
@@ -223,22 +202,13 @@ fn serve_requests(
                         break None;
                     }
                     let wait = (deadline - now).min(Duration::from_millis(100));
-                    map = table
-                        .changed
-                        .wait_timeout(map, wait)
-                        .unwrap_or_else(PoisonError::into_inner)
-                        .0;
+                    map = table.changed.wait_timeout(map, wait).unwrap_or_else(PoisonError::into_inner).0;
                 };
                 drop(map);
                 s.write_all(&[u8::from(found.is_some())])?;
                 write_frame(s, found.as_deref().unwrap_or(&[]))?;
             }
-            _ => {
-                return Err(std::io::Error::new(
-                    std::io::ErrorKind::InvalidData,
-                    "unknown op",
-                ))
-            }
+            _ => return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "unknown op")),
         }
     }
 }
@@ -260,10 +230,7 @@ impl Store {
             match TcpStream::connect_timeout(&addr, Duration::from_secs(1)) {
                 Ok(s) => break s,
                 Err(e) if Instant::now() >= deadline => {
-                    return Err(CommError::io(
-                        format!("rendezvous: connecting to {addr}"),
-                        e,
-                    ))
+                    return Err(CommError::io(format!("rendezvous: connecting to {addr}"), e))
                 }
                 Err(_) => std::thread::sleep(Duration::from_millis(50)),
             }
@@ -274,26 +241,12 @@ impl Store {
         let mut ok = [0u8; 1];
         match s.read_exact(&mut ok) {
             Ok(()) if ok[0] == 1 => {}
-            _ => {
-                return Err(CommError::BadToken {
-                    addr: addr.to_string(),
-                })
-            }
+            _ => return Err(CommError::BadToken { addr: addr.to_string() }),
         }
-        Ok(Store {
-            stream: Mutex::new(s),
-            addr,
-            timeout,
-        })
+        Ok(Store { stream: Mutex::new(s), addr, timeout })
     }
 
-    fn request(
-        &self,
-        op: u8,
-        key: &str,
-        value: Option<&[u8]>,
-        wait: Duration,
-    ) -> Result<Option<Vec<u8>>, CommError> {
+    fn request(&self, op: u8, key: &str, value: Option<&[u8]>, wait: Duration) -> Result<Option<Vec<u8>>, CommError> {
         let io = |e| CommError::io(format!("rendezvous: talking to {}", self.addr), e);
         let mut s = lock(&self.stream);
         s.write_all(&[op]).map_err(io)?;
@@ -315,19 +268,14 @@ impl Store {
     /// Sets `key` to `value` (at most 1 MiB).
     pub fn set(&self, key: &str, value: &[u8]) -> Result<(), CommError> {
         if value.len() > MAX_FRAME || key.len() > MAX_FRAME {
-            return Err(CommError::InvalidArgument(format!(
-                "rendezvous: value of {} bytes is too large",
-                value.len()
-            )));
+            return Err(CommError::InvalidArgument(format!("rendezvous: value of {} bytes is too large", value.len())));
         }
-        self.request(OP_SET, key, Some(value), Duration::ZERO)
-            .map(|_| ())
+        self.request(OP_SET, key, Some(value), Duration::ZERO).map(|_| ())
     }
 
     /// Registers this connection as rank `rank`'s: when it closes, the host sets key `gone/{rank}`.
     pub fn register(&self, rank: usize) -> Result<(), CommError> {
-        self.request(OP_REGISTER, &rank.to_string(), None, Duration::ZERO)
-            .map(|_| ())
+        self.request(OP_REGISTER, &rank.to_string(), None, Duration::ZERO).map(|_| ())
     }
 
     /// Gets `key` if some rank has set it, without waiting.
@@ -337,13 +285,9 @@ impl Store {
 
     /// Gets `key`, waiting until some rank sets it or the store's timeout elapses.
     pub fn get(&self, key: &str) -> Result<Vec<u8>, CommError> {
-        self.request(OP_GET, key, None, self.timeout)?
-            .ok_or_else(|| {
-                CommError::Bootstrap(format!(
-                    "rendezvous: key {key:?} was not set within {:?}",
-                    self.timeout
-                ))
-            })
+        self.request(OP_GET, key, None, self.timeout)?.ok_or_else(|| {
+            CommError::Bootstrap(format!("rendezvous: key {key:?} was not set within {:?}", self.timeout))
+        })
     }
 }
 

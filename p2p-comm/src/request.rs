@@ -56,10 +56,7 @@ pub struct Request<'a> {
 
 impl<'a> Request<'a> {
     pub(crate) fn new(a: Pending, b: Option<Pending>) -> Self {
-        Request {
-            ops: [Some(a), b],
-            _buf: PhantomData,
-        }
+        Request { ops: [Some(a), b], _buf: PhantomData }
     }
 
     /// Blocks until every part of the operation completes, the timeout elapses or a peer is found gone.
@@ -100,8 +97,6 @@ impl<'a> Request<'a> {
 impl std::fmt::Debug for Request<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let n = self.ops.iter().filter(|o| o.is_some()).count();
-        f.debug_struct("Request")
-            .field("parts_in_flight", &n)
-            .finish()
+        f.debug_struct("Request").field("parts_in_flight", &n).finish()
     }
 }

@@ -30,14 +30,8 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 #[derive(Debug, Clone, Copy)]
 enum Outcome {
     Ok,
-    LengthMismatch {
-        message_bytes: usize,
-        buffer_bytes: usize,
-    },
-    MetaMismatch {
-        ours: u64,
-        theirs: u64,
-    },
+    LengthMismatch { message_bytes: usize, buffer_bytes: usize },
+    MetaMismatch { ours: u64, theirs: u64 },
     PeerGone,
 }
 
@@ -108,12 +102,9 @@ impl World {
     }
 
     fn completion(&self, rank: usize) -> Arc<Completion> {
-        let c = lock(&self.pools[rank]).pop().unwrap_or_else(|| {
-            Arc::new(Completion {
-                state: Mutex::new(State::Posted),
-                cv: Condvar::new(),
-            })
-        });
+        let c = lock(&self.pools[rank])
+            .pop()
+            .unwrap_or_else(|| Arc::new(Completion { state: Mutex::new(State::Posted), cv: Condvar::new() }));
         *lock(&c.state) = State::Posted;
         c
     }
@@ -128,21 +119,9 @@ fn transfer(send: (*const u8, usize, u64, &Completion), recv: (*mut u8, usize, u
     let (sp, sl, sm, sc) = send;
     let (rp, rl, rm, rc) = recv;
     let (so, ro) = if sm != rm {
-        (
-            Outcome::MetaMismatch {
-                ours: sm,
-                theirs: rm,
-            },
-            Outcome::MetaMismatch {
-                ours: rm,
-                theirs: sm,
-            },
-        )
+        (Outcome::MetaMismatch { ours: sm, theirs: rm }, Outcome::MetaMismatch { ours: rm, theirs: sm })
     } else if sl != rl {
-        let o = Outcome::LengthMismatch {
-            message_bytes: sl,
-            buffer_bytes: rl,
-        };
+        let o = Outcome::LengthMismatch { message_bytes: sl, buffer_bytes: rl };
         (o, o)
     } else {
         // SAFETY: both buffers are borrowed by requests that cannot finish before their completions below are
@@ -198,15 +177,9 @@ impl Endpoint {
             Some(other) => {
                 drop(q);
                 if is_send {
-                    transfer(
-                        (ptr, len, meta, &c),
-                        (other.ptr, other.len, other.meta, &other.done),
-                    );
+                    transfer((ptr, len, meta, &c), (other.ptr, other.len, other.meta, &other.done));
                 } else {
-                    transfer(
-                        (other.ptr, other.len, other.meta, &other.done),
-                        (ptr, len, meta, &c),
-                    );
+                    transfer((other.ptr, other.len, other.meta, &other.done), (ptr, len, meta, &c));
                 }
             }
             None => {
@@ -215,14 +188,7 @@ impl Endpoint {
                     w.recycle(me, c);
                     return Err(CommError::PeerGone { rank: peer });
                 }
-                let slot = Slot {
-                    peer: if is_send { me } else { peer },
-                    key,
-                    meta,
-                    ptr,
-                    len,
-                    done: c.clone(),
-                };
+                let slot = Slot { peer: if is_send { me } else { peer }, key, meta, ptr, len, done: c.clone() };
                 if is_send {
                     q.sends.push_back(slot);
                 } else {
@@ -230,26 +196,14 @@ impl Endpoint {
                 }
             }
         }
-        Ok(ThreadOp {
-            world: w.clone(),
-            me,
-            peer,
-            is_send,
-            key,
-            len,
-            timeout,
-            stats: stats.clone(),
-            done: Some(c),
-        })
+        Ok(ThreadOp { world: w.clone(), me, peer, is_send, key, len, timeout, stats: stats.clone(), done: Some(c) })
     }
 
     /// Collective part of `split` that is specific to threads: finds or creates the sub-world of `color`.
     pub(crate) fn join_split(&self, seq: u64, color: u32, members: usize) -> Arc<World> {
         let mut splits = lock(&self.world.splits);
-        let e = splits.entry((seq, color)).or_insert_with(|| SplitEntry {
-            world: World::new(members),
-            remaining: members,
-        });
+        let e =
+            splits.entry((seq, color)).or_insert_with(|| SplitEntry { world: World::new(members), remaining: members });
         let world = e.world.clone();
         e.remaining -= 1;
         if e.remaining == 0 {
@@ -301,29 +255,16 @@ pub(crate) struct ThreadOp {
 impl ThreadOp {
     fn finish(&mut self, c: Arc<Completion>, o: Outcome) -> Result<(), CommError> {
         self.world.recycle(self.me, c);
-        let (src, dst) = if self.is_send {
-            (self.me, self.peer)
-        } else {
-            (self.peer, self.me)
-        };
+        let (src, dst) = if self.is_send { (self.me, self.peer) } else { (self.peer, self.me) };
         match o {
             Outcome::Ok => {
                 self.stats.record(self.is_send, self.len);
                 Ok(())
             }
-            Outcome::LengthMismatch {
-                message_bytes,
-                buffer_bytes,
-            } => Err(CommError::LengthMismatch {
-                src,
-                dst,
-                tag: self.key,
-                message_bytes,
-                buffer_bytes,
-            }),
-            Outcome::MetaMismatch { ours, theirs } => {
-                Err(crate::collectives::mismatch(self.peer, ours, theirs))
+            Outcome::LengthMismatch { message_bytes, buffer_bytes } => {
+                Err(CommError::LengthMismatch { src, dst, tag: self.key, message_bytes, buffer_bytes })
             }
+            Outcome::MetaMismatch { ours, theirs } => Err(crate::collectives::mismatch(self.peer, ours, theirs)),
             Outcome::PeerGone => Err(CommError::PeerGone { rank: self.peer }),
         }
     }
@@ -332,11 +273,7 @@ impl ThreadOp {
     fn try_cancel(&self, c: &Arc<Completion>) -> bool {
         let mbox = if self.is_send { self.peer } else { self.me };
         let mut q = lock(&self.world.mailboxes[mbox]);
-        let queue = if self.is_send {
-            &mut q.sends
-        } else {
-            &mut q.recvs
-        };
+        let queue = if self.is_send { &mut q.sends } else { &mut q.recvs };
         match queue.iter().position(|s| Arc::ptr_eq(&s.done, c)) {
             Some(i) => {
                 queue.remove(i);
@@ -399,11 +336,7 @@ impl ThreadOp {
             let now = Instant::now();
             st = match deadline {
                 Some(d) if now >= d => break,
-                Some(d) => {
-                    c.cv.wait_timeout(st, d - now)
-                        .unwrap_or_else(PoisonError::into_inner)
-                        .0
-                }
+                Some(d) => c.cv.wait_timeout(st, d - now).unwrap_or_else(PoisonError::into_inner).0,
                 None => c.cv.wait(st).unwrap_or_else(PoisonError::into_inner),
             };
         }
@@ -415,24 +348,12 @@ impl ThreadOp {
         self.world.recycle(self.me, c);
         if !self.is_send {
             let q = lock(&self.world.mailboxes[self.me]);
-            let other = q
-                .sends
-                .iter()
-                .find(|s| s.peer == self.peer && s.key >> 32 == self.key >> 32);
+            let other = q.sends.iter().find(|s| s.peer == self.peer && s.key >> 32 == self.key >> 32);
             if let Some(s) = other {
-                return Err(CommError::TagMismatch {
-                    src: self.peer,
-                    dst: self.me,
-                    expected: self.key,
-                    found: s.key,
-                });
+                return Err(CommError::TagMismatch { src: self.peer, dst: self.me, expected: self.key, found: s.key });
             }
         }
-        Err(CommError::Timeout {
-            op: if self.is_send { "send" } else { "recv" },
-            peer: self.peer,
-            after: self.timeout,
-        })
+        Err(CommError::Timeout { op: if self.is_send { "send" } else { "recv" }, peer: self.peer, after: self.timeout })
     }
 }
 
@@ -473,18 +394,13 @@ impl ThreadWorld {
     ///
     /// If a rank panics the others see [`CommError::PeerGone`] from operations that involve it, and `run`
     /// returns [`CommError::RankPanicked`] naming the rank that panicked first.
-    pub fn run<R: Send, F: Fn(Communicator) -> R + Sync>(
-        n: usize,
-        f: F,
-    ) -> Result<Vec<R>, CommError> {
+    pub fn run<R: Send, F: Fn(Communicator) -> R + Sync>(n: usize, f: F) -> Result<Vec<R>, CommError> {
         ThreadWorld::builder().run(n, f)
     }
 
     /// A builder to set options (the timeout) before running.
     pub fn builder() -> ThreadWorldBuilder {
-        ThreadWorldBuilder {
-            timeout: crate::communicator::DEFAULT_TIMEOUT,
-        }
+        ThreadWorldBuilder { timeout: crate::communicator::DEFAULT_TIMEOUT }
     }
 }
 
@@ -504,30 +420,16 @@ impl ThreadWorldBuilder {
     /// Creates the communicators without running anything: one per rank, in rank order, to be moved to threads.
     pub fn build(&self, n: usize) -> Result<Vec<Communicator>, CommError> {
         if n == 0 {
-            return Err(CommError::InvalidArgument(
-                "a world needs at least one rank".into(),
-            ));
+            return Err(CommError::InvalidArgument("a world needs at least one rank".into()));
         }
         let world = World::new(n);
         Ok((0..n)
-            .map(|rank| {
-                Communicator::from_endpoint(
-                    Endpoint {
-                        world: world.clone(),
-                        rank,
-                    },
-                    self.timeout,
-                )
-            })
+            .map(|rank| Communicator::from_endpoint(Endpoint { world: world.clone(), rank }, self.timeout))
             .collect())
     }
 
     /// Like [`ThreadWorld::run`], with this builder's options.
-    pub fn run<R: Send, F: Fn(Communicator) -> R + Sync>(
-        &self,
-        n: usize,
-        f: F,
-    ) -> Result<Vec<R>, CommError> {
+    pub fn run<R: Send, F: Fn(Communicator) -> R + Sync>(&self, n: usize, f: F) -> Result<Vec<R>, CommError> {
         let comms = self.build(n)?;
         let order = AtomicUsize::new(0);
         let outcomes: Vec<Result<R, (usize, String)>> = std::thread::scope(|s| {
@@ -536,27 +438,22 @@ impl ThreadWorldBuilder {
                 .enumerate()
                 .map(|(rank, comm)| {
                     let (f, order) = (&f, &order);
-                    std::thread::Builder::new()
-                        .name(format!("rank-{rank}"))
-                        .spawn_scoped(s, move || {
-                            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(comm)))
-                                .map_err(|p| {
-                                    let msg = p
-                                        .downcast_ref::<&str>()
-                                        .map(|s| s.to_string())
-                                        .or_else(|| p.downcast_ref::<String>().cloned())
-                                        .unwrap_or_else(|| "non-string panic payload".into());
-                                    (order.fetch_add(1, Ordering::SeqCst), msg)
-                                })
+                    std::thread::Builder::new().name(format!("rank-{rank}")).spawn_scoped(s, move || {
+                        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(comm))).map_err(|p| {
+                            let msg = p
+                                .downcast_ref::<&str>()
+                                .map(|s| s.to_string())
+                                .or_else(|| p.downcast_ref::<String>().cloned())
+                                .unwrap_or_else(|| "non-string panic payload".into());
+                            (order.fetch_add(1, Ordering::SeqCst), msg)
                         })
+                    })
                 })
                 .collect();
             handles
                 .into_iter()
                 .map(|h| match h {
-                    Ok(h) => h
-                        .join()
-                        .unwrap_or_else(|_| Err((usize::MAX, "thread failed".into()))),
+                    Ok(h) => h.join().unwrap_or_else(|_| Err((usize::MAX, "thread failed".into()))),
                     Err(e) => Err((usize::MAX, format!("spawning the thread failed: {e}"))),
                 })
                 .collect()

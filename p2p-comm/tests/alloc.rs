@@ -55,9 +55,5 @@ fn steady_state_ring_exchange_and_all_reduce_do_not_allocate() {
         allocs() - before
     })
     .unwrap();
-    assert_eq!(
-        counts,
-        vec![0; 4],
-        "allocations per rank in 20 steady-state rounds"
-    );
+    assert_eq!(counts, vec![0; 4], "allocations per rank in 20 steady-state rounds");
 }

@@ -17,18 +17,10 @@ impl World for Threads {
         _name: &str,
         body: &(dyn Fn(Communicator) -> Result<(), String> + Sync),
     ) -> Vec<Result<(), String>> {
-        let comms = ThreadWorld::builder()
-            .timeout(timeout)
-            .build(n)
-            .expect("world");
+        let comms = ThreadWorld::builder().timeout(timeout).build(n).expect("world");
         std::thread::scope(|s| {
-            let hs: Vec<_> = comms
-                .into_iter()
-                .map(|c| s.spawn(move || body(c)))
-                .collect();
-            hs.into_iter()
-                .map(|h| h.join().unwrap_or_else(|_| Err("panicked".into())))
-                .collect()
+            let hs: Vec<_> = comms.into_iter().map(|c| s.spawn(move || body(c))).collect();
+            hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("panicked".into()))).collect()
         })
     }
     fn die() -> ! {
@@ -55,15 +47,13 @@ proptest! {
 
 #[test]
 fn thread_world_reports_the_first_panic() {
-    let res = ThreadWorld::builder()
-        .timeout(Duration::from_secs(10))
-        .run(3, |c| {
-            if c.rank() == 2 {
-                panic!("boom");
-            }
-            let mut b = [0u8; 1];
-            c.recv(2, 0, &mut b)
-        });
+    let res = ThreadWorld::builder().timeout(Duration::from_secs(10)).run(3, |c| {
+        if c.rank() == 2 {
+            panic!("boom");
+        }
+        let mut b = [0u8; 1];
+        c.recv(2, 0, &mut b)
+    });
     match res {
         Err(longctx_p2p::CommError::RankPanicked { rank: 2, message }) => {
             assert!(message.contains("boom"))

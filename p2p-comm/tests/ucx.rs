@@ -22,10 +22,7 @@ const RESULT: &str = "LONGCTX_RESULT";
 fn call_id(name: &str) -> String {
     static CALLS: Mutex<Option<HashMap<String, usize>>> = Mutex::new(None);
     let mut g = CALLS.lock().unwrap_or_else(|e| e.into_inner());
-    let k = g
-        .get_or_insert_with(HashMap::new)
-        .entry(name.to_string())
-        .or_insert(0);
+    let k = g.get_or_insert_with(HashMap::new).entry(name.to_string()).or_insert(0);
     *k += 1;
     format!("{name}#{k}")
 }
@@ -42,12 +39,10 @@ impl World for Ucx {
             if child != id {
                 return vec![Ok(()); n]; // another world of this test: its own children run it
             }
-            let res = Communicator::from_env()
-                .map_err(|e| e.to_string())
-                .and_then(|mut c| {
-                    c.set_timeout(timeout);
-                    body(c)
-                });
+            let res = Communicator::from_env().map_err(|e| e.to_string()).and_then(|mut c| {
+                c.set_timeout(timeout);
+                body(c)
+            });
             let line = match &res {
                 Ok(()) => format!("{RESULT} ok"),
                 Err(e) => format!("{RESULT} err {e}"),
@@ -79,9 +74,7 @@ impl World for Ucx {
                 match found {
                     Some("ok") => Ok(()),
                     Some(e) => Err(e.strip_prefix("err ").unwrap_or(e).to_string()),
-                    None => Err(format!(
-                        "rank {r} left no result\n--- stdout\n{stdout}\n--- stderr\n{stderr}"
-                    )),
+                    None => Err(format!("rank {r} left no result\n--- stdout\n{stdout}\n--- stderr\n{stderr}")),
                 }
             })
             .collect()

@@ -32,6 +32,7 @@ fn gather_kv<T: Element + Pod>(
     Ok((swap01(&kg, n, hs, l * d), swap01(&vg, n, hs, l * d)))
 }
 
+#[allow(clippy::too_many_arguments)]
 /// Forward over head slices of at most `slice` KV heads; `o` and `lse` are this rank's rows (`f32`).
 pub(crate) fn forward<T: Element + Pod>(
     comm: &Communicator,

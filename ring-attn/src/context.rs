@@ -163,7 +163,7 @@ impl<'c> ContextParallel<'c> {
         let group = match cfg.schedule {
             Schedule::Ulysses => Some(n),
             Schedule::Hybrid { group } => {
-                if group == 0 || n % group != 0 {
+                if group == 0 || !n.is_multiple_of(group) {
                     return Err(RingError::GroupSize { group, world: n });
                 }
                 Some(group)
@@ -216,10 +216,10 @@ impl<'c> ContextParallel<'c> {
         local.validate()?;
         if let Some((inner, _)) = &self.groups {
             let u = inner.world_size();
-            if shape.q_heads % u != 0 {
+            if !shape.q_heads.is_multiple_of(u) {
                 return Err(RingError::HeadsNotDivisible { what: "query", heads: shape.q_heads, group: u });
             }
-            if shape.kv_heads % u != 0 {
+            if !shape.kv_heads.is_multiple_of(u) {
                 return Err(RingError::HeadsNotDivisible { what: "key/value", heads: shape.kv_heads, group: u });
             }
         }

@@ -56,7 +56,7 @@ impl SeqLayout {
             Partition::Zigzag => 2 * world,
             _ => world,
         };
-        if seq_len == 0 || seq_len % divisor != 0 {
+        if seq_len == 0 || !seq_len.is_multiple_of(divisor) {
             return Err(RingError::SeqNotDivisible { seq_len, divisor, partition: partition.name(), world });
         }
         Ok(Self { partition, world, seq_len })

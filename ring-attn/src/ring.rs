@@ -24,6 +24,7 @@ use crate::{Local, StepReport};
 const TAG_KV: u32 = 0x4b56;
 const TAG_DKV: u32 = 0x644b;
 
+#[allow(clippy::too_many_arguments)]
 /// Ring forward: `o` (`f32`, `[B, Hq, L, D]`) and `lse` receive this rank's rows of full attention.
 pub(crate) fn ring_forward(
     comm: &Communicator,

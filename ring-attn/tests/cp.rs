@@ -132,7 +132,10 @@ fn full(c: &Case, x: &Inputs) -> [Vec<f32>; 5] {
 }
 
 /// Runs the case on `c.cp` thread ranks; returns the unsharded outputs and each rank's byte counts.
-fn run_cp(c: &Case, x: &Inputs) -> ([Vec<f32>; 5], Vec<[(u64, u64); 2]>) {
+/// Unsharded outputs and, per rank, (sent, expected) bytes of forward and backward.
+type CpRun = ([Vec<f32>; 5], Vec<[(u64, u64); 2]>);
+
+fn run_cp(c: &Case, x: &Inputs) -> CpRun {
     let s = c.shape;
     let layout = SeqLayout::new(c.partition, c.cp, s.seq_len).unwrap();
     let d = s.head_dim;

@@ -51,7 +51,8 @@ fn child(schedule: Schedule) -> Result<(), String> {
     );
     let mut o = vec![0f32; q.len()];
     let mut lse = vec![0f32; full.lse_elems()];
-    attention_forward(&p, (&q).into(), (&k).into(), (&v).into(), (&mut o).into(), &mut lse).map_err(|e| e.to_string())?;
+    attention_forward(&p, (&q).into(), (&k).into(), (&v).into(), (&mut o).into(), &mut lse)
+        .map_err(|e| e.to_string())?;
     let (mut dq, mut dk, mut dv) = (vec![0f32; q.len()], vec![0f32; k.len()], vec![0f32; v.len()]);
     attention_backward(
         &p,

@@ -165,14 +165,14 @@ pub fn attention_forward(
             sc.spans = spans;
         }
         // O = acc / l, LSE = ln2·(m + log2 l); rows that saw nothing get O = 0, LSE = -inf.
-        for i in 0..rows {
+        for (i, lse_i) in lse_tile.iter_mut().enumerate() {
             let row = &mut sc.acc[i * d..(i + 1) * d];
             if sc.l[i] > 0.0 {
                 simd::scale(row, 1.0 / sc.l[i]);
-                lse_tile[i] = LN_2 * (sc.m[i] + sc.l[i].log2());
+                *lse_i = LN_2 * (sc.m[i] + sc.l[i].log2());
             } else {
                 row.fill(0.0);
-                lse_tile[i] = f32::NEG_INFINITY;
+                *lse_i = f32::NEG_INFINITY;
             }
         }
         o_tile.store_f32(0, &sc.acc[..rows * d], false);

@@ -18,7 +18,7 @@ pub fn merge_partial_attention(o1: &mut [f32], lse1: &mut [f32], o2: &[f32], lse
     if rows == 0 {
         return check_len("o1", o1.len(), 0);
     }
-    if o1.len() % rows != 0 {
+    if !o1.len().is_multiple_of(rows) {
         return Err(KernelError::Shape(format!("o1 has {} elements, not a multiple of {rows} rows", o1.len())));
     }
     let d = o1.len() / rows;

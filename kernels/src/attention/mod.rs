@@ -86,10 +86,10 @@ impl AttnShape {
                 return Err(KernelError::ZeroDim(name));
             }
         }
-        if self.q_heads % self.kv_heads != 0 {
+        if !self.q_heads.is_multiple_of(self.kv_heads) {
             return Err(KernelError::HeadsNotDivisible { q_heads: self.q_heads, kv_heads: self.kv_heads });
         }
-        if !(32..=256).contains(&self.head_dim) || self.head_dim % 8 != 0 {
+        if !(32..=256).contains(&self.head_dim) || !self.head_dim.is_multiple_of(8) {
             return Err(KernelError::HeadDim(self.head_dim));
         }
         Ok(())

@@ -63,7 +63,7 @@ fn matmul_strided(
     if m == 0 || n == 0 {
         return;
     }
-    assert!(n % 8 == 0, "matmul: n = {n} must be a multiple of 8");
+    assert!(n.is_multiple_of(8), "matmul: n = {n} must be a multiple of 8");
     assert!(k == 0 || a.len() > (m - 1) * a_rs + (k - 1) * a_cs, "matmul: A too short");
     assert!(k == 0 || b.len() >= (k - 1) * ldb + n, "matmul: B too short");
     assert!(c.len() >= (m - 1) * ldc + n, "matmul: C too short");
@@ -205,6 +205,7 @@ mod portable {
 }
 
 #[cfg(target_arch = "x86_64")]
+#[allow(clippy::needless_range_loop)] // register arrays indexed by row: the index is the point
 mod x86 {
     use std::arch::x86_64::*;
 

@@ -12,10 +12,7 @@ use std::time::Duration;
 use clap::Parser;
 
 #[derive(Parser, Debug)]
-#[command(
-    name = "longctx-launch",
-    about = "Start N local ranks of a longctx job"
-)]
+#[command(name = "longctx-launch", about = "Start N local ranks of a longctx job")]
 struct Args {
     /// Number of processes.
     #[arg(long)]
@@ -49,11 +46,7 @@ fn describe(s: ExitStatus) -> String {
     }
 }
 
-fn pump(
-    rank: usize,
-    src: impl Read + Send + 'static,
-    to_stderr: bool,
-) -> std::thread::JoinHandle<()> {
+fn pump(rank: usize, src: impl Read + Send + 'static, to_stderr: bool) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {
         for line in BufReader::new(src).split(b'\n') {
             let Ok(line) = line else { break };
@@ -81,23 +74,14 @@ fn main() -> ExitCode {
         eprintln!("longctx-launch: --nproc must be at least 1");
         return ExitCode::from(2);
     }
-    let port = match args
-        .master_port
-        .map(Ok)
-        .unwrap_or_else(|| free_port(&args.master_addr))
-    {
+    let port = match args.master_port.map(Ok).unwrap_or_else(|| free_port(&args.master_addr)) {
         Ok(p) => p,
         Err(e) => {
             eprintln!("longctx-launch: no free port on {}: {e}", args.master_addr);
             return ExitCode::from(2);
         }
     };
-    let token = match std::env::var("LONGCTX_JOB_TOKEN")
-        .ok()
-        .filter(|t| !t.is_empty())
-        .map(Ok)
-        .unwrap_or_else(token)
-    {
+    let token = match std::env::var("LONGCTX_JOB_TOKEN").ok().filter(|t| !t.is_empty()).map(Ok).unwrap_or_else(token) {
         Ok(t) => t,
         Err(e) => {
             eprintln!("longctx-launch: reading /dev/urandom: {e}");
@@ -131,10 +115,7 @@ fn main() -> ExitCode {
                 children.push(c);
             }
             Err(e) => {
-                eprintln!(
-                    "longctx-launch: starting rank {rank} ({}): {e}",
-                    args.cmd[0]
-                );
+                eprintln!("longctx-launch: starting rank {rank} ({}): {e}", args.cmd[0]);
                 children.iter().for_each(kill_group);
                 return ExitCode::from(2);
             }
@@ -176,10 +157,7 @@ fn main() -> ExitCode {
         for p in pumps {
             let _ = p.join();
         }
-        eprintln!(
-            "longctx-launch: rank {rank} failed ({}); killed the other ranks",
-            describe(st)
-        );
+        eprintln!("longctx-launch: rank {rank} failed ({}); killed the other ranks", describe(st));
         return ExitCode::from(1);
     }
     for p in pumps {

@@ -57,10 +57,7 @@ unsafe impl Sync for Shared {}
 
 impl Drop for Shared {
     fn drop(&mut self) {
-        let inner = self
-            .inner
-            .get_mut()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let inner = self.inner.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner);
         let eps: Vec<_> = inner.eps.iter_mut().filter_map(Option::take).collect();
         for ep in eps {
             inner.worker.close(ep, false, Duration::from_secs(2));
@@ -82,9 +79,7 @@ impl Shared {
 pub(crate) fn from_env(timeout: Duration) -> Result<crate::Communicator, CommError> {
     let b = Bootstrap::from_env()?;
     if b.world_size > MAX_RANKS {
-        return Err(CommError::Bootstrap(format!(
-            "the UCX transport supports at most {MAX_RANKS} ranks"
-        )));
+        return Err(CommError::Bootstrap(format!("the UCX transport supports at most {MAX_RANKS} ranks")));
     }
     let host = if b.rank == 0 {
         let mut h = StoreHost::bind((b.master_addr.as_str(), b.master_port), &b.token)?;
@@ -103,22 +98,13 @@ pub(crate) fn from_env(timeout: Duration) -> Result<crate::Communicator, CommErr
         eps.push(Some(worker.connect(&addr)?));
     }
     let shared = Arc::new(Shared {
-        inner: Mutex::new(Inner {
-            eps,
-            broken: vec![false; b.world_size],
-            worker,
-        }),
+        inner: Mutex::new(Inner { eps, broken: vec![false; b.world_size], worker }),
         store,
         _host: host,
         next_ctx: AtomicU64::new(1),
     });
     let members: Arc<[usize]> = (0..b.world_size).collect();
-    let ep = UcxEndpoint {
-        shared,
-        ctx: 0,
-        members,
-        rank: b.rank,
-    };
+    let ep = UcxEndpoint { shared, ctx: 0, members, rank: b.rank };
     let comm = crate::Communicator::from_ucx(ep, timeout);
     comm.barrier()?;
     Ok(comm.with_fresh_stats())
@@ -148,25 +134,13 @@ impl UcxEndpoint {
     }
 
     /// The sub-communicator of `ranks` (ranks of this communicator, in new-rank order) with context `ctx`.
-    pub(crate) fn split(
-        &self,
-        ctx: u64,
-        ranks: &[usize],
-        new_rank: usize,
-    ) -> Result<UcxEndpoint, CommError> {
+    pub(crate) fn split(&self, ctx: u64, ranks: &[usize], new_rank: usize) -> Result<UcxEndpoint, CommError> {
         if ctx >= 1 << CTX_BITS {
-            return Err(CommError::InvalidArgument(
-                "split: out of UCX context ids".into(),
-            ));
+            return Err(CommError::InvalidArgument("split: out of UCX context ids".into()));
         }
         self.shared.next_ctx.fetch_max(ctx + 1, Ordering::Relaxed);
         let members: Arc<[usize]> = ranks.iter().map(|&r| self.members[r]).collect();
-        Ok(UcxEndpoint {
-            shared: self.shared.clone(),
-            ctx,
-            members,
-            rank: new_rank,
-        })
+        Ok(UcxEndpoint { shared: self.shared.clone(), ctx, members, rank: new_rank })
     }
 
     fn tag(&self, src: usize, key: u64) -> u64 {
@@ -190,10 +164,7 @@ impl UcxEndpoint {
         stats: &Arc<StatsCounters>,
     ) -> Result<UcxOp, CommError> {
         let world_peer = self.members[peer];
-        let mut info = Box::new(sys::ucp_tag_recv_info_t {
-            sender_tag: 0,
-            length: 0,
-        });
+        let mut info = Box::new(sys::ucp_tag_recv_info_t { sender_tag: 0, length: 0 });
         let inner = lock(&self.shared.inner);
         let ep = match (&inner.eps[world_peer], inner.broken[world_peer]) {
             (Some(ep), false) => ep,
@@ -201,18 +172,10 @@ impl UcxEndpoint {
         };
         let started = if is_send {
             // SAFETY: the caller keeps the buffer alive until the op finishes.
-            unsafe {
-                inner
-                    .worker
-                    .tag_send(ep, ptr, len, self.tag(self.rank, key))
-            }
+            unsafe { inner.worker.tag_send(ep, ptr, len, self.tag(self.rank, key)) }
         } else {
             // SAFETY: as above; `info` is boxed and owned by the op.
-            unsafe {
-                inner
-                    .worker
-                    .tag_recv(ptr, len, self.tag(peer, key), &mut *info)
-            }
+            unsafe { inner.worker.tag_recv(ptr, len, self.tag(peer, key), &mut *info) }
         };
         drop(inner);
         let started = match started {
@@ -273,11 +236,7 @@ unsafe impl Send for UcxOp {}
 
 impl UcxOp {
     fn outcome(&self, r: Result<(), result::UcxError>) -> Result<(), CommError> {
-        let (src, dst) = if self.is_send {
-            (self.me, self.peer)
-        } else {
-            (self.peer, self.me)
-        };
+        let (src, dst) = if self.is_send { (self.me, self.peer) } else { (self.peer, self.me) };
         let mismatch = |message_bytes| CommError::LengthMismatch {
             src,
             dst,
@@ -286,16 +245,12 @@ impl UcxOp {
             buffer_bytes: self.len,
         };
         match r {
-            Ok(()) if !self.is_send && self.info.length != self.len => {
-                Err(mismatch(self.info.length))
-            }
+            Ok(()) if !self.is_send && self.info.length != self.len => Err(mismatch(self.info.length)),
             Ok(()) => {
                 self.stats.record(self.is_send, self.len);
                 Ok(())
             }
-            Err(e) if e.0 == sys::ucs_status_t::UCS_ERR_MESSAGE_TRUNCATED => {
-                Err(mismatch(self.info.length))
-            }
+            Err(e) if e.0 == sys::ucs_status_t::UCS_ERR_MESSAGE_TRUNCATED => Err(mismatch(self.info.length)),
             Err(e) => {
                 if self.shared.gone(self.world_peer) {
                     Err(CommError::PeerGone { rank: self.peer })
@@ -372,11 +327,7 @@ impl UcxOp {
             if now.duration_since(t0) >= self.timeout {
                 self.abort();
                 let op = if self.is_send { "send" } else { "recv" };
-                return Err(CommError::Timeout {
-                    op,
-                    peer: self.peer,
-                    after: self.timeout,
-                });
+                return Err(CommError::Timeout { op, peer: self.peer, after: self.timeout });
             }
             if now.duration_since(last_check) >= LIVENESS_POLL {
                 last_check = now;

@@ -23,15 +23,7 @@ impl Context {
         };
         let mut h: sys::ucp_context_h = ptr::null_mut();
         // SAFETY: params and config are valid for the call; h receives the context on success.
-        let s = unsafe {
-            sys::ucp_init_version(
-                sys::UCP_API_MAJOR,
-                sys::UCP_API_MINOR,
-                &params,
-                config,
-                &mut h,
-            )
-        };
+        let s = unsafe { sys::ucp_init_version(sys::UCP_API_MAJOR, sys::UCP_API_MINOR, &params, config, &mut h) };
         // SAFETY: config came from ucp_config_read and is not used after this.
         unsafe { sys::ucp_config_release(config) };
         check(s)?;
@@ -89,8 +81,7 @@ impl Worker {
     pub fn connect(&self, addr: &[u8]) -> Result<Endpoint, UcxError> {
         let params = sys::ucp_ep_params_t {
             field_mask: (sys::ucp_ep_params_field_UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
-                | sys::ucp_ep_params_field_UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE)
-                as u64,
+                | sys::ucp_ep_params_field_UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE) as u64,
             address: addr.as_ptr() as *const sys::ucp_address_t,
             err_mode: sys::ucp_err_handling_mode_t_UCP_ERR_HANDLING_MODE_PEER,
             ..Default::default()
@@ -105,13 +96,7 @@ impl Worker {
     ///
     /// # Safety
     /// `buf..buf+len` must stay valid until the returned request completes (or `Done` is returned).
-    pub unsafe fn tag_send(
-        &self,
-        ep: &Endpoint,
-        buf: *const u8,
-        len: usize,
-        tag: u64,
-    ) -> Result<Started, UcxError> {
+    pub unsafe fn tag_send(&self, ep: &Endpoint, buf: *const u8, len: usize, tag: u64) -> Result<Started, UcxError> {
         let param = sys::ucp_request_param_t::default();
         // SAFETY: per the caller's contract; default params: contiguous bytes, no callback.
         started(unsafe { sys::ucp_tag_send_nbx(ep.0, buf as *const c_void, len, tag, &param) })
@@ -141,9 +126,7 @@ impl Worker {
         param.recv_info.tag_info = info;
         param.cb.recv = Some(recv_done);
         // SAFETY: per the caller's contract.
-        started(unsafe {
-            sys::ucp_tag_recv_nbx(self.h, buf as *mut c_void, len, tag, u64::MAX, &param)
-        })
+        started(unsafe { sys::ucp_tag_recv_nbx(self.h, buf as *mut c_void, len, tag, u64::MAX, &param) })
     }
 
     /// Status of a send or receive request (`None` while in progress).
@@ -189,9 +172,7 @@ impl Worker {
             loop {
                 self.progress();
                 // SAFETY: req is the live close request.
-                if unsafe { sys::ucp_request_check_status(req) }
-                    != sys::ucs_status_t::UCS_INPROGRESS
-                {
+                if unsafe { sys::ucp_request_check_status(req) } != sys::ucs_status_t::UCS_INPROGRESS {
                     // SAFETY: completed; not used afterwards.
                     unsafe { sys::ucp_request_free(req) };
                     break;
@@ -218,8 +199,7 @@ unsafe extern "C" fn recv_done(
     info: *const sys::ucp_tag_recv_info_t,
     user_data: *mut c_void,
 ) {
-    let ok = status == sys::ucs_status_t::UCS_OK
-        || status == sys::ucs_status_t::UCS_ERR_MESSAGE_TRUNCATED;
+    let ok = status == sys::ucs_status_t::UCS_OK || status == sys::ucs_status_t::UCS_ERR_MESSAGE_TRUNCATED;
     if ok && !info.is_null() && !user_data.is_null() {
         // SAFETY: UCX passes a valid info for completed receives; user_data is the op's boxed info, alive until
         // the request is freed.

@@ -24,11 +24,8 @@ pub trait World {
 }
 
 pub fn all_ok(outcomes: Vec<Result<(), String>>) {
-    let failed: Vec<String> = outcomes
-        .iter()
-        .enumerate()
-        .filter_map(|(r, o)| o.as_ref().err().map(|e| format!("rank {r}: {e}")))
-        .collect();
+    let failed: Vec<String> =
+        outcomes.iter().enumerate().filter_map(|(r, o)| o.as_ref().err().map(|e| format!("rank {r}: {e}"))).collect();
     assert!(failed.is_empty(), "{}", failed.join("\n"));
 }
 
@@ -141,18 +138,14 @@ fn reduce_case<T: Gen>(c: &Communicator, seed: u64, len: usize) -> Result<(), St
     for op in [ReduceOp::Sum, ReduceOp::Max] {
         let mut buf = data::<T>(seed, r, len);
         c.all_reduce(&mut buf, op).map_err(e2s)?;
-        check(
-            &format!("all_reduce {op:?} {ty}"),
-            &buf,
-            &reference::<T>(seed, n, len, op),
-            n,
-        )?;
+        check(&format!("all_reduce {op:?} {ty}"), &buf, &reference::<T>(seed, n, len, op), n)?;
         // Bit-identical on every rank: gather everyone's result and compare with ours.
         let mut all = vec![T::zeroed(); n * len];
         c.all_gather(&buf, &mut all).map_err(e2s)?;
-        if all.chunks(len.max(1)).any(|ch| {
-            len > 0 && bytemuck::cast_slice::<T, u8>(ch) != bytemuck::cast_slice::<T, u8>(&buf)
-        }) {
+        if all
+            .chunks(len.max(1))
+            .any(|ch| len > 0 && bytemuck::cast_slice::<T, u8>(ch) != bytemuck::cast_slice::<T, u8>(&buf))
+        {
             return Err(format!("all_reduce {op:?} {ty}: ranks disagree bitwise"));
         }
         let k = len / n;
@@ -160,12 +153,7 @@ fn reduce_case<T: Gen>(c: &Communicator, seed: u64, len: usize) -> Result<(), St
         let mut recv = vec![T::zeroed(); k];
         c.reduce_scatter(&send, &mut recv, op).map_err(e2s)?;
         let full = reference::<T>(seed, n, k * n, op);
-        check(
-            &format!("reduce_scatter {op:?} {ty}"),
-            &recv,
-            &full[r * k..(r + 1) * k],
-            n,
-        )?;
+        check(&format!("reduce_scatter {op:?} {ty}"), &recv, &full[r * k..(r + 1) * k], n)?;
     }
     Ok(())
 }
@@ -184,20 +172,11 @@ pub fn collectives(c: Communicator, seed: u64, len: usize) -> Result<(), String>
     let mut all = vec![0u64; n * len];
     c.all_gather(&mine, &mut all).map_err(e2s)?;
     for q in 0..n {
-        check(
-            "all_gather",
-            &all[q * len..(q + 1) * len],
-            &data::<u64>(seed, q, len),
-            n,
-        )?;
+        check("all_gather", &all[q * len..(q + 1) * len], &data::<u64>(seed, q, len), n)?;
     }
     // broadcast from every root
     for root in 0..n {
-        let mut buf = if r == root {
-            data::<f32>(seed, root, len)
-        } else {
-            vec![0.0; len]
-        };
+        let mut buf = if r == root { data::<f32>(seed, root, len) } else { vec![0.0; len] };
         c.broadcast(&mut buf, root).map_err(e2s)?;
         check("broadcast", &buf, &data::<f32>(seed, root, len), 1)?;
     }
@@ -207,12 +186,7 @@ pub fn collectives(c: Communicator, seed: u64, len: usize) -> Result<(), String>
     let mut recv = vec![0i32; k * n];
     c.all_to_all(&send, &mut recv).map_err(e2s)?;
     for q in 0..n {
-        check(
-            "all_to_all",
-            &recv[q * k..(q + 1) * k],
-            &data::<i32>(seed, q, k * n)[r * k..(r + 1) * k],
-            1,
-        )?;
+        check("all_to_all", &recv[q * k..(q + 1) * k], &data::<i32>(seed, q, k * n)[r * k..(r + 1) * k], 1)?;
     }
     c.barrier().map_err(e2s)
 }
@@ -236,9 +210,7 @@ pub fn ring_shift(c: Communicator) -> Result<(), String> {
     let s = c.stats();
     let bytes = (n * len * 4) as u64;
     if s.bytes_sent != bytes || s.bytes_received != bytes || s.messages_sent != n as u64 {
-        return Err(format!(
-            "stats {s:?}, expected {bytes} bytes in {n} messages each way"
-        ));
+        return Err(format!("stats {s:?}, expected {bytes} bytes in {n} messages each way"));
     }
     // test() polling completes too.
     let mut req = c.isendrecv(&block, &mut next).map_err(e2s)?;
@@ -250,23 +222,14 @@ pub fn ring_shift(c: Communicator) -> Result<(), String> {
         std::thread::yield_now();
     }
     drop(req);
-    check(
-        "after test()",
-        &next,
-        &data::<f32>(7, (r + n - 1) % n, len),
-        1,
-    )
+    check("after test()", &next, &data::<f32>(7, (r + n - 1) % n, len), 1)
 }
 
 /// Messages of the given byte sizes from every rank to the next one, many in flight, random contents.
 pub fn send_recv_sizes(c: Communicator, seed: u64, sizes: &[usize]) -> Result<(), String> {
     let (r, n) = (c.rank(), c.world_size());
     let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
-    let outs: Vec<Vec<u8>> = sizes
-        .iter()
-        .enumerate()
-        .map(|(i, &s)| bytes(seed + i as u64, r, s))
-        .collect();
+    let outs: Vec<Vec<u8>> = sizes.iter().enumerate().map(|(i, &s)| bytes(seed + i as u64, r, s)).collect();
     let mut ins: Vec<Vec<u8>> = sizes.iter().map(|&s| vec![0u8; s]).collect();
     let mut reqs = Vec::new();
     // Post receives in reverse order to exercise tag matching out of order.
@@ -345,12 +308,7 @@ pub fn split(c: Communicator) -> Result<(), String> {
     let members: Vec<usize> = (0..n).filter(|q| q % 2 == r % 2).rev().collect();
     let want_rank = members.iter().position(|&q| q == r).ok_or("rank missing")?;
     if sub.rank() != want_rank || sub.world_size() != members.len() {
-        return Err(format!(
-            "sub rank {} of {}, want {want_rank} of {}",
-            sub.rank(),
-            sub.world_size(),
-            members.len()
-        ));
+        return Err(format!("sub rank {} of {}, want {want_rank} of {}", sub.rank(), sub.world_size(), members.len()));
     }
     // Same tag on parent and child, both in flight: each must receive its own message.
     let (pn, pp) = ((r + 1) % n, (r + n - 1) % n);
@@ -430,12 +388,7 @@ pub fn stalled_peer<W: World>(n: usize) {
         let mut buf = [0u8; 16];
         match c.recv(n - 1, 3, &mut buf) {
             Err(CommError::Timeout { peer, .. }) if peer == n - 1 => {}
-            other => {
-                return Err(format!(
-                    "expected a timeout naming rank {}, got {other:?}",
-                    n - 1
-                ))
-            }
+            other => return Err(format!("expected a timeout naming rank {}, got {other:?}", n - 1)),
         }
         let el = t0.elapsed();
         if el < timeout || el > timeout * 2 + Duration::from_millis(500) {
@@ -466,16 +419,7 @@ pub fn bad_input<W: World>(n: usize) {
         let send = [r as u32; 8];
         let mut recv = vec![0u32; if r == 1 { 7 } else { 8 }];
         let res = c.sendrecv(&send, &mut recv);
-        if r == 1
-            && !matches!(
-                res,
-                Err(CommError::LengthMismatch {
-                    message_bytes: 32,
-                    buffer_bytes: 28,
-                    ..
-                })
-            )
-        {
+        if r == 1 && !matches!(res, Err(CommError::LengthMismatch { message_bytes: 32, buffer_bytes: 28, .. })) {
             return Err(format!("short buffer: {res:?}"));
         }
         if r == 0 && W::EXACT_ERRORS && !matches!(res, Err(CommError::LengthMismatch { .. })) {
@@ -492,12 +436,7 @@ pub fn bad_input<W: World>(n: usize) {
         } else if r == 1 {
             let mut b = [0u8; 4];
             match short.recv(0, 6, &mut b) {
-                Err(CommError::TagMismatch {
-                    src: 0,
-                    expected: 6,
-                    found: 5,
-                    ..
-                }) => {}
+                Err(CommError::TagMismatch { src: 0, expected: 6, found: 5, .. }) => {}
                 Err(CommError::Timeout { peer: 0, .. }) if !W::EXACT_ERRORS => {}
                 other => return Err(format!("tag mismatch: {other:?}")),
             }
@@ -515,10 +454,7 @@ pub fn bad_input<W: World>(n: usize) {
             return Err(format!("mismatch noticed after {:?}", t0.elapsed()));
         }
         let _ = r;
-        Err(format!(
-            "expected: {}",
-            res.err().map(e2s).unwrap_or_default()
-        ))
+        Err(format!("expected: {}", res.err().map(e2s).unwrap_or_default()))
     });
     for (r, o) in out.iter().enumerate() {
         match o {
@@ -535,62 +471,40 @@ macro_rules! suite_tests {
         #[test]
         fn ring_shift() {
             for n in [1, 2, 3, 4] {
-                suite::all_ok(<$w>::run(
-                    n,
-                    std::time::Duration::from_secs(30),
-                    "ring_shift",
-                    &suite::ring_shift,
-                ));
+                suite::all_ok(<$w>::run(n, std::time::Duration::from_secs(30), "ring_shift", &suite::ring_shift));
             }
         }
         #[test]
         fn send_recv_random_sizes() {
             let sizes = [0usize, 1, 3, 4096, 65_537, 1 << 20, 3_000_001];
-            suite::all_ok(<$w>::run(
-                3,
-                std::time::Duration::from_secs(30),
-                "send_recv_random_sizes",
-                &|c| suite::send_recv_sizes(c, 11, &sizes),
-            ));
+            suite::all_ok(<$w>::run(3, std::time::Duration::from_secs(30), "send_recv_random_sizes", &|c| {
+                suite::send_recv_sizes(c, 11, &sizes)
+            }));
         }
         #[test]
         fn send_recv_64mib() {
-            suite::all_ok(<$w>::run(
-                2,
-                std::time::Duration::from_secs(60),
-                "send_recv_64mib",
-                &|c| suite::send_recv_sizes(c, 12, &[64 << 20]),
-            ));
+            suite::all_ok(<$w>::run(2, std::time::Duration::from_secs(60), "send_recv_64mib", &|c| {
+                suite::send_recv_sizes(c, 12, &[64 << 20])
+            }));
         }
         #[test]
         fn bidirectional_large() {
-            suite::all_ok(<$w>::run(
-                2,
-                std::time::Duration::from_secs(60),
-                "bidirectional_large",
-                &|c| suite::bidirectional(c, $big),
-            ));
+            suite::all_ok(<$w>::run(2, std::time::Duration::from_secs(60), "bidirectional_large", &|c| {
+                suite::bidirectional(c, $big)
+            }));
         }
         #[test]
         fn collectives_fixed() {
             for (n, len) in [(2usize, 0usize), (3, 1), (4, 1000), (3, 70_001)] {
-                suite::all_ok(<$w>::run(
-                    n,
-                    std::time::Duration::from_secs(30),
-                    "collectives_fixed",
-                    &|c| suite::collectives(c, 3 + len as u64, len),
-                ));
+                suite::all_ok(<$w>::run(n, std::time::Duration::from_secs(30), "collectives_fixed", &|c| {
+                    suite::collectives(c, 3 + len as u64, len)
+                }));
             }
         }
         #[test]
         fn split() {
             for n in [1, 3, 4] {
-                suite::all_ok(<$w>::run(
-                    n,
-                    std::time::Duration::from_secs(30),
-                    "split",
-                    &suite::split,
-                ));
+                suite::all_ok(<$w>::run(n, std::time::Duration::from_secs(30), "split", &suite::split));
             }
         }
         #[test]
