@@ -51,12 +51,30 @@ enum State {
 struct Completion {
     state: Mutex<State>,
     cv: Condvar,
+    /// Set with `state` when done: lets a waiter spin briefly without the lock before sleeping on `cv`.
+    flag: AtomicBool,
 }
 
 impl Completion {
     fn complete(&self, o: Outcome) {
         *lock(&self.state) = State::Done(o);
+        self.flag.store(true, Ordering::Release);
         self.cv.notify_all();
+    }
+
+    /// Spins (then yields) for a few microseconds hoping the peer completes us, which avoids a futex sleep and
+    /// wake-up (tens of µs) on latency-bound exchanges.
+    fn spin(&self) {
+        for i in 0..200 {
+            if self.flag.load(Ordering::Acquire) {
+                return;
+            }
+            if i < 50 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+        }
     }
 }
 
@@ -112,9 +130,11 @@ impl World {
             Arc::new(Completion {
                 state: Mutex::new(State::Posted),
                 cv: Condvar::new(),
+                flag: AtomicBool::new(false),
             })
         });
         *lock(&c.state) = State::Posted;
+        c.flag.store(false, Ordering::Relaxed);
         c
     }
 
@@ -389,6 +409,7 @@ impl ThreadOp {
         let Some(c) = self.done.take() else {
             return Ok(());
         };
+        c.spin();
         let deadline = Instant::now().checked_add(self.timeout);
         let mut st = lock(&c.state);
         loop {
