@@ -27,6 +27,7 @@
 mod bootstrap;
 mod collectives;
 mod communicator;
+mod copy;
 mod error;
 mod reduce;
 pub mod rendezvous;

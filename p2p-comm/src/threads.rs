@@ -167,7 +167,7 @@ fn transfer(send: (*const u8, usize, u64, &Completion), recv: (*mut u8, usize, u
     } else {
         // SAFETY: both buffers are borrowed by requests that cannot finish before their completions below are
         // set; they belong to different requests, so they do not overlap (a `&[T]` and a `&mut [T]` never alias).
-        unsafe { std::ptr::copy_nonoverlapping(sp, rp, sl) };
+        unsafe { crate::copy::copy(sp, rp, sl) };
         (Outcome::Ok, Outcome::Ok)
     };
     sc.complete(so);
