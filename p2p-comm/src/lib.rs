@@ -21,12 +21,23 @@
 //! assert!(sums.into_iter().all(|s| s.unwrap() == 10.0));
 //! # Ok::<(), longctx_p2p::CommError>(())
 //! ```
+//!
+//! # Transports and features
+//!
+//! - threads (always): ranks are threads of one process; each message is copied once, from the send buffer
+//!   straight into the receive buffer; waits honour [`Communicator::timeout`]; a rank whose communicator is
+//!   dropped (or whose thread panics) makes its peers' pending operations fail with [`CommError::PeerGone`].
+//! - `ucx`: ranks are processes. Start them with `longctx-launch --nproc N -- CMD` (feature `launcher`, on by
+//!   default), Slurm or `mpirun`, and call `Communicator::from_env()` in each; rank 0 hosts a small
+//!   [`rendezvous`] store on `MASTER_ADDR:MASTER_PORT` that only admits holders of the job token. Bindings are
+//!   generated at build time from the installed UCX headers (`libucx-dev`, `pkg-config`, libclang).
 #![warn(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod bootstrap;
 mod collectives;
 mod communicator;
+mod copy;
 mod error;
 mod reduce;
 pub mod rendezvous;

@@ -81,3 +81,10 @@ fn dropped_request_keeps_buffer_until_matched() {
     .unwrap();
     assert_eq!(out[1], 7000);
 }
+
+#[test]
+fn communicator_and_requests_can_move_between_threads() {
+    fn is_send<T: Send>() {}
+    is_send::<Communicator>();
+    is_send::<longctx_p2p::Request<'static>>();
+}

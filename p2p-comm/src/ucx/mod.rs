@@ -321,7 +321,6 @@ impl UcxOp {
     pub(crate) fn wait(&mut self) -> Result<(), CommError> {
         let t0 = Instant::now();
         let mut last_check = t0;
-        let mut spins = 0u32;
         while !self.poll() {
             let now = Instant::now();
             if now.duration_since(t0) >= self.timeout {
@@ -336,12 +335,12 @@ impl UcxOp {
                     return Err(CommError::PeerGone { rank: self.peer });
                 }
             }
-            spins += 1;
-            if spins < 1000 {
-                std::hint::spin_loop();
+            // Poll hard (yielding to ranks that share our cores) for the first milliseconds, which covers the
+            // protocol round trips of a transfer; then back off so a long wait on a slow peer costs little CPU.
+            if now.duration_since(t0) < Duration::from_millis(5) {
+                std::thread::yield_now();
             } else {
-                // Other ranks may share our cores: stop burning them after a short spin.
-                std::thread::sleep(Duration::from_micros(20));
+                std::thread::sleep(Duration::from_micros(50));
             }
         }
         self.take_done()

@@ -80,10 +80,10 @@ impl Worker {
     /// Creates an endpoint to the worker whose address is `addr`.
     pub fn connect(&self, addr: &[u8]) -> Result<Endpoint, UcxError> {
         let params = sys::ucp_ep_params_t {
-            field_mask: (sys::ucp_ep_params_field_UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
-                | sys::ucp_ep_params_field_UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE) as u64,
+            // No UCP_ERR_HANDLING_MODE_PEER: it restricts UCX to transports that can detect peer failure, which
+            // excludes shared-memory zero-copy (cma) here. The transport detects dead peers itself.
+            field_mask: sys::ucp_ep_params_field_UCP_EP_PARAM_FIELD_REMOTE_ADDRESS as u64,
             address: addr.as_ptr() as *const sys::ucp_address_t,
-            err_mode: sys::ucp_err_handling_mode_t_UCP_ERR_HANDLING_MODE_PEER,
             ..Default::default()
         };
         let mut ep: sys::ucp_ep_h = ptr::null_mut();

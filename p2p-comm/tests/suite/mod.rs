@@ -456,6 +456,17 @@ pub fn bad_input<W: World>(n: usize) {
         let _ = r;
         Err(format!("expected: {}", res.err().map(e2s).unwrap_or_default()))
     });
+    if W::EXACT_ERRORS {
+        // The ranks that matched a message of the other size name the collective and both sizes.
+        let named = out
+            .iter()
+            .filter(|o| matches!(o, Err(e) if e.contains("collective all_reduce")))
+            .count();
+        assert!(
+            named >= 1,
+            "no rank reported a collective mismatch: {out:?}"
+        );
+    }
     for (r, o) in out.iter().enumerate() {
         match o {
             Err(e) if e.starts_with("expected: ") => {}

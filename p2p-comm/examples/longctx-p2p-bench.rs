@@ -1,0 +1,199 @@
+//! `longctx-p2p-bench`: bandwidth and latency of the communicator against the machine's limits.
+//!
+//! Threads (one process, 2 ranks):   `cargo run --release -p longctx-p2p --example longctx-p2p-bench`
+//! UCX (2 processes, `ucx` feature): `cargo build --release -p longctx-p2p --features ucx --example longctx-p2p-bench`
+//!                                   then `target/release/longctx-launch --nproc 2 -- target/release/examples/longctx-p2p-bench`
+//!
+//! For each message size (4 KiB .. 256 MiB) it measures, between ranks 0 and 1:
+//! - ring: `sendrecv` ring shift, GiB/s per rank and direction (both directions in flight);
+//! - send: blocking `send`/`recv` stream 0 -> 1, GiB/s;
+//! - lat: ping-pong, half round trip in µs;
+//! - all_reduce (f32 sum) bus bandwidth: bytes * 2(n-1)/n / time;
+//! - peer: `memcpy` of the same size on one thread in the same run (threads), or `ucx_perftest -t tag_bw` between
+//!   two processes (UCX), when it is installed.
+//!
+//! Set `LONGCTX_BENCH_MAX` (bytes) to stop at a smaller size.
+
+use std::process::Command;
+use std::time::Instant;
+
+use longctx_p2p::{CommError, Communicator, ReduceOp, ThreadWorld};
+
+#[derive(Debug, Clone, Copy, Default)]
+struct Row {
+    bytes: usize,
+    ring_gibs: f64,
+    send_gibs: f64,
+    lat_us: f64,
+    allreduce_busbw: f64,
+    memcpy_gibs: f64,
+}
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+fn sizes() -> Vec<usize> {
+    let max: usize = std::env::var("LONGCTX_BENCH_MAX")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(256 << 20);
+    (0..)
+        .map(|i| 4096usize << (2 * i))
+        .take_while(|&s| s <= max)
+        .collect()
+}
+
+/// Iterations so each measurement moves about 2 GiB, within [3, 20000].
+fn iters(bytes: usize) -> usize {
+    ((2usize << 30) / bytes.max(1)).clamp(3, 20_000)
+}
+
+/// Runs `f` `it` times after one warm-up and a barrier; returns seconds per iteration (max over ranks).
+fn timed(
+    c: &Communicator,
+    it: usize,
+    mut f: impl FnMut() -> Result<(), CommError>,
+) -> Result<f64, CommError> {
+    f()?;
+    c.barrier()?;
+    let t0 = Instant::now();
+    for _ in 0..it {
+        f()?;
+    }
+    let mut t = [t0.elapsed().as_secs_f64() / it as f64];
+    c.all_reduce(&mut t, ReduceOp::Max)?;
+    Ok(t[0])
+}
+
+fn measure(c: &Communicator, with_memcpy: bool) -> Result<Vec<Row>, CommError> {
+    let (r, n) = (c.rank(), c.world_size());
+    let mut rows = Vec::new();
+    for bytes in sizes() {
+        let it = iters(bytes);
+        let send = vec![r as u8 + 1; bytes];
+        let mut recv = vec![0u8; bytes];
+        let ring = timed(c, it, || c.sendrecv(&send, &mut recv))?;
+        let stream = timed(c, it, || match r {
+            0 => c.send(1, 1, &send),
+            1 => c.recv(0, 1, &mut recv),
+            _ => Ok(()),
+        })?;
+        let lat_it = it.min(5000);
+        let pingpong = timed(c, lat_it, || match r {
+            0 => c.send(1, 2, &send).and_then(|()| c.recv(1, 2, &mut recv)),
+            1 => c.recv(0, 2, &mut recv).and_then(|()| c.send(0, 2, &send)),
+            _ => Ok(()),
+        })?;
+        let mut acc = vec![1.0f32; bytes / 4];
+        let ar = timed(c, it, || c.all_reduce(&mut acc, ReduceOp::Sum))?;
+        let mut memcpy = 0.0;
+        if with_memcpy {
+            // The peer: one thread copying the same bytes, with the other rank idle at the barrier.
+            let t = if r == 0 {
+                let (src, mut dst) = (vec![1u8; bytes], vec![0u8; bytes]);
+                dst.copy_from_slice(&src);
+                // At least 100 ms of copying, so small sizes are not lost in timer noise.
+                let (t0, mut done) = (Instant::now(), 0usize);
+                while done < it || t0.elapsed().as_secs_f64() < 0.1 {
+                    dst.copy_from_slice(std::hint::black_box(&src));
+                    std::hint::black_box(&mut dst);
+                    done += 1;
+                }
+                t0.elapsed().as_secs_f64() / done as f64
+            } else {
+                0.0
+            };
+            c.barrier()?;
+            memcpy = bytes as f64 / t.max(f64::MIN_POSITIVE) / GIB;
+        }
+        rows.push(Row {
+            bytes,
+            ring_gibs: bytes as f64 / ring / GIB,
+            send_gibs: bytes as f64 / stream / GIB,
+            lat_us: pingpong / 2.0 * 1e6,
+            allreduce_busbw: bytes as f64 * 2.0 * (n - 1) as f64 / n as f64 / ar / GIB,
+            memcpy_gibs: memcpy,
+        });
+    }
+    Ok(rows)
+}
+
+/// `ucx_perftest -t tag_bw` between two local processes; GiB/s, or `None` if it is not installed or fails.
+fn ucx_perftest(bytes: usize) -> Option<f64> {
+    let n = iters(bytes).min(1000).to_string();
+    let s = bytes.to_string();
+    let port = "13437";
+    let mut server = Command::new("ucx_perftest")
+        .args(["-t", "tag_bw", "-s", &s, "-n", &n, "-p", port])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .ok()?;
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let out = Command::new("ucx_perftest")
+        .args(["127.0.0.1", "-t", "tag_bw", "-s", &s, "-n", &n, "-p", port])
+        .output();
+    let _ = server.wait();
+    let out = out.ok()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text
+        .lines()
+        .find(|l| l.trim_start().starts_with("Final:"))?;
+    let mibs: f64 = line.split_whitespace().nth(6)?.parse().ok()?;
+    Some(mibs / 1024.0)
+}
+
+fn size_name(b: usize) -> String {
+    if b >= 1 << 20 {
+        format!("{} MiB", b >> 20)
+    } else {
+        format!("{} KiB", b >> 10)
+    }
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let ucx = std::env::var("RANK").is_ok();
+    if ucx {
+        let c = Communicator::from_env()?;
+        let rows = measure(&c, false)?;
+        let rank = c.rank();
+        drop(c);
+        if rank == 0 {
+            println!(
+                "UCX transport, 2 processes (UCX_TLS={})",
+                std::env::var("UCX_TLS").unwrap_or_else(|_| "default".into())
+            );
+            println!("| size | ring GiB/s | send GiB/s | latency µs | all_reduce busbw GiB/s | peer: ucx_perftest tag_bw GiB/s |");
+            println!("|---:|---:|---:|---:|---:|---:|");
+            for r in rows {
+                let peer = ucx_perftest(r.bytes).map_or("n/a".to_string(), |g| format!("{g:.2}"));
+                println!(
+                    "| {} | {:.2} | {:.2} | {:.1} | {:.2} | {} |",
+                    size_name(r.bytes),
+                    r.ring_gibs,
+                    r.send_gibs,
+                    r.lat_us,
+                    r.allreduce_busbw,
+                    peer
+                );
+            }
+        }
+    } else {
+        let mut all = ThreadWorld::run(2, |c| measure(&c, true))?;
+        let rows = all.swap_remove(0)?;
+        println!("threads transport, 2 ranks in one process");
+        println!("| size | ring GiB/s | send GiB/s | latency µs | all_reduce busbw GiB/s | peer: memcpy GiB/s |");
+        println!("|---:|---:|---:|---:|---:|---:|");
+        for r in rows {
+            println!(
+                "| {} | {:.2} | {:.2} | {:.1} | {:.2} | {:.2} |",
+                size_name(r.bytes),
+                r.ring_gibs,
+                r.send_gibs,
+                r.lat_us,
+                r.allreduce_busbw,
+                r.memcpy_gibs
+            );
+        }
+    }
+    Ok(())
+}
