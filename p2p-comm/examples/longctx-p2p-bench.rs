@@ -32,14 +32,8 @@ struct Row {
 const GIB: f64 = (1u64 << 30) as f64;
 
 fn sizes() -> Vec<usize> {
-    let max: usize = std::env::var("LONGCTX_BENCH_MAX")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(256 << 20);
-    (0..)
-        .map(|i| 4096usize << (2 * i))
-        .take_while(|&s| s <= max)
-        .collect()
+    let max: usize = std::env::var("LONGCTX_BENCH_MAX").ok().and_then(|v| v.parse().ok()).unwrap_or(256 << 20);
+    (0..).map(|i| 4096usize << (2 * i)).take_while(|&s| s <= max).collect()
 }
 
 /// Iterations so each measurement moves about 2 GiB, within [3, 20000].
@@ -48,11 +42,7 @@ fn iters(bytes: usize) -> usize {
 }
 
 /// Runs `f` `it` times after one warm-up and a barrier; returns seconds per iteration (max over ranks).
-fn timed(
-    c: &Communicator,
-    it: usize,
-    mut f: impl FnMut() -> Result<(), CommError>,
-) -> Result<f64, CommError> {
+fn timed(c: &Communicator, it: usize, mut f: impl FnMut() -> Result<(), CommError>) -> Result<f64, CommError> {
     f()?;
     c.barrier()?;
     let t0 = Instant::now();
@@ -129,15 +119,11 @@ fn ucx_perftest(bytes: usize) -> Option<f64> {
         .spawn()
         .ok()?;
     std::thread::sleep(std::time::Duration::from_millis(300));
-    let out = Command::new("ucx_perftest")
-        .args(["127.0.0.1", "-t", "tag_bw", "-s", &s, "-n", &n, "-p", port])
-        .output();
+    let out = Command::new("ucx_perftest").args(["127.0.0.1", "-t", "tag_bw", "-s", &s, "-n", &n, "-p", port]).output();
     let _ = server.wait();
     let out = out.ok()?;
     let text = String::from_utf8_lossy(&out.stdout);
-    let line = text
-        .lines()
-        .find(|l| l.trim_start().starts_with("Final:"))?;
+    let line = text.lines().find(|l| l.trim_start().starts_with("Final:"))?;
     let mibs: f64 = line.split_whitespace().nth(6)?.parse().ok()?;
     Some(mibs / 1024.0)
 }

@@ -121,11 +121,7 @@ impl World {
 
     fn completion(&self, rank: usize) -> Arc<Completion> {
         let c = lock(&self.pools[rank]).pop().unwrap_or_else(|| {
-            Arc::new(Completion {
-                state: Mutex::new(State::Posted),
-                cv: Condvar::new(),
-                flag: AtomicBool::new(false),
-            })
+            Arc::new(Completion { state: Mutex::new(State::Posted), cv: Condvar::new(), flag: AtomicBool::new(false) })
         });
         *lock(&c.state) = State::Posted;
         c.flag.store(false, Ordering::Relaxed);

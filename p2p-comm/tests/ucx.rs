@@ -92,44 +92,31 @@ suite_tests!(Ucx, 64);
 /// and the job carries on.
 #[test]
 fn stray_connection_without_token_is_refused() {
-    suite::all_ok(Ucx::run(
-        2,
-        Duration::from_secs(30),
-        "stray_connection_without_token_is_refused",
-        &|c| {
-            use std::io::{Read, Write};
-            if c.rank() == 1 {
-                let port: u16 = std::env::var("MASTER_PORT")
-                    .map_err(|e| e.to_string())?
-                    .parse()
-                    .map_err(|_| "port")?;
-                let mut s =
-                    std::net::TcpStream::connect(("127.0.0.1", port)).map_err(|e| e.to_string())?;
-                // A well-formed frame with the wrong token, then a request.
-                s.write_all(&5u32.to_le_bytes())
-                    .and_then(|()| s.write_all(b"guess"))
-                    .map_err(|e| e.to_string())?;
-                let mut reply = Vec::new();
-                s.read_to_end(&mut reply).map_err(|e| e.to_string())?;
-                if reply != [0] {
-                    return Err(format!("stray connection got {reply:?}"));
-                }
-                // And with the real token the store answers (so the refusal was about the token).
-                let token = std::env::var("LONGCTX_JOB_TOKEN").map_err(|e| e.to_string())?;
-                let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
-                let st =
-                    longctx_p2p::rendezvous::Store::connect(addr, &token, Duration::from_secs(5))
-                        .map_err(suite::e2s)?;
-                st.set("probe", b"1").map_err(suite::e2s)?;
+    suite::all_ok(Ucx::run(2, Duration::from_secs(30), "stray_connection_without_token_is_refused", &|c| {
+        use std::io::{Read, Write};
+        if c.rank() == 1 {
+            let port: u16 = std::env::var("MASTER_PORT").map_err(|e| e.to_string())?.parse().map_err(|_| "port")?;
+            let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).map_err(|e| e.to_string())?;
+            // A well-formed frame with the wrong token, then a request.
+            s.write_all(&5u32.to_le_bytes()).and_then(|()| s.write_all(b"guess")).map_err(|e| e.to_string())?;
+            let mut reply = Vec::new();
+            s.read_to_end(&mut reply).map_err(|e| e.to_string())?;
+            if reply != [0] {
+                return Err(format!("stray connection got {reply:?}"));
             }
-            c.barrier().map_err(suite::e2s)?;
-            let mut x = [1u64];
-            c.all_reduce(&mut x, longctx_p2p::ReduceOp::Sum)
-                .map_err(suite::e2s)?;
-            if x[0] != 2 {
-                return Err(format!("all_reduce after the stray connection: {}", x[0]));
-            }
-            Ok(())
-        },
-    ));
+            // And with the real token the store answers (so the refusal was about the token).
+            let token = std::env::var("LONGCTX_JOB_TOKEN").map_err(|e| e.to_string())?;
+            let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+            let st =
+                longctx_p2p::rendezvous::Store::connect(addr, &token, Duration::from_secs(5)).map_err(suite::e2s)?;
+            st.set("probe", b"1").map_err(suite::e2s)?;
+        }
+        c.barrier().map_err(suite::e2s)?;
+        let mut x = [1u64];
+        c.all_reduce(&mut x, longctx_p2p::ReduceOp::Sum).map_err(suite::e2s)?;
+        if x[0] != 2 {
+            return Err(format!("all_reduce after the stray connection: {}", x[0]));
+        }
+        Ok(())
+    }));
 }

@@ -458,14 +458,8 @@ pub fn bad_input<W: World>(n: usize) {
     });
     if W::EXACT_ERRORS {
         // The ranks that matched a message of the other size name the collective and both sizes.
-        let named = out
-            .iter()
-            .filter(|o| matches!(o, Err(e) if e.contains("collective all_reduce")))
-            .count();
-        assert!(
-            named >= 1,
-            "no rank reported a collective mismatch: {out:?}"
-        );
+        let named = out.iter().filter(|o| matches!(o, Err(e) if e.contains("collective all_reduce"))).count();
+        assert!(named >= 1, "no rank reported a collective mismatch: {out:?}");
     }
     for (r, o) in out.iter().enumerate() {
         match o {
