@@ -397,3 +397,40 @@ fn layout_helpers_round_trip() {
     }
     assert!(matches!(SeqLayout::new(Partition::Zigzag, 3, 9), Err(RingError::SeqNotDivisible { divisor: 6, .. })));
 }
+
+/// A rank that dies mid-job makes the others fail with a communication error naming it, not hang.
+#[test]
+fn dead_rank_is_an_error_on_the_others() {
+    let shape = CpShape { batch: 1, q_heads: 2, kv_heads: 1, seq_len: 256, head_dim: 32 };
+    let started = std::time::Instant::now();
+    let res = ThreadWorld::builder()
+        .timeout(std::time::Duration::from_secs(5))
+        .run(4, |comm| {
+            if comm.rank() == 2 {
+                return None; // rank 2 leaves: its communicator is dropped
+            }
+            let cpa = ContextParallel::new(&comm, CpConfig::default()).unwrap();
+            let q = vec![0.5f32; 2 * 64 * 32];
+            let kv = vec![0.5f32; 64 * 32];
+            let mut o = vec![0f32; q.len()];
+            let mut lse = vec![0f32; 2 * 64];
+            Some(cpa.forward(
+                &shape,
+                &CpMask::causal(),
+                (&q).into(),
+                (&kv).into(),
+                (&kv).into(),
+                (&mut o).into(),
+                &mut lse,
+            ))
+        })
+        .unwrap();
+    for (r, out) in res.into_iter().enumerate() {
+        if r == 2 {
+            continue;
+        }
+        let e = out.expect("ran").expect_err("a ring with a dead rank cannot complete");
+        assert!(matches!(e, RingError::Comm(_)), "rank {r}: {e}");
+    }
+    assert!(started.elapsed() < std::time::Duration::from_secs(30));
+}
