@@ -30,6 +30,7 @@ pub use backward::attention_backward;
 pub use forward::attention_forward;
 pub use mask::{AttnMask, Positions};
 pub use merge::{merge_partial_attention, merge_partial_attention_into};
+pub use simd::force_portable;
 
 use crate::error::{check_len, KernelError, Result};
 

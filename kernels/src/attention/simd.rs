@@ -143,11 +143,23 @@ pub(crate) fn dot(x: &[f32], y: &[f32]) -> f32 {
     lanes.iter().sum::<f32>() + s
 }
 
+/// Set by [`force_portable`]: the portable loops run even where AVX2 is present.
+static FORCE_PORTABLE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Makes every later attention call in this process use the portable loops instead of the AVX2 kernels (or
+/// go back to detection with `false`). For checking the fallback on machines that have AVX2, and for
+/// comparing the two; results of the two paths may differ in the last bits.
+pub fn force_portable(on: bool) {
+    FORCE_PORTABLE.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
 #[cfg(target_arch = "x86_64")]
 #[inline]
 fn has_avx2_fma() -> bool {
     // `is_x86_feature_detected!` caches its answer in an atomic.
-    std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+    !FORCE_PORTABLE.load(std::sync::atomic::Ordering::Relaxed)
+        && std::arch::is_x86_feature_detected!("avx2")
+        && std::arch::is_x86_feature_detected!("fma")
 }
 
 /// Plain loops; LLVM vectorises the 8-wide inner loops with the baseline instruction set.
@@ -166,22 +178,25 @@ mod portable {
         ldc: usize,
         accumulate: bool,
     ) {
+        // n is a multiple of 8: eight accumulators per block of columns, no allocation.
         for i in 0..m {
-            let crow = &mut c[i * ldc..i * ldc + n];
-            let mut acc = vec![0f32; n];
-            for p in 0..k {
-                let av = a[i * a_rs + p * a_cs];
-                let brow = &b[p * ldb..p * ldb + n];
-                for (o, bv) in acc.iter_mut().zip(brow) {
-                    *o = av.mul_add(*bv, *o);
+            for j in (0..n).step_by(8) {
+                let mut acc = [0f32; 8];
+                for p in 0..k {
+                    let av = a[i * a_rs + p * a_cs];
+                    let brow = &b[p * ldb + j..p * ldb + j + 8];
+                    for (o, bv) in acc.iter_mut().zip(brow) {
+                        *o = av.mul_add(*bv, *o);
+                    }
                 }
-            }
-            if accumulate {
-                for (o, v) in crow.iter_mut().zip(&acc) {
-                    *o += v;
+                let crow = &mut c[i * ldc + j..i * ldc + j + 8];
+                if accumulate {
+                    for (o, v) in crow.iter_mut().zip(&acc) {
+                        *o += v;
+                    }
+                } else {
+                    crow.copy_from_slice(&acc);
                 }
-            } else {
-                crow.copy_from_slice(&acc);
             }
         }
     }
