@@ -227,7 +227,7 @@ impl Communicator {
     /// (equal chunks of `len / n`; pairwise exchange in n-1 steps).
     pub fn all_to_all<T: Pod>(&self, send: &[T], recv: &mut [T]) -> Result<(), CommError> {
         let (r, n) = (self.rank(), self.world_size());
-        if send.len() != recv.len() || send.len() % n != 0 {
+        if send.len() != recv.len() || !send.len().is_multiple_of(n) {
             return Err(CommError::InvalidArgument(format!(
                 "all_to_all: send ({}) and recv ({}) must have the same length, a multiple of world_size {n}",
                 send.len(),

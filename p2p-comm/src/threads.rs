@@ -3,9 +3,20 @@
 //! Matching is rendezvous with a single copy. Each rank `d` owns a mailbox holding the sends addressed to it
 //! that no receive has matched yet and the receives it posted that no send has matched yet. Whoever arrives
 //! second (the sender finding a posted receive, or the receiver finding a posted send) removes the other's slot
-//! under the mailbox lock, releases the lock and copies straight from the send buffer into the receive buffer,
-//! then completes both slots. The posting side's [`Request`](crate::Request) borrows its buffer until its slot
-//! completes, so the copy reads and writes live memory. Slots are matched first-in first-out per (source, tag).
+//! under the mailbox lock. Slots are matched first-in first-out per (source, tag). Each side's
+//! [`Request`](crate::Request) borrows its buffer until its completion is done, so the copy reads and writes
+//! live memory.
+//!
+//! Who copies depends on the size:
+//! - messages under [`DEFER_MIN`] bytes are copied at once by whoever arrives second, inside `post`: cheapest
+//!   for latency-bound traffic;
+//! - larger ones are only *matched* in `post`: the pair (both buffers) is parked in the receive's completion
+//!   and copied by whichever side next waits on or tests its op, normally the receiver. In a ring exchange
+//!   each rank posts its receive, then its send, then waits on the receive first, so each rank copies its
+//!   incoming message and the two directions are copied in parallel by the two threads. If the arrival order
+//!   made one side do both copies (as matching at post time did), the ring would reach half of `memcpy`.
+//!   Either side may perform the copy (the first to claim it) so that a rank blocked on its send still makes
+//!   progress while its receiver is busy elsewhere, as it did when the second arrival copied.
 //!
 //! Completions are pooled per rank and the mailbox queues keep their capacity, so a steady-state exchange of
 //! a given shape allocates nothing.
@@ -14,7 +25,7 @@
 //! gone and every slot waiting on it completes with [`CommError::PeerGone`].
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -35,9 +46,37 @@ enum Outcome {
     PeerGone,
 }
 
+/// Messages of at least this many bytes are copied by the first side to wait/test after matching (normally the
+/// receiver) instead of by the second to arrive, inside `post`. Below it the copy costs less than waking the
+/// peer thread, so eager copying keeps latency low.
+pub(crate) const DEFER_MIN: usize = 64 << 10;
+
+/// A matched large message waiting to be copied: the send's buffer and completion, and the receive's buffer
+/// (whose completion holds this).
+#[derive(Debug)]
+struct Pair {
+    sp: *const u8,
+    sl: usize,
+    sm: u64,
+    sc: Arc<Completion>,
+    rp: *mut u8,
+    rl: usize,
+    rm: u64,
+}
+
+// SAFETY: the pointers are dereferenced only by whoever claims the pair (see `copy_matched`), while both requests
+// keep their buffers borrowed (neither can finish before `transfer` completes it).
+unsafe impl Send for Pair {}
+
 #[derive(Debug)]
 enum State {
     Posted,
+    /// A receive matched with a large send that nobody has started copying.
+    Matched(Pair),
+    /// A receive whose pair someone is copying: it will be completed.
+    Claimed,
+    /// A send matched with the receive whose completion this is; completed by whoever copies the pair.
+    Attached(Arc<Completion>),
     Done(Outcome),
 }
 
@@ -45,22 +84,36 @@ enum State {
 struct Completion {
     state: Mutex<State>,
     cv: Condvar,
-    /// Set with `state` when done: lets a waiter spin briefly without the lock before sleeping on `cv`.
-    flag: AtomicBool,
+    /// How far `state` got ([`POSTED`], [`MATCHED`] or [`DONE`]), updated with it: lets a waiter spin briefly
+    /// without the lock before sleeping on `cv`.
+    stage: AtomicU8,
 }
 
+const POSTED: u8 = 0;
+const MATCHED: u8 = 1;
+const DONE: u8 = 2;
+
 impl Completion {
-    fn complete(&self, o: Outcome) {
-        *lock(&self.state) = State::Done(o);
-        self.flag.store(true, Ordering::Release);
+    fn set(&self, s: State) {
+        let stage = match s {
+            State::Posted => POSTED,
+            State::Done(_) => DONE,
+            _ => MATCHED,
+        };
+        *lock(&self.state) = s;
+        self.stage.store(stage, Ordering::Release);
         self.cv.notify_all();
     }
 
-    /// Spins (then yields) for a few microseconds hoping the peer completes us, which avoids a futex sleep and
-    /// wake-up (tens of µs) on latency-bound exchanges.
-    fn spin(&self) {
+    fn complete(&self, o: Outcome) {
+        self.set(State::Done(o));
+    }
+
+    /// Spins (then yields) for a few microseconds hoping the peer gets us to `stage`, which avoids a futex sleep
+    /// and wake-up (tens of µs) on latency-bound exchanges.
+    fn spin(&self, stage: u8) {
         for i in 0..200 {
-            if self.flag.load(Ordering::Acquire) {
+            if self.stage.load(Ordering::Acquire) >= stage {
                 return;
             }
             if i < 50 {
@@ -83,8 +136,9 @@ struct Slot {
     done: Arc<Completion>,
 }
 
-// SAFETY: `ptr` is only dereferenced by the rank that removes the slot from its queue, while the owner's request
-// keeps the buffer borrowed (it cannot complete, and so cannot release the borrow, before `done` is completed).
+// SAFETY: `ptr` is only dereferenced after the slot left its queue (matched), by the rank that removed it or, for
+// a large message, by whichever side claims the pair; meanwhile the owner's request keeps the buffer borrowed (it
+// cannot complete, and so cannot release the borrow, before `done` is completed).
 unsafe impl Send for Slot {}
 
 #[derive(Default)]
@@ -121,10 +175,10 @@ impl World {
 
     fn completion(&self, rank: usize) -> Arc<Completion> {
         let c = lock(&self.pools[rank]).pop().unwrap_or_else(|| {
-            Arc::new(Completion { state: Mutex::new(State::Posted), cv: Condvar::new(), flag: AtomicBool::new(false) })
+            Arc::new(Completion { state: Mutex::new(State::Posted), cv: Condvar::new(), stage: AtomicU8::new(POSTED) })
         });
         *lock(&c.state) = State::Posted;
-        c.flag.store(false, Ordering::Relaxed);
+        c.stage.store(POSTED, Ordering::Relaxed);
         c
     }
 
@@ -150,6 +204,22 @@ fn transfer(send: (*const u8, usize, u64, &Completion), recv: (*mut u8, usize, u
     };
     sc.complete(so);
     rc.complete(ro);
+}
+
+/// Copies the pair parked in the receive completion `rc` unless someone claimed it already. A sender passes its
+/// own completion: `rc` may have finished and been reused for another pair since the sender looked at it.
+fn copy_matched(rc: &Completion, sender: Option<&Arc<Completion>>) {
+    let mut st = lock(&rc.state);
+    let State::Matched(p) = &*st else {
+        return;
+    };
+    if sender.is_some_and(|s| !Arc::ptr_eq(s, &p.sc)) {
+        return;
+    }
+    let State::Matched(p) = std::mem::replace(&mut *st, State::Claimed) else { unreachable!("checked above") };
+    // Copy without the lock: the peer may be waiting on `rc` meanwhile.
+    drop(st);
+    transfer((p.sp, p.sl, p.sm, &p.sc), (p.rp, p.rl, p.rm, rc));
 }
 
 /// One rank's handle on a [`World`]. Dropping it marks the rank gone.
@@ -195,10 +265,43 @@ impl Endpoint {
         match matched {
             Some(other) => {
                 drop(q);
-                if is_send {
-                    transfer((ptr, len, meta, &c), (other.ptr, other.len, other.meta, &other.done));
+                let msg_len = if is_send { len } else { other.len };
+                if msg_len < DEFER_MIN {
+                    if is_send {
+                        transfer((ptr, len, meta, &c), (other.ptr, other.len, other.meta, &other.done));
+                    } else {
+                        transfer((other.ptr, other.len, other.meta, &other.done), (ptr, len, meta, &c));
+                    }
+                } else if is_send {
+                    // Mark our send attached before publishing the pair: once published the receiver may copy
+                    // and complete us at any time, and that `Done` must not be overwritten.
+                    // (No `set`: nobody waits on our completion yet, so skip the wake-up.)
+                    *lock(&c.state) = State::Attached(other.done.clone());
+                    c.stage.store(MATCHED, Ordering::Release);
+                    let pair = Pair {
+                        sp: ptr,
+                        sl: len,
+                        sm: meta,
+                        sc: c.clone(),
+                        rp: other.ptr,
+                        rl: other.len,
+                        rm: other.meta,
+                    };
+                    other.done.set(State::Matched(pair));
                 } else {
-                    transfer((other.ptr, other.len, other.meta, &other.done), (ptr, len, meta, &c));
+                    // Park the pair in our receive before telling the sender where it is (same reason).
+                    let pair = Pair {
+                        sp: other.ptr,
+                        sl: other.len,
+                        sm: other.meta,
+                        sc: other.done.clone(),
+                        rp: ptr,
+                        rl: len,
+                        rm: meta,
+                    };
+                    c.set(State::Matched(pair));
+                    // Wakes a sender blocked on this send: it may copy if we get busy elsewhere before waiting.
+                    other.done.set(State::Attached(c.clone()));
                 }
             }
             None => {
@@ -302,14 +405,67 @@ impl ThreadOp {
         }
     }
 
-    /// Waits without a deadline: only used once a peer has claimed the slot and is copying.
-    fn wait_done(c: &Completion) -> Outcome {
+    /// If this op is matched with a large message nobody is copying yet, copies it (completing both sides).
+    fn progress(&self, c: &Arc<Completion>) {
+        let st = lock(&c.state);
+        match &*st {
+            State::Matched(_) => {
+                drop(st);
+                copy_matched(c, None);
+            }
+            State::Attached(rc) => {
+                let rc = rc.clone();
+                drop(st);
+                copy_matched(&rc, Some(c));
+            }
+            _ => {}
+        }
+    }
+
+    /// Waits until `c` is done or `deadline` passes (`None`), copying a matched large message if the peer has
+    /// not started to.
+    fn wait_until(&self, c: &Arc<Completion>, deadline: Option<Instant>) -> Option<Outcome> {
+        // A matched op needs one copy attempt: after it the pair is copied (by us or the peer), and the
+        // completion is notified when done.
+        let mut tried = false;
+        // Once matched, a copy is running or about to (ours or the peer's): spin for it once before sleeping.
+        let mut spun = false;
         let mut st = lock(&c.state);
         loop {
-            if let State::Done(o) = *st {
+            match &*st {
+                State::Done(o) => return Some(*o),
+                State::Matched(_) | State::Attached(_) if !tried => {
+                    tried = true;
+                    drop(st);
+                    self.progress(c);
+                    st = lock(&c.state);
+                    continue;
+                }
+                State::Posted => {}
+                _ if !spun => {
+                    spun = true;
+                    drop(st);
+                    c.spin(DONE);
+                    st = lock(&c.state);
+                    continue;
+                }
+                _ => {}
+            }
+            let now = Instant::now();
+            st = match deadline {
+                Some(d) if now >= d => return None,
+                Some(d) => c.cv.wait_timeout(st, d - now).unwrap_or_else(PoisonError::into_inner).0,
+                None => c.cv.wait(st).unwrap_or_else(PoisonError::into_inner),
+            };
+        }
+    }
+
+    /// Waits without a deadline: only used once the slot left its queue (matched), so a copy will complete it.
+    fn wait_done(&self, c: &Arc<Completion>) -> Outcome {
+        loop {
+            if let Some(o) = self.wait_until(c, None) {
                 return o;
             }
-            st = c.cv.wait(st).unwrap_or_else(PoisonError::into_inner);
         }
     }
 
@@ -319,7 +475,7 @@ impl ThreadOp {
             if self.try_cancel(&c) {
                 self.world.recycle(self.me, c);
             } else {
-                let o = Self::wait_done(&c);
+                let o = self.wait_done(&c);
                 let _ = self.finish(c, o);
             }
         }
@@ -330,6 +486,7 @@ impl ThreadOp {
         let Some(c) = self.done.take() else {
             return Ok(true);
         };
+        self.progress(&c);
         let st = lock(&c.state);
         if let State::Done(o) = *st {
             drop(st);
@@ -345,24 +502,16 @@ impl ThreadOp {
         let Some(c) = self.done.take() else {
             return Ok(());
         };
-        c.spin();
+        // A matched large message is copied right away if the peer has not started: the receiver normally gets
+        // here first (a ring waits on its receive before its send), and an idle receiver leaves it to a sender.
+        self.progress(&c);
+        c.spin(MATCHED);
         let deadline = Instant::now().checked_add(self.timeout);
-        let mut st = lock(&c.state);
-        loop {
-            if let State::Done(o) = *st {
-                drop(st);
-                return self.finish(c, o);
-            }
-            let now = Instant::now();
-            st = match deadline {
-                Some(d) if now >= d => break,
-                Some(d) => c.cv.wait_timeout(st, d - now).unwrap_or_else(PoisonError::into_inner).0,
-                None => c.cv.wait(st).unwrap_or_else(PoisonError::into_inner),
-            };
+        if let Some(o) = self.wait_until(&c, deadline) {
+            return self.finish(c, o);
         }
-        drop(st);
         if !self.try_cancel(&c) {
-            let o = Self::wait_done(&c);
+            let o = self.wait_done(&c);
             return self.finish(c, o);
         }
         self.world.recycle(self.me, c);
@@ -388,7 +537,9 @@ impl Drop for ThreadOp {
                 if self.try_cancel(&c) {
                     self.world.recycle(self.me, c);
                 } else {
-                    Self::wait_done(&c);
+                    // Matched: finish the copy ourselves if the peer has not started it, so it is not left
+                    // waiting on a rank that is going away.
+                    self.wait_done(&c);
                 }
             }
         } else {

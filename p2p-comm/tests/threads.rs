@@ -88,3 +88,163 @@ fn communicator_and_requests_can_move_between_threads() {
     is_send::<Communicator>();
     is_send::<longctx_p2p::Request<'static>>();
 }
+
+/// Runs `body` on 2 ranks with a 20 s timeout and returns each rank's result (a panic becomes `Err`).
+fn two(body: impl Fn(&Communicator) -> Result<(), String> + Sync) -> Vec<Result<(), String>> {
+    let comms = ThreadWorld::builder().timeout(Duration::from_secs(20)).build(2).expect("world");
+    std::thread::scope(|s| {
+        let body = &body;
+        let hs: Vec<_> = comms.into_iter().map(|c| s.spawn(move || body(&c))).collect();
+        hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("panicked".into()))).collect()
+    })
+}
+
+fn pattern(seed: u32, len: usize) -> Vec<u32> {
+    (0..len as u32).map(|i| i.wrapping_mul(2_654_435_761) ^ seed).collect()
+}
+
+const BIG: usize = 1 << 18; // 1 MiB of u32: above the deferred-copy threshold
+
+#[test]
+fn large_messages_in_both_arrival_orders() {
+    for receiver_first in [true, false] {
+        suite::all_ok(two(|c| {
+            let late = Duration::from_millis(50);
+            if c.rank() == 0 {
+                if receiver_first {
+                    std::thread::sleep(late);
+                }
+                c.send(1, 3, &pattern(7, BIG)).map_err(suite::e2s)
+            } else {
+                if !receiver_first {
+                    std::thread::sleep(late);
+                }
+                let mut b = vec![0u32; BIG];
+                c.recv(0, 3, &mut b).map_err(suite::e2s)?;
+                if b != pattern(7, BIG) {
+                    return Err("wrong data".into());
+                }
+                Ok(())
+            }
+        }));
+    }
+}
+
+#[test]
+fn large_ring_both_directions_waited_and_polled() {
+    suite::all_ok(two(|c| {
+        let r = c.rank() as u32;
+        let send = pattern(r, BIG);
+        for polled in [false, true, false, true] {
+            let mut recv = vec![0u32; BIG];
+            let mut req = c.isendrecv(&send, &mut recv).map_err(suite::e2s)?;
+            if polled {
+                while !req.test().map_err(suite::e2s)? {
+                    std::hint::spin_loop();
+                }
+                drop(req);
+            } else {
+                req.wait().map_err(suite::e2s)?;
+            }
+            if recv != pattern(1 - r, BIG) {
+                return Err(format!("wrong data (polled: {polled})"));
+            }
+        }
+        Ok(())
+    }));
+}
+
+/// A blocked sender copies a matched large message itself when its receiver is busy waiting on something else
+/// (here: a message the sender only sends after this one), in both arrival orders.
+#[test]
+fn large_send_progresses_while_receiver_waits_elsewhere() {
+    for receiver_first in [true, false] {
+        suite::all_ok(two(|c| {
+            if c.rank() == 0 {
+                if receiver_first {
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                c.send(1, 1, &pattern(1, BIG)).map_err(suite::e2s)?;
+                c.send(1, 2, &pattern(2, BIG)).map_err(suite::e2s)
+            } else {
+                if !receiver_first {
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                let (mut a, mut b) = (vec![0u32; BIG], vec![0u32; BIG]);
+                let ra = c.irecv(0, 1, &mut a).map_err(suite::e2s)?;
+                c.recv(0, 2, &mut b).map_err(suite::e2s)?;
+                ra.wait().map_err(suite::e2s)?;
+                if a != pattern(1, BIG) || b != pattern(2, BIG) {
+                    return Err("wrong data".into());
+                }
+                Ok(())
+            }
+        }));
+    }
+}
+
+#[test]
+fn large_length_mismatch_is_reported_to_both() {
+    let out = two(|c| {
+        let res = if c.rank() == 0 {
+            c.send(1, 0, &pattern(0, BIG))
+        } else {
+            let mut b = vec![0u32; BIG + 1];
+            c.recv(0, 0, &mut b)
+        };
+        match res {
+            Err(longctx_p2p::CommError::LengthMismatch { message_bytes, buffer_bytes, .. })
+                if message_bytes == BIG * 4 && buffer_bytes == BIG * 4 + 4 =>
+            {
+                Ok(())
+            }
+            other => Err(format!("{other:?}")),
+        }
+    });
+    suite::all_ok(out);
+}
+
+/// Dropping matched large requests (normally, or while unwinding from a panic) finishes the copy first, so the
+/// peer gets its data and nothing touches a buffer after its borrow ends.
+#[test]
+fn dropping_matched_large_requests_finishes_the_copy() {
+    for panic in [false, true] {
+        let out = two(|c| {
+            if c.rank() == 0 {
+                let mut buf = pattern(5, BIG);
+                drop(c.isend(1, 0, &buf).map_err(suite::e2s)?); // blocks until rank 1's copy is done
+                buf.fill(0);
+                c.send(1, 1, &buf[..1]).map_err(suite::e2s)?;
+                let mut back = vec![0u32; BIG];
+                c.recv(1, 2, &mut back).map_err(suite::e2s)?;
+                if back != pattern(6, BIG) {
+                    return Err("wrong data back".into());
+                }
+                Ok(())
+            } else {
+                std::thread::sleep(Duration::from_millis(50)); // rank 0's send is posted: our irecv matches it
+                let mut b = vec![0u32; BIG];
+                drop(c.irecv(0, 0, &mut b).map_err(suite::e2s)?);
+                let mut one = [1u32];
+                c.recv(0, 1, &mut one).map_err(suite::e2s)?;
+                if b != pattern(5, BIG) || one[0] != 0 {
+                    return Err("wrong data".into());
+                }
+                let back = pattern(6, BIG);
+                let req = c.isend(0, 2, &back).map_err(suite::e2s)?;
+                std::thread::sleep(Duration::from_millis(50)); // rank 0's receive matched our send
+                if panic {
+                    std::panic::panic_any("rank 1 dies with a matched send in flight");
+                }
+                drop(req);
+                Ok(())
+            }
+        });
+        if panic {
+            assert!(out[0].is_ok(), "{:?}", out[0]);
+            assert!(out[1].is_err());
+        } else {
+            suite::all_ok(out);
+        }
+    }
+}
