@@ -18,6 +18,8 @@ def main():
     ap.add_argument("--seqs", default="1024,4096,16384,32768")
     ap.add_argument("--dims", default="64,128")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--causal", action="store_true", help="causal mask only")
+    ap.add_argument("--dtypes", default="f32,bf16")
     a = ap.parse_args()
     try:
         import torch
@@ -32,8 +34,8 @@ def main():
     print("|---|---|---|---|---|---|---|---|")
     for s in [int(x) for x in a.seqs.split(",")]:
         for d in [int(x) for x in a.dims.split(",")]:
-            for causal in (True, False):
-                for dt in (torch.float32, torch.bfloat16):
+            for causal in (True,) if a.causal else (True, False):
+                for dt in [{"f32": torch.float32, "bf16": torch.bfloat16}[x] for x in a.dtypes.split(",")]:
                     q = torch.randn(B, HQ, s, d, dtype=dt, requires_grad=True)
                     # GQA: repeat KV heads (SDPA's enable_gqa where available).
                     k = torch.randn(B, HKV, s, d, dtype=dt, requires_grad=True)

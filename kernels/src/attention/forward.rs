@@ -1,7 +1,7 @@
 //! Attention forward: tiled, online softmax, never holding an `Sq × Sk` matrix.
 //!
-//! One task per (batch, query head, query tile of `BR` rows) runs over the key tiles in order, keeping the
-//! running row maximum `m`, row sum `l` and un-normalised output `acc`:
+//! One task per (batch, KV head, query tile of `BR` rows) runs over the key tiles in order and, for every query
+//! head of the group in turn (GQA: the K/V tile is loaded once for all of them), keeps the running row maximum `m`, row sum `l` and un-normalised output `acc`:
 //! `S = c·Q·Kᵀ` (with `c = scale·log2 e`, so `exp2` replaces `exp`), `m' = max(m, rowmax S)`,
 //! `P = 2^(S - m')`, `l = 2^(m - m')·l + rowsum P`, `acc = 2^(m - m')·acc + P·V`.
 //! At the end `O = acc / l` and `LSE = ln 2 · (m + log2 l)`.
@@ -64,22 +64,26 @@ pub fn attention_forward(
     let k_sum = tile_summaries(mask, false, s.kv_len, BC);
     let k_tiles = s.kv_len.div_ceil(BC);
 
-    // One task per (b, hq, query tile), each owning its rows of O and LSE.
-    let mut tasks = Vec::with_capacity(s.batch * s.q_heads * q_sum.len());
+    // One task per (b, KV head, query tile), owning those rows of O and LSE for every query head of the group:
+    // each K/V tile is loaded once and used by all of them while it is hot in cache.
+    let g = s.group();
+    let q_tiles = q_sum.len();
+    let mut tasks: Vec<Vec<(usize, HostSliceMut<'_>, &mut [f32])>> =
+        (0..s.batch * s.kv_heads * q_tiles).map(|_| Vec::with_capacity(g)).collect();
     for (bh, (o_head, lse_head)) in o.into_chunks(s.q_len * d).into_iter().zip(lse.chunks_mut(s.q_len)).enumerate() {
-        for (t, (o_tile, lse_tile)) in o_head.into_chunks(BR * d).into_iter().zip(lse_head.chunks_mut(BR)).enumerate() {
-            tasks.push((bh, t, o_tile, lse_tile));
+        let (b, hq) = (bh / s.q_heads, bh % s.q_heads);
+        for (qt, (o_tile, lse_tile)) in o_head.into_chunks(BR * d).into_iter().zip(lse_head.chunks_mut(BR)).enumerate()
+        {
+            tasks[(b * s.kv_heads + hq / g) * q_tiles + qt].push((hq, o_tile, lse_tile));
         }
     }
 
-    tasks.into_par_iter().for_each_init(Scratch::new, |sc, (bh, qt, mut o_tile, lse_tile)| {
-        let (b, hq) = (bh / s.q_heads, bh % s.q_heads);
-        let hk = hq / s.group();
-        let rows = lse_tile.len();
+    tasks.into_par_iter().enumerate().for_each_init(Scratch::new, |sc, (task, mut heads)| {
+        let (kv_head, qt) = (task / q_tiles, task % q_tiles);
+        let b = kv_head / s.kv_heads;
+        let rows = heads[0].2.len();
         let q0 = qt * BR;
-        let q_tile = &q[(bh * s.q_len + q0) * d..(bh * s.q_len + q0 + rows) * d];
-        let kv_head = b * s.kv_heads + hk;
-        sc.reset(rows, d);
+        sc.reset(heads.len(), rows, d);
         for t in 0..k_tiles {
             let class = mask.classify(&q_sum[qt], &k_sum[t]);
             if class == TileClass::Hidden {
@@ -89,93 +93,83 @@ pub fn attention_forward(
             let bc = BC.min(s.kv_len - j0);
             let kt_tile = &kt[(kv_head * k_tiles + t) * d * BC..(kv_head * k_tiles + t + 1) * d * BC];
             let v_tile = &v[(kv_head * s.kv_len + j0) * d..(kv_head * s.kv_len + j0 + bc) * d];
+            // The mask is shared by all heads: one set of spans (and visibility) serves the whole group.
             let spans = sc.spans(mask, class, rows, q0, j0, bc);
-            // S = Q·Kᵀ over each group's span.
-            for (g, &(lo, hi)) in spans.iter().enumerate() {
-                if lo >= hi {
-                    continue;
+            for (h, (hq, _, _)) in heads.iter().enumerate() {
+                let bh = b * s.q_heads + hq;
+                let q_tile = &q[(bh * s.q_len + q0) * d..(bh * s.q_len + q0 + rows) * d];
+                let (m, l) = (&mut sc.m[h * BR..h * BR + rows], &mut sc.l[h * BR..h * BR + rows]);
+                let acc = &mut sc.acc[h * BR * d..h * BR * d + rows * d];
+                let st = &mut sc.s;
+                // S = Q·Kᵀ over each row group's span.
+                for (gi, &(lo, hi)) in spans.iter().enumerate() {
+                    if lo >= hi {
+                        continue;
+                    }
+                    let r0 = gi * GROUP;
+                    let gr = GROUP.min(rows - r0);
+                    let dst = &mut st[r0 * BC + lo..];
+                    simd::matmul(gr, hi - lo, d, &q_tile[r0 * d..], d, &kt_tile[lo..], BC, dst, BC, false);
                 }
-                let r0 = g * GROUP;
-                let gr = GROUP.min(rows - r0);
-                simd::matmul(
-                    gr,
-                    hi - lo,
-                    d,
-                    &q_tile[r0 * d..],
-                    d,
-                    &kt_tile[lo..],
-                    BC,
-                    &mut sc.s[r0 * BC + lo..],
-                    BC,
-                    false,
-                );
-            }
-            // Online softmax, row by row.
-            for i in 0..rows {
-                let (lo, hi) = spans[i / GROUP];
-                let hi = hi.min(bc);
-                if lo >= hi {
-                    continue;
-                }
-                let srow = &mut sc.s[i * BC + lo..i * BC + hi];
-                if class == TileClass::Partial {
-                    let vis = &sc.vis[i * BC + lo..i * BC + hi];
-                    for (x, &ok) in srow.iter_mut().zip(vis) {
-                        if !ok {
-                            *x = f32::NEG_INFINITY;
+                // Online softmax, row by row.
+                for i in 0..rows {
+                    let (lo, hi) = spans[i / GROUP];
+                    let hi = hi.min(bc);
+                    if lo >= hi {
+                        continue;
+                    }
+                    let srow = &mut st[i * BC + lo..i * BC + hi];
+                    if class == TileClass::Partial {
+                        for (x, &ok) in srow.iter_mut().zip(&sc.vis[i * BC + lo..i * BC + hi]) {
+                            if !ok {
+                                *x = f32::NEG_INFINITY;
+                            }
                         }
                     }
+                    let mx = simd::max(srow) * c;
+                    if mx == f32::NEG_INFINITY {
+                        srow.fill(0.0);
+                        continue;
+                    }
+                    let m_new = m[i].max(mx);
+                    let sum = simd::exp2_scaled_sum(srow, c, m_new);
+                    let alpha = (m[i] - m_new).exp2();
+                    l[i] = l[i] * alpha + sum;
+                    if alpha != 1.0 {
+                        simd::scale(&mut acc[i * d..(i + 1) * d], alpha);
+                    }
+                    m[i] = m_new;
                 }
-                let mx = simd::max(srow) * c;
-                if mx == f32::NEG_INFINITY {
-                    srow.fill(0.0);
-                    continue;
+                // acc += P·V over each row group's span.
+                for (gi, &(lo, hi)) in spans.iter().enumerate() {
+                    let hi = hi.min(bc);
+                    if lo >= hi {
+                        continue;
+                    }
+                    let r0 = gi * GROUP;
+                    let gr = GROUP.min(rows - r0);
+                    let p_rows = &st[r0 * BC + lo..];
+                    simd::matmul(gr, d, hi - lo, p_rows, BC, &v_tile[lo * d..], d, &mut acc[r0 * d..], d, true);
                 }
-                let m_old = sc.m[i];
-                let m_new = m_old.max(mx);
-                let sum = simd::exp2_scaled_sum(srow, c, m_new);
-                let alpha = (m_old - m_new).exp2();
-                sc.l[i] = sc.l[i] * alpha + sum;
-                if alpha != 1.0 {
-                    simd::scale(&mut sc.acc[i * d..(i + 1) * d], alpha);
-                }
-                sc.m[i] = m_new;
-            }
-            // acc += P·V over each group's span.
-            for (g, &(lo, hi)) in spans.iter().enumerate() {
-                let hi = hi.min(bc);
-                if lo >= hi {
-                    continue;
-                }
-                let r0 = g * GROUP;
-                let gr = GROUP.min(rows - r0);
-                simd::matmul(
-                    gr,
-                    d,
-                    hi - lo,
-                    &sc.s[r0 * BC + lo..],
-                    BC,
-                    &v_tile[lo * d..],
-                    d,
-                    &mut sc.acc[r0 * d..],
-                    d,
-                    true,
-                );
             }
             sc.spans = spans;
         }
         // O = acc / l, LSE = ln2·(m + log2 l); rows that saw nothing get O = 0, LSE = -inf.
-        for (i, lse_i) in lse_tile.iter_mut().enumerate() {
-            let row = &mut sc.acc[i * d..(i + 1) * d];
-            if sc.l[i] > 0.0 {
-                simd::scale(row, 1.0 / sc.l[i]);
-                *lse_i = LN_2 * (sc.m[i] + sc.l[i].log2());
-            } else {
-                row.fill(0.0);
-                *lse_i = f32::NEG_INFINITY;
+        for (h, (_, o_tile, lse_tile)) in heads.iter_mut().enumerate() {
+            let acc = &mut sc.acc[h * BR * d..h * BR * d + rows * d];
+            for (i, lse_i) in lse_tile.iter_mut().enumerate() {
+                let row = &mut acc[i * d..(i + 1) * d];
+                let (m, l) = (sc.m[h * BR + i], sc.l[h * BR + i]);
+                if l > 0.0 {
+                    simd::scale(row, 1.0 / l);
+                    *lse_i = LN_2 * (m + l.log2());
+                } else {
+                    row.fill(0.0);
+                    *lse_i = f32::NEG_INFINITY;
+                }
             }
+            o_tile.store_f32(0, acc, false);
         }
-        o_tile.store_f32(0, &sc.acc[..rows * d], false);
     });
     Ok(())
 }
@@ -202,11 +196,15 @@ impl Scratch {
         }
     }
 
-    fn reset(&mut self, rows: usize, d: usize) {
+    /// Fresh softmax state for `heads` heads of `rows` rows (head `h` at offset `h·BR` rows).
+    fn reset(&mut self, heads: usize, rows: usize, d: usize) {
         self.acc.clear();
-        self.acc.resize(rows * d, 0.0);
-        self.m[..rows].fill(f32::NEG_INFINITY);
-        self.l[..rows].fill(0.0);
+        self.acc.resize(heads * BR * d, 0.0);
+        self.m.clear();
+        self.m.resize(heads * BR, f32::NEG_INFINITY);
+        self.l.clear();
+        self.l.resize(heads * BR, 0.0);
+        debug_assert!(rows <= BR);
     }
 
     /// For each group of `GROUP` rows, the span `[lo, hi)` of key columns (multiples of 8, within the tile
