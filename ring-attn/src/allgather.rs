@@ -71,21 +71,17 @@ pub(crate) fn forward<T: Element + Pod>(
     Ok(())
 }
 
-/// Backward: gradients of this rank's rows and tokens, `f32`.
+/// Backward: gradients of this rank's rows and tokens (`dq`, `dk`, `dv`, all `f32`).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn backward<T: Element + Pod>(
     comm: &Communicator,
     loc: &Local<'_>,
     slice: usize,
-    q: &[T],
-    k: &[T],
-    v: &[T],
+    [q, k, v]: [&[T]; 3],
     o: &[f32],
     d_o: &[f32],
     lse: &[f32],
-    dq: &mut [f32],
-    dk: &mut [f32],
-    dv: &mut [f32],
+    (dq, dk, dv): (&mut [f32], &mut [f32], &mut [f32]),
 ) -> Result<()> {
     let s = loc.shape;
     let (l, d, g, n) = (s.q_len, s.head_dim, s.group(), comm.world_size());

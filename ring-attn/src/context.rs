@@ -3,13 +3,23 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use half::bf16;
 use longctx_kernels::{AttnMask, AttnParams, AttnShape, HostSlice, HostSliceMut, Positions};
 use longctx_p2p::Communicator;
 
 use crate::error::{check_len, Result, RingError};
 use crate::partition::{Partition, SeqLayout};
 use crate::{allgather, hybrid, ring};
+
+/// Runs `body` with `q`, `k`, `v` bound to typed slices of their common dtype (checked before).
+macro_rules! dispatch_qkv {
+    ($q:expr, $k:expr, $v:expr, |$qq:ident, $kk:ident, $vv:ident| $body:expr) => {
+        match ($q, $k, $v) {
+            (HostSlice::F32($qq), HostSlice::F32($kk), HostSlice::F32($vv)) => $body,
+            (HostSlice::Bf16($qq), HostSlice::Bf16($kk), HostSlice::Bf16($vv)) => $body,
+            _ => unreachable!("q, k and v dtypes are checked to agree before dispatch"),
+        }
+    };
+}
 
 /// Sizes of the whole problem (all ranks together). Local buffers are `[B, H, S/CP, D]` in the layout of
 /// `longctx-kernels`, holding this rank's tokens in the order [`SeqLayout::positions`] gives.
@@ -295,15 +305,16 @@ impl<'c> ContextParallel<'c> {
             Schedule::AllGather { kv_heads_per_step } => {
                 let loc = self.local(local, mask, shape, &positions, self.comm.rank(), mask.docs);
                 let t = std::time::Instant::now();
-                match (q, k, v) {
-                    (HostSlice::F32(q), HostSlice::F32(k), HostSlice::F32(v)) => {
-                        allgather::forward(self.comm, &loc, kv_heads_per_step, q, k, v, &mut o_acc, lse)?
-                    }
-                    (HostSlice::Bf16(q), HostSlice::Bf16(k), HostSlice::Bf16(v)) => {
-                        allgather::forward::<bf16>(self.comm, &loc, kv_heads_per_step, q, k, v, &mut o_acc, lse)?
-                    }
-                    _ => unreachable!("dtypes checked above"),
-                }
+                dispatch_qkv!(q, k, v, |q, k, v| allgather::forward(
+                    self.comm,
+                    &loc,
+                    kv_heads_per_step,
+                    q,
+                    k,
+                    v,
+                    &mut o_acc,
+                    lse
+                )?);
                 rep.compute += t.elapsed();
                 rep.expected_bytes = allgather::bytes(n, local.kv_elems(), elem, doc_len, false);
             }
@@ -403,37 +414,17 @@ impl<'c> ContextParallel<'c> {
                 let loc = self.local(local, mask, shape, &positions, self.comm.rank(), mask.docs);
                 let (of, dof) = (o.to_f32_vec(), d_o.to_f32_vec());
                 let t = std::time::Instant::now();
-                match (q, k, v) {
-                    (HostSlice::F32(q), HostSlice::F32(k), HostSlice::F32(v)) => allgather::backward(
-                        self.comm,
-                        &loc,
-                        kv_heads_per_step,
-                        q,
-                        k,
-                        v,
-                        &of,
-                        &dof,
-                        lse,
-                        &mut dq_acc,
-                        &mut dk_acc,
-                        &mut dv_acc,
-                    )?,
-                    (HostSlice::Bf16(q), HostSlice::Bf16(k), HostSlice::Bf16(v)) => allgather::backward::<bf16>(
-                        self.comm,
-                        &loc,
-                        kv_heads_per_step,
-                        q,
-                        k,
-                        v,
-                        &of,
-                        &dof,
-                        lse,
-                        &mut dq_acc,
-                        &mut dk_acc,
-                        &mut dv_acc,
-                    )?,
-                    _ => unreachable!("dtypes checked above"),
-                }
+                let grads = (&mut dq_acc[..], &mut dk_acc[..], &mut dv_acc[..]);
+                dispatch_qkv!(q, k, v, |q, k, v| allgather::backward(
+                    self.comm,
+                    &loc,
+                    kv_heads_per_step,
+                    [q, k, v],
+                    &of,
+                    &dof,
+                    lse,
+                    grads
+                )?);
                 rep.compute += t.elapsed();
                 rep.expected_bytes = allgather::bytes(n, local.kv_elems(), elem, doc_len, true);
             }
