@@ -15,6 +15,11 @@ pub(crate) struct KvPacking {
 }
 
 impl KvPacking {
+    /// The packing of a block of `kv_elems` keys (and as many values) of `dtype`, with `docs` if given.
+    pub fn for_block(dtype: DType, kv_elems: usize, docs: Option<&[u32]>) -> Self {
+        Self { dtype, kv_elems, doc_len: docs.map_or(0, |d| d.len()) }
+    }
+
     /// 32-bit words for K (or V).
     fn words(&self) -> usize {
         match self.dtype {

@@ -299,8 +299,7 @@ impl<'c> ContextParallel<'c> {
             Schedule::Ring => {
                 let loc = self.local(local, mask, shape, &positions, self.comm.rank(), mask.docs);
                 ring::ring_forward(self.comm, &loc, q, k, v, &mut o_acc, lse, &mut rep)?;
-                let words = (2 * local.kv_elems() * elem).div_ceil(4) + doc_len;
-                rep.expected_bytes = ring::forward_bytes(n, words);
+                rep.expected_bytes = ring::forward_bytes(n, local.kv_elems(), elem, doc_len);
             }
             Schedule::AllGather { kv_heads_per_step } => {
                 let loc = self.local(local, mask, shape, &positions, self.comm.rank(), mask.docs);
@@ -407,8 +406,7 @@ impl<'c> ContextParallel<'c> {
                     &mut dv_acc,
                     &mut rep,
                 )?;
-                let words = (2 * local.kv_elems() * elem).div_ceil(4) + doc_len;
-                rep.expected_bytes = ring::backward_bytes(n, words, local.kv_elems());
+                rep.expected_bytes = ring::backward_bytes(n, local.kv_elems(), elem, doc_len);
             }
             Schedule::AllGather { kv_heads_per_step } => {
                 let loc = self.local(local, mask, shape, &positions, self.comm.rank(), mask.docs);

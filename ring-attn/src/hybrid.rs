@@ -182,10 +182,10 @@ pub(crate) fn forward_bytes(u: usize, m: usize, local: &AttnShape, elem: usize, 
     let (qe, kve, le) = (local.q_elems(), local.kv_elems(), local.lse_elems());
     let a2a = all_to_all_bytes(u, qe, elem) + 2 * all_to_all_bytes(u, kve, elem);
     let docs = ((u - 1) * doc_len * 4) as u64;
-    // The ring block of a group member: its head slice over the group's tokens, same element count as local K.
-    let words = (2 * kve * elem).div_ceil(4) + doc_len * u;
+    // The ring block of a group member: its head slice over the group's tokens (same element count as the
+    // local K) with the group's document ids.
     let back = all_to_all_bytes(u, qe, 4) + all_to_all_bytes(u, le, 4);
-    a2a + docs + ring::forward_bytes(m, words) + back
+    a2a + docs + ring::forward_bytes(m, kve, elem, doc_len * u) + back
 }
 
 /// Bytes one rank sends in a hybrid backward.
@@ -196,7 +196,6 @@ pub(crate) fn backward_bytes(u: usize, m: usize, local: &AttnShape, elem: usize,
         + 2 * all_to_all_bytes(u, qe, 4)
         + all_to_all_bytes(u, le, 4);
     let docs = ((u - 1) * doc_len * 4) as u64;
-    let words = (2 * kve * elem).div_ceil(4) + doc_len * u;
     let a2a_out = all_to_all_bytes(u, qe, 4) + 2 * all_to_all_bytes(u, kve, 4);
-    a2a_in + docs + ring::backward_bytes(m, words, kve) + a2a_out
+    a2a_in + docs + ring::backward_bytes(m, kve, elem, doc_len * u) + a2a_out
 }

@@ -37,8 +37,7 @@ pub(crate) fn ring_forward(
     rep: &mut StepReport,
 ) -> Result<()> {
     let (n, r) = (comm.world_size(), comm.rank());
-    let packing =
-        KvPacking { dtype: k.dtype(), kv_elems: pb.shape.kv_elems(), doc_len: pb.docs.map_or(0, |d| d.len()) };
+    let packing = KvPacking::for_block(k.dtype(), pb.shape.kv_elems(), pb.docs);
     let mut cur = packing.pack(k, v, pb.docs);
     let mut nxt = vec![0u32; cur.len()];
     let mut o_part = vec![0f32; o.len()];
@@ -106,8 +105,7 @@ pub(crate) fn ring_backward(
 ) -> Result<()> {
     let (n, r) = (comm.world_size(), comm.rank());
     let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
-    let packing =
-        KvPacking { dtype: k.dtype(), kv_elems: pb.shape.kv_elems(), doc_len: pb.docs.map_or(0, |d| d.len()) };
+    let packing = KvPacking::for_block(k.dtype(), pb.shape.kv_elems(), pb.docs);
     let kv_elems = pb.shape.kv_elems();
     let mut cur = packing.pack(k, v, pb.docs);
     let mut nxt = vec![0u32; cur.len()];
@@ -182,16 +180,21 @@ fn wait_pair(s: longctx_p2p::Request<'_>, r: longctx_p2p::Request<'_>) -> Result
     Ok(())
 }
 
-/// Bytes one rank sends in a ring forward.
-pub(crate) fn forward_bytes(n: usize, pack_words: usize) -> u64 {
-    (n.saturating_sub(1) * pack_words * 4) as u64
+/// 32-bit words of one travelling block: K and V of `kv_elems` elements of `elem` bytes, and `doc_len` ids.
+fn block_words(kv_elems: usize, elem: usize, doc_len: usize) -> usize {
+    (2 * kv_elems * elem).div_ceil(4) + doc_len
 }
 
-/// Bytes one rank sends in a ring backward.
-pub(crate) fn backward_bytes(n: usize, pack_words: usize, kv_elems: usize) -> u64 {
+/// Bytes one rank sends in a ring forward over `n` ranks.
+pub(crate) fn forward_bytes(n: usize, kv_elems: usize, elem: usize, doc_len: usize) -> u64 {
+    (n.saturating_sub(1) * block_words(kv_elems, elem, doc_len) * 4) as u64
+}
+
+/// Bytes one rank sends in a ring backward: the blocks again, plus the `f32` dK/dV accumulator for `n` hops.
+pub(crate) fn backward_bytes(n: usize, kv_elems: usize, elem: usize, doc_len: usize) -> u64 {
     if n == 1 {
         0
     } else {
-        ((n - 1) * pack_words * 4 + n * 2 * kv_elems * 4) as u64
+        ((n - 1) * block_words(kv_elems, elem, doc_len) * 4 + n * 2 * kv_elems * 4) as u64
     }
 }
