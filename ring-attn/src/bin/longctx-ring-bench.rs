@@ -3,7 +3,7 @@
 //! For each total sequence length and CP size it prints per-rank forward and backward time, the time of the
 //! same rank's attention blocks computed with no communication (same kernel calls, same masks, run at the
 //! same moment on every rank so the machine is equally loaded), the exposed communication (the difference),
-//! the work imbalance between ranks, the bytes each rank sent and each rank's peak heap. Then it predicts,
+//! the work imbalance between ranks (CPU time of those blocks, and visible (query, key) pairs), the bytes each rank sent and each rank's peak heap. Then it predicts,
 //! from the measured compute rate and a stated link bandwidth, the exposed communication at 8 and 32 ranks.
 //!
 //! ```text
@@ -79,11 +79,30 @@ fn rand_bf16(n: usize, seed: u64) -> Vec<bf16> {
         .collect()
 }
 
+/// CPU seconds the calling thread has run so far. Work imbalance is measured in CPU time, not wall time:
+/// when four ranks time-slice two cores, a rank's wall time says more about the scheduler than about its work.
+fn thread_cpu_secs() -> f64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: `ts` is a valid, writable timespec; CLOCK_THREAD_CPUTIME_ID is supported on Linux.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    if rc != 0 {
+        return f64::NAN;
+    }
+    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+}
+
+/// CPU seconds of all threads of a rank's kernel pool (the rank thread itself sleeps while the pool works).
+fn pool_cpu_secs(pool: &rayon::ThreadPool) -> f64 {
+    pool.broadcast(|_| thread_cpu_secs()).iter().sum()
+}
+
 struct RankResult {
     fwd: Duration,
     bwd: Duration,
     fwd_compute: Duration,
     bwd_compute: Duration,
+    /// CPU seconds of the compute-only forward and backward blocks.
+    compute_cpu: f64,
     bytes: u64,
     peak: usize,
     flops: f64,
@@ -105,8 +124,8 @@ fn main() {
     println!(
         "# each rank's kernels run on max(1, cores/CP) threads; compute-only = the same blocks without communication"
     );
-    println!("| S | CP | fwd ms | fwd compute-only ms | fwd exposed comm | bwd ms | bwd compute-only ms | bwd exposed comm | imbalance max/min | MiB sent/rank (fwd+bwd) | peak MiB/rank | rank GFLOP/s |");
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("| S | CP | fwd ms | fwd compute-only ms | fwd exposed comm | bwd ms | bwd compute-only ms | bwd exposed comm | imbalance CPU max/min | pairs max/min | MiB sent/rank (fwd+bwd) | peak MiB/rank | rank GFLOP/s |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     let mut rate_samples = Vec::new();
     for &s in &seqs {
         for &cp in &cps {
@@ -185,6 +204,7 @@ fn main() {
                     let pairs: usize = positions[r].iter().map(|&a| kp.partition_point(|&b| b <= a)).sum();
                     flops += 4.0 * (hq * pairs * d) as f64;
                 }
+                let cpu0 = pool_cpu_secs(&pool);
                 let (fwd_compute, bwd_compute) = pool.install(|| {
                     let mut o32 = vec![0f32; q.len()];
                     let mut lse_acc = vec![0f32; lse.len()];
@@ -249,7 +269,17 @@ fn main() {
                     }
                     (fwd_c, t.elapsed())
                 });
-                RankResult { fwd, bwd, fwd_compute, bwd_compute, bytes: rf.bytes_sent + rb.bytes_sent, peak, flops }
+                let compute_cpu = pool_cpu_secs(&pool) - cpu0;
+                RankResult {
+                    fwd,
+                    bwd,
+                    fwd_compute,
+                    bwd_compute,
+                    compute_cpu,
+                    bytes: rf.bytes_sent + rb.bytes_sent,
+                    peak,
+                    flops,
+                }
             });
             let res = match res {
                 Ok(r) => r,
@@ -262,14 +292,16 @@ fn main() {
                 |f: &dyn Fn(&RankResult) -> Duration| res.iter().map(f).max().unwrap_or_default().as_secs_f64() * 1e3;
             let (fwd, bwd) = (max(&|x| x.fwd), max(&|x| x.bwd));
             let (fwd_c, bwd_c) = (max(&|x| x.fwd_compute), max(&|x| x.bwd_compute));
-            let work: Vec<f64> = res.iter().map(|x| (x.fwd_compute + x.bwd_compute).as_secs_f64()).collect();
-            let imbalance = work.iter().cloned().fold(0.0, f64::max) / work.iter().cloned().fold(f64::MAX, f64::min);
+            let max_over_min =
+                |v: Vec<f64>| v.iter().cloned().fold(0.0, f64::max) / v.iter().cloned().fold(f64::MAX, f64::min);
+            let imbalance = max_over_min(res.iter().map(|x| x.compute_cpu).collect());
+            let pair_imbalance = max_over_min(res.iter().map(|x| x.flops).collect());
             let bytes = res.iter().map(|x| x.bytes).max().unwrap_or(0) as f64 / (1 << 20) as f64;
             let peak = res.iter().map(|x| x.peak).max().unwrap_or(0) as f64 / (1 << 20) as f64;
             let rate = res.iter().map(|x| x.flops).sum::<f64>() / cp as f64 / (fwd_c / 1e3) / 1e9;
             rate_samples.push(rate);
             println!(
-                "| {s} | {cp} | {fwd:.0} | {fwd_c:.0} | {:.1}% | {bwd:.0} | {bwd_c:.0} | {:.1}% | {imbalance:.3} | {bytes:.1} | {peak:.1} | {rate:.1} |",
+                "| {s} | {cp} | {fwd:.0} | {fwd_c:.0} | {:.1}% | {bwd:.0} | {bwd_c:.0} | {:.1}% | {imbalance:.3} | {pair_imbalance:.3} | {bytes:.1} | {peak:.1} | {rate:.1} |",
                 100.0 * (fwd - fwd_c).max(0.0) / fwd,
                 100.0 * (bwd - bwd_c).max(0.0) / bwd,
             );
