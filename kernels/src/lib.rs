@@ -31,6 +31,7 @@ pub mod backend;
 pub mod dtype;
 pub mod error;
 pub mod ops;
+pub mod testing;
 pub mod view;
 
 pub use attention::{

@@ -2,48 +2,9 @@
 
 use half::bf16;
 use longctx_kernels::attention::{reference, AttnMask, AttnParams, AttnShape, Positions};
+use longctx_kernels::testing::{max_rel_err as rel_err, uniform_nonzero};
 use longctx_kernels::{attention_backward, attention_forward, merge_partial_attention, DType, KernelError};
 use proptest::prelude::*;
-
-/// Deterministic pseudo-random data in (-1, 1), never exactly zero.
-fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            let u = (x >> 40) as f32 / (1u64 << 24) as f32; // [0, 1)
-            let v = 2.0 * u - 1.0;
-            if v == 0.0 {
-                0.5
-            } else {
-                v
-            }
-        })
-        .collect()
-}
-
-/// max |got - want| / max |want|; infinities must match exactly.
-fn rel_err(got: &[f32], want: &[f64]) -> f64 {
-    assert_eq!(got.len(), want.len());
-    let mut num = 0f64;
-    let mut den = 0f64;
-    for (g, w) in got.iter().zip(want) {
-        if w.is_infinite() {
-            assert_eq!(*g as f64, *w, "infinite entry mismatch");
-            continue;
-        }
-        assert!(g.is_finite(), "non-finite output {g} where reference is {w}");
-        num = num.max((*g as f64 - w).abs());
-        den = den.max(w.abs());
-    }
-    if den == 0.0 {
-        num
-    } else {
-        num / den
-    }
-}
 
 /// Inputs in the chosen dtype, plus the exact f64 values the kernel sees.
 struct Buf {
@@ -53,7 +14,7 @@ struct Buf {
 }
 
 fn make(n: usize, seed: u64, scale: f32) -> Buf {
-    let f: Vec<f32> = rand_vec(n, seed).into_iter().map(|x| x * scale).collect();
+    let f: Vec<f32> = uniform_nonzero(n, seed).into_iter().map(|x| x * scale).collect();
     let bf16s: Vec<bf16> = f.iter().map(|&x| bf16::from_f32(x)).collect();
     let f64s = f.iter().map(|&x| x as f64).collect();
     Buf { f32s: f, bf16s, f64s }
@@ -315,10 +276,10 @@ fn gradients_match_finite_differences() {
         .with_window(7)
         .with_docs(&qd, &kd);
     let p = AttnParams::new(shape).with_mask(mask);
-    let q = rand_vec(shape.q_elems(), 11);
-    let k = rand_vec(shape.kv_elems(), 12);
-    let v = rand_vec(shape.kv_elems(), 13);
-    let d_o = rand_vec(shape.q_elems(), 14);
+    let q = uniform_nonzero(shape.q_elems(), 11);
+    let k = uniform_nonzero(shape.kv_elems(), 12);
+    let v = uniform_nonzero(shape.kv_elems(), 13);
+    let d_o = uniform_nonzero(shape.q_elems(), 14);
     let (dq, dk, dv) = bwd_f32(&p, &q, &k, &v, &d_o);
     let to64 = |x: &[f32]| x.iter().map(|&v| v as f64).collect::<Vec<f64>>();
     let loss64 = |q: &[f64], k: &[f64], v: &[f64]| {
@@ -381,10 +342,10 @@ fn edge_cases() {
     }
     // Fully masked rows: queries before every key (causal) and queries of a document with no keys.
     let shape = AttnShape { batch: 1, q_heads: 1, kv_heads: 1, q_len: 70, kv_len: 70, head_dim: 32 };
-    let q = rand_vec(shape.q_elems(), 1);
-    let k = rand_vec(shape.kv_elems(), 2);
-    let v = rand_vec(shape.kv_elems(), 3);
-    let d_o = rand_vec(shape.q_elems(), 4);
+    let q = uniform_nonzero(shape.q_elems(), 1);
+    let k = uniform_nonzero(shape.kv_elems(), 2);
+    let v = uniform_nonzero(shape.kv_elems(), 3);
+    let d_o = uniform_nonzero(shape.q_elems(), 4);
     let mask = AttnMask::causal().with_positions(Positions::Offset(0), Positions::Offset(35));
     let p = AttnParams::new(shape).with_mask(mask);
     let (o, lse) = fwd_f32(&p, &q, &k, &v);
@@ -458,10 +419,10 @@ fn head_dims_and_long_sequences() {
 fn deterministic_across_thread_counts() {
     let shape = AttnShape { batch: 2, q_heads: 4, kv_heads: 2, q_len: 333, kv_len: 333, head_dim: 64 };
     let p = AttnParams::new(shape).with_mask(AttnMask::causal());
-    let q = rand_vec(shape.q_elems(), 1);
-    let k = rand_vec(shape.kv_elems(), 2);
-    let v = rand_vec(shape.kv_elems(), 3);
-    let d_o = rand_vec(shape.q_elems(), 4);
+    let q = uniform_nonzero(shape.q_elems(), 1);
+    let k = uniform_nonzero(shape.kv_elems(), 2);
+    let v = uniform_nonzero(shape.kv_elems(), 3);
+    let d_o = uniform_nonzero(shape.q_elems(), 4);
     let run = |threads: usize| {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
         pool.install(|| {
@@ -479,13 +440,17 @@ fn backward_accumulates() {
     let shape = AttnShape { batch: 1, q_heads: 2, kv_heads: 1, q_len: 50, kv_len: 80, head_dim: 32 };
     let p = AttnParams::new(shape)
         .with_mask(AttnMask::causal().with_positions(Positions::Offset(30), Positions::Offset(0)));
-    let q = rand_vec(shape.q_elems(), 1);
-    let k = rand_vec(shape.kv_elems(), 2);
-    let v = rand_vec(shape.kv_elems(), 3);
-    let d_o = rand_vec(shape.q_elems(), 4);
+    let q = uniform_nonzero(shape.q_elems(), 1);
+    let k = uniform_nonzero(shape.kv_elems(), 2);
+    let v = uniform_nonzero(shape.kv_elems(), 3);
+    let d_o = uniform_nonzero(shape.q_elems(), 4);
     let (o, lse) = fwd_f32(&p, &q, &k, &v);
     let (dq, dk, dv) = bwd_f32(&p, &q, &k, &v, &d_o);
-    let base = [rand_vec(shape.q_elems(), 5), rand_vec(shape.kv_elems(), 6), rand_vec(shape.kv_elems(), 7)];
+    let base = [
+        uniform_nonzero(shape.q_elems(), 5),
+        uniform_nonzero(shape.kv_elems(), 6),
+        uniform_nonzero(shape.kv_elems(), 7),
+    ];
     let [mut aq, mut ak, mut av] = base.clone();
     attention_backward(
         &p,

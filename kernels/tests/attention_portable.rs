@@ -2,33 +2,8 @@
 //! the portable path is process-wide.
 
 use longctx_kernels::attention::{force_portable, reference, AttnMask, AttnParams, AttnShape, Positions};
+use longctx_kernels::testing::{max_rel_err as rel_err, uniform_nonzero};
 use longctx_kernels::{attention_backward, attention_forward};
-
-fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            ((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 0.999
-        })
-        .collect()
-}
-
-fn rel_err(got: &[f32], want: &[f64]) -> f64 {
-    let mut num = 0f64;
-    let mut den = 0f64;
-    for (g, w) in got.iter().zip(want) {
-        if w.is_infinite() {
-            assert_eq!(*g as f64, *w);
-            continue;
-        }
-        num = num.max((*g as f64 - w).abs());
-        den = den.max(w.abs());
-    }
-    num / den.max(1e-300)
-}
 
 #[test]
 fn portable_path_matches_reference() {
@@ -42,10 +17,10 @@ fn portable_path_matches_reference() {
         mask.causal = causal;
         mask.window = Some(90);
         let p = AttnParams::new(shape).with_mask(mask);
-        let q = rand_vec(shape.q_elems(), 1);
-        let k = rand_vec(shape.kv_elems(), 2);
-        let v = rand_vec(shape.kv_elems(), 3);
-        let d_o = rand_vec(shape.q_elems(), 4);
+        let q = uniform_nonzero(shape.q_elems(), 1);
+        let k = uniform_nonzero(shape.kv_elems(), 2);
+        let v = uniform_nonzero(shape.kv_elems(), 3);
+        let d_o = uniform_nonzero(shape.q_elems(), 4);
         let f64v = |x: &[f32]| x.iter().map(|&a| a as f64).collect::<Vec<f64>>();
         let (ro, rlse) = reference::forward(&p, &f64v(&q), &f64v(&k), &f64v(&v));
         let (rdq, rdk, rdv) = reference::backward(&p, &f64v(&q), &f64v(&k), &f64v(&v), &f64v(&d_o));

@@ -3,50 +3,11 @@
 
 use half::bf16;
 use longctx_kernels::attention::reference;
-use longctx_kernels::{attention_backward, attention_forward, AttnMask, AttnParams, AttnShape, DType, Positions};
+use longctx_kernels::testing::{max_rel_err as rel_err, uniform_nonzero};
+use longctx_kernels::{AttnMask, AttnParams, AttnShape, DType, Positions};
 use longctx_p2p::ThreadWorld;
 use longctx_ring_attn::{ContextParallel, CpConfig, CpMask, CpShape, Partition, RingError, Schedule, SeqLayout};
 use proptest::prelude::*;
-
-fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            let v = ((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0;
-            if v == 0.0 {
-                0.25
-            } else {
-                v
-            }
-        })
-        .collect()
-}
-
-/// max |got − want| / max(max |want|, `SCALE_FLOOR`), with infinities required to match.
-///
-/// The floor matters only where the exact result is zero: with a window of 1 every row sees a single key, so the
-/// softmax is constant and the exact dQ and dK vanish; both sides then hold rounding noise of the cancellation
-/// `dP − rowsum(dO·O)`, and a ratio of two noises says nothing. Inputs are drawn from (−1, 1), so every output
-/// whose exact value is not zero has a maximum far above the floor and is compared relatively as before.
-fn rel_err(got: &[f32], want: &[f32]) -> f64 {
-    assert_eq!(got.len(), want.len());
-    let (mut num, mut den) = (0f64, 0f64);
-    for (g, w) in got.iter().zip(want) {
-        if w.is_infinite() {
-            assert_eq!(g, w, "infinite entry mismatch");
-            continue;
-        }
-        assert!(g.is_finite(), "non-finite {g} where full attention has {w}");
-        num = num.max((*g as f64 - *w as f64).abs());
-        den = den.max((*w as f64).abs());
-    }
-    num / den.max(SCALE_FLOOR)
-}
-
-const SCALE_FLOOR: f64 = 1e-3;
 
 #[derive(Debug, Clone)]
 struct Case {
@@ -85,16 +46,17 @@ fn inputs(c: &Case) -> Inputs {
     let qn = s.batch * s.q_heads * s.seq_len * s.head_dim;
     let kn = s.batch * s.kv_heads * s.seq_len * s.head_dim;
     Inputs {
-        q: round(rand_vec(qn, c.seed)),
-        k: round(rand_vec(kn, c.seed ^ 1)),
-        v: round(rand_vec(kn, c.seed ^ 2)),
-        d_o: round(rand_vec(qn, c.seed ^ 3)),
+        q: round(uniform_nonzero(qn, c.seed)),
+        k: round(uniform_nonzero(kn, c.seed ^ 1)),
+        v: round(uniform_nonzero(kn, c.seed ^ 2)),
+        d_o: round(uniform_nonzero(qn, c.seed ^ 3)),
         docs: c.doc_len.map(|dl| (0..s.seq_len).map(|i| (i / dl) as u32).collect()),
     }
 }
 
-/// Single-rank full attention (forward and backward) with the f32 kernel on the whole sequence.
-fn full(c: &Case, x: &Inputs) -> [Vec<f32>; 5] {
+/// Full attention (forward and backward) on the whole sequence by the plain f64 reference: exact, so a gradient
+/// that vanishes (a window of 1) is exactly zero there and measured absolutely.
+fn full(c: &Case, x: &Inputs) -> [Vec<f64>; 5] {
     let s = c.shape;
     let shape = AttnShape {
         batch: s.batch,
@@ -111,26 +73,10 @@ fn full(c: &Case, x: &Inputs) -> [Vec<f32>; 5] {
         mask = mask.with_docs(d, d);
     }
     let p = AttnParams::new(shape).with_mask(mask);
-    let mut o = vec![f32::NAN; shape.q_elems()];
-    let mut lse = vec![f32::NAN; shape.lse_elems()];
-    attention_forward(&p, (&x.q).into(), (&x.k).into(), (&x.v).into(), (&mut o).into(), &mut lse).unwrap();
-    let mut dq = vec![f32::NAN; shape.q_elems()];
-    let mut dk = vec![f32::NAN; shape.kv_elems()];
-    let mut dv = vec![f32::NAN; shape.kv_elems()];
-    attention_backward(
-        &p,
-        (&x.q).into(),
-        (&x.k).into(),
-        (&x.v).into(),
-        (&o).into(),
-        (&x.d_o).into(),
-        &lse,
-        (&mut dq).into(),
-        (&mut dk).into(),
-        (&mut dv).into(),
-        false,
-    )
-    .unwrap();
+    let f64v = |v: &[f32]| v.iter().map(|&a| a as f64).collect::<Vec<f64>>();
+    let (q, k, v, d_o) = (f64v(&x.q), f64v(&x.k), f64v(&x.v), f64v(&x.d_o));
+    let (o, lse) = reference::forward(&p, &q, &k, &v);
+    let (dq, dk, dv) = reference::backward(&p, &q, &k, &v, &d_o);
     [o, lse, dq, dk, dv]
 }
 

@@ -7,30 +7,13 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
+use longctx_kernels::testing::{max_rel_err as rel_err, uniform_nonzero};
 use longctx_kernels::{attention_backward, attention_forward, AttnMask, AttnParams, AttnShape, Positions};
 use longctx_p2p::Communicator;
 use longctx_ring_attn::{ContextParallel, CpConfig, CpMask, CpShape, Partition, Schedule, SeqLayout};
 
 const CHILD: &str = "LONGCTX_RING_UCX_CHILD";
 const RESULT: &str = "LONGCTX_RING_RESULT";
-
-fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            ((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 0.999
-        })
-        .collect()
-}
-
-fn rel_err(got: &[f32], want: &[f32]) -> f64 {
-    let num = got.iter().zip(want).map(|(a, b)| (*a as f64 - *b as f64).abs()).fold(0.0, f64::max);
-    let den = want.iter().map(|b| (*b as f64).abs()).fold(0.0, f64::max);
-    num / den.max(1e-30)
-}
 
 /// One rank's work: ring forward and backward with packed documents; errors above tolerance are returned.
 fn child(schedule: Schedule) -> Result<(), String> {
@@ -40,10 +23,10 @@ fn child(schedule: Schedule) -> Result<(), String> {
     let shape = CpShape { batch: 1, q_heads: 4, kv_heads: 2, seq_len: 96 * n, head_dim: 64 };
     let (s, d) = (shape.seq_len, shape.head_dim);
     // Every rank builds the same full sequence, runs the single-rank reference, and keeps its own rows.
-    let q = rand_vec(4 * s * d, 1);
-    let k = rand_vec(2 * s * d, 2);
-    let v = rand_vec(2 * s * d, 3);
-    let d_o = rand_vec(4 * s * d, 4);
+    let q = uniform_nonzero(4 * s * d, 1);
+    let k = uniform_nonzero(2 * s * d, 2);
+    let v = uniform_nonzero(2 * s * d, 3);
+    let d_o = uniform_nonzero(4 * s * d, 4);
     let docs: Vec<u32> = (0..s).map(|i| (i / 70) as u32).collect();
     let full = AttnShape { batch: 1, q_heads: 4, kv_heads: 2, q_len: s, kv_len: s, head_dim: d };
     let p = AttnParams::new(full).with_mask(

@@ -1,30 +1,13 @@
 //! Cross-crate: RoPE (kernels) at each rank's global positions (ring-attn layout), then context-parallel
 //! attention over thread ranks (p2p), forward and backward, equals RoPE + attention on the whole sequence.
 
+use longctx_kernels::testing::{max_rel_err as rel_err, uniform_nonzero};
 use longctx_kernels::{
     attention_backward, attention_forward, AttnMask, AttnParams, AttnShape, RopeConfig, RopeScaling, RopeTable,
 };
 use longctx_p2p::ThreadWorld;
 use longctx_ring_attn::{ContextParallel, CpConfig, CpMask, CpShape, Partition, Schedule, SeqLayout};
 use proptest::prelude::*;
-
-fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            ((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 0.999
-        })
-        .collect()
-}
-
-fn rel_err(got: &[f32], want: &[f32]) -> f64 {
-    let num = got.iter().zip(want).map(|(a, b)| (*a as f64 - *b as f64).abs()).fold(0.0, f64::max);
-    let den = want.iter().map(|b| (*b as f64).abs()).fold(0.0, f64::max);
-    num / den.max(1e-30)
-}
 
 /// Raw (pre-RoPE) q, k, v and d_o over the whole sequence → (O, dQ_raw, dK_raw, dV) on one rank.
 fn full_path(rope: &RopeTable, shape: CpShape, q: &[f32], k: &[f32], v: &[f32], d_o: &[f32]) -> [Vec<f32>; 4] {
@@ -86,10 +69,10 @@ proptest! {
             scaling: RopeScaling::Llama3 { factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position: 64 },
         }).unwrap();
         let (d, s) = (shape.head_dim, shape.seq_len);
-        let q = rand_vec(shape.q_heads * s * d, seed);
-        let k = rand_vec(shape.kv_heads * s * d, seed ^ 1);
-        let v = rand_vec(shape.kv_heads * s * d, seed ^ 2);
-        let d_o = rand_vec(shape.q_heads * s * d, seed ^ 3);
+        let q = uniform_nonzero(shape.q_heads * s * d, seed);
+        let k = uniform_nonzero(shape.kv_heads * s * d, seed ^ 1);
+        let v = uniform_nonzero(shape.kv_heads * s * d, seed ^ 2);
+        let d_o = uniform_nonzero(shape.q_heads * s * d, seed ^ 3);
         let want = full_path(&rope, shape, &q, &k, &v, &d_o);
 
         let layout = SeqLayout::new(partition, cp, s).unwrap();

@@ -18,6 +18,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use half::bf16;
+use longctx_kernels::testing::uniform_nonzero;
 use longctx_kernels::{
     attention_backward, attention_forward, merge_partial_attention, AttnMask, AttnParams, AttnShape, Positions,
 };
@@ -68,15 +69,7 @@ fn arg_list(args: &[String], name: &str, default: &[usize]) -> Vec<usize> {
 }
 
 fn rand_bf16(n: usize, seed: u64) -> Vec<bf16> {
-    let mut x = seed | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            bf16::from_f32(((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0)
-        })
-        .collect()
+    uniform_nonzero(n, seed).into_iter().map(bf16::from_f32).collect()
 }
 
 /// CPU seconds the calling thread has run so far. Work imbalance is measured in CPU time, not wall time:
