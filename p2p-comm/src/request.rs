@@ -21,15 +21,6 @@ impl Pending {
         }
     }
 
-    /// Does the transport's share of the op's work that needs no waiting (threads: copies claimable chunks).
-    pub(crate) fn help(&self) {
-        match self {
-            Pending::Threads(op) => op.help(),
-            #[cfg(feature = "ucx")]
-            Pending::Ucx(_) => {}
-        }
-    }
-
     pub(crate) fn test(&mut self) -> Result<bool, CommError> {
         match self {
             Pending::Threads(op) => op.test(),
@@ -71,11 +62,6 @@ impl<'a> Request<'a> {
     /// Blocks until every part of the operation completes, the timeout elapses or a peer is found gone.
     /// Returns the first error; the other parts are still finished before returning.
     pub fn wait(mut self) -> Result<(), CommError> {
-        // Copy whatever is ready in every part before blocking on the first: in a ring shift the outgoing message
-        // may be matched while the incoming one is not yet, and its receiver may be slow to get to it.
-        for op in self.ops.iter().flatten() {
-            op.help();
-        }
         let mut res = Ok(());
         for slot in self.ops.iter_mut() {
             if let Some(mut op) = slot.take() {

@@ -11,14 +11,15 @@
 //! - messages under [`DEFER_MIN`] bytes are copied at once by whoever arrives second, inside `post`: cheapest
 //!   for latency-bound traffic;
 //! - larger ones are only *matched* in `post`: the pair (both buffers) is parked in the receive's completion
-//!   and copied by whichever sides wait on or test their ops, in chunks ([`chunk_len`]) that each side claims
-//!   in turn, so both can copy one message at once. In a ring exchange each rank posts its receive, then its
-//!   send, then copies what it can of its incoming message and then of its outgoing one (see
-//!   [`ThreadOp::help`]) before waiting. Each rank thus starts on its incoming message and the two directions
-//!   are copied in parallel; and a rank that is late (still waking up from a futex sleep, or descheduled on a
-//!   busy machine) has part of its copy done for it instead of leaving its peer idle. Copying whole messages
-//!   (one side per message) left the ring at 47-53% of `memcpy` for 1-4 MiB: every exchange waited for the
-//!   slower side, and a wake-up on a VM costs about as much as a 1 MiB copy.
+//!   and copied in chunks ([`chunk_len`]): the receiver claims them from the front as soon as it waits on (or
+//!   tests) its receive; the sender, waiting on its send, first spins for the receiver to finish and then
+//!   claims the chunks left from the back. In a ring exchange each rank posts its receive, then its send, then
+//!   waits on the receive first, so each rank copies its incoming message and the two directions are copied
+//!   in parallel, each into the buffer its own core wrote last time. A rank that is late (still waking up from
+//!   a futex sleep, or descheduled on a busy machine) has the rest of its copy done by its sender instead of
+//!   leaving it idle. The sender does not help from the start: when both sides copied both messages (whoever
+//!   got to a chunk first), every destination line moved between the cores' caches from one exchange to the
+//!   next and a 1 MiB ring ran at half of two parallel `memcpy`s.
 //!
 //! Completions are pooled per rank and the mailbox queues keep their capacity, so a steady-state exchange of
 //! a given shape allocates nothing.
@@ -64,8 +65,10 @@ struct Pair {
     rp: *mut u8,
     rl: usize,
     rm: u64,
-    /// Offset of the first chunk nobody has claimed (`rl` once all are claimed).
+    /// Chunks `next..end` (of [`chunk_len`] bytes, the last one shorter) are unclaimed: the receiver claims
+    /// `next`, the sender `end - 1`.
     next: usize,
+    end: usize,
     /// Bytes whose copy finished; whoever brings it to `rl` completes both sides.
     copied: usize,
 }
@@ -75,6 +78,11 @@ struct Pair {
 /// copying). A multiple of 4 KiB, so chunks keep the buffers' alignment.
 fn chunk_len(len: usize) -> usize {
     (len / 8).clamp(256 << 10, 4 << 20) & !4095
+}
+
+/// Number of chunks of a `len`-byte message.
+fn chunks(len: usize) -> usize {
+    len.div_ceil(chunk_len(len))
 }
 
 // SAFETY: the pointers are dereferenced only by whoever claims the pair (see `copy_matched`), while both requests
@@ -257,8 +265,9 @@ fn transfer(send: (*const u8, usize, u64, &Completion), recv: (*mut u8, usize, u
 }
 
 /// Copies chunks of the pair parked in the receive completion `rc` until none is left to claim (the peer may be
-/// copying others meanwhile), completing both sides if it copies the last one. A sender passes its own
-/// completion: `rc` may have finished and been reused for another pair since the sender looked at it.
+/// copying others meanwhile), completing both sides if it copies the last one. A receiver claims from the front,
+/// a sender (passing its own completion) from the back. The sender's completion is checked because `rc` may have
+/// finished and been reused for another pair since the sender looked at it.
 fn copy_matched(rc: &Completion, sender: Option<&Arc<Completion>>) {
     loop {
         let mut st = lock(&rc.state);
@@ -274,12 +283,19 @@ fn copy_matched(rc: &Completion, sender: Option<&Arc<Completion>>) {
             p.sc.complete(so);
             return;
         }
-        if p.next == p.rl {
+        if p.next == p.end {
             return;
         }
-        let (off, len) = (p.next, p.rl);
+        let i = if sender.is_some() {
+            p.end -= 1;
+            p.end
+        } else {
+            p.next += 1;
+            p.next - 1
+        };
+        let len = p.rl;
+        let off = i * chunk_len(len);
         let n = chunk_len(len).min(len - off);
-        p.next += n;
         let (sp, rp) = (p.sp, p.rp);
         // Copy without the lock: the peer may claim the next chunk or wait on `rc` meanwhile.
         drop(st);
@@ -368,6 +384,7 @@ impl Endpoint {
                         rl: other.len,
                         rm: other.meta,
                         next: 0,
+                        end: chunks(other.len),
                         copied: 0,
                     };
                     other.done.set(State::Matched(pair));
@@ -382,6 +399,7 @@ impl Endpoint {
                         rl: len,
                         rm: meta,
                         next: 0,
+                        end: chunks(len),
                         copied: 0,
                     };
                     c.set(State::Matched(pair));
@@ -508,8 +526,8 @@ impl ThreadOp {
         }
     }
 
-    /// Waits until `c` is done or `deadline` passes (`None`), copying a matched large message if the peer has
-    /// not started to.
+    /// Waits until `c` is done or `deadline` passes (`None`), copying the chunks of a matched large message that
+    /// the peer has not claimed: at once for a receive, after a spin for a send.
     fn wait_until(&self, c: &Arc<Completion>, deadline: Option<Instant>) -> Option<Outcome> {
         // A matched op needs one copy attempt: after it every chunk is claimed (by us or the peer), and the
         // completion is notified when the last is copied.
@@ -520,6 +538,14 @@ impl ThreadOp {
         loop {
             match &*st {
                 State::Done(o) => return Some(*o),
+                // A sender leaves the copy to its receiver for one spin before helping (see the module doc).
+                State::Attached(_) if !spun => {
+                    spun = true;
+                    drop(st);
+                    c.spin(DONE);
+                    st = lock(&c.state);
+                    continue;
+                }
                 State::Matched(_) | State::Attached(_) if !tried => {
                     tried = true;
                     drop(st);
@@ -572,14 +598,6 @@ impl ThreadOp {
         }
     }
 
-    /// Copies what it can of this op's message (if matched and large) without waiting: lets a request work on
-    /// all of its parts before it blocks on any.
-    pub(crate) fn help(&self) {
-        if let Some(c) = &self.done {
-            self.progress(c);
-        }
-    }
-
     /// Non-blocking completion check.
     pub(crate) fn test(&mut self) -> Result<bool, CommError> {
         let Some(c) = self.done.take() else {
@@ -601,9 +619,11 @@ impl ThreadOp {
         let Some(c) = self.done.take() else {
             return Ok(());
         };
-        // A matched large message is copied right away if the peer has not started: the receiver normally gets
-        // here first (a ring waits on its receive before its send), and an idle receiver leaves it to a sender.
-        self.progress(&c);
+        // A receiver copies its matched large message right away; a sender leaves it to its receiver for a while
+        // (in `wait_until`).
+        if !self.is_send {
+            self.progress(&c);
+        }
         c.spin(MATCHED);
         let deadline = Instant::now().checked_add(self.timeout);
         if let Some(o) = self.wait_until(&c, deadline) {
