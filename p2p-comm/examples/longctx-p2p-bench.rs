@@ -10,7 +10,11 @@
 //! - lat: ping-pong, half round trip in µs;
 //! - all_reduce (f32 sum) bus bandwidth: bytes * 2(n-1)/n / time;
 //! - peer: `memcpy` of the same size on one thread in the same run (threads), or `ucx_perftest -t tag_bw` between
-//!   two processes (UCX), when it is installed.
+//!   two processes (UCX), when it is installed;
+//! - memcpy x2 (threads): both ranks `memcpy` their own buffers of the size at once, GiB/s per thread. A ring
+//!   shift does exactly this much copying (each rank copies one message, both at once), so this is its ceiling on
+//!   the machine as it is during the run: below the one-thread peer when the two copies compete for cache and
+//!   memory bandwidth, or for the cores when other processes run.
 //!
 //! Set `LONGCTX_BENCH_MAX` (bytes) to stop at a smaller size.
 
@@ -27,6 +31,7 @@ struct Row {
     lat_us: f64,
     allreduce_busbw: f64,
     memcpy_gibs: f64,
+    memcpy2_gibs: f64,
 }
 
 const GIB: f64 = (1u64 << 30) as f64;
@@ -75,7 +80,7 @@ fn measure(c: &Communicator, with_memcpy: bool) -> Result<Vec<Row>, CommError> {
         })?;
         let mut acc = vec![1.0f32; bytes / 4];
         let ar = timed(c, it, || c.all_reduce(&mut acc, ReduceOp::Sum))?;
-        let mut memcpy = 0.0;
+        let (mut memcpy, mut memcpy2) = (0.0, 0.0);
         if with_memcpy {
             // The peer: one thread copying the same bytes, with the other rank idle at the barrier.
             let t = if r == 0 {
@@ -92,8 +97,23 @@ fn measure(c: &Communicator, with_memcpy: bool) -> Result<Vec<Row>, CommError> {
             } else {
                 0.0
             };
+            let mut t1 = [t];
+            c.all_reduce(&mut t1, ReduceOp::Max)?;
+            memcpy = bytes as f64 / t1[0].max(f64::MIN_POSITIVE) / GIB;
+            // Both ranks copying at once, the same number of times (about 100 ms) so the copies overlap
+            // throughout; each its own buffers, as each rank of a ring writes its own receive buffer.
+            let n2 = ((0.1 / t1[0].max(1e-9)) as usize).max(it);
+            let (src, mut dst) = (vec![1u8; bytes], vec![0u8; bytes]);
+            dst.copy_from_slice(&src);
             c.barrier()?;
-            memcpy = bytes as f64 / t.max(f64::MIN_POSITIVE) / GIB;
+            let t0 = Instant::now();
+            for _ in 0..n2 {
+                dst.copy_from_slice(std::hint::black_box(&src));
+                std::hint::black_box(&mut dst);
+            }
+            let mut t2 = [t0.elapsed().as_secs_f64() / n2 as f64];
+            c.all_reduce(&mut t2, ReduceOp::Max)?;
+            memcpy2 = bytes as f64 / t2[0].max(f64::MIN_POSITIVE) / GIB;
         }
         rows.push(Row {
             bytes,
@@ -102,6 +122,7 @@ fn measure(c: &Communicator, with_memcpy: bool) -> Result<Vec<Row>, CommError> {
             lat_us: pingpong / 2.0 * 1e6,
             allreduce_busbw: bytes as f64 * 2.0 * (n - 1) as f64 / n as f64 / ar / GIB,
             memcpy_gibs: memcpy,
+            memcpy2_gibs: memcpy2,
         });
     }
     Ok(rows)
@@ -167,17 +188,20 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let mut all = ThreadWorld::run(2, |c| measure(&c, true))?;
         let rows = all.swap_remove(0)?;
         println!("threads transport, 2 ranks in one process");
-        println!("| size | ring GiB/s | send GiB/s | latency µs | all_reduce busbw GiB/s | peer: memcpy GiB/s |");
-        println!("|---:|---:|---:|---:|---:|---:|");
+        println!(
+            "| size | ring GiB/s | send GiB/s | latency µs | all_reduce busbw GiB/s | peer: memcpy GiB/s | memcpy x2 GiB/s |"
+        );
+        println!("|---:|---:|---:|---:|---:|---:|---:|");
         for r in rows {
             println!(
-                "| {} | {:.2} | {:.2} | {:.1} | {:.2} | {:.2} |",
+                "| {} | {:.2} | {:.2} | {:.1} | {:.2} | {:.2} | {:.2} |",
                 size_name(r.bytes),
                 r.ring_gibs,
                 r.send_gibs,
                 r.lat_us,
                 r.allreduce_busbw,
-                r.memcpy_gibs
+                r.memcpy_gibs,
+                r.memcpy2_gibs
             );
         }
     }

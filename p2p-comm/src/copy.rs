@@ -5,6 +5,12 @@
 //! page, as two page-aligned buffers do: measured here 2 GiB/s for 4-64 KiB copies, against 30 GiB/s for the
 //! same copies with an AVX2 loop (equal from 256 KiB on). So copies of 2 KiB to 1 MiB use the AVX2 loop when
 //! the CPU has it; others use `memcpy`.
+//!
+//! Messages larger than the last-level cache are copied with non-temporal (streaming) stores instead
+//! ([`copy_stream`]): glibc only streams from 3/4 of the L3 *per thread* times the thread count (192 MiB
+//! here), so a 16-64 MiB `memcpy` reads every destination line before overwriting it and evicts the cache for
+//! nothing (the data does not fit anyway). Measured here: 16 MiB copies at 5.4 against 2.6 GiB/s single-threaded,
+//! 2.3 against 1.5 GiB/s per thread with two copies at once (the ring), on a loaded machine.
 
 /// Copies `len` bytes from `src` to `dst`.
 ///
@@ -18,6 +24,57 @@ pub(crate) unsafe fn copy(src: *const u8, dst: *mut u8, len: usize) {
     }
     // SAFETY: per our contract.
     unsafe { std::ptr::copy_nonoverlapping(src, dst, len) }
+}
+
+/// Messages of at least this many bytes are copied with [`copy_stream`]: from here two messages in flight (a
+/// ring shift, source and destination each) no longer fit the 32 MiB L3 of the bench machines.
+pub(crate) const STREAM_MIN: usize = 16 << 20;
+
+/// Copies `len` bytes from `src` to `dst` with non-temporal stores where the CPU allows (else as [`copy`]), and
+/// fences them: once this returns, another thread that synchronises with this one (a lock, an atomic) sees the
+/// bytes.
+///
+/// # Safety
+/// As [`std::ptr::copy_nonoverlapping`]: both ranges valid, not overlapping.
+pub(crate) unsafe fn copy_stream(src: *const u8, dst: *mut u8, len: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if len >= 4096 && std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: AVX2 is present; the ranges are valid per our contract.
+        return unsafe { copy_stream_avx2(src, dst, len) };
+    }
+    // SAFETY: per our contract.
+    unsafe { copy(src, dst, len) }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn copy_stream_avx2(src: *const u8, dst: *mut u8, len: usize) {
+    use std::arch::x86_64::{__m256i, _mm256_loadu_si256, _mm256_stream_si256, _mm_sfence};
+    // Streaming stores need 32-byte aligned destinations: copy the head normally up to the first boundary.
+    let mut i = (32 - (dst as usize & 31)) & 31;
+    // SAFETY: `len >= 4096 > i`; every access is within `0..len` of both ranges (`dst.add(i)` is 32-aligned for
+    // the streaming stores, loads may be unaligned).
+    unsafe {
+        std::ptr::copy_nonoverlapping(src, dst, i);
+        while i + 128 <= len {
+            let s = src.add(i) as *const __m256i;
+            let d = dst.add(i) as *mut __m256i;
+            let (a, b, c, e) = (
+                _mm256_loadu_si256(s),
+                _mm256_loadu_si256(s.add(1)),
+                _mm256_loadu_si256(s.add(2)),
+                _mm256_loadu_si256(s.add(3)),
+            );
+            _mm256_stream_si256(d, a);
+            _mm256_stream_si256(d.add(1), b);
+            _mm256_stream_si256(d.add(2), c);
+            _mm256_stream_si256(d.add(3), e);
+            i += 128;
+        }
+        // Streaming stores are weakly ordered: make them globally visible before anyone is told the copy is done.
+        _mm_sfence();
+        std::ptr::copy_nonoverlapping(src.add(i), dst.add(i), len - i);
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -57,6 +114,22 @@ mod tests {
                 // SAFETY: in-bounds, distinct buffers.
                 unsafe { super::copy(src.as_ptr().add(off), dst.as_mut_ptr(), len) };
                 assert_eq!(&dst[..len], &src[off..off + len]);
+            }
+        }
+    }
+
+    #[test]
+    fn streams_every_length_and_offset() {
+        let src: Vec<u8> = (0..20_000u32).map(|x| (x * 13 + 5) as u8).collect();
+        for len in [0usize, 1, 4095, 4096, 4097, 4096 + 127, 9000, 19_000] {
+            for (soff, doff) in [(0usize, 0usize), (1, 0), (0, 1), (31, 17), (32, 32)] {
+                if soff + len > src.len() {
+                    continue;
+                }
+                let mut dst = vec![0u8; len + doff];
+                // SAFETY: in-bounds, distinct buffers.
+                unsafe { super::copy_stream(src.as_ptr().add(soff), dst.as_mut_ptr().add(doff), len) };
+                assert_eq!(&dst[doff..], &src[soff..soff + len]);
             }
         }
     }

@@ -11,12 +11,15 @@
 //! - messages under [`DEFER_MIN`] bytes are copied at once by whoever arrives second, inside `post`: cheapest
 //!   for latency-bound traffic;
 //! - larger ones are only *matched* in `post`: the pair (both buffers) is parked in the receive's completion
-//!   and copied by whichever side next waits on or tests its op, normally the receiver. In a ring exchange
-//!   each rank posts its receive, then its send, then waits on the receive first, so each rank copies its
-//!   incoming message and the two directions are copied in parallel by the two threads. If the arrival order
-//!   made one side do both copies (as matching at post time did), the ring would reach half of `memcpy`.
-//!   Either side may perform the copy (the first to claim it) so that a rank blocked on its send still makes
-//!   progress while its receiver is busy elsewhere, as it did when the second arrival copied.
+//!   and copied in chunks ([`chunk_len`]): the receiver claims them from the front as soon as it waits on (or
+//!   tests) its receive; the sender, waiting on its send, first spins for the receiver to finish and then
+//!   claims the chunks left from the back. In a ring exchange each rank posts its receive, then its send, then
+//!   waits on the receive first, so each rank copies its incoming message and the two directions are copied
+//!   in parallel, each into the buffer its own core wrote last time. A rank that is late (still waking up from
+//!   a futex sleep, or descheduled on a busy machine) has the rest of its copy done by its sender instead of
+//!   leaving it idle. The sender does not help from the start: when both sides copied both messages (whoever
+//!   got to a chunk first), every destination line moved between the cores' caches from one exchange to the
+//!   next and a 1 MiB ring ran at half of two parallel `memcpy`s.
 //!
 //! Completions are pooled per rank and the mailbox queues keep their capacity, so a steady-state exchange of
 //! a given shape allocates nothing.
@@ -25,7 +28,7 @@
 //! gone and every slot waiting on it completes with [`CommError::PeerGone`].
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -62,6 +65,24 @@ struct Pair {
     rp: *mut u8,
     rl: usize,
     rm: u64,
+    /// Chunks `next..end` (of [`chunk_len`] bytes, the last one shorter) are unclaimed: the receiver claims
+    /// `next`, the sender `end - 1`.
+    next: usize,
+    end: usize,
+    /// Bytes whose copy finished; whoever brings it to `rl` completes both sides.
+    copied: usize,
+}
+
+/// Size of the chunks a matched large message is copied in: small enough that two threads share a 1 MiB
+/// message evenly, large enough that the lock taken per chunk costs nothing (a 256 KiB chunk is about 10 µs of
+/// copying). A multiple of 4 KiB, so chunks keep the buffers' alignment.
+fn chunk_len(len: usize) -> usize {
+    (len / 8).clamp(256 << 10, 4 << 20) & !4095
+}
+
+/// Number of chunks of a `len`-byte message.
+fn chunks(len: usize) -> usize {
+    len.div_ceil(chunk_len(len))
 }
 
 // SAFETY: the pointers are dereferenced only by whoever claims the pair (see `copy_matched`), while both requests
@@ -71,10 +92,9 @@ unsafe impl Send for Pair {}
 #[derive(Debug)]
 enum State {
     Posted,
-    /// A receive matched with a large send that nobody has started copying.
+    /// A receive matched with a large send, being copied (or about to be) chunk by chunk; completed by whoever
+    /// copies the last chunk.
     Matched(Pair),
-    /// A receive whose pair someone is copying: it will be completed.
-    Claimed,
     /// A send matched with the receive whose completion this is; completed by whoever copies the pair.
     Attached(Arc<Completion>),
     Done(Outcome),
@@ -87,6 +107,10 @@ struct Completion {
     /// How far `state` got ([`POSTED`], [`MATCHED`] or [`DONE`]), updated with it: lets a waiter spin briefly
     /// without the lock before sleeping on `cv`.
     stage: AtomicU8,
+    /// Threads sleeping on `cv`; changed only under the `state` lock. `Condvar::notify_all` is a futex syscall
+    /// even with nobody waiting, and most completions have no sleeper (the waiter is spinning, copying or not
+    /// there yet), so setters skip it then: two syscalls less per small message.
+    sleepers: AtomicU32,
 }
 
 const POSTED: u8 = 0;
@@ -100,13 +124,33 @@ impl Completion {
             State::Done(_) => DONE,
             _ => MATCHED,
         };
-        *lock(&self.state) = s;
+        let mut st = lock(&self.state);
+        *st = s;
         self.stage.store(stage, Ordering::Release);
-        self.cv.notify_all();
+        self.wake(st);
+    }
+
+    /// Releases the `state` lock `st` and wakes the threads sleeping on `cv`, if any. A sleeper registers under
+    /// the lock before it sleeps (and `Condvar::wait` releases the lock atomically), so one that we do not see
+    /// here has not checked the state yet and will find it changed.
+    fn wake(&self, st: MutexGuard<'_, State>) {
+        let sleeping = self.sleepers.load(Ordering::Relaxed) > 0;
+        drop(st);
+        if sleeping {
+            self.cv.notify_all();
+        }
     }
 
     fn complete(&self, o: Outcome) {
         self.set(State::Done(o));
+    }
+
+    /// Completes with `o` under the lock `st` already held on `self.state`; returns what the state held.
+    fn complete_locked(&self, mut st: MutexGuard<'_, State>, o: Outcome) -> State {
+        let old = std::mem::replace(&mut *st, State::Done(o));
+        self.stage.store(DONE, Ordering::Release);
+        self.wake(st);
+        old
     }
 
     /// Spins (then yields) for a few microseconds hoping the peer gets us to `stage`, which avoids a futex sleep
@@ -175,7 +219,12 @@ impl World {
 
     fn completion(&self, rank: usize) -> Arc<Completion> {
         let c = lock(&self.pools[rank]).pop().unwrap_or_else(|| {
-            Arc::new(Completion { state: Mutex::new(State::Posted), cv: Condvar::new(), stage: AtomicU8::new(POSTED) })
+            Arc::new(Completion {
+                state: Mutex::new(State::Posted),
+                cv: Condvar::new(),
+                stage: AtomicU8::new(POSTED),
+                sleepers: AtomicU32::new(0),
+            })
         });
         *lock(&c.state) = State::Posted;
         c.stage.store(POSTED, Ordering::Relaxed);
@@ -187,15 +236,24 @@ impl World {
     }
 }
 
+/// The outcomes (send's, receive's) of a matched pair that cannot be copied, or `None` if it can.
+fn mismatch(sl: usize, sm: u64, rl: usize, rm: u64) -> Option<(Outcome, Outcome)> {
+    if sm != rm {
+        Some((Outcome::MetaMismatch { ours: sm, theirs: rm }, Outcome::MetaMismatch { ours: rm, theirs: sm }))
+    } else if sl != rl {
+        let o = Outcome::LengthMismatch { message_bytes: sl, buffer_bytes: rl };
+        Some((o, o))
+    } else {
+        None
+    }
+}
+
 /// Copies a matched message (or reports why not) and completes both sides.
 fn transfer(send: (*const u8, usize, u64, &Completion), recv: (*mut u8, usize, u64, &Completion)) {
     let (sp, sl, sm, sc) = send;
     let (rp, rl, rm, rc) = recv;
-    let (so, ro) = if sm != rm {
-        (Outcome::MetaMismatch { ours: sm, theirs: rm }, Outcome::MetaMismatch { ours: rm, theirs: sm })
-    } else if sl != rl {
-        let o = Outcome::LengthMismatch { message_bytes: sl, buffer_bytes: rl };
-        (o, o)
+    let (so, ro) = if let Some(o) = mismatch(sl, sm, rl, rm) {
+        o
     } else {
         // SAFETY: both buffers are borrowed by requests that cannot finish before their completions below are
         // set; they belong to different requests, so they do not overlap (a `&[T]` and a `&mut [T]` never alias).
@@ -206,20 +264,59 @@ fn transfer(send: (*const u8, usize, u64, &Completion), recv: (*mut u8, usize, u
     rc.complete(ro);
 }
 
-/// Copies the pair parked in the receive completion `rc` unless someone claimed it already. A sender passes its
-/// own completion: `rc` may have finished and been reused for another pair since the sender looked at it.
+/// Copies chunks of the pair parked in the receive completion `rc` until none is left to claim (the peer may be
+/// copying others meanwhile), completing both sides if it copies the last one. A receiver claims from the front,
+/// a sender (passing its own completion) from the back. The sender's completion is checked because `rc` may have
+/// finished and been reused for another pair since the sender looked at it.
 fn copy_matched(rc: &Completion, sender: Option<&Arc<Completion>>) {
-    let mut st = lock(&rc.state);
-    let State::Matched(p) = &*st else {
-        return;
-    };
-    if sender.is_some_and(|s| !Arc::ptr_eq(s, &p.sc)) {
-        return;
+    loop {
+        let mut st = lock(&rc.state);
+        let State::Matched(p) = &mut *st else {
+            return;
+        };
+        if sender.is_some_and(|s| !Arc::ptr_eq(s, &p.sc)) {
+            return;
+        }
+        if let Some((so, ro)) = mismatch(p.sl, p.sm, p.rl, p.rm) {
+            // Nothing was claimed: claims are only made on pairs that match.
+            let State::Matched(p) = rc.complete_locked(st, ro) else { unreachable!("checked above") };
+            p.sc.complete(so);
+            return;
+        }
+        if p.next == p.end {
+            return;
+        }
+        let i = if sender.is_some() {
+            p.end -= 1;
+            p.end
+        } else {
+            p.next += 1;
+            p.next - 1
+        };
+        let len = p.rl;
+        let off = i * chunk_len(len);
+        let n = chunk_len(len).min(len - off);
+        let (sp, rp) = (p.sp, p.rp);
+        // Copy without the lock: the peer may claim the next chunk or wait on `rc` meanwhile.
+        drop(st);
+        // SAFETY: both buffers are borrowed by requests that cannot finish before the last chunk's copy completes
+        // them; chunk `off..off+n` is claimed by us alone; a send and a receive buffer never overlap.
+        unsafe {
+            if len >= crate::copy::STREAM_MIN {
+                crate::copy::copy_stream(sp.add(off), rp.add(off), n);
+            } else {
+                crate::copy::copy(sp.add(off), rp.add(off), n);
+            }
+        }
+        let mut st = lock(&rc.state);
+        let State::Matched(p) = &mut *st else { unreachable!("a pair with a chunk in flight is not completed") };
+        p.copied += n;
+        if p.copied == p.rl {
+            let State::Matched(p) = rc.complete_locked(st, Outcome::Ok) else { unreachable!("checked above") };
+            p.sc.complete(Outcome::Ok);
+            return;
+        }
     }
-    let State::Matched(p) = std::mem::replace(&mut *st, State::Claimed) else { unreachable!("checked above") };
-    // Copy without the lock: the peer may be waiting on `rc` meanwhile.
-    drop(st);
-    transfer((p.sp, p.sl, p.sm, &p.sc), (p.rp, p.rl, p.rm, rc));
 }
 
 /// One rank's handle on a [`World`]. Dropping it marks the rank gone.
@@ -286,6 +383,9 @@ impl Endpoint {
                         rp: other.ptr,
                         rl: other.len,
                         rm: other.meta,
+                        next: 0,
+                        end: chunks(other.len),
+                        copied: 0,
                     };
                     other.done.set(State::Matched(pair));
                 } else {
@@ -298,6 +398,9 @@ impl Endpoint {
                         rp: ptr,
                         rl: len,
                         rm: meta,
+                        next: 0,
+                        end: chunks(len),
+                        copied: 0,
                     };
                     c.set(State::Matched(pair));
                     // Wakes a sender blocked on this send: it may copy if we get busy elsewhere before waiting.
@@ -405,7 +508,8 @@ impl ThreadOp {
         }
     }
 
-    /// If this op is matched with a large message nobody is copying yet, copies it (completing both sides).
+    /// If this op is matched with a large message that has chunks nobody claimed yet, copies them (completing
+    /// both sides if it copies the last).
     fn progress(&self, c: &Arc<Completion>) {
         let st = lock(&c.state);
         match &*st {
@@ -422,11 +526,11 @@ impl ThreadOp {
         }
     }
 
-    /// Waits until `c` is done or `deadline` passes (`None`), copying a matched large message if the peer has
-    /// not started to.
+    /// Waits until `c` is done or `deadline` passes (`None`), copying the chunks of a matched large message that
+    /// the peer has not claimed: at once for a receive, after a spin for a send.
     fn wait_until(&self, c: &Arc<Completion>, deadline: Option<Instant>) -> Option<Outcome> {
-        // A matched op needs one copy attempt: after it the pair is copied (by us or the peer), and the
-        // completion is notified when done.
+        // A matched op needs one copy attempt: after it every chunk is claimed (by us or the peer), and the
+        // completion is notified when the last is copied.
         let mut tried = false;
         // Once matched, a copy is running or about to (ours or the peer's): spin for it once before sleeping.
         let mut spun = false;
@@ -434,6 +538,14 @@ impl ThreadOp {
         loop {
             match &*st {
                 State::Done(o) => return Some(*o),
+                // A sender leaves the copy to its receiver for one spin before helping (see the module doc).
+                State::Attached(_) if !spun => {
+                    spun = true;
+                    drop(st);
+                    c.spin(DONE);
+                    st = lock(&c.state);
+                    continue;
+                }
                 State::Matched(_) | State::Attached(_) if !tried => {
                     tried = true;
                     drop(st);
@@ -452,11 +564,16 @@ impl ThreadOp {
                 _ => {}
             }
             let now = Instant::now();
+            if deadline.is_some_and(|d| now >= d) {
+                return None;
+            }
+            // Registered under the lock, which `wait` releases atomically: see `Completion::wake`.
+            c.sleepers.fetch_add(1, Ordering::Relaxed);
             st = match deadline {
-                Some(d) if now >= d => return None,
                 Some(d) => c.cv.wait_timeout(st, d - now).unwrap_or_else(PoisonError::into_inner).0,
                 None => c.cv.wait(st).unwrap_or_else(PoisonError::into_inner),
             };
+            c.sleepers.fetch_sub(1, Ordering::Relaxed);
         }
     }
 
@@ -502,9 +619,11 @@ impl ThreadOp {
         let Some(c) = self.done.take() else {
             return Ok(());
         };
-        // A matched large message is copied right away if the peer has not started: the receiver normally gets
-        // here first (a ring waits on its receive before its send), and an idle receiver leaves it to a sender.
-        self.progress(&c);
+        // A receiver copies its matched large message right away; a sender leaves it to its receiver for a while
+        // (in `wait_until`).
+        if !self.is_send {
+            self.progress(&c);
+        }
         c.spin(MATCHED);
         let deadline = Instant::now().checked_add(self.timeout);
         if let Some(o) = self.wait_until(&c, deadline) {

@@ -248,3 +248,33 @@ fn dropping_matched_large_requests_finishes_the_copy() {
         }
     }
 }
+
+/// Lengths that end in a short chunk, below and above the streaming-copy threshold (16 MiB): copied by the
+/// receiver with its sender's help (ring shift), and by the sender alone (its receiver blocked elsewhere).
+#[test]
+fn chunked_and_streamed_copies_with_odd_tails() {
+    for len in [4 * BIG + 3, (4 << 20) + 1] {
+        suite::all_ok(two(|c| {
+            let r = c.rank() as u32;
+            let send = pattern(r + 10, len);
+            let mut recv = vec![0u32; len];
+            c.sendrecv(&send, &mut recv).map_err(suite::e2s)?;
+            if recv != pattern(11 - r, len) {
+                return Err(format!("ring: wrong data ({len} words)"));
+            }
+            if r == 0 {
+                c.send(1, 1, &pattern(1, len)).map_err(suite::e2s)?;
+                c.send(1, 2, &[7u32]).map_err(suite::e2s)
+            } else {
+                let (mut a, mut go) = (vec![0u32; len], [0u32]);
+                let ra = c.irecv(0, 1, &mut a).map_err(suite::e2s)?;
+                c.recv(0, 2, &mut go).map_err(suite::e2s)?;
+                ra.wait().map_err(suite::e2s)?;
+                if a != pattern(1, len) {
+                    return Err(format!("sender alone: wrong data ({len} words)"));
+                }
+                Ok(())
+            }
+        }));
+    }
+}
