@@ -101,8 +101,12 @@ pub fn attention_forward(
                 let (m, l) = (&mut sc.m[h * BR..h * BR + rows], &mut sc.l[h * BR..h * BR + rows]);
                 let acc = &mut sc.acc[h * BR * d..h * BR * d + rows * d];
                 let st = &mut sc.s;
-                // S = Q·Kᵀ over each row group's span.
-                for (gi, &(lo, hi)) in spans.iter().enumerate() {
+                // S = Q·Kᵀ over each row group's span; a fully visible tile is one product over all rows, so the
+                // micro-kernel reuses each panel of Kᵀ across every row group.
+                if class == TileClass::Visible {
+                    simd::matmul(rows, spans[0].1, d, q_tile, d, kt_tile, BC, st, BC, false);
+                }
+                for (gi, &(lo, hi)) in spans.iter().enumerate().filter(|_| class != TileClass::Visible) {
                     if lo >= hi {
                         continue;
                     }
@@ -140,8 +144,11 @@ pub fn attention_forward(
                     }
                     m[i] = m_new;
                 }
-                // acc += P·V over each row group's span.
-                for (gi, &(lo, hi)) in spans.iter().enumerate() {
+                // acc += P·V over each row group's span (one product when the tile is fully visible).
+                if class == TileClass::Visible {
+                    simd::matmul(rows, d, bc, st, BC, v_tile, d, acc, d, true);
+                }
+                for (gi, &(lo, hi)) in spans.iter().enumerate().filter(|_| class != TileClass::Visible) {
                     let hi = hi.min(bc);
                     if lo >= hi {
                         continue;
