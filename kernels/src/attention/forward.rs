@@ -21,6 +21,8 @@ use crate::view::{HostSlice, HostSliceMut};
 
 /// Rows per register block of the micro-kernel; partial tiles are cut into groups of this many rows.
 pub(crate) const GROUP: usize = 6;
+/// Rows of a product between two slices of the next tile's prefetch (a multiple of `GROUP`).
+const PF_ROWS: usize = 2 * GROUP;
 
 /// Attention forward on the CPU.
 ///
@@ -93,6 +95,24 @@ pub fn attention_forward(
             let bc = BC.min(s.kv_len - j0);
             let kt_tile = &kt[(kv_head * k_tiles + t) * d * BC..(kv_head * k_tiles + t + 1) * d * BC];
             let v_tile = &v[(kv_head * s.kv_len + j0) * d..(kv_head * s.kv_len + j0 + bc) * d];
+            // The next key tile, pulled into cache a slice at a time while this one is computed: at long contexts
+            // K and V come from DRAM, and the strided column-panel reads of the micro-kernel leave the hardware
+            // prefetchers too little warning.
+            let next = (t + 1 < k_tiles && mask.classify(&q_sum[qt], &k_sum[t + 1]) != TileClass::Hidden).then(|| {
+                let (j1, bc1) = (j0 + BC, BC.min(s.kv_len - j0 - BC));
+                let kt1 = &kt[(kv_head * k_tiles + t + 1) * d * BC..(kv_head * k_tiles + t + 2) * d * BC];
+                (kt1, &v[(kv_head * s.kv_len + j1) * d..(kv_head * s.kv_len + j1 + bc1) * d])
+            });
+            // Prefetch slices: one after each `PF_ROWS` rows of each product, so the requests are spread evenly
+            // over the tile's compute (bursts would overflow the miss buffers and be dropped).
+            let chunks = rows.div_ceil(PF_ROWS);
+            let parts = 2 * heads.len() * chunks;
+            let fetch = |phase: usize, ci: usize| {
+                if let Some((kt1, v1)) = next {
+                    simd::prefetch_part(kt1, phase * chunks + ci, parts);
+                    simd::prefetch_part(v1, phase * chunks + ci, parts);
+                }
+            };
             // The mask is shared by all heads: one set of spans (and visibility) serves the whole group.
             let spans = sc.spans(mask, class, rows, q0, j0, bc);
             for (h, (hq, _, _)) in heads.iter().enumerate() {
@@ -101,10 +121,26 @@ pub fn attention_forward(
                 let (m, l) = (&mut sc.m[h * BR..h * BR + rows], &mut sc.l[h * BR..h * BR + rows]);
                 let acc = &mut sc.acc[h * BR * d..h * BR * d + rows * d];
                 let st = &mut sc.s;
-                // S = Q·Kᵀ over each row group's span; a fully visible tile is one product over all rows, so the
-                // micro-kernel reuses each panel of Kᵀ across every row group.
+                // S = Q·Kᵀ over each row group's span; a fully visible tile needs no spans, only the prefetch slices.
                 if class == TileClass::Visible {
-                    simd::matmul(rows, spans[0].1, d, q_tile, d, kt_tile, BC, st, BC, false);
+                    for (ci, r0) in (0..rows).step_by(PF_ROWS).enumerate() {
+                        let r = PF_ROWS.min(rows - r0);
+                        simd::matmul(
+                            r,
+                            spans[0].1,
+                            d,
+                            &q_tile[r0 * d..],
+                            d,
+                            kt_tile,
+                            BC,
+                            &mut st[r0 * BC..],
+                            BC,
+                            false,
+                        );
+                        fetch(2 * h, ci);
+                    }
+                } else {
+                    (0..chunks).for_each(|ci| fetch(2 * h, ci));
                 }
                 for (gi, &(lo, hi)) in spans.iter().enumerate().filter(|_| class != TileClass::Visible) {
                     if lo >= hi {
@@ -146,7 +182,13 @@ pub fn attention_forward(
                 }
                 // acc += P·V over each row group's span (one product when the tile is fully visible).
                 if class == TileClass::Visible {
-                    simd::matmul(rows, d, bc, st, BC, v_tile, d, acc, d, true);
+                    for (ci, r0) in (0..rows).step_by(PF_ROWS).enumerate() {
+                        let r = PF_ROWS.min(rows - r0);
+                        simd::matmul(r, d, bc, &st[r0 * BC..], BC, v_tile, d, &mut acc[r0 * d..], d, true);
+                        fetch(2 * h + 1, ci);
+                    }
+                } else {
+                    (0..chunks).for_each(|ci| fetch(2 * h + 1, ci));
                 }
                 for (gi, &(lo, hi)) in spans.iter().enumerate().filter(|_| class != TileClass::Visible) {
                     let hi = hi.min(bc);

@@ -126,6 +126,26 @@ pub(crate) fn scale(y: &mut [f32], a: f32) {
     portable::scale(y, a)
 }
 
+/// Hints the cache lines of part `part` of `parts` equal parts of `x` into cache (no effect on results).
+#[inline]
+pub(crate) fn prefetch_part(x: &[f32], part: usize, parts: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        const LINE: usize = 16; // f32 per 64-byte cache line
+        let lines = x.len().div_ceil(LINE);
+        let (lo, hi) = (lines * part / parts, lines * (part + 1) / parts);
+        for l in lo..hi {
+            // SAFETY: `l * LINE < x.len()`, so the address lies inside `x`; prefetching never faults anyway.
+            unsafe {
+                use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+                _mm_prefetch::<_MM_HINT_T1>(x.as_ptr().add(l * LINE) as *const i8);
+            }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (x, part, parts);
+}
+
 /// Dot product accumulated in 8 lanes (fixed order).
 #[inline]
 pub(crate) fn dot(x: &[f32], y: &[f32]) -> f32 {
