@@ -80,7 +80,16 @@ pub fn attention_forward(
         }
     }
 
-    tasks.into_par_iter().enumerate().for_each_init(Scratch::new, |sc, (task, mut heads)| {
+    // Costliest tasks first (those seeing the most key tiles, e.g. the last query tiles under a causal mask), so
+    // the cheap ones are what is left to even out the threads at the end. Each task writes only its own rows,
+    // so the order cannot change any result.
+    let cost: Vec<usize> = (0..q_tiles)
+        .map(|qt| (0..k_tiles).filter(|&t| mask.classify(&q_sum[qt], &k_sum[t]) != TileClass::Hidden).count())
+        .collect();
+    let mut tasks: Vec<_> = tasks.into_iter().enumerate().collect();
+    tasks.sort_by_key(|(task, _)| std::cmp::Reverse(cost[task % q_tiles]));
+
+    tasks.into_par_iter().for_each_init(Scratch::new, |sc, (task, mut heads)| {
         let (kv_head, qt) = (task / q_tiles, task % q_tiles);
         let b = kv_head / s.kv_heads;
         let rows = heads[0].2.len();
