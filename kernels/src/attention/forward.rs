@@ -59,7 +59,6 @@ pub fn attention_forward(
     let mask = &p.mask;
     let c = p.scale * LOG2_E;
 
-    let q = as_f32(q);
     let v = as_f32(v);
     let kt = pack_transposed_tiles(k, &s);
     let q_sum = tile_summaries(mask, true, s.q_len, BR);
@@ -95,6 +94,12 @@ pub fn attention_forward(
         let rows = heads[0].2.len();
         let q0 = qt * BR;
         sc.reset(heads.len(), rows, d);
+        // The group's query tiles, widened once into one contiguous buffer: no bf16 copy of all of Q, and the
+        // heads' tiles (a whole head apart in `q`, so on the same L2 sets) no longer compete for the same ways.
+        for (h, (hq, _, _)) in heads.iter().enumerate() {
+            let bh = b * s.q_heads + hq;
+            q.load_f32((bh * s.q_len + q0) * d, &mut sc.q[h * BR * d..h * BR * d + rows * d]);
+        }
         for t in 0..k_tiles {
             let class = mask.classify(&q_sum[qt], &k_sum[t]);
             if class == TileClass::Hidden {
@@ -124,9 +129,8 @@ pub fn attention_forward(
             };
             // The mask is shared by all heads: one set of spans (and visibility) serves the whole group.
             let spans = sc.spans(mask, class, rows, q0, j0, bc);
-            for (h, (hq, _, _)) in heads.iter().enumerate() {
-                let bh = b * s.q_heads + hq;
-                let q_tile = &q[(bh * s.q_len + q0) * d..(bh * s.q_len + q0 + rows) * d];
+            for h in 0..heads.len() {
+                let q_tile = &sc.q[h * BR * d..h * BR * d + rows * d];
                 let (m, l) = (&mut sc.m[h * BR..h * BR + rows], &mut sc.l[h * BR..h * BR + rows]);
                 let acc = &mut sc.acc[h * BR * d..h * BR * d + rows * d];
                 let st = &mut sc.s;
@@ -236,6 +240,8 @@ pub fn attention_forward(
 pub(crate) struct Scratch {
     pub s: Vec<f32>,
     pub acc: Vec<f32>,
+    /// The forward task's query tiles, `f32`, head `h` at offset `h·BR·d`.
+    pub q: Vec<f32>,
     pub m: Vec<f32>,
     pub l: Vec<f32>,
     pub vis: Vec<bool>,
@@ -247,6 +253,7 @@ impl Scratch {
         Self {
             s: vec![0.0; BR * BC],
             acc: Vec::new(),
+            q: Vec::new(),
             m: vec![0.0; BR],
             l: vec![0.0; BR],
             vis: vec![false; BR * BC],
@@ -258,6 +265,7 @@ impl Scratch {
     fn reset(&mut self, heads: usize, rows: usize, d: usize) {
         self.acc.clear();
         self.acc.resize(heads * BR * d, 0.0);
+        self.q.resize(heads * BR * d, 0.0);
         self.m.clear();
         self.m.resize(heads * BR, f32::NEG_INFINITY);
         self.l.clear();
