@@ -113,6 +113,7 @@ pub fn attention_backward(
                 let k_tile = &kf[(bhk * s.kv_len + j0) * d..(bhk * s.kv_len + j0 + bc) * d];
                 let dk_t = &mut dk_part[j0 * d..(j0 + bc) * d];
                 let dv_t = &mut dv_part[j0 * d..(j0 + bc) * d];
+                let slots = my_dq.len();
                 for (slot, (hq_in_group, qt, _)) in my_dq.iter().enumerate() {
                     let (qt, bh) = (*qt, b * s.q_heads + hk * g + hq_in_group);
                     let class = p.mask.classify(&ctx.q_sum[qt], &ctx.k_sum[t]);
@@ -121,11 +122,34 @@ pub fn attention_backward(
                     }
                     let q0 = qt * BR;
                     let rows = BR.min(s.q_len - q0);
+                    // The next slot this task computes (in this key tile or the next): its Q, dO and dQ rows are
+                    // pulled into cache in three slices while this slot's products run. A task cycles through
+                    // more rows than L2 holds, so at long contexts they come back from DRAM on every key tile.
+                    let next = (slot + 1..slots)
+                        .map(|x| (x, t))
+                        .chain((t + 1 < k_tiles).then_some((0..slots).map(|x| (x, t + 1))).into_iter().flatten())
+                        .find(|&(x, u)| p.mask.classify(&ctx.q_sum[my_dq[x].1], &ctx.k_sum[u]) != TileClass::Hidden)
+                        .map(|(x, _)| {
+                            let (h1, qt1) = (my_dq[x].0, my_dq[x].1);
+                            let r1 = (b * s.q_heads + hk * g + h1) * s.q_len * d + qt1 * BR * d;
+                            let n1 = BR.min(s.q_len - qt1 * BR) * d;
+                            (r1, n1, x)
+                        });
+                    let fetch = |part: usize, dq_all: &[f32]| {
+                        if let Some((r1, n1, x)) = next {
+                            simd::prefetch_part(&ctx.q[r1..r1 + n1], part, 3);
+                            simd::prefetch_part(&ctx.d_o[r1..r1 + n1], part, 3);
+                            simd::prefetch_part(&dq_all[x * BR * d..x * BR * d + n1], part, 3);
+                        }
+                    };
                     let spans = ctx.probs_and_ds(sc, bs, class, bh, bhk, q0, rows, t);
+                    fetch(0, &bs.dq);
                     let rq = (bh * s.q_len + q0) * d;
                     // dV += Pᵀ·dO and dK += dSᵀ·Q, reading P and dS transposed in place (zero outside the spans).
                     simd::matmul_at(bc, d, rows, &sc.s, BC, &ctx.d_o[rq..rq + rows * d], d, dv_t, d, true);
+                    fetch(1, &bs.dq);
                     simd::matmul_at(bc, d, rows, &bs.dp, BC, &ctx.q[rq..rq + rows * d], d, dk_t, d, true);
+                    fetch(2, &bs.dq);
                     // dQ += dS·K over each group's span.
                     let dq = &mut bs.dq[slot * BR * d..];
                     for (gi, &(lo, hi)) in spans.iter().enumerate() {

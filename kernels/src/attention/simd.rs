@@ -103,26 +103,47 @@ pub(crate) fn exp2_scaled_sum(x: &mut [f32], c: f32, m: f32) -> f32 {
 /// Largest element (`-inf` for an empty slice). NaN handling: NaN elements are skipped by `max`.
 #[inline]
 pub(crate) fn max(x: &[f32]) -> f32 {
-    let mut lanes = [f32::NEG_INFINITY; 8];
-    let mut chunks = x.chunks_exact(8);
-    for ch in &mut chunks {
-        for l in 0..8 {
-            lanes[l] = lanes[l].max(ch[l]);
+    #[cfg(target_arch = "x86_64")]
+    {
+        if has_avx2_fma() {
+            // SAFETY: feature checked; the function only reads `x`.
+            return unsafe { x86::max(x) };
         }
     }
-    let mut m = f32::NEG_INFINITY;
-    for v in lanes.iter().chain(chunks.remainder()) {
-        m = m.max(*v);
-    }
-    m
+    portable::max(x)
 }
 
 /// `y *= a`.
 #[inline]
 pub(crate) fn scale(y: &mut [f32], a: f32) {
-    for v in y {
-        *v *= a;
+    #[cfg(target_arch = "x86_64")]
+    {
+        if has_avx2_fma() {
+            // SAFETY: feature checked; the function only touches `y`.
+            return unsafe { x86::scale(y, a) };
+        }
     }
+    portable::scale(y, a)
+}
+
+/// Hints the cache lines of part `part` of `parts` equal parts of `x` into cache (no effect on results).
+#[inline]
+pub(crate) fn prefetch_part(x: &[f32], part: usize, parts: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        const LINE: usize = 16; // f32 per 64-byte cache line
+        let lines = x.len().div_ceil(LINE);
+        let (lo, hi) = (lines * part / parts, lines * (part + 1) / parts);
+        for l in lo..hi {
+            // SAFETY: `l * LINE < x.len()`, so the address lies inside `x`; prefetching never faults anyway.
+            unsafe {
+                use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+                _mm_prefetch::<_MM_HINT_T1>(x.as_ptr().add(l * LINE) as *const i8);
+            }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (x, part, parts);
 }
 
 /// Dot product accumulated in 8 lanes (fixed order).
@@ -198,6 +219,27 @@ mod portable {
                     crow.copy_from_slice(&acc);
                 }
             }
+        }
+    }
+
+    pub(super) fn max(x: &[f32]) -> f32 {
+        let mut lanes = [f32::NEG_INFINITY; 8];
+        let mut chunks = x.chunks_exact(8);
+        for ch in &mut chunks {
+            for l in 0..8 {
+                lanes[l] = lanes[l].max(ch[l]);
+            }
+        }
+        let mut m = f32::NEG_INFINITY;
+        for v in lanes.iter().chain(chunks.remainder()) {
+            m = m.max(*v);
+        }
+        m
+    }
+
+    pub(super) fn scale(y: &mut [f32], a: f32) {
+        for v in y {
+            *v *= a;
         }
     }
 
@@ -348,6 +390,52 @@ mod x86 {
         // n + 127 in the exponent field; n = -127 gives the bit pattern of +0.0.
         let bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
         _mm256_mul_ps(frac, _mm256_castsi256_ps(bits))
+    }
+
+    /// # Safety
+    /// AVX2 and FMA must be present.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn max(x: &[f32]) -> f32 {
+        let n8 = x.len() / 8 * 8;
+        let p = x.as_ptr();
+        // Two accumulators hide the latency of `max`; `vmaxps` returns its second operand when the first is
+        // NaN, so NaN elements are skipped exactly as `f32::max` does.
+        let mut m0 = _mm256_set1_ps(f32::NEG_INFINITY);
+        let mut m1 = m0;
+        let mut j = 0;
+        while j + 16 <= n8 {
+            m0 = _mm256_max_ps(_mm256_loadu_ps(p.add(j)), m0);
+            m1 = _mm256_max_ps(_mm256_loadu_ps(p.add(j + 8)), m1);
+            j += 16;
+        }
+        if j < n8 {
+            m0 = _mm256_max_ps(_mm256_loadu_ps(p.add(j)), m0);
+            j += 8;
+        }
+        let mut lanes = [0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_max_ps(m0, m1));
+        let mut m = f32::NEG_INFINITY;
+        for v in lanes.iter().chain(&x[j..]) {
+            m = m.max(*v);
+        }
+        m
+    }
+
+    /// # Safety
+    /// AVX2 and FMA must be present.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn scale(y: &mut [f32], a: f32) {
+        let n8 = y.len() / 8 * 8;
+        let p = y.as_mut_ptr();
+        let av = _mm256_set1_ps(a);
+        let mut j = 0;
+        while j < n8 {
+            _mm256_storeu_ps(p.add(j), _mm256_mul_ps(_mm256_loadu_ps(p.add(j)), av));
+            j += 8;
+        }
+        for v in &mut y[j..] {
+            *v *= a;
+        }
     }
 
     /// # Safety
