@@ -3,12 +3,14 @@
 //! For each total sequence length and CP size it prints per-rank forward and backward time, the time of the
 //! same rank's attention blocks computed with no communication (same kernel calls, same masks, run at the
 //! same moment on every rank so the machine is equally loaded), the exposed communication (the difference),
-//! the work imbalance between ranks (CPU time of those blocks, and visible (query, key) pairs), the bytes each rank sent and each rank's peak heap. Then it predicts,
+//! the work imbalance between ranks (those blocks timed one rank at a time with the machine otherwise idle;
+//! their CPU time in the concurrent run; and visible (query, key) pairs), the bytes each rank sent and each rank's peak heap. Then it predicts,
 //! from the measured compute rate and a stated link bandwidth, the exposed communication at 8 and 32 ranks.
 //!
 //! ```text
 //! cargo run --release -p longctx-ring-attn --bin longctx-ring-bench                    # S = 16K, 64K, 128K
 //! cargo run --release -p longctx-ring-attn --bin longctx-ring-bench -- --seqs 16384 --cps 1,2,4
+//! cargo run --release -p longctx-ring-attn --bin longctx-ring-bench -- --seqs 65536 --cps 4 --alone-reps 0
 //! ```
 
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -96,6 +98,8 @@ struct RankResult {
     bwd_compute: Duration,
     /// CPU seconds of the compute-only forward and backward blocks.
     compute_cpu: f64,
+    /// Best wall seconds of the compute-only blocks run with no other rank working (infinite if not measured).
+    alone: f64,
     bytes: u64,
     peak: usize,
     flops: f64,
@@ -111,14 +115,17 @@ fn main() {
         .and_then(|i| args.get(i + 1))
         .and_then(|v| v.parse().ok())
         .unwrap_or(12.5);
+    // Repetitions of the one-rank-at-a-time timing of each rank's blocks (work imbalance); 0 skips it (it costs
+    // `alone_reps` more compute-only passes, run serially).
+    let alone_reps = arg_list(&args, "--alone-reps", &[2]).first().copied().unwrap_or(2);
     let (hq, hkv, d) = (8, 2, 128);
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     println!("# longctx ring attention: B=1 Hq={hq} Hkv={hkv} D={d}, causal, bf16, zigzag, ring schedule, thread ranks on {cores} cores");
     println!(
         "# each rank's kernels run on max(1, cores/CP) threads; compute-only = the same blocks without communication"
     );
-    println!("| S | CP | fwd ms | fwd compute-only ms | fwd exposed comm | bwd ms | bwd compute-only ms | bwd exposed comm | imbalance CPU max/min | pairs max/min | MiB sent/rank (fwd+bwd) | peak MiB/rank | rank GFLOP/s |");
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("| S | CP | fwd ms | fwd compute-only ms | fwd exposed comm | bwd ms | bwd compute-only ms | bwd exposed comm | imbalance alone max/min | imbalance CPU max/min | pairs max/min | MiB sent/rank (fwd+bwd) | peak MiB/rank | rank GFLOP/s |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     let mut rate_samples = Vec::new();
     for &s in &seqs {
         for &cp in &cps {
@@ -197,78 +204,99 @@ fn main() {
                     let pairs: usize = positions[r].iter().map(|&a| kp.partition_point(|&b| b <= a)).sum();
                     flops += 4.0 * (hq * pairs * d) as f64;
                 }
+                let blocks = || {
+                    pool.install(|| {
+                        let mut o32 = vec![0f32; q.len()];
+                        let mut lse_acc = vec![0f32; lse.len()];
+                        let mut o_part = vec![0f32; q.len()];
+                        let mut lse_part = vec![0f32; lse.len()];
+                        let t = Instant::now();
+                        let mut first = true;
+                        for step in 0..cp {
+                            let p = params((r + cp - step) % cp);
+                            if !p.mask.may_see_any(l, l) {
+                                continue;
+                            }
+                            if first {
+                                attention_forward(
+                                    &p,
+                                    (&q).into(),
+                                    (&k).into(),
+                                    (&v).into(),
+                                    (&mut o32).into(),
+                                    &mut lse_acc,
+                                )
+                                .expect("fwd");
+                                first = false;
+                            } else {
+                                attention_forward(
+                                    &p,
+                                    (&q).into(),
+                                    (&k).into(),
+                                    (&v).into(),
+                                    (&mut o_part).into(),
+                                    &mut lse_part,
+                                )
+                                .expect("fwd");
+                                merge_partial_attention(&mut o32, &mut lse_acc, &o_part, &lse_part).expect("merge");
+                            }
+                        }
+                        let fwd_c = t.elapsed();
+                        let mut dq32 = vec![0f32; q.len()];
+                        let mut dkv = vec![0f32; 2 * k.len()];
+                        let t = Instant::now();
+                        for step in 0..cp {
+                            let p = params((r + cp - step) % cp);
+                            if !p.mask.may_see_any(l, l) {
+                                continue;
+                            }
+                            dkv.fill(0.0);
+                            let (dk32, dv32) = dkv.split_at_mut(k.len());
+                            attention_backward(
+                                &p,
+                                (&q).into(),
+                                (&k).into(),
+                                (&v).into(),
+                                (&o).into(),
+                                (&d_o).into(),
+                                &lse,
+                                (&mut dq32).into(),
+                                dk32.into(),
+                                dv32.into(),
+                                true,
+                            )
+                            .expect("bwd");
+                        }
+                        (fwd_c, t.elapsed())
+                    })
+                };
                 let cpu0 = pool_cpu_secs(&pool);
-                let (fwd_compute, bwd_compute) = pool.install(|| {
-                    let mut o32 = vec![0f32; q.len()];
-                    let mut lse_acc = vec![0f32; lse.len()];
-                    let mut o_part = vec![0f32; q.len()];
-                    let mut lse_part = vec![0f32; lse.len()];
-                    let t = Instant::now();
-                    let mut first = true;
-                    for step in 0..cp {
-                        let p = params((r + cp - step) % cp);
-                        if !p.mask.may_see_any(l, l) {
-                            continue;
-                        }
-                        if first {
-                            attention_forward(
-                                &p,
-                                (&q).into(),
-                                (&k).into(),
-                                (&v).into(),
-                                (&mut o32).into(),
-                                &mut lse_acc,
-                            )
-                            .expect("fwd");
-                            first = false;
-                        } else {
-                            attention_forward(
-                                &p,
-                                (&q).into(),
-                                (&k).into(),
-                                (&v).into(),
-                                (&mut o_part).into(),
-                                &mut lse_part,
-                            )
-                            .expect("fwd");
-                            merge_partial_attention(&mut o32, &mut lse_acc, &o_part, &lse_part).expect("merge");
-                        }
-                    }
-                    let fwd_c = t.elapsed();
-                    let mut dq32 = vec![0f32; q.len()];
-                    let mut dkv = vec![0f32; 2 * k.len()];
-                    let t = Instant::now();
-                    for step in 0..cp {
-                        let p = params((r + cp - step) % cp);
-                        if !p.mask.may_see_any(l, l) {
-                            continue;
-                        }
-                        dkv.fill(0.0);
-                        let (dk32, dv32) = dkv.split_at_mut(k.len());
-                        attention_backward(
-                            &p,
-                            (&q).into(),
-                            (&k).into(),
-                            (&v).into(),
-                            (&o).into(),
-                            (&d_o).into(),
-                            &lse,
-                            (&mut dq32).into(),
-                            dk32.into(),
-                            dv32.into(),
-                            true,
-                        )
-                        .expect("bwd");
-                    }
-                    (fwd_c, t.elapsed())
-                });
+                let (fwd_compute, bwd_compute) = blocks();
                 let compute_cpu = pool_cpu_secs(&pool) - cpu0;
+                // The same blocks again, one rank at a time while the others wait at a barrier, best of
+                // `alone_reps`: ranks running together share the L3 and memory bandwidth (and on a VM perhaps a host
+                // core), so a rank's speed depends on what runs beside it; alone, every rank's blocks run under the
+                // same conditions, and what remains is the difference in their work.
+                let mut alone = f64::INFINITY;
+                if cp > 1 {
+                    for _ in 0..alone_reps {
+                        for turn in 0..cp {
+                            comm.barrier().expect("barrier");
+                            if turn == r {
+                                let (a, b) = blocks();
+                                alone = alone.min((a + b).as_secs_f64());
+                            }
+                        }
+                    }
+                    comm.barrier().expect("barrier");
+                }
                 RankResult {
                     fwd,
                     bwd,
                     fwd_compute,
                     bwd_compute,
                     compute_cpu,
+                    alone,
                     bytes: rf.bytes_sent + rb.bytes_sent,
                     peak,
                     flops,
@@ -288,13 +316,20 @@ fn main() {
             let max_over_min =
                 |v: Vec<f64>| v.iter().cloned().fold(0.0, f64::max) / v.iter().cloned().fold(f64::MAX, f64::min);
             let imbalance = max_over_min(res.iter().map(|x| x.compute_cpu).collect());
+            let alone = if cp == 1 {
+                "1.000".to_string()
+            } else if alone_reps == 0 {
+                "–".to_string()
+            } else {
+                format!("{:.3}", max_over_min(res.iter().map(|x| x.alone).collect()))
+            };
             let pair_imbalance = max_over_min(res.iter().map(|x| x.flops).collect());
             let bytes = res.iter().map(|x| x.bytes).max().unwrap_or(0) as f64 / (1 << 20) as f64;
             let peak = res.iter().map(|x| x.peak).max().unwrap_or(0) as f64 / (1 << 20) as f64;
             let rate = res.iter().map(|x| x.flops).sum::<f64>() / cp as f64 / (fwd_c / 1e3) / 1e9;
             rate_samples.push(rate);
             println!(
-                "| {s} | {cp} | {fwd:.0} | {fwd_c:.0} | {:.1}% | {bwd:.0} | {bwd_c:.0} | {:.1}% | {imbalance:.3} | {pair_imbalance:.3} | {bytes:.1} | {peak:.1} | {rate:.1} |",
+                "| {s} | {cp} | {fwd:.0} | {fwd_c:.0} | {:.1}% | {bwd:.0} | {bwd_c:.0} | {:.1}% | {alone} | {imbalance:.3} | {pair_imbalance:.3} | {bytes:.1} | {peak:.1} | {rate:.1} |",
                 100.0 * (fwd - fwd_c).max(0.0) / fwd,
                 100.0 * (bwd - bwd_c).max(0.0) / bwd,
             );
