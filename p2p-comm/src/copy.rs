@@ -49,30 +49,15 @@ pub(crate) unsafe fn copy_stream(src: *const u8, dst: *mut u8, len: usize) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 unsafe fn copy_stream_avx2(src: *const u8, dst: *mut u8, len: usize) {
-    use std::arch::x86_64::{__m256i, _mm256_loadu_si256, _mm256_stream_si256, _mm_sfence};
     // Streaming stores need 32-byte aligned destinations: copy the head normally up to the first boundary.
-    let mut i = (32 - (dst as usize & 31)) & 31;
-    // SAFETY: `len >= 4096 > i`; every access is within `0..len` of both ranges (`dst.add(i)` is 32-aligned for
-    // the streaming stores, loads may be unaligned).
+    let head = (32 - (dst as usize & 31)) & 31;
+    // SAFETY: `len >= 4096 > head`; `dst.add(head)` is 32-aligned for the streaming stores; every access is within
+    // `0..len` of both ranges.
     unsafe {
-        std::ptr::copy_nonoverlapping(src, dst, i);
-        while i + 128 <= len {
-            let s = src.add(i) as *const __m256i;
-            let d = dst.add(i) as *mut __m256i;
-            let (a, b, c, e) = (
-                _mm256_loadu_si256(s),
-                _mm256_loadu_si256(s.add(1)),
-                _mm256_loadu_si256(s.add(2)),
-                _mm256_loadu_si256(s.add(3)),
-            );
-            _mm256_stream_si256(d, a);
-            _mm256_stream_si256(d.add(1), b);
-            _mm256_stream_si256(d.add(2), c);
-            _mm256_stream_si256(d.add(3), e);
-            i += 128;
-        }
+        std::ptr::copy_nonoverlapping(src, dst, head);
+        let i = copy_blocks_avx2::<true>(src, dst, head, len);
         // Streaming stores are weakly ordered: make them globally visible before anyone is told the copy is done.
-        _mm_sfence();
+        std::arch::x86_64::_mm_sfence();
         std::ptr::copy_nonoverlapping(src.add(i), dst.add(i), len - i);
     }
 }
@@ -80,27 +65,44 @@ unsafe fn copy_stream_avx2(src: *const u8, dst: *mut u8, len: usize) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 unsafe fn copy_avx2(src: *const u8, dst: *mut u8, len: usize) {
-    use std::arch::x86_64::{__m256i, _mm256_loadu_si256, _mm256_storeu_si256};
-    let mut i = 0;
     // SAFETY: every access is within `0..len` of both ranges (unaligned loads/stores are allowed).
+    unsafe {
+        let i = copy_blocks_avx2::<false>(src, dst, 0, len);
+        std::ptr::copy_nonoverlapping(src.add(i), dst.add(i), len - i);
+    }
+}
+
+/// Copies whole 128-byte blocks from offset `i` while they fit in `len`; returns the offset after the last one.
+/// `STREAM`: non-temporal stores (then `dst + i` must be 32-byte aligned), else ordinary unaligned stores.
+///
+/// # Safety
+/// Both ranges valid for `len` bytes, not overlapping; AVX2 present.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn copy_blocks_avx2<const STREAM: bool>(src: *const u8, dst: *mut u8, mut i: usize, len: usize) -> usize {
+    use std::arch::x86_64::{__m256i, _mm256_loadu_si256, _mm256_storeu_si256, _mm256_stream_si256};
+    // SAFETY: per the contract; each block `i..i + 128` is within `0..len`.
     unsafe {
         while i + 128 <= len {
             let s = src.add(i) as *const __m256i;
             let d = dst.add(i) as *mut __m256i;
-            let (a, b, c, e) = (
+            let v = [
                 _mm256_loadu_si256(s),
                 _mm256_loadu_si256(s.add(1)),
                 _mm256_loadu_si256(s.add(2)),
                 _mm256_loadu_si256(s.add(3)),
-            );
-            _mm256_storeu_si256(d, a);
-            _mm256_storeu_si256(d.add(1), b);
-            _mm256_storeu_si256(d.add(2), c);
-            _mm256_storeu_si256(d.add(3), e);
+            ];
+            for (k, x) in v.into_iter().enumerate() {
+                if STREAM {
+                    _mm256_stream_si256(d.add(k), x);
+                } else {
+                    _mm256_storeu_si256(d.add(k), x);
+                }
+            }
             i += 128;
         }
-        std::ptr::copy_nonoverlapping(src.add(i), dst.add(i), len - i);
     }
+    i
 }
 
 #[cfg(test)]
