@@ -4,6 +4,9 @@
 //! framework that tests its own kernels against ours or against [`crate::attention::reference`]. Nothing in the
 //! kernels themselves depends on this module.
 
+use crate::attention::{reference, AttnParams};
+use crate::{attention_backward, attention_forward};
+
 /// `n` values uniform in (−1, 1), never exactly zero, reproducible from `seed` (xorshift64).
 ///
 /// Never zero so that an output that should be nonzero cannot be matched by an unwritten buffer, and bounded
@@ -56,6 +59,41 @@ pub fn max_rel_err<W: Copy + Into<f64>>(got: &[f32], want: &[W]) -> f64 {
     } else {
         num / den
     }
+}
+
+/// Forward then backward of the kernels on `f32` buffers: `[O, LSE, dQ, dK, dV]`. Every output is poisoned with
+/// NaN before its call, so an element the kernel fails to write cannot pass a comparison.
+pub fn attention_f32(p: &AttnParams<'_>, q: &[f32], k: &[f32], v: &[f32], d_o: &[f32]) -> crate::Result<[Vec<f32>; 5]> {
+    let s = p.shape;
+    let mut o = vec![f32::NAN; s.q_elems()];
+    let mut lse = vec![f32::NAN; s.lse_elems()];
+    attention_forward(p, q.into(), k.into(), v.into(), (&mut o).into(), &mut lse)?;
+    let (mut dq, mut dk, mut dv) =
+        (vec![f32::NAN; s.q_elems()], vec![f32::NAN; s.kv_elems()], vec![f32::NAN; s.kv_elems()]);
+    attention_backward(
+        p,
+        q.into(),
+        k.into(),
+        v.into(),
+        (&o).into(),
+        d_o.into(),
+        &lse,
+        (&mut dq).into(),
+        (&mut dk).into(),
+        (&mut dv).into(),
+        false,
+    )?;
+    Ok([o, lse, dq, dk, dv])
+}
+
+/// The plain f64 reference ([`reference::forward`], [`reference::backward`]) on the same `f32` inputs, widened
+/// exactly: `[O, LSE, dQ, dK, dV]`.
+pub fn reference_f64(p: &AttnParams<'_>, q: &[f32], k: &[f32], v: &[f32], d_o: &[f32]) -> [Vec<f64>; 5] {
+    let wide = |x: &[f32]| x.iter().map(|&a| a as f64).collect::<Vec<f64>>();
+    let (q, k, v, d_o) = (wide(q), wide(k), wide(v), wide(d_o));
+    let (o, lse) = reference::forward(p, &q, &k, &v);
+    let (dq, dk, dv) = reference::backward(p, &q, &k, &v, &d_o);
+    [o, lse, dq, dk, dv]
 }
 
 #[cfg(test)]

@@ -2,7 +2,7 @@
 
 use half::bf16;
 use longctx_kernels::attention::{reference, AttnMask, AttnParams, AttnShape, Positions};
-use longctx_kernels::testing::{max_rel_err as rel_err, uniform_nonzero};
+use longctx_kernels::testing::{attention_f32, max_rel_err as rel_err, uniform_nonzero};
 use longctx_kernels::{attention_backward, attention_forward, merge_partial_attention, DType, KernelError};
 use proptest::prelude::*;
 
@@ -240,30 +240,6 @@ fn fwd_f32(p: &AttnParams<'_>, q: &[f32], k: &[f32], v: &[f32]) -> (Vec<f32>, Ve
     (o, lse)
 }
 
-#[allow(clippy::type_complexity)]
-fn bwd_f32(p: &AttnParams<'_>, q: &[f32], k: &[f32], v: &[f32], d_o: &[f32]) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
-    let s = p.shape;
-    let (o, lse) = fwd_f32(p, q, k, v);
-    let mut dq = vec![f32::NAN; s.q_elems()];
-    let mut dk = vec![f32::NAN; s.kv_elems()];
-    let mut dv = vec![f32::NAN; s.kv_elems()];
-    attention_backward(
-        p,
-        q.into(),
-        k.into(),
-        v.into(),
-        (&o).into(),
-        d_o.into(),
-        &lse,
-        (&mut dq).into(),
-        (&mut dk).into(),
-        (&mut dv).into(),
-        false,
-    )
-    .unwrap();
-    (dq, dk, dv)
-}
-
 /// Gradients of the kernel match central finite differences of the loss `Σ O ∘ dO`, computed in f64 on the
 /// reference forward (an independent check of the analytic reference too) and in f32 on the kernel itself.
 #[test]
@@ -280,7 +256,7 @@ fn gradients_match_finite_differences() {
     let k = uniform_nonzero(shape.kv_elems(), 12);
     let v = uniform_nonzero(shape.kv_elems(), 13);
     let d_o = uniform_nonzero(shape.q_elems(), 14);
-    let (dq, dk, dv) = bwd_f32(&p, &q, &k, &v, &d_o);
+    let [_, _, dq, dk, dv] = attention_f32(&p, &q, &k, &v, &d_o).unwrap();
     let to64 = |x: &[f32]| x.iter().map(|&v| v as f64).collect::<Vec<f64>>();
     let loss64 = |q: &[f64], k: &[f64], v: &[f64]| {
         let (o, _) = reference::forward(&p, q, k, v);
@@ -354,7 +330,7 @@ fn edge_cases() {
         assert!(o[i * 32..(i + 1) * 32].iter().all(|&x| x == 0.0));
     }
     assert!(lse[35..].iter().all(|x| x.is_finite()));
-    let (dq, dk, dv) = bwd_f32(&p, &q, &k, &v, &d_o);
+    let [_, _, dq, dk, dv] = attention_f32(&p, &q, &k, &v, &d_o).unwrap();
     assert!(dq[..35 * 32].iter().all(|&x| x == 0.0));
     assert!(dq.iter().chain(&dk).chain(&dv).all(|x| x.is_finite()));
     let qd = vec![7u32; 70];
@@ -426,9 +402,7 @@ fn deterministic_across_thread_counts() {
     let run = |threads: usize| {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
         pool.install(|| {
-            let (o, lse) = fwd_f32(&p, &q, &k, &v);
-            let (dq, dk, dv) = bwd_f32(&p, &q, &k, &v, &d_o);
-            [o, lse, dq, dk, dv].map(|x| x.iter().map(|f| f.to_bits()).collect::<Vec<u32>>())
+            attention_f32(&p, &q, &k, &v, &d_o).unwrap().map(|x| x.iter().map(|f| f.to_bits()).collect::<Vec<u32>>())
         })
     };
     assert_eq!(run(1), run(3));
@@ -444,8 +418,7 @@ fn backward_accumulates() {
     let k = uniform_nonzero(shape.kv_elems(), 2);
     let v = uniform_nonzero(shape.kv_elems(), 3);
     let d_o = uniform_nonzero(shape.q_elems(), 4);
-    let (o, lse) = fwd_f32(&p, &q, &k, &v);
-    let (dq, dk, dv) = bwd_f32(&p, &q, &k, &v, &d_o);
+    let [o, lse, dq, dk, dv] = attention_f32(&p, &q, &k, &v, &d_o).unwrap();
     let base = [
         uniform_nonzero(shape.q_elems(), 5),
         uniform_nonzero(shape.kv_elems(), 6),

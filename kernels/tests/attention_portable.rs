@@ -1,9 +1,8 @@
 //! The portable (non-SIMD) attention path against the f64 reference. A separate test binary, because forcing
 //! the portable path is process-wide.
 
-use longctx_kernels::attention::{force_portable, reference, AttnMask, AttnParams, AttnShape, Positions};
-use longctx_kernels::testing::{max_rel_err as rel_err, uniform_nonzero};
-use longctx_kernels::{attention_backward, attention_forward};
+use longctx_kernels::attention::{force_portable, AttnMask, AttnParams, AttnShape, Positions};
+use longctx_kernels::testing::{attention_f32, max_rel_err as rel_err, reference_f64, uniform_nonzero};
 
 #[test]
 fn portable_path_matches_reference() {
@@ -21,30 +20,9 @@ fn portable_path_matches_reference() {
         let k = uniform_nonzero(shape.kv_elems(), 2);
         let v = uniform_nonzero(shape.kv_elems(), 3);
         let d_o = uniform_nonzero(shape.q_elems(), 4);
-        let f64v = |x: &[f32]| x.iter().map(|&a| a as f64).collect::<Vec<f64>>();
-        let (ro, rlse) = reference::forward(&p, &f64v(&q), &f64v(&k), &f64v(&v));
-        let (rdq, rdk, rdv) = reference::backward(&p, &f64v(&q), &f64v(&k), &f64v(&v), &f64v(&d_o));
-        let mut o = vec![f32::NAN; q.len()];
-        let mut lse = vec![f32::NAN; shape.lse_elems()];
-        attention_forward(&p, (&q).into(), (&k).into(), (&v).into(), (&mut o).into(), &mut lse).unwrap();
-        let (mut dq, mut dk, mut dv) = (vec![f32::NAN; q.len()], vec![f32::NAN; k.len()], vec![f32::NAN; v.len()]);
-        attention_backward(
-            &p,
-            (&q).into(),
-            (&k).into(),
-            (&v).into(),
-            (&o).into(),
-            (&d_o).into(),
-            &lse,
-            (&mut dq).into(),
-            (&mut dk).into(),
-            (&mut dv).into(),
-            false,
-        )
-        .unwrap();
-        for (name, got, want) in
-            [("O", &o, &ro), ("LSE", &lse, &rlse), ("dQ", &dq, &rdq), ("dK", &dk, &rdk), ("dV", &dv, &rdv)]
-        {
+        let want = reference_f64(&p, &q, &k, &v, &d_o);
+        let got = attention_f32(&p, &q, &k, &v, &d_o).unwrap();
+        for (name, (got, want)) in ["O", "LSE", "dQ", "dK", "dV"].iter().zip(got.iter().zip(&want)) {
             let e = rel_err(got, want);
             assert!(e < 1e-5, "portable {name} (causal {causal}): relative error {e:e}");
         }

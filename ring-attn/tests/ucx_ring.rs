@@ -7,8 +7,8 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
-use longctx_kernels::testing::{max_rel_err as rel_err, uniform_nonzero};
-use longctx_kernels::{attention_backward, attention_forward, AttnMask, AttnParams, AttnShape, Positions};
+use longctx_kernels::testing::{attention_f32, max_rel_err as rel_err, uniform_nonzero};
+use longctx_kernels::{AttnMask, AttnParams, AttnShape, Positions};
 use longctx_p2p::Communicator;
 use longctx_ring_attn::{ContextParallel, CpConfig, CpMask, CpShape, Partition, Schedule, SeqLayout};
 
@@ -32,25 +32,7 @@ fn child(schedule: Schedule) -> Result<(), String> {
     let p = AttnParams::new(full).with_mask(
         AttnMask::causal().with_positions(Positions::Offset(0), Positions::Offset(0)).with_docs(&docs, &docs),
     );
-    let mut o = vec![0f32; q.len()];
-    let mut lse = vec![0f32; full.lse_elems()];
-    attention_forward(&p, (&q).into(), (&k).into(), (&v).into(), (&mut o).into(), &mut lse)
-        .map_err(|e| e.to_string())?;
-    let (mut dq, mut dk, mut dv) = (vec![0f32; q.len()], vec![0f32; k.len()], vec![0f32; v.len()]);
-    attention_backward(
-        &p,
-        (&q).into(),
-        (&k).into(),
-        (&v).into(),
-        (&o).into(),
-        (&d_o).into(),
-        &lse,
-        (&mut dq).into(),
-        (&mut dk).into(),
-        (&mut dv).into(),
-        false,
-    )
-    .map_err(|e| e.to_string())?;
+    let [o, lse, dq, dk, dv] = attention_f32(&p, &q, &k, &v, &d_o).map_err(|e| e.to_string())?;
 
     let layout = SeqLayout::new(Partition::Zigzag, n, s).map_err(|e| e.to_string())?;
     let sh = |x: &[f32], h: usize, inner: usize| layout.shard(x, h, inner, r).map_err(|e| e.to_string());

@@ -1,10 +1,8 @@
 //! Cross-crate: RoPE (kernels) at each rank's global positions (ring-attn layout), then context-parallel
 //! attention over thread ranks (p2p), forward and backward, equals RoPE + attention on the whole sequence.
 
-use longctx_kernels::testing::{max_rel_err as rel_err, uniform_nonzero};
-use longctx_kernels::{
-    attention_backward, attention_forward, AttnMask, AttnParams, AttnShape, RopeConfig, RopeScaling, RopeTable,
-};
+use longctx_kernels::testing::{attention_f32, max_rel_err as rel_err, uniform_nonzero};
+use longctx_kernels::{AttnMask, AttnParams, AttnShape, RopeConfig, RopeScaling, RopeTable};
 use longctx_p2p::ThreadWorld;
 use longctx_ring_attn::{ContextParallel, CpConfig, CpMask, CpShape, Partition, Schedule, SeqLayout};
 use proptest::prelude::*;
@@ -25,24 +23,7 @@ fn full_path(rope: &RopeTable, shape: CpShape, q: &[f32], k: &[f32], v: &[f32], 
         head_dim: shape.head_dim,
     };
     let p = AttnParams::new(a).with_mask(AttnMask::causal());
-    let mut o = vec![0f32; q.len()];
-    let mut lse = vec![0f32; a.lse_elems()];
-    attention_forward(&p, (&qr).into(), (&kr).into(), v.into(), (&mut o).into(), &mut lse).unwrap();
-    let (mut dqr, mut dkr, mut dv) = (vec![0f32; q.len()], vec![0f32; k.len()], vec![0f32; v.len()]);
-    attention_backward(
-        &p,
-        (&qr).into(),
-        (&kr).into(),
-        v.into(),
-        (&o).into(),
-        d_o.into(),
-        &lse,
-        (&mut dqr).into(),
-        (&mut dkr).into(),
-        (&mut dv).into(),
-        false,
-    )
-    .unwrap();
+    let [o, _, dqr, dkr, dv] = attention_f32(&p, &qr, &kr, v, d_o).unwrap();
     let (mut dq, mut dk) = (vec![0f32; q.len()], vec![0f32; k.len()]);
     rope.backward(&mut dq, &dqr, &pos, shape.batch, shape.q_heads).unwrap();
     rope.backward(&mut dk, &dkr, &pos, shape.batch, shape.kv_heads).unwrap();
