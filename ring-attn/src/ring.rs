@@ -59,13 +59,13 @@ pub(crate) fn ring_forward(
         let (kb, vb, k_doc) = packing.view(&cur);
         let p = pb.params(&pb.positions[src], k_doc);
         if p.mask.may_see_any(pb.shape.q_len, pb.shape.kv_len) {
-            if !have {
-                attention_forward(&p, q, kb, vb, (&mut *o).into(), lse)?;
-                have = true;
-            } else {
-                attention_forward(&p, q, kb, vb, (&mut o_part).into(), &mut lse_part)?;
+            // The first visible block writes the result directly; later ones a partial, merged in.
+            let (o_dst, lse_dst) = if have { (&mut o_part[..], &mut lse_part[..]) } else { (&mut *o, &mut *lse) };
+            attention_forward(&p, q, kb, vb, o_dst.into(), lse_dst)?;
+            if have {
                 merge_partial_attention(o, lse, &o_part, &lse_part)?;
             }
+            have = true;
             rep.blocks_computed += 1;
         } else {
             rep.blocks_skipped += 1;

@@ -217,29 +217,15 @@ fn main() {
                             if !p.mask.may_see_any(l, l) {
                                 continue;
                             }
-                            if first {
-                                attention_forward(
-                                    &p,
-                                    (&q).into(),
-                                    (&k).into(),
-                                    (&v).into(),
-                                    (&mut o32).into(),
-                                    &mut lse_acc,
-                                )
+                            // The first visible block writes the accumulator; later ones a partial, merged in.
+                            let (o_dst, lse_dst) =
+                                if first { (&mut o32, &mut lse_acc) } else { (&mut o_part, &mut lse_part) };
+                            attention_forward(&p, (&q).into(), (&k).into(), (&v).into(), o_dst.into(), lse_dst)
                                 .expect("fwd");
-                                first = false;
-                            } else {
-                                attention_forward(
-                                    &p,
-                                    (&q).into(),
-                                    (&k).into(),
-                                    (&v).into(),
-                                    (&mut o_part).into(),
-                                    &mut lse_part,
-                                )
-                                .expect("fwd");
+                            if !first {
                                 merge_partial_attention(&mut o32, &mut lse_acc, &o_part, &lse_part).expect("merge");
                             }
+                            first = false;
                         }
                         let fwd_c = t.elapsed();
                         let mut dq32 = vec![0f32; q.len()];
