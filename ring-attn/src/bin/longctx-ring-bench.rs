@@ -3,7 +3,8 @@
 //! For each total sequence length and CP size it prints per-rank forward and backward time, the time of the
 //! same rank's attention blocks computed with no communication (same kernel calls, same masks, run at the
 //! same moment on every rank so the machine is equally loaded), the exposed communication (the difference),
-//! the work imbalance between ranks (those blocks timed one rank at a time with the machine otherwise idle;
+//! the work imbalance between ranks (those blocks timed one rank at a time, block by block in turns, with the
+//! machine otherwise idle;
 //! their CPU time in the concurrent run; and visible (query, key) pairs), the bytes each rank sent and each rank's peak heap. Then it predicts,
 //! from the measured compute rate and a stated link bandwidth, the exposed communication at 8 and 32 ranks.
 //!
@@ -22,7 +23,8 @@ use std::time::{Duration, Instant};
 use half::bf16;
 use longctx_kernels::testing::uniform_nonzero;
 use longctx_kernels::{
-    attention_backward, attention_forward, merge_partial_attention, AttnMask, AttnParams, AttnShape, Positions,
+    attention_backward, attention_forward, merge_partial_attention, AttnMask, AttnParams, AttnShape, HostSlice,
+    Positions,
 };
 use longctx_p2p::ThreadWorld;
 use longctx_ring_attn::{ContextParallel, CpConfig, CpMask, CpShape, SeqLayout};
@@ -100,9 +102,109 @@ struct RankResult {
     compute_cpu: f64,
     /// Best wall seconds of the compute-only blocks run with no other rank working (infinite if not measured).
     alone: f64,
+    /// Best seconds of each ring step's forward and backward block alone.
+    alone_steps: Vec<[f64; 2]>,
     bytes: u64,
     peak: usize,
     flops: f64,
+}
+
+/// One rank's compute-only work: the attention blocks of its ring steps (same kernel calls, masks and merges as
+/// the ring) on buffers allocated once, timed one step at a time.
+struct RankBlocks<'a> {
+    /// The kernel parameters of each ring step (the mask with this rank's and the source rank's positions).
+    steps: Vec<AttnParams<'a>>,
+    q: HostSlice<'a>,
+    k: HostSlice<'a>,
+    v: HostSlice<'a>,
+    o: HostSlice<'a>,
+    d_o: HostSlice<'a>,
+    lse: &'a [f32],
+    /// The first step the mask lets see anything: it writes the forward accumulator, later ones a partial.
+    first: Option<usize>,
+    o_acc: Vec<f32>,
+    lse_acc: Vec<f32>,
+    o_part: Vec<f32>,
+    lse_part: Vec<f32>,
+    d_q: Vec<f32>,
+    d_kv: Vec<f32>,
+}
+
+impl<'a> RankBlocks<'a> {
+    fn new(
+        steps: Vec<AttnParams<'a>>,
+        q: HostSlice<'a>,
+        k: HostSlice<'a>,
+        v: HostSlice<'a>,
+        o: HostSlice<'a>,
+        d_o: HostSlice<'a>,
+        lse: &'a [f32],
+    ) -> Self {
+        let l = steps.first().map_or(0, |p| p.shape.kv_len);
+        let first = steps.iter().position(|p| p.mask.may_see_any(l, l));
+        Self {
+            steps,
+            q,
+            k,
+            v,
+            o,
+            d_o,
+            lse,
+            first,
+            o_acc: vec![0.0; q.len()],
+            lse_acc: vec![0.0; lse.len()],
+            o_part: vec![0.0; q.len()],
+            lse_part: vec![0.0; lse.len()],
+            d_q: vec![0.0; q.len()],
+            d_kv: vec![0.0; 2 * k.len()],
+        }
+    }
+
+    fn visible(&self, step: usize) -> bool {
+        let l = self.steps[step].shape.kv_len;
+        self.steps[step].mask.may_see_any(l, l)
+    }
+
+    /// The forward block of `step` (merged into the accumulator after the first), timed.
+    fn forward_step(&mut self, step: usize) -> Duration {
+        if !self.visible(step) {
+            return Duration::ZERO;
+        }
+        let t = Instant::now();
+        let p = &self.steps[step];
+        if self.first == Some(step) {
+            attention_forward(p, self.q, self.k, self.v, (&mut self.o_acc).into(), &mut self.lse_acc).expect("fwd");
+        } else {
+            attention_forward(p, self.q, self.k, self.v, (&mut self.o_part).into(), &mut self.lse_part).expect("fwd");
+            merge_partial_attention(&mut self.o_acc, &mut self.lse_acc, &self.o_part, &self.lse_part).expect("merge");
+        }
+        t.elapsed()
+    }
+
+    /// The backward block of `step` (dQ accumulated, dK and dV into the buffer that travels), timed.
+    fn backward_step(&mut self, step: usize) -> Duration {
+        if !self.visible(step) {
+            return Duration::ZERO;
+        }
+        let t = Instant::now();
+        self.d_kv.fill(0.0);
+        let (dk, dv) = self.d_kv.split_at_mut(self.k.len());
+        attention_backward(
+            &self.steps[step],
+            self.q,
+            self.k,
+            self.v,
+            self.o,
+            self.d_o,
+            self.lse,
+            (&mut self.d_q).into(),
+            dk.into(),
+            dv.into(),
+            true,
+        )
+        .expect("bwd");
+        t.elapsed()
+    }
 }
 
 fn main() {
@@ -117,7 +219,7 @@ fn main() {
         .unwrap_or(12.5);
     // Repetitions of the one-rank-at-a-time timing of each rank's blocks (work imbalance); 0 skips it (it costs
     // `alone_reps` more compute-only passes, run serially).
-    let alone_reps = arg_list(&args, "--alone-reps", &[2]).first().copied().unwrap_or(2);
+    let alone_reps = arg_list(&args, "--alone-reps", &[4]).first().copied().unwrap_or(4);
     let (hq, hkv, d) = (8, 2, 128);
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     println!("# longctx ring attention: B=1 Hq={hq} Hkv={hkv} D={d}, causal, bf16, zigzag, ring schedule, thread ranks on {cores} cores");
@@ -127,6 +229,7 @@ fn main() {
     println!("| S | CP | fwd ms | fwd compute-only ms | fwd exposed comm | bwd ms | bwd compute-only ms | bwd exposed comm | imbalance alone max/min | imbalance CPU max/min | pairs max/min | MiB sent/rank (fwd+bwd) | peak MiB/rank | rank GFLOP/s |");
     println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     let mut rate_samples = Vec::new();
+    let mut alone_rows = Vec::new();
     for &s in &seqs {
         for &cp in &cps {
             let shape = CpShape { batch: 1, q_heads: hq, kv_heads: hkv, seq_len: s, head_dim: d };
@@ -204,78 +307,56 @@ fn main() {
                     let pairs: usize = positions[r].iter().map(|&a| kp.partition_point(|&b| b <= a)).sum();
                     flops += 4.0 * (hq * pairs * d) as f64;
                 }
-                let blocks = || {
-                    pool.install(|| {
-                        let mut o32 = vec![0f32; q.len()];
-                        let mut lse_acc = vec![0f32; lse.len()];
-                        let mut o_part = vec![0f32; q.len()];
-                        let mut lse_part = vec![0f32; lse.len()];
-                        let t = Instant::now();
-                        let mut first = true;
-                        for step in 0..cp {
-                            let p = params((r + cp - step) % cp);
-                            if !p.mask.may_see_any(l, l) {
-                                continue;
-                            }
-                            // The first visible block writes the accumulator; later ones a partial, merged in.
-                            let (o_dst, lse_dst) =
-                                if first { (&mut o32, &mut lse_acc) } else { (&mut o_part, &mut lse_part) };
-                            attention_forward(&p, (&q).into(), (&k).into(), (&v).into(), o_dst.into(), lse_dst)
-                                .expect("fwd");
-                            if !first {
-                                merge_partial_attention(&mut o32, &mut lse_acc, &o_part, &lse_part).expect("merge");
-                            }
-                            first = false;
-                        }
-                        let fwd_c = t.elapsed();
-                        let mut dq32 = vec![0f32; q.len()];
-                        let mut dkv = vec![0f32; 2 * k.len()];
-                        let t = Instant::now();
-                        for step in 0..cp {
-                            let p = params((r + cp - step) % cp);
-                            if !p.mask.may_see_any(l, l) {
-                                continue;
-                            }
-                            dkv.fill(0.0);
-                            let (dk32, dv32) = dkv.split_at_mut(k.len());
-                            attention_backward(
-                                &p,
-                                (&q).into(),
-                                (&k).into(),
-                                (&v).into(),
-                                (&o).into(),
-                                (&d_o).into(),
-                                &lse,
-                                (&mut dq32).into(),
-                                dk32.into(),
-                                dv32.into(),
-                                true,
-                            )
-                            .expect("bwd");
-                        }
-                        (fwd_c, t.elapsed())
-                    })
-                };
+                let mut work = RankBlocks::new(
+                    (0..cp).map(|step| params((r + cp - step) % cp)).collect(),
+                    (&q).into(),
+                    (&k).into(),
+                    (&v).into(),
+                    (&o).into(),
+                    (&d_o).into(),
+                    &lse,
+                );
                 let cpu0 = pool_cpu_secs(&pool);
-                let (fwd_compute, bwd_compute) = blocks();
+                let (fwd_compute, bwd_compute) = pool.install(|| {
+                    let fwd: Duration = (0..cp).map(|step| work.forward_step(step)).sum();
+                    let bwd: Duration = (0..cp).map(|step| work.backward_step(step)).sum();
+                    (fwd, bwd)
+                });
                 let compute_cpu = pool_cpu_secs(&pool) - cpu0;
-                // The same blocks again, one rank at a time while the others wait at a barrier, best of
-                // `alone_reps`: ranks running together share the L3 and memory bandwidth (and on a VM perhaps a host
-                // core), so a rank's speed depends on what runs beside it; alone, every rank's blocks run under the
-                // same conditions, and what remains is the difference in their work.
-                let mut alone = f64::INFINITY;
+                // The same blocks again, one rank at a time while the others wait at a barrier: ranks running
+                // together share the L3 and memory bandwidth (and on a VM perhaps a host core), so a rank's speed
+                // depends on what runs beside it; alone, every rank's blocks run under the same conditions, and
+                // what remains is the difference in their work. The ranks take turns block by block (forward step
+                // 0 of every rank, then step 1, ...), in an order reversed every repetition, and each block keeps
+                // its best time: slow phases of a shared host then fall on every rank alike instead of on
+                // whichever rank happened to be running, which swamped the figure when each rank ran all its
+                // blocks in one go.
+                let mut alone = vec![[f64::INFINITY; 2]; cp];
                 if cp > 1 {
-                    for _ in 0..alone_reps {
-                        for turn in 0..cp {
-                            comm.barrier().expect("barrier");
-                            if turn == r {
-                                let (a, b) = blocks();
-                                alone = alone.min((a + b).as_secs_f64());
+                    for rep in 0..alone_reps {
+                        for pass in 0..2 {
+                            for (step, best) in alone.iter_mut().enumerate() {
+                                for i in 0..cp {
+                                    let turn = if rep % 2 == 0 { i } else { cp - 1 - i };
+                                    comm.barrier().expect("barrier");
+                                    if turn == r {
+                                        let t = pool.install(|| {
+                                            if pass == 0 {
+                                                work.forward_step(step)
+                                            } else {
+                                                work.backward_step(step)
+                                            }
+                                        });
+                                        best[pass] = best[pass].min(t.as_secs_f64());
+                                    }
+                                }
                             }
                         }
                     }
                     comm.barrier().expect("barrier");
                 }
+                let alone_steps = alone;
+                let alone = alone_steps.iter().map(|b| b[0] + b[1]).sum();
                 RankResult {
                     fwd,
                     bwd,
@@ -283,6 +364,7 @@ fn main() {
                     bwd_compute,
                     compute_cpu,
                     alone,
+                    alone_steps,
                     bytes: rf.bytes_sent + rb.bytes_sent,
                     peak,
                     flops,
@@ -307,6 +389,7 @@ fn main() {
             } else if alone_reps == 0 {
                 "–".to_string()
             } else {
+                alone_rows.push((s, cp, res.iter().map(|x| (x.alone, x.alone_steps.clone())).collect::<Vec<_>>()));
                 format!("{:.3}", max_over_min(res.iter().map(|x| x.alone).collect()))
             };
             let pair_imbalance = max_over_min(res.iter().map(|x| x.flops).collect());
@@ -319,6 +402,19 @@ fn main() {
                 100.0 * (fwd - fwd_c).max(0.0) / fwd,
                 100.0 * (bwd - bwd_c).max(0.0) / bwd,
             );
+        }
+    }
+    if !alone_rows.is_empty() {
+        println!();
+        println!(
+            "# compute-only blocks timed alone (ms; each block's best of {alone_reps}): per rank the total, then the"
+        );
+        println!("# forward / backward block of each ring step (step k computes on the KV block of rank r - k)");
+        for (s, cp, ranks) in &alone_rows {
+            for (r, (total, steps)) in ranks.iter().enumerate() {
+                let steps: Vec<String> = steps.iter().map(|[f, b]| format!("{:.0}/{:.0}", f * 1e3, b * 1e3)).collect();
+                println!("# S={s} CP={cp} rank {r}: {:.0} = {}", total * 1e3, steps.join(" + "));
+            }
         }
     }
     // Prediction for larger CP from the measured per-rank forward rate and the stated link bandwidth.
