@@ -53,6 +53,28 @@ pub(crate) fn mismatch(peer: usize, ours: u64, theirs: u64) -> CommError {
     CommError::CollectiveMismatch { op: name(ours >> 56), peer, ours: describe(ours), theirs: describe(theirs) }
 }
 
+/// The error for a matched message whose descriptor is known only by a digest that differs from ours (UCX).
+#[cfg_attr(not(feature = "ucx"), allow(dead_code))]
+pub(crate) fn digest_mismatch(peer: usize, ours: u64) -> CommError {
+    CommError::CollectiveMismatch {
+        op: name(ours >> 56),
+        peer,
+        ours: describe(ours),
+        theirs: "other sizes, root or operator".into(),
+    }
+}
+
+/// The error for a collective whose peer sent a message of the collective `their_code` instead (UCX).
+#[cfg_attr(not(feature = "ucx"), allow(dead_code))]
+pub(crate) fn mismatch_code(peer: usize, ours: u64, their_code: u64) -> CommError {
+    CommError::CollectiveMismatch {
+        op: name(ours >> 56),
+        peer,
+        ours: describe(ours),
+        theirs: format!("a {} message instead", name(their_code)),
+    }
+}
+
 /// Range of chunk `c` when `len` elements are cut into `n` parts whose sizes differ by at most one.
 fn chunk(len: usize, n: usize, c: usize) -> Range<usize> {
     let (base, rem) = (len / n, len % n);

@@ -32,6 +32,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
+use crate::communicator::INTERNAL;
 use crate::stats::StatsCounters;
 use crate::{CommError, Communicator};
 
@@ -421,7 +422,18 @@ impl Endpoint {
                 }
             }
         }
-        Ok(ThreadOp { world: w.clone(), me, peer, is_send, key, len, timeout, stats: stats.clone(), done: Some(c) })
+        Ok(ThreadOp {
+            world: w.clone(),
+            me,
+            peer,
+            is_send,
+            key,
+            meta,
+            len,
+            timeout,
+            stats: stats.clone(),
+            done: Some(c),
+        })
     }
 
     /// Collective part of `split` that is specific to threads: finds or creates the sub-world of `color`.
@@ -470,6 +482,8 @@ pub(crate) struct ThreadOp {
     peer: usize,
     is_send: bool,
     key: u64,
+    /// The collective's descriptor (0 for point-to-point).
+    meta: u64,
     len: usize,
     timeout: Duration,
     stats: Arc<StatsCounters>,
@@ -638,6 +652,10 @@ impl ThreadOp {
             let q = lock(&self.world.mailboxes[self.me]);
             let other = q.sends.iter().find(|s| s.peer == self.peer && s.key >> 32 == self.key >> 32);
             if let Some(s) = other {
+                // Another collective (internal keys) or another user tag from the same peer is waiting.
+                if self.key & INTERNAL != 0 {
+                    return Err(crate::collectives::mismatch(self.peer, self.meta, s.meta));
+                }
                 return Err(CommError::TagMismatch { src: self.peer, dst: self.me, expected: self.key, found: s.key });
             }
         }

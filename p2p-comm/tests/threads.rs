@@ -26,7 +26,7 @@ impl World for Threads {
     fn die() -> ! {
         panic!("rank killed on purpose")
     }
-    const EXACT_ERRORS: bool = true;
+    const SENDER_SEES_REJECTION: bool = true;
 }
 
 suite_tests!(Threads, 64);

@@ -4,12 +4,16 @@
 //!
 //! Tag layout (64 bits): `context id (19) | source rank (12) | internal flag (1) | user tag (32)`, received with
 //! a full mask, so sub-communicators (distinct context ids) never match each other's traffic. Limits: 4096 ranks.
+//! Internal (collective) messages use the low 8 bits of the user field for the collective and carry a 24-bit
+//! digest of the call's descriptor (sizes, root, operator) above them; their receives mask the digest out and
+//! compare it on arrival, so ranks that pass different arguments get `CollectiveMismatch`, as on threads.
 //!
-//! Differences from the threads transport, all still typed errors: a receive buffer of the wrong length fails on
-//! the receiver only (UCX does not tell the sender); collectives called with different sizes surface as
-//! `LengthMismatch` (or a timeout when the ranks called different collectives), not `CollectiveMismatch`; a tag
-//! mismatch surfaces as `Timeout`. Peer death is detected through the rendezvous store: each process keeps its
-//! store connection open and the host marks a rank gone when it closes; waits poll that every 100 ms.
+//! Errors are diagnosed as on the threads transport, with one difference: a receive buffer of the wrong length
+//! fails on the receiver only (UCX does not tell the sender, whose send completes). A receive that times out
+//! probes the worker's unexpected queue: a message from the same peer with another tag is reported as
+//! `TagMismatch` (another collective: `CollectiveMismatch`). Peer death is detected through the rendezvous store:
+//! each process keeps its store connection open and the host marks a rank gone when it closes; waits poll that
+//! every 100 ms.
 
 pub(crate) mod result;
 pub(crate) mod safe;
@@ -21,6 +25,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::collectives::{digest_mismatch, mismatch_code};
+use crate::communicator::INTERNAL;
 use crate::rendezvous::{Store, StoreHost};
 use crate::stats::StatsCounters;
 use crate::threads::lock;
@@ -33,6 +39,20 @@ const CTX_SHIFT: u32 = 45;
 /// Most ranks the tag layout can name.
 pub(crate) const MAX_RANKS: usize = 1 << 12;
 const LIVENESS_POLL: Duration = Duration::from_millis(100);
+/// The user-tag field (the internal flag is the bit above it).
+const USER_FIELD: u64 = (1 << 32) - 1;
+/// Where an internal message carries the digest of its collective's descriptor.
+const DIGEST_FIELD: u64 = USER_FIELD & !0xFF;
+
+/// 24 bits of the descriptor `meta` (see `collectives::meta`), placed in [`DIGEST_FIELD`]. Two calls with
+/// different arguments collide with probability 2^-24; those then surface as a length mismatch.
+fn digest(meta: u64) -> u64 {
+    (meta.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40) << 8
+}
+
+fn is_internal(key: u64) -> bool {
+    key & INTERNAL != 0
+}
 
 struct Inner {
     eps: Vec<Option<safe::Endpoint>>,
@@ -143,11 +163,16 @@ impl UcxEndpoint {
         Ok(UcxEndpoint { shared: self.shared.clone(), ctx, members, rank: new_rank })
     }
 
-    fn tag(&self, src: usize, key: u64) -> u64 {
-        (self.ctx << CTX_SHIFT) | ((src as u64) << SRC_SHIFT) | (key & ((1 << SRC_SHIFT) - 1))
+    fn tag(&self, src: usize, key: u64, meta: u64) -> u64 {
+        let t = (self.ctx << CTX_SHIFT) | ((src as u64) << SRC_SHIFT) | (key & ((1 << SRC_SHIFT) - 1));
+        if is_internal(key) {
+            t | digest(meta)
+        } else {
+            t
+        }
     }
 
-    /// Posts a send or receive (`meta` is not transmitted: see the module docs).
+    /// Posts a send or receive (internal messages carry a digest of `meta`: see the module docs).
     ///
     /// # Safety
     /// As [`crate::Communicator::post`].
@@ -157,7 +182,7 @@ impl UcxEndpoint {
         is_send: bool,
         peer: usize,
         key: u64,
-        _meta: u64,
+        meta: u64,
         ptr: *mut u8,
         len: usize,
         timeout: Duration,
@@ -172,22 +197,26 @@ impl UcxEndpoint {
         };
         let started = if is_send {
             // SAFETY: the caller keeps the buffer alive until the op finishes.
-            unsafe { inner.worker.tag_send(ep, ptr, len, self.tag(self.rank, key)) }
+            unsafe { inner.worker.tag_send(ep, ptr, len, self.tag(self.rank, key, meta)) }
         } else {
+            let mask = if is_internal(key) { !DIGEST_FIELD } else { u64::MAX };
             // SAFETY: as above; `info` is boxed and owned by the op.
-            unsafe { inner.worker.tag_recv(ptr, len, self.tag(peer, key), &mut *info) }
+            unsafe { inner.worker.tag_recv(ptr, len, self.tag(peer, key, meta), mask, &mut *info) }
         };
         drop(inner);
         let started = match started {
             Ok(s) => s,
             Err(e) if e.0 == sys::ucs_status_t::UCS_ERR_MESSAGE_TRUNCATED => {
+                if is_internal(key) && info.sender_tag != 0 && info.sender_tag & DIGEST_FIELD != digest(meta) {
+                    return Err(digest_mismatch(peer, meta));
+                }
                 return Err(CommError::LengthMismatch {
                     src: peer,
                     dst: self.rank,
                     tag: key,
                     message_bytes: info.length,
                     buffer_bytes: len,
-                })
+                });
             }
             Err(e) => return Err(e.into()),
         };
@@ -200,6 +229,8 @@ impl UcxEndpoint {
             world_peer,
             me: self.rank,
             key,
+            meta,
+            tag: self.tag(peer, key, meta),
             len,
             timeout,
             stats: stats.clone(),
@@ -224,6 +255,10 @@ pub(crate) struct UcxOp {
     world_peer: usize,
     me: usize,
     key: u64,
+    /// The collective's descriptor (0 for point-to-point).
+    meta: u64,
+    /// The full tag of a receive (the peer's sends carry it), to diagnose a timeout.
+    tag: u64,
     len: usize,
     timeout: Duration,
     stats: Arc<StatsCounters>,
@@ -244,6 +279,12 @@ impl UcxOp {
             message_bytes,
             buffer_bytes: self.len,
         };
+        let arrived =
+            matches!(&r, Ok(())) || matches!(&r, Err(e) if e.0 == sys::ucs_status_t::UCS_ERR_MESSAGE_TRUNCATED);
+        if !self.is_send && arrived && is_internal(self.key) && self.info.sender_tag & DIGEST_FIELD != digest(self.meta)
+        {
+            return Err(digest_mismatch(self.peer, self.meta));
+        }
         match r {
             Ok(()) if !self.is_send && self.info.length != self.len => Err(mismatch(self.info.length)),
             Ok(()) => {
@@ -324,7 +365,11 @@ impl UcxOp {
         while !self.poll() {
             let now = Instant::now();
             if now.duration_since(t0) >= self.timeout {
+                let unmatched = self.unmatched_from_peer();
                 self.abort();
+                if let Some(found) = unmatched {
+                    return Err(self.mismatch_with(found));
+                }
                 let op = if self.is_send { "send" } else { "recv" };
                 return Err(CommError::Timeout { op, peer: self.peer, after: self.timeout });
             }
@@ -348,6 +393,31 @@ impl UcxOp {
 
     pub(crate) fn cancel(mut self) {
         self.abort();
+    }
+
+    /// For a receive that is giving up: the tag of a message that arrived from the same peer on the same
+    /// communicator, of the same kind (user or internal), but did not match ours.
+    fn unmatched_from_peer(&self) -> Option<u64> {
+        if self.is_send || self.req.is_null() {
+            return None;
+        }
+        let inner = lock(&self.shared.inner);
+        while inner.worker.progress() > 0 {}
+        // Context, source and the internal flag must agree; the user field (tag, or collective and digest) may not.
+        let found = inner.worker.probe(self.tag, !USER_FIELD)?;
+        // A message we would match (it arrived just now) is no mismatch; for collectives, the same collective
+        // with another digest would have matched too (the digest is masked), so compare the collective only.
+        let differs = if is_internal(self.key) { (found ^ self.tag) & 0xFF != 0 } else { found != self.tag };
+        differs.then_some(found)
+    }
+
+    /// The error for a receive that timed out while the peer's message with tag `found` waited unmatched.
+    fn mismatch_with(&self, found: u64) -> CommError {
+        if is_internal(self.key) {
+            mismatch_code(self.peer, self.meta, found & 0xFF)
+        } else {
+            CommError::TagMismatch { src: self.peer, dst: self.me, expected: self.key, found: found & USER_FIELD }
+        }
     }
 }
 

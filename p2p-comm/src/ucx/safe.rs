@@ -102,7 +102,8 @@ impl Worker {
         started(unsafe { sys::ucp_tag_send_nbx(ep.0, buf as *const c_void, len, tag, &param) })
     }
 
-    /// Starts a tagged receive of exactly `tag` into `buf`; `info` receives the message length.
+    /// Starts a tagged receive into `buf` of the first message whose tag equals `tag` on the bits set in `mask`;
+    /// `info` receives the message's length and full tag.
     ///
     /// # Safety
     /// `buf..buf+len` and `info` must stay valid until the request completes (or `Done` is returned).
@@ -111,6 +112,7 @@ impl Worker {
         buf: *mut u8,
         len: usize,
         tag: u64,
+        mask: u64,
         info: *mut sys::ucp_tag_recv_info_t,
     ) -> Result<Started, UcxError> {
         let mut param = sys::ucp_request_param_t {
@@ -126,7 +128,17 @@ impl Worker {
         param.recv_info.tag_info = info;
         param.cb.recv = Some(recv_done);
         // SAFETY: per the caller's contract.
-        started(unsafe { sys::ucp_tag_recv_nbx(self.h, buf as *mut c_void, len, tag, u64::MAX, &param) })
+        started(unsafe { sys::ucp_tag_recv_nbx(self.h, buf as *mut c_void, len, tag, mask, &param) })
+    }
+
+    /// The full tag of an arrived, not yet received message whose tag equals `tag` on the bits set in `mask`,
+    /// if there is one (the message stays queued). Call after progressing the worker.
+    pub fn probe(&self, tag: u64, mask: u64) -> Option<u64> {
+        let mut info = sys::ucp_tag_recv_info_t { sender_tag: 0, length: 0 };
+        // SAFETY: the worker is live and the caller holds the transport's lock; remove = 0 leaves the message
+        // queued, so no handle is returned to us to release.
+        let h = unsafe { sys::ucp_tag_probe_nb(self.h, tag, mask, 0, &mut info) };
+        (!h.is_null()).then_some(info.sender_tag)
     }
 
     /// Status of a send or receive request (`None` while in progress).

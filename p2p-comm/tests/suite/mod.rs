@@ -18,9 +18,9 @@ pub trait World {
     ) -> Vec<Result<(), String>>;
     /// Makes this rank die abruptly (thread panic / process exit).
     fn die() -> !;
-    /// Whether the transport reports misuse with the precise variant on both sides (threads) or only on the
-    /// receiver, with timeouts standing in for tag mismatches (UCX: see its module docs).
-    const EXACT_ERRORS: bool;
+    /// Whether the sender of a message the receiver rejected (wrong length) learns of it (threads) or sees its
+    /// send complete (UCX: see its module docs). Every other error is the same variant on every transport.
+    const SENDER_SEES_REJECTION: bool;
 }
 
 pub fn all_ok(outcomes: Vec<Result<(), String>>) {
@@ -423,7 +423,7 @@ pub fn bad_input<W: World>(n: usize) {
         if r == 1 && !matches!(res, Err(CommError::LengthMismatch { message_bytes: 32, buffer_bytes: 28, .. })) {
             return Err(format!("short buffer: {res:?}"));
         }
-        if r == 0 && W::EXACT_ERRORS && !matches!(res, Err(CommError::LengthMismatch { .. })) {
+        if r == 0 && W::SENDER_SEES_REJECTION && !matches!(res, Err(CommError::LengthMismatch { .. })) {
             return Err(format!("sender of a rejected message: {res:?}"));
         }
         c.barrier().map_err(e2s)?;
@@ -438,7 +438,6 @@ pub fn bad_input<W: World>(n: usize) {
             let mut b = [0u8; 4];
             match short.recv(0, 6, &mut b) {
                 Err(CommError::TagMismatch { src: 0, expected: 6, found: 5, .. }) => {}
-                Err(CommError::Timeout { peer: 0, .. }) if !W::EXACT_ERRORS => {}
                 other => return Err(format!("tag mismatch: {other:?}")),
             }
         }
@@ -460,11 +459,40 @@ pub fn bad_input<W: World>(n: usize) {
         let _ = r;
         Err(format!("expected: {}", res.err().map(e2s).unwrap_or_default()))
     });
-    if W::EXACT_ERRORS {
-        // The ranks that matched a message of the other size name the collective and both sizes.
-        let named = out.iter().filter(|o| matches!(o, Err(e) if e.contains("collective all_reduce"))).count();
-        assert!(named >= 1, "no rank reported a collective mismatch: {out:?}");
+    // The ranks that matched a message of the other size name the collective and the sizes.
+    let named = out.iter().filter(|o| matches!(o, Err(e) if e.contains("collective all_reduce"))).count();
+    assert!(named >= 1, "no rank reported a collective mismatch: {out:?}");
+    for (r, o) in out.iter().enumerate() {
+        match o {
+            Err(e) if e.starts_with("expected: ") => {}
+            other => panic!("rank {r}: {other:?} (all: {out:?})"),
+        }
     }
+}
+
+/// Ranks that call different collectives at the same point all fail in time, and a rank that received the other
+/// collective's message names both.
+pub fn different_collectives<W: World>(n: usize) {
+    let timeout = Duration::from_secs(2);
+    let out = W::run(n, timeout, "different_collectives", &|c: Communicator| {
+        let t0 = Instant::now();
+        let res = if c.rank() == 0 {
+            let mut all = vec![0u32; 4 * c.world_size()];
+            c.all_gather(&[7u32; 4], &mut all)
+        } else {
+            c.all_reduce(&mut [1.0f32; 4], ReduceOp::Sum)
+        };
+        if res.is_ok() {
+            return Err("different collectives succeeded".into());
+        }
+        if t0.elapsed() > timeout * 3 {
+            return Err(format!("mismatch noticed after {:?}", t0.elapsed()));
+        }
+        Err(format!("expected: {}", res.err().map(e2s).unwrap_or_default()))
+    });
+    // Rank 1 waits on rank 0 in the all-reduce ring while rank 0's all-gather message waits for it.
+    let named = out.iter().filter(|o| matches!(o, Err(e) if e.contains("collective all_reduce"))).count();
+    assert!(named >= 1, "no rank reported a collective mismatch: {out:?}");
     for (r, o) in out.iter().enumerate() {
         match o {
             Err(e) if e.starts_with("expected: ") => {}
@@ -527,6 +555,10 @@ macro_rules! suite_tests {
         #[test]
         fn bad_input() {
             suite::bad_input::<$w>(3);
+        }
+        #[test]
+        fn different_collectives() {
+            suite::different_collectives::<$w>(3);
         }
     };
 }
