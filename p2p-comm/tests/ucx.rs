@@ -120,3 +120,26 @@ fn stray_connection_without_token_is_refused() {
         Ok(())
     }));
 }
+
+/// The random cases of the threads transport's property tests, on UCX processes: world sizes, lengths, message
+/// sizes (up to 16 MiB) and data drawn from the run's seed (`PROPTEST_RNG_SEED`, which `./scripts/test` fixes and
+/// which the children inherit, so they draw the same cases), checked against the sequential reference.
+#[test]
+fn random_cases_from_the_run_seed() {
+    let seed: u64 = std::env::var("PROPTEST_RNG_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x5EED);
+    let mut rng = suite::Rng::new(seed);
+    for _ in 0..3 {
+        let n = 2 + (rng.next() % 3) as usize;
+        let len = (rng.next() % 5000) as usize;
+        let data_seed = rng.next();
+        let sizes: Vec<usize> = (0..4)
+            .map(|i| if i == 0 { (rng.next() % (16 << 20)) as usize } else { (rng.next() % 300_000) as usize })
+            .collect();
+        let what = format!("seed {seed}: {n} ranks, collectives of {len} elements, messages of {sizes:?} bytes");
+        let name = "random_cases_from_the_run_seed";
+        let out = Ucx::run(n, Duration::from_secs(30), name, &|c| suite::collectives(c, data_seed, len));
+        assert!(out.iter().all(Result::is_ok), "{what}: {out:?}");
+        let out = Ucx::run(n, Duration::from_secs(30), name, &|c| suite::send_recv_sizes(c, data_seed, &sizes));
+        assert!(out.iter().all(Result::is_ok), "{what}: {out:?}");
+    }
+}
