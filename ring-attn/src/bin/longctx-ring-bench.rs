@@ -13,6 +13,15 @@
 //! cargo run --release -p longctx-ring-attn --bin longctx-ring-bench -- --seqs 16384 --cps 1,2,4
 //! cargo run --release -p longctx-ring-attn --bin longctx-ring-bench -- --seqs 65536 --cps 4 --alone-reps 0
 //! ```
+//!
+//! With `--ucx` each rank is a process of a job started by `longctx-launch` (UCX transport; CP = the number of
+//! processes; rank 0 prints):
+//!
+//! ```text
+//! cargo build --release -p longctx-ring-attn --features ucx --bin longctx-ring-bench
+//! cargo build --release -p longctx-p2p --features ucx --bin longctx-launch
+//! target/release/longctx-launch --nproc 2 -- target/release/longctx-ring-bench --ucx --seqs 16384
+//! ```
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
@@ -26,7 +35,7 @@ use longctx_kernels::{
     attention_backward, attention_forward, merge_partial_attention, AttnMask, AttnParams, AttnShape, HostSlice,
     Positions,
 };
-use longctx_p2p::ThreadWorld;
+use longctx_p2p::{Communicator, ThreadWorld};
 use longctx_ring_attn::{ContextParallel, CpConfig, CpMask, CpShape, SeqLayout};
 
 const MAX_RANKS: usize = 64;
@@ -207,10 +216,215 @@ impl<'a> RankBlocks<'a> {
     }
 }
 
+/// One benchmark case: total length `s` over `cp` ranks, each rank's kernels on `threads` threads.
+struct Job {
+    s: usize,
+    cp: usize,
+    threads: usize,
+    alone_reps: usize,
+    hq: usize,
+    hkv: usize,
+    d: usize,
+    layout: SeqLayout,
+}
+
+/// Runs one rank of a case: the ring forward and backward, then the same blocks without communication (all
+/// ranks at once, then one rank at a time).
+fn run_rank(comm: &Communicator, job: &Job) -> RankResult {
+    let Job { s, cp, threads, alone_reps, hq, hkv, d, ref layout } = *job;
+    let shape = CpShape { batch: 1, q_heads: hq, kv_heads: hkv, seq_len: s, head_dim: d };
+    let r = comm.rank();
+    RANK.with(|c| c.set(r));
+    let pool = Arc::new(
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .start_handler(move |_| RANK.with(|c| c.set(r)))
+            .build()
+            .expect("thread pool"),
+    );
+    let cpa = ContextParallel::new(comm, CpConfig::default()).expect("config").with_pool(pool.clone());
+    let l = s / cp;
+    let q = rand_bf16(hq * l * d, 1 + r as u64);
+    let k = rand_bf16(hkv * l * d, 100 + r as u64);
+    let v = rand_bf16(hkv * l * d, 200 + r as u64);
+    let d_o = rand_bf16(hq * l * d, 300 + r as u64);
+    let mut o = vec![bf16::ZERO; q.len()];
+    let mut lse = vec![0f32; hq * l];
+    let (mut dq, mut dk, mut dv) = (vec![bf16::ZERO; q.len()], vec![bf16::ZERO; k.len()], vec![bf16::ZERO; k.len()]);
+    let mask = CpMask::causal();
+    PEAK[r].store(LIVE[r].load(Ordering::Relaxed), Ordering::Relaxed);
+    comm.barrier().expect("barrier");
+    let t = Instant::now();
+    let rf =
+        cpa.forward(&shape, &mask, (&q).into(), (&k).into(), (&v).into(), (&mut o).into(), &mut lse).expect("forward");
+    let fwd = t.elapsed();
+    comm.barrier().expect("barrier");
+    let t = Instant::now();
+    let rb = cpa
+        .backward(
+            &shape,
+            &mask,
+            (&q).into(),
+            (&k).into(),
+            (&v).into(),
+            (&o).into(),
+            (&d_o).into(),
+            &lse,
+            (&mut dq).into(),
+            (&mut dk).into(),
+            (&mut dv).into(),
+        )
+        .expect("backward");
+    let bwd = t.elapsed();
+    let peak = PEAK[r].load(Ordering::Relaxed);
+    // The same blocks, no communication: every rank at once, so the load matches the real run.
+    comm.barrier().expect("barrier");
+    let positions: Vec<Vec<i64>> = (0..cp).map(|x| layout.positions(x)).collect();
+    let local = AttnShape { batch: 1, q_heads: hq, kv_heads: hkv, q_len: l, kv_len: l, head_dim: d };
+    let params = |src: usize| {
+        AttnParams::new(local).with_mask(
+            AttnMask::causal().with_positions(Positions::Explicit(&positions[r]), Positions::Explicit(&positions[src])),
+        )
+    };
+    // Visible (query, key) pairs of this rank's blocks, for the rate (counted outside the timing; both
+    // position lists are sorted within each zigzag chunk, so a binary search per query suffices).
+    let mut flops = 0f64;
+    for step in 0..cp {
+        let mut kp = positions[(r + cp - step) % cp].clone();
+        kp.sort_unstable();
+        let pairs: usize = positions[r].iter().map(|&a| kp.partition_point(|&b| b <= a)).sum();
+        flops += 4.0 * (hq * pairs * d) as f64;
+    }
+    let mut work = RankBlocks::new(
+        (0..cp).map(|step| params((r + cp - step) % cp)).collect(),
+        (&q).into(),
+        (&k).into(),
+        (&v).into(),
+        (&o).into(),
+        (&d_o).into(),
+        &lse,
+    );
+    let cpu0 = pool_cpu_secs(&pool);
+    let (fwd_compute, bwd_compute) = pool.install(|| {
+        let fwd: Duration = (0..cp).map(|step| work.forward_step(step)).sum();
+        let bwd: Duration = (0..cp).map(|step| work.backward_step(step)).sum();
+        (fwd, bwd)
+    });
+    let compute_cpu = pool_cpu_secs(&pool) - cpu0;
+    // The same blocks again, one rank at a time while the others wait at a barrier: ranks running
+    // together share the L3 and memory bandwidth (and on a VM perhaps a host core), so a rank's speed
+    // depends on what runs beside it; alone, every rank's blocks run under the same conditions, and
+    // what remains is the difference in their work. The ranks take turns block by block (forward step
+    // 0 of every rank, then step 1, ...), in an order reversed every repetition, and each block keeps
+    // its best time: slow phases of a shared host then fall on every rank alike instead of on
+    // whichever rank happened to be running, which swamped the figure when each rank ran all its
+    // blocks in one go.
+    let mut alone = vec![[f64::INFINITY; 2]; cp];
+    if cp > 1 {
+        for rep in 0..alone_reps {
+            for pass in 0..2 {
+                for (step, best) in alone.iter_mut().enumerate() {
+                    for i in 0..cp {
+                        let turn = if rep % 2 == 0 { i } else { cp - 1 - i };
+                        comm.barrier().expect("barrier");
+                        if turn == r {
+                            let t = pool.install(|| {
+                                if pass == 0 {
+                                    work.forward_step(step)
+                                } else {
+                                    work.backward_step(step)
+                                }
+                            });
+                            best[pass] = best[pass].min(t.as_secs_f64());
+                        }
+                    }
+                }
+            }
+        }
+        comm.barrier().expect("barrier");
+    }
+    let alone_steps = alone;
+    let alone = alone_steps.iter().map(|b| b[0] + b[1]).sum();
+    RankResult {
+        fwd,
+        bwd,
+        fwd_compute,
+        bwd_compute,
+        compute_cpu,
+        alone,
+        alone_steps,
+        bytes: rf.bytes_sent + rb.bytes_sent,
+        peak,
+        flops,
+    }
+}
+
+/// The wire form of a [`RankResult`] (UCX processes gather them on rank 0): scalars, then the steps' times.
+fn pack(x: &RankResult) -> Vec<f64> {
+    let mut v = vec![
+        x.fwd.as_secs_f64(),
+        x.bwd.as_secs_f64(),
+        x.fwd_compute.as_secs_f64(),
+        x.bwd_compute.as_secs_f64(),
+        x.compute_cpu,
+        x.alone,
+        x.bytes as f64,
+        x.peak as f64,
+        x.flops,
+    ];
+    v.extend(x.alone_steps.iter().flatten());
+    v
+}
+
+fn unpack(v: &[f64]) -> RankResult {
+    let secs = |x: f64| Duration::from_secs_f64(x);
+    RankResult {
+        fwd: secs(v[0]),
+        bwd: secs(v[1]),
+        fwd_compute: secs(v[2]),
+        bwd_compute: secs(v[3]),
+        compute_cpu: v[4],
+        alone: v[5],
+        bytes: v[6] as u64,
+        peak: v[7] as usize,
+        flops: v[8],
+        alone_steps: v[9..].chunks(2).map(|c| [c[0], c[1]]).collect(),
+    }
+}
+
+/// Every rank's result, on every rank of a UCX world.
+fn gather(comm: &Communicator, mine: &RankResult) -> Result<Vec<RankResult>, String> {
+    let send = pack(mine);
+    let mut all = vec![0f64; send.len() * comm.world_size()];
+    comm.all_gather(&send, &mut all).map_err(|e| e.to_string())?;
+    Ok(all.chunks(send.len()).map(unpack).collect())
+}
+
+/// The world of a job started by `longctx-launch` (UCX transport).
+#[cfg(feature = "ucx")]
+fn ucx_world() -> Communicator {
+    match Communicator::from_env() {
+        Ok(mut c) => {
+            c.set_timeout(Duration::from_secs(3600));
+            c
+        }
+        Err(e) => {
+            eprintln!("--ucx: cannot join the job: {e}");
+            std::process::exit(2)
+        }
+    }
+}
+
+#[cfg(not(feature = "ucx"))]
+fn ucx_world() -> Communicator {
+    eprintln!("--ucx needs the `ucx` feature: cargo build --release -p longctx-ring-attn --features ucx");
+    std::process::exit(2)
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let seqs = arg_list(&args, "--seqs", &[16384, 65536, 131072]);
-    let cps = arg_list(&args, "--cps", &[1, 2, 4]);
+    let mut cps = arg_list(&args, "--cps", &[1, 2, 4]);
     let link_gbs: f64 = args
         .iter()
         .position(|a| a == "--link-gbs")
@@ -222,17 +436,28 @@ fn main() {
     let alone_reps = arg_list(&args, "--alone-reps", &[4]).first().copied().unwrap_or(4);
     let (hq, hkv, d) = (8, 2, 128);
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    println!("# longctx ring attention: B=1 Hq={hq} Hkv={hkv} D={d}, causal, bf16, zigzag, ring schedule, thread ranks on {cores} cores");
-    println!(
-        "# each rank's kernels run on max(1, cores/CP) threads; compute-only = the same blocks without communication"
-    );
-    println!("| S | CP | fwd ms | fwd compute-only ms | fwd exposed comm | bwd ms | bwd compute-only ms | bwd exposed comm | imbalance alone max/min | imbalance CPU max/min | pairs max/min | MiB sent/rank (fwd+bwd) | peak MiB/rank | rank GFLOP/s |");
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    // `--ucx`: this process is one rank of a job started by `longctx-launch` (CP = its world size); rank 0 prints.
+    let processes = if args.iter().any(|a| a == "--ucx") { Some(ucx_world()) } else { None };
+    let lead = processes.as_ref().is_none_or(|c| c.rank() == 0);
+    let ranks = match &processes {
+        Some(c) => {
+            cps = vec![c.world_size()];
+            format!("UCX processes (one per rank) on {cores} cores")
+        }
+        None => format!("thread ranks on {cores} cores"),
+    };
+    if lead {
+        println!("# longctx ring attention: B=1 Hq={hq} Hkv={hkv} D={d}, causal, bf16, zigzag, ring schedule, {ranks}");
+        println!(
+            "# each rank's kernels run on max(1, cores/CP) threads; compute-only = the same blocks without communication"
+        );
+        println!("| S | CP | fwd ms | fwd compute-only ms | fwd exposed comm | bwd ms | bwd compute-only ms | bwd exposed comm | imbalance alone max/min | imbalance CPU max/min | pairs max/min | MiB sent/rank (fwd+bwd) | peak MiB/rank | rank GFLOP/s |");
+        println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    }
     let mut rate_samples = Vec::new();
     let mut alone_rows = Vec::new();
     for &s in &seqs {
         for &cp in &cps {
-            let shape = CpShape { batch: 1, q_heads: hq, kv_heads: hkv, seq_len: s, head_dim: d };
             let layout = match SeqLayout::new(Default::default(), cp, s) {
                 Ok(l) => l,
                 Err(e) => {
@@ -240,136 +465,17 @@ fn main() {
                     continue;
                 }
             };
-            let threads = (cores / cp).max(1);
-            let res = ThreadWorld::builder().timeout(Duration::from_secs(3600)).run(cp, |comm| -> RankResult {
-                let r = comm.rank();
-                RANK.with(|c| c.set(r));
-                let pool = Arc::new(
-                    rayon::ThreadPoolBuilder::new()
-                        .num_threads(threads)
-                        .start_handler(move |_| RANK.with(|c| c.set(r)))
-                        .build()
-                        .expect("thread pool"),
-                );
-                let cpa = ContextParallel::new(&comm, CpConfig::default()).expect("config").with_pool(pool.clone());
-                let l = s / cp;
-                let q = rand_bf16(hq * l * d, 1 + r as u64);
-                let k = rand_bf16(hkv * l * d, 100 + r as u64);
-                let v = rand_bf16(hkv * l * d, 200 + r as u64);
-                let d_o = rand_bf16(hq * l * d, 300 + r as u64);
-                let mut o = vec![bf16::ZERO; q.len()];
-                let mut lse = vec![0f32; hq * l];
-                let (mut dq, mut dk, mut dv) =
-                    (vec![bf16::ZERO; q.len()], vec![bf16::ZERO; k.len()], vec![bf16::ZERO; k.len()]);
-                let mask = CpMask::causal();
-                PEAK[r].store(LIVE[r].load(Ordering::Relaxed), Ordering::Relaxed);
-                comm.barrier().expect("barrier");
-                let t = Instant::now();
-                let rf = cpa
-                    .forward(&shape, &mask, (&q).into(), (&k).into(), (&v).into(), (&mut o).into(), &mut lse)
-                    .expect("forward");
-                let fwd = t.elapsed();
-                comm.barrier().expect("barrier");
-                let t = Instant::now();
-                let rb = cpa
-                    .backward(
-                        &shape,
-                        &mask,
-                        (&q).into(),
-                        (&k).into(),
-                        (&v).into(),
-                        (&o).into(),
-                        (&d_o).into(),
-                        &lse,
-                        (&mut dq).into(),
-                        (&mut dk).into(),
-                        (&mut dv).into(),
-                    )
-                    .expect("backward");
-                let bwd = t.elapsed();
-                let peak = PEAK[r].load(Ordering::Relaxed);
-                // The same blocks, no communication: every rank at once, so the load matches the real run.
-                comm.barrier().expect("barrier");
-                let positions: Vec<Vec<i64>> = (0..cp).map(|x| layout.positions(x)).collect();
-                let local = AttnShape { batch: 1, q_heads: hq, kv_heads: hkv, q_len: l, kv_len: l, head_dim: d };
-                let params = |src: usize| {
-                    AttnParams::new(local).with_mask(
-                        AttnMask::causal()
-                            .with_positions(Positions::Explicit(&positions[r]), Positions::Explicit(&positions[src])),
-                    )
-                };
-                // Visible (query, key) pairs of this rank's blocks, for the rate (counted outside the timing; both
-                // position lists are sorted within each zigzag chunk, so a binary search per query suffices).
-                let mut flops = 0f64;
-                for step in 0..cp {
-                    let mut kp = positions[(r + cp - step) % cp].clone();
-                    kp.sort_unstable();
-                    let pairs: usize = positions[r].iter().map(|&a| kp.partition_point(|&b| b <= a)).sum();
-                    flops += 4.0 * (hq * pairs * d) as f64;
-                }
-                let mut work = RankBlocks::new(
-                    (0..cp).map(|step| params((r + cp - step) % cp)).collect(),
-                    (&q).into(),
-                    (&k).into(),
-                    (&v).into(),
-                    (&o).into(),
-                    (&d_o).into(),
-                    &lse,
-                );
-                let cpu0 = pool_cpu_secs(&pool);
-                let (fwd_compute, bwd_compute) = pool.install(|| {
-                    let fwd: Duration = (0..cp).map(|step| work.forward_step(step)).sum();
-                    let bwd: Duration = (0..cp).map(|step| work.backward_step(step)).sum();
-                    (fwd, bwd)
-                });
-                let compute_cpu = pool_cpu_secs(&pool) - cpu0;
-                // The same blocks again, one rank at a time while the others wait at a barrier: ranks running
-                // together share the L3 and memory bandwidth (and on a VM perhaps a host core), so a rank's speed
-                // depends on what runs beside it; alone, every rank's blocks run under the same conditions, and
-                // what remains is the difference in their work. The ranks take turns block by block (forward step
-                // 0 of every rank, then step 1, ...), in an order reversed every repetition, and each block keeps
-                // its best time: slow phases of a shared host then fall on every rank alike instead of on
-                // whichever rank happened to be running, which swamped the figure when each rank ran all its
-                // blocks in one go.
-                let mut alone = vec![[f64::INFINITY; 2]; cp];
-                if cp > 1 {
-                    for rep in 0..alone_reps {
-                        for pass in 0..2 {
-                            for (step, best) in alone.iter_mut().enumerate() {
-                                for i in 0..cp {
-                                    let turn = if rep % 2 == 0 { i } else { cp - 1 - i };
-                                    comm.barrier().expect("barrier");
-                                    if turn == r {
-                                        let t = pool.install(|| {
-                                            if pass == 0 {
-                                                work.forward_step(step)
-                                            } else {
-                                                work.backward_step(step)
-                                            }
-                                        });
-                                        best[pass] = best[pass].min(t.as_secs_f64());
-                                    }
-                                }
-                            }
-                        }
-                    }
-                    comm.barrier().expect("barrier");
-                }
-                let alone_steps = alone;
-                let alone = alone_steps.iter().map(|b| b[0] + b[1]).sum();
-                RankResult {
-                    fwd,
-                    bwd,
-                    fwd_compute,
-                    bwd_compute,
-                    compute_cpu,
-                    alone,
-                    alone_steps,
-                    bytes: rf.bytes_sent + rb.bytes_sent,
-                    peak,
-                    flops,
-                }
-            });
+            let job = Job { s, cp, threads: (cores / cp).max(1), alone_reps, hq, hkv, d, layout };
+            let res = match &processes {
+                None => ThreadWorld::builder()
+                    .timeout(Duration::from_secs(3600))
+                    .run(cp, |comm| run_rank(&comm, &job))
+                    .map_err(|e| e.to_string()),
+                Some(comm) => gather(comm, &run_rank(comm, &job)),
+            };
+            if !lead {
+                continue;
+            }
             let res = match res {
                 Ok(r) => r,
                 Err(e) => {
@@ -403,6 +509,9 @@ fn main() {
                 100.0 * (bwd - bwd_c).max(0.0) / bwd,
             );
         }
+    }
+    if !lead {
+        return;
     }
     if !alone_rows.is_empty() {
         println!();
