@@ -9,6 +9,11 @@
 //! - send: blocking `send`/`recv` stream 0 -> 1, GiB/s;
 //! - lat: ping-pong, half round trip in µs;
 //! - all_reduce (f32 sum) bus bandwidth: bytes * 2(n-1)/n / time;
+//! - hidden: the ring shift posted with `isendrecv`, then twice its own time of busy compute on the rank's
+//!   thread, then `wait`: the share of the shift's time that no longer shows in the wait. This is what ring
+//!   attention gets from posting the next block early. Threads: ~0 by design (the copy is the transfer, done by
+//!   the waiting rank, and a spare core would be needed to hide it); UCX: the process's progress thread moves
+//!   the message during the compute (`LONGCTX_UCX_PROGRESS=0` turns it off, for comparison);
 //! - peer: `memcpy` of the same size on one thread in the same run (threads), or `ucx_perftest -t tag_bw` between
 //!   two processes (UCX), when it is installed;
 //! - memcpy x2 (threads): both ranks `memcpy` their own buffers of the size at once, GiB/s per thread. A ring
@@ -19,7 +24,7 @@
 //! Set `LONGCTX_BENCH_MAX` (bytes) to stop at a smaller size.
 
 use std::process::Command;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use longctx_p2p::{CommError, Communicator, ReduceOp, ThreadWorld};
 
@@ -30,6 +35,7 @@ struct Row {
     send_gibs: f64,
     lat_us: f64,
     allreduce_busbw: f64,
+    hidden_pct: f64,
     memcpy_gibs: f64,
     memcpy2_gibs: f64,
 }
@@ -59,6 +65,28 @@ fn timed(c: &Communicator, it: usize, mut f: impl FnMut() -> Result<(), CommErro
     Ok(t[0])
 }
 
+/// Seconds per ring shift spent in `wait` when the shift is posted, then `compute` seconds of busy work run on
+/// the rank's thread, then waited for (max over ranks).
+fn exposed_wait(c: &Communicator, it: usize, send: &[u8], recv: &mut [u8], compute: f64) -> Result<f64, CommError> {
+    let compute = Duration::from_secs_f64(compute);
+    c.isendrecv(send, recv)?.wait()?;
+    c.barrier()?;
+    let mut waited = 0.0;
+    for _ in 0..it {
+        let req = c.isendrecv(send, recv)?;
+        let t = Instant::now();
+        while t.elapsed() < compute {
+            std::hint::spin_loop();
+        }
+        let t = Instant::now();
+        req.wait()?;
+        waited += t.elapsed().as_secs_f64();
+    }
+    let mut t = [waited / it as f64];
+    c.all_reduce(&mut t, ReduceOp::Max)?;
+    Ok(t[0])
+}
+
 fn measure(c: &Communicator, with_memcpy: bool) -> Result<Vec<Row>, CommError> {
     let (r, n) = (c.rank(), c.world_size());
     let mut rows = Vec::new();
@@ -80,6 +108,7 @@ fn measure(c: &Communicator, with_memcpy: bool) -> Result<Vec<Row>, CommError> {
         })?;
         let mut acc = vec![1.0f32; bytes / 4];
         let ar = timed(c, it, || c.all_reduce(&mut acc, ReduceOp::Sum))?;
+        let exposed = exposed_wait(c, (it / 4).max(3), &send, &mut recv, 2.0 * ring)?;
         let (mut memcpy, mut memcpy2) = (0.0, 0.0);
         if with_memcpy {
             // The peer: one thread copying the same bytes, with the other rank idle at the barrier.
@@ -121,6 +150,7 @@ fn measure(c: &Communicator, with_memcpy: bool) -> Result<Vec<Row>, CommError> {
             send_gibs: bytes as f64 / stream / GIB,
             lat_us: pingpong / 2.0 * 1e6,
             allreduce_busbw: bytes as f64 * 2.0 * (n - 1) as f64 / n as f64 / ar / GIB,
+            hidden_pct: 100.0 * (1.0 - exposed / ring).clamp(0.0, 1.0),
             memcpy_gibs: memcpy,
             memcpy2_gibs: memcpy2,
         });
@@ -166,20 +196,22 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         drop(c);
         if rank == 0 {
             println!(
-                "UCX transport, 2 processes (UCX_TLS={})",
-                std::env::var("UCX_TLS").unwrap_or_else(|_| "default".into())
+                "UCX transport, 2 processes (UCX_TLS={}, progress thread {})",
+                std::env::var("UCX_TLS").unwrap_or_else(|_| "default".into()),
+                if std::env::var("LONGCTX_UCX_PROGRESS").as_deref() == Ok("0") { "off" } else { "on" }
             );
-            println!("| size | ring GiB/s | send GiB/s | latency µs | all_reduce busbw GiB/s | peer: ucx_perftest tag_bw GiB/s |");
-            println!("|---:|---:|---:|---:|---:|---:|");
+            println!("| size | ring GiB/s | send GiB/s | latency µs | all_reduce busbw GiB/s | hidden % | peer: ucx_perftest tag_bw GiB/s |");
+            println!("|---:|---:|---:|---:|---:|---:|---:|");
             for r in rows {
                 let peer = ucx_perftest(r.bytes).map_or("n/a".to_string(), |g| format!("{g:.2}"));
                 println!(
-                    "| {} | {:.2} | {:.2} | {:.1} | {:.2} | {} |",
+                    "| {} | {:.2} | {:.2} | {:.1} | {:.2} | {:.0} | {} |",
                     size_name(r.bytes),
                     r.ring_gibs,
                     r.send_gibs,
                     r.lat_us,
                     r.allreduce_busbw,
+                    r.hidden_pct,
                     peer
                 );
             }
@@ -189,17 +221,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let rows = all.swap_remove(0)?;
         println!("threads transport, 2 ranks in one process");
         println!(
-            "| size | ring GiB/s | send GiB/s | latency µs | all_reduce busbw GiB/s | peer: memcpy GiB/s | memcpy x2 GiB/s |"
+            "| size | ring GiB/s | send GiB/s | latency µs | all_reduce busbw GiB/s | hidden % | peer: memcpy GiB/s | memcpy x2 GiB/s |"
         );
-        println!("|---:|---:|---:|---:|---:|---:|---:|");
+        println!("|---:|---:|---:|---:|---:|---:|---:|---:|");
         for r in rows {
             println!(
-                "| {} | {:.2} | {:.2} | {:.1} | {:.2} | {:.2} | {:.2} |",
+                "| {} | {:.2} | {:.2} | {:.1} | {:.2} | {:.0} | {:.2} | {:.2} |",
                 size_name(r.bytes),
                 r.ring_gibs,
                 r.send_gibs,
                 r.lat_us,
                 r.allreduce_busbw,
+                r.hidden_pct,
                 r.memcpy_gibs,
                 r.memcpy2_gibs
             );

@@ -229,7 +229,7 @@ impl Communicator {
         while mask < n {
             if vr & mask != 0 {
                 let src = (vr - mask + root) % n;
-                self.post_recv(src, key, m, bytes_mut(buf))?.wait()?;
+                self.post_recv(src, key, m, bytes_mut(buf), false)?.wait()?;
                 break;
             }
             mask <<= 1;
@@ -238,7 +238,7 @@ impl Communicator {
         while mask > 0 {
             if vr + mask < n {
                 let dst = (vr + mask + root) % n;
-                self.post_send(dst, key, m, bytes(buf))?.wait()?;
+                self.post_send(dst, key, m, bytes(buf), false)?.wait()?;
             }
             mask >>= 1;
         }

@@ -143,11 +143,13 @@ impl Communicator {
         Ok(())
     }
 
-    /// Posts one send or receive of raw bytes.
+    /// Posts one send or receive of raw bytes. `later`: the caller will not wait at once (a non-blocking call),
+    /// so the transport should move the message in the background meanwhile (UCX: its progress thread).
     ///
     /// # Safety
     /// `ptr..ptr+len` must stay valid, and for a receive unaliased, until the returned op finishes; callers
     /// ensure it by tying the op to a borrow of the buffer ([`Request`]) or by finishing it before returning.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) unsafe fn post(
         &self,
         is_send: bool,
@@ -156,30 +158,48 @@ impl Communicator {
         meta: u64,
         ptr: *mut u8,
         len: usize,
+        later: bool,
     ) -> Result<Pending, CommError> {
         self.check_peer(peer)?;
         match &self.transport {
+            // Threads: the copy is the transfer and it runs on a waiting rank's thread, so `later` changes nothing.
             Transport::Threads(ep) => {
                 ep.post(is_send, peer, key, meta, ptr, len, self.timeout, &self.stats).map(Pending::Threads)
             }
             #[cfg(feature = "ucx")]
             Transport::Ucx(ep) => {
-                ep.post(is_send, peer, key, meta, ptr, len, self.timeout, &self.stats).map(Pending::Ucx)
+                ep.post(is_send, peer, key, meta, ptr, len, later, self.timeout, &self.stats).map(Pending::Ucx)
             }
         }
     }
 
-    pub(crate) fn post_send(&self, dst: usize, key: u64, meta: u64, buf: &[u8]) -> Result<Pending, CommError> {
+    pub(crate) fn post_send(
+        &self,
+        dst: usize,
+        key: u64,
+        meta: u64,
+        buf: &[u8],
+        later: bool,
+    ) -> Result<Pending, CommError> {
         // SAFETY: callers finish the op while `buf` is borrowed (see `post`); a send never writes through `ptr`.
-        unsafe { self.post(true, dst, key, meta, buf.as_ptr() as *mut u8, buf.len()) }
+        unsafe { self.post(true, dst, key, meta, buf.as_ptr() as *mut u8, buf.len(), later) }
     }
 
-    pub(crate) fn post_recv(&self, src: usize, key: u64, meta: u64, buf: &mut [u8]) -> Result<Pending, CommError> {
+    pub(crate) fn post_recv(
+        &self,
+        src: usize,
+        key: u64,
+        meta: u64,
+        buf: &mut [u8],
+        later: bool,
+    ) -> Result<Pending, CommError> {
         // SAFETY: callers finish the op while `buf` is mutably borrowed (see `post`).
-        unsafe { self.post(false, src, key, meta, buf.as_mut_ptr(), buf.len()) }
+        unsafe { self.post(false, src, key, meta, buf.as_mut_ptr(), buf.len(), later) }
     }
 
-    /// Posts a receive from `src` and a send to `dst`, both in flight at once, as one request.
+    /// Posts a receive from `src` and a send to `dst`, both in flight at once, as one request (`later`: see
+    /// [`post`](Self::post)).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn exchange_start<'a>(
         &self,
         key: u64,
@@ -188,9 +208,10 @@ impl Communicator {
         send: &'a [u8],
         src: usize,
         recv: &'a mut [u8],
+        later: bool,
     ) -> Result<Request<'a>, CommError> {
-        let r = self.post_recv(src, key, meta, recv)?;
-        match self.post_send(dst, key, meta, send) {
+        let r = self.post_recv(src, key, meta, recv, later)?;
+        match self.post_send(dst, key, meta, send, later) {
             Ok(s) => Ok(Request::new(r, Some(s))),
             Err(e) => {
                 r.cancel();
@@ -210,7 +231,7 @@ impl Communicator {
         src: usize,
         recv: &mut [u8],
     ) -> Result<(), CommError> {
-        self.exchange_start(key, meta, dst, send, src, recv)?.wait()
+        self.exchange_start(key, meta, dst, send, src, recv, false)?.wait()
     }
 
     /// Runs `f` on a reused scratch buffer of `len` elements (contents unspecified).
@@ -230,23 +251,23 @@ impl Communicator {
     /// Two ranks that both call `send` to each other before receiving wait on each other until the timeout; use
     /// [`isend`](Self::isend) or [`sendrecv`](Self::sendrecv) for exchanges.
     pub fn send<T: Pod>(&self, dst: usize, tag: u32, buf: &[T]) -> Result<(), CommError> {
-        self.isend(dst, tag, buf)?.wait()
+        Request::new(self.post_send(dst, tag as u64, 0, bytemuck::cast_slice(buf), false)?, None).wait()
     }
 
     /// Receives the message from `src` with `tag` into `buf`, whose length must equal the message's.
     pub fn recv<T: Pod>(&self, src: usize, tag: u32, buf: &mut [T]) -> Result<(), CommError> {
-        self.irecv(src, tag, buf)?.wait()
+        Request::new(self.post_recv(src, tag as u64, 0, bytemuck::cast_slice_mut(buf), false)?, None).wait()
     }
 
     /// Starts sending `buf` to `dst`; the request borrows `buf` until it finishes.
     pub fn isend<'a, T: Pod>(&self, dst: usize, tag: u32, buf: &'a [T]) -> Result<Request<'a>, CommError> {
-        let op = self.post_send(dst, tag as u64, 0, bytemuck::cast_slice(buf))?;
+        let op = self.post_send(dst, tag as u64, 0, bytemuck::cast_slice(buf), true)?;
         Ok(Request::new(op, None))
     }
 
     /// Starts receiving from `src` into `buf`; the request borrows `buf` until it finishes.
     pub fn irecv<'a, T: Pod>(&self, src: usize, tag: u32, buf: &'a mut [T]) -> Result<Request<'a>, CommError> {
-        let op = self.post_recv(src, tag as u64, 0, bytemuck::cast_slice_mut(buf))?;
+        let op = self.post_recv(src, tag as u64, 0, bytemuck::cast_slice_mut(buf), true)?;
         Ok(Request::new(op, None))
     }
 
@@ -266,7 +287,7 @@ impl Communicator {
     /// with it: post the shift of the next block, compute on the block in hand, wait.
     pub fn isendrecv<'a, T: Pod>(&self, send: &'a [T], recv: &'a mut [T]) -> Result<Request<'a>, CommError> {
         let (next, prev) = self.ring_peers();
-        self.exchange_start(RING_TAG, 0, next, bytemuck::cast_slice(send), prev, bytemuck::cast_slice_mut(recv))
+        self.exchange_start(RING_TAG, 0, next, bytemuck::cast_slice(send), prev, bytemuck::cast_slice_mut(recv), true)
     }
 
     /// Splits into sub-communicators, with `MPI_Comm_split` semantics: ranks passing the same `color` form one

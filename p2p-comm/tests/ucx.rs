@@ -34,6 +34,24 @@ impl World for Ucx {
         name: &str,
         body: &(dyn Fn(Communicator) -> Result<(), String> + Sync),
     ) -> Vec<Result<(), String>> {
+        run_with_env(n, timeout, name, &[], body)
+    }
+
+    fn die() -> ! {
+        std::process::exit(0) // no result line, no communicator shutdown: like a crash, minus the launcher's kill
+    }
+    const SENDER_SEES_REJECTION: bool = false;
+}
+
+/// [`World::run`] with extra environment variables for the ranks' processes.
+fn run_with_env(
+    n: usize,
+    timeout: Duration,
+    name: &str,
+    env: &[(&str, &str)],
+    body: &(dyn Fn(Communicator) -> Result<(), String> + Sync),
+) -> Vec<Result<(), String>> {
+    {
         let id = call_id(name);
         if let Ok(child) = std::env::var(CHILD) {
             if child != id {
@@ -59,6 +77,7 @@ impl World for Ucx {
             .arg(exe)
             .args([name, "--exact", "--nocapture", "--test-threads=1"])
             .env(CHILD, &id)
+            .envs(env.iter().copied())
             .output()
             .expect("run longctx-launch");
         let stdout = String::from_utf8_lossy(&out.stdout);
@@ -79,11 +98,6 @@ impl World for Ucx {
             })
             .collect()
     }
-
-    fn die() -> ! {
-        std::process::exit(0) // no result line, no communicator shutdown: like a crash, minus the launcher's kill
-    }
-    const SENDER_SEES_REJECTION: bool = false;
 }
 
 suite_tests!(Ucx, 64);
@@ -142,4 +156,35 @@ fn random_cases_from_the_run_seed() {
         let out = Ucx::run(n, Duration::from_secs(30), name, &|c| suite::send_recv_sizes(c, data_seed, &sizes));
         assert!(out.iter().all(Result::is_ok), "{what}: {out:?}");
     }
+}
+
+/// A non-blocking send moves while its rank does something else: over TCP (where the sender must feed the socket
+/// and nothing moves unless its worker is progressed) rank 0 posts 64 MiB and sleeps 2 s before waiting, and
+/// rank 1's blocking receive must finish within 1 s. With the progress thread turned off the same receive times
+/// out, which shows the test measures the progress thread.
+#[test]
+fn nonblocking_send_moves_while_the_sender_computes() {
+    let body = |c: Communicator| -> Result<(), String> {
+        let mut c = c;
+        let buf = vec![3u8; 64 << 20];
+        if c.rank() == 0 {
+            let req = c.isend(1, 9, &buf).map_err(suite::e2s)?;
+            std::thread::sleep(Duration::from_secs(2));
+            req.wait().map_err(suite::e2s)
+        } else {
+            c.set_timeout(Duration::from_secs(1));
+            let mut got = vec![0u8; buf.len()];
+            c.recv(0, 9, &mut got).map_err(suite::e2s)?;
+            if got != buf {
+                return Err("wrong data".into());
+            }
+            Ok(())
+        }
+    };
+    let name = "nonblocking_send_moves_while_the_sender_computes";
+    let tcp = [("UCX_TLS", "tcp,self")];
+    suite::all_ok(run_with_env(2, Duration::from_secs(30), name, &tcp, &body));
+    let off = [("UCX_TLS", "tcp,self"), ("LONGCTX_UCX_PROGRESS", "0")];
+    let out = run_with_env(2, Duration::from_secs(30), name, &off, &body);
+    assert!(matches!(&out[1], Err(e) if e.contains("timed out")), "without the progress thread: {out:?}");
 }

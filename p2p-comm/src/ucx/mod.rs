@@ -14,6 +14,13 @@
 //! `TagMismatch` (another collective: `CollectiveMismatch`). Peer death is detected through the rendezvous store:
 //! each process keeps its store connection open and the host marks a rank gone when it closes; waits poll that
 //! every 100 ms.
+//!
+//! Progress: UCX moves a message only while someone calls `ucp_worker_progress` (a rendezvous waits for its
+//! receiver to see the request and fetch the data; TCP needs its socket fed). A rank that posts a transfer and
+//! then computes (the ring-attention pattern) would leave the wire idle until it waits. So while any operation
+//! is in flight, a background thread of the process progresses the worker: often while events arrive, backing
+//! off to one call per millisecond when none do, asleep when nothing is in flight. `LONGCTX_UCX_PROGRESS=0`
+//! turns it off (operations then progress only in `test` and `wait`).
 
 pub(crate) mod result;
 pub(crate) mod safe;
@@ -21,8 +28,8 @@ pub(crate) mod safe;
 pub(crate) mod sys;
 
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::collectives::{digest_mismatch, mismatch_code};
@@ -39,6 +46,8 @@ const CTX_SHIFT: u32 = 45;
 /// Most ranks the tag layout can name.
 pub(crate) const MAX_RANKS: usize = 1 << 12;
 const LIVENESS_POLL: Duration = Duration::from_millis(100);
+/// How long an aborted operation may stay unfinished once its endpoint was force-closed.
+const ABANDON_AFTER_CLOSE: Duration = Duration::from_secs(1);
 /// The user-tag field (the internal flag is the bit above it).
 const USER_FIELD: u64 = (1 << 32) - 1;
 /// Where an internal message carries the digest of its collective's descriptor.
@@ -54,6 +63,11 @@ fn is_internal(key: u64) -> bool {
     key & INTERNAL != 0
 }
 
+/// How often the progress thread calls the worker: from `PROGRESS_MIN` while events arrive, doubling to
+/// `PROGRESS_MAX` while none do.
+const PROGRESS_MIN: Duration = Duration::from_micros(20);
+const PROGRESS_MAX: Duration = Duration::from_millis(1);
+
 struct Inner {
     eps: Vec<Option<safe::Endpoint>>,
     /// Peers whose endpoint was force-closed after a failure.
@@ -63,21 +77,135 @@ struct Inner {
 
 /// What the communicators of one process share: the worker, endpoints to every process, the store.
 pub(crate) struct Shared {
-    inner: Mutex<Inner>,
+    inner: Arc<Mutex<Inner>>,
     store: Store,
     _host: Option<StoreHost>,
     next_ctx: AtomicU64,
+    /// The background progress thread (`None` when turned off).
+    progress: Option<Progress>,
 }
 
-// SAFETY: the UCX handles inside `Inner` are only touched with `inner` locked (the worker is in serialized
-// mode), so moving or sharing `Shared` between threads is sound.
-unsafe impl Send for Shared {}
-// SAFETY: as above.
-unsafe impl Sync for Shared {}
+/// What the progress thread and the operations share.
+#[derive(Default)]
+struct ProgressState {
+    /// Operations posted and not finished.
+    inflight: AtomicUsize,
+    /// Threads inside `UcxOp::wait`: they progress the worker themselves, so the thread stays off its lock.
+    waiters: AtomicUsize,
+    /// Set when the process's transport shuts down.
+    stop: AtomicBool,
+    /// Whether the thread sleeps on `wake` (so posting an op need not signal otherwise).
+    asleep: Mutex<bool>,
+    wake: Condvar,
+}
+
+/// The background progress thread of a process (see the module docs).
+struct Progress {
+    state: Arc<ProgressState>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Progress {
+    fn start(inner: Arc<Mutex<Inner>>) -> Result<Progress, CommError> {
+        let state = Arc::new(ProgressState::default());
+        let st = state.clone();
+        let thread = std::thread::Builder::new()
+            .name("longctx-ucx-progress".into())
+            .spawn(move || progress_loop(&inner, &st))
+            .map_err(|e| CommError::Bootstrap(format!("cannot start the UCX progress thread: {e}")))?;
+        Ok(Progress { state, thread: Some(thread) })
+    }
+
+    /// An operation was posted: wake the thread if it sleeps.
+    fn started(&self) {
+        if self.state.inflight.fetch_add(1, Ordering::AcqRel) == 0 {
+            let asleep = lock(&self.state.asleep);
+            if *asleep {
+                self.state.wake.notify_one();
+            }
+        }
+    }
+
+    fn finished(&self) {
+        self.state.inflight.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+impl Drop for Progress {
+    fn drop(&mut self) {
+        self.state.stop.store(true, Ordering::Release);
+        {
+            let _asleep = lock(&self.state.asleep);
+            self.state.wake.notify_one();
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Marks a thread as waiting (progressing the worker itself) for its lifetime.
+struct Waiting(Arc<ProgressState>);
+
+impl Waiting {
+    fn new(st: Arc<ProgressState>) -> Self {
+        st.waiters.fetch_add(1, Ordering::AcqRel);
+        Waiting(st)
+    }
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        self.0.waiters.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+fn progress_loop(inner: &Mutex<Inner>, st: &ProgressState) {
+    let mut pause = PROGRESS_MIN;
+    loop {
+        if st.stop.load(Ordering::Acquire) {
+            return;
+        }
+        if st.inflight.load(Ordering::Acquire) == 0 {
+            let mut asleep = lock(&st.asleep);
+            *asleep = true;
+            // Re-checked under the lock that `started` takes before notifying, so no wake-up is lost.
+            while st.inflight.load(Ordering::Acquire) == 0 && !st.stop.load(Ordering::Acquire) {
+                asleep = st.wake.wait(asleep).unwrap_or_else(std::sync::PoisonError::into_inner);
+            }
+            *asleep = false;
+            pause = PROGRESS_MIN;
+            continue;
+        }
+        if st.waiters.load(Ordering::Acquire) > 0 {
+            std::thread::sleep(pause);
+            continue;
+        }
+        let events = {
+            let g = lock(inner);
+            let mut n = 0;
+            loop {
+                let k = g.worker.progress();
+                if k == 0 {
+                    break n;
+                }
+                n += k;
+            }
+        };
+        pause = if events > 0 { PROGRESS_MIN } else { (pause * 2).min(PROGRESS_MAX) };
+        std::thread::sleep(pause);
+    }
+}
+
+// SAFETY: the UCX handles inside `Inner` are only touched with its mutex held (the worker is in serialized
+// mode, so any one thread at a time may call it), which makes `Mutex<Inner>` shareable between threads.
+unsafe impl Send for Inner {}
 
 impl Drop for Shared {
     fn drop(&mut self) {
-        let inner = self.inner.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner);
+        // Stop the progress thread first: it holds the worker's lock while it progresses.
+        drop(self.progress.take());
+        let mut inner = lock(&self.inner);
         let eps: Vec<_> = inner.eps.iter_mut().filter_map(Option::take).collect();
         for ep in eps {
             inner.worker.close(ep, false, Duration::from_secs(2));
@@ -117,12 +245,12 @@ pub(crate) fn from_env(timeout: Duration) -> Result<crate::Communicator, CommErr
         let addr = store.get(&format!("ucx/{r}"))?;
         eps.push(Some(worker.connect(&addr)?));
     }
-    let shared = Arc::new(Shared {
-        inner: Mutex::new(Inner { eps, broken: vec![false; b.world_size], worker }),
-        store,
-        _host: host,
-        next_ctx: AtomicU64::new(1),
-    });
+    let inner = Arc::new(Mutex::new(Inner { eps, broken: vec![false; b.world_size], worker }));
+    let progress = match std::env::var("LONGCTX_UCX_PROGRESS").as_deref() {
+        Ok("0") => None,
+        _ => Some(Progress::start(inner.clone())?),
+    };
+    let shared = Arc::new(Shared { inner, store, _host: host, next_ctx: AtomicU64::new(1), progress });
     let members: Arc<[usize]> = (0..b.world_size).collect();
     let ep = UcxEndpoint { shared, ctx: 0, members, rank: b.rank };
     let comm = crate::Communicator::from_ucx(ep, timeout);
@@ -185,6 +313,7 @@ impl UcxEndpoint {
         meta: u64,
         ptr: *mut u8,
         len: usize,
+        later: bool,
         timeout: Duration,
         stats: &Arc<StatsCounters>,
     ) -> Result<UcxOp, CommError> {
@@ -235,10 +364,19 @@ impl UcxEndpoint {
             timeout,
             stats: stats.clone(),
             done: None,
+            counted: false,
         };
         match started {
             Started::Done => op.done = Some(op.outcome(Ok(()))),
-            Started::Request(r) => op.req = r,
+            Started::Request(r) => {
+                op.req = r;
+                // Only for calls that return before waiting: a blocking call progresses the worker itself, and
+                // waking the thread for it would cost a syscall and a context switch per message.
+                if let (true, Some(p)) = (later, &self.shared.progress) {
+                    p.started();
+                    op.counted = true;
+                }
+            }
         }
         Ok(op)
     }
@@ -264,6 +402,8 @@ pub(crate) struct UcxOp {
     stats: Arc<StatsCounters>,
     /// Set once finished and not yet reported.
     done: Option<Result<(), CommError>>,
+    /// Whether the progress thread counts this op as in flight.
+    counted: bool,
 }
 
 // SAFETY: the request pointer is only used with the shared worker locked.
@@ -314,8 +454,8 @@ impl UcxOp {
         if let Some(st) = st {
             // SAFETY: completed; not used afterwards.
             unsafe { inner.worker.free(self.req) };
-            self.req = std::ptr::null_mut();
             drop(inner);
+            self.released();
             self.done = Some(self.outcome(st));
             return true;
         }
@@ -334,17 +474,39 @@ impl UcxOp {
             unsafe { inner.worker.cancel(self.req) };
         }
         let t0 = Instant::now();
+        let mut closed_at = None;
         while !self.poll() {
-            if t0.elapsed() > Duration::from_millis(200) {
+            if t0.elapsed() > Duration::from_millis(200) && closed_at.is_none() {
                 let mut inner = lock(&self.shared.inner);
                 if let Some(ep) = inner.eps[self.world_peer].take() {
                     inner.broken[self.world_peer] = true;
                     inner.worker.close(ep, true, Duration::from_secs(5));
                 }
+                closed_at = Some(Instant::now());
+            }
+            if closed_at.is_some_and(|t| t.elapsed() > ABANDON_AFTER_CLOSE) {
+                // UCX neither finished nor failed the request although its endpoint is closed (seen with a
+                // rendezvous send over TCP whose receiver died: the request waits for a reply that cannot come).
+                // Hand it back to UCX, which releases it whenever it ends, and stop waiting: the peer is gone, so
+                // nothing moves the buffer any more.
+                let inner = lock(&self.shared.inner);
+                // SAFETY: req is live; it is not used afterwards.
+                unsafe { inner.worker.free(self.req) };
+                drop(inner);
+                self.released();
+                break;
             }
             std::thread::yield_now();
         }
         self.done = None;
+    }
+
+    /// The request is no longer ours (finished and freed, or handed back): forget it.
+    fn released(&mut self) {
+        self.req = std::ptr::null_mut();
+        if let (true, Some(p)) = (self.counted, &self.shared.progress) {
+            p.finished();
+        }
     }
 
     fn take_done(&mut self) -> Result<(), CommError> {
@@ -360,6 +522,7 @@ impl UcxOp {
     }
 
     pub(crate) fn wait(&mut self) -> Result<(), CommError> {
+        let _waiting = self.shared.progress.as_ref().map(|p| Waiting::new(p.state.clone()));
         let t0 = Instant::now();
         let mut last_check = t0;
         while !self.poll() {

@@ -160,10 +160,10 @@ impl Worker {
         unsafe { sys::ucp_request_cancel(self.h, req) }
     }
 
-    /// Releases a completed request.
+    /// Releases a request: a completed one at once, one still in progress when it ends (no callback then).
     ///
     /// # Safety
-    /// `req` must be a completed request of this worker, not used afterwards.
+    /// `req` must be a live request of this worker, not used afterwards.
     pub unsafe fn free(&self, req: *mut c_void) {
         // SAFETY: per the caller's contract.
         unsafe { sys::ucp_request_free(req) }
