@@ -164,6 +164,7 @@ impl Communicator {
         match &self.transport {
             // Threads: the copy is the transfer and it runs on a waiting rank's thread, so `later` changes nothing.
             Transport::Threads(ep) => {
+                let _ = later;
                 ep.post(is_send, peer, key, meta, ptr, len, self.timeout, &self.stats).map(Pending::Threads)
             }
             #[cfg(feature = "ucx")]
