@@ -460,8 +460,13 @@ pub fn bad_input<W: World>(n: usize) {
         Err(format!("expected: {}", res.err().map(e2s).unwrap_or_default()))
     });
     // The ranks that matched a message of the other size name the collective and the sizes.
-    let named = out.iter().filter(|o| matches!(o, Err(e) if e.contains("collective all_reduce"))).count();
-    assert!(named >= 1, "no rank reported a collective mismatch: {out:?}");
+    every_rank_failed_naming(&out, "collective all_reduce");
+}
+
+/// Every rank's body ended with an expected error (`Err("expected: …")`), and at least one names `what`.
+fn every_rank_failed_naming(out: &[Result<(), String>], what: &str) {
+    let named = out.iter().filter(|o| matches!(o, Err(e) if e.contains(what))).count();
+    assert!(named >= 1, "no rank reported {what:?}: {out:?}");
     for (r, o) in out.iter().enumerate() {
         match o {
             Err(e) if e.starts_with("expected: ") => {}
@@ -491,14 +496,7 @@ pub fn different_collectives<W: World>(n: usize) {
         Err(format!("expected: {}", res.err().map(e2s).unwrap_or_default()))
     });
     // Rank 1 waits on rank 0 in the all-reduce ring while rank 0's all-gather message waits for it.
-    let named = out.iter().filter(|o| matches!(o, Err(e) if e.contains("collective all_reduce"))).count();
-    assert!(named >= 1, "no rank reported a collective mismatch: {out:?}");
-    for (r, o) in out.iter().enumerate() {
-        match o {
-            Err(e) if e.starts_with("expected: ") => {}
-            other => panic!("rank {r}: {other:?} (all: {out:?})"),
-        }
-    }
+    every_rank_failed_naming(&out, "collective all_reduce");
 }
 
 /// Instantiates the suite for a world type.
