@@ -12,7 +12,13 @@
 //! cargo run --release -p longctx-ring-attn --bin longctx-ring-bench                    # S = 16K, 64K, 128K
 //! cargo run --release -p longctx-ring-attn --bin longctx-ring-bench -- --seqs 16384 --cps 1,2,4
 //! cargo run --release -p longctx-ring-attn --bin longctx-ring-bench -- --seqs 65536 --cps 4 --alone-reps 0
+//! cargo run --release -p longctx-ring-attn --bin longctx-ring-bench -- --seqs 131072 --cps 4 --no-compute-only
 //! ```
+//!
+//! "ring wait" is the ring's own count of the time it spent blocked on communication (its `StepReport`; this
+//! includes waiting for a slower peer), a
+//! second measure of the exposed communication that needs no compute-only pass: `--no-compute-only` skips those
+//! passes (half the time) and leaves it as the only one.
 //!
 //! With `--ucx` each rank is a process of a job started by `longctx-launch` (UCX transport; CP = the number of
 //! processes; rank 0 prints):
@@ -107,6 +113,9 @@ struct RankResult {
     bwd: Duration,
     fwd_compute: Duration,
     bwd_compute: Duration,
+    /// Time the ring itself spent blocked on communication (its `StepReport`), forward and backward.
+    fwd_wait: Duration,
+    bwd_wait: Duration,
     /// CPU seconds of the compute-only forward and backward blocks.
     compute_cpu: f64,
     /// Best wall seconds of the compute-only blocks run with no other rank working (infinite if not measured).
@@ -222,6 +231,9 @@ struct Job {
     cp: usize,
     threads: usize,
     alone_reps: usize,
+    /// Whether to run the compute-only passes (they double the time; `--no-compute-only` skips them, and the
+    /// exposed communication is then the ring's own count of its waits).
+    compute_only: bool,
     hq: usize,
     hkv: usize,
     d: usize,
@@ -231,7 +243,7 @@ struct Job {
 /// Runs one rank of a case: the ring forward and backward, then the same blocks without communication (all
 /// ranks at once, then one rank at a time).
 fn run_rank(comm: &Communicator, job: &Job) -> RankResult {
-    let Job { s, cp, threads, alone_reps, hq, hkv, d, ref layout } = *job;
+    let Job { s, cp, threads, alone_reps, compute_only, hq, hkv, d, ref layout } = *job;
     let shape = CpShape { batch: 1, q_heads: hq, kv_heads: hkv, seq_len: s, head_dim: d };
     let r = comm.rank();
     RANK.with(|c| c.set(r));
@@ -295,6 +307,23 @@ fn run_rank(comm: &Communicator, job: &Job) -> RankResult {
         let pairs: usize = positions[r].iter().map(|&a| kp.partition_point(|&b| b <= a)).sum();
         flops += 4.0 * (hq * pairs * d) as f64;
     }
+    let (fwd_wait, bwd_wait, bytes) = (rf.comm_wait, rb.comm_wait, rf.bytes_sent + rb.bytes_sent);
+    if !compute_only {
+        return RankResult {
+            fwd,
+            bwd,
+            fwd_compute: Duration::ZERO,
+            bwd_compute: Duration::ZERO,
+            fwd_wait,
+            bwd_wait,
+            compute_cpu: f64::NAN,
+            alone: f64::NAN,
+            alone_steps: Vec::new(),
+            bytes,
+            peak,
+            flops,
+        };
+    }
     let mut work = RankBlocks::new(
         (0..cp).map(|step| params((r + cp - step) % cp)).collect(),
         (&q).into(),
@@ -350,10 +379,12 @@ fn run_rank(comm: &Communicator, job: &Job) -> RankResult {
         bwd,
         fwd_compute,
         bwd_compute,
+        fwd_wait,
+        bwd_wait,
         compute_cpu,
         alone,
         alone_steps,
-        bytes: rf.bytes_sent + rb.bytes_sent,
+        bytes,
         peak,
         flops,
     }
@@ -368,6 +399,8 @@ fn pack(x: &RankResult) -> Vec<f64> {
         x.bwd_compute.as_secs_f64(),
         x.compute_cpu,
         x.alone,
+        x.fwd_wait.as_secs_f64(),
+        x.bwd_wait.as_secs_f64(),
         x.bytes as f64,
         x.peak as f64,
         x.flops,
@@ -388,7 +421,9 @@ fn unpack(v: &[f64]) -> RankResult {
         bytes: v[6] as u64,
         peak: v[7] as usize,
         flops: v[8],
-        alone_steps: v[9..].chunks(2).map(|c| [c[0], c[1]]).collect(),
+        fwd_wait: secs(v[9]),
+        bwd_wait: secs(v[10]),
+        alone_steps: v[11..].chunks(2).map(|c| [c[0], c[1]]).collect(),
     }
 }
 
@@ -434,6 +469,7 @@ fn main() {
     // Repetitions of the one-rank-at-a-time timing of each rank's blocks (work imbalance); 0 skips it (it costs
     // `alone_reps` more compute-only passes, run serially).
     let alone_reps = arg_list(&args, "--alone-reps", &[4]).first().copied().unwrap_or(4);
+    let compute_only = !args.iter().any(|a| a == "--no-compute-only");
     let (hq, hkv, d) = (8, 2, 128);
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     // `--ucx`: this process is one rank of a job started by `longctx-launch` (CP = its world size); rank 0 prints.
@@ -451,8 +487,8 @@ fn main() {
         println!(
             "# each rank's kernels run on max(1, cores/CP) threads; compute-only = the same blocks without communication"
         );
-        println!("| S | CP | fwd ms | fwd compute-only ms | fwd exposed comm | bwd ms | bwd compute-only ms | bwd exposed comm | imbalance alone max/min | imbalance CPU max/min | pairs max/min | MiB sent/rank (fwd+bwd) | peak MiB/rank | rank GFLOP/s |");
-        println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+        println!("| S | CP | fwd ms | fwd compute-only ms | fwd exposed comm | fwd ring wait | bwd ms | bwd compute-only ms | bwd exposed comm | bwd ring wait | imbalance alone max/min | imbalance CPU max/min | pairs max/min | MiB sent/rank (fwd+bwd) | peak MiB/rank | rank GFLOP/s |");
+        println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     }
     let mut rate_samples = Vec::new();
     let mut alone_rows = Vec::new();
@@ -465,7 +501,7 @@ fn main() {
                     continue;
                 }
             };
-            let job = Job { s, cp, threads: (cores / cp).max(1), alone_reps, hq, hkv, d, layout };
+            let job = Job { s, cp, threads: (cores / cp).max(1), alone_reps, compute_only, hq, hkv, d, layout };
             let res = match &processes {
                 None => ThreadWorld::builder()
                     .timeout(Duration::from_secs(3600))
@@ -487,12 +523,17 @@ fn main() {
                 |f: &dyn Fn(&RankResult) -> Duration| res.iter().map(f).max().unwrap_or_default().as_secs_f64() * 1e3;
             let (fwd, bwd) = (max(&|x| x.fwd), max(&|x| x.bwd));
             let (fwd_c, bwd_c) = (max(&|x| x.fwd_compute), max(&|x| x.bwd_compute));
+            // The ring's own count of its waits, worst rank, as a share of the step.
+            let wait_share = |w: &dyn Fn(&RankResult) -> Duration, t: &dyn Fn(&RankResult) -> Duration| {
+                res.iter().map(|x| w(x).as_secs_f64() / t(x).as_secs_f64()).fold(0.0, f64::max) * 100.0
+            };
+            let (fwd_w, bwd_w) = (wait_share(&|x| x.fwd_wait, &|x| x.fwd), wait_share(&|x| x.bwd_wait, &|x| x.bwd));
             let max_over_min =
                 |v: Vec<f64>| v.iter().cloned().fold(0.0, f64::max) / v.iter().cloned().fold(f64::MAX, f64::min);
             let imbalance = max_over_min(res.iter().map(|x| x.compute_cpu).collect());
             let alone = if cp == 1 {
                 "1.000".to_string()
-            } else if alone_reps == 0 {
+            } else if alone_reps == 0 || !compute_only {
                 "–".to_string()
             } else {
                 alone_rows.push((s, cp, res.iter().map(|x| (x.alone, x.alone_steps.clone())).collect::<Vec<_>>()));
@@ -501,12 +542,25 @@ fn main() {
             let pair_imbalance = max_over_min(res.iter().map(|x| x.flops).collect());
             let bytes = res.iter().map(|x| x.bytes).max().unwrap_or(0) as f64 / (1 << 20) as f64;
             let peak = res.iter().map(|x| x.peak).max().unwrap_or(0) as f64 / (1 << 20) as f64;
-            let rate = res.iter().map(|x| x.flops).sum::<f64>() / cp as f64 / (fwd_c / 1e3) / 1e9;
+            // Per-rank forward rate over the compute-only blocks (or, without them, over the ring's forward).
+            let rate = res.iter().map(|x| x.flops).sum::<f64>()
+                / cp as f64
+                / (if compute_only { fwd_c } else { fwd } / 1e3)
+                / 1e9;
             rate_samples.push(rate);
+            let (fwd_c, bwd_c, fwd_x, bwd_x, imbalance) = if compute_only {
+                (
+                    format!("{fwd_c:.0}"),
+                    format!("{bwd_c:.0}"),
+                    format!("{:.1}%", 100.0 * (fwd - fwd_c).max(0.0) / fwd),
+                    format!("{:.1}%", 100.0 * (bwd - bwd_c).max(0.0) / bwd),
+                    format!("{imbalance:.3}"),
+                )
+            } else {
+                ("–".into(), "–".into(), "–".into(), "–".into(), "–".into())
+            };
             println!(
-                "| {s} | {cp} | {fwd:.0} | {fwd_c:.0} | {:.1}% | {bwd:.0} | {bwd_c:.0} | {:.1}% | {alone} | {imbalance:.3} | {pair_imbalance:.3} | {bytes:.1} | {peak:.1} | {rate:.1} |",
-                100.0 * (fwd - fwd_c).max(0.0) / fwd,
-                100.0 * (bwd - bwd_c).max(0.0) / bwd,
+                "| {s} | {cp} | {fwd:.0} | {fwd_c} | {fwd_x} | {fwd_w:.1}% | {bwd:.0} | {bwd_c} | {bwd_x} | {bwd_w:.1}% | {alone} | {imbalance} | {pair_imbalance:.3} | {bytes:.1} | {peak:.1} | {rate:.1} |",
             );
         }
     }
