@@ -16,9 +16,8 @@
 //! ```
 //!
 //! "ring wait" is the ring's own count of the time it spent blocked on communication (its `StepReport`; this
-//! includes waiting for a slower peer), a
-//! second measure of the exposed communication that needs no compute-only pass: `--no-compute-only` skips those
-//! passes (half the time) and leaves it as the only one.
+//! includes waiting for a slower peer), a second measure of the exposed communication that needs no
+//! compute-only pass: `--no-compute-only` skips those passes (half the time) and leaves it as the only one.
 //!
 //! With `--ucx` each rank is a process of a job started by `longctx-launch` (UCX transport; CP = the number of
 //! processes; rank 0 prints):
