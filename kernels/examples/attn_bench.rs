@@ -4,6 +4,8 @@
 //! ```text
 //! cargo run --release -p longctx-kernels --example attn_bench                 # the full table
 //! cargo run --release -p longctx-kernels --example attn_bench -- --seqs 1024,4096 --dims 128 --causal
+//! cargo run --release -p longctx-kernels --example attn_bench -- --seqs 4096 --dims 64 --full --bf16 --reps 5
+//! RAYON_NUM_THREADS=1 cargo run --release -p longctx-kernels --example attn_bench -- --seqs 4096 --cpu-time
 //! ```
 //! FLOP counts follow the usual convention (also used by `bench/peer_sdpa.py`): forward `4·B·Hq·Sq·Sk·D`,
 //! halved for causal; backward 2.5× forward.
@@ -94,6 +96,30 @@ fn gemm_peak() -> f64 {
     2.0 * (n * n * n) as f64 / best / 1e9
 }
 
+/// CPU time of all this process's threads so far, in seconds (Linux `schedstat`; `None` elsewhere).
+fn cpu_seconds() -> Option<f64> {
+    let mut ns = 0u64;
+    for t in std::fs::read_dir("/proc/self/task").ok()? {
+        let stat = std::fs::read_to_string(t.ok()?.path().join("schedstat")).ok()?;
+        ns += stat.split_whitespace().next()?.parse::<u64>().ok()?;
+    }
+    Some(ns as f64 * 1e-9)
+}
+
+/// Seconds taken by `f`: wall-clock, or with `cpu` the process's CPU time divided by the thread count.
+/// CPU time is for A/B comparisons on a shared machine: time slices lost to other processes do not count
+/// (cache and memory contention still do, and idle workers spinning adds a little).
+fn timed(cpu: bool, threads: usize, f: impl FnOnce()) -> f64 {
+    let c0 = if cpu { cpu_seconds() } else { None };
+    let t = Instant::now();
+    f();
+    let wall = t.elapsed().as_secs_f64();
+    match (c0, cpu_seconds().filter(|_| cpu)) {
+        (Some(a), Some(b)) => (b - a) / threads as f64,
+        _ => wall,
+    }
+}
+
 fn rand(n: usize, seed: u64) -> Vec<f32> {
     let mut x = seed | 1;
     (0..n)
@@ -152,6 +178,10 @@ fn main() {
         vec![false, true]
     };
     let no_bwd = args.iter().any(|a| a == "--no-backward");
+    // `--reps N`: a fixed number of timed repetitions (the minimum is reported); more of them filter out
+    // bursts of load from other processes on a shared machine.
+    let cpu = args.iter().any(|a| a == "--cpu-time");
+    let reps_override = arg_list(&args, "--reps", &[]).first().copied().filter(|&r| r > 0);
     let (batch, hq, hkv) = (1, 8, 2);
     let threads = rayon::current_num_threads();
     let peak = gemm_peak();
@@ -181,33 +211,36 @@ fn main() {
                     let inputs = LIVE.load(Ordering::Relaxed) - base;
                     let flops = 4.0 * (batch * hq * s * s * d) as f64 * if causal { 0.5 } else { 1.0 };
                     // Enough repetitions for about a second of work, at least one.
-                    let reps = ((2e11 / flops) as usize).clamp(1, 20);
+                    let reps = reps_override.unwrap_or(((2e11 / flops) as usize).clamp(1, 20));
                     let mut fwd = f64::MAX;
                     for _ in 0..reps {
-                        let t = Instant::now();
-                        attention_forward(&p, q.view(), k.view(), v.view(), o.view_mut(), &mut lse).expect("forward");
-                        fwd = fwd.min(t.elapsed().as_secs_f64());
+                        let t = timed(cpu, threads, || {
+                            attention_forward(&p, q.view(), k.view(), v.view(), o.view_mut(), &mut lse)
+                                .expect("forward")
+                        });
+                        fwd = fwd.min(t);
                     }
                     let mut bwd = f64::NAN;
                     if !no_bwd {
                         bwd = f64::MAX;
                         for _ in 0..reps {
-                            let t = Instant::now();
-                            attention_backward(
-                                &p,
-                                q.view(),
-                                k.view(),
-                                v.view(),
-                                o.view_mut().as_slice(),
-                                d_o.view(),
-                                &lse,
-                                dq.view_mut(),
-                                dk.view_mut(),
-                                dv.view_mut(),
-                                false,
-                            )
-                            .expect("backward");
-                            bwd = bwd.min(t.elapsed().as_secs_f64());
+                            let t = timed(cpu, threads, || {
+                                attention_backward(
+                                    &p,
+                                    q.view(),
+                                    k.view(),
+                                    v.view(),
+                                    o.view_mut().as_slice(),
+                                    d_o.view(),
+                                    &lse,
+                                    dq.view_mut(),
+                                    dk.view_mut(),
+                                    dv.view_mut(),
+                                    false,
+                                )
+                                .expect("backward")
+                            });
+                            bwd = bwd.min(t);
                         }
                     }
                     let peak_mem = PEAK.load(Ordering::Relaxed) - base;
