@@ -398,11 +398,11 @@ fn pack(x: &RankResult) -> Vec<f64> {
         x.bwd_compute.as_secs_f64(),
         x.compute_cpu,
         x.alone,
-        x.fwd_wait.as_secs_f64(),
-        x.bwd_wait.as_secs_f64(),
         x.bytes as f64,
         x.peak as f64,
         x.flops,
+        x.fwd_wait.as_secs_f64(),
+        x.bwd_wait.as_secs_f64(),
     ];
     v.extend(x.alone_steps.iter().flatten());
     v
