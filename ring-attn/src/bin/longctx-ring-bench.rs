@@ -131,12 +131,7 @@ struct RankResult {
 struct RankBlocks<'a> {
     /// The kernel parameters of each ring step (the mask with this rank's and the source rank's positions).
     steps: Vec<AttnParams<'a>>,
-    q: HostSlice<'a>,
-    k: HostSlice<'a>,
-    v: HostSlice<'a>,
-    o: HostSlice<'a>,
-    d_o: HostSlice<'a>,
-    lse: &'a [f32],
+    x: Inputs<'a>,
     /// The first step the mask lets see anything: it writes the forward accumulator, later ones a partial.
     first: Option<usize>,
     o_acc: Vec<f32>,
@@ -147,33 +142,32 @@ struct RankBlocks<'a> {
     d_kv: Vec<f32>,
 }
 
+/// A rank's own tensors, as the ring's forward and backward take them.
+#[derive(Clone, Copy)]
+struct Inputs<'a> {
+    q: HostSlice<'a>,
+    k: HostSlice<'a>,
+    v: HostSlice<'a>,
+    o: HostSlice<'a>,
+    d_o: HostSlice<'a>,
+    lse: &'a [f32],
+}
+
 impl<'a> RankBlocks<'a> {
-    fn new(
-        steps: Vec<AttnParams<'a>>,
-        q: HostSlice<'a>,
-        k: HostSlice<'a>,
-        v: HostSlice<'a>,
-        o: HostSlice<'a>,
-        d_o: HostSlice<'a>,
-        lse: &'a [f32],
-    ) -> Self {
+    fn new(steps: Vec<AttnParams<'a>>, x: Inputs<'a>) -> Self {
         let l = steps.first().map_or(0, |p| p.shape.kv_len);
         let first = steps.iter().position(|p| p.mask.may_see_any(l, l));
+        let (q, kv, rows) = (x.q.len(), x.k.len(), x.lse.len());
         Self {
             steps,
-            q,
-            k,
-            v,
-            o,
-            d_o,
-            lse,
+            x,
             first,
-            o_acc: vec![0.0; q.len()],
-            lse_acc: vec![0.0; lse.len()],
-            o_part: vec![0.0; q.len()],
-            lse_part: vec![0.0; lse.len()],
-            d_q: vec![0.0; q.len()],
-            d_kv: vec![0.0; 2 * k.len()],
+            o_acc: vec![0.0; q],
+            lse_acc: vec![0.0; rows],
+            o_part: vec![0.0; q],
+            lse_part: vec![0.0; rows],
+            d_q: vec![0.0; q],
+            d_kv: vec![0.0; 2 * kv],
         }
     }
 
@@ -187,12 +181,12 @@ impl<'a> RankBlocks<'a> {
         if !self.visible(step) {
             return Duration::ZERO;
         }
-        let t = Instant::now();
+        let (t, x) = (Instant::now(), self.x);
         let p = &self.steps[step];
         if self.first == Some(step) {
-            attention_forward(p, self.q, self.k, self.v, (&mut self.o_acc).into(), &mut self.lse_acc).expect("fwd");
+            attention_forward(p, x.q, x.k, x.v, (&mut self.o_acc).into(), &mut self.lse_acc).expect("fwd");
         } else {
-            attention_forward(p, self.q, self.k, self.v, (&mut self.o_part).into(), &mut self.lse_part).expect("fwd");
+            attention_forward(p, x.q, x.k, x.v, (&mut self.o_part).into(), &mut self.lse_part).expect("fwd");
             merge_partial_attention(&mut self.o_acc, &mut self.lse_acc, &self.o_part, &self.lse_part).expect("merge");
         }
         t.elapsed()
@@ -205,15 +199,16 @@ impl<'a> RankBlocks<'a> {
         }
         let t = Instant::now();
         self.d_kv.fill(0.0);
-        let (dk, dv) = self.d_kv.split_at_mut(self.k.len());
+        let x = self.x;
+        let (dk, dv) = self.d_kv.split_at_mut(x.k.len());
         attention_backward(
             &self.steps[step],
-            self.q,
-            self.k,
-            self.v,
-            self.o,
-            self.d_o,
-            self.lse,
+            x.q,
+            x.k,
+            x.v,
+            x.o,
+            x.d_o,
+            x.lse,
             (&mut self.d_q).into(),
             dk.into(),
             dv.into(),
@@ -271,21 +266,9 @@ fn run_rank(comm: &Communicator, job: &Job) -> RankResult {
     let fwd = t.elapsed();
     comm.barrier().expect("barrier");
     let t = Instant::now();
-    let rb = cpa
-        .backward(
-            &shape,
-            &mask,
-            (&q).into(),
-            (&k).into(),
-            (&v).into(),
-            (&o).into(),
-            (&d_o).into(),
-            &lse,
-            (&mut dq).into(),
-            (&mut dk).into(),
-            (&mut dv).into(),
-        )
-        .expect("backward");
+    let x = Inputs { q: (&q).into(), k: (&k).into(), v: (&v).into(), o: (&o).into(), d_o: (&d_o).into(), lse: &lse };
+    let (dq, dk, dv) = ((&mut dq).into(), (&mut dk).into(), (&mut dv).into());
+    let rb = cpa.backward(&shape, &mask, x.q, x.k, x.v, x.o, x.d_o, x.lse, dq, dk, dv).expect("backward");
     let bwd = t.elapsed();
     let peak = PEAK[r].load(Ordering::Relaxed);
     // The same blocks, no communication: every rank at once, so the load matches the real run.
@@ -323,15 +306,7 @@ fn run_rank(comm: &Communicator, job: &Job) -> RankResult {
             flops,
         };
     }
-    let mut work = RankBlocks::new(
-        (0..cp).map(|step| params((r + cp - step) % cp)).collect(),
-        (&q).into(),
-        (&k).into(),
-        (&v).into(),
-        (&o).into(),
-        (&d_o).into(),
-        &lse,
-    );
+    let mut work = RankBlocks::new((0..cp).map(|step| params((r + cp - step) % cp)).collect(), x);
     let cpu0 = pool_cpu_secs(&pool);
     let (fwd_compute, bwd_compute) = pool.install(|| {
         let fwd: Duration = (0..cp).map(|step| work.forward_step(step)).sum();
