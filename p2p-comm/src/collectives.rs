@@ -27,7 +27,8 @@ const REDUCE_SCATTER: u64 = 4;
 const BROADCAST: u64 = 5;
 const ALL_TO_ALL: u64 = 6;
 
-fn name(code: u64) -> &'static str {
+/// Name of the collective with internal code `code` (UCX carries only the code in a message's tag).
+pub(crate) fn name(code: u64) -> &'static str {
     match code {
         BARRIER => "barrier",
         ALL_REDUCE => "all_reduce",
@@ -50,29 +51,13 @@ fn describe(m: u64) -> String {
 
 /// The error for two matched messages whose descriptors differ.
 pub(crate) fn mismatch(peer: usize, ours: u64, theirs: u64) -> CommError {
-    CommError::CollectiveMismatch { op: name(ours >> 56), peer, ours: describe(ours), theirs: describe(theirs) }
+    mismatch_as(peer, ours, describe(theirs))
 }
 
-/// The error for a matched message whose descriptor is known only by a digest that differs from ours (UCX).
-#[cfg_attr(not(feature = "ucx"), allow(dead_code))]
-pub(crate) fn digest_mismatch(peer: usize, ours: u64) -> CommError {
-    CommError::CollectiveMismatch {
-        op: name(ours >> 56),
-        peer,
-        ours: describe(ours),
-        theirs: "other sizes, root or operator".into(),
-    }
-}
-
-/// The error for a collective whose peer sent a message of the collective `their_code` instead (UCX).
-#[cfg_attr(not(feature = "ucx"), allow(dead_code))]
-pub(crate) fn mismatch_code(peer: usize, ours: u64, their_code: u64) -> CommError {
-    CommError::CollectiveMismatch {
-        op: name(ours >> 56),
-        peer,
-        ours: describe(ours),
-        theirs: format!("a {} message instead", name(their_code)),
-    }
+/// The error for a collective whose peer's call is known only in words (UCX: by a digest of its descriptor, or
+/// by the collective its message belongs to).
+pub(crate) fn mismatch_as(peer: usize, ours: u64, theirs: String) -> CommError {
+    CommError::CollectiveMismatch { op: name(ours >> 56), peer, ours: describe(ours), theirs }
 }
 
 /// Range of chunk `c` when `len` elements are cut into `n` parts whose sizes differ by at most one.

@@ -32,7 +32,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::collectives::{digest_mismatch, mismatch_code};
+use crate::collectives::{mismatch_as, name};
 use crate::communicator::INTERNAL;
 use crate::rendezvous::{Store, StoreHost};
 use crate::stats::StatsCounters;
@@ -61,6 +61,13 @@ fn digest(meta: u64) -> u64 {
 
 fn is_internal(key: u64) -> bool {
     key & INTERNAL != 0
+}
+
+/// For a received message with tag `sender_tag`, matched by a receive of `key` and descriptor `meta`: the error
+/// when it belongs to a call of the same collective with other arguments.
+fn foreign_call(peer: usize, key: u64, meta: u64, sender_tag: u64) -> Option<CommError> {
+    (is_internal(key) && sender_tag != 0 && sender_tag & DIGEST_FIELD != digest(meta))
+        .then(|| mismatch_as(peer, meta, "other sizes, root or operator".into()))
 }
 
 /// How often the progress thread calls the worker: from `PROGRESS_MIN` while events arrive, doubling to
@@ -324,20 +331,21 @@ impl UcxEndpoint {
             (Some(ep), false) => ep,
             _ => return Err(CommError::PeerGone { rank: peer }),
         };
+        let tag = self.tag(if is_send { self.rank } else { peer }, key, meta);
         let started = if is_send {
             // SAFETY: the caller keeps the buffer alive until the op finishes.
-            unsafe { inner.worker.tag_send(ep, ptr, len, self.tag(self.rank, key, meta)) }
+            unsafe { inner.worker.tag_send(ep, ptr, len, tag) }
         } else {
             let mask = if is_internal(key) { !DIGEST_FIELD } else { u64::MAX };
             // SAFETY: as above; `info` is boxed and owned by the op.
-            unsafe { inner.worker.tag_recv(ptr, len, self.tag(peer, key, meta), mask, &mut *info) }
+            unsafe { inner.worker.tag_recv(ptr, len, tag, mask, &mut *info) }
         };
         drop(inner);
         let started = match started {
             Ok(s) => s,
             Err(e) if e.0 == sys::ucs_status_t::UCS_ERR_MESSAGE_TRUNCATED => {
-                if is_internal(key) && info.sender_tag != 0 && info.sender_tag & DIGEST_FIELD != digest(meta) {
-                    return Err(digest_mismatch(peer, meta));
+                if let Some(e) = foreign_call(peer, key, meta, info.sender_tag) {
+                    return Err(e);
                 }
                 return Err(CommError::LengthMismatch {
                     src: peer,
@@ -359,7 +367,7 @@ impl UcxEndpoint {
             me: self.rank,
             key,
             meta,
-            tag: self.tag(peer, key, meta),
+            tag,
             len,
             timeout,
             stats: stats.clone(),
@@ -395,7 +403,7 @@ pub(crate) struct UcxOp {
     key: u64,
     /// The collective's descriptor (0 for point-to-point).
     meta: u64,
-    /// The full tag of a receive (the peer's sends carry it), to diagnose a timeout.
+    /// The full tag of the op (for a receive, the one the peer's send carries), to diagnose a timeout.
     tag: u64,
     len: usize,
     timeout: Duration,
@@ -421,9 +429,10 @@ impl UcxOp {
         };
         let arrived =
             matches!(&r, Ok(())) || matches!(&r, Err(e) if e.0 == sys::ucs_status_t::UCS_ERR_MESSAGE_TRUNCATED);
-        if !self.is_send && arrived && is_internal(self.key) && self.info.sender_tag & DIGEST_FIELD != digest(self.meta)
+        if let (false, true, Some(e)) =
+            (self.is_send, arrived, foreign_call(self.peer, self.key, self.meta, self.info.sender_tag))
         {
-            return Err(digest_mismatch(self.peer, self.meta));
+            return Err(e);
         }
         match r {
             Ok(()) if !self.is_send && self.info.length != self.len => Err(mismatch(self.info.length)),
@@ -577,7 +586,8 @@ impl UcxOp {
     /// The error for a receive that timed out while the peer's message with tag `found` waited unmatched.
     fn mismatch_with(&self, found: u64) -> CommError {
         if is_internal(self.key) {
-            mismatch_code(self.peer, self.meta, found & 0xFF)
+            let theirs = format!("{} (a different collective)", name(found & 0xFF));
+            mismatch_as(self.peer, self.meta, theirs)
         } else {
             CommError::TagMismatch { src: self.peer, dst: self.me, expected: self.key, found: found & USER_FIELD }
         }
