@@ -182,7 +182,13 @@ fn main() {
     // bursts of load from other processes on a shared machine.
     let cpu = args.iter().any(|a| a == "--cpu-time");
     let reps_override = arg_list(&args, "--reps", &[]).first().copied().filter(|&r| r > 0);
-    let (batch, hq, hkv) = (1, 8, 2);
+    // `--hkv N`: KV heads (default 2; 8 = no grouping, every K/V tile used by one query head).
+    let hkv = arg_list(&args, "--hkv", &[2]).first().copied().unwrap_or(2);
+    if hkv == 0 || 8 % hkv != 0 {
+        eprintln!("--hkv must divide Hq = 8");
+        std::process::exit(2);
+    }
+    let (batch, hq) = (1, 8);
     let threads = rayon::current_num_threads();
     let peak = gemm_peak();
     println!("# longctx attention benchmark: B={batch} Hq={hq} Hkv={hkv}, {threads} threads");
