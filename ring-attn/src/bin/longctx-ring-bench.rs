@@ -3,9 +3,9 @@
 //! For each total sequence length and CP size it prints per-rank forward and backward time, the time of the
 //! same rank's attention blocks computed with no communication (same kernel calls, same masks, run at the
 //! same moment on every rank so the machine is equally loaded), the exposed communication (the difference),
-//! the work imbalance between ranks (those blocks timed one rank at a time, block by block in turns, with the
-//! machine otherwise idle;
-//! their CPU time in the concurrent run; and visible (query, key) pairs), the bytes each rank sent and each rank's peak heap. Then it predicts,
+//! the work imbalance between ranks (those blocks timed one rank at a time on every core of the machine, block
+//! by block in turns, with the other ranks idle; their CPU time in the concurrent run; and visible (query, key)
+//! pairs), the bytes each rank sent and each rank's peak heap. Then it predicts,
 //! from the measured compute rate and a stated link bandwidth, the exposed communication at 8 and 32 ranks.
 //!
 //! ```text
@@ -17,7 +17,8 @@
 //!
 //! "ring wait" is the ring's own count of the time it spent blocked on communication (its `StepReport`; this
 //! includes waiting for a slower peer), a second measure of the exposed communication that needs no
-//! compute-only pass: `--no-compute-only` skips those passes (half the time) and leaves it as the only one.
+//! compute-only pass: `--no-compute-only` skips the concurrent compute-only pass (half the time) and leaves it
+//! as the only one. `--alone-reps N` (default 4) sets how often each block is timed alone; 0 skips that timing.
 //!
 //! With `--ucx` each rank is a process of a job started by `longctx-launch` (UCX transport; CP = the number of
 //! processes; rank 0 prints):
@@ -225,6 +226,10 @@ struct Job {
     cp: usize,
     threads: usize,
     alone_reps: usize,
+    /// The pool every rank's blocks run on when timed alone: all cores, so every rank is timed on the same
+    /// threads and cores (a rank's own single-thread pool would put each rank on whichever core its worker
+    /// happened to live on, and a VM's vCPUs need not run at the same speed).
+    alone_pool: Arc<rayon::ThreadPool>,
     /// Whether to run the compute-only passes (they double the time; `--no-compute-only` skips them, and the
     /// exposed communication is then the ring's own count of its waits).
     compute_only: bool,
@@ -237,7 +242,7 @@ struct Job {
 /// Runs one rank of a case: the ring forward and backward, then the same blocks without communication (all
 /// ranks at once, then one rank at a time).
 fn run_rank(comm: &Communicator, job: &Job) -> RankResult {
-    let Job { s, cp, threads, alone_reps, compute_only, hq, hkv, d, ref layout } = *job;
+    let Job { s, cp, threads, alone_reps, ref alone_pool, compute_only, hq, hkv, d, ref layout } = *job;
     let shape = CpShape { batch: 1, q_heads: hq, kv_heads: hkv, seq_len: s, head_dim: d };
     let r = comm.rank();
     RANK.with(|c| c.set(r));
@@ -290,40 +295,28 @@ fn run_rank(comm: &Communicator, job: &Job) -> RankResult {
         flops += 4.0 * (hq * pairs * d) as f64;
     }
     let (fwd_wait, bwd_wait, bytes) = (rf.comm_wait, rb.comm_wait, rf.bytes_sent + rb.bytes_sent);
-    if !compute_only {
-        return RankResult {
-            fwd,
-            bwd,
-            fwd_compute: Duration::ZERO,
-            bwd_compute: Duration::ZERO,
-            fwd_wait,
-            bwd_wait,
-            compute_cpu: f64::NAN,
-            alone: f64::NAN,
-            alone_steps: Vec::new(),
-            bytes,
-            peak,
-            flops,
-        };
-    }
     let mut work = RankBlocks::new((0..cp).map(|step| params((r + cp - step) % cp)).collect(), x);
-    let cpu0 = pool_cpu_secs(&pool);
-    let (fwd_compute, bwd_compute) = pool.install(|| {
-        let fwd: Duration = (0..cp).map(|step| work.forward_step(step)).sum();
-        let bwd: Duration = (0..cp).map(|step| work.backward_step(step)).sum();
-        (fwd, bwd)
-    });
-    let compute_cpu = pool_cpu_secs(&pool) - cpu0;
-    // The same blocks again, one rank at a time while the others wait at a barrier: ranks running
-    // together share the L3 and memory bandwidth (and on a VM perhaps a host core), so a rank's speed
-    // depends on what runs beside it; alone, every rank's blocks run under the same conditions, and
-    // what remains is the difference in their work. The ranks take turns block by block (forward step
-    // 0 of every rank, then step 1, ...), in an order reversed every repetition, and each block keeps
-    // its best time: slow phases of a shared host then fall on every rank alike instead of on
-    // whichever rank happened to be running, which swamped the figure when each rank ran all its
+    let (fwd_compute, bwd_compute, compute_cpu) = if compute_only {
+        let cpu0 = pool_cpu_secs(&pool);
+        let (fwd, bwd) = pool.install(|| {
+            let fwd: Duration = (0..cp).map(|step| work.forward_step(step)).sum();
+            let bwd: Duration = (0..cp).map(|step| work.backward_step(step)).sum();
+            (fwd, bwd)
+        });
+        (fwd, bwd, pool_cpu_secs(&pool) - cpu0)
+    } else {
+        (Duration::ZERO, Duration::ZERO, f64::NAN)
+    };
+    // The same blocks again, one rank at a time on every core while the others wait at a barrier: ranks
+    // running together share the L3 and memory bandwidth (and on a VM perhaps a host core), so a rank's
+    // speed depends on what runs beside it; alone, every rank's blocks run under the same conditions, on
+    // the same threads, and what remains is the difference in their work. The ranks take turns block by
+    // block (forward step 0 of every rank, then step 1, ...), in an order reversed every repetition, and
+    // each block keeps its best time: slow phases of a shared host then fall on every rank alike instead
+    // of on whichever rank happened to be running, which swamped the figure when each rank ran all its
     // blocks in one go.
     let mut alone = vec![[f64::INFINITY; 2]; cp];
-    if cp > 1 {
+    if cp > 1 && alone_reps > 0 {
         for rep in 0..alone_reps {
             for pass in 0..2 {
                 for (step, best) in alone.iter_mut().enumerate() {
@@ -331,7 +324,7 @@ fn run_rank(comm: &Communicator, job: &Job) -> RankResult {
                         let turn = if rep % 2 == 0 { i } else { cp - 1 - i };
                         comm.barrier().expect("barrier");
                         if turn == r {
-                            let t = pool.install(|| {
+                            let t = alone_pool.install(|| {
                                 if pass == 0 {
                                     work.forward_step(step)
                                 } else {
@@ -346,7 +339,7 @@ fn run_rank(comm: &Communicator, job: &Job) -> RankResult {
         }
         comm.barrier().expect("barrier");
     }
-    let alone_steps = alone;
+    let alone_steps = if alone_reps > 0 { alone } else { Vec::new() };
     let alone = alone_steps.iter().map(|b| b[0] + b[1]).sum();
     RankResult {
         fwd,
@@ -441,11 +434,12 @@ fn main() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(12.5);
     // Repetitions of the one-rank-at-a-time timing of each rank's blocks (work imbalance); 0 skips it (it costs
-    // `alone_reps` more compute-only passes, run serially).
+    // `alone_reps` more compute-only passes, run serially on all cores).
     let alone_reps = arg_list(&args, "--alone-reps", &[4]).first().copied().unwrap_or(4);
     let compute_only = !args.iter().any(|a| a == "--no-compute-only");
     let (hq, hkv, d) = (8, 2, 128);
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let alone_pool = Arc::new(rayon::ThreadPoolBuilder::new().num_threads(cores).build().expect("thread pool"));
     // `--ucx`: this process is one rank of a job started by `longctx-launch` (CP = its world size); rank 0 prints.
     let processes = if args.iter().any(|a| a == "--ucx") { Some(ucx_world()) } else { None };
     let lead = processes.as_ref().is_none_or(|c| c.rank() == 0);
@@ -475,7 +469,9 @@ fn main() {
                     continue;
                 }
             };
-            let job = Job { s, cp, threads: (cores / cp).max(1), alone_reps, compute_only, hq, hkv, d, layout };
+            let threads = (cores / cp).max(1);
+            let alone_pool = alone_pool.clone();
+            let job = Job { s, cp, threads, alone_reps, alone_pool, compute_only, hq, hkv, d, layout };
             let res = match &processes {
                 None => ThreadWorld::builder()
                     .timeout(Duration::from_secs(3600))
@@ -507,7 +503,7 @@ fn main() {
             let imbalance = max_over_min(res.iter().map(|x| x.compute_cpu).collect());
             let alone = if cp == 1 {
                 "1.000".to_string()
-            } else if alone_reps == 0 || !compute_only {
+            } else if alone_reps == 0 {
                 "–".to_string()
             } else {
                 alone_rows.push((s, cp, res.iter().map(|x| (x.alone, x.alone_steps.clone())).collect::<Vec<_>>()));
