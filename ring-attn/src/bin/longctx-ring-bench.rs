@@ -221,7 +221,7 @@ impl<'a> RankBlocks<'a> {
 }
 
 /// One benchmark case: total length `s` over `cp` ranks, each rank's kernels on `threads` threads.
-struct Job {
+struct Job<'a> {
     s: usize,
     cp: usize,
     threads: usize,
@@ -229,7 +229,7 @@ struct Job {
     /// The pool every rank's blocks run on when timed alone: all cores, so every rank is timed on the same
     /// threads and cores (a rank's own single-thread pool would put each rank on whichever core its worker
     /// happened to live on, and a VM's vCPUs need not run at the same speed).
-    alone_pool: Arc<rayon::ThreadPool>,
+    alone_pool: &'a rayon::ThreadPool,
     /// Whether to run the compute-only passes (they double the time; `--no-compute-only` skips them, and the
     /// exposed communication is then the ring's own count of its waits).
     compute_only: bool,
@@ -242,7 +242,7 @@ struct Job {
 /// Runs one rank of a case: the ring forward and backward, then the same blocks without communication (all
 /// ranks at once, then one rank at a time).
 fn run_rank(comm: &Communicator, job: &Job) -> RankResult {
-    let Job { s, cp, threads, alone_reps, ref alone_pool, compute_only, hq, hkv, d, ref layout } = *job;
+    let Job { s, cp, threads, alone_reps, alone_pool, compute_only, hq, hkv, d, ref layout } = *job;
     let shape = CpShape { batch: 1, q_heads: hq, kv_heads: hkv, seq_len: s, head_dim: d };
     let r = comm.rank();
     RANK.with(|c| c.set(r));
@@ -295,6 +295,24 @@ fn run_rank(comm: &Communicator, job: &Job) -> RankResult {
         flops += 4.0 * (hq * pairs * d) as f64;
     }
     let (fwd_wait, bwd_wait, bytes) = (rf.comm_wait, rb.comm_wait, rf.bytes_sent + rb.bytes_sent);
+    let timed_alone = cp > 1 && alone_reps > 0;
+    if !compute_only && !timed_alone {
+        // Nothing more to time: skip the blocks' buffers (f32 copies of Q-sized outputs, GiBs at 128K).
+        return RankResult {
+            fwd,
+            bwd,
+            fwd_compute: Duration::ZERO,
+            bwd_compute: Duration::ZERO,
+            fwd_wait,
+            bwd_wait,
+            compute_cpu: f64::NAN,
+            alone: f64::NAN,
+            alone_steps: Vec::new(),
+            bytes,
+            peak,
+            flops,
+        };
+    }
     let mut work = RankBlocks::new((0..cp).map(|step| params((r + cp - step) % cp)).collect(), x);
     let (fwd_compute, bwd_compute, compute_cpu) = if compute_only {
         let cpu0 = pool_cpu_secs(&pool);
@@ -316,7 +334,7 @@ fn run_rank(comm: &Communicator, job: &Job) -> RankResult {
     // of on whichever rank happened to be running, which swamped the figure when each rank ran all its
     // blocks in one go.
     let mut alone = vec![[f64::INFINITY; 2]; cp];
-    if cp > 1 && alone_reps > 0 {
+    if timed_alone {
         for rep in 0..alone_reps {
             for pass in 0..2 {
                 for (step, best) in alone.iter_mut().enumerate() {
@@ -339,7 +357,7 @@ fn run_rank(comm: &Communicator, job: &Job) -> RankResult {
         }
         comm.barrier().expect("barrier");
     }
-    let alone_steps = if alone_reps > 0 { alone } else { Vec::new() };
+    let alone_steps = if timed_alone { alone } else { Vec::new() };
     let alone = alone_steps.iter().map(|b| b[0] + b[1]).sum();
     RankResult {
         fwd,
@@ -439,7 +457,7 @@ fn main() {
     let compute_only = !args.iter().any(|a| a == "--no-compute-only");
     let (hq, hkv, d) = (8, 2, 128);
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let alone_pool = Arc::new(rayon::ThreadPoolBuilder::new().num_threads(cores).build().expect("thread pool"));
+    let alone_pool = rayon::ThreadPoolBuilder::new().num_threads(cores).build().expect("thread pool");
     // `--ucx`: this process is one rank of a job started by `longctx-launch` (CP = its world size); rank 0 prints.
     let processes = if args.iter().any(|a| a == "--ucx") { Some(ucx_world()) } else { None };
     let lead = processes.as_ref().is_none_or(|c| c.rank() == 0);
@@ -470,8 +488,7 @@ fn main() {
                 }
             };
             let threads = (cores / cp).max(1);
-            let alone_pool = alone_pool.clone();
-            let job = Job { s, cp, threads, alone_reps, alone_pool, compute_only, hq, hkv, d, layout };
+            let job = Job { s, cp, threads, alone_reps, alone_pool: &alone_pool, compute_only, hq, hkv, d, layout };
             let res = match &processes {
                 None => ThreadWorld::builder()
                     .timeout(Duration::from_secs(3600))
