@@ -35,7 +35,8 @@ pub mod testing;
 pub mod view;
 
 pub use attention::{
-    attention_backward, attention_forward, merge_partial_attention, AttnMask, AttnParams, AttnShape, Positions,
+    attention_backward, attention_forward, attention_work, merge_partial_attention, AttnMask, AttnParams, AttnShape,
+    AttnWork, Positions,
 };
 pub use backend::{AttentionBackend, CpuBackend};
 pub use dtype::{DType, Element};

@@ -25,12 +25,14 @@ mod merge;
 mod pack;
 pub mod reference;
 pub(crate) mod simd;
+mod work;
 
 pub use backward::attention_backward;
 pub use forward::attention_forward;
 pub use mask::{AttnMask, Positions};
 pub use merge::{merge_partial_attention, merge_partial_attention_into};
 pub use simd::force_portable;
+pub use work::{attention_work, AttnWork};
 
 use crate::error::{check_len, KernelError, Result};
 
@@ -38,9 +40,13 @@ use crate::error::{check_len, KernelError, Result};
 /// twice as many rows (per query head), halving the K/V traffic, which at long contexts comes from DRAM;
 /// the task's `Q` and accumulators (4 query heads × 128 rows) still fit in a 1 MiB L2.
 pub(crate) const BR: usize = 128;
+/// Query rows per tile of the forward and backward (public for [`attention_work`]'s callers).
+pub const QUERY_TILE: usize = BR;
 /// Key rows per tile. 128 rather than 64: the products over keys (`P·V`, `dS·K`) run twice as long per
 /// load and store of their accumulators, and the per-row softmax bookkeeping is paid half as often.
 pub(crate) const BC: usize = 128;
+/// Key rows per tile of the forward and backward.
+pub const KEY_TILE: usize = BC;
 
 /// The sizes of one attention call (see the module docs for the layout).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
