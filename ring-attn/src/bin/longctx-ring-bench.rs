@@ -20,6 +20,15 @@
 //! compute-only pass: `--no-compute-only` skips the concurrent compute-only pass (half the time) and leaves it
 //! as the only one. `--alone-reps N` (default 4) sets how often each block is timed alone; 0 skips that timing.
 //!
+//! The schedule's own imbalance is measured apart (thread ranks only): every rank's blocks timed on one set of
+//! buffers and data, only the positions differing, best of `--schedule-reps N` (default 4; 0 skips it), beside
+//! the exact count of the scores the kernels compute per rank (`attention_work`). `--schedule-only` runs just
+//! that (no ring, no compute-only pass):
+//!
+//! ```text
+//! cargo run --release -p longctx-ring-attn --bin longctx-ring-bench -- --seqs 16384 --cps 2,4 --schedule-only --schedule-reps 8
+//! ```
+//!
 //! With `--ucx` each rank is a process of a job started by `longctx-launch` (UCX transport; CP = the number of
 //! processes; rank 0 prints):
 //!
@@ -38,8 +47,8 @@ use std::time::{Duration, Instant};
 use half::bf16;
 use longctx_kernels::testing::uniform_nonzero;
 use longctx_kernels::{
-    attention_backward, attention_forward, merge_partial_attention, AttnMask, AttnParams, AttnShape, HostSlice,
-    Positions,
+    attention_backward, attention_forward, attention_work, merge_partial_attention, AttnMask, AttnParams, AttnShape,
+    HostSlice, Positions,
 };
 use longctx_p2p::{Communicator, ThreadWorld};
 use longctx_ring_attn::{ContextParallel, CpConfig, CpMask, CpShape, SeqLayout};
@@ -156,20 +165,27 @@ struct Inputs<'a> {
 
 impl<'a> RankBlocks<'a> {
     fn new(steps: Vec<AttnParams<'a>>, x: Inputs<'a>) -> Self {
-        let l = steps.first().map_or(0, |p| p.shape.kv_len);
-        let first = steps.iter().position(|p| p.mask.may_see_any(l, l));
         let (q, kv, rows) = (x.q.len(), x.k.len(), x.lse.len());
-        Self {
-            steps,
+        let mut blocks = Self {
+            steps: Vec::new(),
             x,
-            first,
+            first: None,
             o_acc: vec![0.0; q],
             lse_acc: vec![0.0; rows],
             o_part: vec![0.0; q],
             lse_part: vec![0.0; rows],
             d_q: vec![0.0; q],
             d_kv: vec![0.0; 2 * kv],
-        }
+        };
+        blocks.set_steps(steps);
+        blocks
+    }
+
+    /// Replaces the steps' kernel parameters (another rank's schedule on the same buffers).
+    fn set_steps(&mut self, steps: Vec<AttnParams<'a>>) {
+        let l = steps.first().map_or(0, |p| p.shape.kv_len);
+        self.first = steps.iter().position(|p| p.mask.may_see_any(l, l));
+        self.steps = steps;
     }
 
     fn visible(&self, step: usize) -> bool {
@@ -280,11 +296,7 @@ fn run_rank(comm: &Communicator, job: &Job) -> RankResult {
     comm.barrier().expect("barrier");
     let positions: Vec<Vec<i64>> = (0..cp).map(|x| layout.positions(x)).collect();
     let local = AttnShape { batch: 1, q_heads: hq, kv_heads: hkv, q_len: l, kv_len: l, head_dim: d };
-    let params = |src: usize| {
-        AttnParams::new(local).with_mask(
-            AttnMask::causal().with_positions(Positions::Explicit(&positions[r]), Positions::Explicit(&positions[src])),
-        )
-    };
+    let params = |src: usize| block_params(local, &positions, r, src);
     // Visible (query, key) pairs of this rank's blocks, for the rate (counted outside the timing; both
     // position lists are sorted within each zigzag chunk, so a binary search per query suffices).
     let mut flops = 0f64;
@@ -375,6 +387,78 @@ fn run_rank(comm: &Communicator, job: &Job) -> RankResult {
     }
 }
 
+/// The kernel parameters of rank `r`'s block against the keys of rank `src` (causal, global positions).
+fn block_params<'a>(local: AttnShape, positions: &'a [Vec<i64>], r: usize, src: usize) -> AttnParams<'a> {
+    AttnParams::new(local).with_mask(
+        AttnMask::causal().with_positions(Positions::Explicit(&positions[r]), Positions::Explicit(&positions[src])),
+    )
+}
+
+/// The scores the kernels compute for each rank over all its ring steps ([`attention_work`]: the tile pairs
+/// its masks leave visible, exactly what the forward and backward loop over).
+fn kernel_work(job: &Job) -> Vec<u64> {
+    let (cp, l) = (job.cp, job.s / job.cp);
+    let positions: Vec<Vec<i64>> = (0..cp).map(|x| job.layout.positions(x)).collect();
+    let local = AttnShape { batch: 1, q_heads: job.hq, kv_heads: job.hkv, q_len: l, kv_len: l, head_dim: job.d };
+    (0..cp)
+        .map(|r| {
+            (0..cp).map(|src| attention_work(&block_params(local, &positions, r, src)).expect("work").scores).sum()
+        })
+        .collect()
+}
+
+/// The schedule's own imbalance: every rank's ring-step blocks timed on ONE set of buffers and data (rank 0's
+/// tensors), only the positions, and so the masks, changing from rank to rank. Timed one block at a time on
+/// every core, the ranks taking turns block by block in an order reversed every repetition, each block keeping
+/// its best time. Ranks whose own buffers sit at other addresses, or whose values differ, can run at slightly
+/// different speeds on the same work (the "alone" timing shows that); here only the work the schedule gives
+/// each rank differs. Returns `[rank][step][forward, backward]` seconds.
+fn time_schedule(job: &Job, reps: usize, pool: &rayon::ThreadPool) -> Vec<Vec<[f64; 2]>> {
+    let Job { s, cp, hq, hkv, d, ref layout, .. } = *job;
+    let l = s / cp;
+    let positions: Vec<Vec<i64>> = (0..cp).map(|x| layout.positions(x)).collect();
+    let local = AttnShape { batch: 1, q_heads: hq, kv_heads: hkv, q_len: l, kv_len: l, head_dim: d };
+    let (q, k, v, d_o) = (
+        rand_bf16(hq * l * d, 1),
+        rand_bf16(hkv * l * d, 100),
+        rand_bf16(hkv * l * d, 200),
+        rand_bf16(hq * l * d, 300),
+    );
+    // O and LSE of rank 0's diagonal block: every row sees at least itself, so every LSE is finite, as in the
+    // ring, where the backward gets the merged result.
+    let mut o = vec![bf16::ZERO; q.len()];
+    let mut lse = vec![0f32; hq * l];
+    pool.install(|| {
+        attention_forward(
+            &block_params(local, &positions, 0, 0),
+            (&q).into(),
+            (&k).into(),
+            (&v).into(),
+            (&mut o).into(),
+            &mut lse,
+        )
+    })
+    .expect("forward");
+    let x = Inputs { q: (&q).into(), k: (&k).into(), v: (&v).into(), o: (&o).into(), d_o: (&d_o).into(), lse: &lse };
+    let steps_of = |r: usize| (0..cp).map(|step| block_params(local, &positions, r, (r + cp - step) % cp)).collect();
+    let mut blocks = RankBlocks::new(steps_of(0), x);
+    let mut best = vec![vec![[f64::INFINITY; 2]; cp]; cp];
+    for rep in 0..reps {
+        for pass in 0..2 {
+            for step in 0..cp {
+                for i in 0..cp {
+                    let r = if rep % 2 == 0 { i } else { cp - 1 - i };
+                    blocks.set_steps(steps_of(r));
+                    let t =
+                        pool.install(|| if pass == 0 { blocks.forward_step(step) } else { blocks.backward_step(step) });
+                    best[r][step][pass] = best[r][step][pass].min(t.as_secs_f64());
+                }
+            }
+        }
+    }
+    best
+}
+
 /// The wire form of a [`RankResult`] (UCX processes gather them on rank 0): scalars, then the steps' times.
 fn pack(x: &RankResult) -> Vec<f64> {
     let mut v = vec![
@@ -455,6 +539,10 @@ fn main() {
     // `alone_reps` more compute-only passes, run serially on all cores).
     let alone_reps = arg_list(&args, "--alone-reps", &[4]).first().copied().unwrap_or(4);
     let compute_only = !args.iter().any(|a| a == "--no-compute-only");
+    // Repetitions of the schedule timing (every rank's blocks on one set of buffers; thread ranks only); 0 skips
+    // it. `--schedule-only` runs nothing else (no ring, no compute-only pass).
+    let schedule_reps = arg_list(&args, "--schedule-reps", &[4]).first().copied().unwrap_or(4);
+    let schedule_only = args.iter().any(|a| a == "--schedule-only");
     let (hq, hkv, d) = (8, 2, 128);
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let alone_pool = rayon::ThreadPoolBuilder::new().num_threads(cores).build().expect("thread pool");
@@ -468,16 +556,17 @@ fn main() {
         }
         None => format!("thread ranks on {cores} cores"),
     };
-    if lead {
+    if lead && !schedule_only {
         println!("# longctx ring attention: B=1 Hq={hq} Hkv={hkv} D={d}, causal, bf16, zigzag, ring schedule, {ranks}");
         println!(
             "# each rank's kernels run on max(1, cores/CP) threads; compute-only = the same blocks without communication"
         );
-        println!("| S | CP | fwd ms | fwd compute-only ms | fwd exposed comm | fwd ring wait | bwd ms | bwd compute-only ms | bwd exposed comm | bwd ring wait | imbalance alone max/min | imbalance CPU max/min | pairs max/min | MiB sent/rank (fwd+bwd) | peak MiB/rank | rank GFLOP/s |");
-        println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+        println!("| S | CP | fwd ms | fwd compute-only ms | fwd exposed comm | fwd ring wait | bwd ms | bwd compute-only ms | bwd exposed comm | bwd ring wait | imbalance alone max/min | imbalance CPU max/min | pairs max/min | kernel work max/min | MiB sent/rank (fwd+bwd) | peak MiB/rank | rank GFLOP/s |");
+        println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     }
     let mut rate_samples = Vec::new();
     let mut alone_rows = Vec::new();
+    let mut schedule_rows = Vec::new();
     for &s in &seqs {
         for &cp in &cps {
             let layout = match SeqLayout::new(Default::default(), cp, s) {
@@ -489,6 +578,14 @@ fn main() {
             };
             let threads = (cores / cp).max(1);
             let job = Job { s, cp, threads, alone_reps, alone_pool: &alone_pool, compute_only, hq, hkv, d, layout };
+            let work = kernel_work(&job);
+            let work_imbalance = *work.iter().max().unwrap_or(&0) as f64 / *work.iter().min().unwrap_or(&1) as f64;
+            if processes.is_none() && cp > 1 && schedule_reps > 0 {
+                schedule_rows.push((s, cp, time_schedule(&job, schedule_reps, &alone_pool), work_imbalance));
+            }
+            if schedule_only {
+                continue;
+            }
             let res = match &processes {
                 None => ThreadWorld::builder()
                     .timeout(Duration::from_secs(3600))
@@ -547,12 +644,41 @@ fn main() {
                 ("–".into(), "–".into(), "–".into(), "–".into(), "–".into())
             };
             println!(
-                "| {s} | {cp} | {fwd:.0} | {fwd_c} | {fwd_x} | {fwd_w:.1}% | {bwd:.0} | {bwd_c} | {bwd_x} | {bwd_w:.1}% | {alone} | {imbalance} | {pair_imbalance:.3} | {bytes:.1} | {peak:.1} | {rate:.1} |",
+                "| {s} | {cp} | {fwd:.0} | {fwd_c} | {fwd_x} | {fwd_w:.1}% | {bwd:.0} | {bwd_c} | {bwd_x} | {bwd_w:.1}% | {alone} | {imbalance} | {pair_imbalance:.3} | {work_imbalance:.3} | {bytes:.1} | {peak:.1} | {rate:.1} |",
             );
         }
     }
     if !lead {
         return;
+    }
+    if !schedule_rows.is_empty() {
+        println!();
+        println!(
+            "# schedule imbalance: every rank's blocks on ONE set of buffers and data, only the positions differing"
+        );
+        println!("# (each block's best of {schedule_reps}, one block at a time on {cores} threads); step 0 (the diagonal) is the");
+        println!("# same work on every rank, so its spread is the measure's noise floor");
+        println!("| S | CP | per-rank fwd+bwd ms | imbalance max/min | step-0 spread max/min | kernel work max/min |");
+        println!("|---|---|---|---|---|---|");
+        let max_over_min =
+            |v: &[f64]| v.iter().cloned().fold(0.0, f64::max) / v.iter().cloned().fold(f64::MAX, f64::min);
+        for (s, cp, ranks, work) in &schedule_rows {
+            let totals: Vec<f64> = ranks.iter().map(|st| st.iter().map(|b| b[0] + b[1]).sum::<f64>() * 1e3).collect();
+            let step0: Vec<f64> = ranks.iter().map(|st| st[0][0] + st[0][1]).collect();
+            let shown: Vec<String> = totals.iter().map(|t| format!("{t:.0}")).collect();
+            println!(
+                "| {s} | {cp} | {} | {:.3} | {:.3} | {work:.3} |",
+                shown.join(" / "),
+                max_over_min(&totals),
+                max_over_min(&step0)
+            );
+        }
+        for (s, cp, ranks, _) in &schedule_rows {
+            for (r, steps) in ranks.iter().enumerate() {
+                let steps: Vec<String> = steps.iter().map(|[f, b]| format!("{:.0}/{:.0}", f * 1e3, b * 1e3)).collect();
+                println!("# schedule S={s} CP={cp} rank {r}: fwd/bwd per step {}", steps.join(" + "));
+            }
+        }
     }
     if !alone_rows.is_empty() {
         println!();
