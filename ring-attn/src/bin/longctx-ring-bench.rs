@@ -413,6 +413,8 @@ fn kernel_work(job: &Job) -> Vec<u64> {
 /// its best time. Ranks whose own buffers sit at other addresses, or whose values differ, can run at slightly
 /// different speeds on the same work (the "alone" timing shows that); here only the work the schedule gives
 /// each rank differs. Returns `[rank][step][forward, backward]` seconds.
+// The indices pick the rank whose turn it is, not an element to iterate over.
+#[allow(clippy::needless_range_loop)]
 fn time_schedule(job: &Job, reps: usize, pool: &rayon::ThreadPool) -> Vec<Vec<[f64; 2]>> {
     let Job { s, cp, hq, hkv, d, ref layout, .. } = *job;
     let l = s / cp;
