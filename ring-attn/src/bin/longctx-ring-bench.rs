@@ -408,14 +408,15 @@ fn kernel_work(job: &Job) -> Vec<u64> {
 }
 
 /// The schedule's own imbalance: every rank's ring-step blocks timed on ONE set of buffers and data (rank 0's
-/// tensors), only the positions, and so the masks, changing from rank to rank. Timed one block at a time on
-/// every core, the ranks taking turns block by block in an order reversed every repetition, each block keeping
-/// its best time. Ranks whose own buffers sit at other addresses, or whose values differ, can run at slightly
-/// different speeds on the same work (the "alone" timing shows that); here only the work the schedule gives
-/// each rank differs. Returns `[rank][step][forward, backward]` seconds.
+/// tensors), only the positions, and so the masks, changing from rank to rank. Ranks whose own buffers sit at
+/// other addresses, or whose values differ, can run at slightly different speeds on the same work (the "alone"
+/// timing shows that); here only the work the schedule gives each rank differs. Timed one block at a time on
+/// every core, the ranks taking turns block by block, the first turn rotating every repetition so each rank
+/// runs as often in each place of the order. Returns every sample: `[rep][rank][step][forward, backward]`
+/// seconds.
 // The indices pick the rank whose turn it is, not an element to iterate over.
 #[allow(clippy::needless_range_loop)]
-fn time_schedule(job: &Job, reps: usize, pool: &rayon::ThreadPool) -> Vec<Vec<[f64; 2]>> {
+fn time_schedule(job: &Job, reps: usize, pool: &rayon::ThreadPool) -> Vec<Vec<Vec<[f64; 2]>>> {
     let Job { s, cp, hq, hkv, d, ref layout, .. } = *job;
     let l = s / cp;
     let positions: Vec<Vec<i64>> = (0..cp).map(|x| layout.positions(x)).collect();
@@ -444,21 +445,92 @@ fn time_schedule(job: &Job, reps: usize, pool: &rayon::ThreadPool) -> Vec<Vec<[f
     let x = Inputs { q: (&q).into(), k: (&k).into(), v: (&v).into(), o: (&o).into(), d_o: (&d_o).into(), lse: &lse };
     let steps_of = |r: usize| (0..cp).map(|step| block_params(local, &positions, r, (r + cp - step) % cp)).collect();
     let mut blocks = RankBlocks::new(steps_of(0), x);
-    let mut best = vec![vec![[f64::INFINITY; 2]; cp]; cp];
-    for rep in 0..reps {
+    let mut samples = vec![vec![vec![[0.0; 2]; cp]; cp]; reps];
+    for (rep, sample) in samples.iter_mut().enumerate() {
         for pass in 0..2 {
             for step in 0..cp {
                 for i in 0..cp {
-                    let r = if rep % 2 == 0 { i } else { cp - 1 - i };
+                    let r = (i + rep) % cp;
                     blocks.set_steps(steps_of(r));
                     let t =
                         pool.install(|| if pass == 0 { blocks.forward_step(step) } else { blocks.backward_step(step) });
-                    best[r][step][pass] = best[r][step][pass].min(t.as_secs_f64());
+                    sample[r][step][pass] = t.as_secs_f64();
                 }
             }
         }
     }
-    best
+    samples
+}
+
+/// What the schedule timing shows: per-rank totals of each block's median (robust to the bursts of a shared
+/// host) and of each block's best, their max/min, the spread of step 0 (identical work on every rank: the
+/// measure's noise floor), and a bootstrap 95% interval of the median imbalance (repetitions resampled).
+struct ScheduleStats {
+    median_totals: Vec<f64>,
+    median_imbalance: f64,
+    best_imbalance: f64,
+    step0_spread: f64,
+    interval: (f64, f64),
+}
+
+fn max_over_min(v: &[f64]) -> f64 {
+    v.iter().cloned().fold(0.0, f64::max) / v.iter().cloned().fold(f64::MAX, f64::min)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+impl ScheduleStats {
+    fn new(samples: &[Vec<Vec<[f64; 2]>>]) -> Self {
+        let (cp, steps) = (samples[0].len(), samples[0][0].len());
+        // Per rank and block: the statistic over the chosen repetitions.
+        let per_block = |reps: &[usize], stat: &dyn Fn(Vec<f64>) -> f64| -> Vec<Vec<f64>> {
+            (0..cp)
+                .map(|r| {
+                    (0..steps)
+                        .flat_map(|st| (0..2).map(move |pass| (st, pass)))
+                        .map(|(st, pass)| stat(reps.iter().map(|&i| samples[i][r][st][pass]).collect()))
+                        .collect()
+                })
+                .collect()
+        };
+        let all: Vec<usize> = (0..samples.len()).collect();
+        let totals = |b: &[Vec<f64>]| b.iter().map(|x| x.iter().sum()).collect::<Vec<f64>>();
+        let med = per_block(&all, &median);
+        let best = per_block(&all, &|v| v.into_iter().fold(f64::INFINITY, f64::min));
+        let median_totals = totals(&med);
+        let step0: Vec<f64> = med.iter().map(|x| x[0] + x[1]).collect();
+        // Bootstrap: resample the repetitions (a repetition runs every block of every rank once, interleaved).
+        let mut rng = 0x9E37_79B9_7F4A_7C15u64;
+        let mut draws: Vec<f64> = (0..400)
+            .map(|_| {
+                let pick: Vec<usize> = (0..samples.len())
+                    .map(|_| {
+                        rng ^= rng << 13;
+                        rng ^= rng >> 7;
+                        rng ^= rng << 17;
+                        (rng % samples.len() as u64) as usize
+                    })
+                    .collect();
+                max_over_min(&totals(&per_block(&pick, &median)))
+            })
+            .collect();
+        draws.sort_by(f64::total_cmp);
+        Self {
+            median_imbalance: max_over_min(&median_totals),
+            median_totals,
+            best_imbalance: max_over_min(&totals(&best)),
+            step0_spread: max_over_min(&step0),
+            interval: (draws[10], draws[389]),
+        }
+    }
 }
 
 /// The wire form of a [`RankResult`] (UCX processes gather them on rank 0): scalars, then the steps' times.
@@ -656,29 +728,42 @@ fn main() {
     if !schedule_rows.is_empty() {
         println!();
         println!(
-            "# schedule imbalance: every rank's blocks on ONE set of buffers and data, only the positions differing"
+            "# schedule imbalance: every rank's blocks on ONE set of buffers and data, only the positions differing,"
         );
-        println!("# (each block's best of {schedule_reps}, one block at a time on {cores} threads); step 0 (the diagonal) is the");
-        println!("# same work on every rank, so its spread is the measure's noise floor");
-        println!("| S | CP | per-rank fwd+bwd ms | imbalance max/min | step-0 spread max/min | kernel work max/min |");
-        println!("|---|---|---|---|---|---|");
-        let max_over_min =
-            |v: &[f64]| v.iter().cloned().fold(0.0, f64::max) / v.iter().cloned().fold(f64::MAX, f64::min);
-        for (s, cp, ranks, work) in &schedule_rows {
-            let totals: Vec<f64> = ranks.iter().map(|st| st.iter().map(|b| b[0] + b[1]).sum::<f64>() * 1e3).collect();
-            let step0: Vec<f64> = ranks.iter().map(|st| st[0][0] + st[0][1]).collect();
-            let shown: Vec<String> = totals.iter().map(|t| format!("{t:.0}")).collect();
+        println!(
+            "# {schedule_reps} repetitions, one block at a time on {cores} threads, ranks interleaved block by block."
+        );
+        println!(
+            "# Per rank: the sum of each block's median; max/min of those, with a bootstrap 95% interval over the"
+        );
+        println!(
+            "# repetitions, and of each block's best. Step 0 (the diagonal) is the same work on every rank, so its"
+        );
+        println!("# spread is the measure's noise floor. Kernel work: scores the kernels compute per rank (exact).");
+        println!("| S | CP | per-rank fwd+bwd ms (medians) | imbalance max/min (medians) | 95% interval | imbalance (best of each block) | step-0 spread | kernel work max/min |");
+        println!("|---|---|---|---|---|---|---|---|");
+        for (s, cp, samples, work) in &schedule_rows {
+            let st = ScheduleStats::new(samples);
+            let shown: Vec<String> = st.median_totals.iter().map(|t| format!("{:.0}", t * 1e3)).collect();
             println!(
-                "| {s} | {cp} | {} | {:.3} | {:.3} | {work:.3} |",
+                "| {s} | {cp} | {} | {:.3} | {:.3}–{:.3} | {:.3} | {:.3} | {work:.3} |",
                 shown.join(" / "),
-                max_over_min(&totals),
-                max_over_min(&step0)
+                st.median_imbalance,
+                st.interval.0,
+                st.interval.1,
+                st.best_imbalance,
+                st.step0_spread
             );
         }
-        for (s, cp, ranks, _) in &schedule_rows {
-            for (r, steps) in ranks.iter().enumerate() {
-                let steps: Vec<String> = steps.iter().map(|[f, b]| format!("{:.0}/{:.0}", f * 1e3, b * 1e3)).collect();
-                println!("# schedule S={s} CP={cp} rank {r}: fwd/bwd per step {}", steps.join(" + "));
+        for (s, cp, samples, _) in &schedule_rows {
+            for r in 0..*cp {
+                let steps: Vec<String> = (0..*cp)
+                    .map(|st| {
+                        let m = |pass: usize| median(samples.iter().map(|x| x[r][st][pass]).collect()) * 1e3;
+                        format!("{:.0}/{:.0}", m(0), m(1))
+                    })
+                    .collect();
+                println!("# schedule S={s} CP={cp} rank {r}: median fwd/bwd per step {}", steps.join(" + "));
             }
         }
     }
