@@ -418,6 +418,9 @@ fn kernel_work(job: &Job) -> Vec<u64> {
 #[allow(clippy::needless_range_loop)]
 fn time_schedule(job: &Job, reps: usize, pool: &rayon::ThreadPool) -> Vec<Vec<Vec<[f64; 2]>>> {
     let Job { s, cp, hq, hkv, d, ref layout, .. } = *job;
+    if reps == 0 {
+        return Vec::new();
+    }
     let l = s / cp;
     let positions: Vec<Vec<i64>> = (0..cp).map(|x| layout.positions(x)).collect();
     let local = AttnShape { batch: 1, q_heads: hq, kv_heads: hkv, q_len: l, kv_len: l, head_dim: d };
@@ -654,7 +657,8 @@ fn main() {
             let job = Job { s, cp, threads, alone_reps, alone_pool: &alone_pool, compute_only, hq, hkv, d, layout };
             let work = kernel_work(&job);
             let work_imbalance = *work.iter().max().unwrap_or(&0) as f64 / *work.iter().min().unwrap_or(&1) as f64;
-            if processes.is_none() && cp > 1 && schedule_reps > 0 {
+            // With `--schedule-only --schedule-reps 0` only the exact work count is printed (instant at any S).
+            if processes.is_none() && cp > 1 && (schedule_reps > 0 || schedule_only) {
                 schedule_rows.push((s, cp, time_schedule(&job, schedule_reps, &alone_pool), work_imbalance));
             }
             if schedule_only {
@@ -743,6 +747,10 @@ fn main() {
         println!("| S | CP | per-rank fwd+bwd ms (medians) | imbalance max/min (medians) | 95% interval | imbalance (best of each block) | step-0 spread | kernel work max/min |");
         println!("|---|---|---|---|---|---|---|---|");
         for (s, cp, samples, work) in &schedule_rows {
+            if samples.is_empty() {
+                println!("| {s} | {cp} | – | – | – | – | – | {work:.3} |");
+                continue;
+            }
             let st = ScheduleStats::new(samples);
             let shown: Vec<String> = st.median_totals.iter().map(|t| format!("{:.0}", t * 1e3)).collect();
             println!(
@@ -755,7 +763,7 @@ fn main() {
                 st.step0_spread
             );
         }
-        for (s, cp, samples, _) in &schedule_rows {
+        for (s, cp, samples, _) in schedule_rows.iter().filter(|x| !x.2.is_empty()) {
             for r in 0..*cp {
                 let steps: Vec<String> = (0..*cp)
                     .map(|st| {
