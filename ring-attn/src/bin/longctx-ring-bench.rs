@@ -21,9 +21,10 @@
 //! as the only one. `--alone-reps N` (default 4) sets how often each block is timed alone; 0 skips that timing.
 //!
 //! The schedule's own imbalance is measured apart (thread ranks only): every rank's blocks timed on one set of
-//! buffers and data, only the positions differing, best of `--schedule-reps N` (default 4; 0 skips it), beside
-//! the exact count of the scores the kernels compute per rank (`attention_work`). `--schedule-only` runs just
-//! that (no ring, no compute-only pass):
+//! buffers and data, only the positions differing, `--schedule-reps N` times (default 4; 0 skips it), summed
+//! per rank from each block's median, beside the exact count of the scores the kernels compute per rank
+//! (`attention_work`). `--schedule-only` runs just that (no ring, no compute-only pass; with
+//! `--schedule-reps 0`, only the exact count):
 //!
 //! ```text
 //! cargo run --release -p longctx-ring-attn --bin longctx-ring-bench -- --seqs 16384 --cps 2,4 --schedule-only --schedule-reps 8
