@@ -657,7 +657,7 @@ fn main() {
             let threads = (cores / cp).max(1);
             let job = Job { s, cp, threads, alone_reps, alone_pool: &alone_pool, compute_only, hq, hkv, d, layout };
             let work = kernel_work(&job);
-            let work_imbalance = *work.iter().max().unwrap_or(&0) as f64 / *work.iter().min().unwrap_or(&1) as f64;
+            let work_imbalance = max_over_min(&work.iter().map(|&w| w as f64).collect::<Vec<_>>());
             // With `--schedule-only --schedule-reps 0` only the exact work count is printed (instant at any S).
             if processes.is_none() && cp > 1 && (schedule_reps > 0 || schedule_only) {
                 schedule_rows.push((s, cp, time_schedule(&job, schedule_reps, &alone_pool), work_imbalance));
@@ -691,18 +691,16 @@ fn main() {
                 res.iter().map(|x| w(x).as_secs_f64() / t(x).as_secs_f64()).fold(0.0, f64::max) * 100.0
             };
             let (fwd_w, bwd_w) = (wait_share(&|x| x.fwd_wait, &|x| x.fwd), wait_share(&|x| x.bwd_wait, &|x| x.bwd));
-            let max_over_min =
-                |v: Vec<f64>| v.iter().cloned().fold(0.0, f64::max) / v.iter().cloned().fold(f64::MAX, f64::min);
-            let imbalance = max_over_min(res.iter().map(|x| x.compute_cpu).collect());
+            let imbalance = max_over_min(&res.iter().map(|x| x.compute_cpu).collect::<Vec<_>>());
             let alone = if cp == 1 {
                 "1.000".to_string()
             } else if alone_reps == 0 {
                 "–".to_string()
             } else {
                 alone_rows.push((s, cp, res.iter().map(|x| (x.alone, x.alone_steps.clone())).collect::<Vec<_>>()));
-                format!("{:.3}", max_over_min(res.iter().map(|x| x.alone).collect()))
+                format!("{:.3}", max_over_min(&res.iter().map(|x| x.alone).collect::<Vec<_>>()))
             };
-            let pair_imbalance = max_over_min(res.iter().map(|x| x.flops).collect());
+            let pair_imbalance = max_over_min(&res.iter().map(|x| x.flops).collect::<Vec<_>>());
             let bytes = res.iter().map(|x| x.bytes).max().unwrap_or(0) as f64 / (1 << 20) as f64;
             let peak = res.iter().map(|x| x.peak).max().unwrap_or(0) as f64 / (1 << 20) as f64;
             // Per-rank forward rate over the compute-only blocks (or, without them, over the ring's forward).
