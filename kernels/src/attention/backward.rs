@@ -261,26 +261,26 @@ impl Ctx<'_> {
             }
             let r0 = g * GROUP;
             let gr = GROUP.min(rows - r0);
-            simd::matmul(
+            simd::matmul_packed_b(
                 gr,
                 hi - lo,
                 d,
                 &q_tile[r0 * d..],
                 d,
-                &kt_tile[lo..],
-                BC,
+                &kt_tile[lo * d..],
+                d,
                 &mut sc.s[r0 * BC + lo..],
                 BC,
                 false,
             );
-            simd::matmul(
+            simd::matmul_packed_b(
                 gr,
                 hi - lo,
                 d,
                 &do_tile[r0 * d..],
                 d,
-                &vt_tile[lo..],
-                BC,
+                &vt_tile[lo * d..],
+                d,
                 &mut bs.dp[r0 * BC + lo..],
                 BC,
                 false,

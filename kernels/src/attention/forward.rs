@@ -13,8 +13,8 @@ use std::f32::consts::{LN_2, LOG2_E};
 use rayon::prelude::*;
 
 use super::mask::{tile_summaries, TileClass};
-use super::pack::{as_f32, pack_transposed_tiles};
-use super::simd;
+use super::pack::{pack_transposed_tiles, pack_value_strips, value_tile_len};
+use super::simd::{self, STRIP};
 use super::{AttnParams, BC, BR};
 use crate::error::Result;
 use crate::view::{HostSlice, HostSliceMut};
@@ -59,7 +59,8 @@ pub fn attention_forward(
     let mask = &p.mask;
     let c = p.scale * LOG2_E;
 
-    let v = as_f32(v);
+    let vp = pack_value_strips(v, &s);
+    let v_len = value_tile_len(d);
     let kt = pack_transposed_tiles(k, &s);
     let q_sum = tile_summaries(mask, true, s.q_len, BR);
     let k_sum = tile_summaries(mask, false, s.kv_len, BC);
@@ -108,14 +109,13 @@ pub fn attention_forward(
             let j0 = t * BC;
             let bc = BC.min(s.kv_len - j0);
             let kt_tile = &kt[(kv_head * k_tiles + t) * d * BC..(kv_head * k_tiles + t + 1) * d * BC];
-            let v_tile = &v[(kv_head * s.kv_len + j0) * d..(kv_head * s.kv_len + j0 + bc) * d];
+            let v_tile = &vp[(kv_head * k_tiles + t) * v_len..(kv_head * k_tiles + t + 1) * v_len];
             // The next key tile, pulled into cache a slice at a time while this one is computed: once K and V of a
             // head outgrow the cache (S >= 4096 at D = 128) they come from DRAM on every task, and without this the
             // single-thread rate fell by about a quarter from S = 2048 to S = 8192.
             let next = (t + 1 < k_tiles && mask.classify(&q_sum[qt], &k_sum[t + 1]) != TileClass::Hidden).then(|| {
-                let (j1, bc1) = (j0 + BC, BC.min(s.kv_len - j0 - BC));
                 let kt1 = &kt[(kv_head * k_tiles + t + 1) * d * BC..(kv_head * k_tiles + t + 2) * d * BC];
-                (kt1, &v[(kv_head * s.kv_len + j1) * d..(kv_head * s.kv_len + j1 + bc1) * d])
+                (kt1, &vp[(kv_head * k_tiles + t + 1) * v_len..(kv_head * k_tiles + t + 2) * v_len])
             });
             // Prefetch slices: one after each `PF_ROWS` rows of each product, so the requests are spread evenly
             // over the tile's compute rather than issued in one burst that the miss buffers cannot all hold.
@@ -138,14 +138,14 @@ pub fn attention_forward(
                 if class == TileClass::Visible {
                     for (ci, r0) in (0..rows).step_by(PF_ROWS).enumerate() {
                         let r = PF_ROWS.min(rows - r0);
-                        simd::matmul(
+                        simd::matmul_packed_b(
                             r,
                             spans[0].1,
                             d,
                             &q_tile[r0 * d..],
                             d,
                             kt_tile,
-                            BC,
+                            d,
                             &mut st[r0 * BC..],
                             BC,
                             false,
@@ -162,7 +162,7 @@ pub fn attention_forward(
                     let r0 = gi * GROUP;
                     let gr = GROUP.min(rows - r0);
                     let dst = &mut st[r0 * BC + lo..];
-                    simd::matmul(gr, hi - lo, d, &q_tile[r0 * d..], d, &kt_tile[lo..], BC, dst, BC, false);
+                    simd::matmul_packed_b(gr, hi - lo, d, &q_tile[r0 * d..], d, &kt_tile[lo * d..], d, dst, BC, false);
                 }
                 // Online softmax, row by row.
                 for i in 0..rows {
@@ -197,7 +197,7 @@ pub fn attention_forward(
                 if class == TileClass::Visible {
                     for (ci, r0) in (0..rows).step_by(PF_ROWS).enumerate() {
                         let r = PF_ROWS.min(rows - r0);
-                        simd::matmul(r, d, bc, &st[r0 * BC..], BC, v_tile, d, &mut acc[r0 * d..], d, true);
+                        simd::matmul_packed_b(r, d, bc, &st[r0 * BC..], BC, v_tile, BC, &mut acc[r0 * d..], d, true);
                         fetch(2 * h + 1, ci);
                     }
                 } else {
@@ -211,7 +211,7 @@ pub fn attention_forward(
                     let r0 = gi * GROUP;
                     let gr = GROUP.min(rows - r0);
                     let p_rows = &st[r0 * BC + lo..];
-                    simd::matmul(gr, d, hi - lo, p_rows, BC, &v_tile[lo * d..], d, &mut acc[r0 * d..], d, true);
+                    simd::matmul_packed_b(gr, d, hi - lo, p_rows, BC, &v_tile[lo * STRIP..], BC, &mut acc[r0 * d..], d, true);
                 }
             }
             sc.spans = spans;
@@ -273,8 +273,9 @@ impl Scratch {
         debug_assert!(rows <= BR);
     }
 
-    /// For each group of `GROUP` rows, the span `[lo, hi)` of key columns (multiples of 8, within the tile
-    /// padded to a multiple of 8) that some row of the group sees. For partial tiles it also fills `vis`.
+    /// For each group of `GROUP` rows, the span `[lo, hi)` of key columns that some row of the group sees: `lo`
+    /// a multiple of `STRIP` (where a strip of the packed keys starts), `hi` of 8, within the tile padded to a
+    /// multiple of 8. For partial tiles it also fills `vis`.
     pub fn spans(
         &mut self,
         mask: &super::AttnMask<'_>,
@@ -307,7 +308,7 @@ impl Scratch {
             if lo == usize::MAX {
                 spans.push((0, 0));
             } else {
-                spans.push((lo / 8 * 8, hi.next_multiple_of(8).min(bcp)));
+                spans.push((lo / STRIP * STRIP, hi.next_multiple_of(8).min(bcp)));
             }
         }
         spans

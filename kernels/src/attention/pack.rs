@@ -5,11 +5,14 @@ use std::borrow::Cow;
 
 use rayon::prelude::*;
 
+use super::simd::STRIP;
 use super::{AttnShape, BC};
 use crate::view::HostSlice;
 
-/// `[B·Hkv][tile][D][BC]`: each key tile transposed (columns are keys), zero-padded to `BC` keys, so the
-/// product `Q·Kᵀ` of a tile is a plain row-major product with unit-stride loads along the keys.
+/// `[B·Hkv][tile][BC / STRIP][D][STRIP]`: each key tile transposed (columns are keys), zero-padded to `BC` keys
+/// and strip-packed for [`super::simd::matmul_packed_b`] (key `j` of the tile, dimension `dd` at
+/// `(j / STRIP)·STRIP·D + dd·STRIP + j % STRIP`), so the product `Q·Kᵀ` of a tile reads each strip of keys as
+/// one contiguous block. A block of keys starting at `j` (a multiple of `STRIP`) starts at offset `j·D`.
 pub(crate) fn pack_transposed_tiles(x: HostSlice<'_>, s: &AttnShape) -> Vec<f32> {
     let d = s.head_dim;
     let tiles = s.kv_len.div_ceil(BC);
@@ -23,13 +26,46 @@ pub(crate) fn pack_transposed_tiles(x: HostSlice<'_>, s: &AttnShape) -> Vec<f32>
             let tile = &mut dst[t * d * BC..(t + 1) * d * BC];
             for j in 0..bc {
                 x.load_f32((bh * s.kv_len + j0 + j) * d, &mut row);
+                let strip = &mut tile[j / STRIP * STRIP * d + j % STRIP..];
                 for (dd, v) in row.iter().enumerate() {
-                    tile[dd * BC + j] = *v;
+                    strip[dd * STRIP] = *v;
                 }
             }
         }
     });
     out
+}
+
+/// `[B·Hkv][tile][D / STRIP][BC][STRIP]` (`D` rounded up to a whole strip): each value tile (keys × `D`) split
+/// into strips of `STRIP` columns, each strip's rows contiguous and zero-padded to `BC` keys, for
+/// [`super::simd::matmul_packed_b`] with `strip_rows = BC` (key `j` of the tile, dimension `dd` at
+/// `(dd / STRIP)·STRIP·BC + j·STRIP + dd % STRIP`). Keys from `j` on start at offset `j·STRIP`.
+pub(crate) fn pack_value_strips(x: HostSlice<'_>, s: &AttnShape) -> Vec<f32> {
+    let d = s.head_dim;
+    let tiles = s.kv_len.div_ceil(BC);
+    let tile_len = value_tile_len(d);
+    let per_head = tiles * tile_len;
+    let mut out = vec![0f32; s.batch * s.kv_heads * per_head];
+    out.par_chunks_mut(per_head).enumerate().for_each(|(bh, dst)| {
+        let mut row = vec![0f32; d];
+        for t in 0..tiles {
+            let j0 = t * BC;
+            let bc = BC.min(s.kv_len - j0);
+            let tile = &mut dst[t * tile_len..(t + 1) * tile_len];
+            for j in 0..bc {
+                x.load_f32((bh * s.kv_len + j0 + j) * d, &mut row);
+                for (st, part) in row.chunks(STRIP).enumerate() {
+                    tile[(st * BC + j) * STRIP..][..part.len()].copy_from_slice(part);
+                }
+            }
+        }
+    });
+    out
+}
+
+/// Floats per tile of [`pack_value_strips`].
+pub(crate) fn value_tile_len(d: usize) -> usize {
+    d.next_multiple_of(STRIP) * BC
 }
 
 /// The buffer as `f32`: borrowed when it already is, widened (in parallel) when it is `bf16`.

@@ -22,7 +22,7 @@ pub(crate) fn matmul(
     ldc: usize,
     accumulate: bool,
 ) {
-    matmul_strided(m, n, k, a, lda, 1, b, ldb, c, ldc, accumulate)
+    matmul_strided(m, n, k, a, lda, 1, b, ldb, 1, c, ldc, accumulate)
 }
 
 /// `C[m×n] (+)= Aᵀ[m×k] · B[k×n]` where `A` is stored `[k×m]` row-major with leading dimension `lda`: the
@@ -41,10 +41,38 @@ pub(crate) fn matmul_at(
     ldc: usize,
     accumulate: bool,
 ) {
-    matmul_strided(m, n, k, a, 1, lda, b, ldb, c, ldc, accumulate)
+    matmul_strided(m, n, k, a, 1, lda, b, ldb, 1, c, ldc, accumulate)
 }
 
-/// `C (+)= A·B` with `A[i][p]` at `a[i·a_rs + p·a_cs]`.
+/// Columns per strip of a strip-packed `B` (see [`matmul_packed_b`]): the width of the micro-kernel.
+pub(crate) const STRIP: usize = 16;
+
+/// `C[m×n] (+)= A[m×k] · B[k×n]` with `B` strip-packed: columns in strips of [`STRIP`], each strip
+/// `strip_rows` rows (at least `k`) of `STRIP` contiguous floats, so `B[p][j]` is at
+/// `b[(j / STRIP)·STRIP·strip_rows + p·STRIP + j % STRIP]`. The micro-kernel then reads one contiguous block
+/// per strip instead of `k` cache lines a row apart: at 128 columns those lines are 512 bytes apart and fall
+/// into 8 of the 64 L1 sets, evicting the rows of `A` that share those sets. `n` must be a multiple of 8; a
+/// sub-block of columns must start at a strip boundary (rows may start anywhere: offset `b` by `p0·STRIP`).
+#[inline]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn matmul_packed_b(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: &[f32],
+    lda: usize,
+    b: &[f32],
+    strip_rows: usize,
+    c: &mut [f32],
+    ldc: usize,
+    accumulate: bool,
+) {
+    debug_assert!(k <= strip_rows);
+    matmul_strided(m, n, k, a, lda, 1, b, STRIP, strip_rows, c, ldc, accumulate)
+}
+
+/// `C (+)= A·B` with `A[i][p]` at `a[i·a_rs + p·a_cs]` and `B[p][j]` at `b[s·b_js + p·ldb + j % STRIP]` for the
+/// strip start `s = j - j % STRIP` (row-major: `b_js = 1`; strip-packed: `ldb = STRIP`, `b_js = k`).
 #[inline]
 #[allow(clippy::too_many_arguments)]
 fn matmul_strided(
@@ -56,6 +84,7 @@ fn matmul_strided(
     a_cs: usize,
     b: &[f32],
     ldb: usize,
+    b_js: usize,
     c: &mut [f32],
     ldc: usize,
     accumulate: bool,
@@ -65,7 +94,8 @@ fn matmul_strided(
     }
     assert!(n.is_multiple_of(8), "matmul: n = {n} must be a multiple of 8");
     assert!(k == 0 || a.len() > (m - 1) * a_rs + (k - 1) * a_cs, "matmul: A too short");
-    assert!(k == 0 || b.len() >= (k - 1) * ldb + n, "matmul: B too short");
+    let last = n - 1;
+    assert!(k == 0 || b.len() > (last - last % STRIP) * b_js + (k - 1) * ldb + last % STRIP, "matmul: B too short");
     assert!(c.len() >= (m - 1) * ldc + n, "matmul: C too short");
     if k == 0 {
         if !accumulate {
@@ -79,11 +109,13 @@ fn matmul_strided(
     {
         if has_avx2_fma() {
             // SAFETY: the feature check above, and the bounds asserted on entry cover every access.
-            unsafe { x86::matmul(m, n, k, a.as_ptr(), a_rs, a_cs, b.as_ptr(), ldb, c.as_mut_ptr(), ldc, accumulate) };
+            unsafe {
+                x86::matmul(m, n, k, a.as_ptr(), a_rs, a_cs, b.as_ptr(), ldb, b_js, c.as_mut_ptr(), ldc, accumulate)
+            };
             return;
         }
     }
-    portable::matmul(m, n, k, a, a_rs, a_cs, b, ldb, c, ldc, accumulate);
+    portable::matmul(m, n, k, a, a_rs, a_cs, b, ldb, b_js, c, ldc, accumulate);
 }
 
 /// Computes `x[j] = exp2(x[j] * c - m)` for all `j` and returns the sum (accumulated in 8 lanes, then
@@ -195,6 +227,7 @@ mod portable {
         a_cs: usize,
         b: &[f32],
         ldb: usize,
+        b_js: usize,
         c: &mut [f32],
         ldc: usize,
         accumulate: bool,
@@ -203,9 +236,10 @@ mod portable {
         for i in 0..m {
             for j in (0..n).step_by(8) {
                 let mut acc = [0f32; 8];
+                let col = (j - j % super::STRIP) * b_js + j % super::STRIP;
                 for p in 0..k {
                     let av = a[i * a_rs + p * a_cs];
-                    let brow = &b[p * ldb + j..p * ldb + j + 8];
+                    let brow = &b[p * ldb + col..p * ldb + col + 8];
                     for (o, bv) in acc.iter_mut().zip(brow) {
                         *o = av.mul_add(*bv, *o);
                     }
@@ -287,6 +321,7 @@ mod x86 {
         a_cs: usize,
         b: *const f32,
         ldb: usize,
+        b_js: usize,
         c: *mut f32,
         ldc: usize,
         accumulate: bool,
@@ -299,13 +334,13 @@ mod x86 {
         // multiply-adds, and changes no arithmetic (results bit-identical). Measured in call-by-call paired
         // runs: the backward's median time 2-3% lower at S = 2048, D = 128.
         if a_cs != 1 {
-            return matmul_packed_a(m, n, k, a, a_rs, a_cs, b, ldb, c, ldc, accumulate);
+            return matmul_packed_a(m, n, k, a, a_rs, a_cs, b, ldb, b_js, c, ldc, accumulate);
         }
         let mut i = 0;
         while i < m {
             let rows = (m - i).min(MR);
             let ap = a.add(i * a_rs);
-            block::<0>(rows, n, k, ap, a_rs, a_cs, b, ldb, c.add(i * ldc), ldc, accumulate);
+            block::<0>(rows, n, k, ap, a_rs, a_cs, b, ldb, b_js, c.add(i * ldc), ldc, accumulate);
             i += rows;
         }
     }
@@ -327,6 +362,7 @@ mod x86 {
         a_cs: usize,
         b: *const f32,
         ldb: usize,
+        b_js: usize,
         c: *mut f32,
         ldc: usize,
         accumulate: bool,
@@ -356,7 +392,7 @@ mod x86 {
                     }
                 }
             }
-            block::<1>(rows, n, k, dst, 1, PW, b, ldb, c.add(i * ldc), ldc, accumulate);
+            block::<1>(rows, n, k, dst, 1, PW, b, ldb, b_js, c.add(i * ldc), ldc, accumulate);
             i += rows;
         }
     }
@@ -377,17 +413,18 @@ mod x86 {
         a_cs: usize,
         b: *const f32,
         ldb: usize,
+        b_js: usize,
         cp: *mut f32,
         ldc: usize,
         accumulate: bool,
     ) {
         match rows {
-            6 => tile::<6, S>(n, k, ap, a_rs, a_cs, b, ldb, cp, ldc, accumulate),
-            5 => tile::<5, S>(n, k, ap, a_rs, a_cs, b, ldb, cp, ldc, accumulate),
-            4 => tile::<4, S>(n, k, ap, a_rs, a_cs, b, ldb, cp, ldc, accumulate),
-            3 => tile::<3, S>(n, k, ap, a_rs, a_cs, b, ldb, cp, ldc, accumulate),
-            2 => tile::<2, S>(n, k, ap, a_rs, a_cs, b, ldb, cp, ldc, accumulate),
-            _ => tile::<1, S>(n, k, ap, a_rs, a_cs, b, ldb, cp, ldc, accumulate),
+            6 => tile::<6, S>(n, k, ap, a_rs, a_cs, b, ldb, b_js, cp, ldc, accumulate),
+            5 => tile::<5, S>(n, k, ap, a_rs, a_cs, b, ldb, b_js, cp, ldc, accumulate),
+            4 => tile::<4, S>(n, k, ap, a_rs, a_cs, b, ldb, b_js, cp, ldc, accumulate),
+            3 => tile::<3, S>(n, k, ap, a_rs, a_cs, b, ldb, b_js, cp, ldc, accumulate),
+            2 => tile::<2, S>(n, k, ap, a_rs, a_cs, b, ldb, b_js, cp, ldc, accumulate),
+            _ => tile::<1, S>(n, k, ap, a_rs, a_cs, b, ldb, b_js, cp, ldc, accumulate),
         }
     }
 
@@ -410,6 +447,7 @@ mod x86 {
         a_cs: usize,
         b: *const f32,
         ldb: usize,
+        b_js: usize,
         c: *mut f32,
         ldc: usize,
         accumulate: bool,
@@ -419,7 +457,7 @@ mod x86 {
         while j + 16 <= n {
             let mut c0 = [_mm256_setzero_ps(); M];
             let mut c1 = [_mm256_setzero_ps(); M];
-            let mut bp = b.add(j);
+            let mut bp = b.add(j * b_js);
             for p in 0..k {
                 let b0 = _mm256_loadu_ps(bp);
                 let b1 = _mm256_loadu_ps(bp.add(8));
@@ -444,7 +482,7 @@ mod x86 {
         if j < n {
             // n is a multiple of 8: one 8-wide column block remains.
             let mut c0 = [_mm256_setzero_ps(); M];
-            let mut bp = b.add(j);
+            let mut bp = b.add(j * b_js);
             for p in 0..k {
                 let b0 = _mm256_loadu_ps(bp);
                 for r in 0..M {
