@@ -21,7 +21,7 @@
 //!   the machine as it is during the run: below the one-thread peer when the two copies compete for cache and
 //!   memory bandwidth, or for the cores when other processes run.
 //!
-//! Set `LONGCTX_BENCH_MAX` (bytes) to stop at a smaller size.
+//! Set `LONGCTX_BENCH_MAX` (bytes) to stop at a smaller size, `LONGCTX_BENCH_MIN` to start at a larger one.
 
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -43,8 +43,9 @@ struct Row {
 const GIB: f64 = (1u64 << 30) as f64;
 
 fn sizes() -> Vec<usize> {
-    let max: usize = std::env::var("LONGCTX_BENCH_MAX").ok().and_then(|v| v.parse().ok()).unwrap_or(256 << 20);
-    (0..).map(|i| 4096usize << (2 * i)).take_while(|&s| s <= max).collect()
+    let env = |name: &str, default: usize| std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default);
+    let (min, max) = (env("LONGCTX_BENCH_MIN", 0), env("LONGCTX_BENCH_MAX", 256 << 20));
+    (0..).map(|i| 4096usize << (2 * i)).take_while(|&s| s <= max).filter(|&s| s >= min).collect()
 }
 
 /// Iterations so each measurement moves about 2 GiB, within [3, 20000].

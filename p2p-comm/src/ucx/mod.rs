@@ -185,6 +185,9 @@ fn progress_loop(inner: &Mutex<Inner>, st: &ProgressState) {
             continue;
         }
         if st.waiters.load(Ordering::Acquire) > 0 {
+            // A waiting thread progresses the worker itself. Back off as when idle: waking every few
+            // microseconds here would preempt the waiter (or another rank) on a machine with few cores.
+            pause = (pause * 2).min(PROGRESS_MAX);
             std::thread::sleep(pause);
             continue;
         }
