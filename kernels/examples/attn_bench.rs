@@ -253,16 +253,19 @@ fn main() {
                     let fb = fwd + bwd;
                     let fwd_gf = flops / fwd / 1e9;
                     let fb_gf = 3.5 * flops / fb / 1e9;
+                    // With `--no-backward` the forward+backward columns are dashes, not NaN.
+                    let fb_cols = if no_bwd {
+                        "– | – | –".to_string()
+                    } else {
+                        format!("{:.1} | {:.1} | {:.0}%", fb * 1e3, fb_gf, 100.0 * fb_gf / peak)
+                    };
                     println!(
-                        "| {s} | {d} | {} | {} | {:.1} | {:.1} | {:.0}% | {:.1} | {:.1} | {:.0}% | {:.1} | {:.1} |",
+                        "| {s} | {d} | {} | {} | {:.1} | {:.1} | {:.0}% | {fb_cols} | {:.1} | {:.1} |",
                         if causal { "causal" } else { "full" },
                         if bf { "bf16" } else { "f32" },
                         fwd * 1e3,
                         fwd_gf,
                         100.0 * fwd_gf / peak,
-                        fb * 1e3,
-                        fb_gf,
-                        100.0 * fb_gf / peak,
                         peak_mem as f64 / (1 << 20) as f64,
                         inputs as f64 / (1 << 20) as f64,
                     );
