@@ -211,7 +211,18 @@ pub fn attention_forward(
                     let r0 = gi * GROUP;
                     let gr = GROUP.min(rows - r0);
                     let p_rows = &st[r0 * BC + lo..];
-                    simd::matmul_packed_b(gr, d, hi - lo, p_rows, BC, &v_tile[lo * STRIP..], BC, &mut acc[r0 * d..], d, true);
+                    simd::matmul_packed_b(
+                        gr,
+                        d,
+                        hi - lo,
+                        p_rows,
+                        BC,
+                        &v_tile[lo * STRIP..],
+                        BC,
+                        &mut acc[r0 * d..],
+                        d,
+                        true,
+                    );
                 }
             }
             sc.spans = spans;

@@ -15,25 +15,12 @@ use crate::view::HostSlice;
 /// one contiguous block. A block of keys starting at `j` (a multiple of `STRIP`) starts at offset `j·D`.
 pub(crate) fn pack_transposed_tiles(x: HostSlice<'_>, s: &AttnShape) -> Vec<f32> {
     let d = s.head_dim;
-    let tiles = s.kv_len.div_ceil(BC);
-    let per_head = tiles * d * BC;
-    let mut out = vec![0f32; s.batch * s.kv_heads * per_head];
-    out.par_chunks_mut(per_head).enumerate().for_each(|(bh, dst)| {
-        let mut row = vec![0f32; d];
-        for t in 0..tiles {
-            let j0 = t * BC;
-            let bc = BC.min(s.kv_len - j0);
-            let tile = &mut dst[t * d * BC..(t + 1) * d * BC];
-            for j in 0..bc {
-                x.load_f32((bh * s.kv_len + j0 + j) * d, &mut row);
-                let strip = &mut tile[j / STRIP * STRIP * d + j % STRIP..];
-                for (dd, v) in row.iter().enumerate() {
-                    strip[dd * STRIP] = *v;
-                }
-            }
+    pack_key_tiles(x, s, d * BC, |tile, j, row| {
+        let strip = &mut tile[j / STRIP * STRIP * d + j % STRIP..];
+        for (dd, v) in row.iter().enumerate() {
+            strip[dd * STRIP] = *v;
         }
-    });
-    out
+    })
 }
 
 /// `[B·Hkv][tile][D / STRIP][BC][STRIP]` (`D` rounded up to a whole strip): each value tile (keys × `D`) split
@@ -41,22 +28,32 @@ pub(crate) fn pack_transposed_tiles(x: HostSlice<'_>, s: &AttnShape) -> Vec<f32>
 /// [`super::simd::matmul_packed_b`] with `strip_rows = BC` (key `j` of the tile, dimension `dd` at
 /// `(dd / STRIP)·STRIP·BC + j·STRIP + dd % STRIP`). Keys from `j` on start at offset `j·STRIP`.
 pub(crate) fn pack_value_strips(x: HostSlice<'_>, s: &AttnShape) -> Vec<f32> {
-    let d = s.head_dim;
+    pack_key_tiles(x, s, value_tile_len(s.head_dim), |tile, j, row| {
+        for (st, part) in row.chunks(STRIP).enumerate() {
+            tile[(st * BC + j) * STRIP..][..part.len()].copy_from_slice(part);
+        }
+    })
+}
+
+/// `[B·Hkv][tile][tile_len]`, zero-filled, with `place(tile, j, row)` putting row `j` of each tile of `BC` keys
+/// (as `f32`) where the layout wants it. Heads are packed in parallel.
+fn pack_key_tiles(
+    x: HostSlice<'_>,
+    s: &AttnShape,
+    tile_len: usize,
+    place: impl Fn(&mut [f32], usize, &[f32]) + Sync,
+) -> Vec<f32> {
     let tiles = s.kv_len.div_ceil(BC);
-    let tile_len = value_tile_len(d);
     let per_head = tiles * tile_len;
     let mut out = vec![0f32; s.batch * s.kv_heads * per_head];
     out.par_chunks_mut(per_head).enumerate().for_each(|(bh, dst)| {
-        let mut row = vec![0f32; d];
+        let mut row = vec![0f32; s.head_dim];
         for t in 0..tiles {
             let j0 = t * BC;
-            let bc = BC.min(s.kv_len - j0);
             let tile = &mut dst[t * tile_len..(t + 1) * tile_len];
-            for j in 0..bc {
-                x.load_f32((bh * s.kv_len + j0 + j) * d, &mut row);
-                for (st, part) in row.chunks(STRIP).enumerate() {
-                    tile[(st * BC + j) * STRIP..][..part.len()].copy_from_slice(part);
-                }
+            for j in 0..BC.min(s.kv_len - j0) {
+                x.load_f32((bh * s.kv_len + j0 + j) * s.head_dim, &mut row);
+                place(tile, j, &row);
             }
         }
     });

@@ -4,7 +4,9 @@
 //! the two paths, never between runs on one machine).
 //!
 //! The products are tiny (at most 256 × 256 × 256, all operands in L1/L2), so a hand-written micro-kernel
-//! beats calling a general GEMM per tile: there is no packing or dispatch overhead per call.
+//! beats calling a general GEMM per tile: there is no packing or dispatch overhead per call. The right
+//! operands (K and V tiles) are strip-packed once per attention call instead (`pack.rs`,
+//! [`matmul_packed_b`]), so the kernel reads each strip as one contiguous block.
 
 /// `C[m×n] (+)= A[m×k] · B[k×n]`, all row-major with leading dimensions `lda`, `ldb`, `ldc`; `n` must be a
 /// multiple of 8. With `accumulate` false, `C` is overwritten.
