@@ -7,7 +7,17 @@
 //! cargo run --release -p longctx-kernels --example attn_bench -- --seqs 4096 --dims 64 --full --bf16 --reps 5
 //! RAYON_NUM_THREADS=1 cargo run --release -p longctx-kernels --example attn_bench -- --seqs 4096 --cpu-time
 //! RAYON_NUM_THREADS=1 valgrind --tool=callgrind target/release/examples/attn_bench --seqs 2048 --no-peak --reps 1
+//! LONGCTX_PEER_PYTHON=~/venv/bin/python cargo run --release -p longctx-kernels --example attn_bench -- --rounds 3
 //! ```
+//!
+//! **The peer.** When a Python with `torch` is found (`$LONGCTX_PEER_PYTHON`, else `python3`), every row also runs
+//! PyTorch's CPU `scaled_dot_product_attention` on the same shape, dtype and thread count through
+//! `bench/peer_sdpa.py`, right after our own measurement, and prints both side by side with the ratio.
+//! `--rounds R` repeats that pair R times per row, swapping which of the two goes first each round, and prints
+//! medians (the ratio is the median of the R paired ratios): on a shared machine the same row's time moves by
+//! ±15% from minute to minute, which a single pair cannot tell from a real difference. PyTorch's bf16 backward
+//! on CPU runs at about 17 GFLOP/s, minutes per call at S = 16384, so it is timed only up to S = 4096.
+//! `--no-torch` skips the peer.
 //! FLOP counts follow the usual convention (also used by `bench/peer_sdpa.py`): forward `4·B·Hq·Sq·Sk·D`,
 //! halved for causal; backward 2.5× forward.
 
@@ -160,6 +170,83 @@ impl Bufs {
     }
 }
 
+/// PyTorch's CPU SDPA through `bench/peer_sdpa.py`, when a Python with `torch` is available.
+struct Peer {
+    python: String,
+    script: std::path::PathBuf,
+}
+
+impl Peer {
+    fn detect() -> Option<Self> {
+        let python = std::env::var("LONGCTX_PEER_PYTHON").unwrap_or_else(|_| "python3".into());
+        let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../bench/peer_sdpa.py");
+        let script = script.canonicalize().unwrap_or(script);
+        let ok = std::process::Command::new(&python)
+            .args(["-c", "import torch"])
+            .stderr(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        (ok && script.exists()).then_some(Self { python, script })
+    }
+
+    /// Forward and forward+backward GFLOP/s of one row (`None` for a part not run or a failed run).
+    fn row(&self, s: usize, d: usize, causal: bool, bf: bool, backward: bool, threads: usize) -> (Option<f64>, Option<f64>) {
+        let mut cmd = std::process::Command::new(&self.python);
+        cmd.arg(&self.script).arg("--rows-only").args(["--seqs", &s.to_string(), "--dims", &d.to_string()]);
+        cmd.args(["--threads", &threads.to_string(), "--dtypes", if bf { "bf16" } else { "f32" }]);
+        cmd.arg(if causal { "--causal" } else { "--full" });
+        if !backward {
+            cmd.arg("--no-backward");
+        }
+        let Ok(out) = cmd.output() else { return (None, None) };
+        let text = String::from_utf8_lossy(&out.stdout);
+        let Some(line) = text.lines().find(|l| l.starts_with("| ")) else { return (None, None) };
+        let cols: Vec<&str> = line.split('|').map(str::trim).collect();
+        (cols.get(6).and_then(|x| x.parse().ok()), cols.get(8).and_then(|x| x.parse().ok()))
+    }
+}
+
+fn median(mut x: Vec<f64>) -> f64 {
+    x.retain(|v| v.is_finite());
+    if x.is_empty() {
+        return f64::NAN;
+    }
+    x.sort_by(f64::total_cmp);
+    let n = x.len();
+    if n % 2 == 1 {
+        x[n / 2]
+    } else {
+        0.5 * (x[n / 2 - 1] + x[n / 2])
+    }
+}
+
+/// A figure with one decimal, or a dash when it is missing.
+fn fmt1(x: f64) -> String {
+    if x.is_finite() {
+        format!("{x:.1}")
+    } else {
+        "–".into()
+    }
+}
+
+/// A ratio with two decimals, or a dash.
+fn fmt2(x: f64) -> String {
+    if x.is_finite() {
+        format!("{x:.2}")
+    } else {
+        "–".into()
+    }
+}
+
+/// A share of the peak, or a dash without one.
+fn pct(x: f64, peak: f64) -> String {
+    if (x / peak).is_finite() {
+        format!("{:.0}%", 100.0 * x / peak)
+    } else {
+        "–".into()
+    }
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let seqs = arg_list(&args, "--seqs", &[1024, 4096, 16384, 32768]);
@@ -191,83 +278,96 @@ fn main() {
     }
     let (batch, hq) = (1, 8);
     let threads = rayon::current_num_threads();
-    // `--no-peak`: skip the GEMM peak (e.g. under valgrind, where it dominates); "% peak" then shows NaN.
+    // `--no-peak`: skip the GEMM peak (e.g. under valgrind, where it dominates); "% peak" then shows a dash.
     let peak = if args.iter().any(|a| a == "--no-peak") { f64::NAN } else { gemm_peak() };
+    let rounds = arg_list(&args, "--rounds", &[1]).first().copied().unwrap_or(1).max(1);
+    let peer = if args.iter().any(|a| a == "--no-torch") { None } else { Peer::detect() };
     println!("# longctx attention benchmark: B={batch} Hq={hq} Hkv={hkv}, {threads} threads");
-    println!("# machine peak (gemm crate, 2048^3 f32, same run): {peak:.1} GFLOP/s");
+    if peak.is_finite() {
+        println!("# machine peak (gemm crate, 2048^3 f32, same run): {peak:.1} GFLOP/s");
+    } else {
+        println!("# machine peak: not measured (--no-peak)");
+    }
+    match &peer {
+        Some(p) => println!(
+            "# peer: PyTorch CPU SDPA ({} {}), same shapes and threads, alternating with ours, {rounds} round(s) per row{}",
+            p.python,
+            p.script.display(),
+            if rounds > 1 { "; figures are medians over the rounds" } else { "" }
+        ),
+        None => println!("# peer: none (no Python with torch; set LONGCTX_PEER_PYTHON), {rounds} round(s) per row"),
+    }
+    let peer_head = if peer.is_some() {
+        " PyTorch fwd GFLOP/s | PyTorch fwd+bwd GFLOP/s | fwd ours/PyTorch | fwd+bwd ours/PyTorch |"
+    } else {
+        ""
+    };
     println!(
-        "| S | D | mask | dtype | fwd ms | fwd GFLOP/s | fwd % peak | fwd+bwd ms | fwd+bwd GFLOP/s | fwd+bwd % peak | peak MiB | inputs MiB |"
+        "| S | D | mask | dtype | fwd ms | fwd GFLOP/s | fwd % peak | fwd+bwd ms | fwd+bwd GFLOP/s | fwd+bwd % peak | peak MiB | inputs MiB |{peer_head}"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|{}", if peer.is_some() { "---|---|---|---|" } else { "" });
     for &s in &seqs {
         for &d in &dims {
             for &causal in &masks {
                 for &bf in &dtypes {
                     let shape = AttnShape { batch, q_heads: hq, kv_heads: hkv, q_len: s, kv_len: s, head_dim: d };
-                    let mask = if causal { AttnMask::causal() } else { AttnMask::full() };
-                    let p = AttnParams::new(shape).with_mask(mask);
-                    let base = reset_peak();
-                    let q = Bufs::new(shape.q_elems(), 1, bf);
-                    let k = Bufs::new(shape.kv_elems(), 2, bf);
-                    let v = Bufs::new(shape.kv_elems(), 3, bf);
-                    let d_o = Bufs::new(shape.q_elems(), 4, bf);
-                    let mut o = Bufs::new(shape.q_elems(), 5, bf);
-                    let mut lse = vec![0f32; shape.lse_elems()];
-                    let mut dq = Bufs::new(shape.q_elems(), 6, bf);
-                    let mut dk = Bufs::new(shape.kv_elems(), 7, bf);
-                    let mut dv = Bufs::new(shape.kv_elems(), 8, bf);
-                    let inputs = LIVE.load(Ordering::Relaxed) - base;
                     let flops = 4.0 * (batch * hq * s * s * d) as f64 * if causal { 0.5 } else { 1.0 };
                     // Enough repetitions for about a second of work, at least one.
                     let reps = reps_override.unwrap_or(((2e11 / flops) as usize).clamp(1, 20));
-                    let mut fwd = f64::MAX;
-                    for _ in 0..reps {
-                        let t = timed(cpu, threads, || {
-                            attention_forward(&p, q.view(), k.view(), v.view(), o.view_mut(), &mut lse)
-                                .expect("forward")
-                        });
-                        fwd = fwd.min(t);
-                    }
-                    let mut bwd = f64::NAN;
-                    if !no_bwd {
-                        bwd = f64::MAX;
-                        for _ in 0..reps {
-                            let t = timed(cpu, threads, || {
-                                attention_backward(
-                                    &p,
-                                    q.view(),
-                                    k.view(),
-                                    v.view(),
-                                    o.view_mut().as_slice(),
-                                    d_o.view(),
-                                    &lse,
-                                    dq.view_mut(),
-                                    dk.view_mut(),
-                                    dv.view_mut(),
-                                    false,
-                                )
-                                .expect("backward")
-                            });
-                            bwd = bwd.min(t);
+                    let peer_bwd = !no_bwd && (!bf || s <= 4096);
+                    let (mut fwd, mut fb, mut peer_fwd, mut peer_fb) = (vec![], vec![], vec![], vec![]);
+                    let (mut peak_mem, mut inputs) = (0, 0);
+                    for round in 0..rounds {
+                        // The peer goes first in odd rounds, so a drift in the machine's speed favours neither.
+                        let run_peer = |pf: &mut Vec<f64>, pfb: &mut Vec<f64>| {
+                            if let Some(p) = &peer {
+                                let (f, b) = p.row(s, d, causal, bf, peer_bwd, threads);
+                                pf.push(f.unwrap_or(f64::NAN));
+                                pfb.push(b.unwrap_or(f64::NAN));
+                            }
+                        };
+                        if round % 2 == 1 {
+                            run_peer(&mut peer_fwd, &mut peer_fb);
+                        }
+                        let m = measure(shape, causal, bf, reps, no_bwd, cpu, threads);
+                        (peak_mem, inputs) = (m.peak_mem, m.inputs);
+                        fwd.push(m.fwd);
+                        fb.push(m.fwd + m.bwd);
+                        if round % 2 == 0 {
+                            run_peer(&mut peer_fwd, &mut peer_fb);
                         }
                     }
-                    let peak_mem = PEAK.load(Ordering::Relaxed) - base;
-                    let fb = fwd + bwd;
-                    let fwd_gf = flops / fwd / 1e9;
-                    let fb_gf = 3.5 * flops / fb / 1e9;
+                    let gf = |t: &[f64], mult: f64| t.iter().map(|t| mult * flops / t / 1e9).collect::<Vec<_>>();
+                    let (fwd_gfs, fb_gfs) = (gf(&fwd, 1.0), gf(&fb, 3.5));
+                    let ratios = |ours: &[f64], theirs: &[f64]| {
+                        median(ours.iter().zip(theirs).map(|(a, b)| a / b).collect())
+                    };
+                    let (fwd_ms, fwd_gf) = (median(fwd.clone()) * 1e3, median(fwd_gfs.clone()));
                     // With `--no-backward` the forward+backward columns are dashes, not NaN.
                     let fb_cols = if no_bwd {
                         "– | – | –".to_string()
                     } else {
-                        format!("{:.1} | {:.1} | {:.0}%", fb * 1e3, fb_gf, 100.0 * fb_gf / peak)
+                        let fb_gf = median(fb_gfs.clone());
+                        format!("{} | {} | {}", fmt1(median(fb.clone()) * 1e3), fmt1(fb_gf), pct(fb_gf, peak))
+                    };
+                    let peer_cols = if peer.is_some() {
+                        format!(
+                            " {} | {} | {} | {} |",
+                            fmt1(median(peer_fwd.clone())),
+                            fmt1(median(peer_fb.clone())),
+                            fmt2(ratios(&fwd_gfs, &peer_fwd)),
+                            fmt2(ratios(&fb_gfs, &peer_fb)),
+                        )
+                    } else {
+                        String::new()
                     };
                     println!(
-                        "| {s} | {d} | {} | {} | {:.1} | {:.1} | {:.0}% | {fb_cols} | {:.1} | {:.1} |",
+                        "| {s} | {d} | {} | {} | {} | {} | {} | {fb_cols} | {:.1} | {:.1} |{peer_cols}",
                         if causal { "causal" } else { "full" },
                         if bf { "bf16" } else { "f32" },
-                        fwd * 1e3,
-                        fwd_gf,
-                        100.0 * fwd_gf / peak,
+                        fmt1(fwd_ms),
+                        fmt1(fwd_gf),
+                        pct(fwd_gf, peak),
                         peak_mem as f64 / (1 << 20) as f64,
                         inputs as f64 / (1 << 20) as f64,
                     );
@@ -275,4 +375,60 @@ fn main() {
             }
         }
     }
+}
+
+/// One row's timings (best of `reps`) and memory.
+struct Measured {
+    fwd: f64,
+    /// NaN when the backward was not run.
+    bwd: f64,
+    peak_mem: usize,
+    inputs: usize,
+}
+
+fn measure(shape: AttnShape, causal: bool, bf: bool, reps: usize, no_bwd: bool, cpu: bool, threads: usize) -> Measured {
+    let mask = if causal { AttnMask::causal() } else { AttnMask::full() };
+    let p = AttnParams::new(shape).with_mask(mask);
+    let base = reset_peak();
+    let q = Bufs::new(shape.q_elems(), 1, bf);
+    let k = Bufs::new(shape.kv_elems(), 2, bf);
+    let v = Bufs::new(shape.kv_elems(), 3, bf);
+    let d_o = Bufs::new(shape.q_elems(), 4, bf);
+    let mut o = Bufs::new(shape.q_elems(), 5, bf);
+    let mut lse = vec![0f32; shape.lse_elems()];
+    let mut dq = Bufs::new(shape.q_elems(), 6, bf);
+    let mut dk = Bufs::new(shape.kv_elems(), 7, bf);
+    let mut dv = Bufs::new(shape.kv_elems(), 8, bf);
+    let inputs = LIVE.load(Ordering::Relaxed) - base;
+    let mut fwd = f64::MAX;
+    for _ in 0..reps {
+        let t = timed(cpu, threads, || {
+            attention_forward(&p, q.view(), k.view(), v.view(), o.view_mut(), &mut lse).expect("forward")
+        });
+        fwd = fwd.min(t);
+    }
+    let mut bwd = f64::NAN;
+    if !no_bwd {
+        bwd = f64::MAX;
+        for _ in 0..reps {
+            let t = timed(cpu, threads, || {
+                attention_backward(
+                    &p,
+                    q.view(),
+                    k.view(),
+                    v.view(),
+                    o.view_mut().as_slice(),
+                    d_o.view(),
+                    &lse,
+                    dq.view_mut(),
+                    dk.view_mut(),
+                    dv.view_mut(),
+                    false,
+                )
+                .expect("backward")
+            });
+            bwd = bwd.min(t);
+        }
+    }
+    Measured { fwd, bwd, peak_mem: PEAK.load(Ordering::Relaxed) - base, inputs }
 }
