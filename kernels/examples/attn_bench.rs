@@ -16,7 +16,8 @@
 //! `--rounds R` repeats that pair R times per row, swapping which of the two goes first each round, and prints
 //! medians (the ratio is the median of the R paired ratios): on a shared machine the same row's time moves by
 //! ±15% from minute to minute, which a single pair cannot tell from a real difference. PyTorch's bf16 backward
-//! on CPU runs at about 17 GFLOP/s, minutes per call at S = 16384, so it is timed only up to S = 4096.
+//! on CPU runs at about 17 GFLOP/s (a minute per call at S = 4096, D = 64, causal), so it is timed only with
+//! `--peer-bf16-backward`.
 //! `--no-torch` skips the peer.
 //! FLOP counts follow the usual convention (also used by `bench/peer_sdpa.py`): forward `4·B·Hq·Sq·Sk·D`,
 //! halved for causal; backward 2.5× forward.
@@ -282,6 +283,7 @@ fn main() {
     let peak = if args.iter().any(|a| a == "--no-peak") { f64::NAN } else { gemm_peak() };
     let rounds = arg_list(&args, "--rounds", &[1]).first().copied().unwrap_or(1).max(1);
     let peer = if args.iter().any(|a| a == "--no-torch") { None } else { Peer::detect() };
+    let peer_bf16_bwd = args.iter().any(|a| a == "--peer-bf16-backward");
     println!("# longctx attention benchmark: B={batch} Hq={hq} Hkv={hkv}, {threads} threads");
     if peak.is_finite() {
         println!("# machine peak (gemm crate, 2048^3 f32, same run): {peak:.1} GFLOP/s");
@@ -314,7 +316,7 @@ fn main() {
                     let flops = 4.0 * (batch * hq * s * s * d) as f64 * if causal { 0.5 } else { 1.0 };
                     // Enough repetitions for about a second of work, at least one.
                     let reps = reps_override.unwrap_or(((2e11 / flops) as usize).clamp(1, 20));
-                    let peer_bwd = !no_bwd && (!bf || s <= 4096);
+                    let peer_bwd = !no_bwd && (!bf || peer_bf16_bwd);
                     let (mut fwd, mut fb, mut peer_fwd, mut peer_fb) = (vec![], vec![], vec![], vec![]);
                     let (mut peak_mem, mut inputs) = (0, 0);
                     for round in 0..rounds {
