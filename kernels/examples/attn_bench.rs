@@ -191,7 +191,15 @@ impl Peer {
     }
 
     /// Forward and forward+backward GFLOP/s of one row (`None` for a part not run or a failed run).
-    fn row(&self, s: usize, d: usize, causal: bool, bf: bool, backward: bool, threads: usize) -> (Option<f64>, Option<f64>) {
+    fn row(
+        &self,
+        s: usize,
+        d: usize,
+        causal: bool,
+        bf: bool,
+        backward: bool,
+        threads: usize,
+    ) -> (Option<f64>, Option<f64>) {
         let mut cmd = std::process::Command::new(&self.python);
         cmd.arg(&self.script).arg("--rows-only").args(["--seqs", &s.to_string(), "--dims", &d.to_string()]);
         cmd.args(["--threads", &threads.to_string(), "--dtypes", if bf { "bf16" } else { "f32" }]);
@@ -307,7 +315,10 @@ fn main() {
     println!(
         "| S | D | mask | dtype | fwd ms | fwd GFLOP/s | fwd % peak | fwd+bwd ms | fwd+bwd GFLOP/s | fwd+bwd % peak | peak MiB | inputs MiB |{peer_head}"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|{}", if peer.is_some() { "---|---|---|---|" } else { "" });
+    println!(
+        "|---|---|---|---|---|---|---|---|---|---|---|---|{}",
+        if peer.is_some() { "---|---|---|---|" } else { "" }
+    );
     for &s in &seqs {
         for &d in &dims {
             for &causal in &masks {
@@ -341,9 +352,8 @@ fn main() {
                     }
                     let gf = |t: &[f64], mult: f64| t.iter().map(|t| mult * flops / t / 1e9).collect::<Vec<_>>();
                     let (fwd_gfs, fb_gfs) = (gf(&fwd, 1.0), gf(&fb, 3.5));
-                    let ratios = |ours: &[f64], theirs: &[f64]| {
-                        median(ours.iter().zip(theirs).map(|(a, b)| a / b).collect())
-                    };
+                    let ratios =
+                        |ours: &[f64], theirs: &[f64]| median(ours.iter().zip(theirs).map(|(a, b)| a / b).collect());
                     let (fwd_ms, fwd_gf) = (median(fwd.clone()) * 1e3, median(fwd_gfs.clone()));
                     // With `--no-backward` the forward+backward columns are dashes, not NaN.
                     let fb_cols = if no_bwd {
