@@ -7,7 +7,7 @@
 Prints the same table columns as `cargo run --release -p longctx-kernels --example attn_bench`
 (FLOPs: forward 4*B*H*S*S*D, halved for causal; forward+backward 3.5x forward).
 Needs torch; exits with a message (status 0) when it is not installed, so scripts can call it unconditionally.
-`attn_bench --peer` runs it one row at a time (`--rows-only`), alternating with its own measurement.
+`attn_bench` runs it one row at a time (`--rows-only`), alternating with its own measurement, when it finds torch.
 """
 import argparse
 import os

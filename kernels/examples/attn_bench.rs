@@ -215,8 +215,9 @@ impl Peer {
     }
 }
 
-fn median(mut x: Vec<f64>) -> f64 {
-    x.retain(|v| v.is_finite());
+/// Median of the finite values (NaN if there are none).
+fn median(x: &[f64]) -> f64 {
+    let mut x: Vec<f64> = x.iter().copied().filter(|v| v.is_finite()).collect();
     if x.is_empty() {
         return f64::NAN;
     }
@@ -229,19 +230,10 @@ fn median(mut x: Vec<f64>) -> f64 {
     }
 }
 
-/// A figure with one decimal, or a dash when it is missing.
-fn fmt1(x: f64) -> String {
+/// A figure with `prec` decimals, or a dash when it is missing.
+fn fmt(x: f64, prec: usize) -> String {
     if x.is_finite() {
-        format!("{x:.1}")
-    } else {
-        "–".into()
-    }
-}
-
-/// A ratio with two decimals, or a dash.
-fn fmt2(x: f64) -> String {
-    if x.is_finite() {
-        format!("{x:.2}")
+        format!("{x:.prec$}")
     } else {
         "–".into()
     }
@@ -352,23 +344,24 @@ fn main() {
                     }
                     let gf = |t: &[f64], mult: f64| t.iter().map(|t| mult * flops / t / 1e9).collect::<Vec<_>>();
                     let (fwd_gfs, fb_gfs) = (gf(&fwd, 1.0), gf(&fb, 3.5));
-                    let ratios =
-                        |ours: &[f64], theirs: &[f64]| median(ours.iter().zip(theirs).map(|(a, b)| a / b).collect());
-                    let (fwd_ms, fwd_gf) = (median(fwd.clone()) * 1e3, median(fwd_gfs.clone()));
+                    let ratios = |ours: &[f64], theirs: &[f64]| {
+                        median(&ours.iter().zip(theirs).map(|(a, b)| a / b).collect::<Vec<_>>())
+                    };
+                    let (fwd_ms, fwd_gf) = (median(&fwd) * 1e3, median(&fwd_gfs));
                     // With `--no-backward` the forward+backward columns are dashes, not NaN.
                     let fb_cols = if no_bwd {
                         "– | – | –".to_string()
                     } else {
-                        let fb_gf = median(fb_gfs.clone());
-                        format!("{} | {} | {}", fmt1(median(fb.clone()) * 1e3), fmt1(fb_gf), pct(fb_gf, peak))
+                        let fb_gf = median(&fb_gfs);
+                        format!("{} | {} | {}", fmt(median(&fb) * 1e3, 1), fmt(fb_gf, 1), pct(fb_gf, peak))
                     };
                     let peer_cols = if peer.is_some() {
                         format!(
                             " {} | {} | {} | {} |",
-                            fmt1(median(peer_fwd.clone())),
-                            fmt1(median(peer_fb.clone())),
-                            fmt2(ratios(&fwd_gfs, &peer_fwd)),
-                            fmt2(ratios(&fb_gfs, &peer_fb)),
+                            fmt(median(&peer_fwd), 1),
+                            fmt(median(&peer_fb), 1),
+                            fmt(ratios(&fwd_gfs, &peer_fwd), 2),
+                            fmt(ratios(&fb_gfs, &peer_fb), 2),
                         )
                     } else {
                         String::new()
@@ -377,8 +370,8 @@ fn main() {
                         "| {s} | {d} | {} | {} | {} | {} | {} | {fb_cols} | {:.1} | {:.1} |{peer_cols}",
                         if causal { "causal" } else { "full" },
                         if bf { "bf16" } else { "f32" },
-                        fmt1(fwd_ms),
-                        fmt1(fwd_gf),
+                        fmt(fwd_ms, 1),
+                        fmt(fwd_gf, 1),
                         pct(fwd_gf, peak),
                         peak_mem as f64 / (1 << 20) as f64,
                         inputs as f64 / (1 << 20) as f64,
