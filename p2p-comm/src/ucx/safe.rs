@@ -12,13 +12,15 @@ pub struct Context(sys::ucp_context_h);
 
 impl Context {
     /// `ucp_init` (through `ucp_init_version`, as the header's inline `ucp_init` does).
-    pub fn new() -> Result<Context, UcxError> {
+    /// `wakeup` adds `UCP_FEATURE_WAKEUP`, so a worker can be armed and slept on through its event fd.
+    pub fn new(wakeup: bool) -> Result<Context, UcxError> {
         let mut config: *mut sys::ucp_config_t = ptr::null_mut();
         // SAFETY: null env prefix and file name select the defaults; config is released below.
         check(unsafe { sys::ucp_config_read(ptr::null(), ptr::null(), &mut config) })?;
         let params = sys::ucp_params_t {
             field_mask: sys::ucp_params_field_UCP_PARAM_FIELD_FEATURES as u64,
-            features: sys::ucp_feature_UCP_FEATURE_TAG as u64,
+            features: (sys::ucp_feature_UCP_FEATURE_TAG | if wakeup { sys::ucp_feature_UCP_FEATURE_WAKEUP } else { 0 })
+                as u64,
             ..Default::default()
         };
         let mut h: sys::ucp_context_h = ptr::null_mut();
@@ -75,6 +77,26 @@ impl Worker {
     pub fn progress(&self) -> u32 {
         // SAFETY: the worker is live and the caller holds the transport's lock (serialized mode).
         unsafe { sys::ucp_worker_progress(self.h) }
+    }
+
+    /// The worker's event file descriptor (context created with `wakeup`): readable after [`Worker::arm`] once
+    /// an event arrives.
+    pub fn event_fd(&self) -> Result<i32, UcxError> {
+        let mut fd = -1;
+        // SAFETY: the worker is live; fd receives the descriptor, owned by the worker.
+        check(unsafe { sys::ucp_worker_get_efd(self.h, &mut fd) })?;
+        Ok(fd)
+    }
+
+    /// Arms the event fd: `Ok(true)` when armed (sleeping on the fd is safe), `Ok(false)` when events are pending
+    /// and the worker must be progressed first.
+    pub fn arm(&self) -> Result<bool, UcxError> {
+        // SAFETY: the worker is live and the caller holds the transport's lock.
+        let s = unsafe { sys::ucp_worker_arm(self.h) };
+        if s == sys::ucs_status_t::UCS_ERR_BUSY {
+            return Ok(false);
+        }
+        check(s).map(|()| true)
     }
 
     /// Creates an endpoint to the worker whose address is `addr`.
