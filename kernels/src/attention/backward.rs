@@ -107,61 +107,65 @@ pub fn attention_backward(
             bs.dq.clear();
             bs.dq.resize(my_dq.len() * BR * d, 0.0);
             let (dk_part, dv_part) = part.split_at_mut(s.kv_len * d);
-            for t in 0..k_tiles {
-                let j0 = t * BC;
-                let bc = BC.min(s.kv_len - j0);
-                let k_tile = &kf[(bhk * s.kv_len + j0) * d..(bhk * s.kv_len + j0 + bc) * d];
-                let dk_t = &mut dk_part[j0 * d..(j0 + bc) * d];
-                let dv_t = &mut dv_part[j0 * d..(j0 + bc) * d];
-                let slots = my_dq.len();
+            let slots = my_dq.len();
+            for t_blk in (0..k_tiles).step_by(KT_BLOCK) {
                 for (slot, (hq_in_group, qt, _)) in my_dq.iter().enumerate() {
-                    let (qt, bh) = (*qt, b * s.q_heads + hk * g + hq_in_group);
-                    let class = p.mask.classify(&ctx.q_sum[qt], &ctx.k_sum[t]);
-                    if class == TileClass::Hidden {
-                        continue;
-                    }
-                    let q0 = qt * BR;
-                    let rows = BR.min(s.q_len - q0);
-                    // The next slot this task computes (in this key tile or the next): its Q, dO and dQ rows are
-                    // pulled into cache in three slices while this slot's products run. A task cycles through
-                    // more rows than L2 holds, so at long contexts they come back from DRAM on every key tile.
-                    let next = (slot + 1..slots)
-                        .map(|x| (x, t))
-                        .chain((t + 1 < k_tiles).then_some((0..slots).map(|x| (x, t + 1))).into_iter().flatten())
-                        .find(|&(x, u)| p.mask.classify(&ctx.q_sum[my_dq[x].1], &ctx.k_sum[u]) != TileClass::Hidden)
-                        .map(|(x, _)| {
-                            let (h1, qt1) = (my_dq[x].0, my_dq[x].1);
-                            let r1 = (b * s.q_heads + hk * g + h1) * s.q_len * d + qt1 * BR * d;
-                            let n1 = BR.min(s.q_len - qt1 * BR) * d;
-                            (r1, n1, x)
-                        });
-                    let fetch = |part: usize, dq_all: &[f32]| {
-                        if let Some((r1, n1, x)) = next {
-                            simd::prefetch_part(&ctx.q[r1..r1 + n1], part, 3);
-                            simd::prefetch_part(&ctx.d_o[r1..r1 + n1], part, 3);
-                            simd::prefetch_part(&dq_all[x * BR * d..x * BR * d + n1], part, 3);
-                        }
-                    };
-                    let spans = ctx.probs_and_ds(sc, bs, class, bh, bhk, q0, rows, t);
-                    fetch(0, &bs.dq);
-                    let rq = (bh * s.q_len + q0) * d;
-                    // dV += Pᵀ·dO and dK += dSᵀ·Q, reading P and dS transposed in place (zero outside the spans).
-                    simd::matmul_at(bc, d, rows, &sc.s, BC, &ctx.d_o[rq..rq + rows * d], d, dv_t, d, true);
-                    fetch(1, &bs.dq);
-                    simd::matmul_at(bc, d, rows, &bs.dp, BC, &ctx.q[rq..rq + rows * d], d, dk_t, d, true);
-                    fetch(2, &bs.dq);
-                    // dQ += dS·K over each group's span.
-                    let dq = &mut bs.dq[slot * BR * d..];
-                    for (gi, &(lo, hi)) in spans.iter().enumerate() {
-                        if lo >= hi {
+                    for t in t_blk..(t_blk + KT_BLOCK).min(k_tiles) {
+                        let j0 = t * BC;
+                        let bc = BC.min(s.kv_len - j0);
+                        let k_tile = &kf[(bhk * s.kv_len + j0) * d..(bhk * s.kv_len + j0 + bc) * d];
+                        let dk_t = &mut dk_part[j0 * d..(j0 + bc) * d];
+                        let dv_t = &mut dv_part[j0 * d..(j0 + bc) * d];
+                        let (qt, bh) = (*qt, b * s.q_heads + hk * g + hq_in_group);
+                        let class = p.mask.classify(&ctx.q_sum[qt], &ctx.k_sum[t]);
+                        if class == TileClass::Hidden {
                             continue;
                         }
-                        let r0 = gi * GROUP;
-                        let gr = GROUP.min(rows - r0);
-                        let (a, kk) = (&bs.dp[r0 * BC + lo..], &k_tile[lo * d..]);
-                        simd::matmul(gr, d, hi - lo, a, BC, kk, d, &mut dq[r0 * d..], d, true);
+                        let q0 = qt * BR;
+                        let rows = BR.min(s.q_len - q0);
+                        // The next slot this task computes (after this block of key tiles, or the first of the
+                        // next block): its Q, dO and dQ rows are pulled into cache in three slices while this
+                        // slot's products run (on each tile of the block; the repeat is a cheap hint). A task
+                        // cycles through more rows than L2 holds, so at long contexts they come back from DRAM on
+                        // every block.
+                        let next = (slot + 1..slots)
+                            .map(|x| (x, t))
+                            .chain((t + 1 < k_tiles).then_some((0..slots).map(|x| (x, t + 1))).into_iter().flatten())
+                            .find(|&(x, u)| p.mask.classify(&ctx.q_sum[my_dq[x].1], &ctx.k_sum[u]) != TileClass::Hidden)
+                            .map(|(x, _)| {
+                                let (h1, qt1) = (my_dq[x].0, my_dq[x].1);
+                                let r1 = (b * s.q_heads + hk * g + h1) * s.q_len * d + qt1 * BR * d;
+                                let n1 = BR.min(s.q_len - qt1 * BR) * d;
+                                (r1, n1, x)
+                            });
+                        let fetch = |part: usize, dq_all: &[f32]| {
+                            if let Some((r1, n1, x)) = next {
+                                simd::prefetch_part(&ctx.q[r1..r1 + n1], part, 3);
+                                simd::prefetch_part(&ctx.d_o[r1..r1 + n1], part, 3);
+                                simd::prefetch_part(&dq_all[x * BR * d..x * BR * d + n1], part, 3);
+                            }
+                        };
+                        let spans = ctx.probs_and_ds(sc, bs, class, bh, bhk, q0, rows, t);
+                        fetch(0, &bs.dq);
+                        let rq = (bh * s.q_len + q0) * d;
+                        // dV += Pᵀ·dO and dK += dSᵀ·Q, reading P and dS transposed in place (zero outside the spans).
+                        simd::matmul_at(bc, d, rows, &sc.s, BC, &ctx.d_o[rq..rq + rows * d], d, dv_t, d, true);
+                        fetch(1, &bs.dq);
+                        simd::matmul_at(bc, d, rows, &bs.dp, BC, &ctx.q[rq..rq + rows * d], d, dk_t, d, true);
+                        fetch(2, &bs.dq);
+                        // dQ += dS·K over each group's span.
+                        let dq = &mut bs.dq[slot * BR * d..];
+                        for (gi, &(lo, hi)) in spans.iter().enumerate() {
+                            if lo >= hi {
+                                continue;
+                            }
+                            let r0 = gi * GROUP;
+                            let gr = GROUP.min(rows - r0);
+                            let (a, kk) = (&bs.dp[r0 * BC + lo..], &k_tile[lo * d..]);
+                            simd::matmul(gr, d, hi - lo, a, BC, kk, d, &mut dq[r0 * d..], d, true);
+                        }
+                        sc.spans = spans;
                     }
-                    sc.spans = spans;
                 }
             }
             for (slot, (_, _, dq_t)) in my_dq.iter_mut().enumerate() {
@@ -200,6 +204,14 @@ pub fn attention_backward(
     });
     Ok(())
 }
+
+/// Key tiles a slot (one query head's query tile) runs through before the task moves to its next slot, so the
+/// slot's Q, dO and dQ rows, which at long contexts come from DRAM or L3, are loaded once per two key tiles.
+/// The order of every sum is unchanged (each dK/dV tile still adds the slots in slot order, each dQ tile the
+/// key tiles in key order), so results are bit-identical. Measured: backward 2-4% faster at S = 16384,
+/// D = 128 in six of six paired runs (BENCHMARKS.md); a block of 4 would push a D = 128 task past the 512 KiB
+/// L2 with its dK/dV tiles.
+const KT_BLOCK: usize = 2;
 
 /// Query chunks per KV head, from the shape alone (never the thread count, so results stay bit-identical):
 /// enough tasks to keep 16 threads busy, but no more partial `dK`, `dV` memory than `dQ` itself takes in
