@@ -208,7 +208,7 @@ pub fn attention_backward(
 /// Key tiles a slot (one query head's query tile) runs through before the task moves to its next slot, so the
 /// slot's Q, dO and dQ rows, which at long contexts come from DRAM or L3, are loaded once per two key tiles.
 /// The order of every sum is unchanged (each dK/dV tile still adds the slots in slot order, each dQ tile the
-/// key tiles in key order), so results are bit-identical. Measured: backward 2-4% faster at S = 16384,
+/// key tiles in key order), so results are bit-identical. Measured: backward 1-7% faster at S = 16384,
 /// D = 128 in six of six paired runs (BENCHMARKS.md); a block of 4 would push a D = 128 task past the 512 KiB
 /// L2 with its dK/dV tiles.
 const KT_BLOCK: usize = 2;
