@@ -108,9 +108,10 @@ pub fn attention_backward(
             bs.dq.resize(my_dq.len() * BR * d, 0.0);
             let (dk_part, dv_part) = part.split_at_mut(s.kv_len * d);
             let slots = my_dq.len();
-            for t_blk in (0..k_tiles).step_by(KT_BLOCK) {
+            let kt_block = key_tiles_per_block(d);
+            for t_blk in (0..k_tiles).step_by(kt_block) {
                 for (slot, (hq_in_group, qt, _)) in my_dq.iter().enumerate() {
-                    for t in t_blk..(t_blk + KT_BLOCK).min(k_tiles) {
+                    for t in t_blk..(t_blk + kt_block).min(k_tiles) {
                         let j0 = t * BC;
                         let bc = BC.min(s.kv_len - j0);
                         let k_tile = &kf[(bhk * s.kv_len + j0) * d..(bhk * s.kv_len + j0 + bc) * d];
@@ -206,12 +207,20 @@ pub fn attention_backward(
 }
 
 /// Key tiles a slot (one query head's query tile) runs through before the task moves to its next slot, so the
-/// slot's Q, dO and dQ rows, which at long contexts come from DRAM or L3, are loaded once per two key tiles.
-/// The order of every sum is unchanged (each dK/dV tile still adds the slots in slot order, each dQ tile the
-/// key tiles in key order), so results are bit-identical. Measured: backward 1-7% faster at S = 16384,
-/// D = 128 in six of six paired runs (BENCHMARKS.md); a block of 4 would push a D = 128 task past the 512 KiB
-/// L2 with its dK/dV tiles.
-const KT_BLOCK: usize = 2;
+/// slot's Q, dO and dQ rows, which at long contexts come from DRAM or L3, are loaded once per block rather than
+/// once per key tile. The order of every sum is unchanged (each dK/dV tile still adds the slots in slot order,
+/// each dQ tile the key tiles in key order), so results are bit-identical for any block. The block is as long
+/// as the block's dK/dV tiles and one slot's rows still fit the 512 KiB L2 of the bench machine. Measured at
+/// S = 16384, full mask, f32, in alternating runs (BENCHMARKS.md): at D = 128 a block of 2 against 1 took
+/// 1-7% off the backward in six of six pairs, and 4 against 2 was no better; at D = 64, 4 against 2 took 5% off
+/// (median) in four of five pairs. Head dims above 128 take 2, unmeasured.
+fn key_tiles_per_block(head_dim: usize) -> usize {
+    if head_dim <= 64 {
+        4
+    } else {
+        2
+    }
+}
 
 /// Query chunks per KV head, from the shape alone (never the thread count, so results stay bit-identical):
 /// enough tasks to keep 16 threads busy, but no more partial `dK`, `dV` memory than `dQ` itself takes in
