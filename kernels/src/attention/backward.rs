@@ -110,42 +110,47 @@ pub fn attention_backward(
             let slots = my_dq.len();
             let kt_block = key_tiles_per_block(d);
             for t_blk in (0..k_tiles).step_by(kt_block) {
-                for (slot, (hq_in_group, qt, _)) in my_dq.iter().enumerate() {
-                    for t in t_blk..(t_blk + kt_block).min(k_tiles) {
+                let blk = t_blk..(t_blk + kt_block).min(k_tiles);
+                let next_blk = blk.end..(blk.end + kt_block).min(k_tiles);
+                let sees = |x: usize, tiles: std::ops::Range<usize>| {
+                    tiles
+                        .into_iter()
+                        .any(|u| p.mask.classify(&ctx.q_sum[my_dq[x].1], &ctx.k_sum[u]) != TileClass::Hidden)
+                };
+                for (slot, &(hq_in_group, qt, _)) in my_dq.iter().enumerate() {
+                    let bh = b * s.q_heads + hk * g + hq_in_group;
+                    let q0 = qt * BR;
+                    let rows = BR.min(s.q_len - q0);
+                    // The next slot this task computes (later in this block of key tiles, or first in the next
+                    // block): its Q, dO and dQ rows are pulled into cache in three slices while this slot's products
+                    // run. A task cycles through more rows than L2 holds, so at long contexts they come back from
+                    // DRAM on every block.
+                    let next = (slot + 1..slots)
+                        .find(|&x| sees(x, blk.clone()))
+                        .or_else(|| (0..slots).find(|&x| sees(x, next_blk.clone())))
+                        .map(|x| {
+                            let (h1, qt1) = (my_dq[x].0, my_dq[x].1);
+                            let r1 = (b * s.q_heads + hk * g + h1) * s.q_len * d + qt1 * BR * d;
+                            let n1 = BR.min(s.q_len - qt1 * BR) * d;
+                            (r1, n1, x)
+                        });
+                    let fetch = |part: usize, dq_all: &[f32]| {
+                        if let Some((r1, n1, x)) = next {
+                            simd::prefetch_part(&ctx.q[r1..r1 + n1], part, 3);
+                            simd::prefetch_part(&ctx.d_o[r1..r1 + n1], part, 3);
+                            simd::prefetch_part(&dq_all[x * BR * d..x * BR * d + n1], part, 3);
+                        }
+                    };
+                    for t in blk.clone() {
+                        let class = p.mask.classify(&ctx.q_sum[qt], &ctx.k_sum[t]);
+                        if class == TileClass::Hidden {
+                            continue;
+                        }
                         let j0 = t * BC;
                         let bc = BC.min(s.kv_len - j0);
                         let k_tile = &kf[(bhk * s.kv_len + j0) * d..(bhk * s.kv_len + j0 + bc) * d];
                         let dk_t = &mut dk_part[j0 * d..(j0 + bc) * d];
                         let dv_t = &mut dv_part[j0 * d..(j0 + bc) * d];
-                        let (qt, bh) = (*qt, b * s.q_heads + hk * g + hq_in_group);
-                        let class = p.mask.classify(&ctx.q_sum[qt], &ctx.k_sum[t]);
-                        if class == TileClass::Hidden {
-                            continue;
-                        }
-                        let q0 = qt * BR;
-                        let rows = BR.min(s.q_len - q0);
-                        // The next slot this task computes (after this block of key tiles, or the first of the
-                        // next block): its Q, dO and dQ rows are pulled into cache in three slices while this
-                        // slot's products run (on each tile of the block; the repeat is a cheap hint). A task
-                        // cycles through more rows than L2 holds, so at long contexts they come back from DRAM on
-                        // every block.
-                        let next = (slot + 1..slots)
-                            .map(|x| (x, t))
-                            .chain((t + 1 < k_tiles).then_some((0..slots).map(|x| (x, t + 1))).into_iter().flatten())
-                            .find(|&(x, u)| p.mask.classify(&ctx.q_sum[my_dq[x].1], &ctx.k_sum[u]) != TileClass::Hidden)
-                            .map(|(x, _)| {
-                                let (h1, qt1) = (my_dq[x].0, my_dq[x].1);
-                                let r1 = (b * s.q_heads + hk * g + h1) * s.q_len * d + qt1 * BR * d;
-                                let n1 = BR.min(s.q_len - qt1 * BR) * d;
-                                (r1, n1, x)
-                            });
-                        let fetch = |part: usize, dq_all: &[f32]| {
-                            if let Some((r1, n1, x)) = next {
-                                simd::prefetch_part(&ctx.q[r1..r1 + n1], part, 3);
-                                simd::prefetch_part(&ctx.d_o[r1..r1 + n1], part, 3);
-                                simd::prefetch_part(&dq_all[x * BR * d..x * BR * d + n1], part, 3);
-                            }
-                        };
                         let spans = ctx.probs_and_ds(sc, bs, class, bh, bhk, q0, rows, t);
                         fetch(0, &bs.dq);
                         let rq = (bh * s.q_len + q0) * d;
