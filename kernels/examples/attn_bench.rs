@@ -19,6 +19,8 @@
 //! on CPU runs at about 17 GFLOP/s (a minute per call at S = 4096, D = 64, causal), so it is timed only with
 //! `--peer-bf16-backward`.
 //! `--no-torch` skips the peer.
+//! `--simd avx2` (or `portable`) caps the attention kernels' instruction set, to compare paths on one machine;
+//! the header names the path that runs.
 //! FLOP counts follow the usual convention (also used by `bench/peer_sdpa.py`): forward `4·B·Hq·Sq·Sk·D`,
 //! halved for causal; backward 2.5× forward.
 
@@ -27,7 +29,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use half::bf16;
-use longctx_kernels::attention::{attention_backward, attention_forward, AttnMask, AttnParams, AttnShape};
+use longctx_kernels::attention::{
+    attention_backward, attention_forward, limit_simd, simd_path, AttnMask, AttnParams, AttnShape, SimdPath,
+};
 use longctx_kernels::{HostSlice, HostSliceMut};
 
 /// Counts live heap bytes and their high-water mark.
@@ -277,6 +281,16 @@ fn main() {
         eprintln!("--hkv must divide Hq = 8");
         std::process::exit(2);
     }
+    match args.iter().position(|a| a == "--simd").and_then(|i| args.get(i + 1)).map(String::as_str) {
+        None => {}
+        Some("portable") => limit_simd(SimdPath::Portable),
+        Some("avx2") => limit_simd(SimdPath::Avx2),
+        Some("avx512") => limit_simd(SimdPath::Avx512),
+        Some(other) => {
+            eprintln!("--simd takes portable, avx2 or avx512, not {other}");
+            std::process::exit(2);
+        }
+    }
     let (batch, hq) = (1, 8);
     let threads = rayon::current_num_threads();
     // `--no-peak`: skip the GEMM peak (e.g. under valgrind, where it dominates); "% peak" then shows a dash.
@@ -284,7 +298,10 @@ fn main() {
     let rounds = arg_list(&args, "--rounds", &[1]).first().copied().unwrap_or(1).max(1);
     let peer = if args.iter().any(|a| a == "--no-torch") { None } else { Peer::detect() };
     let peer_bf16_bwd = args.iter().any(|a| a == "--peer-bf16-backward");
-    println!("# longctx attention benchmark: B={batch} Hq={hq} Hkv={hkv}, {threads} threads");
+    println!(
+        "# longctx attention benchmark: B={batch} Hq={hq} Hkv={hkv}, {threads} threads, {:?} kernels",
+        simd_path()
+    );
     if peak.is_finite() {
         println!("# machine peak (gemm crate, 2048^3 f32, same run): {peak:.1} GFLOP/s");
     } else {

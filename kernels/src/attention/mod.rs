@@ -31,7 +31,7 @@ pub use backward::attention_backward;
 pub use forward::attention_forward;
 pub use mask::{AttnMask, Positions};
 pub use merge::{merge_partial_attention, merge_partial_attention_into};
-pub use simd::force_portable;
+pub use simd::{force_portable, limit_simd, simd_path, SimdPath};
 pub use work::{attention_work, AttnWork};
 
 use crate::error::{check_len, KernelError, Result};

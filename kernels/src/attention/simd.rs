@@ -1,12 +1,15 @@
 //! The inner loops of the attention kernels: a small register-blocked matrix product and a vectorised
-//! `exp2`. AVX2+FMA is detected at run time; every other machine takes the portable loops, which compute the
-//! same products in the same order of the reduction dimension (results may differ in the last bits between
-//! the two paths, never between runs on one machine).
+//! `exp2`. AVX-512F, then AVX2+FMA, is detected at run time; every other machine takes the portable loops.
+//! All paths compute each product element with the same multiply-adds in the same order of the reduction
+//! dimension; the row sums of `exp2` use different lane counts, so results may differ in the last bits
+//! between paths, never between runs on one machine ([`simd_path`] says which one runs).
 //!
 //! The products are tiny (at most 256 × 256 × 256, all operands in L1/L2), so a hand-written micro-kernel
 //! beats calling a general GEMM per tile: there is no packing or dispatch overhead per call. The right
 //! operands (K and V tiles) are strip-packed once per attention call instead (`pack.rs`,
 //! [`matmul_packed_b`]), so the kernel reads each strip as one contiguous block.
+
+use std::sync::atomic::{AtomicU8, Ordering};
 
 /// `C[m×n] (+)= A[m×k] · B[k×n]`, all row-major with leading dimensions `lda`, `ldb`, `ldc`; `n` must be a
 /// multiple of 8. With `accumulate` false, `C` is overwritten.
@@ -107,57 +110,59 @@ fn matmul_strided(
         }
         return;
     }
-    #[cfg(target_arch = "x86_64")]
-    {
-        if has_avx2_fma() {
-            // SAFETY: the feature check above, and the bounds asserted on entry cover every access.
-            unsafe {
-                x86::matmul(m, n, k, a.as_ptr(), a_rs, a_cs, b.as_ptr(), ldb, b_js, c.as_mut_ptr(), ldc, accumulate)
-            };
-            return;
-        }
+    match simd_path() {
+        // SAFETY (both): the path is only chosen when the CPU has its features, and the bounds asserted on entry
+        // cover every access.
+        #[cfg(target_arch = "x86_64")]
+        SimdPath::Avx512 => unsafe {
+            x86_512::matmul(m, n, k, a.as_ptr(), a_rs, a_cs, b.as_ptr(), ldb, b_js, c.as_mut_ptr(), ldc, accumulate)
+        },
+        #[cfg(target_arch = "x86_64")]
+        SimdPath::Avx2 => unsafe {
+            x86::matmul(m, n, k, a.as_ptr(), a_rs, a_cs, b.as_ptr(), ldb, b_js, c.as_mut_ptr(), ldc, accumulate)
+        },
+        _ => portable::matmul(m, n, k, a, a_rs, a_cs, b, ldb, b_js, c, ldc, accumulate),
     }
-    portable::matmul(m, n, k, a, a_rs, a_cs, b, ldb, b_js, c, ldc, accumulate);
 }
 
 /// Computes `x[j] = exp2(x[j] * c - m)` for all `j` and returns the sum (accumulated in 8 lanes, then
 /// reduced in a fixed order).
 #[inline]
 pub(crate) fn exp2_scaled_sum(x: &mut [f32], c: f32, m: f32) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if has_avx2_fma() {
-            // SAFETY: feature checked; the function only touches `x`.
-            return unsafe { x86::exp2_scaled_sum(x, c, m) };
-        }
+    match simd_path() {
+        // SAFETY (both): the path is only chosen when the CPU has its features; the function only touches `x`.
+        #[cfg(target_arch = "x86_64")]
+        SimdPath::Avx512 => unsafe { x86_512::exp2_scaled_sum(x, c, m) },
+        #[cfg(target_arch = "x86_64")]
+        SimdPath::Avx2 => unsafe { x86::exp2_scaled_sum(x, c, m) },
+        _ => portable::exp2_scaled_sum(x, c, m),
     }
-    portable::exp2_scaled_sum(x, c, m)
 }
 
 /// Largest element (`-inf` for an empty slice). NaN handling: NaN elements are skipped by `max`.
 #[inline]
 pub(crate) fn max(x: &[f32]) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if has_avx2_fma() {
-            // SAFETY: feature checked; the function only reads `x`.
-            return unsafe { x86::max(x) };
-        }
+    match simd_path() {
+        // SAFETY (both): the path is only chosen when the CPU has its features; the function only reads `x`.
+        #[cfg(target_arch = "x86_64")]
+        SimdPath::Avx512 => unsafe { x86_512::max(x) },
+        #[cfg(target_arch = "x86_64")]
+        SimdPath::Avx2 => unsafe { x86::max(x) },
+        _ => portable::max(x),
     }
-    portable::max(x)
 }
 
 /// `y *= a`.
 #[inline]
 pub(crate) fn scale(y: &mut [f32], a: f32) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if has_avx2_fma() {
-            // SAFETY: feature checked; the function only touches `y`.
-            return unsafe { x86::scale(y, a) };
-        }
+    match simd_path() {
+        // SAFETY (both): the path is only chosen when the CPU has its features; the function only touches `y`.
+        #[cfg(target_arch = "x86_64")]
+        SimdPath::Avx512 => unsafe { x86_512::scale(y, a) },
+        #[cfg(target_arch = "x86_64")]
+        SimdPath::Avx2 => unsafe { x86::scale(y, a) },
+        _ => portable::scale(y, a),
     }
-    portable::scale(y, a)
 }
 
 /// Hints the cache lines of part `part` of `parts` equal parts of `x` into cache (no effect on results).
@@ -198,23 +203,53 @@ pub(crate) fn dot(x: &[f32], y: &[f32]) -> f32 {
     lanes.iter().sum::<f32>() + s
 }
 
-/// Set by [`force_portable`]: the portable loops run even where AVX2 is present.
-static FORCE_PORTABLE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-/// Makes every later attention call in this process use the portable loops instead of the AVX2 kernels (or
-/// go back to detection with `false`). For checking the fallback on machines that have AVX2, and for
-/// comparing the two; results of the two paths may differ in the last bits.
-pub fn force_portable(on: bool) {
-    FORCE_PORTABLE.store(on, std::sync::atomic::Ordering::Relaxed);
+/// The inner loops an attention call runs, fastest last. [`simd_path`] gives the best one this CPU has,
+/// lowered by [`limit_simd`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum SimdPath {
+    /// Plain loops that the compiler vectorises for the baseline instruction set.
+    Portable,
+    /// 256-bit AVX2 + FMA micro-kernels (6 × 16 register tiles).
+    Avx2,
+    /// 512-bit AVX-512F micro-kernels (12 × 32 register tiles).
+    Avx512,
 }
 
-#[cfg(target_arch = "x86_64")]
+/// The highest path allowed by [`limit_simd`], as `SimdPath as u8`.
+static LIMIT: AtomicU8 = AtomicU8::new(SimdPath::Avx512 as u8);
+
+/// Caps the path every later attention call in this process uses (process-wide): `Portable` to check the
+/// fallback, `Avx2` to check or time the 256-bit kernels on an AVX-512 machine; `Avx512` restores detection.
+/// Results of two paths may differ in the last bits.
+pub fn limit_simd(max: SimdPath) {
+    LIMIT.store(max as u8, Ordering::Relaxed);
+}
+
+/// Makes every later attention call in this process use the portable loops (`true`) or go back to detection
+/// (`false`): shorthand for [`limit_simd`].
+pub fn force_portable(on: bool) {
+    limit_simd(if on { SimdPath::Portable } else { SimdPath::Avx512 });
+}
+
+/// The path attention calls take now: the best this CPU supports, capped by [`limit_simd`].
 #[inline]
-fn has_avx2_fma() -> bool {
+pub fn simd_path() -> SimdPath {
+    let limit = LIMIT.load(Ordering::Relaxed);
     // `is_x86_feature_detected!` caches its answer in an atomic.
-    !FORCE_PORTABLE.load(std::sync::atomic::Ordering::Relaxed)
-        && std::arch::is_x86_feature_detected!("avx2")
-        && std::arch::is_x86_feature_detected!("fma")
+    #[cfg(target_arch = "x86_64")]
+    {
+        if limit >= SimdPath::Avx512 as u8 && std::arch::is_x86_feature_detected!("avx512f") {
+            return SimdPath::Avx512;
+        }
+        if limit >= SimdPath::Avx2 as u8
+            && std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
+        {
+            return SimdPath::Avx2;
+        }
+    }
+    let _ = limit;
+    SimdPath::Portable
 }
 
 /// Plain loops; LLVM vectorises the 8-wide inner loops with the baseline instruction set.
@@ -602,5 +637,428 @@ mod x86 {
             }
         }
         lanes.iter().sum::<f32>() + s
+    }
+}
+
+/// The AVX-512F kernels: [`x86`]'s loops at twice the width, with register tiles of `MR = 12` rows × 32
+/// columns (24 of the 32 zmm registers accumulate, two hold the B row, broadcasts of A come from memory).
+/// Each `C` element takes the same multiply-adds in the same order as on the AVX2 path, so products are
+/// bit-identical to it; only the lane count of the `exp2` row sums differs.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::needless_range_loop)] // register arrays indexed by row: the index is the point
+mod x86_512 {
+    use std::arch::x86_64::*;
+
+    /// Rows of `C` per micro-tile; the forward's products run 12 rows at a time, so they take exactly one.
+    const MR: usize = 12;
+    /// Reduction lengths up to this take a transposed-A panel on the stack (`PW·PACK_K` floats, 16 KiB).
+    const PACK_K: usize = 256;
+    /// Floats per step of a packed A panel: `MR` rounded up to a whole vector, so a step is one load and store.
+    const PW: usize = 16;
+    /// The low eight lanes: the last 8 columns when `n` is not a multiple of 16.
+    const LOW8: __mmask16 = 0x00ff;
+
+    /// # Safety
+    /// AVX-512F must be present, and the slices behind the pointers must cover the extents `(m-1)*ld + cols`
+    /// that the caller asserted.
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn matmul(
+        m: usize,
+        n: usize,
+        k: usize,
+        a: *const f32,
+        a_rs: usize,
+        a_cs: usize,
+        b: *const f32,
+        ldb: usize,
+        b_js: usize,
+        c: *mut f32,
+        ldc: usize,
+        accumulate: bool,
+    ) {
+        // A read transposed goes through packed panels, for the reason given in `x86::matmul`.
+        if a_cs != 1 {
+            return matmul_packed_a(m, n, k, a, a_rs, a_cs, b, ldb, b_js, c, ldc, accumulate);
+        }
+        let mut i = 0;
+        while i < m {
+            let rows = (m - i).min(MR);
+            block::<0>(rows, n, k, a.add(i * a_rs), a_rs, a_cs, b, ldb, b_js, c.add(i * ldc), ldc, accumulate);
+            i += rows;
+        }
+    }
+
+    /// [`matmul`] for A read transposed, through packed panels; out of line as in `x86`.
+    ///
+    /// # Safety
+    /// As [`matmul`].
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::too_many_arguments)]
+    #[inline(never)]
+    unsafe fn matmul_packed_a(
+        m: usize,
+        n: usize,
+        k: usize,
+        a: *const f32,
+        a_rs: usize,
+        a_cs: usize,
+        b: *const f32,
+        ldb: usize,
+        b_js: usize,
+        c: *mut f32,
+        ldc: usize,
+        accumulate: bool,
+    ) {
+        let mut stack = [0f32; PW * PACK_K];
+        let mut heap = Vec::new();
+        let panel: &mut [f32] = if k <= PACK_K {
+            &mut stack
+        } else {
+            heap.resize(PW * k, 0.0);
+            &mut heap
+        };
+        let dst = panel.as_mut_ptr();
+        let mut i = 0;
+        while i < m {
+            let rows = (m - i).min(MR);
+            let ap = a.add(i * a_rs);
+            if a_rs == 1 && i + PW <= m {
+                // One 16-wide load and store per step; lanes past `rows` belong to the next block, unused.
+                for p in 0..k {
+                    _mm512_storeu_ps(dst.add(p * PW), _mm512_loadu_ps(ap.add(p * a_cs)));
+                }
+            } else {
+                for p in 0..k {
+                    for r in 0..rows {
+                        *dst.add(p * PW + r) = *ap.add(p * a_cs + r * a_rs);
+                    }
+                }
+            }
+            block::<1>(rows, n, k, dst, 1, PW, b, ldb, b_js, c.add(i * ldc), ldc, accumulate);
+            i += rows;
+        }
+    }
+
+    /// Rows `0..rows` (at most `MR`) of `C`: the micro-tile of that height.
+    ///
+    /// # Safety
+    /// As [`matmul`].
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    unsafe fn block<const S: u8>(
+        rows: usize,
+        n: usize,
+        k: usize,
+        ap: *const f32,
+        a_rs: usize,
+        a_cs: usize,
+        b: *const f32,
+        ldb: usize,
+        b_js: usize,
+        cp: *mut f32,
+        ldc: usize,
+        acc: bool,
+    ) {
+        match rows {
+            12 => tile::<12, S>(n, k, ap, a_rs, a_cs, b, ldb, b_js, cp, ldc, acc),
+            11 => tile::<11, S>(n, k, ap, a_rs, a_cs, b, ldb, b_js, cp, ldc, acc),
+            10 => tile::<10, S>(n, k, ap, a_rs, a_cs, b, ldb, b_js, cp, ldc, acc),
+            9 => tile::<9, S>(n, k, ap, a_rs, a_cs, b, ldb, b_js, cp, ldc, acc),
+            8 => tile::<8, S>(n, k, ap, a_rs, a_cs, b, ldb, b_js, cp, ldc, acc),
+            7 => tile::<7, S>(n, k, ap, a_rs, a_cs, b, ldb, b_js, cp, ldc, acc),
+            6 => tile::<6, S>(n, k, ap, a_rs, a_cs, b, ldb, b_js, cp, ldc, acc),
+            5 => tile::<5, S>(n, k, ap, a_rs, a_cs, b, ldb, b_js, cp, ldc, acc),
+            4 => tile::<4, S>(n, k, ap, a_rs, a_cs, b, ldb, b_js, cp, ldc, acc),
+            3 => tile::<3, S>(n, k, ap, a_rs, a_cs, b, ldb, b_js, cp, ldc, acc),
+            2 => tile::<2, S>(n, k, ap, a_rs, a_cs, b, ldb, b_js, cp, ldc, acc),
+            _ => tile::<1, S>(n, k, ap, a_rs, a_cs, b, ldb, b_js, cp, ldc, acc),
+        }
+    }
+
+    /// Stores (or adds into) one 16-column row segment of `C` under `mask`.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn put(cr: *mut f32, mask: __mmask16, v: __m512, accumulate: bool) {
+        let v = if accumulate { _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, cr)) } else { v };
+        _mm512_mask_storeu_ps(cr, mask, v);
+    }
+
+    /// `M` rows of `C`, all `n` columns: 32 at a time, then 16, then a last 8 under a lane mask (masked loads
+    /// and stores touch no memory in the lanes they leave out). Columns `j` and `j + 16` lie in two strips of
+    /// the packed layout, or 16 floats apart in a row-major `B` (`b_js = 1`). `S` as in `x86::tile`.
+    ///
+    /// # Safety
+    /// As [`matmul`].
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    unsafe fn tile<const M: usize, const S: u8>(
+        n: usize,
+        k: usize,
+        a: *const f32,
+        a_rs: usize,
+        a_cs: usize,
+        b: *const f32,
+        ldb: usize,
+        b_js: usize,
+        c: *mut f32,
+        ldc: usize,
+        accumulate: bool,
+    ) {
+        let (a_rs, a_cs) = if S == 1 { (1, PW) } else { (a_rs, a_cs) };
+        let mut j = 0;
+        while j + 32 <= n {
+            let mut c0 = [_mm512_setzero_ps(); M];
+            let mut c1 = [_mm512_setzero_ps(); M];
+            let (mut b0p, mut b1p) = (b.add(j * b_js), b.add((j + 16) * b_js));
+            for p in 0..k {
+                let b0 = _mm512_loadu_ps(b0p);
+                let b1 = _mm512_loadu_ps(b1p);
+                for r in 0..M {
+                    let av = _mm512_set1_ps(*a.add(r * a_rs + p * a_cs));
+                    c0[r] = _mm512_fmadd_ps(av, b0, c0[r]);
+                    c1[r] = _mm512_fmadd_ps(av, b1, c1[r]);
+                }
+                b0p = b0p.add(ldb);
+                b1p = b1p.add(ldb);
+            }
+            for r in 0..M {
+                let cr = c.add(r * ldc + j);
+                put(cr, !0, c0[r], accumulate);
+                put(cr.add(16), !0, c1[r], accumulate);
+            }
+            j += 32;
+        }
+        while j < n {
+            // 16 columns, or the last 8 (n is a multiple of 8).
+            let mask = if j + 16 <= n { !0 } else { LOW8 };
+            let mut c0 = [_mm512_setzero_ps(); M];
+            let mut bp = b.add(j * b_js);
+            for p in 0..k {
+                let b0 = _mm512_maskz_loadu_ps(mask, bp);
+                for r in 0..M {
+                    let av = _mm512_set1_ps(*a.add(r * a_rs + p * a_cs));
+                    c0[r] = _mm512_fmadd_ps(av, b0, c0[r]);
+                }
+                bp = bp.add(ldb);
+            }
+            for r in 0..M {
+                put(c.add(r * ldc + j), mask, c0[r], accumulate);
+            }
+            j += 16;
+        }
+    }
+
+    /// `2^x`, computed exactly as `x86::exp2` (same polynomial and steps, so the same values), 16 lanes.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn exp2(x: __m512) -> __m512 {
+        let x = _mm512_max_ps(x, _mm512_set1_ps(-127.0));
+        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(x);
+        let f = _mm512_sub_ps(x, n);
+        let mut p = _mm512_set1_ps(1.535_336_2e-4);
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339_887_4e-3));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618_437e-3));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550_332_5e-2));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402_264_8e-1));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931_472e-1));
+        let frac = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0));
+        // n + 127 in the exponent field; n = -127 gives the bit pattern of +0.0.
+        let bits = _mm512_slli_epi32::<23>(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)));
+        _mm512_mul_ps(frac, _mm512_castsi512_ps(bits))
+    }
+
+    /// The lane mask of the first `rest` (< 16) lanes.
+    fn first(rest: usize) -> __mmask16 {
+        ((1u32 << rest) - 1) as __mmask16
+    }
+
+    /// # Safety
+    /// AVX-512F must be present.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn max(x: &[f32]) -> f32 {
+        let p = x.as_ptr();
+        // `vmaxps` returns its second operand when the first is NaN, so NaN elements are skipped as `f32::max`
+        // does; the tail's masked-off lanes load as -inf.
+        let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
+        let (mut m0, mut m1) = (ninf, ninf);
+        let mut j = 0;
+        while j + 32 <= x.len() {
+            m0 = _mm512_max_ps(_mm512_loadu_ps(p.add(j)), m0);
+            m1 = _mm512_max_ps(_mm512_loadu_ps(p.add(j + 16)), m1);
+            j += 32;
+        }
+        while j < x.len() {
+            let mask = if j + 16 <= x.len() { !0 } else { first(x.len() - j) };
+            m0 = _mm512_max_ps(_mm512_mask_loadu_ps(ninf, mask, p.add(j)), m0);
+            j += 16;
+        }
+        let mut lanes = [0f32; 16];
+        _mm512_storeu_ps(lanes.as_mut_ptr(), _mm512_max_ps(m0, m1));
+        lanes.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v))
+    }
+
+    /// # Safety
+    /// AVX-512F must be present.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn scale(y: &mut [f32], a: f32) {
+        let p = y.as_mut_ptr();
+        let av = _mm512_set1_ps(a);
+        let mut j = 0;
+        while j < y.len() {
+            let mask = if j + 16 <= y.len() { !0 } else { first(y.len() - j) };
+            let v = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, p.add(j)), av);
+            _mm512_mask_storeu_ps(p.add(j), mask, v);
+            j += 16;
+        }
+    }
+
+    /// # Safety
+    /// AVX-512F must be present.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn exp2_scaled_sum(x: &mut [f32], c: f32, m: f32) -> f32 {
+        let cv = _mm512_set1_ps(c);
+        let mv = _mm512_set1_ps(m);
+        let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
+        let mut acc = _mm512_setzero_ps();
+        let p = x.as_mut_ptr();
+        let mut j = 0;
+        while j < x.len() {
+            // The tail goes through the same polynomial, its missing lanes read as -inf (which gives 0).
+            let mask = if j + 16 <= x.len() { !0 } else { first(x.len() - j) };
+            let v = exp2(_mm512_fmsub_ps(_mm512_mask_loadu_ps(ninf, mask, p.add(j)), cv, mv));
+            _mm512_mask_storeu_ps(p.add(j), mask, v);
+            acc = _mm512_add_ps(acc, v);
+            j += 16;
+        }
+        let mut lanes = [0f32; 16];
+        _mm512_storeu_ps(lanes.as_mut_ptr(), acc);
+        lanes.iter().sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Deterministic values in [-1, 1).
+    fn data(n: usize, seed: u32) -> Vec<f32> {
+        (0..n as u32)
+            .map(|i| ((i.wrapping_mul(2_654_435_761) ^ seed.wrapping_mul(40_503)) % 2000) as f32 / 1000.0 - 1.0)
+            .collect()
+    }
+
+    /// Every x86 kernel against a plain f64 product, over shapes that reach each tile height, the 32/16/8-column
+    /// tails, transposed A (with and without the one-load panel copy, and past the stack panel) and packed B.
+    #[test]
+    fn simd_kernels_match_plain_products() {
+        type Kernel =
+            unsafe fn(usize, usize, usize, *const f32, usize, usize, *const f32, usize, usize, *mut f32, usize, bool);
+        let mut kernels: Vec<(&str, Kernel)> = Vec::new();
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+                kernels.push(("avx2", x86::matmul));
+            }
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                kernels.push(("avx512", x86_512::matmul));
+            }
+        }
+        if kernels.is_empty() {
+            eprintln!("skipped: no SIMD kernel on this CPU");
+        }
+        for (name, kernel) in kernels {
+            for &(m, n, k) in
+                &[(1usize, 8usize, 1usize), (5, 24, 7), (12, 32, 40), (13, 40, 64), (25, 56, 300), (30, 128, 128)]
+            {
+                for (transposed, packed) in [(false, false), (true, false), (false, true)] {
+                    let a = data(m * k, 1);
+                    let b = data(k * n.next_multiple_of(STRIP), 2);
+                    let c0 = data(m * n, 3);
+                    // A[i][p] and B[p][j] as the kernel addresses them.
+                    let (a_rs, a_cs) = if transposed { (1, m) } else { (k, 1) };
+                    let (ldb, b_js) = if packed { (STRIP, k) } else { (n, 1) };
+                    let bij = |p: usize, j: usize| b[(j - j % STRIP) * b_js + p * ldb + j % STRIP];
+                    for accumulate in [false, true] {
+                        let mut c = c0.clone();
+                        // SAFETY: the feature was detected; every extent fits the buffers above.
+                        unsafe {
+                            kernel(
+                                m,
+                                n,
+                                k,
+                                a.as_ptr(),
+                                a_rs,
+                                a_cs,
+                                b.as_ptr(),
+                                ldb,
+                                b_js,
+                                c.as_mut_ptr(),
+                                n,
+                                accumulate,
+                            )
+                        };
+                        for i in 0..m {
+                            for j in 0..n {
+                                let mut want = if accumulate { c0[i * n + j] as f64 } else { 0.0 };
+                                want += (0..k).map(|p| a[i * a_rs + p * a_cs] as f64 * bij(p, j) as f64).sum::<f64>();
+                                let got = c[i * n + j] as f64;
+                                assert!(
+                                    (got - want).abs() <= 1e-5 * (1.0 + want.abs()) * (k as f64).sqrt(),
+                                    "{name} m={m} n={n} k={k} transposed={transposed} packed={packed} \
+                                     accumulate={accumulate} C[{i}][{j}] = {got}, want {want}"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The vector helpers of every path against plain loops, at lengths that reach each tail.
+    #[test]
+    fn simd_helpers_match_plain_loops() {
+        for len in [0, 1, 7, 8, 15, 16, 17, 31, 33, 128, 130] {
+            let mut x = data(len, 7);
+            if len > 3 {
+                x[3] = f32::NEG_INFINITY;
+            }
+            let want_max = x.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v));
+            let mut want_exp = x.clone();
+            let want_sum = portable::exp2_scaled_sum(&mut want_exp, 1.3, 0.2);
+            let check = |name: &str, max: f32, sum: f32, exp: &[f32], scaled: &[f32]| {
+                assert_eq!(max, want_max, "{name} max, len {len}");
+                assert!((sum - want_sum).abs() <= 1e-6 * (1.0 + want_sum.abs()), "{name} exp2 sum, len {len}");
+                for (g, w) in exp.iter().zip(&want_exp) {
+                    assert!((g - w).abs() <= 1e-6 * (1.0 + w.abs()), "{name} exp2, len {len}: {g} vs {w}");
+                }
+                for (g, w) in scaled.iter().zip(&x) {
+                    assert_eq!(*g, w * 0.75, "{name} scale, len {len}");
+                }
+            };
+            #[cfg(target_arch = "x86_64")]
+            {
+                let (mut e, mut s) = (x.clone(), x.clone());
+                if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+                    // SAFETY: features detected.
+                    let (mx, sum) = unsafe { (x86::max(&x), x86::exp2_scaled_sum(&mut e, 1.3, 0.2)) };
+                    unsafe { x86::scale(&mut s, 0.75) };
+                    check("avx2", mx, sum, &e, &s);
+                }
+                let (mut e, mut s) = (x.clone(), x.clone());
+                if std::arch::is_x86_feature_detected!("avx512f") {
+                    // SAFETY: feature detected.
+                    let (mx, sum) = unsafe { (x86_512::max(&x), x86_512::exp2_scaled_sum(&mut e, 1.3, 0.2)) };
+                    unsafe { x86_512::scale(&mut s, 0.75) };
+                    check("avx512", mx, sum, &e, &s);
+                }
+            }
+            let mut s = x.clone();
+            portable::scale(&mut s, 0.75);
+            check("portable", portable::max(&x), want_sum, &want_exp, &s);
+        }
     }
 }
