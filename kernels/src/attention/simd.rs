@@ -851,12 +851,19 @@ mod x86_512 {
         }
     }
 
-    /// `2^x`, computed exactly as `x86::exp2` (same polynomial and steps, so the same values), 16 lanes.
+    /// `2^x` for `x <= 127`, in as few vector operations as possible: with 512-bit vectors only two ports
+    /// compute, and `exp2` is most of a forward's work outside the products. `n = round(x)` comes from adding
+    /// and subtracting `1.5·2^23` (exact for `|x| < 2^22`), `2^f` from the same polynomial as `x86::exp2`, and
+    /// `2^n·2^f` from one `vscalefps`, so results equal `x86::exp2`'s wherever both are normal. Lanes with
+    /// `x <= -126` (also `-inf` and NaN) are set to exactly 0 by the same instruction's zero mask, so no
+    /// denormal ever reaches the products that follow (each one can cost a microcode assist there).
+    /// 13 vector operations against 16 for the AVX2 recipe at this width.
     #[target_feature(enable = "avx512f")]
     #[inline]
     unsafe fn exp2(x: __m512) -> __m512 {
-        let x = _mm512_max_ps(x, _mm512_set1_ps(-127.0));
-        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(x);
+        const SHIFT: f32 = 12_582_912.0; // 1.5 * 2^23
+        let keep = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(x, _mm512_set1_ps(-126.0));
+        let n = _mm512_sub_ps(_mm512_add_ps(x, _mm512_set1_ps(SHIFT)), _mm512_set1_ps(SHIFT));
         let f = _mm512_sub_ps(x, n);
         let mut p = _mm512_set1_ps(1.535_336_2e-4);
         p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339_887_4e-3));
@@ -865,9 +872,7 @@ mod x86_512 {
         p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402_264_8e-1));
         p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931_472e-1));
         let frac = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0));
-        // n + 127 in the exponent field; n = -127 gives the bit pattern of +0.0.
-        let bits = _mm512_slli_epi32::<23>(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)));
-        _mm512_mul_ps(frac, _mm512_castsi512_ps(bits))
+        _mm512_maskz_scalef_ps(keep, frac, n)
     }
 
     /// The lane mask of the first `rest` (< 16) lanes.
@@ -895,9 +900,10 @@ mod x86_512 {
             m0 = _mm512_max_ps(_mm512_mask_loadu_ps(ninf, mask, p.add(j)), m0);
             j += 16;
         }
-        let mut lanes = [0f32; 16];
-        _mm512_storeu_ps(lanes.as_mut_ptr(), _mm512_max_ps(m0, m1));
-        lanes.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v))
+        // No lane holds NaN, so the order of the tree reduction cannot matter. A tree (4 shuffle steps) rather
+        // than 16 dependent scalar steps: rows are only 128 long, so a row's fixed costs weigh as much as its
+        // vector work.
+        _mm512_reduce_max_ps(_mm512_max_ps(m0, m1))
     }
 
     /// # Safety
@@ -933,9 +939,8 @@ mod x86_512 {
             acc = _mm512_add_ps(acc, v);
             j += 16;
         }
-        let mut lanes = [0f32; 16];
-        _mm512_storeu_ps(lanes.as_mut_ptr(), acc);
-        lanes.iter().sum()
+        // A fixed tree of lane sums (see `max`).
+        _mm512_reduce_add_ps(acc)
     }
 }
 
@@ -1054,6 +1059,11 @@ mod tests {
                     let (mx, sum) = unsafe { (x86_512::max(&x), x86_512::exp2_scaled_sum(&mut e, 1.3, 0.2)) };
                     unsafe { x86_512::scale(&mut s, 0.75) };
                     check("avx512", mx, sum, &e, &s);
+                    // Scores far below the maximum give exactly 0, never a denormal.
+                    let mut far: Vec<f32> = (0..len).map(|i| -96.0 - i as f32 * 0.05).collect();
+                    // SAFETY: feature detected.
+                    unsafe { x86_512::exp2_scaled_sum(&mut far, 1.3, 0.2) };
+                    assert!(far.iter().all(|v| *v == 0.0 || v.is_normal()), "avx512 exp2 gave a denormal: {far:?}");
                 }
             }
             let mut s = x.clone();
