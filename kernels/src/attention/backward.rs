@@ -161,12 +161,14 @@ pub fn attention_backward(
                         fetch(2, &bs.dq);
                         // dQ += dS·K over each group's span.
                         let dq = &mut bs.dq[slot * BR * d..];
-                        for (gi, &(lo, hi)) in spans.iter().enumerate() {
+                        let whole = [(0, spans.first().map_or(0, |s| s.1))];
+                        let groups: &[(usize, usize)] = if class == TileClass::Visible { &whole } else { &spans };
+                        for (gi, &(lo, hi)) in groups.iter().enumerate() {
                             if lo >= hi {
                                 continue;
                             }
                             let r0 = gi * GROUP;
-                            let gr = GROUP.min(rows - r0);
+                            let gr = if class == TileClass::Visible { rows } else { GROUP.min(rows - r0) };
                             let (a, kk) = (&bs.dp[r0 * BC + lo..], &k_tile[lo * d..]);
                             simd::matmul(gr, d, hi - lo, a, BC, kk, d, &mut dq[r0 * d..], d, true);
                         }
@@ -280,13 +282,16 @@ impl Ctx<'_> {
         let q_tile = &self.q[rq..rq + rows * d];
         let do_tile = &self.d_o[rq..rq + rows * d];
         let mut spans = sc.spans(mask, class, rows, q0, j0, bc);
-        for (g, span) in spans.iter_mut().enumerate() {
-            let (lo, hi) = *span;
+        // A fully visible tile is one product over all rows, so the micro-kernel takes its tallest register tile
+        // (12 rows with AVX-512; the row groups are only 6); other tiles go group by group over their spans.
+        let whole = [(0, spans.first().map_or(0, |s| s.1))];
+        let groups: &[(usize, usize)] = if class == TileClass::Visible { &whole } else { &spans };
+        for (g, &(lo, hi)) in groups.iter().enumerate() {
             if lo >= hi {
                 continue;
             }
             let r0 = g * GROUP;
-            let gr = GROUP.min(rows - r0);
+            let gr = if class == TileClass::Visible { rows } else { GROUP.min(rows - r0) };
             simd::matmul_packed_b(
                 gr,
                 hi - lo,
@@ -311,7 +316,9 @@ impl Ctx<'_> {
                 BC,
                 false,
             );
-            span.1 = hi.min(bc);
+        }
+        for span in spans.iter_mut() {
+            span.1 = span.1.min(bc);
         }
         for i in 0..rows {
             let (lo, hi) = spans[i / GROUP];
