@@ -12,14 +12,20 @@
 //!   for latency-bound traffic;
 //! - larger ones are only *matched* in `post`: the pair (both buffers) is parked in the receive's completion
 //!   and copied in chunks ([`chunk_len`]): the receiver claims them from the front as soon as it waits on (or
-//!   tests) its receive; the sender, waiting on its send, first spins for the receiver to finish and then
-//!   claims the chunks left from the back. In a ring exchange each rank posts its receive, then its send, then
-//!   waits on the receive first, so each rank copies its incoming message and the two directions are copied
-//!   in parallel, each into the buffer its own core wrote last time. A rank that is late (still waking up from
-//!   a futex sleep, or descheduled on a busy machine) has the rest of its copy done by its sender instead of
-//!   leaving it idle. The sender does not help from the start: when both sides copied both messages (whoever
-//!   got to a chunk first), every destination line moved between the cores' caches from one exchange to the
-//!   next and a 1 MiB ring ran at half of two parallel `memcpy`s.
+//!   tests) its receive, the sender from the back of the back half as soon as it waits on its send (a message
+//!   of one chunk is the receiver's alone). Each side so copies the same part of a message from one exchange to
+//!   the next, and a destination line stays in the cache of the core that wrote it last time (when the sender
+//!   took single-chunk messages too, a 64 KiB stream fell from 19 to 6 GiB/s). In a one-way stream the two cores
+//!   split every message: on the bench machine a 1 MiB stream ran at 56 GiB/s against 25 for one `memcpy`, and
+//!   at 20 when the sender first spun for a while to leave the copy to the receiver. A sender whose receiver
+//!   has not claimed its half after a spin copies it too: the receiver may be busy elsewhere, and a send must
+//!   complete without it. In a ring exchange each rank posts its receive, then its send, then
+//!   waits on the receive first, so each rank copies its incoming message, into the buffer its own core wrote
+//!   last time, and reaches the chunks of its outgoing one only when its own copy is done: it then helps a peer
+//!   that is late (still waking up from a futex sleep, or descheduled on a busy machine).
+//!
+//! A waiter whose chunks are all claimed spins while the peer copies the last ones instead of sleeping: the
+//! futex sleep and wake-up cost tens of µs and lie on the path of the next message.
 //!
 //! Completions are pooled per rank and the mailbox queues keep their capacity, so a steady-state exchange of
 //! a given shape allocates nothing.
@@ -74,11 +80,16 @@ struct Pair {
     copied: usize,
 }
 
-/// Size of the chunks a matched large message is copied in: small enough that two threads share a 1 MiB
-/// message evenly, large enough that the lock taken per chunk costs nothing (a 256 KiB chunk is about 10 µs of
-/// copying). A multiple of 4 KiB, so chunks keep the buffers' alignment.
+/// How long a waiter whose message is being copied by the peer spins for it before sleeping: a chunk
+/// ([`chunk_len`], at most 4 MiB) takes under a millisecond to copy on any machine this runs on.
+const COPY_SPIN: Duration = Duration::from_millis(2);
+
+/// Size of the chunks a matched large message is copied in: small enough that the two threads share a message
+/// from 128 KiB up (a 256 KiB stream ran at 26-27 GiB/s with 256 KiB chunks, one per message, and at 39-43 with
+/// 64 KiB ones, against 36-38 for `memcpy`), large enough that the lock taken per chunk costs little (a 64 KiB
+/// chunk is about 2 µs of copying). A multiple of 4 KiB, so chunks keep the buffers' alignment.
 fn chunk_len(len: usize) -> usize {
-    (len / 8).clamp(256 << 10, 4 << 20) & !4095
+    (len / 8).clamp(64 << 10, 4 << 20) & !4095
 }
 
 /// Number of chunks of a `len`-byte message.
@@ -267,9 +278,10 @@ fn transfer(send: (*const u8, usize, u64, &Completion), recv: (*mut u8, usize, u
 
 /// Copies chunks of the pair parked in the receive completion `rc` until none is left to claim (the peer may be
 /// copying others meanwhile), completing both sides if it copies the last one. A receiver claims from the front,
-/// a sender (passing its own completion) from the back. The sender's completion is checked because `rc` may have
-/// finished and been reused for another pair since the sender looked at it.
-fn copy_matched(rc: &Completion, sender: Option<&Arc<Completion>>) {
+/// a sender (passing its own completion) from the back, and only chunks of the back half unless `all`. The
+/// sender's completion is checked because `rc` may have finished and been reused for another pair since the
+/// sender looked at it.
+fn copy_matched(rc: &Completion, sender: Option<&Arc<Completion>>, all: bool) {
     loop {
         let mut st = lock(&rc.state);
         let State::Matched(p) = &mut *st else {
@@ -284,7 +296,7 @@ fn copy_matched(rc: &Completion, sender: Option<&Arc<Completion>>) {
             p.sc.complete(so);
             return;
         }
-        if p.next == p.end {
+        if p.next == p.end || (sender.is_some() && !all && p.end - 1 < chunks(p.rl).div_ceil(2)) {
             return;
         }
         let i = if sender.is_some() {
@@ -529,37 +541,31 @@ impl ThreadOp {
         match &*st {
             State::Matched(_) => {
                 drop(st);
-                copy_matched(c, None);
+                copy_matched(c, None, true);
             }
             State::Attached(rc) => {
                 let rc = rc.clone();
                 drop(st);
-                copy_matched(&rc, Some(c));
+                copy_matched(&rc, Some(c), false);
             }
             _ => {}
         }
     }
 
     /// Waits until `c` is done or `deadline` passes (`None`), copying the chunks of a matched large message that
-    /// the peer has not claimed: at once for a receive, after a spin for a send.
+    /// the peer has not claimed.
     fn wait_until(&self, c: &Arc<Completion>, deadline: Option<Instant>) -> Option<Outcome> {
         // A matched op needs one copy attempt: after it every chunk is claimed (by us or the peer), and the
         // completion is notified when the last is copied.
         let mut tried = false;
-        // Once matched, a copy is running or about to (ours or the peer's): spin for it once before sleeping.
-        let mut spun = false;
+        // Whether a sender has taken over the receiver's half (after a spin) if the receiver left it.
+        let mut took_over = false;
+        // Until when a matched op whose chunks are all claimed spins for the peer to finish them.
+        let mut copy_spin_end = None;
         let mut st = lock(&c.state);
         loop {
             match &*st {
                 State::Done(o) => return Some(*o),
-                // A sender leaves the copy to its receiver for one spin before helping (see the module doc).
-                State::Attached(_) if !spun => {
-                    spun = true;
-                    drop(st);
-                    c.spin(DONE);
-                    st = lock(&c.state);
-                    continue;
-                }
                 State::Matched(_) | State::Attached(_) if !tried => {
                     tried = true;
                     drop(st);
@@ -567,15 +573,32 @@ impl ThreadOp {
                     st = lock(&c.state);
                     continue;
                 }
-                State::Posted => {}
-                _ if !spun => {
-                    spun = true;
+                State::Attached(rc) if !took_over => {
+                    // The front half is the receiver's. If it is still unclaimed after a spin, the receiver is busy
+                    // elsewhere (it posted the receive and computes, or is itself blocked in a send to us): a send
+                    // must complete without it, so copy the rest ourselves.
+                    took_over = true;
+                    let rc = rc.clone();
                     drop(st);
                     c.spin(DONE);
+                    copy_matched(&rc, Some(c), true);
                     st = lock(&c.state);
                     continue;
                 }
-                _ => {}
+                State::Matched(_) | State::Attached(_) => {
+                    // Every chunk is claimed: the peer is copying its last ones, which takes at most a chunk's copy
+                    // time. Spin rather than sleep: a futex sleep and wake-up costs tens of µs, and that lies on the
+                    // path of the next message (a 1 MiB stream ran at half of `memcpy` when the helping sender
+                    // slept here). Bounded, in case the peer was descheduled mid-copy.
+                    let end = *copy_spin_end.get_or_insert_with(|| Instant::now() + COPY_SPIN);
+                    if Instant::now() < end {
+                        drop(st);
+                        c.spin(DONE);
+                        st = lock(&c.state);
+                        continue;
+                    }
+                }
+                State::Posted => {}
             }
             let now = Instant::now();
             if deadline.is_some_and(|d| now >= d) {
@@ -633,11 +656,9 @@ impl ThreadOp {
         let Some(c) = self.done.take() else {
             return Ok(());
         };
-        // A receiver copies its matched large message right away; a sender leaves it to its receiver for a while
-        // (in `wait_until`).
-        if !self.is_send {
-            self.progress(&c);
-        }
+        // A matched large message is copied at once: a receive claims its chunks from the front, a send (once
+        // its receiver matched it, in `wait_until`) from the back.
+        self.progress(&c);
         c.spin(MATCHED);
         let deadline = Instant::now().checked_add(self.timeout);
         if let Some(o) = self.wait_until(&c, deadline) {

@@ -183,6 +183,26 @@ fn large_send_progresses_while_receiver_waits_elsewhere() {
     }
 }
 
+/// Both ranks post a large receive, then each blocks in a large send to the other before waiting on its
+/// receive: neither receiver copies its half while blocked in its own send, so each sender must take the whole
+/// copy over (in every message-size class: one chunk, several, streamed).
+#[test]
+fn crossed_blocking_sends_after_posted_receives_complete() {
+    for len in [BIG / 16, BIG, 5 << 20] {
+        suite::all_ok(two(|c| {
+            let (me, peer) = (c.rank(), 1 - c.rank());
+            let mut inp = vec![0u32; len];
+            let r = c.irecv(peer, 7, &mut inp).map_err(suite::e2s)?;
+            c.send(peer, 7, &pattern(me as u32, len)).map_err(suite::e2s)?;
+            r.wait().map_err(suite::e2s)?;
+            if inp != pattern(peer as u32, len) {
+                return Err(format!("wrong data at {len} words"));
+            }
+            Ok(())
+        }));
+    }
+}
+
 #[test]
 fn large_length_mismatch_is_reported_to_both() {
     let out = two(|c| {
