@@ -16,9 +16,10 @@
 //! `--rounds R` repeats that pair R times per row, swapping which of the two goes first each round, and prints
 //! medians (the ratio is the median of the R paired ratios): on a shared machine the same row's time moves by
 //! ±15% from minute to minute, which a single pair cannot tell from a real difference. PyTorch's bf16 backward
-//! on CPU runs at about 17 GFLOP/s (a minute per call at S = 4096, D = 64, causal), so it is timed only with
-//! `--peer-bf16-backward`.
-//! `--no-torch` skips the peer.
+//! on CPU runs at about 17 GFLOP/s with AVX2 (a minute per call at S = 4096, D = 64, causal) and about 80 with
+//! AVX-512, so it is timed only with `--peer-bf16-backward`.
+//! `--no-torch` skips the peer. `--reps N` applies to the peer too (by default each side takes about 1 s of work,
+//! a single repetition from S = 4096 at D = 128).
 //! `--simd avx2` (or `portable`) caps the attention kernels' instruction set, to compare paths on one machine;
 //! the header names the path that runs.
 //! FLOP counts follow the usual convention (also used by `bench/peer_sdpa.py`): forward `4·B·Hq·Sq·Sk·D`,
@@ -195,6 +196,7 @@ impl Peer {
     }
 
     /// Forward and forward+backward GFLOP/s of one row (`None` for a part not run or a failed run).
+    #[allow(clippy::too_many_arguments)]
     fn row(
         &self,
         s: usize,
@@ -203,6 +205,7 @@ impl Peer {
         bf: bool,
         backward: bool,
         threads: usize,
+        reps: Option<usize>,
     ) -> (Option<f64>, Option<f64>) {
         let mut cmd = std::process::Command::new(&self.python);
         cmd.arg(&self.script).arg("--rows-only").args(["--seqs", &s.to_string(), "--dims", &d.to_string()]);
@@ -210,6 +213,9 @@ impl Peer {
         cmd.arg(if causal { "--causal" } else { "--full" });
         if !backward {
             cmd.arg("--no-backward");
+        }
+        if let Some(r) = reps {
+            cmd.args(["--reps", &r.to_string()]);
         }
         let Ok(out) = cmd.output() else { return (None, None) };
         let text = String::from_utf8_lossy(&out.stdout);
@@ -343,7 +349,7 @@ fn main() {
                         // The peer goes first in odd rounds, so a drift in the machine's speed favours neither.
                         let run_peer = |pf: &mut Vec<f64>, pfb: &mut Vec<f64>| {
                             if let Some(p) = &peer {
-                                let (f, b) = p.row(s, d, causal, bf, peer_bwd, threads);
+                                let (f, b) = p.row(s, d, causal, bf, peer_bwd, threads, reps_override);
                                 pf.push(f.unwrap_or(f64::NAN));
                                 pfb.push(b.unwrap_or(f64::NAN));
                             }

@@ -6,7 +6,10 @@
 //!
 //! For each message size (4 KiB .. 256 MiB) it measures, between ranks 0 and 1:
 //! - ring: `sendrecv` ring shift, GiB/s per rank and direction (both directions in flight);
-//! - send: blocking `send`/`recv` stream 0 -> 1, GiB/s;
+//! - send: blocking `send`/`recv` stream 0 -> 1, GiB/s: one message at a time, so each pays a full hand-off;
+//! - send xW: the same stream with a window of W messages in flight (`isend`/`irecv` into W receive buffers,
+//!   W = 16 up to 4 MiB, fewer above so the window stays within 64 MiB), the way `ucx_perftest -t tag_bw`
+//!   and OSU's `osu_bw` measure bandwidth: hand-offs overlap copies instead of adding to them;
 //! - lat: ping-pong, half round trip in µs;
 //! - all_reduce (f32 sum) bus bandwidth: bytes * 2(n-1)/n / time;
 //! - hidden: the ring shift posted with `isendrecv`, then twice its own time of busy compute on the rank's
@@ -33,6 +36,8 @@ struct Row {
     bytes: usize,
     ring_gibs: f64,
     send_gibs: f64,
+    window: usize,
+    window_gibs: f64,
     lat_us: f64,
     allreduce_busbw: f64,
     hidden_pct: f64,
@@ -41,6 +46,9 @@ struct Row {
 }
 
 const GIB: f64 = (1u64 << 30) as f64;
+/// Messages in flight in the windowed stream, and the most bytes the window may hold.
+const WINDOW: usize = 16;
+const WINDOW_BYTES: usize = 64 << 20;
 
 fn sizes() -> Vec<usize> {
     let env = |name: &str, default: usize| std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default);
@@ -114,6 +122,17 @@ fn measure(c: &Communicator, with_memcpy: bool) -> Result<Vec<Row>, CommError> {
             1 => c.recv(0, 1, &mut recv),
             _ => Ok(()),
         })?;
+        let window = (WINDOW_BYTES / bytes).clamp(1, WINDOW);
+        let mut recv_w: Vec<Vec<u8>> = (0..if r == 1 { window } else { 0 }).map(|_| vec![0u8; bytes]).collect();
+        let windowed = timed(c, it.div_ceil(window), || {
+            let reqs = match r {
+                0 => (0..window).map(|_| c.isend(1, 3, &send)).collect::<Result<Vec<_>, _>>()?,
+                1 => recv_w.iter_mut().map(|b| c.irecv(0, 3, b)).collect::<Result<Vec<_>, _>>()?,
+                _ => Vec::new(),
+            };
+            reqs.into_iter().try_for_each(|q| q.wait())
+        })? / window as f64;
+        drop(recv_w);
         let lat_it = it.min(5000);
         let pingpong = timed(c, lat_it, || match r {
             0 => c.send(1, 2, &send).and_then(|()| c.recv(1, 2, &mut recv)),
@@ -166,6 +185,8 @@ fn measure(c: &Communicator, with_memcpy: bool) -> Result<Vec<Row>, CommError> {
             bytes,
             ring_gibs: bytes as f64 / ring / GIB,
             send_gibs: bytes as f64 / stream / GIB,
+            window,
+            window_gibs: bytes as f64 / windowed / GIB,
             lat_us: pingpong / 2.0 * 1e6,
             allreduce_busbw: bytes as f64 * 2.0 * (n - 1) as f64 / n as f64 / ar / GIB,
             hidden_pct: 100.0 * (1.0 - exposed / ring).clamp(0.0, 1.0),
@@ -218,15 +239,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 std::env::var("UCX_TLS").unwrap_or_else(|_| "default".into()),
                 if std::env::var("LONGCTX_UCX_PROGRESS").as_deref() == Ok("0") { "off" } else { "on" }
             );
-            println!("| size | ring GiB/s | send GiB/s | latency µs | all_reduce busbw GiB/s | hidden % | peer: ucx_perftest tag_bw GiB/s |");
-            println!("|---:|---:|---:|---:|---:|---:|---:|");
+            println!("| size | ring GiB/s | send GiB/s | send xW GiB/s | latency µs | all_reduce busbw GiB/s | hidden % | peer: ucx_perftest tag_bw GiB/s |");
+            println!("|---:|---:|---:|---:|---:|---:|---:|---:|");
             for r in rows {
                 let peer = ucx_perftest(r.bytes).map_or("n/a".to_string(), |g| format!("{g:.2}"));
                 println!(
-                    "| {} | {:.2} | {:.2} | {:.1} | {:.2} | {:.0} | {} |",
+                    "| {} | {:.2} | {:.2} | {:.2} (x{}) | {:.1} | {:.2} | {:.0} | {} |",
                     size_name(r.bytes),
                     r.ring_gibs,
                     r.send_gibs,
+                    r.window_gibs,
+                    r.window,
                     r.lat_us,
                     r.allreduce_busbw,
                     r.hidden_pct,
@@ -239,15 +262,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let rows = all.swap_remove(0)?;
         println!("threads transport, 2 ranks in one process");
         println!(
-            "| size | ring GiB/s | send GiB/s | latency µs | all_reduce busbw GiB/s | hidden % | peer: memcpy GiB/s | memcpy x2 GiB/s |"
+            "| size | ring GiB/s | send GiB/s | send xW GiB/s | latency µs | all_reduce busbw GiB/s | hidden % | peer: memcpy GiB/s | memcpy x2 GiB/s |"
         );
-        println!("|---:|---:|---:|---:|---:|---:|---:|---:|");
+        println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
         for r in rows {
             println!(
-                "| {} | {:.2} | {:.2} | {:.1} | {:.2} | {:.0} | {:.2} | {:.2} |",
+                "| {} | {:.2} | {:.2} | {:.2} (x{}) | {:.1} | {:.2} | {:.0} | {:.2} | {:.2} |",
                 size_name(r.bytes),
                 r.ring_gibs,
                 r.send_gibs,
+                r.window_gibs,
+                r.window,
                 r.lat_us,
                 r.allreduce_busbw,
                 r.hidden_pct,

@@ -141,6 +141,7 @@ pub fn attention_backward(
                             simd::prefetch_part(&dq_all[x * BR * d..x * BR * d + n1], part, 3);
                         }
                     };
+                    let rq = (bh * s.q_len + q0) * d;
                     for t in blk.clone() {
                         let class = p.mask.classify(&ctx.q_sum[qt], &ctx.k_sum[t]);
                         if class == TileClass::Hidden {
@@ -153,7 +154,6 @@ pub fn attention_backward(
                         let dv_t = &mut dv_part[j0 * d..(j0 + bc) * d];
                         let spans = ctx.probs_and_ds(sc, bs, class, bh, bhk, q0, rows, t);
                         fetch(0, &bs.dq);
-                        let rq = (bh * s.q_len + q0) * d;
                         // dV += Pᵀ·dO and dK += dSᵀ·Q, reading P and dS transposed in place (zero outside the spans).
                         simd::matmul_at(bc, d, rows, &sc.s, BC, &ctx.d_o[rq..rq + rows * d], d, dv_t, d, true);
                         fetch(1, &bs.dq);
@@ -347,11 +347,7 @@ impl Ctx<'_> {
                     }
                 }
             }
-            simd::exp2_scaled_sum(srow, self.c, lse2);
-            let di = self.delta[row];
-            for (dp, &pr) in bs.dp[i * BC + lo..i * BC + hi].iter_mut().zip(srow.iter()) {
-                *dp = pr * (*dp - di);
-            }
+            simd::probs_and_ds(srow, &mut bs.dp[i * BC + lo..i * BC + hi], self.c, lse2, self.delta[row]);
         }
         spans
     }

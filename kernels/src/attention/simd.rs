@@ -139,6 +139,23 @@ pub(crate) fn exp2_scaled_sum(x: &mut [f32], c: f32, m: f32) -> f32 {
     }
 }
 
+/// The backward's row step: `p[j] = exp2(p[j]·c - m)` (the probabilities, from the scores), then
+/// `ds[j] = p[j]·(ds[j] - di)` (from `dP`, giving `dS`). With AVX-512 in one pass over both rows, with the
+/// same operations as the two passes it replaces (results bit-identical).
+#[inline]
+pub(crate) fn probs_and_ds(p: &mut [f32], ds: &mut [f32], c: f32, m: f32, di: f32) {
+    assert_eq!(p.len(), ds.len(), "probs_and_ds: rows of different lengths");
+    #[cfg(target_arch = "x86_64")]
+    if simd_path() == SimdPath::Avx512 {
+        // SAFETY: the path is only chosen when the CPU has AVX-512F; the rows have equal lengths.
+        return unsafe { x86_512::probs_and_ds(p, ds, c, m, di) };
+    }
+    exp2_scaled_sum(p, c, m);
+    for (g, &pr) in ds.iter_mut().zip(p.iter()) {
+        *g = pr * (*g - di);
+    }
+}
+
 /// Largest element (`-inf` for an empty slice). NaN handling: NaN elements are skipped by `max`.
 #[inline]
 pub(crate) fn max(x: &[f32]) -> f32 {
@@ -922,6 +939,24 @@ mod x86_512 {
     }
 
     /// # Safety
+    /// AVX-512F must be present, and `ds` at least as long as `p`.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn probs_and_ds(p: &mut [f32], ds: &mut [f32], c: f32, m: f32, di: f32) {
+        let (cv, mv, dv) = (_mm512_set1_ps(c), _mm512_set1_ps(m), _mm512_set1_ps(di));
+        let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
+        let (pp, gp) = (p.as_mut_ptr(), ds.as_mut_ptr());
+        let mut j = 0;
+        while j < p.len() {
+            let mask = if j + 16 <= p.len() { !0 } else { first(p.len() - j) };
+            let pr = exp2(_mm512_fmsub_ps(_mm512_mask_loadu_ps(ninf, mask, pp.add(j)), cv, mv));
+            _mm512_mask_storeu_ps(pp.add(j), mask, pr);
+            let g = _mm512_mul_ps(pr, _mm512_sub_ps(_mm512_maskz_loadu_ps(mask, gp.add(j)), dv));
+            _mm512_mask_storeu_ps(gp.add(j), mask, g);
+            j += 16;
+        }
+    }
+
+    /// # Safety
     /// AVX-512F must be present.
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn exp2_scaled_sum(x: &mut [f32], c: f32, m: f32) -> f32 {
@@ -1064,6 +1099,16 @@ mod tests {
                     // SAFETY: feature detected.
                     unsafe { x86_512::exp2_scaled_sum(&mut far, 1.3, 0.2) };
                     assert!(far.iter().all(|v| *v == 0.0 || v.is_normal()), "avx512 exp2 gave a denormal: {far:?}");
+                    // The fused backward row step equals its two passes bit for bit.
+                    let (mut p1, mut g1) = (x.clone(), data(len, 9));
+                    let (mut p2, mut g2) = (p1.clone(), g1.clone());
+                    // SAFETY: feature detected; equal lengths.
+                    unsafe { x86_512::probs_and_ds(&mut p1, &mut g1, 1.3, 0.2, 0.1) };
+                    unsafe { x86_512::exp2_scaled_sum(&mut p2, 1.3, 0.2) };
+                    for (g, &pr) in g2.iter_mut().zip(&p2) {
+                        *g = pr * (*g - 0.1);
+                    }
+                    assert_eq!((p1, g1), (p2, g2), "avx512 probs_and_ds, len {len}");
                 }
             }
             let mut s = x.clone();
