@@ -668,10 +668,6 @@ mod x86_512 {
 
     /// Rows of `C` per micro-tile; the forward's products run 12 rows at a time, so they take exactly one.
     const MR: usize = 12;
-    /// Reduction lengths up to this take a transposed-A panel on the stack (`PW·PACK_K` floats, 16 KiB).
-    const PACK_K: usize = 256;
-    /// Floats per step of a packed A panel: `MR` rounded up to a whole vector, so a step is one load and store.
-    const PW: usize = 16;
     /// The low eight lanes: the last 8 columns when `n` is not a multiple of 16.
     const LOW8: __mmask16 = 0x00ff;
 
@@ -694,65 +690,20 @@ mod x86_512 {
         ldc: usize,
         accumulate: bool,
     ) {
-        // A read transposed goes through packed panels, for the reason given in `x86::matmul`.
-        if a_cs != 1 {
-            return matmul_packed_a(m, n, k, a, a_rs, a_cs, b, ldb, b_js, c, ldc, accumulate);
-        }
+        // A read transposed (`a_rs == 1`: the backward's `Pᵀ·dO` and `dSᵀ·Q`) is read in place, with the row
+        // stride known to the compiler (`S = 2`): a step's 12 broadcasts are one base register plus fixed
+        // displacements. The AVX2 path copies such A blocks into packed panels first, which on its 8-way 32 KiB
+        // L1 kept A and B from evicting each other; on this path's bench machine (12-way 48 KiB L1) the copy
+        // cost more than it saved: 147 GFLOP/s for a 128³ product with panels, 161 without (one core).
         let mut i = 0;
         while i < m {
             let rows = (m - i).min(MR);
-            block::<0>(rows, n, k, a.add(i * a_rs), a_rs, a_cs, b, ldb, b_js, c.add(i * ldc), ldc, accumulate);
-            i += rows;
-        }
-    }
-
-    /// [`matmul`] for A read transposed, through packed panels; out of line as in `x86`.
-    ///
-    /// # Safety
-    /// As [`matmul`].
-    #[target_feature(enable = "avx512f")]
-    #[allow(clippy::too_many_arguments)]
-    #[inline(never)]
-    unsafe fn matmul_packed_a(
-        m: usize,
-        n: usize,
-        k: usize,
-        a: *const f32,
-        a_rs: usize,
-        a_cs: usize,
-        b: *const f32,
-        ldb: usize,
-        b_js: usize,
-        c: *mut f32,
-        ldc: usize,
-        accumulate: bool,
-    ) {
-        let mut stack = [0f32; PW * PACK_K];
-        let mut heap = Vec::new();
-        let panel: &mut [f32] = if k <= PACK_K {
-            &mut stack
-        } else {
-            heap.resize(PW * k, 0.0);
-            &mut heap
-        };
-        let dst = panel.as_mut_ptr();
-        let mut i = 0;
-        while i < m {
-            let rows = (m - i).min(MR);
-            let ap = a.add(i * a_rs);
-            if a_rs == 1 && i + PW <= m {
-                // One 16-wide load and store per step; lanes past `rows` belong to the next block, unused.
-                for p in 0..k {
-                    _mm512_storeu_ps(dst.add(p * PW), _mm512_loadu_ps(ap.add(p * a_cs)));
-                }
+            let (ap, cp) = (a.add(i * a_rs), c.add(i * ldc));
+            if a_rs == 1 {
+                block::<2>(rows, n, k, ap, a_rs, a_cs, b, ldb, b_js, cp, ldc, accumulate);
             } else {
-                for p in 0..k {
-                    for r in 0..rows {
-                        *dst.add(p * PW + r) = *ap.add(p * a_cs + r * a_rs);
-                    }
-                }
+                block::<0>(rows, n, k, ap, a_rs, a_cs, b, ldb, b_js, cp, ldc, accumulate);
             }
-            block::<1>(rows, n, k, dst, 1, PW, b, ldb, b_js, c.add(i * ldc), ldc, accumulate);
             i += rows;
         }
     }
@@ -804,7 +755,9 @@ mod x86_512 {
 
     /// `M` rows of `C`, all `n` columns: 32 at a time, then 16, then a last 8 under a lane mask (masked loads
     /// and stores touch no memory in the lanes they leave out). Columns `j` and `j + 16` lie in two strips of
-    /// the packed layout, or 16 floats apart in a row-major `B` (`b_js = 1`). `S` as in `x86::tile`.
+    /// the packed layout, or 16 floats apart in a row-major `B` (`b_js = 1`). `S = 2`: A's row stride is 1 (A
+    /// read transposed; `a_rs` is ignored), so a step's broadcasts are one base register plus fixed
+    /// displacements; `S = 0`: strides as given.
     ///
     /// # Safety
     /// As [`matmul`].
@@ -824,7 +777,7 @@ mod x86_512 {
         ldc: usize,
         accumulate: bool,
     ) {
-        let (a_rs, a_cs) = if S == 1 { (1, PW) } else { (a_rs, a_cs) };
+        let a_rs = if S == 2 { 1 } else { a_rs };
         let mut j = 0;
         while j + 32 <= n {
             let mut c0 = [_mm512_setzero_ps(); M];
