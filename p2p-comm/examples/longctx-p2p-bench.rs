@@ -25,6 +25,9 @@
 //!   memory bandwidth, or for the cores when other processes run.
 //!
 //! Set `LONGCTX_BENCH_MAX` (bytes) to stop at a smaller size, `LONGCTX_BENCH_MIN` to start at a larger one.
+//! `LONGCTX_BENCH_ROUNDS=R` runs the sweep R times (UCX: ours, then `ucx_perftest`, per round) and prints the
+//! medians, with `send / peer` as the median of each round's paired ratio: over loopback TCP a single
+//! `ucx_perftest` run at 1 MiB was seen anywhere from 2.9 to 7.2 GiB/s on one machine within minutes.
 
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -226,25 +229,87 @@ fn size_name(b: usize) -> String {
     }
 }
 
+/// `LONGCTX_BENCH_ROUNDS` (default 1): how many times the whole sweep (ours, then the peer) runs.
+fn rounds() -> usize {
+    std::env::var("LONGCTX_BENCH_ROUNDS").ok().and_then(|v| v.parse().ok()).unwrap_or(1).max(1)
+}
+
+/// Median of `x` (NaN for none).
+fn median(mut x: Vec<f64>) -> f64 {
+    x.retain(|v| v.is_finite());
+    if x.is_empty() {
+        return f64::NAN;
+    }
+    x.sort_by(f64::total_cmp);
+    let n = x.len();
+    if n % 2 == 1 {
+        x[n / 2]
+    } else {
+        0.5 * (x[n / 2 - 1] + x[n / 2])
+    }
+}
+
+/// Per size, the median over rounds of every column, and of the paired ratio `send / peer` (each round's send
+/// against the peer measured right after it, so a drift of the machine between rounds cancels).
+fn medians(rounds: &[Vec<Row>], peers: &[Vec<f64>]) -> Vec<(Row, f64, f64)> {
+    (0..rounds[0].len())
+        .map(|i| {
+            let col = |f: fn(&Row) -> f64| median(rounds.iter().map(|r| f(&r[i])).collect());
+            let row = Row {
+                bytes: rounds[0][i].bytes,
+                window: rounds[0][i].window,
+                ring_gibs: col(|r| r.ring_gibs),
+                send_gibs: col(|r| r.send_gibs),
+                window_gibs: col(|r| r.window_gibs),
+                lat_us: col(|r| r.lat_us),
+                allreduce_busbw: col(|r| r.allreduce_busbw),
+                hidden_pct: col(|r| r.hidden_pct),
+                memcpy_gibs: col(|r| r.memcpy_gibs),
+                memcpy2_gibs: col(|r| r.memcpy2_gibs),
+            };
+            let peer = median(peers.iter().map(|p| p[i]).collect());
+            let ratio = median(rounds.iter().zip(peers).map(|(r, p)| r[i].send_gibs / p[i]).collect());
+            (row, peer, ratio)
+        })
+        .collect()
+}
+
+fn fmt_or_na(x: f64) -> String {
+    if x.is_finite() {
+        format!("{x:.2}")
+    } else {
+        "n/a".into()
+    }
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let ucx = std::env::var("RANK").is_ok();
+    let n_rounds = rounds();
     if ucx {
         let c = Communicator::from_env()?;
-        let rows = measure(&c, false)?;
+        let (mut ours, mut peers) = (Vec::new(), Vec::new());
+        for _ in 0..n_rounds {
+            ours.push(measure(&c, false)?);
+            // Rank 0 runs the peer right after our sweep while rank 1 waits in the barrier (asleep on UCX's
+            // event fd after its first 5 ms), so both sides of a round see the machine in the same state.
+            if c.rank() == 0 {
+                peers.push(sizes().into_iter().map(|b| ucx_perftest(b).unwrap_or(f64::NAN)).collect::<Vec<_>>());
+            }
+            c.barrier()?;
+        }
         let rank = c.rank();
         drop(c);
         if rank == 0 {
             println!(
-                "UCX transport, 2 processes (UCX_TLS={}, progress thread {})",
+                "UCX transport, 2 processes (UCX_TLS={}, progress thread {}), median of {n_rounds} round(s)",
                 std::env::var("UCX_TLS").unwrap_or_else(|_| "default".into()),
                 if std::env::var("LONGCTX_UCX_PROGRESS").as_deref() == Ok("0") { "off" } else { "on" }
             );
-            println!("| size | ring GiB/s | send GiB/s | send xW GiB/s | latency µs | all_reduce busbw GiB/s | hidden % | peer: ucx_perftest tag_bw GiB/s |");
-            println!("|---:|---:|---:|---:|---:|---:|---:|---:|");
-            for r in rows {
-                let peer = ucx_perftest(r.bytes).map_or("n/a".to_string(), |g| format!("{g:.2}"));
+            println!("| size | ring GiB/s | send GiB/s | send xW GiB/s | latency µs | all_reduce busbw GiB/s | hidden % | peer: ucx_perftest tag_bw GiB/s | send / peer |");
+            println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+            for (r, peer, ratio) in medians(&ours, &peers) {
                 println!(
-                    "| {} | {:.2} | {:.2} | {:.2} (x{}) | {:.1} | {:.2} | {:.0} | {} |",
+                    "| {} | {:.2} | {:.2} | {:.2} (x{}) | {:.1} | {:.2} | {:.0} | {} | {} |",
                     size_name(r.bytes),
                     r.ring_gibs,
                     r.send_gibs,
@@ -253,21 +318,23 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     r.lat_us,
                     r.allreduce_busbw,
                     r.hidden_pct,
-                    peer
+                    fmt_or_na(peer),
+                    fmt_or_na(ratio)
                 );
             }
         }
     } else {
-        let mut all = ThreadWorld::run(2, |c| measure(&c, true))?;
-        let rows = all.swap_remove(0)?;
-        println!("threads transport, 2 ranks in one process");
+        let mut all = ThreadWorld::run(2, |c| (0..n_rounds).map(|_| measure(&c, true)).collect::<Result<Vec<_>, _>>())?;
+        let ours = all.swap_remove(0)?;
+        let peers: Vec<Vec<f64>> = ours.iter().map(|r| r.iter().map(|x| x.memcpy_gibs).collect()).collect();
+        println!("threads transport, 2 ranks in one process, median of {n_rounds} round(s)");
         println!(
-            "| size | ring GiB/s | send GiB/s | send xW GiB/s | latency µs | all_reduce busbw GiB/s | hidden % | peer: memcpy GiB/s | memcpy x2 GiB/s |"
+            "| size | ring GiB/s | send GiB/s | send xW GiB/s | latency µs | all_reduce busbw GiB/s | hidden % | peer: memcpy GiB/s | memcpy x2 GiB/s | send / peer |"
         );
-        println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
-        for r in rows {
+        println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+        for (r, _, ratio) in medians(&ours, &peers) {
             println!(
-                "| {} | {:.2} | {:.2} | {:.2} (x{}) | {:.1} | {:.2} | {:.0} | {:.2} | {:.2} |",
+                "| {} | {:.2} | {:.2} | {:.2} (x{}) | {:.1} | {:.2} | {:.0} | {:.2} | {:.2} | {:.2} |",
                 size_name(r.bytes),
                 r.ring_gibs,
                 r.send_gibs,
@@ -277,7 +344,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 r.allreduce_busbw,
                 r.hidden_pct,
                 r.memcpy_gibs,
-                r.memcpy2_gibs
+                r.memcpy2_gibs,
+                ratio
             );
         }
     }
