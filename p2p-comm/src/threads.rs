@@ -656,9 +656,8 @@ impl ThreadOp {
         let Some(c) = self.done.take() else {
             return Ok(());
         };
-        // A matched large message is copied at once: a receive claims its chunks from the front, a send (once
-        // its receiver matched it, in `wait_until`) from the back.
-        self.progress(&c);
+        // A matched large message is copied at once (in `wait_until`): a receive claims its chunks from the
+        // front, a send from the back.
         c.spin(MATCHED);
         let deadline = Instant::now().checked_add(self.timeout);
         if let Some(o) = self.wait_until(&c, deadline) {

@@ -161,14 +161,7 @@ pub fn attention_backward(
                         fetch(2, &bs.dq);
                         // dQ += dS·K over each group's span.
                         let dq = &mut bs.dq[slot * BR * d..];
-                        let whole = [(0, spans.first().map_or(0, |s| s.1))];
-                        let groups: &[(usize, usize)] = if class == TileClass::Visible { &whole } else { &spans };
-                        for (gi, &(lo, hi)) in groups.iter().enumerate() {
-                            if lo >= hi {
-                                continue;
-                            }
-                            let r0 = gi * GROUP;
-                            let gr = if class == TileClass::Visible { rows } else { GROUP.min(rows - r0) };
+                        for (r0, gr, lo, hi) in product_groups(class, &spans, rows) {
                             let (a, kk) = (&bs.dp[r0 * BC + lo..], &k_tile[lo * d..]);
                             simd::matmul(gr, d, hi - lo, a, BC, kk, d, &mut dq[r0 * d..], d, true);
                         }
@@ -229,6 +222,26 @@ fn key_tiles_per_block(head_dim: usize) -> usize {
     }
 }
 
+/// The row groups `(first row, rows, lo, hi)` a product over one tile runs on, skipping empty spans: a fully
+/// visible tile is one group of all its rows (every span is the whole tile), so the micro-kernel takes its
+/// tallest register tile (12 rows with AVX-512, where the row groups are only 6); other tiles go group by group
+/// over their spans.
+fn product_groups(
+    class: TileClass,
+    spans: &[(usize, usize)],
+    rows: usize,
+) -> impl Iterator<Item = (usize, usize, usize, usize)> + '_ {
+    let visible = class == TileClass::Visible;
+    let groups = if visible { &spans[..spans.len().min(1)] } else { spans };
+    groups.iter().enumerate().filter(|(_, &(lo, hi))| lo < hi).map(move |(g, &(lo, hi))| {
+        if visible {
+            (0, rows, lo, hi)
+        } else {
+            (g * GROUP, GROUP.min(rows - g * GROUP), lo, hi)
+        }
+    })
+}
+
 /// Query chunks per KV head, from the shape alone (never the thread count, so results stay bit-identical):
 /// enough tasks to keep 16 threads busy, but no more partial `dK`, `dV` memory than `dQ` itself takes in
 /// `f32` (so memory stays linear in the sequence), one chunk at least, and no more chunks than query tiles.
@@ -282,16 +295,7 @@ impl Ctx<'_> {
         let q_tile = &self.q[rq..rq + rows * d];
         let do_tile = &self.d_o[rq..rq + rows * d];
         let mut spans = sc.spans(mask, class, rows, q0, j0, bc);
-        // A fully visible tile is one product over all rows, so the micro-kernel takes its tallest register tile
-        // (12 rows with AVX-512; the row groups are only 6); other tiles go group by group over their spans.
-        let whole = [(0, spans.first().map_or(0, |s| s.1))];
-        let groups: &[(usize, usize)] = if class == TileClass::Visible { &whole } else { &spans };
-        for (g, &(lo, hi)) in groups.iter().enumerate() {
-            if lo >= hi {
-                continue;
-            }
-            let r0 = g * GROUP;
-            let gr = if class == TileClass::Visible { rows } else { GROUP.min(rows - r0) };
+        for (r0, gr, lo, hi) in product_groups(class, &spans, rows) {
             simd::matmul_packed_b(
                 gr,
                 hi - lo,

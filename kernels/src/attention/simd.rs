@@ -125,8 +125,8 @@ fn matmul_strided(
     }
 }
 
-/// Computes `x[j] = exp2(x[j] * c - m)` for all `j` and returns the sum (accumulated in 8 lanes, then
-/// reduced in a fixed order).
+/// Computes `x[j] = exp2(x[j] * c - m)` for all `j` and returns the sum (accumulated in 8 lanes, 16 with
+/// AVX-512, then reduced in a fixed order).
 #[inline]
 pub(crate) fn exp2_scaled_sum(x: &mut [f32], c: f32, m: f32) -> f32 {
     match simd_path() {
@@ -660,7 +660,7 @@ mod x86 {
 /// The AVX-512F kernels: [`x86`]'s loops at twice the width, with register tiles of `MR = 12` rows × 32
 /// columns (24 of the 32 zmm registers accumulate, two hold the B row, broadcasts of A come from memory).
 /// Each `C` element takes the same multiply-adds in the same order as on the AVX2 path, so products are
-/// bit-identical to it; only the lane count of the `exp2` row sums differs.
+/// bit-identical to it. `exp2` differs only below 2⁻¹²⁶ (exactly 0 here), and its row sums in lane count.
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::needless_range_loop)] // register arrays indexed by row: the index is the point
 mod x86_512 {
