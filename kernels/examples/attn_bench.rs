@@ -1,4 +1,4 @@
-//! Attention benchmark: forward and forward+backward time, GFLOP/s, fraction of this machine's GEMM peak
+//! Attention benchmark: forward and forward+backward time, GFLOP/s, fraction of this machine's peak
 //! (measured in the same run) and peak heap memory, over sequence length, head dim, mask and dtype.
 //!
 //! ```text
@@ -21,7 +21,14 @@
 //! `--no-torch` skips the peer. `--reps N` applies to the peer too (by default each side takes about 1 s of work,
 //! a single repetition from S = 4096 at D = 128).
 //! `--simd avx2` (or `portable`) caps the attention kernels' instruction set, to compare paths on one machine;
-//! the header names the path that runs.
+//! the header names the path that runs. `--simd avx2` caps the peer too (`ATEN_CPU_CAPABILITY=avx2`,
+//! `ONEDNN_MAX_CPU_ISA=AVX2`, `MKL_ENABLE_INSTRUCTIONS=AVX2`, each unless already set), so an AVX-512 machine
+//! shows both sides as they would run on an AVX2-only one; the header prints the capability torch reports.
+//!
+//! **The peak.** Two figures, both measured at start-up on all threads: a 2048³ f32 GEMM with the `gemm` crate,
+//! and the FMA throughput of the kernels' instruction set (independent multiply-add chains in registers: the
+//! hardware's ceiling). "% peak" is against the higher of the two, so with `--simd avx2` on an AVX-512 machine it
+//! is against the machine's AVX-512 peak.
 //! FLOP counts follow the usual convention (also used by `bench/peer_sdpa.py`): forward `4·B·Hq·Sq·Sk·D`,
 //! halved for causal; backward 2.5× forward.
 
@@ -113,6 +120,66 @@ fn gemm_peak() -> f64 {
     2.0 * (n * n * n) as f64 / best / 1e9
 }
 
+/// GFLOP/s of independent FMA chains in registers on all threads, at the widest instruction set the attention
+/// kernels use (`simd_path()`): the ceiling no kernel can pass. `None` on the portable path.
+fn fma_peak() -> Option<f64> {
+    let path = simd_path();
+    let iters = 4_000_000u64;
+    let mut best = f64::MAX;
+    let mut flops_per_call = 0.0;
+    for _ in 0..3 {
+        let t = Instant::now();
+        let sums: Vec<f32> = rayon::broadcast(|_| fma_chains(path, iters));
+        best = best.min(t.elapsed().as_secs_f64());
+        // Lanes × 2 FLOPs × 24 chains × iterations, on every thread; 0 lanes when the path has no kernel.
+        flops_per_call = sums.iter().map(|&lanes| lanes as f64).sum::<f64>() * 2.0 * 24.0 * iters as f64;
+    }
+    (flops_per_call > 0.0).then(|| flops_per_call / best / 1e9)
+}
+
+/// Runs 24 independent FMA chains `iters` times; returns the vector width in f32 lanes (0 if not run).
+fn fma_chains(path: SimdPath, iters: u64) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::*;
+        #[target_feature(enable = "avx512f")]
+        unsafe fn run512(iters: u64) -> f32 {
+            let m = _mm512_set1_ps(0.999_999);
+            let a = _mm512_set1_ps(1e-7);
+            let mut acc = [_mm512_set1_ps(1.0); 24];
+            for _ in 0..iters {
+                for x in acc.iter_mut() {
+                    *x = _mm512_fmadd_ps(*x, m, a);
+                }
+            }
+            // Keep the chains live so the loop is not removed.
+            std::hint::black_box(acc);
+            16.0
+        }
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn run256(iters: u64) -> f32 {
+            let m = _mm256_set1_ps(0.999_999);
+            let a = _mm256_set1_ps(1e-7);
+            let mut acc = [_mm256_set1_ps(1.0); 12];
+            for _ in 0..2 * iters {
+                for x in acc.iter_mut() {
+                    *x = _mm256_fmadd_ps(*x, m, a);
+                }
+            }
+            std::hint::black_box(acc);
+            8.0
+        }
+        // SAFETY: `simd_path()` reports a path only when the CPU has its features.
+        match path {
+            SimdPath::Avx512 => return unsafe { run512(iters) },
+            SimdPath::Avx2 => return unsafe { run256(iters) },
+            _ => {}
+        }
+    }
+    let _ = (path, iters);
+    0.0
+}
+
 /// CPU time of all this process's threads so far, in seconds (Linux `schedstat`; `None` elsewhere).
 fn cpu_seconds() -> Option<f64> {
     let mut ns = 0u64;
@@ -180,19 +247,35 @@ impl Bufs {
 struct Peer {
     python: String,
     script: std::path::PathBuf,
+    /// Variables that cap torch's instruction set to match `--simd avx2` (empty otherwise).
+    env: Vec<(&'static str, &'static str)>,
+    /// What `torch.backends.cpu.get_cpu_capability()` reports under `env`, e.g. "AVX512".
+    capability: String,
 }
 
 impl Peer {
-    fn detect() -> Option<Self> {
+    fn detect(avx2: bool) -> Option<Self> {
         let python = std::env::var("LONGCTX_PEER_PYTHON").unwrap_or_else(|_| "python3".into());
         let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../bench/peer_sdpa.py");
         let script = script.canonicalize().unwrap_or(script);
-        let ok = std::process::Command::new(&python)
-            .args(["-c", "import torch"])
+        // ATen's vectorised kernels, oneDNN and MKL each choose their instruction set on their own.
+        let env: Vec<_> = if avx2 {
+            [("ATEN_CPU_CAPABILITY", "avx2"), ("ONEDNN_MAX_CPU_ISA", "AVX2"), ("MKL_ENABLE_INSTRUCTIONS", "AVX2")]
+                .into_iter()
+                .filter(|(k, _)| std::env::var_os(k).is_none())
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let out = std::process::Command::new(&python)
+            .args(["-c", "import torch; print(torch.__version__, torch.backends.cpu.get_cpu_capability())"])
+            .envs(env.iter().copied())
             .stderr(std::process::Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success());
-        (ok && script.exists()).then_some(Self { python, script })
+            .output()
+            .ok()
+            .filter(|o| o.status.success())?;
+        let capability = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        script.exists().then_some(Self { python, script, env, capability })
     }
 
     /// Forward and forward+backward GFLOP/s of one row (`None` for a part not run or a failed run).
@@ -208,6 +291,7 @@ impl Peer {
         reps: Option<usize>,
     ) -> (Option<f64>, Option<f64>) {
         let mut cmd = std::process::Command::new(&self.python);
+        cmd.envs(self.env.iter().copied());
         cmd.arg(&self.script).arg("--rows-only").args(["--seqs", &s.to_string(), "--dims", &d.to_string()]);
         cmd.args(["--threads", &threads.to_string(), "--dtypes", if bf { "bf16" } else { "f32" }]);
         cmd.arg(if causal { "--causal" } else { "--full" });
@@ -260,6 +344,16 @@ fn pct(x: f64, peak: f64) -> String {
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
+    if args.iter().any(|a| a == "--help" || a == "-h") {
+        // The module docs are the usage text.
+        let doc: String = include_str!("attn_bench.rs")
+            .lines()
+            .take_while(|l| l.starts_with("//!"))
+            .map(|l| format!("{}\n", l.trim_start_matches("//!").strip_prefix(' ').unwrap_or("")))
+            .collect();
+        print!("{doc}");
+        return;
+    }
     let seqs = arg_list(&args, "--seqs", &[1024, 4096, 16384, 32768]);
     let dims = arg_list(&args, "--dims", &[64, 128]);
     let masks: Vec<bool> = if args.iter().any(|a| a == "--causal") {
@@ -287,7 +381,8 @@ fn main() {
         eprintln!("--hkv must divide Hq = 8");
         std::process::exit(2);
     }
-    match args.iter().position(|a| a == "--simd").and_then(|i| args.get(i + 1)).map(String::as_str) {
+    let simd_arg = args.iter().position(|a| a == "--simd").and_then(|i| args.get(i + 1)).map(String::as_str);
+    match simd_arg {
         None => {}
         Some("portable") => limit_simd(SimdPath::Portable),
         Some("avx2") => limit_simd(SimdPath::Avx2),
@@ -299,25 +394,32 @@ fn main() {
     }
     let (batch, hq) = (1, 8);
     let threads = rayon::current_num_threads();
-    // `--no-peak`: skip the GEMM peak (e.g. under valgrind, where it dominates); "% peak" then shows a dash.
-    let peak = if args.iter().any(|a| a == "--no-peak") { f64::NAN } else { gemm_peak() };
+    // `--no-peak`: skip the peak (e.g. under valgrind, where it dominates); "% peak" then shows a dash.
+    let (gemm, fma) = if args.iter().any(|a| a == "--no-peak") { (f64::NAN, None) } else { (gemm_peak(), fma_peak()) };
+    let peak = fma.map_or(gemm, |f| f.max(gemm));
     let rounds = arg_list(&args, "--rounds", &[1]).first().copied().unwrap_or(1).max(1);
-    let peer = if args.iter().any(|a| a == "--no-torch") { None } else { Peer::detect() };
+    let peer = if args.iter().any(|a| a == "--no-torch") { None } else { Peer::detect(simd_arg == Some("avx2")) };
     let peer_bf16_bwd = args.iter().any(|a| a == "--peer-bf16-backward");
     println!(
         "# longctx attention benchmark: B={batch} Hq={hq} Hkv={hkv}, {threads} threads, {:?} kernels",
         simd_path()
     );
     if peak.is_finite() {
-        println!("# machine peak (gemm crate, 2048^3 f32, same run): {peak:.1} GFLOP/s");
+        let fma = fma.map_or("not measured (portable path)".into(), |f| format!("{f:.1} GFLOP/s"));
+        println!(
+            "# machine peak, same run, all threads: gemm crate 2048^3 f32 {gemm:.1} GFLOP/s; {:?} FMA chains {fma}; % peak is against the higher",
+            simd_path()
+        );
     } else {
         println!("# machine peak: not measured (--no-peak)");
     }
     match &peer {
         Some(p) => println!(
-            "# peer: PyTorch CPU SDPA ({} {}), same shapes and threads, alternating with ours, {rounds} round(s) per row{}",
+            "# peer: PyTorch {} CPU SDPA ({} {}{}), same shapes and threads, alternating with ours, {rounds} round(s) per row{}",
+            p.capability,
             p.python,
             p.script.display(),
+            p.env.iter().map(|(k, v)| format!(" {k}={v}")).collect::<String>(),
             if rounds > 1 { "; figures are medians over the rounds" } else { "" }
         ),
         None => println!("# peer: none (no Python with torch; set LONGCTX_PEER_PYTHON), {rounds} round(s) per row"),
