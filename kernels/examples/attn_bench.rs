@@ -121,20 +121,25 @@ fn gemm_peak() -> f64 {
 }
 
 /// GFLOP/s of independent FMA chains in registers on all threads, at the widest instruction set the attention
-/// kernels use (`simd_path()`): the ceiling no kernel can pass. `None` on the portable path.
+/// kernels use (`simd_path()`): the ceiling no kernel can pass. `None` on the portable path. Every thread times
+/// its own loops and keeps its best of several (about 15 ms each), and the rates add up: a thread that starts
+/// late or loses a time slice does not pull the figure down.
 fn fma_peak() -> Option<f64> {
     let path = simd_path();
     let iters = 4_000_000u64;
-    let mut best = f64::MAX;
-    let mut flops_per_call = 0.0;
-    for _ in 0..3 {
-        let t = Instant::now();
-        let sums: Vec<f32> = rayon::broadcast(|_| fma_chains(path, iters));
-        best = best.min(t.elapsed().as_secs_f64());
-        // Lanes × 2 FLOPs × 24 chains × iterations, on every thread; 0 lanes when the path has no kernel.
-        flops_per_call = sums.iter().map(|&lanes| lanes as f64).sum::<f64>() * 2.0 * 24.0 * iters as f64;
-    }
-    (flops_per_call > 0.0).then(|| flops_per_call / best / 1e9)
+    let rates: Vec<f64> = rayon::broadcast(|_| {
+        let mut best = f64::MAX;
+        let mut lanes = 0.0;
+        for _ in 0..8 {
+            let t = Instant::now();
+            lanes = fma_chains(path, iters);
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        // Lanes × 2 FLOPs × 24 chains × iterations; 0 lanes when the path has no kernel.
+        lanes as f64 * 2.0 * 24.0 * iters as f64 / best / 1e9
+    });
+    let total: f64 = rates.iter().sum();
+    (total > 0.0).then_some(total)
 }
 
 /// Runs 24 independent FMA chains `iters` times; returns the vector width in f32 lanes (0 if not run).
