@@ -283,6 +283,16 @@ fn fmt_or_na(x: f64) -> String {
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    if std::env::args().any(|a| a == "--help" || a == "-h") {
+        // The module docs are the usage text.
+        let doc: String = include_str!("longctx-p2p-bench.rs")
+            .lines()
+            .take_while(|l| l.starts_with("//!"))
+            .map(|l| format!("{}\n", l.trim_start_matches("//!").strip_prefix(' ').unwrap_or("")))
+            .collect();
+        print!("{doc}");
+        return Ok(());
+    }
     let ucx = std::env::var("RANK").is_ok();
     let n_rounds = rounds();
     if ucx {

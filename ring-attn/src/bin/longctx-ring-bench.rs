@@ -605,6 +605,16 @@ fn ucx_world() -> Communicator {
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
+    if std::env::args().any(|a| a == "--help" || a == "-h") {
+        // The module docs are the usage text.
+        let doc: String = include_str!("longctx-ring-bench.rs")
+            .lines()
+            .take_while(|l| l.starts_with("//!"))
+            .map(|l| format!("{}\n", l.trim_start_matches("//!").strip_prefix(' ').unwrap_or("")))
+            .collect();
+        print!("{doc}");
+        return;
+    }
     let seqs = arg_list(&args, "--seqs", &[16384, 65536, 131072]);
     let mut cps = arg_list(&args, "--cps", &[1, 2, 4]);
     let link_gbs: f64 = args
