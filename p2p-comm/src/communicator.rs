@@ -319,7 +319,7 @@ impl Communicator {
         let transport = match &self.transport {
             Transport::Threads(ep) => {
                 let world = ep.join_split(seq, color, ranks.len());
-                Transport::Threads(threads::Endpoint { world, rank: new_rank })
+                Transport::Threads(threads::Endpoint::new(world, new_rank))
             }
             #[cfg(feature = "ucx")]
             Transport::Ucx(ep) => {
