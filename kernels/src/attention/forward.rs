@@ -186,12 +186,17 @@ pub fn attention_forward(
                     }
                     let m_new = m[i].max(mx);
                     let sum = simd::exp2_scaled_sum(srow, c, m_new);
-                    let alpha = (m[i] - m_new).exp2();
-                    l[i] = l[i] * alpha + sum;
-                    if alpha != 1.0 {
+                    // Rescale what was accumulated under the old maximum only when it rose: after the first few
+                    // key tiles a row's maximum rarely moves, and this skips a scalar `exp2` call per row and
+                    // tile. (`m[i]` starts at -inf, which gives 0.) The same values as always rescaling, since
+                    // `exp2(0) = 1` exactly.
+                    if m_new > m[i] {
+                        let alpha = (m[i] - m_new).exp2();
+                        l[i] *= alpha;
                         simd::scale(&mut acc[i * d..(i + 1) * d], alpha);
+                        m[i] = m_new;
                     }
-                    m[i] = m_new;
+                    l[i] += sum;
                 }
                 // acc += P·V over each row group's span (one product when the tile is fully visible).
                 if class == TileClass::Visible {
