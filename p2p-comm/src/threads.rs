@@ -13,7 +13,7 @@
 //! - larger ones are only *matched* in `post`: the pair (both buffers) is parked in the receive's completion
 //!   and copied in chunks ([`chunk_len`]): the receiver claims them from the front as soon as it waits on (or
 //!   tests) its receive, the sender from the back of the back half as soon as it waits on its send (a message
-//!   of one chunk is the receiver's alone). Each side so copies the same part of a message from one exchange to
+//!   of one chunk would be the receiver's alone; with [`chunk_len`] every deferred message has two or more). Each side so copies the same part of a message from one exchange to
 //!   the next, and a destination line stays in the cache of the core that wrote it last time (when the sender
 //!   took single-chunk messages too, a 64 KiB stream fell from 19 to 6 GiB/s). In a one-way stream the two cores
 //!   split every message: on the bench machine a 1 MiB stream ran at 56 GiB/s against 25 for one `memcpy`, and
@@ -86,12 +86,14 @@ struct Pair {
 /// ([`chunk_len`], at most 4 MiB) takes under a millisecond to copy on any machine this runs on.
 const COPY_SPIN: Duration = Duration::from_millis(2);
 
-/// Size of the chunks a matched large message is copied in: small enough that the two threads share a message
-/// from 128 KiB up (a 256 KiB stream ran at 26-27 GiB/s with 256 KiB chunks, one per message, and at 39-43 with
-/// 64 KiB ones, against 36-38 for `memcpy`), large enough that the lock taken per chunk costs little (a 64 KiB
-/// chunk is about 2 µs of copying). A multiple of 4 KiB, so chunks keep the buffers' alignment.
+/// Size of the chunks a matched large message is copied in: small enough that the two threads share every
+/// deferred message ([`DEFER_MIN`] and up: a 256 KiB stream ran at 26-27 GiB/s with 256 KiB chunks, one per
+/// message, and at 39-43 with 64 KiB ones, against 36-38 for `memcpy`; a 64 KiB stream at 18-20 with one 64 KiB
+/// chunk and at 24-30 with two of 32 KiB), large enough that the lock taken per chunk costs little (a 32 KiB
+/// chunk is about 1 µs of copying; 16 KiB ones were no faster and slowed the 64 KiB ring). A multiple of 4 KiB,
+/// so chunks keep the buffers' alignment.
 fn chunk_len(len: usize) -> usize {
-    (len / 8).clamp(64 << 10, 4 << 20) & !4095
+    (len / 8).clamp(32 << 10, 4 << 20) & !4095
 }
 
 /// Number of chunks of a `len`-byte message.

@@ -185,7 +185,7 @@ fn large_send_progresses_while_receiver_waits_elsewhere() {
 
 /// Both ranks post a large receive, then each blocks in a large send to the other before waiting on its
 /// receive: neither receiver copies its half while blocked in its own send, so each sender must take the whole
-/// copy over (in every message-size class: one chunk, several, streamed).
+/// copy over (in every message-size class: the smallest deferred message, of two chunks; many chunks; streamed).
 #[test]
 fn crossed_blocking_sends_after_posted_receives_complete() {
     for len in [BIG / 16, BIG, 5 << 20] {
