@@ -1100,6 +1100,7 @@ mod tests {
             check("portable", portable::max(&x), want_sum, &want_exp, &s);
         }
     }
+
     /// `exp2` of each x86 path against f64 `2^x` over the whole range a softmax feeds it (every 1/64 from -130 to
     /// 8, the ties k + 1/2 among them, and -inf), and the two paths against each other: equal bit for bit
     /// wherever the result is normal, since both round `x` to nearest-even and use the same polynomial.
