@@ -23,6 +23,12 @@
 //!   shift does exactly this much copying (each rank copies one message, both at once), so this is its ceiling on
 //!   the machine as it is during the run: below the one-thread peer when the two copies compete for cache and
 //!   memory bandwidth, or for the cores when other processes run.
+//! - hand-off floor (threads): the blocking stream with nothing but the hand-off a single-copy transport cannot
+//!   avoid. Two threads share one flag line each way: the sender publishes message `i`, the receiver (already
+//!   spinning on it) copies the bytes with `memcpy` and publishes `i` back, the sender spins until it sees it.
+//!   No matching, tags, timeouts or completions: two cache-line trips between the cores per message plus the
+//!   copy, the fastest any blocking send/recv between two threads can go here. Where it is far below `memcpy`
+//!   (small messages) the trips, not the copy, bound every transport;
 //!
 //! Set `LONGCTX_BENCH_MAX` (bytes) to stop at a smaller size, `LONGCTX_BENCH_MIN` to start at a larger one.
 //! `LONGCTX_BENCH_ROUNDS=R` runs the sweep R times (UCX: ours, then `ucx_perftest`, per round) and prints the
@@ -46,6 +52,7 @@ struct Row {
     hidden_pct: f64,
     memcpy_gibs: f64,
     memcpy2_gibs: f64,
+    floor_gibs: f64,
 }
 
 const GIB: f64 = (1u64 << 30) as f64;
@@ -195,9 +202,46 @@ fn measure(c: &Communicator, with_memcpy: bool) -> Result<Vec<Row>, CommError> {
             hidden_pct: 100.0 * (1.0 - exposed / ring).clamp(0.0, 1.0),
             memcpy_gibs: memcpy,
             memcpy2_gibs: memcpy2,
+            floor_gibs: f64::NAN,
         });
     }
     Ok(rows)
+}
+
+/// The hand-off floor (see the module docs): GiB/s of a blocking stream of `bytes`-byte messages between two
+/// threads that share nothing but one flag line each way, the receiver copying with `memcpy`.
+fn handoff_floor(bytes: usize) -> f64 {
+    use crossbeam::utils::CachePadded;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let it = iters(bytes);
+    let (sent, copied) = (CachePadded::new(AtomicUsize::new(0)), CachePadded::new(AtomicUsize::new(0)));
+    let (mut src_buf, mut dst_buf) = (Vec::new(), Vec::new());
+    let src = &*page_aligned(&mut src_buf, bytes, 1);
+    let dst = page_aligned(&mut dst_buf, bytes, 0);
+    let spin_until = |a: &AtomicUsize, v: usize| {
+        while a.load(Ordering::Acquire) != v {
+            std::hint::spin_loop();
+        }
+    };
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            // Receiver: one warm-up message, then the timed ones.
+            for i in 1..=it + 1 {
+                spin_until(&sent, i);
+                dst.copy_from_slice(std::hint::black_box(src));
+                std::hint::black_box(&mut *dst);
+                copied.store(i, Ordering::Release);
+            }
+        });
+        sent.store(1, Ordering::Release);
+        spin_until(&copied, 1);
+        let t0 = Instant::now();
+        for i in 2..=it + 1 {
+            sent.store(i, Ordering::Release);
+            spin_until(&copied, i);
+        }
+        bytes as f64 / (t0.elapsed().as_secs_f64() / it as f64) / GIB
+    })
 }
 
 /// `ucx_perftest -t tag_bw` between two local processes; GiB/s, or `None` if it is not installed or fails.
@@ -266,6 +310,7 @@ fn medians(rounds: &[Vec<Row>], peers: &[Vec<f64>]) -> Vec<(Row, f64, f64)> {
                 hidden_pct: col(|r| r.hidden_pct),
                 memcpy_gibs: col(|r| r.memcpy_gibs),
                 memcpy2_gibs: col(|r| r.memcpy2_gibs),
+                floor_gibs: col(|r| r.floor_gibs),
             };
             let peer = median(peers.iter().map(|p| p[i]).collect());
             let ratio = median(rounds.iter().zip(peers).map(|(r, p)| r[i].send_gibs / p[i]).collect());
@@ -334,17 +379,26 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             }
         }
     } else {
-        let mut all = ThreadWorld::run(2, |c| (0..n_rounds).map(|_| measure(&c, true)).collect::<Result<Vec<_>, _>>())?;
-        let ours = all.swap_remove(0)?;
+        // Per round: our sweep on two rank threads, then the hand-off floor on two fresh threads.
+        let mut ours = Vec::new();
+        for _ in 0..n_rounds {
+            let mut round = ThreadWorld::run(2, |c| measure(&c, true))?.swap_remove(0)?;
+            for r in &mut round {
+                r.floor_gibs = handoff_floor(r.bytes);
+            }
+            ours.push(round);
+        }
         let peers: Vec<Vec<f64>> = ours.iter().map(|r| r.iter().map(|x| x.memcpy_gibs).collect()).collect();
+        let floors: Vec<Vec<f64>> = ours.iter().map(|r| r.iter().map(|x| x.floor_gibs).collect()).collect();
+        let vs_floor = medians(&ours, &floors);
         println!("threads transport, 2 ranks in one process, median of {n_rounds} round(s)");
         println!(
-            "| size | ring GiB/s | send GiB/s | send xW GiB/s | latency µs | all_reduce busbw GiB/s | hidden % | peer: memcpy GiB/s | memcpy x2 GiB/s | send / peer |"
+            "| size | ring GiB/s | send GiB/s | send xW GiB/s | latency µs | all_reduce busbw GiB/s | hidden % | peer: memcpy GiB/s | memcpy x2 GiB/s | hand-off floor GiB/s | send / peer | send / floor |"
         );
-        println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
-        for (r, _, ratio) in medians(&ours, &peers) {
+        println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+        for ((r, _, ratio), (_, _, floor_ratio)) in medians(&ours, &peers).into_iter().zip(vs_floor) {
             println!(
-                "| {} | {:.2} | {:.2} | {:.2} (x{}) | {:.1} | {:.2} | {:.0} | {:.2} | {:.2} | {:.2} |",
+                "| {} | {:.2} | {:.2} | {:.2} (x{}) | {:.1} | {:.2} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
                 size_name(r.bytes),
                 r.ring_gibs,
                 r.send_gibs,
@@ -355,7 +409,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 r.hidden_pct,
                 r.memcpy_gibs,
                 r.memcpy2_gibs,
-                ratio
+                r.floor_gibs,
+                ratio,
+                floor_ratio
             );
         }
     }
