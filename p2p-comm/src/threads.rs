@@ -35,7 +35,7 @@
 //! gone and every slot waiting on it completes with [`CommError::PeerGone`].
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -64,23 +64,27 @@ enum Outcome {
 /// peer thread, so eager copying keeps latency low.
 pub(crate) const DEFER_MIN: usize = 64 << 10;
 
-/// A matched large message waiting to be copied: the send's buffer and completion, and the receive's buffer
-/// (whose completion holds this).
+/// A matched large message waiting to be copied, parked in the receive's completion: the send's buffer and
+/// completion, and the receive's buffer. Which chunks are claimed and how many bytes are copied live in that
+/// completion's atomics ([`Completion::claims`], [`Completion::copied`]), so claiming a chunk takes no lock.
 #[derive(Debug)]
 struct Pair {
     sp: *const u8,
-    sl: usize,
-    sm: u64,
     sc: Arc<Completion>,
     rp: *mut u8,
-    rl: usize,
-    rm: u64,
-    /// Chunks `next..end` (of [`chunk_len`] bytes, the last one shorter) are unclaimed: the receiver claims
-    /// `next`, the sender `end - 1`.
-    next: usize,
-    end: usize,
-    /// Bytes whose copy finished; whoever brings it to `rl` completes both sides.
-    copied: usize,
+    len: usize,
+    /// The receive completion's claim generation for this pair (see [`Completion::claims`]).
+    generation: u64,
+}
+
+/// What a send matched with a large receive holds: where the pair is parked, and what the sender needs to copy
+/// its chunks without reading the pair.
+#[derive(Debug)]
+struct Attachment {
+    rc: Arc<Completion>,
+    sp: *const u8,
+    rp: *mut u8,
+    generation: u64,
 }
 
 /// How long a waiter whose message is being copied by the peer spins for it before sleeping: a chunk
@@ -90,7 +94,7 @@ const COPY_SPIN: Duration = Duration::from_millis(2);
 /// Size of the chunks a matched large message is copied in: small enough that the two threads share every
 /// deferred message ([`DEFER_MIN`] and up: a 256 KiB stream ran at 26-27 GiB/s with 256 KiB chunks, one per
 /// message, and at 39-43 with 64 KiB ones, against 36-38 for `memcpy`; a 64 KiB stream at 18-20 with one 64 KiB
-/// chunk and at 24-30 with two of 32 KiB), large enough that the lock taken per chunk costs little (a 32 KiB
+/// chunk and at 24-30 with two of 32 KiB), large enough that claiming and finishing a chunk costs little (a 32 KiB
 /// chunk is about 1 µs of copying; 16 KiB ones were no faster and slowed the 64 KiB ring). A multiple of 4 KiB,
 /// so chunks keep the buffers' alignment.
 fn chunk_len(len: usize) -> usize {
@@ -102,9 +106,20 @@ fn chunks(len: usize) -> usize {
     len.div_ceil(chunk_len(len))
 }
 
-// SAFETY: the pointers are dereferenced only by whoever claims the pair (see `copy_matched`), while both requests
-// keep their buffers borrowed (neither can finish before `transfer` completes it).
+// SAFETY: the pointers are dereferenced only by whoever claims a chunk of the pair (see `copy_chunks`), while
+// both requests keep their buffers borrowed (neither can finish before the last chunk's copy completes it).
 unsafe impl Send for Pair {}
+// SAFETY: as for `Pair`.
+unsafe impl Send for Attachment {}
+
+/// [`Completion::claims`] packs a generation (the top 24 bits), the next unclaimed chunk from the front (20 bits)
+/// and the end of the unclaimed ones (the low 20 bits). 2^20 chunks of at most 4 MiB cover any message.
+const CLAIM_BITS: u32 = 20;
+const CLAIM_MASK: u64 = (1 << CLAIM_BITS) - 1;
+
+fn pack_claims(generation: u64, next: usize, end: usize) -> u64 {
+    (generation << (2 * CLAIM_BITS)) | ((next as u64) << CLAIM_BITS) | end as u64
+}
 
 #[derive(Debug)]
 enum State {
@@ -112,8 +127,9 @@ enum State {
     /// A receive matched with a large send, being copied (or about to be) chunk by chunk; completed by whoever
     /// copies the last chunk.
     Matched(Pair),
-    /// A send matched with the receive whose completion this is; completed by whoever copies the pair.
-    Attached(Arc<Completion>),
+    /// A send matched with a large receive, whose completion holds the pair; completed by whoever copies the
+    /// last chunk.
+    Attached(Attachment),
     Done(Outcome),
 }
 
@@ -128,6 +144,13 @@ struct Completion {
     /// even with nobody waiting, and most completions have no sleeper (the waiter is spinning, copying or not
     /// there yet), so setters skip it then: two syscalls less per small message.
     sleepers: AtomicU32,
+    /// For a receive matched with a large send: the generation, next and end of its unclaimed chunks
+    /// ([`pack_claims`]). Both sides claim chunks with one compare-and-swap, no lock: the lock taken per claim
+    /// moved between the cores several times per message. The generation changes with every pair parked here,
+    /// so a sender that read its attachment before this completion was reused for another pair claims nothing.
+    claims: AtomicU64,
+    /// Bytes of the parked pair whose copy finished; whoever brings it to the length completes both sides.
+    copied: AtomicUsize,
 }
 
 const POSTED: u8 = 0;
@@ -251,6 +274,8 @@ impl World {
                 cv: Condvar::new(),
                 stage: AtomicU8::new(POSTED),
                 sleepers: AtomicU32::new(0),
+                claims: AtomicU64::new(0),
+                copied: AtomicUsize::new(0),
             })
         });
         *lock(&c.state) = State::Posted;
@@ -291,42 +316,45 @@ fn transfer(send: (*const u8, usize, u64, &Completion), recv: (*mut u8, usize, u
     rc.complete(ro);
 }
 
-/// Copies chunks of the pair parked in the receive completion `rc` until none is left to claim (the peer may be
-/// copying others meanwhile), completing both sides if it copies the last one. A receiver claims from the front,
-/// a sender (passing its own completion) from the back, and only chunks of the back half unless `all`. The
-/// sender's completion is checked because `rc` may have finished and been reused for another pair since the
-/// sender looked at it.
-fn copy_matched(rc: &Completion, sender: Option<&Arc<Completion>>, all: bool) {
-    loop {
-        let mut st = lock(&rc.state);
-        let State::Matched(p) = &mut *st else {
-            return;
-        };
-        if sender.is_some_and(|s| !Arc::ptr_eq(s, &p.sc)) {
-            return;
+impl Completion {
+    /// Parks a pair of `len` bytes here (a receive's completion, not yet shared with the sender): resets the
+    /// chunk claims under a new generation, which it returns.
+    fn park(&self, len: usize) -> u64 {
+        let generation = ((self.claims.load(Ordering::Relaxed) >> (2 * CLAIM_BITS)) + 1) & ((1 << 24) - 1);
+        self.copied.store(0, Ordering::Relaxed);
+        self.claims.store(pack_claims(generation, 0, chunks(len)), Ordering::Release);
+        generation
+    }
+
+    /// Claims a chunk of the pair of `generation` parked here: the first unclaimed one (`front`), or the last one
+    /// if its index is at least `min_back`. `None` if there is none (or the pair is another one).
+    fn claim(&self, generation: u64, front: bool, min_back: usize) -> Option<usize> {
+        let mut cur = self.claims.load(Ordering::Acquire);
+        loop {
+            let (g, next, end) = (cur >> (2 * CLAIM_BITS), (cur >> CLAIM_BITS) & CLAIM_MASK, cur & CLAIM_MASK);
+            let (next, end) = (next as usize, end as usize);
+            if g != generation || next >= end || (!front && end - 1 < min_back) {
+                return None;
+            }
+            let (i, new) =
+                if front { (next, pack_claims(g, next + 1, end)) } else { (end - 1, pack_claims(g, next, end - 1)) };
+            match self.claims.compare_exchange_weak(cur, new, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => return Some(i),
+                Err(x) => cur = x,
+            }
         }
-        if let Some((so, ro)) = mismatch(p.sl, p.sm, p.rl, p.rm) {
-            // Nothing was claimed: claims are only made on pairs that match.
-            let State::Matched(p) = rc.complete_locked(st, ro) else { unreachable!("checked above") };
-            p.sc.complete(so);
-            return;
-        }
-        if p.next == p.end || (sender.is_some() && !all && p.end - 1 < chunks(p.rl).div_ceil(2)) {
-            return;
-        }
-        let i = if sender.is_some() {
-            p.end -= 1;
-            p.end
-        } else {
-            p.next += 1;
-            p.next - 1
-        };
-        let len = p.rl;
+    }
+}
+
+/// Copies chunks of the pair of `generation` parked in the receive completion `rc` (`len` bytes from `sp` to
+/// `rp`) until none is left to claim (the peer may be copying others meanwhile), and completes both sides if it
+/// copies the last byte. A receiver claims from the front; a sender (`!front`) from the back, and only chunks of
+/// the back half unless `all`.
+fn copy_chunks(rc: &Completion, generation: u64, sp: *const u8, rp: *mut u8, len: usize, front: bool, all: bool) {
+    let min_back = if front || all { 0 } else { chunks(len).div_ceil(2) };
+    while let Some(i) = rc.claim(generation, front, min_back) {
         let off = i * chunk_len(len);
         let n = chunk_len(len).min(len - off);
-        let (sp, rp) = (p.sp, p.rp);
-        // Copy without the lock: the peer may claim the next chunk or wait on `rc` meanwhile.
-        drop(st);
         // SAFETY: both buffers are borrowed by requests that cannot finish before the last chunk's copy completes
         // them; chunk `off..off+n` is claimed by us alone; a send and a receive buffer never overlap.
         unsafe {
@@ -336,11 +364,11 @@ fn copy_matched(rc: &Completion, sender: Option<&Arc<Completion>>, all: bool) {
                 crate::copy::copy(sp.add(off), rp.add(off), n);
             }
         }
-        let mut st = lock(&rc.state);
-        let State::Matched(p) = &mut *st else { unreachable!("a pair with a chunk in flight is not completed") };
-        p.copied += n;
-        if p.copied == p.rl {
-            let State::Matched(p) = rc.complete_locked(st, Outcome::Ok) else { unreachable!("checked above") };
+        // Release our bytes to whoever completes; acquire the others' if that is us.
+        if rc.copied.fetch_add(n, Ordering::AcqRel) + n == len {
+            let State::Matched(p) = rc.complete_locked(lock(&rc.state), Outcome::Ok) else {
+                unreachable!("a pair with a chunk in flight is not completed")
+            };
             p.sc.complete(Outcome::Ok);
             return;
         }
@@ -416,42 +444,32 @@ impl Endpoint {
                     } else {
                         transfer((other.ptr, other.len, other.meta, &other.done), (ptr, len, meta, &c));
                     }
-                } else if is_send {
-                    // Mark our send attached before publishing the pair: once published the receiver may copy
-                    // and complete us at any time, and that `Done` must not be overwritten.
-                    // (No `set`: nobody waits on our completion yet, so skip the wake-up.)
-                    *lock(&c.state) = State::Attached(other.done.clone());
-                    c.stage.store(MATCHED, Ordering::Release);
-                    let pair = Pair {
-                        sp: ptr,
-                        sl: len,
-                        sm: meta,
-                        sc: c.clone(),
-                        rp: other.ptr,
-                        rl: other.len,
-                        rm: other.meta,
-                        next: 0,
-                        end: chunks(other.len),
-                        copied: 0,
-                    };
-                    other.done.set(State::Matched(pair));
                 } else {
-                    // Park the pair in our receive before telling the sender where it is (same reason).
-                    let pair = Pair {
-                        sp: other.ptr,
-                        sl: other.len,
-                        sm: other.meta,
-                        sc: other.done.clone(),
-                        rp: ptr,
-                        rl: len,
-                        rm: meta,
-                        next: 0,
-                        end: chunks(len),
-                        copied: 0,
-                    };
-                    c.set(State::Matched(pair));
-                    // Wakes a sender blocked on this send: it may copy if we get busy elsewhere before waiting.
-                    other.done.set(State::Attached(c.clone()));
+                    let (sp, sl, sm, sc) =
+                        if is_send { (ptr, len, meta, &c) } else { (other.ptr, other.len, other.meta, &other.done) };
+                    let (rp, rl, rm, rc) =
+                        if is_send { (other.ptr, other.len, other.meta, &other.done) } else { (ptr, len, meta, &c) };
+                    if let Some((so, ro)) = mismatch(sl, sm, rl, rm) {
+                        sc.complete(so);
+                        rc.complete(ro);
+                    } else {
+                        let generation = rc.park(rl);
+                        let attachment = Attachment { rc: rc.clone(), sp, rp, generation };
+                        let pair = Pair { sp, sc: sc.clone(), rp, len: rl, generation };
+                        if is_send {
+                            // Mark our send attached before publishing the pair: once published the receiver may
+                            // copy and complete us at any time, and that `Done` must not be overwritten. (No
+                            // `set`: nobody waits on our completion yet, so skip the wake-up.)
+                            *lock(&c.state) = State::Attached(attachment);
+                            c.stage.store(MATCHED, Ordering::Release);
+                            other.done.set(State::Matched(pair));
+                        } else {
+                            // Park the pair in our receive before telling the sender where it is (same reason).
+                            c.set(State::Matched(pair));
+                            // Wakes a sender blocked on this send: it may copy if we get busy elsewhere first.
+                            other.done.set(State::Attached(attachment));
+                        }
+                    }
                 }
             }
             None => {
@@ -570,18 +588,19 @@ impl ThreadOp {
     }
 
     /// If this op is matched with a large message that has chunks nobody claimed yet, copies them (completing
-    /// both sides if it copies the last).
-    fn progress(&self, c: &Arc<Completion>) {
+    /// both sides if it copies the last). A send copies only the back half unless `all`.
+    fn progress(&self, c: &Arc<Completion>, all: bool) {
         let st = lock(&c.state);
         match &*st {
-            State::Matched(_) => {
+            State::Matched(p) => {
+                let (sp, rp, len, generation) = (p.sp, p.rp, p.len, p.generation);
                 drop(st);
-                copy_matched(c, None, true);
+                copy_chunks(c, generation, sp, rp, len, true, true);
             }
-            State::Attached(rc) => {
-                let rc = rc.clone();
+            State::Attached(a) => {
+                let (rc, sp, rp, generation) = (a.rc.clone(), a.sp, a.rp, a.generation);
                 drop(st);
-                copy_matched(&rc, Some(c), false);
+                copy_chunks(&rc, generation, sp, rp, self.len, false, all);
             }
             _ => {}
         }
@@ -604,19 +623,18 @@ impl ThreadOp {
                 State::Matched(_) | State::Attached(_) if !tried => {
                     tried = true;
                     drop(st);
-                    self.progress(c);
+                    self.progress(c, false);
                     st = lock(&c.state);
                     continue;
                 }
-                State::Attached(rc) if !took_over => {
+                State::Attached(_) if !took_over => {
                     // The front half is the receiver's. If it is still unclaimed after a spin, the receiver is busy
                     // elsewhere (it posted the receive and computes, or is itself blocked in a send to us): a send
                     // must complete without it, so copy the rest ourselves.
                     took_over = true;
-                    let rc = rc.clone();
                     drop(st);
                     c.spin(DONE);
-                    copy_matched(&rc, Some(c), true);
+                    self.progress(c, true);
                     st = lock(&c.state);
                     continue;
                 }
@@ -675,7 +693,7 @@ impl ThreadOp {
         let Some(c) = self.done.take() else {
             return Ok(true);
         };
-        self.progress(&c);
+        self.progress(&c, false);
         let st = lock(&c.state);
         if let State::Done(o) = *st {
             drop(st);
@@ -828,5 +846,49 @@ impl ThreadWorldBuilder {
             return Err(CommError::RankPanicked { rank, message });
         }
         Ok(outcomes.into_iter().filter_map(Result::ok).collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn completion() -> Completion {
+        Completion {
+            state: Mutex::new(State::Posted),
+            cv: Condvar::new(),
+            stage: AtomicU8::new(POSTED),
+            sleepers: AtomicU32::new(0),
+            claims: AtomicU64::new(0),
+            copied: AtomicUsize::new(0),
+        }
+    }
+
+    #[test]
+    fn claims_split_front_and_back_and_stale_generations_claim_nothing() {
+        let c = completion();
+        let len = 1 << 20;
+        let n = chunks(len);
+        assert_eq!(n, 8);
+        let g1 = c.park(len);
+        // The sender takes only the back half unless told to take all.
+        let back: Vec<_> = std::iter::from_fn(|| c.claim(g1, false, n.div_ceil(2))).collect();
+        assert_eq!(back, (n.div_ceil(2)..n).rev().collect::<Vec<_>>());
+        assert_eq!(c.claim(g1, true, 0), Some(0));
+        assert_eq!(c.claim(g1, false, 0), Some(n.div_ceil(2) - 1));
+        let front: Vec<_> = std::iter::from_fn(|| c.claim(g1, true, 0)).collect();
+        assert_eq!(front, (1..n.div_ceil(2) - 1).collect::<Vec<_>>());
+        assert_eq!(c.claim(g1, false, 0), None);
+        // The completion is reused for the next pair: a claim under the old generation finds nothing.
+        let g2 = c.park(len);
+        assert_ne!(g1, g2);
+        assert_eq!(c.claim(g1, false, 0), None);
+        assert_eq!(c.claim(g1, true, 0), None);
+        assert_eq!(c.claim(g2, false, 0), Some(n - 1));
+        // The generation wraps within its bits and never collides with the one before.
+        c.claims.store(pack_claims((1 << 24) - 1, 0, 0), Ordering::Relaxed);
+        let g = c.park(len);
+        assert_eq!(g, 0);
+        assert_eq!(c.claim(g, true, 0), Some(0));
     }
 }

@@ -298,3 +298,63 @@ fn chunked_and_streamed_copies_with_odd_tails() {
         }));
     }
 }
+
+/// Three senders stream large messages to one receiver that reuses its completions between them, with more
+/// threads than the CI machine's 2 cores, so ranks are descheduled mid-operation, and receives both waited and
+/// polled. (That a sender which read where its pair was parked never claims chunks of the next pair parked there
+/// is checked directly by the threads module's unit test of the claim generation.)
+#[test]
+fn large_messages_from_three_senders_reuse_completions_safely() {
+    const SENDERS: usize = 3;
+    let msgs: usize = std::env::var("LONGCTX_TEST_STALE_MSGS").ok().and_then(|v| v.parse().ok()).unwrap_or(400);
+    let size = |from: usize, i: usize| (64 << 10) / 4 + (from * 7919 + i * 104_729) % (128 << 10) / 4;
+    let comms = ThreadWorld::builder().timeout(Duration::from_secs(60)).build(SENDERS + 1).expect("world");
+    let out: Vec<Result<(), String>> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .into_iter()
+            .map(|c| {
+                s.spawn(move || {
+                    let r = c.rank();
+                    if r > 0 {
+                        for i in 0..msgs {
+                            let data = pattern((r * 100_000 + i) as u32, size(r, i));
+                            // Every third message non-blocking and waited late, so the sender helps at odd times.
+                            if i % 3 == 0 {
+                                let req = c.isend(0, 5, &data).map_err(suite::e2s)?;
+                                std::hint::black_box(pattern(0, 1000));
+                                req.wait().map_err(suite::e2s)?;
+                            } else {
+                                c.send(0, 5, &data).map_err(suite::e2s)?;
+                            }
+                        }
+                        return Ok(());
+                    }
+                    for i in 0..msgs {
+                        let mut bufs: Vec<Vec<u32>> = (1..=SENDERS).map(|f| vec![0u32; size(f, i)]).collect();
+                        let mut reqs = Vec::new();
+                        for (f, b) in bufs.iter_mut().enumerate() {
+                            reqs.push(c.irecv(f + 1, 5, b).map_err(suite::e2s)?);
+                        }
+                        for (k, mut req) in reqs.into_iter().enumerate() {
+                            if (i + k) % 2 == 0 {
+                                while !req.test().map_err(suite::e2s)? {
+                                    std::hint::spin_loop();
+                                }
+                            } else {
+                                req.wait().map_err(suite::e2s)?;
+                            }
+                        }
+                        for (f, b) in bufs.iter().enumerate() {
+                            if *b != pattern(((f + 1) * 100_000 + i) as u32, b.len()) {
+                                return Err(format!("message {i} from rank {}: wrong data", f + 1));
+                            }
+                        }
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("panicked".into()))).collect()
+    });
+    suite::all_ok(out);
+}
