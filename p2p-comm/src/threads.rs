@@ -70,7 +70,7 @@ pub(crate) const DEFER_MIN: usize = 64 << 10;
 #[derive(Debug)]
 struct Pair {
     sp: *const u8,
-    sc: Arc<Completion>,
+    sc: CompletionRef,
     rp: *mut u8,
     len: usize,
     /// The receive completion's claim generation for this pair (see [`Completion::claims`]).
@@ -81,7 +81,7 @@ struct Pair {
 /// its chunks without reading the pair.
 #[derive(Debug)]
 struct Attachment {
-    rc: Arc<Completion>,
+    rc: CompletionRef,
     sp: *const u8,
     rp: *mut u8,
     generation: u64,
@@ -158,6 +158,17 @@ const MATCHED: u8 = 1;
 const DONE: u8 = 2;
 
 impl Completion {
+    fn new() -> Completion {
+        Completion {
+            state: Mutex::new(State::Posted),
+            cv: Condvar::new(),
+            stage: AtomicU8::new(POSTED),
+            sleepers: AtomicU32::new(0),
+            claims: AtomicU64::new(0),
+            copied: AtomicUsize::new(0),
+        }
+    }
+
     fn set(&self, s: State) {
         let stage = match s {
             State::Posted => POSTED,
@@ -217,7 +228,7 @@ struct Slot {
     meta: u64,
     ptr: *mut u8,
     len: usize,
-    done: Arc<Completion>,
+    done: CompletionRef,
 }
 
 // SAFETY: `ptr` is only dereferenced after the slot left its queue (matched), by the rank that removed it or, for
@@ -225,8 +236,36 @@ struct Slot {
 // cannot complete, and so cannot release the borrow, before `done` is completed).
 unsafe impl Send for Slot {}
 
-/// A rank's finished completions, kept for reuse.
-type Pool = Mutex<Vec<Arc<Completion>>>;
+/// A completion, by address. Completions are allocated by a rank's [`Pool`] and freed only when their [`World`]
+/// is dropped, so every `CompletionRef` held by something the world outlives (an operation, which holds the
+/// world; a slot in its mailboxes; a pair or attachment in its completions) points to a live completion.
+///
+/// Not an `Arc`: the slot, pair and attachment of a message were clones, each made or dropped by the peer rank,
+/// and every such count change moved the completion's first cache line between the cores (a fifth of `post` in
+/// a 64 KiB ring exchange).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct CompletionRef(std::ptr::NonNull<Completion>);
+
+// SAFETY: `Completion` is `Sync` (locks and atomics); the reference is valid on any thread while its world lives.
+unsafe impl Send for CompletionRef {}
+
+impl std::ops::Deref for CompletionRef {
+    type Target = Completion;
+    fn deref(&self) -> &Completion {
+        // SAFETY: see the type's docs: the completion lives as long as the world, which outlives every holder.
+        unsafe { self.0.as_ref() }
+    }
+}
+
+/// A rank's completions: the finished ones kept for reuse, and every one it ever allocated (freed with the
+/// world).
+#[derive(Default)]
+struct PoolEntries {
+    free: Vec<CompletionRef>,
+    all: Vec<CompletionRef>,
+}
+
+type Pool = Mutex<PoolEntries>;
 
 /// A mailbox's unmatched operations, oldest first. `Vec`s rather than `VecDeque`s: a `Mutex` of two `Vec`
 /// headers (56 bytes) fits one cache line with its lock word, so matching a message moves one line between the
@@ -262,29 +301,41 @@ impl World {
             size,
             mailboxes: (0..size).map(|_| CachePadded::new(Mutex::new(Queues::default()))).collect(),
             alive: (0..size).map(|_| CachePadded::new(AtomicBool::new(true))).collect(),
-            pools: (0..size).map(|_| CachePadded::new(Mutex::new(Vec::new()))).collect(),
+            pools: (0..size).map(|_| CachePadded::new(Mutex::new(PoolEntries::default()))).collect(),
             splits: Mutex::new(HashMap::new()),
         })
     }
 
-    fn completion(&self, rank: usize) -> Arc<Completion> {
-        let c = lock(&self.pools[rank]).pop().unwrap_or_else(|| {
-            Arc::new(Completion {
-                state: Mutex::new(State::Posted),
-                cv: Condvar::new(),
-                stage: AtomicU8::new(POSTED),
-                sleepers: AtomicU32::new(0),
-                claims: AtomicU64::new(0),
-                copied: AtomicUsize::new(0),
-            })
-        });
+    fn completion(&self, rank: usize) -> CompletionRef {
+        let mut pool = lock(&self.pools[rank]);
+        let c = match pool.free.pop() {
+            Some(c) => c,
+            None => {
+                let c = CompletionRef(std::ptr::NonNull::from(Box::leak(Box::new(Completion::new()))));
+                pool.all.push(c);
+                c
+            }
+        };
+        drop(pool);
         *lock(&c.state) = State::Posted;
         c.stage.store(POSTED, Ordering::Relaxed);
         c
     }
 
-    fn recycle(&self, rank: usize, c: Arc<Completion>) {
-        lock(&self.pools[rank]).push(c);
+    fn recycle(&self, rank: usize, c: CompletionRef) {
+        lock(&self.pools[rank]).free.push(c);
+    }
+}
+
+impl Drop for World {
+    fn drop(&mut self) {
+        for pool in self.pools.iter() {
+            for c in lock(pool).all.drain(..) {
+                // SAFETY: allocated by `completion` with `Box`, freed once here; nothing refers to it any more: its
+                // holders are operations (each holds this world), and slots, pairs and attachments inside it.
+                drop(unsafe { Box::from_raw(c.0.as_ptr()) });
+            }
+        }
     }
 }
 
@@ -454,8 +505,8 @@ impl Endpoint {
                         rc.complete(ro);
                     } else {
                         let generation = rc.park(rl);
-                        let attachment = Attachment { rc: rc.clone(), sp, rp, generation };
-                        let pair = Pair { sp, sc: sc.clone(), rp, len: rl, generation };
+                        let attachment = Attachment { rc: *rc, sp, rp, generation };
+                        let pair = Pair { sp, sc: *sc, rp, len: rl, generation };
                         if is_send {
                             // Mark our send attached before publishing the pair: once published the receiver may
                             // copy and complete us at any time, and that `Done` must not be overwritten. (No
@@ -478,7 +529,7 @@ impl Endpoint {
                     w.recycle(me, c);
                     return Err(CommError::PeerGone { rank: peer });
                 }
-                let slot = Slot { peer: if is_send { me } else { peer }, key, meta, ptr, len, done: c.clone() };
+                let slot = Slot { peer: if is_send { me } else { peer }, key, meta, ptr, len, done: c };
                 if is_send {
                     q.sends.push(slot);
                 } else {
@@ -553,11 +604,11 @@ pub(crate) struct ThreadOp {
     timeout: Duration,
     stats: Arc<StatsCounters>,
     /// `None` once the op has finished and its completion went back to the pool.
-    done: Option<Arc<Completion>>,
+    done: Option<CompletionRef>,
 }
 
 impl ThreadOp {
-    fn finish(&mut self, c: Arc<Completion>, o: Outcome) -> Result<(), CommError> {
+    fn finish(&mut self, c: CompletionRef, o: Outcome) -> Result<(), CommError> {
         self.world.recycle(self.me, c);
         let (src, dst) = if self.is_send { (self.me, self.peer) } else { (self.peer, self.me) };
         match o {
@@ -574,11 +625,11 @@ impl ThreadOp {
     }
 
     /// Removes the slot if nobody matched it yet. Returns `false` if a peer claimed it (its copy is running).
-    fn try_cancel(&self, c: &Arc<Completion>) -> bool {
+    fn try_cancel(&self, c: CompletionRef) -> bool {
         let mbox = if self.is_send { self.peer } else { self.me };
         let mut q = lock(&self.world.mailboxes[mbox]);
         let queue = if self.is_send { &mut q.sends } else { &mut q.recvs };
-        match queue.iter().position(|s| Arc::ptr_eq(&s.done, c)) {
+        match queue.iter().position(|s| s.done == c) {
             Some(i) => {
                 queue.remove(i);
                 true
@@ -589,16 +640,16 @@ impl ThreadOp {
 
     /// If this op is matched with a large message that has chunks nobody claimed yet, copies them (completing
     /// both sides if it copies the last). A send copies only the back half unless `all`.
-    fn progress(&self, c: &Arc<Completion>, all: bool) {
+    fn progress(&self, c: CompletionRef, all: bool) {
         let st = lock(&c.state);
         match &*st {
             State::Matched(p) => {
                 let (sp, rp, len, generation) = (p.sp, p.rp, p.len, p.generation);
                 drop(st);
-                copy_chunks(c, generation, sp, rp, len, true, true);
+                copy_chunks(&c, generation, sp, rp, len, true, true);
             }
             State::Attached(a) => {
-                let (rc, sp, rp, generation) = (a.rc.clone(), a.sp, a.rp, a.generation);
+                let (rc, sp, rp, generation) = (a.rc, a.sp, a.rp, a.generation);
                 drop(st);
                 copy_chunks(&rc, generation, sp, rp, self.len, false, all);
             }
@@ -608,7 +659,7 @@ impl ThreadOp {
 
     /// Waits until `c` is done or `deadline` passes (`None`), copying the chunks of a matched large message that
     /// the peer has not claimed.
-    fn wait_until(&self, c: &Arc<Completion>, deadline: Option<Instant>) -> Option<Outcome> {
+    fn wait_until(&self, c: CompletionRef, deadline: Option<Instant>) -> Option<Outcome> {
         // A matched op needs one copy attempt: after it every chunk is claimed (by us or the peer), and the
         // completion is notified when the last is copied.
         let mut tried = false;
@@ -668,7 +719,7 @@ impl ThreadOp {
     }
 
     /// Waits without a deadline: only used once the slot left its queue (matched), so a copy will complete it.
-    fn wait_done(&self, c: &Arc<Completion>) -> Outcome {
+    fn wait_done(&self, c: CompletionRef) -> Outcome {
         loop {
             if let Some(o) = self.wait_until(c, None) {
                 return o;
@@ -679,10 +730,10 @@ impl ThreadOp {
     /// Withdraws the op if unmatched, else waits for the running copy.
     pub(crate) fn cancel(mut self) {
         if let Some(c) = self.done.take() {
-            if self.try_cancel(&c) {
+            if self.try_cancel(c) {
                 self.world.recycle(self.me, c);
             } else {
-                let o = self.wait_done(&c);
+                let o = self.wait_done(c);
                 let _ = self.finish(c, o);
             }
         }
@@ -693,7 +744,7 @@ impl ThreadOp {
         let Some(c) = self.done.take() else {
             return Ok(true);
         };
-        self.progress(&c, false);
+        self.progress(c, false);
         let st = lock(&c.state);
         if let State::Done(o) = *st {
             drop(st);
@@ -713,11 +764,11 @@ impl ThreadOp {
         // front, a send from the back.
         c.spin(MATCHED);
         let deadline = Instant::now().checked_add(self.timeout);
-        if let Some(o) = self.wait_until(&c, deadline) {
+        if let Some(o) = self.wait_until(c, deadline) {
             return self.finish(c, o);
         }
-        if !self.try_cancel(&c) {
-            let o = self.wait_done(&c);
+        if !self.try_cancel(c) {
+            let o = self.wait_done(c);
             return self.finish(c, o);
         }
         self.world.recycle(self.me, c);
@@ -744,12 +795,13 @@ impl Drop for ThreadOp {
         if std::thread::panicking() {
             // Unwinding: withdraw the op so the peer learns quickly that this rank is gone.
             if let Some(c) = self.done.take() {
-                if self.try_cancel(&c) {
+                if self.try_cancel(c) {
                     self.world.recycle(self.me, c);
                 } else {
                     // Matched: finish the copy ourselves if the peer has not started it, so it is not left
                     // waiting on a rank that is going away.
-                    self.wait_done(&c);
+                    self.wait_done(c);
+                    self.world.recycle(self.me, c);
                 }
             }
         } else {
@@ -853,20 +905,9 @@ impl ThreadWorldBuilder {
 mod tests {
     use super::*;
 
-    fn completion() -> Completion {
-        Completion {
-            state: Mutex::new(State::Posted),
-            cv: Condvar::new(),
-            stage: AtomicU8::new(POSTED),
-            sleepers: AtomicU32::new(0),
-            claims: AtomicU64::new(0),
-            copied: AtomicUsize::new(0),
-        }
-    }
-
     #[test]
     fn claims_split_front_and_back_and_stale_generations_claim_nothing() {
-        let c = completion();
+        let c = Completion::new();
         let len = 1 << 20;
         let n = chunks(len);
         assert_eq!(n, 8);
