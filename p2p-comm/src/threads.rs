@@ -133,10 +133,17 @@ enum State {
     Done(Outcome),
 }
 
+/// The hand-off of one operation between the two sides of a message.
+///
+/// Laid out by hand on two cache lines of its own: the state's lock and value with the stage and sleeper
+/// count on the first (what a setter writes and the waiter spins on, moved between the cores together), the
+/// condition variable and the chunk claims on the second. Left to the allocator and the compiler, the fields
+/// straddled lines that differed from one completion to the next; this layout took a blocking stream from 2.9 to
+/// 5.6 GiB/s at 4 KiB, 5.3 to 18 at 16 KiB and 29 to 32 at 64 KiB (alternating single runs of the bench).
 #[derive(Debug)]
+#[repr(C, align(64))]
 struct Completion {
     state: Mutex<State>,
-    cv: Condvar,
     /// How far `state` got ([`POSTED`], [`MATCHED`] or [`DONE`]), updated with it: lets a waiter spin briefly
     /// without the lock before sleeping on `cv`.
     stage: AtomicU8,
@@ -144,6 +151,7 @@ struct Completion {
     /// even with nobody waiting, and most completions have no sleeper (the waiter is spinning, copying or not
     /// there yet), so setters skip it then: two syscalls less per small message.
     sleepers: AtomicU32,
+    cv: Condvar,
     /// For a receive matched with a large send: the generation, next and end of its unclaimed chunks
     /// ([`pack_claims`]). Both sides claim chunks with one compare-and-swap, no lock: the lock taken per claim
     /// moved between the cores several times per message. The generation changes with every pair parked here,
