@@ -209,38 +209,49 @@ fn measure(c: &Communicator, with_memcpy: bool) -> Result<Vec<Row>, CommError> {
 }
 
 /// The hand-off floor (see the module docs): GiB/s of a blocking stream of `bytes`-byte messages between two
-/// threads that share nothing but one flag line each way, the receiver copying with `memcpy`.
+/// threads that share nothing but one flag line each way, the receiver copying with `memcpy`. At least 100 ms of
+/// messages, like the `memcpy` peer: a few milliseconds of them varied by 2x from run to run.
 fn handoff_floor(bytes: usize) -> f64 {
     use crossbeam::utils::CachePadded;
     use std::sync::atomic::{AtomicUsize, Ordering};
+    /// What the sender publishes instead of a message number to end the stream.
+    const STOP: usize = usize::MAX;
     let it = iters(bytes);
     let (sent, copied) = (CachePadded::new(AtomicUsize::new(0)), CachePadded::new(AtomicUsize::new(0)));
     let (mut src_buf, mut dst_buf) = (Vec::new(), Vec::new());
     let src = &*page_aligned(&mut src_buf, bytes, 1);
     let dst = page_aligned(&mut dst_buf, bytes, 0);
-    let spin_until = |a: &AtomicUsize, v: usize| {
-        while a.load(Ordering::Acquire) != v {
-            std::hint::spin_loop();
+    let spin_until = |a: &AtomicUsize, v: usize| loop {
+        let x = a.load(Ordering::Acquire);
+        if x == v || x == STOP {
+            return x;
         }
+        std::hint::spin_loop();
     };
     std::thread::scope(|s| {
         s.spawn(|| {
-            // Receiver: one warm-up message, then the timed ones.
-            for i in 1..=it + 1 {
-                spin_until(&sent, i);
+            for i in 1.. {
+                if spin_until(&sent, i) == STOP {
+                    return;
+                }
                 dst.copy_from_slice(std::hint::black_box(src));
                 std::hint::black_box(&mut *dst);
                 copied.store(i, Ordering::Release);
             }
         });
+        // One warm-up message, then the timed ones.
         sent.store(1, Ordering::Release);
         spin_until(&copied, 1);
         let t0 = Instant::now();
-        for i in 2..=it + 1 {
+        let mut i = 1;
+        while i <= it || t0.elapsed().as_secs_f64() < 0.1 {
+            i += 1;
             sent.store(i, Ordering::Release);
             spin_until(&copied, i);
         }
-        bytes as f64 / (t0.elapsed().as_secs_f64() / it as f64) / GIB
+        let t = t0.elapsed().as_secs_f64() / (i - 1) as f64;
+        sent.store(STOP, Ordering::Release);
+        bytes as f64 / t / GIB
     })
 }
 
