@@ -21,8 +21,9 @@
 //! is in flight, a background thread of the process progresses the worker: often while events arrive, backing
 //! off to one call per millisecond when none do, asleep when nothing is in flight. `LONGCTX_UCX_PROGRESS=0`
 //! turns it off (operations then progress only in `test` and `wait`). A thread in `wait` polls the worker hard
-//! for 5 ms, then sleeps on the worker's event fd (`UCP_FEATURE_WAKEUP`) until UCX has something to do;
-//! `LONGCTX_UCX_WAKEUP=0` replaces that sleep with a fixed 50 µs one.
+//! while the worker reports events, and once it has reported none for 5 ms sleeps on the worker's event fd
+//! (`UCP_FEATURE_WAKEUP`) until UCX has something to do; `LONGCTX_UCX_WAKEUP=0` replaces that sleep with a
+//! fixed 50 µs one.
 
 pub(crate) mod result;
 pub(crate) mod safe;
@@ -48,7 +49,7 @@ const CTX_SHIFT: u32 = 45;
 /// Most ranks the tag layout can name.
 pub(crate) const MAX_RANKS: usize = 1 << 12;
 const LIVENESS_POLL: Duration = Duration::from_millis(100);
-/// How long `wait` polls the worker hard before it sleeps between polls.
+/// How long `wait` polls the worker hard after its last event before it sleeps between polls.
 const SPIN: Duration = Duration::from_millis(5);
 /// Longest sleep on the worker's event fd in `wait` (a bound for missed wake-ups, see `sleep_until_event`).
 const EVENT_SLEEP: Duration = Duration::from_millis(1);
@@ -478,11 +479,23 @@ impl UcxOp {
 
     /// One progress step; finishes the op if UCX completed it.
     fn poll(&mut self) -> bool {
+        self.poll_counting().0
+    }
+
+    /// [`poll`](Self::poll), also returning how many events the worker reported.
+    fn poll_counting(&mut self) -> (bool, usize) {
         if self.req.is_null() {
-            return true;
+            return (true, 0);
         }
         let inner = lock(&self.shared.inner);
-        while inner.worker.progress() > 0 {}
+        let mut events = 0;
+        loop {
+            let k = inner.worker.progress() as usize;
+            if k == 0 {
+                break;
+            }
+            events += k;
+        }
         // SAFETY: req is live (non-null) and belongs to this worker.
         let st = unsafe { inner.worker.status(self.req) };
         if let Some(st) = st {
@@ -491,9 +504,9 @@ impl UcxOp {
             drop(inner);
             self.released();
             self.done = Some(self.outcome(st));
-            return true;
+            return (true, events);
         }
-        false
+        (false, events)
     }
 
     /// Withdraws the op after a failure: cancels it, and if UCX keeps reading the buffer (a send to a stalled or
@@ -558,9 +571,16 @@ impl UcxOp {
     pub(crate) fn wait(&mut self) -> Result<(), CommError> {
         let _waiting = self.shared.progress.as_ref().map(|p| Waiting::new(p.state.clone()));
         let t0 = Instant::now();
-        let mut last_check = t0;
-        while !self.poll() {
+        let (mut last_check, mut last_event) = (t0, t0);
+        loop {
+            let (done, events) = self.poll_counting();
+            if done {
+                break;
+            }
             let now = Instant::now();
+            if events > 0 {
+                last_event = now;
+            }
             if now.duration_since(t0) >= self.timeout {
                 let unmatched = self.unmatched_from_peer();
                 self.abort();
@@ -577,12 +597,13 @@ impl UcxOp {
                     return Err(CommError::PeerGone { rank: self.peer });
                 }
             }
-            // Poll hard (yielding to ranks that share our cores) for the first milliseconds, which covers the
-            // protocol round trips of a transfer; then sleep until the worker has an event (or, without an
-            // event fd, back off), so a long wait costs little CPU. The event matters for large messages over
-            // TCP, which outlast the window: sleeping a fixed 50 µs per turn left the socket unfed between
-            // turns, and waking on its readiness instead raised the 16 MiB send rate by 23-29% (BENCHMARKS.md).
-            if now.duration_since(t0) < SPIN {
+            // Poll hard (yielding to ranks that share our cores) while the worker has events, and for a few
+            // milliseconds after the last, which covers the protocol round trips of a transfer; then sleep until
+            // the worker has an event (or, without an event fd, back off), so a wait on a peer that is busy
+            // elsewhere costs little CPU. Large messages over TCP keep the worker busy for their whole transfer:
+            // sleeping on the event fd from 5 ms after the wait began instead lost 8-10% at 64 MiB (the socket
+            // waited for our wake-up between turns), and sleeping a fixed 50 µs per turn more (BENCHMARKS.md).
+            if now.duration_since(last_event) < SPIN {
                 std::thread::yield_now();
             } else {
                 self.sleep_until_event();
