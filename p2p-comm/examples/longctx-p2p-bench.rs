@@ -7,9 +7,14 @@
 //! For each message size (4 KiB .. 256 MiB) it measures, between ranks 0 and 1:
 //! - ring: `sendrecv` ring shift, GiB/s per rank and direction (both directions in flight);
 //! - send: blocking `send`/`recv` stream 0 -> 1, GiB/s: one message at a time, so each pays a full hand-off;
-//! - send xW: the same stream with a window of W messages in flight (`isend`/`irecv` into W receive buffers,
-//!   W = 16 up to 4 MiB, fewer above so the window stays within 64 MiB), the way `ucx_perftest -t tag_bw`
-//!   and OSU's `osu_bw` measure bandwidth: hand-offs overlap copies instead of adding to them;
+//! - send xW: the same stream with a window of W messages in flight on both sides (`isend`/`irecv` into W
+//!   receive buffers, W = 16 up to 4 MiB, fewer above so the window stays within 64 MiB), the way OSU's `osu_bw`
+//!   measures bandwidth;
+//! - send W→1: the sender keeps W `isend`s in flight (a sliding window), the receiver takes one message at a time
+//!   with a blocking `recv` into one buffer: the way `ucx_perftest -t tag_bw` measures (its receiver waits for
+//!   each receive before posting the next), so the column to set against that peer. Over TCP, 16 rendezvous
+//!   receives in flight at once ran at 3.1-3.7 GiB/s at 1-4 MiB against 5.5-5.9 with one or four.
+//!   In both windowed columns hand-offs overlap copies instead of adding to them;
 //! - lat: ping-pong, half round trip in µs;
 //! - all_reduce (f32 sum) bus bandwidth: bytes * 2(n-1)/n / time;
 //! - hidden: the ring shift posted with `isendrecv`, then twice its own time of busy compute on the rank's
@@ -30,7 +35,8 @@
 //!   copy, the fastest any blocking send/recv between two threads can go here. Where it is far below `memcpy`
 //!   (small messages) the trips, not the copy, bound every transport;
 //!
-//! Set `LONGCTX_BENCH_MAX` (bytes) to stop at a smaller size, `LONGCTX_BENCH_MIN` to start at a larger one.
+//! Set `LONGCTX_BENCH_MAX` (bytes) to stop at a smaller size, `LONGCTX_BENCH_MIN` to start at a larger one,
+//! `LONGCTX_BENCH_WINDOW` to change W's upper bound (16).
 //! `LONGCTX_BENCH_ROUNDS=R` runs the sweep R times (UCX: ours, then `ucx_perftest`, per round) and prints the
 //! medians, with `send / peer` as the median of each round's paired ratio: over loopback TCP a single
 //! `ucx_perftest` run at 1 MiB was seen anywhere from 2.9 to 7.2 GiB/s on one machine within minutes.
@@ -47,6 +53,7 @@ struct Row {
     send_gibs: f64,
     window: usize,
     window_gibs: f64,
+    window1_gibs: f64,
     lat_us: f64,
     allreduce_busbw: f64,
     hidden_pct: f64,
@@ -97,6 +104,35 @@ fn page_aligned(buf: &mut Vec<u8>, len: usize, fill: u8) -> &mut [u8] {
     &mut buf[off..off + len]
 }
 
+/// Seconds per message of the W→1 stream (see the module docs): rank 0 keeps `window` sends in flight, rank 1
+/// receives them one at a time (max over ranks, after one warm-up message and a barrier).
+fn window_to_one(c: &Communicator, it: usize, window: usize, send: &[u8], recv: &mut [u8]) -> Result<f64, CommError> {
+    match c.rank() {
+        0 => c.send(1, 4, send)?,
+        1 => c.recv(0, 4, recv)?,
+        _ => {}
+    }
+    c.barrier()?;
+    let t0 = Instant::now();
+    match c.rank() {
+        0 => {
+            let mut in_flight = std::collections::VecDeque::with_capacity(window);
+            for _ in 0..it {
+                if in_flight.len() == window {
+                    in_flight.pop_front().map_or(Ok(()), |q: longctx_p2p::Request<'_>| q.wait())?;
+                }
+                in_flight.push_back(c.isend(1, 4, send)?);
+            }
+            in_flight.into_iter().try_for_each(|q| q.wait())?;
+        }
+        1 => (0..it).try_for_each(|_| c.recv(0, 4, recv))?,
+        _ => {}
+    }
+    let mut t = [t0.elapsed().as_secs_f64() / it as f64];
+    c.all_reduce(&mut t, ReduceOp::Max)?;
+    Ok(t[0])
+}
+
 /// Seconds per ring shift spent in `wait` when the shift is posted, then `compute` seconds of busy work run on
 /// the rank's thread, then waited for (max over ranks).
 fn exposed_wait(c: &Communicator, it: usize, send: &[u8], recv: &mut [u8], compute: f64) -> Result<f64, CommError> {
@@ -132,7 +168,8 @@ fn measure(c: &Communicator, with_memcpy: bool) -> Result<Vec<Row>, CommError> {
             1 => c.recv(0, 1, &mut recv),
             _ => Ok(()),
         })?;
-        let window = (WINDOW_BYTES / bytes).clamp(1, WINDOW);
+        let max_window = std::env::var("LONGCTX_BENCH_WINDOW").ok().and_then(|v| v.parse().ok()).unwrap_or(WINDOW);
+        let window = (WINDOW_BYTES / bytes).clamp(1, max_window.max(1));
         let mut recv_w: Vec<Vec<u8>> = (0..if r == 1 { window } else { 0 }).map(|_| vec![0u8; bytes]).collect();
         let windowed = timed(c, it.div_ceil(window), || {
             let reqs = match r {
@@ -143,6 +180,7 @@ fn measure(c: &Communicator, with_memcpy: bool) -> Result<Vec<Row>, CommError> {
             reqs.into_iter().try_for_each(|q| q.wait())
         })? / window as f64;
         drop(recv_w);
+        let window1 = window_to_one(c, it, window, &send, &mut recv)?;
         let lat_it = it.min(5000);
         let pingpong = timed(c, lat_it, || match r {
             0 => c.send(1, 2, &send).and_then(|()| c.recv(1, 2, &mut recv)),
@@ -197,6 +235,7 @@ fn measure(c: &Communicator, with_memcpy: bool) -> Result<Vec<Row>, CommError> {
             send_gibs: bytes as f64 / stream / GIB,
             window,
             window_gibs: bytes as f64 / windowed / GIB,
+            window1_gibs: bytes as f64 / window1 / GIB,
             lat_us: pingpong / 2.0 * 1e6,
             allreduce_busbw: bytes as f64 * 2.0 * (n - 1) as f64 / n as f64 / ar / GIB,
             hidden_pct: 100.0 * (1.0 - exposed / ring).clamp(0.0, 1.0),
@@ -304,9 +343,10 @@ fn median(mut x: Vec<f64>) -> f64 {
     }
 }
 
-/// Per size, the median over rounds of every column, and of the paired ratio `send / peer` (each round's send
-/// against the peer measured right after it, so a drift of the machine between rounds cancels).
-fn medians(rounds: &[Vec<Row>], peers: &[Vec<f64>]) -> Vec<(Row, f64, f64)> {
+/// Per size, the median over rounds of every column and of the peer, and of the paired ratios `send / peer` and
+/// `send W→1 / peer` (each round's figure against the peer measured right after it, so a drift of the machine
+/// between rounds cancels).
+fn medians(rounds: &[Vec<Row>], peers: &[Vec<f64>]) -> Vec<(Row, f64, f64, f64)> {
     (0..rounds[0].len())
         .map(|i| {
             let col = |f: fn(&Row) -> f64| median(rounds.iter().map(|r| f(&r[i])).collect());
@@ -316,6 +356,7 @@ fn medians(rounds: &[Vec<Row>], peers: &[Vec<f64>]) -> Vec<(Row, f64, f64)> {
                 ring_gibs: col(|r| r.ring_gibs),
                 send_gibs: col(|r| r.send_gibs),
                 window_gibs: col(|r| r.window_gibs),
+                window1_gibs: col(|r| r.window1_gibs),
                 lat_us: col(|r| r.lat_us),
                 allreduce_busbw: col(|r| r.allreduce_busbw),
                 hidden_pct: col(|r| r.hidden_pct),
@@ -324,8 +365,8 @@ fn medians(rounds: &[Vec<Row>], peers: &[Vec<f64>]) -> Vec<(Row, f64, f64)> {
                 floor_gibs: col(|r| r.floor_gibs),
             };
             let peer = median(peers.iter().map(|p| p[i]).collect());
-            let ratio = median(rounds.iter().zip(peers).map(|(r, p)| r[i].send_gibs / p[i]).collect());
-            (row, peer, ratio)
+            let ratio = |f: fn(&Row) -> f64| median(rounds.iter().zip(peers).map(|(r, p)| f(&r[i]) / p[i]).collect());
+            (row, peer, ratio(|r| r.send_gibs), ratio(|r| r.window1_gibs))
         })
         .collect()
 }
@@ -371,21 +412,23 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 std::env::var("UCX_TLS").unwrap_or_else(|_| "default".into()),
                 if std::env::var("LONGCTX_UCX_PROGRESS").as_deref() == Ok("0") { "off" } else { "on" }
             );
-            println!("| size | ring GiB/s | send GiB/s | send xW GiB/s | latency µs | all_reduce busbw GiB/s | hidden % | peer: ucx_perftest tag_bw GiB/s | send / peer |");
-            println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
-            for (r, peer, ratio) in medians(&ours, &peers) {
+            println!("| size | ring GiB/s | send GiB/s | send xW GiB/s | send W→1 GiB/s | latency µs | all_reduce busbw GiB/s | hidden % | peer: ucx_perftest tag_bw GiB/s | send / peer | send W→1 / peer |");
+            println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+            for (r, peer, ratio, ratio_w1) in medians(&ours, &peers) {
                 println!(
-                    "| {} | {:.2} | {:.2} | {:.2} (x{}) | {:.1} | {:.2} | {:.0} | {} | {} |",
+                    "| {} | {:.2} | {:.2} | {:.2} (x{}) | {:.2} | {:.1} | {:.2} | {:.0} | {} | {} | {} |",
                     size_name(r.bytes),
                     r.ring_gibs,
                     r.send_gibs,
                     r.window_gibs,
                     r.window,
+                    r.window1_gibs,
                     r.lat_us,
                     r.allreduce_busbw,
                     r.hidden_pct,
                     fmt_or_na(peer),
-                    fmt_or_na(ratio)
+                    fmt_or_na(ratio),
+                    fmt_or_na(ratio_w1)
                 );
             }
         }
@@ -404,17 +447,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let vs_floor = medians(&ours, &floors);
         println!("threads transport, 2 ranks in one process, median of {n_rounds} round(s)");
         println!(
-            "| size | ring GiB/s | send GiB/s | send xW GiB/s | latency µs | all_reduce busbw GiB/s | hidden % | peer: memcpy GiB/s | memcpy x2 GiB/s | hand-off floor GiB/s | send / peer | send / floor |"
+            "| size | ring GiB/s | send GiB/s | send xW GiB/s | send W→1 GiB/s | latency µs | all_reduce busbw GiB/s | hidden % | peer: memcpy GiB/s | memcpy x2 GiB/s | hand-off floor GiB/s | send / peer | send / floor |"
         );
-        println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
-        for ((r, _, ratio), (_, _, floor_ratio)) in medians(&ours, &peers).into_iter().zip(vs_floor) {
+        println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+        for ((r, _, ratio, _), (_, _, floor_ratio, _)) in medians(&ours, &peers).into_iter().zip(vs_floor) {
             println!(
-                "| {} | {:.2} | {:.2} | {:.2} (x{}) | {:.1} | {:.2} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
+                "| {} | {:.2} | {:.2} | {:.2} (x{}) | {:.2} | {:.1} | {:.2} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
                 size_name(r.bytes),
                 r.ring_gibs,
                 r.send_gibs,
                 r.window_gibs,
                 r.window,
+                r.window1_gibs,
                 r.lat_us,
                 r.allreduce_busbw,
                 r.hidden_pct,
