@@ -9,12 +9,13 @@
 //! - send: blocking `send`/`recv` stream 0 -> 1, GiB/s: one message at a time, so each pays a full hand-off;
 //! - send xW: the same stream with a window of W messages in flight on both sides (`isend`/`irecv` into W
 //!   receive buffers, W = 16 up to 4 MiB, fewer above so the window stays within 64 MiB), the way OSU's `osu_bw`
-//!   measures bandwidth;
+//!   and `ucx_perftest -t tag_bw -O W` measure bandwidth. One difference: perftest receives every message of the
+//!   window into one buffer, which only a benchmark that throws the data away can do (and Rust's borrows
+//!   forbid); with W buffers a 4 MiB window covers 64 MiB, which over TCP ran at 3.3-3.7 GiB/s against 5.3-6.1
+//!   with one buffer, in a plain UCX program as in ours (`bench/ucx_tag_stream.c`);
 //! - send W→1: the sender keeps W `isend`s in flight (a sliding window), the receiver takes one message at a time
-//!   with a blocking `recv` into one buffer: the way `ucx_perftest -t tag_bw` measures (its receiver waits for
-//!   each receive before posting the next), so the column to set against that peer. Over TCP, 16 rendezvous
-//!   receives in flight at once ran at 3.1-3.7 GiB/s at 1-4 MiB against 5.5-5.9 with one or four.
-//!   In both windowed columns hand-offs overlap copies instead of adding to them;
+//!   with a blocking `recv` into one buffer: a sender running ahead of a receiver that consumes each message
+//!   before it takes the next. In both windowed columns hand-offs overlap copies instead of adding to them;
 //! - lat: ping-pong, half round trip in µs;
 //! - all_reduce (f32 sum) bus bandwidth: bytes * 2(n-1)/n / time;
 //! - hidden: the ring shift posted with `isendrecv`, then twice its own time of busy compute on the rank's
@@ -22,8 +23,9 @@
 //!   attention gets from posting the next block early. Threads: ~0 by design (the copy is the transfer, done by
 //!   the waiting rank, and a spare core would be needed to hide it); UCX: the process's progress thread moves
 //!   the message during the compute (`LONGCTX_UCX_PROGRESS=0` turns it off, for comparison);
-//! - peer: `memcpy` of the same size on one thread in the same run (threads), or `ucx_perftest -t tag_bw` between
-//!   two processes (UCX), when it is installed;
+//! - peer: `memcpy` of the same size on one thread in the same run (threads); for UCX, when it is installed,
+//!   `ucx_perftest -t tag_bw` between two processes, twice: with `-O 1` (one send and one receive in flight at a
+//!   time, as our `send`) and with `-O W` (W of each, as our `send xW`);
 //! - memcpy x2 (threads): both ranks `memcpy` their own buffers of the size at once, GiB/s per thread. A ring
 //!   shift does exactly this much copying (each rank copies one message, both at once), so this is its ceiling on
 //!   the machine as it is during the run: below the one-thread peer when the two copies compete for cache and
@@ -38,7 +40,7 @@
 //! Set `LONGCTX_BENCH_MAX` (bytes) to stop at a smaller size, `LONGCTX_BENCH_MIN` to start at a larger one,
 //! `LONGCTX_BENCH_WINDOW` to change W's upper bound (16).
 //! `LONGCTX_BENCH_ROUNDS=R` runs the sweep R times (UCX: ours, then `ucx_perftest`, per round) and prints the
-//! medians, with `send / peer` as the median of each round's paired ratio: over loopback TCP a single
+//! medians, with each ratio to a peer as the median of each round's paired ratio: over loopback TCP a single
 //! `ucx_perftest` run at 1 MiB was seen anywhere from 2.9 to 7.2 GiB/s on one machine within minutes.
 
 use std::process::Command;
@@ -71,6 +73,12 @@ fn sizes() -> Vec<usize> {
     let env = |name: &str, default: usize| std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default);
     let (min, max) = (env("LONGCTX_BENCH_MIN", 0), env("LONGCTX_BENCH_MAX", 256 << 20));
     (0..).map(|i| 4096usize << (2 * i)).take_while(|&s| s <= max).filter(|&s| s >= min).collect()
+}
+
+/// W, the messages in flight in the windowed streams of `bytes`-byte messages.
+fn window(bytes: usize) -> usize {
+    let max_window = std::env::var("LONGCTX_BENCH_WINDOW").ok().and_then(|v| v.parse().ok()).unwrap_or(WINDOW);
+    (WINDOW_BYTES / bytes.max(1)).clamp(1, max_window.max(1))
 }
 
 /// Iterations so each measurement moves about 2 GiB, within [3, 20000].
@@ -168,8 +176,7 @@ fn measure(c: &Communicator, with_memcpy: bool) -> Result<Vec<Row>, CommError> {
             1 => c.recv(0, 1, &mut recv),
             _ => Ok(()),
         })?;
-        let max_window = std::env::var("LONGCTX_BENCH_WINDOW").ok().and_then(|v| v.parse().ok()).unwrap_or(WINDOW);
-        let window = (WINDOW_BYTES / bytes).clamp(1, max_window.max(1));
+        let window = window(bytes);
         let mut recv_w: Vec<Vec<u8>> = (0..if r == 1 { window } else { 0 }).map(|_| vec![0u8; bytes]).collect();
         let windowed = timed(c, it.div_ceil(window), || {
             let reqs = match r {
@@ -294,19 +301,23 @@ fn handoff_floor(bytes: usize) -> f64 {
     })
 }
 
-/// `ucx_perftest -t tag_bw` between two local processes; GiB/s, or `None` if it is not installed or fails.
-fn ucx_perftest(bytes: usize) -> Option<f64> {
+/// `ucx_perftest -t tag_bw` between two local processes with `outstanding` sends and receives in flight (`-O`);
+/// GiB/s, or `None` if it is not installed or fails.
+fn ucx_perftest(bytes: usize, outstanding: usize) -> Option<f64> {
     let n = iters(bytes).min(1000).to_string();
     let s = bytes.to_string();
+    let o = outstanding.to_string();
     let port = "13437";
     let mut server = Command::new("ucx_perftest")
-        .args(["-t", "tag_bw", "-s", &s, "-n", &n, "-p", port])
+        .args(["-t", "tag_bw", "-s", &s, "-n", &n, "-O", &o, "-p", port])
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
         .spawn()
         .ok()?;
     std::thread::sleep(std::time::Duration::from_millis(300));
-    let out = Command::new("ucx_perftest").args(["127.0.0.1", "-t", "tag_bw", "-s", &s, "-n", &n, "-p", port]).output();
+    let out = Command::new("ucx_perftest")
+        .args(["127.0.0.1", "-t", "tag_bw", "-s", &s, "-n", &n, "-O", &o, "-p", port])
+        .output();
     let _ = server.wait();
     let out = out.ok()?;
     let text = String::from_utf8_lossy(&out.stdout);
@@ -343,14 +354,12 @@ fn median(mut x: Vec<f64>) -> f64 {
     }
 }
 
-/// Per size, the median over rounds of every column and of the peer, and of the paired ratios `send / peer` and
-/// `send W→1 / peer` (each round's figure against the peer measured right after it, so a drift of the machine
-/// between rounds cancels).
-fn medians(rounds: &[Vec<Row>], peers: &[Vec<f64>]) -> Vec<(Row, f64, f64, f64)> {
+/// Per size, the median over rounds of every column.
+fn medians(rounds: &[Vec<Row>]) -> Vec<Row> {
     (0..rounds[0].len())
         .map(|i| {
             let col = |f: fn(&Row) -> f64| median(rounds.iter().map(|r| f(&r[i])).collect());
-            let row = Row {
+            Row {
                 bytes: rounds[0][i].bytes,
                 window: rounds[0][i].window,
                 ring_gibs: col(|r| r.ring_gibs),
@@ -363,12 +372,20 @@ fn medians(rounds: &[Vec<Row>], peers: &[Vec<f64>]) -> Vec<(Row, f64, f64, f64)>
                 memcpy_gibs: col(|r| r.memcpy_gibs),
                 memcpy2_gibs: col(|r| r.memcpy2_gibs),
                 floor_gibs: col(|r| r.floor_gibs),
-            };
-            let peer = median(peers.iter().map(|p| p[i]).collect());
-            let ratio = |f: fn(&Row) -> f64| median(rounds.iter().zip(peers).map(|(r, p)| f(&r[i]) / p[i]).collect());
-            (row, peer, ratio(|r| r.send_gibs), ratio(|r| r.window1_gibs))
+            }
         })
         .collect()
+}
+
+/// Per size, the median over rounds of a peer measured once per round.
+fn peer_medians(peers: &[Vec<f64>]) -> Vec<f64> {
+    (0..peers.first().map_or(0, Vec::len)).map(|i| median(peers.iter().map(|p| p[i]).collect())).collect()
+}
+
+/// Per size, the median over rounds of the paired ratio `f(ours) / peer`: each round's figure against the peer
+/// measured in the same round, so a drift of the machine between rounds cancels.
+fn paired(rounds: &[Vec<Row>], peers: &[Vec<f64>], f: fn(&Row) -> f64) -> Vec<f64> {
+    (0..rounds[0].len()).map(|i| median(rounds.iter().zip(peers).map(|(r, p)| f(&r[i]) / p[i]).collect())).collect()
 }
 
 fn fmt_or_na(x: f64) -> String {
@@ -394,13 +411,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let n_rounds = rounds();
     if ucx {
         let c = Communicator::from_env()?;
-        let (mut ours, mut peers) = (Vec::new(), Vec::new());
+        let (mut ours, mut peers1, mut peers_w) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..n_rounds {
             ours.push(measure(&c, false)?);
             // Rank 0 runs the peer right after our sweep while rank 1 waits in the barrier (asleep on UCX's
             // event fd after its first 5 ms), so both sides of a round see the machine in the same state.
             if c.rank() == 0 {
-                peers.push(sizes().into_iter().map(|b| ucx_perftest(b).unwrap_or(f64::NAN)).collect::<Vec<_>>());
+                let perftest = |o: fn(usize) -> usize| {
+                    sizes().into_iter().map(|b| ucx_perftest(b, o(b)).unwrap_or(f64::NAN)).collect::<Vec<_>>()
+                };
+                peers1.push(perftest(|_| 1));
+                peers_w.push(perftest(window));
             }
             c.barrier()?;
         }
@@ -412,11 +433,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 std::env::var("UCX_TLS").unwrap_or_else(|_| "default".into()),
                 if std::env::var("LONGCTX_UCX_PROGRESS").as_deref() == Ok("0") { "off" } else { "on" }
             );
-            println!("| size | ring GiB/s | send GiB/s | send xW GiB/s | send W→1 GiB/s | latency µs | all_reduce busbw GiB/s | hidden % | peer: ucx_perftest tag_bw GiB/s | send / peer | send W→1 / peer |");
-            println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
-            for (r, peer, ratio, ratio_w1) in medians(&ours, &peers) {
+            println!("| size | ring GiB/s | send GiB/s | send xW GiB/s | send W→1 GiB/s | latency µs | all_reduce busbw GiB/s | hidden % | peer: ucx_perftest -O 1 GiB/s | peer: ucx_perftest -O W GiB/s | send / perftest -O 1 | send xW / perftest -O W |");
+            println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+            let (p1, pw) = (peer_medians(&peers1), peer_medians(&peers_w));
+            let (r1, rw) = (paired(&ours, &peers1, |r| r.send_gibs), paired(&ours, &peers_w, |r| r.window_gibs));
+            for (i, r) in medians(&ours).into_iter().enumerate() {
                 println!(
-                    "| {} | {:.2} | {:.2} | {:.2} (x{}) | {:.2} | {:.1} | {:.2} | {:.0} | {} | {} | {} |",
+                    "| {} | {:.2} | {:.2} | {:.2} (x{}) | {:.2} | {:.1} | {:.2} | {:.0} | {} | {} | {} | {} |",
                     size_name(r.bytes),
                     r.ring_gibs,
                     r.send_gibs,
@@ -426,9 +449,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     r.lat_us,
                     r.allreduce_busbw,
                     r.hidden_pct,
-                    fmt_or_na(peer),
-                    fmt_or_na(ratio),
-                    fmt_or_na(ratio_w1)
+                    fmt_or_na(p1[i]),
+                    fmt_or_na(pw[i]),
+                    fmt_or_na(r1[i]),
+                    fmt_or_na(rw[i])
                 );
             }
         }
@@ -444,13 +468,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         let peers: Vec<Vec<f64>> = ours.iter().map(|r| r.iter().map(|x| x.memcpy_gibs).collect()).collect();
         let floors: Vec<Vec<f64>> = ours.iter().map(|r| r.iter().map(|x| x.floor_gibs).collect()).collect();
-        let vs_floor = medians(&ours, &floors);
+        let (vs_memcpy, vs_floor) = (paired(&ours, &peers, |r| r.send_gibs), paired(&ours, &floors, |r| r.send_gibs));
         println!("threads transport, 2 ranks in one process, median of {n_rounds} round(s)");
         println!(
             "| size | ring GiB/s | send GiB/s | send xW GiB/s | send W→1 GiB/s | latency µs | all_reduce busbw GiB/s | hidden % | peer: memcpy GiB/s | memcpy x2 GiB/s | hand-off floor GiB/s | send / peer | send / floor |"
         );
         println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
-        for ((r, _, ratio, _), (_, _, floor_ratio, _)) in medians(&ours, &peers).into_iter().zip(vs_floor) {
+        for (i, r) in medians(&ours).into_iter().enumerate() {
             println!(
                 "| {} | {:.2} | {:.2} | {:.2} (x{}) | {:.2} | {:.1} | {:.2} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
                 size_name(r.bytes),
@@ -465,8 +489,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 r.memcpy_gibs,
                 r.memcpy2_gibs,
                 r.floor_gibs,
-                ratio,
-                floor_ratio
+                vs_memcpy[i],
+                vs_floor[i]
             );
         }
     }
