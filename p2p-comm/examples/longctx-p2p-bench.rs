@@ -25,7 +25,9 @@
 //!   the message during the compute (`LONGCTX_UCX_PROGRESS=0` turns it off, for comparison);
 //! - peer: `memcpy` of the same size on one thread in the same run (threads); for UCX, when it is installed,
 //!   `ucx_perftest -t tag_bw` between two processes, twice: with `-O 1` (one send and one receive in flight at a
-//!   time, as our `send`) and with `-O W` (W of each, as our `send xW`);
+//!   time, as our `send`) and with `-O W` (W of each, as our `send xW`); and `bench/ucx_tag_stream.c`, a plain
+//!   UCX tag stream with W sends and W receives in flight, each receive into its own buffer as ours (the bench
+//!   compiles it with `cc` against `pkg-config ucx` when both are there);
 //! - memcpy x2 (threads): both ranks `memcpy` their own buffers of the size at once, GiB/s per thread. A ring
 //!   shift does exactly this much copying (each rank copies one message, both at once), so this is its ceiling on
 //!   the machine as it is during the run: below the one-thread peer when the two copies compete for cache and
@@ -301,6 +303,38 @@ fn handoff_floor(bytes: usize) -> f64 {
     })
 }
 
+/// The plain UCX peer (`bench/ucx_tag_stream.c`), compiled with `cc` against the system's UCX (`pkg-config ucx`)
+/// into the temporary directory; `None` (its column then reads n/a) if either is missing or the build fails.
+fn plain_ucx_program() -> Option<std::path::PathBuf> {
+    let src = concat!(env!("CARGO_MANIFEST_DIR"), "/../bench/ucx_tag_stream.c");
+    let flags = Command::new("pkg-config").args(["--cflags", "--libs", "ucx"]).output().ok()?;
+    if !flags.status.success() {
+        return None;
+    }
+    let flags = String::from_utf8(flags.stdout).ok()?;
+    let bin = std::env::temp_dir().join(format!("longctx-ucx_tag_stream-{}", std::process::id()));
+    let built = Command::new("cc")
+        .args(["-O2", "-o"])
+        .arg(&bin)
+        .arg(src)
+        .args(flags.split_whitespace())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .ok()?;
+    built.success().then_some(bin)
+}
+
+/// The plain UCX peer with `window` sends and `window` receives in flight, each receive into its own buffer (as
+/// our `send xW`); the receiver's GiB/s, or `None` if it fails.
+fn plain_ucx(program: &std::path::Path, bytes: usize, window: usize) -> Option<f64> {
+    let n = iters(bytes).min(1000).to_string();
+    let w = window.to_string();
+    let out = Command::new(program).args([bytes.to_string(), w.clone(), w, n]).output().ok()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text.lines().find(|l| l.contains("(receiver)"))?;
+    line.split_whitespace().rev().nth(1)?.parse().ok()
+}
+
 /// `ucx_perftest -t tag_bw` between two local processes with `outstanding` sends and receives in flight (`-O`);
 /// GiB/s, or `None` if it is not installed or fails.
 fn ucx_perftest(bytes: usize, outstanding: usize) -> Option<f64> {
@@ -411,7 +445,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let n_rounds = rounds();
     if ucx {
         let c = Communicator::from_env()?;
-        let (mut ours, mut peers1, mut peers_w) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut ours, mut peers1, mut peers_w, mut peers_plain) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let program = if c.rank() == 0 { plain_ucx_program() } else { None };
         for _ in 0..n_rounds {
             ours.push(measure(&c, false)?);
             // Rank 0 runs the peer right after our sweep while rank 1 waits in the barrier (asleep on UCX's
@@ -422,6 +457,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 };
                 peers1.push(perftest(|_| 1));
                 peers_w.push(perftest(window));
+                peers_plain.push(
+                    sizes()
+                        .into_iter()
+                        .map(|b| program.as_deref().and_then(|p| plain_ucx(p, b, window(b))).unwrap_or(f64::NAN))
+                        .collect::<Vec<_>>(),
+                );
             }
             c.barrier()?;
         }
@@ -433,13 +474,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 std::env::var("UCX_TLS").unwrap_or_else(|_| "default".into()),
                 if std::env::var("LONGCTX_UCX_PROGRESS").as_deref() == Ok("0") { "off" } else { "on" }
             );
-            println!("| size | ring GiB/s | send GiB/s | send xW GiB/s | send W→1 GiB/s | latency µs | all_reduce busbw GiB/s | hidden % | peer: ucx_perftest -O 1 GiB/s | peer: ucx_perftest -O W GiB/s | send / perftest -O 1 | send xW / perftest -O W |");
-            println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
-            let (p1, pw) = (peer_medians(&peers1), peer_medians(&peers_w));
+            println!("| size | ring GiB/s | send GiB/s | send xW GiB/s | send W→1 GiB/s | latency µs | all_reduce busbw GiB/s | hidden % | peer: ucx_perftest -O 1 GiB/s | peer: ucx_perftest -O W GiB/s | peer: plain UCX xW GiB/s | send / perftest -O 1 | send xW / perftest -O W | send xW / plain UCX xW |");
+            println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+            let (p1, pw, pp) = (peer_medians(&peers1), peer_medians(&peers_w), peer_medians(&peers_plain));
             let (r1, rw) = (paired(&ours, &peers1, |r| r.send_gibs), paired(&ours, &peers_w, |r| r.window_gibs));
+            let rp = paired(&ours, &peers_plain, |r| r.window_gibs);
             for (i, r) in medians(&ours).into_iter().enumerate() {
                 println!(
-                    "| {} | {:.2} | {:.2} | {:.2} (x{}) | {:.2} | {:.1} | {:.2} | {:.0} | {} | {} | {} | {} |",
+                    "| {} | {:.2} | {:.2} | {:.2} (x{}) | {:.2} | {:.1} | {:.2} | {:.0} | {} | {} | {} | {} | {} | {} |",
                     size_name(r.bytes),
                     r.ring_gibs,
                     r.send_gibs,
@@ -451,10 +493,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     r.hidden_pct,
                     fmt_or_na(p1[i]),
                     fmt_or_na(pw[i]),
+                    fmt_or_na(pp[i]),
                     fmt_or_na(r1[i]),
-                    fmt_or_na(rw[i])
+                    fmt_or_na(rw[i]),
+                    fmt_or_na(rp[i])
                 );
             }
+        }
+        if let Some(p) = program {
+            let _ = std::fs::remove_file(p);
         }
     } else {
         // Per round: our sweep on two rank threads, then the hand-off floor on two fresh threads.
