@@ -605,7 +605,7 @@ fn ucx_world() -> Communicator {
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    if std::env::args().any(|a| a == "--help" || a == "-h") {
+    if args.iter().any(|a| a == "--help" || a == "-h") {
         // The module docs are the usage text.
         let doc: String = include_str!("longctx-ring-bench.rs")
             .lines()
