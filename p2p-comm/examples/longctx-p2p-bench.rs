@@ -38,6 +38,10 @@
 //!   No matching, tags, timeouts or completions: two cache-line trips between the cores per message plus the
 //!   copy, the fastest any blocking send/recv between two threads can go here. Where it is far below `memcpy`
 //!   (small messages) the trips, not the copy, bound every transport;
+//! - ring floor (threads): the same for the ring shift. Each of two threads publishes step `i` (its send buffer
+//!   is ready), spins until the other has too, copies the other's send buffer into its receive buffer with
+//!   `memcpy`, publishes that it has, and spins until the other has copied as well (only then may a blocking
+//!   shift return: its send buffer is free again). Both copy at once, as in the ring shift;
 //!
 //! Set `LONGCTX_BENCH_MAX` (bytes) to stop at a smaller size, `LONGCTX_BENCH_MIN` to start at a larger one,
 //! `LONGCTX_BENCH_WINDOW` to change W's upper bound (16).
@@ -64,6 +68,7 @@ struct Row {
     memcpy_gibs: f64,
     memcpy2_gibs: f64,
     floor_gibs: f64,
+    ring_floor_gibs: f64,
 }
 
 const GIB: f64 = (1u64 << 30) as f64;
@@ -251,6 +256,7 @@ fn measure(c: &Communicator, with_memcpy: bool) -> Result<Vec<Row>, CommError> {
             memcpy_gibs: memcpy,
             memcpy2_gibs: memcpy2,
             floor_gibs: f64::NAN,
+            ring_floor_gibs: f64::NAN,
         });
     }
     Ok(rows)
@@ -300,6 +306,70 @@ fn handoff_floor(bytes: usize) -> f64 {
         let t = t0.elapsed().as_secs_f64() / (i - 1) as f64;
         sent.store(STOP, Ordering::Release);
         bytes as f64 / t / GIB
+    })
+}
+
+/// The ring floor (see the module docs): GiB/s per thread and direction of a blocking ring shift of `bytes`-byte
+/// messages between two threads that share nothing but two flag lines each, both copying with `memcpy` at once.
+/// At least 100 ms of steps.
+fn ring_floor(bytes: usize) -> f64 {
+    use crossbeam::utils::CachePadded;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let it = iters(bytes);
+    let flags = || [CachePadded::new(AtomicUsize::new(0)), CachePadded::new(AtomicUsize::new(0))];
+    // Per thread: the step whose send buffer is ready, and the step whose message it has copied.
+    let (ready, copied) = (flags(), flags());
+    // The last step thread 0 runs, set before that step starts.
+    let last = CachePadded::new(AtomicUsize::new(usize::MAX));
+    let spin_until = |a: &AtomicUsize, v: usize| {
+        while a.load(Ordering::Acquire) < v {
+            std::hint::spin_loop();
+        }
+    };
+    let mut bufs: Vec<(Vec<u8>, Vec<u8>)> = (0..2).map(|_| (Vec::new(), Vec::new())).collect();
+    let mut halves: Vec<(&[u8], &mut [u8])> = bufs
+        .iter_mut()
+        .enumerate()
+        .map(|(t, (s, d))| (&*page_aligned(s, bytes, t as u8 + 1), page_aligned(d, bytes, 0)))
+        .collect();
+    let (h1, h0) = (halves.pop(), halves.pop());
+    let (Some((src0, dst0)), Some((src1, dst1))) = (h0, h1) else { return f64::NAN };
+    let srcs = [src0, src1];
+    // One step of thread `t`; returns false once the other thread asked to stop.
+    let step = |t: usize, i: usize, dst: &mut [u8]| {
+        ready[t].store(i, Ordering::Release);
+        spin_until(&ready[1 - t], i);
+        dst.copy_from_slice(std::hint::black_box(srcs[1 - t]));
+        std::hint::black_box(&mut *dst);
+        copied[t].store(i, Ordering::Release);
+        spin_until(&copied[1 - t], i);
+    };
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            // Follows thread 0 step by step. Thread 0 sets `last` before it publishes that step, and this thread
+            // cannot finish the step before thread 0 has copied, so it reads the final value after it.
+            for i in 1.. {
+                step(1, i, dst1);
+                if i >= last.load(Ordering::Acquire) {
+                    return;
+                }
+            }
+        });
+        step(0, 1, dst0); // warm-up
+        let t0 = Instant::now();
+        let mut i = 1;
+        loop {
+            i += 1;
+            let done = i > it && t0.elapsed().as_secs_f64() >= 0.1;
+            if done {
+                last.store(i, Ordering::Release);
+            }
+            step(0, i, dst0);
+            if done {
+                break;
+            }
+        }
+        bytes as f64 / (t0.elapsed().as_secs_f64() / (i - 1) as f64) / GIB
     })
 }
 
@@ -406,6 +476,7 @@ fn medians(rounds: &[Vec<Row>]) -> Vec<Row> {
                 memcpy_gibs: col(|r| r.memcpy_gibs),
                 memcpy2_gibs: col(|r| r.memcpy2_gibs),
                 floor_gibs: col(|r| r.floor_gibs),
+                ring_floor_gibs: col(|r| r.ring_floor_gibs),
             }
         })
         .collect()
@@ -510,20 +581,23 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let mut round = ThreadWorld::run(2, |c| measure(&c, true))?.swap_remove(0)?;
             for r in &mut round {
                 r.floor_gibs = handoff_floor(r.bytes);
+                r.ring_floor_gibs = ring_floor(r.bytes);
             }
             ours.push(round);
         }
         let peers: Vec<Vec<f64>> = ours.iter().map(|r| r.iter().map(|x| x.memcpy_gibs).collect()).collect();
         let floors: Vec<Vec<f64>> = ours.iter().map(|r| r.iter().map(|x| x.floor_gibs).collect()).collect();
         let (vs_memcpy, vs_floor) = (paired(&ours, &peers, |r| r.send_gibs), paired(&ours, &floors, |r| r.send_gibs));
+        let ring_floors: Vec<Vec<f64>> = ours.iter().map(|r| r.iter().map(|x| x.ring_floor_gibs).collect()).collect();
+        let ring_vs_floor = paired(&ours, &ring_floors, |r| r.ring_gibs);
         println!("threads transport, 2 ranks in one process, median of {n_rounds} round(s)");
         println!(
-            "| size | ring GiB/s | send GiB/s | send xW GiB/s | send W→1 GiB/s | latency µs | all_reduce busbw GiB/s | hidden % | peer: memcpy GiB/s | memcpy x2 GiB/s | hand-off floor GiB/s | send / peer | send / floor |"
+            "| size | ring GiB/s | send GiB/s | send xW GiB/s | send W→1 GiB/s | latency µs | all_reduce busbw GiB/s | hidden % | peer: memcpy GiB/s | memcpy x2 GiB/s | hand-off floor GiB/s | ring floor GiB/s | send / peer | send / floor | ring / ring floor |"
         );
-        println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+        println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
         for (i, r) in medians(&ours).into_iter().enumerate() {
             println!(
-                "| {} | {:.2} | {:.2} | {:.2} (x{}) | {:.2} | {:.1} | {:.2} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
+                "| {} | {:.2} | {:.2} | {:.2} (x{}) | {:.2} | {:.1} | {:.2} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
                 size_name(r.bytes),
                 r.ring_gibs,
                 r.send_gibs,
@@ -536,8 +610,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 r.memcpy_gibs,
                 r.memcpy2_gibs,
                 r.floor_gibs,
+                r.ring_floor_gibs,
                 vs_memcpy[i],
-                vs_floor[i]
+                vs_floor[i],
+                ring_vs_floor[i]
             );
         }
     }
