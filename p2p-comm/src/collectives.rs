@@ -214,7 +214,7 @@ impl Communicator {
         while mask < n {
             if vr & mask != 0 {
                 let src = (vr - mask + root) % n;
-                self.post_recv(src, key, m, bytes_mut(buf), false)?.wait()?;
+                self.post_recv(src, key, m, bytes_mut(buf), false, false)?.wait()?;
                 break;
             }
             mask <<= 1;
@@ -223,7 +223,7 @@ impl Communicator {
         while mask > 0 {
             if vr + mask < n {
                 let dst = (vr + mask + root) % n;
-                self.post_send(dst, key, m, bytes(buf), false)?.wait()?;
+                self.post_send(dst, key, m, bytes(buf), false, false)?.wait()?;
             }
             mask >>= 1;
         }

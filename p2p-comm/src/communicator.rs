@@ -145,6 +145,8 @@ impl Communicator {
 
     /// Posts one send or receive of raw bytes. `later`: the caller will not wait at once (a non-blocking call),
     /// so the transport should move the message in the background meanwhile (UCX: its progress thread).
+    /// `exchange`: one direction of a ring exchange, whose peer is exchanging with its own neighbours at the same
+    /// moment (threads: such messages are left to their receivers' `wait` from a smaller size).
     ///
     /// # Safety
     /// `ptr..ptr+len` must stay valid, and for a receive unaliased, until the returned op finishes; callers
@@ -159,16 +161,18 @@ impl Communicator {
         ptr: *mut u8,
         len: usize,
         later: bool,
+        exchange: bool,
     ) -> Result<Pending, CommError> {
         self.check_peer(peer)?;
         match &self.transport {
             // Threads: the copy is the transfer and it runs on a waiting rank's thread, so `later` changes nothing.
             Transport::Threads(ep) => {
                 let _ = later;
-                ep.post(is_send, peer, key, meta, ptr, len, self.timeout, &self.stats).map(Pending::Threads)
+                ep.post(is_send, peer, key, meta, ptr, len, exchange, self.timeout, &self.stats).map(Pending::Threads)
             }
             #[cfg(feature = "ucx")]
             Transport::Ucx(ep) => {
+                let _ = exchange;
                 ep.post(is_send, peer, key, meta, ptr, len, later, self.timeout, &self.stats).map(Pending::Ucx)
             }
         }
@@ -181,9 +185,10 @@ impl Communicator {
         meta: u64,
         buf: &[u8],
         later: bool,
+        exchange: bool,
     ) -> Result<Pending, CommError> {
         // SAFETY: callers finish the op while `buf` is borrowed (see `post`); a send never writes through `ptr`.
-        unsafe { self.post(true, dst, key, meta, buf.as_ptr() as *mut u8, buf.len(), later) }
+        unsafe { self.post(true, dst, key, meta, buf.as_ptr() as *mut u8, buf.len(), later, exchange) }
     }
 
     pub(crate) fn post_recv(
@@ -193,9 +198,10 @@ impl Communicator {
         meta: u64,
         buf: &mut [u8],
         later: bool,
+        exchange: bool,
     ) -> Result<Pending, CommError> {
         // SAFETY: callers finish the op while `buf` is mutably borrowed (see `post`).
-        unsafe { self.post(false, src, key, meta, buf.as_mut_ptr(), buf.len(), later) }
+        unsafe { self.post(false, src, key, meta, buf.as_mut_ptr(), buf.len(), later, exchange) }
     }
 
     /// Posts a receive from `src` and a send to `dst`, both in flight at once, as one request (`later`: see
@@ -211,8 +217,8 @@ impl Communicator {
         recv: &'a mut [u8],
         later: bool,
     ) -> Result<Request<'a>, CommError> {
-        let r = self.post_recv(src, key, meta, recv, later)?;
-        match self.post_send(dst, key, meta, send, later) {
+        let r = self.post_recv(src, key, meta, recv, later, true)?;
+        match self.post_send(dst, key, meta, send, later, true) {
             Ok(s) => Ok(Request::new(r, Some(s))),
             Err(e) => {
                 r.cancel();
@@ -252,23 +258,23 @@ impl Communicator {
     /// Two ranks that both call `send` to each other before receiving wait on each other until the timeout; use
     /// [`isend`](Self::isend) or [`sendrecv`](Self::sendrecv) for exchanges.
     pub fn send<T: Pod>(&self, dst: usize, tag: u32, buf: &[T]) -> Result<(), CommError> {
-        Request::new(self.post_send(dst, tag as u64, 0, bytemuck::cast_slice(buf), false)?, None).wait()
+        Request::new(self.post_send(dst, tag as u64, 0, bytemuck::cast_slice(buf), false, false)?, None).wait()
     }
 
     /// Receives the message from `src` with `tag` into `buf`, whose length must equal the message's.
     pub fn recv<T: Pod>(&self, src: usize, tag: u32, buf: &mut [T]) -> Result<(), CommError> {
-        Request::new(self.post_recv(src, tag as u64, 0, bytemuck::cast_slice_mut(buf), false)?, None).wait()
+        Request::new(self.post_recv(src, tag as u64, 0, bytemuck::cast_slice_mut(buf), false, false)?, None).wait()
     }
 
     /// Starts sending `buf` to `dst`; the request borrows `buf` until it finishes.
     pub fn isend<'a, T: Pod>(&self, dst: usize, tag: u32, buf: &'a [T]) -> Result<Request<'a>, CommError> {
-        let op = self.post_send(dst, tag as u64, 0, bytemuck::cast_slice(buf), true)?;
+        let op = self.post_send(dst, tag as u64, 0, bytemuck::cast_slice(buf), true, false)?;
         Ok(Request::new(op, None))
     }
 
     /// Starts receiving from `src` into `buf`; the request borrows `buf` until it finishes.
     pub fn irecv<'a, T: Pod>(&self, src: usize, tag: u32, buf: &'a mut [T]) -> Result<Request<'a>, CommError> {
-        let op = self.post_recv(src, tag as u64, 0, bytemuck::cast_slice_mut(buf), true)?;
+        let op = self.post_recv(src, tag as u64, 0, bytemuck::cast_slice_mut(buf), true, false)?;
         Ok(Request::new(op, None))
     }
 
