@@ -38,10 +38,14 @@
 //!   No matching, tags, timeouts or completions: two cache-line trips between the cores per message plus the
 //!   copy, the fastest any blocking send/recv between two threads can go here. Where it is far below `memcpy`
 //!   (small messages) the trips, not the copy, bound every transport;
+//! - ring fwd: the ring shift as ring attention uses it, each step sending the block the step before received
+//!   (two buffers per rank, swapped every step), so every message was just written by the sender's core. The
+//!   `ring` column sends one unchanged buffer, whose lines the copier may already hold;
 //! - ring floor (threads): the same for the ring shift. Each of two threads publishes step `i` (its send buffer
 //!   is ready), spins until the other has too, copies the other's send buffer into its receive buffer with
 //!   `memcpy`, publishes that it has, and spins until the other has copied as well (only then may a blocking
-//!   shift return: its send buffer is free again). Both copy at once, as in the ring shift;
+//!   shift return: its send buffer is free again). Both copy at once, as in the ring shift. `ring fwd floor`
+//!   is the same with forwarding;
 //!
 //! Set `LONGCTX_BENCH_MAX` (bytes) to stop at a smaller size, `LONGCTX_BENCH_MIN` to start at a larger one,
 //! `LONGCTX_BENCH_WINDOW` to change W's upper bound (16).
@@ -69,6 +73,8 @@ struct Row {
     memcpy2_gibs: f64,
     floor_gibs: f64,
     ring_floor_gibs: f64,
+    ring_fwd_gibs: f64,
+    ring_fwd_floor_gibs: f64,
 }
 
 const GIB: f64 = (1u64 << 30) as f64;
@@ -178,6 +184,14 @@ fn measure(c: &Communicator, with_memcpy: bool) -> Result<Vec<Row>, CommError> {
         let send = vec![r as u8 + 1; bytes];
         let mut recv = vec![0u8; bytes];
         let ring = timed(c, it, || c.sendrecv(&send, &mut recv))?;
+        // Forwarding: each step sends what the step before received (ring attention's pattern).
+        let (mut fwd_send, mut fwd_recv) = (send.clone(), vec![0u8; bytes]);
+        let ring_fwd = timed(c, it, || {
+            c.sendrecv(&fwd_send, &mut fwd_recv)?;
+            std::mem::swap(&mut fwd_send, &mut fwd_recv);
+            Ok(())
+        })?;
+        drop((fwd_send, fwd_recv));
         let stream = timed(c, it, || match r {
             0 => c.send(1, 1, &send),
             1 => c.recv(0, 1, &mut recv),
@@ -257,6 +271,8 @@ fn measure(c: &Communicator, with_memcpy: bool) -> Result<Vec<Row>, CommError> {
             memcpy2_gibs: memcpy2,
             floor_gibs: f64::NAN,
             ring_floor_gibs: f64::NAN,
+            ring_fwd_gibs: bytes as f64 / ring_fwd / GIB,
+            ring_fwd_floor_gibs: f64::NAN,
         });
     }
     Ok(rows)
@@ -311,10 +327,19 @@ fn handoff_floor(bytes: usize) -> f64 {
 
 /// The ring floor (see the module docs): GiB/s per thread and direction of a blocking ring shift of `bytes`-byte
 /// messages between two threads that share nothing but two flag lines each, both copying with `memcpy` at once.
-/// At least 100 ms of steps.
-fn ring_floor(bytes: usize) -> f64 {
+/// `forward`: each thread sends at step `i + 1` the buffer it received at step `i` (two buffers each, swapped
+/// every step), so what the other copies was just written by this thread's core; else every step sends the same
+/// buffer. At least 100 ms of steps.
+fn ring_floor(bytes: usize, forward: bool) -> f64 {
     use crossbeam::utils::CachePadded;
     use std::sync::atomic::{AtomicUsize, Ordering};
+    /// The threads' buffers: `[thread][k]`, each `bytes` long, page-aligned inside `_storage`.
+    struct Buffers {
+        ptrs: [[*mut u8; 2]; 2],
+        _storage: Vec<Vec<u8>>,
+    }
+    // SAFETY: the step protocol below gives every buffer one writer at a time and no reader while it is written.
+    unsafe impl Sync for Buffers {}
     let it = iters(bytes);
     let flags = || [CachePadded::new(AtomicUsize::new(0)), CachePadded::new(AtomicUsize::new(0))];
     // Per thread: the step whose send buffer is ready, and the step whose message it has copied.
@@ -326,21 +351,25 @@ fn ring_floor(bytes: usize) -> f64 {
             std::hint::spin_loop();
         }
     };
-    let mut bufs: Vec<(Vec<u8>, Vec<u8>)> = (0..2).map(|_| (Vec::new(), Vec::new())).collect();
-    let mut halves: Vec<(&[u8], &mut [u8])> = bufs
-        .iter_mut()
-        .enumerate()
-        .map(|(t, (s, d))| (&*page_aligned(s, bytes, t as u8 + 1), page_aligned(d, bytes, 0)))
-        .collect();
-    let (h1, h0) = (halves.pop(), halves.pop());
-    let (Some((src0, dst0)), Some((src1, dst1))) = (h0, h1) else { return f64::NAN };
-    let srcs = [src0, src1];
-    // One step of thread `t`; returns false once the other thread asked to stop.
-    let step = |t: usize, i: usize, dst: &mut [u8]| {
+    let mut storage: Vec<Vec<u8>> = (0..4).map(|_| Vec::new()).collect();
+    let mut ptrs = [[std::ptr::null_mut(); 2]; 2];
+    for (j, buf) in storage.iter_mut().enumerate() {
+        ptrs[j / 2][j % 2] = page_aligned(buf, bytes, (j / 2) as u8 + 1).as_mut_ptr();
+    }
+    let bufs = Buffers { ptrs, _storage: storage };
+    // Captured whole (a closure would otherwise capture the field `ptrs` alone, which is not `Sync`).
+    let bufs = &bufs;
+    // Which of thread `t`'s buffers it sends at step `i` (it receives into the other).
+    let sent = |i: usize| if forward { i % 2 } else { 0 };
+    let step = |t: usize, i: usize| {
         ready[t].store(i, Ordering::Release);
         spin_until(&ready[1 - t], i);
-        dst.copy_from_slice(std::hint::black_box(srcs[1 - t]));
-        std::hint::black_box(&mut *dst);
+        let (src, dst) = (bufs.ptrs[1 - t][sent(i)], bufs.ptrs[t][1 - sent(i)]);
+        // SAFETY: `src` is the other thread's send buffer of step `i`, which it does not write before we publish
+        // `copied` for this step; `dst` is ours and nobody reads it during this step (the other thread read it,
+        // as our send buffer of step `i - 1`, before it published `copied` for that step, which we waited for).
+        unsafe { std::ptr::copy_nonoverlapping(std::hint::black_box(src as *const u8), dst, bytes) };
+        std::hint::black_box(dst);
         copied[t].store(i, Ordering::Release);
         spin_until(&copied[1 - t], i);
     };
@@ -349,13 +378,13 @@ fn ring_floor(bytes: usize) -> f64 {
             // Follows thread 0 step by step. Thread 0 sets `last` before it publishes that step, and this thread
             // cannot finish the step before thread 0 has copied, so it reads the final value after it.
             for i in 1.. {
-                step(1, i, dst1);
+                step(1, i);
                 if i >= last.load(Ordering::Acquire) {
                     return;
                 }
             }
         });
-        step(0, 1, dst0); // warm-up
+        step(0, 1); // warm-up
         let t0 = Instant::now();
         let mut i = 1;
         loop {
@@ -364,7 +393,7 @@ fn ring_floor(bytes: usize) -> f64 {
             if done {
                 last.store(i, Ordering::Release);
             }
-            step(0, i, dst0);
+            step(0, i);
             if done {
                 break;
             }
@@ -477,6 +506,8 @@ fn medians(rounds: &[Vec<Row>]) -> Vec<Row> {
                 memcpy2_gibs: col(|r| r.memcpy2_gibs),
                 floor_gibs: col(|r| r.floor_gibs),
                 ring_floor_gibs: col(|r| r.ring_floor_gibs),
+                ring_fwd_gibs: col(|r| r.ring_fwd_gibs),
+                ring_fwd_floor_gibs: col(|r| r.ring_fwd_floor_gibs),
             }
         })
         .collect()
@@ -581,7 +612,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let mut round = ThreadWorld::run(2, |c| measure(&c, true))?.swap_remove(0)?;
             for r in &mut round {
                 r.floor_gibs = handoff_floor(r.bytes);
-                r.ring_floor_gibs = ring_floor(r.bytes);
+                r.ring_floor_gibs = ring_floor(r.bytes, false);
+                r.ring_fwd_floor_gibs = ring_floor(r.bytes, true);
             }
             ours.push(round);
         }
@@ -590,16 +622,20 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let (vs_memcpy, vs_floor) = (paired(&ours, &peers, |r| r.send_gibs), paired(&ours, &floors, |r| r.send_gibs));
         let ring_floors: Vec<Vec<f64>> = ours.iter().map(|r| r.iter().map(|x| x.ring_floor_gibs).collect()).collect();
         let ring_vs_floor = paired(&ours, &ring_floors, |r| r.ring_gibs);
+        let fwd_floors: Vec<Vec<f64>> =
+            ours.iter().map(|r| r.iter().map(|x| x.ring_fwd_floor_gibs).collect()).collect();
+        let fwd_vs_floor = paired(&ours, &fwd_floors, |r| r.ring_fwd_gibs);
         println!("threads transport, 2 ranks in one process, median of {n_rounds} round(s)");
         println!(
-            "| size | ring GiB/s | send GiB/s | send xW GiB/s | send W→1 GiB/s | latency µs | all_reduce busbw GiB/s | hidden % | peer: memcpy GiB/s | memcpy x2 GiB/s | hand-off floor GiB/s | ring floor GiB/s | send / peer | send / floor | ring / ring floor |"
+            "| size | ring GiB/s | ring fwd GiB/s | send GiB/s | send xW GiB/s | send W→1 GiB/s | latency µs | all_reduce busbw GiB/s | hidden % | peer: memcpy GiB/s | memcpy x2 GiB/s | hand-off floor GiB/s | ring floor GiB/s | ring fwd floor GiB/s | send / peer | send / floor | ring / ring floor | ring fwd / its floor |"
         );
-        println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+        println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
         for (i, r) in medians(&ours).into_iter().enumerate() {
             println!(
-                "| {} | {:.2} | {:.2} | {:.2} (x{}) | {:.2} | {:.1} | {:.2} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
+                "| {} | {:.2} | {:.2} | {:.2} | {:.2} (x{}) | {:.2} | {:.1} | {:.2} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
                 size_name(r.bytes),
                 r.ring_gibs,
+                r.ring_fwd_gibs,
                 r.send_gibs,
                 r.window_gibs,
                 r.window,
@@ -611,9 +647,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 r.memcpy2_gibs,
                 r.floor_gibs,
                 r.ring_floor_gibs,
+                r.ring_fwd_floor_gibs,
                 vs_memcpy[i],
                 vs_floor[i],
-                ring_vs_floor[i]
+                ring_vs_floor[i],
+                fwd_vs_floor[i]
             );
         }
     }
