@@ -576,16 +576,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 std::env::var("UCX_TLS").unwrap_or_else(|_| "default".into()),
                 if std::env::var("LONGCTX_UCX_PROGRESS").as_deref() == Ok("0") { "off" } else { "on" }
             );
-            println!("| size | ring GiB/s | send GiB/s | send xW GiB/s | send W→1 GiB/s | latency µs | all_reduce busbw GiB/s | hidden % | peer: ucx_perftest -O 1 GiB/s | peer: ucx_perftest -O W GiB/s | peer: plain UCX xW GiB/s | send / perftest -O 1 | send xW / perftest -O W | send xW / plain UCX xW |");
-            println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+            println!("| size | ring GiB/s | ring fwd GiB/s | send GiB/s | send xW GiB/s | send W→1 GiB/s | latency µs | all_reduce busbw GiB/s | hidden % | peer: ucx_perftest -O 1 GiB/s | peer: ucx_perftest -O W GiB/s | peer: plain UCX xW GiB/s | send / perftest -O 1 | send xW / perftest -O W | send xW / plain UCX xW |");
+            println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
             let (p1, pw, pp) = (peer_medians(&peers1), peer_medians(&peers_w), peer_medians(&peers_plain));
             let (r1, rw) = (paired(&ours, &peers1, |r| r.send_gibs), paired(&ours, &peers_w, |r| r.window_gibs));
             let rp = paired(&ours, &peers_plain, |r| r.window_gibs);
             for (i, r) in medians(&ours).into_iter().enumerate() {
                 println!(
-                    "| {} | {:.2} | {:.2} | {:.2} (x{}) | {:.2} | {:.1} | {:.2} | {:.0} | {} | {} | {} | {} | {} | {} |",
+                    "| {} | {:.2} | {:.2} | {:.2} | {:.2} (x{}) | {:.2} | {:.1} | {:.2} | {:.0} | {} | {} | {} | {} | {} | {} |",
                     size_name(r.bytes),
                     r.ring_gibs,
+                    r.ring_fwd_gibs,
                     r.send_gibs,
                     r.window_gibs,
                     r.window,
