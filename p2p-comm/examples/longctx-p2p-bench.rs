@@ -524,6 +524,11 @@ fn paired(rounds: &[Vec<Row>], peers: &[Vec<f64>], f: fn(&Row) -> f64) -> Vec<f6
     (0..rounds[0].len()).map(|i| median(rounds.iter().zip(peers).map(|(r, p)| f(&r[i]) / p[i]).collect())).collect()
 }
 
+/// As [`paired`], for a peer measured in the same round and stored in the row (`peer`).
+fn paired_in_row(rounds: &[Vec<Row>], f: fn(&Row) -> f64, peer: fn(&Row) -> f64) -> Vec<f64> {
+    (0..rounds[0].len()).map(|i| median(rounds.iter().map(|r| f(&r[i]) / peer(&r[i])).collect())).collect()
+}
+
 fn fmt_or_na(x: f64) -> String {
     if x.is_finite() {
         format!("{x:.2}")
@@ -618,14 +623,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             }
             ours.push(round);
         }
-        let peers: Vec<Vec<f64>> = ours.iter().map(|r| r.iter().map(|x| x.memcpy_gibs).collect()).collect();
-        let floors: Vec<Vec<f64>> = ours.iter().map(|r| r.iter().map(|x| x.floor_gibs).collect()).collect();
-        let (vs_memcpy, vs_floor) = (paired(&ours, &peers, |r| r.send_gibs), paired(&ours, &floors, |r| r.send_gibs));
-        let ring_floors: Vec<Vec<f64>> = ours.iter().map(|r| r.iter().map(|x| x.ring_floor_gibs).collect()).collect();
-        let ring_vs_floor = paired(&ours, &ring_floors, |r| r.ring_gibs);
-        let fwd_floors: Vec<Vec<f64>> =
-            ours.iter().map(|r| r.iter().map(|x| x.ring_fwd_floor_gibs).collect()).collect();
-        let fwd_vs_floor = paired(&ours, &fwd_floors, |r| r.ring_fwd_gibs);
+        let vs_memcpy = paired_in_row(&ours, |r| r.send_gibs, |r| r.memcpy_gibs);
+        let vs_floor = paired_in_row(&ours, |r| r.send_gibs, |r| r.floor_gibs);
+        let ring_vs_floor = paired_in_row(&ours, |r| r.ring_gibs, |r| r.ring_floor_gibs);
+        let fwd_vs_floor = paired_in_row(&ours, |r| r.ring_fwd_gibs, |r| r.ring_fwd_floor_gibs);
         println!("threads transport, 2 ranks in one process, median of {n_rounds} round(s)");
         println!(
             "| size | ring GiB/s | ring fwd GiB/s | send GiB/s | send xW GiB/s | send W→1 GiB/s | latency µs | all_reduce busbw GiB/s | hidden % | peer: memcpy GiB/s | memcpy x2 GiB/s | hand-off floor GiB/s | ring floor GiB/s | ring fwd floor GiB/s | send / peer | send / floor | ring / ring floor | ring fwd / its floor |"

@@ -453,15 +453,11 @@ impl SlotRing {
     }
 
     fn free(&mut self) {
+        let cap = self.cap();
         if let Some(b) = self.block.take() {
             // SAFETY: allocated by `grow` with this capacity's layout.
-            unsafe { std::alloc::dealloc(b.as_ptr(), Self::layout(self.cap_of(b))) };
+            unsafe { std::alloc::dealloc(b.as_ptr(), Self::layout(cap)) };
         }
-    }
-
-    fn cap_of(&self, b: std::ptr::NonNull<u8>) -> usize {
-        // SAFETY: as `cap`.
-        unsafe { *(b.as_ptr() as *const usize) }
     }
 
     fn iter(&self) -> impl Iterator<Item = Slot> + '_ {
@@ -697,45 +693,37 @@ impl Endpoint {
         let c = w.completion(me);
         let mbox = if is_send { peer } else { me };
         let mut q = lock(&w.mailboxes[mbox]);
-        // A send matches a receive from us; a receive matches a send from `peer`.
-        let want = Slot::word(!is_send, if is_send { me } else { peer }, key);
+        // The sending rank: a send matches a receive from us, a receive a send from `peer`.
+        let from = if is_send { me } else { peer };
+        let want = Slot::word(!is_send, from, key);
         let matched = q.take(|s| s.word == want);
         match matched {
             Some(other) => {
                 drop(q);
-                let msg_len = if is_send { len } else { other.len };
+                let (mine, theirs) = ((ptr, len, meta, &c), (other.ptr, other.len, other.meta, &other.done));
+                let ((sp, sl, sm, sc), (rp, rl, rm, rc)) = if is_send { (mine, theirs) } else { (theirs, mine) };
                 let eager_below = if exchange { EXCHANGE_DEFER_MIN } else { DEFER_MIN };
-                if msg_len < eager_below {
-                    if is_send {
-                        transfer((ptr, len, meta, &c), (other.ptr, other.len, other.meta, &other.done));
-                    } else {
-                        transfer((other.ptr, other.len, other.meta, &other.done), (ptr, len, meta, &c));
-                    }
+                if sl < eager_below {
+                    transfer((sp, sl, sm, sc), (rp, rl, rm, rc));
+                } else if let Some((so, ro)) = mismatch(sl, sm, rl, rm) {
+                    sc.complete(so);
+                    rc.complete(ro);
                 } else {
-                    let (sp, sl, sm, sc) =
-                        if is_send { (ptr, len, meta, &c) } else { (other.ptr, other.len, other.meta, &other.done) };
-                    let (rp, rl, rm, rc) =
-                        if is_send { (other.ptr, other.len, other.meta, &other.done) } else { (ptr, len, meta, &c) };
-                    if let Some((so, ro)) = mismatch(sl, sm, rl, rm) {
-                        sc.complete(so);
-                        rc.complete(ro);
+                    let generation = rc.park(rl);
+                    let attachment = Attachment { rc: *rc, sp, rp, generation };
+                    let pair = Pair { sp, sc: *sc, rp, len: rl, generation };
+                    if is_send {
+                        // Mark our send attached before publishing the pair: once published the receiver may
+                        // copy and complete us at any time, and that `Done` must not be overwritten. (No
+                        // `set`: nobody waits on our completion yet, so skip the wake-up.)
+                        *lock(&c.state) = State::Attached(attachment);
+                        c.stage.store(MATCHED, Ordering::Release);
+                        other.done.set(State::Matched(pair));
                     } else {
-                        let generation = rc.park(rl);
-                        let attachment = Attachment { rc: *rc, sp, rp, generation };
-                        let pair = Pair { sp, sc: *sc, rp, len: rl, generation };
-                        if is_send {
-                            // Mark our send attached before publishing the pair: once published the receiver may
-                            // copy and complete us at any time, and that `Done` must not be overwritten. (No
-                            // `set`: nobody waits on our completion yet, so skip the wake-up.)
-                            *lock(&c.state) = State::Attached(attachment);
-                            c.stage.store(MATCHED, Ordering::Release);
-                            other.done.set(State::Matched(pair));
-                        } else {
-                            // Park the pair in our receive before telling the sender where it is (same reason).
-                            c.set(State::Matched(pair));
-                            // Wakes a sender blocked on this send: it may copy if we get busy elsewhere first.
-                            other.done.set(State::Attached(attachment));
-                        }
+                        // Park the pair in our receive before telling the sender where it is (same reason).
+                        c.set(State::Matched(pair));
+                        // Wakes a sender blocked on this send: it may copy if we get busy elsewhere first.
+                        other.done.set(State::Attached(attachment));
                     }
                 }
             }
@@ -745,13 +733,7 @@ impl Endpoint {
                     w.recycle(me, c);
                     return Err(CommError::PeerGone { rank: peer });
                 }
-                q.push(Slot {
-                    word: Slot::word(is_send, if is_send { me } else { peer }, key),
-                    meta,
-                    ptr,
-                    len,
-                    done: c,
-                });
+                q.push(Slot { word: Slot::word(is_send, from, key), meta, ptr, len, done: c });
             }
         }
         Ok(ThreadOp {
