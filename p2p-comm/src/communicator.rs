@@ -146,7 +146,7 @@ impl Communicator {
     /// Posts one send or receive of raw bytes. `later`: the caller will not wait at once (a non-blocking call),
     /// so the transport should move the message in the background meanwhile (UCX: its progress thread).
     /// `exchange`: one direction of a ring exchange, whose peer is exchanging with its own neighbours at the same
-    /// moment (threads: such messages are left to their receivers' `wait` from a smaller size).
+    /// moment, in the same order as every rank (threads: paired by number in the pair's exchange channel).
     ///
     /// # Safety
     /// `ptr..ptr+len` must stay valid, and for a receive unaliased, until the returned op finishes; callers
@@ -217,6 +217,19 @@ impl Communicator {
         recv: &'a mut [u8],
         later: bool,
     ) -> Result<Request<'a>, CommError> {
+        if matches!(self.transport, Transport::Threads(_)) {
+            // Threads: the send first. Its offer is what the peer waits for, and a receive whose message is
+            // already there copies it in `post`, which would hold the offer back by a copy and by the wait for the
+            // peer's cache line that the copy's completion writes. The request still finishes the receive first.
+            let s = self.post_send(dst, key, meta, send, later, true)?;
+            return match self.post_recv(src, key, meta, recv, later, true) {
+                Ok(r) => Ok(Request::new(r, Some(s))),
+                Err(e) => {
+                    s.cancel();
+                    Err(e)
+                }
+            };
+        }
         let r = self.post_recv(src, key, meta, recv, later, true)?;
         match self.post_send(dst, key, meta, send, later, true) {
             Ok(s) => Ok(Request::new(r, Some(s))),

@@ -42,6 +42,7 @@ mod collectives;
 mod communicator;
 mod copy;
 mod error;
+mod exchange;
 mod reduce;
 pub mod rendezvous;
 mod request;

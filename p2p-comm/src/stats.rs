@@ -16,7 +16,10 @@ pub struct CommStats {
     pub messages_received: u64,
 }
 
+/// Aligned to two cache lines, so that its `Arc`'s counts and these counters share no line with another rank's:
+/// every message changes them.
 #[derive(Debug, Default)]
+#[repr(align(128))]
 pub(crate) struct StatsCounters {
     bytes_sent: AtomicU64,
     bytes_received: AtomicU64,

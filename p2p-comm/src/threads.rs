@@ -1,5 +1,9 @@
 //! The threads transport: every rank is a thread of one process.
 //!
+//! Ring exchanges (`sendrecv`, `isendrecv` and the collectives' steps) pair their messages by number in a
+//! channel per ordered pair of ranks, with no matching (see [`crate::exchange`]). Every other message is matched
+//! through mailboxes, as follows.
+//!
 //! Matching is rendezvous with a single copy. Each rank `d` owns a mailbox holding the sends addressed to it
 //! that no receive has matched yet and the receives it posted that no send has matched yet. Whoever arrives
 //! second (the sender finding a posted receive, or the receiver finding a posted send) removes the other's slot
@@ -9,8 +13,7 @@
 //!
 //! Who copies depends on the size:
 //! - messages under [`DEFER_MIN`] bytes are copied at once by whoever arrives second, inside `post`: cheapest
-//!   for latency-bound traffic. In a ring exchange messages from [`EXCHANGE_DEFER_MIN`] bytes are handled as
-//!   below, so both ranks copy their incoming message at once;
+//!   for latency-bound traffic;
 //! - larger ones are only *matched* in `post`: the pair (both buffers) is parked in the receive's completion
 //!   and copied in chunks ([`chunk_len`]): the receiver claims them from the front as soon as it waits on (or
 //!   tests) its receive, the sender from the back of the back half as soon as it waits on its send (a message
@@ -21,10 +24,7 @@
 //!   split every message: on the bench machine a 1 MiB stream ran at 56 GiB/s against 25 for one `memcpy`, and
 //!   at 20 when the sender first spun for a while to leave the copy to the receiver. A sender whose receiver
 //!   has not claimed its half after a spin copies it too: the receiver may be busy elsewhere, and a send must
-//!   complete without it. In a ring exchange each rank posts its receive, then its send, then
-//!   waits on the receive first, so each rank copies its incoming message, into the buffer its own core wrote
-//!   last time, and reaches the chunks of its outgoing one only when its own copy is done: it then helps a peer
-//!   that is late (still waking up from a futex sleep, or descheduled on a busy machine).
+//!   complete without it.
 //!
 //! A waiter whose chunks are all claimed spins while the peer copies the last ones instead of sleeping: the
 //! futex sleep and wake-up cost tens of µs and lie on the path of the next message.
@@ -43,6 +43,7 @@ use std::time::{Duration, Instant};
 use crossbeam::utils::CachePadded;
 
 use crate::communicator::INTERNAL;
+use crate::exchange::{CellRef, Channel, ChannelRef, ExchangeOp, Ref};
 use crate::stats::StatsCounters;
 use crate::{CommError, Communicator};
 
@@ -65,16 +66,10 @@ enum Outcome {
 /// peer thread, so eager copying keeps latency low.
 pub(crate) const DEFER_MIN: usize = 64 << 10;
 
-/// In a ring exchange (`sendrecv`, `isendrecv` and the collectives' steps) messages of at least this many bytes
-/// are left to the receiver's `wait`, like messages of [`DEFER_MIN`] and up, whoever arrives second. Both ranks
-/// of an exchange then copy their incoming message at once, each into its own buffer, after both have posted.
-/// Copied inside `post` by whoever arrived second, one rank often copied both directions (one of them before it
-/// had even posted its own send) while the other waited, and the buffer's lines moved between the cores with
-/// the copier. On two ranks: a ring that forwards what it received (ring attention's pattern) went from 2.8 to
-/// 3.7 GiB/s at 16 KiB and from 3.3 to 5.0 at 32 KiB, and an f32 `all_reduce` of 64 KiB (two 32 KiB exchanges)
-/// from 18.6 to 15.5 µs. A ring that sends the same unchanged buffer every time (the bench's `ring` column)
-/// lost 10% at 16 KiB: there the sender's copy read lines already in its own cache.
-pub(crate) const EXCHANGE_DEFER_MIN: usize = 16 << 10;
+/// In a ring exchange, a receive posted after its message arrived copies it inside `post` below this many
+/// bytes (so a small exchange posted with `isendrecv` is done before the rank computes); larger ones, and any
+/// whose message is not there yet, are copied in `wait`.
+pub(crate) const EXCHANGE_EAGER_BELOW: usize = 16 << 10;
 
 /// A matched large message waiting to be copied, parked in the receive's completion: the send's buffer and
 /// completion, and the receive's buffer. Which chunks are claimed and how many bytes are copied live in that
@@ -110,6 +105,10 @@ const COPY_SPIN: Duration = Duration::from_millis(2);
 /// chunk is about 1 µs of copying; 16 KiB ones were no faster and slowed the 64 KiB ring). A multiple of 4 KiB,
 /// so chunks keep the buffers' alignment.
 fn chunk_len(len: usize) -> usize {
+    static XB: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if *XB.get_or_init(|| std::env::var_os("XBIG").is_some()) {
+        return (len + 4095) & !4095;
+    }
     (len / 8).clamp(32 << 10, 4 << 20) & !4095
 }
 
@@ -503,9 +502,21 @@ struct SplitEntry {
 pub(crate) struct World {
     size: usize,
     mailboxes: Box<[CachePadded<Mutex<Mailbox>>]>,
-    alive: Box<[CachePadded<AtomicBool>]>,
+    pub(crate) alive: Box<[CachePadded<AtomicBool>]>,
     pools: Box<[CachePadded<Pool>]>,
+    /// Per rank and kind (receives, sends): the outcome cells of its exchange operations, with the last ticket
+    /// each was used with. Kept apart because a receive's cell is written by its own rank (which copies) and a
+    /// send's by the peer: a cell that went from one kind to the other was a line to fetch back from the peer.
+    cells: Box<[CachePadded<Mutex<CellPool>>]>,
+    /// The exchange channel of each ordered pair (sender, receiver) that has exchanged, created on first use.
+    channels: Mutex<HashMap<(usize, usize), ChannelRef>>,
     splits: Mutex<HashMap<(u64, u32), SplitEntry>>,
+}
+
+#[derive(Default)]
+struct CellPool {
+    free: Vec<(CellRef, u64)>,
+    all: Vec<CellRef>,
 }
 
 impl World {
@@ -515,6 +526,8 @@ impl World {
             mailboxes: (0..size).map(|_| CachePadded::new(Mutex::new(Mailbox::new()))).collect(),
             alive: (0..size).map(|_| CachePadded::new(AtomicBool::new(true))).collect(),
             pools: (0..size).map(|_| CachePadded::new(Mutex::new(PoolEntries::default()))).collect(),
+            cells: (0..2 * size).map(|_| CachePadded::new(Mutex::new(CellPool::default()))).collect(),
+            channels: Mutex::new(HashMap::new()),
             splits: Mutex::new(HashMap::new()),
         })
     }
@@ -538,6 +551,26 @@ impl World {
     fn recycle(&self, rank: usize, c: CompletionRef) {
         lock(&self.pools[rank]).free.push(c);
     }
+
+    /// An outcome cell for one of `rank`'s exchange operations, and the fresh ticket it is used with.
+    pub(crate) fn exchange_cell(&self, rank: usize, is_send: bool) -> (CellRef, u64) {
+        let mut pool = lock(&self.cells[2 * rank + is_send as usize]);
+        if let Some((c, t)) = pool.free.pop() {
+            return (c, t + 1);
+        }
+        let c = Ref::leak(Box::default());
+        pool.all.push(c);
+        (c, 1)
+    }
+
+    pub(crate) fn recycle_exchange_cell(&self, rank: usize, is_send: bool, c: CellRef, ticket: u64) {
+        lock(&self.cells[2 * rank + is_send as usize]).free.push((c, ticket));
+    }
+
+    /// The channel from `src` to `dst`, created on first use.
+    fn channel(&self, src: usize, dst: usize) -> ChannelRef {
+        *lock(&self.channels).entry((src, dst)).or_insert_with(|| Ref::leak(Box::<Channel>::default()))
+    }
 }
 
 impl Drop for World {
@@ -548,6 +581,16 @@ impl Drop for World {
                 // holders are operations (each holds this world), and slots, pairs and attachments inside it.
                 drop(unsafe { Box::from_raw(c.0.as_ptr()) });
             }
+        }
+        for pool in self.cells.iter() {
+            for c in lock(pool).all.drain(..) {
+                // SAFETY: leaked by `exchange_cell`, freed once here; its holders (operations) hold this world.
+                unsafe { c.free() };
+            }
+        }
+        for (_, ch) in lock(&self.channels).drain() {
+            // SAFETY: leaked by `channel`, freed once here; its holders (endpoints, operations) hold this world.
+            unsafe { ch.free() };
         }
     }
 }
@@ -648,9 +691,16 @@ pub(crate) struct Endpoint {
     /// changed on every message, that count's cache line (also holding the world's fields) moved between the
     /// cores twice per message: about a fifth of `post` in a 4 KiB ping-pong.
     ops_world: Arc<RankWorld>,
+    /// The exchange channels this rank used, so that finding one takes no shared lock.
+    channels: Mutex<Vec<((usize, usize), ChannelRef)>>,
 }
 
 /// One rank's own handle on the shared world (see `Endpoint::ops_world`).
+///
+/// Aligned to two cache lines so that its `Arc`'s counts get lines of their own: the ranks' handles are
+/// allocated one after the other, and at 24 bytes two of them shared a line whose counts both ranks changed on
+/// every operation.
+#[repr(align(128))]
 pub(crate) struct RankWorld(Arc<World>);
 
 impl std::ops::Deref for RankWorld {
@@ -662,15 +712,25 @@ impl std::ops::Deref for RankWorld {
 
 impl Endpoint {
     pub(crate) fn new(world: Arc<World>, rank: usize) -> Self {
-        Self { ops_world: Arc::new(RankWorld(world.clone())), world, rank }
+        Self { ops_world: Arc::new(RankWorld(world.clone())), world, rank, channels: Mutex::new(Vec::new()) }
     }
 
     pub(crate) fn size(&self) -> usize {
         self.world.size
     }
 
+    fn channel(&self, src: usize, dst: usize) -> ChannelRef {
+        let mut cache = lock(&self.channels);
+        if let Some(&(_, ch)) = cache.iter().find(|(k, _)| *k == (src, dst)) {
+            return ch;
+        }
+        let ch = self.world.channel(src, dst);
+        cache.push(((src, dst), ch));
+        ch
+    }
+
     /// Posts a send (`is_send`) or a receive of `len` bytes at `ptr`; `exchange`: one direction of a ring
-    /// exchange ([`EXCHANGE_DEFER_MIN`]).
+    /// exchange, which goes through the pair's exchange channel.
     ///
     /// # Safety
     /// `ptr..ptr+len` must stay valid (and, for a receive, unaliased) until the returned op completes, is
@@ -690,6 +750,30 @@ impl Endpoint {
     ) -> Result<ThreadOp, CommError> {
         let w = &self.world;
         let me = self.rank;
+        if exchange {
+            if !w.alive[peer].load(Ordering::SeqCst) {
+                return Err(CommError::PeerGone { rank: peer });
+            }
+            let ch = if is_send { self.channel(me, peer) } else { self.channel(peer, me) };
+            // SAFETY: per our contract.
+            let op = unsafe {
+                ExchangeOp::post(
+                    self.ops_world.clone(),
+                    ch,
+                    is_send,
+                    me,
+                    peer,
+                    key,
+                    meta,
+                    ptr,
+                    len,
+                    EXCHANGE_EAGER_BELOW,
+                    timeout,
+                    stats,
+                )
+            }?;
+            return Ok(ThreadOp::Exchange(op));
+        }
         let c = w.completion(me);
         let mbox = if is_send { peer } else { me };
         let mut q = lock(&w.mailboxes[mbox]);
@@ -702,8 +786,7 @@ impl Endpoint {
                 drop(q);
                 let (mine, theirs) = ((ptr, len, meta, &c), (other.ptr, other.len, other.meta, &other.done));
                 let ((sp, sl, sm, sc), (rp, rl, rm, rc)) = if is_send { (mine, theirs) } else { (theirs, mine) };
-                let eager_below = if exchange { EXCHANGE_DEFER_MIN } else { DEFER_MIN };
-                if sl < eager_below {
+                if sl < DEFER_MIN {
                     transfer((sp, sl, sm, sc), (rp, rl, rm, rc));
                 } else if let Some((so, ro)) = mismatch(sl, sm, rl, rm) {
                     sc.complete(so);
@@ -736,7 +819,7 @@ impl Endpoint {
                 q.push(Slot { word: Slot::word(is_send, from, key), meta, ptr, len, done: c });
             }
         }
-        Ok(ThreadOp {
+        Ok(ThreadOp::Mailbox(MailboxOp {
             world: self.ops_world.clone(),
             me,
             peer,
@@ -747,7 +830,7 @@ impl Endpoint {
             timeout,
             stats: stats.clone(),
             done: Some(c),
-        })
+        }))
     }
 
     /// Collective part of `split` that is specific to threads: finds or creates the sub-world of `color`.
@@ -776,11 +859,46 @@ impl Drop for Endpoint {
                 s.done.complete(Outcome::PeerGone);
             }
         }
+        // Exchanges with us: their waiters look at `alive` when they wake.
+        for (&(src, dst), ch) in lock(&w.channels).iter() {
+            if src == r || dst == r {
+                ch.wake_all();
+            }
+        }
     }
 }
 
-/// An operation posted on the threads transport.
-pub(crate) struct ThreadOp {
+/// An operation posted on the threads transport: a ring exchange's message, or any other.
+pub(crate) enum ThreadOp {
+    Mailbox(MailboxOp),
+    Exchange(ExchangeOp),
+}
+
+impl ThreadOp {
+    pub(crate) fn wait(&mut self) -> Result<(), CommError> {
+        match self {
+            ThreadOp::Mailbox(op) => op.wait(),
+            ThreadOp::Exchange(op) => op.wait(),
+        }
+    }
+
+    pub(crate) fn test(&mut self) -> Result<bool, CommError> {
+        match self {
+            ThreadOp::Mailbox(op) => op.test(),
+            ThreadOp::Exchange(op) => op.test(),
+        }
+    }
+
+    pub(crate) fn cancel(self) {
+        match self {
+            ThreadOp::Mailbox(op) => op.cancel(),
+            ThreadOp::Exchange(op) => op.cancel(),
+        }
+    }
+}
+
+/// An operation matched through the mailboxes.
+pub(crate) struct MailboxOp {
     /// The world through the posting rank's own `Arc` (see `Endpoint::ops_world`).
     world: Arc<RankWorld>,
     me: usize,
@@ -796,7 +914,7 @@ pub(crate) struct ThreadOp {
     done: Option<CompletionRef>,
 }
 
-impl ThreadOp {
+impl MailboxOp {
     fn finish(&mut self, c: CompletionRef, o: Outcome) -> Result<(), CommError> {
         self.world.recycle(self.me, c);
         let (src, dst) = if self.is_send { (self.me, self.peer) } else { (self.peer, self.me) };
@@ -973,7 +1091,7 @@ impl ThreadOp {
     }
 }
 
-impl Drop for ThreadOp {
+impl Drop for MailboxOp {
     fn drop(&mut self) {
         if self.done.is_none() {
             return;

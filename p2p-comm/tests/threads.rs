@@ -358,3 +358,115 @@ fn large_messages_from_three_senders_reuse_completions_safely() {
     });
     suite::all_ok(out);
 }
+
+/// Ring exchanges go through per-pair channels with a fixed number of slots: many more in flight than slots,
+/// small and large, finished in reverse order on some ranks and in order on others, on 2 and 3 ranks.
+#[test]
+fn many_exchanges_in_flight_finish_in_any_order() {
+    for n in [2usize, 3] {
+        let out = ThreadWorld::builder().timeout(Duration::from_secs(20)).run(n, |c| {
+            let (r, n) = (c.rank() as u32, c.world_size() as u32);
+            let prev = (r + n - 1) % n;
+            let lens: Vec<usize> = (0..27).map(|i| if i % 5 == 0 { 70_000 } else { 1 + 97 * i }).collect();
+            let sends: Vec<Vec<u32>> = lens.iter().enumerate().map(|(i, &l)| pattern(r * 100 + i as u32, l)).collect();
+            let mut recvs: Vec<Vec<u32>> = lens.iter().map(|&l| vec![0u32; l]).collect();
+            let mut reqs = Vec::new();
+            for (s, rv) in sends.iter().zip(recvs.iter_mut()) {
+                reqs.push(c.isendrecv(s, rv).map_err(suite::e2s)?);
+            }
+            if r % 2 == 0 {
+                reqs.reverse();
+            }
+            for q in reqs {
+                q.wait().map_err(suite::e2s)?;
+            }
+            for (i, rv) in recvs.iter().enumerate() {
+                if *rv != pattern(prev * 100 + i as u32, lens[i]) {
+                    return Err(format!("exchange {i}: wrong data"));
+                }
+            }
+            // The channels are still in step afterwards.
+            let mut x = [r as f32];
+            c.all_reduce(&mut x, longctx_p2p::ReduceOp::Sum).map_err(suite::e2s)?;
+            if x[0] != (0..n).sum::<u32>() as f32 {
+                return Err("all_reduce after the burst".into());
+            }
+            Ok::<(), String>(())
+        });
+        suite::all_ok(out.expect("no rank panicked"));
+    }
+}
+
+/// A rank that comes to a ring exchange after its peer timed out on it fails at once, and the next exchange of
+/// both works.
+#[test]
+fn a_timed_out_exchange_fails_on_both_sides_and_the_next_one_works() {
+    let timeout = Duration::from_millis(300);
+    let out = ThreadWorld::builder().timeout(timeout).run(2, |c| {
+        let r = c.rank() as u32;
+        let send = pattern(r, 5000);
+        let mut recv = vec![0u32; 5000];
+        if r == 1 {
+            std::thread::sleep(timeout * 3);
+        }
+        let t0 = std::time::Instant::now();
+        match c.sendrecv(&send, &mut recv) {
+            Err(longctx_p2p::CommError::Timeout { peer, .. }) if peer == 1 - r as usize => {}
+            other => return Err(format!("first exchange: {other:?}")),
+        }
+        if r == 1 && t0.elapsed() > timeout / 2 {
+            return Err(format!("the late rank waited {:?} for a withdrawn message", t0.elapsed()));
+        }
+        c.sendrecv(&send, &mut recv).map_err(suite::e2s)?;
+        if recv != pattern(1 - r, 5000) {
+            return Err("wrong data after the timeout".into());
+        }
+        Ok(())
+    });
+    suite::all_ok(out.expect("no rank panicked"));
+}
+
+/// A rank that panics with exchanges in flight that nobody took yet, or leaves, makes its peers' exchanges
+/// with it fail naming it, quickly.
+#[test]
+fn exchanges_with_a_rank_that_panics_or_leaves_fail_naming_it() {
+    for panics in [true, false] {
+        let comms = ThreadWorld::builder().timeout(Duration::from_secs(20)).build(3).expect("world");
+        // Ranks 0 and 1 stay until both are done: a rank that leaves is a gone peer too.
+        let both_done = &std::sync::Barrier::new(2);
+        let out: Vec<Result<(), String>> = std::thread::scope(|s| {
+            let hs: Vec<_> = comms
+                .into_iter()
+                .map(|c| {
+                    s.spawn(move || {
+                        let r = c.rank();
+                        let send = pattern(r as u32, 100_000);
+                        let mut recv = vec![0u32; 100_000];
+                        if r == 2 {
+                            if panics {
+                                let _req = c.isendrecv(&send, &mut recv).map_err(suite::e2s)?;
+                                panic!("rank 2 fails with an exchange in flight");
+                            }
+                            return Ok(());
+                        }
+                        std::thread::sleep(Duration::from_millis(100));
+                        let t0 = std::time::Instant::now();
+                        // Rank 0 receives from rank 2, rank 1 sends to it; their exchange with each other works.
+                        let res = match c.sendrecv(&send, &mut recv) {
+                            Err(longctx_p2p::CommError::PeerGone { rank: 2 })
+                                if t0.elapsed() < Duration::from_secs(5) =>
+                            {
+                                Ok(())
+                            }
+                            other => Err(format!("rank {r}: {other:?} after {:?}", t0.elapsed())),
+                        };
+                        both_done.wait();
+                        res
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("panicked".into()))).collect()
+        });
+        assert!(out[0].is_ok() && out[1].is_ok(), "panics: {panics}: {out:?}");
+    }
+}

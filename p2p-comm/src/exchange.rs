@@ -1,0 +1,655 @@
+//! Exchange channels of the threads transport: how the ring shift and the collectives' steps move.
+//!
+//! In an exchange every rank posts a receive and a send at once and its peers do the same, in the same order
+//! (every rank calls the same collectives and ring shifts in the same order, which the collectives'
+//! descriptors check). So the `k`-th exchange send from rank `s` to rank `d` and the `k`-th exchange receive of
+//! `d` from `s` belong together, and need no matching: each ordered pair `(s, d)` has a [`Channel`] in which the
+//! sender numbers its sends and the receiver its receives, and message `k` lives in slot `k % DEPTH` on both
+//! sides.
+//!
+//! The point is what moves between the cores. The mailbox path of the rest of the transport matches under a
+//! lock that both ranks take, and hands completions over through lines that both write: about ten cache-line
+//! hand-offs per ring step, which at 4-64 KiB took more time than the copy. Here, in the usual order:
+//! - the receiver writes its receive into its own line of the slot (the [`Post`]), which the sender reads only
+//!   if it ever has to copy itself;
+//! - the sender writes its send into its own line (the [`Offer`]);
+//! - the receiver reads the offer (one hand-off), claims the message in its own post line, copies, and writes
+//!   the outcome into the sender's [`Cell`] (one hand-off), which the sender is polling.
+//!
+//! That is the floor of any single-copy hand-off: the bench's ring floor moves two lines per step the same way.
+//!
+//! Whoever copies first claims the message with one compare-and-swap on the post line's `claim` word: the
+//! receiver normally, the sender if its receiver has posted but not come to copy for a while (it is busy
+//! elsewhere, and a send must complete without it), or either side on behalf of an earlier message whose slot
+//! it needs. A side that gives up (timeout, peer gone, unwinding) withdraws with the same compare-and-swap, so
+//! a message is copied or withdrawn, never both: once claimed, neither side touches the other's buffer except
+//! for that one copy, and the copier writes both outcomes. The outcome of an operation goes to a [`Cell`] of
+//! its own, taken from its rank's pool and stamped with a fresh ticket, so it is never overwritten by a later
+//! message in the same slot.
+
+use std::sync::atomic::{AtomicPtr, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use crossbeam::utils::CachePadded;
+
+use crate::stats::StatsCounters;
+use crate::threads::{lock, RankWorld};
+use crate::CommError;
+
+/// Messages in flight per ordered pair before a post has to finish the oldest first (by copying it itself if
+/// the peer has posted its side, else by waiting for the peer).
+pub(crate) const DEPTH: usize = 8;
+
+/// Low two bits of a post's `claim` word: who decided the message's fate. [`GONE`] is or-ed into a withdrawal by
+/// a rank that is going away (unwinding). The stamp of the message is above the three bits ([`CLAIM_SHIFT`]).
+const CLAIMED: u64 = 1;
+const SENDER_CANCELLED: u64 = 2;
+const RECEIVER_CANCELLED: u64 = 3;
+const GONE: u64 = 4;
+const CLAIM_SHIFT: u32 = 3;
+
+/// Low bits of a cell's word: the outcome. The ticket of the operation is above them.
+const OK: u64 = 1;
+const LENGTH: u64 = 2;
+const META: u64 = 3;
+
+/// The sender's line of a slot. `stamp` is the message number plus one (0: none yet), published last.
+#[repr(C, align(64))]
+#[derive(Default)]
+struct Offer {
+    stamp: AtomicU64,
+    key: AtomicU64,
+    meta: AtomicU64,
+    ptr: AtomicPtr<u8>,
+    len: AtomicUsize,
+    cell: AtomicPtr<Cell>,
+    ticket: AtomicU64,
+}
+
+/// The receiver's line of a slot: its posted receive (`stamp` published last) and the claim.
+#[repr(C, align(64))]
+#[derive(Default)]
+struct Post {
+    claim: AtomicU64,
+    stamp: AtomicU64,
+    key: AtomicU64,
+    meta: AtomicU64,
+    ptr: AtomicPtr<u8>,
+    len: AtomicUsize,
+    cell: AtomicPtr<Cell>,
+    ticket: AtomicU64,
+}
+
+/// Per side of a channel, written by that side only: the next message number, and per slot the stamp through
+/// which the side knows the slot's message was decided (so a post checks its slot without reading the peer's
+/// lines).
+#[repr(C, align(64))]
+#[derive(Default)]
+struct Side {
+    next: AtomicU64,
+    decided: [AtomicU64; DEPTH],
+}
+
+/// Where one operation learns its outcome: `word` is the operation's ticket shifted left by 2, or-ed with the
+/// outcome; `detail` is the other side's length (length mismatch) or descriptor (descriptor mismatch).
+#[repr(C, align(64))]
+#[derive(Default)]
+pub(crate) struct Cell {
+    word: AtomicU64,
+    detail: AtomicU64,
+}
+
+/// The channel of one ordered pair of ranks.
+#[derive(Default)]
+pub(crate) struct Channel {
+    send_side: Side,
+    recv_side: Side,
+    offers: [Offer; DEPTH],
+    posts: [Post; DEPTH],
+    /// Threads sleeping on `cv` for something in this channel; writers check it after publishing.
+    sleepers: CachePadded<AtomicU32>,
+    bell: Mutex<()>,
+    cv: Condvar,
+}
+
+/// A channel or a cell, by address: both are allocated by the [`World`](crate::threads::World) and freed with
+/// it, and every holder (an operation, a slot) lives in or holds that world.
+#[derive(Debug)]
+pub(crate) struct Ref<T>(std::ptr::NonNull<T>);
+
+impl<T> Clone for Ref<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for Ref<T> {}
+
+impl<T> Ref<T> {
+    pub(crate) fn leak(b: Box<T>) -> Self {
+        Ref(std::ptr::NonNull::from(Box::leak(b)))
+    }
+
+    /// # Safety
+    /// Once, when nothing refers to it any more (the world is dropped).
+    pub(crate) unsafe fn free(self) {
+        // SAFETY: allocated by `leak`, freed once per the contract.
+        drop(unsafe { Box::from_raw(self.0.as_ptr()) });
+    }
+
+    fn as_ptr(self) -> *mut T {
+        self.0.as_ptr()
+    }
+}
+
+// SAFETY: channels and cells are atomics and locks only (`Sync`); a `Ref` is valid on any thread while its world
+// lives.
+unsafe impl<T: Sync> Send for Ref<T> {}
+// SAFETY: as above.
+unsafe impl<T: Sync> Sync for Ref<T> {}
+
+impl<T> std::ops::Deref for Ref<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        // SAFETY: see the type's docs.
+        unsafe { self.0.as_ref() }
+    }
+}
+
+pub(crate) type ChannelRef = Ref<Channel>;
+pub(crate) type CellRef = Ref<Cell>;
+
+fn decided(claim: u64, stamp: u64) -> bool {
+    claim >> CLAIM_SHIFT >= stamp
+}
+
+/// How a claim went.
+enum Claim {
+    /// We copied (or found the message unacceptable) and wrote both outcomes.
+    Settled,
+    /// The message's fate was decided by someone else: the low bits of its claim word.
+    Lost(u64),
+}
+
+impl Channel {
+    fn ring(&self) {
+        if self.sleepers.load(Ordering::SeqCst) > 0 {
+            let _g = lock(&self.bell);
+            self.cv.notify_all();
+        }
+    }
+
+    /// Sleeps until rung or for at most `max` (also bounds the cost of a ring missed while we got here), unless
+    /// `ready` already holds.
+    fn sleep(&self, max: Duration, ready: impl Fn() -> bool) {
+        let g = lock(&self.bell);
+        self.sleepers.fetch_add(1, Ordering::SeqCst);
+        if !ready() {
+            let _ = self.cv.wait_timeout(g, max);
+        }
+        self.sleepers.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// Wakes every sleeper (a rank went away: they have to look at it).
+    pub(crate) fn wake_all(&self) {
+        let _g = lock(&self.bell);
+        self.cv.notify_all();
+    }
+
+    /// Claims message `stamp` (in `slot`, whose offer and post are both published for it) and copies it, or
+    /// reports who decided it.
+    fn settle(&self, slot: usize, stamp: u64) -> Claim {
+        let (o, p) = (&self.offers[slot], &self.posts[slot]);
+        // Read both sides before claiming: once claimed, the slot may be reused by the next message.
+        let (sk, sm, sp, sl, sc, st) = (
+            o.key.load(Ordering::Relaxed),
+            o.meta.load(Ordering::Relaxed),
+            o.ptr.load(Ordering::Relaxed),
+            o.len.load(Ordering::Relaxed),
+            o.cell.load(Ordering::Relaxed),
+            o.ticket.load(Ordering::Relaxed),
+        );
+        let (rk, rm, rp, rl, rc, rt) = (
+            p.key.load(Ordering::Relaxed),
+            p.meta.load(Ordering::Relaxed),
+            p.ptr.load(Ordering::Relaxed),
+            p.len.load(Ordering::Relaxed),
+            p.cell.load(Ordering::Relaxed),
+            p.ticket.load(Ordering::Relaxed),
+        );
+        let mut cur = p.claim.load(Ordering::Acquire);
+        loop {
+            if decided(cur, stamp) {
+                return Claim::Lost(cur & 7);
+            }
+            match p.claim.compare_exchange_weak(
+                cur,
+                stamp << CLAIM_SHIFT | CLAIMED,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => break,
+                Err(x) => cur = x,
+            }
+        }
+        // Both stamps were read as `stamp` before the claim and neither side reuses its line before the claim is
+        // decided, so the fields read above are this message's.
+        let (code, to_sender, to_receiver) = if sk != rk || sm != rm {
+            (META, rm, sm)
+        } else if sl != rl {
+            (LENGTH, rl as u64, sl as u64)
+        } else {
+            // SAFETY: both operations keep their buffers borrowed until their cells are written below; the claim
+            // makes us the only copier; a send and a receive buffer never overlap.
+            unsafe {
+                if sl >= crate::copy::STREAM_MIN {
+                    crate::copy::copy_stream(sp, rp, sl);
+                } else {
+                    crate::copy::copy(sp, rp, sl);
+                }
+            }
+            (OK, 0, 0)
+        };
+        // SAFETY: cells live as long as the world; each is owned by an operation waiting for exactly this ticket.
+        unsafe {
+            (*sc).detail.store(to_sender, Ordering::Relaxed);
+            (*sc).word.store(st << 2 | code, Ordering::Release);
+            (*rc).detail.store(to_receiver, Ordering::Relaxed);
+            (*rc).word.store(rt << 2 | code, Ordering::Release);
+        }
+        self.ring();
+        Claim::Settled
+    }
+
+    /// Withdraws message `stamp` in `slot` for one side (`who`: [`SENDER_CANCELLED`] or [`RECEIVER_CANCELLED`],
+    /// with [`GONE`] if the rank is going away): `Ok` if withdrawn, else the low bits of the claim that decided it
+    /// first.
+    fn withdraw(&self, slot: usize, stamp: u64, who: u64) -> Result<(), u64> {
+        let p = &self.posts[slot];
+        let mut cur = p.claim.load(Ordering::Acquire);
+        loop {
+            if decided(cur, stamp) {
+                return Err(cur & 7);
+            }
+            match p.claim.compare_exchange_weak(cur, stamp << CLAIM_SHIFT | who, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => {
+                    self.ring();
+                    return Ok(());
+                }
+                Err(x) => cur = x,
+            }
+        }
+    }
+}
+
+/// Polls of a waiting operation before it first reads the clock.
+const FAST_POLLS: u32 = 2000;
+
+/// How long a waiting side spins before it copies a send into its posted receive itself, yields, and then
+/// sleeps (a ring step's copy takes a few µs).
+const PATIENCE: Duration = Duration::from_micros(20);
+
+/// How long a side that knows the peer is copying spins for the result before sleeping: a sleep and wake-up
+/// cost tens of µs on the path of the next message, and a copy of any message this carries in one piece ends in
+/// a few ms.
+const COPY_SPIN: Duration = Duration::from_millis(2);
+
+/// The longest a sleeper sleeps before looking again (a missed ring costs at most this).
+const NAP: Duration = Duration::from_millis(1);
+
+/// One side of one exchange message.
+pub(crate) struct ExchangeOp {
+    world: Arc<RankWorld>,
+    ch: ChannelRef,
+    is_send: bool,
+    me: usize,
+    peer: usize,
+    slot: usize,
+    stamp: u64,
+    key: u64,
+    meta: u64,
+    len: usize,
+    cell: CellRef,
+    ticket: u64,
+    timeout: Duration,
+    stats: Arc<StatsCounters>,
+    finished: bool,
+}
+
+/// What an operation's wait found.
+enum Found {
+    Outcome(u64, u64),
+    Err(CommError),
+}
+
+impl ExchangeOp {
+    /// Posts one side of an exchange message on `ch` (the channel from the sender to the receiver).
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` must stay valid (and, for a receive, unaliased) until the returned op finishes or is
+    /// dropped.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn post(
+        world: Arc<RankWorld>,
+        ch: ChannelRef,
+        is_send: bool,
+        me: usize,
+        peer: usize,
+        key: u64,
+        meta: u64,
+        ptr: *mut u8,
+        len: usize,
+        eager_below: usize,
+        timeout: Duration,
+        stats: &Arc<StatsCounters>,
+    ) -> Result<ExchangeOp, CommError> {
+        let side = if is_send { &ch.send_side } else { &ch.recv_side };
+        let n = side.next.fetch_add(1, Ordering::Relaxed);
+        let slot = (n % DEPTH as u64) as usize;
+        let stamp = n + 1;
+        if stamp > DEPTH as u64 && side.decided[slot].load(Ordering::Relaxed) < stamp - DEPTH as u64 {
+            free_slot(&world, ch, is_send, peer, slot, stamp - DEPTH as u64, timeout)?;
+        }
+        let (cell, ticket) = world.exchange_cell(me, is_send);
+        let op = ExchangeOp {
+            world,
+            ch,
+            is_send,
+            me,
+            peer,
+            slot,
+            stamp,
+            key,
+            meta,
+            len,
+            cell,
+            ticket,
+            timeout,
+            stats: stats.clone(),
+            finished: false,
+        };
+        if is_send {
+            let o = &ch.offers[slot];
+            o.key.store(key, Ordering::Relaxed);
+            o.meta.store(meta, Ordering::Relaxed);
+            o.ptr.store(ptr, Ordering::Relaxed);
+            o.len.store(len, Ordering::Relaxed);
+            o.cell.store(cell.as_ptr(), Ordering::Relaxed);
+            o.ticket.store(ticket, Ordering::Relaxed);
+            o.stamp.store(stamp, Ordering::Release);
+            ch.ring();
+        } else {
+            let p = &ch.posts[slot];
+            p.key.store(key, Ordering::Relaxed);
+            p.meta.store(meta, Ordering::Relaxed);
+            p.ptr.store(ptr, Ordering::Relaxed);
+            p.len.store(len, Ordering::Relaxed);
+            p.cell.store(cell.as_ptr(), Ordering::Relaxed);
+            p.ticket.store(ticket, Ordering::Relaxed);
+            p.stamp.store(stamp, Ordering::Release);
+            ch.ring();
+            // A small message whose send is already here is copied now, while it is cheap and the line is warm.
+            if len < eager_below && ch.offers[slot].stamp.load(Ordering::Acquire) == stamp {
+                let _ = ch.settle(slot, stamp);
+            }
+        }
+        Ok(op)
+    }
+
+    fn outcome(&self) -> Option<(u64, u64)> {
+        let w = self.cell.word.load(Ordering::Acquire);
+        (w >> 2 == self.ticket).then(|| (w & 3, self.cell.detail.load(Ordering::Relaxed)))
+    }
+
+    /// Tries to move the message along from our side: a receive copies a send that has arrived, a send (only if
+    /// `take_over`) copies into a posted receive. Returns what decided the message if someone else did.
+    fn push(&self, take_over: bool) -> Option<u64> {
+        let ch = &self.ch;
+        let ready = if self.is_send {
+            take_over && ch.posts[self.slot].stamp.load(Ordering::Acquire) == self.stamp
+        } else {
+            ch.offers[self.slot].stamp.load(Ordering::Acquire) == self.stamp
+        };
+        if ready {
+            if let Claim::Lost(who) = ch.settle(self.slot, self.stamp) {
+                return Some(who);
+            }
+            return None;
+        }
+        // A claim word already past our message means the peer's side moved on, which it does only after our
+        // message was claimed (our outcome is on its way) or after we finished (see `free_slot`).
+        let c = ch.posts[self.slot].claim.load(Ordering::Acquire);
+        match (c >> CLAIM_SHIFT).cmp(&self.stamp) {
+            std::cmp::Ordering::Less => None,
+            std::cmp::Ordering::Equal => Some(c & 7),
+            std::cmp::Ordering::Greater => Some(CLAIMED),
+        }
+    }
+
+    /// The error for a message the peer withdrew (`how`: the claim's low bits): it timed out or went away.
+    fn withdrawn_by_peer(&self, how: u64) -> CommError {
+        if how & GONE == 0 && self.world.alive[self.peer].load(Ordering::SeqCst) {
+            CommError::Timeout { op: self.op_name(), peer: self.peer, after: self.timeout }
+        } else {
+            CommError::PeerGone { rank: self.peer }
+        }
+    }
+
+    fn op_name(&self) -> &'static str {
+        if self.is_send {
+            "send"
+        } else {
+            "recv"
+        }
+    }
+
+    /// Waits for the outcome, for at most `timeout` (then withdraws if nobody claimed the message yet).
+    fn wait_found(&self, timeout: Option<Duration>) -> Found {
+        // First a tight spin without reading the clock (each read costs as much as a few polls): a receive on its
+        // offer line, copying as soon as the send is there; a send on its own cell only, so that the receiver's
+        // lines stay in the receiver's cache.
+        for _ in 0..FAST_POLLS {
+            if let Some((code, detail)) = self.outcome() {
+                return Found::Outcome(code, detail);
+            }
+            if !self.is_send && self.ch.offers[self.slot].stamp.load(Ordering::Acquire) == self.stamp {
+                break;
+            }
+            std::hint::spin_loop();
+        }
+        let ours = if self.is_send { SENDER_CANCELLED } else { RECEIVER_CANCELLED };
+        let start = Instant::now();
+        let deadline = timeout.and_then(|t| start.checked_add(t));
+        let mut copy_spin_end: Option<Instant> = None;
+        loop {
+            if let Some((code, detail)) = self.outcome() {
+                return Found::Outcome(code, detail);
+            }
+            // A send copies into its posted receive itself once the receiver has had time to come.
+            let now = Instant::now();
+            let take_over = now - start >= PATIENCE;
+            match self.push(take_over) {
+                Some(CLAIMED) => {
+                    // The peer is copying: its outcome comes within a copy's time.
+                    let end = *copy_spin_end.get_or_insert_with(|| now + COPY_SPIN);
+                    if now < end {
+                        for _ in 0..64 {
+                            std::hint::spin_loop();
+                        }
+                    } else {
+                        self.ch.sleep(NAP, || self.outcome().is_some());
+                    }
+                    continue;
+                }
+                // Withdrawn by the peer (after withdrawing ours we return at once).
+                Some(w) if w & 3 != ours => return Found::Err(self.withdrawn_by_peer(w)),
+                Some(_) | None => {}
+            }
+            if self.outcome().is_some() {
+                continue;
+            }
+            if !self.world.alive[self.peer].load(Ordering::SeqCst) {
+                // Whatever the peer published is still borrowed by its operations; look once more, then withdraw.
+                if self.push(true).is_none() && self.outcome().is_none() {
+                    if let Ok(()) = self.ch.withdraw(self.slot, self.stamp, ours) {
+                        return Found::Err(CommError::PeerGone { rank: self.peer });
+                    }
+                }
+                continue;
+            }
+            if deadline.is_some_and(|d| now >= d) {
+                if let Ok(()) = self.ch.withdraw(self.slot, self.stamp, ours) {
+                    return Found::Err(CommError::Timeout { op: self.op_name(), peer: self.peer, after: self.timeout });
+                }
+                continue;
+            }
+            if now - start < PATIENCE {
+                for _ in 0..64 {
+                    std::hint::spin_loop();
+                }
+            } else if now - start < PATIENCE * 4 {
+                std::thread::yield_now();
+            } else {
+                let (slot, stamp, ch, is_send) = (self.slot, self.stamp, self.ch, self.is_send);
+                self.ch.sleep(NAP, move || {
+                    self.outcome().is_some()
+                        || if is_send {
+                            ch.posts[slot].stamp.load(Ordering::Acquire) == stamp
+                        } else {
+                            ch.offers[slot].stamp.load(Ordering::Acquire) == stamp
+                        }
+                });
+            }
+        }
+    }
+
+    fn finish(&mut self, found: Found) -> Result<(), CommError> {
+        self.finished = true;
+        let side = if self.is_send { &self.ch.send_side } else { &self.ch.recv_side };
+        side.decided[self.slot].fetch_max(self.stamp, Ordering::Relaxed);
+        self.world.recycle_exchange_cell(self.me, self.is_send, self.cell, self.ticket);
+        let (src, dst) = if self.is_send { (self.me, self.peer) } else { (self.peer, self.me) };
+        match found {
+            Found::Outcome(OK, _) => {
+                self.stats.record(self.is_send, self.len);
+                Ok(())
+            }
+            Found::Outcome(LENGTH, other) => {
+                let (message_bytes, buffer_bytes) =
+                    if self.is_send { (self.len, other as usize) } else { (other as usize, self.len) };
+                Err(CommError::LengthMismatch { src, dst, tag: self.key, message_bytes, buffer_bytes })
+            }
+            Found::Outcome(_, other) => Err(crate::collectives::mismatch(self.peer, self.meta, other)),
+            Found::Err(e) => Err(e),
+        }
+    }
+
+    /// Waits up to the timeout; on timeout the message is withdrawn (unless a copy is already running).
+    pub(crate) fn wait(&mut self) -> Result<(), CommError> {
+        if self.finished {
+            return Ok(());
+        }
+        let found = self.wait_found(Some(self.timeout));
+        self.finish(found)
+    }
+
+    /// Non-blocking completion check (a receive whose send has arrived copies it).
+    pub(crate) fn test(&mut self) -> Result<bool, CommError> {
+        if self.finished {
+            return Ok(true);
+        }
+        if self.outcome().is_none() {
+            if let Some(w) = self.push(false) {
+                if w != CLAIMED {
+                    let e = self.withdrawn_by_peer(w);
+                    return self.finish(Found::Err(e)).map(|()| true);
+                }
+            }
+        }
+        match self.outcome() {
+            Some((code, detail)) => self.finish(Found::Outcome(code, detail)).map(|()| true),
+            None if !self.world.alive[self.peer].load(Ordering::SeqCst) => self.wait().map(|()| true),
+            None => Ok(false),
+        }
+    }
+
+    /// Withdraws the message if nobody claimed it yet, else waits for the running copy.
+    pub(crate) fn cancel(mut self) {
+        self.withdraw_or_finish();
+    }
+
+    fn withdraw_or_finish(&mut self) {
+        if self.finished {
+            return;
+        }
+        let ours = if self.is_send { SENDER_CANCELLED } else { RECEIVER_CANCELLED };
+        let gone = if std::thread::panicking() { GONE } else { 0 };
+        let found = match self.ch.withdraw(self.slot, self.stamp, ours | gone) {
+            Ok(()) => Found::Err(CommError::Timeout { op: self.op_name(), peer: self.peer, after: Duration::ZERO }),
+            Err(CLAIMED) => self.wait_found(None),
+            Err(w) => Found::Err(self.withdrawn_by_peer(w)),
+        };
+        let _ = self.finish(found);
+    }
+}
+
+impl Drop for ExchangeOp {
+    fn drop(&mut self) {
+        if self.finished {
+            return;
+        }
+        if std::thread::panicking() {
+            // Unwinding: withdraw so the peer learns quickly that this rank is gone.
+            self.withdraw_or_finish();
+        } else {
+            // Keep the buffer borrowed until the op finishes, times out or its peer leaves.
+            let _ = self.wait();
+        }
+    }
+}
+
+/// Makes `slot` of `ch` free for this side's next message: message `old` (the slot's previous one) must be
+/// decided. Copies it ourselves when both sides are posted, else waits for the peer to post its side.
+#[allow(clippy::too_many_arguments)]
+fn free_slot(
+    world: &RankWorld,
+    ch: ChannelRef,
+    is_send: bool,
+    peer: usize,
+    slot: usize,
+    old: u64,
+    timeout: Duration,
+) -> Result<(), CommError> {
+    let start = Instant::now();
+    let deadline = start.checked_add(timeout);
+    let side = if is_send { &ch.send_side } else { &ch.recv_side };
+    let peers_withdrawal = if is_send { RECEIVER_CANCELLED } else { SENDER_CANCELLED };
+    loop {
+        let c = ch.posts[slot].claim.load(Ordering::Acquire);
+        // A message the peer withdrew leaves no outcome in our operation's cell: that operation learns it from
+        // this claim word, so the slot waits until it has (it finishes with an error when waited on).
+        let by_peer = c >> CLAIM_SHIFT == old && c & 3 == peers_withdrawal;
+        if decided(c, old) && (!by_peer || side.decided[slot].load(Ordering::Relaxed) >= old) {
+            return Ok(());
+        }
+        let both =
+            ch.offers[slot].stamp.load(Ordering::Acquire) == old && ch.posts[slot].stamp.load(Ordering::Acquire) == old;
+        if both {
+            let _ = ch.settle(slot, old);
+            continue;
+        }
+        if !world.alive[peer].load(Ordering::SeqCst) {
+            return Err(CommError::PeerGone { rank: peer });
+        }
+        let now = Instant::now();
+        if deadline.is_some_and(|d| now >= d) {
+            let op = if is_send { "send" } else { "recv" };
+            return Err(CommError::Timeout { op, peer, after: timeout });
+        }
+        if now - start < PATIENCE {
+            std::hint::spin_loop();
+        } else {
+            ch.sleep(NAP, || decided(ch.posts[slot].claim.load(Ordering::Acquire), old));
+        }
+    }
+}
