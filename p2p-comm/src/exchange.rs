@@ -525,6 +525,11 @@ impl ExchangeOp {
 
     fn finish(&mut self, found: Found) -> Result<(), CommError> {
         self.finished = true;
+        if self.is_send {
+            // The next send's offer line: fetch it for writing now, while nobody needs it, so that its stores do
+            // not wait on the peer's cache when they are on the path of the next message.
+            prefetch_for_write(&self.ch.offers[(self.slot + 1) % DEPTH]);
+        }
         let side = if self.is_send { &self.ch.send_side } else { &self.ch.recv_side };
         side.decided[self.slot].fetch_max(self.stamp, Ordering::Relaxed);
         self.world.recycle_exchange_cell(self.me, self.is_send, self.cell, self.ticket);
@@ -652,4 +657,16 @@ fn free_slot(
             ch.sleep(NAP, || decided(ch.posts[slot].claim.load(Ordering::Acquire), old));
         }
     }
+}
+
+/// Asks the core to fetch `x`'s cache line in the exclusive state (a hint: nothing happens where unsupported).
+fn prefetch_for_write<T>(x: &T) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: `prefetchw` only hints the cache (it never faults and changes no memory); CPUs without PRFCHW
+    // execute it as a no-op.
+    unsafe {
+        std::arch::asm!("prefetchw [{0}]", in(reg) x as *const T, options(nostack, preserves_flags, readonly));
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = x;
 }
