@@ -26,6 +26,17 @@
 //! for that one copy, and the copier writes both outcomes. The outcome of an operation goes to a [`Cell`] of
 //! its own, taken from its rank's pool and stamped with a fresh ticket, so it is never overwritten by a later
 //! message in the same slot.
+//!
+//! Failures:
+//! - a message whose two sides disagree (ranks calling different collectives, or sizes) fails both at once
+//!   with the collectives' mismatch error or a length mismatch, and the channel stays in step;
+//! - a message withdrawn by one side fails the other side's operation when it looks (at once, or when it is
+//!   posted later). Its slot is reused only after both sides' operations on it finished (see [`free_slot`]), so
+//!   a run of timeouts never leaves an operation waiting for an outcome that cannot come. A post whose slot
+//!   does not free up in time fails without taking a message number, and two ranks that timed out on different
+//!   numbers of exchanges get back in step after the difference has failed on the other side;
+//! - a waiter spins, then yields, then sleeps on the channel's condition variable, and every publication rings
+//!   it (see [`Channel::ring`]); a sleeper also wakes every millisecond to look at its deadline and its peer.
 
 use std::sync::atomic::{AtomicPtr, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -81,14 +92,14 @@ struct Post {
     ticket: AtomicU64,
 }
 
-/// Per side of a channel, written by that side only: the next message number, and per slot the stamp through
-/// which the side knows the slot's message was decided (so a post checks its slot without reading the peer's
-/// lines).
+/// Per side of a channel, written by that side only: the next message number, and per slot the last message
+/// whose operation on this side finished, as `stamp << 1 | withdrawn` (so a post checks its slot without reading
+/// the peer's lines, unless that message was withdrawn).
 #[repr(C, align(64))]
 #[derive(Default)]
 struct Side {
     next: AtomicU64,
-    decided: [AtomicU64; DEPTH],
+    finished: [AtomicU64; DEPTH],
 }
 
 /// Where one operation learns its outcome: `word` is the operation's ticket shifted left by 2, or-ed with the
@@ -352,12 +363,20 @@ impl ExchangeOp {
         stats: &Arc<StatsCounters>,
     ) -> Result<ExchangeOp, CommError> {
         let side = if is_send { &ch.send_side } else { &ch.recv_side };
-        let n = side.next.fetch_add(1, Ordering::Relaxed);
+        // The number is taken only once its slot is free, so a post that fails leaves no message behind.
+        let n = loop {
+            let n = side.next.load(Ordering::Acquire);
+            let (slot, stamp) = ((n % DEPTH as u64) as usize, n + 1);
+            // The slot's previous message: if our operation on it finished with an outcome, the slot is free.
+            if stamp > DEPTH as u64 && side.finished[slot].load(Ordering::Relaxed) != (stamp - DEPTH as u64) << 1 {
+                free_slot(&world, ch, peer, slot, stamp - DEPTH as u64, is_send, timeout)?;
+            }
+            if side.next.compare_exchange(n, n + 1, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
+                break n;
+            }
+        };
         let slot = (n % DEPTH as u64) as usize;
         let stamp = n + 1;
-        if stamp > DEPTH as u64 && side.decided[slot].load(Ordering::Relaxed) < stamp - DEPTH as u64 {
-            free_slot(&world, ch, is_send, peer, slot, stamp - DEPTH as u64, timeout)?;
-        }
         let (cell, ticket) = world.exchange_cell(me, is_send);
         let op = ExchangeOp {
             world,
@@ -539,7 +558,8 @@ impl ExchangeOp {
             prefetch_for_write(&self.ch.offers[(self.slot + 1) % DEPTH]);
         }
         let side = if self.is_send { &self.ch.send_side } else { &self.ch.recv_side };
-        side.decided[self.slot].fetch_max(self.stamp, Ordering::Relaxed);
+        let withdrawn = matches!(found, Found::Err(_));
+        side.finished[self.slot].fetch_max(self.stamp << 1 | withdrawn as u64, Ordering::Relaxed);
         self.world.recycle_exchange_cell(self.me, self.is_send, self.cell, self.ticket);
         let (src, dst) = if self.is_send { (self.me, self.peer) } else { (self.peer, self.me) };
         match found {
@@ -623,26 +643,30 @@ impl Drop for ExchangeOp {
 
 /// Makes `slot` of `ch` free for this side's next message: message `old` (the slot's previous one) must be
 /// decided. Copies it ourselves when both sides are posted, else waits for the peer to post its side.
+///
+/// A withdrawn message leaves no outcome in the cells: each side's operation learns of it from the claim word,
+/// and an operation that finds the claim word past its own message takes that for a copy whose outcome is on its
+/// way. So the slot of a withdrawn message is reused only once both sides' operations on it have finished.
 #[allow(clippy::too_many_arguments)]
 fn free_slot(
     world: &RankWorld,
     ch: ChannelRef,
-    is_send: bool,
     peer: usize,
     slot: usize,
     old: u64,
+    is_send: bool,
     timeout: Duration,
 ) -> Result<(), CommError> {
     let start = Instant::now();
     let deadline = start.checked_add(timeout);
-    let side = if is_send { &ch.send_side } else { &ch.recv_side };
-    let peers_withdrawal = if is_send { RECEIVER_CANCELLED } else { SENDER_CANCELLED };
-    loop {
+    let finished = |side: &Side| side.finished[slot].load(Ordering::Relaxed) >> 1 >= old;
+    let is_free = || {
         let c = ch.posts[slot].claim.load(Ordering::Acquire);
-        // A message the peer withdrew leaves no outcome in our operation's cell: that operation learns it from
-        // this claim word, so the slot waits until it has (it finishes with an error when waited on).
-        let by_peer = c >> CLAIM_SHIFT == old && c & 3 == peers_withdrawal;
-        if decided(c, old) && (!by_peer || side.decided[slot].load(Ordering::Relaxed) >= old) {
+        let claimed = c >> CLAIM_SHIFT > old || c & 3 == CLAIMED;
+        decided(c, old) && (claimed || (finished(&ch.send_side) && finished(&ch.recv_side)))
+    };
+    loop {
+        if is_free() {
             return Ok(());
         }
         let both =
@@ -662,7 +686,7 @@ fn free_slot(
         if now - start < PATIENCE {
             std::hint::spin_loop();
         } else {
-            ch.sleep(NAP, || decided(ch.posts[slot].claim.load(Ordering::Acquire), old));
+            ch.sleep(NAP, is_free);
         }
     }
 }
