@@ -332,6 +332,8 @@ pub(crate) struct ExchangeOp {
     ticket: u64,
     timeout: Duration,
     stats: Arc<StatsCounters>,
+    /// When `test` first found the op unfinished.
+    first_test: Option<Instant>,
     finished: bool,
 }
 
@@ -393,6 +395,7 @@ impl ExchangeOp {
             ticket,
             timeout,
             stats: stats.clone(),
+            first_test: None,
             finished: false,
         };
         if is_send {
@@ -592,7 +595,10 @@ impl ExchangeOp {
             return Ok(true);
         }
         if self.outcome().is_none() {
-            if let Some(w) = self.push(false) {
+            // A send polled for a while copies into its posted receive itself, as a waiting one does: its
+            // receiver may be blocked on something that needs this rank.
+            let first = *self.first_test.get_or_insert_with(Instant::now);
+            if let Some(w) = self.push(self.is_send && first.elapsed() >= PATIENCE) {
                 if w != CLAIMED {
                     let e = self.withdrawn_by_peer(w);
                     return self.finish(Found::Err(e)).map(|()| true);

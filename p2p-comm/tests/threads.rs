@@ -401,16 +401,22 @@ fn many_exchanges_in_flight_finish_in_any_order() {
 /// both works.
 #[test]
 fn a_timed_out_exchange_fails_on_both_sides_and_the_next_one_works() {
-    let timeout = Duration::from_millis(300);
+    let timeout = Duration::from_millis(500);
+    // Rank 1 comes to the first exchange only once rank 0 has timed out on it (both directions).
+    let rank0_failed = &std::sync::Barrier::new(2);
     let out = ThreadWorld::builder().timeout(timeout).run(2, |c| {
         let r = c.rank() as u32;
         let send = pattern(r, 5000);
         let mut recv = vec![0u32; 5000];
         if r == 1 {
-            std::thread::sleep(timeout * 3);
+            rank0_failed.wait();
         }
         let t0 = std::time::Instant::now();
-        match c.sendrecv(&send, &mut recv) {
+        let first = c.sendrecv(&send, &mut recv);
+        if r == 0 {
+            rank0_failed.wait();
+        }
+        match first {
             Err(longctx_p2p::CommError::Timeout { peer, .. }) if peer == 1 - r as usize => {}
             other => return Err(format!("first exchange: {other:?}")),
         }
@@ -519,4 +525,34 @@ fn exchanges_resynchronize_after_a_run_of_timeouts() {
         hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("panicked".into()))).collect()
     });
     suite::all_ok(out);
+}
+
+/// A rank that only polls its exchange with `test` completes it while its peer is blocked on something else
+/// that needs this rank (a message sent only after the exchange).
+#[test]
+fn a_polled_exchange_completes_while_the_peer_waits_elsewhere() {
+    suite::all_ok(two(|c| {
+        let r = c.rank() as u32;
+        let send = pattern(r, 50_000);
+        let mut recv = vec![0u32; 50_000];
+        let mut req = c.isendrecv(&send, &mut recv).map_err(suite::e2s)?;
+        if r == 0 {
+            let t0 = std::time::Instant::now();
+            while !req.test().map_err(suite::e2s)? {
+                if t0.elapsed() > Duration::from_secs(5) {
+                    return Err("polling never completed the exchange".into());
+                }
+                std::hint::spin_loop();
+            }
+            c.send(1, 9, &[1u8]).map_err(suite::e2s)?;
+        } else {
+            let mut b = [0u8];
+            c.recv(0, 9, &mut b).map_err(suite::e2s)?;
+            req.wait().map_err(suite::e2s)?;
+        }
+        if recv != pattern(1 - r, 50_000) {
+            return Err("wrong data".into());
+        }
+        Ok(())
+    }));
 }
