@@ -105,10 +105,6 @@ const COPY_SPIN: Duration = Duration::from_millis(2);
 /// chunk is about 1 µs of copying; 16 KiB ones were no faster and slowed the 64 KiB ring). A multiple of 4 KiB,
 /// so chunks keep the buffers' alignment.
 fn chunk_len(len: usize) -> usize {
-    static XB: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    if *XB.get_or_init(|| std::env::var_os("XBIG").is_some()) {
-        return (len + 4095) & !4095;
-    }
     (len / 8).clamp(32 << 10, 4 << 20) & !4095
 }
 
