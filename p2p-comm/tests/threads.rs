@@ -39,6 +39,53 @@ proptest! {
         suite::all_ok(Threads::run(n, Duration::from_secs(30), "prop", &|c| suite::collectives(c, seed, len)));
     }
 
+    /// Ring exchanges with random sizes, any number in flight (up to three channels' worth), each rank finishing
+    /// them in its own random order, some by polling: every message lands where it belongs.
+    #[test]
+    fn exchanges_in_flight_in_any_order(
+        n in 1usize..=4,
+        lens in proptest::collection::vec(0usize..40_000, 1..26),
+        seed in any::<u64>(),
+    ) {
+        let out = ThreadWorld::builder().timeout(Duration::from_secs(30)).run(n, |c| {
+            let (r, n) = (c.rank() as u32, c.world_size() as u32);
+            let prev = (r + n - 1) % n;
+            let tag = |rank: u32, i: usize| rank.wrapping_mul(7919) ^ (i as u32).wrapping_mul(104_729) ^ seed as u32;
+            let sends: Vec<Vec<u32>> = lens.iter().enumerate().map(|(i, &l)| pattern(tag(r, i), l)).collect();
+            let mut recvs: Vec<Vec<u32>> = lens.iter().map(|&l| vec![0u32; l]).collect();
+            let mut reqs: Vec<Option<longctx_p2p::Request<'_>>> = Vec::new();
+            for (s, rv) in sends.iter().zip(recvs.iter_mut()) {
+                reqs.push(Some(c.isendrecv(s, rv).map_err(suite::e2s)?));
+            }
+            // This rank's order: a permutation drawn from the seed and the rank.
+            let mut order: Vec<usize> = (0..reqs.len()).collect();
+            let mut x = seed ^ (r as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            for i in (1..order.len()).rev() {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                order.swap(i, (x % (i as u64 + 1)) as usize);
+            }
+            for (k, &i) in order.iter().enumerate() {
+                let mut q = reqs[i].take().expect("each request once");
+                if k % 3 == 0 {
+                    while !q.test().map_err(suite::e2s)? {
+                        std::hint::spin_loop();
+                    }
+                } else {
+                    q.wait().map_err(suite::e2s)?;
+                }
+            }
+            for (i, rv) in recvs.iter().enumerate() {
+                if *rv != pattern(tag(prev, i), lens[i]) {
+                    return Err(format!("exchange {i} of {}: wrong data", lens.len()));
+                }
+            }
+            Ok::<(), String>(())
+        });
+        suite::all_ok(out.expect("no rank panicked"));
+    }
+
     #[test]
     fn send_recv_any_sizes(n in 1usize..=4, sizes in proptest::collection::vec(0usize..200_000, 1..6), seed in any::<u64>()) {
         suite::all_ok(Threads::run(n, Duration::from_secs(30), "prop", &|c| suite::send_recv_sizes(c, seed, &sizes)));
