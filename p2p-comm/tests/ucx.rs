@@ -15,6 +15,35 @@ use suite::World;
 
 struct Ucx;
 
+/// Counts this thread's allocations through Rust's allocator (UCX's own `malloc`s are not seen), for the
+/// steady-state test below.
+struct Counting;
+
+thread_local! {
+    static ALLOCS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+// SAFETY: forwards to the system allocator; the counter is a thread-local cell.
+unsafe impl std::alloc::GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: std::alloc::Layout) -> *mut u8 {
+        ALLOCS.with(|a| a.set(a.get() + 1));
+        // SAFETY: per the caller's contract.
+        unsafe { std::alloc::System.alloc(l) }
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: std::alloc::Layout) {
+        // SAFETY: per the caller's contract.
+        unsafe { std::alloc::System.dealloc(p, l) }
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: std::alloc::Layout, n: usize) -> *mut u8 {
+        ALLOCS.with(|a| a.set(a.get() + 1));
+        // SAFETY: per the caller's contract.
+        unsafe { std::alloc::System.realloc(p, l, n) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
 const CHILD: &str = "LONGCTX_P2P_CHILD";
 const RESULT: &str = "LONGCTX_RESULT";
 
@@ -187,4 +216,32 @@ fn nonblocking_send_moves_while_the_sender_computes() {
     let off = [("UCX_TLS", "tcp,self"), ("LONGCTX_UCX_PROGRESS", "0")];
     let out = run_with_env(2, Duration::from_secs(30), name, &off, &body);
     assert!(matches!(&out[1], Err(e) if e.contains("timed out")), "without the progress thread: {out:?}");
+}
+
+/// A ring exchange and an all-reduce of a fixed size allocate nothing on the rank's thread after their first
+/// calls (this crate's side; UCX's own memory pools are not counted).
+#[test]
+fn steady_state_ring_exchange_and_all_reduce_do_not_allocate() {
+    let name = "steady_state_ring_exchange_and_all_reduce_do_not_allocate";
+    suite::all_ok(Ucx::run(3, Duration::from_secs(30), name, &|c| {
+        let send = vec![c.rank() as f32; 1 << 16];
+        let mut recv = vec![0.0f32; 1 << 16];
+        let mut acc = vec![1.0f32; 1 << 15];
+        for _ in 0..3 {
+            c.sendrecv(&send, &mut recv).map_err(suite::e2s)?;
+            c.isendrecv(&send, &mut recv).map_err(suite::e2s)?.wait().map_err(suite::e2s)?;
+            c.all_reduce(&mut acc, longctx_p2p::ReduceOp::Sum).map_err(suite::e2s)?;
+        }
+        c.barrier().map_err(suite::e2s)?;
+        let before = ALLOCS.with(|a| a.get());
+        for _ in 0..20 {
+            c.sendrecv(&send, &mut recv).map_err(suite::e2s)?;
+            c.isendrecv(&send, &mut recv).map_err(suite::e2s)?.wait().map_err(suite::e2s)?;
+            c.all_reduce(&mut acc, longctx_p2p::ReduceOp::Max).map_err(suite::e2s)?;
+        }
+        match ALLOCS.with(|a| a.get()) - before {
+            0 => Ok(()),
+            k => Err(format!("{k} allocations in 20 steady-state rounds")),
+        }
+    }));
 }

@@ -99,6 +99,22 @@ pub(crate) struct Shared {
     progress: Option<Progress>,
     /// The worker's event fd, when waits sleep on it.
     efd: Option<i32>,
+    /// Receive-info boxes of finished receives, reused so that posting a receive does not allocate. A box must
+    /// not move while UCX may write it (the receive's callback fills it), hence boxes, not values in the op.
+    infos: Mutex<Vec<Box<sys::ucp_tag_recv_info_t>>>,
+}
+
+impl Shared {
+    fn take_info(&self) -> Box<sys::ucp_tag_recv_info_t> {
+        let mut b =
+            lock(&self.infos).pop().unwrap_or_else(|| Box::new(sys::ucp_tag_recv_info_t { sender_tag: 0, length: 0 }));
+        *b = sys::ucp_tag_recv_info_t { sender_tag: 0, length: 0 };
+        b
+    }
+
+    fn return_info(&self, b: Box<sys::ucp_tag_recv_info_t>) {
+        lock(&self.infos).push(b);
+    }
 }
 
 /// What the progress thread and the operations share.
@@ -272,7 +288,15 @@ pub(crate) fn from_env(timeout: Duration) -> Result<crate::Communicator, CommErr
         Ok("0") => None,
         _ => Some(Progress::start(inner.clone())?),
     };
-    let shared = Arc::new(Shared { inner, store, _host: host, next_ctx: AtomicU64::new(1), progress, efd });
+    let shared = Arc::new(Shared {
+        inner,
+        store,
+        _host: host,
+        next_ctx: AtomicU64::new(1),
+        progress,
+        efd,
+        infos: Mutex::new(Vec::new()),
+    });
     let members: Arc<[usize]> = (0..b.world_size).collect();
     let ep = UcxEndpoint { shared, ctx: 0, members, rank: b.rank };
     let comm = crate::Communicator::from_ucx(ep, timeout);
@@ -351,42 +375,57 @@ impl UcxEndpoint {
         stats: &Arc<StatsCounters>,
     ) -> Result<UcxOp, CommError> {
         let world_peer = self.members[peer];
-        let mut info = Box::new(sys::ucp_tag_recv_info_t { sender_tag: 0, length: 0 });
+        let mut info = (!is_send).then(|| self.shared.take_info());
         let inner = lock(&self.shared.inner);
         let ep = match (&inner.eps[world_peer], inner.broken[world_peer]) {
             (Some(ep), false) => ep,
-            _ => return Err(CommError::PeerGone { rank: peer }),
+            _ => {
+                drop(inner);
+                if let Some(b) = info {
+                    self.shared.return_info(b);
+                }
+                return Err(CommError::PeerGone { rank: peer });
+            }
         };
         let tag = self.tag(if is_send { self.rank } else { peer }, key, meta);
-        let started = if is_send {
+        let started = match info.as_deref_mut() {
             // SAFETY: the caller keeps the buffer alive until the op finishes.
-            unsafe { inner.worker.tag_send(ep, ptr, len, tag) }
-        } else {
-            let mask = if is_internal(key) { !DIGEST_FIELD } else { u64::MAX };
-            // SAFETY: as above; `info` is boxed and owned by the op.
-            unsafe { inner.worker.tag_recv(ptr, len, tag, mask, &mut *info) }
+            None => unsafe { inner.worker.tag_send(ep, ptr, len, tag) },
+            Some(info) => {
+                let mask = if is_internal(key) { !DIGEST_FIELD } else { u64::MAX };
+                // SAFETY: as above; `info` is boxed and owned by the op (or leaked with an abandoned request).
+                unsafe { inner.worker.tag_recv(ptr, len, tag, mask, info) }
+            }
         };
         drop(inner);
         let started = match started {
             Ok(s) => s,
-            Err(e) if e.0 == sys::ucs_status_t::UCS_ERR_MESSAGE_TRUNCATED => {
-                if let Some(e) = foreign_call(peer, key, meta, info.sender_tag) {
+            Err(e) => {
+                // Failed at once: UCX holds no request, so the box is free again.
+                let (sender_tag, length) = info.as_deref().map_or((0, 0), |i| (i.sender_tag, i.length));
+                if let Some(b) = info {
+                    self.shared.return_info(b);
+                }
+                if e.0 != sys::ucs_status_t::UCS_ERR_MESSAGE_TRUNCATED {
+                    return Err(e.into());
+                }
+                if let Some(e) = foreign_call(peer, key, meta, sender_tag) {
                     return Err(e);
                 }
                 return Err(CommError::LengthMismatch {
                     src: peer,
                     dst: self.rank,
                     tag: key,
-                    message_bytes: info.length,
+                    message_bytes: length,
                     buffer_bytes: len,
                 });
             }
-            Err(e) => return Err(e.into()),
         };
         let mut op = UcxOp {
             shared: self.shared.clone(),
             req: std::ptr::null_mut(),
             info,
+            abandoned: false,
             is_send,
             peer,
             world_peer,
@@ -421,7 +460,10 @@ pub(crate) struct UcxOp {
     shared: Arc<Shared>,
     /// The UCX request while in flight, null once finished.
     req: *mut c_void,
-    info: Box<sys::ucp_tag_recv_info_t>,
+    /// A receive's info, filled by UCX on completion (`None` for a send).
+    info: Option<Box<sys::ucp_tag_recv_info_t>>,
+    /// Whether the request was handed back to UCX unfinished: it may still write `info`, which is then leaked.
+    abandoned: bool,
     is_send: bool,
     peer: usize,
     world_peer: usize,
@@ -455,18 +497,19 @@ impl UcxOp {
         };
         let arrived =
             matches!(&r, Ok(())) || matches!(&r, Err(e) if e.0 == sys::ucs_status_t::UCS_ERR_MESSAGE_TRUNCATED);
+        let (sender_tag, length) = self.info.as_deref().map_or((0, self.len), |i| (i.sender_tag, i.length));
         if let (false, true, Some(e)) =
-            (self.is_send, arrived, foreign_call(self.peer, self.key, self.meta, self.info.sender_tag))
+            (self.is_send, arrived, foreign_call(self.peer, self.key, self.meta, sender_tag))
         {
             return Err(e);
         }
         match r {
-            Ok(()) if !self.is_send && self.info.length != self.len => Err(mismatch(self.info.length)),
+            Ok(()) if length != self.len => Err(mismatch(length)),
             Ok(()) => {
                 self.stats.record(self.is_send, self.len);
                 Ok(())
             }
-            Err(e) if e.0 == sys::ucs_status_t::UCS_ERR_MESSAGE_TRUNCATED => Err(mismatch(self.info.length)),
+            Err(e) if e.0 == sys::ucs_status_t::UCS_ERR_MESSAGE_TRUNCATED => Err(mismatch(length)),
             Err(e) => {
                 if self.shared.gone(self.world_peer) {
                     Err(CommError::PeerGone { rank: self.peer })
@@ -541,6 +584,7 @@ impl UcxOp {
                 unsafe { inner.worker.free(self.req) };
                 drop(inner);
                 self.released();
+                self.abandoned = true;
                 break;
             }
             std::thread::yield_now();
@@ -666,13 +710,20 @@ impl UcxOp {
 
 impl Drop for UcxOp {
     fn drop(&mut self) {
-        if self.req.is_null() {
-            return;
+        if !self.req.is_null() {
+            if std::thread::panicking() {
+                self.abort();
+            } else {
+                let _ = self.wait();
+            }
         }
-        if std::thread::panicking() {
-            self.abort();
-        } else {
-            let _ = self.wait();
+        if let Some(b) = self.info.take() {
+            if self.abandoned {
+                // UCX may still complete the request and write the info.
+                Box::leak(b);
+            } else {
+                self.shared.return_info(b);
+            }
         }
     }
 }
