@@ -101,6 +101,7 @@ pub(crate) struct Shared {
     efd: Option<i32>,
     /// Receive-info boxes of finished receives, reused so that posting a receive does not allocate. A box must
     /// not move while UCX may write it (the receive's callback fills it), hence boxes, not values in the op.
+    #[allow(clippy::vec_box)] // each box's address is handed to UCX, so it must not move with the vector
     infos: Mutex<Vec<Box<sys::ucp_tag_recv_info_t>>>,
 }
 
