@@ -68,11 +68,22 @@ const OK: u64 = 1;
 const LENGTH: u64 = 2;
 const META: u64 = 3;
 
-/// The sender's line of a slot. `stamp` is the message number plus one (0: none yet), published last.
-#[repr(C, align(64))]
+/// One side of a message as that side describes it: its key and descriptor, its buffer, and the cell (with the
+/// ticket) where its outcome goes.
+#[derive(Clone, Copy)]
+struct Desc {
+    key: u64,
+    meta: u64,
+    ptr: *mut u8,
+    len: usize,
+    cell: *mut Cell,
+    ticket: u64,
+}
+
+/// A [`Desc`] in atomics: written by its side before it publishes the slot's stamp, read by the other side
+/// after it has seen that stamp.
 #[derive(Default)]
-struct Offer {
-    stamp: AtomicU64,
+struct SharedDesc {
     key: AtomicU64,
     meta: AtomicU64,
     ptr: AtomicPtr<u8>,
@@ -81,19 +92,46 @@ struct Offer {
     ticket: AtomicU64,
 }
 
+impl SharedDesc {
+    fn store(&self, d: Desc) {
+        self.key.store(d.key, Ordering::Relaxed);
+        self.meta.store(d.meta, Ordering::Relaxed);
+        self.ptr.store(d.ptr, Ordering::Relaxed);
+        self.len.store(d.len, Ordering::Relaxed);
+        self.cell.store(d.cell, Ordering::Relaxed);
+        self.ticket.store(d.ticket, Ordering::Relaxed);
+    }
+
+    fn load(&self) -> Desc {
+        Desc {
+            key: self.key.load(Ordering::Relaxed),
+            meta: self.meta.load(Ordering::Relaxed),
+            ptr: self.ptr.load(Ordering::Relaxed),
+            len: self.len.load(Ordering::Relaxed),
+            cell: self.cell.load(Ordering::Relaxed),
+            ticket: self.ticket.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// The sender's line of a slot. `stamp` is the message number plus one (0: none yet), published last.
+#[repr(C, align(64))]
+#[derive(Default)]
+struct Offer {
+    stamp: AtomicU64,
+    desc: SharedDesc,
+}
+
 /// The receiver's line of a slot: its posted receive (`stamp` published last) and the claim.
 #[repr(C, align(64))]
 #[derive(Default)]
 struct Post {
     claim: AtomicU64,
     stamp: AtomicU64,
-    key: AtomicU64,
-    meta: AtomicU64,
-    ptr: AtomicPtr<u8>,
-    len: AtomicUsize,
-    cell: AtomicPtr<Cell>,
-    ticket: AtomicU64,
+    desc: SharedDesc,
 }
+
+const _: () = assert!(std::mem::size_of::<Offer>() == 64 && std::mem::size_of::<Post>() == 64);
 
 /// Per side of a channel, written by that side only: the next message number, and per slot the last message
 /// whose operation on this side finished, as `stamp << 1 | withdrawn` (so a post checks its slot without reading
@@ -221,24 +259,9 @@ impl Channel {
     /// Claims message `stamp` (in `slot`, whose offer and post are both published for it) and copies it, or
     /// reports who decided it.
     fn settle(&self, slot: usize, stamp: u64) -> Claim {
-        let (o, p) = (&self.offers[slot], &self.posts[slot]);
+        let p = &self.posts[slot];
         // Read both sides before claiming: once claimed, the slot may be reused by the next message.
-        let (sk, sm, sp, sl, sc, st) = (
-            o.key.load(Ordering::Relaxed),
-            o.meta.load(Ordering::Relaxed),
-            o.ptr.load(Ordering::Relaxed),
-            o.len.load(Ordering::Relaxed),
-            o.cell.load(Ordering::Relaxed),
-            o.ticket.load(Ordering::Relaxed),
-        );
-        let (rk, rm, rp, rl, rc, rt) = (
-            p.key.load(Ordering::Relaxed),
-            p.meta.load(Ordering::Relaxed),
-            p.ptr.load(Ordering::Relaxed),
-            p.len.load(Ordering::Relaxed),
-            p.cell.load(Ordering::Relaxed),
-            p.ticket.load(Ordering::Relaxed),
-        );
+        let (s, r) = (self.offers[slot].desc.load(), p.desc.load());
         let mut cur = p.claim.load(Ordering::Acquire);
         loop {
             if decided(cur, stamp) {
@@ -256,28 +279,28 @@ impl Channel {
         }
         // Both stamps were read as `stamp` before the claim and neither side reuses its line before the claim is
         // decided, so the fields read above are this message's.
-        let (code, to_sender, to_receiver) = if sk != rk || sm != rm {
-            (META, rm, sm)
-        } else if sl != rl {
-            (LENGTH, rl as u64, sl as u64)
+        let (code, to_sender, to_receiver) = if s.key != r.key || s.meta != r.meta {
+            (META, r.meta, s.meta)
+        } else if s.len != r.len {
+            (LENGTH, r.len as u64, s.len as u64)
         } else {
             // SAFETY: both operations keep their buffers borrowed until their cells are written below; the claim
             // makes us the only copier; a send and a receive buffer never overlap.
             unsafe {
-                if sl >= crate::copy::STREAM_MIN {
-                    crate::copy::copy_stream(sp, rp, sl);
+                if s.len >= crate::copy::STREAM_MIN {
+                    crate::copy::copy_stream(s.ptr, r.ptr, s.len);
                 } else {
-                    crate::copy::copy(sp, rp, sl);
+                    crate::copy::copy(s.ptr, r.ptr, s.len);
                 }
             }
             (OK, 0, 0)
         };
         // SAFETY: cells live as long as the world; each is owned by an operation waiting for exactly this ticket.
         unsafe {
-            (*sc).detail.store(to_sender, Ordering::Relaxed);
-            (*sc).word.swap(st << 2 | code, Ordering::SeqCst);
-            (*rc).detail.store(to_receiver, Ordering::Relaxed);
-            (*rc).word.swap(rt << 2 | code, Ordering::SeqCst);
+            (*s.cell).detail.store(to_sender, Ordering::Relaxed);
+            (*s.cell).word.swap(s.ticket << 2 | code, Ordering::SeqCst);
+            (*r.cell).detail.store(to_receiver, Ordering::Relaxed);
+            (*r.cell).word.swap(r.ticket << 2 | code, Ordering::SeqCst);
         }
         self.ring();
         Claim::Settled
@@ -401,24 +424,15 @@ impl ExchangeOp {
             first_test: None,
             finished: false,
         };
+        let desc = Desc { key, meta, ptr, len, cell: cell.as_ptr(), ticket };
         if is_send {
             let o = &ch.offers[slot];
-            o.key.store(key, Ordering::Relaxed);
-            o.meta.store(meta, Ordering::Relaxed);
-            o.ptr.store(ptr, Ordering::Relaxed);
-            o.len.store(len, Ordering::Relaxed);
-            o.cell.store(cell.as_ptr(), Ordering::Relaxed);
-            o.ticket.store(ticket, Ordering::Relaxed);
+            o.desc.store(desc);
             o.stamp.swap(stamp, Ordering::SeqCst);
             ch.ring();
         } else {
             let p = &ch.posts[slot];
-            p.key.store(key, Ordering::Relaxed);
-            p.meta.store(meta, Ordering::Relaxed);
-            p.ptr.store(ptr, Ordering::Relaxed);
-            p.len.store(len, Ordering::Relaxed);
-            p.cell.store(cell.as_ptr(), Ordering::Relaxed);
-            p.ticket.store(ticket, Ordering::Relaxed);
+            p.desc.store(desc);
             p.stamp.swap(stamp, Ordering::SeqCst);
             ch.ring();
             // A small message whose send is already here is copied now, while it is cheap and the line is warm.
