@@ -22,8 +22,8 @@
 //!   thread, then `wait`: the share of the shift's time that no longer shows in the wait. This is what ring
 //!   attention gets from posting the next block early. Threads: ~0 by design (the copy is the transfer, done by
 //!   the waiting rank, and a spare core would be needed to hide it), except that a message under 16 KiB that is
-//!   already there when its receive is posted is copied inside `isendrecv`; UCX: the process's progress thread moves
-//!   the message during the compute (`LONGCTX_UCX_PROGRESS=0` turns it off, for comparison);
+//!   already there when its receive is posted is copied inside `isendrecv`; UCX: the process's progress thread
+//!   moves the message during the compute (`LONGCTX_UCX_PROGRESS=0` turns it off, for comparison);
 //! - peer: `memcpy` of the same size on one thread in the same run (threads); for UCX, when it is installed,
 //!   `ucx_perftest -t tag_bw` between two processes, twice: with `-O 1` (one send and one receive in flight at a
 //!   time, as our `send`) and with `-O W` (W of each, as our `send xW`); and `bench/ucx_tag_stream.c`, a plain

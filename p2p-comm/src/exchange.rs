@@ -48,7 +48,7 @@ use std::time::{Duration, Instant};
 use crossbeam::utils::CachePadded;
 
 use crate::stats::StatsCounters;
-use crate::threads::{lock, RankWorld};
+use crate::threads::{lock, RankWorld, Ref};
 use crate::CommError;
 
 /// Messages in flight per ordered pair before a post has to finish the oldest first (by copying it itself if
@@ -163,49 +163,6 @@ pub(crate) struct Channel {
     sleepers: CachePadded<AtomicU32>,
     bell: Mutex<()>,
     cv: Condvar,
-}
-
-/// A channel or a cell, by address: both are allocated by the [`World`](crate::threads::World) and freed with
-/// it, and every holder (an operation, a slot) lives in or holds that world.
-#[derive(Debug)]
-pub(crate) struct Ref<T>(std::ptr::NonNull<T>);
-
-impl<T> Clone for Ref<T> {
-    fn clone(&self) -> Self {
-        *self
-    }
-}
-impl<T> Copy for Ref<T> {}
-
-impl<T> Ref<T> {
-    pub(crate) fn leak(b: Box<T>) -> Self {
-        Ref(std::ptr::NonNull::from(Box::leak(b)))
-    }
-
-    /// # Safety
-    /// Once, when nothing refers to it any more (the world is dropped).
-    pub(crate) unsafe fn free(self) {
-        // SAFETY: allocated by `leak`, freed once per the contract.
-        drop(unsafe { Box::from_raw(self.0.as_ptr()) });
-    }
-
-    fn as_ptr(self) -> *mut T {
-        self.0.as_ptr()
-    }
-}
-
-// SAFETY: channels and cells are atomics and locks only (`Sync`); a `Ref` is valid on any thread while its world
-// lives.
-unsafe impl<T: Sync> Send for Ref<T> {}
-// SAFETY: as above.
-unsafe impl<T: Sync> Sync for Ref<T> {}
-
-impl<T> std::ops::Deref for Ref<T> {
-    type Target = T;
-    fn deref(&self) -> &T {
-        // SAFETY: see the type's docs.
-        unsafe { self.0.as_ref() }
-    }
 }
 
 pub(crate) type ChannelRef = Ref<Channel>;
@@ -670,7 +627,6 @@ impl Drop for ExchangeOp {
 /// A withdrawn message leaves no outcome in the cells: each side's operation learns of it from the claim word,
 /// and an operation that finds the claim word past its own message takes that for a copy whose outcome is on its
 /// way. So the slot of a withdrawn message is reused only once both sides' operations on it have finished.
-#[allow(clippy::too_many_arguments)]
 fn free_slot(
     world: &RankWorld,
     ch: ChannelRef,

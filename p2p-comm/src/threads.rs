@@ -43,7 +43,7 @@ use std::time::{Duration, Instant};
 use crossbeam::utils::CachePadded;
 
 use crate::communicator::INTERNAL;
-use crate::exchange::{CellRef, Channel, ChannelRef, ExchangeOp, Ref};
+use crate::exchange::{Cell, CellRef, Channel, ChannelRef, ExchangeOp};
 use crate::stats::StatsCounters;
 use crate::{CommError, Communicator};
 
@@ -288,36 +288,110 @@ impl Slot {
 // cannot complete, and so cannot release the borrow, before `done` is completed).
 unsafe impl Send for Slot {}
 
-/// A completion, by address. Completions are allocated by a rank's [`Pool`] and freed only when their [`World`]
-/// is dropped, so every `CompletionRef` held by something the world outlives (an operation, which holds the
-/// world; a slot in its mailboxes; a pair or attachment in its completions) points to a live completion.
+/// An object of a [`World`] by address: a completion, an exchange channel or an outcome cell. They are
+/// allocated by the world (its [`Recycler`]s and channel map) and freed only when it is dropped, so every `Ref`
+/// held by something the world outlives (an operation, which holds the world; a slot in its mailboxes; a pair or
+/// attachment in its completions; an endpoint's channel cache) points to a live object.
 ///
-/// Not an `Arc`: the slot, pair and attachment of a message were clones, each made or dropped by the peer rank,
-/// and every such count change moved the completion's first cache line between the cores (a fifth of `post` in
-/// a 64 KiB ring exchange).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct CompletionRef(std::ptr::NonNull<Completion>);
+/// Not an `Arc`: the slot, pair and attachment of a message were clones of a completion, each made or dropped by
+/// the peer rank, and every such count change moved the completion's first cache line between the cores (a fifth
+/// of `post` in a 64 KiB ring exchange).
+pub(crate) struct Ref<T>(std::ptr::NonNull<T>);
 
-// SAFETY: `Completion` is `Sync` (locks and atomics); the reference is valid on any thread while its world lives.
-unsafe impl Send for CompletionRef {}
+impl<T> PartialEq for Ref<T> {
+    /// The same object.
+    fn eq(&self, other: &Self) -> bool {
+        self.0 == other.0
+    }
+}
 
-impl std::ops::Deref for CompletionRef {
-    type Target = Completion;
-    fn deref(&self) -> &Completion {
-        // SAFETY: see the type's docs: the completion lives as long as the world, which outlives every holder.
+impl<T> std::fmt::Debug for Ref<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Ref({:p})", self.0)
+    }
+}
+
+impl<T> Clone for Ref<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T> Copy for Ref<T> {}
+
+impl<T> Ref<T> {
+    pub(crate) fn leak(b: Box<T>) -> Self {
+        Ref(std::ptr::NonNull::from(Box::leak(b)))
+    }
+
+    pub(crate) fn as_ptr(self) -> *mut T {
+        self.0.as_ptr()
+    }
+
+    /// # Safety
+    /// Once, when nothing refers to the object any more (its world is dropped).
+    unsafe fn free(self) {
+        // SAFETY: allocated by `leak`, freed once per the contract.
+        drop(unsafe { Box::from_raw(self.0.as_ptr()) });
+    }
+}
+
+// SAFETY: the objects are `Sync` (locks and atomics); a `Ref` is valid on any thread while its world lives.
+unsafe impl<T: Sync> Send for Ref<T> {}
+// SAFETY: as above.
+unsafe impl<T: Sync> Sync for Ref<T> {}
+
+impl<T> std::ops::Deref for Ref<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        // SAFETY: see the type's docs: the object lives as long as its world, which outlives every holder.
         unsafe { self.0.as_ref() }
     }
 }
 
-/// A rank's completions: the finished ones kept for reuse, and every one it ever allocated (freed with the
-/// world).
-#[derive(Default)]
-struct PoolEntries {
-    free: Vec<CompletionRef>,
-    all: Vec<CompletionRef>,
+type CompletionRef = Ref<Completion>;
+
+/// One rank's objects of one kind: the finished ones kept for reuse, each with what its last user left (`E`: an
+/// outcome cell's last ticket), and every one ever allocated, freed with the world.
+struct Recycler<T, E> {
+    free: Vec<(Ref<T>, E)>,
+    all: Vec<Ref<T>>,
 }
 
-type Pool = Mutex<PoolEntries>;
+impl<T, E> Default for Recycler<T, E> {
+    fn default() -> Self {
+        Recycler { free: Vec::new(), all: Vec::new() }
+    }
+}
+
+impl<T, E: Default> Recycler<T, E> {
+    /// A free object and what its last user left, or a new one from `make` (and `E::default()`).
+    fn take(&mut self, make: impl FnOnce() -> T) -> (Ref<T>, E) {
+        self.free.pop().unwrap_or_else(|| {
+            let r = Ref::leak(Box::new(make()));
+            self.all.push(r);
+            (r, E::default())
+        })
+    }
+
+    fn put(&mut self, r: Ref<T>, left: E) {
+        self.free.push((r, left));
+    }
+}
+
+/// One `T` per rank (or per rank and kind), each locked on cache lines of its own.
+type PerRank<T> = Box<[CachePadded<Mutex<T>>]>;
+
+impl<T, E> Drop for Recycler<T, E> {
+    fn drop(&mut self) {
+        for r in self.all.drain(..) {
+            // SAFETY: allocated by `take`, freed once here. The recycler lives in its world, which is dropped only
+            // when nothing refers to its objects any more: their holders are operations (each holds the world) and
+            // slots, pairs and attachments inside the world.
+            unsafe { r.free() };
+        }
+    }
+}
 
 /// A mailbox's unmatched operations (sends addressed to its rank and receives its rank posted), oldest first.
 ///
@@ -499,20 +573,14 @@ pub(crate) struct World {
     size: usize,
     mailboxes: Box<[CachePadded<Mutex<Mailbox>>]>,
     pub(crate) alive: Box<[CachePadded<AtomicBool>]>,
-    pools: Box<[CachePadded<Pool>]>,
+    pools: PerRank<Recycler<Completion, ()>>,
     /// Per rank and kind (receives, sends): the outcome cells of its exchange operations, with the last ticket
     /// each was used with. Kept apart because a receive's cell is written by its own rank (which copies) and a
     /// send's by the peer: a cell that went from one kind to the other was a line to fetch back from the peer.
-    cells: Box<[CachePadded<Mutex<CellPool>>]>,
+    cells: PerRank<Recycler<Cell, u64>>,
     /// The exchange channel of each ordered pair (sender, receiver) that has exchanged, created on first use.
     channels: Mutex<HashMap<(usize, usize), ChannelRef>>,
     splits: Mutex<HashMap<(u64, u32), SplitEntry>>,
-}
-
-#[derive(Default)]
-struct CellPool {
-    free: Vec<(CellRef, u64)>,
-    all: Vec<CellRef>,
 }
 
 impl World {
@@ -521,46 +589,32 @@ impl World {
             size,
             mailboxes: (0..size).map(|_| CachePadded::new(Mutex::new(Mailbox::new()))).collect(),
             alive: (0..size).map(|_| CachePadded::new(AtomicBool::new(true))).collect(),
-            pools: (0..size).map(|_| CachePadded::new(Mutex::new(PoolEntries::default()))).collect(),
-            cells: (0..2 * size).map(|_| CachePadded::new(Mutex::new(CellPool::default()))).collect(),
+            pools: (0..size).map(|_| CachePadded::new(Mutex::new(Recycler::default()))).collect(),
+            cells: (0..2 * size).map(|_| CachePadded::new(Mutex::new(Recycler::default()))).collect(),
             channels: Mutex::new(HashMap::new()),
             splits: Mutex::new(HashMap::new()),
         })
     }
 
     fn completion(&self, rank: usize) -> CompletionRef {
-        let mut pool = lock(&self.pools[rank]);
-        let c = match pool.free.pop() {
-            Some(c) => c,
-            None => {
-                let c = CompletionRef(std::ptr::NonNull::from(Box::leak(Box::new(Completion::new()))));
-                pool.all.push(c);
-                c
-            }
-        };
-        drop(pool);
+        let (c, ()) = lock(&self.pools[rank]).take(Completion::new);
         *lock(&c.state) = State::Posted;
         c.stage.store(POSTED, Ordering::Relaxed);
         c
     }
 
     fn recycle(&self, rank: usize, c: CompletionRef) {
-        lock(&self.pools[rank]).free.push(c);
+        lock(&self.pools[rank]).put(c, ());
     }
 
     /// An outcome cell for one of `rank`'s exchange operations, and the fresh ticket it is used with.
     pub(crate) fn exchange_cell(&self, rank: usize, is_send: bool) -> (CellRef, u64) {
-        let mut pool = lock(&self.cells[2 * rank + is_send as usize]);
-        if let Some((c, t)) = pool.free.pop() {
-            return (c, t + 1);
-        }
-        let c = Ref::leak(Box::default());
-        pool.all.push(c);
-        (c, 1)
+        let (c, last_ticket) = lock(&self.cells[2 * rank + is_send as usize]).take(Cell::default);
+        (c, last_ticket + 1)
     }
 
     pub(crate) fn recycle_exchange_cell(&self, rank: usize, is_send: bool, c: CellRef, ticket: u64) {
-        lock(&self.cells[2 * rank + is_send as usize]).free.push((c, ticket));
+        lock(&self.cells[2 * rank + is_send as usize]).put(c, ticket);
     }
 
     /// The channel from `src` to `dst`, created on first use.
@@ -571,19 +625,7 @@ impl World {
 
 impl Drop for World {
     fn drop(&mut self) {
-        for pool in self.pools.iter() {
-            for c in lock(pool).all.drain(..) {
-                // SAFETY: allocated by `completion` with `Box`, freed once here; nothing refers to it any more: its
-                // holders are operations (each holds this world), and slots, pairs and attachments inside it.
-                drop(unsafe { Box::from_raw(c.0.as_ptr()) });
-            }
-        }
-        for pool in self.cells.iter() {
-            for c in lock(pool).all.drain(..) {
-                // SAFETY: leaked by `exchange_cell`, freed once here; its holders (operations) hold this world.
-                unsafe { c.free() };
-            }
-        }
+        // Completions and cells are freed by their recyclers.
         for (_, ch) in lock(&self.channels).drain() {
             // SAFETY: leaked by `channel`, freed once here; its holders (endpoints, operations) hold this world.
             unsafe { ch.free() };
@@ -1218,7 +1260,7 @@ mod tests {
             meta: n,
             ptr: std::ptr::null_mut(),
             len: n as usize,
-            done: CompletionRef(std::ptr::NonNull::from(&*completions[(n % 4) as usize])),
+            done: Ref(std::ptr::NonNull::from(&*completions[(n % 4) as usize])),
         };
         let mut mb = Mailbox::default();
         let mut model: Vec<Slot> = Vec::new();

@@ -530,48 +530,39 @@ fn exchanges_with_a_rank_that_panics_or_leaves_fail_naming_it() {
 fn exchanges_resynchronize_after_a_run_of_timeouts() {
     let timeout = Duration::from_millis(100);
     let (rank0_failed, both_failed) = (&std::sync::Barrier::new(2), &std::sync::Barrier::new(2));
-    let comms = ThreadWorld::builder().timeout(timeout).build(2).expect("world");
-    let out: Vec<Result<(), String>> = std::thread::scope(|s| {
-        let hs: Vec<_> = comms
-            .into_iter()
-            .map(|c| {
-                s.spawn(move || {
-                    let r = c.rank() as u32;
-                    let send = pattern(r, 3000);
-                    let mut recv = vec![0u32; 3000];
-                    // Rank 1 stalls until rank 0 has timed out on all of its exchanges.
-                    if r == 1 {
-                        rank0_failed.wait();
-                    }
-                    let t0 = std::time::Instant::now();
-                    for i in 0..12 {
-                        if c.sendrecv(&send, &mut recv).is_ok() {
-                            return Err(format!("exchange {i} succeeded against a stalled or withdrawn peer"));
-                        }
-                    }
-                    if t0.elapsed() > Duration::from_secs(5) {
-                        return Err(format!("12 failing exchanges took {:?}", t0.elapsed()));
-                    }
-                    if r == 0 {
-                        rank0_failed.wait();
-                    }
-                    both_failed.wait();
-                    for _ in 0..30 {
-                        if c.sendrecv(&send, &mut recv).is_ok() {
-                            if recv != pattern(1 - r, 3000) {
-                                return Err("wrong data after resynchronizing".into());
-                            }
-                            // Once in step, the next ones work too.
-                            return (0..5).try_for_each(|_| c.sendrecv(&send, &mut recv)).map_err(suite::e2s);
-                        }
-                    }
-                    Err("never back in step".into())
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("panicked".into()))).collect()
+    let out = ThreadWorld::builder().timeout(timeout).run(2, |c| {
+        let r = c.rank() as u32;
+        let send = pattern(r, 3000);
+        let mut recv = vec![0u32; 3000];
+        // Rank 1 stalls until rank 0 has timed out on all of its exchanges.
+        if r == 1 {
+            rank0_failed.wait();
+        }
+        let t0 = std::time::Instant::now();
+        for i in 0..12 {
+            if c.sendrecv(&send, &mut recv).is_ok() {
+                return Err(format!("exchange {i} succeeded against a stalled or withdrawn peer"));
+            }
+        }
+        if t0.elapsed() > Duration::from_secs(5) {
+            return Err(format!("12 failing exchanges took {:?}", t0.elapsed()));
+        }
+        if r == 0 {
+            rank0_failed.wait();
+        }
+        both_failed.wait();
+        for _ in 0..30 {
+            if c.sendrecv(&send, &mut recv).is_ok() {
+                if recv != pattern(1 - r, 3000) {
+                    return Err("wrong data after resynchronizing".into());
+                }
+                // Once in step, the next ones work too.
+                return (0..5).try_for_each(|_| c.sendrecv(&send, &mut recv)).map_err(suite::e2s);
+            }
+        }
+        Err("never back in step".into())
     });
-    suite::all_ok(out);
+    suite::all_ok(out.expect("no rank panicked"));
 }
 
 /// A rank that only polls its exchange with `test` completes it while its peer is blocked on something else
