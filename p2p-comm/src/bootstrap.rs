@@ -16,26 +16,50 @@ pub struct Bootstrap {
     pub world_size: usize,
     /// Rank among the processes of this host.
     pub local_rank: usize,
-    /// Host of rank 0's rendezvous store (`MASTER_ADDR`, default `127.0.0.1`).
+    /// Whether the launcher's variables show ranks on more than one host (`LOCAL_WORLD_SIZE` or
+    /// `OMPI_COMM_WORLD_LOCAL_SIZE` below the world size, more than one node under Slurm). Then rank 0's
+    /// store must be on an address the other hosts reach: `MASTER_ADDR` must be set (Slurm: or derived) and
+    /// must not be a loopback address.
+    pub multi_host: bool,
+    /// Host of rank 0's rendezvous store: `MASTER_ADDR`; unset, under Slurm with several nodes the first host
+    /// of the step's node list, else `127.0.0.1`.
     pub master_addr: String,
-    /// Port of the store (`MASTER_PORT`, default 29500).
+    /// Port of the store: `MASTER_PORT`; unset, under Slurm a port derived from the job and step ids (see
+    /// [`Bootstrap::from_env`]), else 29500.
     pub master_port: u16,
     /// Secret every process presents to the store (`LONGCTX_JOB_TOKEN`).
     pub token: String,
 }
 
+/// The launcher whose variables gave the rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Scheme {
+    Torchrun,
+    Slurm,
+    OpenMpi,
+}
+
 impl Bootstrap {
-    /// Reads the environment of `longctx-launch`/torchrun (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`), Slurm
-    /// (`SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`) or Open MPI (`OMPI_COMM_WORLD_RANK`,
-    /// `OMPI_COMM_WORLD_SIZE`, `OMPI_COMM_WORLD_LOCAL_RANK`), in that order of preference, plus `MASTER_ADDR`,
-    /// `MASTER_PORT` and `LONGCTX_JOB_TOKEN`. Under Slurm or `mpirun`, export `MASTER_ADDR` and a token shared by
-    /// the job, e.g. `export LONGCTX_JOB_TOKEN=$(openssl rand -hex 16)` before `srun`.
+    /// Reads the environment of `longctx-launch`/torchrun (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
+    /// `LOCAL_WORLD_SIZE`), Slurm (`SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`, the node count and list) or
+    /// Open MPI (`OMPI_COMM_WORLD_RANK`, `OMPI_COMM_WORLD_SIZE`, `OMPI_COMM_WORLD_LOCAL_RANK`,
+    /// `OMPI_COMM_WORLD_LOCAL_SIZE`), in that order of preference, plus `MASTER_ADDR`, `MASTER_PORT` and
+    /// `LONGCTX_JOB_TOKEN`.
+    ///
+    /// Under Slurm or `mpirun`, export a token shared by the job, e.g. `export LONGCTX_JOB_TOKEN=$(openssl rand
+    /// -hex 16)` before `srun`. Under Slurm, `MASTER_ADDR` may be left unset: on several nodes it is the first
+    /// host of `SLURM_STEP_NODELIST` (or `SLURM_JOB_NODELIST`), where Slurm's default block distribution puts
+    /// task 0; `MASTER_PORT` may be left unset too: `20000 + 10 * (SLURM_JOB_ID % 1000) + SLURM_STEP_ID % 10`,
+    /// so that jobs and steps sharing a node do not collide. Under `mpirun` on several hosts, export
+    /// `MASTER_ADDR` (`mpirun -x MASTER_ADDR -x LONGCTX_JOB_TOKEN`); a job the variables show on several hosts
+    /// without one is an error rather than a wait on `127.0.0.1`.
     pub fn from_env() -> Result<Bootstrap, CommError> {
         Self::from_lookup(|k| std::env::var(k).ok())
     }
 
     /// Like [`from_env`](Self::from_env) over any variable lookup (for tests and embedding).
     pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Bootstrap, CommError> {
+        let get = |k: &str| get(k).filter(|v| !v.trim().is_empty());
         let num = |k: &str| -> Result<Option<usize>, CommError> {
             get(k)
                 .map(|v| {
@@ -43,19 +67,27 @@ impl Bootstrap {
                 })
                 .transpose()
         };
+        let first_num = |keys: &[&str]| -> Result<Option<usize>, CommError> {
+            for k in keys {
+                if let Some(v) = num(k)? {
+                    return Ok(Some(v));
+                }
+            }
+            Ok(None)
+        };
         let schemes = [
-            ("RANK", "WORLD_SIZE", "LOCAL_RANK"),
-            ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
-            ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+            (Scheme::Torchrun, "RANK", "WORLD_SIZE", "LOCAL_RANK"),
+            (Scheme::Slurm, "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
+            (Scheme::OpenMpi, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
         ];
         let mut found = None;
-        for (r, w, l) in schemes {
+        for (scheme, r, w, l) in schemes {
             if let (Some(rank), Some(world)) = (num(r)?, num(w)?) {
-                found = Some((rank, world, num(l)?.unwrap_or(0), r));
+                found = Some((rank, world, num(l)?.unwrap_or(0), scheme));
                 break;
             }
         }
-        let (rank, world_size, local_rank, _) = found.ok_or_else(|| {
+        let (rank, world_size, local_rank, scheme) = found.ok_or_else(|| {
             CommError::Bootstrap(
                 "no rank in the environment: set RANK and WORLD_SIZE (longctx-launch does), or run under Slurm or mpirun"
                     .into(),
@@ -64,33 +96,83 @@ impl Bootstrap {
         if world_size == 0 || rank >= world_size {
             return Err(CommError::Bootstrap(format!("rank {rank} is not in a world of {world_size}")));
         }
+        let (multi_host, spread) = match scheme {
+            Scheme::Torchrun => match num("LOCAL_WORLD_SIZE")? {
+                Some(l) => (l < world_size, format!("LOCAL_WORLD_SIZE={l} of WORLD_SIZE={world_size}")),
+                None => (false, String::new()),
+            },
+            Scheme::Slurm => match first_num(&["SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES"])? {
+                Some(n) => (n > 1, format!("{n} Slurm nodes")),
+                None => (false, String::new()),
+            },
+            Scheme::OpenMpi => match num("OMPI_COMM_WORLD_LOCAL_SIZE")? {
+                Some(l) => (l < world_size, format!("OMPI_COMM_WORLD_LOCAL_SIZE={l} of {world_size}")),
+                None => (false, String::new()),
+            },
+        };
+        let master_addr = match get("MASTER_ADDR") {
+            Some(a) => a.trim().to_string(),
+            None if multi_host && scheme == Scheme::Slurm => {
+                let (var, list) = ["SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"]
+                    .into_iter()
+                    .find_map(|k| get(k).map(|v| (k, v)))
+                    .ok_or_else(|| {
+                        CommError::Bootstrap(format!(
+                            "the job spans {spread}, MASTER_ADDR is not set and Slurm gave no node list: export \
+                             MASTER_ADDR=<host of rank 0>"
+                        ))
+                    })?;
+                let hosts =
+                    crate::hostlist::expand_hostlist(&list).map_err(|e| CommError::Bootstrap(format!("{var}: {e}")))?;
+                hosts.into_iter().next().unwrap_or_default()
+            }
+            None if multi_host => {
+                return Err(CommError::Bootstrap(format!(
+                    "the job spans several hosts ({spread}) but MASTER_ADDR is not set: export MASTER_ADDR=<an \
+                     address of rank 0's host that the other hosts reach> to every rank"
+                )))
+            }
+            None => "127.0.0.1".into(),
+        };
         let master_port = match get("MASTER_PORT") {
             Some(p) => {
                 p.trim().parse().map_err(|_| CommError::Bootstrap(format!("MASTER_PORT={p:?} is not a port")))?
             }
-            None => DEFAULT_MASTER_PORT,
+            None => match (scheme, num("SLURM_JOB_ID")?) {
+                (Scheme::Slurm, Some(job)) => slurm_port(job, num("SLURM_STEP_ID").ok().flatten().unwrap_or(0)),
+                _ => DEFAULT_MASTER_PORT,
+            },
         };
         let token = get("LONGCTX_JOB_TOKEN")
-            .filter(|t| !t.is_empty())
             .ok_or_else(|| CommError::Bootstrap("LONGCTX_JOB_TOKEN is not set (longctx-launch sets it)".into()))?;
-        Ok(Bootstrap {
-            rank,
-            world_size,
-            local_rank,
-            master_addr: get("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into()),
-            master_port,
-            token,
-        })
+        Ok(Bootstrap { rank, world_size, local_rank, multi_host, master_addr, master_port, token })
     }
 
-    /// The store's socket address (resolves `master_addr`).
+    /// The store's socket address (resolves `master_addr`). In a job on several hosts, an address that resolves
+    /// to loopback is an error: the other hosts could not reach the store there (a host name that `/etc/hosts`
+    /// maps to `127.0.1.1` is the usual way to get one).
     pub fn master_socket(&self) -> Result<SocketAddr, CommError> {
-        (self.master_addr.as_str(), self.master_port)
+        let addr = (self.master_addr.as_str(), self.master_port)
             .to_socket_addrs()
             .map_err(|e| CommError::io(format!("resolving MASTER_ADDR {}", self.master_addr), e))?
             .next()
-            .ok_or_else(|| CommError::Bootstrap(format!("MASTER_ADDR {} has no address", self.master_addr)))
+            .ok_or_else(|| CommError::Bootstrap(format!("MASTER_ADDR {} has no address", self.master_addr)))?;
+        if self.multi_host && addr.ip().is_loopback() {
+            return Err(CommError::Bootstrap(format!(
+                "MASTER_ADDR {} resolves to {}, a loopback address, but the job spans several hosts: set \
+                 MASTER_ADDR to an address of rank 0's host that the other hosts reach",
+                self.master_addr,
+                addr.ip()
+            )));
+        }
+        Ok(addr)
     }
+}
+
+/// Slurm's default store port: distinct for up to 1000 concurrent jobs (by id) with up to 10 steps each, in
+/// 20000..30000, below Linux's ephemeral ports.
+fn slurm_port(job_id: usize, step_id: usize) -> u16 {
+    (20000 + 10 * (job_id % 1000) + step_id % 10) as u16
 }
 
 #[cfg(test)]
@@ -138,5 +220,79 @@ mod tests {
         assert!(Bootstrap::from_lookup(env(&[("RANK", "4"), ("WORLD_SIZE", "4"), ("LONGCTX_JOB_TOKEN", "t")])).is_err());
         assert!(Bootstrap::from_lookup(env(&[("RANK", "x"), ("WORLD_SIZE", "4"), ("LONGCTX_JOB_TOKEN", "t")])).is_err());
         assert!(Bootstrap::from_lookup(env(&[("RANK", "0"), ("WORLD_SIZE", "4")])).is_err(), "token required");
+        assert!(Bootstrap::from_lookup(env(&[("RANK", "0"), ("WORLD_SIZE", "4"), ("LONGCTX_JOB_TOKEN", "")])).is_err());
+    }
+
+    fn err(pairs: &[(&str, &str)]) -> String {
+        Bootstrap::from_lookup(env(pairs)).expect_err("accepted").to_string()
+    }
+
+    #[test]
+    fn one_host_jobs_default_to_loopback() {
+        for pairs in [
+            &[("RANK", "1"), ("WORLD_SIZE", "4"), ("LOCAL_WORLD_SIZE", "4")][..],
+            &[("SLURM_PROCID", "1"), ("SLURM_NTASKS", "4"), ("SLURM_NNODES", "1"), ("SLURM_JOB_NODELIST", "n7")],
+            &[("OMPI_COMM_WORLD_RANK", "1"), ("OMPI_COMM_WORLD_SIZE", "4"), ("OMPI_COMM_WORLD_LOCAL_SIZE", "4")],
+        ] {
+            let b = Bootstrap::from_lookup(env(&[pairs, &[("LONGCTX_JOB_TOKEN", "t")]].concat())).unwrap();
+            assert!(!b.multi_host, "{pairs:?}");
+            assert_eq!(b.master_addr, "127.0.0.1", "{pairs:?}");
+            assert!(b.master_socket().unwrap().ip().is_loopback());
+        }
+    }
+
+    #[test]
+    fn slurm_on_several_nodes_finds_rank_0s_host_and_a_port_per_step() {
+        let slurm = [
+            ("SLURM_PROCID", "5"),
+            ("SLURM_NTASKS", "8"),
+            ("SLURM_LOCALID", "1"),
+            ("SLURM_NNODES", "4"),
+            ("SLURM_JOB_NODELIST", "gpu[001-004]"),
+            ("SLURM_STEP_NODELIST", "gpu[003-004],cpu1"),
+            ("SLURM_JOB_ID", "123456"),
+            ("SLURM_STEP_ID", "2"),
+            ("LONGCTX_JOB_TOKEN", "t"),
+        ];
+        let b = Bootstrap::from_lookup(env(&slurm)).unwrap();
+        assert!(b.multi_host);
+        assert_eq!((b.rank, b.world_size, b.local_rank), (5, 8, 1));
+        assert_eq!(b.master_addr, "gpu003", "the step's first node");
+        assert_eq!(b.master_port, 20000 + 10 * 456 + 2);
+        let b = Bootstrap::from_lookup(env(&slurm[..6])).err().unwrap().to_string();
+        assert!(b.contains("LONGCTX_JOB_TOKEN"), "{b}");
+        // The job's list when the step has none; MASTER_ADDR and MASTER_PORT win over both.
+        let mut v = slurm.to_vec();
+        v.retain(|(k, _)| *k != "SLURM_STEP_NODELIST");
+        assert_eq!(Bootstrap::from_lookup(env(&v)).unwrap().master_addr, "gpu001");
+        v.extend([("MASTER_ADDR", "10.1.2.3"), ("MASTER_PORT", "4000")]);
+        let b = Bootstrap::from_lookup(env(&v)).unwrap();
+        assert_eq!((b.master_addr.as_str(), b.master_port), ("10.1.2.3", 4000));
+        // No list at all, or a broken one: errors that say what to set.
+        v.retain(|(k, _)| !["SLURM_JOB_NODELIST", "MASTER_ADDR"].contains(k));
+        assert!(err(&v).contains("MASTER_ADDR"), "{}", err(&v));
+        v.push(("SLURM_JOB_NODELIST", "gpu[001-"));
+        assert!(err(&v).contains("SLURM_JOB_NODELIST"), "{}", err(&v));
+    }
+
+    #[test]
+    fn several_hosts_without_master_addr_is_an_error_not_loopback() {
+        let torchrun = [("RANK", "0"), ("WORLD_SIZE", "8"), ("LOCAL_WORLD_SIZE", "4"), ("LONGCTX_JOB_TOKEN", "t")];
+        let ompi = [
+            ("OMPI_COMM_WORLD_RANK", "3"),
+            ("OMPI_COMM_WORLD_SIZE", "4"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+            ("LONGCTX_JOB_TOKEN", "t"),
+        ];
+        for pairs in [&torchrun[..], &ompi[..]] {
+            let e = err(pairs);
+            assert!(e.contains("MASTER_ADDR is not set") && e.contains("several hosts"), "{e}");
+            // A loopback MASTER_ADDR is refused when resolved, on every rank, naming the address.
+            let b = Bootstrap::from_lookup(env(&[pairs, &[("MASTER_ADDR", "127.0.0.1")]].concat())).unwrap();
+            let e = b.master_socket().unwrap_err().to_string();
+            assert!(e.contains("loopback") && e.contains("127.0.0.1"), "{e}");
+            let b = Bootstrap::from_lookup(env(&[pairs, &[("MASTER_ADDR", "192.0.2.7")]].concat())).unwrap();
+            assert_eq!(b.master_socket().unwrap().to_string(), "192.0.2.7:29500");
+        }
     }
 }

@@ -43,6 +43,7 @@ mod communicator;
 mod copy;
 mod error;
 mod exchange;
+mod hostlist;
 mod reduce;
 pub mod rendezvous;
 mod request;

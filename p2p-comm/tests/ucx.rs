@@ -72,6 +72,40 @@ impl World for Ucx {
     const SENDER_SEES_REJECTION: bool = false;
 }
 
+/// In a child process of world `id` (this test binary re-run by the parent): joins the job from the
+/// environment, runs `body` for this rank, prints the result line and exits. Returns in the parent, and in a
+/// child of another world of the same test (`true`: its own children run it).
+fn child_mode(id: &str, timeout: Duration, body: &(dyn Fn(Communicator) -> Result<(), String> + Sync)) -> bool {
+    let Ok(child) = std::env::var(CHILD) else { return false };
+    if child != id {
+        return true;
+    }
+    let res = Communicator::from_env().map_err(|e| e.to_string()).and_then(|mut c| {
+        c.set_timeout(timeout);
+        body(c)
+    });
+    let line = match &res {
+        Ok(()) => format!("{RESULT} ok"),
+        Err(e) => format!("{RESULT} err {e}"),
+    };
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}");
+    let _ = out.flush();
+    // Exit 0 either way: the result line carries the outcome, and the launcher must not kill the others.
+    std::process::exit(0);
+}
+
+/// The result a child printed on `stdout` (its lines, each prefixed by `prefix`), or what it left.
+fn child_result(stdout: &str, prefix: &str, r: usize, stderr: &str) -> Result<(), String> {
+    let tag = format!("{RESULT} ");
+    let found = stdout.lines().filter(|l| l.starts_with(prefix)).find_map(|l| l.split_once(&tag).map(|(_, rest)| rest));
+    match found {
+        Some("ok") => Ok(()),
+        Some(e) => Err(e.strip_prefix("err ").unwrap_or(e).to_string()),
+        None => Err(format!("rank {r} left no result\n--- stdout\n{stdout}\n--- stderr\n{stderr}")),
+    }
+}
+
 /// [`World::run`] with extra environment variables for the ranks' processes.
 fn run_with_env(
     n: usize,
@@ -80,53 +114,58 @@ fn run_with_env(
     env: &[(&str, &str)],
     body: &(dyn Fn(Communicator) -> Result<(), String> + Sync),
 ) -> Vec<Result<(), String>> {
-    {
-        let id = call_id(name);
-        if let Ok(child) = std::env::var(CHILD) {
-            if child != id {
-                return vec![Ok(()); n]; // another world of this test: its own children run it
-            }
-            let res = Communicator::from_env().map_err(|e| e.to_string()).and_then(|mut c| {
-                c.set_timeout(timeout);
-                body(c)
-            });
-            let line = match &res {
-                Ok(()) => format!("{RESULT} ok"),
-                Err(e) => format!("{RESULT} err {e}"),
-            };
-            let mut out = std::io::stdout().lock();
-            let _ = writeln!(out, "{line}");
-            let _ = out.flush();
-            // Exit 0 either way: the result line carries the outcome, and the launcher must not kill the others.
-            std::process::exit(0);
-        }
-        let exe = std::env::current_exe().expect("test binary path");
-        let out = Command::new(env!("CARGO_BIN_EXE_longctx-launch"))
-            .args(["--nproc", &n.to_string(), "--"])
-            .arg(exe)
-            .args([name, "--exact", "--nocapture", "--test-threads=1"])
-            .env(CHILD, &id)
-            .envs(env.iter().copied())
-            .output()
-            .expect("run longctx-launch");
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        (0..n)
-            .map(|r| {
-                let prefix = format!("[rank {r}] ");
-                let tag = format!("{RESULT} ");
-                let found = stdout
-                    .lines()
-                    .filter(|l| l.starts_with(&prefix))
-                    .find_map(|l| l.split_once(&tag).map(|(_, rest)| rest));
-                match found {
-                    Some("ok") => Ok(()),
-                    Some(e) => Err(e.strip_prefix("err ").unwrap_or(e).to_string()),
-                    None => Err(format!("rank {r} left no result\n--- stdout\n{stdout}\n--- stderr\n{stderr}")),
-                }
-            })
-            .collect()
+    let id = call_id(name);
+    if child_mode(&id, timeout, body) {
+        return vec![Ok(()); n];
     }
+    let exe = std::env::current_exe().expect("test binary path");
+    let out = Command::new(env!("CARGO_BIN_EXE_longctx-launch"))
+        .args(["--nproc", &n.to_string(), "--"])
+        .arg(exe)
+        .args([name, "--exact", "--nocapture", "--test-threads=1"])
+        .env(CHILD, &id)
+        .envs(env.iter().copied())
+        .output()
+        .expect("run longctx-launch");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    (0..n).map(|r| child_result(&stdout, &format!("[rank {r}] "), r, &stderr)).collect()
+}
+
+/// Starts `n` processes of this test the way `srun` or `mpirun` would, without `longctx-launch`: each gets
+/// only the variables `env_of(rank)` gives (the launcher's own variables removed), and the store's address
+/// and port come from `Bootstrap::from_env` reading them.
+fn run_like_a_scheduler(
+    n: usize,
+    timeout: Duration,
+    name: &str,
+    env_of: &dyn Fn(usize) -> Vec<(String, String)>,
+    body: &(dyn Fn(Communicator) -> Result<(), String> + Sync),
+) -> Vec<Result<(), String>> {
+    let id = call_id(name);
+    if child_mode(&id, timeout, body) {
+        return vec![Ok(()); n];
+    }
+    let exe = std::env::current_exe().expect("test binary path");
+    let children: Vec<_> = (0..n)
+        .map(|r| {
+            let mut cmd = Command::new(&exe);
+            cmd.args([name, "--exact", "--nocapture", "--test-threads=1"]).env(CHILD, &id);
+            for k in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"] {
+                cmd.env_remove(k);
+            }
+            cmd.envs(env_of(r)).stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
+            cmd.spawn().expect("spawn a rank")
+        })
+        .collect();
+    children
+        .into_iter()
+        .enumerate()
+        .map(|(r, child)| {
+            let out = child.wait_with_output().expect("wait for a rank");
+            child_result(&String::from_utf8_lossy(&out.stdout), "", r, &String::from_utf8_lossy(&out.stderr))
+        })
+        .collect()
 }
 
 suite_tests!(Ucx, 64);
@@ -244,4 +283,111 @@ fn steady_state_ring_exchange_and_all_reduce_do_not_allocate() {
             k => Err(format!("{k} allocations in 20 steady-state rounds")),
         }
     }));
+}
+
+/// An address of this machine other than loopback (the one its default route leaves from), to stand in for a
+/// second host's view of it; `None` on a machine with no route out.
+fn non_loopback_address() -> Option<std::net::IpAddr> {
+    let s = std::net::UdpSocket::bind("0.0.0.0:0").ok()?;
+    s.connect("198.51.100.1:9").ok()?; // sends nothing: only picks the route's source address
+    let ip = s.local_addr().ok()?.ip();
+    (!ip.is_loopback() && !ip.is_unspecified()).then_some(ip)
+}
+
+/// A Slurm job id whose derived store port (`20000 + 10 * (id % 1000) + step`) is free on `ip` now.
+fn slurm_job_with_a_free_port(ip: std::net::IpAddr, step: u16) -> u32 {
+    let start = std::process::id() % 1000;
+    (0..1000)
+        .map(|k| (start + k) % 1000)
+        .find(|&j| std::net::TcpListener::bind((ip, 20000 + 10 * j as u16 + step)).is_ok())
+        .map(|j| j + 7000)
+        .expect("a free port in 20000..30000")
+}
+
+/// Ranks started as `srun` and `mpirun` start them on several hosts, without `longctx-launch`, find each other
+/// from those schedulers' variables, over TCP on a non-loopback address as between hosts (`UCX_TLS=tcp,self`;
+/// the "hosts" are this machine under its outside address):
+/// - Slurm on 2 nodes, `MASTER_ADDR` and `MASTER_PORT` unset: rank 0's host is the first of the step's node
+///   list, the port comes from the job and step ids;
+/// - Open MPI with one rank per host (`OMPI_COMM_WORLD_LOCAL_SIZE=1`) and `MASTER_ADDR` exported;
+/// - the same with `MASTER_ADDR=127.0.0.1`: every rank fails at once, naming the loopback address, instead of
+///   the remote ones waiting out their timeout.
+#[test]
+fn ranks_started_by_slurm_or_mpirun_on_several_hosts_find_each_other() {
+    let name = "ranks_started_by_slurm_or_mpirun_on_several_hosts_find_each_other";
+    let body = |c: Communicator| -> Result<(), String> {
+        // The store is where the test meant the scheduler's variables to put it.
+        let store = longctx_p2p::Bootstrap::from_env().and_then(|b| b.master_socket()).map_err(suite::e2s)?;
+        if Some(store.to_string()) != std::env::var("LONGCTX_TEST_STORE").ok() {
+            return Err(format!("the store is at {store}"));
+        }
+        let n = c.world_size();
+        let mine = vec![c.rank() as u32; 1 << 18];
+        let mut got = vec![0u32; 1 << 18];
+        c.sendrecv(&mine, &mut got).map_err(suite::e2s)?;
+        if got.iter().any(|&x| x as usize != (c.rank() + n - 1) % n) {
+            return Err("ring shift delivered the wrong block".into());
+        }
+        let mut x = [c.rank() as f64];
+        c.all_reduce(&mut x, longctx_p2p::ReduceOp::Sum).map_err(suite::e2s)?;
+        match x[0] as usize == n * (n - 1) / 2 {
+            true => Ok(()),
+            false => Err(format!("all_reduce gave {}", x[0])),
+        }
+    };
+    let timeout = Duration::from_secs(20);
+    let Some(ip) = non_loopback_address() else {
+        eprintln!("skipped: this machine has no address besides loopback to stand in for a second host");
+        return;
+    };
+    let common = |store: String| {
+        vec![
+            ("UCX_TLS".to_string(), "tcp,self".to_string()),
+            ("LONGCTX_JOB_TOKEN".to_string(), "srun-test-token".to_string()),
+            ("LONGCTX_TEST_STORE".to_string(), store),
+        ]
+    };
+    // In a child the variables are already set: only the parent looks for a free port.
+    let job = if std::env::var(CHILD).is_ok() { 0 } else { slurm_job_with_a_free_port(ip, 3) };
+    let slurm = |r: usize| {
+        let mut v = common(format!("{ip}:{}", 20000 + 10 * (job % 1000) + 3));
+        for (k, val) in [
+            ("SLURM_PROCID", r.to_string()),
+            ("SLURM_NTASKS", "2".into()),
+            ("SLURM_LOCALID", "0".into()),
+            ("SLURM_NNODES", "2".into()),
+            ("SLURM_JOB_NODELIST", "nodes-of-the-job[1-2]".into()),
+            ("SLURM_STEP_NODELIST", format!("{ip},{ip}")),
+            ("SLURM_JOB_ID", job.to_string()),
+            ("SLURM_STEP_ID", "3".into()),
+        ] {
+            v.push((k.to_string(), val));
+        }
+        v
+    };
+    suite::all_ok(run_like_a_scheduler(2, timeout, name, &slurm, &body));
+
+    let free = std::net::TcpListener::bind((ip, 0)).and_then(|l| l.local_addr()).map(|a| a.port()).unwrap_or(0);
+    let mpirun = |addr: String| {
+        move |r: usize| {
+            let mut v = common(format!("{addr}:{free}"));
+            for (k, val) in [
+                ("OMPI_COMM_WORLD_RANK", r.to_string()),
+                ("OMPI_COMM_WORLD_SIZE", "3".into()),
+                ("OMPI_COMM_WORLD_LOCAL_RANK", "0".into()),
+                ("OMPI_COMM_WORLD_LOCAL_SIZE", "1".into()),
+                ("MASTER_ADDR", addr.clone()),
+                ("MASTER_PORT", free.to_string()),
+            ] {
+                v.push((k.to_string(), val));
+            }
+            v
+        }
+    };
+    suite::all_ok(run_like_a_scheduler(3, timeout, name, &mpirun(ip.to_string()), &body));
+
+    let started = std::time::Instant::now();
+    let out = run_like_a_scheduler(3, timeout, name, &mpirun("127.0.0.1".into()), &body);
+    assert!(out.iter().all(|o| matches!(o, Err(e) if e.contains("loopback"))), "{out:?}");
+    assert!(started.elapsed() < timeout, "loopback MASTER_ADDR took {:?} to fail", started.elapsed());
 }

@@ -265,14 +265,25 @@ pub(crate) fn from_env(timeout: Duration) -> Result<crate::Communicator, CommErr
     if b.world_size > MAX_RANKS {
         return Err(CommError::Bootstrap(format!("the UCX transport supports at most {MAX_RANKS} ranks")));
     }
+    // Resolved (and checked) before rank 0 binds it, so every rank meets the store at the same address.
+    let store_addr = b.master_socket()?;
     let host = if b.rank == 0 {
-        let mut h = StoreHost::bind((b.master_addr.as_str(), b.master_port), &b.token)?;
+        let mut h = StoreHost::bind(store_addr, &b.token).map_err(|e| match e {
+            CommError::Io { source, .. } => CommError::io(
+                format!(
+                    "rank 0 hosting the rendezvous store on MASTER_ADDR:MASTER_PORT = {store_addr} (MASTER_ADDR must \
+                     be an address of rank 0's host, and the port free)"
+                ),
+                source,
+            ),
+            e => e,
+        })?;
         h.set_linger(timeout);
         Some(h)
     } else {
         None
     };
-    let store = Store::connect(b.master_socket()?, &b.token, timeout)?;
+    let store = Store::connect(store_addr, &b.token, timeout)?;
     store.register(b.rank)?;
     let (worker, efd) = match std::env::var("LONGCTX_UCX_WAKEUP").as_deref() {
         Ok("0") => (safe::Worker::new(safe::Context::new(false)?)?, None),
