@@ -50,6 +50,12 @@
 //! - ratios (threads): `send / peer` and `ring / peer` to one thread's `memcpy`, `send / floor` to the hand-off
 //!   floor, `ring / ring floor` and `ring fwd / its floor` to the ring floors.
 //!
+//! Threads, when `ucx_perftest` is installed: a second table sets the threads transport's streams beside the
+//! same streams between two processes of this machine over UCX's shared memory (`ucx_perftest -t tag_bw` with
+//! `-O 1` and `-O W`, UCX's choice of transports, sizes up to 1 MiB): another engineered transport moving the
+//! same messages between the same two cores. It is not a ceiling (it copies twice for small messages, through
+//! its shared FIFO), but it shows what a tuned transport reaches where `memcpy` is out of reach.
+//!
 //! Every timed loop first runs a tenth of its iterations (at least one) untimed.
 //!
 //! Set `LONGCTX_BENCH_MAX` (bytes) to stop at a smaller size, `LONGCTX_BENCH_MIN` to start at a larger one,
@@ -622,8 +628,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let _ = std::fs::remove_file(p);
         }
     } else {
-        // Per round: our sweep on two rank threads, then the hand-off floor on two fresh threads.
+        // Per round: our sweep on two rank threads, then the hand-off floor on two fresh threads, then (when
+        // installed) `ucx_perftest` over shared memory up to 1 MiB.
         let mut ours = Vec::new();
+        let (mut peers1, mut peers_w) = (Vec::new(), Vec::new());
+        let perftest_sizes: Vec<usize> = sizes().into_iter().filter(|&b| b <= 1 << 20).collect();
+        let have_perftest = Command::new("ucx_perftest").arg("-h").output().is_ok();
         for _ in 0..n_rounds {
             let mut round = ThreadWorld::run(2, |c| measure(&c, true))?.swap_remove(0)?;
             for r in &mut round {
@@ -632,6 +642,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 r.ring_fwd_floor_gibs = ring_floor(r.bytes, true);
             }
             ours.push(round);
+            if have_perftest {
+                peers1.push(perftest_sizes.iter().map(|&b| ucx_perftest(b, 1).unwrap_or(f64::NAN)).collect());
+                peers_w.push(perftest_sizes.iter().map(|&b| ucx_perftest(b, window(b)).unwrap_or(f64::NAN)).collect());
+            }
         }
         let vs_memcpy = paired_in_row(&ours, |r| r.send_gibs, |r| r.memcpy_gibs);
         let vs_floor = paired_in_row(&ours, |r| r.send_gibs, |r| r.floor_gibs);
@@ -667,6 +681,34 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 ring_vs_floor[i],
                 fwd_vs_floor[i]
             );
+        }
+        if have_perftest && !perftest_sizes.is_empty() {
+            let k = perftest_sizes.len();
+            let head: Vec<Vec<Row>> = ours.iter().map(|r| r[..k].to_vec()).collect();
+            let (p1, pw) = (peer_medians(&peers1), peer_medians(&peers_w));
+            let (r1, rw) = (paired(&head, &peers1, |r| r.send_gibs), paired(&head, &peers_w, |r| r.window_gibs));
+            println!();
+            println!(
+                "the same streams between two processes over UCX shared memory (ucx_perftest -t tag_bw, UCX_TLS={}), \
+                 median of {n_rounds} round(s)",
+                std::env::var("UCX_TLS").unwrap_or_else(|_| "default".into())
+            );
+            println!("| size | threads send GiB/s | ucx_perftest -O 1 GiB/s | send / perftest -O 1 | threads send xW GiB/s | ucx_perftest -O W GiB/s | send xW / perftest -O W | memcpy GiB/s |");
+            println!("|---:|---:|---:|---:|---:|---:|---:|---:|");
+            for (i, r) in medians(&head).into_iter().enumerate() {
+                println!(
+                    "| {} | {:.2} | {} | {} | {:.2} (x{}) | {} | {} | {:.2} |",
+                    size_name(r.bytes),
+                    r.send_gibs,
+                    fmt_or_na(p1[i]),
+                    fmt_or_na(r1[i]),
+                    r.window_gibs,
+                    r.window,
+                    fmt_or_na(pw[i]),
+                    fmt_or_na(rw[i]),
+                    r.memcpy_gibs
+                );
+            }
         }
     }
     Ok(())
