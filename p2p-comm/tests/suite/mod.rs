@@ -344,20 +344,21 @@ pub fn split(c: Communicator) -> Result<(), String> {
     c.barrier().map_err(e2s)
 }
 
-/// Rank n-1 dies while the others wait on it: they must get an error naming it, well within the timeout.
-pub fn killed_peer<W: World>(n: usize) {
+/// Rank `victim` dies while the others wait on it: they must get an error naming it, well within the timeout.
+pub fn killed_peer<W: World>(n: usize, victim: usize) {
     let timeout = Duration::from_secs(20);
-    let out = W::run(n, timeout, "killed_peer", &|c: Communicator| {
-        let (r, n) = (c.rank(), c.world_size());
+    let name = if victim == 0 { "killed_rank_0" } else { "killed_peer" };
+    let out = W::run(n, timeout, name, &|c: Communicator| {
+        let r = c.rank();
         c.barrier().map_err(e2s)?;
-        if r == n - 1 {
+        if r == victim {
             std::thread::sleep(Duration::from_millis(200));
             W::die();
         }
         let t0 = Instant::now();
         let mut buf = [0u8; 16];
-        match c.recv(n - 1, 3, &mut buf) {
-            Err(CommError::PeerGone { rank }) if rank == n - 1 => {}
+        match c.recv(victim, 3, &mut buf) {
+            Err(CommError::PeerGone { rank }) if rank == victim => {}
             Err(e) => return Err(format!("wrong error: {e}")),
             Ok(()) => return Err("recv from a dead rank succeeded".into()),
         }
@@ -367,7 +368,7 @@ pub fn killed_peer<W: World>(n: usize) {
         Ok(())
     });
     for (r, o) in out.iter().enumerate() {
-        if r == n - 1 {
+        if r == victim {
             assert!(o.is_err(), "the killed rank reported success");
         } else {
             assert!(o.is_ok(), "rank {r}: {o:?}");
@@ -544,7 +545,12 @@ macro_rules! suite_tests {
         }
         #[test]
         fn killed_peer() {
-            suite::killed_peer::<$w>(3);
+            suite::killed_peer::<$w>(3, 2);
+        }
+        /// Rank 0 dies: with UCX it also hosts the rendezvous store, through which the others learn who left.
+        #[test]
+        fn killed_rank_0() {
+            suite::killed_peer::<$w>(3, 0);
         }
         #[test]
         fn stalled_peer() {
