@@ -170,6 +170,33 @@ fn run_like_a_scheduler(
 
 suite_tests!(Ucx, 64);
 
+/// The same suite with UCX restricted to TCP (`UCX_TLS=tcp,self`), the wire between hosts without InfiniBand:
+/// the processes of one machine then talk over loopback TCP sockets as they would across a network.
+mod tcp {
+    use super::*;
+
+    struct UcxTcp;
+
+    impl World for UcxTcp {
+        fn run(
+            n: usize,
+            timeout: Duration,
+            name: &str,
+            body: &(dyn Fn(Communicator) -> Result<(), String> + Sync),
+        ) -> Vec<Result<(), String>> {
+            // The children re-run this module's test, whose full name has the module's path.
+            run_with_env(n, timeout, &format!("tcp::{name}"), &[("UCX_TLS", "tcp,self")], body)
+        }
+
+        fn die() -> ! {
+            std::process::exit(0)
+        }
+        const SENDER_SEES_REJECTION: bool = false;
+    }
+
+    suite_tests!(UcxTcp, 64);
+}
+
 /// While a UCX job runs, a connection to its rendezvous port that does not present the job token is refused,
 /// and the job carries on.
 #[test]
