@@ -418,3 +418,87 @@ fn ranks_started_by_slurm_or_mpirun_on_several_hosts_find_each_other() {
     assert!(out.iter().all(|o| matches!(o, Err(e) if e.contains("loopback"))), "{out:?}");
     assert!(started.elapsed() < timeout, "loopback MASTER_ADDR took {:?} to fail", started.elapsed());
 }
+
+/// Two launchers started as on two hosts (`--nnodes 2 --node-rank 0|1`, two ranks each, the shared address,
+/// port and token), meeting over TCP on the machine's outside address: the four ranks form one world. Then
+/// rank 3 (on node 1) fails: node 1's launcher names it, and node 0's ranks learn of it through the
+/// communicator, so both launchers exit non-zero within the timeout.
+#[test]
+fn launchers_on_two_nodes_form_one_world() {
+    let name = "launchers_on_two_nodes_form_one_world";
+    let Some(ip) = non_loopback_address() else {
+        eprintln!("skipped: this machine has no address besides loopback to stand in for a second host");
+        return;
+    };
+    let run_nodes = |fail: bool, body: &(dyn Fn(Communicator) -> Result<(), String> + Sync)| {
+        let id = call_id(name);
+        if child_mode(&id, Duration::from_secs(20), body) {
+            return None;
+        }
+        let port = std::net::TcpListener::bind((ip, 0)).and_then(|l| l.local_addr()).expect("a free port").port();
+        let exe = std::env::current_exe().expect("test binary path");
+        let launchers: Vec<_> = (0..2)
+            .map(|node| {
+                Command::new(env!("CARGO_BIN_EXE_longctx-launch"))
+                    .args(["--nnodes", "2", "--node-rank", &node.to_string(), "--nproc", "2"])
+                    .args(["--master-addr", &ip.to_string(), "--master-port", &port.to_string(), "--"])
+                    .arg(&exe)
+                    .args([name, "--exact", "--nocapture", "--test-threads=1"])
+                    .env(CHILD, &id)
+                    .env("UCX_TLS", "tcp,self")
+                    .env("LONGCTX_JOB_TOKEN", "two-node-test")
+                    .env("LONGCTX_TEST_FAIL", if fail { "1" } else { "0" })
+                    .stdout(std::process::Stdio::piped())
+                    .stderr(std::process::Stdio::piped())
+                    .spawn()
+                    .expect("start a launcher")
+            })
+            .collect();
+        Some(launchers.into_iter().map(|l| l.wait_with_output().expect("wait for a launcher")).collect::<Vec<_>>())
+    };
+    let body = |c: Communicator| -> Result<(), String> {
+        if c.world_size() != 4 {
+            return Err(format!("a world of {}", c.world_size()));
+        }
+        if std::env::var("LONGCTX_TEST_FAIL").as_deref() == Ok("1") {
+            if c.rank() == 3 {
+                std::process::exit(3);
+            }
+            let mut x = [0u8; 8];
+            return match c.recv(3, 1, &mut x) {
+                Err(longctx_p2p::CommError::PeerGone { rank: 3 }) => Err("saw rank 3 gone".into()),
+                other => Err(format!("waiting on the failed rank 3: {other:?}")),
+            };
+        }
+        let mine = vec![c.rank() as u16; 100_000];
+        let mut got = vec![0u16; 100_000];
+        c.sendrecv(&mine, &mut got).map_err(suite::e2s)?;
+        let mut x = [1.0f32];
+        c.all_reduce(&mut x, longctx_p2p::ReduceOp::Sum).map_err(suite::e2s)?;
+        match (got[0] as usize == (c.rank() + 3) % 4, x[0]) {
+            (true, 4.0) => Ok(()),
+            other => Err(format!("ring shift or all_reduce went wrong: {other:?}")),
+        }
+    };
+    // `None` in a child process of the other world: it goes on to the call its world belongs to.
+    if let Some(outs) = run_nodes(false, &body) {
+        for (node, out) in outs.iter().enumerate() {
+            let text = String::from_utf8_lossy(&out.stdout);
+            assert!(out.status.success(), "node {node}: {text}\n{}", String::from_utf8_lossy(&out.stderr));
+            for r in [2 * node, 2 * node + 1] {
+                assert_eq!(child_result(&text, &format!("[rank {r}] "), r, ""), Ok(()), "node {node}");
+            }
+        }
+    }
+    let started = std::time::Instant::now();
+    if let Some(outs) = run_nodes(true, &body) {
+        assert!(started.elapsed() < Duration::from_secs(20), "took {:?}", started.elapsed());
+        let err1 = String::from_utf8_lossy(&outs[1].stderr);
+        assert!(!outs[1].status.success() && err1.contains("rank 3 failed (exit status 3)"), "{err1}");
+        let text0 = String::from_utf8_lossy(&outs[0].stdout);
+        for r in [0, 1] {
+            let got = child_result(&text0, &format!("[rank {r}] "), r, "");
+            assert_eq!(got, Err("saw rank 3 gone".into()), "{text0}");
+        }
+    }
+}
