@@ -138,10 +138,11 @@ impl Bootstrap {
             Some(p) => {
                 p.trim().parse().map_err(|_| CommError::Bootstrap(format!("MASTER_PORT={p:?} is not a port")))?
             }
-            None => match (scheme, num("SLURM_JOB_ID")?) {
-                (Scheme::Slurm, Some(job)) => slurm_port(job, num("SLURM_STEP_ID").ok().flatten().unwrap_or(0)),
-                _ => DEFAULT_MASTER_PORT,
+            None if scheme == Scheme::Slurm => match num("SLURM_JOB_ID")? {
+                Some(job) => slurm_port(job, num("SLURM_STEP_ID").ok().flatten().unwrap_or(0)),
+                None => DEFAULT_MASTER_PORT,
             },
+            None => DEFAULT_MASTER_PORT,
         };
         let token = get("LONGCTX_JOB_TOKEN")
             .ok_or_else(|| CommError::Bootstrap("LONGCTX_JOB_TOKEN is not set (longctx-launch sets it)".into()))?;
