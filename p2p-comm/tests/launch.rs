@@ -67,3 +67,80 @@ fn several_hosts_without_a_shared_port_token_and_address_are_refused() {
     let (ok, _, err, _) = launch(&["--nnodes", "2", "--node-rank", "2", "--nproc", "1", "--", "true"]);
     assert!(!ok && err.contains("--node-rank 2 is not in --nnodes 2"), "{err}");
 }
+
+/// Starts the launcher with `args`, reads each rank's pid from its first line (`[rank k] PID`), and returns
+/// the launcher and those pids.
+fn start_with_pids(args: &[&str], nproc: usize) -> (std::process::Child, Vec<i32>) {
+    use std::io::BufRead;
+    let mut launcher = Command::new(env!("CARGO_BIN_EXE_longctx-launch"))
+        .args(args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run launcher");
+    let mut lines = std::io::BufReader::new(launcher.stdout.take().expect("stdout")).lines();
+    let mut pids = vec![0; nproc];
+    for _ in 0..nproc {
+        let line = lines.next().expect("a rank's pid line").expect("utf-8");
+        let (rank, pid) = line.strip_prefix("[rank ").and_then(|l| l.split_once("] ")).expect("prefixed line");
+        pids[rank.parse::<usize>().expect("rank")] = pid.trim().parse().expect("pid");
+    }
+    (launcher, pids)
+}
+
+fn send(launcher: &std::process::Child, signal: libc::c_int) {
+    // SAFETY: kill(2) on our own child's pid.
+    assert_eq!(unsafe { libc::kill(launcher.id() as libc::pid_t, signal) }, 0, "sending signal {signal}");
+}
+
+/// Whether process `pid` still runs: a zombie (dead, not yet reaped, which depends on who reaps orphans in
+/// this container) counts as gone.
+fn alive(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state follows the parenthesised command name.
+        Ok(stat) => stat.rsplit_once(") ").is_some_and(|(_, rest)| !rest.starts_with('Z')),
+        Err(_) => false,
+    }
+}
+
+fn gone_within(pids: &[i32], d: Duration) -> bool {
+    let t0 = Instant::now();
+    while t0.elapsed() < d {
+        if pids.iter().all(|&p| !alive(p)) {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    false
+}
+
+/// SIGTERM (a scheduler's cancel, `kill`) and SIGINT (Ctrl-C reaches only the launcher's process group) are
+/// passed on to the ranks, which exit; a rank that ignores it is killed after `--stop-grace`; the launcher exits
+/// with 128 + the signal.
+#[test]
+fn a_signalled_launcher_stops_its_ranks() {
+    for (signal, status) in [(libc::SIGTERM, 143), (libc::SIGINT, 130)] {
+        let (mut launcher, pids) = start_with_pids(&["--nproc", "2", "--", "sh", "-c", "echo $$; exec sleep 60"], 2);
+        send(&launcher, signal);
+        let st = launcher.wait().expect("launcher exit");
+        assert_eq!(st.code(), Some(status), "signal {signal}");
+        assert!(gone_within(&pids, Duration::from_secs(5)), "signal {signal}: ranks {pids:?} outlived the launcher");
+    }
+    // A rank that ignores SIGTERM: killed once the grace period is over.
+    let script = "trap '' TERM; echo $$; while true; do sleep 0.05; done";
+    let (mut launcher, pids) = start_with_pids(&["--nproc", "1", "--stop-grace", "0.5", "--", "sh", "-c", script], 1);
+    let t0 = Instant::now();
+    send(&launcher, libc::SIGTERM);
+    assert_eq!(launcher.wait().expect("launcher exit").code(), Some(143));
+    assert!(t0.elapsed() >= Duration::from_millis(400), "killed before the grace period: {:?}", t0.elapsed());
+    assert!(gone_within(&pids, Duration::from_secs(5)), "the rank ignoring SIGTERM survived");
+}
+
+/// A launcher killed outright (SIGKILL: no handler runs) still takes its ranks with it.
+#[test]
+fn a_killed_launcher_takes_its_ranks_with_it() {
+    let (mut launcher, pids) = start_with_pids(&["--nproc", "2", "--", "sh", "-c", "echo $$; exec sleep 60"], 2);
+    launcher.kill().expect("SIGKILL the launcher");
+    launcher.wait().expect("reap the launcher");
+    assert!(gone_within(&pids, Duration::from_secs(5)), "ranks {pids:?} outlived a killed launcher");
+}

@@ -4,6 +4,12 @@
 //! `MASTER_PORT` and a fresh random `LONGCTX_JOB_TOKEN` set, prefixes each line they print with `[rank k]`, and
 //! if one exits with an error (or is killed) kills the others and exits with status 1 naming that rank.
 //!
+//! Each rank leads its own process group (so that killing it reaches what it started), which also keeps a
+//! terminal's Ctrl-C from reaching the ranks directly. So the launcher passes SIGINT, SIGTERM and SIGHUP on to
+//! every rank's group, gives them `--stop-grace` seconds (10) to exit, then kills them, and exits with 128 + the
+//! signal's number; a second signal kills at once. A launcher that is itself killed (SIGKILL, a crash) takes
+//! its ranks with it through Linux's parent-death signal.
+//!
 //! On several hosts without Slurm or `mpirun` (as torchrun's `--nnodes`/`--node-rank`): run one launcher per
 //! host with the same `--nnodes M`, `--nproc N`, `--master-addr` (an address of node 0's host that the others
 //! reach), `--master-port` and `LONGCTX_JOB_TOKEN` in the environment, and `--node-rank` 0..M on each; the
@@ -14,6 +20,7 @@
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::process::{Child, Command, ExitCode, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::Duration;
 
 use clap::Parser;
@@ -36,6 +43,10 @@ struct Args {
     /// This host's place among the `--nnodes` hosts; node 0 hosts rank 0 and its rendezvous store.
     #[arg(long, default_value_t = 0)]
     node_rank: usize,
+    /// Seconds the ranks get to exit after the launcher passed them SIGINT, SIGTERM or SIGHUP, before it kills
+    /// them.
+    #[arg(long, default_value_t = 10.0)]
+    stop_grace: f64,
     /// The command and its arguments.
     #[arg(last = true, required = true)]
     cmd: Vec<String>,
@@ -74,10 +85,52 @@ fn pump(rank: usize, src: impl Read + Send + 'static, to_stderr: bool) -> std::t
 }
 
 fn kill_group(child: &Child) {
+    signal_group(child, libc::SIGKILL);
+}
+
+fn signal_group(child: &Child, signal: libc::c_int) {
     // Each rank leads its own process group, so this also reaches the processes it started.
     // SAFETY: kill(2) on a process group id we created; no memory is involved.
     unsafe {
-        libc::kill(-(child.id() as libc::pid_t), libc::SIGKILL);
+        libc::kill(-(child.id() as libc::pid_t), signal);
+    }
+}
+
+/// The last of SIGINT, SIGTERM, SIGHUP received (0: none), and how many so far; set by [`on_signal`].
+static SIGNALLED: AtomicI32 = AtomicI32::new(0);
+static SIGNALS: AtomicI32 = AtomicI32::new(0);
+
+extern "C" fn on_signal(signal: libc::c_int) {
+    // Only atomics here: a signal handler may do nothing that is not async-signal-safe.
+    SIGNALLED.store(signal, Ordering::SeqCst);
+    SIGNALS.fetch_add(1, Ordering::SeqCst);
+}
+
+/// Routes SIGINT, SIGTERM and SIGHUP to [`on_signal`], for the wait loop to pass on to the ranks.
+fn catch_stop_signals() -> std::io::Result<()> {
+    for signal in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+        // SAFETY: a zeroed sigaction with a handler that only touches atomics, installed for signals whose
+        // default action would end the launcher and orphan the ranks.
+        let rc = unsafe {
+            let mut action: libc::sigaction = std::mem::zeroed();
+            action.sa_sigaction = on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t;
+            libc::sigemptyset(&mut action.sa_mask);
+            action.sa_flags = libc::SA_RESTART;
+            libc::sigaction(signal, &action, std::ptr::null_mut())
+        };
+        if rc != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+fn signal_name(signal: libc::c_int) -> &'static str {
+    match signal {
+        libc::SIGINT => "SIGINT",
+        libc::SIGTERM => "SIGTERM",
+        libc::SIGHUP => "SIGHUP",
+        _ => "a signal",
     }
 }
 
@@ -112,6 +165,14 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     }
+    if !(args.stop_grace >= 0.0 && args.stop_grace.is_finite()) {
+        eprintln!("longctx-launch: --stop-grace must be a number of seconds, not {}", args.stop_grace);
+        return ExitCode::from(2);
+    }
+    if let Err(e) = catch_stop_signals() {
+        eprintln!("longctx-launch: installing the signal handlers: {e}");
+        return ExitCode::from(2);
+    }
     let world_size = args.nnodes * args.nproc;
     let first_rank = args.node_rank * args.nproc;
     let port = match args.master_port.map(Ok).unwrap_or_else(|| free_port(&args.master_addr)) {
@@ -145,6 +206,20 @@ fn main() -> ExitCode {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .process_group(0);
+        let launcher = std::process::id() as libc::pid_t;
+        // SAFETY: runs in the forked child before exec; prctl, getppid and _exit are async-signal-safe and
+        // touch no memory of the parent.
+        unsafe {
+            cmd.pre_exec(move || {
+                // Die with the launcher even if it is killed outright; if it died before this line, leave.
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) != 0
+                    || libc::getppid() != launcher
+                {
+                    libc::_exit(1);
+                }
+                Ok(())
+            });
+        }
         match cmd.spawn() {
             Ok(mut c) => {
                 if let Some(o) = c.stdout.take() {
@@ -164,7 +239,37 @@ fn main() -> ExitCode {
     }
     let mut running: Vec<bool> = vec![true; children.len()];
     let mut failed: Option<(usize, ExitStatus)> = None;
+    // The signal passed on to the ranks, when, and how many the launcher had received then.
+    let mut stopping: Option<(libc::c_int, std::time::Instant, i32)> = None;
     while running.iter().any(|&r| r) && failed.is_none() {
+        let signal = SIGNALLED.load(Ordering::SeqCst);
+        if signal != 0 {
+            match stopping {
+                None => {
+                    eprintln!(
+                        "longctx-launch: got {}; passing it on to the ranks ({} s to exit)",
+                        signal_name(signal),
+                        args.stop_grace
+                    );
+                    for (local, c) in children.iter().enumerate() {
+                        if running[local] {
+                            signal_group(c, signal);
+                        }
+                    }
+                    stopping = Some((signal, std::time::Instant::now(), SIGNALS.load(Ordering::SeqCst)));
+                }
+                Some((_, since, seen)) => {
+                    let again = SIGNALS.load(Ordering::SeqCst) > seen;
+                    if again || since.elapsed().as_secs_f64() > args.stop_grace {
+                        for (local, c) in children.iter().enumerate() {
+                            if running[local] {
+                                kill_group(c);
+                            }
+                        }
+                    }
+                }
+            }
+        }
         for (local, child) in children.iter_mut().enumerate() {
             if !running[local] {
                 continue;
@@ -172,7 +277,7 @@ fn main() -> ExitCode {
             match child.try_wait() {
                 Ok(Some(st)) => {
                     running[local] = false;
-                    if !st.success() {
+                    if !st.success() && stopping.is_none() {
                         failed = Some((first_rank + local, st));
                         break;
                     }
@@ -204,6 +309,14 @@ fn main() -> ExitCode {
     }
     for p in pumps {
         let _ = p.join();
+    }
+    if let Some((signal, since, _)) = stopping {
+        eprintln!(
+            "longctx-launch: stopped by {}; the ranks exited in {:.1} s",
+            signal_name(signal),
+            since.elapsed().as_secs_f64()
+        );
+        return ExitCode::from(128 + signal as u8);
     }
     ExitCode::SUCCESS
 }
