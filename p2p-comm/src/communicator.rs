@@ -126,6 +126,11 @@ impl Communicator {
     }
 
     /// Sets how long any blocking wait may take before it fails with [`CommError::Timeout`].
+    ///
+    /// With UCX, a send that fails this way closes the connection to its peer (which counts as gone from then
+    /// on). A peer that was only stalled in the middle of a large receive may still read the send buffer when
+    /// it resumes, over transports where the receiver pulls the data (shared memory, RDMA): keep that buffer
+    /// unchanged until the peer has exited or the job is torn down.
     pub fn set_timeout(&mut self, d: Duration) {
         self.timeout = d;
     }

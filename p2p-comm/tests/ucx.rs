@@ -502,3 +502,51 @@ fn launchers_on_two_nodes_form_one_world() {
         }
     }
 }
+
+/// A peer that stops in the middle of a large transfer (SIGSTOP, as a debugger or a swapped-out node would):
+/// the sender's wait fails within its timeout naming it, and its buffer is released (UCX's endpoint to the
+/// stopped peer is force-closed), on shared memory and over TCP. Once continued, the stopped rank's own receive
+/// ends with an error (or, if the data did all arrive, with the right data), never a hang.
+#[test]
+fn a_peer_stopped_mid_transfer_fails_the_sender_within_its_timeout() {
+    let name = "a_peer_stopped_mid_transfer_fails_the_sender_within_its_timeout";
+    let body =
+        |mut c: Communicator| -> Result<(), String> {
+            let mut pids = [0u32; 2];
+            c.all_gather(&[std::process::id()], &mut pids).map_err(suite::e2s)?;
+            c.set_timeout(Duration::from_secs(1));
+            let len = 256 << 20;
+            if c.rank() == 0 {
+                let data = vec![7u8; len];
+                c.barrier().map_err(suite::e2s)?; // rank 1's receive is posted
+                let t0 = std::time::Instant::now();
+                let res = c.isend(1, 5, &data).and_then(|r| r.wait());
+                let took = t0.elapsed();
+                // SAFETY: kill(2) to the peer's pid, which it sent us.
+                unsafe { libc::kill(pids[1] as libc::pid_t, libc::SIGCONT) };
+                // As the transport's docs ask after a failed send to a peer that may be stalled rather than dead:
+                // keep the buffer until that peer is done with it (over shared memory it pulls the data itself).
+                std::thread::sleep(Duration::from_secs(2));
+                drop(data);
+                return match res {
+                    Err(
+                        longctx_p2p::CommError::Timeout { peer: 1, .. } | longctx_p2p::CommError::PeerGone { rank: 1 },
+                    ) if took < Duration::from_secs(4) => Ok(()),
+                    other => Err(format!("send to the stopped rank: {other:?} after {took:?}")),
+                };
+            }
+            let mut got = vec![0u8; len];
+            let req = c.irecv(0, 5, &mut got).map_err(suite::e2s)?;
+            c.barrier().map_err(suite::e2s)?;
+            std::thread::sleep(Duration::from_millis(5)); // let part of it move
+                                                          // SAFETY: raise(3) on this process; rank 0 sends SIGCONT once its wait has failed.
+            unsafe { libc::raise(libc::SIGSTOP) };
+            match req.wait() {
+                Err(_) => Ok(()),
+                Ok(()) if got.iter().all(|&b| b == 7) => Ok(()),
+                Ok(()) => Err("the receive completed with wrong data".into()),
+            }
+        };
+    suite::all_ok(run_with_env(2, Duration::from_secs(30), name, &[], &body));
+    suite::all_ok(run_with_env(2, Duration::from_secs(30), name, &[("UCX_TLS", "tcp,self")], &body));
+}

@@ -15,6 +15,18 @@
 //! each process keeps its store connection open and the host marks a rank gone when it closes; waits poll that
 //! every 100 ms.
 //!
+//! A send that fails (timeout, gone peer) while UCX still holds its buffer is withdrawn: the request is
+//! cancelled, then the endpoint to that peer is force-closed (the peer counts as gone from then on), and after
+//! [`ABANDON_AFTER_CLOSE`] the request is handed back to UCX, so `wait` returns and the buffer is the caller's
+//! again. One case stays open: a peer that is *stalled* (stopped, swapped out), not dead, in the middle of a
+//! large receive, over a transport where the receiver pulls the data (shared memory through CMA, RDMA get).
+//! When it resumes, its UCX goes on reading the sender's buffer by address. If the caller has freed that memory
+//! by then, UCX 1.13 aborts the receiving process (`process_vm_readv` fails); if it reused it, the receive
+//! completes with whatever the memory then holds. Over TCP the sender pushes, so the resumed receiver gets an
+//! error instead. So after a failed send to a peer that may only be stalled, keep the buffer unchanged until
+//! that peer has exited or the job is torn down (the usual answer to a communication error). The test
+//! `a_peer_stopped_mid_transfer_fails_the_sender_within_its_timeout` stops a receiver mid-transfer both ways.
+//!
 //! Progress: UCX moves a message only while someone calls `ucp_worker_progress` (a rendezvous waits for its
 //! receiver to see the request and fetch the data; TCP needs its socket fed). A rank that posts a transfer and
 //! then computes (the ring-attention pattern) would leave the wire idle until it waits. So while any operation
