@@ -127,10 +127,9 @@ impl Communicator {
 
     /// Sets how long any blocking wait may take before it fails with [`CommError::Timeout`].
     ///
-    /// With UCX, a send that fails this way closes the connection to its peer (which counts as gone from then
-    /// on). A peer that was only stalled in the middle of a large receive may still read the send buffer when
-    /// it resumes, over transports where the receiver pulls the data (shared memory, RDMA): keep that buffer
-    /// unchanged until the peer has exited or the job is torn down.
+    /// With UCX, a send that fails this way closes the link to its peer (which counts as gone from then on),
+    /// and a receive of that message that the peer resumes later fails with [`CommError::LinkClosed`] (peers on
+    /// one host) or times out (TCP), rather than completing with whatever the buffer holds by then.
     pub fn set_timeout(&mut self, d: Duration) {
         self.timeout = d;
     }

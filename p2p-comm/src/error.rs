@@ -70,6 +70,14 @@ pub enum CommError {
         /// The rank that left.
         rank: usize,
     },
+    /// The peer gave up a send to this rank (it timed out waiting for it) and closed its link to this rank; a
+    /// receive from it that completes afterwards is refused, as its data may have been read from memory the
+    /// peer had already reused (UCX transport, peers on one host).
+    #[error("rank {rank} closed its link to this rank after one of its sends to it failed; a receive from it that ends afterwards is refused")]
+    LinkClosed {
+        /// The rank that closed the link.
+        rank: usize,
+    },
     /// A rank of a [`ThreadWorld`](crate::ThreadWorld) panicked.
     #[error("rank {rank} panicked: {message}")]
     RankPanicked {

@@ -18,14 +18,15 @@
 //! A send that fails (timeout, gone peer) while UCX still holds its buffer is withdrawn: the request is
 //! cancelled, then the endpoint to that peer is force-closed (the peer counts as gone from then on), and after
 //! [`ABANDON_AFTER_CLOSE`] the request is handed back to UCX, so `wait` returns and the buffer is the caller's
-//! again. One case stays open: a peer that is *stalled* (stopped, swapped out), not dead, in the middle of a
-//! large receive, over a transport where the receiver pulls the data (shared memory through CMA, RDMA get).
-//! When it resumes, its UCX goes on reading the sender's buffer by address. If the caller has freed that memory
-//! by then, UCX 1.13 aborts the receiving process (`process_vm_readv` fails); if it reused it, the receive
-//! completes with whatever the memory then holds. Over TCP the sender pushes, so the resumed receiver gets an
-//! error instead. So after a failed send to a peer that may only be stalled, keep the buffer unchanged until
-//! that peer has exited or the job is torn down (the usual answer to a communication error). The test
-//! `a_peer_stopped_mid_transfer_fails_the_sender_within_its_timeout` stops a receiver mid-transfer both ways.
+//! again. A peer that was only *stalled* (stopped, swapped out) in the middle of that receive goes on with it
+//! when it resumes. Over TCP the sender pushes, so the rest never comes and the receive fails. Over shared
+//! memory the receiver pulls the data from the sender's memory by address (CMA), and would read whatever the
+//! caller has put there since: before the buffer is returned, the sender raises a flag in shared memory that
+//! its peers on the host read after each receive from it ([`link_flags`]), so such a receive fails with
+//! `LinkClosed` instead (test: `a_peer_stopped_mid_transfer_fails_the_sender_and_never_gets_reused_data`; without
+//! the flag the resumed receive completed with 250 MiB of the reused data). Left open: if the caller *unmapped*
+//! the buffer (freed a large allocation) and its process lives on, UCX 1.13 aborts the resumed receiver when
+//! its read faults; and RDMA reads between hosts (InfiniBand) have no flag to read.
 //!
 //! Progress: UCX moves a message only while someone calls `ucp_worker_progress` (a rendezvous waits for its
 //! receiver to see the request and fetch the data; TCP needs its socket fed). A rank that posts a transfer and
@@ -37,6 +38,7 @@
 //! (`UCP_FEATURE_WAKEUP`) until UCX has something to do; `LONGCTX_UCX_WAKEUP=0` replaces that sleep with a
 //! fixed 50 µs one.
 
+mod link_flags;
 pub(crate) mod result;
 pub(crate) mod safe;
 #[allow(missing_docs)]
@@ -115,6 +117,8 @@ pub(crate) struct Shared {
     /// not move while UCX may write it (the receive's callback fills it), hence boxes, not values in the op.
     #[allow(clippy::vec_box)] // each box's address is handed to UCX, so it must not move with the vector
     infos: Mutex<Vec<Box<sys::ucp_tag_recv_info_t>>>,
+    /// Which peers this process gave up a send to, and which peers on this host gave up one to it.
+    links: link_flags::LinkFlags,
 }
 
 impl Shared {
@@ -302,10 +306,13 @@ pub(crate) fn from_env(timeout: Duration) -> Result<crate::Communicator, CommErr
         _ => worker_with_event_fd()?,
     };
     store.set(&format!("ucx/{}", b.rank), &worker.address()?)?;
+    let (mut links, published) = link_flags::LinkFlags::create(b.rank, b.world_size);
+    store.set(&format!("links/{}", b.rank), published.as_bytes())?;
     let mut eps = Vec::with_capacity(b.world_size);
     for r in 0..b.world_size {
         let addr = store.get(&format!("ucx/{r}"))?;
         eps.push(Some(worker.connect(&addr)?));
+        links.attach(r, &String::from_utf8_lossy(&store.get(&format!("links/{r}"))?));
     }
     let inner = Arc::new(Mutex::new(Inner { eps, broken: vec![false; b.world_size], worker }));
     let progress = match std::env::var("LONGCTX_UCX_PROGRESS").as_deref() {
@@ -320,11 +327,13 @@ pub(crate) fn from_env(timeout: Duration) -> Result<crate::Communicator, CommErr
         progress,
         efd,
         infos: Mutex::new(Vec::new()),
+        links,
     });
     let members: Arc<[usize]> = (0..b.world_size).collect();
-    let ep = UcxEndpoint { shared, ctx: 0, members, rank: b.rank };
+    let ep = UcxEndpoint { shared: shared.clone(), ctx: 0, members, rank: b.rank };
     let comm = crate::Communicator::from_ucx(ep, timeout);
     comm.barrier()?;
+    shared.links.unlink(); // every rank has mapped it by now
     Ok(comm.with_fresh_stats())
 }
 
@@ -529,6 +538,9 @@ impl UcxOp {
         }
         match r {
             Ok(()) if length != self.len => Err(mismatch(length)),
+            Ok(()) if !self.is_send && self.shared.links.closed_by(self.world_peer) => {
+                Err(CommError::LinkClosed { rank: self.peer })
+            }
             Ok(()) => {
                 self.stats.record(self.is_send, self.len);
                 Ok(())
@@ -591,6 +603,10 @@ impl UcxOp {
         let mut closed_at = None;
         while !self.poll() {
             if t0.elapsed() > Duration::from_millis(200) && closed_at.is_none() {
+                if self.is_send {
+                    // The receiver may still pull from the buffer after we return it: tell it (see link_flags).
+                    self.shared.links.close_link_to(self.world_peer);
+                }
                 let mut inner = lock(&self.shared.inner);
                 if let Some(ep) = inner.eps[self.world_peer].take() {
                     inner.broken[self.world_peer] = true;
