@@ -26,7 +26,10 @@
 //! `LinkClosed` instead (test: `a_peer_stopped_mid_transfer_fails_the_sender_and_never_gets_reused_data`; without
 //! the flag the resumed receive completed with 250 MiB of the reused data). Left open: if the caller *unmapped*
 //! the buffer (freed a large allocation) and its process lives on, UCX 1.13 aborts the resumed receiver when
-//! its read faults; and RDMA reads between hosts (InfiniBand) have no flag to read.
+//! its read faults; RDMA reads between hosts (InfiniBand) have no flag to read; and the mirror case, a
+//! withdrawn *receive* whose stalled sender resumes, is safe only because UCX's default rendezvous over shared
+//! memory has the receiver read (`UCX_RNDV_SCHEME=put_zcopy` would let the resumed sender write into the
+//! buffer after it was returned).
 //!
 //! Progress: UCX moves a message only while someone calls `ucp_worker_progress` (a rendezvous waits for its
 //! receiver to see the request and fetch the data; TCP needs its socket fed). A rank that posts a transfer and
