@@ -33,7 +33,9 @@
 //!   generated at build time from the installed UCX headers (`libucx-dev`, `pkg-config`, libclang). A
 //!   background thread of each process progresses UCX while non-blocking operations are in flight, so a
 //!   transfer posted with `isend`/`irecv`/`isendrecv` moves while the rank computes (`LONGCTX_UCX_PROGRESS=0`
-//!   turns it off; blocking calls progress UCX themselves).
+//!   turns it off; blocking calls progress UCX themselves). `LONGCTX_UCX_PEER_ERRORS=1` turns on UCX's peer
+//!   error handling: a rank then survives a peer that dies in the middle of a transfer over shared memory
+//!   (UCX 1.13 otherwise aborts it), at a cost in shared-memory bandwidth.
 #![warn(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 

@@ -151,7 +151,16 @@ fn run_like_a_scheduler(
         .map(|r| {
             let mut cmd = Command::new(&exe);
             cmd.args([name, "--exact", "--nocapture", "--test-threads=1"]).env(CHILD, &id);
-            for k in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"] {
+            for k in [
+                "RANK",
+                "WORLD_SIZE",
+                "LOCAL_RANK",
+                "LOCAL_WORLD_SIZE",
+                "MASTER_ADDR",
+                "MASTER_PORT",
+                "UCX_TLS",
+                "LONGCTX_UCX_PEER_ERRORS",
+            ] {
                 cmd.env_remove(k);
             }
             cmd.envs(env_of(r)).stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
@@ -195,6 +204,32 @@ mod tcp {
     }
 
     suite_tests!(UcxTcp, 64);
+}
+
+/// The same suite with UCX's peer error handling on (`LONGCTX_UCX_PEER_ERRORS=1`), the mode in which a rank
+/// survives a peer that dies in the middle of a transfer over shared memory.
+mod peer_errors {
+    use super::*;
+
+    struct UcxPeerErrors;
+
+    impl World for UcxPeerErrors {
+        fn run(
+            n: usize,
+            timeout: Duration,
+            name: &str,
+            body: &(dyn Fn(Communicator) -> Result<(), String> + Sync),
+        ) -> Vec<Result<(), String>> {
+            run_with_env(n, timeout, &format!("peer_errors::{name}"), &[("LONGCTX_UCX_PEER_ERRORS", "1")], body)
+        }
+
+        fn die() -> ! {
+            std::process::exit(0)
+        }
+        const SENDER_SEES_REJECTION: bool = false;
+    }
+
+    suite_tests!(UcxPeerErrors, 64);
 }
 
 /// While a UCX job runs, a connection to its rendezvous port that does not present the job token is refused,
@@ -555,4 +590,61 @@ fn a_peer_stopped_mid_transfer_fails_the_sender_and_never_gets_reused_data() {
         };
     suite::all_ok(run_with_env(2, Duration::from_secs(30), name, &[], &body));
     suite::all_ok(run_with_env(2, Duration::from_secs(30), name, &[("UCX_TLS", "tcp,self")], &body));
+}
+
+/// A sender killed (SIGKILL) in the middle of a large transfer, its peers started without the launcher (which
+/// would end them at once): the receiver gets an error naming it, and its process lives on. Over TCP as set up
+/// by default; over shared memory only with `LONGCTX_UCX_PEER_ERRORS=1` (UCX's peer error handling), since
+/// UCX 1.13 aborts a process whose zero-copy read from a dead peer fails when endpoints have none.
+#[test]
+fn a_sender_killed_mid_transfer_is_an_error_on_the_receiver() {
+    let name = "a_sender_killed_mid_transfer_is_an_error_on_the_receiver";
+    let body = |mut c: Communicator| -> Result<(), String> {
+        c.set_timeout(Duration::from_secs(5));
+        let len = 256 << 20;
+        if c.rank() == 0 {
+            let data = vec![7u8; len];
+            c.barrier().map_err(suite::e2s)?;
+            let _req = c.isend(1, 5, &data).map_err(suite::e2s)?;
+            std::thread::sleep(Duration::from_millis(5));
+            // SAFETY: raise(3) on this process: it dies here, as a crashed rank would.
+            unsafe { libc::raise(libc::SIGKILL) };
+            unreachable!("SIGKILL returned");
+        }
+        let mut got = vec![0u8; len];
+        let req = c.irecv(0, 5, &mut got).map_err(suite::e2s)?;
+        c.barrier().map_err(suite::e2s)?;
+        let t0 = std::time::Instant::now();
+        match req.wait() {
+            Err(longctx_p2p::CommError::PeerGone { rank: 0 }) => Ok(()),
+            Err(e) => Err(format!("the receive from the killed rank failed with {e} after {:?}", t0.elapsed())),
+            // 256 MiB take 25 ms or more here: 5 ms in, the message is still on its way.
+            Ok(()) => Err("the receive from the killed rank completed".into()),
+        }
+    };
+    for (tls, peer_errors) in [("tcp,self", false), ("", true)] {
+        let store = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free port");
+        let env = |r: usize| {
+            let mut v = vec![
+                ("RANK".to_string(), r.to_string()),
+                ("WORLD_SIZE".to_string(), "2".to_string()),
+                ("MASTER_ADDR".to_string(), "127.0.0.1".to_string()),
+                ("MASTER_PORT".to_string(), store.port().to_string()),
+                ("LONGCTX_JOB_TOKEN".to_string(), "kill-test".to_string()),
+            ];
+            if !tls.is_empty() {
+                v.push(("UCX_TLS".to_string(), tls.to_string()));
+            }
+            if peer_errors {
+                v.push(("LONGCTX_UCX_PEER_ERRORS".to_string(), "1".to_string()));
+            }
+            v
+        };
+        let out = run_like_a_scheduler(2, Duration::from_secs(30), name, &env, &body);
+        if std::env::var(CHILD).is_ok() {
+            continue; // a child of the other world: its outcomes here are stand-ins
+        }
+        assert!(out[0].is_err(), "the killed rank reported a result");
+        assert_eq!(out[1], Ok(()), "UCX_TLS={tls:?}, peer errors {peer_errors}");
+    }
 }

@@ -31,6 +31,13 @@
 //! memory has the receiver read (`UCX_RNDV_SCHEME=put_zcopy` would let the resumed sender write into the
 //! buffer after it was returned).
 //!
+//! A peer that *dies* in the middle of a large transfer fails the operations on it with `PeerGone` over TCP.
+//! Over shared memory the receiver's zero-copy read (CMA) from the dead process fails inside UCX, which in
+//! UCX 1.13 aborts the receiving process unless its endpoints use peer error handling; that handling excludes
+//! CMA and cost 2-5x in bandwidth from 64 KiB here, so it is off by default (under `longctx-launch` the job
+//! ends when one rank dies anyway) and `LONGCTX_UCX_PEER_ERRORS=1` turns it on for jobs whose ranks must
+//! survive a peer's death (test: `a_sender_killed_mid_transfer_is_an_error_on_the_receiver`).
+//!
 //! Progress: UCX moves a message only while someone calls `ucp_worker_progress` (a rendezvous waits for its
 //! receiver to see the request and fetch the data; TCP needs its socket fed). A rank that posts a transfer and
 //! then computes (the ring-attention pattern) would leave the wire idle until it waits. So while any operation

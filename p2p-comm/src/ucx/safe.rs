@@ -101,11 +101,21 @@ impl Worker {
 
     /// Creates an endpoint to the worker whose address is `addr`.
     pub fn connect(&self, addr: &[u8]) -> Result<Endpoint, UcxError> {
+        // By default no UCP_ERR_HANDLING_MODE_PEER: it restricts UCX to transports that can detect peer failure,
+        // which excludes shared-memory zero-copy (cma) here, and cost 2-5x in bandwidth from 64 KiB
+        // (BENCHMARKS.md); the transport detects dead peers itself, through the store. The price: UCX 1.13 aborts
+        // a process whose cma read from a peer that died mid-transfer fails. `LONGCTX_UCX_PEER_ERRORS=1` buys
+        // survival of that case with the bandwidth.
+        let peer = std::env::var("LONGCTX_UCX_PEER_ERRORS").as_deref() == Ok("1");
         let params = sys::ucp_ep_params_t {
-            // No UCP_ERR_HANDLING_MODE_PEER: it restricts UCX to transports that can detect peer failure, which
-            // excludes shared-memory zero-copy (cma) here. The transport detects dead peers itself.
-            field_mask: sys::ucp_ep_params_field_UCP_EP_PARAM_FIELD_REMOTE_ADDRESS as u64,
+            field_mask: sys::ucp_ep_params_field_UCP_EP_PARAM_FIELD_REMOTE_ADDRESS as u64
+                | if peer { sys::ucp_ep_params_field_UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE as u64 } else { 0 },
             address: addr.as_ptr() as *const sys::ucp_address_t,
+            err_mode: if peer {
+                sys::ucp_err_handling_mode_t_UCP_ERR_HANDLING_MODE_PEER
+            } else {
+                sys::ucp_err_handling_mode_t_UCP_ERR_HANDLING_MODE_NONE
+            },
             ..Default::default()
         };
         let mut ep: sys::ucp_ep_h = ptr::null_mut();
