@@ -592,37 +592,50 @@ fn a_peer_stopped_mid_transfer_fails_the_sender_and_never_gets_reused_data() {
     suite::all_ok(run_with_env(2, Duration::from_secs(30), name, &[("UCX_TLS", "tcp,self")], &body));
 }
 
-/// A sender killed (SIGKILL) in the middle of a large transfer, its peers started without the launcher (which
-/// would end them at once): the receiver gets an error naming it, and its process lives on. Over TCP as set up
-/// by default; over shared memory only with `LONGCTX_UCX_PEER_ERRORS=1` (UCX's peer error handling), since
-/// UCX 1.13 aborts a process whose zero-copy read from a dead peer fails when endpoints have none.
+/// A rank killed (SIGKILL) in the middle of a large transfer, sender or receiver, its peer started without the
+/// launcher (which would end it at once): the peer gets `PeerGone` and its process lives on. Over TCP as set up
+/// by default; over shared memory with `LONGCTX_UCX_PEER_ERRORS=1` (UCX's peer error handling), since UCX 1.13
+/// aborts a process whose zero-copy read from a dead sender fails when endpoints have none (the receiver's case
+/// is also run without it).
 #[test]
-fn a_sender_killed_mid_transfer_is_an_error_on_the_receiver() {
-    let name = "a_sender_killed_mid_transfer_is_an_error_on_the_receiver";
+fn a_rank_killed_mid_transfer_is_an_error_on_its_peer() {
+    let name = "a_rank_killed_mid_transfer_is_an_error_on_its_peer";
     let body = |mut c: Communicator| -> Result<(), String> {
         c.set_timeout(Duration::from_secs(5));
         let len = 256 << 20;
-        if c.rank() == 0 {
+        let victim = std::env::var("LONGCTX_TEST_VICTIM").map_err(|e| e.to_string())? == "sender";
+        let die = |c: &Communicator| {
+            if (c.rank() == 0) == victim {
+                std::thread::sleep(Duration::from_millis(5));
+                // SAFETY: raise(3) on this process: it dies here, as a crashed rank would.
+                unsafe { libc::raise(libc::SIGKILL) };
+            }
+        };
+        let t0 = std::time::Instant::now();
+        let res = if c.rank() == 0 {
             let data = vec![7u8; len];
             c.barrier().map_err(suite::e2s)?;
-            let _req = c.isend(1, 5, &data).map_err(suite::e2s)?;
-            std::thread::sleep(Duration::from_millis(5));
-            // SAFETY: raise(3) on this process: it dies here, as a crashed rank would.
-            unsafe { libc::raise(libc::SIGKILL) };
-            unreachable!("SIGKILL returned");
-        }
-        let mut got = vec![0u8; len];
-        let req = c.irecv(0, 5, &mut got).map_err(suite::e2s)?;
-        c.barrier().map_err(suite::e2s)?;
-        let t0 = std::time::Instant::now();
-        match req.wait() {
-            Err(longctx_p2p::CommError::PeerGone { rank: 0 }) => Ok(()),
-            Err(e) => Err(format!("the receive from the killed rank failed with {e} after {:?}", t0.elapsed())),
+            let req = c.isend(1, 5, &data).map_err(suite::e2s)?;
+            die(&c);
+            req.wait()
+        } else {
+            let mut got = vec![0u8; len];
+            let req = c.irecv(0, 5, &mut got).map_err(suite::e2s)?;
+            c.barrier().map_err(suite::e2s)?;
+            die(&c);
+            req.wait()
+        };
+        let other = 1 - c.rank();
+        match res {
+            Err(longctx_p2p::CommError::PeerGone { rank }) if rank == other => Ok(()),
+            Err(e) => Err(format!("the transfer with the killed rank failed with {e} after {:?}", t0.elapsed())),
             // 256 MiB take 25 ms or more here: 5 ms in, the message is still on its way.
-            Ok(()) => Err("the receive from the killed rank completed".into()),
+            Ok(()) => Err("the transfer with the killed rank completed".into()),
         }
     };
-    for (tls, peer_errors) in [("tcp,self", false), ("", true)] {
+    let cases =
+        [("sender", "tcp,self", false), ("sender", "", true), ("receiver", "tcp,self", false), ("receiver", "", false)];
+    for (victim, tls, peer_errors) in cases {
         let store = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free port");
         let env = |r: usize| {
             let mut v = vec![
@@ -631,6 +644,7 @@ fn a_sender_killed_mid_transfer_is_an_error_on_the_receiver() {
                 ("MASTER_ADDR".to_string(), "127.0.0.1".to_string()),
                 ("MASTER_PORT".to_string(), store.port().to_string()),
                 ("LONGCTX_JOB_TOKEN".to_string(), "kill-test".to_string()),
+                ("LONGCTX_TEST_VICTIM".to_string(), victim.to_string()),
             ];
             if !tls.is_empty() {
                 v.push(("UCX_TLS".to_string(), tls.to_string()));
@@ -642,9 +656,10 @@ fn a_sender_killed_mid_transfer_is_an_error_on_the_receiver() {
         };
         let out = run_like_a_scheduler(2, Duration::from_secs(30), name, &env, &body);
         if std::env::var(CHILD).is_ok() {
-            continue; // a child of the other world: its outcomes here are stand-ins
+            continue; // a child of another world: its outcomes here are stand-ins
         }
-        assert!(out[0].is_err(), "the killed rank reported a result");
-        assert_eq!(out[1], Ok(()), "UCX_TLS={tls:?}, peer errors {peer_errors}");
+        let (dead, alive) = if victim == "sender" { (0, 1) } else { (1, 0) };
+        assert!(out[dead].is_err(), "the killed rank reported a result");
+        assert_eq!(out[alive], Ok(()), "{victim} killed, UCX_TLS={tls:?}, peer errors {peer_errors}");
     }
 }

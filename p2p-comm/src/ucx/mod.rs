@@ -36,7 +36,7 @@
 //! UCX 1.13 aborts the receiving process unless its endpoints use peer error handling; that handling excludes
 //! CMA and cost 2-5x in bandwidth from 64 KiB here, so it is off by default (under `longctx-launch` the job
 //! ends when one rank dies anyway) and `LONGCTX_UCX_PEER_ERRORS=1` turns it on for jobs whose ranks must
-//! survive a peer's death (test: `a_sender_killed_mid_transfer_is_an_error_on_the_receiver`).
+//! survive a peer's death (test: `a_rank_killed_mid_transfer_is_an_error_on_its_peer`).
 //!
 //! Progress: UCX moves a message only while someone calls `ucp_worker_progress` (a rendezvous waits for its
 //! receiver to see the request and fetch the data; TCP needs its socket fed). A rank that posts a transfer and
