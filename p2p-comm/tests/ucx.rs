@@ -551,7 +551,7 @@ fn a_peer_stopped_mid_transfer_fails_the_sender_and_never_gets_reused_data() {
             let mut pids = [0u32; 2];
             c.all_gather(&[std::process::id()], &mut pids).map_err(suite::e2s)?;
             c.set_timeout(Duration::from_secs(1));
-            let len = 256 << 20;
+            let len = 512 << 20;
             if c.rank() == 0 {
                 let mut data = vec![7u8; len];
                 c.barrier().map_err(suite::e2s)?; // rank 1's receive is posted
@@ -574,7 +574,7 @@ fn a_peer_stopped_mid_transfer_fails_the_sender_and_never_gets_reused_data() {
             let mut got = vec![0u8; len];
             let req = c.irecv(0, 5, &mut got).map_err(suite::e2s)?;
             c.barrier().map_err(suite::e2s)?;
-            std::thread::sleep(Duration::from_millis(5)); // let part of it move
+            std::thread::sleep(Duration::from_millis(2)); // let part of it move
                                                           // SAFETY: raise(3) on this process; rank 0 sends SIGCONT once its wait has failed.
             unsafe { libc::raise(libc::SIGSTOP) };
             let over_tcp = std::env::var("UCX_TLS").is_ok_and(|t| t.starts_with("tcp"));
@@ -602,11 +602,11 @@ fn a_rank_killed_mid_transfer_is_an_error_on_its_peer() {
     let name = "a_rank_killed_mid_transfer_is_an_error_on_its_peer";
     let body = |mut c: Communicator| -> Result<(), String> {
         c.set_timeout(Duration::from_secs(5));
-        let len = 256 << 20;
+        let len = 512 << 20;
         let victim = std::env::var("LONGCTX_TEST_VICTIM").map_err(|e| e.to_string())? == "sender";
         let die = |c: &Communicator| {
             if (c.rank() == 0) == victim {
-                std::thread::sleep(Duration::from_millis(5));
+                std::thread::sleep(Duration::from_millis(2));
                 // SAFETY: raise(3) on this process: it dies here, as a crashed rank would.
                 unsafe { libc::raise(libc::SIGKILL) };
             }
@@ -629,7 +629,7 @@ fn a_rank_killed_mid_transfer_is_an_error_on_its_peer() {
         match res {
             Err(longctx_p2p::CommError::PeerGone { rank }) if rank == other => Ok(()),
             Err(e) => Err(format!("the transfer with the killed rank failed with {e} after {:?}", t0.elapsed())),
-            // 256 MiB take 25 ms or more here: 5 ms in, the message is still on its way.
+            // 512 MiB take 50 ms or more here: 2 ms in, the message is still on its way.
             Ok(()) => Err("the transfer with the killed rank completed".into()),
         }
     };
