@@ -83,14 +83,36 @@ impl Communicator {
     /// [`Bootstrap::from_env`](crate::Bootstrap::from_env)) over UCX. Rank 0 hosts the rendezvous store on
     /// `MASTER_ADDR:MASTER_PORT`. Collective: returns once every rank has joined.
     ///
+    /// The timeout, for joining (a rank that does not join in time is named in the error) and then for every
+    /// blocking wait, is `LONGCTX_TIMEOUT_SECS` when set, else 5 minutes; see also
+    /// [`from_env_with_timeout`](Self::from_env_with_timeout).
+    ///
     /// Without the `ucx` feature this returns [`CommError::NotCompiled`].
     pub fn from_env() -> Result<Communicator, CommError> {
+        let timeout = match std::env::var("LONGCTX_TIMEOUT_SECS") {
+            Ok(v) => match v.trim().parse::<f64>() {
+                Ok(s) if s.is_finite() && s > 0.0 => Duration::from_secs_f64(s),
+                _ => {
+                    return Err(CommError::Bootstrap(format!(
+                        "LONGCTX_TIMEOUT_SECS={v:?} is not a positive number of seconds"
+                    )))
+                }
+            },
+            Err(_) => DEFAULT_TIMEOUT,
+        };
+        Self::from_env_with_timeout(timeout)
+    }
+
+    /// [`from_env`](Self::from_env) with the given timeout for joining and for every blocking wait (what
+    /// [`set_timeout`](Self::set_timeout) sets afterwards), whatever `LONGCTX_TIMEOUT_SECS` says.
+    pub fn from_env_with_timeout(timeout: Duration) -> Result<Communicator, CommError> {
         #[cfg(feature = "ucx")]
         {
-            crate::ucx::from_env(DEFAULT_TIMEOUT)
+            crate::ucx::from_env(timeout)
         }
         #[cfg(not(feature = "ucx"))]
         {
+            let _ = timeout;
             Err(CommError::NotCompiled("ucx"))
         }
     }

@@ -663,3 +663,32 @@ fn a_rank_killed_mid_transfer_is_an_error_on_its_peer() {
         assert_eq!(out[alive], Ok(()), "{victim} killed, UCX_TLS={tls:?}, peer errors {peer_errors}");
     }
 }
+
+/// A rank that never starts: the others' `Communicator::from_env` fails within the timeout
+/// `LONGCTX_TIMEOUT_SECS` sets, naming it, instead of waiting the default 5 minutes.
+#[test]
+fn a_rank_that_never_joins_is_named_within_the_timeout() {
+    let name = "a_rank_that_never_joins_is_named_within_the_timeout";
+    let store = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free port");
+    let env = |r: usize| {
+        [
+            ("RANK", r.to_string()),
+            ("WORLD_SIZE", "3".to_string()), // rank 2 is never started
+            ("MASTER_ADDR", "127.0.0.1".to_string()),
+            ("MASTER_PORT", store.port().to_string()),
+            ("LONGCTX_JOB_TOKEN", "join-test".to_string()),
+            ("LONGCTX_TIMEOUT_SECS", "1.5".to_string()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect()
+    };
+    let t0 = std::time::Instant::now();
+    let out = run_like_a_scheduler(2, Duration::from_secs(30), name, &env, &|_| Ok(()));
+    if std::env::var(CHILD).is_err() {
+        assert!(t0.elapsed() < Duration::from_secs(10), "took {:?}", t0.elapsed());
+        for o in &out {
+            assert!(matches!(o, Err(e) if e.contains("rank 2 of 3 did not join within 1.5s")), "{out:?}");
+        }
+    }
+}

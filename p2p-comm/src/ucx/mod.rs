@@ -320,7 +320,14 @@ pub(crate) fn from_env(timeout: Duration) -> Result<crate::Communicator, CommErr
     store.set(&format!("links/{}", b.rank), published.as_bytes())?;
     let mut eps = Vec::with_capacity(b.world_size);
     for r in 0..b.world_size {
-        let addr = store.get(&format!("ucx/{r}"))?;
+        let addr = store.get(&format!("ucx/{r}")).map_err(|e| match e {
+            CommError::Bootstrap(_) => CommError::Bootstrap(format!(
+                "rank {r} of {} did not join within {timeout:?}: is it running, with the same MASTER_ADDR, \
+                 MASTER_PORT and LONGCTX_JOB_TOKEN?",
+                b.world_size
+            )),
+            e => e,
+        })?;
         eps.push(Some(worker.connect(&addr)?));
         links.attach(r, &String::from_utf8_lossy(&store.get(&format!("links/{r}"))?));
     }
