@@ -179,58 +179,42 @@ fn run_like_a_scheduler(
 
 suite_tests!(Ucx, 64);
 
-/// The same suite with UCX restricted to TCP (`UCX_TLS=tcp,self`), the wire between hosts without InfiniBand:
-/// the processes of one machine then talk over loopback TCP sockets as they would across a network.
-mod tcp {
-    use super::*;
+/// The generic suite again under other UCX settings: a module per variant, whose ranks run with `$env` set.
+macro_rules! ucx_suite_variant {
+    ($module:ident, $world:ident, $env:expr) => {
+        mod $module {
+            use super::*;
 
-    struct UcxTcp;
+            struct $world;
 
-    impl World for UcxTcp {
-        fn run(
-            n: usize,
-            timeout: Duration,
-            name: &str,
-            body: &(dyn Fn(Communicator) -> Result<(), String> + Sync),
-        ) -> Vec<Result<(), String>> {
-            // The children re-run this module's test, whose full name has the module's path.
-            run_with_env(n, timeout, &format!("tcp::{name}"), &[("UCX_TLS", "tcp,self")], body)
+            impl World for $world {
+                fn run(
+                    n: usize,
+                    timeout: Duration,
+                    name: &str,
+                    body: &(dyn Fn(Communicator) -> Result<(), String> + Sync),
+                ) -> Vec<Result<(), String>> {
+                    // The children re-run this module's test, whose full name has the module's path.
+                    run_with_env(n, timeout, &format!("{}::{name}", stringify!($module)), $env, body)
+                }
+
+                fn die() -> ! {
+                    std::process::exit(0)
+                }
+                const SENDER_SEES_REJECTION: bool = false;
+            }
+
+            suite_tests!($world, 64);
         }
-
-        fn die() -> ! {
-            std::process::exit(0)
-        }
-        const SENDER_SEES_REJECTION: bool = false;
-    }
-
-    suite_tests!(UcxTcp, 64);
+    };
 }
 
-/// The same suite with UCX's peer error handling on (`LONGCTX_UCX_PEER_ERRORS=1`), the mode in which a rank
-/// survives a peer that dies in the middle of a transfer over shared memory.
-mod peer_errors {
-    use super::*;
-
-    struct UcxPeerErrors;
-
-    impl World for UcxPeerErrors {
-        fn run(
-            n: usize,
-            timeout: Duration,
-            name: &str,
-            body: &(dyn Fn(Communicator) -> Result<(), String> + Sync),
-        ) -> Vec<Result<(), String>> {
-            run_with_env(n, timeout, &format!("peer_errors::{name}"), &[("LONGCTX_UCX_PEER_ERRORS", "1")], body)
-        }
-
-        fn die() -> ! {
-            std::process::exit(0)
-        }
-        const SENDER_SEES_REJECTION: bool = false;
-    }
-
-    suite_tests!(UcxPeerErrors, 64);
-}
+// UCX restricted to TCP, the wire between hosts without InfiniBand: the processes of one machine then talk over
+// loopback TCP sockets as they would across a network.
+ucx_suite_variant!(tcp, UcxTcp, &[("UCX_TLS", "tcp,self")]);
+// UCX's peer error handling on, the mode in which a rank survives a peer that dies in the middle of a transfer
+// over shared memory.
+ucx_suite_variant!(peer_errors, UcxPeerErrors, &[("LONGCTX_UCX_PEER_ERRORS", "1")]);
 
 /// While a UCX job runs, a connection to its rendezvous port that does not present the job token is refused,
 /// and the job carries on.
