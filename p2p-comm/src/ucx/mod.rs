@@ -315,12 +315,16 @@ pub(crate) fn from_env(timeout: Duration) -> Result<crate::Communicator, CommErr
         Ok("0") => (safe::Worker::new(safe::Context::new(false)?)?, None),
         _ => worker_with_event_fd()?,
     };
-    store.set(&format!("ucx/{}", b.rank), &worker.address()?)?;
+    // One key per rank (every rank reads every key, so a second one would double the store's traffic): the
+    // length of the link flags' publication (4 bytes, little-endian), the publication, the worker address.
     let (mut links, published) = link_flags::LinkFlags::create(b.rank, b.world_size);
-    store.set(&format!("links/{}", b.rank), published.as_bytes())?;
+    let mut joined = (published.len() as u32).to_le_bytes().to_vec();
+    joined.extend_from_slice(published.as_bytes());
+    joined.extend_from_slice(&worker.address()?);
+    store.set(&format!("ucx/{}", b.rank), &joined)?;
     let mut eps = Vec::with_capacity(b.world_size);
     for r in 0..b.world_size {
-        let addr = store.get(&format!("ucx/{r}")).map_err(|e| match e {
+        let value = store.get(&format!("ucx/{r}")).map_err(|e| match e {
             CommError::Bootstrap(_) => CommError::Bootstrap(format!(
                 "rank {r} of {} did not join within {timeout:?}: is it running, with the same MASTER_ADDR, \
                  MASTER_PORT and LONGCTX_JOB_TOKEN?",
@@ -328,8 +332,11 @@ pub(crate) fn from_env(timeout: Duration) -> Result<crate::Communicator, CommErr
             )),
             e => e,
         })?;
-        eps.push(Some(worker.connect(&addr)?));
-        links.attach(r, &String::from_utf8_lossy(&store.get(&format!("links/{r}"))?));
+        let malformed = || CommError::Bootstrap(format!("rank {r} published a malformed address"));
+        let (len, rest) = value.split_first_chunk::<4>().ok_or_else(malformed)?;
+        let (published, addr) = rest.split_at_checked(u32::from_le_bytes(*len) as usize).ok_or_else(malformed)?;
+        links.attach(r, &String::from_utf8_lossy(published));
+        eps.push(Some(worker.connect(addr)?));
     }
     let inner = Arc::new(Mutex::new(Inner { eps, broken: vec![false; b.world_size], worker }));
     let progress = match std::env::var("LONGCTX_UCX_PROGRESS").as_deref() {
