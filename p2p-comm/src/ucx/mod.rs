@@ -77,6 +77,8 @@ const LIVENESS_POLL: Duration = Duration::from_millis(100);
 const SPIN: Duration = Duration::from_millis(5);
 /// Longest sleep on the worker's event fd in `wait` (a bound for missed wake-ups, see `sleep_until_event`).
 const EVENT_SLEEP: Duration = Duration::from_millis(1);
+/// How long an operation that lost its connection waits for the store to say whether the peer died.
+const PEER_LOSS_GRACE: Duration = Duration::from_secs(2);
 /// How long an aborted operation may stay unfinished once its endpoint was force-closed.
 const ABANDON_AFTER_CLOSE: Duration = Duration::from_secs(1);
 /// The user-tag field (the internal flag is the bit above it).
@@ -571,10 +573,24 @@ impl UcxOp {
             }
             Err(e) if e.0 == sys::ucs_status_t::UCS_ERR_MESSAGE_TRUNCATED => Err(mismatch(length)),
             Err(e) => {
-                if self.shared.gone(self.world_peer) {
-                    Err(CommError::PeerGone { rank: self.peer })
-                } else {
-                    Err(e.into())
+                // A dead peer's socket can reset before the store has seen its connection close: give the store
+                // a moment, so that the error names the rank that died.
+                let lost = matches!(
+                    e.0,
+                    sys::ucs_status_t::UCS_ERR_CONNECTION_RESET
+                        | sys::ucs_status_t::UCS_ERR_ENDPOINT_TIMEOUT
+                        | sys::ucs_status_t::UCS_ERR_UNREACHABLE
+                );
+                let t0 = Instant::now();
+                loop {
+                    if self.shared.gone(self.world_peer) {
+                        return Err(CommError::PeerGone { rank: self.peer });
+                    }
+                    if !lost || t0.elapsed() > PEER_LOSS_GRACE {
+                        let op = if self.is_send { "send to" } else { "receive from" };
+                        return Err(CommError::Ucx(format!("{op} rank {}: {e}", self.peer)));
+                    }
+                    std::thread::sleep(Duration::from_millis(10));
                 }
             }
         }
