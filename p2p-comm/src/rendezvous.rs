@@ -219,6 +219,9 @@ pub struct Store {
     stream: Mutex<TcpStream>,
     addr: SocketAddr,
     timeout: Duration,
+    /// Set when a request gave up waiting for its answer: a late answer would be read as the next request's,
+    /// so the connection is not used again.
+    abandoned: AtomicBool,
 }
 
 impl Store {
@@ -243,25 +246,70 @@ impl Store {
             Ok(()) if ok[0] == 1 => {}
             _ => return Err(CommError::BadToken { addr: addr.to_string() }),
         }
-        Ok(Store { stream: Mutex::new(s), addr, timeout })
+        Ok(Store { stream: Mutex::new(s), addr, timeout, abandoned: AtomicBool::new(false) })
     }
 
     fn request(&self, op: u8, key: &str, value: Option<&[u8]>, wait: Duration) -> Result<Option<Vec<u8>>, CommError> {
+        self.request_within(op, key, value, wait, None)
+    }
+
+    /// [`request`](Self::request) that gives up if the store has not answered within `answer` (`None`: waits
+    /// as long as it takes), and then abandons the connection.
+    fn request_within(
+        &self,
+        op: u8,
+        key: &str,
+        value: Option<&[u8]>,
+        wait: Duration,
+        answer: Option<Duration>,
+    ) -> Result<Option<Vec<u8>>, CommError> {
         let io = |e| CommError::io(format!("rendezvous: talking to {}", self.addr), e);
         let mut s = lock(&self.stream);
-        s.write_all(&[op]).map_err(io)?;
-        write_frame(&mut s, key.as_bytes()).map_err(io)?;
+        if self.abandoned.load(Ordering::Relaxed) {
+            return Err(CommError::io(
+                format!("rendezvous: the store at {} stopped answering earlier", self.addr),
+                std::io::Error::from(std::io::ErrorKind::TimedOut),
+            ));
+        }
+        if let Err(e) = s.set_read_timeout(answer).and_then(|()| s.set_write_timeout(answer)) {
+            return Err(io(e));
+        }
+        let res = Self::exchange(&mut s, op, key, value, wait);
+        if matches!(&res, Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut)) {
+            self.abandoned.store(true, Ordering::Relaxed);
+        }
+        res.map_err(|e| match answer {
+            Some(d) if self.abandoned.load(Ordering::Relaxed) => CommError::io(
+                format!(
+                    "rendezvous: the store at {} did not answer within {d:?} (its host, rank 0, is stalled?)",
+                    self.addr
+                ),
+                e,
+            ),
+            _ => io(e),
+        })
+    }
+
+    fn exchange(
+        s: &mut TcpStream,
+        op: u8,
+        key: &str,
+        value: Option<&[u8]>,
+        wait: Duration,
+    ) -> std::io::Result<Option<Vec<u8>>> {
+        s.write_all(&[op])?;
+        write_frame(s, key.as_bytes())?;
         match value {
-            Some(v) => write_frame(&mut s, v).map_err(io)?,
+            Some(v) => write_frame(s, v)?,
             None if op == OP_REGISTER => {}
             None => {
                 let ms = u32::try_from(wait.as_millis()).unwrap_or(u32::MAX);
-                s.write_all(&ms.to_le_bytes()).map_err(io)?
+                s.write_all(&ms.to_le_bytes())?
             }
         }
         let mut status = [0u8; 1];
-        s.read_exact(&mut status).map_err(io)?;
-        let data = read_frame(&mut s, MAX_FRAME).map_err(io)?;
+        s.read_exact(&mut status)?;
+        let data = read_frame(s, MAX_FRAME)?;
         Ok((status[0] == 1).then_some(data))
     }
 
@@ -281,6 +329,13 @@ impl Store {
     /// Gets `key` if some rank has set it, without waiting.
     pub fn try_get(&self, key: &str) -> Result<Option<Vec<u8>>, CommError> {
         self.request(OP_GET, key, None, Duration::ZERO)
+    }
+
+    /// [`try_get`](Self::try_get) that fails if the store has not answered within `answer`: a host that is
+    /// stalled (stopped, swapped out) must not stall its callers. After such a failure this connection is not
+    /// used again (every later request fails at once).
+    pub fn try_get_within(&self, key: &str, answer: Duration) -> Result<Option<Vec<u8>>, CommError> {
+        self.request_within(OP_GET, key, None, Duration::ZERO, Some(answer.max(Duration::from_millis(1))))
     }
 
     /// Gets `key`, waiting until some rank sets it or the store's timeout elapses.
@@ -351,5 +406,28 @@ mod tests {
         st.set("k", b"v").unwrap();
         assert_eq!(st.get("k").unwrap(), b"v");
         assert_eq!(host.rejected(), 2);
+    }
+
+    #[test]
+    fn a_store_that_stops_answering_fails_bounded_requests_and_is_not_used_again() {
+        // A "store" that takes the token and then never answers, as one in a stopped process.
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mute = std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            let _ = read_frame(&mut s, 4096);
+            s.write_all(&[1]).unwrap();
+            std::thread::sleep(Duration::from_secs(2));
+            drop(s);
+        });
+        let st = Store::connect(addr, "tok", Duration::from_secs(5)).unwrap();
+        let t0 = Instant::now();
+        let e = st.try_get_within("gone/1", Duration::from_millis(200)).unwrap_err().to_string();
+        assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
+        assert!(e.contains("did not answer within 200ms"), "{e}");
+        let t0 = Instant::now();
+        let e = st.try_get("gone/1").unwrap_err().to_string();
+        assert!(t0.elapsed() < Duration::from_millis(100) && e.contains("stopped answering"), "{e}");
+        mute.join().unwrap();
     }
 }

@@ -679,3 +679,41 @@ fn a_rank_that_never_joins_is_named_within_the_timeout() {
         }
     }
 }
+
+/// Rank 0, which hosts the rendezvous store, stops (SIGSTOP): the other ranks' waits, which ask the store
+/// whether their peer is alive, still fail in bounded time naming their peer (rank 0 itself, or a live rank
+/// that sends nothing), and rank 0 carries on once continued. (They used to hang on the store's answer.)
+#[test]
+fn a_stopped_store_host_does_not_hang_the_others() {
+    let name = "a_stopped_store_host_does_not_hang_the_others";
+    suite::all_ok(Ucx::run(3, Duration::from_secs(30), name, &|mut c| {
+        let mut pids = [0u32; 3];
+        c.all_gather(&[std::process::id()], &mut pids).map_err(suite::e2s)?;
+        c.set_timeout(Duration::from_secs(1));
+        c.barrier().map_err(suite::e2s)?;
+        if c.rank() == 0 {
+            // SAFETY: raise(3) on this process; rank 1 continues it.
+            unsafe { libc::raise(libc::SIGSTOP) };
+            return Ok(());
+        }
+        let mut buf = [0u8; 8];
+        let t0 = std::time::Instant::now();
+        let from = if c.rank() == 1 { 0 } else { 1 }; // rank 2 waits on a live rank that sends nothing
+        let res = c.recv(from, 9, &mut buf);
+        let took = t0.elapsed();
+        if c.rank() == 1 {
+            std::thread::sleep(Duration::from_millis(500)); // rank 2 is still waiting or done
+                                                            // SAFETY: kill(2) to rank 0's pid, which it sent us.
+            unsafe { libc::kill(pids[0] as libc::pid_t, libc::SIGCONT) };
+        }
+        // The 1 s timeout, plus at most the 2 s a liveness check waits for the store's answer.
+        match res {
+            Err(longctx_p2p::CommError::Timeout { peer, .. } | longctx_p2p::CommError::PeerGone { rank: peer })
+                if peer == from && took < Duration::from_secs(6) =>
+            {
+                Ok(())
+            }
+            other => Err(format!("waiting on rank {from} with rank 0 stopped: {other:?} after {took:?}")),
+        }
+    }));
+}

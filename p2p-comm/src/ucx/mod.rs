@@ -77,6 +77,8 @@ const LIVENESS_POLL: Duration = Duration::from_millis(100);
 const SPIN: Duration = Duration::from_millis(5);
 /// Longest sleep on the worker's event fd in `wait` (a bound for missed wake-ups, see `sleep_until_event`).
 const EVENT_SLEEP: Duration = Duration::from_millis(1);
+/// How long a liveness check waits for the store's answer before it takes the store (rank 0) for gone.
+const STORE_ANSWER: Duration = Duration::from_secs(2);
 /// How long an operation that lost its connection waits for the store to say whether the peer died.
 const PEER_LOSS_GRACE: Duration = Duration::from_secs(2);
 /// How long an aborted operation may stay unfinished once its endpoint was force-closed.
@@ -279,7 +281,9 @@ impl Drop for Shared {
 
 impl Shared {
     fn gone(&self, world_rank: usize) -> bool {
-        match self.store.try_get(&format!("gone/{world_rank}")) {
+        // Bounded: the store lives in rank 0's process, which may be stalled, and a wait that checks its peer
+        // must still end by its own deadline.
+        match self.store.try_get_within(&format!("gone/{world_rank}"), STORE_ANSWER) {
             Ok(v) => v.is_some(),
             // The store lives in rank 0's process: losing it means rank 0 is gone.
             Err(_) => world_rank == 0,
