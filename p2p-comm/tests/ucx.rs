@@ -652,7 +652,8 @@ fn a_rank_killed_mid_transfer_is_an_error_on_its_peer() {
 }
 
 /// A rank that never starts: the others' `Communicator::from_env` fails within the timeout
-/// `LONGCTX_TIMEOUT_SECS` sets, naming it, instead of waiting the default 5 minutes.
+/// `LONGCTX_TIMEOUT_SECS` sets, naming it, instead of waiting the default 5 minutes. First rank 2 of 3 is
+/// missing, then rank 0 (which would host the store) of 2.
 #[test]
 fn a_rank_that_never_joins_is_named_within_the_timeout() {
     let name = "a_rank_that_never_joins_is_named_within_the_timeout";
@@ -677,6 +678,19 @@ fn a_rank_that_never_joins_is_named_within_the_timeout() {
         for o in &out {
             assert!(matches!(o, Err(e) if e.contains("rank 2 of 3 did not join within 1.5s")), "{out:?}");
         }
+    }
+    // Rank 1 of 2 alone (the child is started as rank 1 of a world of 2).
+    let env1 = |_: usize| {
+        let mut v = env(1);
+        v.retain(|(k, _)| k != "WORLD_SIZE");
+        v.push(("WORLD_SIZE".to_string(), "2".to_string()));
+        v
+    };
+    let t0 = std::time::Instant::now();
+    let out = run_like_a_scheduler(1, Duration::from_secs(30), name, &env1, &|_| Ok(()));
+    if std::env::var(CHILD).is_err() {
+        assert!(t0.elapsed() < Duration::from_secs(10), "took {:?}", t0.elapsed());
+        assert!(matches!(&out[0], Err(e) if e.contains("rank 0 did not open the rendezvous store")), "{out:?}");
     }
 }
 

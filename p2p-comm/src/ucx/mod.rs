@@ -315,7 +315,16 @@ pub(crate) fn from_env(timeout: Duration) -> Result<crate::Communicator, CommErr
     } else {
         None
     };
-    let store = Store::connect(store_addr, &b.token, timeout)?;
+    let store = Store::connect(store_addr, &b.token, timeout).map_err(|e| match e {
+        CommError::Io { source, .. } => CommError::io(
+            format!(
+                "rank 0 did not open the rendezvous store at {store_addr} within {timeout:?} (is it running, with \
+                 the same MASTER_ADDR and MASTER_PORT?)"
+            ),
+            source,
+        ),
+        e => e,
+    })?;
     store.register(b.rank)?;
     let (worker, efd) = match std::env::var("LONGCTX_UCX_WAKEUP").as_deref() {
         Ok("0") => (safe::Worker::new(safe::Context::new(false)?)?, None),
