@@ -731,3 +731,38 @@ fn a_stopped_store_host_does_not_hang_the_others() {
         }
     }));
 }
+
+/// A rank that leaves (drops its communicator) while two of its peers are stalled (SIGSTOP), over TCP, where a
+/// close waits for the peer: it closes its endpoints together, about one close's patience (2 s) in all rather
+/// than one per stalled peer (4.0 s when they were closed one by one), and it exits cleanly (UCX used to abort
+/// it in `ucp_worker_destroy` over the close requests left unreleased).
+#[test]
+fn leaving_with_stalled_peers_takes_one_patience_not_one_per_peer() {
+    let name = "leaving_with_stalled_peers_takes_one_patience_not_one_per_peer";
+    suite::all_ok(run_with_env(4, Duration::from_secs(30), name, &[("UCX_TLS", "tcp,self")], &|c| {
+        let mut pids = [0u32; 4];
+        c.all_gather(&[std::process::id()], &mut pids).map_err(suite::e2s)?;
+        c.barrier().map_err(suite::e2s)?;
+        match c.rank() {
+            0 => std::thread::sleep(Duration::from_secs(1)),
+            1 => {
+                std::thread::sleep(Duration::from_millis(200)); // ranks 2 and 3 are stopped by now
+                let t0 = std::time::Instant::now();
+                drop(c);
+                let took = t0.elapsed();
+                for p in &pids[2..] {
+                    // SAFETY: kill(2) to a peer's pid, which it sent us.
+                    unsafe { libc::kill(*p as libc::pid_t, libc::SIGCONT) };
+                }
+                if took > Duration::from_millis(3500) {
+                    return Err(format!("leaving took {took:?}"));
+                }
+            }
+            // SAFETY: raise(3) on this process; rank 1 continues it.
+            _ => unsafe {
+                libc::raise(libc::SIGSTOP);
+            },
+        }
+        Ok(())
+    }));
+}

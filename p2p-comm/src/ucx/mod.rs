@@ -273,9 +273,7 @@ impl Drop for Shared {
         drop(self.progress.take());
         let mut inner = lock(&self.inner);
         let eps: Vec<_> = inner.eps.iter_mut().filter_map(Option::take).collect();
-        for ep in eps {
-            inner.worker.close(ep, false, Duration::from_secs(2));
-        }
+        inner.worker.close_all(eps, false, Duration::from_secs(2));
     }
 }
 

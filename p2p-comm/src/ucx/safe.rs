@@ -204,26 +204,49 @@ impl Worker {
     /// Closes an endpoint (`force`: without flushing, failing its outstanding requests) and progresses until the
     /// close completes or `patience` elapses.
     pub fn close(&self, ep: Endpoint, force: bool, patience: std::time::Duration) {
+        self.close_all(vec![ep], force, patience);
+    }
+
+    /// Closes every endpoint of `eps` at once, progressing them together for at most `patience` in all: closing
+    /// one after the other, each stalled peer would cost its own `patience`.
+    pub fn close_all(&self, eps: Vec<Endpoint>, force: bool, patience: std::time::Duration) {
         let mut param = sys::ucp_request_param_t::default();
         if force {
             param.op_attr_mask = sys::ucp_op_attr_t_UCP_OP_ATTR_FIELD_FLAGS;
             param.flags = sys::ucp_ep_close_flags_t_UCP_EP_CLOSE_FLAG_FORCE;
         }
-        // SAFETY: ep is a live endpoint of this worker, consumed here.
-        let p = unsafe { sys::ucp_ep_close_nbx(ep.0, &param) };
-        if let Ok(Started::Request(req)) = started(p) {
-            let t0 = std::time::Instant::now();
-            loop {
-                self.progress();
-                // SAFETY: req is the live close request.
-                if unsafe { sys::ucp_request_check_status(req) } != sys::ucs_status_t::UCS_INPROGRESS {
-                    // SAFETY: completed; not used afterwards.
+        let mut pending: Vec<*mut c_void> = eps
+            .into_iter()
+            .filter_map(|ep| {
+                // SAFETY: ep is a live endpoint of this worker, consumed here.
+                let p = unsafe { sys::ucp_ep_close_nbx(ep.0, &param) };
+                match started(p) {
+                    Ok(Started::Request(req)) => Some(req),
+                    _ => None,
+                }
+            })
+            .collect();
+        let t0 = std::time::Instant::now();
+        while !pending.is_empty() {
+            self.progress();
+            pending.retain(|&req| {
+                // SAFETY: req is a live close request.
+                if unsafe { sys::ucp_request_check_status(req) } == sys::ucs_status_t::UCS_INPROGRESS {
+                    return true;
+                }
+                // SAFETY: completed; not used afterwards.
+                unsafe { sys::ucp_request_free(req) };
+                false
+            });
+            if t0.elapsed() > patience {
+                // Those peers do not answer (stalled or gone). Hand the requests back to UCX, which releases them
+                // when they end or with the worker: a request left unreleased made `ucp_worker_destroy` fail an
+                // assertion and abort the process (seen over TCP with two stopped peers).
+                for req in pending {
+                    // SAFETY: a live request, not used afterwards.
                     unsafe { sys::ucp_request_free(req) };
-                    break;
                 }
-                if t0.elapsed() > patience {
-                    break; // leaked: the worker is being torn down with the peer unresponsive
-                }
+                break;
             }
         }
     }
