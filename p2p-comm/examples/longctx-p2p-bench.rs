@@ -158,7 +158,8 @@ fn window_to_one(c: &Communicator, it: usize, window: usize, send: &[u8], recv: 
                 if in_flight.len() == window {
                     in_flight.pop_front().map_or(Ok(()), |q: longctx_p2p::Request<'_>| q.wait())?;
                 }
-                in_flight.push_back(c.isend(1, 4, send)?);
+                // SAFETY: every request is waited for before `send` is touched again; none is leaked.
+                in_flight.push_back(unsafe { c.isend(1, 4, send) }?);
             }
             in_flight.into_iter().try_for_each(|q| q.wait())?;
         }
@@ -174,11 +175,12 @@ fn window_to_one(c: &Communicator, it: usize, window: usize, send: &[u8], recv: 
 /// the rank's thread, then waited for (max over ranks).
 fn exposed_wait(c: &Communicator, it: usize, send: &[u8], recv: &mut [u8], compute: f64) -> Result<f64, CommError> {
     let compute = Duration::from_secs_f64(compute);
-    c.isendrecv(send, recv)?.wait()?;
+    // SAFETY (both): waited for before the buffers are touched again; never leaked.
+    unsafe { c.isendrecv(send, recv) }?.wait()?;
     c.barrier()?;
     let mut waited = 0.0;
     for _ in 0..it {
-        let req = c.isendrecv(send, recv)?;
+        let req = unsafe { c.isendrecv(send, recv) }?;
         let t = Instant::now();
         while t.elapsed() < compute {
             std::hint::spin_loop();
@@ -217,8 +219,9 @@ fn measure(c: &Communicator, with_memcpy: bool) -> Result<Vec<Row>, CommError> {
         let mut recv_w: Vec<Vec<u8>> = (0..if r == 1 { window } else { 0 }).map(|_| vec![0u8; bytes]).collect();
         let windowed = timed(c, it.div_ceil(window), || {
             let reqs = match r {
-                0 => (0..window).map(|_| c.isend(1, 3, &send)).collect::<Result<Vec<_>, _>>()?,
-                1 => recv_w.iter_mut().map(|b| c.irecv(0, 3, b)).collect::<Result<Vec<_>, _>>()?,
+                // SAFETY (both): all waited for just below; none leaked.
+                0 => (0..window).map(|_| unsafe { c.isend(1, 3, &send) }).collect::<Result<Vec<_>, _>>()?,
+                1 => recv_w.iter_mut().map(|b| unsafe { c.irecv(0, 3, b) }).collect::<Result<Vec<_>, _>>()?,
                 _ => Vec::new(),
             };
             reqs.into_iter().try_for_each(|q| q.wait())

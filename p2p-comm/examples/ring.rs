@@ -13,9 +13,13 @@ fn main() -> Result<(), CommError> {
         let mut incoming = vec![0.0f32; block_len];
         let mut seen = 0.0f64;
         for _step in 0..comm.world_size() {
-            let shift = comm.isendrecv(&block, &mut incoming)?; // post the next block's transfer...
-            seen += block.iter().map(|&x| x as f64).sum::<f64>(); // ...compute on the block in hand...
-            shift.wait()?; // ...then take the next block.
+            // A scope per step: the transfer borrows both blocks until it finishes, and the scope guarantees it
+            // does before they are swapped.
+            comm.scope(|s| {
+                let shift = s.isendrecv(&block, &mut incoming)?; // post the next block's transfer...
+                seen += block.iter().map(|&x| x as f64).sum::<f64>(); // ...compute on the block in hand...
+                shift.wait() // ...then take the next block.
+            })?;
             std::mem::swap(&mut block, &mut incoming);
         }
         let mut total = [seen];

@@ -39,6 +39,9 @@ pub struct Communicator {
     stats: Arc<StatsCounters>,
     /// Reused temporary of the collectives (u64 words so it is aligned for every element type).
     scratch: Mutex<Vec<u64>>,
+    /// Reused by scopes: free request slots, and the list a scope keeps of the ones it handed out, so that a
+    /// steady loop of scoped exchanges allocates nothing.
+    pub(crate) scope_pool: Mutex<crate::request::ScopePool>,
     split_seq: AtomicU64,
 }
 
@@ -65,6 +68,7 @@ impl Communicator {
             timeout,
             stats: Arc::new(StatsCounters::default()),
             scratch: Mutex::new(Vec::new()),
+            scope_pool: Mutex::new(Default::default()),
             split_seq: AtomicU64::new(0),
         }
     }
@@ -306,13 +310,26 @@ impl Communicator {
     }
 
     /// Starts sending `buf` to `dst`; the request borrows `buf` until it finishes.
-    pub fn isend<'a, T: Pod>(&self, dst: usize, tag: u32, buf: &'a [T]) -> Result<Request<'a>, CommError> {
+    /// [`Scope::isend`](crate::Scope::isend) (in [`scope`](Self::scope)) is the safe form.
+    ///
+    /// # Safety
+    ///
+    /// The transport reads `buf` until the operation finishes, which the request's `wait`, `test` (to
+    /// completion) or drop ensure. The request must not be leaked (`std::mem::forget`, a reference cycle) while
+    /// `buf` may afterwards be freed or written: the borrow would end with the operation still in flight.
+    pub unsafe fn isend<'a, T: Pod>(&self, dst: usize, tag: u32, buf: &'a [T]) -> Result<Request<'a>, CommError> {
         let op = self.post_send(dst, tag as u64, 0, bytemuck::cast_slice(buf), true, false)?;
         Ok(Request::new(op, None))
     }
 
     /// Starts receiving from `src` into `buf`; the request borrows `buf` until it finishes.
-    pub fn irecv<'a, T: Pod>(&self, src: usize, tag: u32, buf: &'a mut [T]) -> Result<Request<'a>, CommError> {
+    /// [`Scope::irecv`](crate::Scope::irecv) (in [`scope`](Self::scope)) is the safe form.
+    ///
+    /// # Safety
+    ///
+    /// As for [`isend`](Self::isend): the transport writes `buf` until the operation finishes, so the request
+    /// must not be leaked while `buf` may afterwards be freed or used.
+    pub unsafe fn irecv<'a, T: Pod>(&self, src: usize, tag: u32, buf: &'a mut [T]) -> Result<Request<'a>, CommError> {
         let op = self.post_recv(src, tag as u64, 0, bytemuck::cast_slice_mut(buf), true, false)?;
         Ok(Request::new(op, None))
     }
@@ -331,7 +348,13 @@ impl Communicator {
 
     /// Non-blocking ring shift; the request's [`wait`](Request::wait) completes both directions. Overlap compute
     /// with it: post the shift of the next block, compute on the block in hand, wait.
-    pub fn isendrecv<'a, T: Pod>(&self, send: &'a [T], recv: &'a mut [T]) -> Result<Request<'a>, CommError> {
+    /// [`Scope::isendrecv`](crate::Scope::isendrecv) (in [`scope`](Self::scope)) is the safe form.
+    ///
+    /// # Safety
+    ///
+    /// As for [`isend`](Self::isend) and [`irecv`](Self::irecv): the request must not be leaked while `send` or
+    /// `recv` may afterwards be freed or used.
+    pub unsafe fn isendrecv<'a, T: Pod>(&self, send: &'a [T], recv: &'a mut [T]) -> Result<Request<'a>, CommError> {
         let (next, prev) = self.ring_peers();
         self.exchange_start(RING_TAG, 0, next, bytemuck::cast_slice(send), prev, bytemuck::cast_slice_mut(recv), true)
     }

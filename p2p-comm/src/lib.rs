@@ -59,6 +59,6 @@ pub use bootstrap::Bootstrap;
 pub use communicator::Communicator;
 pub use error::CommError;
 pub use reduce::{Reduce, ReduceOp};
-pub use request::Request;
+pub use request::{Request, Scope};
 pub use stats::CommStats;
 pub use threads::{ThreadWorld, ThreadWorldBuilder};

@@ -41,14 +41,18 @@ fn steady_state_ring_exchange_and_all_reduce_do_not_allocate() {
         // Warm up: pools and queues reach their steady size.
         for _ in 0..3 {
             c.sendrecv(&send, &mut recv).unwrap();
-            c.isendrecv(&send, &mut recv).unwrap().wait().unwrap();
+            c.scope(|s| s.isendrecv(&send, &mut recv)?.wait()).unwrap();
+            // SAFETY: waited for at once.
+            unsafe { c.isendrecv(&send, &mut recv) }.unwrap().wait().unwrap();
             c.all_reduce(&mut acc, ReduceOp::Sum).unwrap();
         }
         c.barrier().unwrap();
         let before = allocs();
         for _ in 0..20 {
             c.sendrecv(&send, &mut recv).unwrap();
-            let req = c.isendrecv(&send, &mut recv).unwrap();
+            c.scope(|s| s.isendrecv(&send, &mut recv)?.wait()).unwrap();
+            // SAFETY: waited for at once.
+            let req = unsafe { c.isendrecv(&send, &mut recv) }.unwrap();
             req.wait().unwrap();
             c.all_reduce(&mut acc, ReduceOp::Max).unwrap();
         }

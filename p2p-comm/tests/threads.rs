@@ -55,7 +55,8 @@ proptest! {
             let mut recvs: Vec<Vec<u32>> = lens.iter().map(|&l| vec![0u32; l]).collect();
             let mut reqs: Vec<Option<longctx_p2p::Request<'_>>> = Vec::new();
             for (s, rv) in sends.iter().zip(recvs.iter_mut()) {
-                reqs.push(Some(c.isendrecv(s, rv).map_err(suite::e2s)?));
+                // SAFETY: finished before its buffers are used again; not leaked.
+                reqs.push(Some(unsafe { c.isendrecv(s, rv) }.map_err(suite::e2s)?));
             }
             // This rank's order: a permutation drawn from the seed and the rank.
             let mut order: Vec<usize> = (0..reqs.len()).collect();
@@ -114,7 +115,8 @@ fn dropped_request_keeps_buffer_until_matched() {
     let out = ThreadWorld::run(2, |c| {
         if c.rank() == 0 {
             let buf = vec![7u32; 1000];
-            let req = c.isend(1, 0, &buf).unwrap();
+            // SAFETY: finished before its buffers are used again; not leaked.
+            let req = unsafe { c.isend(1, 0, &buf) }.unwrap();
             drop(req); // blocks until rank 1 took the data
             drop(buf);
             0
@@ -184,7 +186,8 @@ fn large_ring_both_directions_waited_and_polled() {
         let send = pattern(r, BIG);
         for polled in [false, true, false, true] {
             let mut recv = vec![0u32; BIG];
-            let mut req = c.isendrecv(&send, &mut recv).map_err(suite::e2s)?;
+            // SAFETY: finished before its buffers are used again; not leaked.
+            let mut req = unsafe { c.isendrecv(&send, &mut recv) }.map_err(suite::e2s)?;
             if polled {
                 while !req.test().map_err(suite::e2s)? {
                     std::hint::spin_loop();
@@ -218,7 +221,8 @@ fn large_send_progresses_while_receiver_waits_elsewhere() {
                     std::thread::sleep(Duration::from_millis(50));
                 }
                 let (mut a, mut b) = (vec![0u32; BIG], vec![0u32; BIG]);
-                let ra = c.irecv(0, 1, &mut a).map_err(suite::e2s)?;
+                // SAFETY: finished before its buffers are used again; not leaked.
+                let ra = unsafe { c.irecv(0, 1, &mut a) }.map_err(suite::e2s)?;
                 c.recv(0, 2, &mut b).map_err(suite::e2s)?;
                 ra.wait().map_err(suite::e2s)?;
                 if a != pattern(1, BIG) || b != pattern(2, BIG) {
@@ -239,7 +243,8 @@ fn crossed_blocking_sends_after_posted_receives_complete() {
         suite::all_ok(two(|c| {
             let (me, peer) = (c.rank(), 1 - c.rank());
             let mut inp = vec![0u32; len];
-            let r = c.irecv(peer, 7, &mut inp).map_err(suite::e2s)?;
+            // SAFETY: finished before its buffers are used again; not leaked.
+            let r = unsafe { c.irecv(peer, 7, &mut inp) }.map_err(suite::e2s)?;
             c.send(peer, 7, &pattern(me as u32, len)).map_err(suite::e2s)?;
             r.wait().map_err(suite::e2s)?;
             if inp != pattern(peer as u32, len) {
@@ -279,7 +284,8 @@ fn dropping_matched_large_requests_finishes_the_copy() {
         let out = two(|c| {
             if c.rank() == 0 {
                 let mut buf = pattern(5, BIG);
-                drop(c.isend(1, 0, &buf).map_err(suite::e2s)?); // blocks until rank 1's copy is done
+                // SAFETY: finished before its buffers are used again; not leaked.
+                drop(unsafe { c.isend(1, 0, &buf) }.map_err(suite::e2s)?); // blocks until rank 1's copy is done
                 buf.fill(0);
                 c.send(1, 1, &buf[..1]).map_err(suite::e2s)?;
                 let mut back = vec![0u32; BIG];
@@ -291,14 +297,16 @@ fn dropping_matched_large_requests_finishes_the_copy() {
             } else {
                 std::thread::sleep(Duration::from_millis(50)); // rank 0's send is posted: our irecv matches it
                 let mut b = vec![0u32; BIG];
-                drop(c.irecv(0, 0, &mut b).map_err(suite::e2s)?);
+                // SAFETY: finished before its buffers are used again; not leaked.
+                drop(unsafe { c.irecv(0, 0, &mut b) }.map_err(suite::e2s)?);
                 let mut one = [1u32];
                 c.recv(0, 1, &mut one).map_err(suite::e2s)?;
                 if b != pattern(5, BIG) || one[0] != 0 {
                     return Err("wrong data".into());
                 }
                 let back = pattern(6, BIG);
-                let req = c.isend(0, 2, &back).map_err(suite::e2s)?;
+                // SAFETY: finished before its buffers are used again; not leaked.
+                let req = unsafe { c.isend(0, 2, &back) }.map_err(suite::e2s)?;
                 std::thread::sleep(Duration::from_millis(50)); // rank 0's receive matched our send
                 if panic {
                     std::panic::panic_any("rank 1 dies with a matched send in flight");
@@ -334,7 +342,8 @@ fn chunked_and_streamed_copies_with_odd_tails() {
                 c.send(1, 2, &[7u32]).map_err(suite::e2s)
             } else {
                 let (mut a, mut go) = (vec![0u32; len], [0u32]);
-                let ra = c.irecv(0, 1, &mut a).map_err(suite::e2s)?;
+                // SAFETY: finished before its buffers are used again; not leaked.
+                let ra = unsafe { c.irecv(0, 1, &mut a) }.map_err(suite::e2s)?;
                 c.recv(0, 2, &mut go).map_err(suite::e2s)?;
                 ra.wait().map_err(suite::e2s)?;
                 if a != pattern(1, len) {
@@ -367,7 +376,8 @@ fn large_messages_from_three_senders_reuse_completions_safely() {
                             let data = pattern((r * 100_000 + i) as u32, size(r, i));
                             // Every third message non-blocking and waited late, so the sender helps at odd times.
                             if i % 3 == 0 {
-                                let req = c.isend(0, 5, &data).map_err(suite::e2s)?;
+                                // SAFETY: finished before its buffers are used again; not leaked.
+                                let req = unsafe { c.isend(0, 5, &data) }.map_err(suite::e2s)?;
                                 std::hint::black_box(pattern(0, 1000));
                                 req.wait().map_err(suite::e2s)?;
                             } else {
@@ -380,7 +390,8 @@ fn large_messages_from_three_senders_reuse_completions_safely() {
                         let mut bufs: Vec<Vec<u32>> = (1..=SENDERS).map(|f| vec![0u32; size(f, i)]).collect();
                         let mut reqs = Vec::new();
                         for (f, b) in bufs.iter_mut().enumerate() {
-                            reqs.push(c.irecv(f + 1, 5, b).map_err(suite::e2s)?);
+                            // SAFETY: finished before its buffers are used again; not leaked.
+                            reqs.push(unsafe { c.irecv(f + 1, 5, b) }.map_err(suite::e2s)?);
                         }
                         for (k, mut req) in reqs.into_iter().enumerate() {
                             if (i + k) % 2 == 0 {
@@ -419,7 +430,8 @@ fn many_exchanges_in_flight_finish_in_any_order() {
             let mut recvs: Vec<Vec<u32>> = lens.iter().map(|&l| vec![0u32; l]).collect();
             let mut reqs = Vec::new();
             for (s, rv) in sends.iter().zip(recvs.iter_mut()) {
-                reqs.push(c.isendrecv(s, rv).map_err(suite::e2s)?);
+                // SAFETY: finished before its buffers are used again; not leaked.
+                reqs.push(unsafe { c.isendrecv(s, rv) }.map_err(suite::e2s)?);
             }
             if r % 2 == 0 {
                 reqs.reverse();
@@ -497,7 +509,8 @@ fn exchanges_with_a_rank_that_panics_or_leaves_fail_naming_it() {
                         let mut recv = vec![0u32; 100_000];
                         if r == 2 {
                             if panics {
-                                let _req = c.isendrecv(&send, &mut recv).map_err(suite::e2s)?;
+                                // SAFETY: finished before its buffers are used again; not leaked.
+                                let _req = unsafe { c.isendrecv(&send, &mut recv) }.map_err(suite::e2s)?;
                                 panic!("rank 2 fails with an exchange in flight");
                             }
                             return Ok(());
@@ -573,7 +586,8 @@ fn a_polled_exchange_completes_while_the_peer_waits_elsewhere() {
         let r = c.rank() as u32;
         let send = pattern(r, 50_000);
         let mut recv = vec![0u32; 50_000];
-        let mut req = c.isendrecv(&send, &mut recv).map_err(suite::e2s)?;
+        // SAFETY: finished before its buffers are used again; not leaked.
+        let mut req = unsafe { c.isendrecv(&send, &mut recv) }.map_err(suite::e2s)?;
         if r == 0 {
             let t0 = std::time::Instant::now();
             while !req.test().map_err(suite::e2s)? {
@@ -640,15 +654,18 @@ fn random_exchanges_with_timeouts_never_hang_tear_or_reorder() {
                 let mode = next() % 4;
                 let res = match mode {
                     0 => c.sendrecv(&send, &mut recv),
-                    1 => c.isendrecv(&send, &mut recv).and_then(|mut q| loop {
+                    // SAFETY: finished before its buffers are used again; not leaked.
+                    1 => unsafe { c.isendrecv(&send, &mut recv) }.and_then(|mut q| loop {
                         match q.test() {
                             Ok(true) => break Ok(()),
                             Ok(false) => std::hint::spin_loop(),
                             Err(e) => break Err(e),
                         }
                     }),
-                    2 => c.isendrecv(&send, &mut recv).map(drop),
-                    _ => c.isendrecv(&send, &mut recv).and_then(|q| q.wait()),
+                    // SAFETY: finished before its buffers are used again; not leaked.
+                    2 => unsafe { c.isendrecv(&send, &mut recv) }.map(drop),
+                    // SAFETY: finished before its buffers are used again; not leaked.
+                    _ => unsafe { c.isendrecv(&send, &mut recv) }.and_then(|q| q.wait()),
                 };
                 if res.is_ok() && mode != 2 && !recv.is_empty() {
                     succeeded += 1;

@@ -282,7 +282,8 @@ fn nonblocking_send_moves_while_the_sender_computes() {
         let mut c = c;
         let buf = vec![3u8; 64 << 20];
         if c.rank() == 0 {
-            let req = c.isend(1, 9, &buf).map_err(suite::e2s)?;
+            // SAFETY: finished before its buffers are used again; not leaked.
+            let req = unsafe { c.isend(1, 9, &buf) }.map_err(suite::e2s)?;
             std::thread::sleep(Duration::from_secs(2));
             req.wait().map_err(suite::e2s)
         } else {
@@ -314,14 +315,16 @@ fn steady_state_ring_exchange_and_all_reduce_do_not_allocate() {
         let mut acc = vec![1.0f32; 1 << 15];
         for _ in 0..3 {
             c.sendrecv(&send, &mut recv).map_err(suite::e2s)?;
-            c.isendrecv(&send, &mut recv).map_err(suite::e2s)?.wait().map_err(suite::e2s)?;
+            // SAFETY: finished before its buffers are used again; not leaked.
+            unsafe { c.isendrecv(&send, &mut recv) }.map_err(suite::e2s)?.wait().map_err(suite::e2s)?;
             c.all_reduce(&mut acc, longctx_p2p::ReduceOp::Sum).map_err(suite::e2s)?;
         }
         c.barrier().map_err(suite::e2s)?;
         let before = ALLOCS.with(|a| a.get());
         for _ in 0..20 {
             c.sendrecv(&send, &mut recv).map_err(suite::e2s)?;
-            c.isendrecv(&send, &mut recv).map_err(suite::e2s)?.wait().map_err(suite::e2s)?;
+            // SAFETY: finished before its buffers are used again; not leaked.
+            unsafe { c.isendrecv(&send, &mut recv) }.map_err(suite::e2s)?.wait().map_err(suite::e2s)?;
             c.all_reduce(&mut acc, longctx_p2p::ReduceOp::Max).map_err(suite::e2s)?;
         }
         match ALLOCS.with(|a| a.get()) - before {
@@ -540,7 +543,8 @@ fn a_peer_stopped_mid_transfer_fails_the_sender_and_never_gets_reused_data() {
             let mut data = vec![7u8; len];
             c.barrier().map_err(suite::e2s)?; // rank 1's receive is posted
             let t0 = std::time::Instant::now();
-            let res = c.isend(1, 5, &data).and_then(|r| r.wait());
+            // SAFETY: finished before its buffers are used again; not leaked.
+            let res = unsafe { c.isend(1, 5, &data) }.and_then(|r| r.wait());
             let took = t0.elapsed();
             data.fill(9); // the buffer is the caller's again, and reused
                           // SAFETY: kill(2) to the peer's pid, which it sent us.
@@ -558,10 +562,12 @@ fn a_peer_stopped_mid_transfer_fails_the_sender_and_never_gets_reused_data() {
             };
         }
         let mut got = vec![0u8; len];
-        let req = c.irecv(0, 5, &mut got).map_err(suite::e2s)?;
+        // SAFETY: finished before its buffers are used again; not leaked.
+        let req = unsafe { c.irecv(0, 5, &mut got) }.map_err(suite::e2s)?;
         c.barrier().map_err(suite::e2s)?;
-        std::thread::sleep(Duration::from_millis(2)); // let part of it move
-                                                      // SAFETY: raise(3) on this process; rank 0 sends SIGCONT once its wait has failed.
+        // Let part of it move, then stop.
+        std::thread::sleep(Duration::from_millis(2));
+        // SAFETY: raise(3) on this process; rank 0 sends SIGCONT once its wait has failed.
         unsafe { libc::raise(libc::SIGSTOP) };
         let over_tcp = std::env::var("UCX_TLS").is_ok_and(|t| t.starts_with("tcp"));
         match req.wait() {
@@ -602,12 +608,14 @@ fn a_rank_killed_mid_transfer_is_an_error_on_its_peer() {
         let res = if c.rank() == 0 {
             let data = vec![7u8; len];
             c.barrier().map_err(suite::e2s)?;
-            let req = c.isend(1, 5, &data).map_err(suite::e2s)?;
+            // SAFETY: finished before its buffers are used again; not leaked.
+            let req = unsafe { c.isend(1, 5, &data) }.map_err(suite::e2s)?;
             die(&c);
             req.wait()
         } else {
             let mut got = vec![0u8; len];
-            let req = c.irecv(0, 5, &mut got).map_err(suite::e2s)?;
+            // SAFETY: finished before its buffers are used again; not leaked.
+            let req = unsafe { c.irecv(0, 5, &mut got) }.map_err(suite::e2s)?;
             c.barrier().map_err(suite::e2s)?;
             die(&c);
             req.wait()

@@ -48,8 +48,11 @@ pub(crate) fn ring_forward(
         // Post the next block's transfer before computing on this one.
         let reqs = if step + 1 < n {
             let t = Instant::now();
-            let s = comm.isend((r + 1) % n, TAG_KV, &cur)?;
-            let rv = comm.irecv((r + n - 1) % n, TAG_KV, &mut nxt)?;
+            // SAFETY (both): the requests are waited for below before `cur` and `nxt` are touched again, or
+            // dropped on an early return, which waits too; neither is leaked. (A `Scope` would hold the
+            // double buffers for the whole loop, which their swap every step cannot allow.)
+            let s = unsafe { comm.isend((r + 1) % n, TAG_KV, &cur) }?;
+            let rv = unsafe { comm.irecv((r + n - 1) % n, TAG_KV, &mut nxt) }?;
             rep.comm_wait += t.elapsed();
             Some((s, rv))
         } else {
@@ -119,7 +122,9 @@ pub(crate) fn ring_backward(
         let src = (r + n - step) % n;
         let t = Instant::now();
         let kv_reqs = if step + 1 < n {
-            Some((comm.isend(next, TAG_KV, &cur)?, comm.irecv(prev, TAG_KV, &mut nxt)?))
+            // SAFETY (both): waited for at the end of this step, before the swap, or dropped (which waits) on an
+            // early return; never leaked.
+            Some((unsafe { comm.isend(next, TAG_KV, &cur) }?, unsafe { comm.irecv(prev, TAG_KV, &mut nxt) }?))
         } else {
             None
         };
@@ -152,7 +157,10 @@ pub(crate) fn ring_backward(
         } else {
             std::mem::swap(&mut acc_out, &mut local);
         }
-        acc_reqs = Some((comm.isend(next, TAG_DKV, &acc_out)?, comm.irecv(prev, TAG_DKV, &mut acc_in)?));
+        // SAFETY (both): waited for in the next step (or after the loop) before `acc_out` and `acc_in` are
+        // touched again, or dropped (which waits) on an early return; never leaked.
+        acc_reqs =
+            Some((unsafe { comm.isend(next, TAG_DKV, &acc_out) }?, unsafe { comm.irecv(prev, TAG_DKV, &mut acc_in) }?));
         if let Some((ks, kr)) = kv_reqs {
             wait_pair(ks, kr)?;
         }

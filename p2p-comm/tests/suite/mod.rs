@@ -200,11 +200,9 @@ pub fn ring_shift(c: Communicator) -> Result<(), String> {
     c.sendrecv(&block, &mut next).map_err(e2s)?;
     check("sendrecv", &next, &data::<f32>(7, (r + n - 1) % n, len), 1)?;
     std::mem::swap(&mut block, &mut next);
-    for step in 1..n {
-        let req = c.isendrecv(&block, &mut next).map_err(e2s)?;
-        req.wait().map_err(e2s)?;
+    for _ in 1..n {
+        c.scope(|s| s.isendrecv(&block, &mut next)?.wait()).map_err(e2s)?;
         std::mem::swap(&mut block, &mut next);
-        let _ = step;
     }
     check("full circle", &block, &data::<f32>(7, r, len), 1)?;
     let s = c.stats();
@@ -213,15 +211,17 @@ pub fn ring_shift(c: Communicator) -> Result<(), String> {
         return Err(format!("stats {s:?}, expected {bytes} bytes in {n} messages each way"));
     }
     // test() polling completes too.
-    let mut req = c.isendrecv(&block, &mut next).map_err(e2s)?;
-    let t0 = Instant::now();
-    while !req.test().map_err(e2s)? {
-        if t0.elapsed() > Duration::from_secs(20) {
-            return Err("test() never completed".into());
+    c.scope(|s| {
+        let mut req = s.isendrecv(&block, &mut next).map_err(e2s)?;
+        let t0 = Instant::now();
+        while !req.test().map_err(e2s)? {
+            if t0.elapsed() > Duration::from_secs(20) {
+                return Err("test() never completed".to_string());
+            }
+            std::thread::yield_now();
         }
-        std::thread::yield_now();
-    }
-    drop(req);
+        Ok(())
+    })?;
     check("after test()", &next, &data::<f32>(7, (r + n - 1) % n, len), 1)
 }
 
@@ -231,22 +231,18 @@ pub fn send_recv_sizes(c: Communicator, seed: u64, sizes: &[usize]) -> Result<()
     let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
     let outs: Vec<Vec<u8>> = sizes.iter().enumerate().map(|(i, &s)| bytes(seed + i as u64, r, s)).collect();
     let mut ins: Vec<Vec<u8>> = sizes.iter().map(|&s| vec![0u8; s]).collect();
-    let mut reqs = Vec::new();
-    // Post receives in reverse order to exercise tag matching out of order.
-    for (i, buf) in ins.iter_mut().enumerate().rev() {
-        reqs.push(c.irecv(prev, i as u32, buf).map_err(e2s)?);
-    }
-    for (i, buf) in outs.iter().enumerate() {
-        if i % 2 == 0 {
-            reqs.push(c.isend(next, i as u32, buf).map_err(e2s)?);
-        } else {
-            // Blocking sends interleaved: the receives are already posted on the peer... eventually.
-            reqs.push(c.isend(next, i as u32, buf).map_err(e2s)?);
+    c.scope(|s| {
+        let mut reqs = Vec::new();
+        // Post receives in reverse order to exercise tag matching out of order.
+        for (i, buf) in ins.iter_mut().enumerate().rev() {
+            reqs.push(s.irecv(prev, i as u32, buf)?);
         }
-    }
-    for q in reqs {
-        q.wait().map_err(e2s)?;
-    }
+        for (i, buf) in outs.iter().enumerate() {
+            reqs.push(s.isend(next, i as u32, buf)?);
+        }
+        reqs.into_iter().try_for_each(|q| q.wait())
+    })
+    .map_err(e2s)?;
     for (i, buf) in ins.iter().enumerate() {
         if buf != &bytes(seed + i as u64, prev, sizes[i]) {
             return Err(format!("message {i} of {} bytes corrupted", sizes[i]));
@@ -291,11 +287,43 @@ pub fn bidirectional(c: Communicator, mib: usize) -> Result<(), String> {
     let len = mib << 20;
     let out = bytes(5, r, len);
     let mut inp = vec![0u8; len];
-    let s = c.isend(peer, 1, &out).map_err(e2s)?;
-    c.recv(peer, 1, &mut inp).map_err(e2s)?;
-    s.wait().map_err(e2s)?;
+    c.scope(|s| {
+        let req = s.isend(peer, 1, &out)?;
+        c.recv(peer, 1, &mut inp)?;
+        req.wait()
+    })
+    .map_err(e2s)?;
     if inp != bytes(5, peer, len) {
         return Err("payload corrupted".into());
+    }
+    Ok(())
+}
+
+/// A scope finishes what its requests leave: a receive whose request was leaked (`std::mem::forget`) has its
+/// data when the scope returns, and the buffer can be read; a send leaked the same way is delivered.
+pub fn scope_finishes_leaked_requests(c: Communicator) -> Result<(), String> {
+    let (r, n) = (c.rank(), c.world_size());
+    if n < 2 || r > 1 {
+        return Ok(());
+    }
+    let peer = 1 - r;
+    let out = bytes(21, r, 300_000);
+    let mut inp = vec![0u8; 300_000];
+    let t0 = Instant::now();
+    c.scope(|s| {
+        if r == 1 {
+            std::thread::sleep(Duration::from_millis(200)); // rank 0's scope must wait for this
+        }
+        std::mem::forget(s.irecv(peer, 3, &mut inp)?);
+        std::mem::forget(s.isend(peer, 3, &out)?);
+        Ok::<(), CommError>(())
+    })
+    .map_err(e2s)?;
+    if r == 0 && t0.elapsed() < Duration::from_millis(150) {
+        return Err(format!("the scope returned after {:?}, before the peer sent", t0.elapsed()));
+    }
+    if inp != bytes(21, peer, 300_000) {
+        return Err("a leaked receive's buffer did not have the message when its scope returned".into());
     }
     Ok(())
 }
@@ -315,15 +343,18 @@ pub fn split(c: Communicator) -> Result<(), String> {
     let sn = sub.world_size();
     let (cn, cp) = ((sub.rank() + 1) % sn, (sub.rank() + sn - 1) % sn);
     let (mut from_parent, mut from_child) = ([0u64; 4], [0u64; 4]);
-    let rp = c.irecv(pp, 7, &mut from_parent).map_err(e2s)?;
-    let rc = sub.irecv(cp, 7, &mut from_child).map_err(e2s)?;
     let parent_msg = [r as u64 + 1000; 4];
     let child_msg = [r as u64 + 2000; 4];
-    let sc = sub.isend(cn, 7, &child_msg).map_err(e2s)?;
-    let sp = c.isend(pn, 7, &parent_msg).map_err(e2s)?;
-    for q in [rp, rc, sc, sp] {
-        q.wait().map_err(e2s)?;
-    }
+    c.scope(|ps| {
+        sub.scope(|cs| {
+            let rp = ps.irecv(pp, 7, &mut from_parent)?;
+            let rc = cs.irecv(cp, 7, &mut from_child)?;
+            let sc = cs.isend(cn, 7, &child_msg)?;
+            let sp = ps.isend(pn, 7, &parent_msg)?;
+            [rp, rc, sc, sp].into_iter().try_for_each(|q| q.wait())
+        })
+    })
+    .map_err(e2s)?;
     if from_parent[0] != pp as u64 + 1000 {
         return Err(format!("parent got {}", from_parent[0]));
     }
@@ -434,17 +465,20 @@ pub fn bad_input<W: World>(n: usize) {
         // the barrier below, so a rank delayed by a loaded machine cannot turn the mismatch into "peer gone".
         short.set_timeout(Duration::from_millis(300));
         let four = [1u8; 4];
-        let pending = if r == 0 { Some(short.isend(1, 5, &four).map_err(e2s)?) } else { None };
-        if r == 1 {
-            let mut b = [0u8; 4];
-            match short.recv(0, 6, &mut b) {
-                Err(CommError::TagMismatch { src: 0, expected: 6, found: 5, .. }) => {}
-                other => return Err(format!("tag mismatch: {other:?}")),
+        short.scope(|s| {
+            let pending = if r == 0 { Some(s.isend(1, 5, &four).map_err(e2s)?) } else { None };
+            if r == 1 {
+                let mut b = [0u8; 4];
+                match short.recv(0, 6, &mut b) {
+                    Err(CommError::TagMismatch { src: 0, expected: 6, found: 5, .. }) => {}
+                    other => return Err(format!("tag mismatch: {other:?}")),
+                }
             }
-        }
-        c.barrier().map_err(e2s)?;
-        // Never matched: dropping the request waits out its timeout and withdraws it.
-        drop(pending);
+            c.barrier().map_err(e2s)?;
+            // Never matched: dropping the request waits out its timeout and withdraws it.
+            drop(pending);
+            Ok(())
+        })?;
         drop(short);
         c.barrier().map_err(e2s)?;
         // Collective with different sizes: every rank errors, in time.
@@ -542,6 +576,12 @@ macro_rules! suite_tests {
             for n in [1, 3, 4] {
                 suite::all_ok(<$w>::run(n, std::time::Duration::from_secs(30), "split", &suite::split));
             }
+        }
+        #[test]
+        fn scope_finishes_leaked_requests() {
+            suite::all_ok(<$w>::run(2, std::time::Duration::from_secs(30), "scope_finishes_leaked_requests", &|c| {
+                suite::scope_finishes_leaked_requests(c)
+            }));
         }
         #[test]
         fn killed_peer() {
