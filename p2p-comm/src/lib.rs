@@ -1,8 +1,10 @@
 //! `longctx-p2p`: the communicator of longctx's context parallelism.
 //!
 //! A [`Communicator`] gives each rank point-to-point messages (blocking and non-blocking), the ring shift that
-//! ring attention is built on ([`Communicator::isendrecv`]), collectives and sub-communicators, over in-process
-//! threads ([`ThreadWorld`]) or, with the `ucx` feature, UCX between processes started by `longctx-launch`.
+//! ring attention is built on ([`Scope::isendrecv`] in a [`Communicator::scope`], or the `unsafe`
+//! [`Communicator::isendrecv`] whose caller promises not to leak the request), collectives and sub-communicators,
+//! over in-process threads ([`ThreadWorld`]) or, with the `ucx` feature, UCX between processes started by
+//! `longctx-launch`.
 //!
 //! ```
 //! use longctx_p2p::{ReduceOp, ThreadWorld};
