@@ -477,7 +477,8 @@ impl UcxEndpoint {
                     self.shared.return_info(b);
                 }
                 if e.0 != sys::ucs_status_t::UCS_ERR_MESSAGE_TRUNCATED {
-                    return Err(e.into());
+                    let op = if is_send { "send to" } else { "receive from" };
+                    return Err(CommError::Ucx(format!("{op} rank {peer}: {e}")));
                 }
                 if let Some(e) = foreign_call(peer, key, meta, sender_tag) {
                     return Err(e);
