@@ -37,13 +37,16 @@ enum Scheme {
     Torchrun,
     Slurm,
     OpenMpi,
+    /// MPICH and Intel MPI (Hydra's process manager).
+    Hydra,
 }
 
 impl Bootstrap {
     /// Reads the environment of `longctx-launch`/torchrun (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
-    /// `LOCAL_WORLD_SIZE`), Slurm (`SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`, the node count and list) or
+    /// `LOCAL_WORLD_SIZE`), Slurm (`SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`, the node count and list),
     /// Open MPI (`OMPI_COMM_WORLD_RANK`, `OMPI_COMM_WORLD_SIZE`, `OMPI_COMM_WORLD_LOCAL_RANK`,
-    /// `OMPI_COMM_WORLD_LOCAL_SIZE`), in that order of preference, plus `MASTER_ADDR`, `MASTER_PORT` and
+    /// `OMPI_COMM_WORLD_LOCAL_SIZE`) or MPICH / Intel MPI (`PMI_RANK`, `PMI_SIZE`, `MPI_LOCALRANKID`,
+    /// `MPI_LOCALNRANKS`), in that order of preference, plus `MASTER_ADDR`, `MASTER_PORT` and
     /// `LONGCTX_JOB_TOKEN`.
     ///
     /// Under Slurm or `mpirun`, export a token shared by the job, e.g. `export LONGCTX_JOB_TOKEN=$(openssl rand
@@ -79,6 +82,7 @@ impl Bootstrap {
             (Scheme::Torchrun, "RANK", "WORLD_SIZE", "LOCAL_RANK"),
             (Scheme::Slurm, "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
             (Scheme::OpenMpi, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+            (Scheme::Hydra, "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
         ];
         let mut found = None;
         for (scheme, r, w, l) in schemes {
@@ -107,6 +111,10 @@ impl Bootstrap {
             },
             Scheme::OpenMpi => match num("OMPI_COMM_WORLD_LOCAL_SIZE")? {
                 Some(l) => (l < world_size, format!("OMPI_COMM_WORLD_LOCAL_SIZE={l} of {world_size}")),
+                None => (false, String::new()),
+            },
+            Scheme::Hydra => match num("MPI_LOCALNRANKS")? {
+                Some(l) => (l < world_size, format!("MPI_LOCALNRANKS={l} of PMI_SIZE={world_size}")),
                 None => (false, String::new()),
             },
         };
@@ -274,6 +282,22 @@ mod tests {
         assert!(err(&v).contains("MASTER_ADDR"), "{}", err(&v));
         v.push(("SLURM_JOB_NODELIST", "gpu[001-"));
         assert!(err(&v).contains("SLURM_JOB_NODELIST"), "{}", err(&v));
+    }
+
+    #[test]
+    fn reads_mpich_and_intel_mpi() {
+        let b = Bootstrap::from_lookup(env(&[
+            ("PMI_RANK", "2"),
+            ("PMI_SIZE", "4"),
+            ("MPI_LOCALRANKID", "0"),
+            ("MPI_LOCALNRANKS", "2"),
+            ("MASTER_ADDR", "10.0.0.9"),
+            ("LONGCTX_JOB_TOKEN", "t"),
+        ]))
+        .unwrap();
+        assert_eq!((b.rank, b.world_size, b.local_rank, b.multi_host), (2, 4, 0, true));
+        let e = err(&[("PMI_RANK", "2"), ("PMI_SIZE", "4"), ("MPI_LOCALNRANKS", "2"), ("LONGCTX_JOB_TOKEN", "t")]);
+        assert!(e.contains("MPI_LOCALNRANKS=2 of PMI_SIZE=4"), "{e}");
     }
 
     #[test]
