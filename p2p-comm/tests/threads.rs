@@ -692,3 +692,39 @@ fn random_exchanges_with_timeouts_never_hang_tear_or_reorder() {
         suite::all_ok(out.expect("no rank panicked"));
     }
 }
+
+/// A panic inside a scope withdraws its operations before the panic leaves the scope: the receive buffer of the
+/// withdrawn operation is never written, and the message it would have matched goes to the next receive. Both
+/// sizes: copied at once, and in chunks.
+#[test]
+fn a_panic_in_a_scope_withdraws_its_operations() {
+    for len in [64usize, BIG] {
+        suite::all_ok(two(|c| {
+            if c.rank() == 0 {
+                let mut withdrawn = vec![0u32; len];
+                let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    c.scope(|s| {
+                        let _pending = s.irecv(1, 5, &mut withdrawn);
+                        panic!("a panic with a receive in flight");
+                    })
+                }));
+                if caught.is_ok() {
+                    return Err("the scope did not panic".into());
+                }
+                c.barrier().map_err(suite::e2s)?;
+                let mut got = vec![0u32; len];
+                c.recv(1, 5, &mut got).map_err(suite::e2s)?;
+                if got != pattern(9, len) {
+                    return Err("the next receive did not get the message".into());
+                }
+                if withdrawn.iter().any(|&x| x != 0) {
+                    return Err("the withdrawn receive's buffer was written".into());
+                }
+            } else {
+                c.barrier().map_err(suite::e2s)?;
+                c.send(0, 5, &pattern(9, len)).map_err(suite::e2s)?;
+            }
+            Ok(())
+        }));
+    }
+}
