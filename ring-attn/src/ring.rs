@@ -45,40 +45,44 @@ pub(crate) fn ring_forward(
     let mut have = false;
     for step in 0..n {
         let src = (r + n - step) % n;
-        // Post the next block's transfer before computing on this one.
-        let reqs = if step + 1 < n {
+        // One scope per step: the transfers borrow `cur` and `nxt` until they finish, which the scope ensures
+        // before the swap.
+        comm.scope(|s| -> Result<()> {
+            // Post the next block's transfer before computing on this one.
+            let reqs = if step + 1 < n {
+                let t = Instant::now();
+                let send = s.isend((r + 1) % n, TAG_KV, &cur)?;
+                let recv = s.irecv((r + n - 1) % n, TAG_KV, &mut nxt)?;
+                rep.comm_wait += t.elapsed();
+                Some((send, recv))
+            } else {
+                None
+            };
             let t = Instant::now();
-            // SAFETY (both): the requests are waited for below before `cur` and `nxt` are touched again, or
-            // dropped on an early return, which waits too; neither is leaked. (A `Scope` would hold the
-            // double buffers for the whole loop, which their swap every step cannot allow.)
-            let s = unsafe { comm.isend((r + 1) % n, TAG_KV, &cur) }?;
-            let rv = unsafe { comm.irecv((r + n - 1) % n, TAG_KV, &mut nxt) }?;
-            rep.comm_wait += t.elapsed();
-            Some((s, rv))
-        } else {
-            None
-        };
-        let t = Instant::now();
-        let (kb, vb, k_doc) = packing.view(&cur);
-        let p = pb.params(&pb.positions[src], k_doc);
-        if p.mask.may_see_any(pb.shape.q_len, pb.shape.kv_len) {
-            // The first visible block writes the result directly; later ones a partial, merged in.
-            let (o_dst, lse_dst) = if have { (&mut o_part[..], &mut lse_part[..]) } else { (&mut *o, &mut *lse) };
-            attention_forward(&p, q, kb, vb, o_dst.into(), lse_dst)?;
-            if have {
-                merge_partial_attention(o, lse, &o_part, &lse_part)?;
+            let (kb, vb, k_doc) = packing.view(&cur);
+            let p = pb.params(&pb.positions[src], k_doc);
+            if p.mask.may_see_any(pb.shape.q_len, pb.shape.kv_len) {
+                // The first visible block writes the result directly; later ones a partial, merged in.
+                let (o_dst, lse_dst) = if have { (&mut o_part[..], &mut lse_part[..]) } else { (&mut *o, &mut *lse) };
+                attention_forward(&p, q, kb, vb, o_dst.into(), lse_dst)?;
+                if have {
+                    merge_partial_attention(o, lse, &o_part, &lse_part)?;
+                }
+                have = true;
+                rep.blocks_computed += 1;
+            } else {
+                rep.blocks_skipped += 1;
             }
-            have = true;
-            rep.blocks_computed += 1;
-        } else {
-            rep.blocks_skipped += 1;
-        }
-        rep.compute += t.elapsed();
-        if let Some((s, rv)) = reqs {
-            let t = Instant::now();
-            s.wait()?;
-            rv.wait()?;
-            rep.comm_wait += t.elapsed();
+            rep.compute += t.elapsed();
+            if let Some((send, recv)) = reqs {
+                let t = Instant::now();
+                send.wait()?;
+                recv.wait()?;
+                rep.comm_wait += t.elapsed();
+            }
+            Ok(())
+        })?;
+        if step + 1 < n {
             std::mem::swap(&mut cur, &mut nxt);
         }
     }
@@ -122,6 +126,8 @@ pub(crate) fn ring_backward(
         let src = (r + n - step) % n;
         let t = Instant::now();
         let kv_reqs = if step + 1 < n {
+            // Not a `Scope` as in the forward: the accumulator's transfer below stays in flight into the next
+            // step, past the swaps, which a scope's borrows cannot span.
             // SAFETY (both): waited for at the end of this step, before the swap, or dropped (which waits) on an
             // early return; never leaked.
             Some((unsafe { comm.isend(next, TAG_KV, &cur) }?, unsafe { comm.irecv(prev, TAG_KV, &mut nxt) }?))
