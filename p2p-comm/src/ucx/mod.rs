@@ -33,8 +33,9 @@
 //!
 //! A peer that *dies* in the middle of a large transfer fails the operations on it with `PeerGone` over TCP.
 //! Over shared memory the receiver's zero-copy read (CMA) from the dead process fails inside UCX, which in
-//! UCX 1.13 aborts the receiving process unless its endpoints use peer error handling; that handling excludes
-//! CMA and cost 2-5x in bandwidth from 64 KiB here, so it is off by default (under `longctx-launch` the job
+//! UCX 1.13 aborts the receiving process unless its endpoints use peer error handling; with that handling UCX
+//! 1.13 moves a same-host peer's traffic to TCP over `lo` (no sysv, no CMA), which cost 2-5x in bandwidth from
+//! 64 KiB here (`ucx_perftest -e` loses as much), so it is off by default (under `longctx-launch` the job
 //! ends when one rank dies anyway) and `LONGCTX_UCX_PEER_ERRORS=1` turns it on for jobs whose ranks must
 //! survive a peer's death (test: `a_rank_killed_mid_transfer_is_an_error_on_its_peer`).
 //!
