@@ -595,8 +595,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let rank = c.rank();
         drop(c);
         if rank == 0 {
+            let (major, minor, release) = longctx_p2p::ucx_version();
             println!(
-                "UCX transport, 2 processes (UCX_TLS={}, progress thread {}), median of {n_rounds} round(s)",
+                "UCX {major}.{minor}.{release} transport, 2 processes (UCX_TLS={}, progress thread {}), median of \
+                 {n_rounds} round(s)",
                 std::env::var("UCX_TLS").unwrap_or_else(|_| "default".into()),
                 if std::env::var("LONGCTX_UCX_PROGRESS").as_deref() == Ok("0") { "off" } else { "on" }
             );

@@ -37,7 +37,7 @@
 //!   transfer posted with `isend`/`irecv`/`isendrecv` moves while the rank computes (`LONGCTX_UCX_PROGRESS=0`
 //!   turns it off; blocking calls progress UCX themselves). `LONGCTX_UCX_PEER_ERRORS=1` turns on UCX's peer
 //!   error handling: a rank then survives a peer that dies in the middle of a transfer over shared memory
-//!   (UCX 1.13 otherwise aborts it), at a cost in shared-memory bandwidth.
+//!   (UCX 1.13 to 1.21 otherwise abort it; 1.22 does not), at a cost in shared-memory bandwidth.
 #![warn(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
@@ -64,3 +64,6 @@ pub use reduce::{Reduce, ReduceOp};
 pub use request::{Request, Scope};
 pub use stats::CommStats;
 pub use threads::{ThreadWorld, ThreadWorldBuilder};
+#[cfg(feature = "ucx")]
+#[cfg_attr(docsrs, doc(cfg(feature = "ucx")))]
+pub use ucx::ucx_version;

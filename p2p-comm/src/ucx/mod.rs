@@ -26,18 +26,20 @@
 //! `LinkClosed` instead (test: `a_peer_stopped_mid_transfer_fails_the_sender_and_never_gets_reused_data`; without
 //! the flag the resumed receive completed with 250 MiB of the reused data). Left open: if the caller *unmapped*
 //! the buffer (freed a large allocation) and its process lives on, UCX 1.13 aborts the resumed receiver when
-//! its read faults; RDMA reads between hosts (InfiniBand) have no flag to read; and the mirror case, a
+//! its read faults (UCX 1.22 sends a failed read down the path a dead sender's takes, below; not tested); RDMA reads between hosts (InfiniBand) have no flag to read; and the mirror case, a
 //! withdrawn *receive* whose stalled sender resumes, is safe only because UCX's default rendezvous over shared
 //! memory has the receiver read (`UCX_RNDV_SCHEME=put_zcopy` would let the resumed sender write into the
 //! buffer after it was returned).
 //!
 //! A peer that *dies* in the middle of a large transfer fails the operations on it with `PeerGone` over TCP.
-//! Over shared memory the receiver's zero-copy read (CMA) from the dead process fails inside UCX, which in
-//! UCX 1.13 aborts the receiving process unless its endpoints use peer error handling; with that handling UCX
-//! 1.13 moves a same-host peer's traffic to TCP over `lo` (no sysv, no CMA), which cost 2-5x in bandwidth from
-//! 64 KiB here (`ucx_perftest -e` loses as much), so it is off by default (under `longctx-launch` the job
-//! ends when one rank dies anyway) and `LONGCTX_UCX_PEER_ERRORS=1` turns it on for jobs whose ranks must
-//! survive a peer's death (test: `a_rank_killed_mid_transfer_is_an_error_on_its_peer`).
+//! Over shared memory the receiver's zero-copy read (CMA) from the dead process fails inside UCX. From UCX
+//! 1.22 on that fails the receive and the receiver gets `PeerGone`. UCX 1.13 to 1.21 abort the receiving process
+//! instead, unless its endpoints use peer error handling (`scripts/ucx-versions` runs the test against each
+//! release); with that handling UCX (1.13 to 1.22) moves a same-host peer's traffic to TCP over `lo` (no sysv,
+//! no CMA), which cost 2-5x in bandwidth from 64 KiB here (`ucx_perftest -e` loses as much), so it is off by
+//! default (under `longctx-launch` the job ends when one rank dies anyway) and `LONGCTX_UCX_PEER_ERRORS=1`
+//! turns it on for jobs whose ranks must survive a peer's death on an older UCX (test:
+//! `a_rank_killed_mid_transfer_is_an_error_on_its_peer`; [`ucx_version`] tells which UCX a process runs with).
 //!
 //! Progress: UCX moves a message only while someone calls `ucp_worker_progress` (a rendezvous waits for its
 //! receiver to see the request and fetch the data; TCP needs its socket fed). A rank that posts a transfer and
@@ -67,6 +69,13 @@ use crate::stats::StatsCounters;
 use crate::threads::lock;
 use crate::{Bootstrap, CommError};
 use result::Started;
+
+/// The version of the UCX library this process runs with (`major, minor, release`, from `ucp_get_version`):
+/// the one the dynamic linker found, which may be newer than the headers the crate was built against. Some
+/// behaviour depends on it (see the module docs on a peer that dies mid-transfer).
+pub fn ucx_version() -> (u32, u32, u32) {
+    safe::library_version()
+}
 
 const CTX_BITS: u32 = 19;
 const SRC_SHIFT: u32 = 33;

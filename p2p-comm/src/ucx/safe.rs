@@ -7,6 +7,15 @@ use std::ptr;
 use super::result::{check, started, Started, UcxError};
 use super::sys;
 
+/// The version of the UCX library loaded at run time (`ucp_get_version`), which may differ from the headers
+/// the bindings were generated from.
+pub fn library_version() -> (u32, u32, u32) {
+    let (mut major, mut minor, mut release) = (0, 0, 0);
+    // SAFETY: ucp_get_version only writes the three integers.
+    unsafe { sys::ucp_get_version(&mut major, &mut minor, &mut release) };
+    (major, minor, release)
+}
+
 /// A UCP context with the TAG feature.
 pub struct Context(sys::ucp_context_h);
 
@@ -103,8 +112,8 @@ impl Worker {
     pub fn connect(&self, addr: &[u8]) -> Result<Endpoint, UcxError> {
         // By default no UCP_ERR_HANDLING_MODE_PEER: it restricts UCX to transports that can detect peer failure,
         // which excludes shared-memory zero-copy (cma) here, and cost 2-5x in bandwidth from 64 KiB
-        // (BENCHMARKS.md); the transport detects dead peers itself, through the store. The price: UCX 1.13 aborts
-        // a process whose cma read from a peer that died mid-transfer fails. `LONGCTX_UCX_PEER_ERRORS=1` buys
+        // (BENCHMARKS.md); the transport detects dead peers itself, through the store. The price: UCX 1.13 to 1.21
+        // abort a process whose cma read from a peer that died mid-transfer fails (1.22 fails the read's request). `LONGCTX_UCX_PEER_ERRORS=1` buys
         // survival of that case with the bandwidth.
         let peer = std::env::var("LONGCTX_UCX_PEER_ERRORS").as_deref() == Ok("1");
         let params = sys::ucp_ep_params_t {
