@@ -1,4 +1,5 @@
-//! With the `ucx` feature, generates UCX bindings from the installed `ucp/api/ucp.h` (found with pkg-config).
+//! With the `ucx` feature, generates UCX bindings from the installed `ucp/api/ucp.h` (UCX 1.13 or newer, found
+//! with pkg-config).
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
@@ -11,10 +12,9 @@ mod ucx {
     use std::path::PathBuf;
 
     pub fn generate() {
-        let lib = pkg_config::Config::new()
-            .atleast_version("1.10")
-            .probe("ucx")
-            .unwrap_or_else(|e| panic!("feature `ucx`: pkg-config cannot find UCX (install libucx-dev): {e}"));
+        let lib = pkg_config::Config::new().atleast_version("1.13").probe("ucx").unwrap_or_else(|e| {
+            panic!("feature `ucx`: pkg-config cannot find UCX 1.13 or newer (install libucx-dev): {e}")
+        });
         let mut b = bindgen::Builder::default()
             .header_contents("ucx_wrapper.h", "#include <ucp/api/ucp.h>\n")
             .allowlist_function("ucp_.*|ucs_status_string")
