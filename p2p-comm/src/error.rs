@@ -71,8 +71,8 @@ pub enum CommError {
         rank: usize,
     },
     /// The peer gave up a send to this rank (it timed out waiting for it) and closed its link to this rank; a
-    /// receive from it that completes afterwards is refused, as its data may have been read from memory the
-    /// peer had already reused (UCX transport, peers on one host).
+    /// receive from it that ends afterwards is refused (its data may have been read from memory the peer had
+    /// already reused) or, if it failed, reported as this (UCX transport, peers on one host).
     #[error("rank {rank} closed its link to this rank after one of its sends to it failed; a receive from it that ends afterwards is refused")]
     LinkClosed {
         /// The rank that closed the link.

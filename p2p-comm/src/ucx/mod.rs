@@ -24,12 +24,13 @@
 //! caller has put there since: before the buffer is returned, the sender raises a flag in shared memory that
 //! its peers on the host read after each receive from it ([`link_flags`]), so such a receive fails with
 //! `LinkClosed` instead (test: `a_peer_stopped_mid_transfer_fails_the_sender_and_never_gets_reused_data`; without
-//! the flag the resumed receive completed with 250 MiB of the reused data). Left open: if the caller *unmapped*
-//! the buffer (freed a large allocation) and its process lives on, UCX 1.13 aborts the resumed receiver when
-//! its read faults (UCX 1.22 sends a failed read down the path a dead sender's takes, below; not tested); RDMA reads between hosts (InfiniBand) have no flag to read; and the mirror case, a
-//! withdrawn *receive* whose stalled sender resumes, is safe only because UCX's default rendezvous over shared
-//! memory has the receiver read (`UCX_RNDV_SCHEME=put_zcopy` would let the resumed sender write into the
-//! buffer after it was returned).
+//! the flag the resumed receive completed with 250 MiB of the reused data). If the caller *unmapped* the buffer
+//! instead (freed a large allocation), the resumed receiver's read faults: from UCX 1.22 on that fails the
+//! receive, reported as `LinkClosed` too (same test); UCX 1.13 to 1.21 abort the receiver. Left open: RDMA
+//! reads between hosts (InfiniBand) have no flag to read; and the mirror case, a withdrawn *receive* whose
+//! stalled sender resumes, is safe only because UCX's default rendezvous over shared memory has the receiver
+//! read (`UCX_RNDV_SCHEME=put_zcopy` would let the resumed sender write into the buffer after it was
+//! returned).
 //!
 //! A peer that *dies* in the middle of a large transfer fails the operations on it with `PeerGone` over TCP.
 //! Over shared memory the receiver's zero-copy read (CMA) from the dead process fails inside UCX. From UCX
@@ -607,6 +608,11 @@ impl UcxOp {
                 loop {
                     if self.shared.gone(self.world_peer) {
                         return Err(CommError::PeerGone { rank: self.peer });
+                    }
+                    // A receive that fails after its sender withdrew the send (e.g. UCX 1.22's failed read of a
+                    // send buffer the sender had freed) failed because of that withdrawal: say so.
+                    if !self.is_send && self.shared.links.closed_by(self.world_peer) {
+                        return Err(CommError::LinkClosed { rank: self.peer });
                     }
                     if !lost || t0.elapsed() > PEER_LOSS_GRACE {
                         let op = if self.is_send { "send to" } else { "receive from" };
