@@ -597,10 +597,12 @@ impl UcxOp {
             Err(e) if e.0 == sys::ucs_status_t::UCS_ERR_MESSAGE_TRUNCATED => Err(mismatch(length)),
             Err(e) => {
                 // A dead peer's socket can reset before the store has seen its connection close: give the store
-                // a moment, so that the error names the rank that died.
+                // a moment, so that the error names the rank that died. (UCX 1.22 may report a TCP peer that
+                // died as "not connected".)
                 let lost = matches!(
                     e.0,
                     sys::ucs_status_t::UCS_ERR_CONNECTION_RESET
+                        | sys::ucs_status_t::UCS_ERR_NOT_CONNECTED
                         | sys::ucs_status_t::UCS_ERR_ENDPOINT_TIMEOUT
                         | sys::ucs_status_t::UCS_ERR_UNREACHABLE
                 );
