@@ -78,20 +78,28 @@ impl Bootstrap {
             }
             Ok(None)
         };
+        // Each scheme's rank, world size and local rank, and (but for Slurm, which counts nodes) how many of the
+        // ranks share this host.
         let schemes = [
-            (Scheme::Torchrun, "RANK", "WORLD_SIZE", "LOCAL_RANK"),
-            (Scheme::Slurm, "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
-            (Scheme::OpenMpi, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
-            (Scheme::Hydra, "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
+            (Scheme::Torchrun, "RANK", "WORLD_SIZE", "LOCAL_RANK", Some("LOCAL_WORLD_SIZE")),
+            (Scheme::Slurm, "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", None),
+            (
+                Scheme::OpenMpi,
+                "OMPI_COMM_WORLD_RANK",
+                "OMPI_COMM_WORLD_SIZE",
+                "OMPI_COMM_WORLD_LOCAL_RANK",
+                Some("OMPI_COMM_WORLD_LOCAL_SIZE"),
+            ),
+            (Scheme::Hydra, "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", Some("MPI_LOCALNRANKS")),
         ];
         let mut found = None;
-        for (scheme, r, w, l) in schemes {
+        for (scheme, r, w, l, local_size) in schemes {
             if let (Some(rank), Some(world)) = (num(r)?, num(w)?) {
-                found = Some((rank, world, num(l)?.unwrap_or(0), scheme));
+                found = Some((rank, world, num(l)?.unwrap_or(0), scheme, w, local_size));
                 break;
             }
         }
-        let (rank, world_size, local_rank, scheme) = found.ok_or_else(|| {
+        let (rank, world_size, local_rank, scheme, world_var, local_size_var) = found.ok_or_else(|| {
             CommError::Bootstrap(
                 "no rank in the environment: set RANK and WORLD_SIZE (longctx-launch does), or run under Slurm or mpirun"
                     .into(),
@@ -100,21 +108,13 @@ impl Bootstrap {
         if world_size == 0 || rank >= world_size {
             return Err(CommError::Bootstrap(format!("rank {rank} is not in a world of {world_size}")));
         }
-        let (multi_host, spread) = match scheme {
-            Scheme::Torchrun => match num("LOCAL_WORLD_SIZE")? {
-                Some(l) => (l < world_size, format!("LOCAL_WORLD_SIZE={l} of WORLD_SIZE={world_size}")),
+        let (multi_host, spread) = match local_size_var {
+            Some(var) => match num(var)? {
+                Some(l) => (l < world_size, format!("{var}={l} of {world_var}={world_size}")),
                 None => (false, String::new()),
             },
-            Scheme::Slurm => match first_num(&["SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES"])? {
+            None => match first_num(&["SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES"])? {
                 Some(n) => (n > 1, format!("{n} Slurm nodes")),
-                None => (false, String::new()),
-            },
-            Scheme::OpenMpi => match num("OMPI_COMM_WORLD_LOCAL_SIZE")? {
-                Some(l) => (l < world_size, format!("OMPI_COMM_WORLD_LOCAL_SIZE={l} of {world_size}")),
-                None => (false, String::new()),
-            },
-            Scheme::Hydra => match num("MPI_LOCALNRANKS")? {
-                Some(l) => (l < world_size, format!("MPI_LOCALNRANKS={l} of PMI_SIZE={world_size}")),
                 None => (false, String::new()),
             },
         };

@@ -3,7 +3,8 @@
 //! Why: a send that fails (a receiver stalled past the timeout) is withdrawn by force-closing the endpoint and
 //! returning the buffer to the caller. Over shared memory the *receiver* pulls a large message from the sender's
 //! memory (CMA), and a receiver that was only stopped goes on pulling when it resumes: from freed memory (UCX
-//! then aborts the process) or from reused memory, which would complete the receive with whatever it holds.
+//! before 1.22 then aborts the process; 1.22 fails the receive) or from reused memory, which would complete the
+//! receive with whatever it holds.
 //! So before it gives up on a send, a process raises the flag of that receiver in its own segment; a receive
 //! from a peer on this host only counts as done if that peer's flag for this rank is still down after UCX
 //! finished it. The flag goes up before the buffer is returned, the buffer is reused after that, and the
