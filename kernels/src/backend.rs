@@ -1,137 +1,247 @@
-//! The backend seam: the attention operations as a trait over a backend's own buffer types.
+//! The one interface every caller computes through: [`Backend`].
 //!
-//! The CPU backend takes [`HostSlice`]s; a device backend (the `cuda` feature, later) takes device slices
-//! through the same trait, so code written against [`AttentionBackend`] (ring attention, the trainer) moves to
-//! the device by changing one type. Shapes and masks are plain structs shared by every backend.
+//! # Why a trait object over views
+//! Every method takes [`View`]s, which carry their dims, dtype and memory, so the methods are not generic and
+//! the trait is object safe: ring attention and the trainer hold an `Arc<dyn Backend>` and never name the
+//! backend's type, and the CUDA backend is one more implementation with one more [`Memory`] kind. Generic
+//! parameters (`B: Backend` with associated buffer types) would be checked at compile time instead, but every
+//! struct that holds a backend (a model, a context-parallel plan) would carry the parameter, and a dtype
+//! chosen at run time (a recipe's `bf16`) would need a second dispatch anyway. A backend checks, before any
+//! work, that each view lives in its memory ([`KernelError::Memory`](crate::KernelError::Memory)) and that the
+//! dims agree.
+//!
+//! # Conventions (llm.c's)
+//! Outputs first, then the upstream gradient, then what the forward saved ([`crate::saved`]), then parameters
+//! and options. Gradients are named `dq, dk, dv, dout, dx, dw`. Activation gradients are overwritten; the
+//! gradients a [`GradMode`] governs are named in each method's docs. Every shape is checked before any element
+//! is written: an `Err` leaves outputs untouched.
 
-use std::sync::Arc;
+use std::fmt;
 
-use crate::attention::{self, AttnParams};
-use crate::error::{KernelError, Result};
-use crate::view::{HostSlice, HostSliceMut};
+use crate::attention::{AttnGrads, AttnOptions, AttnOut, AttnPartial, AttnSaved, Qkv};
+use crate::buffer::Buffer;
+use crate::dtype::DType;
+use crate::error::Result;
+use crate::ops::{AdamW, CrossEntropyOptions, CrossEntropyOutput, RopeTable};
+use crate::saved::{LayerNormSaved, LinearSaved, MatmulSaved, RmsNormSaved, SquaredReluSaved, SwigluSaved};
+use crate::view::{Dims, Memory, View, ViewMut};
 
-/// Attention on one backend's memory.
-pub trait AttentionBackend {
-    /// A read-only buffer of `f32` or `bf16` elements.
-    type Slice<'a>;
-    /// A writable buffer of `f32` or `bf16` elements.
-    type SliceMut<'a>;
-    /// A read-only `f32` buffer (LSE, partial outputs).
-    type F32<'a>;
-    /// A writable `f32` buffer.
-    type F32Mut<'a>;
+/// Whether a backward overwrites the gradients it is given or adds to them (accumulation over micro-batches,
+/// or over the key blocks of ring attention).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum GradMode {
+    /// The buffer receives the gradient.
+    #[default]
+    Overwrite,
+    /// The gradient is added to what the buffer holds.
+    Accumulate,
+}
 
-    /// See [`attention::attention_forward`].
-    fn attention_forward(
-        &self,
-        p: &AttnParams<'_>,
-        q: Self::Slice<'_>,
-        k: Self::Slice<'_>,
-        v: Self::Slice<'_>,
-        o: Self::SliceMut<'_>,
-        lse: Self::F32Mut<'_>,
-    ) -> Result<()>;
+impl GradMode {
+    pub(crate) fn accumulate(self) -> bool {
+        self == GradMode::Accumulate
+    }
+}
 
-    /// See [`attention::attention_backward`].
-    #[allow(clippy::too_many_arguments)]
+/// The parameters of a norm: `weight[C]` (and `bias[C]` for LayerNorm; none for RMSNorm) and `eps`.
+#[derive(Debug, Clone, Copy)]
+pub struct NormParams<'a> {
+    /// `[C]`, the buffers' dtype.
+    pub weight: View<'a>,
+    /// `[C]`; LayerNorm only.
+    pub bias: Option<View<'a>>,
+    /// Added to the variance; finite and ≥ 0.
+    pub eps: f32,
+}
+
+/// The gradients of a norm's backward: `dx` (overwritten), `dweight` and `dbias` (per [`GradMode`]).
+#[derive(Debug)]
+pub struct NormGrads<'a> {
+    /// `[N, C]`.
+    pub dx: ViewMut<'a>,
+    /// `[C]`; any dtype.
+    pub dweight: ViewMut<'a>,
+    /// `[C]`; LayerNorm only, same dtype as `dweight`.
+    pub dbias: Option<ViewMut<'a>>,
+}
+
+/// The gradients of a linear layer's backward: `dx` (overwritten; `None` skips it, e.g. for the first layer),
+/// `dw` and `dbias` (per [`GradMode`]).
+#[derive(Debug)]
+pub struct LinearGrads<'a> {
+    /// `[N, IN]`.
+    pub dx: Option<ViewMut<'a>>,
+    /// `[OUT, IN]`.
+    pub dw: ViewMut<'a>,
+    /// `[OUT]`, same dtype as `dw`.
+    pub dbias: Option<ViewMut<'a>>,
+}
+
+/// The gradients of the fused output projection and loss.
+#[derive(Debug)]
+pub struct ProjectionGrads<'a> {
+    /// `[T, C]`, overwritten.
+    pub dhidden: ViewMut<'a>,
+    /// `[V, C]`, per [`GradMode`].
+    pub dweight: ViewMut<'a>,
+}
+
+/// The moment estimates of AdamW, `f32`, one per parameter.
+#[derive(Debug)]
+pub struct AdamwState<'a> {
+    /// First moment.
+    pub m: ViewMut<'a>,
+    /// Second moment.
+    pub v: ViewMut<'a>,
+}
+
+/// The compute of longctx: attention and every other transformer op with its backward, on one kind of memory.
+/// See the module docs for why this is a trait object over views, and for the argument conventions.
+pub trait Backend: Send + Sync + fmt::Debug {
+    /// A short name for messages (`cpu`, `cuda`).
+    fn name(&self) -> &'static str;
+    /// The memory this backend computes on.
+    fn memory(&self) -> Memory;
+
+    /// A zeroed buffer of `dtype` with `dims` in this backend's memory.
+    fn zeros(&self, dtype: DType, dims: Dims) -> Result<Buffer>;
+    /// `dst = src`, converting the element type when they differ. Same dims.
+    fn copy(&self, dst: ViewMut<'_>, src: View<'_>) -> Result<()>;
+    /// `dst += src` (in `f32`, rounded to `dst`'s type). Same dims.
+    fn add(&self, dst: ViewMut<'_>, src: View<'_>) -> Result<()>;
+    /// `x *= a`.
+    fn scale(&self, x: ViewMut<'_>, a: f32) -> Result<()>;
+    /// `Σ x²` over all the views, in `f64` (the squared global norm, to all-reduce before clipping).
+    fn sum_squares(&self, xs: &[View<'_>]) -> Result<f64>;
+
+    /// Attention forward: `out.o` and `out.lse` receive full attention of the queries over the keys the mask
+    /// shows them (a row that sees none gets `O = 0`, `LSE = -inf`). The forward saves `qkv`, `out.o` and
+    /// `out.lse` ([`AttnSaved`]).
+    fn attention_forward(&self, opts: &AttnOptions<'_>, out: AttnOut<'_>, qkv: Qkv<'_>) -> Result<()>;
+    /// Attention backward: `grads` (overwritten, or added to with [`GradMode::Accumulate`]: all of `dq`, `dk`,
+    /// `dv`, in `f32` or the buffers' type) from `dout` and what the forward saved.
     fn attention_backward(
         &self,
-        p: &AttnParams<'_>,
-        q: Self::Slice<'_>,
-        k: Self::Slice<'_>,
-        v: Self::Slice<'_>,
-        o: Self::Slice<'_>,
-        d_o: Self::Slice<'_>,
-        lse: Self::F32<'_>,
-        d_q: Self::SliceMut<'_>,
-        d_k: Self::SliceMut<'_>,
-        d_v: Self::SliceMut<'_>,
-        accumulate: bool,
+        opts: &AttnOptions<'_>,
+        grads: AttnGrads<'_>,
+        dout: View<'_>,
+        saved: AttnSaved<'_>,
+        mode: GradMode,
+    ) -> Result<()>;
+    /// Merges a partial result over a disjoint set of keys into `acc` (both `f32`): the exact attention over
+    /// the union of the keys.
+    fn attention_merge(&self, acc: AttnOut<'_>, part: AttnPartial<'_>) -> Result<()>;
+
+    /// `c[M,N] = a[M,K]·b[K,N]`. The forward saves `a` and `b` ([`MatmulSaved`]).
+    fn matmul(&self, c: ViewMut<'_>, a: View<'_>, b: View<'_>) -> Result<()>;
+    /// `da = dc·bᵀ` (overwritten) and `db = aᵀ·dc` (per `mode`); either may be skipped.
+    fn matmul_backward(
+        &self,
+        da: Option<ViewMut<'_>>,
+        db: Option<ViewMut<'_>>,
+        dc: View<'_>,
+        saved: MatmulSaved<'_>,
+        mode: GradMode,
+    ) -> Result<()>;
+    /// `y[N,OUT] = x[N,IN]·wᵀ + bias` (`w` is `[OUT, IN]`, as PyTorch's `Linear`). Saves `x` ([`LinearSaved`]).
+    fn linear_forward(&self, y: ViewMut<'_>, x: View<'_>, w: View<'_>, bias: Option<View<'_>>) -> Result<()>;
+    /// The linear layer's backward: `grads.dx` (overwritten), `grads.dw` and `grads.dbias` (per `mode`).
+    fn linear_backward(
+        &self,
+        grads: LinearGrads<'_>,
+        dy: View<'_>,
+        saved: LinearSaved<'_>,
+        w: View<'_>,
+        mode: GradMode,
     ) -> Result<()>;
 
-    /// See [`attention::merge_partial_attention`].
-    fn merge_partial_attention(
+    /// RMSNorm over the last dim: `y = x · rstd · weight`, writing the saved `rstd[N]` (`f32`).
+    fn rmsnorm_forward(&self, y: ViewMut<'_>, rstd: ViewMut<'_>, x: View<'_>, p: &NormParams<'_>) -> Result<()>;
+    /// RMSNorm backward: `grads.dx` (overwritten), `grads.dweight` (per `mode`).
+    fn rmsnorm_backward(
         &self,
-        o1: Self::F32Mut<'_>,
-        lse1: Self::F32Mut<'_>,
-        o2: Self::F32<'_>,
-        lse2: Self::F32<'_>,
+        grads: NormGrads<'_>,
+        dy: View<'_>,
+        saved: RmsNormSaved<'_>,
+        weight: View<'_>,
+        mode: GradMode,
     ) -> Result<()>;
-}
-
-/// The CPU backend: SIMD kernels on a rayon thread pool (the global pool unless one is given, so a host
-/// framework can own the threads).
-#[derive(Debug, Clone, Default)]
-pub struct CpuBackend {
-    pool: Option<Arc<rayon::ThreadPool>>,
-}
-
-impl CpuBackend {
-    /// Runs on rayon's global pool.
-    pub fn new() -> Self {
-        Self::default()
-    }
-    /// Runs on a new pool of `threads` threads.
-    pub fn with_threads(threads: usize) -> Result<Self> {
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .build()
-            .map_err(|e| KernelError::InvalidArgument { name: "threads", why: e.to_string() })?;
-        Ok(Self { pool: Some(Arc::new(pool)) })
-    }
-    /// Runs on a pool the caller owns.
-    pub fn with_pool(pool: Arc<rayon::ThreadPool>) -> Self {
-        Self { pool: Some(pool) }
-    }
-    /// Threads the kernels use.
-    pub fn threads(&self) -> usize {
-        self.pool.as_ref().map_or_else(rayon::current_num_threads, |p| p.current_num_threads())
-    }
-
-    fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
-        match &self.pool {
-            Some(p) => p.install(f),
-            None => f(),
-        }
-    }
-}
-
-impl AttentionBackend for CpuBackend {
-    type Slice<'a> = HostSlice<'a>;
-    type SliceMut<'a> = HostSliceMut<'a>;
-    type F32<'a> = &'a [f32];
-    type F32Mut<'a> = &'a mut [f32];
-
-    fn attention_forward(
+    /// LayerNorm over the last dim, writing the saved `mean[N]` and `rstd[N]` (`f32`).
+    fn layernorm_forward(
         &self,
-        p: &AttnParams<'_>,
-        q: HostSlice<'_>,
-        k: HostSlice<'_>,
-        v: HostSlice<'_>,
-        o: HostSliceMut<'_>,
-        lse: &mut [f32],
-    ) -> Result<()> {
-        self.run(|| attention::attention_forward(p, q, k, v, o, lse))
-    }
-
-    fn attention_backward(
+        y: ViewMut<'_>,
+        mean: ViewMut<'_>,
+        rstd: ViewMut<'_>,
+        x: View<'_>,
+        p: &NormParams<'_>,
+    ) -> Result<()>;
+    /// LayerNorm backward: `grads.dx` (overwritten), `grads.dweight` and `grads.dbias` (per `mode`).
+    fn layernorm_backward(
         &self,
-        p: &AttnParams<'_>,
-        q: HostSlice<'_>,
-        k: HostSlice<'_>,
-        v: HostSlice<'_>,
-        o: HostSlice<'_>,
-        d_o: HostSlice<'_>,
-        lse: &[f32],
-        d_q: HostSliceMut<'_>,
-        d_k: HostSliceMut<'_>,
-        d_v: HostSliceMut<'_>,
-        accumulate: bool,
-    ) -> Result<()> {
-        self.run(|| attention::attention_backward(p, q, k, v, o, d_o, lse, d_q, d_k, d_v, accumulate))
-    }
+        grads: NormGrads<'_>,
+        dy: View<'_>,
+        saved: LayerNormSaved<'_>,
+        weight: View<'_>,
+        mode: GradMode,
+    ) -> Result<()>;
 
-    fn merge_partial_attention(&self, o1: &mut [f32], lse1: &mut [f32], o2: &[f32], lse2: &[f32]) -> Result<()> {
-        attention::merge_partial_attention(o1, lse1, o2, lse2)
-    }
+    /// Rotary embedding of `x[B,H,S,D]` by the angles of `positions[S]` (global token positions) into `y`;
+    /// `y` and `x` may be the same buffer through [`Backend::rope_forward_inplace`]. Saves nothing.
+    fn rope_forward(&self, rope: &RopeTable, y: ViewMut<'_>, x: View<'_>, positions: &[i64]) -> Result<()>;
+    /// Rotary embedding in place.
+    fn rope_forward_inplace(&self, rope: &RopeTable, x: ViewMut<'_>, positions: &[i64]) -> Result<()>;
+    /// The rotary embedding's backward (the inverse rotation) in place: `d` holds `dy` and receives `dx`.
+    fn rope_backward_inplace(&self, rope: &RopeTable, d: ViewMut<'_>, positions: &[i64]) -> Result<()>;
+
+    /// SwiGLU: `out = silu(gate) ∘ up`. Saves both inputs ([`SwigluSaved`]).
+    fn swiglu_forward(&self, out: ViewMut<'_>, gate: View<'_>, up: View<'_>) -> Result<()>;
+    /// SwiGLU backward: `dgate`, `dup` (overwritten).
+    fn swiglu_backward(
+        &self,
+        dgate: ViewMut<'_>,
+        dup: ViewMut<'_>,
+        dout: View<'_>,
+        saved: SwigluSaved<'_>,
+    ) -> Result<()>;
+    /// Squared ReLU: `out = max(x, 0)²`. Saves `x` ([`SquaredReluSaved`]).
+    fn squared_relu_forward(&self, out: ViewMut<'_>, x: View<'_>) -> Result<()>;
+    /// Squared ReLU backward: `dx` (overwritten).
+    fn squared_relu_backward(&self, dx: ViewMut<'_>, dout: View<'_>, saved: SquaredReluSaved<'_>) -> Result<()>;
+
+    /// Token embedding: `out[N,C] = table[ids[n]]` (`table` is `[V, C]`). Saves the ids.
+    fn embedding_forward(&self, out: ViewMut<'_>, ids: &[u32], table: View<'_>) -> Result<()>;
+    /// Embedding backward: `dtable` (per `mode`) gathers `dout`'s rows.
+    fn embedding_backward(&self, dtable: ViewMut<'_>, dout: View<'_>, ids: &[u32], mode: GradMode) -> Result<()>;
+
+    /// Cross-entropy from `logits[T,V]`, replaced by their gradient; ignored targets give zero rows.
+    fn cross_entropy_logits(
+        &self,
+        logits: ViewMut<'_>,
+        targets: &[i64],
+        opts: &CrossEntropyOptions,
+    ) -> Result<CrossEntropyOutput>;
+    /// Cross-entropy of the output projection `hidden[T,C]·weightᵀ` (`weight` `[V, C]`) computed in chunks of
+    /// tokens, so the `[T, V]` logits never exist at once: the loss, `grads.dhidden` (overwritten) and
+    /// `grads.dweight` (per `mode`).
+    fn cross_entropy_fused(
+        &self,
+        grads: ProjectionGrads<'_>,
+        hidden: View<'_>,
+        weight: View<'_>,
+        targets: &[i64],
+        opts: &CrossEntropyOptions,
+        mode: GradMode,
+    ) -> Result<CrossEntropyOutput>;
+
+    /// One AdamW step on the `f32` master weights `master` from `grads`; with `copy_to`, the updated weights
+    /// are also rounded into it (a `bf16` model's working copy).
+    fn adamw_step(
+        &self,
+        master: ViewMut<'_>,
+        copy_to: Option<ViewMut<'_>>,
+        grads: View<'_>,
+        state: AdamwState<'_>,
+        hp: &AdamW,
+        step: u64,
+    ) -> Result<()>;
 }

@@ -20,6 +20,13 @@ impl DType {
             DType::Bf16 => "bf16",
         }
     }
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::Bf16 => 2,
+        }
+    }
 }
 
 /// A storage element: `f32` or `bf16`. Sealed; conversions are exact for `f32` and round-to-nearest-even

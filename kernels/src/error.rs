@@ -55,6 +55,34 @@ pub enum KernelError {
     /// The operation is not available in this build or on this backend.
     #[error("not supported: {0}")]
     Unsupported(&'static str),
+    /// A view lives in other memory than the backend it is given to computes on.
+    #[error("buffer `{name}` is in {got} memory, but the {backend} backend computes on {expected} memory")]
+    Memory {
+        /// The argument's name.
+        name: &'static str,
+        /// The backend's name.
+        backend: &'static str,
+        /// The backend's memory.
+        expected: crate::Memory,
+        /// The view's memory.
+        got: crate::Memory,
+    },
+    /// The backend was not compiled into this build (e.g. `CudaBackend` without the `cuda` feature).
+    #[error("the {backend} backend is not compiled into this build (enable the `{feature}` feature)")]
+    NotCompiled {
+        /// The backend's name.
+        backend: &'static str,
+        /// The cargo feature that adds it.
+        feature: &'static str,
+    },
+    /// The backend is compiled in but finds no device (no driver, or no device with that ordinal).
+    #[error("the {backend} backend found no device: {why}")]
+    NoDevice {
+        /// The backend's name.
+        backend: &'static str,
+        /// What was looked for and not found.
+        why: String,
+    },
 }
 
 /// Result alias of this crate.

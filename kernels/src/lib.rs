@@ -1,50 +1,78 @@
-//! `longctx-kernels`: the compute kernels of long-context training.
+//! `longctx-kernels`: the compute of long-context training.
 //!
-//! Flash-style attention (forward and backward returning the log-sum-exp, and the merge of partial results)
-//! and the other transformer ops with their backward, on a multi-threaded SIMD CPU backend. Every kernel
-//! computes in `f32`; buffers are `f32` or `bf16`.
+//! It owns flash-style attention (forward and backward with the log-sum-exp, and the exact merge of partial
+//! results over disjoint key sets, which ring attention is built on) and the other transformer ops with their
+//! backward: linear layers, RMSNorm and LayerNorm, rotary embeddings with context-extension scalings, SwiGLU
+//! and squared ReLU, embeddings, chunked cross-entropy, AdamW and gradient norms.
+//!
+//! Main types:
+//! - [`Backend`]: the one interface every caller computes through; [`CpuBackend`] (SIMD micro-kernels on a
+//!   rayon pool) today, [`CudaBackend`] with the `cuda` feature later (a typed error until then).
+//! - [`View`] / [`ViewMut`]: buffers that carry their dims, dtype and [`Memory`]; [`Buffer`] owns one.
+//! - Grouped arguments: [`Qkv`], [`AttnOut`], [`AttnSaved`] (what attention's forward saves), [`AttnGrads`];
+//!   the other ops' saved tensors are in [`saved`], each with its size in bytes from the shapes.
+//! - [`AttnMask`]: causal, sliding-window and document masks by global token positions.
 //!
 //! ```
-//! use longctx_kernels::{attention_forward, merge_partial_attention, AttnMask, AttnParams, AttnShape, Positions};
+//! use longctx_kernels::{AttnMask, AttnOptions, AttnOut, Backend, CpuBackend, Positions, Qkv, View, ViewMut};
+//! let cpu = CpuBackend::new();
 //! // Four query rows at positions 4..8 against two key blocks (positions 0..4 and 4..8), causal.
-//! let shape = AttnShape { batch: 1, q_heads: 1, kv_heads: 1, q_len: 4, kv_len: 4, head_dim: 32 };
-//! let q: Vec<f32> = (0..shape.q_elems()).map(|i| (i as f32 * 0.37).sin()).collect();
-//! let kv: Vec<f32> = (0..shape.kv_elems()).map(|i| (i as f32 * 0.11).cos()).collect();
-//! let block = |k_start: i64| {
+//! let (qd, kd) = ([1, 1, 4, 32], [1, 1, 4, 32]);
+//! let q: Vec<f32> = (0..128).map(|i| (i as f32 * 0.37).sin()).collect();
+//! let kv: Vec<f32> = (0..128).map(|i| (i as f32 * 0.11).cos()).collect();
+//! let block = |k_start: i64| -> Result<(Vec<f32>, Vec<f32>), longctx_kernels::KernelError> {
 //!     let mask = AttnMask::causal().with_positions(Positions::Offset(4), Positions::Offset(k_start));
-//!     let (mut o, mut lse) = (vec![0f32; shape.q_elems()], vec![0f32; shape.lse_elems()]);
-//!     attention_forward(&AttnParams::new(shape).with_mask(mask), (&q).into(), (&kv).into(), (&kv).into(),
-//!                       (&mut o).into(), &mut lse).unwrap();
-//!     (o, lse)
+//!     let (mut o, mut lse) = (vec![0f32; 128], vec![0f32; 4]);
+//!     let qkv = Qkv::new(View::new(&q, qd)?, View::new(&kv, kd)?, View::new(&kv, kd)?);
+//!     let out = AttnOut { o: ViewMut::new(&mut o, qd)?, lse: ViewMut::new(&mut lse, [1, 1, 4])? };
+//!     cpu.attention_forward(&AttnOptions::new(mask), out, qkv)?;
+//!     Ok((o, lse))
 //! };
-//! let (mut o, mut lse) = block(0);
-//! let (o2, lse2) = block(4);
-//! merge_partial_attention(&mut o, &mut lse, &o2, &lse2)?; // exact attention over all eight keys
+//! let (mut o, mut lse) = block(0)?;
+//! let (o2, lse2) = block(4)?;
+//! // Exact attention over all eight keys.
+//! let acc = AttnOut { o: ViewMut::new(&mut o, qd)?, lse: ViewMut::new(&mut lse, [1, 1, 4])? };
+//! cpu.attention_merge(acc, longctx_kernels::AttnPartial { o: View::new(&o2, qd)?, lse: View::new(&lse2, [1, 1, 4])? })?;
 //! assert!(lse.iter().all(|x| x.is_finite()));
 //! # Ok::<(), longctx_kernels::KernelError>(())
 //! ```
+//!
+//! The free functions ([`attention_forward`], [`ops`]) are the CPU backend's kernels on typed host slices; code
+//! that must run on any backend calls [`Backend`].
 #![warn(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod attention;
 pub mod backend;
+pub mod buffer;
+pub mod cpu;
+pub mod cuda;
 pub mod dtype;
 pub mod error;
+mod host;
 pub mod ops;
+pub mod saved;
 pub mod testing;
 pub mod view;
 
 pub use attention::{
-    attention_backward, attention_forward, attention_work, merge_partial_attention, AttnMask, AttnParams, AttnShape,
-    AttnWork, Positions,
+    attention_backward, attention_forward, attention_work, merge_partial_attention, AttnGrads, AttnMask, AttnOptions,
+    AttnOut, AttnParams, AttnPartial, AttnSaved, AttnShape, AttnWork, Positions, Qkv, SimdPath,
 };
-pub use backend::{AttentionBackend, CpuBackend};
+pub use backend::{AdamwState, Backend, GradMode, LinearGrads, NormGrads, NormParams, ProjectionGrads};
+pub use buffer::Buffer;
+pub use cpu::CpuBackend;
+pub use cuda::CudaBackend;
 pub use dtype::{DType, Element};
 pub use error::{KernelError, Result};
+pub use host::{HostSlice, HostSliceMut};
 pub use ops::{
     adamw_step, adamw_step_with_copy, clip_grad_norm, cross_entropy_fused, cross_entropy_logits, embedding_backward,
     embedding_forward, layernorm_backward, layernorm_forward, linear_backward, linear_forward, matmul, matmul_backward,
     rmsnorm_backward, rmsnorm_forward, squared_relu_backward, squared_relu_forward, swiglu_backward, swiglu_forward,
     AdamW, CrossEntropyOptions, CrossEntropyOutput, RopeConfig, RopeScaling, RopeTable,
 };
-pub use view::{HostSlice, HostSliceMut};
+pub use saved::{
+    EmbeddingSaved, LayerNormSaved, LinearSaved, MatmulSaved, RmsNormSaved, SquaredReluSaved, SwigluSaved,
+};
+pub use view::{DeviceSlice, DeviceSliceMut, Dims, IntoDims, Memory, View, ViewMut};

@@ -1,182 +1,393 @@
-//! Typed views of host memory: what the CPU backend takes. A device backend takes its own view types through
-//! the same [`crate::Backend`] trait, so no public signature assumes host memory.
+//! Views that carry their shape: data, dims, dtype and the kind of memory they live in.
+//!
+//! A [`View`] (read-only) or [`ViewMut`] (writable) is what every [`Backend`](crate::Backend) method takes.
+//! It is not a tensor library: no broadcasting, no strides, no autograd, no lazy ops; a view is a contiguous
+//! row-major buffer with up to four dims, checked once when it is made. The memory is an enum (host memory
+//! today; device memory is one more variant when the CUDA backend lands), so code written against views moves
+//! to the device without changing its signatures, as candle's `Storage { Cpu, Cuda }` does. A backend checks
+//! that every view it is given lives in its memory ([`KernelError::Memory`]).
+//!
+//! ```
+//! use longctx_kernels::{View, ViewMut, DType};
+//! let q = vec![0.5f32; 2 * 4 * 64 * 32];
+//! let v = View::new(&q, [2, 4, 64, 32])?; // checked: 2·4·64·32 elements
+//! assert_eq!((v.dims(), v.dtype()), (&[2, 4, 64, 32][..], DType::F32));
+//! assert!(View::new(&q, [2, 4, 64, 31]).is_err());
+//! let mut o = vec![0f32; q.len()];
+//! let o = ViewMut::new(&mut o, [2, 4, 64, 32])?;
+//! assert_eq!(o.len(), q.len());
+//! # Ok::<(), longctx_kernels::KernelError>(())
+//! ```
+
+use std::fmt;
 
 use half::bf16;
 
-use crate::dtype::DType;
+use crate::dtype::{DType, Element};
+use crate::error::{KernelError, Result};
+pub(crate) use crate::host::{HostSlice, HostSliceMut};
 
-/// A read-only host buffer of `f32` or `bf16`.
+/// The most dims a view has (`[B, H, S, D]`).
+pub const MAX_DIMS: usize = 4;
+
+/// The dims of a view, outermost first (row-major: the last dim is contiguous).
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Dims {
+    rank: u8,
+    d: [usize; MAX_DIMS],
+}
+
+impl Dims {
+    /// Up to [`MAX_DIMS`] dims; the element count must fit in `usize`.
+    pub fn new(dims: &[usize]) -> Result<Self> {
+        if dims.is_empty() || dims.len() > MAX_DIMS {
+            return Err(KernelError::Shape(format!("a view has 1 to {MAX_DIMS} dims, not {}", dims.len())));
+        }
+        dims.iter()
+            .try_fold(1usize, |a, &x| a.checked_mul(x))
+            .ok_or_else(|| KernelError::Shape(format!("element count of {dims:?} overflows usize")))?;
+        let mut d = [1; MAX_DIMS];
+        d[..dims.len()].copy_from_slice(dims);
+        Ok(Self { rank: dims.len() as u8, d })
+    }
+    /// The dims as a slice.
+    pub fn as_slice(&self) -> &[usize] {
+        &self.d[..self.rank as usize]
+    }
+    /// Elements they hold.
+    pub fn numel(&self) -> usize {
+        self.as_slice().iter().product()
+    }
+}
+
+impl fmt::Debug for Dims {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?}", self.as_slice())
+    }
+}
+
+/// What can name a view's dims: `[usize; N]`, `&[usize]`, `Vec<usize>` or [`Dims`].
+pub trait IntoDims {
+    /// The dims, checked.
+    fn into_dims(self) -> Result<Dims>;
+}
+impl<const N: usize> IntoDims for [usize; N] {
+    fn into_dims(self) -> Result<Dims> {
+        Dims::new(&self)
+    }
+}
+impl IntoDims for &[usize] {
+    fn into_dims(self) -> Result<Dims> {
+        Dims::new(self)
+    }
+}
+impl IntoDims for Vec<usize> {
+    fn into_dims(self) -> Result<Dims> {
+        Dims::new(&self)
+    }
+}
+impl IntoDims for Dims {
+    fn into_dims(self) -> Result<Dims> {
+        Ok(self)
+    }
+}
+
+/// Where a buffer lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Memory {
+    /// Ordinary (pageable or pinned) host memory.
+    Host,
+    /// Memory of the CUDA device with this ordinal.
+    Cuda {
+        /// The device ordinal.
+        ordinal: usize,
+    },
+}
+
+impl fmt::Display for Memory {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Memory::Host => write!(f, "host"),
+            Memory::Cuda { ordinal } => write!(f, "cuda:{ordinal}"),
+        }
+    }
+}
+
+/// A read-only view of device memory. Only a device backend makes these; without one (no `cuda` feature) the
+/// type has no values, so host code matches on it for free.
 #[derive(Debug, Clone, Copy)]
-pub enum HostSlice<'a> {
-    /// `f32` elements.
-    F32(&'a [f32]),
-    /// `bf16` elements.
-    Bf16(&'a [bf16]),
+pub struct DeviceSlice<'a> {
+    never: std::convert::Infallible,
+    _life: std::marker::PhantomData<&'a ()>,
 }
 
-/// A writable host buffer of `f32` or `bf16`.
+/// A writable view of device memory (see [`DeviceSlice`]).
 #[derive(Debug)]
-pub enum HostSliceMut<'a> {
-    /// `f32` elements.
-    F32(&'a mut [f32]),
-    /// `bf16` elements.
-    Bf16(&'a mut [bf16]),
+pub struct DeviceSliceMut<'a> {
+    never: std::convert::Infallible,
+    _life: std::marker::PhantomData<&'a mut ()>,
 }
 
-impl<'a> HostSlice<'a> {
-    /// Number of elements.
-    pub fn len(&self) -> usize {
-        match self {
-            HostSlice::F32(s) => s.len(),
-            HostSlice::Bf16(s) => s.len(),
-        }
+#[derive(Debug, Clone, Copy)]
+enum Data<'a> {
+    Host(HostSlice<'a>),
+    #[allow(dead_code)] // made by the device backend
+    Device(DeviceSlice<'a>),
+}
+
+#[derive(Debug)]
+enum DataMut<'a> {
+    Host(HostSliceMut<'a>),
+    #[allow(dead_code)] // made by the device backend
+    Device(DeviceSliceMut<'a>),
+}
+
+/// A read-only buffer with its dims (see the module docs).
+#[derive(Debug, Clone, Copy)]
+pub struct View<'a> {
+    data: Data<'a>,
+    dims: Dims,
+}
+
+/// A writable buffer with its dims (see the module docs).
+#[derive(Debug)]
+pub struct ViewMut<'a> {
+    data: DataMut<'a>,
+    dims: Dims,
+}
+
+fn check_numel(len: usize, dims: &Dims) -> Result<()> {
+    if len == dims.numel() {
+        Ok(())
+    } else {
+        Err(KernelError::Shape(format!("a buffer of {len} elements cannot have dims {dims:?}")))
     }
-    /// True when the buffer has no elements.
+}
+
+impl<'a> View<'a> {
+    /// Host elements of `f32` or `bf16` with dims whose product is their length.
+    pub fn new<T: Element>(data: &'a [T], dims: impl IntoDims) -> Result<Self> {
+        Self::host(T::host(data), dims)
+    }
+    /// A typed host slice with dims.
+    pub fn host(data: HostSlice<'a>, dims: impl IntoDims) -> Result<Self> {
+        let dims = dims.into_dims()?;
+        check_numel(data.len(), &dims)?;
+        Ok(Self { data: Data::Host(data), dims })
+    }
+    /// Host elements viewed as one dimension of their length.
+    pub fn flat<T: Element>(data: &'a [T]) -> Self {
+        let dims = Dims { rank: 1, d: [data.len(), 1, 1, 1] };
+        Self { data: Data::Host(T::host(data)), dims }
+    }
+    /// The dims.
+    pub fn dims(&self) -> &[usize] {
+        self.dims.as_slice()
+    }
+    /// The dims as a value.
+    pub fn shape(&self) -> Dims {
+        self.dims
+    }
+    /// Elements.
+    pub fn len(&self) -> usize {
+        self.dims.numel()
+    }
+    /// True when the view holds no elements.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
     /// The element type.
     pub fn dtype(&self) -> DType {
-        match self {
-            HostSlice::F32(_) => DType::F32,
-            HostSlice::Bf16(_) => DType::Bf16,
+        match &self.data {
+            Data::Host(h) => h.dtype(),
+            Data::Device(d) => match d.never {},
         }
     }
-    /// The elements `start..start + len`.
-    pub fn sub(&self, start: usize, len: usize) -> HostSlice<'a> {
-        match *self {
-            HostSlice::F32(s) => HostSlice::F32(&s[start..start + len]),
-            HostSlice::Bf16(s) => HostSlice::Bf16(&s[start..start + len]),
+    /// Where the elements live.
+    pub fn memory(&self) -> Memory {
+        match &self.data {
+            Data::Host(_) => Memory::Host,
+            Data::Device(d) => match d.never {},
         }
     }
-    /// The whole buffer widened to `f32`.
-    pub fn to_f32_vec(&self) -> Vec<f32> {
-        let mut v = vec![0f32; self.len()];
-        self.load_f32(0, &mut v);
-        v
+    /// Bytes the elements take.
+    pub fn bytes(&self) -> usize {
+        self.len() * self.dtype().size()
     }
-    /// Widens `dst.len()` elements starting at `start` into `dst`.
-    #[inline]
-    pub fn load_f32(&self, start: usize, dst: &mut [f32]) {
-        match self {
-            HostSlice::F32(s) => dst.copy_from_slice(&s[start..start + dst.len()]),
-            HostSlice::Bf16(s) => {
-                let n = dst.len();
-                for (d, x) in dst.iter_mut().zip(&s[start..start + n]) {
-                    *d = x.to_f32();
-                }
+    /// The same elements with other dims of the same element count.
+    pub fn reshape(self, dims: impl IntoDims) -> Result<Self> {
+        let dims = dims.into_dims()?;
+        check_numel(self.len(), &dims)?;
+        Ok(Self { data: self.data, dims })
+    }
+    /// The host slice, or [`KernelError::Memory`] naming `name` when the view lives elsewhere.
+    pub fn as_host(&self, name: &'static str) -> Result<HostSlice<'a>> {
+        match self.data {
+            Data::Host(h) => Ok(h),
+            Data::Device(d) => {
+                let _ = name;
+                match d.never {}
             }
+        }
+    }
+    /// The host `f32` elements, or an error naming `name` (wrong memory or dtype).
+    pub fn as_f32(&self, name: &'static str) -> Result<&'a [f32]> {
+        match self.as_host(name)? {
+            HostSlice::F32(s) => Ok(s),
+            HostSlice::Bf16(_) => Err(dtype_error(name, DType::F32, DType::Bf16)),
+        }
+    }
+    /// The host elements as `T`, or an error naming `name` (wrong memory or dtype).
+    pub fn as_typed<T: Element>(&self, name: &'static str) -> Result<&'a [T]> {
+        match self.as_host(name)? {
+            HostSlice::F32(s) if T::DTYPE == DType::F32 => Ok(bytemuck::cast_slice(s)),
+            HostSlice::Bf16(s) if T::DTYPE == DType::Bf16 => Ok(bytemuck::cast_slice(s)),
+            h => Err(dtype_error(name, T::DTYPE, h.dtype())),
         }
     }
 }
 
-impl<'a> HostSliceMut<'a> {
-    /// Number of elements.
-    pub fn len(&self) -> usize {
-        match self {
-            HostSliceMut::F32(s) => s.len(),
-            HostSliceMut::Bf16(s) => s.len(),
-        }
+impl<'a> ViewMut<'a> {
+    /// Writable host elements of `f32` or `bf16` with dims whose product is their length.
+    pub fn new<T: Element>(data: &'a mut [T], dims: impl IntoDims) -> Result<Self> {
+        Self::host(T::host_mut(data), dims)
     }
-    /// True when the buffer has no elements.
+    /// A writable typed host slice with dims.
+    pub fn host(data: HostSliceMut<'a>, dims: impl IntoDims) -> Result<Self> {
+        let dims = dims.into_dims()?;
+        check_numel(data.len(), &dims)?;
+        Ok(Self { data: DataMut::Host(data), dims })
+    }
+    /// Writable host elements viewed as one dimension of their length.
+    pub fn flat<T: Element>(data: &'a mut [T]) -> Self {
+        let dims = Dims { rank: 1, d: [data.len(), 1, 1, 1] };
+        Self { data: DataMut::Host(T::host_mut(data)), dims }
+    }
+    /// The dims.
+    pub fn dims(&self) -> &[usize] {
+        self.dims.as_slice()
+    }
+    /// The dims as a value.
+    pub fn shape(&self) -> Dims {
+        self.dims
+    }
+    /// Elements.
+    pub fn len(&self) -> usize {
+        self.dims.numel()
+    }
+    /// True when the view holds no elements.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
     /// The element type.
     pub fn dtype(&self) -> DType {
-        match self {
-            HostSliceMut::F32(_) => DType::F32,
-            HostSliceMut::Bf16(_) => DType::Bf16,
+        match &self.data {
+            DataMut::Host(h) => h.dtype(),
+            DataMut::Device(d) => match d.never {},
         }
     }
-    /// Reborrows as a shorter-lived writable view.
-    pub fn reborrow(&mut self) -> HostSliceMut<'_> {
-        match self {
-            HostSliceMut::F32(s) => HostSliceMut::F32(s),
-            HostSliceMut::Bf16(s) => HostSliceMut::Bf16(s),
+    /// Where the elements live.
+    pub fn memory(&self) -> Memory {
+        match &self.data {
+            DataMut::Host(_) => Memory::Host,
+            DataMut::Device(d) => match d.never {},
         }
     }
-    /// A read-only view of the same memory.
-    pub fn as_slice(&self) -> HostSlice<'_> {
-        match self {
-            HostSliceMut::F32(s) => HostSlice::F32(s),
-            HostSliceMut::Bf16(s) => HostSlice::Bf16(s),
-        }
+    /// Bytes the elements take.
+    pub fn bytes(&self) -> usize {
+        self.len() * self.dtype().size()
     }
-    /// Splits into consecutive chunks of `chunk` elements (the last may be shorter).
-    pub(crate) fn into_chunks(self, chunk: usize) -> Vec<HostSliceMut<'a>> {
-        match self {
-            HostSliceMut::F32(s) => s.chunks_mut(chunk).map(HostSliceMut::F32).collect(),
-            HostSliceMut::Bf16(s) => s.chunks_mut(chunk).map(HostSliceMut::Bf16).collect(),
-        }
+    /// The same elements with other dims of the same element count.
+    pub fn reshape(self, dims: impl IntoDims) -> Result<Self> {
+        let dims = dims.into_dims()?;
+        check_numel(self.len(), &dims)?;
+        Ok(Self { data: self.data, dims })
     }
-    /// Stores (or, with `accumulate`, adds) `src` at `start`, rounding to the buffer's type.
-    #[inline]
-    pub fn store_f32(&mut self, start: usize, src: &[f32], accumulate: bool) {
-        match self {
-            HostSliceMut::F32(s) => {
-                let d = &mut s[start..start + src.len()];
-                if accumulate {
-                    for (d, x) in d.iter_mut().zip(src) {
-                        *d += *x;
-                    }
-                } else {
-                    d.copy_from_slice(src);
-                }
+    /// A shorter-lived writable view of the same elements.
+    pub fn reborrow(&mut self) -> ViewMut<'_> {
+        let data = match &mut self.data {
+            DataMut::Host(h) => DataMut::Host(h.reborrow()),
+            DataMut::Device(d) => match d.never {},
+        };
+        ViewMut { data, dims: self.dims }
+    }
+    /// A read-only view of the same elements.
+    pub fn as_view(&self) -> View<'_> {
+        let data = match &self.data {
+            DataMut::Host(h) => Data::Host(h.as_slice()),
+            DataMut::Device(d) => match d.never {},
+        };
+        View { data, dims: self.dims }
+    }
+    /// The writable host slice, or [`KernelError::Memory`] naming `name` when the view lives elsewhere.
+    pub fn into_host(self, name: &'static str) -> Result<HostSliceMut<'a>> {
+        match self.data {
+            DataMut::Host(h) => Ok(h),
+            DataMut::Device(d) => {
+                let _ = name;
+                match d.never {}
             }
-            HostSliceMut::Bf16(s) => {
-                let d = &mut s[start..start + src.len()];
-                if accumulate {
-                    for (d, x) in d.iter_mut().zip(src) {
-                        *d = bf16::from_f32(d.to_f32() + *x);
-                    }
-                } else {
-                    for (d, x) in d.iter_mut().zip(src) {
-                        *d = bf16::from_f32(*x);
-                    }
-                }
-            }
+        }
+    }
+    /// The writable host `f32` elements, or an error naming `name` (wrong memory or dtype).
+    pub fn into_f32(self, name: &'static str) -> Result<&'a mut [f32]> {
+        match self.into_host(name)? {
+            HostSliceMut::F32(s) => Ok(s),
+            HostSliceMut::Bf16(_) => Err(dtype_error(name, DType::F32, DType::Bf16)),
+        }
+    }
+    /// The writable host elements as `T`, or an error naming `name` (wrong memory or dtype).
+    pub fn into_typed<T: Element>(self, name: &'static str) -> Result<&'a mut [T]> {
+        match self.into_host(name)? {
+            HostSliceMut::F32(s) if T::DTYPE == DType::F32 => Ok(bytemuck::cast_slice_mut(s)),
+            HostSliceMut::Bf16(s) if T::DTYPE == DType::Bf16 => Ok(bytemuck::cast_slice_mut(s)),
+            h => Err(dtype_error(name, T::DTYPE, h.dtype())),
         }
     }
 }
 
-impl<'a> From<&'a [f32]> for HostSlice<'a> {
+fn dtype_error(name: &'static str, expected: DType, got: DType) -> KernelError {
+    KernelError::DType { name, expected: expected.name(), got: got.name() }
+}
+
+impl<'a> From<&'a [f32]> for View<'a> {
     fn from(s: &'a [f32]) -> Self {
-        HostSlice::F32(s)
+        View::flat(s)
     }
 }
-impl<'a> From<&'a [bf16]> for HostSlice<'a> {
+impl<'a> From<&'a [bf16]> for View<'a> {
     fn from(s: &'a [bf16]) -> Self {
-        HostSlice::Bf16(s)
+        View::flat(s)
     }
 }
-impl<'a> From<&'a Vec<f32>> for HostSlice<'a> {
+impl<'a> From<&'a Vec<f32>> for View<'a> {
     fn from(s: &'a Vec<f32>) -> Self {
-        HostSlice::F32(s)
+        View::flat(s)
     }
 }
-impl<'a> From<&'a Vec<bf16>> for HostSlice<'a> {
+impl<'a> From<&'a Vec<bf16>> for View<'a> {
     fn from(s: &'a Vec<bf16>) -> Self {
-        HostSlice::Bf16(s)
+        View::flat(s)
     }
 }
-impl<'a> From<&'a mut [f32]> for HostSliceMut<'a> {
+impl<'a> From<&'a mut [f32]> for ViewMut<'a> {
     fn from(s: &'a mut [f32]) -> Self {
-        HostSliceMut::F32(s)
+        ViewMut::flat(s)
     }
 }
-impl<'a> From<&'a mut [bf16]> for HostSliceMut<'a> {
+impl<'a> From<&'a mut [bf16]> for ViewMut<'a> {
     fn from(s: &'a mut [bf16]) -> Self {
-        HostSliceMut::Bf16(s)
+        ViewMut::flat(s)
     }
 }
-impl<'a> From<&'a mut Vec<f32>> for HostSliceMut<'a> {
+impl<'a> From<&'a mut Vec<f32>> for ViewMut<'a> {
     fn from(s: &'a mut Vec<f32>) -> Self {
-        HostSliceMut::F32(s)
+        ViewMut::flat(s)
     }
 }
-impl<'a> From<&'a mut Vec<bf16>> for HostSliceMut<'a> {
+impl<'a> From<&'a mut Vec<bf16>> for ViewMut<'a> {
     fn from(s: &'a mut Vec<bf16>) -> Self {
-        HostSliceMut::Bf16(s)
+        ViewMut::flat(s)
     }
 }

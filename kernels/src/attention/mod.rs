@@ -20,6 +20,7 @@
 
 mod backward;
 mod forward;
+pub(crate) mod groups;
 pub mod mask;
 mod merge;
 mod pack;
@@ -29,6 +30,7 @@ mod work;
 
 pub use backward::attention_backward;
 pub use forward::attention_forward;
+pub use groups::{AttnGrads, AttnOptions, AttnOut, AttnPartial, AttnSaved, Qkv};
 pub use mask::{AttnMask, Positions};
 pub use merge::{merge_partial_attention, merge_partial_attention_into};
 pub use simd::{force_portable, limit_simd, simd_path, SimdPath};

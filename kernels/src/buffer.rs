@@ -1,0 +1,96 @@
+//! An owned buffer in some backend's memory, with its dims: what a plan allocates once for its workspace, and
+//! what [`Backend::zeros`](crate::Backend::zeros) returns. It hands out [`View`]s and [`ViewMut`]s of itself.
+
+use half::bf16;
+
+use crate::dtype::DType;
+use crate::error::Result;
+use crate::view::{Dims, HostSlice, HostSliceMut, IntoDims, Memory, View, ViewMut};
+
+#[derive(Debug, Clone)]
+enum Owned {
+    HostF32(Vec<f32>),
+    HostBf16(Vec<bf16>),
+}
+
+/// An owned, contiguous buffer with dims (see the module docs).
+#[derive(Debug, Clone)]
+pub struct Buffer {
+    data: Owned,
+    dims: Dims,
+}
+
+impl Buffer {
+    /// Zeros of `dtype` in host memory.
+    pub fn host_zeros(dtype: DType, dims: impl IntoDims) -> Result<Self> {
+        let dims = dims.into_dims()?;
+        let n = dims.numel();
+        let data = match dtype {
+            DType::F32 => Owned::HostF32(vec![0.0; n]),
+            DType::Bf16 => Owned::HostBf16(vec![bf16::ZERO; n]),
+        };
+        Ok(Self { data, dims })
+    }
+    /// Takes a host `f32` vector with dims whose product is its length.
+    pub fn from_f32(v: Vec<f32>, dims: impl IntoDims) -> Result<Self> {
+        let b = Self { dims: View::new(&v, dims)?.shape(), data: Owned::HostF32(v) };
+        Ok(b)
+    }
+    /// The dims.
+    pub fn dims(&self) -> &[usize] {
+        self.dims.as_slice()
+    }
+    /// Elements.
+    pub fn len(&self) -> usize {
+        self.dims.numel()
+    }
+    /// True when the buffer holds no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        match &self.data {
+            Owned::HostF32(_) => DType::F32,
+            Owned::HostBf16(_) => DType::Bf16,
+        }
+    }
+    /// Where the elements live.
+    pub fn memory(&self) -> Memory {
+        Memory::Host
+    }
+    /// Bytes the elements take.
+    pub fn bytes(&self) -> usize {
+        self.len() * self.dtype().size()
+    }
+    /// A read-only view of the whole buffer.
+    pub fn view(&self) -> View<'_> {
+        let h = match &self.data {
+            Owned::HostF32(v) => HostSlice::F32(v),
+            Owned::HostBf16(v) => HostSlice::Bf16(v),
+        };
+        View::host(h, self.dims).expect("a buffer's dims match its length")
+    }
+    /// A writable view of the whole buffer.
+    pub fn view_mut(&mut self) -> ViewMut<'_> {
+        let h = match &mut self.data {
+            Owned::HostF32(v) => HostSliceMut::F32(v),
+            Owned::HostBf16(v) => HostSliceMut::Bf16(v),
+        };
+        ViewMut::host(h, self.dims).expect("a buffer's dims match its length")
+    }
+    /// The host `f32` elements, when that is what the buffer holds.
+    pub fn as_f32(&self) -> Option<&[f32]> {
+        match &self.data {
+            Owned::HostF32(v) => Some(v),
+            _ => None,
+        }
+    }
+    /// The elements widened to a host `f32` vector (a copy from device memory, for a device buffer).
+    pub fn to_f32_vec(&self) -> Vec<f32> {
+        match &self.data {
+            Owned::HostF32(v) => v.clone(),
+            Owned::HostBf16(v) => v.iter().map(|x| x.to_f32()).collect(),
+        }
+    }
+}

@@ -1,0 +1,622 @@
+//! The CPU backend: SIMD kernels on a rayon thread pool, behind [`Backend`].
+//!
+//! Its thread pool and its SIMD level are fields, not process-wide settings, so two backends in one process
+//! (one per rank of a threads world, or one per SIMD path in a test) do not disturb each other.
+
+use std::sync::Arc;
+
+use half::bf16;
+use rayon::prelude::*;
+
+use crate::attention::{self, AttnGrads, AttnOptions, AttnOut, AttnPartial, AttnSaved, Qkv, SimdPath};
+use crate::backend::{AdamwState, Backend, GradMode, LinearGrads, NormGrads, NormParams, ProjectionGrads};
+use crate::buffer::Buffer;
+use crate::dtype::{DType, Element};
+use crate::error::{KernelError, Result};
+use crate::ops::{self, AdamW, CrossEntropyOptions, CrossEntropyOutput, RopeTable};
+use crate::saved::{LayerNormSaved, LinearSaved, MatmulSaved, RmsNormSaved, SquaredReluSaved, SwigluSaved};
+use crate::view::{Dims, HostSlice, HostSliceMut, Memory, View, ViewMut};
+
+/// Binds the type `$T` to the Rust type of `$dt` in `$body`.
+macro_rules! by_dtype {
+    ($dt:expr, $T:ident => $body:expr) => {
+        match $dt {
+            DType::F32 => {
+                type $T = f32;
+                $body
+            }
+            DType::Bf16 => {
+                type $T = bf16;
+                $body
+            }
+        }
+    };
+}
+
+/// The CPU backend (see the module docs).
+#[derive(Debug, Clone)]
+pub struct CpuBackend {
+    pool: Option<Arc<rayon::ThreadPool>>,
+    simd: SimdPath,
+}
+
+impl Default for CpuBackend {
+    fn default() -> Self {
+        Self { pool: None, simd: simd_detect() }
+    }
+}
+
+impl CpuBackend {
+    /// Runs on rayon's global pool with the best SIMD path this CPU has.
+    pub fn new() -> Self {
+        Self::default()
+    }
+    /// Runs on a new pool of `threads` threads.
+    pub fn with_threads(threads: usize) -> Result<Self> {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .map_err(|e| KernelError::InvalidArgument { name: "threads", why: e.to_string() })?;
+        Ok(Self { pool: Some(Arc::new(pool)), ..Self::default() })
+    }
+    /// Runs on a pool the caller owns (a host framework's threads).
+    pub fn with_pool(pool: Arc<rayon::ThreadPool>) -> Self {
+        Self { pool: Some(pool), ..Self::default() }
+    }
+    /// The same backend limited to `simd` (clamped to what this CPU supports), e.g. to test every path.
+    pub fn with_simd(mut self, simd: SimdPath) -> Self {
+        self.simd = simd.min(simd_detect());
+        self
+    }
+    /// The SIMD path the attention kernels take.
+    pub fn simd(&self) -> SimdPath {
+        self.simd
+    }
+    /// Threads the kernels use.
+    pub fn threads(&self) -> usize {
+        self.pool.as_ref().map_or_else(rayon::current_num_threads, |p| p.current_num_threads())
+    }
+
+    fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        match &self.pool {
+            Some(p) => p.install(f),
+            None => f(),
+        }
+    }
+}
+
+/// `N` rows of the last dim `C` of a view.
+fn rows(name: &'static str, dims: &[usize]) -> Result<(usize, usize)> {
+    let c = *dims.last().unwrap_or(&0);
+    if c == 0 {
+        return Err(KernelError::ZeroDim(name));
+    }
+    Ok((dims.iter().product::<usize>() / c, c))
+}
+
+fn same_dims(name: &'static str, got: &[usize], want: &[usize]) -> Result<()> {
+    attention::groups::expect_dims(name, got, want)
+}
+
+fn same_dtype(name: &'static str, got: DType, want: DType) -> Result<()> {
+    if got == want {
+        Ok(())
+    } else {
+        Err(KernelError::DType { name, expected: want.name(), got: got.name() })
+    }
+}
+
+impl CpuBackend {
+    fn host<'a>(&self, name: &'static str, v: View<'a>) -> Result<HostSlice<'a>> {
+        self.check_memory(name, v.memory())?;
+        v.as_host(name)
+    }
+    fn host_mut<'a>(&self, name: &'static str, v: ViewMut<'a>) -> Result<HostSliceMut<'a>> {
+        self.check_memory(name, v.memory())?;
+        v.into_host(name)
+    }
+    fn check_memory(&self, name: &'static str, got: Memory) -> Result<()> {
+        if got == Memory::Host {
+            Ok(())
+        } else {
+            Err(KernelError::Memory { name, backend: "cpu", expected: Memory::Host, got })
+        }
+    }
+    fn typed<'a, T: Element>(&self, name: &'static str, v: View<'a>) -> Result<&'a [T]> {
+        self.check_memory(name, v.memory())?;
+        v.as_typed(name)
+    }
+    fn typed_mut<'a, T: Element>(&self, name: &'static str, v: ViewMut<'a>) -> Result<&'a mut [T]> {
+        self.check_memory(name, v.memory())?;
+        v.into_typed(name)
+    }
+}
+
+impl Backend for CpuBackend {
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+    fn memory(&self) -> Memory {
+        Memory::Host
+    }
+
+    fn zeros(&self, dtype: DType, dims: Dims) -> Result<Buffer> {
+        Buffer::host_zeros(dtype, dims)
+    }
+
+    fn copy(&self, dst: ViewMut<'_>, src: View<'_>) -> Result<()> {
+        same_dims("dst", dst.dims(), src.dims())?;
+        let src = self.host("src", src)?;
+        let mut dst = self.host_mut("dst", dst)?;
+        match (&mut dst, src) {
+            (HostSliceMut::F32(d), HostSlice::F32(s)) => d.copy_from_slice(s),
+            (HostSliceMut::Bf16(d), HostSlice::Bf16(s)) => d.copy_from_slice(s),
+            (HostSliceMut::F32(d), HostSlice::Bf16(s)) => crate::dtype::load_f32(s, d),
+            (HostSliceMut::Bf16(d), HostSlice::F32(s)) => crate::dtype::store_f32(s, d),
+        }
+        Ok(())
+    }
+
+    fn add(&self, dst: ViewMut<'_>, src: View<'_>) -> Result<()> {
+        same_dims("dst", dst.dims(), src.dims())?;
+        let src = self.host("src", src)?;
+        let dst = self.host_mut("dst", dst)?;
+        self.run(|| match (dst, src) {
+            (HostSliceMut::F32(d), HostSlice::F32(s)) => d
+                .par_chunks_mut(ops::ELEMS_PER_TASK)
+                .zip(s.par_chunks(ops::ELEMS_PER_TASK))
+                .for_each(|(d, s)| d.iter_mut().zip(s).for_each(|(d, s)| *d += *s)),
+            (mut d, s) => {
+                let s = s.to_f32_vec();
+                d.store_f32(0, &s, true)
+            }
+        });
+        Ok(())
+    }
+
+    fn scale(&self, x: ViewMut<'_>, a: f32) -> Result<()> {
+        let x = self.host_mut("x", x)?;
+        self.run(|| match x {
+            HostSliceMut::F32(x) => {
+                x.par_chunks_mut(ops::ELEMS_PER_TASK).for_each(|c| c.iter_mut().for_each(|v| *v *= a))
+            }
+            HostSliceMut::Bf16(x) => x
+                .par_chunks_mut(ops::ELEMS_PER_TASK)
+                .for_each(|c| c.iter_mut().for_each(|v| *v = bf16::from_f32(v.to_f32() * a))),
+        });
+        Ok(())
+    }
+
+    fn sum_squares(&self, xs: &[View<'_>]) -> Result<f64> {
+        let hosts = xs.iter().map(|x| self.host("xs", *x)).collect::<Result<Vec<_>>>()?;
+        Ok(self.run(|| {
+            let mut total = 0.0f64;
+            for h in &hosts {
+                // Fixed pieces summed in order: the same bits for any thread count.
+                let parts: Vec<f64> = by_dtype!(h.dtype(), T => {
+                    let s: &[T] = match *h { HostSlice::F32(s) => bytemuck::cast_slice(s), HostSlice::Bf16(s) => bytemuck::cast_slice(s) };
+                    s.par_chunks(ops::ELEMS_PER_TASK)
+                        .map(|c| c.iter().map(|x| (x.to_f32() as f64).powi(2)).sum::<f64>())
+                        .collect()
+                });
+                total += parts.iter().sum::<f64>();
+            }
+            total
+        }))
+    }
+
+    fn attention_forward(&self, opts: &AttnOptions<'_>, out: AttnOut<'_>, qkv: Qkv<'_>) -> Result<()> {
+        let shape = qkv.shape()?;
+        out.check(&shape)?;
+        let p = opts.params(shape)?;
+        let (q, k, v) = (self.host("q", qkv.q)?, self.host("k", qkv.k)?, self.host("v", qkv.v)?);
+        let o = self.host_mut("o", out.o)?;
+        let lse = self.typed_mut::<f32>("lse", out.lse)?;
+        let simd = self.simd;
+        self.run(|| attention_forward_on(simd, &p, q, k, v, o, lse))
+    }
+
+    fn attention_backward(
+        &self,
+        opts: &AttnOptions<'_>,
+        grads: AttnGrads<'_>,
+        dout: View<'_>,
+        saved: AttnSaved<'_>,
+        mode: GradMode,
+    ) -> Result<()> {
+        let shape = saved.shape()?;
+        grads.check(&shape)?;
+        same_dims("dout", dout.dims(), saved.o.dims())?;
+        let p = opts.params(shape)?;
+        let (q, k, v) = (self.host("q", saved.qkv.q)?, self.host("k", saved.qkv.k)?, self.host("v", saved.qkv.v)?);
+        let (o, d_o) = (self.host("o", saved.o)?, self.host("dout", dout)?);
+        let lse = self.typed::<f32>("lse", saved.lse)?;
+        let (dq, dk, dv) =
+            (self.host_mut("dq", grads.dq)?, self.host_mut("dk", grads.dk)?, self.host_mut("dv", grads.dv)?);
+        let simd = self.simd;
+        self.run(|| attention_backward_on(simd, &p, q, k, v, o, d_o, lse, dq, dk, dv, mode.accumulate()))
+    }
+
+    fn attention_merge(&self, acc: AttnOut<'_>, part: AttnPartial<'_>) -> Result<()> {
+        same_dims("part.o", part.o.dims(), acc.o.dims())?;
+        same_dims("part.lse", part.lse.dims(), acc.lse.dims())?;
+        let o1 = self.typed_mut::<f32>("acc.o", acc.o)?;
+        let lse1 = self.typed_mut::<f32>("acc.lse", acc.lse)?;
+        let (o2, lse2) = (self.typed::<f32>("part.o", part.o)?, self.typed::<f32>("part.lse", part.lse)?);
+        self.run(|| attention::merge_partial_attention(o1, lse1, o2, lse2))
+    }
+
+    fn matmul(&self, c: ViewMut<'_>, a: View<'_>, b: View<'_>) -> Result<()> {
+        let (m, k, n) = matmul_dims(c.dims(), a.dims(), b.dims())?;
+        same_dtype("b", b.dtype(), a.dtype())?;
+        same_dtype("c", c.dtype(), a.dtype())?;
+        by_dtype!(a.dtype(), T => {
+            let (a, b) = (self.typed::<T>("a", a)?, self.typed::<T>("b", b)?);
+            let c = self.typed_mut::<T>("c", c)?;
+            self.run(|| ops::matmul(c, a, b, m, k, n))
+        })
+    }
+
+    fn matmul_backward(
+        &self,
+        da: Option<ViewMut<'_>>,
+        db: Option<ViewMut<'_>>,
+        dc: View<'_>,
+        saved: MatmulSaved<'_>,
+        mode: GradMode,
+    ) -> Result<()> {
+        let (m, k, n) = matmul_dims(dc.dims(), saved.a.dims(), saved.b.dims())?;
+        if let Some(da) = &da {
+            same_dims("da", da.dims(), saved.a.dims())?;
+        }
+        if let Some(db) = &db {
+            same_dims("db", db.dims(), saved.b.dims())?;
+        }
+        let gdt = db.as_ref().map_or(DType::F32, |d| d.dtype());
+        by_dtype!(saved.a.dtype(), T => by_dtype!(gdt, G => {
+            let (a, b, dc) = (self.typed::<T>("a", saved.a)?, self.typed::<T>("b", saved.b)?, self.typed::<T>("dc", dc)?);
+            let da = da.map(|d| self.typed_mut::<T>("da", d)).transpose()?;
+            let db = db.map(|d| self.typed_mut::<G>("db", d)).transpose()?;
+            self.run(|| ops::matmul_backward(da, db, dc, a, b, m, k, n, mode.accumulate()))
+        }))
+    }
+
+    fn linear_forward(&self, y: ViewMut<'_>, x: View<'_>, w: View<'_>, bias: Option<View<'_>>) -> Result<()> {
+        let (t, d_in, d_out) = linear_dims(y.dims(), x.dims(), w.dims())?;
+        by_dtype!(x.dtype(), T => {
+            let (x, w) = (self.typed::<T>("x", x)?, self.typed::<T>("w", w)?);
+            let bias = bias.map(|b| self.typed::<T>("bias", b)).transpose()?;
+            let y = self.typed_mut::<T>("y", y)?;
+            self.run(|| ops::linear_forward(y, x, w, bias, t, d_in, d_out))
+        })
+    }
+
+    fn linear_backward(
+        &self,
+        grads: LinearGrads<'_>,
+        dy: View<'_>,
+        saved: LinearSaved<'_>,
+        w: View<'_>,
+        mode: GradMode,
+    ) -> Result<()> {
+        let (t, d_in, d_out) = linear_dims(dy.dims(), saved.x.dims(), w.dims())?;
+        if let Some(dx) = &grads.dx {
+            same_dims("dx", dx.dims(), saved.x.dims())?;
+        }
+        same_dims("dw", grads.dw.dims(), w.dims())?;
+        by_dtype!(saved.x.dtype(), T => by_dtype!(grads.dw.dtype(), G => {
+            let (x, w, dy) = (self.typed::<T>("x", saved.x)?, self.typed::<T>("w", w)?, self.typed::<T>("dy", dy)?);
+            let dx = grads.dx.map(|d| self.typed_mut::<T>("dx", d)).transpose()?;
+            let dw = self.typed_mut::<G>("dw", grads.dw)?;
+            let dbias = grads.dbias.map(|d| self.typed_mut::<G>("dbias", d)).transpose()?;
+            self.run(|| ops::linear_backward(dx, dw, dbias, dy, x, w, t, d_in, d_out, mode.accumulate()))
+        }))
+    }
+
+    fn rmsnorm_forward(&self, y: ViewMut<'_>, rstd: ViewMut<'_>, x: View<'_>, p: &NormParams<'_>) -> Result<()> {
+        let (n, c) = rows("x", x.dims())?;
+        same_dims("y", y.dims(), x.dims())?;
+        if p.bias.is_some() {
+            return Err(KernelError::InvalidArgument { name: "bias", why: "RMSNorm has no bias".into() });
+        }
+        by_dtype!(x.dtype(), T => {
+            let (x, w) = (self.typed::<T>("x", x)?, self.typed::<T>("weight", p.weight)?);
+            let (y, rstd) = (self.typed_mut::<T>("y", y)?, self.typed_mut::<f32>("rstd", rstd)?);
+            self.run(|| ops::rmsnorm_forward(y, rstd, x, w, n, c, p.eps))
+        })
+    }
+
+    fn rmsnorm_backward(
+        &self,
+        grads: NormGrads<'_>,
+        dy: View<'_>,
+        saved: RmsNormSaved<'_>,
+        weight: View<'_>,
+        mode: GradMode,
+    ) -> Result<()> {
+        let (n, c) = rows("x", saved.x.dims())?;
+        same_dims("dy", dy.dims(), saved.x.dims())?;
+        same_dims("dx", grads.dx.dims(), saved.x.dims())?;
+        if grads.dbias.is_some() {
+            return Err(KernelError::InvalidArgument { name: "dbias", why: "RMSNorm has no bias".into() });
+        }
+        by_dtype!(saved.x.dtype(), T => by_dtype!(grads.dweight.dtype(), G => {
+            let (x, w, dy) = (self.typed::<T>("x", saved.x)?, self.typed::<T>("weight", weight)?, self.typed::<T>("dy", dy)?);
+            let rstd = self.typed::<f32>("rstd", saved.rstd)?;
+            let (dx, dw) = (self.typed_mut::<T>("dx", grads.dx)?, self.typed_mut::<G>("dweight", grads.dweight)?);
+            self.run(|| ops::rmsnorm_backward(dx, dw, dy, x, w, rstd, n, c, mode.accumulate()))
+        }))
+    }
+
+    fn layernorm_forward(
+        &self,
+        y: ViewMut<'_>,
+        mean: ViewMut<'_>,
+        rstd: ViewMut<'_>,
+        x: View<'_>,
+        p: &NormParams<'_>,
+    ) -> Result<()> {
+        let (n, c) = rows("x", x.dims())?;
+        same_dims("y", y.dims(), x.dims())?;
+        let bias = p.bias.ok_or(KernelError::InvalidArgument { name: "bias", why: "LayerNorm needs a bias".into() })?;
+        by_dtype!(x.dtype(), T => {
+            let (x, w, b) = (self.typed::<T>("x", x)?, self.typed::<T>("weight", p.weight)?, self.typed::<T>("bias", bias)?);
+            let y = self.typed_mut::<T>("y", y)?;
+            let (mean, rstd) = (self.typed_mut::<f32>("mean", mean)?, self.typed_mut::<f32>("rstd", rstd)?);
+            self.run(|| ops::layernorm_forward(y, mean, rstd, x, w, b, n, c, p.eps))
+        })
+    }
+
+    fn layernorm_backward(
+        &self,
+        grads: NormGrads<'_>,
+        dy: View<'_>,
+        saved: LayerNormSaved<'_>,
+        weight: View<'_>,
+        mode: GradMode,
+    ) -> Result<()> {
+        let (n, c) = rows("x", saved.x.dims())?;
+        same_dims("dy", dy.dims(), saved.x.dims())?;
+        same_dims("dx", grads.dx.dims(), saved.x.dims())?;
+        let dbias = grads
+            .dbias
+            .ok_or(KernelError::InvalidArgument { name: "dbias", why: "LayerNorm's backward needs dbias".into() })?;
+        by_dtype!(saved.x.dtype(), T => by_dtype!(grads.dweight.dtype(), G => {
+            let (x, w, dy) = (self.typed::<T>("x", saved.x)?, self.typed::<T>("weight", weight)?, self.typed::<T>("dy", dy)?);
+            let (mean, rstd) = (self.typed::<f32>("mean", saved.mean)?, self.typed::<f32>("rstd", saved.rstd)?);
+            let dx = self.typed_mut::<T>("dx", grads.dx)?;
+            let (dw, db) = (self.typed_mut::<G>("dweight", grads.dweight)?, self.typed_mut::<G>("dbias", dbias)?);
+            self.run(|| ops::layernorm_backward(dx, dw, db, dy, x, w, mean, rstd, n, c, mode.accumulate()))
+        }))
+    }
+
+    fn rope_forward(&self, rope: &RopeTable, y: ViewMut<'_>, x: View<'_>, positions: &[i64]) -> Result<()> {
+        let (b, h) = rope_dims(x.dims(), positions, rope)?;
+        same_dims("y", y.dims(), x.dims())?;
+        by_dtype!(x.dtype(), T => {
+            let (x, y) = (self.typed::<T>("x", x)?, self.typed_mut::<T>("y", y)?);
+            self.run(|| rope.forward(y, x, positions, b, h))
+        })
+    }
+
+    fn rope_forward_inplace(&self, rope: &RopeTable, x: ViewMut<'_>, positions: &[i64]) -> Result<()> {
+        let (b, h) = rope_dims(x.dims(), positions, rope)?;
+        by_dtype!(x.dtype(), T => {
+            let x = self.typed_mut::<T>("x", x)?;
+            self.run(|| rope.forward_inplace(x, positions, b, h))
+        })
+    }
+
+    fn rope_backward_inplace(&self, rope: &RopeTable, d: ViewMut<'_>, positions: &[i64]) -> Result<()> {
+        let (b, h) = rope_dims(d.dims(), positions, rope)?;
+        by_dtype!(d.dtype(), T => {
+            let d = self.typed_mut::<T>("d", d)?;
+            self.run(|| rope.backward_inplace(d, positions, b, h))
+        })
+    }
+
+    fn swiglu_forward(&self, out: ViewMut<'_>, gate: View<'_>, up: View<'_>) -> Result<()> {
+        same_dims("up", up.dims(), gate.dims())?;
+        same_dims("out", out.dims(), gate.dims())?;
+        by_dtype!(gate.dtype(), T => {
+            let (g, u, o) = (self.typed::<T>("gate", gate)?, self.typed::<T>("up", up)?, self.typed_mut::<T>("out", out)?);
+            self.run(|| ops::swiglu_forward(o, g, u))
+        })
+    }
+
+    fn swiglu_backward(
+        &self,
+        dgate: ViewMut<'_>,
+        dup: ViewMut<'_>,
+        dout: View<'_>,
+        saved: SwigluSaved<'_>,
+    ) -> Result<()> {
+        let d = saved.gate.dims();
+        for (name, got) in
+            [("up", saved.up.dims()), ("dout", dout.dims()), ("dgate", dgate.dims()), ("dup", dup.dims())]
+        {
+            same_dims(name, got, d)?;
+        }
+        by_dtype!(saved.gate.dtype(), T => {
+            let (g, u, dy) = (self.typed::<T>("gate", saved.gate)?, self.typed::<T>("up", saved.up)?, self.typed::<T>("dout", dout)?);
+            let (dg, du) = (self.typed_mut::<T>("dgate", dgate)?, self.typed_mut::<T>("dup", dup)?);
+            self.run(|| ops::swiglu_backward(dg, du, dy, g, u))
+        })
+    }
+
+    fn squared_relu_forward(&self, out: ViewMut<'_>, x: View<'_>) -> Result<()> {
+        same_dims("out", out.dims(), x.dims())?;
+        by_dtype!(x.dtype(), T => {
+            let (x, o) = (self.typed::<T>("x", x)?, self.typed_mut::<T>("out", out)?);
+            self.run(|| ops::squared_relu_forward(o, x))
+        })
+    }
+
+    fn squared_relu_backward(&self, dx: ViewMut<'_>, dout: View<'_>, saved: SquaredReluSaved<'_>) -> Result<()> {
+        same_dims("dout", dout.dims(), saved.x.dims())?;
+        same_dims("dx", dx.dims(), saved.x.dims())?;
+        by_dtype!(saved.x.dtype(), T => {
+            let (x, dy, dx) = (self.typed::<T>("x", saved.x)?, self.typed::<T>("dout", dout)?, self.typed_mut::<T>("dx", dx)?);
+            self.run(|| ops::squared_relu_backward(dx, dy, x))
+        })
+    }
+
+    fn embedding_forward(&self, out: ViewMut<'_>, ids: &[u32], table: View<'_>) -> Result<()> {
+        let (v, c) = table_dims(table.dims())?;
+        same_dims("out", out.dims(), &[ids.len(), c])?;
+        by_dtype!(table.dtype(), T => {
+            let (t, o) = (self.typed::<T>("table", table)?, self.typed_mut::<T>("out", out)?);
+            self.run(|| ops::embedding_forward(o, ids, t, v, c))
+        })
+    }
+
+    fn embedding_backward(&self, dtable: ViewMut<'_>, dout: View<'_>, ids: &[u32], mode: GradMode) -> Result<()> {
+        let (v, c) = table_dims(dtable.dims())?;
+        same_dims("dout", dout.dims(), &[ids.len(), c])?;
+        by_dtype!(dout.dtype(), T => by_dtype!(dtable.dtype(), G => {
+            let (dy, dt) = (self.typed::<T>("dout", dout)?, self.typed_mut::<G>("dtable", dtable)?);
+            self.run(|| ops::embedding_backward(dt, dy, ids, v, c, mode.accumulate()))
+        }))
+    }
+
+    fn cross_entropy_logits(
+        &self,
+        logits: ViewMut<'_>,
+        targets: &[i64],
+        opts: &CrossEntropyOptions,
+    ) -> Result<CrossEntropyOutput> {
+        let (t, v) = table_dims(logits.dims())?;
+        by_dtype!(logits.dtype(), T => {
+            let z = self.typed_mut::<T>("logits", logits)?;
+            self.run(|| ops::cross_entropy_logits(z, targets, t, v, opts))
+        })
+    }
+
+    fn cross_entropy_fused(
+        &self,
+        grads: ProjectionGrads<'_>,
+        hidden: View<'_>,
+        weight: View<'_>,
+        targets: &[i64],
+        opts: &CrossEntropyOptions,
+        mode: GradMode,
+    ) -> Result<CrossEntropyOutput> {
+        let (t, c) = table_dims(hidden.dims())?;
+        let (v, cw) = table_dims(weight.dims())?;
+        same_dims("weight", &[v, cw], &[v, c])?;
+        same_dims("dhidden", grads.dhidden.dims(), hidden.dims())?;
+        same_dims("dweight", grads.dweight.dims(), weight.dims())?;
+        by_dtype!(hidden.dtype(), T => by_dtype!(grads.dweight.dtype(), G => {
+            let (h, w) = (self.typed::<T>("hidden", hidden)?, self.typed::<T>("weight", weight)?);
+            let (dh, dw) = (self.typed_mut::<T>("dhidden", grads.dhidden)?, self.typed_mut::<G>("dweight", grads.dweight)?);
+            self.run(|| ops::cross_entropy_fused(dh, dw, h, w, targets, t, c, v, opts, mode.accumulate()))
+        }))
+    }
+
+    fn adamw_step(
+        &self,
+        master: ViewMut<'_>,
+        copy_to: Option<ViewMut<'_>>,
+        grads: View<'_>,
+        state: AdamwState<'_>,
+        hp: &AdamW,
+        step: u64,
+    ) -> Result<()> {
+        let d = master.dims().to_vec();
+        for (name, got) in [("grads", grads.dims()), ("m", state.m.dims()), ("v", state.v.dims())] {
+            same_dims(name, got, &d)?;
+        }
+        if let Some(c) = &copy_to {
+            same_dims("copy_to", c.dims(), &d)?;
+        }
+        let master = self.typed_mut::<f32>("master", master)?;
+        let (m, v) = (self.typed_mut::<f32>("m", state.m)?, self.typed_mut::<f32>("v", state.v)?);
+        by_dtype!(grads.dtype(), G => {
+            let g = self.typed::<G>("grads", grads)?;
+            match copy_to {
+                None => self.run(|| ops::adamw_step(master, g, m, v, hp, step)),
+                Some(c) => by_dtype!(c.dtype(), P => {
+                    let p = self.typed_mut::<P>("copy_to", c)?;
+                    self.run(|| ops::adamw_step_with_copy(p, master, g, m, v, hp, step))
+                }),
+            }
+        })
+    }
+}
+
+fn matmul_dims(c: &[usize], a: &[usize], b: &[usize]) -> Result<(usize, usize, usize)> {
+    match (a, b) {
+        (&[m, k], &[k2, n]) if k == k2 => {
+            same_dims("c", c, &[m, n])?;
+            Ok((m, k, n))
+        }
+        _ => Err(KernelError::Shape(format!("matmul needs a [M, K] and b [K, N], got {a:?} and {b:?}"))),
+    }
+}
+
+fn linear_dims(y: &[usize], x: &[usize], w: &[usize]) -> Result<(usize, usize, usize)> {
+    let (t, d_in) = rows("x", x)?;
+    let &[d_out, w_in] = w else {
+        return Err(KernelError::Shape(format!("`w` must be [OUT, IN], has {w:?}")));
+    };
+    if w_in != d_in {
+        return Err(KernelError::Shape(format!("`w` is {w:?} but `x`'s last dim is {d_in}")));
+    }
+    let (ty, y_out) = rows("y", y)?;
+    if (ty, y_out) != (t, d_out) {
+        return Err(KernelError::Shape(format!("`y` has dims {y:?}, expected {t} rows of {d_out}")));
+    }
+    Ok((t, d_in, d_out))
+}
+
+fn table_dims(d: &[usize]) -> Result<(usize, usize)> {
+    match *d {
+        [r, c] => Ok((r, c)),
+        _ => Err(KernelError::Shape(format!("expected a 2-dim [rows, cols] view, got {d:?}"))),
+    }
+}
+
+fn rope_dims(d: &[usize], positions: &[i64], rope: &RopeTable) -> Result<(usize, usize)> {
+    match *d {
+        [b, h, s, hd] if s == positions.len() && hd == rope.head_dim() => Ok((b, h)),
+        _ => Err(KernelError::Shape(format!(
+            "rotary embedding needs [B, H, S, D] with S = {} positions and D = {}, got {d:?}",
+            positions.len(),
+            rope.head_dim()
+        ))),
+    }
+}
+
+// Merge point: the explicit-level kernels arrive with the SIMD split; until then the level is the global one.
+fn simd_detect() -> SimdPath {
+    attention::simd_path()
+}
+#[allow(clippy::too_many_arguments)]
+fn attention_forward_on(
+    _simd: SimdPath,
+    p: &attention::AttnParams<'_>,
+    q: HostSlice<'_>,
+    k: HostSlice<'_>,
+    v: HostSlice<'_>,
+    o: HostSliceMut<'_>,
+    lse: &mut [f32],
+) -> Result<()> {
+    attention::attention_forward(p, q, k, v, o, lse)
+}
+#[allow(clippy::too_many_arguments)]
+fn attention_backward_on(
+    _simd: SimdPath,
+    p: &attention::AttnParams<'_>,
+    q: HostSlice<'_>,
+    k: HostSlice<'_>,
+    v: HostSlice<'_>,
+    o: HostSlice<'_>,
+    d_o: HostSlice<'_>,
+    lse: &[f32],
+    dq: HostSliceMut<'_>,
+    dk: HostSliceMut<'_>,
+    dv: HostSliceMut<'_>,
+    accumulate: bool,
+) -> Result<()> {
+    attention::attention_backward(p, q, k, v, o, d_o, lse, dq, dk, dv, accumulate)
+}

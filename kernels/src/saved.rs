@@ -1,0 +1,148 @@
+//! What each op's forward saves for its backward, one struct per op, each with its size in bytes from the
+//! shapes alone (llm.c's `ActivationTensors` and `fill_in_activation_sizes`).
+//!
+//! These structs are the contract of activation recomputation and offload: a policy decides per field whether
+//! to keep it, recompute it, or move it to host memory or disk, and the backward takes the struct back. Only
+//! activations are listed; the weights a backward also reads are parameters, passed beside the struct.
+//! Attention's struct is [`AttnSaved`](crate::AttnSaved).
+//!
+//! Legend: `N` rows (tokens), `C` channels, `F` hidden (FFN) dim, `IN`/`OUT` a linear layer's sizes.
+
+use crate::dtype::DType;
+use crate::view::View;
+
+/// Linear layer `y = x·Wᵀ + b`: the backward needs `x` (for `dW`); `W` is a parameter.
+#[derive(Debug, Clone, Copy)]
+pub struct LinearSaved<'a> {
+    /// `[N, IN]`.
+    pub x: View<'a>,
+}
+
+impl LinearSaved<'_> {
+    /// Bytes saved.
+    pub fn bytes(&self) -> usize {
+        self.x.bytes()
+    }
+    /// Bytes a forward over `n` rows of `d_in` saves.
+    pub fn bytes_for(n: usize, d_in: usize, dtype: DType) -> usize {
+        n * d_in * dtype.size()
+    }
+}
+
+/// Matrix product `C = A·B`: the backward needs both operands.
+#[derive(Debug, Clone, Copy)]
+pub struct MatmulSaved<'a> {
+    /// `[M, K]`.
+    pub a: View<'a>,
+    /// `[K, N]`.
+    pub b: View<'a>,
+}
+
+impl MatmulSaved<'_> {
+    /// Bytes saved.
+    pub fn bytes(&self) -> usize {
+        self.a.bytes() + self.b.bytes()
+    }
+    /// Bytes an `[m, k]·[k, n]` product saves.
+    pub fn bytes_for(m: usize, k: usize, n: usize, dtype: DType) -> usize {
+        (m * k + k * n) * dtype.size()
+    }
+}
+
+/// RMSNorm: the input and the reciprocal root mean square of each row.
+#[derive(Debug, Clone, Copy)]
+pub struct RmsNormSaved<'a> {
+    /// `[N, C]`.
+    pub x: View<'a>,
+    /// `[N]`, `f32`.
+    pub rstd: View<'a>,
+}
+
+impl RmsNormSaved<'_> {
+    /// Bytes saved.
+    pub fn bytes(&self) -> usize {
+        self.x.bytes() + self.rstd.bytes()
+    }
+    /// Bytes a forward over `n` rows of `c` saves.
+    pub fn bytes_for(n: usize, c: usize, dtype: DType) -> usize {
+        n * c * dtype.size() + n * 4
+    }
+}
+
+/// LayerNorm: the input, and the mean and reciprocal standard deviation of each row.
+#[derive(Debug, Clone, Copy)]
+pub struct LayerNormSaved<'a> {
+    /// `[N, C]`.
+    pub x: View<'a>,
+    /// `[N]`, `f32`.
+    pub mean: View<'a>,
+    /// `[N]`, `f32`.
+    pub rstd: View<'a>,
+}
+
+impl LayerNormSaved<'_> {
+    /// Bytes saved.
+    pub fn bytes(&self) -> usize {
+        self.x.bytes() + self.mean.bytes() + self.rstd.bytes()
+    }
+    /// Bytes a forward over `n` rows of `c` saves.
+    pub fn bytes_for(n: usize, c: usize, dtype: DType) -> usize {
+        n * c * dtype.size() + 2 * n * 4
+    }
+}
+
+/// SwiGLU `out = silu(gate) ∘ up`: both inputs.
+#[derive(Debug, Clone, Copy)]
+pub struct SwigluSaved<'a> {
+    /// `[N, F]`.
+    pub gate: View<'a>,
+    /// `[N, F]`.
+    pub up: View<'a>,
+}
+
+impl SwigluSaved<'_> {
+    /// Bytes saved.
+    pub fn bytes(&self) -> usize {
+        self.gate.bytes() + self.up.bytes()
+    }
+    /// Bytes a forward over `n` rows of `f` saves.
+    pub fn bytes_for(n: usize, f: usize, dtype: DType) -> usize {
+        2 * n * f * dtype.size()
+    }
+}
+
+/// Squared ReLU `out = max(x, 0)²`: the input.
+#[derive(Debug, Clone, Copy)]
+pub struct SquaredReluSaved<'a> {
+    /// `[N, F]`.
+    pub x: View<'a>,
+}
+
+impl SquaredReluSaved<'_> {
+    /// Bytes saved.
+    pub fn bytes(&self) -> usize {
+        self.x.bytes()
+    }
+    /// Bytes a forward over `n` rows of `f` saves.
+    pub fn bytes_for(n: usize, f: usize, dtype: DType) -> usize {
+        n * f * dtype.size()
+    }
+}
+
+/// Token embedding: the ids (the table is a parameter).
+#[derive(Debug, Clone, Copy)]
+pub struct EmbeddingSaved<'a> {
+    /// `[N]` token ids.
+    pub ids: &'a [u32],
+}
+
+impl EmbeddingSaved<'_> {
+    /// Bytes saved.
+    pub fn bytes(&self) -> usize {
+        std::mem::size_of_val(self.ids)
+    }
+    /// Bytes a forward over `n` tokens saves.
+    pub fn bytes_for(n: usize) -> usize {
+        n * 4
+    }
+}
