@@ -29,7 +29,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let (hq, hkv, d) = (8, 2, 128);
     let l = s / cp;
     let layout = SeqLayout::new(Default::default(), cp, s)?;
-    let pos: Vec<Vec<i64>> = (0..cp).map(|r| layout.positions(r)).collect();
+    let pos: Vec<Vec<i64>> = layout.all_positions();
     let rand =
         |n: usize, seed: u64| -> Vec<bf16> { uniform_nonzero(n, seed).into_iter().map(bf16::from_f32).collect() };
     let (q, k, v, d_o) = (rand(hq * l * d, 1), rand(hkv * l * d, 2), rand(hkv * l * d, 3), rand(hq * l * d, 4));

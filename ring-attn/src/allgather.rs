@@ -3,12 +3,12 @@
 //! `dK`, `dV` back to their owners.
 
 use bytemuck::Pod;
-use longctx_kernels::{attention_backward, attention_forward, AttnMask, AttnParams, AttnShape, Element, Positions};
+use longctx_kernels::{AttnParams, AttnShape, Element, HostSlice};
 use longctx_p2p::{Communicator, ReduceOp};
 
+use crate::context::Local;
 use crate::error::Result;
 use crate::reshard::swap01;
-use crate::Local;
 
 /// Gathers this slice's K and V from every rank: returns `[hs, n·L, D]` for each, tokens in rank order.
 fn gather_kv<T: Element + Pod>(
@@ -32,15 +32,34 @@ fn gather_kv<T: Element + Pod>(
     Ok((swap01(&kg, n, hs, l * d), swap01(&vg, n, hs, l * d)))
 }
 
-#[allow(clippy::too_many_arguments)]
+/// Runs `$body` with `$q`, `$k`, `$v` bound to typed slices of their common dtype (checked before).
+macro_rules! typed_qkv {
+    ([$q:expr, $k:expr, $v:expr], |$qq:ident, $kk:ident, $vv:ident| $body:expr) => {
+        match ($q, $k, $v) {
+            (HostSlice::F32($qq), HostSlice::F32($kk), HostSlice::F32($vv)) => $body,
+            (HostSlice::Bf16($qq), HostSlice::Bf16($kk), HostSlice::Bf16($vv)) => $body,
+            _ => unreachable!("q, k and v dtypes are checked to agree before a schedule runs"),
+        }
+    };
+}
+
 /// Forward over head slices of at most `slice` KV heads; `o` and `lse` are this rank's rows (`f32`).
-pub(crate) fn forward<T: Element + Pod>(
+pub(crate) fn forward(
     comm: &Communicator,
     loc: &Local<'_>,
     slice: usize,
-    q: &[T],
-    k: &[T],
-    v: &[T],
+    [q, k, v]: [HostSlice<'_>; 3],
+    o: &mut [f32],
+    lse: &mut [f32],
+) -> Result<()> {
+    typed_qkv!([q, k, v], |q, k, v| forward_typed(comm, loc, slice, [q, k, v], o, lse))
+}
+
+fn forward_typed<T: Element + Pod>(
+    comm: &Communicator,
+    loc: &Local<'_>,
+    slice: usize,
+    [q, k, v]: [&[T]; 3],
     o: &mut [f32],
     lse: &mut [f32],
 ) -> Result<()> {
@@ -58,12 +77,10 @@ pub(crate) fn forward<T: Element + Pod>(
             let shape = AttnShape { batch: 1, q_heads: hs * g, kv_heads: hs, q_len: l, kv_len: n * l, head_dim: d };
             let p = params(loc, shape, &all_pos, docs.as_deref());
             let lse_off = (b * s.q_heads + h0 * g) * l;
-            attention_forward(
+            loc.attn_forward(
                 &p,
-                T::host(&q[q_off..q_off + rows * d]),
-                T::host(&kg),
-                T::host(&vg),
-                (&mut o[q_off..q_off + rows * d]).into(),
+                [T::host(&q[q_off..q_off + rows * d]), T::host(&kg), T::host(&vg)],
+                &mut o[q_off..q_off + rows * d],
                 &mut lse[lse_off..lse_off + rows],
             )?;
         }
@@ -71,18 +88,29 @@ pub(crate) fn forward<T: Element + Pod>(
     Ok(())
 }
 
-/// Backward: gradients of this rank's rows and tokens (`dq`, `dk`, `dv`, all `f32`).
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn backward<T: Element + Pod>(
+/// Backward: gradients of this rank's rows and tokens (`dq`, `dk`, `dv`, all `f32`, overwritten).
+pub(crate) fn backward(
+    comm: &Communicator,
+    loc: &Local<'_>,
+    slice: usize,
+    [q, k, v, o, d_o]: [HostSlice<'_>; 5],
+    lse: &[f32],
+    grads: [&mut [f32]; 3],
+) -> Result<()> {
+    let (o, d_o) = (o.to_f32_vec(), d_o.to_f32_vec());
+    typed_qkv!([q, k, v], |q, k, v| backward_typed(comm, loc, slice, [q, k, v], [&o, &d_o], lse, grads))
+}
+
+fn backward_typed<T: Element + Pod>(
     comm: &Communicator,
     loc: &Local<'_>,
     slice: usize,
     [q, k, v]: [&[T]; 3],
-    o: &[f32],
-    d_o: &[f32],
+    [o, d_o]: [&[f32]; 2],
     lse: &[f32],
-    (dq, dk, dv): (&mut [f32], &mut [f32], &mut [f32]),
+    [dq, dk, dv]: [&mut [f32]; 3],
 ) -> Result<()> {
+    dq.fill(0.0);
     let s = loc.shape;
     let (l, d, g, n) = (s.q_len, s.head_dim, s.group(), comm.world_size());
     let all_pos: Vec<i64> = loc.positions.concat();
@@ -100,18 +128,17 @@ pub(crate) fn backward<T: Element + Pod>(
             let p = params(loc, shape, &all_pos, docs.as_deref());
             let mut dkg = vec![0f32; kg.len()];
             let mut dvg = vec![0f32; vg.len()];
-            attention_backward(
+            loc.attn_backward_add(
                 &p,
-                T::host(&q[q_off..q_off + rows * d]),
-                T::host(&kg),
-                T::host(&vg),
-                (&o[q_off..q_off + rows * d]).into(),
-                (&d_o[q_off..q_off + rows * d]).into(),
+                [
+                    T::host(&q[q_off..q_off + rows * d]),
+                    T::host(&kg),
+                    T::host(&vg),
+                    (&o[q_off..q_off + rows * d]).into(),
+                    (&d_o[q_off..q_off + rows * d]).into(),
+                ],
                 &lse[lse_off..lse_off + rows],
-                (&mut dq[q_off..q_off + rows * d]).into(),
-                (&mut dkg).into(),
-                (&mut dvg).into(),
-                false,
+                [&mut dq[q_off..q_off + rows * d], &mut dkg, &mut dvg],
             )?;
             // [hs][n][L·D] → [n][hs][L·D], then [dK_j | dV_j] per destination rank j.
             let dkr = swap01(&dkg, hs, n, l * d);
@@ -142,13 +169,7 @@ fn gather_docs(comm: &Communicator, docs: Option<&[u32]>) -> Result<Option<Vec<u
 }
 
 fn params<'a>(loc: &'a Local<'_>, shape: AttnShape, all_pos: &'a [i64], docs: Option<&'a [u32]>) -> AttnParams<'a> {
-    let mut mask =
-        AttnMask::full().with_positions(Positions::Explicit(loc.my_positions()), Positions::Explicit(all_pos));
-    mask.causal = loc.causal;
-    mask.window = loc.window;
-    mask.q_doc = loc.docs;
-    mask.k_doc = docs;
-    AttnParams { shape, mask, scale: loc.scale }
+    loc.params_for(shape, loc.my_positions(), all_pos, docs)
 }
 
 /// Bytes one rank sends: forward gathers K and V once (and the document ids); backward gathers them again

@@ -1,76 +1,66 @@
-//! The entry point: [`ContextParallel`], its configuration and what a call reports.
+//! The entry point: [`ContextParallel`] (a communicator, a backend and a configuration, owned, so a model can
+//! hold it), the problem it is planned for ([`CpShape`], [`CpMask`]) and what a call reports.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use longctx_kernels::{AttnMask, AttnParams, AttnShape, HostSlice, HostSliceMut, Positions};
+use longctx_kernels::{AttnGrads, AttnSaved, Qkv, View, ViewMut};
+use longctx_kernels::{AttnMask, AttnOptions, AttnOut, AttnParams, AttnShape, Backend, DType, HostSlice, Positions};
 use longctx_p2p::Communicator;
 
-use crate::error::{check_len, Result, RingError};
+use crate::error::{Result, RingError};
 use crate::partition::{Partition, SeqLayout};
-use crate::{allgather, hybrid, ring};
+use crate::plan::CpPlan;
 
-/// Runs `body` with `q`, `k`, `v` bound to typed slices of their common dtype (checked before).
-macro_rules! dispatch_qkv {
-    ($q:expr, $k:expr, $v:expr, |$qq:ident, $kk:ident, $vv:ident| $body:expr) => {
-        match ($q, $k, $v) {
-            (HostSlice::F32($qq), HostSlice::F32($kk), HostSlice::F32($vv)) => $body,
-            (HostSlice::Bf16($qq), HostSlice::Bf16($kk), HostSlice::Bf16($vv)) => $body,
-            _ => unreachable!("q, k and v dtypes are checked to agree before dispatch"),
-        }
-    };
-}
-
-/// Sizes of the whole problem (all ranks together). Local buffers are `[B, H, S/CP, D]` in the layout of
-/// `longctx-kernels`, holding this rank's tokens in the order [`SeqLayout::positions`] gives.
+/// Sizes of the whole problem (all ranks together) and the element type of `Q`, `K`, `V`. Each rank's views are
+/// `[B, H, L, D]` with `L = S / CP` ([`CpPlan::local_len`]), holding its tokens in the order
+/// [`SeqLayout::positions`] gives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CpShape {
     /// `B`.
     pub batch: usize,
-    /// `Hq`.
+    /// `Hq`: a multiple of `Hkv` (grouped-query attention: query head `h` reads KV head `h / (Hq / Hkv)`).
     pub q_heads: usize,
     /// `Hkv`.
     pub kv_heads: usize,
-    /// Total tokens `S` of the sequence.
+    /// Total tokens `S` of the sequence: a multiple of `2·CP` for zigzag, of `CP` for the other partitions.
     pub seq_len: usize,
-    /// `D`.
+    /// `D`: 32 to 256 in steps of 8.
     pub head_dim: usize,
+    /// The element type of `Q`, `K`, `V`, `O` and the gradients (`LSE` is always `f32`).
+    pub dtype: DType,
 }
 
-impl CpShape {
-    /// Tokens per rank.
-    pub fn local_len(&self, world: usize) -> usize {
-        self.seq_len / world.max(1)
-    }
-    fn local(&self, world: usize) -> AttnShape {
-        let l = self.local_len(world);
-        AttnShape {
-            batch: self.batch,
-            q_heads: self.q_heads,
-            kv_heads: self.kv_heads,
-            q_len: l,
-            kv_len: l,
-            head_dim: self.head_dim,
-        }
-    }
-}
-
-/// The mask: causal and/or sliding window over global positions, and document ids of this rank's tokens
-/// for packed sequences (they travel with the KV blocks).
-#[derive(Debug, Clone, Copy, Default)]
-pub struct CpMask<'a> {
+/// The mask, by global token positions: causal and/or a sliding window, and whether the sequence packs several
+/// documents (their ids are given per batch with [`CpPlan::set_documents`]).
+///
+/// Conventions (those of `longctx-kernels`): a query at position `i` sees the key at `j` when `j ≤ i` (causal),
+/// `i − j < window` (a window of `w` shows the query itself and the `w − 1` keys before it), and both tokens have
+/// the same document id. A row that sees no key gets `O = 0` and `LSE = −inf`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CpMask {
     /// Keys after the query are hidden.
     pub causal: bool,
-    /// Sliding window in positions.
+    /// Sliding window in positions (at least 1).
     pub window: Option<u64>,
-    /// Document id of each local token (length `S/CP`).
-    pub docs: Option<&'a [u32]>,
+    /// The sequence packs documents that must not see each other.
+    pub documents: bool,
 }
 
-impl<'a> CpMask<'a> {
+impl CpMask {
     /// Causal, one document.
     pub fn causal() -> Self {
         Self { causal: true, ..Self::default() }
+    }
+    /// With a sliding window of `window` positions.
+    pub fn with_window(mut self, window: u64) -> Self {
+        self.window = Some(window);
+        self
+    }
+    /// With packed documents.
+    pub fn with_documents(mut self) -> Self {
+        self.documents = true;
+        self
     }
 }
 
@@ -125,7 +115,9 @@ pub struct StepReport {
 }
 
 /// One rank's side of the problem as a schedule runs it on some communicator.
+#[derive(Clone, Copy)]
 pub(crate) struct Local<'a> {
+    pub backend: &'a dyn Backend,
     /// Block sizes on this rank (`q_len == kv_len`).
     pub shape: AttnShape,
     pub causal: bool,
@@ -145,30 +137,114 @@ impl Local<'_> {
     }
     /// Kernel parameters for this rank's queries against a key block at `k_pos`.
     pub fn params<'b>(&'b self, k_pos: &'b [i64], k_doc: Option<&'b [u32]>) -> AttnParams<'b> {
-        let mut mask =
-            AttnMask::full().with_positions(Positions::Explicit(self.my_positions()), Positions::Explicit(k_pos));
+        self.params_for(self.shape, self.my_positions(), k_pos, k_doc)
+    }
+    /// Kernel parameters of another block shape (a gathered KV slice).
+    pub fn params_for<'b>(
+        &'b self,
+        shape: AttnShape,
+        q_pos: &'b [i64],
+        k_pos: &'b [i64],
+        k_doc: Option<&'b [u32]>,
+    ) -> AttnParams<'b> {
+        let mut mask = AttnMask::full().with_positions(Positions::Explicit(q_pos), Positions::Explicit(k_pos));
         mask.causal = self.causal;
         mask.window = self.window;
         mask.q_doc = self.docs;
         mask.k_doc = k_doc;
-        AttnParams { shape: self.shape, mask, scale: self.scale }
+        AttnParams { shape, mask, scale: self.scale }
+    }
+
+    /// Attention of host blocks through the backend: `o` and `lse` are `f32`.
+    pub fn attn_forward(
+        &self,
+        p: &AttnParams<'_>,
+        [q, k, v]: [HostSlice<'_>; 3],
+        o: &mut [f32],
+        lse: &mut [f32],
+    ) -> Result<()> {
+        let s = p.shape;
+        let (qd, kd) = (q_dims(&s), kv_dims(&s));
+        let qkv = Qkv::new(View::host(q, qd)?, View::host(k, kd)?, View::host(v, kd)?);
+        let out = AttnOut { o: ViewMut::new(o, qd)?, lse: ViewMut::new(lse, [s.batch, s.q_heads, s.q_len])? };
+        self.backend.attention_forward(&AttnOptions { mask: p.mask, scale: Some(p.scale) }, out, qkv)?;
+        Ok(())
+    }
+
+    /// The backward of host blocks through the backend, adding into the `f32` gradients.
+    pub fn attn_backward_add(
+        &self,
+        p: &AttnParams<'_>,
+        [q, k, v, o, d_o]: [HostSlice<'_>; 5],
+        lse: &[f32],
+        [dq, dk, dv]: [&mut [f32]; 3],
+    ) -> Result<()> {
+        let s = p.shape;
+        let (qd, kd) = (q_dims(&s), kv_dims(&s));
+        let qkv = Qkv::new(View::host(q, qd)?, View::host(k, kd)?, View::host(v, kd)?);
+        let saved = AttnSaved { qkv, o: View::host(o, qd)?, lse: View::new(lse, [s.batch, s.q_heads, s.q_len])? };
+        let grads = AttnGrads { dq: ViewMut::new(dq, qd)?, dk: ViewMut::new(dk, kd)?, dv: ViewMut::new(dv, kd)? };
+        let opts = AttnOptions { mask: p.mask, scale: Some(p.scale) };
+        self.backend.attention_backward(
+            &opts,
+            grads,
+            View::host(d_o, qd)?,
+            saved,
+            longctx_kernels::GradMode::Accumulate,
+        )?;
+        Ok(())
+    }
+
+    /// Merges a partial result into the accumulator through the backend.
+    pub fn merge(&self, o: &mut [f32], lse: &mut [f32], o2: &[f32], lse2: &[f32]) -> Result<()> {
+        let s = self.shape;
+        let (qd, ld) = (q_dims(&s), [s.batch, s.q_heads, s.q_len]);
+        let acc = AttnOut { o: ViewMut::new(o, qd)?, lse: ViewMut::new(lse, ld)? };
+        let part = longctx_kernels::AttnPartial { o: View::new(o2, qd)?, lse: View::new(lse2, ld)? };
+        self.backend.attention_merge(acc, part)?;
+        Ok(())
     }
 }
 
-/// Context-parallel attention over a communicator. Construction is collective (the hybrid and Ulysses
-/// schedules split the communicator): every rank must call [`ContextParallel::new`] with the same config.
-pub struct ContextParallel<'c> {
-    comm: &'c Communicator,
-    cfg: CpConfig,
-    /// For Ulysses and hybrid: (all-to-all group, ring across groups).
-    groups: Option<(Communicator, Communicator)>,
-    /// The kernels' thread pool when the caller gives one (ranks sharing a process each get their own).
-    pool: Option<Arc<rayon::ThreadPool>>,
+fn q_dims(s: &AttnShape) -> [usize; 4] {
+    [s.batch, s.q_heads, s.q_len, s.head_dim]
+}
+fn kv_dims(s: &AttnShape) -> [usize; 4] {
+    [s.batch, s.kv_heads, s.kv_len, s.head_dim]
 }
 
-impl<'c> ContextParallel<'c> {
+/// Context-parallel attention over a communicator, on a backend. It owns both (the communicator as an `Arc`,
+/// so a model struct can hold it beside everything else) and is planned once per problem with
+/// [`ContextParallel::plan`]; the plan runs the forward and backward.
+///
+/// Construction is collective (the hybrid and Ulysses schedules split the communicator): every rank calls
+/// [`ContextParallel::new`] with the same config, and then [`ContextParallel::plan`] with the same shape and
+/// mask, which checks that they agree. Cloning is cheap (shared handles); a plan holds a clone, so a model can
+/// own its `ContextParallel` and its plans side by side.
+#[derive(Clone)]
+pub struct ContextParallel {
+    pub(crate) comm: Arc<Communicator>,
+    pub(crate) backend: Arc<dyn Backend>,
+    pub(crate) cfg: CpConfig,
+    /// For Ulysses and hybrid: (all-to-all group, ring across groups).
+    pub(crate) groups: Option<Arc<(Communicator, Communicator)>>,
+}
+
+impl std::fmt::Debug for ContextParallel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ContextParallel")
+            .field("rank", &self.comm.rank())
+            .field("world", &self.comm.world_size())
+            .field("backend", &self.backend.name())
+            .field("cfg", &self.cfg)
+            .finish()
+    }
+}
+
+impl ContextParallel {
     /// Checks the configuration against the communicator and sets up sub-communicators.
-    pub fn new(comm: &'c Communicator, cfg: CpConfig) -> Result<Self> {
+    pub fn new(comm: impl Into<Arc<Communicator>>, backend: Arc<dyn Backend>, cfg: CpConfig) -> Result<Self> {
+        let comm = comm.into();
         let n = comm.world_size();
         let group = match cfg.schedule {
             Schedule::Ulysses => Some(n),
@@ -178,14 +254,12 @@ impl<'c> ContextParallel<'c> {
                 }
                 Some(group)
             }
-            Schedule::AllGather { kv_heads_per_step: 0 } => {
-                return Err(RingError::Config("all-gather needs at least one KV head per step".into()))
-            }
+            Schedule::AllGather { kv_heads_per_step: 0 } => return Err(RingError::ZeroKvHeadsPerStep),
             _ => None,
         };
         if let Some(s) = cfg.scale {
             if !(s.is_finite() && s > 0.0) {
-                return Err(RingError::Config(format!("softmax scale {s} is not positive and finite")));
+                return Err(RingError::Scale(s));
             }
         }
         let groups = match group {
@@ -195,24 +269,24 @@ impl<'c> ContextParallel<'c> {
                 // form a ring, ordered by group.
                 let inner = comm.split((r / u) as u32, r as u32)?;
                 let outer = comm.split((r % u) as u32, r as u32)?;
-                Some((inner, outer))
+                Some(Arc::new((inner, outer)))
             }
             None => None,
         };
-        Ok(Self { comm, cfg, groups, pool: None })
+        Ok(Self { comm, backend, cfg, groups })
     }
 
-    /// Runs the attention kernels on `pool` instead of rayon's global pool.
-    pub fn with_pool(mut self, pool: Arc<rayon::ThreadPool>) -> Self {
-        self.pool = Some(pool);
-        self
+    /// The communicator.
+    pub fn comm(&self) -> &Arc<Communicator> {
+        &self.comm
     }
-
-    fn install<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
-        match &self.pool {
-            Some(p) => p.install(f),
-            None => f(),
-        }
+    /// The backend the kernels run on.
+    pub fn backend(&self) -> &Arc<dyn Backend> {
+        &self.backend
+    }
+    /// The configuration.
+    pub fn config(&self) -> &CpConfig {
+        &self.cfg
     }
 
     /// The layout of a sequence of `seq_len` tokens over this communicator.
@@ -220,253 +294,19 @@ impl<'c> ContextParallel<'c> {
         SeqLayout::new(self.cfg.partition, self.comm.world_size(), seq_len)
     }
 
-    fn check(&self, shape: &CpShape, mask: &CpMask<'_>) -> Result<(SeqLayout, AttnShape)> {
-        let layout = self.layout(shape.seq_len)?;
-        let local = shape.local(self.comm.world_size());
-        local.validate()?;
-        if let Some((inner, _)) = &self.groups {
-            let u = inner.world_size();
-            if !shape.q_heads.is_multiple_of(u) {
-                return Err(RingError::HeadsNotDivisible { what: "query", heads: shape.q_heads, group: u });
-            }
-            if !shape.kv_heads.is_multiple_of(u) {
-                return Err(RingError::HeadsNotDivisible { what: "key/value", heads: shape.kv_heads, group: u });
-            }
-        }
-        if let Some(d) = mask.docs {
-            check_len("docs", d.len(), local.q_len)?;
-        }
-        if mask.window == Some(0) {
-            return Err(RingError::Config("a window of 0 hides every key".into()));
-        }
-        Ok((layout, local))
+    /// Plans the problem (collective): checks the shape and mask, checks that every rank planned the same
+    /// problem (a typed [`RingError::RanksDisagree`] naming the field and the ranks otherwise), computes every
+    /// rank's positions and sizes the workspace. The plan's [`CpPlan::forward`] and [`CpPlan::backward`] then
+    /// take only the data.
+    pub fn plan(&self, shape: &CpShape, mask: &CpMask) -> Result<CpPlan> {
+        CpPlan::new(self.clone(), *shape, *mask)
     }
 
-    fn scale(&self, shape: &CpShape) -> f32 {
-        self.cfg.scale.unwrap_or(1.0 / (shape.head_dim as f32).sqrt())
-    }
-
-    fn measured_bytes(&self) -> u64 {
+    pub(crate) fn measured_bytes(&self) -> u64 {
         let mut b = self.comm.stats().bytes_sent;
-        if let Some((i, o)) = &self.groups {
-            b += i.stats().bytes_sent + o.stats().bytes_sent;
+        if let Some(g) = &self.groups {
+            b += g.0.stats().bytes_sent + g.1.stats().bytes_sent;
         }
         b
-    }
-
-    /// Forward: `o` (`[B, Hq, S/CP, D]`, `f32` or `bf16`) and `lse` (`[B, Hq, S/CP]`) receive this rank's rows
-    /// of full attention over the whole sequence. `q`, `k`, `v` are this rank's shards, all of one dtype.
-    #[allow(clippy::too_many_arguments)]
-    pub fn forward(
-        &self,
-        shape: &CpShape,
-        mask: &CpMask<'_>,
-        q: HostSlice<'_>,
-        k: HostSlice<'_>,
-        v: HostSlice<'_>,
-        o: HostSliceMut<'_>,
-        lse: &mut [f32],
-    ) -> Result<StepReport> {
-        self.install(|| self.forward_impl(shape, mask, q, k, v, o, lse))
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn forward_impl(
-        &self,
-        shape: &CpShape,
-        mask: &CpMask<'_>,
-        q: HostSlice<'_>,
-        k: HostSlice<'_>,
-        v: HostSlice<'_>,
-        mut o: HostSliceMut<'_>,
-        lse: &mut [f32],
-    ) -> Result<StepReport> {
-        let (layout, local) = self.check(shape, mask)?;
-        check_len("q", q.len(), local.q_elems())?;
-        check_len("k", k.len(), local.kv_elems())?;
-        check_len("v", v.len(), local.kv_elems())?;
-        check_len("o", o.len(), local.q_elems())?;
-        check_len("lse", lse.len(), local.lse_elems())?;
-        same_dtype(&[q, k, v])?;
-        let n = self.comm.world_size();
-        let positions: Vec<Vec<i64>> = (0..n).map(|r| layout.positions(r)).collect();
-        let mut rep = StepReport::default();
-        let before = self.measured_bytes();
-        let mut o_acc = vec![0f32; local.q_elems()];
-        let elem = elem_size(&q);
-        let doc_len = mask.docs.map_or(0, |d| d.len());
-        match self.cfg.schedule {
-            Schedule::Ring => {
-                let loc = self.local(local, mask, shape, &positions, self.comm.rank(), mask.docs);
-                ring::ring_forward(self.comm, &loc, q, k, v, &mut o_acc, lse, &mut rep)?;
-                rep.expected_bytes = ring::forward_bytes(n, local.kv_elems(), elem, doc_len);
-            }
-            Schedule::AllGather { kv_heads_per_step } => {
-                let loc = self.local(local, mask, shape, &positions, self.comm.rank(), mask.docs);
-                let t = std::time::Instant::now();
-                dispatch_qkv!(q, k, v, |q, k, v| allgather::forward(
-                    self.comm,
-                    &loc,
-                    kv_heads_per_step,
-                    q,
-                    k,
-                    v,
-                    &mut o_acc,
-                    lse
-                )?);
-                rep.compute += t.elapsed();
-                rep.expected_bytes = allgather::bytes(n, local.kv_elems(), elem, doc_len, false);
-            }
-            Schedule::Ulysses | Schedule::Hybrid { .. } => {
-                let (inner, outer) = self.groups.as_ref().expect("groups are set up for these schedules");
-                rep.expected_bytes =
-                    hybrid::forward_bytes(inner.world_size(), outer.world_size(), &local, elem, doc_len);
-                hybrid::forward(inner, outer, &layout, self, shape, mask, local, q, k, v, &mut o_acc, lse, &mut rep)?;
-            }
-        }
-        o.store_f32(0, &o_acc, false);
-        rep.bytes_sent = self.measured_bytes() - before;
-        Ok(rep)
-    }
-
-    /// Backward: from this rank's `d_o`, the forward's `o` and `lse`, computes this rank's `dq`
-    /// (`[B, Hq, S/CP, D]`), `dk`, `dv` (`[B, Hkv, S/CP, D]`), overwriting them. Gradients are accumulated in
-    /// `f32` and rounded once when stored.
-    #[allow(clippy::too_many_arguments)]
-    pub fn backward(
-        &self,
-        shape: &CpShape,
-        mask: &CpMask<'_>,
-        q: HostSlice<'_>,
-        k: HostSlice<'_>,
-        v: HostSlice<'_>,
-        o: HostSlice<'_>,
-        d_o: HostSlice<'_>,
-        lse: &[f32],
-        dq: HostSliceMut<'_>,
-        dk: HostSliceMut<'_>,
-        dv: HostSliceMut<'_>,
-    ) -> Result<StepReport> {
-        self.install(|| self.backward_impl(shape, mask, q, k, v, o, d_o, lse, dq, dk, dv))
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn backward_impl(
-        &self,
-        shape: &CpShape,
-        mask: &CpMask<'_>,
-        q: HostSlice<'_>,
-        k: HostSlice<'_>,
-        v: HostSlice<'_>,
-        o: HostSlice<'_>,
-        d_o: HostSlice<'_>,
-        lse: &[f32],
-        mut dq: HostSliceMut<'_>,
-        mut dk: HostSliceMut<'_>,
-        mut dv: HostSliceMut<'_>,
-    ) -> Result<StepReport> {
-        let (layout, local) = self.check(shape, mask)?;
-        for (name, len, want) in [
-            ("q", q.len(), local.q_elems()),
-            ("k", k.len(), local.kv_elems()),
-            ("v", v.len(), local.kv_elems()),
-            ("o", o.len(), local.q_elems()),
-            ("d_o", d_o.len(), local.q_elems()),
-            ("lse", lse.len(), local.lse_elems()),
-            ("dq", dq.len(), local.q_elems()),
-            ("dk", dk.len(), local.kv_elems()),
-            ("dv", dv.len(), local.kv_elems()),
-        ] {
-            check_len(name, len, want)?;
-        }
-        same_dtype(&[q, k, v])?;
-        let n = self.comm.world_size();
-        let positions: Vec<Vec<i64>> = (0..n).map(|r| layout.positions(r)).collect();
-        let mut rep = StepReport::default();
-        let before = self.measured_bytes();
-        let mut dq_acc = vec![0f32; local.q_elems()];
-        let mut dk_acc = vec![0f32; local.kv_elems()];
-        let mut dv_acc = vec![0f32; local.kv_elems()];
-        let elem = elem_size(&q);
-        let doc_len = mask.docs.map_or(0, |d| d.len());
-        match self.cfg.schedule {
-            Schedule::Ring => {
-                let loc = self.local(local, mask, shape, &positions, self.comm.rank(), mask.docs);
-                ring::ring_backward(
-                    self.comm,
-                    &loc,
-                    q,
-                    k,
-                    v,
-                    o,
-                    d_o,
-                    lse,
-                    &mut dq_acc,
-                    &mut dk_acc,
-                    &mut dv_acc,
-                    &mut rep,
-                )?;
-                rep.expected_bytes = ring::backward_bytes(n, local.kv_elems(), elem, doc_len);
-            }
-            Schedule::AllGather { kv_heads_per_step } => {
-                let loc = self.local(local, mask, shape, &positions, self.comm.rank(), mask.docs);
-                let (of, dof) = (o.to_f32_vec(), d_o.to_f32_vec());
-                let t = std::time::Instant::now();
-                let grads = (&mut dq_acc[..], &mut dk_acc[..], &mut dv_acc[..]);
-                dispatch_qkv!(q, k, v, |q, k, v| allgather::backward(
-                    self.comm,
-                    &loc,
-                    kv_heads_per_step,
-                    [q, k, v],
-                    &of,
-                    &dof,
-                    lse,
-                    grads
-                )?);
-                rep.compute += t.elapsed();
-                rep.expected_bytes = allgather::bytes(n, local.kv_elems(), elem, doc_len, true);
-            }
-            Schedule::Ulysses | Schedule::Hybrid { .. } => {
-                let (inner, outer) = self.groups.as_ref().expect("groups are set up for these schedules");
-                rep.expected_bytes =
-                    hybrid::backward_bytes(inner.world_size(), outer.world_size(), &local, elem, doc_len);
-                let grads = hybrid::Grads { dq: &mut dq_acc, dk: &mut dk_acc, dv: &mut dv_acc };
-                hybrid::backward(
-                    inner, outer, &layout, self, shape, mask, local, q, k, v, o, d_o, lse, grads, &mut rep,
-                )?;
-            }
-        }
-        dq.store_f32(0, &dq_acc, false);
-        dk.store_f32(0, &dk_acc, false);
-        dv.store_f32(0, &dv_acc, false);
-        rep.bytes_sent = self.measured_bytes() - before;
-        Ok(rep)
-    }
-
-    pub(crate) fn local<'a>(
-        &self,
-        shape: AttnShape,
-        mask: &CpMask<'_>,
-        cp: &CpShape,
-        positions: &'a [Vec<i64>],
-        me: usize,
-        docs: Option<&'a [u32]>,
-    ) -> Local<'a> {
-        Local { shape, causal: mask.causal, window: mask.window, scale: self.scale(cp), positions, me, docs }
-    }
-}
-
-fn same_dtype(xs: &[HostSlice<'_>]) -> Result<()> {
-    let d = xs[0].dtype();
-    if xs.iter().any(|x| x.dtype() != d) {
-        return Err(RingError::Config("q, k and v must have the same dtype".into()));
-    }
-    Ok(())
-}
-
-fn elem_size(x: &HostSlice<'_>) -> usize {
-    match x {
-        HostSlice::F32(_) => 4,
-        HostSlice::Bf16(_) => 2,
     }
 }

@@ -31,7 +31,7 @@ pub enum RingError {
     },
     /// A head count cannot be split across the ranks of an all-to-all (Ulysses) group.
     #[error("{what} heads ({heads}) are not divisible by the all-to-all group size {group}")]
-    HeadsNotDivisible {
+    HeadsNotDivisibleByGroup {
         /// `query` or `key/value`.
         what: &'static str,
         /// The head count.
@@ -57,9 +57,66 @@ pub enum RingError {
         /// Actual elements.
         got: usize,
     },
-    /// Other invalid configuration.
-    #[error("invalid configuration: {0}")]
-    Config(String),
+    /// The sequence has no tokens.
+    #[error("the sequence is empty (seq_len = 0)")]
+    EmptySequence,
+    /// A layout over no ranks.
+    #[error("a layout needs at least one rank")]
+    NoRanks,
+    /// A rank index past the world.
+    #[error("rank {rank} is out of range for {world} ranks")]
+    RankOutOfRange {
+        /// The rank given.
+        rank: usize,
+        /// Ranks in the layout.
+        world: usize,
+    },
+    /// `unshard` got another number of shards than there are ranks.
+    #[error("{got} shards given for {world} ranks")]
+    ShardCount {
+        /// Shards given.
+        got: usize,
+        /// Ranks in the layout.
+        world: usize,
+    },
+    /// The all-gather schedule was asked to gather zero KV heads per step.
+    #[error("the all-gather schedule needs at least one KV head per step")]
+    ZeroKvHeadsPerStep,
+    /// A softmax scale that is not positive and finite.
+    #[error("softmax scale {0} is not positive and finite")]
+    Scale(f32),
+    /// A sliding window of 0 hides every key.
+    #[error("a sliding window of 0 hides every key")]
+    ZeroWindow,
+    /// The plan was made for packed documents but no document ids were set, or ids were set for a plan
+    /// without documents.
+    #[error("{0}")]
+    Documents(&'static str),
+    /// Q, K, V, O or the gradients are not in host memory (the transports move host memory today).
+    #[error("`{name}` is in {memory} memory; context-parallel exchange needs host memory in this build")]
+    Memory {
+        /// The argument.
+        name: &'static str,
+        /// Where it is.
+        memory: longctx_kernels::Memory,
+    },
+    /// A view's dtype or dims differ from what the plan was made for.
+    #[error("`{name}`: {why}")]
+    NotAsPlanned {
+        /// The argument.
+        name: &'static str,
+        /// What differs.
+        why: String,
+    },
+    /// The ranks planned different problems: the field and which ranks hold which value (checked when
+    /// planning, on every rank, so none of them computes silently wrong results or waits for a timeout).
+    #[error("the ranks disagree on {field}: {detail}")]
+    RanksDisagree {
+        /// The configuration field (`causal`, `partition`, `q_heads`, …).
+        field: &'static str,
+        /// Each value with the ranks that hold it.
+        detail: String,
+    },
 }
 
 /// Result alias of this crate.

@@ -13,16 +13,10 @@ use half::bf16;
 use longctx_kernels::{AttnShape, Element, HostSlice};
 use longctx_p2p::Communicator;
 
-use crate::context::{ContextParallel, CpMask, CpShape};
+use crate::context::{Local, StepReport};
 use crate::error::Result;
-use crate::partition::SeqLayout;
 use crate::reshard::{all_to_all_bytes, heads_to_seq, seq_to_heads};
-use crate::{ring, StepReport};
-
-/// Positions of each group's tokens in the order the all-to-all lays them out (member rank order).
-fn group_positions(layout: &SeqLayout, u: usize) -> Vec<Vec<i64>> {
-    (0..layout.world / u).map(|g| (0..u).flat_map(|i| layout.positions(g * u + i)).collect()).collect()
-}
+use crate::ring;
 
 fn gather_docs(inner: &Communicator, docs: Option<&[u32]>) -> Result<Option<Vec<u32>>> {
     Ok(match docs {
@@ -35,7 +29,8 @@ fn gather_docs(inner: &Communicator, docs: Option<&[u32]>) -> Result<Option<Vec<
     })
 }
 
-fn head_shape(local: AttnShape, u: usize) -> AttnShape {
+/// The block of a head shard: `1/u` of the heads over the group's `u·L` tokens.
+pub(crate) fn head_shape(local: AttnShape, u: usize) -> AttnShape {
     AttnShape {
         q_heads: local.q_heads / u,
         kv_heads: local.kv_heads / u,
@@ -79,30 +74,25 @@ impl Qkv {
     }
 }
 
+/// Forward: `ring` is the ring member's problem (its group's positions per member, the head-shard shape);
+/// `local` this rank's sequence-shard block.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn forward(
     inner: &Communicator,
     outer: &Communicator,
-    layout: &SeqLayout,
-    cp: &ContextParallel<'_>,
-    shape: &CpShape,
-    mask: &CpMask<'_>,
+    ring: &Local<'_>,
     local: AttnShape,
-    q: HostSlice<'_>,
-    k: HostSlice<'_>,
-    v: HostSlice<'_>,
+    [q, k, v]: [HostSlice<'_>; 3],
     o: &mut [f32],
     lse: &mut [f32],
     rep: &mut StepReport,
 ) -> Result<()> {
-    let u = inner.world_size();
-    let positions = group_positions(layout, u);
     let t = Instant::now();
-    let docs = gather_docs(inner, mask.docs)?;
+    let docs = gather_docs(inner, ring.docs)?;
     let heads = Qkv::new(inner, local, q, k, v)?;
     rep.comm_wait += t.elapsed();
-    let hs = head_shape(local, u);
-    let loc = cp.local(hs, mask, shape, &positions, outer.rank(), docs.as_deref());
+    let hs = ring.shape;
+    let loc = Local { docs: docs.as_deref(), ..*ring };
     let [qh, kh, vh] = heads.views();
     let mut o_h = vec![0f32; hs.q_elems()];
     let mut lse_h = vec![0f32; hs.lse_elems()];
@@ -121,36 +111,28 @@ pub(crate) struct Grads<'a> {
     pub dv: &'a mut [f32],
 }
 
+/// Backward (see [`forward`] for `ring` and `local`).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn backward(
     inner: &Communicator,
     outer: &Communicator,
-    layout: &SeqLayout,
-    cp: &ContextParallel<'_>,
-    shape: &CpShape,
-    mask: &CpMask<'_>,
+    ring: &Local<'_>,
     local: AttnShape,
-    q: HostSlice<'_>,
-    k: HostSlice<'_>,
-    v: HostSlice<'_>,
-    o: HostSlice<'_>,
-    d_o: HostSlice<'_>,
+    [q, k, v, o, d_o]: [HostSlice<'_>; 5],
     lse: &[f32],
     grads: Grads<'_>,
     rep: &mut StepReport,
 ) -> Result<()> {
-    let u = inner.world_size();
     let (b, l, d) = (local.batch, local.q_len, local.head_dim);
-    let positions = group_positions(layout, u);
     let t = Instant::now();
-    let docs = gather_docs(inner, mask.docs)?;
+    let docs = gather_docs(inner, ring.docs)?;
     let heads = Qkv::new(inner, local, q, k, v)?;
     let o_h = seq_to_heads(inner, &o.to_f32_vec(), b, local.q_heads, l, d)?;
     let do_h = seq_to_heads(inner, &d_o.to_f32_vec(), b, local.q_heads, l, d)?;
     let lse_h = seq_to_heads(inner, lse, b, local.q_heads, l, 1)?;
     rep.comm_wait += t.elapsed();
-    let hs = head_shape(local, u);
-    let loc = cp.local(hs, mask, shape, &positions, outer.rank(), docs.as_deref());
+    let hs = ring.shape;
+    let loc = Local { docs: docs.as_deref(), ..*ring };
     let [qh, kh, vh] = heads.views();
     let mut dq_h = vec![0f32; hs.q_elems()];
     let mut dk_h = vec![0f32; hs.kv_elems()];

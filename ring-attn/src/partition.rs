@@ -50,25 +50,47 @@ impl SeqLayout {
     /// Checks that the sequence cuts evenly.
     pub fn new(partition: Partition, world: usize, seq_len: usize) -> Result<Self> {
         if world == 0 {
-            return Err(RingError::Config("world size 0".into()));
+            return Err(RingError::NoRanks);
+        }
+        if seq_len == 0 {
+            return Err(RingError::EmptySequence);
         }
         let divisor = match partition {
             Partition::Zigzag => 2 * world,
             _ => world,
         };
-        if seq_len == 0 || !seq_len.is_multiple_of(divisor) {
+        if !seq_len.is_multiple_of(divisor) {
             return Err(RingError::SeqNotDivisible { seq_len, divisor, partition: partition.name(), world });
         }
         Ok(Self { partition, world, seq_len })
     }
 
-    /// Tokens per rank.
+    /// Tokens per rank (the layout is checked to cut evenly: `2·CP` chunks for zigzag, `CP` otherwise).
     pub fn local_len(&self) -> usize {
         self.seq_len / self.world
     }
 
+    /// Checks that `rank` is one of the layout's ranks.
+    pub fn check_rank(&self, rank: usize) -> Result<()> {
+        if rank < self.world {
+            Ok(())
+        } else {
+            Err(RingError::RankOutOfRange { rank, world: self.world })
+        }
+    }
+
     /// Global positions of rank `rank`'s tokens, in the order the rank stores them.
-    pub fn positions(&self, rank: usize) -> Vec<i64> {
+    pub fn positions(&self, rank: usize) -> Result<Vec<i64>> {
+        self.check_rank(rank)?;
+        Ok(self.positions_of(rank))
+    }
+
+    /// Every rank's positions, indexed by rank.
+    pub fn all_positions(&self) -> Vec<Vec<i64>> {
+        (0..self.world).map(|r| self.positions_of(r)).collect()
+    }
+
+    fn positions_of(&self, rank: usize) -> Vec<i64> {
         let l = self.local_len();
         match self.partition {
             Partition::Contiguous => (rank * l..(rank + 1) * l).map(|i| i as i64).collect(),
@@ -85,7 +107,7 @@ impl SeqLayout {
     /// `[outer, local_len, inner]`.
     pub fn shard<T: Copy>(&self, full: &[T], outer: usize, inner: usize, rank: usize) -> Result<Vec<T>> {
         crate::error::check_len("full", full.len(), outer * self.seq_len * inner)?;
-        let pos = self.positions(rank);
+        let pos = self.positions(rank)?;
         let mut out = Vec::with_capacity(outer * pos.len() * inner);
         for o in 0..outer {
             for &p in &pos {
@@ -99,13 +121,13 @@ impl SeqLayout {
     /// Puts the shards of every rank back into the full array `[outer, seq_len, inner]`.
     pub fn unshard<T: Copy + Default>(&self, shards: &[Vec<T>], outer: usize, inner: usize) -> Result<Vec<T>> {
         if shards.len() != self.world {
-            return Err(RingError::Config(format!("{} shards for {} ranks", shards.len(), self.world)));
+            return Err(RingError::ShardCount { got: shards.len(), world: self.world });
         }
         let l = self.local_len();
         let mut full = vec![T::default(); outer * self.seq_len * inner];
         for (rank, shard) in shards.iter().enumerate() {
             crate::error::check_len("shard", shard.len(), outer * l * inner)?;
-            for (i, &p) in self.positions(rank).iter().enumerate() {
+            for (i, &p) in self.positions_of(rank).iter().enumerate() {
                 for o in 0..outer {
                     let dst = (o * self.seq_len + p as usize) * inner;
                     let src = (o * l + i) * inner;

@@ -13,12 +13,12 @@
 
 use std::time::Instant;
 
-use longctx_kernels::{attention_backward, attention_forward, merge_partial_attention, HostSlice};
+use longctx_kernels::HostSlice;
 use longctx_p2p::Communicator;
 
 use crate::block::KvPacking;
+use crate::context::{Local, StepReport};
 use crate::error::Result;
-use crate::{Local, StepReport};
 
 /// Message tags of the two streams.
 const TAG_KV: u32 = 0x4b56;
@@ -64,9 +64,9 @@ pub(crate) fn ring_forward(
             if p.mask.may_see_any(pb.shape.q_len, pb.shape.kv_len) {
                 // The first visible block writes the result directly; later ones a partial, merged in.
                 let (o_dst, lse_dst) = if have { (&mut o_part[..], &mut lse_part[..]) } else { (&mut *o, &mut *lse) };
-                attention_forward(&p, q, kb, vb, o_dst.into(), lse_dst)?;
+                pb.attn_forward(&p, [q, kb, vb], o_dst, lse_dst)?;
                 if have {
-                    merge_partial_attention(o, lse, &o_part, &lse_part)?;
+                    pb.merge(o, lse, &o_part, &lse_part)?;
                 }
                 have = true;
                 rep.blocks_computed += 1;
@@ -143,7 +143,7 @@ pub(crate) fn ring_backward(
         local.fill(0.0);
         let (dk_loc, dv_loc) = local.split_at_mut(kv_elems);
         if p.mask.may_see_any(pb.shape.q_len, pb.shape.kv_len) {
-            attention_backward(&p, q, kb, vb, o, d_o, lse, dq.into(), dk_loc.into(), dv_loc.into(), true)?;
+            pb.attn_backward_add(&p, [q, kb, vb, o, d_o], lse, [dq, dk_loc, dv_loc])?;
             rep.blocks_computed += 1;
         } else {
             rep.blocks_skipped += 1;

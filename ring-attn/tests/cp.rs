@@ -4,9 +4,13 @@
 use half::bf16;
 use longctx_kernels::attention::reference;
 use longctx_kernels::testing::{max_rel_err as rel_err, reference_f64, uniform_nonzero};
-use longctx_kernels::{AttnMask, AttnParams, AttnShape, DType, Positions};
-use longctx_p2p::ThreadWorld;
-use longctx_ring_attn::{ContextParallel, CpConfig, CpMask, CpShape, Partition, RingError, Schedule, SeqLayout};
+use std::sync::Arc;
+
+use longctx_kernels::{AttnMask, AttnParams, AttnShape, Element, Positions};
+use longctx_ring_attn::{
+    AttnGrads, AttnOut, AttnSaved, ContextParallel, CpConfig, CpMask, CpPlan, CpShape, CpuBackend, DType, Partition,
+    Qkv, RingError, Schedule, SeqLayout, ThreadWorld, View, ViewMut,
+};
 use proptest::prelude::*;
 
 #[derive(Debug, Clone)]
@@ -19,7 +23,6 @@ struct Case {
     window: Option<u64>,
     /// Document boundaries every `doc_len` tokens when set.
     doc_len: Option<usize>,
-    dtype: DType,
     seed: u64,
 }
 
@@ -38,7 +41,7 @@ struct Inputs {
 fn inputs(c: &Case) -> Inputs {
     let s = c.shape;
     let round = |x: Vec<f32>| -> Vec<f32> {
-        match c.dtype {
+        match c.shape.dtype {
             DType::F32 => x,
             DType::Bf16 => x.into_iter().map(|v| bf16::from_f32(v).to_f32()).collect(),
         }
@@ -80,6 +83,28 @@ fn full(c: &Case, x: &Inputs) -> [Vec<f64>; 5] {
 /// Unsharded outputs and, per rank, (sent, expected) bytes of forward and backward.
 type CpRun = ([Vec<f32>; 5], Vec<[(u64, u64); 2]>);
 
+/// Forward and backward of one rank through its plan, in the element type `T`; outputs widened to f32.
+fn fwd_bwd<T: Element>(plan: &mut CpPlan, [q, k, v, d_o]: [&[f32]; 4]) -> RankOut {
+    let t = |x: &[f32]| x.iter().map(|&a| T::from_f32(a)).collect::<Vec<T>>();
+    let f = |x: &[T]| x.iter().map(|a| a.to_f32()).collect::<Vec<f32>>();
+    let (q, k, v, d_o) = (t(q), t(k), t(v), t(d_o));
+    let (qd, kd, ld) = (plan.q_dims(), plan.kv_dims(), plan.lse_dims());
+    let nan = T::from_f32(f32::NAN);
+    let (mut o, mut lse) = (vec![nan; q.len()], vec![f32::NAN; ld.iter().product()]);
+    let qkv = Qkv::new(View::new(&q, qd).unwrap(), View::new(&k, kd).unwrap(), View::new(&v, kd).unwrap());
+    let out = AttnOut { o: ViewMut::new(&mut o, qd).unwrap(), lse: ViewMut::new(&mut lse, ld).unwrap() };
+    let rf = plan.forward(out, qkv).unwrap();
+    let (mut dq, mut dk, mut dv) = (vec![nan; q.len()], vec![nan; k.len()], vec![nan; k.len()]);
+    let grads = AttnGrads {
+        dq: ViewMut::new(&mut dq, qd).unwrap(),
+        dk: ViewMut::new(&mut dk, kd).unwrap(),
+        dv: ViewMut::new(&mut dv, kd).unwrap(),
+    };
+    let saved = AttnSaved { qkv, o: View::new(&o, qd).unwrap(), lse: View::new(&lse, ld).unwrap() };
+    let rb = plan.backward(grads, View::new(&d_o, qd).unwrap(), saved).unwrap();
+    ([f(&o), lse, f(&dq), f(&dk), f(&dv)], [(rf.bytes_sent, rf.expected_bytes), (rb.bytes_sent, rb.expected_bytes)])
+}
+
 fn run_cp(c: &Case, x: &Inputs) -> CpRun {
     let s = c.shape;
     let layout = SeqLayout::new(c.partition, c.cp, s.seq_len).unwrap();
@@ -89,69 +114,18 @@ fn run_cp(c: &Case, x: &Inputs) -> CpRun {
         .run(c.cp, |comm| {
             let r = comm.rank();
             let cfg = CpConfig { partition: c.partition, schedule: c.schedule, scale: None };
-            let cpa = ContextParallel::new(&comm, cfg).unwrap();
+            let cpa = ContextParallel::new(comm, Arc::new(CpuBackend::new()), cfg).unwrap();
             let sh = |full: &[f32], heads: usize| layout.shard(full, s.batch * heads, d, r).unwrap();
             let (q, k, v, d_o) =
                 (sh(&x.q, s.q_heads), sh(&x.k, s.kv_heads), sh(&x.v, s.kv_heads), sh(&x.d_o, s.q_heads));
-            let docs = x.docs.as_ref().map(|dd| layout.shard(dd, 1, 1, r).unwrap());
-            let mask = CpMask { causal: c.causal, window: c.window, docs: docs.as_deref() };
-            let l = s.seq_len / c.cp;
-            let mut lse = vec![f32::NAN; s.batch * s.q_heads * l];
-            match c.dtype {
-                DType::F32 => {
-                    let mut o = vec![f32::NAN; q.len()];
-                    let rf = cpa
-                        .forward(&s, &mask, (&q).into(), (&k).into(), (&v).into(), (&mut o).into(), &mut lse)
-                        .unwrap();
-                    let (mut dq, mut dk, mut dv) =
-                        (vec![f32::NAN; q.len()], vec![f32::NAN; k.len()], vec![f32::NAN; k.len()]);
-                    let rb = cpa
-                        .backward(
-                            &s,
-                            &mask,
-                            (&q).into(),
-                            (&k).into(),
-                            (&v).into(),
-                            (&o).into(),
-                            (&d_o).into(),
-                            &lse,
-                            (&mut dq).into(),
-                            (&mut dk).into(),
-                            (&mut dv).into(),
-                        )
-                        .unwrap();
-                    ([o, lse, dq, dk, dv], [(rf.bytes_sent, rf.expected_bytes), (rb.bytes_sent, rb.expected_bytes)])
-                }
-                DType::Bf16 => {
-                    let b = |x: &[f32]| x.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<bf16>>();
-                    let f = |x: &[bf16]| x.iter().map(|v| v.to_f32()).collect::<Vec<f32>>();
-                    let (q, k, v, d_o) = (b(&q), b(&k), b(&v), b(&d_o));
-                    let nan = bf16::from_f32(f32::NAN);
-                    let mut o = vec![nan; q.len()];
-                    let rf = cpa
-                        .forward(&s, &mask, (&q).into(), (&k).into(), (&v).into(), (&mut o).into(), &mut lse)
-                        .unwrap();
-                    let (mut dq, mut dk, mut dv) = (vec![nan; q.len()], vec![nan; k.len()], vec![nan; k.len()]);
-                    let rb = cpa
-                        .backward(
-                            &s,
-                            &mask,
-                            (&q).into(),
-                            (&k).into(),
-                            (&v).into(),
-                            (&o).into(),
-                            (&d_o).into(),
-                            &lse,
-                            (&mut dq).into(),
-                            (&mut dk).into(),
-                            (&mut dv).into(),
-                        )
-                        .unwrap();
-                    (
-                        [f(&o), lse, f(&dq), f(&dk), f(&dv)],
-                        [(rf.bytes_sent, rf.expected_bytes), (rb.bytes_sent, rb.expected_bytes)],
-                    )
-                }
+            let mask = CpMask { causal: c.causal, window: c.window, documents: x.docs.is_some() };
+            let mut plan = cpa.plan(&s, &mask).unwrap();
+            if let Some(dd) = &x.docs {
+                plan.set_documents(&layout.shard(dd, 1, 1, r).unwrap()).unwrap();
+            }
+            match c.shape.dtype {
+                DType::F32 => fwd_bwd::<f32>(&mut plan, [&q, &k, &v, &d_o]),
+                DType::Bf16 => fwd_bwd::<bf16>(&mut plan, [&q, &k, &v, &d_o]),
             }
         })
         .unwrap();
@@ -171,7 +145,7 @@ fn check(c: &Case) -> Result<(), TestCaseError> {
     let x = inputs(c);
     let want = full(c, &x);
     let (got, bytes) = run_cp(c, &x);
-    let tol = match c.dtype {
+    let tol = match c.shape.dtype {
         DType::F32 => 1e-5,
         DType::Bf16 => 2e-2,
     };
@@ -214,13 +188,19 @@ fn case_strategy() -> impl Strategy<Value = Case> {
             let seq_len = div * m * (1 + (seed as usize >> 8) % (48 / div).max(1));
             Case {
                 cp,
-                shape: CpShape { batch: b, q_heads: kv_heads * g, kv_heads, seq_len, head_dim: d8 * 8 },
+                shape: CpShape {
+                    batch: b,
+                    q_heads: kv_heads * g,
+                    kv_heads,
+                    seq_len,
+                    head_dim: d8 * 8,
+                    dtype: if bf { DType::Bf16 } else { DType::F32 },
+                },
                 partition,
                 schedule,
                 causal,
                 window,
                 doc_len,
-                dtype: if bf { DType::Bf16 } else { DType::F32 },
                 seed,
             }
         })
@@ -250,13 +230,12 @@ fn every_schedule_and_partition() {
                 for dtype in [DType::F32, DType::Bf16] {
                     let c = Case {
                         cp,
-                        shape: CpShape { batch: 1, q_heads: 16, kv_heads: 8, seq_len: 32 * cp, head_dim: 32 },
+                        shape: CpShape { batch: 1, q_heads: 16, kv_heads: 8, seq_len: 32 * cp, head_dim: 32, dtype },
                         partition,
                         schedule,
                         causal: true,
                         window: None,
                         doc_len: Some(45),
-                        dtype,
                         seed: 7,
                     };
                     check(&c).unwrap_or_else(|e| panic!("{e}"));
@@ -275,13 +254,12 @@ fn single_key_window() {
             for dtype in [DType::F32, DType::Bf16] {
                 let c = Case {
                     cp: 3,
-                    shape: CpShape { batch: 1, q_heads: 3, kv_heads: 3, seq_len: 18, head_dim: 40 },
+                    shape: CpShape { batch: 1, q_heads: 3, kv_heads: 3, seq_len: 18, head_dim: 40, dtype },
                     partition: Partition::Zigzag,
                     schedule,
                     causal,
                     window: Some(1),
                     doc_len: None,
-                    dtype,
                     seed: 283798062639290881,
                 };
                 check(&c).unwrap_or_else(|e| panic!("{e}"));
@@ -295,13 +273,12 @@ fn single_key_window() {
 fn error_does_not_grow_with_cp() {
     let case = |cp| Case {
         cp,
-        shape: CpShape { batch: 1, q_heads: 2, kv_heads: 1, seq_len: 1024, head_dim: 64 },
+        shape: CpShape { batch: 1, q_heads: 2, kv_heads: 1, seq_len: 1024, head_dim: 64, dtype: DType::F32 },
         partition: Partition::Zigzag,
         schedule: Schedule::Ring,
         causal: true,
         window: None,
         doc_len: None,
-        dtype: DType::F32,
         seed: 3,
     };
     // The same data for every CP, so one reference serves them all (forward only: the f64 backward at this
@@ -319,40 +296,115 @@ fn error_does_not_grow_with_cp() {
 #[test]
 fn misconfiguration_is_a_typed_error() {
     let res = ThreadWorld::run(4, |comm| {
-        let e1 =
-            ContextParallel::new(&comm, CpConfig { schedule: Schedule::Hybrid { group: 3 }, ..CpConfig::default() })
-                .err()
-                .map(|e| matches!(e, RingError::GroupSize { group: 3, world: 4 }));
-        let cpa = ContextParallel::new(&comm, CpConfig { schedule: Schedule::Ulysses, ..CpConfig::default() }).unwrap();
-        let shape = CpShape { batch: 1, q_heads: 6, kv_heads: 2, seq_len: 64, head_dim: 32 };
-        let q = vec![0.5f32; 6 * 16 * 32];
-        let kv = vec![0.5f32; 2 * 16 * 32];
-        let mut o = vec![0f32; q.len()];
-        let mut lse = vec![0f32; 6 * 16];
-        let e2 =
-            cpa.forward(&shape, &CpMask::causal(), (&q).into(), (&kv).into(), (&kv).into(), (&mut o).into(), &mut lse);
-        let e2 = matches!(e2, Err(RingError::HeadsNotDivisible { what: "query", heads: 6, group: 4 }));
-        let ring = ContextParallel::new(&comm, CpConfig::default()).unwrap();
-        let bad = CpShape { seq_len: 60, ..shape };
-        let e3 =
-            ring.forward(&bad, &CpMask::causal(), (&q).into(), (&kv).into(), (&kv).into(), (&mut o).into(), &mut lse);
-        let e3 = matches!(e3, Err(RingError::SeqNotDivisible { seq_len: 60, divisor: 8, .. }));
+        let comm = Arc::new(comm);
+        let cpu: Arc<dyn longctx_ring_attn::Backend> = Arc::new(CpuBackend::new());
+        let hybrid = CpConfig { schedule: Schedule::Hybrid { group: 3 }, ..CpConfig::default() };
+        let e1 = ContextParallel::new(comm.clone(), cpu.clone(), hybrid).err();
+        let e1 = matches!(e1, Some(RingError::GroupSize { group: 3, world: 4 }));
+        let uly = CpConfig { schedule: Schedule::Ulysses, ..CpConfig::default() };
+        let cpa = ContextParallel::new(comm.clone(), cpu.clone(), uly).unwrap();
+        let shape = CpShape { batch: 1, q_heads: 6, kv_heads: 2, seq_len: 64, head_dim: 32, dtype: DType::F32 };
+        let e2 = cpa.plan(&shape, &CpMask::causal()).err();
+        let e2 = matches!(e2, Some(RingError::HeadsNotDivisibleByGroup { what: "query", heads: 6, group: 4 }));
+        let ring = ContextParallel::new(comm.clone(), cpu.clone(), CpConfig::default()).unwrap();
+        let e3 = ring.plan(&CpShape { seq_len: 60, ..shape }, &CpMask::causal()).err();
+        let e3 = matches!(e3, Some(RingError::SeqNotDivisible { seq_len: 60, divisor: 8, .. }));
+        let e4 =
+            matches!(ring.plan(&CpShape { seq_len: 0, ..shape }, &CpMask::causal()), Err(RingError::EmptySequence));
+        let e5 = matches!(ring.plan(&shape, &CpMask::causal().with_window(0)), Err(RingError::ZeroWindow));
+        let bad_scale = CpConfig { scale: Some(-1.0), ..CpConfig::default() };
+        let e6 = matches!(ContextParallel::new(comm.clone(), cpu.clone(), bad_scale), Err(RingError::Scale(_)));
+        let zero = CpConfig { schedule: Schedule::AllGather { kv_heads_per_step: 0 }, ..CpConfig::default() };
+        let e7 = matches!(ContextParallel::new(comm.clone(), cpu.clone(), zero), Err(RingError::ZeroKvHeadsPerStep));
+        // A plan made for documents refuses a call without them, and one made without refuses ids.
+        let mut docs_plan = ring.plan(&shape, &CpMask::causal().with_documents()).unwrap();
+        let mut plain = ring.plan(&shape, &CpMask::causal()).unwrap();
+        let e8 = matches!(plain.set_documents(&[0; 16]), Err(RingError::Documents(_)));
+        let e9 = matches!(docs_plan.set_documents(&[0; 15]), Err(RingError::BufferLength { name: "documents", .. }));
+        let (qd, kd, ld) = (plain.q_dims(), plain.kv_dims(), plain.lse_dims());
+        let (q, kv) = (vec![0.5f32; 6 * 16 * 32], vec![0.5f32; 2 * 16 * 32]);
+        let (mut o, mut lse) = (vec![0f32; q.len()], vec![0f32; 6 * 16]);
+        let qkv = Qkv::new(View::new(&q, qd).unwrap(), View::new(&kv, kd).unwrap(), View::new(&kv, kd).unwrap());
+        let out = AttnOut { o: ViewMut::new(&mut o, qd).unwrap(), lse: ViewMut::new(&mut lse, ld).unwrap() };
+        let e10 = matches!(docs_plan.forward(out, qkv), Err(RingError::Documents(_)));
+        [e1, e2, e3, e4, e5, e6, e7, e8, e9, e10]
+    })
+    .unwrap();
+    for r in res {
+        assert_eq!(r, [true; 10]);
+    }
+}
+
+/// Ranks that plan different problems all fail at planning, with the field and who holds which value.
+#[test]
+fn ranks_that_disagree_fail_together_naming_the_field() {
+    let shape = CpShape { batch: 1, q_heads: 4, kv_heads: 2, seq_len: 64, head_dim: 32, dtype: DType::F32 };
+    let started = std::time::Instant::now();
+    let res = ThreadWorld::run(4, |comm| {
+        let r = comm.rank();
+        let cp = ContextParallel::new(comm, Arc::new(CpuBackend::new()), CpConfig::default()).unwrap();
+        let mask = CpMask { causal: r != 2, ..CpMask::default() };
+        let e1 = cp.plan(&shape, &mask).unwrap_err().to_string();
+        let heads = CpShape { q_heads: if r == 0 { 2 } else { 4 }, ..shape };
+        let e2 = cp.plan(&heads, &CpMask::causal()).unwrap_err().to_string();
+        let dtype = CpShape { dtype: if r >= 2 { DType::Bf16 } else { DType::F32 }, ..shape };
+        let e3 = cp.plan(&dtype, &CpMask::causal()).unwrap_err().to_string();
         (e1, e2, e3)
     })
     .unwrap();
     for (e1, e2, e3) in res {
-        assert_eq!(e1, Some(true));
-        assert!(e2 && e3);
+        assert_eq!(e1, "the ranks disagree on causal: ranks 0, 1, 3: true; rank 2: false");
+        assert_eq!(e2, "the ranks disagree on q_heads: rank 0: 2; ranks 1, 2, 3: 4");
+        assert_eq!(e3, "the ranks disagree on dtype: ranks 0, 1: f32; ranks 2, 3: bf16");
+    }
+    assert!(started.elapsed() < std::time::Duration::from_secs(10));
+}
+
+/// A model can own its `ContextParallel` and its plan side by side; the plan reused for a second step gives the
+/// same bits, and it states its workspace and what the forward saves.
+#[test]
+fn a_model_owns_its_plan_and_reuses_it() {
+    struct Layer {
+        _cp: ContextParallel,
+        plan: CpPlan,
+    }
+    let shape = CpShape { batch: 1, q_heads: 4, kv_heads: 2, seq_len: 128, head_dim: 32, dtype: DType::F32 };
+    let res = ThreadWorld::run(2, |comm| {
+        let cp = ContextParallel::new(comm, Arc::new(CpuBackend::new()), CpConfig::default()).unwrap();
+        let mut layer = Layer { plan: cp.plan(&shape, &CpMask::causal()).unwrap(), _cp: cp };
+        let n: usize = layer.plan.q_dims().iter().product();
+        let nk: usize = layer.plan.kv_dims().iter().product();
+        let x = [uniform_nonzero(n, 1), uniform_nonzero(nk, 2), uniform_nonzero(nk, 3), uniform_nonzero(n, 4)];
+        let a = fwd_bwd::<f32>(&mut layer.plan, [&x[0], &x[1], &x[2], &x[3]]).0;
+        let b = fwd_bwd::<f32>(&mut layer.plan, [&x[0], &x[1], &x[2], &x[3]]).0;
+        let ws = layer.plan.workspace_bytes();
+        (a == b, ws, layer.plan.saved_bytes(), layer.plan.positions().to_vec())
+    })
+    .unwrap();
+    let l = 64;
+    for (r, (same, ws, saved, pos)) in res.into_iter().enumerate() {
+        assert!(same, "rank {r}: a reused plan gives other bits");
+        // Q, K, V, O (f32) and the LSE of the local block.
+        assert_eq!(saved, (2 * 4 * l * 32 + 2 * 2 * l * 32) * 4 + 4 * l * 4);
+        // At least the two travelling KV blocks and the f32 output accumulator.
+        assert!(ws.forward >= 2 * 2 * 2 * l * 32 * 4 + 4 * l * 32 * 4, "{ws:?}");
+        assert!(ws.backward > ws.forward, "{ws:?}");
+        assert_eq!(pos, SeqLayout::new(Partition::Zigzag, 2, 128).unwrap().positions(r).unwrap());
     }
 }
 
 #[test]
 fn layout_helpers_round_trip() {
     let l = SeqLayout::new(Partition::Zigzag, 4, 16).unwrap();
-    assert_eq!(l.positions(0), vec![0, 1, 14, 15]);
-    assert_eq!(l.positions(3), vec![6, 7, 8, 9]);
+    assert_eq!(l.positions(0).unwrap(), vec![0, 1, 14, 15]);
+    assert_eq!(l.positions(3).unwrap(), vec![6, 7, 8, 9]);
     let s = SeqLayout::new(Partition::Striped, 4, 8).unwrap();
-    assert_eq!(s.positions(1), vec![1, 5]);
+    assert_eq!(s.positions(1).unwrap(), vec![1, 5]);
+    // A rank past the world is a typed error, from every function that takes one.
+    assert!(matches!(l.positions(4), Err(RingError::RankOutOfRange { rank: 4, world: 4 })));
+    assert!(matches!(l.shard(&[0u32; 16], 1, 1, 7), Err(RingError::RankOutOfRange { rank: 7, world: 4 })));
+    assert!(matches!(l.unshard(&[vec![0u32; 4]], 1, 1), Err(RingError::ShardCount { got: 1, world: 4 })));
+    assert!(matches!(SeqLayout::new(Partition::Zigzag, 4, 0), Err(RingError::EmptySequence)));
     let full: Vec<u32> = (0..2 * 16 * 3).collect();
     for layout in
         [l, SeqLayout::new(Partition::Contiguous, 4, 16).unwrap(), SeqLayout::new(Partition::Striped, 4, 16).unwrap()]
@@ -366,27 +418,26 @@ fn layout_helpers_round_trip() {
 /// A rank that dies mid-job makes the others fail with a communication error naming it, not hang.
 #[test]
 fn dead_rank_is_an_error_on_the_others() {
-    let shape = CpShape { batch: 1, q_heads: 2, kv_heads: 1, seq_len: 256, head_dim: 32 };
+    let shape = CpShape { batch: 1, q_heads: 2, kv_heads: 1, seq_len: 256, head_dim: 32, dtype: DType::F32 };
     let started = std::time::Instant::now();
     let res = ThreadWorld::builder()
         .timeout(std::time::Duration::from_secs(5))
         .run(4, |comm| {
-            if comm.rank() == 2 {
-                return None; // rank 2 leaves: its communicator is dropped
+            let r = comm.rank();
+            let cp = ContextParallel::new(comm, Arc::new(CpuBackend::new()), CpConfig::default()).unwrap();
+            let mut plan = cp.plan(&shape, &CpMask::causal()).unwrap();
+            if r == 2 {
+                return None; // rank 2 leaves after planning: its communicator is dropped
             }
-            let cpa = ContextParallel::new(&comm, CpConfig::default()).unwrap();
+            drop(cp);
+            let (qd, kd, ld) = (plan.q_dims(), plan.kv_dims(), plan.lse_dims());
             let q = vec![0.5f32; 2 * 64 * 32];
             let kv = vec![0.5f32; 64 * 32];
-            let mut o = vec![0f32; q.len()];
-            let mut lse = vec![0f32; 2 * 64];
-            Some(cpa.forward(
-                &shape,
-                &CpMask::causal(),
-                (&q).into(),
-                (&kv).into(),
-                (&kv).into(),
-                (&mut o).into(),
-                &mut lse,
+            let (mut o, mut lse) = (vec![0f32; q.len()], vec![0f32; 2 * 64]);
+            let qkv = Qkv::new(View::new(&q, qd).unwrap(), View::new(&kv, kd).unwrap(), View::new(&kv, kd).unwrap());
+            Some(plan.forward(
+                AttnOut { o: ViewMut::new(&mut o, qd).unwrap(), lse: ViewMut::new(&mut lse, ld).unwrap() },
+                qkv,
             ))
         })
         .unwrap();

@@ -10,7 +10,10 @@ use std::time::Duration;
 use longctx_kernels::testing::{attention_f32, max_rel_err as rel_err, uniform_nonzero};
 use longctx_kernels::{AttnMask, AttnParams, AttnShape, Positions};
 use longctx_p2p::Communicator;
-use longctx_ring_attn::{ContextParallel, CpConfig, CpMask, CpShape, Partition, Schedule, SeqLayout};
+use longctx_ring_attn::{
+    AttnGrads, AttnOut, AttnSaved, ContextParallel, CpConfig, CpMask, CpPlan, CpShape, DType, Partition, Qkv, Schedule,
+    SeqLayout, StepReport, View, ViewMut,
+};
 
 const CHILD: &str = "LONGCTX_RING_UCX_CHILD";
 const RESULT: &str = "LONGCTX_RING_RESULT";
@@ -20,7 +23,7 @@ fn child(schedule: Schedule) -> Result<(), String> {
     let mut comm = Communicator::from_env().map_err(|e| e.to_string())?;
     comm.set_timeout(Duration::from_secs(60));
     let (n, r) = (comm.world_size(), comm.rank());
-    let shape = CpShape { batch: 1, q_heads: 4, kv_heads: 2, seq_len: 96 * n, head_dim: 64 };
+    let shape = CpShape { batch: 1, q_heads: 4, kv_heads: 2, seq_len: 96 * n, head_dim: 64, dtype: DType::F32 };
     let (s, d) = (shape.seq_len, shape.head_dim);
     // Every rank builds the same full sequence, runs the single-rank reference, and keeps its own rows.
     let q = uniform_nonzero(4 * s * d, 1);
@@ -38,30 +41,13 @@ fn child(schedule: Schedule) -> Result<(), String> {
     let sh = |x: &[f32], h: usize, inner: usize| layout.shard(x, h, inner, r).map_err(|e| e.to_string());
     let (ql, kl, vl, dol) = (sh(&q, 4, d)?, sh(&k, 2, d)?, sh(&v, 2, d)?, sh(&d_o, 4, d)?);
     let docs_l: Vec<u32> = layout.shard(&docs, 1, 1, r).map_err(|e| e.to_string())?;
-    let cp = ContextParallel::new(&comm, CpConfig { partition: Partition::Zigzag, schedule, scale: None })
+    let backend = std::sync::Arc::new(longctx_ring_attn::CpuBackend::new());
+    let cp = ContextParallel::new(comm, backend, CpConfig { partition: Partition::Zigzag, schedule, scale: None })
         .map_err(|e| e.to_string())?;
-    let mask = CpMask { causal: true, window: None, docs: Some(&docs_l) };
-    let mut o_l = vec![0f32; ql.len()];
-    let mut lse_l = vec![0f32; ql.len() / d];
-    let rf = cp
-        .forward(&shape, &mask, (&ql).into(), (&kl).into(), (&vl).into(), (&mut o_l).into(), &mut lse_l)
-        .map_err(|e| e.to_string())?;
-    let (mut dq_l, mut dk_l, mut dv_l) = (vec![0f32; ql.len()], vec![0f32; kl.len()], vec![0f32; vl.len()]);
-    let rb = cp
-        .backward(
-            &shape,
-            &mask,
-            (&ql).into(),
-            (&kl).into(),
-            (&vl).into(),
-            (&o_l).into(),
-            (&dol).into(),
-            &lse_l,
-            (&mut dq_l).into(),
-            (&mut dk_l).into(),
-            (&mut dv_l).into(),
-        )
-        .map_err(|e| e.to_string())?;
+    let mut plan = cp.plan(&shape, &CpMask::causal().with_documents()).map_err(|e| e.to_string())?;
+    plan.set_documents(&docs_l).map_err(|e| e.to_string())?;
+    let (rf, rb, [o_l, lse_l, dq_l, dk_l, dv_l]) =
+        run_plan(&mut plan, [&ql, &kl, &vl, &dol]).map_err(|e| e.to_string())?;
     for (name, got, want) in [
         ("O", &o_l, sh(&o, 4, d)?),
         ("LSE", &lse_l, sh(&lse, 4, 1)?),
@@ -81,6 +67,22 @@ fn child(schedule: Schedule) -> Result<(), String> {
         ));
     }
     Ok(())
+}
+
+type PlanRun = (StepReport, StepReport, [Vec<f32>; 5]);
+
+/// Forward and backward of one rank's f32 shards through its plan.
+fn run_plan(plan: &mut CpPlan, [q, k, v, d_o]: [&[f32]; 4]) -> Result<PlanRun, longctx_ring_attn::RingError> {
+    let (qd, kd, ld) = (plan.q_dims(), plan.kv_dims(), plan.lse_dims());
+    let qkv = Qkv::new(View::new(q, qd)?, View::new(k, kd)?, View::new(v, kd)?);
+    let (mut o, mut lse) = (vec![0f32; q.len()], vec![0f32; ld.iter().product()]);
+    let rf = plan.forward(AttnOut { o: ViewMut::new(&mut o, qd)?, lse: ViewMut::new(&mut lse, ld)? }, qkv)?;
+    let (mut dq, mut dk, mut dv) = (vec![0f32; q.len()], vec![0f32; k.len()], vec![0f32; v.len()]);
+    let grads =
+        AttnGrads { dq: ViewMut::new(&mut dq, qd)?, dk: ViewMut::new(&mut dk, kd)?, dv: ViewMut::new(&mut dv, kd)? };
+    let saved = AttnSaved { qkv, o: View::new(&o, qd)?, lse: View::new(&lse, ld)? };
+    let rb = plan.backward(grads, View::new(d_o, qd)?, saved)?;
+    Ok((rf, rb, [o, lse, dq, dk, dv]))
 }
 
 /// `longctx-launch` from the same build as this test binary (`target/<profile>/`).

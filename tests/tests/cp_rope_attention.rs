@@ -3,8 +3,12 @@
 
 use longctx_kernels::testing::{attention_f32, max_rel_err as rel_err, uniform_nonzero};
 use longctx_kernels::{AttnMask, AttnParams, AttnShape, RopeConfig, RopeScaling, RopeTable};
-use longctx_p2p::ThreadWorld;
-use longctx_ring_attn::{ContextParallel, CpConfig, CpMask, CpShape, Partition, Schedule, SeqLayout};
+use std::sync::Arc;
+
+use longctx_ring_attn::{
+    AttnGrads, AttnOut, AttnSaved, Backend, ContextParallel, CpConfig, CpMask, CpShape, CpuBackend, DType, Partition,
+    Qkv, Schedule, SeqLayout, ThreadWorld, View, ViewMut,
+};
 use proptest::prelude::*;
 
 /// Raw (pre-RoPE) q, k, v and d_o over the whole sequence → (O, dQ_raw, dK_raw, dV) on one rank.
@@ -43,7 +47,7 @@ proptest! {
     ) {
         let partition = [Partition::Zigzag, Partition::Contiguous, Partition::Striped][part];
         let schedule = if hybrid && cp % 2 == 0 { Schedule::Hybrid { group: 2 } } else { Schedule::Ring };
-        let shape = CpShape { batch: 1, q_heads: 4, kv_heads: 2, seq_len: 2 * cp * 8 * m, head_dim: 32 };
+        let shape = CpShape { batch: 1, q_heads: 4, kv_heads: 2, seq_len: 2 * cp * 8 * m, head_dim: 32, dtype: DType::F32 };
         let rope = RopeTable::new(&RopeConfig {
             head_dim: 32,
             base: 500_000.0,
@@ -58,23 +62,30 @@ proptest! {
 
         let layout = SeqLayout::new(partition, cp, s).unwrap();
         let per_rank = ThreadWorld::run(cp, |comm| {
+            // The path a model takes: everything through the backend, attention through the plan.
             let r = comm.rank();
-            let pos = layout.positions(r);
+            let cpu = Arc::new(CpuBackend::new());
+            let cpa = ContextParallel::new(comm, cpu.clone(), CpConfig { partition, schedule, scale: None }).unwrap();
+            let mut plan = cpa.plan(&shape, &CpMask::causal()).unwrap();
+            let (qd, kd, ld) = (plan.q_dims(), plan.kv_dims(), plan.lse_dims());
+            let pos = plan.positions().to_vec();
             let sh = |x: &[f32], h: usize| layout.shard(x, h, d, r).unwrap();
-            let (ql, kl, vl, dol) = (sh(&q, 4), sh(&k, 2), sh(&v, 2), sh(&d_o, 4));
-            let (mut qr, mut kr) = (vec![0f32; ql.len()], vec![0f32; kl.len()]);
-            rope.forward(&mut qr, &ql, &pos, 1, 4).unwrap();
-            rope.forward(&mut kr, &kl, &pos, 1, 2).unwrap();
-            let cpa = ContextParallel::new(&comm, CpConfig { partition, schedule, scale: None }).unwrap();
-            let mut o = vec![0f32; ql.len()];
-            let mut lse = vec![0f32; ql.len() / d];
-            cpa.forward(&shape, &CpMask::causal(), (&qr).into(), (&kr).into(), (&vl).into(), (&mut o).into(), &mut lse).unwrap();
-            let (mut dqr, mut dkr, mut dv) = (vec![0f32; ql.len()], vec![0f32; kl.len()], vec![0f32; vl.len()]);
-            cpa.backward(&shape, &CpMask::causal(), (&qr).into(), (&kr).into(), (&vl).into(), (&o).into(), (&dol).into(), &lse,
-                         (&mut dqr).into(), (&mut dkr).into(), (&mut dv).into()).unwrap();
-            let (mut dq, mut dk) = (vec![0f32; ql.len()], vec![0f32; kl.len()]);
-            rope.backward(&mut dq, &dqr, &pos, 1, 4).unwrap();
-            rope.backward(&mut dk, &dkr, &pos, 1, 2).unwrap();
+            let (mut qr, mut kr, vl, dol) = (sh(&q, 4), sh(&k, 2), sh(&v, 2), sh(&d_o, 4));
+            cpu.rope_forward_inplace(&rope, ViewMut::new(&mut qr, qd).unwrap(), &pos).unwrap();
+            cpu.rope_forward_inplace(&rope, ViewMut::new(&mut kr, kd).unwrap(), &pos).unwrap();
+            let qkv = Qkv::new(View::new(&qr, qd).unwrap(), View::new(&kr, kd).unwrap(), View::new(&vl, kd).unwrap());
+            let (mut o, mut lse) = (vec![0f32; qr.len()], vec![0f32; qr.len() / d]);
+            plan.forward(AttnOut { o: ViewMut::new(&mut o, qd).unwrap(), lse: ViewMut::new(&mut lse, ld).unwrap() }, qkv).unwrap();
+            let (mut dq, mut dk, mut dv) = (vec![0f32; qr.len()], vec![0f32; kr.len()], vec![0f32; vl.len()]);
+            let grads = AttnGrads {
+                dq: ViewMut::new(&mut dq, qd).unwrap(),
+                dk: ViewMut::new(&mut dk, kd).unwrap(),
+                dv: ViewMut::new(&mut dv, kd).unwrap(),
+            };
+            let saved = AttnSaved { qkv, o: View::new(&o, qd).unwrap(), lse: View::new(&lse, ld).unwrap() };
+            plan.backward(grads, View::new(&dol, qd).unwrap(), saved).unwrap();
+            cpu.rope_backward_inplace(&rope, ViewMut::new(&mut dq, qd).unwrap(), &pos).unwrap();
+            cpu.rope_backward_inplace(&rope, ViewMut::new(&mut dk, kd).unwrap(), &pos).unwrap();
             [o, dq, dk, dv]
         }).unwrap();
         let gather = |i: usize, h: usize| {

@@ -52,7 +52,10 @@ use longctx_kernels::{
     HostSlice, Positions,
 };
 use longctx_p2p::{Communicator, ThreadWorld};
-use longctx_ring_attn::{ContextParallel, CpConfig, CpMask, CpShape, SeqLayout};
+use longctx_ring_attn::{
+    AttnGrads, AttnOut, AttnSaved, Backend, ContextParallel, CpConfig, CpMask, CpShape, CpuBackend, DType, Qkv,
+    SeqLayout, View, ViewMut,
+};
 
 const MAX_RANKS: usize = 64;
 
@@ -258,9 +261,13 @@ struct Job<'a> {
 
 /// Runs one rank of a case: the ring forward and backward, then the same blocks without communication (all
 /// ranks at once, then one rank at a time).
-fn run_rank(comm: &Communicator, job: &Job) -> RankResult {
+fn view(x: &[bf16], dims: [usize; 4]) -> View<'_> {
+    View::new(x, dims).expect("dims")
+}
+
+fn run_rank(comm: &Arc<Communicator>, job: &Job) -> RankResult {
     let Job { s, cp, threads, alone_reps, alone_pool, compute_only, hq, hkv, d, ref layout } = *job;
-    let shape = CpShape { batch: 1, q_heads: hq, kv_heads: hkv, seq_len: s, head_dim: d };
+    let shape = CpShape { batch: 1, q_heads: hq, kv_heads: hkv, seq_len: s, head_dim: d, dtype: DType::Bf16 };
     let r = comm.rank();
     RANK.with(|c| c.set(r));
     let pool = Arc::new(
@@ -270,7 +277,10 @@ fn run_rank(comm: &Communicator, job: &Job) -> RankResult {
             .build()
             .expect("thread pool"),
     );
-    let cpa = ContextParallel::new(comm, CpConfig::default()).expect("config").with_pool(pool.clone());
+    let backend: Arc<dyn Backend> = Arc::new(CpuBackend::with_pool(pool.clone()));
+    let cpa = ContextParallel::new(comm.clone(), backend, CpConfig::default()).expect("config");
+    let mut plan = cpa.plan(&shape, &CpMask::causal()).expect("plan");
+    let (qd, kd, ld) = (plan.q_dims(), plan.kv_dims(), plan.lse_dims());
     let l = s / cp;
     let q = rand_bf16(hq * l * d, 1 + r as u64);
     let k = rand_bf16(hkv * l * d, 100 + r as u64);
@@ -279,23 +289,28 @@ fn run_rank(comm: &Communicator, job: &Job) -> RankResult {
     let mut o = vec![bf16::ZERO; q.len()];
     let mut lse = vec![0f32; hq * l];
     let (mut dq, mut dk, mut dv) = (vec![bf16::ZERO; q.len()], vec![bf16::ZERO; k.len()], vec![bf16::ZERO; k.len()]);
-    let mask = CpMask::causal();
     PEAK[r].store(LIVE[r].load(Ordering::Relaxed), Ordering::Relaxed);
     comm.barrier().expect("barrier");
     let t = Instant::now();
-    let rf =
-        cpa.forward(&shape, &mask, (&q).into(), (&k).into(), (&v).into(), (&mut o).into(), &mut lse).expect("forward");
+    let qkv = Qkv::new(view(&q, qd), view(&k, kd), view(&v, kd));
+    let out = AttnOut { o: ViewMut::new(&mut o, qd).expect("dims"), lse: ViewMut::new(&mut lse, ld).expect("dims") };
+    let rf = plan.forward(out, qkv).expect("forward");
     let fwd = t.elapsed();
     comm.barrier().expect("barrier");
     let t = Instant::now();
     let x = Inputs { q: (&q).into(), k: (&k).into(), v: (&v).into(), o: (&o).into(), d_o: (&d_o).into(), lse: &lse };
-    let (dq, dk, dv) = ((&mut dq).into(), (&mut dk).into(), (&mut dv).into());
-    let rb = cpa.backward(&shape, &mask, x.q, x.k, x.v, x.o, x.d_o, x.lse, dq, dk, dv).expect("backward");
+    let grads = AttnGrads {
+        dq: ViewMut::new(&mut dq, qd).expect("dims"),
+        dk: ViewMut::new(&mut dk, kd).expect("dims"),
+        dv: ViewMut::new(&mut dv, kd).expect("dims"),
+    };
+    let saved = AttnSaved { qkv, o: view(&o, qd), lse: View::new(&lse, ld).expect("dims") };
+    let rb = plan.backward(grads, view(&d_o, qd), saved).expect("backward");
     let bwd = t.elapsed();
     let peak = PEAK[r].load(Ordering::Relaxed);
     // The same blocks, no communication: every rank at once, so the load matches the real run.
     comm.barrier().expect("barrier");
-    let positions: Vec<Vec<i64>> = (0..cp).map(|x| layout.positions(x)).collect();
+    let positions: Vec<Vec<i64>> = layout.all_positions();
     let local = AttnShape { batch: 1, q_heads: hq, kv_heads: hkv, q_len: l, kv_len: l, head_dim: d };
     let params = |src: usize| block_params(local, &positions, r, src);
     // Visible (query, key) pairs of this rank's blocks, for the rate (counted outside the timing; both
@@ -399,7 +414,7 @@ fn block_params<'a>(local: AttnShape, positions: &'a [Vec<i64>], r: usize, src: 
 /// its masks leave visible, exactly what the forward and backward loop over).
 fn kernel_work(job: &Job) -> Vec<u64> {
     let (cp, l) = (job.cp, job.s / job.cp);
-    let positions: Vec<Vec<i64>> = (0..cp).map(|x| job.layout.positions(x)).collect();
+    let positions: Vec<Vec<i64>> = job.layout.all_positions();
     let local = AttnShape { batch: 1, q_heads: job.hq, kv_heads: job.hkv, q_len: l, kv_len: l, head_dim: job.d };
     (0..cp)
         .map(|r| {
@@ -423,7 +438,7 @@ fn time_schedule(job: &Job, reps: usize, pool: &rayon::ThreadPool) -> Vec<Vec<Ve
         return Vec::new();
     }
     let l = s / cp;
-    let positions: Vec<Vec<i64>> = (0..cp).map(|x| layout.positions(x)).collect();
+    let positions: Vec<Vec<i64>> = layout.all_positions();
     let local = AttnShape { batch: 1, q_heads: hq, kv_heads: hkv, q_len: l, kv_len: l, head_dim: d };
     let (q, k, v, d_o) = (
         rand_bf16(hq * l * d, 1),
@@ -635,7 +650,7 @@ fn main() {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let alone_pool = rayon::ThreadPoolBuilder::new().num_threads(cores).build().expect("thread pool");
     // `--ucx`: this process is one rank of a job started by `longctx-launch` (CP = its world size); rank 0 prints.
-    let processes = if args.iter().any(|a| a == "--ucx") { Some(ucx_world()) } else { None };
+    let processes = if args.iter().any(|a| a == "--ucx") { Some(Arc::new(ucx_world())) } else { None };
     let lead = processes.as_ref().is_none_or(|c| c.rank() == 0);
     let ranks = match &processes {
         Some(c) => {
@@ -678,7 +693,7 @@ fn main() {
             let res = match &processes {
                 None => ThreadWorld::builder()
                     .timeout(Duration::from_secs(3600))
-                    .run(cp, |comm| run_rank(&comm, &job))
+                    .run(cp, |comm| run_rank(&Arc::new(comm), &job))
                     .map_err(|e| e.to_string()),
                 Some(comm) => gather(comm, &run_rank(comm, &job)),
             };

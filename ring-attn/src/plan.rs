@@ -1,0 +1,395 @@
+//! [`CpPlan`]: one context-parallel attention problem, checked, agreed between the ranks and sized once; its
+//! forward and backward take only the data.
+
+use longctx_kernels::{AttnGrads, AttnOut, AttnSaved, AttnShape, HostSlice, HostSliceMut, Qkv, View, ViewMut};
+
+use crate::agree::agree;
+use crate::context::{ContextParallel, CpMask, CpShape, Local, Schedule, StepReport};
+use crate::error::{Result, RingError};
+use crate::partition::SeqLayout;
+use crate::{allgather, hybrid, ring};
+
+/// Bytes a plan needs beyond the caller's views (see [`CpPlan::workspace_bytes`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WorkspaceBytes {
+    /// During [`CpPlan::forward`].
+    pub forward: usize,
+    /// During [`CpPlan::backward`].
+    pub backward: usize,
+}
+
+/// A planned context-parallel attention problem (see [`ContextParallel::plan`]). It holds a clone of its
+/// [`ContextParallel`], every rank's positions, and its `f32` accumulators, reused by every call.
+pub struct CpPlan {
+    cp: ContextParallel,
+    shape: CpShape,
+    mask: CpMask,
+    layout: SeqLayout,
+    /// This rank's block: `q_len == kv_len == L`.
+    local: AttnShape,
+    scale: f32,
+    /// Every rank's global positions (ring and all-gather), indexed by rank.
+    positions: Vec<Vec<i64>>,
+    /// Hybrid and Ulysses: each ring member's positions (its group's tokens in member order) and the head
+    /// shard's block shape.
+    groups: Option<(Vec<Vec<i64>>, AttnShape)>,
+    docs: Option<Vec<u32>>,
+    o_acc: Vec<f32>,
+    dq_acc: Vec<f32>,
+    dk_acc: Vec<f32>,
+    dv_acc: Vec<f32>,
+}
+
+impl std::fmt::Debug for CpPlan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CpPlan").field("shape", &self.shape).field("mask", &self.mask).field("cp", &self.cp).finish()
+    }
+}
+
+impl CpPlan {
+    pub(crate) fn new(cp: ContextParallel, shape: CpShape, mask: CpMask) -> Result<Self> {
+        let n = cp.comm.world_size();
+        let layout = cp.layout(shape.seq_len)?;
+        let l = layout.local_len();
+        let local = AttnShape {
+            batch: shape.batch,
+            q_heads: shape.q_heads,
+            kv_heads: shape.kv_heads,
+            q_len: l,
+            kv_len: l,
+            head_dim: shape.head_dim,
+        };
+        local.validate()?;
+        if mask.window == Some(0) {
+            return Err(RingError::ZeroWindow);
+        }
+        let groups = match &cp.groups {
+            Some(g) => {
+                let u = g.0.world_size();
+                if !shape.q_heads.is_multiple_of(u) {
+                    return Err(RingError::HeadsNotDivisibleByGroup { what: "query", heads: shape.q_heads, group: u });
+                }
+                if !shape.kv_heads.is_multiple_of(u) {
+                    return Err(RingError::HeadsNotDivisibleByGroup {
+                        what: "key/value",
+                        heads: shape.kv_heads,
+                        group: u,
+                    });
+                }
+                let pos = (0..n / u).map(|g| (0..u).flat_map(|i| layout.all_positions()[g * u + i].clone()).collect());
+                Some((pos.collect(), hybrid::head_shape(local, u)))
+            }
+            None => None,
+        };
+        let scale = cp.cfg.scale.unwrap_or(1.0 / (shape.head_dim as f32).sqrt());
+        // Every rank must plan the same problem: exchanged before anything is sized, so a disagreement is one
+        // typed error on every rank rather than wrong numbers or a timeout.
+        agree(&cp.comm, &cp.cfg, &shape, &mask, scale)?;
+        Ok(Self {
+            positions: layout.all_positions(),
+            o_acc: vec![0.0; local.q_elems()],
+            dq_acc: vec![0.0; local.q_elems()],
+            dk_acc: vec![0.0; local.kv_elems()],
+            dv_acc: vec![0.0; local.kv_elems()],
+            cp,
+            shape,
+            mask,
+            layout,
+            local,
+            scale,
+            groups,
+            docs: None,
+        })
+    }
+
+    /// The problem planned.
+    pub fn shape(&self) -> &CpShape {
+        &self.shape
+    }
+    /// The mask planned.
+    pub fn mask(&self) -> &CpMask {
+        &self.mask
+    }
+    /// How the sequence is cut.
+    pub fn layout(&self) -> &SeqLayout {
+        &self.layout
+    }
+    /// Tokens on each rank (`L`).
+    pub fn local_len(&self) -> usize {
+        self.local.q_len
+    }
+    /// Global positions of this rank's tokens, in the order its views hold them (use them for RoPE and for
+    /// the loss targets).
+    pub fn positions(&self) -> &[i64] {
+        &self.positions[self.cp.comm.rank()]
+    }
+    /// Dims of this rank's `Q`, `O`, `dQ`, `dO`: `[B, Hq, L, D]`.
+    pub fn q_dims(&self) -> [usize; 4] {
+        let s = &self.local;
+        [s.batch, s.q_heads, s.q_len, s.head_dim]
+    }
+    /// Dims of this rank's `K`, `V`, `dK`, `dV`: `[B, Hkv, L, D]`.
+    pub fn kv_dims(&self) -> [usize; 4] {
+        let s = &self.local;
+        [s.batch, s.kv_heads, s.kv_len, s.head_dim]
+    }
+    /// Dims of this rank's `LSE`: `[B, Hq, L]`.
+    pub fn lse_dims(&self) -> [usize; 3] {
+        let s = &self.local;
+        [s.batch, s.q_heads, s.q_len]
+    }
+    /// Bytes the forward saves for the backward on this rank ([`AttnSaved::bytes_for`] of the local block).
+    pub fn saved_bytes(&self) -> usize {
+        AttnSaved::bytes_for(&self.local, self.shape.dtype)
+    }
+
+    /// Document ids of this rank's tokens for the next calls (packed sequences; length `L`, in the order of
+    /// [`CpPlan::positions`]). Only for a plan made with [`CpMask::with_documents`].
+    pub fn set_documents(&mut self, ids: &[u32]) -> Result<()> {
+        if !self.mask.documents {
+            return Err(RingError::Documents("document ids given to a plan made without documents"));
+        }
+        crate::error::check_len("documents", ids.len(), self.local.q_len)?;
+        let d = self.docs.get_or_insert_with(Vec::new);
+        d.clear();
+        d.extend_from_slice(ids);
+        Ok(())
+    }
+
+    /// Bytes this rank allocates beyond the caller's views during a forward and a backward: the plan's `f32`
+    /// accumulators and what the schedule's exchange needs (for the ring, two travelling KV blocks, a partial
+    /// result, and in the backward the travelling `f32` dK/dV accumulators).
+    pub fn workspace_bytes(&self) -> WorkspaceBytes {
+        let s = &self.local;
+        let (qe, kve, le) = (s.q_elems(), s.kv_elems(), s.lse_elems());
+        let elem = self.shape.dtype.size();
+        let doc_len = if self.mask.documents { s.q_len } else { 0 };
+        let plan_fwd = qe * 4;
+        let plan_bwd = (qe + 2 * kve) * 4;
+        let block = |kv: usize, docs: usize| (2 * kv * elem).div_ceil(4) * 4 + docs * 4;
+        let ring_fwd =
+            |sh: &AttnShape, docs: usize| 2 * block(sh.kv_elems(), docs) + (sh.q_elems() + sh.lse_elems()) * 4;
+        let ring_bwd = |sh: &AttnShape, docs: usize| 2 * block(sh.kv_elems(), docs) + 3 * 2 * sh.kv_elems() * 4;
+        let n = self.cp.comm.world_size();
+        let (fwd, bwd) = match self.cp.cfg.schedule {
+            Schedule::Ring => (ring_fwd(s, doc_len), ring_bwd(s, doc_len)),
+            Schedule::AllGather { kv_heads_per_step } => {
+                // Per head slice: [K|V] sent, n of them received, split and reordered (two copies of n·[K|V]).
+                let hs = kv_heads_per_step.min(s.kv_heads);
+                let slice = 2 * hs * s.kv_len * s.head_dim;
+                let gather = (slice + 3 * n * slice) * elem + n * doc_len * 4;
+                // Backward: f32 dK/dV of the gathered slice, reordered, packed to send, and this rank's share.
+                let scatter = (3 * n * slice + slice) * 4;
+                (gather, gather + scatter + 2 * qe * 4)
+            }
+            Schedule::Ulysses | Schedule::Hybrid { .. } => {
+                let (_, hs) = self.groups.as_ref().expect("planned with groups");
+                let u = hs.q_len / s.q_len;
+                let heads = (qe + 2 * kve) * elem + u * doc_len * 4;
+                let fwd = heads + (hs.q_elems() + hs.lse_elems()) * 4 + ring_fwd(hs, u * doc_len) + (qe + le) * 4;
+                let bwd = heads
+                    + (2 * qe + le) * 4 * 2
+                    + (hs.q_elems() + 2 * hs.kv_elems()) * 4
+                    + ring_bwd(hs, u * doc_len)
+                    + (qe + 2 * kve) * 4;
+                (fwd, bwd)
+            }
+        };
+        WorkspaceBytes { forward: plan_fwd + fwd, backward: plan_bwd + bwd }
+    }
+
+    fn docs(&self) -> Result<Option<&[u32]>> {
+        match (self.mask.documents, &self.docs) {
+            (false, _) => Ok(None),
+            (true, Some(d)) => Ok(Some(d)),
+            (true, None) => Err(RingError::Documents("a plan made with documents needs set_documents before a call")),
+        }
+    }
+
+    fn check_qkv(&self, qkv: &Qkv<'_>) -> Result<()> {
+        let s = qkv.shape()?;
+        if s != self.local {
+            return Err(RingError::NotAsPlanned {
+                name: "qkv",
+                why: format!(
+                    "dims q {:?}, k {:?} but the plan has q {:?}, k {:?}",
+                    qkv.q.dims(),
+                    qkv.k.dims(),
+                    self.q_dims(),
+                    self.kv_dims()
+                ),
+            });
+        }
+        if qkv.q.dtype() != self.shape.dtype {
+            return Err(RingError::NotAsPlanned {
+                name: "qkv",
+                why: format!("dtype {} but the plan has {}", qkv.q.dtype().name(), self.shape.dtype.name()),
+            });
+        }
+        Ok(())
+    }
+
+    fn local_problem<'a>(&'a self, docs: Option<&'a [u32]>) -> Local<'a> {
+        Local {
+            backend: &*self.cp.backend,
+            shape: self.local,
+            causal: self.mask.causal,
+            window: self.mask.window,
+            scale: self.scale,
+            positions: &self.positions,
+            me: self.cp.comm.rank(),
+            docs,
+        }
+    }
+
+    /// Forward: `out.o` (`[B, Hq, L, D]`, the plan's dtype) and `out.lse` (`[B, Hq, L]`, `f32`) receive this
+    /// rank's rows of full attention over the whole sequence.
+    pub fn forward(&mut self, out: AttnOut<'_>, qkv: Qkv<'_>) -> Result<StepReport> {
+        self.check_qkv(&qkv)?;
+        out.check(&self.local)?;
+        let [q, k, v] = [host("q", qkv.q)?, host("k", qkv.k)?, host("v", qkv.v)?];
+        let lse = host_f32("lse", out.lse)?;
+        let mut o_acc = std::mem::take(&mut self.o_acc);
+        let r = self.forward_into(q, k, v, &mut o_acc, lse);
+        let stored = r.and_then(|rep| {
+            let s = self.local;
+            self.cp.backend.copy(out.o, View::new(&o_acc, [s.batch, s.q_heads, s.q_len, s.head_dim])?)?;
+            Ok(rep)
+        });
+        self.o_acc = o_acc;
+        stored
+    }
+
+    fn forward_into(
+        &self,
+        q: HostSlice<'_>,
+        k: HostSlice<'_>,
+        v: HostSlice<'_>,
+        o: &mut [f32],
+        lse: &mut [f32],
+    ) -> Result<StepReport> {
+        let docs = self.docs()?;
+        let comm = &*self.cp.comm;
+        let n = comm.world_size();
+        let elem = self.shape.dtype.size();
+        let doc_len = docs.map_or(0, |d| d.len());
+        let loc = self.local_problem(docs);
+        let mut rep = StepReport::default();
+        let before = self.cp.measured_bytes();
+        match self.cp.cfg.schedule {
+            Schedule::Ring => {
+                ring::ring_forward(comm, &loc, q, k, v, o, lse, &mut rep)?;
+                rep.expected_bytes = ring::forward_bytes(n, self.local.kv_elems(), elem, doc_len);
+            }
+            Schedule::AllGather { kv_heads_per_step } => {
+                let t = std::time::Instant::now();
+                allgather::forward(comm, &loc, kv_heads_per_step, [q, k, v], o, lse)?;
+                rep.compute += t.elapsed();
+                rep.expected_bytes = allgather::bytes(n, self.local.kv_elems(), elem, doc_len, false);
+            }
+            Schedule::Ulysses | Schedule::Hybrid { .. } => {
+                let g = self.cp.groups.as_ref().expect("groups are set up for these schedules");
+                let (pos, hs) = self.groups.as_ref().expect("planned with groups");
+                let (inner, outer) = (&g.0, &g.1);
+                rep.expected_bytes =
+                    hybrid::forward_bytes(inner.world_size(), outer.world_size(), &self.local, elem, doc_len);
+                let ring_loc = Local { positions: pos, me: outer.rank(), shape: *hs, ..loc };
+                hybrid::forward(inner, outer, &ring_loc, self.local, [q, k, v], o, lse, &mut rep)?;
+            }
+        }
+        rep.bytes_sent = self.cp.measured_bytes() - before;
+        Ok(rep)
+    }
+
+    /// Backward: from `dout` and what the forward saved, `grads.dq` (`[B, Hq, L, D]`), `grads.dk` and
+    /// `grads.dv` (`[B, Hkv, L, D]`) receive this rank's gradients (overwritten; accumulated in `f32` and
+    /// rounded once when stored).
+    pub fn backward(&mut self, grads: AttnGrads<'_>, dout: View<'_>, saved: AttnSaved<'_>) -> Result<StepReport> {
+        self.check_qkv(&saved.qkv)?;
+        let s = saved.shape()?;
+        grads.check(&s)?;
+        longctx_kernels::AttnPartial { o: dout, lse: saved.lse }.check(&s).map_err(|e| match e {
+            longctx_kernels::KernelError::Shape(m) => RingError::NotAsPlanned { name: "dout", why: m },
+            e => e.into(),
+        })?;
+        let qkv = saved.qkv;
+        let inputs =
+            [host("q", qkv.q)?, host("k", qkv.k)?, host("v", qkv.v)?, host("o", saved.o)?, host("dout", dout)?];
+        let lse = host("lse", saved.lse)?;
+        let HostSlice::F32(lse) = lse else {
+            return Err(RingError::NotAsPlanned { name: "lse", why: "LSE must be f32".into() });
+        };
+        let mut acc =
+            [std::mem::take(&mut self.dq_acc), std::mem::take(&mut self.dk_acc), std::mem::take(&mut self.dv_acc)];
+        let r = self.backward_into(inputs, lse, &mut acc);
+        let stored = r.and_then(|rep| {
+            let (qd, kd) = (self.q_dims(), self.kv_dims());
+            let b = &self.cp.backend;
+            b.copy(grads.dq, View::new(&acc[0], qd)?)?;
+            b.copy(grads.dk, View::new(&acc[1], kd)?)?;
+            b.copy(grads.dv, View::new(&acc[2], kd)?)?;
+            Ok(rep)
+        });
+        let [dq, dk, dv] = acc;
+        (self.dq_acc, self.dk_acc, self.dv_acc) = (dq, dk, dv);
+        stored
+    }
+
+    fn backward_into(
+        &self,
+        [q, k, v, o, d_o]: [HostSlice<'_>; 5],
+        lse: &[f32],
+        [dq, dk, dv]: &mut [Vec<f32>; 3],
+    ) -> Result<StepReport> {
+        let docs = self.docs()?;
+        let comm = &*self.cp.comm;
+        let n = comm.world_size();
+        let elem = self.shape.dtype.size();
+        let doc_len = docs.map_or(0, |d| d.len());
+        let loc = self.local_problem(docs);
+        let mut rep = StepReport::default();
+        let before = self.cp.measured_bytes();
+        match self.cp.cfg.schedule {
+            Schedule::Ring => {
+                ring::ring_backward(comm, &loc, q, k, v, o, d_o, lse, dq, dk, dv, &mut rep)?;
+                rep.expected_bytes = ring::backward_bytes(n, self.local.kv_elems(), elem, doc_len);
+            }
+            Schedule::AllGather { kv_heads_per_step } => {
+                let t = std::time::Instant::now();
+                allgather::backward(comm, &loc, kv_heads_per_step, [q, k, v, o, d_o], lse, [dq, dk, dv])?;
+                rep.compute += t.elapsed();
+                rep.expected_bytes = allgather::bytes(n, self.local.kv_elems(), elem, doc_len, true);
+            }
+            Schedule::Ulysses | Schedule::Hybrid { .. } => {
+                let g = self.cp.groups.as_ref().expect("groups are set up for these schedules");
+                let (pos, hs) = self.groups.as_ref().expect("planned with groups");
+                let (inner, outer) = (&g.0, &g.1);
+                rep.expected_bytes =
+                    hybrid::backward_bytes(inner.world_size(), outer.world_size(), &self.local, elem, doc_len);
+                let ring_loc = Local { positions: pos, me: outer.rank(), shape: *hs, ..loc };
+                let grads = hybrid::Grads { dq, dk, dv };
+                hybrid::backward(inner, outer, &ring_loc, self.local, [q, k, v, o, d_o], lse, grads, &mut rep)?;
+            }
+        }
+        rep.bytes_sent = self.cp.measured_bytes() - before;
+        Ok(rep)
+    }
+}
+
+/// The host elements of a view; the exchange moves host memory in this build.
+fn host<'a>(name: &'static str, v: View<'a>) -> Result<HostSlice<'a>> {
+    match v.memory() {
+        longctx_kernels::Memory::Host => Ok(v.as_host(name)?),
+        memory => Err(RingError::Memory { name, memory }),
+    }
+}
+
+fn host_f32<'a>(name: &'static str, v: ViewMut<'a>) -> Result<&'a mut [f32]> {
+    match v.memory() {
+        longctx_kernels::Memory::Host => match v.into_host(name)? {
+            HostSliceMut::F32(s) => Ok(s),
+            HostSliceMut::Bf16(_) => Err(RingError::NotAsPlanned { name, why: "must be f32".into() }),
+        },
+        memory => Err(RingError::Memory { name, memory }),
+    }
+}
