@@ -15,7 +15,7 @@ pub(crate) type NonFinite = Vec<(usize, usize, f32)>;
 use crate::view::HostSlice;
 
 /// `[B·Hkv][tile][BC / STRIP][D][STRIP]`: each key tile transposed (columns are keys), zero-padded to `BC` keys
-/// and strip-packed for [`super::simd::matmul_packed_b`] (key `j` of the tile, dimension `dd` at
+/// and strip-packed for [`super::simd::Simd::matmul_packed_b`] (key `j` of the tile, dimension `dd` at
 /// `(j / STRIP)·STRIP·D + dd·STRIP + j % STRIP`), so the product `Q·Kᵀ` of a tile reads each strip of keys as
 /// one contiguous block. A block of keys starting at `j` (a multiple of `STRIP`) starts at offset `j·D`.
 /// Also returns each tile's non-finite elements (`[B·Hkv][tile]`), which stay in the packed data.
@@ -31,7 +31,7 @@ pub(crate) fn pack_transposed_tiles(x: HostSlice<'_>, s: &AttnShape) -> (Vec<f32
 
 /// `[B·Hkv][tile][D / STRIP][BC][STRIP]` (`D` rounded up to a whole strip): each value tile (keys × `D`) split
 /// into strips of `STRIP` columns, each strip's rows contiguous and zero-padded to `BC` keys, for
-/// [`super::simd::matmul_packed_b`] with `strip_rows = BC` (key `j` of the tile, dimension `dd` at
+/// [`super::simd::Simd::matmul_packed_b`] with `strip_rows = BC` (key `j` of the tile, dimension `dd` at
 /// `(dd / STRIP)·STRIP·BC + j·STRIP + dd % STRIP`). Keys from `j` on start at offset `j·STRIP`.
 /// Non-finite elements are packed as 0 and returned per tile (`[B·Hkv][tile]`) instead: a product over a span
 /// of keys then gives exactly 0 for the keys a row does not see, and the caller adds the rest back to the rows
