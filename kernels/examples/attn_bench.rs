@@ -20,6 +20,9 @@
 //! AVX-512, so it is timed only with `--peer-bf16-backward`.
 //! `--no-torch` skips the peer. `--reps N` applies to the peer too (by default each side takes about 1 s of work,
 //! a single repetition from S = 4096 at D = 128).
+//! `--docs L` packs documents of `L` tokens into each sequence (a query sees only keys of its own document, and
+//! with the causal mask only earlier ones): the packed-sequence mask, whose diagonal tiles are masked per element.
+//! FLOP counts stay those of the plain mask.
 //! `--simd avx2` (or `portable`) caps the attention kernels' instruction set, to compare paths on one machine;
 //! the header names the path that runs. `--simd avx2` caps the peer too (`ATEN_CPU_CAPABILITY=avx2`,
 //! `ONEDNN_MAX_CPU_ISA=AVX2`, `MKL_ENABLE_INSTRUCTIONS=AVX2`, each unless already set), so an AVX-512 machine
@@ -38,7 +41,7 @@ use std::time::Instant;
 
 use half::bf16;
 use longctx_kernels::attention::{
-    attention_backward, attention_forward, limit_simd, simd_path, AttnMask, AttnParams, AttnShape, SimdPath,
+    attention_backward_on, attention_forward_on, AttnMask, AttnParams, AttnShape, SimdPath,
 };
 use longctx_kernels::{HostSlice, HostSliceMut};
 
@@ -121,11 +124,10 @@ fn gemm_peak() -> f64 {
 }
 
 /// GFLOP/s of independent FMA chains in registers on all threads, at the widest instruction set the attention
-/// kernels use (`simd_path()`): the ceiling no kernel can pass. `None` on the portable path. Every thread times
+/// kernels use (`path`): the ceiling no kernel can pass. `None` on the portable path. Every thread times
 /// its own loops and keeps its best of several (about 15 ms each), and the rates add up: a thread that starts
 /// late or loses a time slice does not pull the figure down.
-fn fma_peak() -> Option<f64> {
-    let path = simd_path();
+fn fma_peak(path: SimdPath) -> Option<f64> {
     let iters = 4_000_000u64;
     let rates: Vec<f64> = rayon::broadcast(|_| {
         let mut best = f64::MAX;
@@ -174,7 +176,7 @@ fn fma_chains(path: SimdPath, iters: u64) -> f32 {
             std::hint::black_box(acc);
             8.0
         }
-        // SAFETY: `simd_path()` reports a path only when the CPU has its features.
+        // SAFETY: `path` comes from `SimdPath::clamp_supported`, so the CPU has its features.
         match path {
             SimdPath::Avx512 => return unsafe { run512(iters) },
             SimdPath::Avx2 => return unsafe { run256(iters) },
@@ -376,6 +378,7 @@ fn main() {
         vec![false, true]
     };
     let no_bwd = args.iter().any(|a| a == "--no-backward");
+    let docs = arg_list(&args, "--docs", &[]).first().copied().filter(|&l| l > 0);
     // `--reps N`: a fixed number of timed repetitions (the minimum is reported); more of them filter out
     // bursts of load from other processes on a shared machine.
     let cpu = args.iter().any(|a| a == "--cpu-time");
@@ -387,33 +390,30 @@ fn main() {
         std::process::exit(2);
     }
     let simd_arg = args.iter().position(|a| a == "--simd").and_then(|i| args.get(i + 1)).map(String::as_str);
-    match simd_arg {
-        None => {}
-        Some("portable") => limit_simd(SimdPath::Portable),
-        Some("avx2") => limit_simd(SimdPath::Avx2),
-        Some("avx512") => limit_simd(SimdPath::Avx512),
+    let simd = match simd_arg {
+        None | Some("avx512") => SimdPath::Avx512,
+        Some("portable") => SimdPath::Portable,
+        Some("avx2") => SimdPath::Avx2,
         Some(other) => {
             eprintln!("--simd takes portable, avx2 or avx512, not {other}");
             std::process::exit(2);
         }
     }
+    .clamp_supported();
     let (batch, hq) = (1, 8);
     let threads = rayon::current_num_threads();
     // `--no-peak`: skip the peak (e.g. under valgrind, where it dominates); "% peak" then shows a dash.
-    let (gemm, fma) = if args.iter().any(|a| a == "--no-peak") { (f64::NAN, None) } else { (gemm_peak(), fma_peak()) };
+    let (gemm, fma) =
+        if args.iter().any(|a| a == "--no-peak") { (f64::NAN, None) } else { (gemm_peak(), fma_peak(simd)) };
     let peak = fma.map_or(gemm, |f| f.max(gemm));
     let rounds = arg_list(&args, "--rounds", &[1]).first().copied().unwrap_or(1).max(1);
     let peer = if args.iter().any(|a| a == "--no-torch") { None } else { Peer::detect(simd_arg == Some("avx2")) };
     let peer_bf16_bwd = args.iter().any(|a| a == "--peer-bf16-backward");
-    println!(
-        "# longctx attention benchmark: B={batch} Hq={hq} Hkv={hkv}, {threads} threads, {:?} kernels",
-        simd_path()
-    );
+    println!("# longctx attention benchmark: B={batch} Hq={hq} Hkv={hkv}, {threads} threads, {simd:?} kernels",);
     if peak.is_finite() {
         let fma = fma.map_or("not measured (portable path)".into(), |f| format!("{f:.1} GFLOP/s"));
         println!(
-            "# machine peak, same run, all threads: gemm crate 2048^3 f32 {gemm:.1} GFLOP/s; {:?} FMA chains {fma}; % peak is against the higher",
-            simd_path()
+            "# machine peak, same run, all threads: gemm crate 2048^3 f32 {gemm:.1} GFLOP/s; {simd:?} FMA chains {fma}; % peak is against the higher",
         );
     } else {
         println!("# machine peak: not measured (--no-peak)");
@@ -464,7 +464,7 @@ fn main() {
                         if round % 2 == 1 {
                             run_peer(&mut peer_fwd, &mut peer_fb);
                         }
-                        let m = measure(shape, causal, bf, reps, no_bwd, cpu, threads);
+                        let m = measure(simd, shape, causal, docs, bf, reps, no_bwd, cpu, threads);
                         (peak_mem, inputs) = (m.peak_mem, m.inputs);
                         fwd.push(m.fwd);
                         fb.push(m.fwd + m.bwd);
@@ -498,7 +498,12 @@ fn main() {
                     };
                     println!(
                         "| {s} | {d} | {} | {} | {} | {} | {} | {fb_cols} | {:.1} | {:.1} |{peer_cols}",
-                        if causal { "causal" } else { "full" },
+                        match (causal, docs) {
+                            (true, None) => "causal".to_string(),
+                            (false, None) => "full".to_string(),
+                            (true, Some(l)) => format!("causal docs {l}"),
+                            (false, Some(l)) => format!("docs {l}"),
+                        },
                         if bf { "bf16" } else { "f32" },
                         fmt(fwd_ms, 1),
                         fmt(fwd_gf, 1),
@@ -521,8 +526,23 @@ struct Measured {
     inputs: usize,
 }
 
-fn measure(shape: AttnShape, causal: bool, bf: bool, reps: usize, no_bwd: bool, cpu: bool, threads: usize) -> Measured {
-    let mask = if causal { AttnMask::causal() } else { AttnMask::full() };
+#[allow(clippy::too_many_arguments)]
+fn measure(
+    simd: SimdPath,
+    shape: AttnShape,
+    causal: bool,
+    docs: Option<usize>,
+    bf: bool,
+    reps: usize,
+    no_bwd: bool,
+    cpu: bool,
+    threads: usize,
+) -> Measured {
+    let mut mask = if causal { AttnMask::causal() } else { AttnMask::full() };
+    let doc_ids: Vec<u32> = docs.map_or(Vec::new(), |l| (0..shape.q_len).map(|i| (i / l) as u32).collect());
+    if docs.is_some() {
+        mask = mask.with_docs(&doc_ids, &doc_ids);
+    }
     let p = AttnParams::new(shape).with_mask(mask);
     let base = reset_peak();
     let q = Bufs::new(shape.q_elems(), 1, bf);
@@ -538,7 +558,7 @@ fn measure(shape: AttnShape, causal: bool, bf: bool, reps: usize, no_bwd: bool, 
     let mut fwd = f64::MAX;
     for _ in 0..reps {
         let t = timed(cpu, threads, || {
-            attention_forward(&p, q.view(), k.view(), v.view(), o.view_mut(), &mut lse).expect("forward")
+            attention_forward_on(simd, &p, q.view(), k.view(), v.view(), o.view_mut(), &mut lse).expect("forward")
         });
         fwd = fwd.min(t);
     }
@@ -547,7 +567,8 @@ fn measure(shape: AttnShape, causal: bool, bf: bool, reps: usize, no_bwd: bool, 
         bwd = f64::MAX;
         for _ in 0..reps {
             let t = timed(cpu, threads, || {
-                attention_backward(
+                attention_backward_on(
+                    simd,
                     &p,
                     q.view(),
                     k.view(),

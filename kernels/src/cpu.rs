@@ -42,7 +42,7 @@ pub struct CpuBackend {
 
 impl Default for CpuBackend {
     fn default() -> Self {
-        Self { pool: None, simd: simd_detect() }
+        Self { pool: None, simd: SimdPath::detect() }
     }
 }
 
@@ -65,7 +65,7 @@ impl CpuBackend {
     }
     /// The same backend limited to `simd` (clamped to what this CPU supports), e.g. to test every path.
     pub fn with_simd(mut self, simd: SimdPath) -> Self {
-        self.simd = simd.min(simd_detect());
+        self.simd = simd.clamp_supported();
         self
     }
     /// The SIMD path the attention kernels take.
@@ -213,7 +213,7 @@ impl Backend for CpuBackend {
         let o = self.host_mut("o", out.o)?;
         let lse = self.typed_mut::<f32>("lse", out.lse)?;
         let simd = self.simd;
-        self.run(|| attention_forward_on(simd, &p, q, k, v, o, lse))
+        self.run(|| attention::attention_forward_on(simd, &p, q, k, v, o, lse))
     }
 
     fn attention_backward(
@@ -234,7 +234,7 @@ impl Backend for CpuBackend {
         let (dq, dk, dv) =
             (self.host_mut("dq", grads.dq)?, self.host_mut("dk", grads.dk)?, self.host_mut("dv", grads.dv)?);
         let simd = self.simd;
-        self.run(|| attention_backward_on(simd, &p, q, k, v, o, d_o, lse, dq, dk, dv, mode.accumulate()))
+        self.run(|| attention::attention_backward_on(simd, &p, q, k, v, o, d_o, lse, dq, dk, dv, mode.accumulate()))
     }
 
     fn attention_merge(&self, acc: AttnOut<'_>, part: AttnPartial<'_>) -> Result<()> {
@@ -585,38 +585,4 @@ fn rope_dims(d: &[usize], positions: &[i64], rope: &RopeTable) -> Result<(usize,
             rope.head_dim()
         ))),
     }
-}
-
-// Merge point: the explicit-level kernels arrive with the SIMD split; until then the level is the global one.
-fn simd_detect() -> SimdPath {
-    attention::simd_path()
-}
-#[allow(clippy::too_many_arguments)]
-fn attention_forward_on(
-    _simd: SimdPath,
-    p: &attention::AttnParams<'_>,
-    q: HostSlice<'_>,
-    k: HostSlice<'_>,
-    v: HostSlice<'_>,
-    o: HostSliceMut<'_>,
-    lse: &mut [f32],
-) -> Result<()> {
-    attention::attention_forward(p, q, k, v, o, lse)
-}
-#[allow(clippy::too_many_arguments)]
-fn attention_backward_on(
-    _simd: SimdPath,
-    p: &attention::AttnParams<'_>,
-    q: HostSlice<'_>,
-    k: HostSlice<'_>,
-    v: HostSlice<'_>,
-    o: HostSlice<'_>,
-    d_o: HostSlice<'_>,
-    lse: &[f32],
-    dq: HostSliceMut<'_>,
-    dk: HostSliceMut<'_>,
-    dv: HostSliceMut<'_>,
-    accumulate: bool,
-) -> Result<()> {
-    attention::attention_backward(p, q, k, v, o, d_o, lse, dq, dk, dv, accumulate)
 }

@@ -7,15 +7,20 @@
 //! per (batch, KV head, query chunk) owns its query tiles' `dQ` and writes its contributions to `dK`, `dV`
 //! into a partial buffer of its own; the partials are then summed in chunk order. The number of chunks
 //! depends on the shape alone (see `query_chunks`), never on the thread count.
+//!
+//! Non-finite inputs: a tile pair with a non-finite operand (noted per key tile while K and V are packed, per
+//! query row while `D` is computed) that the mask cuts through sets hidden `P` and `dS` to exactly 0 and runs
+//! each product with its other operand's non-finite elements as 0, adding their terms back for the visible pairs
+//! only; every other pair runs as if all were finite.
 
 use std::f32::consts::LOG2_E;
 
 use rayon::prelude::*;
 
-use super::forward::{Scratch, GROUP};
+use super::forward::{all_finite, Scratch, GROUP};
 use super::mask::{tile_summaries, TileClass};
-use super::pack::{as_f32, pack_transposed_tiles};
-use super::simd;
+use super::pack::{as_f32, finite_copy, pack_transposed_tiles, NonFinite};
+use super::simd::{dot, prefetch_part, Simd, SimdPath};
 use super::{AttnMask, AttnParams, BC, BR};
 use crate::error::Result;
 use crate::view::{HostSlice, HostSliceMut};
@@ -40,6 +45,27 @@ pub fn attention_backward(
     d_v: HostSliceMut<'_>,
     accumulate: bool,
 ) -> Result<()> {
+    attention_backward_on(SimdPath::detect(), p, q, k, v, o, d_o, lse, d_q, d_k, d_v, accumulate)
+}
+
+/// [`attention_backward`] on the inner loops of `simd`, clamped to what this CPU supports (see
+/// [`attention_forward_on`](super::attention_forward_on)).
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward_on(
+    simd: SimdPath,
+    p: &AttnParams<'_>,
+    q: HostSlice<'_>,
+    k: HostSlice<'_>,
+    v: HostSlice<'_>,
+    o: HostSlice<'_>,
+    d_o: HostSlice<'_>,
+    lse: &[f32],
+    d_q: HostSliceMut<'_>,
+    d_k: HostSliceMut<'_>,
+    d_v: HostSliceMut<'_>,
+    accumulate: bool,
+) -> Result<()> {
+    let simd = Simd::new(simd);
     p.validate()?;
     p.check_q("q", q.len())?;
     p.check_kv("k", k.len())?;
@@ -57,19 +83,34 @@ pub fn attention_backward(
     let kf = as_f32(k);
     let dof = as_f32(d_o);
     let of = as_f32(o);
-    let kt = pack_transposed_tiles(k, &s);
-    let vt = pack_transposed_tiles(v, &s);
-    // Dᵢ = dOᵢ·Oᵢ, and the LSE in base 2 (−inf stays −inf).
+    let (kt, k_bad) = pack_transposed_tiles(k, &s);
+    let (vt, v_bad) = pack_transposed_tiles(v, &s);
+    // Dᵢ = dOᵢ·Oᵢ, and the LSE in base 2 (−inf stays −inf). A row is tainted when its D (so dO or O), its LSE
+    // (NaN or +inf; -inf is a row that saw nothing) or its Q holds a non-finite value.
     let mut delta = vec![0f32; s.lse_elems()];
-    delta.par_chunks_mut(1024).enumerate().for_each(|(c, ch)| {
-        for (r, x) in ch.iter_mut().enumerate() {
+    let mut row_bad = vec![false; s.lse_elems()];
+    delta.par_chunks_mut(1024).zip(row_bad.par_chunks_mut(1024)).enumerate().for_each(|(c, (ch, bad))| {
+        for (r, (x, b)) in ch.iter_mut().zip(bad).enumerate() {
             let row = c * 1024 + r;
-            *x = simd::dot(&dof[row * d..(row + 1) * d], &of[row * d..(row + 1) * d]);
+            *x = dot(&dof[row * d..(row + 1) * d], &of[row * d..(row + 1) * d]);
+            *b = !x.is_finite()
+                || lse[row].is_nan()
+                || lse[row] == f32::INFINITY
+                || !all_finite(&qf[row * d..(row + 1) * d]);
         }
     });
+    let q_tiles = s.q_len.div_ceil(BR);
+    let q_tile_bad: Vec<bool> = (0..s.batch * s.q_heads * q_tiles)
+        .map(|x| {
+            let r0 = (x / q_tiles) * s.q_len + (x % q_tiles) * BR;
+            row_bad[r0..r0 + BR.min(s.q_len - (x % q_tiles) * BR)].iter().any(|&b| b)
+        })
+        .collect();
+    let kv_bad: Vec<bool> = k_bad.iter().zip(&v_bad).map(|(k, v)| !k.is_empty() || !v.is_empty()).collect();
     let lse2: Vec<f32> = lse.iter().map(|x| x * LOG2_E).collect();
     let ctx = Ctx {
         p,
+        simd,
         c: p.scale * LOG2_E,
         q: &qf,
         d_o: &dof,
@@ -77,6 +118,9 @@ pub fn attention_backward(
         vt: &vt,
         lse2: &lse2,
         delta: &delta,
+        q_tile_bad: &q_tile_bad,
+        kv_bad: &kv_bad,
+        k_bad: &k_bad,
         q_sum: tile_summaries(&p.mask, true, s.q_len, BR),
         k_sum: tile_summaries(&p.mask, false, s.kv_len, BC),
     };
@@ -136,9 +180,9 @@ pub fn attention_backward(
                         });
                     let fetch = |part: usize, dq_all: &[f32]| {
                         if let Some((r1, n1, x)) = next {
-                            simd::prefetch_part(&ctx.q[r1..r1 + n1], part, 3);
-                            simd::prefetch_part(&ctx.d_o[r1..r1 + n1], part, 3);
-                            simd::prefetch_part(&dq_all[x * BR * d..x * BR * d + n1], part, 3);
+                            prefetch_part(&ctx.q[r1..r1 + n1], part, 3);
+                            prefetch_part(&ctx.d_o[r1..r1 + n1], part, 3);
+                            prefetch_part(&dq_all[x * BR * d..x * BR * d + n1], part, 3);
                         }
                     };
                     let rq = (bh * s.q_len + q0) * d;
@@ -152,18 +196,49 @@ pub fn attention_backward(
                         let k_tile = &kf[(bhk * s.kv_len + j0) * d..(bhk * s.kv_len + j0 + bc) * d];
                         let dk_t = &mut dk_part[j0 * d..(j0 + bc) * d];
                         let dv_t = &mut dv_part[j0 * d..(j0 + bc) * d];
-                        let spans = ctx.probs_and_ds(sc, bs, class, bh, bhk, q0, rows, t);
+                        let q_bad = ctx.q_tile_bad[bh * q_tiles + qt];
+                        let tainted = q_bad || ctx.kv_bad[bhk * k_tiles + t];
+                        let spans = ctx.probs_and_ds(sc, bs, class, bh, bhk, q0, rows, t, tainted);
+                        // A partial tile pair with a non-finite operand: P and dS are exactly 0 where hidden (see
+                        // `probs_and_ds`), but 0·NaN is NaN, so each product takes its other operand with the
+                        // non-finite elements as 0 and adds their terms back for the pairs that are visible.
+                        let exact = tainted && class == TileClass::Partial;
+                        let (mut d_o_t, mut q_t) = (&ctx.d_o[rq..rq + rows * d], &ctx.q[rq..rq + rows * d]);
+                        if exact && q_bad {
+                            finite_copy(d_o_t, d, &mut bs.do_clean, &mut bs.do_bad);
+                            finite_copy(q_t, d, &mut bs.q_clean, &mut bs.q_bad);
+                            (d_o_t, q_t) = (&bs.do_clean, &bs.q_clean);
+                        } else {
+                            bs.do_bad.clear();
+                            bs.q_bad.clear();
+                        }
+                        let mut k_t = k_tile;
+                        bs.k_bad.clear();
+                        if exact && !ctx.k_bad[bhk * k_tiles + t].is_empty() {
+                            finite_copy(k_tile, d, &mut bs.k_clean, &mut bs.k_bad);
+                            k_t = &bs.k_clean;
+                        }
+                        let vis = |i: usize, j: usize| sc.vis[i * BC + j];
                         fetch(0, &bs.dq);
                         // dV += Pᵀ·dO and dK += dSᵀ·Q, reading P and dS transposed in place (zero outside the spans).
-                        simd::matmul_at(bc, d, rows, &sc.s, BC, &ctx.d_o[rq..rq + rows * d], d, dv_t, d, true);
+                        simd.matmul_at(bc, d, rows, &sc.s, BC, d_o_t, d, dv_t, d, true);
+                        for &(i, dd, x) in &bs.do_bad {
+                            (0..bc).filter(|&j| vis(i, j)).for_each(|j| dv_t[j * d + dd] += sc.s[i * BC + j] * x);
+                        }
                         fetch(1, &bs.dq);
-                        simd::matmul_at(bc, d, rows, &bs.dp, BC, &ctx.q[rq..rq + rows * d], d, dk_t, d, true);
+                        simd.matmul_at(bc, d, rows, &bs.dp, BC, q_t, d, dk_t, d, true);
+                        for &(i, dd, x) in &bs.q_bad {
+                            (0..bc).filter(|&j| vis(i, j)).for_each(|j| dk_t[j * d + dd] += bs.dp[i * BC + j] * x);
+                        }
                         fetch(2, &bs.dq);
                         // dQ += dS·K over each group's span.
                         let dq = &mut bs.dq[slot * BR * d..];
                         for (r0, gr, lo, hi) in product_groups(class, &spans, rows) {
-                            let (a, kk) = (&bs.dp[r0 * BC + lo..], &k_tile[lo * d..]);
-                            simd::matmul(gr, d, hi - lo, a, BC, kk, d, &mut dq[r0 * d..], d, true);
+                            let (a, kk) = (&bs.dp[r0 * BC + lo..], &k_t[lo * d..]);
+                            simd.matmul(gr, d, hi - lo, a, BC, kk, d, &mut dq[r0 * d..], d, true);
+                        }
+                        for &(j, dd, x) in &bs.k_bad {
+                            (0..rows).filter(|&i| vis(i, j)).for_each(|i| dq[i * d + dd] += bs.dp[i * BC + j] * x);
                         }
                         sc.spans = spans;
                     }
@@ -171,7 +246,7 @@ pub fn attention_backward(
             }
             for (slot, (_, _, dq_t)) in my_dq.iter_mut().enumerate() {
                 let acc = &mut bs.dq[slot * BR * d..slot * BR * d + dq_t.len()];
-                simd::scale(acc, p.scale);
+                simd.scale(acc, p.scale);
                 dq_t.store_f32(0, acc, accumulate);
             }
         },
@@ -198,7 +273,7 @@ pub fn attention_backward(
                 }
             }
             if which == 0 {
-                simd::scale(acc, p.scale);
+                simd.scale(acc, p.scale);
             }
             dst.store_f32(0, acc, accumulate);
         }
@@ -210,10 +285,9 @@ pub fn attention_backward(
 /// slot's Q, dO and dQ rows, which at long contexts come from DRAM or L3, are loaded once per block rather than
 /// once per key tile. The order of every sum is unchanged (each dK/dV tile still adds the slots in slot order,
 /// each dQ tile the key tiles in key order), so results are bit-identical for any block. The block is as long
-/// as the block's dK/dV tiles and one slot's rows still fit the 512 KiB L2 of the bench machine. Measured at
-/// S = 16384, full mask, f32, in alternating runs (BENCHMARKS.md): at D = 128 a block of 2 against 1 took
-/// 1-7% off the backward in six of six pairs, and 4 against 2 was no better; at D = 64, 4 against 2 took 5% off
-/// (median) in four of five pairs. Head dims above 128 take 2, unmeasured.
+/// as the block's dK/dV tiles and one slot's rows still fit the 512 KiB L2 of the bench machine: at D = 128
+/// that is 2 tiles, at D = 64 (half the bytes per row) 4. Longer blocks only add L2 misses once the tiles no
+/// longer fit. Head dims above 128 take 2 (the paired measurements are in BENCHMARKS.md).
 fn key_tiles_per_block(head_dim: usize) -> usize {
     if head_dim <= 64 {
         4
@@ -256,6 +330,7 @@ fn query_chunks(s: &super::AttnShape) -> usize {
 /// What the tasks read.
 struct Ctx<'a> {
     p: &'a AttnParams<'a>,
+    simd: Simd,
     c: f32,
     q: &'a [f32],
     d_o: &'a [f32],
@@ -263,13 +338,22 @@ struct Ctx<'a> {
     vt: &'a [f32],
     lse2: &'a [f32],
     delta: &'a [f32],
+    /// `[B·Hq][query tile]`: the tile has a row with a non-finite Q, dO, O or LSE.
+    q_tile_bad: &'a [bool],
+    /// `[B·Hkv][key tile]`: the tile has a non-finite K or V.
+    kv_bad: &'a [bool],
+    /// `[B·Hkv][key tile]`: the non-finite elements of K.
+    k_bad: &'a [NonFinite],
     q_sum: Vec<super::mask::RangeSummary>,
     k_sum: Vec<super::mask::RangeSummary>,
 }
 
 impl Ctx<'_> {
     /// For query rows `q0..q0+rows` of head `bh` against key tile `t` of KV head `bhk`: leaves `P` in `sc.s`
-    /// and `dS` in `bs.dp`, both valid inside the returned spans (clipped to the tile's keys).
+    /// and `dS` in `bs.dp`, both valid inside the returned spans (clipped to the tile's keys). With `tainted`
+    /// (an operand of the pair is not finite), hidden entries are set to exactly 0 (rather than computed as
+    /// `0·(dP − D)`, NaN when `dP` or `D` is), and a row that sees a non-finite score or has a non-finite LSE
+    /// gets NaN at every entry it sees (the SIMD `exp2` would give 0 there, hiding the NaN).
     #[allow(clippy::too_many_arguments)]
     fn probs_and_ds(
         &self,
@@ -281,6 +365,7 @@ impl Ctx<'_> {
         q0: usize,
         rows: usize,
         t: usize,
+        tainted: bool,
     ) -> Vec<(usize, usize)> {
         let s = self.p.shape;
         let d = s.head_dim;
@@ -296,7 +381,7 @@ impl Ctx<'_> {
         let do_tile = &self.d_o[rq..rq + rows * d];
         let mut spans = sc.spans(mask, class, rows, q0, j0, bc);
         for (r0, gr, lo, hi) in product_groups(class, &spans, rows) {
-            simd::matmul_packed_b(
+            self.simd.matmul_packed_b(
                 gr,
                 hi - lo,
                 d,
@@ -308,7 +393,7 @@ impl Ctx<'_> {
                 BC,
                 false,
             );
-            simd::matmul_packed_b(
+            self.simd.matmul_packed_b(
                 gr,
                 hi - lo,
                 d,
@@ -351,7 +436,20 @@ impl Ctx<'_> {
                     }
                 }
             }
-            simd::probs_and_ds(srow, &mut bs.dp[i * BC + lo..i * BC + hi], self.c, lse2, self.delta[row]);
+            let poisoned = tainted
+                && (lse2.is_nan() || lse2 == f32::INFINITY || srow.iter().any(|x| x.is_nan() || *x == f32::INFINITY));
+            let dprow = &mut bs.dp[i * BC + lo..i * BC + hi];
+            self.simd.probs_and_ds(srow, dprow, self.c, lse2, self.delta[row]);
+            if tainted {
+                let partial = class == TileClass::Partial;
+                for (j, (pr, ds)) in (lo..hi).zip(srow.iter_mut().zip(dprow.iter_mut())) {
+                    if partial && !sc.vis[i * BC + j] {
+                        (*pr, *ds) = (0.0, 0.0);
+                    } else if poisoned {
+                        (*pr, *ds) = (f32::NAN, f32::NAN);
+                    }
+                }
+            }
         }
         spans
     }
@@ -361,10 +459,26 @@ impl Ctx<'_> {
 struct BwdScratch {
     dp: Vec<f32>,
     dq: Vec<f32>,
+    /// A tile pair's dO, Q and K with non-finite elements as 0, and those elements (tainted pairs only).
+    do_clean: Vec<f32>,
+    do_bad: NonFinite,
+    q_clean: Vec<f32>,
+    q_bad: NonFinite,
+    k_clean: Vec<f32>,
+    k_bad: NonFinite,
 }
 
 impl BwdScratch {
     fn new() -> Self {
-        Self { dp: vec![0.0; BR * BC], dq: Vec::new() }
+        Self {
+            dp: vec![0.0; BR * BC],
+            dq: Vec::new(),
+            do_clean: Vec::new(),
+            do_bad: Vec::new(),
+            q_clean: Vec::new(),
+            q_bad: Vec::new(),
+            k_clean: Vec::new(),
+            k_bad: Vec::new(),
+        }
     }
 }

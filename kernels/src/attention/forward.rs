@@ -7,6 +7,8 @@
 //! At the end `O = acc / l` and `LSE = ln 2 · (m + log2 l)`.
 //! Key tiles the mask hides from the whole query tile are skipped; in a partly hidden tile each group of six
 //! rows computes only the span of keys that some row of the group sees (about half of a causal diagonal tile).
+//! Within a span, hidden scores are selected to -inf (so `P = 0` exactly) and `V` enters the product with its
+//! non-finite elements as 0, added back afterwards to the rows that see them: a hidden NaN never meets a 0.
 
 use std::f32::consts::{LN_2, LOG2_E};
 
@@ -14,7 +16,7 @@ use rayon::prelude::*;
 
 use super::mask::{tile_summaries, TileClass};
 use super::pack::{pack_transposed_tiles, pack_value_strips, value_tile_len};
-use super::simd::{self, STRIP};
+use super::simd::{prefetch_part, Simd, SimdPath, STRIP};
 use super::{AttnParams, BC, BR};
 use crate::error::Result;
 use crate::view::{HostSlice, HostSliceMut};
@@ -48,6 +50,21 @@ pub fn attention_forward(
     o: HostSliceMut<'_>,
     lse: &mut [f32],
 ) -> Result<()> {
+    attention_forward_on(SimdPath::detect(), p, q, k, v, o, lse)
+}
+
+/// [`attention_forward`] on the inner loops of `simd`, clamped to what this CPU supports (so `Avx512` means
+/// "the best there is"): to compare paths, or to test every one of them, in one process.
+pub fn attention_forward_on(
+    simd: SimdPath,
+    p: &AttnParams<'_>,
+    q: HostSlice<'_>,
+    k: HostSlice<'_>,
+    v: HostSlice<'_>,
+    o: HostSliceMut<'_>,
+    lse: &mut [f32],
+) -> Result<()> {
+    let simd = Simd::new(simd);
     p.validate()?;
     p.check_q("q", q.len())?;
     p.check_kv("k", k.len())?;
@@ -59,9 +76,11 @@ pub fn attention_forward(
     let mask = &p.mask;
     let c = p.scale * LOG2_E;
 
-    let vp = pack_value_strips(v, &s);
+    // V is packed with its non-finite elements as 0 and listed in `v_bad`, so that `P·V` over a span stays exact
+    // for the rows that do not see them (0·NaN would be NaN); the rows that see one get it added back below.
+    let (vp, v_bad) = pack_value_strips(v, &s);
     let v_len = value_tile_len(d);
-    let kt = pack_transposed_tiles(k, &s);
+    let (kt, k_bad) = pack_transposed_tiles(k, &s);
     let q_sum = tile_summaries(mask, true, s.q_len, BR);
     let k_sum = tile_summaries(mask, false, s.kv_len, BC);
     let k_tiles = s.kv_len.div_ceil(BC);
@@ -101,6 +120,7 @@ pub fn attention_forward(
             let bh = b * s.q_heads + hq;
             q.load_f32((bh * s.q_len + q0) * d, &mut sc.q[h * BR * d..h * BR * d + rows * d]);
         }
+        let q_bad = heads.iter().enumerate().any(|(h, _)| !all_finite(&sc.q[h * BR * d..h * BR * d + rows * d]));
         for t in 0..k_tiles {
             let class = mask.classify(&q_sum[qt], &k_sum[t]);
             if class == TileClass::Hidden {
@@ -110,9 +130,12 @@ pub fn attention_forward(
             let bc = BC.min(s.kv_len - j0);
             let kt_tile = &kt[(kv_head * k_tiles + t) * d * BC..(kv_head * k_tiles + t + 1) * d * BC];
             let v_tile = &vp[(kv_head * k_tiles + t) * v_len..(kv_head * k_tiles + t + 1) * v_len];
+            let v_bad_tile = &v_bad[kv_head * k_tiles + t];
+            // Scores can only be non-finite when Q or K is: only then are the rows checked for them.
+            let scores_bad = q_bad || !k_bad[kv_head * k_tiles + t].is_empty();
             // The next key tile, pulled into cache a slice at a time while this one is computed: once K and V of a
-            // head outgrow the cache (S >= 4096 at D = 128) they come from DRAM on every task, and without this the
-            // single-thread rate fell by about a quarter from S = 2048 to S = 8192.
+            // head outgrow the cache (S >= 4096 at D = 128) they come from DRAM on every task, and the products
+            // would otherwise stall on each tile's first loads.
             let next = (t + 1 < k_tiles && mask.classify(&q_sum[qt], &k_sum[t + 1]) != TileClass::Hidden).then(|| {
                 let kt1 = &kt[(kv_head * k_tiles + t + 1) * d * BC..(kv_head * k_tiles + t + 2) * d * BC];
                 (kt1, &vp[(kv_head * k_tiles + t + 1) * v_len..(kv_head * k_tiles + t + 2) * v_len])
@@ -123,8 +146,8 @@ pub fn attention_forward(
             let parts = 2 * heads.len() * chunks;
             let fetch = |phase: usize, ci: usize| {
                 if let Some((kt1, v1)) = next {
-                    simd::prefetch_part(kt1, phase * chunks + ci, parts);
-                    simd::prefetch_part(v1, phase * chunks + ci, parts);
+                    prefetch_part(kt1, phase * chunks + ci, parts);
+                    prefetch_part(v1, phase * chunks + ci, parts);
                 }
             };
             // The mask is shared by all heads: one set of spans (and visibility) serves the whole group.
@@ -138,7 +161,7 @@ pub fn attention_forward(
                 if class == TileClass::Visible {
                     for (ci, r0) in (0..rows).step_by(PF_ROWS).enumerate() {
                         let r = PF_ROWS.min(rows - r0);
-                        simd::matmul_packed_b(
+                        simd.matmul_packed_b(
                             r,
                             spans[0].1,
                             d,
@@ -162,7 +185,7 @@ pub fn attention_forward(
                     let r0 = gi * GROUP;
                     let gr = GROUP.min(rows - r0);
                     let dst = &mut st[r0 * BC + lo..];
-                    simd::matmul_packed_b(gr, hi - lo, d, &q_tile[r0 * d..], d, &kt_tile[lo * d..], d, dst, BC, false);
+                    simd.matmul_packed_b(gr, hi - lo, d, &q_tile[r0 * d..], d, &kt_tile[lo * d..], d, dst, BC, false);
                 }
                 // Online softmax, row by row.
                 for i in 0..rows {
@@ -173,19 +196,25 @@ pub fn attention_forward(
                     }
                     let srow = &mut st[i * BC + lo..i * BC + hi];
                     if class == TileClass::Partial {
+                        // A select, not a product: a hidden score is -inf whatever Q·K gave (NaN included).
                         for (x, &ok) in srow.iter_mut().zip(&sc.vis[i * BC + lo..i * BC + hi]) {
                             if !ok {
                                 *x = f32::NEG_INFINITY;
                             }
                         }
                     }
-                    let mx = simd::max(srow) * c;
+                    // A NaN or +inf score the row sees poisons the row. The SIMD `exp2` would turn it into 0 (and
+                    // `max` skips NaN), silently dropping the key, so it is marked and the row made NaN at the end.
+                    if scores_bad && srow.iter().any(|x| x.is_nan() || *x == f32::INFINITY) {
+                        sc.poisoned[h * BR + i] = true;
+                    }
+                    let mx = simd.max(srow) * c;
                     if mx == f32::NEG_INFINITY {
                         srow.fill(0.0);
                         continue;
                     }
                     let m_new = m[i].max(mx);
-                    let sum = simd::exp2_scaled_sum(srow, c, m_new);
+                    let sum = simd.exp2_scaled_sum(srow, c, m_new);
                     // Rescale what was accumulated under the old maximum only when it rose: after the first few
                     // key tiles a row's maximum rarely moves, and this skips a scalar `exp2` call per row and
                     // tile. (`m[i]` starts at -inf, which gives 0.) The same values as always rescaling, since
@@ -193,7 +222,7 @@ pub fn attention_forward(
                     if m_new > m[i] {
                         let alpha = (m[i] - m_new).exp2();
                         l[i] *= alpha;
-                        simd::scale(&mut acc[i * d..(i + 1) * d], alpha);
+                        simd.scale(&mut acc[i * d..(i + 1) * d], alpha);
                         m[i] = m_new;
                     }
                     l[i] += sum;
@@ -202,7 +231,7 @@ pub fn attention_forward(
                 if class == TileClass::Visible {
                     for (ci, r0) in (0..rows).step_by(PF_ROWS).enumerate() {
                         let r = PF_ROWS.min(rows - r0);
-                        simd::matmul_packed_b(r, d, bc, &st[r0 * BC..], BC, v_tile, BC, &mut acc[r0 * d..], d, true);
+                        simd.matmul_packed_b(r, d, bc, &st[r0 * BC..], BC, v_tile, BC, &mut acc[r0 * d..], d, true);
                         fetch(2 * h + 1, ci);
                     }
                 } else {
@@ -216,7 +245,7 @@ pub fn attention_forward(
                     let r0 = gi * GROUP;
                     let gr = GROUP.min(rows - r0);
                     let p_rows = &st[r0 * BC + lo..];
-                    simd::matmul_packed_b(
+                    simd.matmul_packed_b(
                         gr,
                         d,
                         hi - lo,
@@ -229,17 +258,29 @@ pub fn attention_forward(
                         true,
                     );
                 }
+                // The non-finite values of V, added to the rows that see them (their P is in `st`).
+                for &(j, dd, x) in v_bad_tile {
+                    for i in 0..rows {
+                        if class == TileClass::Visible || sc.vis[i * BC + j] {
+                            acc[i * d + dd] += st[i * BC + j] * x;
+                        }
+                    }
+                }
             }
             sc.spans = spans;
         }
-        // O = acc / l, LSE = ln2·(m + log2 l); rows that saw nothing get O = 0, LSE = -inf.
+        // O = acc / l, LSE = ln2·(m + log2 l); rows that saw nothing get O = 0, LSE = -inf, rows that saw a
+        // non-finite score NaN.
         for (h, (_, o_tile, lse_tile)) in heads.iter_mut().enumerate() {
             let acc = &mut sc.acc[h * BR * d..h * BR * d + rows * d];
             for (i, lse_i) in lse_tile.iter_mut().enumerate() {
                 let row = &mut acc[i * d..(i + 1) * d];
                 let (m, l) = (sc.m[h * BR + i], sc.l[h * BR + i]);
-                if l > 0.0 {
-                    simd::scale(row, 1.0 / l);
+                if sc.poisoned[h * BR + i] || l.is_nan() {
+                    row.fill(f32::NAN);
+                    *lse_i = f32::NAN;
+                } else if l > 0.0 {
+                    simd.scale(row, 1.0 / l);
                     *lse_i = LN_2 * (m + l.log2());
                 } else {
                     row.fill(0.0);
@@ -260,6 +301,8 @@ pub(crate) struct Scratch {
     pub q: Vec<f32>,
     pub m: Vec<f32>,
     pub l: Vec<f32>,
+    /// Rows (head `h` at offset `h·BR`) that saw a non-finite score.
+    pub poisoned: Vec<bool>,
     pub vis: Vec<bool>,
     pub spans: Vec<(usize, usize)>,
 }
@@ -272,6 +315,7 @@ impl Scratch {
             q: Vec::new(),
             m: vec![0.0; BR],
             l: vec![0.0; BR],
+            poisoned: Vec::new(),
             vis: vec![false; BR * BC],
             spans: Vec::with_capacity(BR.div_ceil(GROUP)),
         }
@@ -286,6 +330,8 @@ impl Scratch {
         self.m.resize(heads * BR, f32::NEG_INFINITY);
         self.l.clear();
         self.l.resize(heads * BR, 0.0);
+        self.poisoned.clear();
+        self.poisoned.resize(heads * BR, false);
         debug_assert!(rows <= BR);
     }
 
@@ -329,4 +375,18 @@ impl Scratch {
         }
         spans
     }
+}
+
+/// Whether every element is finite (no NaN, no infinity). Branch-free, in 8 lanes, so it vectorises: `0·x` is
+/// ±0 for a finite `x` and NaN otherwise, and a NaN stays in its lane's sum.
+pub(crate) fn all_finite(x: &[f32]) -> bool {
+    let mut lanes = [0f32; 8];
+    let mut chunks = x.chunks_exact(8);
+    for ch in &mut chunks {
+        for l in 0..8 {
+            lanes[l] += ch[l] * 0.0;
+        }
+    }
+    let rest = chunks.remainder().iter().fold(0f32, |a, v| a + v * 0.0);
+    lanes.iter().sum::<f32>() + rest == 0.0
 }

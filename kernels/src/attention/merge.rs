@@ -10,7 +10,8 @@ use crate::error::{check_len, KernelError, Result};
 /// `O = (Z_1 O_1 + Z_2 O_2) / Z`. With `m = max(LSE_1, LSE_2)` and `w_k = exp(LSE_k - m)` (both ≤ 1, one of them
 /// exactly 1, so nothing overflows however large the LSEs are):
 /// `LSE = m + ln(w_1 + w_2)` and `O = (w_1 O_1 + w_2 O_2) / (w_1 + w_2)`.
-/// A side with `LSE = -inf` saw no key and has weight 0; when both do, the row stays `O = 0`, `LSE = -inf`.
+/// A side with `LSE = -inf` saw no key and has weight 0, so it adds nothing even when its `O` is not finite
+/// (its term is left out rather than multiplied by 0); when both do, the row stays `O = 0`, `LSE = -inf`.
 pub fn merge_partial_attention(o1: &mut [f32], lse1: &mut [f32], o2: &[f32], lse2: &[f32]) -> Result<()> {
     check_len("lse2", lse2.len(), lse1.len())?;
     check_len("o2", o2.len(), o1.len())?;
@@ -32,8 +33,24 @@ pub fn merge_partial_attention(o1: &mut [f32], lse1: &mut [f32], o2: &[f32], lse
         let w2 = (b - m).exp();
         let z = w1 + w2;
         let (c1, c2) = (w1 / z, w2 / z);
-        for (x, y) in o1[i * d..(i + 1) * d].iter_mut().zip(&o2[i * d..(i + 1) * d]) {
-            *x = c1 * *x + c2 * *y;
+        let (row, row2) = (&mut o1[i * d..(i + 1) * d], &o2[i * d..(i + 1) * d]);
+        if w1 == 0.0 || w2 == 0.0 {
+            // One side has no weight (it saw no key, or its LSE is far below the other's): its term is dropped,
+            // not multiplied by 0, so a NaN there stays out. Equal to the sum below whenever that is finite.
+            for (x, y) in row.iter_mut().zip(row2) {
+                let (t1, t2) = (c1 * *x, c2 * *y);
+                *x = if w1 == 0.0 && !t1.is_finite() {
+                    t2
+                } else if w2 == 0.0 && !t2.is_finite() {
+                    t1
+                } else {
+                    t1 + t2
+                };
+            }
+        } else {
+            for (x, y) in row.iter_mut().zip(row2) {
+                *x = c1 * *x + c2 * *y;
+            }
         }
         lse1[i] = m + z.ln();
     }

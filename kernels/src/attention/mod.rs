@@ -11,8 +11,17 @@
 //! # Numerics
 //! Tiles are loaded as `f32` (bf16 is widened) and all products, softmax statistics and gradients are
 //! accumulated in `f32`. A query row that sees no key gets `O = 0` and `LSE = -inf` (never NaN), and
-//! contributes nothing to any gradient. NaN or infinite inputs are not checked for (that would cost a pass
-//! over every buffer); they propagate into the rows they touch.
+//! contributes nothing to any gradient.
+//!
+//! Masked pairs contribute nothing, even when an input is NaN or infinite: a masked entry is selected away,
+//! never multiplied by 0 (`0·NaN` is NaN). So with document masking a non-finite value in one document's `Q`,
+//! `K`, `V` or `dO` leaves every output, `LSE` and gradient row of the other documents bit-identical to a run
+//! without it; the same holds for rows a causal or window mask separates from it. The rows that do see a
+//! non-finite value get NaN (or ±inf): the `O` and `LSE` of a query row that sees a non-finite score or value,
+//! and the gradients reached from it. Each key tile's non-finite elements are found while K and V are
+//! packed, each query tile's while its rows are loaded, and only tile pairs that hold one take the slower
+//! exact path, so finite inputs run as fast as before. [`merge_partial_attention`] likewise gives a partial
+//! with `LSE = -inf` no weight even when its `O` is not finite.
 //!
 //! # Determinism
 //! Every output element is produced by exactly one task, which reduces in a fixed order, so results are
@@ -28,12 +37,12 @@ pub mod reference;
 pub(crate) mod simd;
 mod work;
 
-pub use backward::attention_backward;
-pub use forward::attention_forward;
+pub use backward::{attention_backward, attention_backward_on};
+pub use forward::{attention_forward, attention_forward_on};
 pub use groups::{AttnGrads, AttnOptions, AttnOut, AttnPartial, AttnSaved, Qkv};
 pub use mask::{AttnMask, Positions};
 pub use merge::{merge_partial_attention, merge_partial_attention_into};
-pub use simd::{force_portable, limit_simd, simd_path, SimdPath};
+pub use simd::SimdPath;
 pub use work::{attention_work, AttnWork};
 
 use crate::error::{check_len, KernelError, Result};

@@ -5,17 +5,23 @@ use std::borrow::Cow;
 
 use rayon::prelude::*;
 
+use super::forward::all_finite;
 use super::simd::STRIP;
 use super::{AttnShape, BC};
+
+/// The non-finite elements of one tile of `BC` key (or value) rows: `(row in the tile, dimension, value)`.
+/// Empty for every tile of finite data, which is all the kernels check on their normal path.
+pub(crate) type NonFinite = Vec<(usize, usize, f32)>;
 use crate::view::HostSlice;
 
 /// `[B·Hkv][tile][BC / STRIP][D][STRIP]`: each key tile transposed (columns are keys), zero-padded to `BC` keys
-/// and strip-packed for [`super::simd::matmul_packed_b`] (key `j` of the tile, dimension `dd` at
+/// and strip-packed for [`super::simd::Simd::matmul_packed_b`] (key `j` of the tile, dimension `dd` at
 /// `(j / STRIP)·STRIP·D + dd·STRIP + j % STRIP`), so the product `Q·Kᵀ` of a tile reads each strip of keys as
 /// one contiguous block. A block of keys starting at `j` (a multiple of `STRIP`) starts at offset `j·D`.
-pub(crate) fn pack_transposed_tiles(x: HostSlice<'_>, s: &AttnShape) -> Vec<f32> {
+/// Also returns each tile's non-finite elements (`[B·Hkv][tile]`), which stay in the packed data.
+pub(crate) fn pack_transposed_tiles(x: HostSlice<'_>, s: &AttnShape) -> (Vec<f32>, Vec<NonFinite>) {
     let d = s.head_dim;
-    pack_key_tiles(x, s, d * BC, |tile, j, row| {
+    pack_key_tiles(x, s, d * BC, false, |tile, j, row| {
         let strip = &mut tile[j / STRIP * STRIP * d + j % STRIP..];
         for (dd, v) in row.iter().enumerate() {
             strip[dd * STRIP] = *v;
@@ -25,10 +31,13 @@ pub(crate) fn pack_transposed_tiles(x: HostSlice<'_>, s: &AttnShape) -> Vec<f32>
 
 /// `[B·Hkv][tile][D / STRIP][BC][STRIP]` (`D` rounded up to a whole strip): each value tile (keys × `D`) split
 /// into strips of `STRIP` columns, each strip's rows contiguous and zero-padded to `BC` keys, for
-/// [`super::simd::matmul_packed_b`] with `strip_rows = BC` (key `j` of the tile, dimension `dd` at
+/// [`super::simd::Simd::matmul_packed_b`] with `strip_rows = BC` (key `j` of the tile, dimension `dd` at
 /// `(dd / STRIP)·STRIP·BC + j·STRIP + dd % STRIP`). Keys from `j` on start at offset `j·STRIP`.
-pub(crate) fn pack_value_strips(x: HostSlice<'_>, s: &AttnShape) -> Vec<f32> {
-    pack_key_tiles(x, s, value_tile_len(s.head_dim), |tile, j, row| {
+/// Non-finite elements are packed as 0 and returned per tile (`[B·Hkv][tile]`) instead: a product over a span
+/// of keys then gives exactly 0 for the keys a row does not see, and the caller adds the rest back to the rows
+/// that do.
+pub(crate) fn pack_value_strips(x: HostSlice<'_>, s: &AttnShape) -> (Vec<f32>, Vec<NonFinite>) {
+    pack_key_tiles(x, s, value_tile_len(s.head_dim), true, |tile, j, row| {
         for (st, part) in row.chunks(STRIP).enumerate() {
             tile[(st * BC + j) * STRIP..][..part.len()].copy_from_slice(part);
         }
@@ -36,28 +45,59 @@ pub(crate) fn pack_value_strips(x: HostSlice<'_>, s: &AttnShape) -> Vec<f32> {
 }
 
 /// `[B·Hkv][tile][tile_len]`, zero-filled, with `place(tile, j, row)` putting row `j` of each tile of `BC` keys
-/// (as `f32`) where the layout wants it. Heads are packed in parallel.
+/// (as `f32`) where the layout wants it, and the non-finite elements of each tile (with `zero_bad`, placed as
+/// 0). Heads are packed in parallel.
 fn pack_key_tiles(
     x: HostSlice<'_>,
     s: &AttnShape,
     tile_len: usize,
+    zero_bad: bool,
     place: impl Fn(&mut [f32], usize, &[f32]) + Sync,
-) -> Vec<f32> {
+) -> (Vec<f32>, Vec<NonFinite>) {
     let tiles = s.kv_len.div_ceil(BC);
     let per_head = tiles * tile_len;
     let mut out = vec![0f32; s.batch * s.kv_heads * per_head];
-    out.par_chunks_mut(per_head).enumerate().for_each(|(bh, dst)| {
-        let mut row = vec![0f32; s.head_dim];
-        for t in 0..tiles {
-            let j0 = t * BC;
-            let tile = &mut dst[t * tile_len..(t + 1) * tile_len];
-            for j in 0..BC.min(s.kv_len - j0) {
-                x.load_f32((bh * s.kv_len + j0 + j) * s.head_dim, &mut row);
-                place(tile, j, &row);
+    let bad: Vec<Vec<NonFinite>> = out
+        .par_chunks_mut(per_head)
+        .enumerate()
+        .map(|(bh, dst)| {
+            let mut row = vec![0f32; s.head_dim];
+            let mut bad = vec![NonFinite::new(); tiles];
+            for (t, bad) in bad.iter_mut().enumerate() {
+                let j0 = t * BC;
+                let tile = &mut dst[t * tile_len..(t + 1) * tile_len];
+                for j in 0..BC.min(s.kv_len - j0) {
+                    x.load_f32((bh * s.kv_len + j0 + j) * s.head_dim, &mut row);
+                    if !all_finite(&row) {
+                        for (dd, v) in row.iter_mut().enumerate().filter(|(_, v)| !v.is_finite()) {
+                            bad.push((j, dd, *v));
+                            if zero_bad {
+                                *v = 0.0;
+                            }
+                        }
+                    }
+                    place(tile, j, &row);
+                }
             }
+            bad
+        })
+        .collect();
+    (out, bad.into_iter().flatten().collect())
+}
+
+/// A copy of `x` with its non-finite elements as 0 (in `clean`), and those elements as `(row, dimension,
+/// value)` for rows of `d` elements (in `bad`). For the rare tile pairs that need it, so not optimised.
+pub(crate) fn finite_copy(x: &[f32], d: usize, clean: &mut Vec<f32>, bad: &mut NonFinite) {
+    clean.clear();
+    bad.clear();
+    clean.extend(x.iter().enumerate().map(|(e, &v)| {
+        if v.is_finite() {
+            v
+        } else {
+            bad.push((e / d, e % d, v));
+            0.0
         }
-    });
-    out
+    }));
 }
 
 /// Floats per tile of [`pack_value_strips`].

@@ -1,12 +1,49 @@
-//! Shared by the test binaries that pin one SIMD path (each its own binary, since the pin is process-wide).
+//! Shared by the attention test binaries: the kernels on one explicit SIMD path, and the f64 reference check.
+#![allow(dead_code)] // each test binary uses its own part
 
-use longctx_kernels::attention::{AttnMask, AttnParams, AttnShape, Positions};
-use longctx_kernels::testing::{attention_f32, max_rel_err, reference_f64, uniform_nonzero};
+use longctx_kernels::attention::{
+    attention_backward_on, attention_forward_on, AttnMask, AttnParams, AttnShape, Positions, SimdPath,
+};
+use longctx_kernels::testing::{max_rel_err, reference_f64, uniform_nonzero};
 
-/// Forward and backward of the path in force against the f64 reference, causal and not, with packed documents
-/// of `doc_len` positions, a query offset and an optional window: every output within 1e-5 (relative).
+/// Forward then backward on `simd` with `f32` buffers: `[O, LSE, dQ, dK, dV]`, every output poisoned with NaN
+/// before its call (as `testing::attention_f32`, which takes the detected path).
+pub fn attention_f32_on(
+    simd: SimdPath,
+    p: &AttnParams<'_>,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    d_o: &[f32],
+) -> [Vec<f32>; 5] {
+    let s = p.shape;
+    let mut o = vec![f32::NAN; s.q_elems()];
+    let mut lse = vec![f32::NAN; s.lse_elems()];
+    attention_forward_on(simd, p, q.into(), k.into(), v.into(), (&mut o).into(), &mut lse).unwrap();
+    let (mut dq, mut dk, mut dv) =
+        (vec![f32::NAN; s.q_elems()], vec![f32::NAN; s.kv_elems()], vec![f32::NAN; s.kv_elems()]);
+    attention_backward_on(
+        simd,
+        p,
+        q.into(),
+        k.into(),
+        v.into(),
+        (&o).into(),
+        d_o.into(),
+        &lse,
+        (&mut dq).into(),
+        (&mut dk).into(),
+        (&mut dv).into(),
+        false,
+    )
+    .unwrap();
+    [o, lse, dq, dk, dv]
+}
+
+/// Forward and backward on `simd` against the f64 reference, causal and not, with packed documents of
+/// `doc_len` positions, a query offset and an optional window: every output within 1e-5 (relative).
 pub fn matches_reference(
-    path: &str,
+    simd: SimdPath,
     shape: AttnShape,
     q_offset: usize,
     doc_len: usize,
@@ -27,10 +64,10 @@ pub fn matches_reference(
         let v = uniform_nonzero(shape.kv_elems(), seed + 2);
         let d_o = uniform_nonzero(shape.q_elems(), seed + 3);
         let want = reference_f64(&p, &q, &k, &v, &d_o);
-        let got = attention_f32(&p, &q, &k, &v, &d_o).unwrap();
+        let got = attention_f32_on(simd, &p, &q, &k, &v, &d_o);
         for (name, (got, want)) in ["O", "LSE", "dQ", "dK", "dV"].iter().zip(got.iter().zip(&want)) {
             let e = max_rel_err(got, want);
-            assert!(e < 1e-5, "{path} {name} (causal {causal}): relative error {e:e}");
+            assert!(e < 1e-5, "{simd:?} {name} (causal {causal}): relative error {e:e}");
         }
     }
 }
