@@ -39,7 +39,7 @@
 //!
 //! The free functions ([`attention_forward`], [`ops`]) are the CPU backend's kernels on typed host slices; code
 //! that must run on any backend calls [`Backend`].
-#![warn(missing_docs)]
+#![warn(missing_docs, unsafe_op_in_unsafe_fn)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod attention;

@@ -31,21 +31,24 @@ pub(super) unsafe fn matmul(
     ldc: usize,
     accumulate: bool,
 ) {
-    // A read transposed (`a_cs != 1`, the backward's `Pᵀ·dO` and `dSᵀ·Q`): each row block's slice of A is
-    // copied first into a contiguous `[k][PW]` panel. Read in place, a block walks `k` cache lines one
-    // leading dimension apart (512 bytes at BC = 128), which map to only 8 of the 64 L1 sets, the very
-    // sets the equally strided B rows use, so A and B keep evicting each other; packed, the panel takes
-    // `k·PW·4` contiguous bytes. The copy costs one vector move per step of `k`, against `MR·n`
-    // multiply-adds, and changes no arithmetic (results bit-identical), so it pays wherever the conflicts do.
-    if a_cs != 1 {
-        return matmul_packed_a(m, n, k, a, a_rs, a_cs, b, ldb, b_js, c, ldc, accumulate);
-    }
-    let mut i = 0;
-    while i < m {
-        let rows = (m - i).min(MR);
-        let ap = a.add(i * a_rs);
-        block::<0>(rows, n, k, ap, a_rs, a_cs, b, ldb, b_js, c.add(i * ldc), ldc, accumulate);
-        i += rows;
+    // SAFETY: the caller upholds this function's contract (see its docs).
+    unsafe {
+        // A read transposed (`a_cs != 1`, the backward's `Pᵀ·dO` and `dSᵀ·Q`): each row block's slice of A is
+        // copied first into a contiguous `[k][PW]` panel. Read in place, a block walks `k` cache lines one
+        // leading dimension apart (512 bytes at BC = 128), which map to only 8 of the 64 L1 sets, the very
+        // sets the equally strided B rows use, so A and B keep evicting each other; packed, the panel takes
+        // `k·PW·4` contiguous bytes. The copy costs one vector move per step of `k`, against `MR·n`
+        // multiply-adds, and changes no arithmetic (results bit-identical), so it pays wherever the conflicts do.
+        if a_cs != 1 {
+            return matmul_packed_a(m, n, k, a, a_rs, a_cs, b, ldb, b_js, c, ldc, accumulate);
+        }
+        let mut i = 0;
+        while i < m {
+            let rows = (m - i).min(MR);
+            let ap = a.add(i * a_rs);
+            block::<0>(rows, n, k, ap, a_rs, a_cs, b, ldb, b_js, c.add(i * ldc), ldc, accumulate);
+            i += rows;
+        }
     }
 }
 
@@ -71,33 +74,36 @@ unsafe fn matmul_packed_a(
     ldc: usize,
     accumulate: bool,
 ) {
-    let mut stack = [0f32; PW * PACK_K];
-    let mut heap = Vec::new();
-    let panel: &mut [f32] = if k <= PACK_K {
-        &mut stack
-    } else {
-        heap.resize(PW * k, 0.0);
-        &mut heap
-    };
-    let dst = panel.as_mut_ptr();
-    let mut i = 0;
-    while i < m {
-        let rows = (m - i).min(MR);
-        let ap = a.add(i * a_rs);
-        if a_rs == 1 && i + PW <= m {
-            // One 8-wide load and store per step; lanes past `rows` belong to the next block, unused.
-            for p in 0..k {
-                _mm256_storeu_ps(dst.add(p * PW), _mm256_loadu_ps(ap.add(p * a_cs)));
-            }
+    // SAFETY: the caller upholds this function's contract (see its docs).
+    unsafe {
+        let mut stack = [0f32; PW * PACK_K];
+        let mut heap = Vec::new();
+        let panel: &mut [f32] = if k <= PACK_K {
+            &mut stack
         } else {
-            for p in 0..k {
-                for r in 0..rows {
-                    *dst.add(p * PW + r) = *ap.add(p * a_cs + r * a_rs);
+            heap.resize(PW * k, 0.0);
+            &mut heap
+        };
+        let dst = panel.as_mut_ptr();
+        let mut i = 0;
+        while i < m {
+            let rows = (m - i).min(MR);
+            let ap = a.add(i * a_rs);
+            if a_rs == 1 && i + PW <= m {
+                // One 8-wide load and store per step; lanes past `rows` belong to the next block, unused.
+                for p in 0..k {
+                    _mm256_storeu_ps(dst.add(p * PW), _mm256_loadu_ps(ap.add(p * a_cs)));
+                }
+            } else {
+                for p in 0..k {
+                    for r in 0..rows {
+                        *dst.add(p * PW + r) = *ap.add(p * a_cs + r * a_rs);
+                    }
                 }
             }
+            block::<1>(rows, n, k, dst, 1, PW, b, ldb, b_js, c.add(i * ldc), ldc, accumulate);
+            i += rows;
         }
-        block::<1>(rows, n, k, dst, 1, PW, b, ldb, b_js, c.add(i * ldc), ldc, accumulate);
-        i += rows;
     }
 }
 
@@ -122,13 +128,16 @@ unsafe fn block<const S: u8>(
     ldc: usize,
     accumulate: bool,
 ) {
-    match rows {
-        6 => tile::<6, S>(n, k, ap, a_rs, a_cs, b, ldb, b_js, cp, ldc, accumulate),
-        5 => tile::<5, S>(n, k, ap, a_rs, a_cs, b, ldb, b_js, cp, ldc, accumulate),
-        4 => tile::<4, S>(n, k, ap, a_rs, a_cs, b, ldb, b_js, cp, ldc, accumulate),
-        3 => tile::<3, S>(n, k, ap, a_rs, a_cs, b, ldb, b_js, cp, ldc, accumulate),
-        2 => tile::<2, S>(n, k, ap, a_rs, a_cs, b, ldb, b_js, cp, ldc, accumulate),
-        _ => tile::<1, S>(n, k, ap, a_rs, a_cs, b, ldb, b_js, cp, ldc, accumulate),
+    // SAFETY: the caller upholds this function's contract (see its docs).
+    unsafe {
+        match rows {
+            6 => tile::<6, S>(n, k, ap, a_rs, a_cs, b, ldb, b_js, cp, ldc, accumulate),
+            5 => tile::<5, S>(n, k, ap, a_rs, a_cs, b, ldb, b_js, cp, ldc, accumulate),
+            4 => tile::<4, S>(n, k, ap, a_rs, a_cs, b, ldb, b_js, cp, ldc, accumulate),
+            3 => tile::<3, S>(n, k, ap, a_rs, a_cs, b, ldb, b_js, cp, ldc, accumulate),
+            2 => tile::<2, S>(n, k, ap, a_rs, a_cs, b, ldb, b_js, cp, ldc, accumulate),
+            _ => tile::<1, S>(n, k, ap, a_rs, a_cs, b, ldb, b_js, cp, ldc, accumulate),
+        }
     }
 }
 
@@ -156,51 +165,54 @@ unsafe fn tile<const M: usize, const S: u8>(
     ldc: usize,
     accumulate: bool,
 ) {
-    let (a_rs, a_cs) = if S == 1 { (1, PW) } else { (a_rs, a_cs) };
-    let mut j = 0;
-    while j + 16 <= n {
-        let mut c0 = [_mm256_setzero_ps(); M];
-        let mut c1 = [_mm256_setzero_ps(); M];
-        let mut bp = b.add(j * b_js);
-        for p in 0..k {
-            let b0 = _mm256_loadu_ps(bp);
-            let b1 = _mm256_loadu_ps(bp.add(8));
+    // SAFETY: the caller upholds this function's contract (see its docs).
+    unsafe {
+        let (a_rs, a_cs) = if S == 1 { (1, PW) } else { (a_rs, a_cs) };
+        let mut j = 0;
+        while j + 16 <= n {
+            let mut c0 = [_mm256_setzero_ps(); M];
+            let mut c1 = [_mm256_setzero_ps(); M];
+            let mut bp = b.add(j * b_js);
+            for p in 0..k {
+                let b0 = _mm256_loadu_ps(bp);
+                let b1 = _mm256_loadu_ps(bp.add(8));
+                for r in 0..M {
+                    let av = _mm256_broadcast_ss(&*a.add(r * a_rs + p * a_cs));
+                    c0[r] = _mm256_fmadd_ps(av, b0, c0[r]);
+                    c1[r] = _mm256_fmadd_ps(av, b1, c1[r]);
+                }
+                bp = bp.add(ldb);
+            }
             for r in 0..M {
-                let av = _mm256_broadcast_ss(&*a.add(r * a_rs + p * a_cs));
-                c0[r] = _mm256_fmadd_ps(av, b0, c0[r]);
-                c1[r] = _mm256_fmadd_ps(av, b1, c1[r]);
+                let cr = c.add(r * ldc + j);
+                if accumulate {
+                    c0[r] = _mm256_add_ps(c0[r], _mm256_loadu_ps(cr));
+                    c1[r] = _mm256_add_ps(c1[r], _mm256_loadu_ps(cr.add(8)));
+                }
+                _mm256_storeu_ps(cr, c0[r]);
+                _mm256_storeu_ps(cr.add(8), c1[r]);
             }
-            bp = bp.add(ldb);
+            j += 16;
         }
-        for r in 0..M {
-            let cr = c.add(r * ldc + j);
-            if accumulate {
-                c0[r] = _mm256_add_ps(c0[r], _mm256_loadu_ps(cr));
-                c1[r] = _mm256_add_ps(c1[r], _mm256_loadu_ps(cr.add(8)));
+        if j < n {
+            // n is a multiple of 8: one 8-wide column block remains.
+            let mut c0 = [_mm256_setzero_ps(); M];
+            let mut bp = b.add(j * b_js);
+            for p in 0..k {
+                let b0 = _mm256_loadu_ps(bp);
+                for r in 0..M {
+                    let av = _mm256_broadcast_ss(&*a.add(r * a_rs + p * a_cs));
+                    c0[r] = _mm256_fmadd_ps(av, b0, c0[r]);
+                }
+                bp = bp.add(ldb);
             }
-            _mm256_storeu_ps(cr, c0[r]);
-            _mm256_storeu_ps(cr.add(8), c1[r]);
-        }
-        j += 16;
-    }
-    if j < n {
-        // n is a multiple of 8: one 8-wide column block remains.
-        let mut c0 = [_mm256_setzero_ps(); M];
-        let mut bp = b.add(j * b_js);
-        for p in 0..k {
-            let b0 = _mm256_loadu_ps(bp);
             for r in 0..M {
-                let av = _mm256_broadcast_ss(&*a.add(r * a_rs + p * a_cs));
-                c0[r] = _mm256_fmadd_ps(av, b0, c0[r]);
+                let cr = c.add(r * ldc + j);
+                if accumulate {
+                    c0[r] = _mm256_add_ps(c0[r], _mm256_loadu_ps(cr));
+                }
+                _mm256_storeu_ps(cr, c0[r]);
             }
-            bp = bp.add(ldb);
-        }
-        for r in 0..M {
-            let cr = c.add(r * ldc + j);
-            if accumulate {
-                c0[r] = _mm256_add_ps(c0[r], _mm256_loadu_ps(cr));
-            }
-            _mm256_storeu_ps(cr, c0[r]);
         }
     }
 }
@@ -240,33 +252,36 @@ unsafe fn exp2(x: __m256) -> __m256 {
 /// AVX2 and FMA must be present.
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn max(x: &[f32]) -> f32 {
-    let n8 = x.len() / 8 * 8;
-    let p = x.as_ptr();
-    // Four accumulators hide the latency of `max` (four cycles: with two, a 128-wide row waited on the
-    // chain); `vmaxps` returns its second operand when the first is NaN, so NaN elements are skipped
-    // exactly as `f32::max` does.
-    let ninf = _mm256_set1_ps(f32::NEG_INFINITY);
-    let (mut m0, mut m1, mut m2, mut m3) = (ninf, ninf, ninf, ninf);
-    let mut j = 0;
-    while j + 32 <= n8 {
-        m0 = _mm256_max_ps(_mm256_loadu_ps(p.add(j)), m0);
-        m1 = _mm256_max_ps(_mm256_loadu_ps(p.add(j + 8)), m1);
-        m2 = _mm256_max_ps(_mm256_loadu_ps(p.add(j + 16)), m2);
-        m3 = _mm256_max_ps(_mm256_loadu_ps(p.add(j + 24)), m3);
-        j += 32;
+    // SAFETY: the caller upholds this function's contract (see its docs).
+    unsafe {
+        let n8 = x.len() / 8 * 8;
+        let p = x.as_ptr();
+        // Four accumulators hide the latency of `max` (four cycles: with two, a 128-wide row waited on the
+        // chain); `vmaxps` returns its second operand when the first is NaN, so NaN elements are skipped
+        // exactly as `f32::max` does.
+        let ninf = _mm256_set1_ps(f32::NEG_INFINITY);
+        let (mut m0, mut m1, mut m2, mut m3) = (ninf, ninf, ninf, ninf);
+        let mut j = 0;
+        while j + 32 <= n8 {
+            m0 = _mm256_max_ps(_mm256_loadu_ps(p.add(j)), m0);
+            m1 = _mm256_max_ps(_mm256_loadu_ps(p.add(j + 8)), m1);
+            m2 = _mm256_max_ps(_mm256_loadu_ps(p.add(j + 16)), m2);
+            m3 = _mm256_max_ps(_mm256_loadu_ps(p.add(j + 24)), m3);
+            j += 32;
+        }
+        while j < n8 {
+            m0 = _mm256_max_ps(_mm256_loadu_ps(p.add(j)), m0);
+            j += 8;
+        }
+        // No lane holds NaN, so the order cannot matter: a tree of three steps rather than eight dependent
+        // scalar ones, which cost as much as the whole vector loop of a 128-wide row.
+        let m = _mm256_max_ps(_mm256_max_ps(m0, m1), _mm256_max_ps(m2, m3));
+        let mut m = reduce_max(m);
+        for v in &x[j..] {
+            m = m.max(*v);
+        }
+        m
     }
-    while j < n8 {
-        m0 = _mm256_max_ps(_mm256_loadu_ps(p.add(j)), m0);
-        j += 8;
-    }
-    // No lane holds NaN, so the order cannot matter: a tree of three steps rather than eight dependent
-    // scalar ones, which cost as much as the whole vector loop of a 128-wide row.
-    let m = _mm256_max_ps(_mm256_max_ps(m0, m1), _mm256_max_ps(m2, m3));
-    let mut m = reduce_max(m);
-    for v in &x[j..] {
-        m = m.max(*v);
-    }
-    m
 }
 
 /// The largest of the eight lanes (none of them NaN), in a tree.
@@ -291,16 +306,19 @@ unsafe fn reduce_add(v: __m256) -> f32 {
 /// AVX2 and FMA must be present.
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn scale(y: &mut [f32], a: f32) {
-    let n8 = y.len() / 8 * 8;
-    let p = y.as_mut_ptr();
-    let av = _mm256_set1_ps(a);
-    let mut j = 0;
-    while j < n8 {
-        _mm256_storeu_ps(p.add(j), _mm256_mul_ps(_mm256_loadu_ps(p.add(j)), av));
-        j += 8;
-    }
-    for v in &mut y[j..] {
-        *v *= a;
+    // SAFETY: the caller upholds this function's contract (see its docs).
+    unsafe {
+        let n8 = y.len() / 8 * 8;
+        let p = y.as_mut_ptr();
+        let av = _mm256_set1_ps(a);
+        let mut j = 0;
+        while j < n8 {
+            _mm256_storeu_ps(p.add(j), _mm256_mul_ps(_mm256_loadu_ps(p.add(j)), av));
+            j += 8;
+        }
+        for v in &mut y[j..] {
+            *v *= a;
+        }
     }
 }
 
@@ -308,31 +326,34 @@ pub(super) unsafe fn scale(y: &mut [f32], a: f32) {
 /// AVX2 and FMA must be present.
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn exp2_scaled_sum(x: &mut [f32], c: f32, m: f32) -> f32 {
-    let cv = _mm256_set1_ps(c);
-    let mv = _mm256_set1_ps(m);
-    let mut acc = _mm256_setzero_ps();
-    let n8 = x.len() / 8 * 8;
-    let p = x.as_mut_ptr();
-    let mut j = 0;
-    while j < n8 {
-        let v = exp2(_mm256_fmsub_ps(_mm256_loadu_ps(p.add(j)), cv, mv));
-        _mm256_storeu_ps(p.add(j), v);
-        acc = _mm256_add_ps(acc, v);
-        j += 8;
-    }
-    let mut s = 0f32;
-    if j < x.len() {
-        // The tail goes through the same polynomial, padded with -inf (which gives 0).
-        let mut tail = [f32::NEG_INFINITY; 8];
-        let rest = x.len() - j;
-        tail[..rest].copy_from_slice(&x[j..]);
-        let v = exp2(_mm256_fmsub_ps(_mm256_loadu_ps(tail.as_ptr()), cv, mv));
-        _mm256_storeu_ps(tail.as_mut_ptr(), v);
-        x[j..].copy_from_slice(&tail[..rest]);
-        for t in &tail[..rest] {
-            s += t;
+    // SAFETY: the caller upholds this function's contract (see its docs).
+    unsafe {
+        let cv = _mm256_set1_ps(c);
+        let mv = _mm256_set1_ps(m);
+        let mut acc = _mm256_setzero_ps();
+        let n8 = x.len() / 8 * 8;
+        let p = x.as_mut_ptr();
+        let mut j = 0;
+        while j < n8 {
+            let v = exp2(_mm256_fmsub_ps(_mm256_loadu_ps(p.add(j)), cv, mv));
+            _mm256_storeu_ps(p.add(j), v);
+            acc = _mm256_add_ps(acc, v);
+            j += 8;
         }
+        let mut s = 0f32;
+        if j < x.len() {
+            // The tail goes through the same polynomial, padded with -inf (which gives 0).
+            let mut tail = [f32::NEG_INFINITY; 8];
+            let rest = x.len() - j;
+            tail[..rest].copy_from_slice(&x[j..]);
+            let v = exp2(_mm256_fmsub_ps(_mm256_loadu_ps(tail.as_ptr()), cv, mv));
+            _mm256_storeu_ps(tail.as_mut_ptr(), v);
+            x[j..].copy_from_slice(&tail[..rest]);
+            for t in &tail[..rest] {
+                s += t;
+            }
+        }
+        // A fixed tree of lane sums (see `max`).
+        reduce_add(acc) + s
     }
-    // A fixed tree of lane sums (see `max`).
-    reduce_add(acc) + s
 }
