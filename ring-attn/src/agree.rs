@@ -79,7 +79,7 @@ pub(crate) fn agree(comm: &Communicator, cfg: &CpConfig, s: &CpShape, m: &CpMask
     let mut all = vec![0u64; mine.len() * n];
     comm.all_gather(&mine, &mut all)?;
     let of = |r: usize| &all[r * mine.len()..(r + 1) * mine.len()];
-    for f in 0..mine.len() {
+    for (f, field) in FIELDS.iter().enumerate() {
         if (1..n).all(|r| of(r)[f] == of(0)[f]) {
             continue;
         }
@@ -101,7 +101,7 @@ pub(crate) fn agree(comm: &Communicator, cfg: &CpConfig, s: &CpShape, m: &CpMask
             })
             .collect::<Vec<_>>()
             .join("; ");
-        return Err(RingError::RanksDisagree { field: FIELDS[f], detail });
+        return Err(RingError::RanksDisagree { field, detail });
     }
     Ok(())
 }
