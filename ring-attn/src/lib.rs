@@ -57,3 +57,8 @@ pub use plan::{CpPlan, WorkspaceBytes};
 
 pub use longctx_kernels::{AttnGrads, AttnOut, AttnSaved, Backend, CpuBackend, DType, KernelError, Qkv, View, ViewMut};
 pub use longctx_p2p::{CommError, Communicator, ThreadWorld};
+
+/// The README's example, compiled and run as a doctest so it stays true.
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+struct ReadmeExample;

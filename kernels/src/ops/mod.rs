@@ -1,4 +1,4 @@
-//! Transformer ops other than attention, each with its backward: linear layers ([`matmul`]), RMSNorm and
+//! Transformer ops other than attention, each with its backward: linear layers ([`matmul`](mod@matmul)), RMSNorm and
 //! LayerNorm ([`rmsnorm`], [`layernorm`]), rotary embeddings ([`rope`]), SwiGLU and squared ReLU
 //! ([`activation`]), token embeddings ([`embedding`]), chunked softmax cross-entropy ([`cross_entropy`]), and the
 //! optimizer step with gradient clipping ([`optim`]).
@@ -8,7 +8,7 @@
 //!   (model dim), `F` hidden (FFN) dim, `V` vocabulary. Every buffer is row-major, last dimension innermost.
 //! - Forward functions take outputs first, then inputs, then sizes and options. Backward functions take the
 //!   gradients they write first (`d`-prefixed), then the upstream gradient, then the saved forward values.
-//! - Storage is `f32` or `bf16` ([`Element`](crate::Element)); every op computes and accumulates in `f32`
+//! - Storage is `f32` or `bf16` ([`Element`]); every op computes and accumulates in `f32`
 //!   (reductions that decide a loss or a norm in `f64`). Weight gradients have their own element type `G`, so a
 //!   `bf16` model can accumulate `f32` gradients across micro-batches; with `accumulate = true` weight gradients
 //!   are added to what the buffer holds, with `false` they are overwritten. Activation gradients are always

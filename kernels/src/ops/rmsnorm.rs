@@ -10,7 +10,7 @@
 //!           dw[c] (+)= Σ_n dy[n,c] · x̂[n,c]
 //! ```
 //!
-//! Rows run in parallel in fixed blocks of [`ROWS_PER_TASK`](super::ROWS_PER_TASK); the weight gradient is
+//! Rows run in parallel in fixed blocks of `ROWS_PER_TASK`; the weight gradient is
 //! summed per block and the blocks are added in order, so the result does not depend on the thread count.
 
 use rayon::prelude::*;
