@@ -46,12 +46,15 @@ mod collectives;
 mod communicator;
 mod copy;
 mod error;
-mod exchange;
 mod hostlist;
+mod op;
+mod owned;
+mod pending;
 mod reduce;
 pub mod rendezvous;
 mod request;
 mod stats;
+mod sync;
 mod threads;
 #[cfg(feature = "ucx")]
 #[cfg_attr(docsrs, doc(cfg(feature = "ucx")))]
@@ -60,6 +63,7 @@ mod ucx;
 pub use bootstrap::Bootstrap;
 pub use communicator::Communicator;
 pub use error::CommError;
+pub use owned::{OwnedBuf, OwnedRequest, SendRequest};
 pub use reduce::{Reduce, ReduceOp};
 pub use request::{Request, Scope};
 pub use stats::CommStats;

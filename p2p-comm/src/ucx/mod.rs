@@ -63,12 +63,12 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::collectives::{mismatch_as, name};
-use crate::communicator::INTERNAL;
+use crate::bootstrap::Bootstrap;
+use crate::error::CommError;
+use crate::op::{mismatch_as, name, Op, INTERNAL};
 use crate::rendezvous::{Store, StoreHost};
 use crate::stats::StatsCounters;
-use crate::threads::lock;
-use crate::{Bootstrap, CommError};
+use crate::sync::lock;
 use result::Started;
 
 /// The version of the UCX library this process runs with (`major, minor, release`, from `ucp_get_version`):
@@ -300,8 +300,9 @@ impl Shared {
     }
 }
 
-/// Creates the world communicator of this process from the environment (see [`Bootstrap::from_env`]).
-pub(crate) fn from_env(timeout: Duration) -> Result<crate::Communicator, CommError> {
+/// Joins the job described by the environment (see [`Bootstrap::from_env`]): this process's endpoint of the
+/// world communicator, which the caller completes with a barrier and then [`UcxEndpoint::joined`].
+pub(crate) fn join(timeout: Duration) -> Result<UcxEndpoint, CommError> {
     let b = Bootstrap::from_env()?;
     if b.world_size > MAX_RANKS {
         return Err(CommError::Bootstrap(format!("the UCX transport supports at most {MAX_RANKS} ranks")));
@@ -378,11 +379,7 @@ pub(crate) fn from_env(timeout: Duration) -> Result<crate::Communicator, CommErr
         links,
     });
     let members: Arc<[usize]> = (0..b.world_size).collect();
-    let ep = UcxEndpoint { shared: shared.clone(), ctx: 0, members, rank: b.rank };
-    let comm = crate::Communicator::from_ucx(ep, timeout);
-    comm.barrier()?;
-    shared.links.unlink(); // every rank has mapped it by now
-    Ok(comm.with_fresh_stats())
+    Ok(UcxEndpoint { shared, ctx: 0, members, rank: b.rank })
 }
 
 /// A worker whose context has `UCP_FEATURE_WAKEUP`, with its event fd; a worker without one where this UCX
@@ -408,6 +405,11 @@ pub(crate) struct UcxEndpoint {
 impl UcxEndpoint {
     pub(crate) fn rank(&self) -> usize {
         self.rank
+    }
+
+    /// Every rank has joined (a barrier over the new world passed): the link flags' file can go.
+    pub(crate) fn joined(&self) {
+        self.shared.links.unlink(); // every rank has mapped it by now
     }
 
     pub(crate) fn size(&self) -> usize {
@@ -438,23 +440,13 @@ impl UcxEndpoint {
         }
     }
 
-    /// Posts a send or receive (internal messages carry a digest of `meta`: see the module docs).
+    /// Posts `op` (internal messages carry a digest of its `meta`: see the module docs).
     ///
     /// # Safety
-    /// As [`crate::Communicator::post`].
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) unsafe fn post(
-        &self,
-        is_send: bool,
-        peer: usize,
-        key: u64,
-        meta: u64,
-        ptr: *mut u8,
-        len: usize,
-        later: bool,
-        timeout: Duration,
-        stats: &Arc<StatsCounters>,
-    ) -> Result<UcxOp, CommError> {
+    /// `op`'s buffer must stay valid (and, for a receive, unaliased) until the returned op finishes or is
+    /// dropped.
+    pub(crate) unsafe fn post(&self, op: &Op, stats: &Arc<StatsCounters>) -> Result<UcxOp, CommError> {
+        let Op { is_send, peer, key, meta, ptr, len, later, timeout, .. } = *op;
         let world_peer = self.members[peer];
         let mut info = (!is_send).then(|| self.shared.take_info());
         let inner = lock(&self.shared.inner);

@@ -33,6 +33,11 @@ pub fn e2s(e: CommError) -> String {
     e.to_string()
 }
 
+/// [`e2s`] for an owned request's error, dropping the buffer it handed back.
+pub fn oe2s<B>((e, _): (CommError, B)) -> String {
+    e.to_string()
+}
+
 /// splitmix64: deterministic data every rank can regenerate for every other rank.
 pub struct Rng(u64);
 impl Rng {
