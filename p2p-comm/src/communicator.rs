@@ -1,7 +1,7 @@
 //! The `Communicator`: ranks, point-to-point messages and ring shifts, over a private transport enum.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use bytemuck::Pod;
@@ -37,6 +37,8 @@ pub struct Communicator {
     /// steady loop of scoped exchanges allocates nothing.
     pub(crate) scope_pool: Mutex<crate::pending::ScopePool>,
     split_seq: AtomicU64,
+    /// Set by [`abort`](Self::abort): why this rank failed.
+    aborted: OnceLock<String>,
 }
 
 impl std::fmt::Debug for Communicator {
@@ -64,6 +66,7 @@ impl Communicator {
             scratch: Mutex::new(Vec::new()),
             scope_pool: Mutex::new(Default::default()),
             split_seq: AtomicU64::new(0),
+            aborted: OnceLock::new(),
         }
     }
 
@@ -153,6 +156,37 @@ impl Communicator {
         self.timeout
     }
 
+    /// Tells the other ranks that this one failed, and why, before it leaves: their pending and later operations
+    /// with this rank fail with [`CommError::PeerFailed`] naming it and carrying `reason` (instead of the bare
+    /// [`CommError::PeerGone`] a dropped communicator leaves them), and so do this rank's own later operations.
+    /// Only the first call's reason counts. It concerns this communicator (not those split from it).
+    ///
+    /// [`ThreadWorld::run`](crate::ThreadWorld::run) does this with the panic message of a rank that panics,
+    /// and [`ThreadWorld::try_run`](crate::ThreadWorld::try_run) also with the error a rank returns.
+    ///
+    /// ```
+    /// use longctx_p2p::{CommError, ThreadWorld};
+    ///
+    /// let comms = ThreadWorld::builder().build(2)?;
+    /// let mut it = comms.into_iter();
+    /// let (c0, c1) = (it.next().unwrap(), it.next().unwrap());
+    /// let t = std::thread::spawn(move || c0.recv(1, 0, &mut [0u8; 4]));
+    /// c1.abort("shard 1 of the input is corrupt");
+    /// let e = t.join().unwrap().unwrap_err();
+    /// assert!(matches!(e, CommError::PeerFailed { rank: 1, ref reason } if reason.contains("corrupt")));
+    /// # Ok::<(), CommError>(())
+    /// ```
+    pub fn abort(&self, reason: &str) {
+        if self.aborted.set(reason.to_string()).is_err() {
+            return;
+        }
+        match &self.transport {
+            Transport::Threads(ep) => ep.world.depart(ep.rank, Some(reason.to_string())),
+            #[cfg(feature = "ucx")]
+            Transport::Ucx(ep) => ep.abort(reason),
+        }
+    }
+
     fn check_peer(&self, peer: usize) -> Result<(), CommError> {
         let n = self.world_size();
         if peer >= n {
@@ -170,6 +204,9 @@ impl Communicator {
     /// returning.
     pub(crate) unsafe fn post(&self, op: Op) -> Result<Pending, CommError> {
         self.check_peer(op.peer)?;
+        if let Some(reason) = self.aborted.get() {
+            return Err(CommError::PeerFailed { rank: self.rank(), reason: reason.clone() });
+        }
         match &self.transport {
             // Threads: the copy is the transfer and it runs on a waiting rank's thread, so `later` changes nothing.
             // SAFETY: per our contract.

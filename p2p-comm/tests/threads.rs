@@ -108,6 +108,65 @@ fn thread_world_reports_the_first_panic() {
     }
 }
 
+/// `ThreadWorld` tells a failed rank's peers why it failed: the error its closure returned (`try_run`) or its
+/// panic message (`run` and `try_run`), in their pending and later operations with it.
+#[test]
+fn thread_world_tells_peers_why_a_rank_failed() {
+    let builder = ThreadWorld::builder().timeout(Duration::from_secs(20));
+    let peer_sees = |c: &Communicator, why: &str| -> Result<(), String> {
+        let mut b = [0u8; 4];
+        for when in ["pending", "later"] {
+            match c.recv(2, 0, &mut b) {
+                Err(CommError::PeerFailed { rank: 2, reason }) if reason.contains(why) => {}
+                other => return Err(format!("{when} receive from the failed rank: {other:?}")),
+            }
+        }
+        Ok(())
+    };
+    let out = builder
+        .try_run(3, |c| {
+            if c.rank() == 2 {
+                std::thread::sleep(Duration::from_millis(100));
+                return Err("shard 2 is empty".to_string());
+            }
+            peer_sees(&c, "shard 2 is empty")
+        })
+        .unwrap();
+    assert!(out[0].is_ok() && out[1].is_ok(), "{out:?}");
+    assert_eq!(out[2].as_ref().unwrap_err(), "shard 2 is empty");
+    let seen = std::sync::Mutex::new(Vec::new());
+    let res = builder.run(3, |c| {
+        if c.rank() == 2 {
+            std::thread::sleep(Duration::from_millis(100));
+            panic!("index out of bounds in rank 2");
+        }
+        seen.lock().unwrap().push(peer_sees(&c, "panicked: index out of bounds"));
+    });
+    assert!(matches!(res, Err(CommError::RankPanicked { rank: 2, .. })), "{res:?}");
+    let seen = seen.into_inner().unwrap();
+    assert!(seen.len() == 2 && seen.iter().all(Result::is_ok), "{seen:?}");
+    // A rank that merely returns (or whose communicator outlives its closure) leaves no reason.
+    let out = builder
+        .run(2, |c| {
+            if c.rank() == 1 {
+                return Ok(());
+            }
+            match c.recv(1, 0, &mut [0u8]) {
+                Err(CommError::PeerGone { rank: 1 }) => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        })
+        .unwrap();
+    suite::all_ok(out);
+    let comms = builder.run(2, |c| c).unwrap();
+    let (a, b) = comms.split_at(1);
+    std::thread::scope(|s| {
+        let h = s.spawn(|| a[0].sendrecv(&[1u32], &mut [0u32]));
+        b[0].sendrecv(&[2u32], &mut [0u32]).unwrap();
+        h.join().unwrap().unwrap();
+    });
+}
+
 #[test]
 fn dropped_request_keeps_buffer_until_matched() {
     let out = ThreadWorld::run(2, |c| {

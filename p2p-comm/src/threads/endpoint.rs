@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 
 use super::channel::ChannelRef;
 use super::completion::{mismatch, transfer};
-use super::completion::{Attachment, Outcome, Pair, State, DEFER_MIN, MATCHED};
+use super::completion::{Attachment, Pair, State, DEFER_MIN, MATCHED};
 use super::exchange::ExchangeOp;
 use super::mailbox::Slot;
 use super::mailbox_op::MailboxOp;
@@ -58,7 +58,7 @@ impl Endpoint {
         let me = self.rank;
         if op.exchange {
             if !w.alive[peer].load(Ordering::SeqCst) {
-                return Err(CommError::PeerGone { rank: peer });
+                return Err(w.gone_error(peer));
             }
             let ch = if is_send { self.channel(me, peer) } else { self.channel(peer, me) };
             // SAFETY: per our contract.
@@ -105,7 +105,7 @@ impl Endpoint {
                 if !w.alive[peer].load(Ordering::SeqCst) {
                     drop(q);
                     w.recycle(me, c);
-                    return Err(CommError::PeerGone { rank: peer });
+                    return Err(w.gone_error(peer));
                 }
                 q.push(Slot { word: Slot::word(is_send, from, key), meta, ptr, len, done: c });
             }
@@ -140,22 +140,7 @@ impl Endpoint {
 
 impl Drop for Endpoint {
     fn drop(&mut self) {
-        let w = &self.world;
-        let r = self.rank;
-        w.alive[r].store(false, Ordering::SeqCst);
-        for (d, mbox) in w.mailboxes.iter().enumerate() {
-            // Our own mailbox: the sends addressed to us. Another rank's: its receives from us.
-            let waiting_on_us = |s: &Slot| if d == r { s.is_send() } else { !s.is_send() && s.peer() == r };
-            for s in lock(mbox).drain_where(waiting_on_us) {
-                s.done.complete(Outcome::PeerGone);
-            }
-        }
-        // Exchanges with us: their waiters look at `alive` when they wake.
-        for (&(src, dst), ch) in lock(&w.channels).iter() {
-            if src == r || dst == r {
-                ch.wake_all();
-            }
-        }
+        self.world.endpoint_dropped(self.rank);
     }
 }
 

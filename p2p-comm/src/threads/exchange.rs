@@ -164,7 +164,7 @@ impl ExchangeOp {
         if how & GONE == 0 && self.world.alive[self.peer].load(Ordering::SeqCst) {
             CommError::Timeout { op: self.op_name(), peer: self.peer, after: self.timeout }
         } else {
-            CommError::PeerGone { rank: self.peer }
+            self.world.gone_error(self.peer)
         }
     }
 
@@ -225,7 +225,7 @@ impl ExchangeOp {
                 // Whatever the peer published is still borrowed by its operations; look once more, then withdraw.
                 if self.push(true).is_none() && self.outcome().is_none() {
                     if let Ok(()) = self.ch.withdraw(self.slot, self.stamp, ours) {
-                        return Found::Err(CommError::PeerGone { rank: self.peer });
+                        return Found::Err(self.world.gone_error(self.peer));
                     }
                 }
                 continue;
@@ -384,7 +384,7 @@ fn free_slot(
             continue;
         }
         if !world.alive[peer].load(Ordering::SeqCst) {
-            return Err(CommError::PeerGone { rank: peer });
+            return Err(world.gone_error(peer));
         }
         let now = Instant::now();
         if deadline.is_some_and(|d| now >= d) {

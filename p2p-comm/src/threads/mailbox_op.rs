@@ -41,7 +41,7 @@ impl MailboxOp {
                 Err(CommError::LengthMismatch { src, dst, tag: self.key, message_bytes, buffer_bytes })
             }
             Outcome::MetaMismatch { ours, theirs } => Err(meta_mismatch(self.peer, ours, theirs)),
-            Outcome::PeerGone => Err(CommError::PeerGone { rank: self.peer }),
+            Outcome::PeerGone => Err(self.world.gone_error(self.peer)),
         }
     }
 

@@ -41,8 +41,8 @@ mod exchange;
 mod mailbox;
 mod mailbox_op;
 mod refs;
-mod thread_world;
 mod world;
 
 pub(crate) use endpoint::{Endpoint, ThreadOp};
-pub use thread_world::{ThreadWorld, ThreadWorldBuilder};
+pub(crate) use mailbox::MAX_THREAD_RANKS;
+pub(crate) use world::World;

@@ -289,6 +289,19 @@ impl Drop for Shared {
 }
 
 impl Shared {
+    /// Whether rank `world_rank` (of the world) left or failed; the error to report, naming it as `rank`.
+    /// [`Communicator::abort`](crate::Communicator::abort) publishes a failed rank's reason under
+    /// `failed/{world_rank}` before the rank leaves, so a rank seen gone is checked for a reason after.
+    fn lost(&self, world_rank: usize, rank: usize) -> Option<CommError> {
+        let gone = self.gone(world_rank);
+        match self.store.try_get_within(&format!("failed/{world_rank}"), STORE_ANSWER) {
+            Ok(Some(reason)) => {
+                Some(CommError::PeerFailed { rank, reason: String::from_utf8_lossy(&reason).into_owned() })
+            }
+            _ => gone.then_some(CommError::PeerGone { rank }),
+        }
+    }
+
     fn gone(&self, world_rank: usize) -> bool {
         // Bounded: the store lives in rank 0's process, which may be stalled, and a wait that checks its peer
         // must still end by its own deadline.
@@ -405,6 +418,13 @@ pub(crate) struct UcxEndpoint {
 impl UcxEndpoint {
     pub(crate) fn rank(&self) -> usize {
         self.rank
+    }
+
+    /// Publishes why this rank failed (see [`Communicator::abort`](crate::Communicator::abort)): peers find it
+    /// when they check whether this rank is still there.
+    pub(crate) fn abort(&self, reason: &str) {
+        // Best effort: if the store is gone (rank 0 died), the peers learn only that this rank left.
+        let _ = self.shared.store.set(&format!("failed/{}", self.members[self.rank]), reason.as_bytes());
     }
 
     /// Every rank has joined (a barrier over the new world passed): the link flags' file can go.
@@ -600,8 +620,8 @@ impl UcxOp {
                 );
                 let t0 = Instant::now();
                 loop {
-                    if self.shared.gone(self.world_peer) {
-                        return Err(CommError::PeerGone { rank: self.peer });
+                    if let Some(e) = self.shared.lost(self.world_peer, self.peer) {
+                        return Err(e);
                     }
                     // A receive that fails after its sender withdrew the send (e.g. UCX 1.22's failed read of a
                     // send buffer the sender had freed) failed because of that withdrawal: say so.
@@ -738,9 +758,9 @@ impl UcxOp {
             }
             if now.duration_since(last_check) >= LIVENESS_POLL {
                 last_check = now;
-                if self.shared.gone(self.world_peer) {
+                if let Some(e) = self.shared.lost(self.world_peer, self.peer) {
                     self.abort();
-                    return Err(CommError::PeerGone { rank: self.peer });
+                    return Err(e);
                 }
             }
             // Poll hard (yielding to ranks that share our cores) while the worker has events, and for a few

@@ -539,6 +539,40 @@ pub fn leaked_owned_requests_corrupt_nothing(c: Communicator) -> Result<(), Stri
     Ok(())
 }
 
+/// Rank 1 aborts with a reason while the others wait on it: their pending operation and their later ones with
+/// it fail with `PeerFailed` naming it and carrying the reason, and so do its own later operations.
+pub fn failed_peer<W: World>(n: usize) {
+    let out = W::run(n, Duration::from_secs(20), "failed_peer", &|c: Communicator| {
+        let r = c.rank();
+        c.barrier().map_err(e2s)?;
+        let is_why =
+            |e: &CommError| matches!(e, CommError::PeerFailed { rank: 1, reason } if reason.contains("shard 3"));
+        if r == 1 {
+            std::thread::sleep(Duration::from_millis(200)); // the others' receives are posted
+            c.abort("bad input: shard 3 is empty");
+            return match c.recv(0, 5, &mut [0u8; 4]) {
+                Err(e) if is_why(&e) => Ok(()),
+                other => Err(format!("an operation after abort: {other:?}")),
+            };
+        }
+        let t0 = Instant::now();
+        let mut buf = [0u8; 16];
+        match c.recv(1, 3, &mut buf) {
+            Err(e) if is_why(&e) => {}
+            other => return Err(format!("pending receive from the failed rank: {other:?}")),
+        }
+        match c.recv(1, 4, &mut buf) {
+            Err(e) if is_why(&e) => {}
+            other => return Err(format!("later receive from the failed rank: {other:?}")),
+        }
+        if t0.elapsed() > Duration::from_secs(10) {
+            return Err(format!("noticed only after {:?}", t0.elapsed()));
+        }
+        Ok(())
+    });
+    all_ok(out);
+}
+
 /// Rank `victim` dies while the others wait on it: they must get an error naming it, well within the timeout.
 pub fn killed_peer<W: World>(n: usize, victim: usize) {
     let timeout = Duration::from_secs(20);
@@ -781,6 +815,10 @@ macro_rules! suite_tests {
                 "leaked_owned_requests_corrupt_nothing",
                 &suite::leaked_owned_requests_corrupt_nothing,
             ));
+        }
+        #[test]
+        fn failed_peer() {
+            suite::failed_peer::<$w>(3);
         }
         #[test]
         fn killed_peer() {
