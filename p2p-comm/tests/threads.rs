@@ -53,7 +53,7 @@ proptest! {
             let tag = |rank: u32, i: usize| rank.wrapping_mul(7919) ^ (i as u32).wrapping_mul(104_729) ^ seed as u32;
             let sends: Vec<Vec<u32>> = lens.iter().enumerate().map(|(i, &l)| pattern(tag(r, i), l)).collect();
             let mut recvs: Vec<Vec<u32>> = vec![Vec::new(); lens.len()];
-            let mut reqs: Vec<Option<longctx_p2p::OwnedRequest<(Vec<u32>, Vec<u32>)>>> = Vec::new();
+            let mut reqs = Vec::new();
             for (s, &l) in sends.into_iter().zip(&lens) {
                 reqs.push(Some(c.isendrecv(s, vec![0u32; l]).map_err(suite::oe2s)?));
             }
