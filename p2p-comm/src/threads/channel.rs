@@ -16,7 +16,7 @@
 //! - the receiver reads the offer (one hand-off), claims the message in its own post line, copies, and writes
 //!   the outcome into the sender's [`Cell`] (one hand-off), which the sender is polling.
 //!
-//! That is the floor of any single-copy hand-off: the bench's ring floor moves two lines per step the same way.
+//! That is the floor of any single-copy hand-off: two lines per step.
 //!
 //! Whoever copies first claims the message with one compare-and-swap on the post line's `claim` word: the
 //! receiver normally, the sender if its receiver has posted but not come to copy for a while (it is busy
@@ -185,9 +185,8 @@ impl Channel {
     /// Every publication that a sleeper may wait for (an offer, a post, an outcome, a withdrawal) is a
     /// sequentially consistent read-modify-write, and a sleeper registers in `sleepers` (also sequentially
     /// consistent) before its last look: so either the publisher sees the sleeper, or the sleeper sees the
-    /// publication. The release store that the publication replaces left the peer's core to see the sleeper count
-    /// before the store (a 4 KiB ring step also ran 5-8% slower with it: the store waited for the peer's line at
-    /// the next locked instruction anyway, and later).
+    /// publication. A release store in its place would let the peer's core see the sleeper count before the
+    /// store (and it is no cheaper: the store waits for the peer's line at the next locked instruction anyway).
     pub(super) fn ring(&self) {
         if self.sleepers.load(Ordering::SeqCst) > 0 {
             let _g = lock(&self.bell);

@@ -50,11 +50,9 @@ pub(super) struct Attachment {
 pub(super) const COPY_SPIN: Duration = Duration::from_millis(2);
 
 /// Size of the chunks a matched large message is copied in: small enough that the two threads share every
-/// deferred message ([`DEFER_MIN`] and up: a 256 KiB stream ran at 26-27 GiB/s with 256 KiB chunks, one per
-/// message, and at 39-43 with 64 KiB ones, against 36-38 for `memcpy`; a 64 KiB stream at 18-20 with one 64 KiB
-/// chunk and at 24-30 with two of 32 KiB), large enough that claiming and finishing a chunk costs little (a 32 KiB
-/// chunk is about 1 µs of copying; 16 KiB ones were no faster and slowed the 64 KiB ring). A multiple of 4 KiB,
-/// so chunks keep the buffers' alignment.
+/// deferred message ([`DEFER_MIN`] and up: at least two chunks each, eight for larger ones), large enough that
+/// claiming and finishing a chunk costs little next to copying it (at least 32 KiB). A multiple of 4 KiB, so
+/// chunks keep the buffers' alignment.
 pub(super) fn chunk_len(len: usize) -> usize {
     (len / 8).clamp(32 << 10, 4 << 20) & !4095
 }
@@ -96,8 +94,7 @@ pub(super) enum State {
 /// Laid out by hand on two cache lines of its own: the state's lock and value with the stage and sleeper
 /// count on the first (what a setter writes and the waiter spins on, moved between the cores together), the
 /// condition variable and the chunk claims on the second. Left to the allocator and the compiler, the fields
-/// straddled lines that differed from one completion to the next; this layout took a blocking stream from 2.9 to
-/// 5.6 GiB/s at 4 KiB, 5.3 to 18 at 16 KiB and 29 to 32 at 64 KiB (alternating single runs of the bench).
+/// would straddle lines that differ from one completion to the next, and each hand-off would move more lines.
 #[derive(Debug)]
 #[repr(C, align(64))]
 pub(super) struct Completion {
@@ -175,9 +172,8 @@ impl Completion {
     ///
     /// `large`: the message is a deferred one (at least [`DEFER_MIN`] bytes), whose peer takes several writes to
     /// this completion's first line (lock, state, stage, unlock) while we wait on it. Reading it between 8
-    /// `pause`s instead of 1 leaves the line with the writer for those: the 64 KiB blocking stream went from
-    /// 29-31 to 32-33.5 GiB/s. Small messages keep the tight spin, where the later wake-up cost more than the
-    /// line was worth (the 4 KiB stream fell from 4.6-5.7 to 2.8-5.3 with the slow spin for every size).
+    /// `pause`s instead of 1 leaves the line with the writer for those. Small messages keep the tight spin:
+    /// their peer writes the line once, and noticing it late costs more than the line is worth.
     pub(super) fn spin(&self, stage: u8, large: bool) {
         let pauses = if large { 8 } else { 1 };
         let spins = 50 / pauses;

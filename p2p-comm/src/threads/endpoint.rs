@@ -20,9 +20,9 @@ pub(crate) struct Endpoint {
     pub(crate) world: Arc<World>,
     pub(crate) rank: usize,
     /// What this rank's operations hold: a per-rank `Arc` around the shared one, so starting and finishing an
-    /// operation changes a reference count in this rank's cache only. With the shared count, which every rank
-    /// changed on every message, that count's cache line (also holding the world's fields) moved between the
-    /// cores twice per message: about a fifth of `post` in a 4 KiB ping-pong.
+    /// operation changes a reference count in this rank's cache only. The shared count, which every rank would
+    /// change on every message, sits on a cache line (with the world's fields) that would then move between the
+    /// cores twice per message.
     ops_world: Arc<RankWorld>,
     /// The exchange channels this rank used, so that finding one takes no shared lock.
     channels: Mutex<Vec<((usize, usize), ChannelRef)>>,

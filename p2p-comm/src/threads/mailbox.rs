@@ -51,19 +51,16 @@ unsafe impl Send for Slot {}
 ///
 /// Sends and receives share one queue. Its oldest slot is stored inline and the others in a ring buffer whose
 /// header is 16 bytes, so the lock word, that slot and the ring's header fill exactly one cache line (checked
-/// below). A message between two ranks with nothing else in flight so moves one mailbox line between the cores,
-/// where two `Vec`s kept their slots on a second line (five-round medians of the bench: 4 KiB blocking stream
-/// 5.0-5.8 → 7.1-7.4 GiB/s, latency 0.8 → 0.6 µs), and windowed streams touch the ring's slots but no header line
-/// of their own (with a boxed `VecDeque` the 4 KiB stream with 16 sends in flight and one receive at a time fell
-/// from 8.6-9.0 to 6.4-6.9 GiB/s). Both kinds may wait here at once (for
-/// different peers or tags); an operation only matches the other kind with the same peer and tag, oldest first,
+/// below). A message between two ranks with nothing else in flight so moves one mailbox line between the cores
+/// (two `Vec`s would keep their slots on a second line), and windowed streams touch the ring's slots but no
+/// header line of their own (as a boxed `VecDeque` would). Both kinds may wait here at once (for different peers
+/// or tags); an operation only matches the other kind with the same peer and tag, oldest first,
 /// so each (peer, tag) stays first-in first-out. The ring keeps its capacity, so a steady state allocates
 /// nothing.
 #[derive(Default)]
 pub(super) struct Mailbox {
     /// Set only while `rest` is empty, so it is always the oldest slot. It is not refilled from `rest` when
-    /// taken: with many in flight, moving each next slot into the lock's line cost the windowed 4 KiB stream a
-    /// fifth of its rate.
+    /// taken: with many in flight, moving each next slot into the lock's line costs more than the line saves.
     pub(super) first: Option<Slot>,
     pub(super) rest: SlotRing,
 }

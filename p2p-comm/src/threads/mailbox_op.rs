@@ -105,8 +105,7 @@ impl MailboxOp {
                 State::Matched(_) | State::Attached(_) => {
                     // Every chunk is claimed: the peer is copying its last ones, which takes at most a chunk's copy
                     // time. Spin rather than sleep: a futex sleep and wake-up costs tens of µs, and that lies on the
-                    // path of the next message (a 1 MiB stream ran at half of `memcpy` when the helping sender
-                    // slept here). Bounded, in case the peer was descheduled mid-copy.
+                    // path of the next message. Bounded, in case the peer was descheduled mid-copy.
                     let end = *copy_spin_end.get_or_insert_with(|| Instant::now() + COPY_SPIN);
                     if Instant::now() < end {
                         drop(st);

@@ -19,12 +19,10 @@
 //!   tests) its receive, the sender from the back of the back half as soon as it waits on its send (a message
 //!   of one chunk would be the receiver's alone; [`chunk_len`] gives every deferred message two or more). Each
 //!   side so copies the same part of a message from one exchange to the next, and a destination line stays in
-//!   the cache of the core that wrote it last time (when the sender took single-chunk messages too, a 64 KiB
-//!   stream fell from 19 to 6 GiB/s). In a one-way stream the two cores
-//!   split every message: on the bench machine a 1 MiB stream ran at 56 GiB/s against 25 for one `memcpy`, and
-//!   at 20 when the sender first spun for a while to leave the copy to the receiver. A sender whose receiver
-//!   has not claimed its half after a spin copies it too: the receiver may be busy elsewhere, and a send must
-//!   complete without it.
+//!   the cache of the core that wrote it last time. In a one-way stream the two cores split every message, so
+//!   a large message is copied by two cores at once, and the sender does not first spin to leave the copy to
+//!   the receiver. A sender whose receiver has not claimed its half after a spin copies it too: the receiver
+//!   may be busy elsewhere, and a send must complete without it.
 //!
 //! A waiter whose chunks are all claimed spins while the peer copies the last ones instead of sleeping: the
 //! futex sleep and wake-up cost tens of µs and lie on the path of the next message.

@@ -10,8 +10,7 @@ use crossbeam::utils::CachePadded;
 /// attachment in its completions; an endpoint's channel cache) points to a live object.
 ///
 /// Not an `Arc`: the slot, pair and attachment of a message were clones of a completion, each made or dropped by
-/// the peer rank, and every such count change moved the completion's first cache line between the cores (a fifth
-/// of `post` in a 64 KiB ring exchange).
+/// the peer rank, and every such count change would move the completion's first cache line between the cores.
 pub(crate) struct Ref<T>(pub(super) std::ptr::NonNull<T>);
 
 impl<T> PartialEq for Ref<T> {

@@ -23,8 +23,7 @@
 //! memory the receiver pulls the data from the sender's memory by address (CMA), and would read whatever the
 //! caller has put there since: before the buffer is returned, the sender raises a flag in shared memory that
 //! its peers on the host read after each receive from it ([`link_flags`]), so such a receive fails with
-//! `LinkClosed` instead (test: `a_peer_stopped_mid_transfer_fails_the_sender_and_never_gets_reused_data`; without
-//! the flag the resumed receive completed with 250 MiB of the reused data). If the caller *unmapped* the buffer
+//! `LinkClosed` instead (test: `a_peer_stopped_mid_transfer_fails_the_sender_and_never_gets_reused_data`). If the caller *unmapped* the buffer
 //! instead (freed a large allocation), the resumed receiver's read faults: from UCX 1.22 on that fails the
 //! receive, reported as `LinkClosed` too (same test); UCX 1.13 to 1.21 abort the receiver. Left open: RDMA
 //! reads between hosts (InfiniBand) have no flag to read; and the mirror case, a withdrawn *receive* whose
@@ -37,7 +36,7 @@
 //! 1.22 on that fails the receive and the receiver gets `PeerGone`. UCX 1.13 to 1.21 abort the receiving process
 //! instead, unless its endpoints use peer error handling (`scripts/ucx-versions` runs the test against each
 //! release); with that handling UCX (1.13 to 1.22) moves a same-host peer's traffic to TCP over `lo` (no sysv,
-//! no CMA), which cost 2-5x in bandwidth from 64 KiB here (`ucx_perftest -e` loses as much), so it is off by
+//! no CMA), which costs much of the bandwidth of larger messages (`ucx_perftest -e` loses as much), so it is off by
 //! default (under `longctx-launch` the job ends when one rank dies anyway) and `LONGCTX_UCX_PEER_ERRORS=1`
 //! turns it on for jobs whose ranks must survive a peer's death on an older UCX (test:
 //! `a_rank_killed_mid_transfer_is_an_error_on_its_peer`; [`ucx_version`] tells which UCX a process runs with).
@@ -766,9 +765,9 @@ impl UcxOp {
             // Poll hard (yielding to ranks that share our cores) while the worker has events, and for a few
             // milliseconds after the last, which covers the protocol round trips of a transfer; then sleep until
             // the worker has an event (or, without an event fd, back off), so a wait on a peer that is busy
-            // elsewhere costs little CPU. Large messages over TCP keep the worker busy for their whole transfer:
-            // sleeping on the event fd from 5 ms after the wait began instead lost 8-10% at 64 MiB (the socket
-            // waited for our wake-up between turns), and sleeping a fixed 50 µs per turn more (BENCHMARKS.md).
+            // elsewhere costs little CPU. Large messages over TCP keep the worker busy for their whole transfer,
+            // so the spin is counted from the last event, not from the start of the wait: a sleep between turns
+            // would leave the socket waiting for our wake-up.
             if now.duration_since(last_event) < SPIN {
                 std::thread::yield_now();
             } else {

@@ -111,8 +111,8 @@ impl Worker {
     /// Creates an endpoint to the worker whose address is `addr`.
     pub fn connect(&self, addr: &[u8]) -> Result<Endpoint, UcxError> {
         // By default no UCP_ERR_HANDLING_MODE_PEER: it restricts UCX to transports that can detect peer failure,
-        // which puts a peer on the same host on TCP over `lo` (no sysv, no cma), and cost 2-5x in bandwidth from
-        // 64 KiB (BENCHMARKS.md); the transport detects dead peers itself, through the store. The price: UCX 1.13
+        // which puts a peer on the same host on TCP over `lo` (no sysv, no cma), at a large cost in bandwidth
+        // (BENCHMARKS.md); the transport detects dead peers itself, through the store. The price: UCX 1.13
         // to 1.21 abort a process whose cma read from a peer that died mid-transfer fails (1.22 fails the read's
         // request). `LONGCTX_UCX_PEER_ERRORS=1` buys survival of that case with the bandwidth.
         let peer = std::env::var("LONGCTX_UCX_PEER_ERRORS").as_deref() == Ok("1");
