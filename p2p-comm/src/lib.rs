@@ -30,7 +30,9 @@
 //!
 //! - threads (always): ranks are threads of one process; each message is copied once, from the send buffer
 //!   straight into the receive buffer; waits honour [`Communicator::timeout`]; a rank whose communicator is
-//!   dropped (or whose thread panics) makes its peers' pending operations fail with [`CommError::PeerGone`].
+//!   dropped (or whose thread panics) makes its peers' pending operations fail with [`CommError::PeerGone`]
+//!   (under [`ThreadWorld::run`] a panicking rank's peers get [`CommError::PeerFailed`] with the panic message,
+//!   and under [`ThreadWorld::try_run`] also a rank's returned error).
 //! - `ucx`: ranks are processes. Start them with `longctx-launch --nproc N -- CMD` (feature `launcher`, on by
 //!   default), Slurm or `mpirun`, and call `Communicator::from_env()` in each; rank 0 hosts a small
 //!   [`rendezvous`] store on `MASTER_ADDR:MASTER_PORT` that only admits holders of the job token. Bindings are
