@@ -152,17 +152,16 @@ fn window_to_one(c: &Communicator, it: usize, window: usize, send: &[u8], recv: 
     c.barrier()?;
     let t0 = Instant::now();
     match c.rank() {
-        0 => {
+        0 => c.scope(|s| {
             let mut in_flight = std::collections::VecDeque::with_capacity(window);
             for _ in 0..it {
                 if in_flight.len() == window {
                     in_flight.pop_front().map_or(Ok(()), |q: longctx_p2p::Request<'_>| q.wait())?;
                 }
-                // SAFETY: every request is waited for before `send` is touched again; none is leaked.
-                in_flight.push_back(unsafe { c.isend(1, 4, send) }?);
+                in_flight.push_back(s.isend(1, 4, send)?);
             }
-            in_flight.into_iter().try_for_each(|q| q.wait())?;
-        }
+            in_flight.into_iter().try_for_each(|q| q.wait())
+        })?,
         1 => (0..it).try_for_each(|_| c.recv(0, 4, recv))?,
         _ => {}
     }
@@ -175,19 +174,21 @@ fn window_to_one(c: &Communicator, it: usize, window: usize, send: &[u8], recv: 
 /// the rank's thread, then waited for (max over ranks).
 fn exposed_wait(c: &Communicator, it: usize, send: &[u8], recv: &mut [u8], compute: f64) -> Result<f64, CommError> {
     let compute = Duration::from_secs_f64(compute);
-    // SAFETY (both): waited for before the buffers are touched again; never leaked.
-    unsafe { c.isendrecv(send, recv) }?.wait()?;
+    c.scope(|s| s.isendrecv(send, &mut *recv)?.wait())?;
     c.barrier()?;
     let mut waited = 0.0;
     for _ in 0..it {
-        let req = unsafe { c.isendrecv(send, recv) }?;
-        let t = Instant::now();
-        while t.elapsed() < compute {
-            std::hint::spin_loop();
-        }
-        let t = Instant::now();
-        req.wait()?;
-        waited += t.elapsed().as_secs_f64();
+        c.scope(|s| {
+            let req = s.isendrecv(send, &mut *recv)?;
+            let t = Instant::now();
+            while t.elapsed() < compute {
+                std::hint::spin_loop();
+            }
+            let t = Instant::now();
+            req.wait()?;
+            waited += t.elapsed().as_secs_f64();
+            Ok::<(), CommError>(())
+        })?;
     }
     let mut t = [waited / it as f64];
     c.all_reduce(&mut t, ReduceOp::Max)?;
@@ -218,13 +219,14 @@ fn measure(c: &Communicator, with_memcpy: bool) -> Result<Vec<Row>, CommError> {
         let window = window(bytes);
         let mut recv_w: Vec<Vec<u8>> = (0..if r == 1 { window } else { 0 }).map(|_| vec![0u8; bytes]).collect();
         let windowed = timed(c, it.div_ceil(window), || {
-            let reqs = match r {
-                // SAFETY (both): all waited for just below; none leaked.
-                0 => (0..window).map(|_| unsafe { c.isend(1, 3, &send) }).collect::<Result<Vec<_>, _>>()?,
-                1 => recv_w.iter_mut().map(|b| unsafe { c.irecv(0, 3, b) }).collect::<Result<Vec<_>, _>>()?,
-                _ => Vec::new(),
-            };
-            reqs.into_iter().try_for_each(|q| q.wait())
+            c.scope(|s| {
+                let reqs = match r {
+                    0 => (0..window).map(|_| s.isend(1, 3, &send)).collect::<Result<Vec<_>, _>>()?,
+                    1 => recv_w.iter_mut().map(|b| s.irecv(0, 3, b)).collect::<Result<Vec<_>, _>>()?,
+                    _ => Vec::new(),
+                };
+                reqs.into_iter().try_for_each(|q| q.wait())
+            })
         })? / window as f64;
         drop(recv_w);
         let window1 = window_to_one(c, it, window, &send, &mut recv)?;
@@ -595,9 +597,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let rank = c.rank();
         drop(c);
         if rank == 0 {
-            let (major, minor, release) = longctx_p2p::ucx_version();
+            // Only reached with the `ucx` feature (`from_env` fails without it), but it must build without.
+            #[cfg(feature = "ucx")]
+            let version = {
+                let (major, minor, release) = longctx_p2p::ucx_version();
+                format!("{major}.{minor}.{release}")
+            };
+            #[cfg(not(feature = "ucx"))]
+            let version = "(none)";
             println!(
-                "UCX {major}.{minor}.{release} transport, 2 processes (UCX_TLS={}, progress thread {}), median of \
+                "UCX {version} transport, 2 processes (UCX_TLS={}, progress thread {}), median of \
                  {n_rounds} round(s)",
                 std::env::var("UCX_TLS").unwrap_or_else(|_| "default".into()),
                 if std::env::var("LONGCTX_UCX_PROGRESS").as_deref() == Ok("0") { "off" } else { "on" }

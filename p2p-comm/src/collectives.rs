@@ -16,49 +16,10 @@ use std::ops::Range;
 
 use bytemuck::Pod;
 
-use crate::communicator::INTERNAL;
+use crate::communicator::Communicator;
+use crate::error::CommError;
+use crate::op::{meta, ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BARRIER, BROADCAST, INTERNAL, REDUCE_SCATTER};
 use crate::reduce::{combine_into, Reduce, ReduceOp};
-use crate::{CommError, Communicator};
-
-const BARRIER: u64 = 1;
-const ALL_REDUCE: u64 = 2;
-const ALL_GATHER: u64 = 3;
-const REDUCE_SCATTER: u64 = 4;
-const BROADCAST: u64 = 5;
-const ALL_TO_ALL: u64 = 6;
-
-/// Name of the collective with internal code `code` (UCX carries only the code in a message's tag).
-pub(crate) fn name(code: u64) -> &'static str {
-    match code {
-        BARRIER => "barrier",
-        ALL_REDUCE => "all_reduce",
-        ALL_GATHER => "all_gather",
-        REDUCE_SCATTER => "reduce_scatter",
-        BROADCAST => "broadcast",
-        ALL_TO_ALL => "all_to_all",
-        _ => "point-to-point",
-    }
-}
-
-/// Descriptor: operation in bits 56.., `extra` (root, operator) in bits 48..56, byte count in bits 0..48.
-fn meta(code: u64, bytes: usize, extra: u64) -> u64 {
-    (code << 56) | ((extra & 0xFF) << 48) | (bytes as u64 & ((1 << 48) - 1))
-}
-
-fn describe(m: u64) -> String {
-    format!("{} of {} bytes (root/operator {})", name(m >> 56), m & ((1 << 48) - 1), (m >> 48) & 0xFF)
-}
-
-/// The error for two matched messages whose descriptors differ.
-pub(crate) fn mismatch(peer: usize, ours: u64, theirs: u64) -> CommError {
-    mismatch_as(peer, ours, describe(theirs))
-}
-
-/// The error for a collective whose peer's call is known only in words (UCX: by a digest of its descriptor, or
-/// by the collective its message belongs to).
-pub(crate) fn mismatch_as(peer: usize, ours: u64, theirs: String) -> CommError {
-    CommError::CollectiveMismatch { op: name(ours >> 56), peer, ours: describe(ours), theirs }
-}
 
 /// Range of chunk `c` when `len` elements are cut into `n` parts whose sizes differ by at most one.
 fn chunk(len: usize, n: usize, c: usize) -> Range<usize> {
@@ -108,7 +69,7 @@ impl Communicator {
                 let sc = range((r + 2 * n - s - 1) % n);
                 let rc = range((r + 2 * n - s - 2) % n);
                 let tmp = &mut tmp[..rc.len()];
-                self.exchange(INTERNAL | (m >> 56), m, next, bytes(&buf[sc]), prev, bytes_mut(tmp))?;
+                self.exchange(INTERNAL | (m >> 56), m, (next, bytes(&buf[sc])), (prev, bytes_mut(tmp)))?;
                 combine_into(&mut buf[rc], tmp, op);
             }
             Ok(())
@@ -125,7 +86,7 @@ impl Communicator {
         let (r, n, next, prev) = self.ring();
         for s in 0..n - 1 {
             let (send, recv) = disjoint(buf, range((r + n - s) % n), range((r + 2 * n - s - 1) % n));
-            self.exchange(INTERNAL | (m >> 56), m, next, bytes(send), prev, bytes_mut(recv))?;
+            self.exchange(INTERNAL | (m >> 56), m, (next, bytes(send)), (prev, bytes_mut(recv)))?;
         }
         Ok(())
     }
@@ -142,7 +103,7 @@ impl Communicator {
         let m = meta(BARRIER, 0, 0);
         let mut k = 1;
         while k < n {
-            self.exchange(INTERNAL | BARRIER, m, (r + k) % n, &[], (r + n - k) % n, &mut [])?;
+            self.exchange(INTERNAL | BARRIER, m, ((r + k) % n, &[]), ((r + n - k) % n, &mut []))?;
             k <<= 1;
         }
         Ok(())
@@ -214,7 +175,7 @@ impl Communicator {
         while mask < n {
             if vr & mask != 0 {
                 let src = (vr - mask + root) % n;
-                self.post_recv(src, key, m, bytes_mut(buf), false, false)?.wait()?;
+                self.recv_bytes(src, key, m, bytes_mut(buf))?;
                 break;
             }
             mask <<= 1;
@@ -223,7 +184,7 @@ impl Communicator {
         while mask > 0 {
             if vr + mask < n {
                 let dst = (vr + mask + root) % n;
-                self.post_send(dst, key, m, bytes(buf), false, false)?.wait()?;
+                self.send_bytes(dst, key, m, bytes(buf))?;
             }
             mask >>= 1;
         }
@@ -247,7 +208,7 @@ impl Communicator {
         for s in 1..n {
             let (dst, src) = ((r + s) % n, (r + n - s) % n);
             let out = bytes(&send[dst * k..(dst + 1) * k]);
-            self.exchange(INTERNAL | ALL_TO_ALL, m, dst, out, src, bytes_mut(&mut recv[src * k..(src + 1) * k]))?;
+            self.exchange(INTERNAL | ALL_TO_ALL, m, (dst, out), (src, bytes_mut(&mut recv[src * k..(src + 1) * k])))?;
         }
         Ok(())
     }

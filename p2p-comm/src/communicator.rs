@@ -1,23 +1,17 @@
 //! The `Communicator`: ranks, point-to-point messages and ring shifts, over a private transport enum.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use bytemuck::Pod;
 
-use crate::request::{Pending, Request};
+use crate::error::CommError;
+use crate::op::{Op, DEFAULT_TIMEOUT, RING_TAG};
+use crate::pending::{Parts, Pending};
 use crate::stats::{CommStats, StatsCounters};
-use crate::threads::{self, lock};
-use crate::CommError;
-
-/// Timeout of a new communicator.
-pub(crate) const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
-
-/// Tags of user messages occupy `0..2^32`; messages of collectives and ring shifts use this channel above them.
-pub(crate) const INTERNAL: u64 = 1 << 32;
-/// Tag of [`Communicator::sendrecv`] / [`Communicator::isendrecv`] messages.
-const RING_TAG: u64 = INTERNAL | 0xFF;
+use crate::sync::lock;
+use crate::threads;
 
 enum Transport {
     Threads(threads::Endpoint),
@@ -41,8 +35,10 @@ pub struct Communicator {
     scratch: Mutex<Vec<u64>>,
     /// Reused by scopes: free request slots, and the list a scope keeps of the ones it handed out, so that a
     /// steady loop of scoped exchanges allocates nothing.
-    pub(crate) scope_pool: Mutex<crate::request::ScopePool>,
+    pub(crate) scope_pool: Mutex<crate::pending::ScopePool>,
     split_seq: AtomicU64,
+    /// Set by [`abort`](Self::abort): why this rank failed.
+    aborted: OnceLock<String>,
 }
 
 impl std::fmt::Debug for Communicator {
@@ -70,16 +66,12 @@ impl Communicator {
             scratch: Mutex::new(Vec::new()),
             scope_pool: Mutex::new(Default::default()),
             split_seq: AtomicU64::new(0),
+            aborted: OnceLock::new(),
         }
     }
 
     pub(crate) fn from_endpoint(ep: threads::Endpoint, timeout: Duration) -> Self {
         Self::new(Transport::Threads(ep), timeout)
-    }
-
-    #[cfg(feature = "ucx")]
-    pub(crate) fn from_ucx(ep: crate::ucx::UcxEndpoint, timeout: Duration) -> Self {
-        Self::new(Transport::Ucx(ep), timeout)
     }
 
     /// Joins the multi-process job described by the environment (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`,
@@ -112,20 +104,19 @@ impl Communicator {
     pub fn from_env_with_timeout(timeout: Duration) -> Result<Communicator, CommError> {
         #[cfg(feature = "ucx")]
         {
-            crate::ucx::from_env(timeout)
+            let comm = Self::new(Transport::Ucx(crate::ucx::join(timeout)?), timeout);
+            comm.barrier()?;
+            if let Transport::Ucx(ep) = &comm.transport {
+                ep.joined();
+            }
+            // The traffic counters start after the bootstrap's own messages.
+            Ok(Communicator { stats: Arc::new(StatsCounters::default()), ..comm })
         }
         #[cfg(not(feature = "ucx"))]
         {
             let _ = timeout;
             Err(CommError::NotCompiled("ucx"))
         }
-    }
-
-    /// Zeroes the traffic counters (after a bootstrap's own messages).
-    #[cfg(feature = "ucx")]
-    pub(crate) fn with_fresh_stats(mut self) -> Self {
-        self.stats = Arc::new(StatsCounters::default());
-        self
     }
 
     /// This rank, in `0..world_size()`.
@@ -165,6 +156,37 @@ impl Communicator {
         self.timeout
     }
 
+    /// Tells the other ranks that this one failed, and why, before it leaves: their pending and later operations
+    /// with this rank fail with [`CommError::PeerFailed`] naming it and carrying `reason` (instead of the bare
+    /// [`CommError::PeerGone`] a dropped communicator leaves them), and so do this rank's own later operations.
+    /// Only the first call's reason counts. It concerns this communicator (not those split from it).
+    ///
+    /// [`ThreadWorld::run`](crate::ThreadWorld::run) does this with the panic message of a rank that panics,
+    /// and [`ThreadWorld::try_run`](crate::ThreadWorld::try_run) also with the error a rank returns.
+    ///
+    /// ```
+    /// use longctx_p2p::{CommError, ThreadWorld};
+    ///
+    /// let comms = ThreadWorld::builder().build(2)?;
+    /// let mut it = comms.into_iter();
+    /// let (c0, c1) = (it.next().unwrap(), it.next().unwrap());
+    /// let t = std::thread::spawn(move || c0.recv(1, 0, &mut [0u8; 4]));
+    /// c1.abort("shard 1 of the input is corrupt");
+    /// let e = t.join().unwrap().unwrap_err();
+    /// assert!(matches!(e, CommError::PeerFailed { rank: 1, ref reason } if reason.contains("corrupt")));
+    /// # Ok::<(), CommError>(())
+    /// ```
+    pub fn abort(&self, reason: &str) {
+        if self.aborted.set(reason.to_string()).is_err() {
+            return;
+        }
+        match &self.transport {
+            Transport::Threads(ep) => ep.world.depart(ep.rank, Some(reason.to_string())),
+            #[cfg(feature = "ucx")]
+            Transport::Ucx(ep) => ep.abort(reason),
+        }
+    }
+
     fn check_peer(&self, peer: usize) -> Result<(), CommError> {
         let n = self.world_size();
         if peer >= n {
@@ -173,96 +195,59 @@ impl Communicator {
         Ok(())
     }
 
-    /// Posts one send or receive of raw bytes. `later`: the caller will not wait at once (a non-blocking call),
-    /// so the transport should move the message in the background meanwhile (UCX: its progress thread).
-    /// `exchange`: one direction of a ring exchange, whose peer is exchanging with its own neighbours at the same
-    /// moment, in the same order as every rank (threads: paired by number in the pair's exchange channel).
+    /// Posts `op` on the transport.
     ///
     /// # Safety
-    /// `ptr..ptr+len` must stay valid, and for a receive unaliased, until the returned op finishes; callers
-    /// ensure it by tying the op to a borrow of the buffer ([`Request`]) or by finishing it before returning.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) unsafe fn post(
-        &self,
-        is_send: bool,
-        peer: usize,
-        key: u64,
-        meta: u64,
-        ptr: *mut u8,
-        len: usize,
-        later: bool,
-        exchange: bool,
-    ) -> Result<Pending, CommError> {
-        self.check_peer(peer)?;
+    /// `op`'s buffer must stay valid, and for a receive unaliased, until the returned op finishes; callers ensure
+    /// it by tying the op to a borrow of the buffer ([`Request`](crate::Request) in a [`Scope`](crate::Scope)),
+    /// by owning the buffer until it finishes ([`OwnedRequest`](crate::OwnedRequest)), or by finishing it before
+    /// returning.
+    pub(crate) unsafe fn post(&self, op: Op) -> Result<Pending, CommError> {
+        self.check_peer(op.peer)?;
+        if let Some(reason) = self.aborted.get() {
+            return Err(CommError::PeerFailed { rank: self.rank(), reason: reason.clone() });
+        }
         match &self.transport {
             // Threads: the copy is the transfer and it runs on a waiting rank's thread, so `later` changes nothing.
-            Transport::Threads(ep) => {
-                let _ = later;
-                ep.post(is_send, peer, key, meta, ptr, len, exchange, self.timeout, &self.stats).map(Pending::Threads)
-            }
+            // SAFETY: per our contract.
+            Transport::Threads(ep) => unsafe { ep.post(&op, &self.stats) }.map(Pending::Threads),
             #[cfg(feature = "ucx")]
-            Transport::Ucx(ep) => {
-                let _ = exchange;
-                ep.post(is_send, peer, key, meta, ptr, len, later, self.timeout, &self.stats).map(Pending::Ucx)
-            }
+            // SAFETY: per our contract.
+            Transport::Ucx(ep) => unsafe { ep.post(&op, &self.stats) }.map(Pending::Ucx),
         }
     }
 
-    pub(crate) fn post_send(
-        &self,
-        dst: usize,
-        key: u64,
-        meta: u64,
-        buf: &[u8],
-        later: bool,
-        exchange: bool,
-    ) -> Result<Pending, CommError> {
-        // SAFETY: callers finish the op while `buf` is borrowed (see `post`); a send never writes through `ptr`.
-        unsafe { self.post(true, dst, key, meta, buf.as_ptr() as *mut u8, buf.len(), later, exchange) }
+    /// An [`Op`] with this communicator's timeout.
+    pub(crate) fn op(&self, is_send: bool, peer: usize, key: u64, meta: u64, buf: (*mut u8, usize)) -> Op {
+        let (ptr, len) = buf;
+        Op { is_send, peer, key, meta, ptr, len, later: false, exchange: false, timeout: self.timeout }
     }
 
-    pub(crate) fn post_recv(
-        &self,
-        src: usize,
-        key: u64,
-        meta: u64,
-        buf: &mut [u8],
-        later: bool,
-        exchange: bool,
-    ) -> Result<Pending, CommError> {
-        // SAFETY: callers finish the op while `buf` is mutably borrowed (see `post`).
-        unsafe { self.post(false, src, key, meta, buf.as_mut_ptr(), buf.len(), later, exchange) }
-    }
-
-    /// Posts a receive from `src` and a send to `dst`, both in flight at once, as one request (`later`: see
-    /// [`post`](Self::post)).
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn exchange_start<'a>(
-        &self,
-        key: u64,
-        meta: u64,
-        dst: usize,
-        send: &'a [u8],
-        src: usize,
-        recv: &'a mut [u8],
-        later: bool,
-    ) -> Result<Request<'a>, CommError> {
+    /// Posts a receive and a send (one exchange: both in flight at once) as the two parts of one request.
+    ///
+    /// # Safety
+    /// As for [`post`](Self::post), for both ops' buffers.
+    pub(crate) unsafe fn post_exchange(&self, recv: Op, send: Op) -> Result<Parts, CommError> {
         if matches!(self.transport, Transport::Threads(_)) {
             // Threads: the send first. Its offer is what the peer waits for, and a receive whose message is
             // already there copies it in `post`, which would hold the offer back by a copy and by the wait for the
             // peer's cache line that the copy's completion writes. The request still finishes the receive first.
-            let s = self.post_send(dst, key, meta, send, later, true)?;
-            return match self.post_recv(src, key, meta, recv, later, true) {
-                Ok(r) => Ok(Request::new(r, Some(s))),
+            // SAFETY: per our contract.
+            let s = unsafe { self.post(send) }?;
+            // SAFETY: per our contract.
+            return match unsafe { self.post(recv) } {
+                Ok(r) => Ok(Parts::two(r, s)),
                 Err(e) => {
                     s.cancel();
                     Err(e)
                 }
             };
         }
-        let r = self.post_recv(src, key, meta, recv, later, true)?;
-        match self.post_send(dst, key, meta, send, later, true) {
-            Ok(s) => Ok(Request::new(r, Some(s))),
+        // SAFETY: per our contract.
+        let r = unsafe { self.post(recv) }?;
+        // SAFETY: per our contract.
+        match unsafe { self.post(send) } {
+            Ok(s) => Ok(Parts::two(r, s)),
             Err(e) => {
                 r.cancel();
                 Err(e)
@@ -270,18 +255,47 @@ impl Communicator {
         }
     }
 
-    /// Blocking [`exchange_start`](Self::exchange_start). Both directions are finished even if one fails, so a
-    /// failure here never withdraws a message a peer is about to receive.
+    /// The ops of a ring exchange of `send` to `dst` and `recv` from `src` (`later`: see [`Op::later`]).
+    pub(crate) fn exchange_ops(
+        &self,
+        key: u64,
+        meta: u64,
+        (dst, send): (usize, &[u8]),
+        (src, recv): (usize, &mut [u8]),
+        later: bool,
+    ) -> (Op, Op) {
+        let r = Op { later, exchange: true, ..self.op(false, src, key, meta, (recv.as_mut_ptr(), recv.len())) };
+        let s = Op { later, exchange: true, ..self.op(true, dst, key, meta, (send.as_ptr() as *mut u8, send.len())) };
+        (r, s)
+    }
+
+    /// A blocking ring exchange: sends `send` to `dst` and receives `recv` from `src`, both in flight at once.
+    /// Both directions are finished even if one fails, so a failure here never withdraws a message a peer is
+    /// about to receive.
     pub(crate) fn exchange(
         &self,
         key: u64,
         meta: u64,
-        dst: usize,
-        send: &[u8],
-        src: usize,
-        recv: &mut [u8],
+        to: (usize, &[u8]),
+        from: (usize, &mut [u8]),
     ) -> Result<(), CommError> {
-        self.exchange_start(key, meta, dst, send, src, recv, false)?.wait()
+        let (r, s) = self.exchange_ops(key, meta, to, from, false);
+        // SAFETY: both buffers stay borrowed until the parts are finished here.
+        unsafe { self.post_exchange(r, s) }?.wait()
+    }
+
+    /// Blocking send of raw bytes with an internal or user key.
+    pub(crate) fn send_bytes(&self, dst: usize, key: u64, meta: u64, buf: &[u8]) -> Result<(), CommError> {
+        let op = self.op(true, dst, key, meta, (buf.as_ptr() as *mut u8, buf.len()));
+        // SAFETY: `buf` is borrowed until the op is finished here; a send never writes through the pointer.
+        Parts::one(unsafe { self.post(op) }?).wait()
+    }
+
+    /// Blocking receive of raw bytes with an internal or user key.
+    pub(crate) fn recv_bytes(&self, src: usize, key: u64, meta: u64, buf: &mut [u8]) -> Result<(), CommError> {
+        let op = self.op(false, src, key, meta, (buf.as_mut_ptr(), buf.len()));
+        // SAFETY: `buf` is mutably borrowed until the op is finished here.
+        Parts::one(unsafe { self.post(op) }?).wait()
     }
 
     /// Runs `f` on a reused scratch buffer of `len` elements (contents unspecified).
@@ -301,40 +315,16 @@ impl Communicator {
     /// Two ranks that both call `send` to each other before receiving wait on each other until the timeout; use
     /// [`isend`](Self::isend) or [`sendrecv`](Self::sendrecv) for exchanges.
     pub fn send<T: Pod>(&self, dst: usize, tag: u32, buf: &[T]) -> Result<(), CommError> {
-        Request::new(self.post_send(dst, tag as u64, 0, bytemuck::cast_slice(buf), false, false)?, None).wait()
+        self.send_bytes(dst, tag as u64, 0, bytemuck::cast_slice(buf))
     }
 
     /// Receives the message from `src` with `tag` into `buf`, whose length must equal the message's.
     pub fn recv<T: Pod>(&self, src: usize, tag: u32, buf: &mut [T]) -> Result<(), CommError> {
-        Request::new(self.post_recv(src, tag as u64, 0, bytemuck::cast_slice_mut(buf), false, false)?, None).wait()
+        self.recv_bytes(src, tag as u64, 0, bytemuck::cast_slice_mut(buf))
     }
 
-    /// Starts sending `buf` to `dst`; the request borrows `buf` until it finishes.
-    /// [`Scope::isend`](crate::Scope::isend) (in [`scope`](Self::scope)) is the safe form.
-    ///
-    /// # Safety
-    ///
-    /// The transport reads `buf` until the operation finishes, which the request's `wait`, `test` (to
-    /// completion) or drop ensure. The request must not be leaked (`std::mem::forget`, a reference cycle) while
-    /// `buf` may afterwards be freed or written: the borrow would end with the operation still in flight.
-    pub unsafe fn isend<'a, T: Pod>(&self, dst: usize, tag: u32, buf: &'a [T]) -> Result<Request<'a>, CommError> {
-        let op = self.post_send(dst, tag as u64, 0, bytemuck::cast_slice(buf), true, false)?;
-        Ok(Request::new(op, None))
-    }
-
-    /// Starts receiving from `src` into `buf`; the request borrows `buf` until it finishes.
-    /// [`Scope::irecv`](crate::Scope::irecv) (in [`scope`](Self::scope)) is the safe form.
-    ///
-    /// # Safety
-    ///
-    /// As for [`isend`](Self::isend): the transport writes `buf` until the operation finishes, so the request
-    /// must not be leaked while `buf` may afterwards be freed or used.
-    pub unsafe fn irecv<'a, T: Pod>(&self, src: usize, tag: u32, buf: &'a mut [T]) -> Result<Request<'a>, CommError> {
-        let op = self.post_recv(src, tag as u64, 0, bytemuck::cast_slice_mut(buf), true, false)?;
-        Ok(Request::new(op, None))
-    }
-
-    fn ring_peers(&self) -> (usize, usize) {
+    /// `(next, prev)` on the ring: the ranks a ring shift sends to and receives from.
+    pub(crate) fn ring_peers(&self) -> (usize, usize) {
         let (r, n) = (self.rank(), self.world_size());
         ((r + 1) % n, (r + n - 1) % n)
     }
@@ -343,20 +333,7 @@ impl Communicator {
     /// once. All ranks must pass the same length. With one rank, copies `send` into `recv`.
     pub fn sendrecv<T: Pod>(&self, send: &[T], recv: &mut [T]) -> Result<(), CommError> {
         let (next, prev) = self.ring_peers();
-        self.exchange(RING_TAG, 0, next, bytemuck::cast_slice(send), prev, bytemuck::cast_slice_mut(recv))
-    }
-
-    /// Non-blocking ring shift; the request's [`wait`](Request::wait) completes both directions. Overlap compute
-    /// with it: post the shift of the next block, compute on the block in hand, wait.
-    /// [`Scope::isendrecv`](crate::Scope::isendrecv) (in [`scope`](Self::scope)) is the safe form.
-    ///
-    /// # Safety
-    ///
-    /// As for [`isend`](Self::isend) and [`irecv`](Self::irecv): the request must not be leaked while `send` or
-    /// `recv` may afterwards be freed or used.
-    pub unsafe fn isendrecv<'a, T: Pod>(&self, send: &'a [T], recv: &'a mut [T]) -> Result<Request<'a>, CommError> {
-        let (next, prev) = self.ring_peers();
-        self.exchange_start(RING_TAG, 0, next, bytemuck::cast_slice(send), prev, bytemuck::cast_slice_mut(recv), true)
+        self.exchange(RING_TAG, 0, (next, bytemuck::cast_slice(send)), (prev, bytemuck::cast_slice_mut(recv)))
     }
 
     /// Splits into sub-communicators, with `MPI_Comm_split` semantics: ranks passing the same `color` form one

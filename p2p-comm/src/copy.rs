@@ -1,19 +1,15 @@
 //! The one copy of the threads transport.
 //!
-//! glibc's `memcpy` takes its `rep movsb` path for mid-sized copies, and on AMD Zen (this project's first CI and
-//! bench machines) `rep movsb` is about 15x slower when the destination lies 1 to 31 bytes past the source modulo
-//! 4 KiB, as it does between two same-sized heap blocks of under 128 KiB (`malloc` puts the second 16 bytes
-//! past the first): measured there 1.6-2.5 GiB/s for 4-64 KiB copies at those offsets, against 30+ GiB/s at
-//! every other offset and with an AVX2 loop at any. A transport cannot choose its users' buffers, so copies of
-//! 2 KiB to 1 MiB at those offsets use an AVX2 loop when the CPU has it. Every other copy uses `memcpy`: on
-//! the Intel (Emerald Rapids) bench machine that followed, `memcpy` beat the loop at the other offsets, by
-//! 10-14% at 4-16 KiB (with an aligned destination) and at 1 MiB, and matched it at the pathological ones.
+//! glibc's `memcpy` takes its `rep movsb` path for mid-sized copies, and on AMD Zen `rep movsb` is many times
+//! slower when the destination lies 1 to 31 bytes past the source modulo 4 KiB, as it does between two
+//! same-sized heap blocks of under 128 KiB (`malloc` puts the second 16 bytes past the first); an AVX2 loop is
+//! not. A transport cannot choose its users' buffers, so copies of 2 KiB to 1 MiB at those offsets use an AVX2
+//! loop when the CPU has it. Every other copy uses `memcpy`, which is as fast or faster there (on Intel too).
 //!
 //! Messages larger than the last-level cache are copied with non-temporal (streaming) stores instead
 //! ([`copy_stream`]): glibc only streams from 3/4 of the L3 *per thread* times the thread count (192 MiB
 //! here), so a 16-64 MiB `memcpy` reads every destination line before overwriting it and evicts the cache for
-//! nothing (the data does not fit anyway). Measured here: 16 MiB copies at 5.4 against 2.6 GiB/s single-threaded,
-//! 2.3 against 1.5 GiB/s per thread with two copies at once (the ring), on a loaded machine.
+//! nothing (the data does not fit anyway).
 
 /// Copies `len` bytes from `src` to `dst`.
 ///
@@ -72,9 +68,8 @@ unsafe fn copy_stream_avx2(src: *const u8, dst: *mut u8, len: usize) {
 #[target_feature(enable = "avx2")]
 unsafe fn copy_avx2(src: *const u8, dst: *mut u8, len: usize) {
     // Stores aligned to the destination's cache lines, loads unaligned: a 32-byte store that straddles two
-    // lines costs about two. `malloc` puts two same-sized blocks of under 128 KiB 16 bytes apart; measured on the
-    // Emerald Rapids bench machine with the destination 16 bytes off a line, unaligned stores copied 4-16 KiB at
-    // 47-48 GiB/s and 32 KiB-1 MiB at 10-31, against 103-116 and 25-35 for glibc's `memcpy`.
+    // lines costs about two, and `malloc` puts two same-sized blocks of under 128 KiB 16 bytes apart, so
+    // unaligned stores would straddle on most copies.
     let head = ((64 - (dst as usize & 63)) & 63).min(len);
     // SAFETY: every access is within `0..len` of both ranges (unaligned loads/stores are allowed).
     unsafe {

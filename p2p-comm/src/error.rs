@@ -70,6 +70,15 @@ pub enum CommError {
         /// The rank that left.
         rank: usize,
     },
+    /// The peer failed and said why before leaving ([`Communicator::abort`](crate::Communicator::abort), or a
+    /// [`ThreadWorld`](crate::ThreadWorld) rank whose closure panicked or returned an error).
+    #[error("rank {rank} failed: {reason}")]
+    PeerFailed {
+        /// The rank that failed.
+        rank: usize,
+        /// Why, in its words.
+        reason: String,
+    },
     /// The peer gave up a send to this rank (it timed out waiting for it) and closed its link to this rank; a
     /// receive from it that ends afterwards is refused (its data may have been read from memory the peer had
     /// already reused) or, if it failed, reported as this (UCX transport, peers on one host).

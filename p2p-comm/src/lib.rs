@@ -1,10 +1,12 @@
 //! `longctx-p2p`: the communicator of longctx's context parallelism.
 //!
-//! A [`Communicator`] gives each rank point-to-point messages (blocking and non-blocking), the ring shift that
-//! ring attention is built on ([`Scope::isendrecv`] in a [`Communicator::scope`], or the `unsafe`
-//! [`Communicator::isendrecv`] whose caller promises not to leak the request), collectives and sub-communicators,
-//! over in-process threads ([`ThreadWorld`]) or, with the `ucx` feature, UCX between processes started by
-//! `longctx-launch`.
+//! A [`Communicator`] gives each rank point-to-point messages (blocking, and non-blocking: [`OwnedRequest`]s
+//! that own their buffers and hand them back from `wait`, or [`Request`]s that borrow them within a
+//! [`Communicator::scope`]), the ring shift that ring attention is built on ([`Communicator::isendrecv`],
+//! [`Scope::isendrecv`]), collectives and sub-communicators, over in-process threads ([`ThreadWorld`]) or, with
+//! the `ucx` feature, UCX between processes started by `longctx-launch`. No public function is `unsafe`: a leaked
+//! request costs memory, never soundness. A rank that fails can tell its peers why ([`Communicator::abort`],
+//! [`CommError::PeerFailed`]).
 //!
 //! ```
 //! use longctx_p2p::{ReduceOp, ThreadWorld};
@@ -28,7 +30,9 @@
 //!
 //! - threads (always): ranks are threads of one process; each message is copied once, from the send buffer
 //!   straight into the receive buffer; waits honour [`Communicator::timeout`]; a rank whose communicator is
-//!   dropped (or whose thread panics) makes its peers' pending operations fail with [`CommError::PeerGone`].
+//!   dropped (or whose thread panics) makes its peers' pending operations fail with [`CommError::PeerGone`]
+//!   (under [`ThreadWorld::run`] a panicking rank's peers get [`CommError::PeerFailed`] with the panic message,
+//!   and under [`ThreadWorld::try_run`] also a rank's returned error).
 //! - `ucx`: ranks are processes. Start them with `longctx-launch --nproc N -- CMD` (feature `launcher`, on by
 //!   default), Slurm or `mpirun`, and call `Communicator::from_env()` in each; rank 0 hosts a small
 //!   [`rendezvous`] store on `MASTER_ADDR:MASTER_PORT` that only admits holders of the job token. Bindings are
@@ -38,7 +42,14 @@
 //!   turns it off; blocking calls progress UCX themselves). `LONGCTX_UCX_PEER_ERRORS=1` turns on UCX's peer
 //!   error handling: a rank then survives a peer that dies in the middle of a transfer over shared memory
 //!   (UCX 1.13 to 1.21 otherwise abort it; 1.22 does not), at a cost in shared-memory bandwidth.
-#![warn(missing_docs)]
+//!
+//! # Layout
+//!
+//! Modules depend downwards only: `sync`, `error`, `copy`, `stats`, `reduce`, `hostlist` ← `op` (what a
+//! transport is asked to do), `bootstrap`, `rendezvous` ← `threads/` (refs ← completion, channel ← mailbox ←
+//! world ← mailbox_op, exchange ← endpoint) and `ucx/` (sys ← result ← safe ← mod) ← `pending` ←
+//! `communicator` ← `request`, `owned`, `collectives`, `thread_world`.
+#![warn(missing_docs, unsafe_op_in_unsafe_fn)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod bootstrap;
@@ -46,12 +57,16 @@ mod collectives;
 mod communicator;
 mod copy;
 mod error;
-mod exchange;
 mod hostlist;
+mod op;
+mod owned;
+mod pending;
 mod reduce;
 pub mod rendezvous;
 mod request;
 mod stats;
+mod sync;
+mod thread_world;
 mod threads;
 #[cfg(feature = "ucx")]
 #[cfg_attr(docsrs, doc(cfg(feature = "ucx")))]
@@ -60,10 +75,11 @@ mod ucx;
 pub use bootstrap::Bootstrap;
 pub use communicator::Communicator;
 pub use error::CommError;
+pub use owned::{OwnedBuf, OwnedRequest, SendRequest};
 pub use reduce::{Reduce, ReduceOp};
 pub use request::{Request, Scope};
 pub use stats::CommStats;
-pub use threads::{ThreadWorld, ThreadWorldBuilder};
+pub use thread_world::{ThreadWorld, ThreadWorldBuilder};
 #[cfg(feature = "ucx")]
 #[cfg_attr(docsrs, doc(cfg(feature = "ucx")))]
 pub use ucx::ucx_version;

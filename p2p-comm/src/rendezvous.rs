@@ -16,7 +16,7 @@ use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::threads::lock;
+use crate::sync::lock;
 use crate::CommError;
 
 /// How long the host waits for a new connection's token before closing it.

@@ -1,153 +1,62 @@
-//! Handles of operations in flight.
+//! Non-blocking operations that borrow their buffers: [`Request`]s started in a [`Scope`].
 
 use std::marker::PhantomData;
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 
 use bytemuck::Pod;
 
-use crate::threads::{lock, ThreadOp};
-use crate::{CommError, Communicator};
+use crate::communicator::Communicator;
+use crate::error::CommError;
+use crate::op::{Op, RING_TAG};
+use crate::pending::{Parts, ScopeSlot};
+use crate::sync::lock;
 
-/// One transport-level operation.
-pub(crate) enum Pending {
-    Threads(ThreadOp),
-    #[cfg(feature = "ucx")]
-    Ucx(crate::ucx::UcxOp),
-}
-
-impl Pending {
-    pub(crate) fn wait(&mut self) -> Result<(), CommError> {
-        match self {
-            Pending::Threads(op) => op.wait(),
-            #[cfg(feature = "ucx")]
-            Pending::Ucx(op) => op.wait(),
-        }
-    }
-
-    pub(crate) fn test(&mut self) -> Result<bool, CommError> {
-        match self {
-            Pending::Threads(op) => op.test(),
-            #[cfg(feature = "ucx")]
-            Pending::Ucx(op) => op.test(),
-        }
-    }
-
-    /// Withdraws the op if no peer matched it yet, else waits for it; used on error paths.
-    pub(crate) fn cancel(self) {
-        match self {
-            Pending::Threads(op) => op.cancel(),
-            #[cfg(feature = "ucx")]
-            Pending::Ucx(op) => op.cancel(),
-        }
-    }
-}
-
-/// The parts of one request: a message, or both directions of a ring shift.
-pub(crate) struct Parts([Option<Pending>; 2]);
-
-impl Parts {
-    /// Finishes every part; the first error.
-    fn wait(&mut self) -> Result<(), CommError> {
-        let mut res = Ok(());
-        for slot in self.0.iter_mut() {
-            if let Some(mut op) = slot.take() {
-                let r = op.wait();
-                if res.is_ok() {
-                    res = r;
-                }
-            }
-        }
-        res
-    }
-
-    fn test(&mut self) -> Result<bool, CommError> {
-        let mut all = true;
-        for slot in self.0.iter_mut() {
-            if let Some(op) = slot {
-                match op.test() {
-                    Ok(true) => *slot = None,
-                    Ok(false) => all = false,
-                    Err(e) => {
-                        *slot = None;
-                        return Err(e);
-                    }
-                }
-            }
-        }
-        Ok(all)
-    }
-
-    fn in_flight(&self) -> usize {
-        self.0.iter().filter(|o| o.is_some()).count()
-    }
-}
-
-/// Where a request's parts live: in the request, or shared with the [`Scope`] that started it, which finishes
-/// whatever its requests leave (a leaked request included) before its borrows end.
-#[allow(clippy::large_enum_variant)] // boxing `Own` would allocate for every request
-enum Held {
-    Own(Parts),
-    Scoped(Shared),
-}
-
-/// Parts shared between a request and its scope. Dropping the request's handle finishes what is left, to keep
-/// "dropping waits" true for scoped requests too. (The drop lives here, not on `Request`, whose borrow `'a`
-/// the borrow checker would then keep alive until the request's end of scope.)
-struct Shared(Arc<Mutex<Parts>>);
+/// A request's parts, shared with the [`Scope`] that started it, which finishes whatever its requests leave (a
+/// leaked request included) before its borrows end. Dropping the handle finishes what is left, to keep "dropping
+/// waits" true. (The drop lives here, not on `Request`, whose borrow `'a` the borrow checker would then keep
+/// alive until the request's end of scope.)
+struct Shared(ScopeSlot);
 
 impl Drop for Shared {
     fn drop(&mut self) {
-        let parts = std::mem::replace(&mut *lock(&self.0), Parts([None, None]));
+        let parts = std::mem::take(&mut *lock(&self.0));
         drop(parts); // waits (or, unwinding, withdraws)
     }
 }
 
-/// A non-blocking operation (one message, or both directions of a ring shift) that borrows its buffers for `'a`.
+/// A non-blocking operation (one message, or both directions of a ring shift) that borrows its buffers for `'a`,
+/// started in a [`Scope`] ([`Communicator::scope`]).
 ///
 /// Call [`wait`](Request::wait) (or poll [`test`](Request::test)) to finish it. Dropping an unfinished request
 /// blocks until it finishes or times out, so the borrowed buffers are never read or written after the borrow
-/// ends. While a thread unwinds from a panic, dropping withdraws the operation instead.
+/// ends. While a thread unwinds from a panic, dropping withdraws the operation instead. The scope also finishes a
+/// request that was leaked (`std::mem::forget`) before its buffers' borrow ends.
 ///
-/// Requests come from a [`Scope`] ([`Communicator::scope`]), which also finishes any request that was leaked
-/// (`std::mem::forget`) before its buffers' borrow ends, or from the `unsafe` [`Communicator::isend`],
-/// [`Communicator::irecv`] and [`Communicator::isendrecv`], whose callers promise not to leak them.
+/// For a transfer that outlives any one borrow (a buffer rotated through a loop), see the owned requests:
+/// [`Communicator::isend`] and friends.
 #[must_use = "a request must be waited for; dropping it blocks until it finishes"]
 pub struct Request<'a> {
-    held: Held,
+    parts: Shared,
     _buf: PhantomData<&'a mut [u8]>,
 }
 
-impl<'a> Request<'a> {
-    pub(crate) fn new(a: Pending, b: Option<Pending>) -> Self {
-        Request { held: Held::Own(Parts([Some(a), b])), _buf: PhantomData }
-    }
-
+impl Request<'_> {
     /// Blocks until every part of the operation completes, the timeout elapses or a peer is found gone.
     /// Returns the first error; the other parts are still finished before returning.
-    pub fn wait(mut self) -> Result<(), CommError> {
-        match &mut self.held {
-            Held::Own(p) => p.wait(),
-            Held::Scoped(p) => lock(&p.0).wait(),
-        }
+    pub fn wait(self) -> Result<(), CommError> {
+        lock(&self.parts.0).wait()
     }
 
     /// Returns `Ok(true)` once every part completed, `Ok(false)` while some is in flight, and the error of a part
     /// that failed (that part is then finished; later calls report on the rest).
     pub fn test(&mut self) -> Result<bool, CommError> {
-        match &mut self.held {
-            Held::Own(p) => p.test(),
-            Held::Scoped(p) => lock(&p.0).test(),
-        }
+        lock(&self.parts.0).test()
     }
 }
 
 impl std::fmt::Debug for Request<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let n = match &self.held {
-            Held::Own(p) => p.in_flight(),
-            Held::Scoped(p) => lock(&p.0).in_flight(),
-        };
-        f.debug_struct("Request").field("parts_in_flight", &n).finish()
+        f.debug_struct("Request").field("parts_in_flight", &lock(&self.parts.0).in_flight()).finish()
     }
 }
 
@@ -172,63 +81,78 @@ impl std::fmt::Debug for Request<'_> {
 /// })?;
 /// # Ok::<(), longctx_p2p::CommError>(())
 /// ```
+///
+/// While a request is in flight its buffers stay borrowed: reading a receive buffer before the request
+/// finished does not compile.
+///
+/// ```compile_fail,E0502
+/// use longctx_p2p::ThreadWorld;
+///
+/// ThreadWorld::run(2, |comm| {
+///     let mine = vec![comm.rank() as f32; 1024];
+///     let mut theirs = vec![0.0f32; 1024];
+///     comm.scope(|s| {
+///         let req = s.isendrecv(&mine, &mut theirs)?;
+///         let early = theirs[0]; // error: `theirs` is mutably borrowed by the request in flight
+///         req.wait()?;
+///         Ok::<f32, longctx_p2p::CommError>(early)
+///     })
+/// });
+/// ```
 pub struct Scope<'scope, 'env: 'scope> {
     comm: &'env Communicator,
-    started: Mutex<Vec<Slot>>,
+    started: Mutex<Vec<ScopeSlot>>,
     _scope: PhantomData<&'scope mut &'scope ()>,
     _env: PhantomData<&'env mut &'env ()>,
 }
 
-type Slot = Arc<Mutex<Parts>>;
-
-/// What a communicator keeps for its scopes between calls (see `Communicator::scope_pool`).
-#[derive(Default)]
-pub(crate) struct ScopePool {
-    free: Vec<Slot>,
-    started: Vec<Slot>,
-}
-
-impl<'scope, 'env> Scope<'scope, 'env> {
-    fn hold(&'scope self, mut r: Request<'scope>) -> Request<'scope> {
-        // `r` is left with no parts, so its drop does nothing.
-        let parts = match std::mem::replace(&mut r.held, Held::Own(Parts([None, None]))) {
-            Held::Own(p) => p,
-            Held::Scoped(_) => unreachable!("the communicator's requests hold their own parts"),
-        };
-        let slot = lock(&self.comm.scope_pool).free.pop().unwrap_or_else(|| Arc::new(Mutex::new(Parts([None, None]))));
+impl<'scope> Scope<'scope, '_> {
+    /// Keeps `parts` in a slot the scope finishes on its way out; the request shares it.
+    fn hold(&'scope self, parts: Parts) -> Request<'scope> {
+        let slot = lock(&self.comm.scope_pool).free.pop().unwrap_or_default();
         *lock(&slot) = parts;
         lock(&self.started).push(slot.clone());
-        Request { held: Held::Scoped(Shared(slot)), _buf: PhantomData }
+        Request { parts: Shared(slot), _buf: PhantomData }
     }
 
-    /// [`Communicator::isend`] within the scope.
+    /// Starts sending `buf` to `dst` with `tag`; the request borrows `buf` until it finishes.
     pub fn isend<T: Pod>(&'scope self, dst: usize, tag: u32, buf: &'scope [T]) -> Result<Request<'scope>, CommError> {
-        // SAFETY: the scope finishes the request before `'scope` ends (see `Communicator::scope`).
-        let r = unsafe { self.comm.isend(dst, tag, buf) }?;
-        Ok(self.hold(r))
+        let b: &[u8] = bytemuck::cast_slice(buf);
+        let op = Op { later: true, ..self.comm.op(true, dst, tag as u64, 0, (b.as_ptr() as *mut u8, b.len())) };
+        // SAFETY: the scope finishes the op before `'scope`, and so the borrow of `buf`, ends (see `scope`).
+        let p = unsafe { self.comm.post(op) }?;
+        Ok(self.hold(Parts::one(p)))
     }
 
-    /// [`Communicator::irecv`] within the scope.
+    /// Starts receiving the message from `src` with `tag` into `buf` (whose length must equal the message's);
+    /// the request borrows `buf` until it finishes.
     pub fn irecv<T: Pod>(
         &'scope self,
         src: usize,
         tag: u32,
         buf: &'scope mut [T],
     ) -> Result<Request<'scope>, CommError> {
-        // SAFETY: as in `isend`.
-        let r = unsafe { self.comm.irecv(src, tag, buf) }?;
-        Ok(self.hold(r))
+        let b: &mut [u8] = bytemuck::cast_slice_mut(buf);
+        let op = Op { later: true, ..self.comm.op(false, src, tag as u64, 0, (b.as_mut_ptr(), b.len())) };
+        // SAFETY: as in `isend`; `buf` is borrowed mutably, so nothing else reads or writes it meanwhile.
+        let p = unsafe { self.comm.post(op) }?;
+        Ok(self.hold(Parts::one(p)))
     }
 
-    /// [`Communicator::isendrecv`] within the scope.
+    /// Non-blocking ring shift ([`Communicator::sendrecv`]); the request's [`wait`](Request::wait) completes
+    /// both directions. Overlap compute with it: post the shift of the next block, compute on the block in hand,
+    /// wait.
     pub fn isendrecv<T: Pod>(
         &'scope self,
         send: &'scope [T],
         recv: &'scope mut [T],
     ) -> Result<Request<'scope>, CommError> {
-        // SAFETY: as in `isend`.
-        let r = unsafe { self.comm.isendrecv(send, recv) }?;
-        Ok(self.hold(r))
+        let (next, prev) = self.comm.ring_peers();
+        let to = (next, bytemuck::cast_slice(send));
+        let (r, s) = self.comm.exchange_ops(RING_TAG, 0, to, (prev, bytemuck::cast_slice_mut(recv)), true);
+        // SAFETY: as in `isend` and `irecv`.
+        let parts = unsafe { self.comm.post_exchange(r, s) }?;
+        Ok(self.hold(parts))
     }
 
     /// Finishes every operation started in the scope that its request left unfinished, and gives the slots no
@@ -236,9 +160,9 @@ impl<'scope, 'env> Scope<'scope, 'env> {
     fn finish(&self) {
         let mut started = std::mem::take(&mut *lock(&self.started));
         for slot in started.drain(..) {
-            let left = std::mem::replace(&mut *lock(&slot), Parts([None, None]));
+            let left = std::mem::take(&mut *lock(&slot));
             drop(left); // waits (or, unwinding, withdraws)
-            if Arc::strong_count(&slot) == 1 {
+            if std::sync::Arc::strong_count(&slot) == 1 {
                 lock(&self.comm.scope_pool).free.push(slot); // else a leaked request still points at it
             }
         }

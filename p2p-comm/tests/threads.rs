@@ -4,7 +4,7 @@ mod suite;
 
 use std::time::Duration;
 
-use longctx_p2p::{Communicator, ThreadWorld};
+use longctx_p2p::{CommError, Communicator, ThreadWorld};
 use proptest::prelude::*;
 use suite::World;
 
@@ -52,11 +52,10 @@ proptest! {
             let prev = (r + n - 1) % n;
             let tag = |rank: u32, i: usize| rank.wrapping_mul(7919) ^ (i as u32).wrapping_mul(104_729) ^ seed as u32;
             let sends: Vec<Vec<u32>> = lens.iter().enumerate().map(|(i, &l)| pattern(tag(r, i), l)).collect();
-            let mut recvs: Vec<Vec<u32>> = lens.iter().map(|&l| vec![0u32; l]).collect();
-            let mut reqs: Vec<Option<longctx_p2p::Request<'_>>> = Vec::new();
-            for (s, rv) in sends.iter().zip(recvs.iter_mut()) {
-                // SAFETY: finished before its buffers are used again; not leaked.
-                reqs.push(Some(unsafe { c.isendrecv(s, rv) }.map_err(suite::e2s)?));
+            let mut recvs: Vec<Vec<u32>> = vec![Vec::new(); lens.len()];
+            let mut reqs = Vec::new();
+            for (s, &l) in sends.into_iter().zip(&lens) {
+                reqs.push(Some(c.isendrecv(s, vec![0u32; l]).map_err(suite::oe2s)?));
             }
             // This rank's order: a permutation drawn from the seed and the rank.
             let mut order: Vec<usize> = (0..reqs.len()).collect();
@@ -70,12 +69,11 @@ proptest! {
             for (k, &i) in order.iter().enumerate() {
                 let mut q = reqs[i].take().expect("each request once");
                 if k % 3 == 0 {
-                    while !q.test().map_err(suite::e2s)? {
+                    while !q.test() {
                         std::hint::spin_loop();
                     }
-                } else {
-                    q.wait().map_err(suite::e2s)?;
                 }
+                recvs[i] = q.wait().map_err(suite::oe2s)?.1;
             }
             for (i, rv) in recvs.iter().enumerate() {
                 if *rv != pattern(tag(prev, i), lens[i]) {
@@ -110,15 +108,71 @@ fn thread_world_reports_the_first_panic() {
     }
 }
 
+/// `ThreadWorld` tells a failed rank's peers why it failed: the error its closure returned (`try_run`) or its
+/// panic message (`run` and `try_run`), in their pending and later operations with it.
+#[test]
+fn thread_world_tells_peers_why_a_rank_failed() {
+    let builder = ThreadWorld::builder().timeout(Duration::from_secs(20));
+    let peer_sees = |c: &Communicator, why: &str| -> Result<(), String> {
+        let mut b = [0u8; 4];
+        for when in ["pending", "later"] {
+            match c.recv(2, 0, &mut b) {
+                Err(CommError::PeerFailed { rank: 2, reason }) if reason.contains(why) => {}
+                other => return Err(format!("{when} receive from the failed rank: {other:?}")),
+            }
+        }
+        Ok(())
+    };
+    let out = builder
+        .try_run(3, |c| {
+            if c.rank() == 2 {
+                std::thread::sleep(Duration::from_millis(100));
+                return Err("shard 2 is empty".to_string());
+            }
+            peer_sees(&c, "shard 2 is empty")
+        })
+        .unwrap();
+    assert!(out[0].is_ok() && out[1].is_ok(), "{out:?}");
+    assert_eq!(out[2].as_ref().unwrap_err(), "shard 2 is empty");
+    let seen = std::sync::Mutex::new(Vec::new());
+    let res = builder.run(3, |c| {
+        if c.rank() == 2 {
+            std::thread::sleep(Duration::from_millis(100));
+            panic!("index out of bounds in rank 2");
+        }
+        seen.lock().unwrap().push(peer_sees(&c, "panicked: index out of bounds"));
+    });
+    assert!(matches!(res, Err(CommError::RankPanicked { rank: 2, .. })), "{res:?}");
+    let seen = seen.into_inner().unwrap();
+    assert!(seen.len() == 2 && seen.iter().all(Result::is_ok), "{seen:?}");
+    // A rank that merely returns (or whose communicator outlives its closure) leaves no reason.
+    let out = builder
+        .run(2, |c| {
+            if c.rank() == 1 {
+                return Ok(());
+            }
+            match c.recv(1, 0, &mut [0u8]) {
+                Err(CommError::PeerGone { rank: 1 }) => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        })
+        .unwrap();
+    suite::all_ok(out);
+    let comms = builder.run(2, |c| c).unwrap();
+    let (a, b) = comms.split_at(1);
+    std::thread::scope(|s| {
+        let h = s.spawn(|| a[0].sendrecv(&[1u32], &mut [0u32]));
+        b[0].sendrecv(&[2u32], &mut [0u32]).unwrap();
+        h.join().unwrap().unwrap();
+    });
+}
+
 #[test]
 fn dropped_request_keeps_buffer_until_matched() {
     let out = ThreadWorld::run(2, |c| {
         if c.rank() == 0 {
-            let buf = vec![7u32; 1000];
-            // SAFETY: finished before its buffers are used again; not leaked.
-            let req = unsafe { c.isend(1, 0, &buf) }.unwrap();
-            drop(req); // blocks until rank 1 took the data
-            drop(buf);
+            let req = c.isend(1, 0, vec![7u32; 1000]).unwrap();
+            drop(req); // blocks until rank 1 took the data, then frees the buffer
             0
         } else {
             std::thread::sleep(Duration::from_millis(100));
@@ -136,6 +190,8 @@ fn communicator_and_requests_can_move_between_threads() {
     fn is_send<T: Send>() {}
     is_send::<Communicator>();
     is_send::<longctx_p2p::Request<'static>>();
+    is_send::<longctx_p2p::OwnedRequest<Vec<f32>>>();
+    is_send::<longctx_p2p::OwnedRequest<(Vec<u8>, Box<[f64]>)>>();
 }
 
 /// Runs `body` on 2 ranks with a 20 s timeout and returns each rank's result (a panic becomes `Err`).
@@ -183,19 +239,16 @@ fn large_messages_in_both_arrival_orders() {
 fn large_ring_both_directions_waited_and_polled() {
     suite::all_ok(two(|c| {
         let r = c.rank() as u32;
-        let send = pattern(r, BIG);
+        let mut send = pattern(r, BIG);
         for polled in [false, true, false, true] {
-            let mut recv = vec![0u32; BIG];
-            // SAFETY: finished before its buffers are used again; not leaked.
-            let mut req = unsafe { c.isendrecv(&send, &mut recv) }.map_err(suite::e2s)?;
+            let mut req = c.isendrecv(send, vec![0u32; BIG]).map_err(suite::oe2s)?;
             if polled {
-                while !req.test().map_err(suite::e2s)? {
+                while !req.test() {
                     std::hint::spin_loop();
                 }
-                drop(req);
-            } else {
-                req.wait().map_err(suite::e2s)?;
             }
+            let recv;
+            (send, recv) = req.wait().map_err(suite::oe2s)?;
             if recv != pattern(1 - r, BIG) {
                 return Err(format!("wrong data (polled: {polled})"));
             }
@@ -221,10 +274,12 @@ fn large_send_progresses_while_receiver_waits_elsewhere() {
                     std::thread::sleep(Duration::from_millis(50));
                 }
                 let (mut a, mut b) = (vec![0u32; BIG], vec![0u32; BIG]);
-                // SAFETY: finished before its buffers are used again; not leaked.
-                let ra = unsafe { c.irecv(0, 1, &mut a) }.map_err(suite::e2s)?;
-                c.recv(0, 2, &mut b).map_err(suite::e2s)?;
-                ra.wait().map_err(suite::e2s)?;
+                c.scope(|s| {
+                    let ra = s.irecv(0, 1, &mut a)?;
+                    c.recv(0, 2, &mut b)?;
+                    ra.wait()
+                })
+                .map_err(suite::e2s)?;
                 if a != pattern(1, BIG) || b != pattern(2, BIG) {
                     return Err("wrong data".into());
                 }
@@ -242,11 +297,9 @@ fn crossed_blocking_sends_after_posted_receives_complete() {
     for len in [BIG / 16, BIG, 5 << 20] {
         suite::all_ok(two(|c| {
             let (me, peer) = (c.rank(), 1 - c.rank());
-            let mut inp = vec![0u32; len];
-            // SAFETY: finished before its buffers are used again; not leaked.
-            let r = unsafe { c.irecv(peer, 7, &mut inp) }.map_err(suite::e2s)?;
+            let r = c.irecv(peer, 7, vec![0u32; len]).map_err(suite::oe2s)?;
             c.send(peer, 7, &pattern(me as u32, len)).map_err(suite::e2s)?;
-            r.wait().map_err(suite::e2s)?;
+            let inp = r.wait().map_err(suite::oe2s)?;
             if inp != pattern(peer as u32, len) {
                 return Err(format!("wrong data at {len} words"));
             }
@@ -283,11 +336,9 @@ fn dropping_matched_large_requests_finishes_the_copy() {
     for panic in [false, true] {
         let out = two(|c| {
             if c.rank() == 0 {
-                let mut buf = pattern(5, BIG);
-                // SAFETY: finished before its buffers are used again; not leaked.
-                drop(unsafe { c.isend(1, 0, &buf) }.map_err(suite::e2s)?); // blocks until rank 1's copy is done
-                buf.fill(0);
-                c.send(1, 1, &buf[..1]).map_err(suite::e2s)?;
+                // Dropping blocks until rank 1's copy is done, then frees the buffer.
+                drop(c.isend(1, 0, pattern(5, BIG)).map_err(suite::oe2s)?);
+                c.send(1, 1, &[0u32]).map_err(suite::e2s)?;
                 let mut back = vec![0u32; BIG];
                 c.recv(1, 2, &mut back).map_err(suite::e2s)?;
                 if back != pattern(6, BIG) {
@@ -297,16 +348,14 @@ fn dropping_matched_large_requests_finishes_the_copy() {
             } else {
                 std::thread::sleep(Duration::from_millis(50)); // rank 0's send is posted: our irecv matches it
                 let mut b = vec![0u32; BIG];
-                // SAFETY: finished before its buffers are used again; not leaked.
-                drop(unsafe { c.irecv(0, 0, &mut b) }.map_err(suite::e2s)?);
+                // Dropping the request (not the scope's end) finishes the copy.
+                c.scope(|s| s.irecv(0, 0, &mut b).map(drop)).map_err(suite::e2s)?;
                 let mut one = [1u32];
                 c.recv(0, 1, &mut one).map_err(suite::e2s)?;
                 if b != pattern(5, BIG) || one[0] != 0 {
                     return Err("wrong data".into());
                 }
-                let back = pattern(6, BIG);
-                // SAFETY: finished before its buffers are used again; not leaked.
-                let req = unsafe { c.isend(0, 2, &back) }.map_err(suite::e2s)?;
+                let req = c.isend(0, 2, pattern(6, BIG)).map_err(suite::oe2s)?;
                 std::thread::sleep(Duration::from_millis(50)); // rank 0's receive matched our send
                 if panic {
                     std::panic::panic_any("rank 1 dies with a matched send in flight");
@@ -341,11 +390,10 @@ fn chunked_and_streamed_copies_with_odd_tails() {
                 c.send(1, 1, &pattern(1, len)).map_err(suite::e2s)?;
                 c.send(1, 2, &[7u32]).map_err(suite::e2s)
             } else {
-                let (mut a, mut go) = (vec![0u32; len], [0u32]);
-                // SAFETY: finished before its buffers are used again; not leaked.
-                let ra = unsafe { c.irecv(0, 1, &mut a) }.map_err(suite::e2s)?;
+                let mut go = [0u32];
+                let ra = c.irecv(0, 1, vec![0u32; len]).map_err(suite::oe2s)?;
                 c.recv(0, 2, &mut go).map_err(suite::e2s)?;
-                ra.wait().map_err(suite::e2s)?;
+                let a = ra.wait().map_err(suite::oe2s)?;
                 if a != pattern(1, len) {
                     return Err(format!("sender alone: wrong data ({len} words)"));
                 }
@@ -376,10 +424,9 @@ fn large_messages_from_three_senders_reuse_completions_safely() {
                             let data = pattern((r * 100_000 + i) as u32, size(r, i));
                             // Every third message non-blocking and waited late, so the sender helps at odd times.
                             if i % 3 == 0 {
-                                // SAFETY: finished before its buffers are used again; not leaked.
-                                let req = unsafe { c.isend(0, 5, &data) }.map_err(suite::e2s)?;
+                                let req = c.isend(0, 5, data).map_err(suite::oe2s)?;
                                 std::hint::black_box(pattern(0, 1000));
-                                req.wait().map_err(suite::e2s)?;
+                                req.wait().map_err(suite::oe2s)?;
                             } else {
                                 c.send(0, 5, &data).map_err(suite::e2s)?;
                             }
@@ -387,20 +434,18 @@ fn large_messages_from_three_senders_reuse_completions_safely() {
                         return Ok(());
                     }
                     for i in 0..msgs {
-                        let mut bufs: Vec<Vec<u32>> = (1..=SENDERS).map(|f| vec![0u32; size(f, i)]).collect();
                         let mut reqs = Vec::new();
-                        for (f, b) in bufs.iter_mut().enumerate() {
-                            // SAFETY: finished before its buffers are used again; not leaked.
-                            reqs.push(unsafe { c.irecv(f + 1, 5, b) }.map_err(suite::e2s)?);
+                        for f in 1..=SENDERS {
+                            reqs.push(c.irecv(f, 5, vec![0u32; size(f, i)]).map_err(suite::oe2s)?);
                         }
+                        let mut bufs = Vec::new();
                         for (k, mut req) in reqs.into_iter().enumerate() {
                             if (i + k) % 2 == 0 {
-                                while !req.test().map_err(suite::e2s)? {
+                                while !req.test() {
                                     std::hint::spin_loop();
                                 }
-                            } else {
-                                req.wait().map_err(suite::e2s)?;
                             }
+                            bufs.push(req.wait().map_err(suite::oe2s)?);
                         }
                         for (f, b) in bufs.iter().enumerate() {
                             if *b != pattern(((f + 1) * 100_000 + i) as u32, b.len()) {
@@ -428,17 +473,17 @@ fn many_exchanges_in_flight_finish_in_any_order() {
             let lens: Vec<usize> = (0..27).map(|i| if i % 5 == 0 { 70_000 } else { 1 + 97 * i }).collect();
             let sends: Vec<Vec<u32>> = lens.iter().enumerate().map(|(i, &l)| pattern(r * 100 + i as u32, l)).collect();
             let mut recvs: Vec<Vec<u32>> = lens.iter().map(|&l| vec![0u32; l]).collect();
-            let mut reqs = Vec::new();
-            for (s, rv) in sends.iter().zip(recvs.iter_mut()) {
-                // SAFETY: finished before its buffers are used again; not leaked.
-                reqs.push(unsafe { c.isendrecv(s, rv) }.map_err(suite::e2s)?);
-            }
-            if r % 2 == 0 {
-                reqs.reverse();
-            }
-            for q in reqs {
-                q.wait().map_err(suite::e2s)?;
-            }
+            c.scope(|s| {
+                let mut reqs = Vec::new();
+                for (snd, rv) in sends.iter().zip(recvs.iter_mut()) {
+                    reqs.push(s.isendrecv(snd, rv)?);
+                }
+                if r % 2 == 0 {
+                    reqs.reverse();
+                }
+                reqs.into_iter().try_for_each(|q| q.wait())
+            })
+            .map_err(suite::e2s)?;
             for (i, rv) in recvs.iter().enumerate() {
                 if *rv != pattern(prev * 100 + i as u32, lens[i]) {
                     return Err(format!("exchange {i}: wrong data"));
@@ -509,8 +554,7 @@ fn exchanges_with_a_rank_that_panics_or_leaves_fail_naming_it() {
                         let mut recv = vec![0u32; 100_000];
                         if r == 2 {
                             if panics {
-                                // SAFETY: finished before its buffers are used again; not leaked.
-                                let _req = unsafe { c.isendrecv(&send, &mut recv) }.map_err(suite::e2s)?;
+                                let _req = c.isendrecv(send, recv).map_err(suite::oe2s)?;
                                 panic!("rank 2 fails with an exchange in flight");
                             }
                             return Ok(());
@@ -584,13 +628,10 @@ fn exchanges_resynchronize_after_a_run_of_timeouts() {
 fn a_polled_exchange_completes_while_the_peer_waits_elsewhere() {
     suite::all_ok(two(|c| {
         let r = c.rank() as u32;
-        let send = pattern(r, 50_000);
-        let mut recv = vec![0u32; 50_000];
-        // SAFETY: finished before its buffers are used again; not leaked.
-        let mut req = unsafe { c.isendrecv(&send, &mut recv) }.map_err(suite::e2s)?;
+        let mut req = c.isendrecv(pattern(r, 50_000), vec![0u32; 50_000]).map_err(suite::oe2s)?;
         if r == 0 {
             let t0 = std::time::Instant::now();
-            while !req.test().map_err(suite::e2s)? {
+            while !req.test() {
                 if t0.elapsed() > Duration::from_secs(5) {
                     return Err("polling never completed the exchange".into());
                 }
@@ -600,8 +641,8 @@ fn a_polled_exchange_completes_while_the_peer_waits_elsewhere() {
         } else {
             let mut b = [0u8];
             c.recv(0, 9, &mut b).map_err(suite::e2s)?;
-            req.wait().map_err(suite::e2s)?;
         }
+        let (_, recv) = req.wait().map_err(suite::oe2s)?;
         if recv != pattern(1 - r, 50_000) {
             return Err("wrong data".into());
         }
@@ -647,25 +688,33 @@ fn random_exchanges_with_timeouts_never_hang_tear_or_reorder() {
                 let len = [0usize, 8, 1000, 5000, 20_000, 70_000]
                     [(seq.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40) as usize % 6];
                 let send: Vec<u64> = (0..len).map(|i| word(r, seq, i)).collect();
-                let mut recv = vec![0u64; if next() % 200 == 0 { len + 1 } else { len }];
+                let recv = vec![0u64; if next() % 200 == 0 { len + 1 } else { len }];
                 if next() % 400 == 0 {
                     std::thread::sleep(Duration::from_millis(next() % 30));
                 }
                 let mode = next() % 4;
-                let res = match mode {
-                    0 => c.sendrecv(&send, &mut recv),
-                    // SAFETY: finished before its buffers are used again; not leaked.
-                    1 => unsafe { c.isendrecv(&send, &mut recv) }.and_then(|mut q| loop {
-                        match q.test() {
-                            Ok(true) => break Ok(()),
-                            Ok(false) => std::hint::spin_loop(),
-                            Err(e) => break Err(e),
+                let (res, recv) = match mode {
+                    0 => {
+                        let mut recv = recv;
+                        (c.sendrecv(&send, &mut recv), recv)
+                    }
+                    1 => match c.isendrecv(send, recv) {
+                        Ok(mut q) => {
+                            while !q.test() {
+                                std::hint::spin_loop();
+                            }
+                            match q.wait() {
+                                Ok((_, recv)) => (Ok(()), recv),
+                                Err((e, (_, recv))) => (Err(e), recv),
+                            }
                         }
-                    }),
-                    // SAFETY: finished before its buffers are used again; not leaked.
-                    2 => unsafe { c.isendrecv(&send, &mut recv) }.map(drop),
-                    // SAFETY: finished before its buffers are used again; not leaked.
-                    _ => unsafe { c.isendrecv(&send, &mut recv) }.and_then(|q| q.wait()),
+                        Err((e, (_, recv))) => (Err(e), recv),
+                    },
+                    2 => (c.isendrecv(send, recv).map(drop).map_err(CommError::from), Vec::new()),
+                    _ => match c.isendrecv(send, recv).and_then(|q| q.wait()) {
+                        Ok((_, recv)) => (Ok(()), recv),
+                        Err((e, (_, recv))) => (Err(e), recv),
+                    },
                 };
                 if res.is_ok() && mode != 2 && !recv.is_empty() {
                     succeeded += 1;

@@ -282,10 +282,9 @@ fn nonblocking_send_moves_while_the_sender_computes() {
         let mut c = c;
         let buf = vec![3u8; 64 << 20];
         if c.rank() == 0 {
-            // SAFETY: finished before its buffers are used again; not leaked.
-            let req = unsafe { c.isend(1, 9, &buf) }.map_err(suite::e2s)?;
+            let req = c.isend(1, 9, buf).map_err(suite::oe2s)?;
             std::thread::sleep(Duration::from_secs(2));
-            req.wait().map_err(suite::e2s)
+            req.wait().map(drop).map_err(suite::oe2s)
         } else {
             c.set_timeout(Duration::from_secs(1));
             let mut got = vec![0u8; buf.len()];
@@ -312,19 +311,20 @@ fn steady_state_ring_exchange_and_all_reduce_do_not_allocate() {
     suite::all_ok(Ucx::run(3, Duration::from_secs(30), name, &|c| {
         let send = vec![c.rank() as f32; 1 << 16];
         let mut recv = vec![0.0f32; 1 << 16];
+        let (mut cur, mut nxt) = (send.clone(), recv.clone());
         let mut acc = vec![1.0f32; 1 << 15];
         for _ in 0..3 {
             c.sendrecv(&send, &mut recv).map_err(suite::e2s)?;
-            // SAFETY: finished before its buffers are used again; not leaked.
-            unsafe { c.isendrecv(&send, &mut recv) }.map_err(suite::e2s)?.wait().map_err(suite::e2s)?;
+            (cur, nxt) = c.isendrecv(cur, nxt).and_then(|q| q.wait()).map_err(suite::oe2s)?;
+            std::mem::swap(&mut cur, &mut nxt);
             c.all_reduce(&mut acc, longctx_p2p::ReduceOp::Sum).map_err(suite::e2s)?;
         }
         c.barrier().map_err(suite::e2s)?;
         let before = ALLOCS.with(|a| a.get());
         for _ in 0..20 {
             c.sendrecv(&send, &mut recv).map_err(suite::e2s)?;
-            // SAFETY: finished before its buffers are used again; not leaked.
-            unsafe { c.isendrecv(&send, &mut recv) }.map_err(suite::e2s)?.wait().map_err(suite::e2s)?;
+            (cur, nxt) = c.isendrecv(cur, nxt).and_then(|q| q.wait()).map_err(suite::oe2s)?;
+            std::mem::swap(&mut cur, &mut nxt);
             c.all_reduce(&mut acc, longctx_p2p::ReduceOp::Max).map_err(suite::e2s)?;
         }
         match ALLOCS.with(|a| a.get()) - before {
@@ -547,11 +547,13 @@ fn a_peer_stopped_mid_transfer_fails_the_sender_and_never_gets_reused_data() {
             // Rank 1 creates this file once its receive has ended.
             let done = std::env::temp_dir().join(format!("longctx-stop-test-{}", pids[0]));
             if c.rank() == 0 {
-                let mut data = vec![7u8; len];
+                let data = vec![7u8; len];
                 c.barrier().map_err(suite::e2s)?; // rank 1's receive is posted
                 let t0 = std::time::Instant::now();
-                // SAFETY: finished before its buffers are used again; not leaked.
-                let res = unsafe { c.isend(1, 5, &data) }.and_then(|r| r.wait());
+                let (res, mut data) = match c.isend(1, 5, data).and_then(|r| r.wait()) {
+                    Ok(data) => (Ok(()), data),
+                    Err((e, data)) => (Err(e), data),
+                };
                 let took = t0.elapsed();
                 // The buffer is the caller's again, and reused, or freed (a 512 MiB allocation is unmapped).
                 let unmap = std::env::var("LONGCTX_TEST_UNMAP").is_ok();
@@ -577,16 +579,14 @@ fn a_peer_stopped_mid_transfer_fails_the_sender_and_never_gets_reused_data() {
                     other => Err(format!("send to the stopped rank: {other:?} after {took:?}")),
                 };
             }
-            let mut got = vec![0u8; len];
-            // SAFETY: finished before its buffers are used again; not leaked.
-            let req = unsafe { c.irecv(0, 5, &mut got) }.map_err(suite::e2s)?;
+            let req = c.irecv(0, 5, vec![0u8; len]).map_err(suite::oe2s)?;
             c.barrier().map_err(suite::e2s)?;
             // Let part of it move, then stop.
             std::thread::sleep(Duration::from_millis(2));
             // SAFETY: raise(3) on this process; rank 0 sends SIGCONT once its wait has failed.
             unsafe { libc::raise(libc::SIGSTOP) };
             let over_tcp = std::env::var("UCX_TLS").is_ok_and(|t| t.starts_with("tcp"));
-            let res = req.wait();
+            let res = req.wait().map_err(|(e, _)| e);
             std::fs::write(&done, b"").map_err(|e| e.to_string())?;
             match res {
                 // The data arrived, from the reused buffer, or the read of the freed buffer failed: refused.
@@ -598,7 +598,7 @@ fn a_peer_stopped_mid_transfer_fails_the_sender_and_never_gets_reused_data() {
                 // has delivered its announcement, or the rest of it over TCP).
                 Err(longctx_p2p::CommError::Timeout { peer: 0, .. }) => Ok(()),
                 Err(e) => Err(format!("the resumed receive failed, but with {e}")),
-                Ok(()) => Err(format!(
+                Ok(got) => Err(format!(
                     "the resumed receive completed although the sender gave up: {} bytes of the reused data",
                     got.iter().filter(|&&b| b == 9).count()
                 )),
@@ -636,17 +636,14 @@ fn a_rank_killed_mid_transfer_is_an_error_on_its_peer() {
         let res = if c.rank() == 0 {
             let data = vec![7u8; len];
             c.barrier().map_err(suite::e2s)?;
-            // SAFETY: finished before its buffers are used again; not leaked.
-            let req = unsafe { c.isend(1, 5, &data) }.map_err(suite::e2s)?;
+            let req = c.isend(1, 5, data).map_err(suite::oe2s)?;
             die(&c);
-            req.wait()
+            req.wait().map(drop).map_err(|(e, _)| e)
         } else {
-            let mut got = vec![0u8; len];
-            // SAFETY: finished before its buffers are used again; not leaked.
-            let req = unsafe { c.irecv(0, 5, &mut got) }.map_err(suite::e2s)?;
+            let req = c.irecv(0, 5, vec![0u8; len]).map_err(suite::oe2s)?;
             c.barrier().map_err(suite::e2s)?;
             die(&c);
-            req.wait()
+            req.wait().map(drop).map_err(|(e, _)| e)
         };
         let other = 1 - c.rank();
         match res {

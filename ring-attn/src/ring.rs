@@ -14,7 +14,7 @@
 use std::time::Instant;
 
 use longctx_kernels::HostSlice;
-use longctx_p2p::Communicator;
+use longctx_p2p::{CommError, Communicator, OwnedRequest, SendRequest};
 
 use crate::block::KvPacking;
 use crate::context::{Local, StepReport};
@@ -114,9 +114,10 @@ pub(crate) fn ring_backward(
     let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
     let packing = KvPacking::for_block(k.dtype(), pb.shape.kv_elems(), pb.docs);
     let kv_elems = pb.shape.kv_elems();
+    // The buffers travel by value: each moves into a request and comes back from its `wait`.
     let mut cur = packing.pack(k, v, pb.docs);
     let mut nxt = vec![0u32; cur.len()];
-    // `local`: this step's contribution; `acc_out`: the accumulator being passed on; `acc_in`: the one arriving.
+    // `local`: this step's contribution; `acc_out`: the accumulator to pass on; `acc_in`: where the next arrives.
     let mut local = vec![0f32; 2 * kv_elems];
     let mut acc_out = vec![0f32; 2 * kv_elems];
     let mut acc_in = vec![0f32; 2 * kv_elems];
@@ -125,12 +126,10 @@ pub(crate) fn ring_backward(
     for step in 0..n {
         let src = (r + n - step) % n;
         let t = Instant::now();
+        // Pass the block in hand on (we keep reading it in the send) and receive the next one.
         let kv_reqs = if step + 1 < n {
-            // Not a `Scope` as in the forward: the accumulator's transfer below stays in flight into the next
-            // step, past the swaps, which a scope's borrows cannot span.
-            // SAFETY (both): waited for at the end of this step, before the swap, or dropped (which waits) on an
-            // early return; never leaked.
-            Some((unsafe { comm.isend(next, TAG_KV, &cur) }?, unsafe { comm.irecv(prev, TAG_KV, &mut nxt) }?))
+            let send = comm.isend(next, TAG_KV, std::mem::take(&mut cur)).map_err(CommError::from)?;
+            Some((send, comm.irecv(prev, TAG_KV, std::mem::take(&mut nxt)).map_err(CommError::from)?))
         } else {
             None
         };
@@ -138,7 +137,8 @@ pub(crate) fn ring_backward(
 
         // This rank's contribution to the block in hand, while the block's accumulator is still arriving.
         let t = Instant::now();
-        let (kb, vb, k_doc) = packing.view(&cur);
+        let block = kv_reqs.as_ref().map_or(&cur[..], |(send, _)| send.buf());
+        let (kb, vb, k_doc) = packing.view(block);
         let p = pb.params(&pb.positions[src], k_doc);
         local.fill(0.0);
         let (dk_loc, dv_loc) = local.split_at_mut(kv_elems);
@@ -154,44 +154,41 @@ pub(crate) fn ring_backward(
             break;
         }
         let t = Instant::now();
+        // The accumulator that arrived (zeros at the first step) plus ours goes on; the buffer that went out
+        // last comes back to receive the next one.
         if let Some((s_req, r_req)) = acc_reqs.take() {
-            wait_pair(s_req, r_req)?;
-            for (a, l) in acc_in.iter_mut().zip(&local) {
-                *a += *l;
-            }
-            std::mem::swap(&mut acc_out, &mut acc_in);
-        } else {
-            std::mem::swap(&mut acc_out, &mut local);
+            (acc_in, acc_out) = wait_pair(s_req, r_req)?;
         }
-        // SAFETY (both): waited for in the next step (or after the loop) before `acc_out` and `acc_in` are
-        // touched again, or dropped (which waits) on an early return; never leaked.
-        acc_reqs =
-            Some((unsafe { comm.isend(next, TAG_DKV, &acc_out) }?, unsafe { comm.irecv(prev, TAG_DKV, &mut acc_in) }?));
+        for (a, l) in acc_out.iter_mut().zip(&local) {
+            *a += *l;
+        }
+        let send = comm.isend(next, TAG_DKV, std::mem::take(&mut acc_out)).map_err(CommError::from)?;
+        acc_reqs = Some((send, comm.irecv(prev, TAG_DKV, std::mem::take(&mut acc_in)).map_err(CommError::from)?));
         if let Some((ks, kr)) = kv_reqs {
-            wait_pair(ks, kr)?;
+            (nxt, cur) = wait_pair(ks, kr)?;
         }
-        std::mem::swap(&mut cur, &mut nxt);
         rep.comm_wait += t.elapsed();
     }
     // After n hops the accumulator arriving last is this rank's own block's, complete (with one rank, the
     // only contribution is the local one).
     let own = if let Some((s_req, r_req)) = acc_reqs.take() {
         let t = Instant::now();
-        wait_pair(s_req, r_req)?;
+        let (_, arrived) = wait_pair(s_req, r_req)?;
         rep.comm_wait += t.elapsed();
-        &acc_in
+        arrived
     } else {
-        &local
+        local
     };
     dk.copy_from_slice(&own[..kv_elems]);
     dv.copy_from_slice(&own[kv_elems..]);
     Ok(())
 }
 
-fn wait_pair(s: longctx_p2p::Request<'_>, r: longctx_p2p::Request<'_>) -> Result<()> {
-    s.wait()?;
-    r.wait()?;
-    Ok(())
+/// Finishes a send and a receive, handing back (sent buffer, received buffer).
+fn wait_pair<S: longctx_p2p::OwnedBuf, R>(s: SendRequest<S>, r: OwnedRequest<R>) -> Result<(S, R)> {
+    let sent = s.wait().map_err(CommError::from);
+    let received = r.wait().map_err(CommError::from)?;
+    Ok((sent?, received))
 }
 
 /// 32-bit words of one travelling block: K and V of `kv_elems` elements of `elem` bytes, and `doc_len` ids.

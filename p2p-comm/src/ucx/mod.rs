@@ -23,8 +23,7 @@
 //! memory the receiver pulls the data from the sender's memory by address (CMA), and would read whatever the
 //! caller has put there since: before the buffer is returned, the sender raises a flag in shared memory that
 //! its peers on the host read after each receive from it ([`link_flags`]), so such a receive fails with
-//! `LinkClosed` instead (test: `a_peer_stopped_mid_transfer_fails_the_sender_and_never_gets_reused_data`; without
-//! the flag the resumed receive completed with 250 MiB of the reused data). If the caller *unmapped* the buffer
+//! `LinkClosed` instead (test: `a_peer_stopped_mid_transfer_fails_the_sender_and_never_gets_reused_data`). If the caller *unmapped* the buffer
 //! instead (freed a large allocation), the resumed receiver's read faults: from UCX 1.22 on that fails the
 //! receive, reported as `LinkClosed` too (same test); UCX 1.13 to 1.21 abort the receiver. Left open: RDMA
 //! reads between hosts (InfiniBand) have no flag to read; and the mirror case, a withdrawn *receive* whose
@@ -37,7 +36,7 @@
 //! 1.22 on that fails the receive and the receiver gets `PeerGone`. UCX 1.13 to 1.21 abort the receiving process
 //! instead, unless its endpoints use peer error handling (`scripts/ucx-versions` runs the test against each
 //! release); with that handling UCX (1.13 to 1.22) moves a same-host peer's traffic to TCP over `lo` (no sysv,
-//! no CMA), which cost 2-5x in bandwidth from 64 KiB here (`ucx_perftest -e` loses as much), so it is off by
+//! no CMA), which costs much of the bandwidth of larger messages (`ucx_perftest -e` loses as much), so it is off by
 //! default (under `longctx-launch` the job ends when one rank dies anyway) and `LONGCTX_UCX_PEER_ERRORS=1`
 //! turns it on for jobs whose ranks must survive a peer's death on an older UCX (test:
 //! `a_rank_killed_mid_transfer_is_an_error_on_its_peer`; [`ucx_version`] tells which UCX a process runs with).
@@ -63,12 +62,12 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::collectives::{mismatch_as, name};
-use crate::communicator::INTERNAL;
+use crate::bootstrap::Bootstrap;
+use crate::error::CommError;
+use crate::op::{mismatch_as, name, Op, INTERNAL};
 use crate::rendezvous::{Store, StoreHost};
 use crate::stats::StatsCounters;
-use crate::threads::lock;
-use crate::{Bootstrap, CommError};
+use crate::sync::lock;
 use result::Started;
 
 /// The version of the UCX library this process runs with (`major, minor, release`, from `ucp_get_version`):
@@ -289,6 +288,19 @@ impl Drop for Shared {
 }
 
 impl Shared {
+    /// Whether rank `world_rank` (of the world) left or failed; the error to report, naming it as `rank`.
+    /// [`Communicator::abort`](crate::Communicator::abort) publishes a failed rank's reason under
+    /// `failed/{world_rank}` before the rank leaves, so a rank seen gone is checked for a reason after.
+    fn lost(&self, world_rank: usize, rank: usize) -> Option<CommError> {
+        let gone = self.gone(world_rank);
+        match self.store.try_get_within(&format!("failed/{world_rank}"), STORE_ANSWER) {
+            Ok(Some(reason)) => {
+                Some(CommError::PeerFailed { rank, reason: String::from_utf8_lossy(&reason).into_owned() })
+            }
+            _ => gone.then_some(CommError::PeerGone { rank }),
+        }
+    }
+
     fn gone(&self, world_rank: usize) -> bool {
         // Bounded: the store lives in rank 0's process, which may be stalled, and a wait that checks its peer
         // must still end by its own deadline.
@@ -300,8 +312,9 @@ impl Shared {
     }
 }
 
-/// Creates the world communicator of this process from the environment (see [`Bootstrap::from_env`]).
-pub(crate) fn from_env(timeout: Duration) -> Result<crate::Communicator, CommError> {
+/// Joins the job described by the environment (see [`Bootstrap::from_env`]): this process's endpoint of the
+/// world communicator, which the caller completes with a barrier and then [`UcxEndpoint::joined`].
+pub(crate) fn join(timeout: Duration) -> Result<UcxEndpoint, CommError> {
     let b = Bootstrap::from_env()?;
     if b.world_size > MAX_RANKS {
         return Err(CommError::Bootstrap(format!("the UCX transport supports at most {MAX_RANKS} ranks")));
@@ -378,11 +391,7 @@ pub(crate) fn from_env(timeout: Duration) -> Result<crate::Communicator, CommErr
         links,
     });
     let members: Arc<[usize]> = (0..b.world_size).collect();
-    let ep = UcxEndpoint { shared: shared.clone(), ctx: 0, members, rank: b.rank };
-    let comm = crate::Communicator::from_ucx(ep, timeout);
-    comm.barrier()?;
-    shared.links.unlink(); // every rank has mapped it by now
-    Ok(comm.with_fresh_stats())
+    Ok(UcxEndpoint { shared, ctx: 0, members, rank: b.rank })
 }
 
 /// A worker whose context has `UCP_FEATURE_WAKEUP`, with its event fd; a worker without one where this UCX
@@ -408,6 +417,18 @@ pub(crate) struct UcxEndpoint {
 impl UcxEndpoint {
     pub(crate) fn rank(&self) -> usize {
         self.rank
+    }
+
+    /// Publishes why this rank failed (see [`Communicator::abort`](crate::Communicator::abort)): peers find it
+    /// when they check whether this rank is still there.
+    pub(crate) fn abort(&self, reason: &str) {
+        // Best effort: if the store is gone (rank 0 died), the peers learn only that this rank left.
+        let _ = self.shared.store.set(&format!("failed/{}", self.members[self.rank]), reason.as_bytes());
+    }
+
+    /// Every rank has joined (a barrier over the new world passed): the link flags' file can go.
+    pub(crate) fn joined(&self) {
+        self.shared.links.unlink(); // every rank has mapped it by now
     }
 
     pub(crate) fn size(&self) -> usize {
@@ -438,23 +459,13 @@ impl UcxEndpoint {
         }
     }
 
-    /// Posts a send or receive (internal messages carry a digest of `meta`: see the module docs).
+    /// Posts `op` (internal messages carry a digest of its `meta`: see the module docs).
     ///
     /// # Safety
-    /// As [`crate::Communicator::post`].
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) unsafe fn post(
-        &self,
-        is_send: bool,
-        peer: usize,
-        key: u64,
-        meta: u64,
-        ptr: *mut u8,
-        len: usize,
-        later: bool,
-        timeout: Duration,
-        stats: &Arc<StatsCounters>,
-    ) -> Result<UcxOp, CommError> {
+    /// `op`'s buffer must stay valid (and, for a receive, unaliased) until the returned op finishes or is
+    /// dropped.
+    pub(crate) unsafe fn post(&self, op: &Op, stats: &Arc<StatsCounters>) -> Result<UcxOp, CommError> {
+        let Op { is_send, peer, key, meta, ptr, len, later, timeout, .. } = *op;
         let world_peer = self.members[peer];
         let mut info = (!is_send).then(|| self.shared.take_info());
         let inner = lock(&self.shared.inner);
@@ -608,8 +619,8 @@ impl UcxOp {
                 );
                 let t0 = Instant::now();
                 loop {
-                    if self.shared.gone(self.world_peer) {
-                        return Err(CommError::PeerGone { rank: self.peer });
+                    if let Some(e) = self.shared.lost(self.world_peer, self.peer) {
+                        return Err(e);
                     }
                     // A receive that fails after its sender withdrew the send (e.g. UCX 1.22's failed read of a
                     // send buffer the sender had freed) failed because of that withdrawal: say so.
@@ -746,17 +757,17 @@ impl UcxOp {
             }
             if now.duration_since(last_check) >= LIVENESS_POLL {
                 last_check = now;
-                if self.shared.gone(self.world_peer) {
+                if let Some(e) = self.shared.lost(self.world_peer, self.peer) {
                     self.abort();
-                    return Err(CommError::PeerGone { rank: self.peer });
+                    return Err(e);
                 }
             }
             // Poll hard (yielding to ranks that share our cores) while the worker has events, and for a few
             // milliseconds after the last, which covers the protocol round trips of a transfer; then sleep until
             // the worker has an event (or, without an event fd, back off), so a wait on a peer that is busy
-            // elsewhere costs little CPU. Large messages over TCP keep the worker busy for their whole transfer:
-            // sleeping on the event fd from 5 ms after the wait began instead lost 8-10% at 64 MiB (the socket
-            // waited for our wake-up between turns), and sleeping a fixed 50 µs per turn more (BENCHMARKS.md).
+            // elsewhere costs little CPU. Large messages over TCP keep the worker busy for their whole transfer,
+            // so the spin is counted from the last event, not from the start of the wait: a sleep between turns
+            // would leave the socket waiting for our wake-up.
             if now.duration_since(last_event) < SPIN {
                 std::thread::yield_now();
             } else {

@@ -111,8 +111,8 @@ impl Worker {
     /// Creates an endpoint to the worker whose address is `addr`.
     pub fn connect(&self, addr: &[u8]) -> Result<Endpoint, UcxError> {
         // By default no UCP_ERR_HANDLING_MODE_PEER: it restricts UCX to transports that can detect peer failure,
-        // which puts a peer on the same host on TCP over `lo` (no sysv, no cma), and cost 2-5x in bandwidth from
-        // 64 KiB (BENCHMARKS.md); the transport detects dead peers itself, through the store. The price: UCX 1.13
+        // which puts a peer on the same host on TCP over `lo` (no sysv, no cma), at a large cost in bandwidth
+        // (BENCHMARKS.md); the transport detects dead peers itself, through the store. The price: UCX 1.13
         // to 1.21 abort a process whose cma read from a peer that died mid-transfer fails (1.22 fails the read's
         // request). `LONGCTX_UCX_PEER_ERRORS=1` buys survival of that case with the bandwidth.
         let peer = std::env::var("LONGCTX_UCX_PEER_ERRORS").as_deref() == Ok("1");
@@ -137,7 +137,13 @@ impl Worker {
     ///
     /// # Safety
     /// `buf..buf+len` must stay valid until the returned request completes (or `Done` is returned).
-    pub unsafe fn tag_send(&self, ep: &Endpoint, buf: *const u8, len: usize, tag: u64) -> Result<Started, UcxError> {
+    pub(crate) unsafe fn tag_send(
+        &self,
+        ep: &Endpoint,
+        buf: *const u8,
+        len: usize,
+        tag: u64,
+    ) -> Result<Started, UcxError> {
         let param = sys::ucp_request_param_t::default();
         // SAFETY: per the caller's contract; default params: contiguous bytes, no callback.
         started(unsafe { sys::ucp_tag_send_nbx(ep.0, buf as *const c_void, len, tag, &param) })
@@ -148,7 +154,7 @@ impl Worker {
     ///
     /// # Safety
     /// `buf..buf+len` and `info` must stay valid until the request completes (or `Done` is returned).
-    pub unsafe fn tag_recv(
+    pub(crate) unsafe fn tag_recv(
         &self,
         buf: *mut u8,
         len: usize,
@@ -186,7 +192,7 @@ impl Worker {
     ///
     /// # Safety
     /// `req` must be a live request of this worker.
-    pub unsafe fn status(&self, req: *mut c_void) -> Option<Result<(), UcxError>> {
+    pub(crate) unsafe fn status(&self, req: *mut c_void) -> Option<Result<(), UcxError>> {
         // SAFETY: per the caller's contract.
         let s = unsafe { sys::ucp_request_check_status(req) };
         (s != sys::ucs_status_t::UCS_INPROGRESS).then(|| check(s))
@@ -196,7 +202,7 @@ impl Worker {
     ///
     /// # Safety
     /// `req` must be a live request of this worker.
-    pub unsafe fn cancel(&self, req: *mut c_void) {
+    pub(crate) unsafe fn cancel(&self, req: *mut c_void) {
         // SAFETY: per the caller's contract.
         unsafe { sys::ucp_request_cancel(self.h, req) }
     }
@@ -205,7 +211,7 @@ impl Worker {
     ///
     /// # Safety
     /// `req` must be a live request of this worker, not used afterwards.
-    pub unsafe fn free(&self, req: *mut c_void) {
+    pub(crate) unsafe fn free(&self, req: *mut c_void) {
         // SAFETY: per the caller's contract.
         unsafe { sys::ucp_request_free(req) }
     }

@@ -33,6 +33,11 @@ pub fn e2s(e: CommError) -> String {
     e.to_string()
 }
 
+/// [`e2s`] for an owned request's error, dropping the buffer it handed back.
+pub fn oe2s<B>((e, _): (CommError, B)) -> String {
+    e.to_string()
+}
+
 /// splitmix64: deterministic data every rank can regenerate for every other rank.
 pub struct Rng(u64);
 impl Rng {
@@ -390,6 +395,184 @@ pub fn split(c: Communicator) -> Result<(), String> {
     c.barrier().map_err(e2s)
 }
 
+fn words(seed: u64, len: usize) -> Vec<u32> {
+    (0..len as u64).map(|i| (i.wrapping_mul(2_654_435_761) ^ seed) as u32).collect()
+}
+
+/// Owned sends and receives (`Vec` and `Box<[T]>`) and an owned ring shift around the ring, small and large:
+/// the data arrives and every buffer comes back.
+pub fn owned_round_trip(c: Communicator) -> Result<(), String> {
+    let (r, n) = (c.rank(), c.world_size());
+    let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+    for len in [0usize, 3, 5000, 300_000] {
+        let send = c.isend(next, 1, words(r as u64, len)).map_err(oe2s)?;
+        let recv = c.irecv(prev, 1, vec![0u32; len].into_boxed_slice()).map_err(oe2s)?;
+        if send.buf() != &words(r as u64, len)[..] {
+            return Err("an owned send's buffer reads wrong while in flight".into());
+        }
+        let got = recv.wait().map_err(oe2s)?;
+        let sent = send.wait().map_err(oe2s)?;
+        if *got != words(prev as u64, len)[..] || sent != words(r as u64, len) {
+            return Err(format!("owned send/recv of {len} words: wrong data"));
+        }
+        let (sent, got) = c.isendrecv(sent, vec![0u32; len]).and_then(|q| q.wait()).map_err(oe2s)?;
+        if got != words(prev as u64, len) || sent != words(r as u64, len) {
+            return Err(format!("owned ring shift of {len} words: wrong data"));
+        }
+    }
+    c.barrier().map_err(e2s)
+}
+
+/// A steady owned ring rotation: the two buffers move into each exchange and back out of its `wait`, so every
+/// step reuses the same two allocations (the alloc tests count that no step allocates), and each step delivers
+/// the block from `step` hops back.
+pub fn owned_ring_reuses_buffers(c: Communicator) -> Result<(), String> {
+    let (r, n) = (c.rank(), c.world_size());
+    let (mut cur, mut nxt) = (words(r as u64, 20_000), vec![0u32; 20_000]);
+    let allocations = [cur.as_ptr() as usize, nxt.as_ptr() as usize];
+    for step in 1..=2 * n {
+        let req = c.isendrecv(cur, nxt).map_err(oe2s)?;
+        (cur, nxt) = req.wait().map_err(oe2s)?;
+        std::mem::swap(&mut cur, &mut nxt);
+        if cur != words(((r + 2 * n - step) % n) as u64, 20_000) {
+            return Err(format!("step {step}: wrong block"));
+        }
+        let mut now = [cur.as_ptr() as usize, nxt.as_ptr() as usize];
+        now.sort_unstable();
+        let mut want = allocations;
+        want.sort_unstable();
+        if now != want {
+            return Err(format!("step {step}: the ring's buffers are not the two it started with"));
+        }
+    }
+    Ok(())
+}
+
+/// An owned request that fails (its peer never answers and it times out; its peer is gone; it cannot start)
+/// hands its buffer back with its contents.
+pub fn owned_buffer_comes_back_on_error<W: World>(n: usize) {
+    let timeout = Duration::from_millis(300);
+    let out = W::run(n, Duration::from_secs(10), "owned_buffer_comes_back_on_error", &|c: Communicator| {
+        let r = c.rank();
+        let data = words(7, 50_000);
+        // Cannot start: the rank does not exist.
+        match c.isend(n, 0, data.clone()) {
+            Err((CommError::InvalidRank { .. }, back)) if back == data => {}
+            other => return Err(format!("isend to rank {n}: {:?}", other.map(drop).map_err(|(e, b)| (e, b.len())))),
+        }
+        c.barrier().map_err(e2s)?;
+        let mut c = c;
+        if r == 1 {
+            // Answers nothing, then leaves.
+            return c.barrier().map_err(e2s);
+        }
+        if r == 2 {
+            // Never receives rank 0's send; waits (ignoring the outcome) until rank 0 is done with it and leaves.
+            c.barrier().map_err(e2s)?;
+            c.set_timeout(Duration::from_secs(30));
+            let _ = c.recv(0, 9, &mut [0u8]);
+            return Ok(());
+        }
+        // A receive nobody sends times out and is withdrawn: its buffer is as it was.
+        c.set_timeout(timeout);
+        match c.irecv(1, 5, data.clone()).map_err(oe2s)?.wait() {
+            Err((CommError::Timeout { peer: 1, .. }, back)) if back == data => {}
+            other => return Err(format!("recv timeout: {:?}", other.map(drop).map_err(|(e, b)| (e, b.len())))),
+        }
+        c.barrier().map_err(e2s)?;
+        // Rank 1 is leaving: a receive from it fails naming it and hands the buffer back.
+        c.set_timeout(Duration::from_secs(20));
+        let t0 = Instant::now();
+        match c.irecv(1, 6, data.clone()).and_then(|q| q.wait()) {
+            Err((CommError::PeerGone { rank: 1 }, back)) if back == data => {}
+            other => {
+                return Err(format!("recv from a gone rank: {:?}", other.map(drop).map_err(|(e, b)| (e, b.len()))))
+            }
+        }
+        if t0.elapsed() > Duration::from_secs(10) {
+            return Err(format!("the gone rank was noticed after {:?}", t0.elapsed()));
+        }
+        // A send nobody receives times out (last: with UCX it closes the link to its peer).
+        c.set_timeout(timeout);
+        match c.isend(2, 4, data.clone()).map_err(oe2s)?.wait() {
+            Err((CommError::Timeout { peer: 2, .. }, back)) if back == data => {}
+            other => return Err(format!("send timeout: {:?}", other.map(drop).map_err(|(e, b)| (e, b.len())))),
+        }
+        Ok(())
+    });
+    all_ok(out);
+}
+
+/// Leaked owned requests (`std::mem::forget`: a send, a receive, a ring shift, small and large) still move
+/// their messages (into or out of the leaked buffer, which stays allocated), and the traffic after them is in
+/// step and intact.
+pub fn leaked_owned_requests_corrupt_nothing(c: Communicator) -> Result<(), String> {
+    let (r, n) = (c.rank(), c.world_size());
+    let peer = 1 - r;
+    for len in [1000usize, 100_000] {
+        if r == 0 {
+            std::mem::forget(c.isend(peer, 1, words(1, len)).map_err(oe2s)?);
+            std::mem::forget(c.irecv(peer, 2, vec![0u32; len]).map_err(oe2s)?);
+        } else {
+            let mut got = vec![0u32; len];
+            c.recv(peer, 1, &mut got).map_err(e2s)?;
+            if got != words(1, len) {
+                return Err(format!("the leaked send's message ({len} words) arrived wrong"));
+            }
+            c.send(peer, 2, &words(2, len)).map_err(e2s)?;
+        }
+        std::mem::forget(c.isendrecv(words(r as u64 + 3, len), vec![0u32; len]).map_err(oe2s)?);
+        // More exchanges than a channel has slots, after the leaked one.
+        for i in 0..12u64 {
+            let mut got = vec![0u32; len];
+            c.sendrecv(&words(i * 10 + r as u64, len), &mut got).map_err(e2s)?;
+            if got != words(i * 10 + peer as u64, len) {
+                return Err(format!("exchange {i} after the leaked requests ({len} words): wrong data"));
+            }
+        }
+        let mut x = [r as f32 + 1.0];
+        c.all_reduce(&mut x, ReduceOp::Sum).map_err(e2s)?;
+        if x[0] != (n * (n + 1) / 2) as f32 {
+            return Err("all_reduce after the leaked requests".into());
+        }
+    }
+    Ok(())
+}
+
+/// Rank 1 aborts with a reason while the others wait on it: their pending operation and their later ones with
+/// it fail with `PeerFailed` naming it and carrying the reason, and so do its own later operations.
+pub fn failed_peer<W: World>(n: usize) {
+    let out = W::run(n, Duration::from_secs(20), "failed_peer", &|c: Communicator| {
+        let r = c.rank();
+        c.barrier().map_err(e2s)?;
+        let is_why =
+            |e: &CommError| matches!(e, CommError::PeerFailed { rank: 1, reason } if reason.contains("shard 3"));
+        if r == 1 {
+            std::thread::sleep(Duration::from_millis(200)); // the others' receives are posted
+            c.abort("bad input: shard 3 is empty");
+            return match c.recv(0, 5, &mut [0u8; 4]) {
+                Err(e) if is_why(&e) => Ok(()),
+                other => Err(format!("an operation after abort: {other:?}")),
+            };
+        }
+        let t0 = Instant::now();
+        let mut buf = [0u8; 16];
+        match c.recv(1, 3, &mut buf) {
+            Err(e) if is_why(&e) => {}
+            other => return Err(format!("pending receive from the failed rank: {other:?}")),
+        }
+        match c.recv(1, 4, &mut buf) {
+            Err(e) if is_why(&e) => {}
+            other => return Err(format!("later receive from the failed rank: {other:?}")),
+        }
+        if t0.elapsed() > Duration::from_secs(10) {
+            return Err(format!("noticed only after {:?}", t0.elapsed()));
+        }
+        Ok(())
+    });
+    all_ok(out);
+}
+
 /// Rank `victim` dies while the others wait on it: they must get an error naming it, well within the timeout.
 pub fn killed_peer<W: World>(n: usize, victim: usize) {
     let timeout = Duration::from_secs(20);
@@ -597,6 +780,45 @@ macro_rules! suite_tests {
             suite::all_ok(<$w>::run(2, std::time::Duration::from_secs(30), "scope_finishes_leaked_requests", &|c| {
                 suite::scope_finishes_leaked_requests(c)
             }));
+        }
+        #[test]
+        fn owned_round_trip() {
+            for n in [1, 2, 3] {
+                suite::all_ok(<$w>::run(
+                    n,
+                    std::time::Duration::from_secs(30),
+                    "owned_round_trip",
+                    &suite::owned_round_trip,
+                ));
+            }
+        }
+        #[test]
+        fn owned_ring_reuses_buffers() {
+            for n in [1, 3] {
+                suite::all_ok(<$w>::run(
+                    n,
+                    std::time::Duration::from_secs(30),
+                    "owned_ring_reuses_buffers",
+                    &suite::owned_ring_reuses_buffers,
+                ));
+            }
+        }
+        #[test]
+        fn owned_buffer_comes_back_on_error() {
+            suite::owned_buffer_comes_back_on_error::<$w>(3);
+        }
+        #[test]
+        fn leaked_owned_requests_corrupt_nothing() {
+            suite::all_ok(<$w>::run(
+                2,
+                std::time::Duration::from_secs(30),
+                "leaked_owned_requests_corrupt_nothing",
+                &suite::leaked_owned_requests_corrupt_nothing,
+            ));
+        }
+        #[test]
+        fn failed_peer() {
+            suite::failed_peer::<$w>(3);
         }
         #[test]
         fn killed_peer() {
