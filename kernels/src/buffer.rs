@@ -31,11 +31,6 @@ impl Buffer {
         };
         Ok(Self { data, dims })
     }
-    /// Takes a host `f32` vector with dims whose product is its length.
-    pub fn from_f32(v: Vec<f32>, dims: impl IntoDims) -> Result<Self> {
-        let b = Self { dims: View::new(&v, dims)?.shape(), data: Owned::HostF32(v) };
-        Ok(b)
-    }
     /// The dims.
     pub fn dims(&self) -> &[usize] {
         self.dims.as_slice()
@@ -78,19 +73,5 @@ impl Buffer {
             Owned::HostBf16(v) => HostSliceMut::Bf16(v),
         };
         ViewMut::host(h, self.dims).expect("a buffer's dims match its length")
-    }
-    /// The host `f32` elements, when that is what the buffer holds.
-    pub fn as_f32(&self) -> Option<&[f32]> {
-        match &self.data {
-            Owned::HostF32(v) => Some(v),
-            _ => None,
-        }
-    }
-    /// The elements widened to a host `f32` vector (a copy from device memory, for a device buffer).
-    pub fn to_f32_vec(&self) -> Vec<f32> {
-        match &self.data {
-            Owned::HostF32(v) => v.clone(),
-            Owned::HostBf16(v) => v.iter().map(|x| x.to_f32()).collect(),
-        }
     }
 }

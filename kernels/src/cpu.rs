@@ -159,19 +159,15 @@ impl Backend for CpuBackend {
 
     fn add(&self, dst: ViewMut<'_>, src: View<'_>) -> Result<()> {
         same_dims("dst", dst.dims(), src.dims())?;
-        let src = self.host("src", src)?;
-        let dst = self.host_mut("dst", dst)?;
-        self.run(|| match (dst, src) {
-            (HostSliceMut::F32(d), HostSlice::F32(s)) => d
-                .par_chunks_mut(ops::ELEMS_PER_TASK)
-                .zip(s.par_chunks(ops::ELEMS_PER_TASK))
-                .for_each(|(d, s)| d.iter_mut().zip(s).for_each(|(d, s)| *d += *s)),
-            (mut d, s) => {
-                let s = s.to_f32_vec();
-                d.store_f32(0, &s, true)
-            }
-        });
-        Ok(())
+        by_dtype!(dst.dtype(), D => by_dtype!(src.dtype(), S => {
+            let (d, s) = (self.typed_mut::<D>("dst", dst)?, self.typed::<S>("src", src)?);
+            self.run(|| {
+                d.par_chunks_mut(ops::ELEMS_PER_TASK).zip(s.par_chunks(ops::ELEMS_PER_TASK)).for_each(|(d, s)| {
+                    d.iter_mut().zip(s).for_each(|(d, s)| *d = D::from_f32(d.to_f32() + s.to_f32()))
+                })
+            });
+            Ok(())
+        }))
     }
 
     fn scale(&self, x: ViewMut<'_>, a: f32) -> Result<()> {
@@ -190,18 +186,13 @@ impl Backend for CpuBackend {
     fn sum_squares(&self, xs: &[View<'_>]) -> Result<f64> {
         let hosts = xs.iter().map(|x| self.host("xs", *x)).collect::<Result<Vec<_>>>()?;
         Ok(self.run(|| {
-            let mut total = 0.0f64;
-            for h in &hosts {
-                // Fixed pieces summed in order: the same bits for any thread count.
-                let parts: Vec<f64> = by_dtype!(h.dtype(), T => {
-                    let s: &[T] = match *h { HostSlice::F32(s) => bytemuck::cast_slice(s), HostSlice::Bf16(s) => bytemuck::cast_slice(s) };
-                    s.par_chunks(ops::ELEMS_PER_TASK)
-                        .map(|c| c.iter().map(|x| (x.to_f32() as f64).powi(2)).sum::<f64>())
-                        .collect()
-                });
-                total += parts.iter().sum::<f64>();
-            }
-            total
+            hosts
+                .iter()
+                .map(|h| match *h {
+                    HostSlice::F32(s) => ops::optim::sum_squares(s),
+                    HostSlice::Bf16(s) => ops::optim::sum_squares(s),
+                })
+                .sum()
         }))
     }
 

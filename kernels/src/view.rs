@@ -231,13 +231,6 @@ impl<'a> View<'a> {
             }
         }
     }
-    /// The host `f32` elements, or an error naming `name` (wrong memory or dtype).
-    pub fn as_f32(&self, name: &'static str) -> Result<&'a [f32]> {
-        match self.as_host(name)? {
-            HostSlice::F32(s) => Ok(s),
-            HostSlice::Bf16(_) => Err(dtype_error(name, DType::F32, DType::Bf16)),
-        }
-    }
     /// The host elements as `T`, or an error naming `name` (wrong memory or dtype).
     pub fn as_typed<T: Element>(&self, name: &'static str) -> Result<&'a [T]> {
         match self.as_host(name)? {
@@ -328,13 +321,6 @@ impl<'a> ViewMut<'a> {
                 let _ = name;
                 match d.never {}
             }
-        }
-    }
-    /// The writable host `f32` elements, or an error naming `name` (wrong memory or dtype).
-    pub fn into_f32(self, name: &'static str) -> Result<&'a mut [f32]> {
-        match self.into_host(name)? {
-            HostSliceMut::F32(s) => Ok(s),
-            HostSliceMut::Bf16(_) => Err(dtype_error(name, DType::F32, DType::Bf16)),
         }
     }
     /// The writable host elements as `T`, or an error naming `name` (wrong memory or dtype).

@@ -4,6 +4,8 @@
 use longctx_kernels::{AttnGrads, AttnOut, AttnSaved, AttnShape, HostSlice, HostSliceMut, Qkv, View, ViewMut};
 
 use crate::agree::agree;
+use longctx_p2p::Communicator;
+
 use crate::context::{ContextParallel, CpMask, CpShape, Local, Schedule, StepReport};
 use crate::error::{Result, RingError};
 use crate::partition::SeqLayout;
@@ -48,7 +50,6 @@ impl std::fmt::Debug for CpPlan {
 
 impl CpPlan {
     pub(crate) fn new(cp: ContextParallel, shape: CpShape, mask: CpMask) -> Result<Self> {
-        let n = cp.comm.world_size();
         let layout = cp.layout(shape.seq_len)?;
         let l = layout.local_len();
         let local = AttnShape {
@@ -76,8 +77,10 @@ impl CpPlan {
                         group: u,
                     });
                 }
-                let pos = (0..n / u).map(|g| (0..u).flat_map(|i| layout.all_positions()[g * u + i].clone()).collect());
-                Some((pos.collect(), hybrid::head_shape(local, u)))
+                // Ring member `g` holds its group's tokens in member order.
+                let all = layout.all_positions();
+                let pos = all.chunks(u).map(|members| members.concat()).collect();
+                Some((pos, hybrid::head_shape(local, u)))
             }
             None => None,
         };
@@ -206,8 +209,8 @@ impl CpPlan {
         }
     }
 
-    fn check_qkv(&self, qkv: &Qkv<'_>) -> Result<()> {
-        let s = qkv.shape()?;
+    /// Checks a call's sizes and dtype (`s`, from the views) against the plan.
+    fn check_planned(&self, s: AttnShape, qkv: &Qkv<'_>) -> Result<()> {
         if s != self.local {
             return Err(RingError::NotAsPlanned {
                 name: "qkv",
@@ -245,7 +248,7 @@ impl CpPlan {
     /// Forward: `out.o` (`[B, Hq, L, D]`, the plan's dtype) and `out.lse` (`[B, Hq, L]`, `f32`) receive this
     /// rank's rows of full attention over the whole sequence.
     pub fn forward(&mut self, out: AttnOut<'_>, qkv: Qkv<'_>) -> Result<StepReport> {
-        self.check_qkv(&qkv)?;
+        self.check_planned(qkv.shape()?, &qkv)?;
         out.check(&self.local)?;
         let [q, k, v] = [host("q", qkv.q)?, host("k", qkv.k)?, host("v", qkv.v)?];
         let lse = host_f32("lse", out.lse)?;
@@ -269,34 +272,50 @@ impl CpPlan {
         lse: &mut [f32],
     ) -> Result<StepReport> {
         let docs = self.docs()?;
-        let comm = &*self.cp.comm;
-        let n = comm.world_size();
-        let elem = self.shape.dtype.size();
-        let doc_len = docs.map_or(0, |d| d.len());
-        let loc = self.local_problem(docs);
-        let mut rep = StepReport::default();
-        let before = self.cp.measured_bytes();
-        match self.cp.cfg.schedule {
-            Schedule::Ring => {
-                ring::ring_forward(comm, &loc, q, k, v, o, lse, &mut rep)?;
-                rep.expected_bytes = ring::forward_bytes(n, self.local.kv_elems(), elem, doc_len);
+        let (kve, elem, doc_len) = (self.local.kv_elems(), self.shape.dtype.size(), docs.map_or(0, |d| d.len()));
+        self.measured(|rep| match self.exchange(docs) {
+            Exchange::Ring { comm, loc } => {
+                ring::ring_forward(comm, &loc, q, k, v, o, lse, rep)?;
+                rep.expected_bytes = ring::forward_bytes(comm.world_size(), kve, elem, doc_len);
+                Ok(())
             }
-            Schedule::AllGather { kv_heads_per_step } => {
+            Exchange::AllGather { comm, loc, slice } => {
                 let t = std::time::Instant::now();
-                allgather::forward(comm, &loc, kv_heads_per_step, [q, k, v], o, lse)?;
+                allgather::forward(comm, &loc, slice, [q, k, v], o, lse)?;
                 rep.compute += t.elapsed();
-                rep.expected_bytes = allgather::bytes(n, self.local.kv_elems(), elem, doc_len, false);
+                rep.expected_bytes = allgather::bytes(comm.world_size(), kve, elem, doc_len, false);
+                Ok(())
+            }
+            Exchange::Groups { inner, outer, ring } => {
+                let (u, m) = (inner.world_size(), outer.world_size());
+                rep.expected_bytes = hybrid::forward_bytes(u, m, &self.local, elem, doc_len);
+                hybrid::forward(inner, outer, &ring, self.local, [q, k, v], o, lse, rep)
+            }
+        })
+    }
+
+    /// The schedule's communicators and this rank's problem on them, for one call.
+    fn exchange<'a>(&'a self, docs: Option<&'a [u32]>) -> Exchange<'a> {
+        let loc = self.local_problem(docs);
+        match self.cp.cfg.schedule {
+            Schedule::Ring => Exchange::Ring { comm: &self.cp.comm, loc },
+            Schedule::AllGather { kv_heads_per_step } => {
+                Exchange::AllGather { comm: &self.cp.comm, loc, slice: kv_heads_per_step }
             }
             Schedule::Ulysses | Schedule::Hybrid { .. } => {
-                let g = self.cp.groups.as_ref().expect("groups are set up for these schedules");
-                let (pos, hs) = self.groups.as_ref().expect("planned with groups");
-                let (inner, outer) = (&g.0, &g.1);
-                rep.expected_bytes =
-                    hybrid::forward_bytes(inner.world_size(), outer.world_size(), &self.local, elem, doc_len);
-                let ring_loc = Local { positions: pos, me: outer.rank(), shape: *hs, ..loc };
-                hybrid::forward(inner, outer, &ring_loc, self.local, [q, k, v], o, lse, &mut rep)?;
+                let g = self.cp.groups.as_ref().expect("ContextParallel::new splits the groups for these schedules");
+                let (pos, hs) = self.groups.as_ref().expect("planned with the groups");
+                let ring = Local { positions: pos, me: g.1.rank(), shape: *hs, ..loc };
+                Exchange::Groups { inner: &g.0, outer: &g.1, ring }
             }
         }
+    }
+
+    /// Runs `call` and reports the bytes the communicators measured it send.
+    fn measured(&self, call: impl FnOnce(&mut StepReport) -> Result<()>) -> Result<StepReport> {
+        let mut rep = StepReport::default();
+        let before = self.cp.measured_bytes();
+        call(&mut rep)?;
         rep.bytes_sent = self.cp.measured_bytes() - before;
         Ok(rep)
     }
@@ -305,13 +324,13 @@ impl CpPlan {
     /// `grads.dv` (`[B, Hkv, L, D]`) receive this rank's gradients (overwritten; accumulated in `f32` and
     /// rounded once when stored).
     pub fn backward(&mut self, grads: AttnGrads<'_>, dout: View<'_>, saved: AttnSaved<'_>) -> Result<StepReport> {
-        self.check_qkv(&saved.qkv)?;
         let s = saved.shape()?;
+        self.check_planned(s, &saved.qkv)?;
         grads.check(&s)?;
-        longctx_kernels::AttnPartial { o: dout, lse: saved.lse }.check(&s).map_err(|e| match e {
-            longctx_kernels::KernelError::Shape(m) => RingError::NotAsPlanned { name: "dout", why: m },
-            e => e.into(),
-        })?;
+        if dout.dims() != saved.o.dims() {
+            let why = format!("dims {:?}, but `o` has {:?}", dout.dims(), saved.o.dims());
+            return Err(RingError::NotAsPlanned { name: "dout", why });
+        }
         let qkv = saved.qkv;
         let inputs =
             [host("q", qkv.q)?, host("k", qkv.k)?, host("v", qkv.v)?, host("o", saved.o)?, host("dout", dout)?];
@@ -342,38 +361,36 @@ impl CpPlan {
         [dq, dk, dv]: &mut [Vec<f32>; 3],
     ) -> Result<StepReport> {
         let docs = self.docs()?;
-        let comm = &*self.cp.comm;
-        let n = comm.world_size();
-        let elem = self.shape.dtype.size();
-        let doc_len = docs.map_or(0, |d| d.len());
-        let loc = self.local_problem(docs);
-        let mut rep = StepReport::default();
-        let before = self.cp.measured_bytes();
-        match self.cp.cfg.schedule {
-            Schedule::Ring => {
-                ring::ring_backward(comm, &loc, q, k, v, o, d_o, lse, dq, dk, dv, &mut rep)?;
-                rep.expected_bytes = ring::backward_bytes(n, self.local.kv_elems(), elem, doc_len);
+        let (kve, elem, doc_len) = (self.local.kv_elems(), self.shape.dtype.size(), docs.map_or(0, |d| d.len()));
+        self.measured(|rep| match self.exchange(docs) {
+            Exchange::Ring { comm, loc } => {
+                ring::ring_backward(comm, &loc, q, k, v, o, d_o, lse, dq, dk, dv, rep)?;
+                rep.expected_bytes = ring::backward_bytes(comm.world_size(), kve, elem, doc_len);
+                Ok(())
             }
-            Schedule::AllGather { kv_heads_per_step } => {
+            Exchange::AllGather { comm, loc, slice } => {
                 let t = std::time::Instant::now();
-                allgather::backward(comm, &loc, kv_heads_per_step, [q, k, v, o, d_o], lse, [dq, dk, dv])?;
+                allgather::backward(comm, &loc, slice, [q, k, v, o, d_o], lse, [dq, dk, dv])?;
                 rep.compute += t.elapsed();
-                rep.expected_bytes = allgather::bytes(n, self.local.kv_elems(), elem, doc_len, true);
+                rep.expected_bytes = allgather::bytes(comm.world_size(), kve, elem, doc_len, true);
+                Ok(())
             }
-            Schedule::Ulysses | Schedule::Hybrid { .. } => {
-                let g = self.cp.groups.as_ref().expect("groups are set up for these schedules");
-                let (pos, hs) = self.groups.as_ref().expect("planned with groups");
-                let (inner, outer) = (&g.0, &g.1);
-                rep.expected_bytes =
-                    hybrid::backward_bytes(inner.world_size(), outer.world_size(), &self.local, elem, doc_len);
-                let ring_loc = Local { positions: pos, me: outer.rank(), shape: *hs, ..loc };
+            Exchange::Groups { inner, outer, ring } => {
+                let (u, m) = (inner.world_size(), outer.world_size());
+                rep.expected_bytes = hybrid::backward_bytes(u, m, &self.local, elem, doc_len);
                 let grads = hybrid::Grads { dq, dk, dv };
-                hybrid::backward(inner, outer, &ring_loc, self.local, [q, k, v, o, d_o], lse, grads, &mut rep)?;
+                hybrid::backward(inner, outer, &ring, self.local, [q, k, v, o, d_o], lse, grads, rep)
             }
-        }
-        rep.bytes_sent = self.cp.measured_bytes() - before;
-        Ok(rep)
+        })
     }
+}
+
+/// How one call exchanges: over the whole communicator (ring, all-gather), or all-to-all inside groups and a
+/// ring across them (Ulysses, hybrid), whose ring member's problem is the head shard over its group's tokens.
+enum Exchange<'a> {
+    Ring { comm: &'a Communicator, loc: Local<'a> },
+    AllGather { comm: &'a Communicator, loc: Local<'a>, slice: usize },
+    Groups { inner: &'a Communicator, outer: &'a Communicator, ring: Local<'a> },
 }
 
 /// The host elements of a view; the exchange moves host memory in this build.

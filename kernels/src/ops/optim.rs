@@ -135,6 +135,15 @@ pub fn adamw_step_with_copy<P: Element, G: Element>(
     Ok(())
 }
 
+/// `Σ x²` in `f64`, summed in fixed pieces and then in order, so the bits do not depend on the thread count.
+pub(crate) fn sum_squares<G: Element>(x: &[G]) -> f64 {
+    let parts: Vec<f64> = x
+        .par_chunks(ELEMS_PER_TASK)
+        .map(|c| c.iter().map(|v| (v.to_f32() as f64) * (v.to_f32() as f64)).sum::<f64>())
+        .collect();
+    parts.iter().sum()
+}
+
 /// Global L2 norm over all of `grads` (in `f64`); when it exceeds `max_norm`, scales every gradient in place by
 /// `max_norm / (norm + 1e-6)`. Returns the norm before clipping, in `f64` (finite for any finite `f32`
 /// gradients).
@@ -146,15 +155,7 @@ pub fn clip_grad_norm<G: Element>(grads: &mut [&mut [G]], max_norm: f32) -> Resu
     if max_norm < 0.0 {
         return Err(KernelError::InvalidArgument { name: "max_norm", why: format!("{max_norm} < 0") });
     }
-    let mut sumsq = 0.0f64;
-    for g in grads.iter() {
-        let parts: Vec<f64> = g
-            .par_chunks(ELEMS_PER_TASK)
-            .map(|c| c.iter().map(|x| (x.to_f32() as f64) * (x.to_f32() as f64)).sum::<f64>())
-            .collect();
-        sumsq += parts.iter().sum::<f64>();
-    }
-    let norm = sumsq.sqrt();
+    let norm = grads.iter().map(|g| sum_squares(g)).sum::<f64>().sqrt();
     if !norm.is_finite() {
         return Err(KernelError::InvalidArgument { name: "grads", why: format!("gradient norm is {norm}") });
     }
