@@ -33,9 +33,10 @@ impl KvPacking {
         2 * self.words() + self.doc_len
     }
 
-    /// Packs `k`, `v` (same dtype) and `docs` into a new buffer.
-    pub fn pack(&self, k: HostSlice<'_>, v: HostSlice<'_>, docs: Option<&[u32]>) -> Vec<u32> {
-        let mut buf = Vec::with_capacity(self.len());
+    /// Packs `k`, `v` (same dtype) and `docs` into `buf` (replacing what it held, keeping its allocation).
+    pub fn pack_into(&self, buf: &mut Vec<u32>, k: HostSlice<'_>, v: HostSlice<'_>, docs: Option<&[u32]>) {
+        buf.clear();
+        buf.reserve(self.len());
         for x in [k, v] {
             match x {
                 HostSlice::F32(s) => buf.extend_from_slice(bytemuck::cast_slice::<f32, u32>(s)),
@@ -45,7 +46,6 @@ impl KvPacking {
         if let Some(d) = docs {
             buf.extend_from_slice(d);
         }
-        buf
     }
 
     /// Views a packed buffer as `(k, v, docs)`.

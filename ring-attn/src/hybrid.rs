@@ -16,7 +16,7 @@ use longctx_p2p::Communicator;
 use crate::context::{Local, StepReport};
 use crate::error::Result;
 use crate::reshard::{all_to_all_bytes, heads_to_seq, seq_to_heads};
-use crate::ring;
+use crate::ring::{self, RingBuffers};
 
 fn gather_docs(inner: &Communicator, docs: Option<&[u32]>) -> Result<Option<Vec<u32>>> {
     Ok(match docs {
@@ -83,8 +83,8 @@ pub(crate) fn forward(
     ring: &Local<'_>,
     local: AttnShape,
     [q, k, v]: [HostSlice<'_>; 3],
-    o: &mut [f32],
-    lse: &mut [f32],
+    (o, lse): (&mut [f32], &mut [f32]),
+    bufs: &mut RingBuffers,
     rep: &mut StepReport,
 ) -> Result<()> {
     let t = Instant::now();
@@ -96,19 +96,12 @@ pub(crate) fn forward(
     let [qh, kh, vh] = heads.views();
     let mut o_h = vec![0f32; hs.q_elems()];
     let mut lse_h = vec![0f32; hs.lse_elems()];
-    ring::ring_forward(outer, &loc, qh, kh, vh, &mut o_h, &mut lse_h, rep)?;
+    ring::ring_forward(outer, &loc, [qh, kh, vh], &mut o_h, &mut lse_h, bufs, rep)?;
     let t = Instant::now();
     o.copy_from_slice(&heads_to_seq(inner, &o_h, local.batch, local.q_heads, local.q_len, local.head_dim)?);
     lse.copy_from_slice(&heads_to_seq(inner, &lse_h, local.batch, local.q_heads, local.q_len, 1)?);
     rep.comm_wait += t.elapsed();
     Ok(())
-}
-
-/// The `f32` gradient outputs of a backward call.
-pub(crate) struct Grads<'a> {
-    pub dq: &'a mut [f32],
-    pub dk: &'a mut [f32],
-    pub dv: &'a mut [f32],
 }
 
 /// Backward (see [`forward`] for `ring` and `local`).
@@ -120,7 +113,8 @@ pub(crate) fn backward(
     local: AttnShape,
     [q, k, v, o, d_o]: [HostSlice<'_>; 5],
     lse: &[f32],
-    grads: Grads<'_>,
+    [dq, dk, dv]: [&mut [f32]; 3],
+    bufs: &mut RingBuffers,
     rep: &mut StepReport,
 ) -> Result<()> {
     let (b, l, d) = (local.batch, local.q_len, local.head_dim);
@@ -137,24 +131,12 @@ pub(crate) fn backward(
     let mut dq_h = vec![0f32; hs.q_elems()];
     let mut dk_h = vec![0f32; hs.kv_elems()];
     let mut dv_h = vec![0f32; hs.kv_elems()];
-    ring::ring_backward(
-        outer,
-        &loc,
-        qh,
-        kh,
-        vh,
-        (&o_h).into(),
-        (&do_h).into(),
-        &lse_h,
-        &mut dq_h,
-        &mut dk_h,
-        &mut dv_h,
-        rep,
-    )?;
+    let inputs = [qh, kh, vh, (&o_h).into(), (&do_h).into()];
+    ring::ring_backward(outer, &loc, inputs, &lse_h, [&mut dq_h, &mut dk_h, &mut dv_h], bufs, rep)?;
     let t = Instant::now();
-    grads.dq.copy_from_slice(&heads_to_seq(inner, &dq_h, b, local.q_heads, l, d)?);
-    grads.dk.copy_from_slice(&heads_to_seq(inner, &dk_h, b, local.kv_heads, l, d)?);
-    grads.dv.copy_from_slice(&heads_to_seq(inner, &dv_h, b, local.kv_heads, l, d)?);
+    dq.copy_from_slice(&heads_to_seq(inner, &dq_h, b, local.q_heads, l, d)?);
+    dk.copy_from_slice(&heads_to_seq(inner, &dk_h, b, local.kv_heads, l, d)?);
+    dv.copy_from_slice(&heads_to_seq(inner, &dv_h, b, local.kv_heads, l, d)?);
     rep.comm_wait += t.elapsed();
     Ok(())
 }

@@ -9,6 +9,7 @@ use longctx_p2p::Communicator;
 use crate::context::{ContextParallel, CpMask, CpShape, Local, Schedule, StepReport};
 use crate::error::{Result, RingError};
 use crate::partition::SeqLayout;
+use crate::ring::RingBuffers;
 use crate::{allgather, hybrid, ring};
 
 /// Bytes a plan needs beyond the caller's views (see [`CpPlan::workspace_bytes`]).
@@ -36,10 +37,16 @@ pub struct CpPlan {
     /// shard's block shape.
     groups: Option<(Vec<Vec<i64>>, AttnShape)>,
     docs: Option<Vec<u32>>,
-    o_acc: Vec<f32>,
-    dq_acc: Vec<f32>,
-    dk_acc: Vec<f32>,
-    dv_acc: Vec<f32>,
+    ws: Workspace,
+}
+
+/// What a plan keeps between calls: the `f32` accumulators of `O` and of the gradients, and the ring's buffers
+/// (see [`RingBuffers`]). Taken out of the plan for a call and put back after it.
+#[derive(Debug, Default)]
+struct Workspace {
+    o: Vec<f32>,
+    grads: [Vec<f32>; 3],
+    ring: RingBuffers,
 }
 
 impl std::fmt::Debug for CpPlan {
@@ -90,10 +97,11 @@ impl CpPlan {
         agree(&cp.comm, &cp.cfg, &shape, &mask, scale)?;
         Ok(Self {
             positions: layout.all_positions(),
-            o_acc: vec![0.0; local.q_elems()],
-            dq_acc: vec![0.0; local.q_elems()],
-            dk_acc: vec![0.0; local.kv_elems()],
-            dv_acc: vec![0.0; local.kv_elems()],
+            ws: Workspace {
+                o: vec![0.0; local.q_elems()],
+                grads: [vec![0.0; local.q_elems()], vec![0.0; local.kv_elems()], vec![0.0; local.kv_elems()]],
+                ring: RingBuffers::default(),
+            },
             cp,
             shape,
             mask,
@@ -159,9 +167,11 @@ impl CpPlan {
         Ok(())
     }
 
-    /// Bytes this rank allocates beyond the caller's views during a forward and a backward: the plan's `f32`
-    /// accumulators and what the schedule's exchange needs (for the ring, two travelling KV blocks, a partial
-    /// result, and in the backward the travelling `f32` dK/dV accumulators).
+    /// Bytes this rank needs beyond the caller's views during a forward and a backward: the plan's `f32`
+    /// accumulators and what the schedule's exchange needs. For the ring these are all kept by the plan between
+    /// calls (two travelling KV blocks, a partial result, and in the backward the three `f32` dK/dV
+    /// accumulators), so a steady loop allocates nothing; all-gather, Ulysses and hybrid allocate their
+    /// gathered or re-sharded copies per call.
     pub fn workspace_bytes(&self) -> WorkspaceBytes {
         let s = &self.local;
         let (qe, kve, le) = (s.q_elems(), s.kv_elems(), s.lse_elems());
@@ -252,30 +262,23 @@ impl CpPlan {
         out.check(&self.local)?;
         let [q, k, v] = [host("q", qkv.q)?, host("k", qkv.k)?, host("v", qkv.v)?];
         let lse = host_f32("lse", out.lse)?;
-        let mut o_acc = std::mem::take(&mut self.o_acc);
-        let r = self.forward_into(q, k, v, &mut o_acc, lse);
+        let mut ws = std::mem::take(&mut self.ws);
+        let r = self.forward_into([q, k, v], lse, &mut ws);
         let stored = r.and_then(|rep| {
-            let s = self.local;
-            self.cp.backend.copy(out.o, View::new(&o_acc, [s.batch, s.q_heads, s.q_len, s.head_dim])?)?;
+            self.cp.backend.copy(out.o, View::new(&ws.o, self.q_dims())?)?;
             Ok(rep)
         });
-        self.o_acc = o_acc;
+        self.ws = ws;
         stored
     }
 
-    fn forward_into(
-        &self,
-        q: HostSlice<'_>,
-        k: HostSlice<'_>,
-        v: HostSlice<'_>,
-        o: &mut [f32],
-        lse: &mut [f32],
-    ) -> Result<StepReport> {
+    fn forward_into(&self, [q, k, v]: [HostSlice<'_>; 3], lse: &mut [f32], ws: &mut Workspace) -> Result<StepReport> {
+        let Workspace { o, ring: bufs, .. } = ws;
         let docs = self.docs()?;
         let (kve, elem, doc_len) = (self.local.kv_elems(), self.shape.dtype.size(), docs.map_or(0, |d| d.len()));
         self.measured(|rep| match self.exchange(docs) {
             Exchange::Ring { comm, loc } => {
-                ring::ring_forward(comm, &loc, q, k, v, o, lse, rep)?;
+                ring::ring_forward(comm, &loc, [q, k, v], o, lse, bufs, rep)?;
                 rep.expected_bytes = ring::forward_bytes(comm.world_size(), kve, elem, doc_len);
                 Ok(())
             }
@@ -289,7 +292,7 @@ impl CpPlan {
             Exchange::Groups { inner, outer, ring } => {
                 let (u, m) = (inner.world_size(), outer.world_size());
                 rep.expected_bytes = hybrid::forward_bytes(u, m, &self.local, elem, doc_len);
-                hybrid::forward(inner, outer, &ring, self.local, [q, k, v], o, lse, rep)
+                hybrid::forward(inner, outer, &ring, self.local, [q, k, v], (o, lse), bufs, rep)
             }
         })
     }
@@ -338,39 +341,32 @@ impl CpPlan {
         let HostSlice::F32(lse) = lse else {
             return Err(RingError::NotAsPlanned { name: "lse", why: "LSE must be f32".into() });
         };
-        let mut acc =
-            [std::mem::take(&mut self.dq_acc), std::mem::take(&mut self.dk_acc), std::mem::take(&mut self.dv_acc)];
-        let r = self.backward_into(inputs, lse, &mut acc);
+        let mut ws = std::mem::take(&mut self.ws);
+        let r = self.backward_into(inputs, lse, &mut ws);
         let stored = r.and_then(|rep| {
-            let (qd, kd) = (self.q_dims(), self.kv_dims());
-            let b = &self.cp.backend;
-            b.copy(grads.dq, View::new(&acc[0], qd)?)?;
-            b.copy(grads.dk, View::new(&acc[1], kd)?)?;
-            b.copy(grads.dv, View::new(&acc[2], kd)?)?;
+            let (qd, kd, b) = (self.q_dims(), self.kv_dims(), &self.cp.backend);
+            b.copy(grads.dq, View::new(&ws.grads[0], qd)?)?;
+            b.copy(grads.dk, View::new(&ws.grads[1], kd)?)?;
+            b.copy(grads.dv, View::new(&ws.grads[2], kd)?)?;
             Ok(rep)
         });
-        let [dq, dk, dv] = acc;
-        (self.dq_acc, self.dk_acc, self.dv_acc) = (dq, dk, dv);
+        self.ws = ws;
         stored
     }
 
-    fn backward_into(
-        &self,
-        [q, k, v, o, d_o]: [HostSlice<'_>; 5],
-        lse: &[f32],
-        [dq, dk, dv]: &mut [Vec<f32>; 3],
-    ) -> Result<StepReport> {
+    fn backward_into(&self, inputs: [HostSlice<'_>; 5], lse: &[f32], ws: &mut Workspace) -> Result<StepReport> {
+        let Workspace { grads: [dq, dk, dv], ring: bufs, .. } = ws;
         let docs = self.docs()?;
         let (kve, elem, doc_len) = (self.local.kv_elems(), self.shape.dtype.size(), docs.map_or(0, |d| d.len()));
         self.measured(|rep| match self.exchange(docs) {
             Exchange::Ring { comm, loc } => {
-                ring::ring_backward(comm, &loc, q, k, v, o, d_o, lse, dq, dk, dv, rep)?;
+                ring::ring_backward(comm, &loc, inputs, lse, [dq, dk, dv], bufs, rep)?;
                 rep.expected_bytes = ring::backward_bytes(comm.world_size(), kve, elem, doc_len);
                 Ok(())
             }
             Exchange::AllGather { comm, loc, slice } => {
                 let t = std::time::Instant::now();
-                allgather::backward(comm, &loc, slice, [q, k, v, o, d_o], lse, [dq, dk, dv])?;
+                allgather::backward(comm, &loc, slice, inputs, lse, [dq, dk, dv])?;
                 rep.compute += t.elapsed();
                 rep.expected_bytes = allgather::bytes(comm.world_size(), kve, elem, doc_len, true);
                 Ok(())
@@ -378,8 +374,7 @@ impl CpPlan {
             Exchange::Groups { inner, outer, ring } => {
                 let (u, m) = (inner.world_size(), outer.world_size());
                 rep.expected_bytes = hybrid::backward_bytes(u, m, &self.local, elem, doc_len);
-                let grads = hybrid::Grads { dq, dk, dv };
-                hybrid::backward(inner, outer, &ring, self.local, [q, k, v, o, d_o], lse, grads, rep)
+                hybrid::backward(inner, outer, &ring, self.local, inputs, lse, [dq, dk, dv], bufs, rep)
             }
         })
     }

@@ -24,24 +24,44 @@ use crate::error::Result;
 const TAG_KV: u32 = 0x4b56;
 const TAG_DKV: u32 = 0x644b;
 
-#[allow(clippy::too_many_arguments)]
+/// The ring's buffers, kept by the plan between calls so a steady loop allocates nothing: the block in hand and
+/// the one arriving, a partial result, and the backward's three `f32` dK/dV accumulators (this step's
+/// contribution, the one passed on, the one arriving). Each is sized when a call starts; one that a failed call
+/// left behind in a request is simply allocated again.
+#[derive(Debug, Default)]
+pub(crate) struct RingBuffers {
+    cur: Vec<u32>,
+    nxt: Vec<u32>,
+    o_part: Vec<f32>,
+    lse_part: Vec<f32>,
+    local: Vec<f32>,
+    acc_out: Vec<f32>,
+    acc_in: Vec<f32>,
+}
+
+/// `v` with `len` elements, keeping its allocation; what it holds is left as it was (for buffers that are
+/// written whole before they are read: receives and outputs).
+fn sized<T: Copy + Default>(v: &mut Vec<T>, len: usize) {
+    v.resize(len, T::default());
+}
+
 /// Ring forward: `o` (`f32`, `[B, Hq, L, D]`) and `lse` receive this rank's rows of full attention.
 pub(crate) fn ring_forward(
     comm: &Communicator,
     pb: &Local<'_>,
-    q: HostSlice<'_>,
-    k: HostSlice<'_>,
-    v: HostSlice<'_>,
+    [q, k, v]: [HostSlice<'_>; 3],
     o: &mut [f32],
     lse: &mut [f32],
+    bufs: &mut RingBuffers,
     rep: &mut StepReport,
 ) -> Result<()> {
     let (n, r) = (comm.world_size(), comm.rank());
     let packing = KvPacking::for_block(k.dtype(), pb.shape.kv_elems(), pb.docs);
-    let mut cur = packing.pack(k, v, pb.docs);
-    let mut nxt = vec![0u32; cur.len()];
-    let mut o_part = vec![0f32; o.len()];
-    let mut lse_part = vec![0f32; lse.len()];
+    let RingBuffers { cur, nxt, o_part, lse_part, .. } = bufs;
+    packing.pack_into(cur, k, v, pb.docs);
+    sized(nxt, cur.len());
+    sized(o_part, o.len());
+    sized(lse_part, lse.len());
     let mut have = false;
     for step in 0..n {
         let src = (r + n - step) % n;
@@ -51,22 +71,22 @@ pub(crate) fn ring_forward(
             // Post the next block's transfer before computing on this one.
             let reqs = if step + 1 < n {
                 let t = Instant::now();
-                let send = s.isend((r + 1) % n, TAG_KV, &cur)?;
-                let recv = s.irecv((r + n - 1) % n, TAG_KV, &mut nxt)?;
+                let send = s.isend((r + 1) % n, TAG_KV, &cur[..])?;
+                let recv = s.irecv((r + n - 1) % n, TAG_KV, &mut nxt[..])?;
                 rep.comm_wait += t.elapsed();
                 Some((send, recv))
             } else {
                 None
             };
             let t = Instant::now();
-            let (kb, vb, k_doc) = packing.view(&cur);
+            let (kb, vb, k_doc) = packing.view(cur);
             let p = pb.params(&pb.positions[src], k_doc);
             if p.mask.may_see_any(pb.shape.q_len, pb.shape.kv_len) {
                 // The first visible block writes the result directly; later ones a partial, merged in.
                 let (o_dst, lse_dst) = if have { (&mut o_part[..], &mut lse_part[..]) } else { (&mut *o, &mut *lse) };
                 pb.attn_forward(&p, [q, kb, vb], o_dst, lse_dst)?;
                 if have {
-                    pb.merge(o, lse, &o_part, &lse_part)?;
+                    pb.merge(o, lse, o_part, lse_part)?;
                 }
                 have = true;
                 rep.blocks_computed += 1;
@@ -83,7 +103,7 @@ pub(crate) fn ring_forward(
             Ok(())
         })?;
         if step + 1 < n {
-            std::mem::swap(&mut cur, &mut nxt);
+            std::mem::swap(cur, nxt);
         }
     }
     if !have {
@@ -95,32 +115,30 @@ pub(crate) fn ring_forward(
 
 /// Ring backward: `dq` (`[B, Hq, L, D]`), `dk`, `dv` (`[B, Hkv, L, D]`), all `f32`, receive this rank's
 /// gradients (overwritten).
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn ring_backward(
     comm: &Communicator,
     pb: &Local<'_>,
-    q: HostSlice<'_>,
-    k: HostSlice<'_>,
-    v: HostSlice<'_>,
-    o: HostSlice<'_>,
-    d_o: HostSlice<'_>,
+    [q, k, v, o, d_o]: [HostSlice<'_>; 5],
     lse: &[f32],
-    dq: &mut [f32],
-    dk: &mut [f32],
-    dv: &mut [f32],
+    [dq, dk, dv]: [&mut [f32]; 3],
+    bufs: &mut RingBuffers,
     rep: &mut StepReport,
 ) -> Result<()> {
     let (n, r) = (comm.world_size(), comm.rank());
     let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
     let packing = KvPacking::for_block(k.dtype(), pb.shape.kv_elems(), pb.docs);
     let kv_elems = pb.shape.kv_elems();
-    // The buffers travel by value: each moves into a request and comes back from its `wait`.
-    let mut cur = packing.pack(k, v, pb.docs);
-    let mut nxt = vec![0u32; cur.len()];
-    // `local`: this step's contribution; `acc_out`: the accumulator to pass on; `acc_in`: where the next arrives.
-    let mut local = vec![0f32; 2 * kv_elems];
-    let mut acc_out = vec![0f32; 2 * kv_elems];
-    let mut acc_in = vec![0f32; 2 * kv_elems];
+    // The buffers travel by value: each moves into a request and comes back from its `wait` (and then to
+    // `bufs`, for the next call).
+    let RingBuffers { cur, nxt, local, acc_out, acc_in, .. } = bufs;
+    packing.pack_into(cur, k, v, pb.docs);
+    sized(nxt, cur.len());
+    // `local`: this step's contribution (zeroed at each step); `acc_out`: the accumulator to pass on (starts at
+    // zero); `acc_in`: where the next arrives.
+    sized(local, 2 * kv_elems);
+    acc_out.clear();
+    acc_out.resize(2 * kv_elems, 0.0);
+    sized(acc_in, 2 * kv_elems);
     dq.fill(0.0);
     let mut acc_reqs = None;
     for step in 0..n {
@@ -128,8 +146,8 @@ pub(crate) fn ring_backward(
         let t = Instant::now();
         // Pass the block in hand on (we keep reading it in the send) and receive the next one.
         let kv_reqs = if step + 1 < n {
-            let send = comm.isend(next, TAG_KV, std::mem::take(&mut cur)).map_err(CommError::from)?;
-            Some((send, comm.irecv(prev, TAG_KV, std::mem::take(&mut nxt)).map_err(CommError::from)?))
+            let send = comm.isend(next, TAG_KV, std::mem::take(cur)).map_err(CommError::from)?;
+            Some((send, comm.irecv(prev, TAG_KV, std::mem::take(nxt)).map_err(CommError::from)?))
         } else {
             None
         };
@@ -157,15 +175,15 @@ pub(crate) fn ring_backward(
         // The accumulator that arrived (zeros at the first step) plus ours goes on; the buffer that went out
         // last comes back to receive the next one.
         if let Some((s_req, r_req)) = acc_reqs.take() {
-            (acc_in, acc_out) = wait_pair(s_req, r_req)?;
+            (*acc_in, *acc_out) = wait_pair(s_req, r_req)?;
         }
-        for (a, l) in acc_out.iter_mut().zip(&local) {
+        for (a, l) in acc_out.iter_mut().zip(local.iter()) {
             *a += *l;
         }
-        let send = comm.isend(next, TAG_DKV, std::mem::take(&mut acc_out)).map_err(CommError::from)?;
-        acc_reqs = Some((send, comm.irecv(prev, TAG_DKV, std::mem::take(&mut acc_in)).map_err(CommError::from)?));
+        let send = comm.isend(next, TAG_DKV, std::mem::take(acc_out)).map_err(CommError::from)?;
+        acc_reqs = Some((send, comm.irecv(prev, TAG_DKV, std::mem::take(acc_in)).map_err(CommError::from)?));
         if let Some((ks, kr)) = kv_reqs {
-            (nxt, cur) = wait_pair(ks, kr)?;
+            (*nxt, *cur) = wait_pair(ks, kr)?;
         }
         rep.comm_wait += t.elapsed();
     }
@@ -173,11 +191,11 @@ pub(crate) fn ring_backward(
     // only contribution is the local one).
     let own = if let Some((s_req, r_req)) = acc_reqs.take() {
         let t = Instant::now();
-        let (_, arrived) = wait_pair(s_req, r_req)?;
+        (*acc_out, *acc_in) = wait_pair(s_req, r_req)?;
         rep.comm_wait += t.elapsed();
-        arrived
+        &acc_in[..]
     } else {
-        local
+        &local[..]
     };
     dk.copy_from_slice(&own[..kv_elems]);
     dv.copy_from_slice(&own[kv_elems..]);
