@@ -19,6 +19,9 @@ pub struct WorkspaceBytes {
     pub forward: usize,
     /// During [`CpPlan::backward`].
     pub backward: usize,
+    /// Kept allocated by the plan between calls (its accumulators and the ring's buffers, reused by every
+    /// call): one plan serves every layer of a model with this shape, so this is held once, not per layer.
+    pub held: usize,
 }
 
 /// A planned context-parallel attention problem (see [`ContextParallel::plan`]). It holds a clone of its
@@ -40,12 +43,14 @@ pub struct CpPlan {
     ws: Workspace,
 }
 
-/// What a plan keeps between calls: the `f32` accumulators of `O` and of the gradients, and the ring's buffers
-/// (see [`RingBuffers`]). Taken out of the plan for a call and put back after it.
+/// What a plan keeps between calls: one `f32` accumulator of `Q`'s size (the forward's `O`, then the backward's
+/// `dQ`: never needed at once), the `f32` `dK` and `dV`, and the ring's buffers (see [`RingBuffers`]). Taken out
+/// of the plan for a call and put back after it.
 #[derive(Debug, Default)]
 struct Workspace {
-    o: Vec<f32>,
-    grads: [Vec<f32>; 3],
+    q_acc: Vec<f32>,
+    dk: Vec<f32>,
+    dv: Vec<f32>,
     ring: RingBuffers,
 }
 
@@ -98,8 +103,9 @@ impl CpPlan {
         Ok(Self {
             positions: layout.all_positions(),
             ws: Workspace {
-                o: vec![0.0; local.q_elems()],
-                grads: [vec![0.0; local.q_elems()], vec![0.0; local.kv_elems()], vec![0.0; local.kv_elems()]],
+                q_acc: vec![0.0; local.q_elems()],
+                dk: vec![0.0; local.kv_elems()],
+                dv: vec![0.0; local.kv_elems()],
                 ring: RingBuffers::default(),
             },
             cp,
@@ -167,25 +173,29 @@ impl CpPlan {
         Ok(())
     }
 
-    /// Bytes this rank needs beyond the caller's views during a forward and a backward: the plan's `f32`
-    /// accumulators and what the schedule's exchange needs. For the ring these are all kept by the plan between
-    /// calls (two travelling KV blocks, a partial result, and in the backward the three `f32` dK/dV
-    /// accumulators), so a steady loop allocates nothing; all-gather, Ulysses and hybrid allocate their
-    /// gathered or re-sharded copies per call.
+    /// Bytes this rank needs beyond the caller's views during a forward and a backward, and what the plan keeps
+    /// between calls. For the ring everything is kept (the `f32` accumulators, two travelling KV blocks, the
+    /// partial result and the travelling dK/dV accumulators), so a steady loop allocates nothing; all-gather,
+    /// Ulysses and hybrid allocate their gathered or re-sharded copies per call.
     pub fn workspace_bytes(&self) -> WorkspaceBytes {
         let s = &self.local;
         let (qe, kve, le) = (s.q_elems(), s.kv_elems(), s.lse_elems());
         let elem = self.shape.dtype.size();
         let doc_len = if self.mask.documents { s.q_len } else { 0 };
-        let plan_fwd = qe * 4;
-        let plan_bwd = (qe + 2 * kve) * 4;
+        let (plan_fwd, plan_bwd) = (qe * 4, (qe + 2 * kve) * 4);
         let block = |kv: usize, docs: usize| (2 * kv * elem).div_ceil(4) * 4 + docs * 4;
         let ring_fwd =
             |sh: &AttnShape, docs: usize| 2 * block(sh.kv_elems(), docs) + (sh.q_elems() + sh.lse_elems()) * 4;
         let ring_bwd = |sh: &AttnShape, docs: usize| 2 * block(sh.kv_elems(), docs) + 3 * 2 * sh.kv_elems() * 4;
+        // What `RingBuffers` keeps: two blocks, the shared partial (`O` or this step's dK/dV), LSE, two accumulators.
+        let ring_held = |sh: &AttnShape, docs: usize| {
+            2 * block(sh.kv_elems(), docs)
+                + (sh.q_elems().max(2 * sh.kv_elems()) + sh.lse_elems() + 4 * sh.kv_elems()) * 4
+        };
+        let plan_held = (qe + 2 * kve) * 4;
         let n = self.cp.comm.world_size();
-        let (fwd, bwd) = match self.cp.cfg.schedule {
-            Schedule::Ring => (ring_fwd(s, doc_len), ring_bwd(s, doc_len)),
+        let (fwd, bwd, held) = match self.cp.cfg.schedule {
+            Schedule::Ring => (ring_fwd(s, doc_len), ring_bwd(s, doc_len), ring_held(s, doc_len)),
             Schedule::AllGather { kv_heads_per_step } => {
                 // Per head slice: [K|V] sent, n of them received, split and reordered (two copies of n·[K|V]).
                 let hs = kv_heads_per_step.min(s.kv_heads);
@@ -193,7 +203,7 @@ impl CpPlan {
                 let gather = (slice + 3 * n * slice) * elem + n * doc_len * 4;
                 // Backward: f32 dK/dV of the gathered slice, reordered, packed to send, and this rank's share.
                 let scatter = (3 * n * slice + slice) * 4;
-                (gather, gather + scatter + 2 * qe * 4)
+                (gather, gather + scatter + 2 * qe * 4, 0)
             }
             Schedule::Ulysses | Schedule::Hybrid { .. } => {
                 let (_, hs) = self.groups.as_ref().expect("planned with groups");
@@ -205,10 +215,10 @@ impl CpPlan {
                     + (hs.q_elems() + 2 * hs.kv_elems()) * 4
                     + ring_bwd(hs, u * doc_len)
                     + (qe + 2 * kve) * 4;
-                (fwd, bwd)
+                (fwd, bwd, ring_held(hs, u * doc_len))
             }
         };
-        WorkspaceBytes { forward: plan_fwd + fwd, backward: plan_bwd + bwd }
+        WorkspaceBytes { forward: plan_fwd + fwd, backward: plan_bwd + bwd, held: plan_held + held }
     }
 
     fn docs(&self) -> Result<Option<&[u32]>> {
@@ -265,7 +275,7 @@ impl CpPlan {
         let mut ws = std::mem::take(&mut self.ws);
         let r = self.forward_into([q, k, v], lse, &mut ws);
         let stored = r.and_then(|rep| {
-            self.cp.backend.copy(out.o, View::new(&ws.o, self.q_dims())?)?;
+            self.cp.backend.copy(out.o, View::new(&ws.q_acc, self.q_dims())?)?;
             Ok(rep)
         });
         self.ws = ws;
@@ -273,7 +283,7 @@ impl CpPlan {
     }
 
     fn forward_into(&self, [q, k, v]: [HostSlice<'_>; 3], lse: &mut [f32], ws: &mut Workspace) -> Result<StepReport> {
-        let Workspace { o, ring: bufs, .. } = ws;
+        let Workspace { q_acc: o, ring: bufs, .. } = ws;
         let docs = self.docs()?;
         let (kve, elem, doc_len) = (self.local.kv_elems(), self.shape.dtype.size(), docs.map_or(0, |d| d.len()));
         self.measured(|rep| match self.exchange(docs) {
@@ -345,9 +355,9 @@ impl CpPlan {
         let r = self.backward_into(inputs, lse, &mut ws);
         let stored = r.and_then(|rep| {
             let (qd, kd, b) = (self.q_dims(), self.kv_dims(), &self.cp.backend);
-            b.copy(grads.dq, View::new(&ws.grads[0], qd)?)?;
-            b.copy(grads.dk, View::new(&ws.grads[1], kd)?)?;
-            b.copy(grads.dv, View::new(&ws.grads[2], kd)?)?;
+            b.copy(grads.dq, View::new(&ws.q_acc, qd)?)?;
+            b.copy(grads.dk, View::new(&ws.dk, kd)?)?;
+            b.copy(grads.dv, View::new(&ws.dv, kd)?)?;
             Ok(rep)
         });
         self.ws = ws;
@@ -355,7 +365,7 @@ impl CpPlan {
     }
 
     fn backward_into(&self, inputs: [HostSlice<'_>; 5], lse: &[f32], ws: &mut Workspace) -> Result<StepReport> {
-        let Workspace { grads: [dq, dk, dv], ring: bufs, .. } = ws;
+        let Workspace { q_acc: dq, dk, dv, ring: bufs } = ws;
         let docs = self.docs()?;
         let (kve, elem, doc_len) = (self.local.kv_elems(), self.shape.dtype.size(), docs.map_or(0, |d| d.len()));
         self.measured(|rep| match self.exchange(docs) {

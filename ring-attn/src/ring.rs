@@ -25,16 +25,16 @@ const TAG_KV: u32 = 0x4b56;
 const TAG_DKV: u32 = 0x644b;
 
 /// The ring's buffers, kept by the plan between calls so a steady loop allocates nothing: the block in hand and
-/// the one arriving, a partial result, and the backward's three `f32` dK/dV accumulators (this step's
-/// contribution, the one passed on, the one arriving). Each is sized when a call starts; one that a failed call
-/// left behind in a request is simply allocated again.
+/// the one arriving, the travelling `f32` dK/dV accumulators (the one passed on, the one arriving) and `part`,
+/// which is the forward's partial `O` and the backward's own dK/dV contribution: the two phases never overlap,
+/// so one buffer serves both and the plan holds no more than a call needs at its peak. Each is sized when a call
+/// starts; one that a failed call left behind in a request is simply allocated again.
 #[derive(Debug, Default)]
 pub(crate) struct RingBuffers {
     cur: Vec<u32>,
     nxt: Vec<u32>,
-    o_part: Vec<f32>,
+    part: Vec<f32>,
     lse_part: Vec<f32>,
-    local: Vec<f32>,
     acc_out: Vec<f32>,
     acc_in: Vec<f32>,
 }
@@ -57,7 +57,7 @@ pub(crate) fn ring_forward(
 ) -> Result<()> {
     let (n, r) = (comm.world_size(), comm.rank());
     let packing = KvPacking::for_block(k.dtype(), pb.shape.kv_elems(), pb.docs);
-    let RingBuffers { cur, nxt, o_part, lse_part, .. } = bufs;
+    let RingBuffers { cur, nxt, part: o_part, lse_part, .. } = bufs;
     packing.pack_into(cur, k, v, pb.docs);
     sized(nxt, cur.len());
     sized(o_part, o.len());
@@ -130,7 +130,7 @@ pub(crate) fn ring_backward(
     let kv_elems = pb.shape.kv_elems();
     // The buffers travel by value: each moves into a request and comes back from its `wait` (and then to
     // `bufs`, for the next call).
-    let RingBuffers { cur, nxt, local, acc_out, acc_in, .. } = bufs;
+    let RingBuffers { cur, nxt, part: local, acc_out, acc_in, .. } = bufs;
     packing.pack_into(cur, k, v, pb.docs);
     sized(nxt, cur.len());
     // `local`: this step's contribution (zeroed at each step); `acc_out`: the accumulator to pass on (starts at

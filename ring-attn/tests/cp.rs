@@ -389,6 +389,10 @@ fn a_model_owns_its_plan_and_reuses_it() {
         // At least the two travelling KV blocks and the f32 output accumulator.
         assert!(ws.forward >= 2 * 2 * 2 * l * 32 * 4 + 4 * l * 32 * 4, "{ws:?}");
         assert!(ws.backward > ws.forward, "{ws:?}");
+        // Kept between calls: the f32 accumulators (Q, dK, dV), two f32 KV blocks, the shared partial
+        // (the larger of O and dK|dV), the LSE partial and the two travelling dK/dV accumulators.
+        let (q, kv) = (4 * l * 32, 2 * l * 32);
+        assert_eq!(ws.held, (q + 2 * kv) * 4 + 2 * 2 * kv * 4 + (q.max(2 * kv) + 4 * l + 4 * kv) * 4, "{ws:?}");
         assert_eq!(pos, SeqLayout::new(Partition::Zigzag, 2, 128).unwrap().positions(r).unwrap());
     }
 }
