@@ -287,7 +287,7 @@ pub fn attention_backward_on(
 /// each dQ tile the key tiles in key order), so results are bit-identical for any block. The block is as long
 /// as the block's dK/dV tiles and one slot's rows still fit the 512 KiB L2 of the bench machine: at D = 128
 /// that is 2 tiles, at D = 64 (half the bytes per row) 4. Longer blocks only add L2 misses once the tiles no
-/// longer fit. Head dims above 128 take 2 (the paired measurements are in BENCHMARKS.md).
+/// longer fit. Head dims above 128 take 2 (the paired measurements are in bench/log/attention.md).
 fn key_tiles_per_block(head_dim: usize) -> usize {
     if head_dim <= 64 {
         4

@@ -112,9 +112,10 @@ impl Worker {
     pub fn connect(&self, addr: &[u8]) -> Result<Endpoint, UcxError> {
         // By default no UCP_ERR_HANDLING_MODE_PEER: it restricts UCX to transports that can detect peer failure,
         // which puts a peer on the same host on TCP over `lo` (no sysv, no cma), at a large cost in bandwidth
-        // (BENCHMARKS.md); the transport detects dead peers itself, through the store. The price: UCX 1.13
-        // to 1.21 abort a process whose cma read from a peer that died mid-transfer fails (1.22 fails the read's
-        // request). `LONGCTX_UCX_PEER_ERRORS=1` buys survival of that case with the bandwidth.
+        // (BENCHMARKS.md, "Cost of UCX's peer error handling"); the transport detects dead peers itself, through
+        // the store. The price: UCX 1.13 to 1.21 abort a process whose cma read from a peer that died mid-transfer
+        // fails (1.22 fails the read's request). `LONGCTX_UCX_PEER_ERRORS=1` buys survival of that case with the
+        // bandwidth.
         let peer = std::env::var("LONGCTX_UCX_PEER_ERRORS").as_deref() == Ok("1");
         let params = sys::ucp_ep_params_t {
             field_mask: sys::ucp_ep_params_field_UCP_EP_PARAM_FIELD_REMOTE_ADDRESS as u64
