@@ -1,0 +1,46 @@
+//! The trainer's errors: each names the file, the field or the value at fault.
+
+use std::path::PathBuf;
+
+/// Everything that can go wrong in the trainer.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    /// A kernel rejected its input.
+    #[error(transparent)]
+    Kernel(#[from] longctx_kernels::KernelError),
+    /// Context-parallel attention failed.
+    #[error(transparent)]
+    Ring(#[from] longctx_ring_attn::RingError),
+    /// A communication failed (a peer died, stalled or disagreed).
+    #[error(transparent)]
+    Comm(#[from] longctx_p2p::CommError),
+    /// Reading or writing a file.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// What the system said.
+        source: std::io::Error,
+    },
+    /// A checkpoint that cannot be used: corrupt, truncated, or of another shape.
+    #[error("checkpoint {path}: {detail}")]
+    Checkpoint {
+        /// The file at fault.
+        path: PathBuf,
+        /// What is wrong, naming the field.
+        detail: String,
+    },
+    /// Anything else a user has to fix before work starts, naming the value.
+    #[error("{0}")]
+    Config(String),
+}
+
+impl TrainError {
+    /// An I/O error on `path`.
+    pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        TrainError::Io { path: path.into(), source }
+    }
+}
+
+/// The trainer's result type.
+pub type Result<T, E = TrainError> = std::result::Result<T, E>;

@@ -1,0 +1,2 @@
+//! The `longctx` command.
+fn main() {}
