@@ -113,6 +113,10 @@ pub trait Backend: Send + Sync + fmt::Debug {
     fn scale(&self, x: ViewMut<'_>, a: f32) -> Result<()>;
     /// `Σ x²` over all the views, in `f64` (the squared global norm, to all-reduce before clipping).
     fn sum_squares(&self, xs: &[View<'_>]) -> Result<f64>;
+    /// `dst[a, c, b, d] = src[a, b, c, d]`: swaps the middle dims of a 4-D view, converting the element type
+    /// when they differ. A model uses it between its token-major projections `[B, S, H, D]` and attention's
+    /// head-major `[B, H, S, D]` (and back, and for the gradients). Saves nothing.
+    fn transpose12(&self, dst: ViewMut<'_>, src: View<'_>) -> Result<()>;
 
     /// Attention forward: `out.o` and `out.lse` receive full attention of the queries over the keys the mask
     /// shows them (a row that sees none gets `O = 0`, `LSE = -inf`). The forward saves `qkv`, `out.o` and

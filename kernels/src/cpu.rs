@@ -196,6 +196,26 @@ impl Backend for CpuBackend {
         }))
     }
 
+    fn transpose12(&self, dst: ViewMut<'_>, src: View<'_>) -> Result<()> {
+        let [a, b, c, d] = <[usize; 4]>::try_from(src.dims())
+            .map_err(|_| KernelError::Shape(format!("`src` must have 4 dims, has {:?}", src.dims())))?;
+        same_dims("dst", dst.dims(), &[a, c, b, d])?;
+        by_dtype!(dst.dtype(), D => by_dtype!(src.dtype(), S => {
+            let (dst, src) = (self.typed_mut::<D>("dst", dst)?, self.typed::<S>("src", src)?);
+            // One task per destination row block [c, ·]: each reads b strided rows of d elements.
+            self.run(|| {
+                dst.par_chunks_mut(b * d).enumerate().for_each(|(ac, out)| {
+                    let (ai, ci) = (ac / c, ac % c);
+                    for bi in 0..b {
+                        let from = &src[((ai * b + bi) * c + ci) * d..][..d];
+                        out[bi * d..(bi + 1) * d].iter_mut().zip(from).for_each(|(o, x)| *o = D::from_f32(x.to_f32()));
+                    }
+                })
+            });
+            Ok(())
+        }))
+    }
+
     fn attention_forward(&self, opts: &AttnOptions<'_>, out: AttnOut<'_>, qkv: Qkv<'_>) -> Result<()> {
         let shape = qkv.shape()?;
         out.check(&shape)?;

@@ -295,3 +295,22 @@ fn the_cuda_backend_exists_in_every_build_and_says_why_it_cannot_start() {
         other => panic!("unexpected: {other:?}"),
     }
 }
+
+#[test]
+fn transpose12_swaps_the_middle_dims_and_round_trips_through_bf16() {
+    let cpu = CpuBackend::new();
+    let (a, b, c, d) = (2, 3, 5, 4);
+    let x: Vec<f32> = (0..a * b * c * d).map(|i| i as f32).collect();
+    let mut y = vec![0f32; x.len()];
+    cpu.transpose12(ViewMut::new(&mut y, [a, c, b, d]).unwrap(), View::new(&x, [a, b, c, d]).unwrap()).unwrap();
+    for (ai, bi, ci, di) in (0..a).flat_map(|ai| {
+        (0..b).flat_map(move |bi| (0..c).flat_map(move |ci| (0..d).map(move |di| (ai, bi, ci, di))))
+    }) {
+        assert_eq!(y[((ai * c + ci) * b + bi) * d + di], x[((ai * b + bi) * c + ci) * d + di]);
+    }
+    let mut back = vec![bf16::ZERO; x.len()];
+    cpu.transpose12(ViewMut::new(&mut back, [a, b, c, d]).unwrap(), View::new(&y, [a, c, b, d]).unwrap()).unwrap();
+    assert!(back.iter().zip(&x).all(|(p, q)| p.to_f32() == *q), "small integers are exact in bf16");
+    let err = cpu.transpose12(ViewMut::new(&mut y, [a, b, c, d]).unwrap(), View::new(&x, [a, b, c, d]).unwrap());
+    assert!(matches!(err, Err(KernelError::Shape(_))), "{err:?}");
+}
