@@ -1,6 +1,7 @@
 //! `longctx-trainer`: the reference trainer, where every longctx crate meets (binary `longctx`).
 #![warn(missing_docs, unsafe_op_in_unsafe_fn)]
 
+pub mod checkpoint;
 pub mod error;
 
 pub use error::{Result, TrainError};
