@@ -3,5 +3,6 @@
 
 pub mod checkpoint;
 pub mod error;
+pub mod npy;
 
 pub use error::{Result, TrainError};
