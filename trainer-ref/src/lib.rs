@@ -4,5 +4,6 @@
 pub mod checkpoint;
 pub mod error;
 pub mod npy;
+pub mod plot;
 
 pub use error::{Result, TrainError};
