@@ -303,9 +303,9 @@ fn transpose12_swaps_the_middle_dims_and_round_trips_through_bf16() {
     let x: Vec<f32> = (0..a * b * c * d).map(|i| i as f32).collect();
     let mut y = vec![0f32; x.len()];
     cpu.transpose12(ViewMut::new(&mut y, [a, c, b, d]).unwrap(), View::new(&x, [a, b, c, d]).unwrap()).unwrap();
-    for (ai, bi, ci, di) in (0..a).flat_map(|ai| {
-        (0..b).flat_map(move |bi| (0..c).flat_map(move |ci| (0..d).map(move |di| (ai, bi, ci, di))))
-    }) {
+    for (ai, bi, ci, di) in (0..a)
+        .flat_map(|ai| (0..b).flat_map(move |bi| (0..c).flat_map(move |ci| (0..d).map(move |di| (ai, bi, ci, di)))))
+    {
         assert_eq!(y[((ai * c + ci) * b + bi) * d + di], x[((ai * b + bi) * c + ci) * d + di]);
     }
     let mut back = vec![bf16::ZERO; x.len()];

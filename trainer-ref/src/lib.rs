@@ -1,9 +1,30 @@
 //! `longctx-trainer`: the reference trainer, where every longctx crate meets (binary `longctx`).
+//!
+//! A Llama 3 style decoder ([`model`]) computed through the kernels' [`Backend`](longctx_kernels::Backend),
+//! its attention through `longctx-ring-attn`'s planned [`ContextParallel`](longctx_ring_attn::ContextParallel),
+//! trained over `cp × dp` ranks of `longctx-p2p` ([`train`]) on the packed documents of a real corpus
+//! ([`data`]), configured by TOML recipes ([`recipe`]), reporting to a progress bar and a metrics file
+//! ([`metrics`]), and saving atomic, verified checkpoints ([`checkpoint`]).
+//!
+//! ```no_run
+//! use longctx_trainer::{recipe::Recipe, train::{train, RunOptions}};
+//! let recipe = Recipe::load("tiny-llama", &["train.steps=20".into(), "parallel.cp=2".into()])?;
+//! let summary = train(&recipe, &RunOptions { out: "runs/tiny".into(), ..Default::default() })?;
+//! println!("loss {:?} → {:?}", summary.losses.first(), summary.losses.last());
+//! # Ok::<(), longctx_trainer::TrainError>(())
+//! ```
 #![warn(missing_docs, unsafe_op_in_unsafe_fn)]
 
+pub mod bench;
 pub mod checkpoint;
+pub mod data;
 pub mod error;
+pub mod eval;
+pub mod metrics;
+pub mod model;
 pub mod npy;
 pub mod plot;
+pub mod recipe;
+pub mod train;
 
 pub use error::{Result, TrainError};

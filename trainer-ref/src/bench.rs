@@ -1,0 +1,170 @@
+//! `longctx bench`: the trainer beside PyTorch eager on CPU (`bench/peer_train.py`), the same tiny Llama at
+//! several sequence lengths, in one run: tokens/s, MFU against the GEMM peak measured here, and peak RSS, each
+//! side in its own process so its peak memory is its own; then the per-rank activation memory of CP 4 beside
+//! CP 1 at the longest length.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use crate::error::{Result, TrainError};
+use crate::metrics::{flops_per_token, measure_peak_flops};
+use crate::model::param_shapes;
+use crate::recipe::Recipe;
+
+/// What to compare.
+#[derive(Debug, Clone)]
+pub struct BenchOptions {
+    /// Sequence lengths.
+    pub seqs: Vec<usize>,
+    /// Timed steps per run (after one untimed step).
+    pub steps: u64,
+    /// `f32`, `bf16`.
+    pub dtypes: Vec<String>,
+    /// The Python that runs the peer (`None`: no peer column).
+    pub python: Option<String>,
+    /// Context-parallel ranks for the memory comparison at the longest length (0 skips it).
+    pub cp: usize,
+    /// Scratch folder for the runs.
+    pub scratch: PathBuf,
+}
+
+/// The bench model: the peer's (4 layers, d 256, 4 heads / 2 KV heads, SwiGLU 688, byte vocabulary).
+pub fn bench_overrides(seq: usize, steps: u64, dtype: &str) -> Vec<String> {
+    [
+        "model.layers=4".to_string(),
+        "model.d_model=256".into(),
+        "model.heads=4".into(),
+        "model.kv_heads=2".into(),
+        "model.ffn=688".into(),
+        format!("train.seq_len={seq}"),
+        "train.batch=1".into(),
+        format!("train.steps={}", steps + 1),
+        "train.eval_every=0".into(),
+        "train.checkpoint_every=0".into(),
+        "train.keep_checkpoints=1".into(),
+        format!("train.loss_chunk={}", 1024.min(seq)),
+        format!("train.precision=\"{dtype}\""),
+    ]
+    .into()
+}
+
+/// One side of one row.
+#[derive(Debug, Clone, Copy, Default)]
+struct Side {
+    tokens_per_s: f64,
+    peak_rss_mib: f64,
+    saved_mib_per_rank: f64,
+    loss_first: f64,
+}
+
+fn ours(exe: &Path, out: &Path, sets: &[String], cp: usize) -> Result<Side> {
+    let _ = std::fs::remove_dir_all(out);
+    let mut cmd = Command::new(exe);
+    cmd.args(["train", "--recipe", "tiny-llama", "--quiet", "--out"]).arg(out).args(["--cp", &cp.to_string()]);
+    for s in sets {
+        cmd.args(["--set", s]);
+    }
+    let o = cmd.output().map_err(|e| TrainError::io(exe, e))?;
+    if !o.status.success() {
+        return Err(TrainError::Config(format!("our run failed: {}", String::from_utf8_lossy(&o.stderr))));
+    }
+    let path = out.join("metrics.jsonl");
+    let text = std::fs::read_to_string(&path).map_err(|e| TrainError::io(&path, e))?;
+    let rows: Vec<serde_json::Value> = text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
+    let steps: Vec<&serde_json::Value> = rows.iter().filter(|r| r.get("loss").is_some()).collect();
+    let timed = &steps[1.min(steps.len())..];
+    let f = |r: &serde_json::Value, k: &str| r.get(k).and_then(|v| v.as_f64()).unwrap_or(0.0);
+    let secs_per_token: f64 = timed.iter().map(|r| 1.0 / f(r, "tokens_per_s").max(1e-9)).sum::<f64>();
+    Ok(Side {
+        tokens_per_s: timed.len() as f64 / secs_per_token.max(1e-12),
+        peak_rss_mib: steps.iter().map(|r| f(r, "rss_mib")).fold(0.0, f64::max),
+        saved_mib_per_rank: steps.iter().map(|r| f(r, "saved_mib_per_rank")).fold(0.0, f64::max),
+        loss_first: steps.first().map_or(0.0, |r| f(r, "loss")),
+    })
+}
+
+fn peer(python: &str, script: &Path, seq: usize, steps: u64, dtype: &str) -> Result<Option<Side>> {
+    let o = Command::new(python)
+        .arg(script)
+        .args(["--seq", &seq.to_string(), "--steps", &steps.to_string(), "--dtype", dtype])
+        .output()
+        .map_err(|e| TrainError::io(python, e))?;
+    let text = String::from_utf8_lossy(&o.stdout);
+    let Some(line) = text.lines().rev().find(|l| l.starts_with('{')) else {
+        eprintln!("# peer: {}", String::from_utf8_lossy(&o.stderr).lines().last().unwrap_or("no output"));
+        return Ok(None);
+    };
+    let v: serde_json::Value =
+        serde_json::from_str(line).map_err(|e| TrainError::Config(format!("peer output {line:?}: {e}")))?;
+    let f = |k: &str| v.get(k).and_then(|x| x.as_f64()).unwrap_or(0.0);
+    Ok(Some(Side {
+        tokens_per_s: f("tokens_per_s"),
+        peak_rss_mib: f("peak_rss_mib"),
+        saved_mib_per_rank: 0.0,
+        loss_first: f("loss_first"),
+    }))
+}
+
+/// Runs the comparison and prints its tables.
+pub fn run(opts: &BenchOptions) -> Result<()> {
+    let exe = std::env::current_exe().map_err(|e| TrainError::io("longctx", e))?;
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../bench/peer_train.py");
+    let peak = measure_peak_flops()?;
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    println!(
+        "# longctx bench: tiny Llama (4 layers, d 256, 4/2 heads, SwiGLU 688, vocab 257), batch 1, {threads} threads"
+    );
+    println!(
+        "# GEMM peak measured here: {:.1} GFLOP/s; MFU = model FLOPs/s over it; {} timed steps after one untimed",
+        peak / 1e9,
+        opts.steps
+    );
+    println!("| seq | dtype | longctx tok/s | PyTorch tok/s | ratio | longctx MFU | PyTorch MFU | longctx peak RSS | PyTorch peak RSS | RSS ratio |");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
+    for &seq in &opts.seqs {
+        for dtype in &opts.dtypes {
+            let sets = bench_overrides(seq, opts.steps, dtype);
+            let recipe = Recipe::load("tiny-llama", &sets)?;
+            let weights: usize = param_shapes(&recipe.model).iter().map(|(_, d)| d.iter().product::<usize>()).sum();
+            let fpt = flops_per_token(&recipe, weights);
+            let us = ours(&exe, &opts.scratch.join(format!("ours-{seq}-{dtype}")), &sets, 1)?;
+            let them = match &opts.python {
+                Some(py) => peer(py, &script, seq, opts.steps, dtype)?,
+                None => None,
+            };
+            let mfu = |tps: f64| format!("{:.1}%", 100.0 * tps * fpt / peak);
+            let (pt, pm, pr, ratio, rss_ratio) = match them {
+                Some(p) => (
+                    format!("{:.0}", p.tokens_per_s),
+                    mfu(p.tokens_per_s),
+                    format!("{:.0} MiB", p.peak_rss_mib),
+                    format!("{:.2}×", us.tokens_per_s / p.tokens_per_s),
+                    format!("{:.2}×", us.peak_rss_mib / p.peak_rss_mib),
+                ),
+                None => ("–".into(), "–".into(), "–".into(), "–".into(), "–".into()),
+            };
+            println!(
+                "| {seq} | {dtype} | {:.0} | {pt} | {ratio} | {} | {pm} | {:.0} MiB | {pr} | {rss_ratio} |",
+                us.tokens_per_s,
+                mfu(us.tokens_per_s),
+                us.peak_rss_mib
+            );
+        }
+    }
+    if opts.cp > 1 {
+        let seq = *opts.seqs.iter().max().unwrap_or(&4096);
+        let dtype = opts.dtypes.first().map_or("f32", String::as_str);
+        let sets = bench_overrides(seq, 0, dtype);
+        println!();
+        println!("| seq | dtype | CP | activations saved per rank | step-1 loss | process peak RSS |");
+        println!("|---|---|---|---|---|---|");
+        for cp in [1, opts.cp] {
+            let s = ours(&exe, &opts.scratch.join(format!("cp{cp}-{seq}")), &sets, cp)?;
+            println!(
+                "| {seq} | {dtype} | {cp} | {:.1} MiB | {:.6} | {:.0} MiB (all {cp} ranks) |",
+                s.saved_mib_per_rank, s.loss_first, s.peak_rss_mib
+            );
+        }
+    }
+    Ok(())
+}

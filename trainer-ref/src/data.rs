@@ -1,0 +1,192 @@
+//! The corpus, its byte-level tokens, and the packed sequences a step trains on.
+//!
+//! Documents are packed end to end, each closed by the end-of-document token, into one token stream per split;
+//! sequence `i` of a split is the window of `seq_len + 1` tokens starting at `i · seq_len` (wrapping round the
+//! stream), so a sequence is a pure function of its index. The data position a checkpoint records is the
+//! number of sequences consumed, and resuming from it reads exactly the sequences an uninterrupted run would.
+
+use std::io::Read;
+use std::path::Path;
+
+use crate::error::{Result, TrainError};
+
+/// The built-in corpus: the Jargon File 4.4.7 (public domain; see `trainer-ref/data/README.md`).
+const JARGON_GZ: &[u8] = include_bytes!("../data/jargon.txt.gz");
+
+/// The byte tokenizer's end-of-document token (after the 256 byte values).
+pub const EOT: u32 = 256;
+/// Tokens of the byte tokenizer.
+pub const BYTE_VOCAB: usize = 257;
+
+/// UTF-8 text as byte tokens.
+pub fn encode(text: &str) -> Vec<u32> {
+    text.bytes().map(u32::from).collect()
+}
+
+/// Byte tokens back to text (the end-of-document token as a newline; invalid UTF-8 replaced).
+pub fn decode(tokens: &[u32]) -> String {
+    let bytes: Vec<u8> = tokens.iter().map(|&t| if t < 256 { t as u8 } else { b'\n' }).collect();
+    String::from_utf8_lossy(&bytes).into_owned()
+}
+
+/// A corpus cut into documents.
+#[derive(Debug, Clone)]
+pub struct Corpus {
+    /// The documents' texts, in order.
+    pub documents: Vec<String>,
+}
+
+impl Corpus {
+    /// The corpus a recipe names: `jargon`, or a UTF-8 text file.
+    pub fn load(name: &str) -> Result<Corpus> {
+        let text = if name == "jargon" {
+            let mut s = String::new();
+            flate2::read::GzDecoder::new(JARGON_GZ)
+                .read_to_string(&mut s)
+                .map_err(|e| TrainError::io("built-in jargon.txt.gz", e))?;
+            s
+        } else {
+            let p = Path::new(name);
+            std::fs::read_to_string(p).map_err(|e| TrainError::io(p, e))?
+        };
+        Ok(Corpus::from_text(&text))
+    }
+
+    /// Cuts `text` into documents at the Jargon File's entry headings (a line `   :term:`), or at blank-line
+    /// pairs (`\n\n\n`) in other texts; the text before the first heading is one document.
+    pub fn from_text(text: &str) -> Corpus {
+        let mut documents = Vec::new();
+        let mut cur = String::new();
+        let headings = text.lines().any(is_heading);
+        for line in text.split_inclusive('\n') {
+            let cut =
+                if headings { is_heading(line.trim_end_matches('\n')) } else { line == "\n" && cur.ends_with("\n\n") };
+            if cut && !cur.trim().is_empty() {
+                documents.push(std::mem::take(&mut cur));
+            }
+            cur.push_str(line);
+        }
+        if !cur.trim().is_empty() {
+            documents.push(cur);
+        }
+        Corpus { documents }
+    }
+
+    /// Splits off every `every`-th document as the held-out set.
+    pub fn split(&self, every: usize) -> Result<(TokenStream, TokenStream)> {
+        let every = every.max(2);
+        let (mut train, mut heldout) = (Vec::new(), Vec::new());
+        for (i, d) in self.documents.iter().enumerate() {
+            if i % every == every - 1 {
+                heldout.push(d.as_str());
+            } else {
+                train.push(d.as_str());
+            }
+        }
+        Ok((TokenStream::pack("train", &train)?, TokenStream::pack("held-out", &heldout)?))
+    }
+}
+
+fn is_heading(line: &str) -> bool {
+    line.len() > 5 && line.starts_with("   :") && !line.starts_with("    ") && line[4..].contains(':')
+}
+
+/// One split's documents packed into a token stream.
+#[derive(Debug, Clone)]
+pub struct TokenStream {
+    tokens: Vec<u32>,
+    /// Document index of each token (the end-of-document token belongs to the document it closes).
+    docs: Vec<u32>,
+    documents: usize,
+}
+
+/// One training sequence: `seq_len` inputs, their next-token targets and their document ids.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sequence {
+    /// Input tokens.
+    pub inputs: Vec<u32>,
+    /// The token after each input.
+    pub targets: Vec<i64>,
+    /// Document of each input, numbered from 0 within the sequence.
+    pub docs: Vec<u32>,
+}
+
+impl TokenStream {
+    /// Packs `documents`, each closed by [`EOT`].
+    pub fn pack(name: &str, documents: &[&str]) -> Result<TokenStream> {
+        let (mut tokens, mut docs) = (Vec::new(), Vec::new());
+        for (i, d) in documents.iter().enumerate() {
+            let t = encode(d);
+            docs.extend(std::iter::repeat_n(i as u32, t.len() + 1));
+            tokens.extend(t);
+            tokens.push(EOT);
+        }
+        if tokens.len() < 2 {
+            return Err(TrainError::Config(format!("the {name} split of the corpus is empty")));
+        }
+        Ok(TokenStream { tokens, docs, documents: documents.len() })
+    }
+
+    /// Tokens in the stream.
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// Whether the stream is empty (never, once packed).
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+
+    /// Documents packed.
+    pub fn documents(&self) -> usize {
+        self.documents
+    }
+
+    /// Sequence `index` of `seq_len` tokens (see the module docs).
+    pub fn sequence(&self, index: u64, seq_len: usize) -> Sequence {
+        let n = self.tokens.len();
+        let start = ((index as u128 * seq_len as u128) % n as u128) as usize;
+        let at = |i: usize| (start + i) % n;
+        let inputs: Vec<u32> = (0..seq_len).map(|i| self.tokens[at(i)]).collect();
+        let targets: Vec<i64> = (0..seq_len).map(|i| self.tokens[at(i + 1)] as i64).collect();
+        // Renumber from 0; a wrap round the stream starts a new document even if the ids repeat.
+        let mut docs = Vec::with_capacity(seq_len);
+        let (mut id, mut prev) = (0u32, self.docs[at(0)]);
+        for i in 0..seq_len {
+            let d = self.docs[at(i)];
+            if d != prev || (i > 0 && at(i) == 0) {
+                id += 1;
+                prev = d;
+            }
+            docs.push(id);
+        }
+        Sequence { inputs, targets, docs }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_builtin_corpus_has_the_lexicon_as_documents() {
+        let c = Corpus::load("jargon").unwrap();
+        assert!(c.documents.len() > 2000, "{} documents", c.documents.len());
+        assert!(c.documents.iter().any(|d| d.starts_with("   :camelCase:")));
+        let (train, heldout) = c.split(20).unwrap();
+        assert!(heldout.len() > 50_000 && train.len() > 15 * heldout.len(), "{} {}", train.len(), heldout.len());
+    }
+
+    #[test]
+    fn a_sequence_is_a_pure_function_of_its_index_with_shifted_targets_and_document_ids() {
+        let s = TokenStream::pack("t", &["ab", "cde"]).unwrap(); // a b EOT c d e EOT
+        let q = s.sequence(0, 4);
+        assert_eq!(q.inputs, vec![97, 98, EOT, 99]);
+        assert_eq!(q.targets, vec![98, EOT as i64, 99, 100]);
+        assert_eq!(q.docs, vec![0, 0, 0, 1]);
+        assert_eq!(s.sequence(1, 4).inputs, vec![100, 101, EOT, 97], "wraps round the stream");
+        assert_eq!(s.sequence(1, 4).docs, vec![0, 0, 0, 1], "a wrap starts a new document");
+        assert_eq!(s.sequence(1, 4), s.sequence(1, 4));
+        assert_eq!(decode(&q.inputs), "ab\nc");
+    }
+}

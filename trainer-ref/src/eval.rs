@@ -1,0 +1,118 @@
+//! `longctx eval`: the mean next-token cross-entropy of a checkpoint over a file of tokens, with any number of
+//! context-parallel ranks (the loss does not depend on it).
+
+use std::path::Path;
+use std::sync::Arc;
+
+use longctx_kernels::{Backend, CpuBackend, DType, View};
+use longctx_p2p::{ReduceOp, ThreadWorld};
+use longctx_ring_attn::{ContextParallel, CpConfig};
+
+use crate::checkpoint;
+use crate::data::{encode, Sequence, EOT};
+use crate::error::{Result, TrainError};
+use crate::model::{param_shapes, Llama, Params};
+use crate::recipe::Recipe;
+use crate::train::{local_share, plan_for};
+
+/// What an evaluation measured.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EvalResult {
+    /// Mean cross-entropy per scored token (nats).
+    pub loss: f64,
+    /// Tokens scored.
+    pub tokens: usize,
+    /// Windows of `seq` tokens evaluated.
+    pub windows: usize,
+}
+
+/// Reads token ids: a `.npy` of integers, or any other file as UTF-8 text through the byte tokenizer.
+pub fn read_tokens(path: &Path) -> Result<Vec<u32>> {
+    if path.extension().is_some_and(|e| e == "npy") {
+        return crate::npy::read_token_ids(path);
+    }
+    let text = std::fs::read_to_string(path).map_err(|e| TrainError::io(path, e))?;
+    Ok(encode(&text))
+}
+
+/// The recipe a checkpoint was trained with (from its `state.json`).
+pub fn checkpoint_recipe(ck: &checkpoint::Checkpoint) -> Result<Recipe> {
+    let path = ck.dir.join("state.json");
+    let text = ck
+        .state
+        .get("recipe")
+        .and_then(|r| r.as_str())
+        .ok_or_else(|| TrainError::Checkpoint { path: path.clone(), detail: "field `recipe` is missing".into() })?;
+    Recipe::parse("checkpoint", text, &[])
+        .map_err(|e| TrainError::Checkpoint { path, detail: format!("field `recipe`: {e}") })
+}
+
+/// The mean loss of the checkpoint in `dir` over `tokens`, cut into consecutive windows of `seq` inputs (each
+/// with the next token as the last target), computed over `cp` thread ranks.
+pub fn evaluate(dir: &Path, tokens: &[u32], seq: usize, cp: usize) -> Result<EvalResult> {
+    let ck = checkpoint::load(dir)?;
+    let mut recipe = checkpoint_recipe(&ck)?;
+    recipe.parallel.cp = cp.max(1);
+    recipe.parallel.dp = 1;
+    recipe.train.seq_len = seq;
+    recipe.train.batch = 1;
+    recipe.validate()?;
+    let shapes = param_shapes(&recipe.model);
+    checkpoint::expect_tensors(&ck.dir.join("model.safetensors"), &ck.model, &shapes)?;
+    if let Some((i, t)) = tokens.iter().enumerate().find(|(_, &t)| t as usize >= recipe.model.vocab) {
+        return Err(TrainError::Config(format!(
+            "token {i} is {t}, outside the model's vocabulary of {}",
+            recipe.model.vocab
+        )));
+    }
+    let windows = tokens.len().saturating_sub(1) / seq;
+    if windows == 0 {
+        return Err(TrainError::Config(format!(
+            "{} tokens are fewer than one window of --seq {seq} plus its last target",
+            tokens.len()
+        )));
+    }
+    let threads = (std::thread::available_parallelism().map_or(1, |n| n.get()) / recipe.parallel.cp).max(1);
+    let recipe = &recipe;
+    let ck = &ck;
+    let results = ThreadWorld::try_run(recipe.parallel.cp, |comm| -> Result<EvalResult> {
+        let backend: Arc<dyn Backend> = Arc::new(CpuBackend::with_threads(threads)?);
+        let mut weights = Params::zeros(&*backend, &recipe.model, DType::F32)?;
+        for (t, src) in weights.tensors.iter_mut().zip(&ck.model) {
+            backend.copy(t.view_mut(), View::new(&src.data, src.dims.as_slice())?)?;
+        }
+        let model = Llama::new(recipe.model.clone(), weights, backend.clone())?;
+        let cfg = CpConfig { partition: recipe.partition()?, schedule: recipe.schedule()?, scale: None };
+        let cp = ContextParallel::new(comm, backend, cfg)?;
+        let mut plan = plan_for(&cp, recipe, seq, DType::F32)?;
+        let mut sums = [0.0f64, 0.0];
+        for w in 0..windows {
+            let seq_tokens = &tokens[w * seq..w * seq + seq + 1];
+            let s = window(seq_tokens);
+            let (ids, targets, docs) = local_share(plan.positions(), &s);
+            if recipe.data.document_masking {
+                plan.set_documents(&docs)?;
+            }
+            let l = model.loss(&ids, &targets, recipe.train.loss_chunk, &mut plan)?;
+            sums[0] += l.sum;
+            sums[1] += l.tokens as f64;
+        }
+        cp.comm().all_reduce(&mut sums, ReduceOp::Sum)?;
+        Ok(EvalResult { loss: sums[0] / sums[1].max(1.0), tokens: sums[1] as usize, windows })
+    })?;
+    results.into_iter().next().ok_or_else(|| TrainError::Config("no ranks ran".into()))?
+}
+
+/// A window of `n + 1` tokens as `n` inputs and targets; documents end after each end-of-document token.
+fn window(t: &[u32]) -> Sequence {
+    let n = t.len() - 1;
+    let mut docs = Vec::with_capacity(n);
+    let mut id = 0;
+    for &tok in &t[..n] {
+        docs.push(id);
+        if tok == EOT {
+            id += 1;
+        }
+    }
+    Sequence { inputs: t[..n].to_vec(), targets: t[1..].iter().map(|&x| x as i64).collect(), docs }
+}

@@ -1,0 +1,179 @@
+//! What a run reports: a progress bar (step, loss, tokens/s, MFU, memory) and `metrics.jsonl`, one JSON object
+//! per step (`step`, `loss`, `lr`, `grad_norm`, `tokens_per_s`, `mfu`, `rss_mib`, `saved_mib_per_rank`) and one
+//! per evaluation (`step`, `val_loss`).
+//!
+//! MFU is the model's FLOPs per second over the peak of a large `f32` GEMM on this machine, measured when the
+//! run starts (the attainable peak, not a datasheet figure). The model's FLOPs per token are PaLM's count:
+//! `6·N` for the `N` weights of the matrix products (the output projection included, the embedding gather
+//! not) plus `6·layers·Hq·D·S` for causal attention (half of `12·…`, forward and backward).
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use indicatif::{ProgressBar, ProgressStyle};
+use longctx_kernels::{Backend, CpuBackend, DType, Dims, View};
+
+use crate::error::{Result, TrainError};
+use crate::recipe::Recipe;
+use crate::train::append_line;
+
+/// Rank 0's reporter.
+#[derive(Debug)]
+pub struct Meter {
+    path: PathBuf,
+    bar: ProgressBar,
+    quiet: bool,
+    flops_per_token: f64,
+    peak_flops: f64,
+    started: Instant,
+    tokens: f64,
+}
+
+/// FLOPs of one token's forward and backward (see the module docs).
+pub fn flops_per_token(recipe: &Recipe, weights: usize) -> f64 {
+    let m = &recipe.model;
+    let matmul_weights = weights - m.vocab * m.d_model - (2 * m.layers + 1) * m.d_model;
+    6.0 * matmul_weights as f64 + 6.0 * (m.layers * m.heads * m.head_dim() * recipe.train.seq_len) as f64
+}
+
+/// FLOP/s of a 1024³ `f32` GEMM on every core, best of three.
+pub fn measure_peak_flops() -> Result<f64> {
+    let n = 1024;
+    let cpu = CpuBackend::new();
+    let a: Vec<f32> = (0..n * n).map(|i| ((i % 7) as f32 - 3.0) * 0.1).collect();
+    let mut c = cpu.zeros(DType::F32, Dims::new(&[n, n])?)?;
+    let mut best = f64::INFINITY;
+    for _ in 0..3 {
+        let t = Instant::now();
+        cpu.matmul(c.view_mut(), View::new(&a, [n, n])?, View::new(&a, [n, n])?)?;
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    Ok(2.0 * (n * n * n) as f64 / best)
+}
+
+/// Peak resident memory of this process (`VmHWM`), in bytes; 0 where `/proc` is absent.
+pub fn peak_rss_bytes() -> u64 {
+    let Ok(s) = std::fs::read_to_string("/proc/self/status") else { return 0 };
+    s.lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(0, |kb| kb * 1024)
+}
+
+const MIB: f64 = 1024.0 * 1024.0;
+
+impl Meter {
+    /// Opens `out/metrics.jsonl` (a fresh run empties it; a resumed one keeps the lines up to `start_step`) and
+    /// writes the recipe beside it.
+    pub fn open(out: &Path, recipe: &Recipe, start_step: u64, quiet: bool, weights: usize) -> Result<Meter> {
+        let path = out.join("metrics.jsonl");
+        let kept: String = if start_step > 0 && path.exists() {
+            let text = std::fs::read_to_string(&path).map_err(|e| TrainError::io(&path, e))?;
+            text.lines()
+                .filter(|l| {
+                    serde_json::from_str::<serde_json::Value>(l)
+                        .ok()
+                        .and_then(|v| v.get("step").and_then(|s| s.as_u64()))
+                        .is_some_and(|s| s <= start_step)
+                })
+                .map(|l| format!("{l}\n"))
+                .collect()
+        } else {
+            String::new()
+        };
+        std::fs::write(&path, kept).map_err(|e| TrainError::io(&path, e))?;
+        let recipe_path = out.join("recipe.toml");
+        std::fs::write(&recipe_path, recipe.to_toml()).map_err(|e| TrainError::io(&recipe_path, e))?;
+        let bar = if quiet { ProgressBar::hidden() } else { ProgressBar::new(recipe.train.steps) };
+        bar.set_style(
+            ProgressStyle::with_template("{bar:30} step {pos}/{len} {msg}")
+                .map_err(|e| TrainError::Config(e.to_string()))?,
+        );
+        bar.set_position(start_step);
+        let peak_flops = measure_peak_flops()?;
+        let m = Meter {
+            path,
+            bar,
+            quiet,
+            flops_per_token: flops_per_token(recipe, weights),
+            peak_flops,
+            started: Instant::now(),
+            tokens: 0.0,
+        };
+        m.note(&format!(
+            "{}: {} weights, {} ranks (cp {} × dp {}), {} tokens per step, GEMM peak {:.1} GFLOP/s",
+            recipe.name,
+            weights,
+            recipe.parallel.cp * recipe.parallel.dp,
+            recipe.parallel.cp,
+            recipe.parallel.dp,
+            recipe.train.batch * recipe.train.seq_len,
+            peak_flops / 1e9
+        ));
+        Ok(m)
+    }
+
+    /// A line above the bar (or on stdout when there is no terminal).
+    pub fn note(&self, msg: &str) {
+        if self.quiet {
+            return;
+        }
+        if self.bar.is_hidden() {
+            println!("{msg}");
+        } else {
+            self.bar.println(msg);
+        }
+    }
+
+    /// Records one step.
+    #[allow(clippy::too_many_arguments)]
+    pub fn step(
+        &mut self,
+        step: u64,
+        loss: f64,
+        val_loss: Option<f64>,
+        lr: f32,
+        grad_norm: f64,
+        tokens: f64,
+        took: Duration,
+        saved_bytes: usize,
+    ) -> Result<()> {
+        self.tokens += tokens;
+        let tps = tokens / took.as_secs_f64().max(1e-9);
+        let mfu = tps * self.flops_per_token / self.peak_flops;
+        let rss = peak_rss_bytes() as f64 / MIB;
+        let line = serde_json::json!({
+            "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tps, "mfu": mfu,
+            "rss_mib": rss, "saved_mib_per_rank": saved_bytes as f64 / MIB,
+        });
+        append_line(&self.path, &line.to_string())?;
+        if let Some(v) = val_loss {
+            append_line(&self.path, &serde_json::json!({ "step": step, "val_loss": v }).to_string())?;
+        }
+        self.bar.set_position(step);
+        self.bar
+            .set_message(format!("loss {loss:.4} | {tps:.0} tok/s | MFU {:.1}% | peak RSS {rss:.0} MiB", 100.0 * mfu));
+        if self.bar.is_hidden() || val_loss.is_some() {
+            let v = val_loss.map_or(String::new(), |v| format!(" held-out {v:.4}"));
+            self.note(&format!(
+                "step {step}: loss {loss:.4}{v} | {tps:.0} tok/s | MFU {:.1}% | lr {lr:.2e}",
+                100.0 * mfu
+            ));
+        }
+        Ok(())
+    }
+
+    /// Ends the bar and says where things went.
+    pub fn finish(&mut self, out: &Path) {
+        self.bar.finish_and_clear();
+        let secs = self.started.elapsed().as_secs_f64();
+        self.note(&format!(
+            "{:.0} tokens in {secs:.1} s ({:.0} tok/s). Metrics: {}; checkpoints: {}; plot: longctx plot {} -o loss.png",
+            self.tokens,
+            self.tokens / secs.max(1e-9),
+            self.path.display(),
+            out.join("checkpoints").display(),
+            self.path.display()
+        ));
+    }
+}

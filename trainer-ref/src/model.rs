@@ -1,0 +1,567 @@
+//! The Llama 3 style decoder: RMSNorm, RoPE (with Llama 3 frequency scaling), grouped-query attention through
+//! context-parallel ring attention, a SwiGLU MLP, untied embeddings, and the output projection fused with the
+//! loss in chunks of tokens, so `[tokens, vocab]` logits never exist at once.
+//!
+//! Every computation is a call of the [`Backend`] the model was given, on buffers the backend allocated: a CUDA
+//! backend changes nothing here. Each layer's forward returns what its backward needs as a named struct
+//! ([`LayerSaved`]) whose size follows from the shapes ([`LayerSaved::bytes_for`]), the contract activation
+//! recomputation and offload decide on. The backward is the forward read in reverse, one op per line
+//! (llm.c's `gpt2_backward`).
+//!
+//! Shapes: `L` tokens on this rank, `C` the model width, `Hq`/`Hkv` query and KV heads of width `D`, `F` the MLP
+//! width, `V` the vocabulary. Activations are `[L, C]` token-major; attention works head-major `[1, H, L, D]`.
+
+use std::sync::Arc;
+
+use longctx_kernels::{
+    AttnGrads, AttnOut, AttnSaved, Backend, Buffer, CrossEntropyOptions, DType, Dims, GradMode, IntoDims, LinearGrads,
+    LinearSaved, NormGrads, NormParams, ProjectionGrads, Qkv, RmsNormSaved, RopeConfig, RopeScaling, RopeTable,
+    SwigluSaved, View,
+};
+use longctx_ring_attn::CpPlan;
+
+use crate::error::{Result, TrainError};
+use crate::recipe::{ModelConfig, RopeScalingConfig};
+
+/// Tensors per decoder layer, in [`Params`] order.
+const PER_LAYER: usize = 9;
+/// Index of each tensor within a layer.
+const ATTN_NORM: usize = 0;
+const WQ: usize = 1;
+const WK: usize = 2;
+const WV: usize = 3;
+const WO: usize = 4;
+const MLP_NORM: usize = 5;
+const W_GATE: usize = 6;
+const W_UP: usize = 7;
+const W_DOWN: usize = 8;
+
+/// The model's tensors (weights, or their gradients, or an optimizer moment), one buffer each, named as in a
+/// Hugging Face Llama checkpoint, in a fixed order: the embedding, each layer's nine, the final norm, the head.
+#[derive(Debug)]
+pub struct Params {
+    /// Hugging Face names (`model.layers.3.self_attn.q_proj.weight`).
+    pub names: Vec<String>,
+    /// One buffer per name.
+    pub tensors: Vec<Buffer>,
+}
+
+/// The dims of every tensor of a model, with its Hugging Face name, in [`Params`] order.
+pub fn param_shapes(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
+    let (c, f, v, d) = (cfg.d_model, cfg.ffn, cfg.vocab, cfg.head_dim());
+    let (q, kv) = (cfg.heads * d, cfg.kv_heads * d);
+    let mut out = vec![("model.embed_tokens.weight".to_string(), vec![v, c])];
+    for l in 0..cfg.layers {
+        let p = format!("model.layers.{l}");
+        out.extend([
+            (format!("{p}.input_layernorm.weight"), vec![c]),
+            (format!("{p}.self_attn.q_proj.weight"), vec![q, c]),
+            (format!("{p}.self_attn.k_proj.weight"), vec![kv, c]),
+            (format!("{p}.self_attn.v_proj.weight"), vec![kv, c]),
+            (format!("{p}.self_attn.o_proj.weight"), vec![c, q]),
+            (format!("{p}.post_attention_layernorm.weight"), vec![c]),
+            (format!("{p}.mlp.gate_proj.weight"), vec![f, c]),
+            (format!("{p}.mlp.up_proj.weight"), vec![f, c]),
+            (format!("{p}.mlp.down_proj.weight"), vec![c, f]),
+        ]);
+    }
+    out.push(("model.norm.weight".to_string(), vec![c]));
+    out.push(("lm_head.weight".to_string(), vec![v, c]));
+    out
+}
+
+impl Params {
+    /// Zeroed tensors of `dtype` for `cfg`, in `backend`'s memory.
+    pub fn zeros(backend: &dyn Backend, cfg: &ModelConfig, dtype: DType) -> Result<Params> {
+        let (mut names, mut tensors) = (Vec::new(), Vec::new());
+        for (name, dims) in param_shapes(cfg) {
+            tensors.push(backend.zeros(dtype, Dims::new(&dims)?)?);
+            names.push(name);
+        }
+        Ok(Params { names, tensors })
+    }
+
+    /// The initial weights (`f32`): norms 1, matrices normal with `init_std` (residual output projections
+    /// divided by `√(2·layers)`, GPT-2's rule), from a generator seeded by `seed` alone, so every rank draws the
+    /// same weights.
+    pub fn init(backend: &dyn Backend, cfg: &ModelConfig, seed: u64) -> Result<Params> {
+        let mut p = Params::zeros(backend, cfg, DType::F32)?;
+        let mut rng = Rng::new(seed);
+        let resid = cfg.init_std / ((2 * cfg.layers) as f32).sqrt();
+        for (name, t) in p.names.iter().zip(p.tensors.iter_mut()) {
+            let host: Vec<f32> = if t.dims().len() == 1 {
+                vec![1.0; t.len()]
+            } else {
+                let std = if name.ends_with("o_proj.weight") || name.ends_with("down_proj.weight") {
+                    resid
+                } else {
+                    cfg.init_std
+                };
+                (0..t.len()).map(|_| rng.normal() * std).collect()
+            };
+            let dims = t.dims().to_vec();
+            backend.copy(t.view_mut(), View::new(&host, dims)?)?;
+        }
+        Ok(p)
+    }
+
+    /// Elements over all tensors.
+    pub fn numel(&self) -> usize {
+        self.tensors.iter().map(Buffer::len).sum()
+    }
+
+    /// The tensors as views, in order.
+    pub fn views(&self) -> Vec<View<'_>> {
+        self.tensors.iter().map(Buffer::view).collect()
+    }
+}
+
+/// A small deterministic generator (SplitMix64, Box–Muller): the initial weights depend on the seed only.
+#[derive(Debug, Clone)]
+pub struct Rng(u64);
+
+impl Rng {
+    /// Seeded.
+    pub fn new(seed: u64) -> Self {
+        Rng(seed ^ 0x9E37_79B9_7F4A_7C15)
+    }
+    /// Uniform in `[0, 1)`.
+    pub fn uniform(&mut self) -> f64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
+    }
+    /// Standard normal.
+    pub fn normal(&mut self) -> f32 {
+        let (u1, u2) = (1.0 - self.uniform(), self.uniform());
+        ((-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()) as f32
+    }
+}
+
+/// What one decoder layer's forward keeps for its backward. `x` is the layer's input; the others are named by
+/// the op that made them.
+#[derive(Debug)]
+pub struct LayerSaved {
+    /// The layer's input `[L, C]` (saved by the attention norm and the residual).
+    pub x: Buffer,
+    /// Attention norm: `1/rms` per token `[L]`, `f32`.
+    pub rstd1: Buffer,
+    /// Attention norm output `[L, C]`: the input of the Q, K and V projections.
+    pub h1: Buffer,
+    /// Rotated queries `[1, Hq, L, D]`.
+    pub q: Buffer,
+    /// Rotated keys `[1, Hkv, L, D]`.
+    pub k: Buffer,
+    /// Values `[1, Hkv, L, D]`.
+    pub v: Buffer,
+    /// Attention output `[1, Hq, L, D]` (the output projection's input, transposed back in the backward).
+    pub o: Buffer,
+    /// Attention log-sum-exp `[1, Hq, L]`, `f32`.
+    pub lse: Buffer,
+    /// The residual after attention `[L, C]`: the MLP norm's input.
+    pub x2: Buffer,
+    /// MLP norm: `1/rms` per token `[L]`, `f32`.
+    pub rstd2: Buffer,
+    /// MLP norm output `[L, C]`: the gate and up projections' input.
+    pub h2: Buffer,
+    /// Gate projection `[L, F]`.
+    pub gate: Buffer,
+    /// Up projection `[L, F]`.
+    pub up: Buffer,
+    /// SwiGLU output `[L, F]`: the down projection's input.
+    pub act: Buffer,
+}
+
+impl LayerSaved {
+    /// The fields with their names, for recompute and offload policies.
+    pub fn fields(&self) -> [(&'static str, &Buffer); 14] {
+        [
+            ("x", &self.x),
+            ("rstd1", &self.rstd1),
+            ("h1", &self.h1),
+            ("q", &self.q),
+            ("k", &self.k),
+            ("v", &self.v),
+            ("o", &self.o),
+            ("lse", &self.lse),
+            ("x2", &self.x2),
+            ("rstd2", &self.rstd2),
+            ("h2", &self.h2),
+            ("gate", &self.gate),
+            ("up", &self.up),
+            ("act", &self.act),
+        ]
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.fields().iter().map(|(_, b)| b.bytes()).sum()
+    }
+
+    /// Bytes one layer's forward over `l` tokens saves, from the shapes alone (equals [`LayerSaved::bytes`]).
+    pub fn bytes_for(cfg: &ModelConfig, l: usize, dtype: DType) -> usize {
+        let (c, f, d) = (cfg.d_model, cfg.ffn, cfg.head_dim());
+        let attn = longctx_kernels::AttnShape {
+            batch: 1,
+            q_heads: cfg.heads,
+            kv_heads: cfg.kv_heads,
+            q_len: l,
+            kv_len: l,
+            head_dim: d,
+        };
+        2 * RmsNormSaved::bytes_for(l, c, dtype)
+            + 2 * LinearSaved::bytes_for(l, c, dtype)
+            + AttnSaved::bytes_for(&attn, dtype)
+            + SwigluSaved::bytes_for(l, f, dtype)
+            + LinearSaved::bytes_for(l, f, dtype)
+    }
+}
+
+/// What the whole forward keeps: each layer's, and the final norm's.
+#[derive(Debug)]
+pub struct ModelSaved {
+    /// Token ids of this rank `[L]` (the embedding's backward).
+    pub ids: Vec<u32>,
+    /// Per layer.
+    pub layers: Vec<LayerSaved>,
+    /// The last layer's output `[L, C]`: the final norm's input.
+    pub x_final: Buffer,
+    /// Final norm `1/rms` `[L]`.
+    pub rstd_final: Buffer,
+    /// Final norm output `[L, C]`: the output projection's input.
+    pub h_final: Buffer,
+}
+
+impl ModelSaved {
+    /// Bytes held by every saved activation.
+    pub fn bytes(&self) -> usize {
+        self.layers.iter().map(LayerSaved::bytes).sum::<usize>()
+            + self.x_final.bytes()
+            + self.rstd_final.bytes()
+            + self.h_final.bytes()
+    }
+}
+
+/// The loss over this rank's tokens: its sum, and the count of scored tokens.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LocalLoss {
+    /// Sum of the per-token cross-entropies (nats).
+    pub sum: f64,
+    /// Tokens scored.
+    pub tokens: usize,
+}
+
+/// What the loss is taken against.
+#[derive(Debug, Clone, Copy)]
+pub struct LossSpec<'a> {
+    /// The next token of each of this rank's tokens (`-100`: not scored).
+    pub targets: &'a [i64],
+    /// The global batch's scored token count: the losses of every rank summed and divided by it are the mean.
+    pub denominator: f64,
+    /// Tokens per chunk of the fused output projection.
+    pub chunk: usize,
+}
+
+/// The model: its configuration, its weights in the working dtype, and the backend it computes on.
+#[derive(Debug)]
+pub struct Llama {
+    /// Shape.
+    pub cfg: ModelConfig,
+    /// The working weights (`f32`, or `bf16` copies of the `f32` master weights).
+    pub weights: Params,
+    backend: Arc<dyn Backend>,
+    rope: RopeTable,
+    dtype: DType,
+}
+
+fn norm(weight: &Buffer, eps: f32) -> NormParams<'_> {
+    NormParams { weight: weight.view(), bias: None, eps }
+}
+
+impl Llama {
+    /// A model with `weights` (working dtype `dtype`) computing on `backend`.
+    pub fn new(cfg: ModelConfig, weights: Params, backend: Arc<dyn Backend>) -> Result<Llama> {
+        let dtype = weights.tensors.first().map_or(DType::F32, Buffer::dtype);
+        let want = param_shapes(&cfg);
+        if weights.tensors.len() != want.len() {
+            return Err(TrainError::Config(format!("{} tensors for a model of {}", weights.tensors.len(), want.len())));
+        }
+        for ((name, dims), t) in want.iter().zip(&weights.tensors) {
+            if t.dims() != dims.as_slice() || t.dtype() != dtype {
+                return Err(TrainError::Config(format!(
+                    "tensor {name}: {:?} {} where the model needs {dims:?} {}",
+                    t.dims(),
+                    t.dtype().name(),
+                    dtype.name()
+                )));
+            }
+        }
+        let scaling = match cfg.rope_scaling {
+            None => RopeScaling::None,
+            Some(RopeScalingConfig::Linear { factor }) => RopeScaling::Linear { factor },
+            Some(RopeScalingConfig::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            }) => RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position: original_max_position_embeddings,
+            },
+        };
+        let rope = RopeTable::new(&RopeConfig { head_dim: cfg.head_dim(), base: cfg.rope_theta, scaling })?;
+        Ok(Llama { cfg, weights, backend, rope, dtype })
+    }
+
+    /// The working dtype of weights and activations.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &Arc<dyn Backend> {
+        &self.backend
+    }
+
+    fn w(&self, layer: usize, which: usize) -> &Buffer {
+        &self.weights.tensors[1 + layer * PER_LAYER + which]
+    }
+
+    fn buf(&self, dims: impl IntoDims) -> Result<Buffer> {
+        Ok(self.backend.zeros(self.dtype, dims.into_dims()?)?)
+    }
+
+    fn buf_f32(&self, dims: impl IntoDims) -> Result<Buffer> {
+        Ok(self.backend.zeros(DType::F32, dims.into_dims()?)?)
+    }
+
+    /// One decoder layer: attention block then MLP block, each `x + f(norm(x))`.
+    fn layer_forward(&self, layer: usize, x: Buffer, plan: &mut CpPlan, pos: &[i64]) -> Result<(Buffer, LayerSaved)> {
+        let b = &*self.backend;
+        let cfg = &self.cfg;
+        let (l, c, f, d, hq, hkv) = (x.dims()[0], cfg.d_model, cfg.ffn, cfg.head_dim(), cfg.heads, cfg.kv_heads);
+        let eps = cfg.norm_eps;
+        let w = |i| self.w(layer, i);
+        let (mut h1, mut rstd1) = (self.buf([l, c])?, self.buf_f32([l])?);
+        let (mut q_t, mut k_t, mut v_t) = (self.buf([l, hq * d])?, self.buf([l, hkv * d])?, self.buf([l, hkv * d])?);
+        let (mut q, mut k, mut v) = (self.buf([1, hq, l, d])?, self.buf([1, hkv, l, d])?, self.buf([1, hkv, l, d])?);
+        let (mut o, mut lse, mut o_t) = (self.buf([1, hq, l, d])?, self.buf_f32([1, hq, l])?, self.buf([1, l, hq, d])?);
+        let (mut attn_out, mut x2) = (self.buf([l, c])?, self.buf([l, c])?);
+        let (mut h2, mut rstd2) = (self.buf([l, c])?, self.buf_f32([l])?);
+        let (mut gate, mut up, mut act) = (self.buf([l, f])?, self.buf([l, f])?, self.buf([l, f])?);
+        let (mut mlp_out, mut out) = (self.buf([l, c])?, self.buf([l, c])?);
+
+        b.rmsnorm_forward(h1.view_mut(), rstd1.view_mut(), x.view(), &norm(w(ATTN_NORM), eps))?;
+        b.linear_forward(q_t.view_mut(), h1.view(), w(WQ).view(), None)?;
+        b.linear_forward(k_t.view_mut(), h1.view(), w(WK).view(), None)?;
+        b.linear_forward(v_t.view_mut(), h1.view(), w(WV).view(), None)?;
+        b.transpose12(q.view_mut(), q_t.view().reshape([1, l, hq, d])?)?;
+        b.transpose12(k.view_mut(), k_t.view().reshape([1, l, hkv, d])?)?;
+        b.transpose12(v.view_mut(), v_t.view().reshape([1, l, hkv, d])?)?;
+        b.rope_forward_inplace(&self.rope, q.view_mut(), pos)?;
+        b.rope_forward_inplace(&self.rope, k.view_mut(), pos)?;
+        plan.forward(AttnOut { o: o.view_mut(), lse: lse.view_mut() }, Qkv::new(q.view(), k.view(), v.view()))?;
+        b.transpose12(o_t.view_mut(), o.view())?;
+        b.linear_forward(attn_out.view_mut(), o_t.view().reshape([l, hq * d])?, w(WO).view(), None)?;
+        b.copy(x2.view_mut(), x.view())?;
+        b.add(x2.view_mut(), attn_out.view())?;
+
+        b.rmsnorm_forward(h2.view_mut(), rstd2.view_mut(), x2.view(), &norm(w(MLP_NORM), eps))?;
+        b.linear_forward(gate.view_mut(), h2.view(), w(W_GATE).view(), None)?;
+        b.linear_forward(up.view_mut(), h2.view(), w(W_UP).view(), None)?;
+        b.swiglu_forward(act.view_mut(), gate.view(), up.view())?;
+        b.linear_forward(mlp_out.view_mut(), act.view(), w(W_DOWN).view(), None)?;
+        b.copy(out.view_mut(), x2.view())?;
+        b.add(out.view_mut(), mlp_out.view())?;
+
+        Ok((out, LayerSaved { x, rstd1, h1, q, k, v, o, lse, x2, rstd2, h2, gate, up, act }))
+    }
+
+    /// The layer's backward: `dout` `[L, C]` in, the input's gradient out; weight gradients into `grads`
+    /// (per `mode`).
+    fn layer_backward(
+        &self,
+        layer: usize,
+        dout: &Buffer,
+        s: &LayerSaved,
+        (grads, mode): (&mut Params, GradMode),
+        plan: &mut CpPlan,
+        pos: &[i64],
+    ) -> Result<Buffer> {
+        let b = &*self.backend;
+        let cfg = &self.cfg;
+        let (l, c, f, d, hq, hkv) = (s.x.dims()[0], cfg.d_model, cfg.ffn, cfg.head_dim(), cfg.heads, cfg.kv_heads);
+        let w = |i| self.w(layer, i);
+        let base = 1 + layer * PER_LAYER;
+        let (mut dact, mut dgate, mut dup) = (self.buf([l, f])?, self.buf([l, f])?, self.buf([l, f])?);
+        let (mut dh2, mut dh2_up, mut dx2) = (self.buf([l, c])?, self.buf([l, c])?, self.buf([l, c])?);
+        let (mut o_t, mut do_t, mut d_o) = (self.buf([1, l, hq, d])?, self.buf([l, hq * d])?, self.buf([1, hq, l, d])?);
+        let (mut dq, mut dk, mut dv) = (self.buf([1, hq, l, d])?, self.buf([1, hkv, l, d])?, self.buf([1, hkv, l, d])?);
+        let (mut dq_t, mut dk_t, mut dv_t) =
+            (self.buf([1, l, hq, d])?, self.buf([1, l, hkv, d])?, self.buf([1, l, hkv, d])?);
+        let (mut dh1, mut dh1_kv, mut dx) = (self.buf([l, c])?, self.buf([l, c])?, self.buf([l, c])?);
+        let g = |i: usize| base + i;
+        macro_rules! dw {
+            ($i:expr) => {
+                grads.tensors[g($i)].view_mut()
+            };
+        }
+
+        // MLP block, reversed.
+        b.linear_backward(
+            lg(Some(dact.view_mut()), dw!(W_DOWN)),
+            dout.view(),
+            saved_x(&s.act),
+            w(W_DOWN).view(),
+            mode,
+        )?;
+        b.swiglu_backward(
+            dgate.view_mut(),
+            dup.view_mut(),
+            dact.view(),
+            SwigluSaved { gate: s.gate.view(), up: s.up.view() },
+        )?;
+        b.linear_backward(lg(Some(dh2.view_mut()), dw!(W_GATE)), dgate.view(), saved_x(&s.h2), w(W_GATE).view(), mode)?;
+        b.linear_backward(lg(Some(dh2_up.view_mut()), dw!(W_UP)), dup.view(), saved_x(&s.h2), w(W_UP).view(), mode)?;
+        b.add(dh2.view_mut(), dh2_up.view())?;
+        b.rmsnorm_backward(
+            ng(dx2.view_mut(), dw!(MLP_NORM)),
+            dh2.view(),
+            rms_saved(&s.x2, &s.rstd2),
+            w(MLP_NORM).view(),
+            mode,
+        )?;
+        b.add(dx2.view_mut(), dout.view())?;
+
+        // Attention block, reversed.
+        b.transpose12(o_t.view_mut(), s.o.view())?;
+        let o_flat = o_t.view().reshape([l, hq * d])?;
+        b.linear_backward(
+            lg(Some(do_t.view_mut()), dw!(WO)),
+            dx2.view(),
+            LinearSaved { x: o_flat },
+            w(WO).view(),
+            mode,
+        )?;
+        b.transpose12(d_o.view_mut(), do_t.view().reshape([1, l, hq, d])?)?;
+        let saved = AttnSaved { qkv: Qkv::new(s.q.view(), s.k.view(), s.v.view()), o: s.o.view(), lse: s.lse.view() };
+        plan.backward(AttnGrads { dq: dq.view_mut(), dk: dk.view_mut(), dv: dv.view_mut() }, d_o.view(), saved)?;
+        b.rope_backward_inplace(&self.rope, dq.view_mut(), pos)?;
+        b.rope_backward_inplace(&self.rope, dk.view_mut(), pos)?;
+        b.transpose12(dq_t.view_mut(), dq.view())?;
+        b.transpose12(dk_t.view_mut(), dk.view())?;
+        b.transpose12(dv_t.view_mut(), dv.view())?;
+        let (dq_t, dk_t, dv_t) =
+            (dq_t.view().reshape([l, hq * d])?, dk_t.view().reshape([l, hkv * d])?, dv_t.view().reshape([l, hkv * d])?);
+        b.linear_backward(lg(Some(dh1.view_mut()), dw!(WQ)), dq_t, saved_x(&s.h1), w(WQ).view(), mode)?;
+        b.linear_backward(lg(Some(dh1_kv.view_mut()), dw!(WK)), dk_t, saved_x(&s.h1), w(WK).view(), mode)?;
+        b.add(dh1.view_mut(), dh1_kv.view())?;
+        b.linear_backward(lg(Some(dh1_kv.view_mut()), dw!(WV)), dv_t, saved_x(&s.h1), w(WV).view(), mode)?;
+        b.add(dh1.view_mut(), dh1_kv.view())?;
+        b.rmsnorm_backward(
+            ng(dx.view_mut(), dw!(ATTN_NORM)),
+            dh1.view(),
+            rms_saved(&s.x, &s.rstd1),
+            w(ATTN_NORM).view(),
+            mode,
+        )?;
+        b.add(dx.view_mut(), dx2.view())?;
+        Ok(dx)
+    }
+
+    /// The forward over this rank's tokens `ids` (at the global positions `plan.positions()`), keeping what the
+    /// backward needs.
+    pub fn forward(&self, ids: &[u32], plan: &mut CpPlan) -> Result<ModelSaved> {
+        let b = &*self.backend;
+        let (l, c) = (ids.len(), self.cfg.d_model);
+        let pos = plan.positions().to_vec();
+        let mut x = self.buf([l, c])?;
+        b.embedding_forward(x.view_mut(), ids, self.weights.tensors[0].view())?;
+        let mut layers = Vec::with_capacity(self.cfg.layers);
+        for layer in 0..self.cfg.layers {
+            let (out, saved) = self.layer_forward(layer, x, plan, &pos)?;
+            layers.push(saved);
+            x = out;
+        }
+        let (mut h_final, mut rstd_final) = (self.buf([l, c])?, self.buf_f32([l])?);
+        let final_norm = &self.weights.tensors[1 + self.cfg.layers * PER_LAYER];
+        b.rmsnorm_forward(h_final.view_mut(), rstd_final.view_mut(), x.view(), &norm(final_norm, self.cfg.norm_eps))?;
+        Ok(ModelSaved { ids: ids.to_vec(), layers, x_final: x, rstd_final, h_final })
+    }
+
+    /// The loss of `loss.targets` and the whole backward: gradients are written into `grads` (overwriting them
+    /// with [`GradMode::Overwrite`], adding with [`GradMode::Accumulate`]), scaled so that the losses summed
+    /// over every rank, divided by `loss.denominator`, are the mean loss.
+    pub fn loss_and_backward(
+        &self,
+        saved: ModelSaved,
+        loss: &LossSpec<'_>,
+        grads: &mut Params,
+        mode: GradMode,
+        plan: &mut CpPlan,
+    ) -> Result<LocalLoss> {
+        let b = &*self.backend;
+        let (l, c, n) = (saved.ids.len(), self.cfg.d_model, self.weights.tensors.len());
+        let pos = plan.positions().to_vec();
+        let targets = loss.targets;
+        let opts =
+            CrossEntropyOptions { chunk_tokens: loss.chunk, denominator: Some(loss.denominator), ..Default::default() };
+        let (mut dh_final, mut dx) = (self.buf([l, c])?, self.buf([l, c])?);
+        let final_norm = 1 + self.cfg.layers * PER_LAYER;
+
+        let lm = {
+            let dweight = grads.tensors[n - 1].view_mut();
+            let g = ProjectionGrads { dhidden: dh_final.view_mut(), dweight };
+            b.cross_entropy_fused(g, saved.h_final.view(), self.weights.tensors[n - 1].view(), targets, &opts, mode)?
+        };
+        let rs = rms_saved(&saved.x_final, &saved.rstd_final);
+        let nw = self.weights.tensors[final_norm].view();
+        b.rmsnorm_backward(ng(dx.view_mut(), grads.tensors[final_norm].view_mut()), dh_final.view(), rs, nw, mode)?;
+        for (layer, s) in saved.layers.iter().enumerate().rev() {
+            dx = self.layer_backward(layer, &dx, s, (grads, mode), plan, &pos)?;
+        }
+        b.embedding_backward(grads.tensors[0].view_mut(), dx.view(), &saved.ids, mode)?;
+        Ok(LocalLoss { sum: lm.loss_sum, tokens: lm.n_valid })
+    }
+
+    /// The loss alone (held-out evaluation): the forward, and the output projection's loss with its gradients
+    /// written to scratch.
+    pub fn loss(&self, ids: &[u32], targets: &[i64], loss_chunk: usize, plan: &mut CpPlan) -> Result<LocalLoss> {
+        let b = &*self.backend;
+        let saved = self.forward(ids, plan)?;
+        let n = self.weights.tensors.len();
+        let (l, c, v) = (ids.len(), self.cfg.d_model, self.cfg.vocab);
+        let (mut dh, mut dw) = (self.buf([l, c])?, self.buf_f32([v, c])?);
+        let opts = CrossEntropyOptions { chunk_tokens: loss_chunk, denominator: Some(1.0), ..Default::default() };
+        let g = ProjectionGrads { dhidden: dh.view_mut(), dweight: dw.view_mut() };
+        let out = b.cross_entropy_fused(
+            g,
+            saved.h_final.view(),
+            self.weights.tensors[n - 1].view(),
+            targets,
+            &opts,
+            GradMode::Overwrite,
+        )?;
+        Ok(LocalLoss { sum: out.loss_sum, tokens: out.n_valid })
+    }
+}
+
+fn lg<'a>(dx: Option<longctx_kernels::ViewMut<'a>>, dw: longctx_kernels::ViewMut<'a>) -> LinearGrads<'a> {
+    LinearGrads { dx, dw, dbias: None }
+}
+
+fn ng<'a>(dx: longctx_kernels::ViewMut<'a>, dweight: longctx_kernels::ViewMut<'a>) -> NormGrads<'a> {
+    NormGrads { dx, dweight, dbias: None }
+}
+
+fn saved_x(x: &Buffer) -> LinearSaved<'_> {
+    LinearSaved { x: x.view() }
+}
+
+fn rms_saved<'a>(x: &'a Buffer, rstd: &'a Buffer) -> RmsNormSaved<'a> {
+    RmsNormSaved { x: x.view(), rstd: rstd.view() }
+}

@@ -1,0 +1,424 @@
+//! Recipes: everything a run needs, in one TOML file (`trainer-ref/recipes/*.toml`).
+//!
+//! Unknown fields are refused (a misspelt field is an error naming it, not a silently ignored setting), every
+//! value is range-checked by [`Recipe::validate`] before any work starts, and `--set section.field=value`
+//! overrides any field by its dotted path before the recipe is parsed, so an override is checked exactly as
+//! the file is.
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Result, TrainError};
+
+/// The built-in recipes: name and TOML text.
+pub const BUILTIN: &[(&str, &str)] = &[
+    ("tiny-llama", include_str!("../recipes/tiny-llama.toml")),
+    ("tiny-llama-docs", include_str!("../recipes/tiny-llama-docs.toml")),
+    ("llama3-8b-128k", include_str!("../recipes/llama3-8b-128k.toml")),
+];
+
+/// A run: the model, the training loop, the data and the parallel layout.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Recipe {
+    /// A short name for messages and the output folder.
+    pub name: String,
+    /// One line on what the recipe is for.
+    #[serde(default)]
+    pub description: String,
+    /// The model's shape.
+    pub model: ModelConfig,
+    /// The optimisation loop.
+    pub train: TrainConfig,
+    /// The corpus and how it is cut into sequences.
+    pub data: DataConfig,
+    /// Context-parallel and data-parallel ranks.
+    #[serde(default)]
+    pub parallel: ParallelConfig,
+}
+
+/// A Llama 3 style decoder.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    /// Decoder layers.
+    pub layers: usize,
+    /// Model (residual) width `C`.
+    pub d_model: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads (GQA; divides `heads`).
+    pub kv_heads: usize,
+    /// Width of each head (`d_model / heads` when absent).
+    #[serde(default)]
+    pub head_dim: Option<usize>,
+    /// SwiGLU hidden width `F`.
+    pub ffn: usize,
+    /// Vocabulary (257 for the byte tokenizer: 256 bytes and the end-of-document token).
+    pub vocab: usize,
+    /// RoPE base θ.
+    pub rope_theta: f64,
+    /// RoPE context-extension scaling.
+    #[serde(default)]
+    pub rope_scaling: Option<RopeScalingConfig>,
+    /// RMSNorm epsilon.
+    pub norm_eps: f32,
+    /// Standard deviation of the initial weights (residual projections are scaled by `1/√(2·layers)`).
+    pub init_std: f32,
+}
+
+/// Hugging Face's `rope_scaling` object (the `rope_type` names it).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, tag = "rope_type", rename_all = "lowercase")]
+pub enum RopeScalingConfig {
+    /// Llama 3.1's frequency-dependent scaling.
+    Llama3 {
+        /// Context extension factor (8 in Llama 3.1).
+        factor: f64,
+        /// Low-frequency factor (1).
+        low_freq_factor: f64,
+        /// High-frequency factor (4).
+        high_freq_factor: f64,
+        /// Pre-training context (8192).
+        original_max_position_embeddings: usize,
+    },
+    /// Position interpolation.
+    Linear {
+        /// Interpolation factor.
+        factor: f64,
+    },
+}
+
+/// Number formats of a run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    /// Weights, activations and gradients in `f32`.
+    F32,
+    /// `bf16` weights and activations; `f32` master weights, gradients and AdamW moments.
+    Bf16,
+}
+
+/// The optimisation loop.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainConfig {
+    /// Optimizer steps.
+    pub steps: u64,
+    /// Tokens per sequence (the context length trained on).
+    pub seq_len: usize,
+    /// Sequences per optimizer step over all data-parallel ranks (the global batch); each rank runs
+    /// `batch / dp` micro-batches of one sequence and accumulates their gradients.
+    pub batch: usize,
+    /// Peak learning rate.
+    pub lr: f32,
+    /// Learning rate at the end of the cosine decay.
+    pub min_lr: f32,
+    /// Steps of linear warm-up.
+    pub warmup: u64,
+    /// Decoupled weight decay (matrices only; norms and embeddings are not decayed).
+    pub weight_decay: f32,
+    /// AdamW β1.
+    pub beta1: f32,
+    /// AdamW β2.
+    pub beta2: f32,
+    /// AdamW ε.
+    pub eps: f32,
+    /// Clip the global gradient norm to this (0 turns clipping off).
+    pub clip: f32,
+    /// Seeds the weights.
+    pub seed: u64,
+    /// `f32` or `bf16`.
+    pub precision: Precision,
+    /// Held-out loss every this many steps (and after the last); 0 never.
+    pub eval_every: u64,
+    /// Held-out sequences per evaluation.
+    pub eval_seqs: usize,
+    /// A checkpoint every this many steps (and after the last); 0 only after the last.
+    pub checkpoint_every: u64,
+    /// Checkpoints kept (the newest).
+    pub keep_checkpoints: usize,
+    /// Tokens per chunk of the fused output projection and loss (its logits are `chunk × vocab`).
+    pub loss_chunk: usize,
+}
+
+/// The corpus.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DataConfig {
+    /// `jargon` (the built-in Jargon File) or the path of a UTF-8 text file.
+    pub corpus: String,
+    /// Attention stays inside each document of a packed sequence (through the ring as well).
+    #[serde(default)]
+    pub document_masking: bool,
+    /// Every this many-th document is held out (never trained on).
+    pub heldout_every: usize,
+}
+
+/// The parallel layout: `cp × dp` ranks.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ParallelConfig {
+    /// Context-parallel ranks: each holds `seq_len / cp` tokens of every sequence.
+    pub cp: usize,
+    /// Data-parallel groups: each trains on its own sequences.
+    pub dp: usize,
+    /// `zigzag` (default), `contiguous` or `striped`.
+    pub partition: String,
+    /// `ring` (default), `allgather`, `ulysses`.
+    pub schedule: String,
+    /// Kernel threads per rank (0: the cores divided among the ranks).
+    pub threads: usize,
+}
+
+impl Default for ParallelConfig {
+    fn default() -> Self {
+        ParallelConfig { cp: 1, dp: 1, partition: "zigzag".into(), schedule: "ring".into(), threads: 0 }
+    }
+}
+
+fn bad(field: &str, why: impl std::fmt::Display) -> TrainError {
+    TrainError::Config(format!("recipe field `{field}`: {why}"))
+}
+
+impl ModelConfig {
+    /// Width of each head.
+    pub fn head_dim(&self) -> usize {
+        self.head_dim.unwrap_or(self.d_model / self.heads.max(1))
+    }
+}
+
+impl Recipe {
+    /// A built-in recipe by name, or a TOML file by path, with `overrides` (`a.b=value`) applied.
+    pub fn load(name_or_path: &str, overrides: &[String]) -> Result<Recipe> {
+        let (origin, text) = match BUILTIN.iter().find(|(n, _)| *n == name_or_path) {
+            Some((n, t)) => (format!("built-in recipe `{n}`"), t.to_string()),
+            None => {
+                let p = Path::new(name_or_path);
+                if !p.exists() {
+                    let names: Vec<_> = BUILTIN.iter().map(|(n, _)| *n).collect();
+                    return Err(TrainError::Config(format!(
+                        "no recipe `{name_or_path}`: not a built-in ({}) and no such file",
+                        names.join(", ")
+                    )));
+                }
+                (p.display().to_string(), std::fs::read_to_string(p).map_err(|e| TrainError::io(p, e))?)
+            }
+        };
+        Self::parse(&origin, &text, overrides)
+    }
+
+    /// Parses `text` (from `origin`, for messages) with `overrides` applied, then validates.
+    pub fn parse(origin: &str, text: &str, overrides: &[String]) -> Result<Recipe> {
+        let mut value: toml::Table =
+            toml::from_str(text).map_err(|e| TrainError::Config(format!("{origin}: {}", e.message())))?;
+        for o in overrides {
+            apply_override(&mut value, o)?;
+        }
+        let recipe: Recipe = toml::Value::Table(value)
+            .try_into()
+            .map_err(|e: toml::de::Error| TrainError::Config(format!("{origin}: {}", e.message())))?;
+        recipe.validate()?;
+        Ok(recipe)
+    }
+
+    /// The recipe as TOML (what a checkpoint records and `longctx recipes --show` prints).
+    pub fn to_toml(&self) -> String {
+        toml::to_string(self).unwrap_or_else(|e| format!("# cannot print the recipe: {e}"))
+    }
+
+    /// Checks every value before any work starts; each error names the field.
+    pub fn validate(&self) -> Result<()> {
+        let m = &self.model;
+        let t = &self.train;
+        let p = &self.parallel;
+        for (f, v) in [
+            ("model.layers", m.layers),
+            ("model.d_model", m.d_model),
+            ("model.heads", m.heads),
+            ("model.kv_heads", m.kv_heads),
+            ("model.ffn", m.ffn),
+            ("train.seq_len", t.seq_len),
+            ("train.batch", t.batch),
+            ("train.eval_seqs", t.eval_seqs),
+            ("train.keep_checkpoints", t.keep_checkpoints),
+            ("train.loss_chunk", t.loss_chunk),
+            ("data.heldout_every", self.data.heldout_every),
+            ("parallel.cp", p.cp),
+            ("parallel.dp", p.dp),
+        ] {
+            if v == 0 {
+                return Err(bad(f, "must be at least 1"));
+            }
+        }
+        if m.vocab < 257 {
+            return Err(bad("model.vocab", format!("{} is below the byte tokenizer's 257 tokens", m.vocab)));
+        }
+        if !m.heads.is_multiple_of(m.kv_heads) {
+            return Err(bad(
+                "model.kv_heads",
+                format!("{} does not divide model.heads = {} (grouped-query attention)", m.kv_heads, m.heads),
+            ));
+        }
+        if m.head_dim.is_none() && !m.d_model.is_multiple_of(m.heads) {
+            return Err(bad("model.heads", format!("{} does not divide model.d_model = {}", m.heads, m.d_model)));
+        }
+        let d = m.head_dim();
+        if !(32..=256).contains(&d) || !d.is_multiple_of(8) {
+            return Err(bad("model.head_dim", format!("{d}: attention needs 32 to 256 in steps of 8")));
+        }
+        if !(m.rope_theta.is_finite() && m.rope_theta > 1.0) {
+            return Err(bad("model.rope_theta", format!("{} must be finite and above 1", m.rope_theta)));
+        }
+        if !(m.norm_eps.is_finite() && m.norm_eps > 0.0) {
+            return Err(bad("model.norm_eps", format!("{} must be finite and positive", m.norm_eps)));
+        }
+        if !(m.init_std.is_finite() && m.init_std > 0.0) {
+            return Err(bad("model.init_std", format!("{} must be finite and positive", m.init_std)));
+        }
+        if t.steps == 0 {
+            return Err(bad("train.steps", "must be at least 1"));
+        }
+        if !(t.lr.is_finite() && t.lr > 0.0) {
+            return Err(bad("train.lr", format!("{} must be finite and positive", t.lr)));
+        }
+        if !(t.min_lr.is_finite() && t.min_lr >= 0.0 && t.min_lr <= t.lr) {
+            return Err(bad("train.min_lr", format!("{} must lie in [0, train.lr = {}]", t.min_lr, t.lr)));
+        }
+        for (f, b) in [("train.beta1", t.beta1), ("train.beta2", t.beta2)] {
+            if !(0.0..1.0).contains(&b) {
+                return Err(bad(f, format!("{b} must lie in [0, 1)")));
+            }
+        }
+        if !(t.eps.is_finite() && t.eps > 0.0) {
+            return Err(bad("train.eps", format!("{} must be finite and positive", t.eps)));
+        }
+        if !(t.weight_decay.is_finite() && t.weight_decay >= 0.0) {
+            return Err(bad("train.weight_decay", format!("{} must be finite and ≥ 0", t.weight_decay)));
+        }
+        if !(t.clip.is_finite() && t.clip >= 0.0) {
+            return Err(bad("train.clip", format!("{} must be finite and ≥ 0 (0 turns clipping off)", t.clip)));
+        }
+        if !t.batch.is_multiple_of(p.dp) {
+            return Err(bad("train.batch", format!("{} sequences do not split over parallel.dp = {}", t.batch, p.dp)));
+        }
+        let divisor = if p.partition == "zigzag" { 2 * p.cp } else { p.cp };
+        if !t.seq_len.is_multiple_of(divisor) {
+            return Err(bad(
+                "train.seq_len",
+                format!(
+                    "{} does not split over parallel.cp = {} with the {} partition (needs a multiple of {divisor})",
+                    t.seq_len, p.cp, p.partition
+                ),
+            ));
+        }
+        self.partition()?;
+        self.schedule()?;
+        if p.schedule == "ulysses" && !(m.kv_heads.is_multiple_of(p.cp) && m.heads.is_multiple_of(p.cp)) {
+            return Err(bad(
+                "parallel.schedule",
+                format!(
+                    "ulysses needs parallel.cp = {} to divide model.kv_heads = {} and model.heads",
+                    p.cp, m.kv_heads
+                ),
+            ));
+        }
+        if self.data.corpus != "jargon" && !Path::new(&self.data.corpus).exists() {
+            return Err(bad(
+                "data.corpus",
+                format!("{}: no such file (or `jargon`, the built-in corpus)", self.data.corpus),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The partition the recipe names.
+    pub fn partition(&self) -> Result<longctx_ring_attn::Partition> {
+        use longctx_ring_attn::Partition;
+        Ok(match self.parallel.partition.as_str() {
+            "zigzag" => Partition::Zigzag,
+            "contiguous" => Partition::Contiguous,
+            "striped" => Partition::Striped,
+            other => return Err(bad("parallel.partition", format!("`{other}` (zigzag, contiguous or striped)"))),
+        })
+    }
+
+    /// The schedule the recipe names.
+    pub fn schedule(&self) -> Result<longctx_ring_attn::Schedule> {
+        use longctx_ring_attn::Schedule;
+        Ok(match self.parallel.schedule.as_str() {
+            "ring" => Schedule::Ring,
+            "allgather" => Schedule::AllGather { kv_heads_per_step: self.model.kv_heads },
+            "ulysses" => Schedule::Ulysses,
+            other => return Err(bad("parallel.schedule", format!("`{other}` (ring, allgather or ulysses)"))),
+        })
+    }
+}
+
+/// Applies `a.b.c=value` to the table: the value is parsed as TOML (`3`, `1e-3`, `true`, `"text"`), or taken as
+/// a string when it does not parse (`--set data.corpus=my.txt`).
+fn apply_override(table: &mut toml::Table, o: &str) -> Result<()> {
+    let (path, raw) =
+        o.split_once('=').ok_or_else(|| TrainError::Config(format!("--set {o}: expected `section.field=value`")))?;
+    let value = match toml::from_str::<toml::Table>(&format!("v = {raw}")) {
+        Ok(mut t) => t.remove("v").unwrap_or(toml::Value::String(raw.into())),
+        Err(_) => toml::Value::String(raw.into()),
+    };
+    let keys: Vec<&str> = path.trim().split('.').collect();
+    let (last, parents) = keys.split_last().ok_or_else(|| TrainError::Config(format!("--set {o}: empty path")))?;
+    let mut t = table;
+    for k in parents {
+        t = t
+            .entry(k.to_string())
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()))
+            .as_table_mut()
+            .ok_or_else(|| TrainError::Config(format!("--set {o}: `{k}` is not a section")))?;
+    }
+    t.insert(last.to_string(), value);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_builtin_recipe_parses_and_validates() {
+        for (name, _) in BUILTIN {
+            Recipe::load(name, &[]).unwrap_or_else(|e| panic!("{name}: {e}"));
+        }
+    }
+
+    #[test]
+    fn a_misspelt_field_is_an_error_naming_it() {
+        let text = BUILTIN[0].1.replace("seq_len", "seq_lne");
+        let e = Recipe::parse("test", &text, &[]).unwrap_err().to_string();
+        assert!(e.contains("seq_lne"), "{e}");
+        let e = Recipe::load("tiny-llama", &["train.stpes=3".into()]).unwrap_err().to_string();
+        assert!(e.contains("stpes"), "{e}");
+    }
+
+    #[test]
+    fn overrides_set_any_field_by_its_dotted_path() {
+        let r = Recipe::load("tiny-llama", &["train.steps=3".into(), "model.layers=1".into(), "parallel.cp=2".into()])
+            .unwrap();
+        assert_eq!((r.train.steps, r.model.layers, r.parallel.cp), (3, 1, 2));
+    }
+
+    #[test]
+    fn bad_values_are_refused_before_work_starts_naming_the_field() {
+        for (set, field) in [
+            ("model.kv_heads=3", "model.kv_heads"),
+            ("parallel.cp=3", "train.seq_len"),
+            ("train.lr=-1", "train.lr"),
+            ("data.corpus=/no/such/file.txt", "data.corpus"),
+            ("train.batch=3", "train.batch"),
+            ("parallel.schedule=\"mesh\"", "parallel.schedule"),
+        ] {
+            let o = if field == "train.batch" { vec![set.into(), "parallel.dp=2".into()] } else { vec![set.into()] };
+            let e = Recipe::load("tiny-llama", &o).unwrap_err().to_string();
+            assert!(e.contains(field), "{set}: {e}");
+        }
+    }
+}

@@ -1,0 +1,506 @@
+//! The training loop over `cp × dp` ranks (threads of one process, or processes over UCX).
+//!
+//! Rank `r` is context-parallel rank `r mod cp` of data-parallel group `r / cp`. Each step, every group runs
+//! `batch / dp` micro-batches of one sequence, each rank holding the sequence's tokens at its partition's
+//! positions (RoPE and the loss use those global positions); the weight gradients are summed over all ranks,
+//! already scaled by the global batch's token count, so the sum is the gradient of the mean loss; then the
+//! gradient is clipped and every rank applies the same AdamW step to its replica of the weights.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Once};
+use std::time::Instant;
+
+use longctx_kernels::{AdamW, AdamwState, Backend, CpuBackend, DType, GradMode, View};
+use longctx_p2p::{Communicator, ReduceOp, ThreadWorld};
+use longctx_ring_attn::{ContextParallel, CpConfig, CpMask, CpPlan, CpShape};
+
+use crate::checkpoint;
+use crate::data::{Corpus, Sequence, TokenStream};
+use crate::error::{Result, TrainError};
+use crate::metrics::Meter;
+use crate::model::{param_shapes, LayerSaved, Llama, LossSpec, Params};
+use crate::recipe::{Precision, Recipe};
+
+/// How to run a recipe.
+#[derive(Debug, Clone, Default)]
+pub struct RunOptions {
+    /// Output folder: `metrics.jsonl`, `checkpoints/`, `recipe.toml`.
+    pub out: PathBuf,
+    /// Continue from the newest checkpoint in `out`.
+    pub resume: bool,
+    /// No progress bar and no log lines (tests).
+    pub quiet: bool,
+    /// Stop after this step as if interrupted (a checkpoint is written; `--resume` continues), e.g. to split a
+    /// long run into sessions.
+    pub stop_at: Option<u64>,
+}
+
+/// What a run did, as rank 0 saw it.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Summary {
+    /// `(step, mean training loss)` for each step run (1-based steps).
+    pub losses: Vec<(u64, f64)>,
+    /// `(step, held-out loss)` for each evaluation.
+    pub val_losses: Vec<(u64, f64)>,
+    /// The last step finished.
+    pub last_step: u64,
+    /// Whether a signal stopped the run early.
+    pub interrupted: bool,
+    /// Bytes of activations each rank saved for its backward over one micro-batch.
+    pub saved_bytes_per_rank: usize,
+    /// Tokens per second over the steps run (all ranks together).
+    pub tokens_per_s: f64,
+}
+
+static STOP: AtomicBool = AtomicBool::new(false);
+static HANDLER: Once = Once::new();
+
+/// Installs the Ctrl-C / SIGTERM handler once per process: the step in flight finishes, a checkpoint is
+/// written, and the run returns.
+fn install_signal_handler() {
+    HANDLER.call_once(|| {
+        let _ = ctrlc::set_handler(|| STOP.store(true, Ordering::SeqCst));
+    });
+}
+
+/// Runs `recipe`: in this process over `cp × dp` threads, or, when started by `longctx-launch` (the
+/// environment names a rank), as one rank of a multi-process job over UCX.
+pub fn train(recipe: &Recipe, opts: &RunOptions) -> Result<Summary> {
+    recipe.validate()?;
+    let corpus = Corpus::load(&recipe.data.corpus)?;
+    let (train_stream, heldout) = corpus.split(recipe.data.heldout_every)?;
+    let world = recipe.parallel.cp * recipe.parallel.dp;
+    std::fs::create_dir_all(&opts.out).map_err(|e| TrainError::io(&opts.out, e))?;
+    install_signal_handler();
+    STOP.store(false, Ordering::SeqCst);
+    let data = Data { train: train_stream, heldout };
+    if std::env::var_os("WORLD_SIZE").is_some() {
+        let comm = Communicator::from_env()?;
+        if comm.world_size() != world {
+            return Err(TrainError::Config(format!(
+                "the launcher started {} ranks; the recipe needs parallel.cp × parallel.dp = {world}",
+                comm.world_size()
+            )));
+        }
+        return Rank::run(comm, recipe, opts, &data, 0);
+    }
+    let threads = per_rank_threads(recipe.parallel.threads, world);
+    let results = ThreadWorld::try_run(world, |comm| Rank::run(comm, recipe, opts, &data, threads))?;
+    let mut first = None;
+    for r in results {
+        match r {
+            Ok(s) if first.is_none() => first = Some(s),
+            Ok(_) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    first.ok_or_else(|| TrainError::Config("no ranks ran".into()))
+}
+
+/// The mean loss of one global batch and its gradient (summed over every rank, before clipping), as rank 0
+/// holds them, for `recipe`'s layout: `sequences[i]` is micro-batch `i / dp` of data-parallel group `i % dp`
+/// (`train.batch` of them). Every layout of the same batch gives the same loss and gradient: this is what the
+/// context-parallel tests compare.
+pub fn loss_and_gradients(recipe: &Recipe, sequences: &[Sequence]) -> Result<(f64, Vec<Vec<f32>>)> {
+    recipe.validate()?;
+    let (cp, dp) = (recipe.parallel.cp, recipe.parallel.dp);
+    if sequences.len() != recipe.train.batch {
+        return Err(TrainError::Config(format!(
+            "{} sequences for train.batch = {}",
+            sequences.len(),
+            recipe.train.batch
+        )));
+    }
+    let threads = per_rank_threads(recipe.parallel.threads, cp * dp);
+    let out = ThreadWorld::try_run(cp * dp, |comm| -> Result<(f64, Vec<Vec<f32>>)> {
+        let mut rank = Rank::new(comm, recipe, threads)?;
+        let (loss, _) = rank.gradients(|micro, group| sequences[micro * dp + group].clone())?;
+        let mut l = [loss];
+        rank.world.all_reduce(&mut l, ReduceOp::Sum)?;
+        let grads = rank
+            .grads
+            .tensors
+            .iter()
+            .map(|g| g.view().as_typed::<f32>("grad").map(<[f32]>::to_vec))
+            .collect::<std::result::Result<_, _>>()?;
+        Ok((l[0] / (recipe.train.batch * recipe.train.seq_len) as f64, grads))
+    })?;
+    out.into_iter().next().ok_or_else(|| TrainError::Config("no ranks ran".into()))?
+}
+
+fn per_rank_threads(asked: usize, world: usize) -> usize {
+    if asked > 0 {
+        return asked;
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    (cores / world).max(1)
+}
+
+/// The two token streams.
+#[derive(Debug)]
+pub struct Data {
+    /// Training documents.
+    pub train: TokenStream,
+    /// Held-out documents.
+    pub heldout: TokenStream,
+}
+
+/// One rank's state: its communicators, model, gradients and optimizer.
+struct Rank<'a> {
+    recipe: &'a Recipe,
+    world: Arc<Communicator>,
+    dp_index: usize,
+    model: Llama,
+    /// `f32` master weights for a `bf16` model (the model's own weights when it is `f32`).
+    master: Option<Params>,
+    grads: Params,
+    m: Params,
+    v: Params,
+    plan: CpPlan,
+    step: u64,
+}
+
+impl<'a> Rank<'a> {
+    fn run(comm: Communicator, recipe: &'a Recipe, opts: &RunOptions, data: &Data, threads: usize) -> Result<Summary> {
+        let mut rank = Rank::new(comm, recipe, threads)?;
+        if opts.resume {
+            rank.resume(&opts.out)?;
+        }
+        rank.train(opts, data)
+    }
+
+    fn new(comm: Communicator, recipe: &'a Recipe, threads: usize) -> Result<Self> {
+        let cfg = &recipe.model;
+        let cp = recipe.parallel.cp;
+        let world = Arc::new(comm);
+        let (dp_index, cp_index) = (world.rank() / cp, world.rank() % cp);
+        let cp_comm = world.split(dp_index as u32, cp_index as u32)?;
+        let backend: Arc<dyn Backend> =
+            Arc::new(if threads > 0 { CpuBackend::with_threads(threads)? } else { CpuBackend::new() });
+        let dtype = match recipe.train.precision {
+            Precision::F32 => DType::F32,
+            Precision::Bf16 => DType::Bf16,
+        };
+        let init = Params::init(&*backend, cfg, recipe.train.seed)?;
+        let (weights, master) = if dtype == DType::F32 {
+            (init, None)
+        } else {
+            let mut w = Params::zeros(&*backend, cfg, dtype)?;
+            for (dst, src) in w.tensors.iter_mut().zip(&init.tensors) {
+                backend.copy(dst.view_mut(), src.view())?;
+            }
+            (w, Some(init))
+        };
+        let grads = Params::zeros(&*backend, cfg, DType::F32)?;
+        let m = Params::zeros(&*backend, cfg, DType::F32)?;
+        let v = Params::zeros(&*backend, cfg, DType::F32)?;
+        let cpc = CpConfig { partition: recipe.partition()?, schedule: recipe.schedule()?, scale: None };
+        let cp = ContextParallel::new(cp_comm, backend.clone(), cpc)?;
+        let plan = plan_for(&cp, recipe, recipe.train.seq_len, dtype)?;
+        let model = Llama::new(cfg.clone(), weights, backend)?;
+        Ok(Rank { recipe, world, dp_index, model, master, grads, m, v, plan, step: 0 })
+    }
+
+    fn is_root(&self) -> bool {
+        self.world.rank() == 0
+    }
+
+    /// This rank's share of a sequence: its tokens, targets and document ids at the plan's positions.
+    fn local(&self, seq: &Sequence) -> (Vec<u32>, Vec<i64>, Vec<u32>) {
+        local_share(self.plan.positions(), seq)
+    }
+
+    fn train(mut self, opts: &RunOptions, data: &Data) -> Result<Summary> {
+        let t = &self.recipe.train;
+        let (dp, s) = (self.recipe.parallel.dp, t.seq_len);
+        let denominator = (t.batch * s) as f64;
+        let mut meter = if self.is_root() {
+            Some(Meter::open(&opts.out, self.recipe, self.step, opts.quiet, self.model.weights.numel())?)
+        } else {
+            None
+        };
+        let mut summary = Summary::default();
+        let started = Instant::now();
+        let first_step = self.step;
+        while self.step < t.steps {
+            let step_start = Instant::now();
+            let lr = lr_at(self.recipe, self.step);
+            let step = self.step;
+            let (loss_sum, saved_bytes) = self.gradients(|micro, group| {
+                data.train.sequence(step * t.batch as u64 + (micro * dp + group) as u64, s)
+            })?;
+            summary.saved_bytes_per_rank = saved_bytes;
+            let stop = STOP.load(Ordering::SeqCst) || opts.stop_at.is_some_and(|s| step + 1 >= s);
+            let mut reduced = [loss_sum, if stop { 1.0 } else { 0.0 }];
+            self.world.all_reduce(&mut reduced, ReduceOp::Sum)?;
+            let grad_norm = self.clip()?;
+            self.adamw(lr)?;
+            self.step += 1;
+            let loss = reduced[0] / denominator;
+            let took = step_start.elapsed();
+            summary.losses.push((self.step, loss));
+            let last = self.step == t.steps || reduced[1] > 0.0;
+            let mut val = None;
+            if t.eval_every > 0 && (self.step.is_multiple_of(t.eval_every) || last) {
+                let v = self.heldout_loss(&data.heldout)?;
+                summary.val_losses.push((self.step, v));
+                val = Some(v);
+            }
+            if let Some(m) = meter.as_mut() {
+                let tokens = (t.batch * s) as f64;
+                m.step(self.step, loss, val, lr, grad_norm, tokens, took, summary.saved_bytes_per_rank)?;
+            }
+            let ckpt_due = (t.checkpoint_every > 0 && self.step.is_multiple_of(t.checkpoint_every)) || last;
+            if ckpt_due {
+                self.save(&opts.out, meter.as_mut())?;
+            }
+            if reduced[1] > 0.0 {
+                summary.interrupted = true;
+                break;
+            }
+        }
+        if let Some(m) = meter.as_mut() {
+            m.finish(&opts.out);
+        }
+        let steps = (self.step - first_step) as f64;
+        summary.tokens_per_s = steps * (t.batch * s) as f64 / started.elapsed().as_secs_f64().max(1e-9);
+        summary.last_step = self.step;
+        Ok(summary)
+    }
+
+    /// This rank's micro-batches (`sequence(micro, dp_group)` gives each), their gradients summed over every
+    /// rank into `self.grads`; returns this rank's loss sum (scaled by the global token count, so the sum over
+    /// ranks is the mean loss) and the bytes its forward saved.
+    fn gradients(&mut self, sequence: impl Fn(usize, usize) -> Sequence) -> Result<(f64, usize)> {
+        let t = &self.recipe.train;
+        let accum = t.batch / self.recipe.parallel.dp;
+        let denominator = (t.batch * t.seq_len) as f64;
+        let (mut loss_sum, mut saved_bytes) = (0.0f64, 0);
+        for micro in 0..accum {
+            let (ids, targets, docs) = self.local(&sequence(micro, self.dp_index));
+            if self.recipe.data.document_masking {
+                self.plan.set_documents(&docs)?;
+            }
+            let saved = self.model.forward(&ids, &mut self.plan)?;
+            saved_bytes = saved_bytes.max(saved.bytes());
+            let mode = if micro == 0 { GradMode::Overwrite } else { GradMode::Accumulate };
+            let spec = LossSpec { targets: &targets, denominator, chunk: t.loss_chunk };
+            let loss = self.model.loss_and_backward(saved, &spec, &mut self.grads, mode, &mut self.plan)?;
+            loss_sum += loss.sum;
+        }
+        for g in self.grads.tensors.iter_mut() {
+            self.world.all_reduce(g.view_mut().into_typed::<f32>("grad")?, ReduceOp::Sum)?;
+        }
+        Ok((loss_sum, saved_bytes))
+    }
+
+    /// Clips the summed gradient to `train.clip` (PyTorch's `clip_grad_norm_`); returns the norm before.
+    fn clip(&mut self) -> Result<f64> {
+        let b = self.model.backend().clone();
+        let norm = b.sum_squares(&self.grads.views())?.sqrt();
+        let max = self.recipe.train.clip as f64;
+        if !norm.is_finite() {
+            return Err(TrainError::Config(format!(
+                "step {}: the gradient norm is {norm} (the loss diverged; lower train.lr)",
+                self.step + 1
+            )));
+        }
+        if max > 0.0 && norm > max {
+            let k = (max / (norm + 1e-6)) as f32;
+            for g in self.grads.tensors.iter_mut() {
+                b.scale(g.view_mut(), k)?;
+            }
+        }
+        Ok(norm)
+    }
+
+    /// One AdamW step on every tensor; matrices and embeddings decay, norm weights do not.
+    fn adamw(&mut self, lr: f32) -> Result<()> {
+        let t = &self.recipe.train;
+        let b = self.model.backend().clone();
+        let step = self.step + 1;
+        for i in 0..self.grads.tensors.len() {
+            let decay = if self.grads.tensors[i].dims().len() > 1 { t.weight_decay } else { 0.0 };
+            let hp = AdamW { lr, beta1: t.beta1, beta2: t.beta2, eps: t.eps, weight_decay: decay };
+            let state = AdamwState { m: self.m.tensors[i].view_mut(), v: self.v.tensors[i].view_mut() };
+            let g = self.grads.tensors[i].view();
+            match self.master.as_mut() {
+                None => b.adamw_step(self.model.weights.tensors[i].view_mut(), None, g, state, &hp, step)?,
+                Some(master) => b.adamw_step(
+                    master.tensors[i].view_mut(),
+                    Some(self.model.weights.tensors[i].view_mut()),
+                    g,
+                    state,
+                    &hp,
+                    step,
+                )?,
+            }
+        }
+        Ok(())
+    }
+
+    /// The mean loss over the first `eval_seqs` held-out sequences, shared out over the data-parallel groups.
+    fn heldout_loss(&mut self, heldout: &TokenStream) -> Result<f64> {
+        let t = &self.recipe.train;
+        let dp = self.recipe.parallel.dp;
+        let mut sums = [0.0f64, 0.0];
+        for i in (self.dp_index..t.eval_seqs).step_by(dp) {
+            let (ids, targets, docs) = self.local(&heldout.sequence(i as u64, t.seq_len));
+            if self.recipe.data.document_masking {
+                self.plan.set_documents(&docs)?;
+            }
+            let l = self.model.loss(&ids, &targets, t.loss_chunk, &mut self.plan)?;
+            sums[0] += l.sum;
+            sums[1] += l.tokens as f64;
+        }
+        self.world.all_reduce(&mut sums, ReduceOp::Sum)?;
+        Ok(sums[0] / sums[1].max(1.0))
+    }
+
+    fn master(&self) -> &Params {
+        self.master.as_ref().unwrap_or(&self.model.weights)
+    }
+
+    /// Rank 0 writes the checkpoint; the others wait for it, so no rank runs ahead of a failed save.
+    fn save(&self, out: &Path, meter: Option<&mut Meter>) -> Result<()> {
+        let mut failed = [0i32];
+        let mut failure = None;
+        if self.is_root() {
+            if let Err(e) = self.write_checkpoint(out) {
+                failed[0] = 1;
+                failure = Some(e);
+            } else if let Some(m) = meter {
+                m.note(&format!("checkpoint step {} written to {}", self.step, out.join("checkpoints").display()));
+            }
+        }
+        self.world.all_reduce(&mut failed, ReduceOp::Max)?;
+        match failure {
+            Some(e) => Err(e),
+            None if failed[0] != 0 => Err(TrainError::Config("rank 0 failed to write the checkpoint".into())),
+            None => Ok(()),
+        }
+    }
+
+    fn write_checkpoint(&self, out: &Path) -> Result<()> {
+        let master = self.master();
+        let model = tensors(master, "")?;
+        let mut optim = tensors(&self.m, "exp_avg.")?;
+        optim.extend(tensors(&self.v, "exp_avg_sq.")?);
+        let state = serde_json::json!({
+            "step": self.step,
+            "sequences_consumed": self.step * self.recipe.train.batch as u64,
+            "seed": self.recipe.train.seed,
+            "recipe": self.recipe.to_toml(),
+        });
+        checkpoint::save(out, self.step, &model, &optim, &state, self.recipe.train.keep_checkpoints)?;
+        Ok(())
+    }
+
+    /// Loads the newest checkpoint in `out`: the recipe's model must be the checkpoint's, tensor for tensor.
+    fn resume(&mut self, out: &Path) -> Result<()> {
+        let Some(dir) = checkpoint::latest(out)? else {
+            return Err(TrainError::Config(format!(
+                "--resume: no checkpoint in {}",
+                out.join("checkpoints").display()
+            )));
+        };
+        let ck = checkpoint::load(&dir)?;
+        let state_file = dir.join("state.json");
+        if let Some(text) = ck.state.get("recipe").and_then(|r| r.as_str()) {
+            let saved = Recipe::parse("checkpoint", text, &[]).map_err(|e| TrainError::Checkpoint {
+                path: state_file.clone(),
+                detail: format!("field `recipe`: {e}"),
+            })?;
+            if saved.model != self.recipe.model {
+                return Err(TrainError::Checkpoint {
+                    path: state_file,
+                    detail: format!(
+                        "field `recipe.model` is {:?}, the run's recipe has {:?}",
+                        saved.model, self.recipe.model
+                    ),
+                });
+            }
+        }
+        let shapes = param_shapes(&self.recipe.model);
+        checkpoint::expect_tensors(&dir.join("model.safetensors"), &ck.model, &shapes)?;
+        let mut want_optim: Vec<(String, Vec<usize>)> =
+            shapes.iter().map(|(n, d)| (format!("exp_avg.{n}"), d.clone())).collect();
+        want_optim.extend(shapes.iter().map(|(n, d)| (format!("exp_avg_sq.{n}"), d.clone())));
+        checkpoint::expect_tensors(&dir.join("optim.safetensors"), &ck.optim, &want_optim)?;
+        let b = self.model.backend().clone();
+        let n = shapes.len();
+        for i in 0..n {
+            let w = View::new(&ck.model[i].data, ck.model[i].dims.as_slice())?;
+            if let Some(master) = self.master.as_mut() {
+                b.copy(master.tensors[i].view_mut(), w)?;
+            }
+            b.copy(self.model.weights.tensors[i].view_mut(), w)?;
+            b.copy(self.m.tensors[i].view_mut(), View::new(&ck.optim[i].data, ck.optim[i].dims.as_slice())?)?;
+            b.copy(self.v.tensors[i].view_mut(), View::new(&ck.optim[n + i].data, ck.optim[n + i].dims.as_slice())?)?;
+        }
+        self.step = ck.step;
+        Ok(())
+    }
+}
+
+/// The tensors of `p` for a checkpoint, each name prefixed.
+fn tensors<'p>(p: &'p Params, prefix: &str) -> Result<Vec<checkpoint::Tensor<'p>>> {
+    p.names
+        .iter()
+        .zip(&p.tensors)
+        .map(|(name, t)| {
+            Ok(checkpoint::Tensor {
+                name: format!("{prefix}{name}"),
+                dims: t.dims().to_vec(),
+                data: t.view().as_typed::<f32>("checkpoint tensor")?,
+            })
+        })
+        .collect()
+}
+
+/// A plan for sequences of `seq_len` with the recipe's mask.
+pub fn plan_for(cp: &ContextParallel, recipe: &Recipe, seq_len: usize, dtype: DType) -> Result<CpPlan> {
+    let m = &recipe.model;
+    let shape = CpShape { batch: 1, q_heads: m.heads, kv_heads: m.kv_heads, seq_len, head_dim: m.head_dim(), dtype };
+    let mut mask = CpMask::causal();
+    if recipe.data.document_masking {
+        mask = mask.with_documents();
+    }
+    Ok(cp.plan(&shape, &mask)?)
+}
+
+/// The tokens, targets and document ids of `seq` at `positions`.
+pub fn local_share(positions: &[i64], seq: &Sequence) -> (Vec<u32>, Vec<i64>, Vec<u32>) {
+    let ids = positions.iter().map(|&p| seq.inputs[p as usize]).collect();
+    let targets = positions.iter().map(|&p| seq.targets[p as usize]).collect();
+    let docs = positions.iter().map(|&p| seq.docs[p as usize]).collect();
+    (ids, targets, docs)
+}
+
+/// Linear warm-up to `train.lr` over `train.warmup` steps, then cosine decay to `train.min_lr` at the last step.
+pub fn lr_at(recipe: &Recipe, step: u64) -> f32 {
+    let t = &recipe.train;
+    if step < t.warmup {
+        return t.lr * (step + 1) as f32 / t.warmup as f32;
+    }
+    let span = t.steps.saturating_sub(t.warmup).max(1) as f64;
+    let progress = ((step - t.warmup) as f64 / span).min(1.0);
+    let cos = 0.5 * (1.0 + (std::f64::consts::PI * progress).cos());
+    (t.min_lr as f64 + (t.lr - t.min_lr) as f64 * cos) as f32
+}
+
+/// Bytes of activations one layer saves per rank for a micro-batch of the recipe.
+pub fn layer_saved_bytes(recipe: &Recipe) -> usize {
+    let l = recipe.train.seq_len / recipe.parallel.cp;
+    let dtype = if recipe.train.precision == Precision::Bf16 { DType::Bf16 } else { DType::F32 };
+    LayerSaved::bytes_for(&recipe.model, l, dtype)
+}
+
+/// Appends one line to a file (the metrics log).
+pub(crate) fn append_line(path: &Path, line: &str) -> Result<()> {
+    let mut f =
+        std::fs::OpenOptions::new().create(true).append(true).open(path).map_err(|e| TrainError::io(path, e))?;
+    writeln!(f, "{line}").map_err(|e| TrainError::io(path, e))
+}

@@ -1,0 +1,420 @@
+//! The whole model against an independent reference: the same Llama written here in plain `f64` on a scalar
+//! reverse-mode tape (sharing no code with the trainer: its own RMSNorm, RoPE with Llama 3 scaling, GQA causal
+//! attention with document masking, SwiGLU, cross-entropy), checked itself by central finite differences; the
+//! trainer's loss and every gradient tensor must match it. Then every parallel layout (CP 2 and 4 with each
+//! partition, DP 2, gradient accumulation) must give CP 1's loss and gradients within 1e-5.
+
+use longctx_kernels::{CpuBackend, DType};
+use longctx_trainer::data::Sequence;
+use longctx_trainer::model::{param_shapes, Params};
+use longctx_trainer::recipe::Recipe;
+use longctx_trainer::train::loss_and_gradients;
+
+/// A scalar reverse-mode tape: node `i` has a value and up to two parents with their local derivatives.
+#[derive(Default)]
+struct Tape {
+    val: Vec<f64>,
+    par: Vec<[(u32, f64); 2]>,
+}
+
+const NONE: u32 = u32::MAX;
+
+impl Tape {
+    fn push(&mut self, v: f64, a: (u32, f64), b: (u32, f64)) -> u32 {
+        self.val.push(v);
+        self.par.push([a, b]);
+        (self.val.len() - 1) as u32
+    }
+    fn leaf(&mut self, v: f64) -> u32 {
+        self.push(v, (NONE, 0.0), (NONE, 0.0))
+    }
+    fn v(&self, a: u32) -> f64 {
+        self.val[a as usize]
+    }
+    fn add(&mut self, a: u32, b: u32) -> u32 {
+        self.push(self.v(a) + self.v(b), (a, 1.0), (b, 1.0))
+    }
+    fn mul(&mut self, a: u32, b: u32) -> u32 {
+        let (x, y) = (self.v(a), self.v(b));
+        self.push(x * y, (a, y), (b, x))
+    }
+    fn scale(&mut self, a: u32, c: f64) -> u32 {
+        self.push(self.v(a) * c, (a, c), (NONE, 0.0))
+    }
+    fn offset(&mut self, a: u32, c: f64) -> u32 {
+        self.push(self.v(a) + c, (a, 1.0), (NONE, 0.0))
+    }
+    fn exp(&mut self, a: u32) -> u32 {
+        let e = self.v(a).exp();
+        self.push(e, (a, e), (NONE, 0.0))
+    }
+    fn ln(&mut self, a: u32) -> u32 {
+        let x = self.v(a);
+        self.push(x.ln(), (a, 1.0 / x), (NONE, 0.0))
+    }
+    fn recip(&mut self, a: u32) -> u32 {
+        let x = self.v(a);
+        self.push(1.0 / x, (a, -1.0 / (x * x)), (NONE, 0.0))
+    }
+    fn rsqrt(&mut self, a: u32) -> u32 {
+        let x = self.v(a);
+        self.push(x.powf(-0.5), (a, -0.5 * x.powf(-1.5)), (NONE, 0.0))
+    }
+    fn sum(&mut self, xs: &[u32]) -> u32 {
+        let mut acc = xs[0];
+        for &x in &xs[1..] {
+            acc = self.add(acc, x);
+        }
+        acc
+    }
+    fn dot(&mut self, a: &[u32], b: &[u32]) -> u32 {
+        let prods: Vec<u32> = a.iter().zip(b).map(|(&x, &y)| self.mul(x, y)).collect();
+        self.sum(&prods)
+    }
+    fn grad(&self, out: u32) -> Vec<f64> {
+        let mut g = vec![0.0; self.val.len()];
+        g[out as usize] = 1.0;
+        for i in (0..=out as usize).rev() {
+            if g[i] == 0.0 {
+                continue;
+            }
+            for &(p, d) in &self.par[i] {
+                if p != NONE {
+                    g[p as usize] += g[i] * d;
+                }
+            }
+        }
+        g
+    }
+}
+
+struct RefCfg {
+    c: usize,
+    hq: usize,
+    hkv: usize,
+    d: usize,
+    f: usize,
+    layers: usize,
+    eps: f64,
+    inv_freq: Vec<f64>,
+}
+
+/// Llama 3's scaled inverse frequencies, written from the formula (Hugging Face's `_compute_llama3_parameters`).
+fn llama3_inv_freq(d: usize, theta: f64, factor: f64, low: f64, high: f64, orig: f64) -> Vec<f64> {
+    (0..d / 2)
+        .map(|i| {
+            let inv = 1.0 / theta.powf(2.0 * i as f64 / d as f64);
+            let wavelen = 2.0 * std::f64::consts::PI / inv;
+            if wavelen > orig / low {
+                inv / factor
+            } else if wavelen < orig / high {
+                inv
+            } else {
+                let s = (orig / wavelen - low) / (high - low);
+                (1.0 - s) * inv / factor + s * inv
+            }
+        })
+        .collect()
+}
+
+/// `y[t][o] = Σ_i x[t][i] · w[o][i]`.
+fn linear(tp: &mut Tape, x: &[Vec<u32>], w: &[u32], out: usize) -> Vec<Vec<u32>> {
+    let inp = x[0].len();
+    x.iter().map(|row| (0..out).map(|o| tp.dot(row, &w[o * inp..(o + 1) * inp])).collect()).collect()
+}
+
+fn rmsnorm(tp: &mut Tape, x: &[Vec<u32>], w: &[u32], eps: f64) -> Vec<Vec<u32>> {
+    x.iter()
+        .map(|row| {
+            let ss = tp.dot(row, row);
+            let ms = tp.scale(ss, 1.0 / row.len() as f64);
+            let ms = tp.offset(ms, eps);
+            let r = tp.rsqrt(ms);
+            row.iter()
+                .zip(w)
+                .map(|(&v, &g)| {
+                    let n = tp.mul(v, r);
+                    tp.mul(n, g)
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// Rotates head `h` of `x[t]` (`H·D` wide) by position `t`'s angles: pairs `(i, i + D/2)`.
+fn rope(tp: &mut Tape, x: &mut [Vec<u32>], heads: usize, cfg: &RefCfg) {
+    let (d, half) = (cfg.d, cfg.d / 2);
+    for (t, row) in x.iter_mut().enumerate() {
+        for h in 0..heads {
+            for i in 0..half {
+                let (a, b) = (row[h * d + i], row[h * d + i + half]);
+                let (s, c) = (t as f64 * cfg.inv_freq[i]).sin_cos();
+                let (ac, bs, bc, as_) = (tp.scale(a, c), tp.scale(b, -s), tp.scale(b, c), tp.scale(a, s));
+                row[h * d + i] = tp.add(ac, bs);
+                row[h * d + i + half] = tp.add(bc, as_);
+            }
+        }
+    }
+}
+
+/// The loss of one sequence and the tape node of every weight, in `param_shapes` order.
+fn reference_loss(
+    tp: &mut Tape,
+    cfg: &RefCfg,
+    weights: &[Vec<f32>],
+    seq: &Sequence,
+    vocab: usize,
+) -> (u32, Vec<Vec<u32>>) {
+    let leaves: Vec<Vec<u32>> = weights.iter().map(|w| w.iter().map(|&v| tp.leaf(v as f64)).collect()).collect();
+    let (c, d, hq, hkv, f) = (cfg.c, cfg.d, cfg.hq, cfg.hkv, cfg.f);
+    let s = seq.inputs.len();
+    let mut x: Vec<Vec<u32>> =
+        seq.inputs.iter().map(|&id| leaves[0][id as usize * c..(id as usize + 1) * c].to_vec()).collect();
+    for l in 0..cfg.layers {
+        let w = &leaves[1 + 9 * l..1 + 9 * (l + 1)];
+        let h1 = rmsnorm(tp, &x, &w[0], cfg.eps);
+        let mut q = linear(tp, &h1, &w[1], hq * d);
+        let mut k = linear(tp, &h1, &w[2], hkv * d);
+        let v = linear(tp, &h1, &w[3], hkv * d);
+        rope(tp, &mut q, hq, cfg);
+        rope(tp, &mut k, hkv, cfg);
+        let scale = 1.0 / (d as f64).sqrt();
+        let mut o = vec![Vec::with_capacity(hq * d); s];
+        for h in 0..hq {
+            let g = h / (hq / hkv);
+            for t in 0..s {
+                let seen: Vec<usize> = (0..=t).filter(|&j| seq.docs[j] == seq.docs[t]).collect();
+                let scores: Vec<u32> = seen
+                    .iter()
+                    .map(|&j| {
+                        let dot = tp.dot(&q[t][h * d..(h + 1) * d], &k[j][g * d..(g + 1) * d]);
+                        tp.scale(dot, scale)
+                    })
+                    .collect();
+                let m = scores.iter().map(|&n| tp.v(n)).fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<u32> = scores
+                    .iter()
+                    .map(|&n| {
+                        let z = tp.offset(n, -m);
+                        tp.exp(z)
+                    })
+                    .collect();
+                let z = tp.sum(&e);
+                let rz = tp.recip(z);
+                for i in 0..d {
+                    let terms: Vec<u32> = seen.iter().zip(&e).map(|(&j, &ej)| tp.mul(ej, v[j][g * d + i])).collect();
+                    let num = tp.sum(&terms);
+                    let oi = tp.mul(num, rz);
+                    o[t].push(oi);
+                }
+            }
+        }
+        let attn = linear(tp, &o, &w[4], c);
+        let x2: Vec<Vec<u32>> =
+            x.iter().zip(&attn).map(|(a, b)| a.iter().zip(b).map(|(&p, &q)| tp.add(p, q)).collect()).collect();
+        let h2 = rmsnorm(tp, &x2, &w[5], cfg.eps);
+        let gate = linear(tp, &h2, &w[6], f);
+        let up = linear(tp, &h2, &w[7], f);
+        let act: Vec<Vec<u32>> = gate
+            .iter()
+            .zip(&up)
+            .map(|(g, u)| {
+                g.iter()
+                    .zip(u)
+                    .map(|(&gi, &ui)| {
+                        let ng = tp.scale(gi, -1.0);
+                        let e = tp.exp(ng);
+                        let den = tp.offset(e, 1.0);
+                        let sig = tp.recip(den);
+                        let silu = tp.mul(gi, sig);
+                        tp.mul(silu, ui)
+                    })
+                    .collect()
+            })
+            .collect();
+        let down = linear(tp, &act, &w[8], c);
+        x = x2.iter().zip(&down).map(|(a, b)| a.iter().zip(b).map(|(&p, &q)| tp.add(p, q)).collect()).collect();
+    }
+    let n = leaves.len();
+    let hf = rmsnorm(tp, &x, &leaves[n - 2], cfg.eps);
+    let logits = linear(tp, &hf, &leaves[n - 1], vocab);
+    let mut losses = Vec::new();
+    for (t, z) in logits.iter().enumerate() {
+        let m = z.iter().map(|&n| tp.v(n)).fold(f64::NEG_INFINITY, f64::max);
+        let e: Vec<u32> = z
+            .iter()
+            .map(|&n| {
+                let s = tp.offset(n, -m);
+                tp.exp(s)
+            })
+            .collect();
+        let sum = tp.sum(&e);
+        let lse = tp.ln(sum);
+        let lse = tp.offset(lse, m);
+        let neg = tp.scale(z[seq.targets[t] as usize], -1.0);
+        losses.push(tp.add(lse, neg));
+    }
+    let total = tp.sum(&losses);
+    (tp.scale(total, 1.0 / s as f64), leaves)
+}
+
+fn tiny_recipe(extra: &[&str]) -> Recipe {
+    let mut sets: Vec<String> = [
+        "model.layers=2",
+        "model.d_model=64",
+        "model.heads=2",
+        "model.kv_heads=1",
+        "model.ffn=96",
+        "model.init_std=0.3",
+        "model.rope_theta=10000.0",
+        "model.rope_scaling.original_max_position_embeddings=16",
+        "train.seq_len=24",
+        "train.batch=1",
+        "train.loss_chunk=7",
+        "parallel.threads=1",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    sets.extend(extra.iter().map(|s| s.to_string()));
+    Recipe::load("tiny-llama", &sets).unwrap()
+}
+
+fn random_sequence(seed: u64, s: usize, docs: &[usize]) -> Sequence {
+    let mut rng = longctx_trainer::model::Rng::new(seed);
+    let tokens: Vec<u32> = (0..=s).map(|_| (rng.uniform() * 257.0) as u32 % 257).collect();
+    let mut ids = Vec::with_capacity(s);
+    let mut id = 0;
+    for t in 0..s {
+        if docs.contains(&t) {
+            id += 1;
+        }
+        ids.push(id);
+    }
+    Sequence { inputs: tokens[..s].to_vec(), targets: tokens[1..].iter().map(|&t| t as i64).collect(), docs: ids }
+}
+
+fn max_rel(got: &[f32], want: &[f64]) -> f64 {
+    let scale = want.iter().fold(0.0f64, |m, &x| m.max(x.abs())).max(1e-30);
+    got.iter().zip(want).map(|(&g, &w)| (g as f64 - w).abs()).fold(0.0, f64::max) / scale
+}
+
+fn check_against_reference(masking: bool) {
+    let recipe = tiny_recipe(if masking { &["data.document_masking=true"] } else { &[] });
+    let docs: &[usize] = if masking { &[9, 17] } else { &[] };
+    let seq = random_sequence(7, 24, docs);
+    let (loss, grads) = loss_and_gradients(&recipe, std::slice::from_ref(&seq)).unwrap();
+
+    let m = &recipe.model;
+    let init = Params::init(&CpuBackend::new(), m, recipe.train.seed).unwrap();
+    let weights: Vec<Vec<f32>> = init.tensors.iter().map(|t| t.view().as_typed::<f32>("w").unwrap().to_vec()).collect();
+    let cfg = RefCfg {
+        c: m.d_model,
+        hq: m.heads,
+        hkv: m.kv_heads,
+        d: m.head_dim(),
+        f: m.ffn,
+        layers: m.layers,
+        eps: m.norm_eps as f64,
+        inv_freq: llama3_inv_freq(m.head_dim(), m.rope_theta, 8.0, 1.0, 4.0, 16.0),
+    };
+    let mut tp = Tape::default();
+    let (out, leaves) = reference_loss(&mut tp, &cfg, &weights, &seq, m.vocab);
+    let ref_loss = tp.v(out);
+    assert!((loss - ref_loss).abs() <= 1e-5 * ref_loss.abs(), "loss {loss} vs reference {ref_loss}");
+    let g = tp.grad(out);
+    for (i, (name, _)) in param_shapes(m).iter().enumerate() {
+        let want: Vec<f64> = leaves[i].iter().map(|&n| g[n as usize]).collect();
+        let err = max_rel(&grads[i], &want);
+        assert!(err < 2e-4, "{name}: gradient max error {err:.2e} of its largest entry (masking {masking})");
+    }
+
+    // The reference's own gradient against central finite differences, on a few weights of each kind.
+    for (tensor, index) in [
+        (0usize, seq.inputs[3] as usize * m.d_model + 3),
+        (2, 17),
+        (5, 40),
+        (8, 100),
+        (10, 1000),
+        (19, 11),
+        (20, 64 * 97 + 5),
+    ] {
+        let idx = index % weights[tensor].len();
+        let h = 1e-4;
+        let mut lp = weights.clone();
+        lp[tensor][idx] += h as f32;
+        let mut lm = weights.clone();
+        lm[tensor][idx] -= h as f32;
+        let hp = lp[tensor][idx] as f64 - weights[tensor][idx] as f64;
+        let hm = weights[tensor][idx] as f64 - lm[tensor][idx] as f64;
+        let (mut t1, mut t2) = (Tape::default(), Tape::default());
+        let (o1, _) = reference_loss(&mut t1, &cfg, &lp, &seq, m.vocab);
+        let (o2, _) = reference_loss(&mut t2, &cfg, &lm, &seq, m.vocab);
+        let fd = (t1.v(o1) - t2.v(o2)) / (hp + hm);
+        let tape = g[leaves[tensor][idx] as usize];
+        assert!(
+            (fd - tape).abs() <= 1e-6 + 1e-4 * tape.abs(),
+            "tensor {tensor}[{idx}]: finite difference {fd:e}, tape {tape:e}"
+        );
+        let ours = grads[tensor][idx] as f64;
+        assert!(
+            (fd - ours).abs() <= 1e-5 + 2e-3 * fd.abs(),
+            "tensor {tensor}[{idx}]: finite difference {fd:e}, trainer {ours:e}"
+        );
+    }
+}
+
+#[test]
+fn the_models_loss_and_every_gradient_match_an_independent_f64_reference() {
+    check_against_reference(false);
+}
+
+#[test]
+fn with_document_masking_the_model_matches_the_f64_reference() {
+    check_against_reference(true);
+}
+
+fn rel(a: &[f32], b: &[f32]) -> f64 {
+    let scale = b.iter().fold(0.0f32, |m, &x| m.max(x.abs())).max(1e-30) as f64;
+    a.iter().zip(b).map(|(&x, &y)| (x as f64 - y as f64).abs()).fold(0.0, f64::max) / scale
+}
+
+#[test]
+fn every_parallel_layout_gives_the_same_loss_and_gradients_as_one_rank() {
+    for masking in [false, true] {
+        let m = if masking { "data.document_masking=true" } else { "data.document_masking=false" };
+        let seqs = [random_sequence(11, 24, &[5, 14]), random_sequence(12, 24, &[20])];
+        let base = tiny_recipe(&[m, "train.batch=2"]);
+        let (loss1, g1) = loss_and_gradients(&base, &seqs).unwrap();
+        for layout in [
+            &["parallel.cp=2"][..],
+            &["parallel.cp=4"],
+            &["parallel.cp=3", "parallel.partition=\"contiguous\""],
+            &["parallel.cp=4", "parallel.partition=\"striped\""],
+            &["parallel.cp=2", "parallel.schedule=\"allgather\""],
+            &["parallel.dp=2"],
+            &["parallel.dp=2", "parallel.cp=2"],
+        ] {
+            let mut sets = vec![m, "train.batch=2"];
+            sets.extend_from_slice(layout);
+            let r = tiny_recipe(&sets);
+            let (loss, g) = loss_and_gradients(&r, &seqs).unwrap();
+            assert!((loss - loss1).abs() <= 1e-5 * loss1.abs(), "{layout:?} masking {masking}: loss {loss} vs {loss1}");
+            for (i, (a, b)) in g.iter().zip(&g1).enumerate() {
+                let e = rel(a, b);
+                assert!(e <= 1e-5, "{layout:?} masking {masking}: tensor {i} differs by {e:.2e}");
+            }
+        }
+    }
+}
+
+#[test]
+fn the_loss_is_not_scaled_by_the_number_of_ranks() {
+    // The CP and DP pitfall of other frameworks: a mean over ranks' means, or a sum, instead of the global mean.
+    let seqs = [random_sequence(3, 24, &[]), random_sequence(4, 24, &[])];
+    let one = loss_and_gradients(&tiny_recipe(&["train.batch=2"]), &seqs).unwrap().0;
+    let four = loss_and_gradients(&tiny_recipe(&["train.batch=2", "parallel.cp=2", "parallel.dp=2"]), &seqs).unwrap().0;
+    assert!((one - four).abs() < 1e-5 * one, "{one} vs {four}");
+    assert!(one > 4.0 && one < 8.0, "a random model's byte loss is near ln(257) = 5.55, got {one}");
+    let _ = DType::F32;
+}
