@@ -1,9 +1,12 @@
 //! The corpus, its byte-level tokens, and the packed sequences a step trains on.
 //!
-//! Documents are packed end to end, each closed by the end-of-document token, into one token stream per split;
-//! sequence `i` of a split is the window of `seq_len + 1` tokens starting at `i · seq_len` (wrapping round the
-//! stream), so a sequence is a pure function of its index. The data position a checkpoint records is the
-//! number of sequences consumed, and resuming from it reads exactly the sequences an uninterrupted run would.
+//! Documents are packed end to end, each closed by the end-of-document token, into one token stream per split,
+//! cut into windows of `seq_len` inputs (each with one more token for the last target). Sequence `i` of a split
+//! is window `(i · stride) mod windows`, `stride` a fixed number coprime to the window count: every epoch visits
+//! every window once, in an order that scatters neighbouring text over the run (consecutive windows of one
+//! region, such as the Jargon File's index, would otherwise make whole batches alike). A sequence is a pure
+//! function of its index, so the data position a checkpoint records is the number of sequences consumed, and
+//! resuming from it reads exactly the sequences an uninterrupted run would.
 
 use std::io::Read;
 use std::path::Path;
@@ -145,7 +148,9 @@ impl TokenStream {
     /// Sequence `index` of `seq_len` tokens (see the module docs).
     pub fn sequence(&self, index: u64, seq_len: usize) -> Sequence {
         let n = self.tokens.len();
-        let start = ((index as u128 * seq_len as u128) % n as u128) as usize;
+        let windows = ((n - 1) / seq_len).max(1) as u64;
+        let window = (index % windows) * stride(windows) % windows;
+        let start = ((window as u128 * seq_len as u128) % n as u128) as usize;
         let at = |i: usize| (start + i) % n;
         let inputs: Vec<u32> = (0..seq_len).map(|i| self.tokens[at(i)]).collect();
         let targets: Vec<i64> = (0..seq_len).map(|i| self.tokens[at(i + 1)] as i64).collect();
@@ -164,9 +169,35 @@ impl TokenStream {
     }
 }
 
+/// A step through `windows` windows that visits each once per epoch: near the golden ratio of the count, so
+/// consecutive sequences land far apart, and coprime to it.
+fn stride(windows: u64) -> u64 {
+    let gcd = |mut a: u64, mut b: u64| {
+        while b != 0 {
+            (a, b) = (b, a % b);
+        }
+        a
+    };
+    let mut s = ((windows as f64 * 0.618_033_988_75) as u64).max(1);
+    while gcd(s, windows) != 1 {
+        s += 1;
+    }
+    s
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_epoch_visits_every_window_once() {
+        for windows in [1u64, 2, 7, 12, 1000, 6561] {
+            let s = stride(windows);
+            let mut seen: Vec<u64> = (0..windows).map(|i| i * s % windows).collect();
+            seen.sort_unstable();
+            assert_eq!(seen, (0..windows).collect::<Vec<_>>(), "{windows} windows, stride {s}");
+        }
+    }
 
     #[test]
     fn the_builtin_corpus_has_the_lexicon_as_documents() {
@@ -184,8 +215,8 @@ mod tests {
         assert_eq!(q.inputs, vec![97, 98, EOT, 99]);
         assert_eq!(q.targets, vec![98, EOT as i64, 99, 100]);
         assert_eq!(q.docs, vec![0, 0, 0, 1]);
-        assert_eq!(s.sequence(1, 4).inputs, vec![100, 101, EOT, 97], "wraps round the stream");
-        assert_eq!(s.sequence(1, 4).docs, vec![0, 0, 0, 1], "a wrap starts a new document");
+        assert_eq!(s.sequence(1, 3).inputs, vec![99, 100, 101], "the second of two windows");
+        assert_eq!(s.sequence(2, 3), s.sequence(0, 3), "an epoch is every window once");
         assert_eq!(s.sequence(1, 4), s.sequence(1, 4));
         assert_eq!(decode(&q.inputs), "ab\nc");
     }

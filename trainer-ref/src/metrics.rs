@@ -3,7 +3,7 @@
 //! per evaluation (`step`, `val_loss`).
 //!
 //! MFU is the model's FLOPs per second over the peak of a large `f32` GEMM on this machine, measured when the
-//! run starts (the attainable peak, not a datasheet figure). The model's FLOPs per token are PaLM's count:
+//! run starts and again at each evaluation, keeping the best (the attainable peak, not a datasheet figure). The model's FLOPs per token are PaLM's count:
 //! `6·N` for the `N` weights of the matrix products (the output projection included, the embedding gather
 //! not) plus `6·layers·Hq·D·S` for causal attention (half of `12·…`, forward and backward).
 
@@ -149,6 +149,8 @@ impl Meter {
         append_line(&self.path, &line.to_string())?;
         if let Some(v) = val_loss {
             append_line(&self.path, &serde_json::json!({ "step": step, "val_loss": v }).to_string())?;
+            // A peak measured while something else ran is too low; keep the best seen.
+            self.peak_flops = self.peak_flops.max(measure_peak_flops()?);
         }
         self.bar.set_position(step);
         self.bar

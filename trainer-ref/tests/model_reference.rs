@@ -418,3 +418,34 @@ fn the_loss_is_not_scaled_by_the_number_of_ranks() {
     assert!(one > 4.0 && one < 8.0, "a random model's byte loss is near ln(257) = 5.55, got {one}");
     let _ = DType::F32;
 }
+
+#[test]
+fn what_each_layer_saves_is_what_bytes_for_states_from_the_shapes() {
+    use longctx_p2p::ThreadWorld;
+    use longctx_ring_attn::{ContextParallel, CpConfig};
+    use longctx_trainer::model::{LayerSaved, Llama};
+    use std::sync::Arc;
+    for (precision, dtype, cp) in [("f32", DType::F32, 1), ("bf16", DType::Bf16, 2)] {
+        let recipe = tiny_recipe(&[&format!("train.precision=\"{precision}\""), &format!("parallel.cp={cp}")]);
+        let sizes = ThreadWorld::run(cp, |comm| {
+            let backend: Arc<dyn longctx_kernels::Backend> = Arc::new(CpuBackend::new());
+            let init = Params::init(&*backend, &recipe.model, 1).unwrap();
+            let mut w = Params::zeros(&*backend, &recipe.model, dtype).unwrap();
+            for (d, s) in w.tensors.iter_mut().zip(&init.tensors) {
+                backend.copy(d.view_mut(), s.view()).unwrap();
+            }
+            let model = Llama::new(recipe.model.clone(), w, backend.clone()).unwrap();
+            let cp = ContextParallel::new(comm, backend, CpConfig::default()).unwrap();
+            let mut plan = longctx_trainer::train::plan_for(&cp, &recipe, 24, dtype).unwrap();
+            let ids: Vec<u32> = (0..plan.local_len() as u32).collect();
+            let saved = model.forward(&ids, &mut plan).unwrap();
+            (saved.layers.iter().map(LayerSaved::bytes).collect::<Vec<_>>(), saved.bytes(), plan.local_len())
+        })
+        .unwrap();
+        for (layers, _, l) in sizes {
+            for b in layers {
+                assert_eq!(b, LayerSaved::bytes_for(&recipe.model, l, dtype), "{precision} cp {cp}");
+            }
+        }
+    }
+}

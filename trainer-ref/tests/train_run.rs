@@ -119,10 +119,10 @@ fn the_same_seed_gives_bit_identical_losses_for_any_thread_count() {
 }
 
 /// The held-out loss of tiny-llama's model after 100 steps of 4 × 256 tokens on the Jargon File: from ln(257) ≈
-/// 5.55 at the start to below 3.2 (2.99 when written; a unigram byte model scores about 3.1 nats, so this needs
+/// 5.55 at the start to below 2.9 (2.67 when written; a unigram byte model scores about 3.1 nats, so this needs
 /// context). Deterministic: the same seed gives the same figure on any machine.
 #[test]
-fn a_short_run_on_the_corpus_lowers_the_held_out_loss_below_3_2_in_100_steps() {
+fn a_short_run_on_the_corpus_lowers_the_held_out_loss_below_2_9_in_100_steps() {
     let sets: Vec<String> = [
         "train.seq_len=256",
         "train.batch=4",
@@ -139,8 +139,8 @@ fn a_short_run_on_the_corpus_lowers_the_held_out_loss_below_3_2_in_100_steps() {
     let s = run(&recipe, &out_dir("heldout"), false, None).unwrap();
     let (step, v) = *s.val_losses.last().unwrap();
     assert_eq!(step, 100);
-    assert!(v < 3.2, "held-out loss {v} after 100 steps");
-    assert!(s.val_losses[0].1 > v + 0.5, "{:?}", s.val_losses);
+    assert!(v < 2.9, "held-out loss {v} after 100 steps");
+    assert!(s.val_losses[0].1 > v, "{:?}", s.val_losses);
     assert!(s.losses.last().unwrap().1 < s.losses[0].1 - 2.0, "{:?}", s.losses);
 }
 
@@ -163,4 +163,95 @@ fn the_command_line_refuses_bad_recipes_before_any_work_and_lists_recipes() {
     assert!(ok && text.contains("tiny-llama"), "{text}");
     let (ok, text) = longctx(&["recipes", "--show", "tiny-llama"]);
     assert!(ok && text.contains("[model]") && text.contains("seq_len = 1024"), "{text}");
+}
+
+const SMALL_CLI: &[&str] = &[
+    "--set",
+    "model.layers=2",
+    "--set",
+    "model.d_model=64",
+    "--set",
+    "model.heads=2",
+    "--set",
+    "model.kv_heads=1",
+    "--set",
+    "model.ffn=160",
+    "--set",
+    "train.seq_len=128",
+    "--set",
+    "train.batch=2",
+    "--set",
+    "train.eval_every=0",
+    "--set",
+    "parallel.threads=1",
+];
+
+#[test]
+fn eval_gives_the_same_loss_for_any_cp_and_for_text_or_npy_tokens() {
+    let out = out_dir("eval");
+    let o = out.to_str().unwrap();
+    let mut args = vec!["train", "--quiet", "--out", o, "--set", "train.steps=4"];
+    args.extend_from_slice(SMALL_CLI);
+    let (ok, text) = longctx(&args);
+    assert!(ok, "{text}");
+    let sample = "The Jargon File is a comprehensive compendium of hacker slang illuminating many aspects of hackish tradition, folklore, and humor. ".repeat(8);
+    let txt = out.join("sample.txt");
+    std::fs::write(&txt, &sample).unwrap();
+    let npy = out.join("sample.npy");
+    longctx_trainer::npy::write_token_ids(&npy, &longctx_trainer::data::encode(&sample)).unwrap();
+    let loss_of = |tokens: &Path, cp: &str| -> f64 {
+        let (ok, text) =
+            longctx(&["eval", "--checkpoint", o, "--tokens", tokens.to_str().unwrap(), "--seq", "256", "--cp", cp]);
+        assert!(ok, "{text}");
+        text.split_whitespace().nth(1).and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("{text}"))
+    };
+    let base = loss_of(&txt, "1");
+    assert!(base > 1.0 && base < 6.0, "{base}");
+    for (tokens, cp) in [(&npy, "1"), (&txt, "2"), (&npy, "4")] {
+        let l = loss_of(tokens, cp);
+        assert!((l - base).abs() <= 1e-5 * base, "{tokens:?} cp {cp}: {l} vs {base}");
+    }
+    let (ok, text) = longctx(&["eval", "--checkpoint", o, "--tokens", txt.to_str().unwrap(), "--seq", "100000"]);
+    assert!(!ok && text.contains("--seq 100000"), "{text}");
+}
+
+#[test]
+fn sigint_finishes_the_step_saves_and_exits_and_resume_continues() {
+    use std::io::{BufRead, BufReader};
+    let out = out_dir("sigint");
+    let o = out.to_str().unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_longctx"))
+        .args(["train", "--out", o, "--set", "train.steps=100000"])
+        .args(SMALL_CLI)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut seen = Vec::new();
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        let started = line.starts_with("step 3:");
+        seen.push(line);
+        if started {
+            break;
+        }
+    }
+    let kill = Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap();
+    assert!(kill.success());
+    seen.extend(lines.map_while(|l| l.ok()));
+    let status = child.wait().unwrap();
+    let text = seen.join("\n");
+    assert!(status.success(), "{status:?}: {text}");
+    let stopped =
+        text.lines().find(|l| l.starts_with("stopped: checkpoint of step")).unwrap_or_else(|| panic!("{text}"));
+    let step: u64 = stopped.split_whitespace().nth(4).and_then(|s| s.trim_end_matches(';').parse().ok()).unwrap();
+    assert!((3..100_000).contains(&step), "{stopped}");
+    let ck = newest_checkpoint(&out);
+    assert!(ck.ends_with(format!("step-{step:08}")), "{ck:?}");
+    let mut args = vec!["train", "--quiet", "--resume", "--out", o, "--set", "train.steps=100000", "--stop-at"];
+    let stop = (step + 2).to_string();
+    args.push(&stop);
+    args.extend_from_slice(SMALL_CLI);
+    let (ok, text) = longctx(&args);
+    assert!(ok && text.contains(&format!("trained steps {}..{}", step + 1, step + 2)), "{text}");
 }
