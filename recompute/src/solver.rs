@@ -1,0 +1,151 @@
+//! `budget(bytes)`: the per-tensor actions that add the least time while the peak activation memory stays
+//! within the budget.
+//!
+//! Per layer the problem is solved exactly: every choice of which segments to rerun and which kept tensors to
+//! offload is enumerated (a layer has a handful of segments and at most a few dozen saved tensors; the
+//! enumeration is capped, see [`MAX_CHOICES`]) and reduced to those no other choice beats on resident bytes,
+//! rebuilt working set and added time at once. Across the `L` identical layers the solver then picks how many
+//! layers take each of two such choices (`n` layers one way, `L − n` the other), which is the optimum of the
+//! problem's linear relaxation (an optimum uses at most two adjacent points of the per-layer trade-off) and
+//! within one layer's step of the integer optimum; layers are not chained into multi-layer checkpoints
+//! (`uniform` does that), because a rebuilt chunk's working set grows with its length and the per-layer
+//! choices already reach full recomputation's memory.
+
+use crate::cost::{layer_cost, plan_cost, Costs, PlanCost};
+use crate::error::{RecomputeError, Result};
+use crate::layer::LayerSpec;
+use crate::policy::{Action, LayerActions};
+
+/// Per-layer choices enumerated at most: `3^segments × 2` (each segment's outputs kept, recomputed or
+/// offloaded; the input kept or offloaded).
+pub const MAX_CHOICES: usize = 1 << 20;
+
+/// What the solver chose.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Solution {
+    /// One entry per layer.
+    pub layers: Vec<LayerActions>,
+    /// What it costs.
+    pub cost: PlanCost,
+}
+
+/// One candidate per-layer choice with its costs.
+#[derive(Debug, Clone)]
+pub(crate) struct Candidate {
+    pub actions: LayerActions,
+    pub resident: u64,
+    pub working: u64,
+    pub seconds: f64,
+}
+
+/// Every per-layer choice (see [`choices`]) that no other choice dominates.
+pub(crate) fn frontier(spec: &LayerSpec, costs: &Costs) -> Result<Vec<Candidate>> {
+    let mut all: Vec<Candidate> = choices(spec, costs)?
+        .into_iter()
+        .map(|actions| {
+            let c = layer_cost(spec, &actions, costs);
+            Candidate {
+                resident: c.resident_bytes,
+                working: c.recomputed_bytes + c.offloaded_bytes + spec.backward_working_bytes,
+                seconds: c.added_seconds,
+                actions,
+            }
+        })
+        .collect();
+    all.sort_by(|a, b| {
+        a.resident.cmp(&b.resident).then(a.working.cmp(&b.working)).then(a.seconds.total_cmp(&b.seconds))
+    });
+    let mut keep: Vec<Candidate> = Vec::new();
+    for c in all {
+        let dominated =
+            keep.iter().any(|k| k.resident <= c.resident && k.working <= c.working && k.seconds <= c.seconds);
+        if !dominated {
+            keep.push(c);
+        }
+    }
+    Ok(keep)
+}
+
+/// The per-layer choices the solver searches: each segment's outputs kept, recomputed or (with an offload
+/// tier) offloaded together, and the input kept or offloaded. Offload is decided per segment because its
+/// outputs are made together and move as one transfer.
+pub fn choices(spec: &LayerSpec, costs: &Costs) -> Result<Vec<LayerActions>> {
+    let segs: Vec<usize> = (0..spec.segments.len()).filter(|&i| !spec.segments[i].outputs.is_empty()).collect();
+    let ways: usize = if costs.offload_bytes_per_s > 0.0 { 3 } else { 2 };
+    let total = ways.checked_pow(segs.len() as u32).and_then(|n| n.checked_mul(ways - 1)).unwrap_or(usize::MAX);
+    if total > MAX_CHOICES {
+        return Err(RecomputeError::Layer(format!("{} segments are too many to enumerate exactly", segs.len())));
+    }
+    let mut out = Vec::with_capacity(total);
+    for code in 0..total {
+        let mut a = LayerActions::default();
+        let mut rest = code;
+        for &si in &segs {
+            let act = match rest % ways {
+                0 => Action::Keep,
+                1 => Action::Recompute,
+                _ => Action::Offload,
+            };
+            rest /= ways;
+            for o in &spec.segments[si].outputs {
+                if act != Action::Keep {
+                    a.set(&o.name, act);
+                }
+            }
+        }
+        if rest % (ways - 1) == 1 {
+            a.set(&spec.input.name, Action::Offload);
+        }
+        out.push(a);
+    }
+    Ok(out)
+}
+
+/// The cheapest plan for `layers` layers of `spec` within `budget` bytes of peak activation memory.
+pub fn solve(spec: &LayerSpec, layers: usize, budget: u64, costs: &Costs) -> Result<Solution> {
+    spec.validate()?;
+    let f = frontier(spec, costs)?;
+    let l = layers as u64;
+    let mut best: Option<(f64, usize, usize, u64)> = None;
+    let mut least = u64::MAX;
+    for (i, a) in f.iter().enumerate() {
+        for (j, b) in f.iter().enumerate().skip(i) {
+            for n in 0..=l {
+                // n layers take `a`, the rest `b`; a choice used by no layer does not widen the working set.
+                let working = match (n, l - n) {
+                    (0, _) => b.working,
+                    (_, 0) => a.working,
+                    _ => a.working.max(b.working),
+                };
+                let peak = n * a.resident + (l - n) * b.resident + working;
+                least = least.min(peak);
+                if peak > budget {
+                    continue;
+                }
+                let t = n as f64 * a.seconds + (l - n) as f64 * b.seconds;
+                if best.is_none_or(|(bt, ..)| t < bt - 1e-15) {
+                    best = Some((t, i, j, n));
+                }
+            }
+        }
+    }
+    let Some((_, i, j, n)) = best else {
+        let keep_all = plan_cost(spec, &vec![LayerActions::keep_all(); layers], costs).peak_bytes;
+        return Err(RecomputeError::Budget {
+            budget,
+            minimum: least,
+            why: format!(
+                "{layers} layers keeping only their inputs{}, plus one layer's rebuilt tensors and backward working set",
+                if costs.offload_bytes_per_s > 0.0 { " or offloading them" } else { "" }
+            ),
+            fix: format!(
+                "raise the budget by {} bytes, or split the sequence over more context-parallel ranks (keeping everything needs {keep_all})",
+                least - budget
+            ),
+        });
+    };
+    let mut plan = vec![f[i].actions.clone(); n as usize];
+    plan.extend(std::iter::repeat_n(f[j].actions.clone(), layers - n as usize));
+    let cost = plan_cost(spec, &plan, costs);
+    Ok(Solution { layers: plan, cost })
+}
