@@ -18,6 +18,7 @@ use longctx_kernels::{
     LinearSaved, NormGrads, NormParams, ProjectionGrads, Qkv, RmsNormSaved, RopeConfig, RopeScaling, RopeTable,
     SwigluSaved, View,
 };
+use longctx_recompute::{Action, LayerActions};
 use longctx_ring_attn::CpPlan;
 
 use crate::error::{Result, TrainError};
@@ -219,13 +220,96 @@ impl LayerSaved {
     }
 }
 
+/// A layer's saved tensors after its recompute policy: each one kept, or dropped to be rebuilt before the
+/// backward (fields as in [`LayerSaved`]).
+#[derive(Debug, Default)]
+#[allow(missing_docs)]
+pub struct KeptLayer {
+    pub x: Option<Buffer>,
+    pub rstd1: Option<Buffer>,
+    pub h1: Option<Buffer>,
+    pub q: Option<Buffer>,
+    pub k: Option<Buffer>,
+    pub v: Option<Buffer>,
+    pub o: Option<Buffer>,
+    pub lse: Option<Buffer>,
+    pub x2: Option<Buffer>,
+    pub rstd2: Option<Buffer>,
+    pub h2: Option<Buffer>,
+    pub gate: Option<Buffer>,
+    pub up: Option<Buffer>,
+    pub act: Option<Buffer>,
+}
+
+impl KeptLayer {
+    /// Bytes still held.
+    pub fn bytes(&self) -> usize {
+        [
+            &self.x,
+            &self.rstd1,
+            &self.h1,
+            &self.q,
+            &self.k,
+            &self.v,
+            &self.o,
+            &self.lse,
+            &self.x2,
+            &self.rstd2,
+            &self.h2,
+            &self.gate,
+            &self.up,
+            &self.act,
+        ]
+        .iter()
+        .map(|b| b.as_ref().map_or(0, Buffer::bytes))
+        .sum()
+    }
+}
+
+impl LayerSaved {
+    /// Keeps what `actions` keeps and frees the rest (the names are [`LayerSaved::fields`]'). Offload is the
+    /// offload engine's (`--offload`), not done here: an `Offload` action is an error.
+    pub fn keep(self, actions: &LayerActions) -> Result<KeptLayer> {
+        let k = |name: &'static str, b: Buffer| -> Result<Option<Buffer>> {
+            match actions.of(name) {
+                Action::Keep => Ok(Some(b)),
+                Action::Recompute => Ok(None),
+                Action::Offload => Err(TrainError::Config(format!(
+                    "the recompute policy offloads `{name}`, and this trainer has no offload engine yet"
+                ))),
+            }
+        };
+        let LayerSaved { x, rstd1, h1, q, k: kk, v, o, lse, x2, rstd2, h2, gate, up, act } = self;
+        Ok(KeptLayer {
+            x: k("x", x)?,
+            rstd1: k("rstd1", rstd1)?,
+            h1: k("h1", h1)?,
+            q: k("q", q)?,
+            k: k("k", kk)?,
+            v: k("v", v)?,
+            o: k("o", o)?,
+            lse: k("lse", lse)?,
+            x2: k("x2", x2)?,
+            rstd2: k("rstd2", rstd2)?,
+            h2: k("h2", h2)?,
+            gate: k("gate", gate)?,
+            up: k("up", up)?,
+            act: k("act", act)?,
+        })
+    }
+}
+
+fn missing(layer: usize, name: &str) -> TrainError {
+    TrainError::Config(format!("layer {layer}: `{name}` was not rebuilt"))
+}
+
 /// What the whole forward keeps: each layer's, and the final norm's.
 #[derive(Debug)]
 pub struct ModelSaved {
     /// Token ids of this rank `[L]` (the embedding's backward).
     pub ids: Vec<u32>,
-    /// Per layer.
-    pub layers: Vec<LayerSaved>,
+    /// Per layer, after the recompute policy.
+    pub layers: Vec<KeptLayer>,
     /// The last layer's output `[L, C]`: the final norm's input.
     pub x_final: Buffer,
     /// Final norm `1/rms` `[L]`.
@@ -237,7 +321,7 @@ pub struct ModelSaved {
 impl ModelSaved {
     /// Bytes held by every saved activation.
     pub fn bytes(&self) -> usize {
-        self.layers.iter().map(LayerSaved::bytes).sum::<usize>()
+        self.layers.iter().map(KeptLayer::bytes).sum::<usize>()
             + self.x_final.bytes()
             + self.rstd_final.bytes()
             + self.h_final.bytes()
@@ -274,6 +358,8 @@ pub struct Llama {
     backend: Arc<dyn Backend>,
     rope: RopeTable,
     dtype: DType,
+    /// What each layer keeps for its backward (everything when empty).
+    recompute: Vec<LayerActions>,
 }
 
 fn norm(weight: &Buffer, eps: f32) -> NormParams<'_> {
@@ -314,7 +400,24 @@ impl Llama {
             },
         };
         let rope = RopeTable::new(&RopeConfig { head_dim: cfg.head_dim(), base: cfg.rope_theta, scaling })?;
-        Ok(Llama { cfg, weights, backend, rope, dtype })
+        Ok(Llama { cfg, weights, backend, rope, dtype, recompute: Vec::new() })
+    }
+
+    /// Sets what each layer keeps for its backward (one entry per layer, from a
+    /// [`longctx_recompute::Policy`]); the gradients do not change, only memory and time.
+    pub fn set_recompute(&mut self, per_layer: Vec<LayerActions>) -> Result<()> {
+        if !per_layer.is_empty() && per_layer.len() != self.cfg.layers {
+            return Err(TrainError::Config(format!(
+                "{} recompute entries for {} layers",
+                per_layer.len(),
+                self.cfg.layers
+            )));
+        }
+        if per_layer.first().is_some_and(|a| a.of("x") == Action::Recompute) {
+            return Err(TrainError::Config("the first layer's input (the embedding) cannot be recomputed".into()));
+        }
+        self.recompute = per_layer;
+        Ok(())
     }
 
     /// The working dtype of weights and activations.
@@ -339,23 +442,36 @@ impl Llama {
         Ok(self.backend.zeros(DType::F32, dims.into_dims()?)?)
     }
 
-    /// One decoder layer: attention block then MLP block, each `x + f(norm(x))`.
+    /// One decoder layer: attention block then MLP block, each `x + f(norm(x))`; the segments are those
+    /// [`longctx_recompute::llama_layer`] describes, and a rebuild before the backward reruns the same ones.
     fn layer_forward(&self, layer: usize, x: Buffer, plan: &mut CpPlan, pos: &[i64]) -> Result<(Buffer, LayerSaved)> {
+        let (rstd1, h1) = self.attn_norm(layer, &x)?;
+        let (q, k, v) = self.qkv_proj(layer, &h1, pos)?;
+        let (o, lse) = self.core_attn(&q, &k, &v, plan)?;
+        let x2 = self.o_proj(layer, &o, &x)?;
+        let (rstd2, h2) = self.mlp_norm(layer, &x2)?;
+        let (gate, up) = self.gate_up(layer, &h2)?;
+        let act = self.swiglu(&gate, &up)?;
+        let out = self.down_proj(layer, &act, &x2)?;
+        Ok((out, LayerSaved { x, rstd1, h1, q, k, v, o, lse, x2, rstd2, h2, gate, up, act }))
+    }
+
+    /// `h1 = rmsnorm(x)`.
+    fn attn_norm(&self, layer: usize, x: &Buffer) -> Result<(Buffer, Buffer)> {
+        let l = x.dims()[0];
+        let (mut h1, mut rstd1) = (self.buf([l, self.cfg.d_model])?, self.buf_f32([l])?);
+        let p = norm(self.w(layer, ATTN_NORM), self.cfg.norm_eps);
+        self.backend.rmsnorm_forward(h1.view_mut(), rstd1.view_mut(), x.view(), &p)?;
+        Ok((rstd1, h1))
+    }
+
+    /// `q, k, v` from `h1`, head-major, `q` and `k` rotated.
+    fn qkv_proj(&self, layer: usize, h1: &Buffer, pos: &[i64]) -> Result<(Buffer, Buffer, Buffer)> {
         let b = &*self.backend;
-        let cfg = &self.cfg;
-        let (l, c, f, d, hq, hkv) = (x.dims()[0], cfg.d_model, cfg.ffn, cfg.head_dim(), cfg.heads, cfg.kv_heads);
-        let eps = cfg.norm_eps;
+        let (l, d, hq, hkv) = (h1.dims()[0], self.cfg.head_dim(), self.cfg.heads, self.cfg.kv_heads);
         let w = |i| self.w(layer, i);
-        let (mut h1, mut rstd1) = (self.buf([l, c])?, self.buf_f32([l])?);
         let (mut q_t, mut k_t, mut v_t) = (self.buf([l, hq * d])?, self.buf([l, hkv * d])?, self.buf([l, hkv * d])?);
         let (mut q, mut k, mut v) = (self.buf([1, hq, l, d])?, self.buf([1, hkv, l, d])?, self.buf([1, hkv, l, d])?);
-        let (mut o, mut lse, mut o_t) = (self.buf([1, hq, l, d])?, self.buf_f32([1, hq, l])?, self.buf([1, l, hq, d])?);
-        let (mut attn_out, mut x2) = (self.buf([l, c])?, self.buf([l, c])?);
-        let (mut h2, mut rstd2) = (self.buf([l, c])?, self.buf_f32([l])?);
-        let (mut gate, mut up, mut act) = (self.buf([l, f])?, self.buf([l, f])?, self.buf([l, f])?);
-        let (mut mlp_out, mut out) = (self.buf([l, c])?, self.buf([l, c])?);
-
-        b.rmsnorm_forward(h1.view_mut(), rstd1.view_mut(), x.view(), &norm(w(ATTN_NORM), eps))?;
         b.linear_forward(q_t.view_mut(), h1.view(), w(WQ).view(), None)?;
         b.linear_forward(k_t.view_mut(), h1.view(), w(WK).view(), None)?;
         b.linear_forward(v_t.view_mut(), h1.view(), w(WV).view(), None)?;
@@ -364,21 +480,137 @@ impl Llama {
         b.transpose12(v.view_mut(), v_t.view().reshape([1, l, hkv, d])?)?;
         b.rope_forward_inplace(&self.rope, q.view_mut(), pos)?;
         b.rope_forward_inplace(&self.rope, k.view_mut(), pos)?;
+        Ok((q, k, v))
+    }
+
+    /// `o, lse` = attention over the whole sequence, through the context-parallel plan.
+    fn core_attn(&self, q: &Buffer, k: &Buffer, v: &Buffer, plan: &mut CpPlan) -> Result<(Buffer, Buffer)> {
+        let (hq, l) = (q.dims()[1], q.dims()[2]);
+        let (mut o, mut lse) = (self.buf(q.dims())?, self.buf_f32([1, hq, l])?);
         plan.forward(AttnOut { o: o.view_mut(), lse: lse.view_mut() }, Qkv::new(q.view(), k.view(), v.view()))?;
+        Ok((o, lse))
+    }
+
+    /// `x2 = x + o·Woᵀ` (o transposed back to token-major).
+    fn o_proj(&self, layer: usize, o: &Buffer, x: &Buffer) -> Result<Buffer> {
+        let b = &*self.backend;
+        let (hq, l, d, c) = (o.dims()[1], o.dims()[2], o.dims()[3], self.cfg.d_model);
+        let (mut o_t, mut attn_out, mut x2) = (self.buf([1, l, hq, d])?, self.buf([l, c])?, self.buf([l, c])?);
         b.transpose12(o_t.view_mut(), o.view())?;
-        b.linear_forward(attn_out.view_mut(), o_t.view().reshape([l, hq * d])?, w(WO).view(), None)?;
+        b.linear_forward(attn_out.view_mut(), o_t.view().reshape([l, hq * d])?, self.w(layer, WO).view(), None)?;
         b.copy(x2.view_mut(), x.view())?;
         b.add(x2.view_mut(), attn_out.view())?;
+        Ok(x2)
+    }
 
-        b.rmsnorm_forward(h2.view_mut(), rstd2.view_mut(), x2.view(), &norm(w(MLP_NORM), eps))?;
-        b.linear_forward(gate.view_mut(), h2.view(), w(W_GATE).view(), None)?;
-        b.linear_forward(up.view_mut(), h2.view(), w(W_UP).view(), None)?;
-        b.swiglu_forward(act.view_mut(), gate.view(), up.view())?;
-        b.linear_forward(mlp_out.view_mut(), act.view(), w(W_DOWN).view(), None)?;
-        b.copy(out.view_mut(), x2.view())?;
-        b.add(out.view_mut(), mlp_out.view())?;
+    /// `h2 = rmsnorm(x2)`.
+    fn mlp_norm(&self, layer: usize, x2: &Buffer) -> Result<(Buffer, Buffer)> {
+        let l = x2.dims()[0];
+        let (mut h2, mut rstd2) = (self.buf([l, self.cfg.d_model])?, self.buf_f32([l])?);
+        let p = norm(self.w(layer, MLP_NORM), self.cfg.norm_eps);
+        self.backend.rmsnorm_forward(h2.view_mut(), rstd2.view_mut(), x2.view(), &p)?;
+        Ok((rstd2, h2))
+    }
 
-        Ok((out, LayerSaved { x, rstd1, h1, q, k, v, o, lse, x2, rstd2, h2, gate, up, act }))
+    /// `gate, up` projections of `h2`.
+    fn gate_up(&self, layer: usize, h2: &Buffer) -> Result<(Buffer, Buffer)> {
+        let (l, f) = (h2.dims()[0], self.cfg.ffn);
+        let (mut gate, mut up) = (self.buf([l, f])?, self.buf([l, f])?);
+        self.backend.linear_forward(gate.view_mut(), h2.view(), self.w(layer, W_GATE).view(), None)?;
+        self.backend.linear_forward(up.view_mut(), h2.view(), self.w(layer, W_UP).view(), None)?;
+        Ok((gate, up))
+    }
+
+    /// `act = silu(gate) ∘ up`.
+    fn swiglu(&self, gate: &Buffer, up: &Buffer) -> Result<Buffer> {
+        let mut act = self.buf(gate.dims())?;
+        self.backend.swiglu_forward(act.view_mut(), gate.view(), up.view())?;
+        Ok(act)
+    }
+
+    /// The layer's output `x2 + act·Wdownᵀ`.
+    fn down_proj(&self, layer: usize, act: &Buffer, x2: &Buffer) -> Result<Buffer> {
+        let (l, c) = (act.dims()[0], self.cfg.d_model);
+        let (mut mlp_out, mut out) = (self.buf([l, c])?, self.buf([l, c])?);
+        self.backend.linear_forward(mlp_out.view_mut(), act.view(), self.w(layer, W_DOWN).view(), None)?;
+        self.backend.copy(out.view_mut(), x2.view())?;
+        self.backend.add(out.view_mut(), mlp_out.view())?;
+        Ok(out)
+    }
+
+    /// Reruns, in forward order, every segment whose outputs the policy dropped, from what was kept: the same
+    /// ops on the same inputs, so the rebuilt tensors are bit-identical to the forward's.
+    fn rebuild(&self, layer: usize, k: KeptLayer, plan: &mut CpPlan, pos: &[i64]) -> Result<LayerSaved> {
+        let KeptLayer {
+            x,
+            mut rstd1,
+            mut h1,
+            mut q,
+            mut k,
+            mut v,
+            mut o,
+            mut lse,
+            mut x2,
+            mut rstd2,
+            mut h2,
+            mut gate,
+            mut up,
+            mut act,
+        } = k;
+        let x =
+            x.ok_or_else(|| TrainError::Config(format!("layer {layer}: its input was neither kept nor rebuilt")))?;
+        if rstd1.is_none() || h1.is_none() {
+            let (r, h) = self.attn_norm(layer, &x)?;
+            (rstd1, h1) = (Some(r), Some(h));
+        }
+        let h1 = h1.ok_or_else(|| missing(layer, "h1"))?;
+        if q.is_none() || k.is_none() || v.is_none() {
+            let (a, b, c) = self.qkv_proj(layer, &h1, pos)?;
+            (q, k, v) = (Some(a), Some(b), Some(c));
+        }
+        let (q, k, v) = (
+            q.ok_or_else(|| missing(layer, "q"))?,
+            k.ok_or_else(|| missing(layer, "k"))?,
+            v.ok_or_else(|| missing(layer, "v"))?,
+        );
+        if o.is_none() || lse.is_none() {
+            let (a, b) = self.core_attn(&q, &k, &v, plan)?;
+            (o, lse) = (Some(a), Some(b));
+        }
+        let o = o.ok_or_else(|| missing(layer, "o"))?;
+        if x2.is_none() {
+            x2 = Some(self.o_proj(layer, &o, &x)?);
+        }
+        let x2 = x2.ok_or_else(|| missing(layer, "x2"))?;
+        if rstd2.is_none() || h2.is_none() {
+            let (r, h) = self.mlp_norm(layer, &x2)?;
+            (rstd2, h2) = (Some(r), Some(h));
+        }
+        let h2 = h2.ok_or_else(|| missing(layer, "h2"))?;
+        if gate.is_none() || up.is_none() {
+            let (g, u) = self.gate_up(layer, &h2)?;
+            (gate, up) = (Some(g), Some(u));
+        }
+        let (gate, up) = (gate.ok_or_else(|| missing(layer, "gate"))?, up.ok_or_else(|| missing(layer, "up"))?);
+        if act.is_none() {
+            act = Some(self.swiglu(&gate, &up)?);
+        }
+        Ok(LayerSaved {
+            x,
+            rstd1: rstd1.ok_or_else(|| missing(layer, "rstd1"))?,
+            h1,
+            q,
+            k,
+            v,
+            o,
+            lse: lse.ok_or_else(|| missing(layer, "lse"))?,
+            x2,
+            rstd2: rstd2.ok_or_else(|| missing(layer, "rstd2"))?,
+            h2,
+            gate,
+            up,
+            act: act.ok_or_else(|| missing(layer, "act"))?,
+        })
     }
 
     /// The layer's backward: `dout` `[L, C]` in, the input's gradient out; weight gradients into `grads`
@@ -482,9 +714,10 @@ impl Llama {
         let mut x = self.buf([l, c])?;
         b.embedding_forward(x.view_mut(), ids, self.weights.tensors[0].view())?;
         let mut layers = Vec::with_capacity(self.cfg.layers);
+        let keep_all = LayerActions::keep_all();
         for layer in 0..self.cfg.layers {
             let (out, saved) = self.layer_forward(layer, x, plan, &pos)?;
-            layers.push(saved);
+            layers.push(saved.keep(self.recompute.get(layer).unwrap_or(&keep_all))?);
             x = out;
         }
         let (mut h_final, mut rstd_final) = (self.buf([l, c])?, self.buf_f32([l])?);
@@ -521,10 +754,34 @@ impl Llama {
         let rs = rms_saved(&saved.x_final, &saved.rstd_final);
         let nw = self.weights.tensors[final_norm].view();
         b.rmsnorm_backward(ng(dx.view_mut(), grads.tensors[final_norm].view_mut()), dh_final.view(), rs, nw, mode)?;
-        for (layer, s) in saved.layers.iter().enumerate().rev() {
-            dx = self.layer_backward(layer, &dx, s, (grads, mode), plan, &pos)?;
+        let ids = saved.ids;
+        let mut kept: Vec<Option<KeptLayer>> = saved.layers.into_iter().map(Some).collect();
+        let mut rebuilt: Vec<Option<LayerSaved>> = (0..kept.len()).map(|_| None).collect();
+        for layer in (0..kept.len()).rev() {
+            let s = match rebuilt[layer].take() {
+                Some(s) => s,
+                None => {
+                    let k = kept[layer].take().ok_or_else(|| missing(layer, "saved tensors"))?;
+                    if k.x.is_some() {
+                        self.rebuild(layer, k, plan, &pos)?
+                    } else {
+                        // `uniform`: replay the chunk's forward from its first layer's input.
+                        let start = (0..layer).rev().find(|&i| kept[i].as_ref().is_some_and(|k| k.x.is_some()));
+                        let start = start.ok_or_else(|| missing(layer, "x (no earlier layer kept its input)"))?;
+                        let mut x = kept[start].as_mut().and_then(|k| k.x.take()).ok_or_else(|| missing(start, "x"))?;
+                        for i in start..layer {
+                            kept[i] = None;
+                            let (out, s) = self.layer_forward(i, x, plan, &pos)?;
+                            rebuilt[i] = Some(s);
+                            x = out;
+                        }
+                        self.layer_forward(layer, x, plan, &pos)?.1
+                    }
+                }
+            };
+            dx = self.layer_backward(layer, &dx, &s, (grads, mode), plan, &pos)?;
         }
-        b.embedding_backward(grads.tensors[0].view_mut(), dx.view(), &saved.ids, mode)?;
+        b.embedding_backward(grads.tensors[0].view_mut(), dx.view(), &ids, mode)?;
         Ok(LocalLoss { sum: lm.loss_sum, tokens: lm.n_valid })
     }
 

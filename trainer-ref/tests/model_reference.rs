@@ -439,7 +439,11 @@ fn what_each_layer_saves_is_what_bytes_for_states_from_the_shapes() {
             let mut plan = longctx_trainer::train::plan_for(&cp, &recipe, 24, dtype).unwrap();
             let ids: Vec<u32> = (0..plan.local_len() as u32).collect();
             let saved = model.forward(&ids, &mut plan).unwrap();
-            (saved.layers.iter().map(LayerSaved::bytes).collect::<Vec<_>>(), saved.bytes(), plan.local_len())
+            (
+                saved.layers.iter().map(longctx_trainer::model::KeptLayer::bytes).collect::<Vec<_>>(),
+                saved.bytes(),
+                plan.local_len(),
+            )
         })
         .unwrap();
         for (layers, _, l) in sizes {
