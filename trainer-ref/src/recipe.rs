@@ -168,7 +168,8 @@ pub struct ParallelConfig {
     pub partition: String,
     /// `ring` (default), `allgather`, `ulysses`.
     pub schedule: String,
-    /// Kernel threads per rank (0: the cores divided among the ranks).
+    /// Kernel threads per rank (0: the cores divided among the ranks; with a rank per process, rayon's global
+    /// pool, `RAYON_NUM_THREADS` or every core).
     pub threads: usize,
 }
 

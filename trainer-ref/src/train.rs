@@ -84,7 +84,8 @@ pub fn train(recipe: &Recipe, opts: &RunOptions) -> Result<Summary> {
                 comm.world_size()
             )));
         }
-        return Rank::run(comm, recipe, opts, &data, 0);
+        // One rank per process: `parallel.threads` kernel threads, or (0) rayon's global pool.
+        return Rank::run(comm, recipe, opts, &data, recipe.parallel.threads);
     }
     let threads = per_rank_threads(recipe.parallel.threads, world);
     let results = ThreadWorld::try_run(world, |comm| Rank::run(comm, recipe, opts, &data, threads))?;
