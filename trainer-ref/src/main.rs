@@ -34,6 +34,10 @@ enum Command {
         /// Data-parallel groups (`parallel.dp`).
         #[arg(long)]
         dp: Option<usize>,
+        /// Activation recomputation (`train.recompute`): none, full, selective[:MODULES], uniform:K, block:N,
+        /// budget:BYTES.
+        #[arg(long)]
+        recompute: Option<String>,
         /// Continue from the newest checkpoint in the output folder.
         #[arg(long)]
         resume: bool,
@@ -95,12 +99,15 @@ enum Command {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Train { recipe, out, mut set, cp, dp, resume, quiet, stop_at } => {
+        Command::Train { recipe, out, mut set, cp, dp, recompute, resume, quiet, stop_at } => {
             if let Some(cp) = cp {
                 set.push(format!("parallel.cp={cp}"));
             }
             if let Some(dp) = dp {
                 set.push(format!("parallel.dp={dp}"));
+            }
+            if let Some(r) = recompute {
+                set.push(format!("train.recompute=\"{r}\""));
             }
             let recipe = Recipe::load(&recipe, &set)?;
             let out = out.unwrap_or_else(|| PathBuf::from("runs").join(&recipe.name));

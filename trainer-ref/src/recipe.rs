@@ -141,6 +141,14 @@ pub struct TrainConfig {
     pub keep_checkpoints: usize,
     /// Tokens per chunk of the fused output projection and loss (its logits are `chunk × vocab`).
     pub loss_chunk: usize,
+    /// Activation recomputation: `none`, `full`, `selective[:MODULES]`, `uniform:K`, `block:N`,
+    /// `budget:BYTES` (see `longctx-recompute`). Gradients are bit-identical under every policy.
+    #[serde(default = "default_recompute")]
+    pub recompute: String,
+}
+
+fn default_recompute() -> String {
+    "none".into()
 }
 
 /// The corpus.
@@ -316,6 +324,7 @@ impl Recipe {
         }
         self.partition()?;
         self.schedule()?;
+        self.recompute_policy()?;
         if p.schedule == "ulysses" && !(m.kv_heads.is_multiple_of(p.cp) && m.heads.is_multiple_of(p.cp)) {
             return Err(bad(
                 "parallel.schedule",
@@ -332,6 +341,27 @@ impl Recipe {
             ));
         }
         Ok(())
+    }
+
+    /// The recompute policy the recipe names.
+    pub fn recompute_policy(&self) -> Result<longctx_recompute::Policy> {
+        self.train.recompute.parse().map_err(|e: longctx_recompute::RecomputeError| bad("train.recompute", e))
+    }
+
+    /// The recompute crate's description of one layer of this recipe's model on one rank.
+    pub fn layer_spec(&self) -> longctx_recompute::LayerSpec {
+        let m = &self.model;
+        longctx_recompute::llama_layer(&longctx_recompute::LlamaLayerShape {
+            tokens: (self.train.seq_len / self.parallel.cp) as u64,
+            seq_len: self.train.seq_len as u64,
+            d_model: m.d_model as u64,
+            heads: m.heads as u64,
+            kv_heads: m.kv_heads as u64,
+            head_dim: m.head_dim() as u64,
+            ffn: m.ffn as u64,
+            elem_bytes: if self.train.precision == Precision::Bf16 { 2 } else { 4 },
+            seq_shard: 1,
+        })
     }
 
     /// The partition the recipe names.

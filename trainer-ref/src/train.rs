@@ -105,6 +105,12 @@ pub fn train(recipe: &Recipe, opts: &RunOptions) -> Result<Summary> {
 /// (`train.batch` of them). Every layout of the same batch gives the same loss and gradient: this is what the
 /// context-parallel tests compare.
 pub fn loss_and_gradients(recipe: &Recipe, sequences: &[Sequence]) -> Result<(f64, Vec<Vec<f32>>)> {
+    loss_gradients_and_saved(recipe, sequences).map(|(l, g, _)| (l, g))
+}
+
+/// [`loss_and_gradients`], and the bytes of activations rank 0 kept for its backward (after the recompute
+/// policy) over its largest micro-batch.
+pub fn loss_gradients_and_saved(recipe: &Recipe, sequences: &[Sequence]) -> Result<(f64, Vec<Vec<f32>>, usize)> {
     recipe.validate()?;
     let (cp, dp) = (recipe.parallel.cp, recipe.parallel.dp);
     if sequences.len() != recipe.train.batch {
@@ -115,9 +121,9 @@ pub fn loss_and_gradients(recipe: &Recipe, sequences: &[Sequence]) -> Result<(f6
         )));
     }
     let threads = per_rank_threads(recipe.parallel.threads, cp * dp);
-    let out = ThreadWorld::try_run(cp * dp, |comm| -> Result<(f64, Vec<Vec<f32>>)> {
+    let out = ThreadWorld::try_run(cp * dp, |comm| -> Result<(f64, Vec<Vec<f32>>, usize)> {
         let mut rank = Rank::new(comm, recipe, threads)?;
-        let (loss, _) = rank.gradients(|micro, group| sequences[micro * dp + group].clone())?;
+        let (loss, saved) = rank.gradients(|micro, group| sequences[micro * dp + group].clone())?;
         let mut l = [loss];
         rank.world.all_reduce(&mut l, ReduceOp::Sum)?;
         let grads = rank
@@ -126,7 +132,7 @@ pub fn loss_and_gradients(recipe: &Recipe, sequences: &[Sequence]) -> Result<(f6
             .iter()
             .map(|g| g.view().as_typed::<f32>("grad").map(<[f32]>::to_vec))
             .collect::<std::result::Result<_, _>>()?;
-        Ok((l[0] / (recipe.train.batch * recipe.train.seq_len) as f64, grads))
+        Ok((l[0] / (recipe.train.batch * recipe.train.seq_len) as f64, grads, saved))
     })?;
     out.into_iter().next().ok_or_else(|| TrainError::Config("no ranks ran".into()))?
 }
@@ -200,7 +206,14 @@ impl<'a> Rank<'a> {
         let cpc = CpConfig { partition: recipe.partition()?, schedule: recipe.schedule()?, scale: None };
         let cp = ContextParallel::new(cp_comm, backend.clone(), cpc)?;
         let plan = plan_for(&cp, recipe, recipe.train.seq_len, dtype)?;
-        let model = Llama::new(cfg.clone(), weights, backend)?;
+        let mut model = Llama::new(cfg.clone(), weights, backend)?;
+        // Recompute-only costs: the added time is FLOPs over a rate, so the rate only scales it.
+        let costs = longctx_recompute::Costs { flops_per_s: 1e11, offload_bytes_per_s: 0.0 };
+        let actions = recipe
+            .recompute_policy()?
+            .resolve(&recipe.layer_spec(), cfg.layers, &costs)
+            .map_err(|e| TrainError::Config(format!("train.recompute: {e}")))?;
+        model.set_recompute(actions)?;
         Ok(Rank { recipe, world, dp_index, model, master, grads, m, v, plan, step: 0 })
     }
 

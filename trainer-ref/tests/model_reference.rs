@@ -8,7 +8,7 @@ use longctx_kernels::{CpuBackend, DType};
 use longctx_trainer::data::Sequence;
 use longctx_trainer::model::{param_shapes, Params};
 use longctx_trainer::recipe::Recipe;
-use longctx_trainer::train::loss_and_gradients;
+use longctx_trainer::train::{loss_and_gradients, loss_gradients_and_saved};
 
 /// A scalar reverse-mode tape: node `i` has a value and up to two parents with their local derivatives.
 #[derive(Default)]
@@ -451,5 +451,55 @@ fn what_each_layer_saves_is_what_bytes_for_states_from_the_shapes() {
                 assert_eq!(b, LayerSaved::bytes_for(&recipe.model, l, dtype), "{precision} cp {cp}");
             }
         }
+    }
+}
+
+#[test]
+fn every_recompute_policy_gives_bit_identical_loss_and_gradients_at_cp_1_and_4() {
+    for (cp, masking) in
+        [("parallel.cp=1", "data.document_masking=false"), ("parallel.cp=4", "data.document_masking=true")]
+    {
+        let seqs = [random_sequence(21, 24, &[7, 15]), random_sequence(22, 24, &[3])];
+        let base = tiny_recipe(&[cp, masking, "train.batch=2", "model.layers=3"]);
+        let (loss0, g0, kept0) = loss_gradients_and_saved(&base, &seqs).unwrap();
+        let spec = base.layer_spec();
+        // Room for two of the three layers' tensors: the solver must recompute some.
+        let budget = 2 * spec.saved_bytes() + spec.backward_working_bytes;
+        for policy in [
+            "full",
+            "selective",
+            "selective:core_attn",
+            "selective:mlp,attn_proj",
+            "uniform:2",
+            "uniform:3",
+            "block:2",
+            "custom:q=recompute,x2=recompute,act=recompute",
+            &format!("budget:{budget}"),
+        ] {
+            let r = tiny_recipe(&[
+                cp,
+                masking,
+                "train.batch=2",
+                "model.layers=3",
+                &format!("train.recompute=\"{policy}\""),
+            ]);
+            let (loss, g, kept) = loss_gradients_and_saved(&r, &seqs).unwrap();
+            assert!(kept < kept0, "{cp} {policy}: kept {kept} bytes, as many as with none ({kept0})");
+            assert_eq!(loss.to_bits(), loss0.to_bits(), "{cp} {policy}: loss {loss} vs {loss0}");
+            for (i, (a, b)) in g.iter().zip(&g0).enumerate() {
+                let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+                assert!(same, "{cp} {policy}: tensor {i} differs");
+            }
+        }
+    }
+}
+
+#[test]
+fn the_recompute_crate_describes_the_trainers_layer_exactly() {
+    use longctx_trainer::model::LayerSaved;
+    for (precision, dtype, cp) in [("f32", DType::F32, "parallel.cp=1"), ("bf16", DType::Bf16, "parallel.cp=4")] {
+        let r = tiny_recipe(&[&format!("train.precision=\"{precision}\""), cp]);
+        let l = r.train.seq_len / r.parallel.cp;
+        assert_eq!(r.layer_spec().saved_bytes() as usize, LayerSaved::bytes_for(&r.model, l, dtype), "{precision}");
     }
 }
