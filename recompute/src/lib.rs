@@ -7,7 +7,9 @@
 //! through `longctx-offload`). The built-in policies are Megatron's and PyTorch's (`none`, `full`,
 //! `selective` by module, `uniform:K`, `block:N`, per-tensor `custom`), and `budget:BYTES` runs an exact
 //! per-layer solver ([`solver`]) for the least added time within a peak-memory budget. [`cost`] says what a
-//! choice costs in resident bytes, peak bytes and added seconds. The crate depends on no other longctx crate:
+//! choice costs in resident bytes, peak bytes and added seconds. [`planner`] predicts per-device memory and
+//! step time of the seed's models ([`models`]) at real scale (`longctx plan`). The crate depends on no other
+//! longctx crate:
 //! a framework author describes their own layers to it; the trainer is its first user.
 //!
 //! ```
@@ -31,11 +33,15 @@
 pub mod cost;
 pub mod error;
 pub mod layer;
+pub mod models;
+pub mod planner;
 pub mod policy;
 pub mod solver;
 
 pub use cost::{layer_cost, plan_cost, Costs, LayerCost, PlanCost};
 pub use error::{RecomputeError, Result};
 pub use layer::{llama_layer, LayerSpec, LlamaLayerShape, SavedTensor, Segment};
+pub use models::{device, model, Device, ModelDesc};
+pub use planner::{plan, Layout, MemoryBreakdown, PlanInput, PlanReport, TimeEstimate};
 pub use policy::{parse_bytes, Action, LayerActions, Policy, DEFAULT_SELECTIVE};
 pub use solver::{solve, Solution};

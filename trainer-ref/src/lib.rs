@@ -23,6 +23,7 @@ pub mod eval;
 pub mod metrics;
 pub mod model;
 pub mod npy;
+pub mod plan_cmd;
 pub mod plot;
 pub mod recipe;
 pub mod train;

@@ -1,0 +1,222 @@
+//! `longctx plan`: the recompute crate's planner on the command line (a table, `--json`, `--sweep`,
+//! `--calibrate`).
+
+use longctx_recompute::planner::{korthikanti_layer_bytes, layer_for, parse_tokens, NEMO_LLAMA3_8B};
+use longctx_recompute::{device, model, plan, Layout, PlanInput, PlanReport, Policy};
+
+use crate::error::{Result, TrainError};
+
+/// The command's options.
+#[derive(Debug, Clone)]
+pub struct PlanArgs {
+    /// Built-in model.
+    pub model: String,
+    /// Sequence length (`128K`, `1M`).
+    pub seq: String,
+    /// Devices.
+    pub gpus: u64,
+    /// Context parallelism.
+    pub cp: u64,
+    /// Tensor parallelism.
+    pub tp: u64,
+    /// Pipeline parallelism.
+    pub pp: u64,
+    /// Device.
+    pub device: String,
+    /// Policy (`None`: cheapest that fits).
+    pub recompute: Option<String>,
+    /// Sequences per step.
+    pub global_batch: Option<u64>,
+    /// Fraction of peak sustained.
+    pub efficiency: f64,
+    /// FP8 matrix products.
+    pub fp8: bool,
+    /// No sequence parallelism.
+    pub no_sequence_parallel: bool,
+    /// JSON out.
+    pub json: bool,
+    /// `seq=16K..1M`: one row per doubling.
+    pub sweep: Option<String>,
+}
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+fn input(a: &PlanArgs, seq: u64) -> Result<PlanInput> {
+    let cfg = |e: longctx_recompute::RecomputeError| TrainError::Config(e.to_string());
+    let policy = a.recompute.as_deref().map(|p| p.parse::<Policy>()).transpose().map_err(cfg)?;
+    let dp = (a.gpus / (a.tp * a.cp * a.pp).max(1)).max(1);
+    Ok(PlanInput {
+        model: model(&a.model).map_err(cfg)?,
+        device: device(&a.device).map_err(cfg)?,
+        layout: Layout {
+            gpus: a.gpus,
+            tp: a.tp,
+            cp: a.cp,
+            pp: a.pp,
+            sequence_parallel: !a.no_sequence_parallel && a.tp > 1,
+            distributed_optimizer: true,
+            global_batch: a.global_batch.unwrap_or(dp),
+        },
+        seq_len: seq,
+        policy,
+        efficiency: a.efficiency,
+        fp8: a.fp8,
+        loss_chunk: 1024,
+    })
+}
+
+fn gib(b: u64) -> String {
+    format!("{:.2} GiB", b as f64 / GIB)
+}
+
+fn print_report(r: &PlanReport) {
+    let l = &r.input.layout;
+    println!(
+        "# {} at {} tokens on {} × {} (TP {} · CP {} · PP {} · DP {}, sequence parallel {}), global batch {}",
+        r.input.model.name,
+        r.input.seq_len,
+        l.gpus,
+        r.input.device.name,
+        l.tp,
+        l.cp,
+        l.pp,
+        l.dp(),
+        l.sequence_parallel,
+        l.global_batch
+    );
+    println!("# recompute policy: {}", r.policy);
+    println!("| per device | bytes |");
+    println!("|---|---|");
+    let mem = &r.memory;
+    for (k, v) in [
+        ("weights (bf16)", mem.weights),
+        ("gradients (f32)", mem.gradients),
+        ("optimizer (f32 master + Adam, sharded over DP·CP)", mem.optimizer),
+        ("activations per layer (kept)", mem.activations_per_layer),
+        ("activations at peak (all layers, in flight, rebuilt)", mem.activations),
+        ("loss working set (chunked cross-entropy)", mem.loss),
+        ("ring buffers", mem.comm),
+        ("total", mem.total),
+        ("device memory", r.input.device.memory_bytes),
+    ] {
+        println!("| {k} | {} |", gib(v));
+    }
+    println!("fits: {}", if r.fits { "yes" } else { "NO" });
+    if let Some(s) = longctx_recompute::planner::suggest(r) {
+        println!("smallest change that fits: {s}");
+    }
+    let t = &r.time;
+    println!(
+        "step {:.2} s: compute {:.2}, recompute {:.2}, ring exposed {:.3}, TP {:.3}, bubble {:.3}; {:.0} TFLOP/s per device",
+        t.step_seconds, t.compute_seconds, t.recompute_seconds, t.ring_exposed_seconds, t.tp_seconds, t.bubble_seconds, t.tflops_per_device
+    );
+}
+
+/// Runs the command.
+pub fn run(a: &PlanArgs) -> Result<()> {
+    let cfg = |e: longctx_recompute::RecomputeError| TrainError::Config(e.to_string());
+    let seqs: Vec<u64> = match &a.sweep {
+        Some(s) => {
+            let range = s.strip_prefix("seq=").unwrap_or(s);
+            let (lo, hi) = range
+                .split_once("..")
+                .ok_or_else(|| TrainError::Config(format!("--sweep {s}: expected seq=16K..1M")))?;
+            let (lo, hi) = (
+                parse_tokens(lo).ok_or_else(|| TrainError::Config(format!("--sweep: `{lo}` is not a length")))?,
+                parse_tokens(hi).ok_or_else(|| TrainError::Config(format!("--sweep: `{hi}` is not a length")))?,
+            );
+            std::iter::successors(Some(lo), |&s| (s * 2 <= hi).then_some(s * 2)).collect()
+        }
+        None => vec![parse_tokens(&a.seq)
+            .ok_or_else(|| TrainError::Config(format!("--seq {}: not a length (8K, 1M, 131072)", a.seq)))?],
+    };
+    let mut reports = Vec::new();
+    for &s in &seqs {
+        reports.push(plan(&input(a, s)?).map_err(cfg)?);
+    }
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&reports).map_err(|e| TrainError::Config(e.to_string()))?);
+        return Ok(());
+    }
+    if seqs.len() == 1 {
+        print_report(&reports[0]);
+        return Ok(());
+    }
+    println!("| seq | policy | activations | total | fits | step s | TFLOP/s per device |");
+    println!("|---|---|---|---|---|---|---|");
+    for r in &reports {
+        println!(
+            "| {} | {} | {} | {} | {} | {:.2} | {:.0} |",
+            r.input.seq_len,
+            r.policy,
+            gib(r.memory.activations),
+            gib(r.memory.total),
+            if r.fits { "yes" } else { "no" },
+            r.time.step_seconds,
+            r.time.tflops_per_device
+        );
+    }
+    Ok(())
+}
+
+/// `longctx plan --calibrate`: the planner against published figures.
+pub fn calibrate(efficiency: f64) -> Result<()> {
+    let cfg = |e: longctx_recompute::RecomputeError| TrainError::Config(e.to_string());
+    let m = model("llama3-8b").map_err(cfg)?;
+    println!("# Activation bytes per layer, Llama 3 8B, bf16, batch 1, no recompute");
+    println!(
+        "| seq | TP | longctx's saved tensors | Korthikanti eq. 2 | ratio | Korthikanti without the a·s² scores |"
+    );
+    println!("|---|---|---|---|---|---|");
+    for (s, t) in [(8192u64, 1u64), (8192, 4), (65536, 1)] {
+        let layout = Layout {
+            gpus: t,
+            tp: t,
+            cp: 1,
+            pp: 1,
+            sequence_parallel: t > 1,
+            distributed_optimizer: true,
+            global_batch: 1,
+        };
+        let ours = layer_for(&m, &layout, s).saved_bytes() as f64;
+        let k = korthikanti_layer_bytes(s, 1, m.d_model, m.heads, t);
+        let k_flash = (s * m.d_model) as f64 * 34.0 / t as f64;
+        println!(
+            "| {s} | {t} | {:.3} GiB | {:.3} GiB | {:.2} | {:.3} GiB |",
+            ours / GIB,
+            k / GIB,
+            ours / k,
+            k_flash / GIB
+        );
+    }
+    println!();
+    println!("# Llama 3 8B TFLOP/s per GPU: NeMo 25.04 on DGX-B200 (FP8, published) vs this planner (FP8 peak × {efficiency})");
+    println!("| seq | CP | TP | GPUs | NeMo | planner | planner / NeMo |");
+    println!("|---|---|---|---|---|---|---|");
+    for &(seq, cp, tp, nemo) in NEMO_LLAMA3_8B {
+        let gpus = (cp * tp).max(8);
+        let a = PlanArgs {
+            model: "llama3-8b".into(),
+            seq: seq.to_string(),
+            gpus,
+            cp,
+            tp,
+            pp: 1,
+            device: "b200-180g".into(),
+            recompute: None,
+            global_batch: None,
+            efficiency,
+            fp8: true,
+            no_sequence_parallel: false,
+            json: false,
+            sweep: None,
+        };
+        let r = plan(&input(&a, seq)?).map_err(cfg)?;
+        println!(
+            "| {seq} | {cp} | {tp} | {gpus} | {nemo:.0} | {:.0} | {:.2} |",
+            r.time.tflops_per_device,
+            r.time.tflops_per_device / nemo
+        );
+    }
+    Ok(())
+}
