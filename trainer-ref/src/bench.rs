@@ -26,6 +26,8 @@ pub struct BenchOptions {
     pub cp: usize,
     /// Scratch folder for the runs.
     pub scratch: PathBuf,
+    /// Recompute policies to compare with `none` (our side only) instead of the PyTorch table.
+    pub recompute: Vec<String>,
 }
 
 /// The bench model: the peer's (4 layers, d 256, 4 heads / 2 KV heads, SwiGLU 688, byte vocabulary).
@@ -54,6 +56,7 @@ struct Side {
     tokens_per_s: f64,
     peak_rss_mib: f64,
     saved_mib_per_rank: f64,
+    predicted_mib_per_rank: f64,
     loss_first: f64,
 }
 
@@ -79,8 +82,38 @@ fn ours(exe: &Path, out: &Path, sets: &[String], cp: usize) -> Result<Side> {
         tokens_per_s: timed.len() as f64 / secs_per_token.max(1e-12),
         peak_rss_mib: steps.iter().map(|r| f(r, "rss_mib")).fold(0.0, f64::max),
         saved_mib_per_rank: steps.iter().map(|r| f(r, "saved_mib_per_rank")).fold(0.0, f64::max),
+        predicted_mib_per_rank: steps.iter().map(|r| f(r, "predicted_mib_per_rank")).fold(0.0, f64::max),
         loss_first: steps.first().map_or(0.0, |r| f(r, "loss")),
     })
+}
+
+/// Each policy beside `none` on our side: step time, activations kept per rank (measured and predicted),
+/// process peak RSS.
+fn recompute_table(exe: &Path, opts: &BenchOptions) -> Result<()> {
+    println!("| seq | policy | step s | vs none | kept per rank | predicted | vs none | peak RSS |");
+    println!("|---|---|---|---|---|---|---|---|");
+    let dtype = opts.dtypes.first().map_or("f32", String::as_str);
+    for &seq in &opts.seqs {
+        let mut base: Option<Side> = None;
+        let mut policies = vec!["none".to_string()];
+        policies.extend(opts.recompute.iter().filter(|p| *p != "none").cloned());
+        for p in &policies {
+            let mut sets = bench_overrides(seq, opts.steps, dtype);
+            sets.push(format!("train.recompute=\"{p}\""));
+            let s = ours(exe, &opts.scratch.join(format!("rc-{seq}")), &sets, 1)?;
+            let b = *base.get_or_insert(s);
+            println!(
+                "| {seq} | {p} | {:.2} | {:.2}× | {:.1} MiB | {:.1} MiB | {:.2}× | {:.0} MiB |",
+                seq as f64 / s.tokens_per_s,
+                b.tokens_per_s / s.tokens_per_s,
+                s.saved_mib_per_rank,
+                s.predicted_mib_per_rank,
+                s.saved_mib_per_rank / b.saved_mib_per_rank,
+                s.peak_rss_mib
+            );
+        }
+    }
+    Ok(())
 }
 
 fn peer(python: &str, script: &Path, seq: usize, steps: u64, dtype: &str) -> Result<Option<Side>> {
@@ -101,6 +134,7 @@ fn peer(python: &str, script: &Path, seq: usize, steps: u64, dtype: &str) -> Res
         tokens_per_s: f("tokens_per_s"),
         peak_rss_mib: f("peak_rss_mib"),
         saved_mib_per_rank: 0.0,
+        predicted_mib_per_rank: 0.0,
         loss_first: f("loss_first"),
     }))
 }
@@ -109,6 +143,9 @@ fn peer(python: &str, script: &Path, seq: usize, steps: u64, dtype: &str) -> Res
 pub fn run(opts: &BenchOptions) -> Result<()> {
     let exe = std::env::current_exe().map_err(|e| TrainError::io("longctx", e))?;
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../bench/peer_train.py");
+    if !opts.recompute.is_empty() {
+        return recompute_table(&exe, opts);
+    }
     let peak = measure_peak_flops()?;
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     println!(

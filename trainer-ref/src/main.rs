@@ -86,6 +86,9 @@ enum Command {
         /// Context-parallel ranks of the memory comparison at the longest length (0 skips it).
         #[arg(long, default_value_t = 4)]
         cp: usize,
+        /// Compare these recompute policies with `none` (our side only): `--recompute selective,full`.
+        #[arg(long, value_delimiter = ',')]
+        recompute: Vec<String>,
     },
     /// Per-device memory and step time of a model at a length and layout, and the cheapest recompute policy
     /// that fits (longctx-recompute's planner).
@@ -194,7 +197,7 @@ fn run(cli: Cli) -> Result<()> {
                 println!("{name:<18} {}", r.description);
             }
         }
-        Command::Bench { seqs, steps, dtypes, python, cp } => {
+        Command::Bench { seqs, steps, dtypes, python, cp, recompute } => {
             let python = (python != "none").then_some(python);
             let scratch = std::env::temp_dir().join(format!("longctx-bench-{}", std::process::id()));
             longctx_trainer::bench::run(&longctx_trainer::bench::BenchOptions {
@@ -204,6 +207,7 @@ fn run(cli: Cli) -> Result<()> {
                 python,
                 cp,
                 scratch,
+                recompute,
             })?;
         }
         Command::Plan {

@@ -137,6 +137,7 @@ impl Meter {
         tokens: f64,
         took: Duration,
         saved_bytes: usize,
+        predicted_bytes: usize,
     ) -> Result<()> {
         self.tokens += tokens;
         let tps = tokens / took.as_secs_f64().max(1e-9);
@@ -145,6 +146,7 @@ impl Meter {
         let line = serde_json::json!({
             "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tps, "mfu": mfu,
             "rss_mib": rss, "saved_mib_per_rank": saved_bytes as f64 / MIB,
+            "predicted_mib_per_rank": predicted_bytes as f64 / MIB,
         });
         append_line(&self.path, &line.to_string())?;
         if let Some(v) = val_loss {

@@ -52,6 +52,11 @@ pub struct Summary {
     pub saved_bytes_per_rank: usize,
     /// Tokens per second over the steps run (all ranks together).
     pub tokens_per_s: f64,
+    /// What the recompute crate's planner predicts each rank keeps (its layers under the policy, and the
+    /// final norm's tensors), for comparison with `saved_bytes_per_rank`.
+    pub predicted_saved_bytes_per_rank: usize,
+    /// The planner's peak: the kept bytes plus one layer's rebuilt tensors and backward working set.
+    pub predicted_peak_bytes_per_rank: usize,
 }
 
 static STOP: AtomicBool = AtomicBool::new(false);
@@ -167,6 +172,8 @@ struct Rank<'a> {
     v: Params,
     plan: CpPlan,
     step: u64,
+    /// The planner's kept and peak activation bytes for this rank.
+    predicted: (usize, usize),
 }
 
 impl<'a> Rank<'a> {
@@ -213,8 +220,13 @@ impl<'a> Rank<'a> {
             .recompute_policy()?
             .resolve(&recipe.layer_spec(), cfg.layers, &costs)
             .map_err(|e| TrainError::Config(format!("train.recompute: {e}")))?;
+        let cost = longctx_recompute::plan_cost(&recipe.layer_spec(), &actions, &costs);
+        let elem = if dtype == DType::Bf16 { 2 } else { 4 };
+        let local = recipe.train.seq_len / recipe.parallel.cp;
+        let final_norm = local * cfg.d_model * elem * 2 + local * 4;
+        let predicted = (cost.resident_bytes as usize + final_norm, cost.peak_bytes as usize + final_norm);
         model.set_recompute(actions)?;
-        Ok(Rank { recipe, world, dp_index, model, master, grads, m, v, plan, step: 0 })
+        Ok(Rank { recipe, world, dp_index, model, master, grads, m, v, plan, step: 0, predicted })
     }
 
     fn is_root(&self) -> bool {
@@ -245,7 +257,21 @@ impl<'a> Rank<'a> {
             let (loss_sum, saved_bytes) = self.gradients(|micro, group| {
                 data.train.sequence(step * t.batch as u64 + (micro * dp + group) as u64, s)
             })?;
+            if summary.saved_bytes_per_rank == 0 {
+                if let Some(m) = meter.as_ref() {
+                    let mib = |b: usize| b as f64 / (1024.0 * 1024.0);
+                    m.note(&format!(
+                        "activations kept per rank: {:.1} MiB measured, {:.1} MiB predicted by the planner (recompute {}; peak with one layer rebuilt {:.1} MiB)",
+                        mib(saved_bytes),
+                        mib(self.predicted.0),
+                        self.recipe.train.recompute,
+                        mib(self.predicted.1)
+                    ));
+                }
+            }
             summary.saved_bytes_per_rank = saved_bytes;
+            summary.predicted_saved_bytes_per_rank = self.predicted.0;
+            summary.predicted_peak_bytes_per_rank = self.predicted.1;
             let stop = STOP.load(Ordering::SeqCst) || opts.stop_at.is_some_and(|s| step + 1 >= s);
             let mut reduced = [loss_sum, if stop { 1.0 } else { 0.0 }];
             self.world.all_reduce(&mut reduced, ReduceOp::Sum)?;
@@ -264,7 +290,17 @@ impl<'a> Rank<'a> {
             }
             if let Some(m) = meter.as_mut() {
                 let tokens = (t.batch * s) as f64;
-                m.step(self.step, loss, val, lr, grad_norm, tokens, took, summary.saved_bytes_per_rank)?;
+                m.step(
+                    self.step,
+                    loss,
+                    val,
+                    lr,
+                    grad_norm,
+                    tokens,
+                    took,
+                    summary.saved_bytes_per_rank,
+                    summary.predicted_saved_bytes_per_rank,
+                )?;
             }
             let ckpt_due = (t.checkpoint_every > 0 && self.step.is_multiple_of(t.checkpoint_every)) || last;
             if ckpt_due {

@@ -255,3 +255,18 @@ fn sigint_finishes_the_step_saves_and_exits_and_resume_continues() {
     let (ok, text) = longctx(&args);
     assert!(ok && text.contains(&format!("trained steps {}..{}", step + 1, step + 2)), "{text}");
 }
+
+#[test]
+fn the_planner_predicts_exactly_what_each_rank_keeps_under_every_policy() {
+    for (policy, cp) in [("none", 1), ("selective", 2), ("full", 1), ("uniform:2", 2), ("block:1", 1)] {
+        let r = small(&[
+            "train.steps=1",
+            "train.eval_every=0",
+            &format!("parallel.cp={cp}"),
+            &format!("train.recompute=\"{policy}\""),
+        ]);
+        let s = run(&r, &out_dir("predict"), false, None).unwrap();
+        assert_eq!(s.saved_bytes_per_rank, s.predicted_saved_bytes_per_rank, "{policy} cp {cp}");
+        assert!(s.predicted_peak_bytes_per_rank > s.predicted_saved_bytes_per_rank);
+    }
+}
