@@ -13,6 +13,15 @@ enum Owned {
     HostBf16(Vec<bf16>),
 }
 
+/// A host buffer's elements, moved out of it without a copy (to hand to an offload engine, and back).
+#[derive(Debug, Clone, PartialEq)]
+pub enum HostVec {
+    /// `f32` elements.
+    F32(Vec<f32>),
+    /// `bf16` elements.
+    Bf16(Vec<bf16>),
+}
+
 /// An owned, contiguous buffer with dims (see the module docs).
 #[derive(Debug, Clone)]
 pub struct Buffer {
@@ -30,6 +39,29 @@ impl Buffer {
             DType::Bf16 => Owned::HostBf16(vec![bf16::ZERO; n]),
         };
         Ok(Self { data, dims })
+    }
+    /// A host buffer owning `data` with `dims` (no copy). Errors: a length that is not the dims' product.
+    pub fn from_host_vec(data: HostVec, dims: impl IntoDims) -> Result<Self> {
+        let dims = dims.into_dims()?;
+        let len = match &data {
+            HostVec::F32(v) => v.len(),
+            HostVec::Bf16(v) => v.len(),
+        };
+        crate::error::check_len("data", len, dims.numel())?;
+        let data = match data {
+            HostVec::F32(v) => Owned::HostF32(v),
+            HostVec::Bf16(v) => Owned::HostBf16(v),
+        };
+        Ok(Self { data, dims })
+    }
+    /// The elements, moved out (no copy), with the dims. Host buffers only: a device buffer (with the CUDA
+    /// backend) is copied out by its backend.
+    pub fn into_host_vec(self) -> (HostVec, Dims) {
+        let data = match self.data {
+            Owned::HostF32(v) => HostVec::F32(v),
+            Owned::HostBf16(v) => HostVec::Bf16(v),
+        };
+        (data, self.dims)
     }
     /// The dims.
     pub fn dims(&self) -> &[usize] {

@@ -60,7 +60,7 @@ pub use attention::{
     AttnOut, AttnParams, AttnPartial, AttnSaved, AttnShape, AttnWork, Positions, Qkv, SimdPath,
 };
 pub use backend::{AdamwState, Backend, GradMode, LinearGrads, NormGrads, NormParams, ProjectionGrads};
-pub use buffer::Buffer;
+pub use buffer::{Buffer, HostVec};
 pub use cpu::CpuBackend;
 pub use cuda::CudaBackend;
 pub use dtype::{DType, Element};
