@@ -28,6 +28,8 @@ pub struct BenchOptions {
     pub scratch: PathBuf,
     /// Recompute policies to compare with `none` (our side only) instead of the PyTorch table.
     pub recompute: Vec<String>,
+    /// Times each side runs per row, alternating (medians are printed).
+    pub rounds: usize,
 }
 
 /// The bench model: the peer's (4 layers, d 256, 4 heads / 2 KV heads, SwiGLU 688, byte vocabulary).
@@ -139,6 +141,13 @@ fn peer(python: &str, script: &Path, seq: usize, steps: u64, dtype: &str) -> Res
     }))
 }
 
+/// The run with the median tokens/s (its other figures with it).
+fn median_side(runs: &[Side]) -> Side {
+    let mut v = runs.to_vec();
+    v.sort_by(|a, b| a.tokens_per_s.total_cmp(&b.tokens_per_s));
+    v[v.len() / 2]
+}
+
 /// Runs the comparison and prints its tables.
 pub fn run(opts: &BenchOptions) -> Result<()> {
     let exe = std::env::current_exe().map_err(|e| TrainError::io("longctx", e))?;
@@ -164,11 +173,19 @@ pub fn run(opts: &BenchOptions) -> Result<()> {
             let recipe = Recipe::load("tiny-llama", &sets)?;
             let weights: usize = param_shapes(&recipe.model).iter().map(|(_, d)| d.iter().product::<usize>()).sum();
             let fpt = flops_per_token(&recipe, weights);
-            let us = ours(&exe, &opts.scratch.join(format!("ours-{seq}-{dtype}")), &sets, 1)?;
-            let them = match &opts.python {
-                Some(py) => peer(py, &script, seq, opts.steps, dtype)?,
-                None => None,
-            };
+            // Alternate the two sides `rounds` times and keep each side's median, so load that comes and goes
+            // falls on both.
+            let (mut us_runs, mut them_runs) = (Vec::new(), Vec::new());
+            for _ in 0..opts.rounds.max(1) {
+                us_runs.push(ours(&exe, &opts.scratch.join(format!("ours-{seq}-{dtype}")), &sets, 1)?);
+                if let Some(py) = &opts.python {
+                    if let Some(p) = peer(py, &script, seq, opts.steps, dtype)? {
+                        them_runs.push(p);
+                    }
+                }
+            }
+            let us = median_side(&us_runs);
+            let them = (!them_runs.is_empty()).then(|| median_side(&them_runs));
             let mfu = |tps: f64| format!("{:.1}%", 100.0 * tps * fpt / peak);
             let (pt, pm, pr, ratio, rss_ratio) = match them {
                 Some(p) => (

@@ -89,6 +89,9 @@ enum Command {
         /// Compare these recompute policies with `none` (our side only): `--recompute selective,full`.
         #[arg(long, value_delimiter = ',')]
         recompute: Vec<String>,
+        /// Alternating rounds per row (medians printed).
+        #[arg(long, default_value_t = 1)]
+        rounds: usize,
     },
     /// Per-device memory and step time of a model at a length and layout, and the cheapest recompute policy
     /// that fits (longctx-recompute's planner).
@@ -197,7 +200,7 @@ fn run(cli: Cli) -> Result<()> {
                 println!("{name:<18} {}", r.description);
             }
         }
-        Command::Bench { seqs, steps, dtypes, python, cp, recompute } => {
+        Command::Bench { seqs, steps, dtypes, python, cp, recompute, rounds } => {
             let python = (python != "none").then_some(python);
             let scratch = std::env::temp_dir().join(format!("longctx-bench-{}", std::process::id()));
             longctx_trainer::bench::run(&longctx_trainer::bench::BenchOptions {
@@ -208,6 +211,7 @@ fn run(cli: Cli) -> Result<()> {
                 cp,
                 scratch,
                 recompute,
+                rounds,
             })?;
         }
         Command::Plan {
