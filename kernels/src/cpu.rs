@@ -76,6 +76,15 @@ impl CpuBackend {
     pub fn threads(&self) -> usize {
         self.pool.as_ref().map_or_else(rayon::current_num_threads, |p| p.current_num_threads())
     }
+    /// Frees the `f32` conversion buffers that the calling thread and this backend's threads keep for `bf16`
+    /// operands (each thread reuses a few between calls).
+    pub fn release_scratch(&self) {
+        ops::clear_pool();
+        match &self.pool {
+            Some(p) => p.broadcast(|_| ops::clear_pool()),
+            None => rayon::broadcast(|_| ops::clear_pool()),
+        };
+    }
 
     fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
         match &self.pool {
@@ -415,6 +424,15 @@ impl Backend for CpuBackend {
         by_dtype!(x.dtype(), T => {
             let x = self.typed_mut::<T>("x", x)?;
             self.run(|| rope.forward_inplace(x, positions, b, h))
+        })
+    }
+
+    fn rope_backward(&self, rope: &RopeTable, dx: ViewMut<'_>, dy: View<'_>, positions: &[i64]) -> Result<()> {
+        let (b, h) = rope_dims(dy.dims(), positions, rope)?;
+        same_dims("dx", dx.dims(), dy.dims())?;
+        by_dtype!(dy.dtype(), T => {
+            let (dy, dx) = (self.typed::<T>("dy", dy)?, self.typed_mut::<T>("dx", dx)?);
+            self.run(|| rope.backward(dx, dy, positions, b, h))
         })
     }
 

@@ -93,6 +93,18 @@ impl AttnShape {
     pub fn group(&self) -> usize {
         self.q_heads / self.kv_heads
     }
+    /// The dims of `Q` (and `O`, `dQ`, `dO`): `[B, Hq, Sq, D]`, for their [`View`](crate::View)s.
+    pub fn q_dims(&self) -> [usize; 4] {
+        [self.batch, self.q_heads, self.q_len, self.head_dim]
+    }
+    /// The dims of `K` (and `V`, `dK`, `dV`): `[B, Hkv, Sk, D]`.
+    pub fn kv_dims(&self) -> [usize; 4] {
+        [self.batch, self.kv_heads, self.kv_len, self.head_dim]
+    }
+    /// The dims of `LSE`: `[B, Hq, Sq]`.
+    pub fn lse_dims(&self) -> [usize; 3] {
+        [self.batch, self.q_heads, self.q_len]
+    }
 
     /// Checks every dimension.
     pub fn validate(&self) -> Result<()> {
@@ -142,6 +154,10 @@ impl<'a> AttnParams<'a> {
     pub fn with_scale(mut self, scale: f32) -> Self {
         self.scale = scale;
         self
+    }
+    /// The mask and scale as the options of a [`Backend`](crate::Backend) call, whose views give the sizes.
+    pub fn options(&self) -> AttnOptions<'a> {
+        AttnOptions { mask: self.mask, scale: Some(self.scale) }
     }
 
     /// Checks the shape, mask and scale.
