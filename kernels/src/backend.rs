@@ -9,6 +9,10 @@
 //! chosen at run time (a recipe's `bf16`) would need a second dispatch anyway. A backend checks, before any
 //! work, that each view lives in its memory ([`KernelError::Memory`]) and that the dims agree.
 //!
+//! It is the only way to compute: the CPU kernels (typed slices with explicit sizes) are private to
+//! [`CpuBackend`](crate::CpuBackend), which turns views into them, so code written against the trait runs
+//! unchanged on every backend, and tests written once over a `&dyn Backend` run on each.
+//!
 //! # Conventions (llm.c's)
 //! Outputs first, then the upstream gradient, then what the forward saved ([`crate::saved`]), then parameters
 //! and options. Gradients are named `dq, dk, dv, dout, dx, dw`. Activation gradients are overwritten; the

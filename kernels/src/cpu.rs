@@ -1,5 +1,10 @@
 //! The CPU backend: SIMD kernels on a rayon thread pool, behind [`Backend`].
 //!
+//! The kernels themselves (`crate::attention`'s tiled forward, backward and merge, and the ops under
+//! `crate::ops`) take typed slices and explicit sizes and are private to this backend: each method below checks
+//! its views (memory, dims, dtypes), takes their slices without copying and calls one kernel on the backend's
+//! pool.
+//!
 //! Its thread pool and its SIMD level are fields, not process-wide settings, so two backends in one process
 //! (one per rank of a threads world, or one per SIMD path in a test) do not disturb each other.
 
@@ -198,8 +203,8 @@ impl Backend for CpuBackend {
             hosts
                 .iter()
                 .map(|h| match *h {
-                    HostSlice::F32(s) => ops::optim::sum_squares(s),
-                    HostSlice::Bf16(s) => ops::optim::sum_squares(s),
+                    HostSlice::F32(s) => ops::sum_squares(s),
+                    HostSlice::Bf16(s) => ops::sum_squares(s),
                 })
                 .sum()
         }))
