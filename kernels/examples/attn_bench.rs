@@ -40,10 +40,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use half::bf16;
-use longctx_kernels::attention::{
-    attention_backward_on, attention_forward_on, AttnMask, AttnParams, AttnShape, SimdPath,
+use longctx_kernels::attention::{AttnMask, AttnParams, AttnShape, SimdPath};
+use longctx_kernels::{
+    AttnGrads, AttnOut, AttnSaved, Backend, CpuBackend, GradMode, HostSlice, HostSliceMut, Qkv, View, ViewMut,
 };
-use longctx_kernels::{HostSlice, HostSliceMut};
 
 /// Counts live heap bytes and their high-water mark.
 struct Counting;
@@ -555,10 +555,22 @@ fn measure(
     let mut dk = Bufs::new(shape.kv_elems(), 7, bf);
     let mut dv = Bufs::new(shape.kv_elems(), 8, bf);
     let inputs = LIVE.load(Ordering::Relaxed) - base;
+    // The kernels run through the CPU backend limited to `simd`, on the calling thread's pool; the views are
+    // made inside the timed calls (they only borrow the buffers).
+    let backend = CpuBackend::new().with_simd(simd);
+    let (qd, kd, ld) = (shape.q_dims(), shape.kv_dims(), shape.lse_dims());
+    let opts = p.options();
+    let qkv = Qkv::new(
+        View::host(q.view(), qd).unwrap(),
+        View::host(k.view(), kd).unwrap(),
+        View::host(v.view(), kd).unwrap(),
+    );
+    let dout = View::host(d_o.view(), qd).unwrap();
     let mut fwd = f64::MAX;
     for _ in 0..reps {
         let t = timed(cpu, threads, || {
-            attention_forward_on(simd, &p, q.view(), k.view(), v.view(), o.view_mut(), &mut lse).expect("forward")
+            let out = AttnOut { o: ViewMut::host(o.view_mut(), qd).unwrap(), lse: ViewMut::new(&mut lse, ld).unwrap() };
+            backend.attention_forward(&opts, out, qkv).expect("forward")
         });
         fwd = fwd.min(t);
     }
@@ -567,21 +579,13 @@ fn measure(
         bwd = f64::MAX;
         for _ in 0..reps {
             let t = timed(cpu, threads, || {
-                attention_backward_on(
-                    simd,
-                    &p,
-                    q.view(),
-                    k.view(),
-                    v.view(),
-                    o.view_mut().as_slice(),
-                    d_o.view(),
-                    &lse,
-                    dq.view_mut(),
-                    dk.view_mut(),
-                    dv.view_mut(),
-                    false,
-                )
-                .expect("backward")
+                let saved = AttnSaved { qkv, o: View::host(o.view(), qd).unwrap(), lse: View::new(&lse, ld).unwrap() };
+                let grads = AttnGrads {
+                    dq: ViewMut::host(dq.view_mut(), qd).unwrap(),
+                    dk: ViewMut::host(dk.view_mut(), kd).unwrap(),
+                    dv: ViewMut::host(dv.view_mut(), kd).unwrap(),
+                };
+                backend.attention_backward(&opts, grads, dout, saved, GradMode::Overwrite).expect("backward")
             });
             bwd = bwd.min(t);
         }

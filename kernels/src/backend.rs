@@ -7,8 +7,11 @@
 //! parameters (`B: Backend` with associated buffer types) would be checked at compile time instead, but every
 //! struct that holds a backend (a model, a context-parallel plan) would carry the parameter, and a dtype
 //! chosen at run time (a recipe's `bf16`) would need a second dispatch anyway. A backend checks, before any
-//! work, that each view lives in its memory ([`KernelError::Memory`](crate::KernelError::Memory)) and that the
-//! dims agree.
+//! work, that each view lives in its memory ([`KernelError::Memory`]) and that the dims agree.
+//!
+//! It is the only way to compute: the CPU kernels (typed slices with explicit sizes) are private to
+//! [`CpuBackend`](crate::CpuBackend), which turns views into them, so code written against the trait runs
+//! unchanged on every backend, and tests written once over a `&dyn Backend` run on each.
 //!
 //! # Conventions (llm.c's)
 //! Outputs first, then the upstream gradient, then what the forward saved ([`crate::saved`]), then parameters
@@ -21,7 +24,7 @@ use std::fmt;
 use crate::attention::{AttnGrads, AttnOptions, AttnOut, AttnPartial, AttnSaved, Qkv};
 use crate::buffer::Buffer;
 use crate::dtype::DType;
-use crate::error::Result;
+use crate::error::{KernelError, Result};
 use crate::ops::{AdamW, CrossEntropyOptions, CrossEntropyOutput, RopeTable};
 use crate::saved::{LayerNormSaved, LinearSaved, MatmulSaved, RmsNormSaved, SquaredReluSaved, SwigluSaved};
 use crate::view::{Dims, Memory, View, ViewMut};
@@ -113,6 +116,39 @@ pub trait Backend: Send + Sync + fmt::Debug {
     fn scale(&self, x: ViewMut<'_>, a: f32) -> Result<()>;
     /// `Σ x²` over all the views, in `f64` (the squared global norm, to all-reduce before clipping).
     fn sum_squares(&self, xs: &[View<'_>]) -> Result<f64>;
+    /// Clips gradients by their global L2 norm (PyTorch's `clip_grad_norm_`): `‖g‖ = √(Σ g²)` over all of
+    /// `grads`, in `f64`; when it exceeds `max_norm`, every gradient is scaled by `max_norm / (‖g‖ + 1e-6)`.
+    /// Returns the norm before clipping (finite for any finite `f32` gradients).
+    ///
+    /// This is [`sum_squares`](Backend::sum_squares) then [`scale`](Backend::scale), provided here so that a
+    /// backend may fuse the two. When the gradients are sharded or data-parallel, the squares must be
+    /// all-reduced between the two steps, so such a caller makes the two calls itself (as the reference trainer
+    /// does).
+    ///
+    /// Errors: `max_norm` negative or not finite; a non-finite norm (a NaN or infinite gradient) is reported as
+    /// [`KernelError::InvalidArgument`] for `grads`, with the gradients left untouched.
+    fn clip_grad_norm(&self, grads: &mut [ViewMut<'_>], max_norm: f32) -> Result<f64> {
+        if !max_norm.is_finite() {
+            return Err(KernelError::InvalidArgument { name: "max_norm", why: format!("{max_norm} is not finite") });
+        }
+        if max_norm < 0.0 {
+            return Err(KernelError::InvalidArgument { name: "max_norm", why: format!("{max_norm} < 0") });
+        }
+        let norm = {
+            let views: Vec<View<'_>> = grads.iter().map(|g| g.as_view()).collect();
+            self.sum_squares(&views)?.sqrt()
+        };
+        if !norm.is_finite() {
+            return Err(KernelError::InvalidArgument { name: "grads", why: format!("gradient norm is {norm}") });
+        }
+        if norm > max_norm as f64 {
+            let k = (max_norm as f64 / (norm + 1e-6)) as f32;
+            for g in grads.iter_mut() {
+                self.scale(g.reborrow(), k)?;
+            }
+        }
+        Ok(norm)
+    }
     /// `dst[a, c, b, d] = src[a, b, c, d]`: swaps the middle dims of a 4-D view, converting the element type
     /// when they differ. A model uses it between its token-major projections `[B, S, H, D]` and attention's
     /// head-major `[B, H, S, D]` (and back, and for the gradients). Saves nothing.
@@ -194,6 +230,9 @@ pub trait Backend: Send + Sync + fmt::Debug {
     fn rope_forward(&self, rope: &RopeTable, y: ViewMut<'_>, x: View<'_>, positions: &[i64]) -> Result<()>;
     /// Rotary embedding in place.
     fn rope_forward_inplace(&self, rope: &RopeTable, x: ViewMut<'_>, positions: &[i64]) -> Result<()>;
+    /// The rotary embedding's backward: `dx[B,H,S,D]` receives `dy` rotated back (the transpose of the forward
+    /// map, so with no attention factor its inverse).
+    fn rope_backward(&self, rope: &RopeTable, dx: ViewMut<'_>, dy: View<'_>, positions: &[i64]) -> Result<()>;
     /// The rotary embedding's backward (the inverse rotation) in place: `d` holds `dy` and receives `dx`.
     fn rope_backward_inplace(&self, rope: &RopeTable, d: ViewMut<'_>, positions: &[i64]) -> Result<()>;
 

@@ -1,5 +1,10 @@
 //! The CPU backend: SIMD kernels on a rayon thread pool, behind [`Backend`].
 //!
+//! The kernels themselves (`crate::attention`'s tiled forward, backward and merge, and the ops under
+//! `crate::ops`) take typed slices and explicit sizes and are private to this backend: each method below checks
+//! its views (memory, dims, dtypes), takes their slices without copying and calls one kernel on the backend's
+//! pool.
+//!
 //! Its thread pool and its SIMD level are fields, not process-wide settings, so two backends in one process
 //! (one per rank of a threads world, or one per SIMD path in a test) do not disturb each other.
 
@@ -75,6 +80,15 @@ impl CpuBackend {
     /// Threads the kernels use.
     pub fn threads(&self) -> usize {
         self.pool.as_ref().map_or_else(rayon::current_num_threads, |p| p.current_num_threads())
+    }
+    /// Frees the `f32` conversion buffers that the calling thread and this backend's threads keep for `bf16`
+    /// operands (each thread reuses a few between calls).
+    pub fn release_scratch(&self) {
+        ops::clear_pool();
+        match &self.pool {
+            Some(p) => p.broadcast(|_| ops::clear_pool()),
+            None => rayon::broadcast(|_| ops::clear_pool()),
+        };
     }
 
     fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
@@ -189,8 +203,8 @@ impl Backend for CpuBackend {
             hosts
                 .iter()
                 .map(|h| match *h {
-                    HostSlice::F32(s) => ops::optim::sum_squares(s),
-                    HostSlice::Bf16(s) => ops::optim::sum_squares(s),
+                    HostSlice::F32(s) => ops::sum_squares(s),
+                    HostSlice::Bf16(s) => ops::sum_squares(s),
                 })
                 .sum()
         }))
@@ -415,6 +429,15 @@ impl Backend for CpuBackend {
         by_dtype!(x.dtype(), T => {
             let x = self.typed_mut::<T>("x", x)?;
             self.run(|| rope.forward_inplace(x, positions, b, h))
+        })
+    }
+
+    fn rope_backward(&self, rope: &RopeTable, dx: ViewMut<'_>, dy: View<'_>, positions: &[i64]) -> Result<()> {
+        let (b, h) = rope_dims(dy.dims(), positions, rope)?;
+        same_dims("dx", dx.dims(), dy.dims())?;
+        by_dtype!(dy.dtype(), T => {
+            let (dy, dx) = (self.typed::<T>("dy", dy)?, self.typed_mut::<T>("dx", dx)?);
+            self.run(|| rope.backward(dx, dy, positions, b, h))
         })
     }
 

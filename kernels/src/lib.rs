@@ -37,8 +37,11 @@
 //! # Ok::<(), longctx_kernels::KernelError>(())
 //! ```
 //!
-//! The free functions ([`attention_forward`], [`ops`]) are the CPU backend's kernels on typed host slices; code
-//! that must run on any backend calls [`Backend`].
+//! [`Backend`] is the only way to compute: the CPU kernels (typed slices with explicit sizes) are private to
+//! [`CpuBackend`], which checks the views and calls them. Beside it, [`attention`] and [`ops`] hold the types the
+//! methods take and say what each op computes, [`attention::reference`] is a plain f64 attention to check kernels
+//! against, and [`testing`] has seeded data, the error measure and slice-level wrappers of a backend's attention
+//! for property tests.
 #![warn(missing_docs, unsafe_op_in_unsafe_fn)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
@@ -56,8 +59,8 @@ pub mod testing;
 pub mod view;
 
 pub use attention::{
-    attention_backward, attention_forward, attention_work, merge_partial_attention, AttnGrads, AttnMask, AttnOptions,
-    AttnOut, AttnParams, AttnPartial, AttnSaved, AttnShape, AttnWork, Positions, Qkv, SimdPath,
+    attention_work, AttnGrads, AttnMask, AttnOptions, AttnOut, AttnParams, AttnPartial, AttnSaved, AttnShape, AttnWork,
+    Positions, Qkv, SimdPath,
 };
 pub use backend::{AdamwState, Backend, GradMode, LinearGrads, NormGrads, NormParams, ProjectionGrads};
 pub use buffer::{Buffer, HostVec};
@@ -66,12 +69,7 @@ pub use cuda::CudaBackend;
 pub use dtype::{DType, Element};
 pub use error::{KernelError, Result};
 pub use host::{HostSlice, HostSliceMut};
-pub use ops::{
-    adamw_step, adamw_step_with_copy, clip_grad_norm, cross_entropy_fused, cross_entropy_logits, embedding_backward,
-    embedding_forward, layernorm_backward, layernorm_forward, linear_backward, linear_forward, matmul, matmul_backward,
-    rmsnorm_backward, rmsnorm_forward, squared_relu_backward, squared_relu_forward, swiglu_backward, swiglu_forward,
-    AdamW, CrossEntropyOptions, CrossEntropyOutput, RopeConfig, RopeScaling, RopeTable,
-};
+pub use ops::{AdamW, CrossEntropyOptions, CrossEntropyOutput, RopeConfig, RopeScaling, RopeTable};
 pub use saved::{
     EmbeddingSaved, LayerNormSaved, LinearSaved, MatmulSaved, RmsNormSaved, SquaredReluSaved, SwigluSaved,
 };

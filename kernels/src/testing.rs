@@ -1,11 +1,17 @@
-//! What a property test of an attention kernel needs besides the kernel: seeded data and the error measure.
+//! What a property test of an attention kernel needs besides the kernel: seeded data, the error measure, and
+//! slice-level calls of a backend's attention.
 //!
 //! The suites of this workspace (kernels, ring attention, the cross-crate tests) use these, and so can a
-//! framework that tests its own kernels against ours or against [`crate::attention::reference`]. Nothing in the
-//! kernels themselves depends on this module.
+//! framework that tests its own kernels against ours or against [`crate::attention::reference`]. The slice-level
+//! calls ([`attention_forward`], [`attention_backward`], [`attention_f32`]) are thin wrappers that view the
+//! slices with the dims of an [`AttnParams`] and call a [`Backend`]; there is no second implementation. Nothing
+//! in the kernels themselves depends on this module.
 
-use crate::attention::{reference, AttnParams};
-use crate::{attention_backward, attention_forward};
+use crate::attention::{reference, AttnGrads, AttnOut, AttnParams, AttnSaved, Qkv};
+use crate::backend::{Backend, GradMode};
+use crate::cpu::CpuBackend;
+use crate::error::{check_len, Result};
+use crate::view::{HostSlice, HostSliceMut, IntoDims, View, ViewMut};
 
 /// `n` values uniform in (−1, 1), never exactly zero, reproducible from `seed` (xorshift64).
 ///
@@ -61,27 +67,109 @@ pub fn max_rel_err<W: Copy + Into<f64>>(got: &[f32], want: &[W]) -> f64 {
     }
 }
 
-/// Forward then backward of the kernels on `f32` buffers: `[O, LSE, dQ, dK, dV]`. Every output is poisoned with
-/// NaN before its call, so an element the kernel fails to write cannot pass a comparison.
-pub fn attention_f32(p: &AttnParams<'_>, q: &[f32], k: &[f32], v: &[f32], d_o: &[f32]) -> crate::Result<[Vec<f32>; 5]> {
+/// A view of `data` with `dims`; a length that does not match them is a [`KernelError::BufferLength`] naming
+/// `name`, as the slice-level checks of the kernels report it.
+///
+/// [`KernelError::BufferLength`]: crate::KernelError::BufferLength
+fn view<'a>(name: &'static str, data: HostSlice<'a>, dims: impl IntoDims) -> Result<View<'a>> {
+    let dims = dims.into_dims()?;
+    check_len(name, data.len(), dims.numel())?;
+    View::host(data, dims)
+}
+
+fn view_mut<'a>(name: &'static str, data: HostSliceMut<'a>, dims: impl IntoDims) -> Result<ViewMut<'a>> {
+    let dims = dims.into_dims()?;
+    check_len(name, data.len(), dims.numel())?;
+    ViewMut::host(data, dims)
+}
+
+/// Attention forward of `p` on host slices, through `backend`: a thin wrapper that views `q`, `k`, `v` (`f32` or
+/// `bf16`, one type), `o` (`[B, Hq, Sq, D]`) and `lse` (`[B, Hq, Sq]`) with the dims of `p.shape` and calls
+/// [`Backend::attention_forward`] with `p`'s mask and scale. Outputs first, as the backend takes them.
+///
+/// For property tests that keep their buffers as slices; code that computes holds views and calls the backend.
+/// A slice whose length does not match `p.shape` is a [`KernelError::BufferLength`](crate::KernelError) naming
+/// it; everything else is the backend's check.
+pub fn attention_forward(
+    backend: &dyn Backend,
+    p: &AttnParams<'_>,
+    o: HostSliceMut<'_>,
+    lse: &mut [f32],
+    q: HostSlice<'_>,
+    k: HostSlice<'_>,
+    v: HostSlice<'_>,
+) -> Result<()> {
+    let s = p.shape;
+    let qkv = Qkv::new(view("q", q, s.q_dims())?, view("k", k, s.kv_dims())?, view("v", v, s.kv_dims())?);
+    let out = AttnOut { o: view_mut("o", o, s.q_dims())?, lse: view_mut("lse", lse.into(), s.lse_dims())? };
+    backend.attention_forward(&p.options(), out, qkv)
+}
+
+/// Attention backward of `p` on host slices, through `backend` (see [`attention_forward`]): `dq`, `dk`, `dv`
+/// (overwritten, or added to with [`GradMode::Accumulate`]) from `dout` and what the forward saved (`q`, `k`,
+/// `v`, its output `o` and `lse`), by [`Backend::attention_backward`].
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward(
+    backend: &dyn Backend,
+    p: &AttnParams<'_>,
+    dq: HostSliceMut<'_>,
+    dk: HostSliceMut<'_>,
+    dv: HostSliceMut<'_>,
+    dout: HostSlice<'_>,
+    q: HostSlice<'_>,
+    k: HostSlice<'_>,
+    v: HostSlice<'_>,
+    o: HostSlice<'_>,
+    lse: &[f32],
+    mode: GradMode,
+) -> Result<()> {
+    let s = p.shape;
+    let qkv = Qkv::new(view("q", q, s.q_dims())?, view("k", k, s.kv_dims())?, view("v", v, s.kv_dims())?);
+    let saved = AttnSaved { qkv, o: view("o", o, s.q_dims())?, lse: view("lse", lse.into(), s.lse_dims())? };
+    let grads = AttnGrads {
+        dq: view_mut("dq", dq, s.q_dims())?,
+        dk: view_mut("dk", dk, s.kv_dims())?,
+        dv: view_mut("dv", dv, s.kv_dims())?,
+    };
+    backend.attention_backward(&p.options(), grads, view("dout", dout, s.q_dims())?, saved, mode)
+}
+
+/// Forward then backward on `f32` buffers through the CPU backend (its best SIMD path, the calling thread's
+/// rayon pool): `[O, LSE, dQ, dK, dV]`. Every output is poisoned with NaN before its call, so an element the
+/// kernel fails to write cannot pass a comparison.
+pub fn attention_f32(p: &AttnParams<'_>, q: &[f32], k: &[f32], v: &[f32], d_o: &[f32]) -> Result<[Vec<f32>; 5]> {
+    attention_f32_with(&CpuBackend::new(), p, q, k, v, d_o)
+}
+
+/// [`attention_f32`] through any backend that computes on host memory (e.g. a [`CpuBackend`] limited to one
+/// SIMD path, or on a pool of its own), so one test body runs on every backend.
+pub fn attention_f32_with(
+    backend: &dyn Backend,
+    p: &AttnParams<'_>,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    d_o: &[f32],
+) -> Result<[Vec<f32>; 5]> {
     let s = p.shape;
     let mut o = vec![f32::NAN; s.q_elems()];
     let mut lse = vec![f32::NAN; s.lse_elems()];
-    attention_forward(p, q.into(), k.into(), v.into(), (&mut o).into(), &mut lse)?;
+    attention_forward(backend, p, (&mut o).into(), &mut lse, q.into(), k.into(), v.into())?;
     let (mut dq, mut dk, mut dv) =
         (vec![f32::NAN; s.q_elems()], vec![f32::NAN; s.kv_elems()], vec![f32::NAN; s.kv_elems()]);
     attention_backward(
+        backend,
         p,
+        (&mut dq).into(),
+        (&mut dk).into(),
+        (&mut dv).into(),
+        d_o.into(),
         q.into(),
         k.into(),
         v.into(),
         (&o).into(),
-        d_o.into(),
         &lse,
-        (&mut dq).into(),
-        (&mut dk).into(),
-        (&mut dv).into(),
-        false,
+        GradMode::Overwrite,
     )?;
     Ok([o, lse, dq, dk, dv])
 }

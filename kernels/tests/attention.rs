@@ -1,9 +1,14 @@
-//! Attention forward, backward and merge against the plain f64 reference, finite differences, and edge cases.
+//! Attention forward, backward and merge through the CPU backend against the plain f64 reference, finite
+//! differences, and edge cases.
+
+mod common;
 
 use half::bf16;
 use longctx_kernels::attention::{reference, AttnMask, AttnParams, AttnShape, Positions};
-use longctx_kernels::testing::{attention_f32, max_rel_err as rel_err, uniform_nonzero};
-use longctx_kernels::{attention_backward, attention_forward, merge_partial_attention, DType, KernelError};
+use longctx_kernels::testing::{
+    attention_backward, attention_f32, attention_forward, max_rel_err as rel_err, uniform_nonzero,
+};
+use longctx_kernels::{AttnOut, AttnPartial, Backend, CpuBackend, DType, GradMode, KernelError, View, ViewMut};
 use proptest::prelude::*;
 
 /// Inputs in the chosen dtype, plus the exact f64 values the kernel sees.
@@ -105,6 +110,7 @@ fn case_strategy(max_len: usize, max_d: usize) -> impl Strategy<Value = Case> {
 
 /// Runs forward and backward of the kernel and the reference on `case`; returns the five relative errors.
 fn check_case(case: &Case) -> [f64; 5] {
+    let cpu = CpuBackend::new();
     let p = case.params();
     let s = case.shape;
     let dt = case.dtype;
@@ -120,22 +126,23 @@ fn check_case(case: &Case) -> [f64; 5] {
     let (o, dq, dk, dv): (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) = match dt {
         DType::F32 => {
             let mut o = vec![f32::NAN; s.q_elems()];
-            attention_forward(&p, q.view(dt), k.view(dt), v.view(dt), (&mut o).into(), &mut lse).unwrap();
+            attention_forward(&cpu, &p, (&mut o).into(), &mut lse, q.view(dt), k.view(dt), v.view(dt)).unwrap();
             let mut dq = vec![f32::NAN; s.q_elems()];
             let mut dk = vec![f32::NAN; s.kv_elems()];
             let mut dv = vec![f32::NAN; s.kv_elems()];
             attention_backward(
+                &cpu,
                 &p,
+                (&mut dq).into(),
+                (&mut dk).into(),
+                (&mut dv).into(),
+                d_o.view(dt),
                 q.view(dt),
                 k.view(dt),
                 v.view(dt),
                 (&o).into(),
-                d_o.view(dt),
                 &lse,
-                (&mut dq).into(),
-                (&mut dk).into(),
-                (&mut dv).into(),
-                false,
+                GradMode::Overwrite,
             )
             .unwrap();
             (o, dq, dk, dv)
@@ -143,22 +150,23 @@ fn check_case(case: &Case) -> [f64; 5] {
         DType::Bf16 => {
             let nan = bf16::from_f32(f32::NAN);
             let mut o = vec![nan; s.q_elems()];
-            attention_forward(&p, q.view(dt), k.view(dt), v.view(dt), (&mut o).into(), &mut lse).unwrap();
+            attention_forward(&cpu, &p, (&mut o).into(), &mut lse, q.view(dt), k.view(dt), v.view(dt)).unwrap();
             let mut dq = vec![nan; s.q_elems()];
             let mut dk = vec![nan; s.kv_elems()];
             let mut dv = vec![nan; s.kv_elems()];
             attention_backward(
+                &cpu,
                 &p,
+                (&mut dq).into(),
+                (&mut dk).into(),
+                (&mut dv).into(),
+                d_o.view(dt),
                 q.view(dt),
                 k.view(dt),
                 v.view(dt),
                 (&o).into(),
-                d_o.view(dt),
                 &lse,
-                (&mut dq).into(),
-                (&mut dk).into(),
-                (&mut dv).into(),
-                false,
+                GradMode::Overwrite,
             )
             .unwrap();
             let w = |x: Vec<bf16>| x.into_iter().map(|v| v.to_f32()).collect::<Vec<f32>>();
@@ -197,9 +205,8 @@ proptest! {
         let k = make(s.kv_elems(), case.seed ^ 1, 1.0).f32s;
         let v = make(s.kv_elems(), case.seed ^ 2, 1.0).f32s;
         let p = case.params();
-        let mut o = vec![f32::NAN; s.q_elems()];
-        let mut lse = vec![f32::NAN; s.lse_elems()];
-        attention_forward(&p, (&q).into(), (&k).into(), (&v).into(), (&mut o).into(), &mut lse).unwrap();
+        let cpu = CpuBackend::new();
+        let (o, lse) = fwd_f32(&p, &q, &k, &v);
 
         // Each half: the key rows of [.., split) and [split, ..) with their own positions and docs.
         let half = |lo: usize, hi: usize| {
@@ -217,14 +224,16 @@ proptest! {
             m.k_pos = Positions::Explicit(&k_pos);
             m.k_doc = k_doc.as_deref();
             let ph = AttnParams { shape: sh, mask: m, scale: p.scale };
-            let mut oh = vec![f32::NAN; s.q_elems()];
-            let mut lh = vec![f32::NAN; s.lse_elems()];
-            attention_forward(&ph, (&q).into(), (&kh[..]).into(), (&vh[..]).into(), (&mut oh).into(), &mut lh).unwrap();
-            (oh, lh)
+            fwd_f32(&ph, &q, &kh, &vh)
         };
         let (mut o1, mut l1) = half(0, split);
         let (o2, l2) = half(split, s.kv_len);
-        merge_partial_attention(&mut o1, &mut l1, &o2, &l2).unwrap();
+        let acc = AttnOut {
+            o: ViewMut::new(&mut o1, s.q_dims()).unwrap(),
+            lse: ViewMut::new(&mut l1, s.lse_dims()).unwrap(),
+        };
+        let part = AttnPartial { o: View::new(&o2, s.q_dims()).unwrap(), lse: View::new(&l2, s.lse_dims()).unwrap() };
+        cpu.attention_merge(acc, part).unwrap();
         let o64: Vec<f64> = o.iter().map(|&x| x as f64).collect();
         let l64: Vec<f64> = lse.iter().map(|&x| x as f64).collect();
         prop_assert!(rel_err(&o1, &o64) < 1e-5);
@@ -232,11 +241,12 @@ proptest! {
     }
 }
 
+/// The forward through the CPU backend on `f32` slices, outputs poisoned with NaN first.
 fn fwd_f32(p: &AttnParams<'_>, q: &[f32], k: &[f32], v: &[f32]) -> (Vec<f32>, Vec<f32>) {
     let s = p.shape;
     let mut o = vec![f32::NAN; s.q_elems()];
     let mut lse = vec![f32::NAN; s.lse_elems()];
-    attention_forward(p, q.into(), k.into(), v.into(), (&mut o).into(), &mut lse).unwrap();
+    attention_forward(&CpuBackend::new(), p, (&mut o).into(), &mut lse, q.into(), k.into(), v.into()).unwrap();
     (o, lse)
 }
 
@@ -408,7 +418,7 @@ fn deterministic_across_thread_counts() {
     assert_eq!(run(1), run(3));
 }
 
-/// With `accumulate`, gradients are added to the buffers' contents.
+/// With `GradMode::Accumulate`, gradients are added to the buffers' contents.
 #[test]
 fn backward_accumulates() {
     let shape = AttnShape { batch: 1, q_heads: 2, kv_heads: 1, q_len: 50, kv_len: 80, head_dim: 32 };
@@ -426,17 +436,18 @@ fn backward_accumulates() {
     ];
     let [mut aq, mut ak, mut av] = base.clone();
     attention_backward(
+        &CpuBackend::new(),
         &p,
+        (&mut aq).into(),
+        (&mut ak).into(),
+        (&mut av).into(),
+        (&d_o).into(),
         (&q).into(),
         (&k).into(),
         (&v).into(),
         (&o).into(),
-        (&d_o).into(),
         &lse,
-        (&mut aq).into(),
-        (&mut ak).into(),
-        (&mut av).into(),
-        true,
+        GradMode::Accumulate,
     )
     .unwrap();
     for (acc, (b, g)) in [aq, ak, av].iter().zip(base.iter().zip([dq, dk, dv])) {
@@ -449,46 +460,53 @@ fn backward_accumulates() {
 /// Bad input is a typed error, never a panic.
 #[test]
 fn bad_input_is_a_typed_error() {
+    let cpu = CpuBackend::new();
     let good = AttnShape { batch: 1, q_heads: 4, kv_heads: 2, q_len: 8, kv_len: 8, head_dim: 32 };
-    let q = vec![0.5f32; good.q_elems()];
-    let kv = vec![0.5f32; good.kv_elems()];
-    let run = |p: &AttnParams<'_>, q: &[f32], k: &[f32]| {
-        let mut o = vec![0f32; q.len()];
-        let mut lse = vec![0f32; p.shape.lse_elems()];
-        attention_forward(p, q.into(), k.into(), k.into(), (&mut o).into(), &mut lse)
+    // Buffers sized for `p.shape`, so that the views carry the shape and the backend checks its rules.
+    let run = |p: &AttnParams<'_>| {
+        let s = p.shape;
+        let (q, kv) = (vec![0.5f32; s.q_elems()], vec![0.5f32; s.kv_elems()]);
+        let (mut o, mut lse) = (vec![0f32; s.q_elems()], vec![0f32; s.lse_elems()]);
+        attention_forward(&cpu, p, (&mut o).into(), &mut lse, (&q).into(), (&kv).into(), (&kv).into())
     };
-    let e = run(&AttnParams::new(AttnShape { q_heads: 3, ..good }), &q, &kv);
+    let e = run(&AttnParams::new(AttnShape { q_heads: 3, ..good }));
     assert!(matches!(e, Err(KernelError::HeadsNotDivisible { q_heads: 3, kv_heads: 2 })), "{e:?}");
-    let e = run(&AttnParams::new(AttnShape { head_dim: 36, ..good }), &q, &kv);
+    let e = run(&AttnParams::new(AttnShape { head_dim: 36, ..good }));
     assert!(matches!(e, Err(KernelError::HeadDim(36))), "{e:?}");
-    let e = run(&AttnParams::new(AttnShape { head_dim: 264, ..good }), &q, &kv);
+    let e = run(&AttnParams::new(AttnShape { head_dim: 264, ..good }));
     assert!(matches!(e, Err(KernelError::HeadDim(264))), "{e:?}");
-    let e = run(&AttnParams::new(good), &q, &kv[1..]);
+    // K one element short. A view cannot have dims its length does not fill, so the constructor refuses it (a
+    // Shape error); the slice wrapper of `testing` checks each length against the shape first and names it.
+    let (q, kv) = (vec![0.5f32; good.q_elems()], vec![0.5f32; good.kv_elems()]);
+    assert!(matches!(View::new(&kv[1..], good.kv_dims()), Err(KernelError::Shape(_))));
+    let (mut o, mut lse) = (vec![0f32; good.q_elems()], vec![0f32; good.lse_elems()]);
+    let p = AttnParams::new(good);
+    let e = attention_forward(&cpu, &p, (&mut o).into(), &mut lse, (&q).into(), (&kv[1..]).into(), (&kv).into());
     assert!(matches!(e, Err(KernelError::BufferLength { name: "k", .. })), "{e:?}");
-    let e = run(&AttnParams::new(AttnShape { kv_len: 0, ..good }), &q, &[]);
+    let e = run(&AttnParams::new(AttnShape { kv_len: 0, ..good }));
     assert!(matches!(e, Err(KernelError::ZeroDim("kv_len"))), "{e:?}");
-    let e = run(&AttnParams::new(good).with_scale(f32::NAN), &q, &kv);
+    let e = run(&AttnParams::new(good).with_scale(f32::NAN));
     assert!(matches!(e, Err(KernelError::InvalidArgument { name: "scale", .. })), "{e:?}");
     let pos = [0i64; 3];
-    let e = run(
-        &AttnParams::new(good)
-            .with_mask(AttnMask::causal().with_positions(Positions::Explicit(&pos), Positions::Offset(0))),
-        &q,
-        &kv,
-    );
+    let e = run(&AttnParams::new(good)
+        .with_mask(AttnMask::causal().with_positions(Positions::Explicit(&pos), Positions::Offset(0))));
     assert!(matches!(e, Err(KernelError::BufferLength { name: "q_pos", .. })), "{e:?}");
-    let e = run(&AttnParams::new(good).with_mask(AttnMask::full().with_window(0)), &q, &kv);
+    let e = run(&AttnParams::new(good).with_mask(AttnMask::full().with_window(0)));
     assert!(matches!(e, Err(KernelError::InvalidArgument { name: "window", .. })), "{e:?}");
     let mut m = AttnMask::full();
     let docs = [0u32; 8];
     m.q_doc = Some(&docs);
-    let e = run(&AttnParams::new(good).with_mask(m), &q, &kv);
+    let e = run(&AttnParams::new(good).with_mask(m));
     assert!(matches!(e, Err(KernelError::InvalidArgument { .. })), "{e:?}");
-    // Merge with mismatched lengths.
-    let mut o1 = vec![0f32; 8];
-    let mut l1 = vec![0f32; 2];
-    let e = merge_partial_attention(&mut o1, &mut l1, &[0f32; 6], &[0f32; 2]);
-    assert!(matches!(e, Err(KernelError::BufferLength { name: "o2", .. })), "{e:?}");
+    // Merge with mismatched sizes. The slice kernel's `BufferLength { name: "o2" }` cannot be reached through
+    // views: the backend compares the partial's dims with the accumulator's first and names the argument.
+    let (mut o1, mut l1) = (vec![0f32; 8], vec![0f32; 2]);
+    let (o2, l2) = ([0f32; 6], [0f32; 2]);
+    let acc =
+        AttnOut { o: ViewMut::new(&mut o1, [1, 1, 2, 4]).unwrap(), lse: ViewMut::new(&mut l1, [1, 1, 2]).unwrap() };
+    let part = AttnPartial { o: View::new(&o2, [1, 1, 2, 3]).unwrap(), lse: View::new(&l2, [1, 1, 2]).unwrap() };
+    let e = cpu.attention_merge(acc, part);
+    assert!(matches!(&e, Err(KernelError::Shape(m)) if m.contains("`part.o`")), "{e:?}");
 }
 
 /// The merge is stable for huge and -inf LSEs.
@@ -498,7 +516,7 @@ fn merge_extreme_lse() {
     let mut l1 = vec![1e30f32, f32::NEG_INFINITY, 80.0];
     let o2 = vec![3.0f32, 4.0, 7.0, 8.0, 1.0, 1.0];
     let l2 = vec![1e30f32, 3.0, f32::NEG_INFINITY];
-    merge_partial_attention(&mut o1, &mut l1, &o2, &l2).unwrap();
+    common::merge_f32(&mut o1, &mut l1, &o2, &l2).unwrap();
     assert_eq!(&o1[..2], &[2.0, 3.0]);
     assert_eq!(l1[0], 1e30 + std::f32::consts::LN_2);
     assert_eq!(&o1[2..4], &[7.0, 8.0]);
@@ -507,7 +525,7 @@ fn merge_extreme_lse() {
     assert_eq!(l1[2], 80.0);
     let mut o = vec![0f32; 2];
     let mut l = vec![f32::NEG_INFINITY];
-    merge_partial_attention(&mut o, &mut l, &[0.0, 0.0], &[f32::NEG_INFINITY]).unwrap();
+    common::merge_f32(&mut o, &mut l, &[0.0, 0.0], &[f32::NEG_INFINITY]).unwrap();
     assert_eq!(l[0], f32::NEG_INFINITY);
     assert_eq!(o, vec![0.0, 0.0]);
 }

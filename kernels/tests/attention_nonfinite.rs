@@ -1,15 +1,13 @@
 //! Masked pairs contribute nothing, even non-finite ones: a NaN or infinity placed in `Q`, `K`, `V` or `dO`
 //! leaves every output row, LSE entry and gradient row that cannot see it bit-identical to a clean run, on
-//! every SIMD path this CPU has; the rows that see a NaN get a NaN.
+//! every SIMD path this CPU has (a CPU backend per path); the rows that see a NaN get a NaN.
 
 mod common;
 
 use half::bf16;
-use longctx_kernels::attention::{
-    attention_backward_on, attention_forward_on, AttnMask, AttnParams, AttnShape, Positions, SimdPath,
-};
-use longctx_kernels::testing::uniform_nonzero;
-use longctx_kernels::{merge_partial_attention, HostSlice, HostSliceMut};
+use longctx_kernels::attention::{AttnMask, AttnParams, AttnShape, Positions, SimdPath};
+use longctx_kernels::testing::{attention_backward, attention_forward, uniform_nonzero};
+use longctx_kernels::{GradMode, HostSlice, HostSliceMut};
 use proptest::prelude::*;
 
 /// Which input holds the non-finite value.
@@ -38,22 +36,23 @@ fn run_bits(simd: SimdPath, p: &AttnParams<'_>, bf: bool, inputs: &[Vec<f32>; 4]
     }
     let [q, k, v, d_o] = inputs.clone().map(|x| x.into_iter().map(bf16::from_f32).collect::<Vec<bf16>>());
     let nan = bf16::from_f32(f32::NAN);
+    let cpu = common::cpu_on(simd);
     let mut o = vec![nan; s.q_elems()];
-    attention_forward_on(simd, p, view(&q), view(&k), view(&v), HostSliceMut::from(&mut o[..]), &mut lse).unwrap();
+    attention_forward(&cpu, p, HostSliceMut::from(&mut o[..]), &mut lse, view(&q), view(&k), view(&v)).unwrap();
     let (mut dq, mut dk, mut dv) = (vec![nan; s.q_elems()], vec![nan; s.kv_elems()], vec![nan; s.kv_elems()]);
-    attention_backward_on(
-        simd,
+    attention_backward(
+        &cpu,
         p,
+        HostSliceMut::from(&mut dq[..]),
+        HostSliceMut::from(&mut dk[..]),
+        HostSliceMut::from(&mut dv[..]),
+        view(&d_o),
         view(&q),
         view(&k),
         view(&v),
         view(&o),
-        view(&d_o),
         &lse,
-        HostSliceMut::from(&mut dq[..]),
-        HostSliceMut::from(&mut dk[..]),
-        HostSliceMut::from(&mut dv[..]),
-        false,
+        GradMode::Overwrite,
     )
     .unwrap();
     let bits = |x: Vec<bf16>| x.into_iter().map(|v| v.to_bits() as u32).collect();
@@ -333,11 +332,11 @@ fn merge_ignores_a_partial_without_keys() {
     for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
         let mut o1 = vec![bad, 1.0, 2.0, bad];
         let mut l1 = vec![f32::NEG_INFINITY; 2];
-        merge_partial_attention(&mut o1, &mut l1, &o2, &l2).unwrap();
+        common::merge_f32(&mut o1, &mut l1, &o2, &l2).unwrap();
         assert_eq!((o1.clone(), l1.clone()), (o2.clone(), l2.clone()), "partial 1 holds {bad}");
         let mut o1 = o2.clone();
         let mut l1 = l2.clone();
-        merge_partial_attention(&mut o1, &mut l1, &[bad; 4], &[f32::NEG_INFINITY; 2]).unwrap();
+        common::merge_f32(&mut o1, &mut l1, &[bad; 4], &[f32::NEG_INFINITY; 2]).unwrap();
         assert_eq!((o1, l1), (o2.clone(), l2.clone()), "partial 2 holds {bad}");
     }
 }

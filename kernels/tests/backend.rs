@@ -314,3 +314,22 @@ fn transpose12_swaps_the_middle_dims_and_round_trips_through_bf16() {
     let err = cpu.transpose12(ViewMut::new(&mut y, [a, b, c, d]).unwrap(), View::new(&x, [a, b, c, d]).unwrap());
     assert!(matches!(err, Err(KernelError::Shape(_))), "{err:?}");
 }
+
+#[test]
+fn release_scratch_frees_the_bf16_buffers_and_changes_no_result() {
+    let pool = std::sync::Arc::new(rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap());
+    for cpu in [CpuBackend::new(), CpuBackend::with_pool(pool)] {
+        let (m, k, n) = (70, 40, 300);
+        let a: Vec<bf16> = uniform_nonzero(m * k, 41).into_iter().map(bf16::from_f32).collect();
+        let b: Vec<bf16> = uniform_nonzero(k * n, 42).into_iter().map(bf16::from_f32).collect();
+        let run = || {
+            let mut c = vec![bf16::ZERO; m * n];
+            let (av, bv) = (View::new(&a, [m, k]).unwrap(), View::new(&b, [k, n]).unwrap());
+            cpu.matmul(ViewMut::new(&mut c, [m, n]).unwrap(), av, bv).unwrap();
+            c
+        };
+        let before = run();
+        cpu.release_scratch();
+        assert_eq!(run(), before, "{} threads", cpu.threads());
+    }
+}

@@ -1,10 +1,8 @@
-//! SwiGLU and squared ReLU against f64 references and finite differences.
+//! SwiGLU and squared ReLU through the CPU backend against f64 references and finite differences.
 
 mod ops_util;
 
-use longctx_kernels::{
-    squared_relu_backward, squared_relu_forward, swiglu_backward, swiglu_forward, Element, KernelError,
-};
+use longctx_kernels::{Backend, CpuBackend, Element, KernelError, SquaredReluSaved, SwigluSaved, View, ViewMut};
 use ops_util::*;
 use proptest::prelude::*;
 
@@ -23,11 +21,14 @@ fn swiglu_case<T: Element>(n: usize, seed: u64) {
     let g = rounded::<T>(&r.vec(n, 4.0));
     let u = rounded::<T>(&r.vec(n, 1.0));
     let d = rounded::<T>(&r.vec(n, 1.0));
+    let cpu = CpuBackend::new();
+    let (gt, ut, dt) = (to_t::<T>(&g), to_t::<T>(&u), to_t::<T>(&d));
+    let saved = SwigluSaved { gate: view(&gt, [n]), up: view(&ut, [n]) };
     let mut out = poisoned::<T>(n);
-    swiglu_forward(&mut out, &to_t::<T>(&g), &to_t::<T>(&u)).unwrap();
+    cpu.swiglu_forward(view_mut(&mut out, [n]), saved.gate, saved.up).unwrap();
     assert_close("swiglu out", &out, &ref_swiglu(&g, &u));
     let (mut dg, mut du) = (poisoned::<T>(n), poisoned::<T>(n));
-    swiglu_backward(&mut dg, &mut du, &to_t::<T>(&d), &to_t::<T>(&g), &to_t::<T>(&u)).unwrap();
+    cpu.swiglu_backward(view_mut(&mut dg, [n]), view_mut(&mut du, [n]), view(&dt, [n]), saved).unwrap();
     // Analytic f64 reference.
     let dg_ref: Vec<f64> = (0..n)
         .map(|i| {
@@ -50,11 +51,13 @@ fn sqrelu_case<T: Element>(n: usize, seed: u64) {
     let mut r = DataRng::new(seed);
     let x = rounded::<T>(&r.vec(n, 2.0));
     let d = rounded::<T>(&r.vec(n, 1.0));
+    let cpu = CpuBackend::new();
+    let (xt, dt) = (to_t::<T>(&x), to_t::<T>(&d));
     let mut out = poisoned::<T>(n);
-    squared_relu_forward(&mut out, &to_t::<T>(&x)).unwrap();
+    cpu.squared_relu_forward(view_mut(&mut out, [n]), view(&xt, [n])).unwrap();
     assert_close("sqrelu out", &out, &ref_sqrelu(&x));
     let mut dx = poisoned::<T>(n);
-    squared_relu_backward(&mut dx, &to_t::<T>(&d), &to_t::<T>(&x)).unwrap();
+    cpu.squared_relu_backward(view_mut(&mut dx, [n]), view(&dt, [n]), SquaredReluSaved { x: view(&xt, [n]) }).unwrap();
     let dx_ref: Vec<f64> = (0..n).map(|i| d[i] * 2.0 * x[i].max(0.0)).collect();
     if n <= 300 {
         // |x| ≥ 0.2 keeps the kink at 0 out of the FD stencil.
@@ -78,17 +81,26 @@ proptest! {
     }
 }
 
+/// Through views, a length that does not match is a pair of disagreeing dims: the backend compares every
+/// view with the first input's dims before the kernel runs and reports a `Shape` error naming the argument (the
+/// slice kernels' `BufferLength` for the same argument is behind that check).
 #[test]
 fn bad_lengths_are_typed_errors() {
+    let cpu = CpuBackend::new();
     let a = vec![1.0f32; 4];
     let mut o = vec![0.0f32; 4];
     let mut o2 = [0.0f32; 4];
-    assert!(matches!(swiglu_forward(&mut o, &a, &a[..3]), Err(KernelError::BufferLength { name: "up", .. })));
-    assert!(matches!(swiglu_forward(&mut o[..2], &a, &a), Err(KernelError::BufferLength { name: "out", .. })));
-    assert!(matches!(
-        swiglu_backward(&mut o, &mut o2[..1], &a, &a, &a),
-        Err(KernelError::BufferLength { name: "d_up", .. })
-    ));
-    assert!(matches!(squared_relu_forward(&mut o[..3], &a), Err(KernelError::BufferLength { name: "out", .. })));
-    assert!(matches!(squared_relu_backward(&mut o, &a[..1], &a), Err(KernelError::BufferLength { name: "dout", .. })));
+    let names = |e: Result<(), KernelError>, name: &str| matches!(&e, Err(KernelError::Shape(m)) if m.contains(name));
+    let e = cpu.swiglu_forward(ViewMut::flat(&mut o), View::flat(&a), View::flat(&a[..3]));
+    assert!(names(e, "`up`"));
+    let e = cpu.swiglu_forward(ViewMut::flat(&mut o[..2]), View::flat(&a), View::flat(&a));
+    assert!(names(e, "`out`"));
+    let saved = SwigluSaved { gate: View::flat(&a), up: View::flat(&a) };
+    let e = cpu.swiglu_backward(ViewMut::flat(&mut o), ViewMut::flat(&mut o2[..1]), View::flat(&a), saved);
+    assert!(names(e, "`dup`"));
+    let e = cpu.squared_relu_forward(ViewMut::flat(&mut o[..3]), View::flat(&a));
+    assert!(names(e, "`out`"));
+    let e =
+        cpu.squared_relu_backward(ViewMut::flat(&mut o), View::flat(&a[..1]), SquaredReluSaved { x: View::flat(&a) });
+    assert!(names(e, "`dout`"));
 }

@@ -1,9 +1,12 @@
-//! Cross-entropy (logits-in and fused chunked) against f64 references and finite differences; chunked equals
-//! unchunked; ignore_index.
+//! Cross-entropy (logits-in and fused chunked) through the CPU backend against f64 references and finite
+//! differences; chunked equals unchunked; ignore_index.
 
 mod ops_util;
 
-use longctx_kernels::{cross_entropy_fused, cross_entropy_logits, CrossEntropyOptions, Element, KernelError};
+use longctx_kernels::{
+    Backend, CpuBackend, CrossEntropyOptions, CrossEntropyOutput, Element, GradMode, KernelError, ProjectionGrads,
+    Result, View, ViewMut,
+};
 use ops_util::*;
 use proptest::prelude::*;
 
@@ -54,6 +57,22 @@ fn ref_fused(h: &[f64], w: &[f64], tg: &[i64], t: usize, c: usize, v: usize) -> 
     (loss, dh, dw)
 }
 
+/// The fused op through the CPU backend on slices: `dh[T,C]`, `dw[V,C]` from `h[T,C]`, `w[V,C]`.
+#[allow(clippy::too_many_arguments)]
+fn fused<T: Element>(
+    dh: &mut [T],
+    dw: &mut [T],
+    h: &[T],
+    w: &[T],
+    tg: &[i64],
+    (t, c, v): (usize, usize, usize),
+    opts: &CrossEntropyOptions,
+    mode: GradMode,
+) -> Result<CrossEntropyOutput> {
+    let grads = ProjectionGrads { dhidden: ViewMut::new(dh, [t, c])?, dweight: ViewMut::new(dw, [v, c])? };
+    CpuBackend::new().cross_entropy_fused(grads, View::new(h, [t, c])?, View::new(w, [v, c])?, tg, opts, mode)
+}
+
 fn targets(r: &mut DataRng, t: usize, v: usize, p_ignore: f64) -> Vec<i64> {
     (0..t).map(|_| if r.unit() < p_ignore { IGN } else { r.below(v) as i64 }).collect()
 }
@@ -63,7 +82,8 @@ fn logits_case<T: Element>(t: usize, v: usize, scale: f64, p_ignore: f64, seed: 
     let z = rounded::<T>(&r.vec(t * v, scale));
     let tg = targets(&mut r, t, v, p_ignore);
     let mut zt = to_t::<T>(&z);
-    let out = cross_entropy_logits(&mut zt, &tg, t, v, &CrossEntropyOptions::default()).unwrap();
+    let out = CpuBackend::new().cross_entropy_logits(view_mut(&mut zt, [t, v]), &tg, &CrossEntropyOptions::default());
+    let out = out.unwrap();
     let (loss, dz) = ref_ce(&z, &tg, v, None);
     assert_eq!(out.n_valid, tg.iter().filter(|&&y| y != IGN).count());
     assert!((out.loss as f64 - loss).abs() <= 1e-5 * loss.abs().max(1.0), "{} vs {loss}", out.loss);
@@ -88,7 +108,7 @@ fn fused_case<T: Element>(t: usize, c: usize, v: usize, chunk: usize, p_ignore: 
     let opts = CrossEntropyOptions { chunk_tokens: chunk, ..Default::default() };
     let mut dh = poisoned::<T>(t * c);
     let mut dw: Vec<T> = if acc { to_t(&dw0) } else { poisoned(v * c) };
-    let out = cross_entropy_fused(&mut dh, &mut dw, &ht, &wt, &tg, t, c, v, &opts, acc).unwrap();
+    let out = fused(&mut dh, &mut dw, &ht, &wt, &tg, (t, c, v), &opts, mode(acc)).unwrap();
     let (loss, dh_ref, mut dw_ref) = ref_fused(&h, &w, &tg, t, c, v);
     assert!((out.loss as f64 - loss).abs() <= tol::<f32>() * loss.abs().max(1.0), "{} vs {loss}", out.loss);
     if t * c * v <= 1500 {
@@ -106,17 +126,15 @@ fn fused_case<T: Element>(t: usize, c: usize, v: usize, chunk: usize, p_ignore: 
     // Chunked equals unchunked (same maths, possibly different rounding in the products).
     let mut dh1 = poisoned::<T>(t * c);
     let mut dw1: Vec<T> = if acc { to_t(&dw0) } else { poisoned(v * c) };
-    let o1 = cross_entropy_fused(
+    let o1 = fused(
         &mut dh1,
         &mut dw1,
         &ht,
         &wt,
         &tg,
-        t,
-        c,
-        v,
+        (t, c, v),
         &CrossEntropyOptions { chunk_tokens: t, ..opts },
-        acc,
+        mode(acc),
     )
     .unwrap();
     assert_eq!(o1.n_valid, out.n_valid);
@@ -149,14 +167,14 @@ fn ignore_index_contributes_nothing() {
     let opts = CrossEntropyOptions { ignore_index: 3, chunk_tokens: 4, denominator: None };
     let tg = vec![1i64, 3, 0, 3, 10, 2];
     let (mut dh, mut dw) = (vec![f32::NAN; t * c], vec![f32::NAN; v * c]);
-    let out = cross_entropy_fused(&mut dh, &mut dw, &h, &w, &tg, t, c, v, &opts, false).unwrap();
+    let out = fused(&mut dh, &mut dw, &h, &w, &tg, (t, c, v), &opts, GradMode::Overwrite).unwrap();
     assert_eq!(out.n_valid, 4);
     assert!(dh[c..2 * c].iter().chain(&dh[3 * c..4 * c]).all(|&x| x == 0.0), "ignored rows get zero gradient");
     // Changing the hidden state of ignored tokens changes nothing.
     let mut h2 = h.clone();
     h2[c..2 * c].iter_mut().for_each(|x| *x *= -3.0);
     let (mut dh2, mut dw2) = (vec![f32::NAN; t * c], vec![f32::NAN; v * c]);
-    let out2 = cross_entropy_fused(&mut dh2, &mut dw2, &h2, &w, &tg, t, c, v, &opts, false).unwrap();
+    let out2 = fused(&mut dh2, &mut dw2, &h2, &w, &tg, (t, c, v), &opts, GradMode::Overwrite).unwrap();
     assert_eq!(out.loss, out2.loss);
     assert_close_f64("dw", &to_f64(&dw2), &to_f64(&dw), 1e-6);
     // Mean over valid tokens only: equals the same call on just the valid rows.
@@ -164,26 +182,24 @@ fn ignore_index_contributes_nothing() {
     let hv: Vec<f32> = keep.iter().flat_map(|&i| h[i * c..(i + 1) * c].to_vec()).collect();
     let tv: Vec<i64> = keep.iter().map(|&i| tg[i]).collect();
     let (mut dh3, mut dw3) = (vec![f32::NAN; 4 * c], vec![f32::NAN; v * c]);
-    let out3 =
-        cross_entropy_fused(&mut dh3, &mut dw3, &hv, &w, &tv, 4, c, v, &CrossEntropyOptions::default(), false).unwrap();
+    let out3 = fused(&mut dh3, &mut dw3, &hv, &w, &tv, (4, c, v), &CrossEntropyOptions::default(), GradMode::Overwrite)
+        .unwrap();
     assert!((out3.loss - out.loss).abs() < 1e-6);
     // All ignored: zero loss, zero gradients.
     let (mut dh4, mut dw4) = (vec![f32::NAN; t * c], vec![f32::NAN; v * c]);
-    let out4 = cross_entropy_fused(&mut dh4, &mut dw4, &h, &w, &[3; 6], t, c, v, &opts, false).unwrap();
+    let out4 = fused(&mut dh4, &mut dw4, &h, &w, &[3; 6], (t, c, v), &opts, GradMode::Overwrite).unwrap();
     assert_eq!((out4.loss, out4.n_valid), (0.0, 0));
     assert!(dh4.iter().chain(&dw4).all(|&x| x == 0.0));
     // An explicit denominator divides the sum instead.
-    let o5 = cross_entropy_fused(
+    let o5 = fused(
         &mut dh4,
         &mut dw4,
         &h,
         &w,
         &tg,
-        t,
-        c,
-        v,
+        (t, c, v),
         &CrossEntropyOptions { denominator: Some(10.0), ..opts },
-        false,
+        GradMode::Overwrite,
     )
     .unwrap();
     assert!((o5.loss as f64 - out.loss_sum / 10.0).abs() < 1e-6);
@@ -191,27 +207,39 @@ fn ignore_index_contributes_nothing() {
 
 #[test]
 fn bad_inputs_are_typed_errors() {
+    let cpu = CpuBackend::new();
     let opts = CrossEntropyOptions::default();
     let mut z = vec![0.5f32; 2 * 3];
-    let e = cross_entropy_logits(&mut z, &[0, 3], 2, 3, &opts).unwrap_err();
+    let mut logits = |tg: &[i64], opts: &CrossEntropyOptions| {
+        cpu.cross_entropy_logits(ViewMut::new(&mut z, [2, 3]).unwrap(), tg, opts)
+    };
+    let e = logits(&[0, 3], &opts).unwrap_err();
     assert!(matches!(e, KernelError::InvalidArgument { name: "targets", .. }));
-    assert_eq!(z, vec![0.5; 6], "untouched on error");
-    assert!(matches!(cross_entropy_logits(&mut z, &[0, -1], 2, 3, &opts), Err(KernelError::InvalidArgument { .. })));
-    assert!(matches!(
-        cross_entropy_logits(&mut z, &[0], 2, 3, &opts),
-        Err(KernelError::BufferLength { name: "targets", .. })
-    ));
+    assert!(matches!(logits(&[0, -1], &opts), Err(KernelError::InvalidArgument { .. })));
+    assert!(matches!(logits(&[0], &opts), Err(KernelError::BufferLength { name: "targets", .. })));
     let bad = CrossEntropyOptions { denominator: Some(0.0), ..opts };
-    assert!(cross_entropy_logits(&mut z, &[0, 1], 2, 3, &bad).is_err());
+    assert!(logits(&[0, 1], &bad).is_err());
+    assert_eq!(z, vec![0.5; 6], "untouched on error");
     let (h, w) = (vec![0.5f32; 2 * 4], vec![0.5f32; 3 * 4]);
     let (mut dh, mut dw) = (vec![0.0f32; 8], vec![0.0f32; 12]);
     let zero = CrossEntropyOptions { chunk_tokens: 0, ..opts };
     assert_eq!(
-        cross_entropy_fused(&mut dh, &mut dw, &h, &w, &[0, 1], 2, 4, 3, &zero, false),
+        fused(&mut dh, &mut dw, &h, &w, &[0, 1], (2, 4, 3), &zero, GradMode::Overwrite),
         Err(KernelError::ZeroDim("chunk_tokens"))
     );
-    assert!(matches!(
-        cross_entropy_fused(&mut dh, &mut dw[..11], &h, &w, &[0, 1], 2, 4, 3, &opts, false),
-        Err(KernelError::BufferLength { name: "dweight", .. })
-    ));
+    // A `dweight` one element short cannot be viewed as [3, 4] (the view constructor refuses it); viewed with
+    // the dims it has, the backend reports them as a `Shape` error naming `dweight` (the slice kernel's
+    // `BufferLength { name: "dweight" }`).
+    assert!(matches!(ViewMut::new(&mut dw[..11], [3, 4]), Err(KernelError::Shape(_))));
+    let grads =
+        ProjectionGrads { dhidden: ViewMut::new(&mut dh, [2, 4]).unwrap(), dweight: ViewMut::flat(&mut dw[..11]) };
+    let e = cpu.cross_entropy_fused(
+        grads,
+        View::new(&h, [2, 4]).unwrap(),
+        View::new(&w, [3, 4]).unwrap(),
+        &[0, 1],
+        &opts,
+        GradMode::Overwrite,
+    );
+    assert!(matches!(&e, Err(KernelError::Shape(m)) if m.contains("`dweight`")), "{e:?}");
 }

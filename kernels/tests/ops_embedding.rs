@@ -1,8 +1,8 @@
-//! Embedding lookup and its scatter-add backward against f64 references.
+//! Embedding lookup and its scatter-add backward through the CPU backend against f64 references.
 
 mod ops_util;
 
-use longctx_kernels::{embedding_backward, embedding_forward, Element, KernelError};
+use longctx_kernels::{Backend, CpuBackend, Element, GradMode, KernelError, View, ViewMut};
 use ops_util::*;
 use proptest::prelude::*;
 
@@ -14,8 +14,10 @@ fn emb_case<T: Element>(v: usize, c: usize, t: usize, acc: bool, seed: u64) {
     let ids: Vec<u32> = (0..t).map(|_| r.below(distinct) as u32).collect();
     let dout = rounded::<T>(&r.vec(t * c, 1.0));
     let dt0 = rounded::<T>(&r.vec(v * c, 1.0));
+    let cpu = CpuBackend::new();
     let mut out = poisoned::<T>(t * c);
-    embedding_forward(&mut out, &ids, &to_t::<T>(&table), v, c).unwrap();
+    let tt = to_t::<T>(&table);
+    cpu.embedding_forward(view_mut(&mut out, [t, c]), &ids, view(&tt, [v, c])).unwrap();
     let mut out_ref = vec![0.0; t * c];
     for (k, &id) in ids.iter().enumerate() {
         for j in 0..c {
@@ -25,7 +27,8 @@ fn emb_case<T: Element>(v: usize, c: usize, t: usize, acc: bool, seed: u64) {
     assert_close("embedding out", &out, &out_ref);
 
     let mut dt: Vec<T> = if acc { to_t(&dt0) } else { poisoned(v * c) };
-    embedding_backward(&mut dt, &to_t::<T>(&dout), &ids, v, c, acc).unwrap();
+    let doutt = to_t::<T>(&dout);
+    cpu.embedding_backward(view_mut(&mut dt, [v, c]), view(&doutt, [t, c]), &ids, mode(acc)).unwrap();
     let mut dt_ref = if acc { dt0.clone() } else { vec![0.0; v * c] };
     for (k, &id) in ids.iter().enumerate() {
         for j in 0..c {
@@ -63,20 +66,35 @@ proptest! {
 
 #[test]
 fn out_of_range_id_is_a_typed_error() {
+    let cpu = CpuBackend::new();
     let table = vec![1.0f32; 4 * 3];
+    let tv = View::new(&table, [4, 3]).unwrap();
     let mut out = vec![7.0f32; 2 * 3];
-    let e = embedding_forward(&mut out, &[1, 4], &table, 4, 3).unwrap_err();
+    let e = cpu.embedding_forward(ViewMut::new(&mut out, [2, 3]).unwrap(), &[1, 4], tv).unwrap_err();
     assert!(matches!(e, KernelError::InvalidArgument { name: "ids", .. }), "{e}");
     assert_eq!(out, vec![7.0; 6], "untouched on error");
     let mut dt = vec![0.0f32; 12];
-    assert!(matches!(
-        embedding_backward(&mut dt, &out, &[0, u32::MAX], 4, 3, true),
-        Err(KernelError::InvalidArgument { name: "ids", .. })
-    ));
-    assert!(matches!(
-        embedding_forward(&mut out, &[0], &table, 4, 3),
-        Err(KernelError::BufferLength { name: "out", .. })
-    ));
-    assert!(matches!(embedding_forward(&mut out, &[0, 1], &table[..11], 4, 3), Err(KernelError::BufferLength { .. })));
-    assert_eq!(embedding_forward(&mut out, &[0, 1], &table, 0, 3), Err(KernelError::ZeroDim("v")));
+    let e = cpu.embedding_backward(
+        ViewMut::new(&mut dt, [4, 3]).unwrap(),
+        View::new(&out, [2, 3]).unwrap(),
+        &[0, u32::MAX],
+        GradMode::Accumulate,
+    );
+    assert!(matches!(e, Err(KernelError::InvalidArgument { name: "ids", .. })), "{e:?}");
+    // One id for an `out` of two rows: through views the backend compares `out`'s dims with `[ids, C]` and
+    // reports a `Shape` error naming `out` (the slice kernel's `BufferLength { name: "out" }`).
+    let e = cpu.embedding_forward(ViewMut::new(&mut out, [2, 3]).unwrap(), &[0], tv);
+    assert!(matches!(&e, Err(KernelError::Shape(m)) if m.contains("`out`")), "{e:?}");
+    // A table one element short cannot be viewed as [4, 3] (the view constructor refuses it); a flat view of it is
+    // not the [V, C] the backend needs.
+    assert!(matches!(View::new(&table[..11], [4, 3]), Err(KernelError::Shape(_))));
+    let e = cpu.embedding_forward(ViewMut::new(&mut out, [2, 3]).unwrap(), &[0, 1], View::flat(&table[..11]));
+    assert!(matches!(e, Err(KernelError::Shape(_))), "{e:?}");
+    // An empty vocabulary reaches the kernel through an empty [0, 3] table.
+    let e = cpu.embedding_forward(
+        ViewMut::new(&mut out, [2, 3]).unwrap(),
+        &[0, 1],
+        View::new(&table[..0], [0, 3]).unwrap(),
+    );
+    assert_eq!(e, Err(KernelError::ZeroDim("v")));
 }

@@ -1,8 +1,10 @@
-//! Matmul and linear layer against f64 loop references and finite differences.
+//! Matmul and linear layer through the CPU backend against f64 loop references and finite differences.
 
 mod ops_util;
 
-use longctx_kernels::{linear_backward, linear_forward, matmul, matmul_backward, DType, Element, KernelError};
+use longctx_kernels::{
+    Backend, CpuBackend, DType, Element, GradMode, KernelError, LinearGrads, LinearSaved, MatmulSaved, View, ViewMut,
+};
 use ops_util::*;
 use proptest::prelude::*;
 
@@ -64,13 +66,16 @@ fn matmul_case<T: Element, G: Element>(m: usize, k: usize, n: usize, acc: bool, 
     let dc = rounded::<T>(&rng.vec(m * n, 1.0));
     let db0 = rounded::<G>(&rng.vec(k * n, 1.0));
     let (at, bt, dct) = (to_t::<T>(&a), to_t::<T>(&b), to_t::<T>(&dc));
+    let cpu = CpuBackend::new();
+    let saved = MatmulSaved { a: view(&at, [m, k]), b: view(&bt, [k, n]) };
     let mut c = poisoned::<T>(m * n);
-    matmul(&mut c, &at, &bt, m, k, n).unwrap();
+    cpu.matmul(view_mut(&mut c, [m, n]), saved.a, saved.b).unwrap();
     assert_close("matmul c", &c, &ref_matmul(&a, &b, m, k, n));
 
     let mut da = poisoned::<T>(m * k);
     let mut db: Vec<G> = if acc { to_t(&db0) } else { poisoned(k * n) };
-    matmul_backward(Some(&mut da), Some(&mut db), &dct, &at, &bt, m, k, n, acc).unwrap();
+    let (dav, dbv) = (view_mut(&mut da, [m, k]), view_mut(&mut db, [k, n]));
+    cpu.matmul_backward(Some(dav), Some(dbv), view(&dct, [m, n]), saved, mode(acc)).unwrap();
     let da_ref = ref_matmul(&dc, &transpose(&b, k, n), m, n, k);
     let mut db_ref = ref_matmul(&transpose(&a, m, k), &dc, k, m, n);
     // Finite differences of L(a, b) = Σ dc ⊙ (a·b) on the reference (small shapes only: O(size²)).
@@ -99,15 +104,22 @@ fn linear_case<T: Element, G: Element>(t: usize, di: usize, d_o: usize, bias: bo
     let db0 = rounded::<G>(&rng.vec(d_o, 1.0));
     let (xt, wt, bt, dyt) = (to_t::<T>(&x), to_t::<T>(&w), to_t::<T>(&b), to_t::<T>(&dy));
     let bref = bias.then_some(&b[..]);
+    let cpu = CpuBackend::new();
+    let (xv, wv) = (view(&xt, [t, di]), view(&wt, [d_o, di]));
 
     let mut y = poisoned::<T>(t * d_o);
-    linear_forward(&mut y, &xt, &wt, bias.then_some(&bt[..]), t, di, d_o).unwrap();
+    cpu.linear_forward(view_mut(&mut y, [t, d_o]), xv, wv, bias.then(|| view(&bt, [d_o]))).unwrap();
     assert_close("linear y", &y, &ref_linear(&x, &w, bref, t, di, d_o));
 
     let mut dx = poisoned::<T>(t * di);
     let mut dw: Vec<G> = if acc { to_t(&dw0) } else { poisoned(d_o * di) };
     let mut db: Vec<G> = if acc { to_t(&db0) } else { poisoned(d_o) };
-    linear_backward(Some(&mut dx), &mut dw, bias.then_some(&mut db[..]), &dyt, &xt, &wt, t, di, d_o, acc).unwrap();
+    let grads = LinearGrads {
+        dx: Some(view_mut(&mut dx, [t, di])),
+        dw: view_mut(&mut dw, [d_o, di]),
+        dbias: bias.then(|| view_mut(&mut db, [d_o])),
+    };
+    cpu.linear_backward(grads, view(&dyt, [t, d_o]), LinearSaved { x: xv }, wv, mode(acc)).unwrap();
     let (dx_ref, mut dw_ref, mut db_ref) = ref_linear_bwd(&dy, &x, &w, t, di, d_o);
     if t * di * d_o <= 6000 {
         let loss = |x: &[f64], w: &[f64], b: &[f64]| dot(&dy, &ref_linear(x, w, Some(b), t, di, d_o));
@@ -166,27 +178,48 @@ fn multi_tile_shapes() {
 
 #[test]
 fn bad_shapes_are_typed_errors() {
+    let cpu = CpuBackend::new();
     let a = vec![1.0f32; 6];
     let b = vec![1.0f32; 6];
     let mut c = vec![0.0f32; 4];
-    assert!(matches!(matmul(&mut c, &a, &b, 2, 3, 2), Ok(())));
-    assert_eq!(matmul(&mut c, &a[..5], &b, 2, 3, 2), Err(KernelError::BufferLength { name: "a", expected: 6, got: 5 }));
-    assert_eq!(matmul(&mut c[..3], &a, &b, 2, 3, 2), Err(KernelError::BufferLength { name: "c", expected: 4, got: 3 }));
-    assert_eq!(matmul(&mut c, &a, &b, 0, 3, 2), Err(KernelError::ZeroDim("m")));
-    assert!(matches!(matmul(&mut c, &a, &b, usize::MAX, 3, 2), Err(KernelError::Shape(_))));
+    let (av, bv) = (View::new(&a, [2, 3]).unwrap(), View::new(&b, [3, 2]).unwrap());
+    assert!(matches!(cpu.matmul(ViewMut::new(&mut c, [2, 2]).unwrap(), av, bv), Ok(())));
+    // A buffer shorter than its dims (the slice kernel's `BufferLength` for `a` and `c`) cannot be viewed with
+    // them: the view constructor refuses it. Viewed with the dims it has, the backend refuses the dims instead.
+    assert!(matches!(View::new(&a[..5], [2, 3]), Err(KernelError::Shape(_))));
+    assert!(matches!(ViewMut::new(&mut c[..3], [2, 2]), Err(KernelError::Shape(_))));
+    let e = cpu.matmul(ViewMut::new(&mut c, [2, 2]).unwrap(), View::new(&a[..5], [1, 5]).unwrap(), bv);
+    assert!(matches!(&e, Err(KernelError::Shape(m)) if m.contains("[1, 5]")), "{e:?}");
+    let e = cpu.matmul(ViewMut::new(&mut c[..3], [1, 3]).unwrap(), av, bv);
+    assert!(matches!(&e, Err(KernelError::Shape(m)) if m.contains("`c`")), "{e:?}");
+    // A zero size reaches the kernel through empty views.
+    let e = cpu.matmul(ViewMut::new(&mut c[..0], [0, 2]).unwrap(), View::new(&a[..0], [0, 3]).unwrap(), bv);
+    assert_eq!(e, Err(KernelError::ZeroDim("m")));
+    // An element count that overflows is refused by the view constructor (the kernel's `Shape` error).
+    assert!(matches!(View::new(&a, [usize::MAX, 3]), Err(KernelError::Shape(_))));
     let mut y = vec![0.0f32; 4];
-    assert!(matches!(
-        linear_forward(&mut y, &a, &b, Some(&a[..1]), 2, 3, 2),
-        Err(KernelError::BufferLength { name: "bias", .. })
-    ));
+    let e = cpu.linear_forward(
+        ViewMut::new(&mut y, [2, 2]).unwrap(),
+        av,
+        bv.reshape([2, 3]).unwrap(),
+        Some(View::flat(&a[..1])),
+    );
+    assert!(matches!(e, Err(KernelError::BufferLength { name: "bias", .. })), "{e:?}");
+    // A `dw` of 5 elements: through views its dims disagree with `w`'s, which the backend reports as a `Shape`
+    // error naming `dw` (the slice kernel's `BufferLength { name: "dw" }` comes after that check).
     let mut dw = vec![0.0f32; 5];
-    assert!(matches!(
-        linear_backward::<f32, f32>(None, &mut dw, None, &y, &a, &b, 2, 3, 2, false),
-        Err(KernelError::BufferLength { name: "dw", .. })
-    ));
+    let grads = LinearGrads { dx: None, dw: ViewMut::flat(&mut dw), dbias: None };
+    let e = cpu.linear_backward(
+        grads,
+        View::new(&y, [2, 2]).unwrap(),
+        LinearSaved { x: av },
+        bv.reshape([2, 3]).unwrap(),
+        GradMode::Overwrite,
+    );
+    assert!(matches!(&e, Err(KernelError::Shape(m)) if m.contains("`dw`")), "{e:?}");
     // An error leaves outputs untouched.
     let mut c = vec![7.0f32; 4];
-    let _ = matmul(&mut c, &a, &b[..5], 2, 3, 2);
+    let _ = cpu.matmul(ViewMut::new(&mut c, [2, 2]).unwrap(), av, View::new(&b[..5], [5, 1]).unwrap());
     assert_eq!(c, vec![7.0; 4]);
     assert_eq!(<f32 as Element>::DTYPE, DType::F32);
 }

@@ -1,8 +1,11 @@
-//! RMSNorm and LayerNorm against f64 loop references and finite differences.
+//! RMSNorm and LayerNorm through the CPU backend against f64 loop references and finite differences.
 
 mod ops_util;
 
-use longctx_kernels::{layernorm_backward, layernorm_forward, rmsnorm_backward, rmsnorm_forward, Element, KernelError};
+use longctx_kernels::{
+    Backend, CpuBackend, Element, GradMode, KernelError, LayerNormSaved, NormGrads, NormParams, RmsNormSaved, View,
+    ViewMut,
+};
 use ops_util::*;
 use proptest::prelude::*;
 
@@ -79,13 +82,18 @@ fn rms_case<T: Element>(n: usize, c: usize, eps: f64, acc: bool, seed: u64) {
     let dy = rounded::<T>(&r.vec(n * c, 1.0));
     let dw0 = rounded::<T>(&r.vec(c, 1.0));
     let (xt, wt, dyt) = (to_t::<T>(&x), to_t::<T>(&w), to_t::<T>(&dy));
+    let cpu = CpuBackend::new();
+    let (xv, wv) = (view(&xt, [n, c]), view(&wt, [c]));
     let mut y = poisoned::<T>(n * c);
     let mut rstd = vec![f32::NAN; n];
-    rmsnorm_forward(&mut y, &mut rstd, &xt, &wt, n, c, eps as f32).unwrap();
+    let p = NormParams { weight: wv, bias: None, eps: eps as f32 };
+    cpu.rmsnorm_forward(view_mut(&mut y, [n, c]), view_mut(&mut rstd, [n]), xv, &p).unwrap();
     assert_close("rms y", &y, &ref_rms(&x, &w, n, c, eps));
     let mut dx = poisoned::<T>(n * c);
     let mut dw: Vec<T> = if acc { to_t(&dw0) } else { poisoned(c) };
-    rmsnorm_backward(&mut dx, &mut dw, &dyt, &xt, &wt, &rstd, n, c, acc).unwrap();
+    let grads = NormGrads { dx: view_mut(&mut dx, [n, c]), dweight: view_mut(&mut dw, [c]), dbias: None };
+    let saved = RmsNormSaved { x: xv, rstd: view(&rstd, [n]) };
+    cpu.rmsnorm_backward(grads, view(&dyt, [n, c]), saved, wv, mode(acc)).unwrap();
     let (dx_ref, mut dw_ref) = ref_rms_bwd(&dy, &x, &w, n, c, eps);
     if n * c <= 400 {
         let fx = fd_grad(|v| dot(&dy, &ref_rms(v, &w, n, c, eps)), &x, 1e-5);
@@ -109,14 +117,24 @@ fn ln_case<T: Element>(n: usize, c: usize, eps: f64, acc: bool, seed: u64) {
     let dy = rounded::<T>(&r.vec(n * c, 1.0));
     let (dw0, db0) = (rounded::<T>(&r.vec(c, 1.0)), rounded::<T>(&r.vec(c, 1.0)));
     let (xt, wt, bt, dyt) = (to_t::<T>(&x), to_t::<T>(&w), to_t::<T>(&b), to_t::<T>(&dy));
+    let cpu = CpuBackend::new();
+    let (xv, wv) = (view(&xt, [n, c]), view(&wt, [c]));
     let mut y = poisoned::<T>(n * c);
     let (mut mean, mut rstd) = (vec![f32::NAN; n], vec![f32::NAN; n]);
-    layernorm_forward(&mut y, &mut mean, &mut rstd, &xt, &wt, &bt, n, c, eps as f32).unwrap();
+    let p = NormParams { weight: wv, bias: Some(view(&bt, [c])), eps: eps as f32 };
+    cpu.layernorm_forward(view_mut(&mut y, [n, c]), view_mut(&mut mean, [n]), view_mut(&mut rstd, [n]), xv, &p)
+        .unwrap();
     assert_close("ln y", &y, &ref_ln(&x, &w, &b, n, c, eps));
     let mut dx = poisoned::<T>(n * c);
     let mut dw: Vec<T> = if acc { to_t(&dw0) } else { poisoned(c) };
     let mut db: Vec<T> = if acc { to_t(&db0) } else { poisoned(c) };
-    layernorm_backward(&mut dx, &mut dw, &mut db, &dyt, &xt, &wt, &mean, &rstd, n, c, acc).unwrap();
+    let grads = NormGrads {
+        dx: view_mut(&mut dx, [n, c]),
+        dweight: view_mut(&mut dw, [c]),
+        dbias: Some(view_mut(&mut db, [c])),
+    };
+    let saved = LayerNormSaved { x: xv, mean: view(&mean, [n]), rstd: view(&rstd, [n]) };
+    cpu.layernorm_backward(grads, view(&dyt, [n, c]), saved, wv, mode(acc)).unwrap();
     let (dx_ref, mut dw_ref, mut db_ref) = ref_ln_bwd(&dy, &x, &w, n, c, eps);
     if n * c <= 400 {
         let l = |x: &[f64], w: &[f64], b: &[f64]| dot(&dy, &ref_ln(x, w, b, n, c, eps));
@@ -149,34 +167,49 @@ proptest! {
 
 #[test]
 fn bad_inputs_are_typed_errors() {
+    let cpu = CpuBackend::new();
     let x = vec![1.0f32; 6];
     let w = vec![1.0f32; 3];
     let mut y = vec![0.0f32; 6];
     let mut r = vec![0.0f32; 2];
     let mut m = vec![0.0f32; 2];
-    assert!(matches!(
-        rmsnorm_forward(&mut y, &mut r, &x, &w[..2], 2, 3, 1e-5),
-        Err(KernelError::BufferLength { name: "weight", .. })
-    ));
-    assert!(matches!(
-        rmsnorm_forward(&mut y, &mut r, &x, &w, 2, 3, f32::NAN),
-        Err(KernelError::InvalidArgument { .. })
-    ));
-    assert!(matches!(rmsnorm_forward(&mut y, &mut r, &x, &w, 2, 3, -1.0), Err(KernelError::InvalidArgument { .. })));
-    assert_eq!(rmsnorm_forward(&mut y, &mut r, &x, &w, 0, 3, 1e-5), Err(KernelError::ZeroDim("n")));
-    assert!(matches!(
-        layernorm_forward(&mut y, &mut m, &mut r[..1], &x, &w, &w, 2, 3, 1e-5),
-        Err(KernelError::BufferLength { name: "rstd", .. })
-    ));
+    let xv = View::new(&x, [2, 3]).unwrap();
+    let rms = |y: &mut [f32], r: &mut [f32], x: View<'_>, w: &[f32], eps: f32| {
+        let p = NormParams { weight: View::flat(w), bias: None, eps };
+        let y = ViewMut::new(y, x.dims()).unwrap();
+        cpu.rmsnorm_forward(y, ViewMut::flat(r), x, &p)
+    };
+    assert!(matches!(rms(&mut y, &mut r, xv, &w[..2], 1e-5), Err(KernelError::BufferLength { name: "weight", .. })));
+    assert!(matches!(rms(&mut y, &mut r, xv, &w, f32::NAN), Err(KernelError::InvalidArgument { .. })));
+    assert!(matches!(rms(&mut y, &mut r, xv, &w, -1.0), Err(KernelError::InvalidArgument { .. })));
+    // No rows: empty views of dims [0, 3] reach the kernel.
+    let e = rms(&mut y[..0], &mut r[..0], View::new(&x[..0], [0, 3]).unwrap(), &w, 1e-5);
+    assert_eq!(e, Err(KernelError::ZeroDim("n")));
+    let p = NormParams { weight: View::flat(&w), bias: Some(View::flat(&w)), eps: 1e-5 };
+    let e = cpu.layernorm_forward(
+        ViewMut::new(&mut y, [2, 3]).unwrap(),
+        ViewMut::flat(&mut m),
+        ViewMut::flat(&mut r[..1]),
+        xv,
+        &p,
+    );
+    assert!(matches!(e, Err(KernelError::BufferLength { name: "rstd", .. })), "{e:?}");
     let mut dx = vec![0.0f32; 6];
     let mut dw = vec![0.0f32; 3];
     let mut db = vec![0.0f32; 4];
-    assert!(matches!(
-        layernorm_backward(&mut dx, &mut dw, &mut db, &x, &x, &w, &m, &r, 2, 3, true),
-        Err(KernelError::BufferLength { name: "dbias", .. })
-    ));
-    assert!(matches!(
-        rmsnorm_backward(&mut dx, &mut dw, &x[..5], &x, &w, &r, 2, 3, true),
-        Err(KernelError::BufferLength { name: "dy", .. })
-    ));
+    let grads = NormGrads {
+        dx: ViewMut::new(&mut dx, [2, 3]).unwrap(),
+        dweight: ViewMut::flat(&mut dw),
+        dbias: Some(ViewMut::flat(&mut db)),
+    };
+    let saved = LayerNormSaved { x: xv, mean: View::flat(&m), rstd: View::flat(&r) };
+    let e = cpu.layernorm_backward(grads, xv, saved, View::flat(&w), GradMode::Accumulate);
+    assert!(matches!(e, Err(KernelError::BufferLength { name: "dbias", .. })), "{e:?}");
+    // A `dy` one element short cannot be viewed as [2, 3] (the view constructor refuses it); viewed with the dims
+    // it has, the backend reports them as a `Shape` error naming `dy` (the slice kernel's `BufferLength`).
+    assert!(matches!(View::new(&x[..5], [2, 3]), Err(KernelError::Shape(_))));
+    let grads = NormGrads { dx: ViewMut::new(&mut dx, [2, 3]).unwrap(), dweight: ViewMut::flat(&mut dw), dbias: None };
+    let saved = RmsNormSaved { x: xv, rstd: View::flat(&r) };
+    let e = cpu.rmsnorm_backward(grads, View::flat(&x[..5]), saved, View::flat(&w), GradMode::Accumulate);
+    assert!(matches!(&e, Err(KernelError::Shape(m)) if m.contains("`dy`")), "{e:?}");
 }

@@ -1,8 +1,8 @@
-//! AdamW and gradient clipping against f64 references.
+//! AdamW and gradient clipping through the CPU backend against f64 references.
 
 mod ops_util;
 
-use longctx_kernels::{adamw_step, adamw_step_with_copy, clip_grad_norm, AdamW, Element, KernelError};
+use longctx_kernels::{AdamW, AdamwState, Backend, CpuBackend, Element, KernelError, View, ViewMut};
 use ops_util::*;
 use proptest::prelude::*;
 
@@ -26,14 +26,13 @@ fn adamw_case<G: Element>(n: usize, steps: u64, hp: AdamW, copy: bool, seed: u64
     let mut pr: Vec<f64> = p.iter().map(|&x| x as f64).collect();
     let (mut mr, mut vr) = (vec![0.0; n], vec![0.0; n]);
     let mut bf = vec![half::bf16::ZERO; n];
+    let cpu = CpuBackend::new();
     for step in 1..=steps {
         let g = rounded::<G>(&r.vec(n, 0.5));
         let gt = to_t::<G>(&g);
-        if copy {
-            adamw_step_with_copy(&mut bf, &mut p, &gt, &mut m, &mut v, &hp, step).unwrap();
-        } else {
-            adamw_step(&mut p, &gt, &mut m, &mut v, &hp, step).unwrap();
-        }
+        let state = AdamwState { m: view_mut(&mut m, [n]), v: view_mut(&mut v, [n]) };
+        let copy_to = copy.then(|| view_mut(&mut bf, [n]));
+        cpu.adamw_step(view_mut(&mut p, [n]), copy_to, view(&gt, [n]), state, &hp, step).unwrap();
         ref_adamw(&mut pr, &mut mr, &mut vr, &g, &hp, step);
     }
     assert_close("adamw params", &p, &pr);
@@ -50,8 +49,8 @@ fn clip_case<G: Element>(lens: Vec<usize>, max_norm: f32, seed: u64) {
     let data: Vec<Vec<f64>> = lens.iter().map(|&n| rounded::<G>(&r.vec(n, 1.0))).collect();
     let mut bufs: Vec<Vec<G>> = data.iter().map(|d| to_t(d)).collect();
     let norm_ref = data.iter().flatten().map(|x| x * x).sum::<f64>().sqrt();
-    let mut views: Vec<&mut [G]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
-    let norm = clip_grad_norm(&mut views, max_norm).unwrap();
+    let mut views: Vec<ViewMut<'_>> = bufs.iter_mut().map(|b| ViewMut::flat(&mut b[..])).collect();
+    let norm = CpuBackend::new().clip_grad_norm(&mut views, max_norm).unwrap();
     assert!((norm - norm_ref).abs() <= 1e-6 * norm_ref.max(1e-30), "{norm} vs {norm_ref}");
     let k = if norm_ref > max_norm as f64 { max_norm as f64 / (norm_ref + 1e-6) } else { 1.0 };
     for (b, d) in bufs.iter().zip(&data) {
@@ -81,49 +80,48 @@ proptest! {
 
 #[test]
 fn non_finite_norm_is_reported_and_grads_untouched() {
+    let cpu = CpuBackend::new();
     let mut a = vec![1.0f32, 2.0];
     let mut b = [f32::NAN, 1.0];
     let before = (a.clone(), b[1]);
-    let e = clip_grad_norm(&mut [&mut a[..], &mut b[..]], 1.0).unwrap_err();
+    let e = cpu.clip_grad_norm(&mut [ViewMut::flat(&mut a), ViewMut::flat(&mut b[..])], 1.0).unwrap_err();
     assert!(matches!(e, KernelError::InvalidArgument { name: "grads", .. }), "{e}");
     assert_eq!((a.clone(), b[1]), before);
     let mut c = [f32::INFINITY];
-    assert!(clip_grad_norm(&mut [&mut c[..]], 1.0).is_err());
+    assert!(cpu.clip_grad_norm(&mut [ViewMut::flat(&mut c[..])], 1.0).is_err());
     let mut big = [f32::MAX; 4]; // f64 norm is finite: reported as a number, then clipped
-    let n = clip_grad_norm(&mut [&mut big[..]], 1.0).unwrap();
+    let n = cpu.clip_grad_norm(&mut [ViewMut::flat(&mut big[..])], 1.0).unwrap();
     assert!(n.is_finite() && n > 1e38);
     assert!(big.iter().all(|x| x.is_finite() && *x <= 1.0));
 }
 
 #[test]
 fn bad_inputs_are_typed_errors() {
+    let cpu = CpuBackend::new();
     let hp = AdamW::default();
     let (mut p, g, mut m, mut v) = (vec![1.0f32; 4], vec![1.0f32; 4], vec![0.0f32; 4], vec![0.0f32; 4]);
-    assert!(matches!(
-        adamw_step(&mut p, &g[..3], &mut m, &mut v, &hp, 1),
-        Err(KernelError::BufferLength { name: "grads", .. })
-    ));
-    assert!(matches!(
-        adamw_step(&mut p, &g, &mut m[..1], &mut v, &hp, 1),
-        Err(KernelError::BufferLength { name: "m", .. })
-    ));
-    assert!(matches!(
-        adamw_step(&mut p, &g, &mut m, &mut v, &hp, 0),
-        Err(KernelError::InvalidArgument { name: "step", .. })
-    ));
+    let mut step = |p: &mut [f32], g: &[f32], m: &mut [f32], hp: &AdamW, step: u64| {
+        let state = AdamwState { m: ViewMut::flat(m), v: ViewMut::flat(&mut v) };
+        cpu.adamw_step(ViewMut::flat(p), None, View::flat(g), state, hp, step)
+    };
+    // Short `grads` and `m`: through views their dims disagree with the parameters', which the backend reports
+    // as a `Shape` error naming them (the slice kernel's `BufferLength` for the same argument).
+    let e = step(&mut p, &g[..3], &mut m, &hp, 1);
+    assert!(matches!(&e, Err(KernelError::Shape(s)) if s.contains("`grads`")), "{e:?}");
+    let e = step(&mut p, &g, &mut m[..1], &hp, 1);
+    assert!(matches!(&e, Err(KernelError::Shape(s)) if s.contains("`m`")), "{e:?}");
+    assert!(matches!(step(&mut p, &g, &mut m, &hp, 0), Err(KernelError::InvalidArgument { name: "step", .. })));
     let bad = AdamW { beta1: 1.0, ..hp };
-    assert!(matches!(
-        adamw_step(&mut p, &g, &mut m, &mut v, &bad, 1),
-        Err(KernelError::InvalidArgument { name: "beta1", .. })
-    ));
+    assert!(matches!(step(&mut p, &g, &mut m, &bad, 1), Err(KernelError::InvalidArgument { name: "beta1", .. })));
     let bad = AdamW { eps: 0.0, ..hp };
-    assert!(adamw_step(&mut p, &g, &mut m, &mut v, &bad, 1).is_err());
+    assert!(step(&mut p, &g, &mut m, &bad, 1).is_err());
+    // A `bf16` copy of 3 elements for 4 parameters: a `Shape` error naming `copy_to` (the slice kernel's
+    // `BufferLength { name: "params" }`).
     let mut q = vec![half::bf16::ZERO; 3];
-    assert!(matches!(
-        adamw_step_with_copy(&mut q, &mut p, &g, &mut m, &mut v, &hp, 1),
-        Err(KernelError::BufferLength { name: "params", .. })
-    ));
+    let state = AdamwState { m: ViewMut::flat(&mut m), v: ViewMut::flat(&mut v) };
+    let e = cpu.adamw_step(ViewMut::flat(&mut p), Some(ViewMut::flat(&mut q)), View::flat(&g), state, &hp, 1);
+    assert!(matches!(&e, Err(KernelError::Shape(s)) if s.contains("`copy_to`")), "{e:?}");
     assert_eq!(p, vec![1.0; 4], "untouched on error");
-    assert!(clip_grad_norm(&mut [&mut p[..]], -1.0).is_err());
-    assert!(clip_grad_norm(&mut [&mut p[..]], f32::NAN).is_err());
+    assert!(cpu.clip_grad_norm(&mut [ViewMut::flat(&mut p)], -1.0).is_err());
+    assert!(cpu.clip_grad_norm(&mut [ViewMut::flat(&mut p)], f32::NAN).is_err());
 }

@@ -1,11 +1,11 @@
-//! RoPE against an f64 reference (inverse frequencies rederived from the Hugging Face formulas), finite
-//! differences, and properties of the scalings.
+//! RoPE through the CPU backend against an f64 reference (inverse frequencies rederived from the Hugging Face
+//! formulas), finite differences, and properties of the scalings.
 
 mod ops_util;
 
 use std::f64::consts::PI;
 
-use longctx_kernels::{Element, KernelError, RopeConfig, RopeScaling, RopeTable};
+use longctx_kernels::{Backend, CpuBackend, Element, KernelError, RopeConfig, RopeScaling, RopeTable, View, ViewMut};
 use ops_util::*;
 use proptest::prelude::*;
 
@@ -106,11 +106,14 @@ fn rope_case<T: Element>(b: usize, h: usize, d: usize, pos: Vec<i64>, base: f64,
     let mut r = DataRng::new(seed);
     let x = rounded::<T>(&r.vec(n, 1.0));
     let dy = rounded::<T>(&r.vec(n, 1.0));
+    let cpu = CpuBackend::new();
+    let dims = [b, h, pos.len(), d];
+    let (xt, dyt) = (to_t::<T>(&x), to_t::<T>(&dy));
     let mut y = poisoned::<T>(n);
-    table.forward(&mut y, &to_t::<T>(&x), &pos, b, h).unwrap();
+    cpu.rope_forward(&table, view_mut(&mut y, dims), view(&xt, dims), &pos).unwrap();
     assert_close("rope y", &y, &ref_rope(&x, &pos, &inv, af, b * h, d));
     let mut dx = poisoned::<T>(n);
-    table.backward(&mut dx, &to_t::<T>(&dy), &pos, b, h).unwrap();
+    cpu.rope_backward(&table, view_mut(&mut dx, dims), view(&dyt, dims), &pos).unwrap();
     let dx_ref = ref_rope_bwd(&dy, &pos, &inv, af, b * h, d);
     if n <= 512 {
         let fx = fd_grad(|v| dot(&dy, &ref_rope(v, &pos, &inv, af, b * h, d)), &x, 1e-4);
@@ -119,10 +122,10 @@ fn rope_case<T: Element>(b: usize, h: usize, d: usize, pos: Vec<i64>, base: f64,
     assert_close("rope dx", &dx, &dx_ref);
     // In place gives the same bits.
     let mut yi = to_t::<T>(&x);
-    table.forward_inplace(&mut yi, &pos, b, h).unwrap();
+    cpu.rope_forward_inplace(&table, view_mut(&mut yi, dims), &pos).unwrap();
     assert_eq!(bits(&yi), bits(&y));
     let mut di = to_t::<T>(&dy);
-    table.backward_inplace(&mut di, &pos, b, h).unwrap();
+    cpu.rope_backward_inplace(&table, view_mut(&mut di, dims), &pos).unwrap();
     assert_eq!(bits(&di), bits(&dx));
 }
 
@@ -152,8 +155,9 @@ fn backward_inverts_forward_without_attention_factor() {
     let pos = [3i64, 17, 1_000_000, 9];
     let x = DataRng::new(5).vec(2 * 4 * 8, 1.0).iter().map(|&v| v as f32).collect::<Vec<f32>>();
     let (mut y, mut z) = (vec![f32::NAN; x.len()], vec![f32::NAN; x.len()]);
-    t.forward(&mut y, &x, &pos, 1, 2).unwrap();
-    t.backward(&mut z, &y, &pos, 1, 2).unwrap();
+    let cpu = CpuBackend::new();
+    cpu.rope_forward(&t, view_mut(&mut y, [1, 2, 4, 8]), view(&x, [1, 2, 4, 8]), &pos).unwrap();
+    cpu.rope_backward(&t, view_mut(&mut z, [1, 2, 4, 8]), view(&y, [1, 2, 4, 8]), &pos).unwrap();
     let e = rel_err(&z.iter().map(|&v| v as f64).collect::<Vec<_>>(), &x.iter().map(|&v| v as f64).collect::<Vec<_>>());
     assert!(e < 1e-6, "{e}");
 }
@@ -223,10 +227,37 @@ fn bad_inputs_are_typed_errors() {
     .is_err());
     assert!(RopeTable::new(&RopeConfig { head_dim: 8, base: -1.0, scaling: RopeScaling::None }).is_err());
     let t = RopeTable::new(&cfg(8, RopeScaling::None)).unwrap();
+    let cpu = CpuBackend::new();
     let x = vec![1.0f32; 2 * 3 * 8];
     let mut y = vec![0.0f32; 2 * 3 * 8];
-    assert!(matches!(t.forward(&mut y, &x, &[0, 1], 2, 2), Err(KernelError::BufferLength { .. })));
-    assert_eq!(t.forward(&mut y, &x, &[], 2, 3), Err(KernelError::ZeroDim("s")));
-    assert!(matches!(t.forward_inplace(&mut y[..8], &[0, 1, 2], 2, 1), Err(KernelError::BufferLength { .. })));
-    assert!(matches!(t.backward(&mut y[..8], &x, &[0, 1, 2], 2, 1), Err(KernelError::BufferLength { .. })));
+    // Two positions for a buffer of B = 2, H = 2 heads: 48 elements cannot be viewed as [2, 2, 2, 8] (the view
+    // constructor refuses them), and viewed as the [2, 3, 1, 8] they fill, the backend finds that S is not the
+    // number of positions: the slice kernel's `BufferLength` is a `Shape` error through views.
+    assert!(matches!(View::new(&x, [2, 2, 2, 8]), Err(KernelError::Shape(_))));
+    let e = cpu.rope_forward(
+        &t,
+        ViewMut::new(&mut y, [2, 3, 1, 8]).unwrap(),
+        View::new(&x, [2, 3, 1, 8]).unwrap(),
+        &[0, 1],
+    );
+    assert!(matches!(e, Err(KernelError::Shape(_))), "{e:?}");
+    // No positions reach the kernel through empty [2, 3, 0, 8] views.
+    let e = cpu.rope_forward(
+        &t,
+        ViewMut::new(&mut y[..0], [2, 3, 0, 8]).unwrap(),
+        View::new(&x[..0], [2, 3, 0, 8]).unwrap(),
+        &[],
+    );
+    assert_eq!(e, Err(KernelError::ZeroDim("s")));
+    // Eight elements for three positions: in place and out of place, a `Shape` error through views.
+    assert!(matches!(ViewMut::new(&mut y[..8], [2, 1, 3, 8]), Err(KernelError::Shape(_))));
+    let e = cpu.rope_forward_inplace(&t, ViewMut::new(&mut y[..8], [1, 1, 1, 8]).unwrap(), &[0, 1, 2]);
+    assert!(matches!(e, Err(KernelError::Shape(_))), "{e:?}");
+    let e = cpu.rope_backward(
+        &t,
+        ViewMut::new(&mut y[..8], [1, 1, 1, 8]).unwrap(),
+        View::new(&x, [2, 1, 3, 8]).unwrap(),
+        &[0, 1, 2],
+    );
+    assert!(matches!(e, Err(KernelError::Shape(_))), "{e:?}");
 }

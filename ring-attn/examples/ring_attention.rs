@@ -7,10 +7,10 @@
 
 use std::sync::Arc;
 
-use longctx_kernels::{attention_forward, AttnMask, AttnParams, AttnShape};
+use longctx_kernels::{AttnMask, AttnOptions, AttnShape};
 use longctx_ring_attn::{
-    AttnGrads, AttnOut, AttnSaved, ContextParallel, CpConfig, CpMask, CpShape, CpuBackend, DType, Partition, Qkv,
-    Schedule, SeqLayout, ThreadWorld, View, ViewMut,
+    AttnGrads, AttnOut, AttnSaved, Backend, ContextParallel, CpConfig, CpMask, CpShape, CpuBackend, DType, Partition,
+    Qkv, Schedule, SeqLayout, ThreadWorld, View, ViewMut,
 };
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -26,8 +26,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let full = AttnShape { batch: 1, q_heads: 8, kv_heads: 2, q_len: 2048, kv_len: 2048, head_dim: d };
     let mut o_full = vec![0f32; q.len()];
     let mut lse_full = vec![0f32; full.lse_elems()];
-    let p = AttnParams::new(full).with_mask(AttnMask::causal());
-    attention_forward(&p, (&q).into(), (&k).into(), (&v).into(), (&mut o_full).into(), &mut lse_full)?;
+    let (qd, kd) = (full.q_dims(), full.kv_dims());
+    let qkv = Qkv::new(View::new(&q, qd)?, View::new(&k, kd)?, View::new(&v, kd)?);
+    let out = AttnOut { o: ViewMut::new(&mut o_full, qd)?, lse: ViewMut::new(&mut lse_full, full.lse_dims())? };
+    CpuBackend::new().attention_forward(&AttnOptions::new(AttnMask::causal()), out, qkv)?;
 
     let layout = SeqLayout::new(Partition::Zigzag, cp, shape.seq_len)?;
     let shards = ThreadWorld::run(cp, |comm| -> Result<_, longctx_ring_attn::RingError> {

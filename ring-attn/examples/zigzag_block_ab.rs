@@ -15,7 +15,10 @@ use std::time::Instant;
 
 use half::bf16;
 use longctx_kernels::testing::uniform_nonzero;
-use longctx_kernels::{attention_backward, attention_forward, AttnMask, AttnParams, AttnShape, Positions};
+use longctx_kernels::{
+    AttnGrads, AttnMask, AttnOptions, AttnOut, AttnSaved, AttnShape, Backend, CpuBackend, GradMode, Positions, Qkv,
+    View, ViewMut,
+};
 use longctx_ring_attn::SeqLayout;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -34,39 +37,41 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         |n: usize, seed: u64| -> Vec<bf16> { uniform_nonzero(n, seed).into_iter().map(bf16::from_f32).collect() };
     let (q, k, v, d_o) = (rand(hq * l * d, 1), rand(hkv * l * d, 2), rand(hkv * l * d, 3), rand(hq * l * d, 4));
     let shape = AttnShape { batch: 1, q_heads: hq, kv_heads: hkv, q_len: l, kv_len: l, head_dim: d };
-    let params = |r: usize, src: usize| {
-        AttnParams::new(shape)
-            .with_mask(AttnMask::causal().with_positions(Positions::Explicit(&pos[r]), Positions::Explicit(&pos[src])))
+    let opts = |r: usize, src: usize| {
+        AttnOptions::new(
+            AttnMask::causal().with_positions(Positions::Explicit(&pos[r]), Positions::Explicit(&pos[src])),
+        )
     };
+    let cpu = CpuBackend::new();
+    let (qd, kd, ld) = (shape.q_dims(), shape.kv_dims(), shape.lse_dims());
+    let qkv = Qkv::new(View::new(&q, qd)?, View::new(&k, kd)?, View::new(&v, kd)?);
     // O and LSE of rank 0's diagonal block (finite LSE on every row, as the backward gets in the ring).
     let (mut o, mut lse) = (vec![bf16::ZERO; q.len()], vec![0f32; hq * l]);
-    attention_forward(&params(0, 0), (&q).into(), (&k).into(), (&v).into(), (&mut o).into(), &mut lse)?;
+    cpu.attention_forward(
+        &opts(0, 0),
+        AttnOut { o: ViewMut::new(&mut o, qd)?, lse: ViewMut::new(&mut lse, ld)? },
+        qkv,
+    )?;
+    let saved = AttnSaved { qkv, o: View::new(&o, qd)?, lse: View::new(&lse, ld)? };
     let (mut o2, mut lse2) = (vec![0f32; q.len()], vec![0f32; hq * l]);
     let (mut dq, mut dk, mut dv) = (vec![0f32; q.len()], vec![0f32; k.len()], vec![0f32; k.len()]);
     let blocks =
-        [("A (last rank, source before it)", params(cp - 1, cp - 2)), ("B (rank 0, last source)", params(0, cp - 1))];
+        [("A (last rank, source before it)", opts(cp - 1, cp - 2)), ("B (rank 0, last source)", opts(0, cp - 1))];
     let mut times = [Vec::new(), Vec::new()];
     for i in 0..2 * pairs {
         let which = (i + i / 2) % 2;
         let p = &blocks[which].1;
         let t = Instant::now();
         if forward {
-            attention_forward(p, (&q).into(), (&k).into(), (&v).into(), (&mut o2).into(), &mut lse2)?;
+            let out = AttnOut { o: ViewMut::new(&mut o2, qd)?, lse: ViewMut::new(&mut lse2, ld)? };
+            cpu.attention_forward(p, out, qkv)?;
         } else {
-            let (o, d_o) = ((&o).into(), (&d_o).into());
-            attention_backward(
-                p,
-                (&q).into(),
-                (&k).into(),
-                (&v).into(),
-                o,
-                d_o,
-                &lse,
-                (&mut dq).into(),
-                (&mut dk).into(),
-                (&mut dv).into(),
-                true,
-            )?;
+            let grads = AttnGrads {
+                dq: ViewMut::new(&mut dq, qd)?,
+                dk: ViewMut::new(&mut dk, kd)?,
+                dv: ViewMut::new(&mut dv, kd)?,
+            };
+            cpu.attention_backward(p, grads, View::new(&d_o, qd)?, saved, GradMode::Accumulate)?;
         }
         times[which].push(t.elapsed().as_secs_f64() * 1e3);
     }

@@ -15,9 +15,12 @@ use proptest::prelude::*;
 fn full_path(rope: &RopeTable, shape: CpShape, q: &[f32], k: &[f32], v: &[f32], d_o: &[f32]) -> [Vec<f32>; 4] {
     let s = shape.seq_len;
     let pos: Vec<i64> = (0..s as i64).collect();
+    let cpu = CpuBackend::new();
+    let qd = [shape.batch, shape.q_heads, s, shape.head_dim];
+    let kd = [shape.batch, shape.kv_heads, s, shape.head_dim];
     let (mut qr, mut kr) = (vec![0f32; q.len()], vec![0f32; k.len()]);
-    rope.forward(&mut qr, q, &pos, shape.batch, shape.q_heads).unwrap();
-    rope.forward(&mut kr, k, &pos, shape.batch, shape.kv_heads).unwrap();
+    cpu.rope_forward(rope, ViewMut::new(&mut qr, qd).unwrap(), View::new(q, qd).unwrap(), &pos).unwrap();
+    cpu.rope_forward(rope, ViewMut::new(&mut kr, kd).unwrap(), View::new(k, kd).unwrap(), &pos).unwrap();
     let a = AttnShape {
         batch: shape.batch,
         q_heads: shape.q_heads,
@@ -29,8 +32,8 @@ fn full_path(rope: &RopeTable, shape: CpShape, q: &[f32], k: &[f32], v: &[f32], 
     let p = AttnParams::new(a).with_mask(AttnMask::causal());
     let [o, _, dqr, dkr, dv] = attention_f32(&p, &qr, &kr, v, d_o).unwrap();
     let (mut dq, mut dk) = (vec![0f32; q.len()], vec![0f32; k.len()]);
-    rope.backward(&mut dq, &dqr, &pos, shape.batch, shape.q_heads).unwrap();
-    rope.backward(&mut dk, &dkr, &pos, shape.batch, shape.kv_heads).unwrap();
+    cpu.rope_backward(rope, ViewMut::new(&mut dq, qd).unwrap(), View::new(&dqr, qd).unwrap(), &pos).unwrap();
+    cpu.rope_backward(rope, ViewMut::new(&mut dk, kd).unwrap(), View::new(&dkr, kd).unwrap(), &pos).unwrap();
     [o, dq, dk, dv]
 }
 

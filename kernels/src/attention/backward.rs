@@ -25,33 +25,15 @@ use super::{AttnMask, AttnParams, BC, BR};
 use crate::error::Result;
 use crate::view::{HostSlice, HostSliceMut};
 
-/// Attention backward on the CPU.
+/// Attention backward on the CPU, on the inner loops of `simd` (clamped to what this CPU supports): the kernel
+/// behind [`CpuBackend`](crate::CpuBackend)'s [`attention_backward`](crate::Backend::attention_backward).
 ///
 /// From `q`, `k`, `v`, the forward output `o`, its gradient `d_o` and the forward `lse`, computes `d_q`
 /// `[B, Hq, Sq, D]`, `d_k`, `d_v` `[B, Hkv, Sk, D]` (`d_k`/`d_v` summed over the query heads sharing a KV
 /// head). With `accumulate`, the gradients are added to what the buffers hold (ring attention sums several
 /// key blocks into one buffer); otherwise they are overwritten.
 #[allow(clippy::too_many_arguments)]
-pub fn attention_backward(
-    p: &AttnParams<'_>,
-    q: HostSlice<'_>,
-    k: HostSlice<'_>,
-    v: HostSlice<'_>,
-    o: HostSlice<'_>,
-    d_o: HostSlice<'_>,
-    lse: &[f32],
-    d_q: HostSliceMut<'_>,
-    d_k: HostSliceMut<'_>,
-    d_v: HostSliceMut<'_>,
-    accumulate: bool,
-) -> Result<()> {
-    attention_backward_on(SimdPath::detect(), p, q, k, v, o, d_o, lse, d_q, d_k, d_v, accumulate)
-}
-
-/// [`attention_backward`] on the inner loops of `simd`, clamped to what this CPU supports (see
-/// [`attention_forward_on`](super::attention_forward_on)).
-#[allow(clippy::too_many_arguments)]
-pub fn attention_backward_on(
+pub(crate) fn attention_backward_on(
     simd: SimdPath,
     p: &AttnParams<'_>,
     q: HostSlice<'_>,

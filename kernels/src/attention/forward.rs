@@ -26,36 +26,13 @@ pub(crate) const GROUP: usize = 6;
 /// Rows of a product between two slices of the next tile's prefetch (a multiple of `GROUP`).
 const PF_ROWS: usize = 2 * GROUP;
 
-/// Attention forward on the CPU.
+/// Attention forward on the CPU, on the inner loops of `simd` (clamped to what this CPU supports, so `Avx512`
+/// means "the best there is"): the kernel behind [`CpuBackend`](crate::CpuBackend)'s
+/// [`attention_forward`](crate::Backend::attention_forward).
 ///
 /// Inputs `q` `[B, Hq, Sq, D]`, `k`, `v` `[B, Hkv, Sk, D]` (each `f32` or `bf16`); writes `o` `[B, Hq, Sq, D]`
 /// (`f32` or `bf16`) and `lse` `[B, Hq, Sq]`. Every element of both outputs is written.
-///
-/// ```
-/// use longctx_kernels::attention::{attention_forward, AttnMask, AttnParams, AttnShape};
-/// let shape = AttnShape { batch: 1, q_heads: 2, kv_heads: 1, q_len: 5, kv_len: 5, head_dim: 32 };
-/// let p = AttnParams::new(shape).with_mask(AttnMask::causal());
-/// let q = vec![0.1f32; shape.q_elems()];
-/// let kv = vec![0.2f32; shape.kv_elems()];
-/// let (mut o, mut lse) = (vec![0f32; shape.q_elems()], vec![0f32; shape.lse_elems()]);
-/// attention_forward(&p, (&q).into(), (&kv).into(), (&kv).into(), (&mut o).into(), &mut lse)?;
-/// assert!((o[0] - 0.2).abs() < 1e-6); // every value row is 0.2
-/// # Ok::<(), longctx_kernels::KernelError>(())
-/// ```
-pub fn attention_forward(
-    p: &AttnParams<'_>,
-    q: HostSlice<'_>,
-    k: HostSlice<'_>,
-    v: HostSlice<'_>,
-    o: HostSliceMut<'_>,
-    lse: &mut [f32],
-) -> Result<()> {
-    attention_forward_on(SimdPath::detect(), p, q, k, v, o, lse)
-}
-
-/// [`attention_forward`] on the inner loops of `simd`, clamped to what this CPU supports (so `Avx512` means
-/// "the best there is"): to compare paths, or to test every one of them, in one process.
-pub fn attention_forward_on(
+pub(crate) fn attention_forward_on(
     simd: SimdPath,
     p: &AttnParams<'_>,
     q: HostSlice<'_>,

@@ -1,4 +1,5 @@
-//! Combining partial attention results computed over disjoint key sets.
+//! Combining partial attention results computed over disjoint key sets: the kernel behind
+//! [`Backend::attention_merge`](crate::Backend::attention_merge).
 
 use crate::error::{check_len, KernelError, Result};
 
@@ -12,7 +13,7 @@ use crate::error::{check_len, KernelError, Result};
 /// `LSE = m + ln(w_1 + w_2)` and `O = (w_1 O_1 + w_2 O_2) / (w_1 + w_2)`.
 /// A side with `LSE = -inf` saw no key and has weight 0, so it adds nothing even when its `O` is not finite
 /// (its term is left out rather than multiplied by 0); when both do, the row stays `O = 0`, `LSE = -inf`.
-pub fn merge_partial_attention(o1: &mut [f32], lse1: &mut [f32], o2: &[f32], lse2: &[f32]) -> Result<()> {
+pub(crate) fn merge_partial_attention(o1: &mut [f32], lse1: &mut [f32], o2: &[f32], lse2: &[f32]) -> Result<()> {
     check_len("lse2", lse2.len(), lse1.len())?;
     check_len("o2", o2.len(), o1.len())?;
     let rows = lse1.len();
@@ -55,20 +56,4 @@ pub fn merge_partial_attention(o1: &mut [f32], lse1: &mut [f32], o2: &[f32], lse
         lse1[i] = m + z.ln();
     }
     Ok(())
-}
-
-/// Like [`merge_partial_attention`], but writes the merged result into separate outputs.
-pub fn merge_partial_attention_into(
-    o1: &[f32],
-    lse1: &[f32],
-    o2: &[f32],
-    lse2: &[f32],
-    o: &mut [f32],
-    lse: &mut [f32],
-) -> Result<()> {
-    check_len("o", o.len(), o1.len())?;
-    check_len("lse", lse.len(), lse1.len())?;
-    o.copy_from_slice(o1);
-    lse.copy_from_slice(lse1);
-    merge_partial_attention(o, lse, o2, lse2)
 }

@@ -1,5 +1,12 @@
-//! Exact flash-style attention on the CPU: forward returning the log-sum-exp, backward, and the merge of
-//! partial results over disjoint key sets.
+//! Exact flash-style attention: forward returning the log-sum-exp, backward, and the merge of partial results
+//! over disjoint key sets. The computing is [`Backend::attention_forward`](crate::Backend::attention_forward),
+//! [`attention_backward`](crate::Backend::attention_backward) and
+//! [`attention_merge`](crate::Backend::attention_merge); this module holds what those calls take (the grouped
+//! views [`Qkv`], [`AttnOut`], [`AttnSaved`], [`AttnGrads`], the [`AttnMask`] and [`AttnOptions`]), the sizes and
+//! parameters of one problem ([`AttnShape`], [`AttnParams`]), the exact work count [`attention_work`], the plain
+//! f64 [`reference`](mod@reference) every kernel is checked against, and the CPU backend's SIMD levels
+//! ([`SimdPath`]). The CPU kernels themselves are private to [`CpuBackend`](crate::CpuBackend); the layout,
+//! numerics and determinism below are theirs.
 //!
 //! # Layout
 //! Legend: `B` batch, `Hq` query heads, `Hkv` key/value heads, `Sq` query rows, `Sk` key rows, `D` head dim.
@@ -20,8 +27,8 @@
 //! non-finite value get NaN (or ±inf): the `O` and `LSE` of a query row that sees a non-finite score or value,
 //! and the gradients reached from it. Each key tile's non-finite elements are found while K and V are
 //! packed, each query tile's while its rows are loaded, and only tile pairs that hold one take the slower
-//! exact path, so finite inputs run as fast as before. [`merge_partial_attention`] likewise gives a partial
-//! with `LSE = -inf` no weight even when its `O` is not finite.
+//! exact path, so finite inputs run as fast as before. The merge likewise gives a partial with `LSE = -inf` no
+//! weight even when its `O` is not finite.
 //!
 //! # Determinism
 //! Every output element is produced by exactly one task, which reduces in a fixed order, so results are
@@ -37,11 +44,11 @@ pub mod reference;
 pub(crate) mod simd;
 mod work;
 
-pub use backward::{attention_backward, attention_backward_on};
-pub use forward::{attention_forward, attention_forward_on};
+pub(crate) use backward::attention_backward_on;
+pub(crate) use forward::attention_forward_on;
 pub use groups::{AttnGrads, AttnOptions, AttnOut, AttnPartial, AttnSaved, Qkv};
 pub use mask::{AttnMask, Positions};
-pub use merge::{merge_partial_attention, merge_partial_attention_into};
+pub(crate) use merge::merge_partial_attention;
 pub use simd::SimdPath;
 pub use work::{attention_work, AttnWork};
 
@@ -93,6 +100,18 @@ impl AttnShape {
     pub fn group(&self) -> usize {
         self.q_heads / self.kv_heads
     }
+    /// The dims of `Q` (and `O`, `dQ`, `dO`): `[B, Hq, Sq, D]`, for their [`View`](crate::View)s.
+    pub fn q_dims(&self) -> [usize; 4] {
+        [self.batch, self.q_heads, self.q_len, self.head_dim]
+    }
+    /// The dims of `K` (and `V`, `dK`, `dV`): `[B, Hkv, Sk, D]`.
+    pub fn kv_dims(&self) -> [usize; 4] {
+        [self.batch, self.kv_heads, self.kv_len, self.head_dim]
+    }
+    /// The dims of `LSE`: `[B, Hq, Sq]`.
+    pub fn lse_dims(&self) -> [usize; 3] {
+        [self.batch, self.q_heads, self.q_len]
+    }
 
     /// Checks every dimension.
     pub fn validate(&self) -> Result<()> {
@@ -142,6 +161,10 @@ impl<'a> AttnParams<'a> {
     pub fn with_scale(mut self, scale: f32) -> Self {
         self.scale = scale;
         self
+    }
+    /// The mask and scale as the options of a [`Backend`](crate::Backend) call, whose views give the sizes.
+    pub fn options(&self) -> AttnOptions<'a> {
+        AttnOptions { mask: self.mask, scale: Some(self.scale) }
     }
 
     /// Checks the shape, mask and scale.

@@ -56,9 +56,9 @@ impl std::iter::Sum for AttnWork {
     }
 }
 
-/// Counts the tile pairs that [`attention_forward`](super::attention_forward) and
-/// [`attention_backward`](super::attention_backward) compute and skip for `p` (both use the same tiles and
-/// classification). Costs `O(Sq + Sk)` for the range summaries plus one test per tile pair; reads no data.
+/// Counts the tile pairs that the CPU backend's [`attention_forward`](crate::Backend::attention_forward) and
+/// [`attention_backward`](crate::Backend::attention_backward) compute and skip for `p` (both use the same tiles
+/// and classification). Costs `O(Sq + Sk)` for the range summaries plus one test per tile pair; reads no data.
 ///
 /// ```
 /// use longctx_kernels::{attention_work, AttnMask, AttnParams, AttnShape};

@@ -25,7 +25,7 @@ fn sigmoid(x: f32) -> f32 {
 /// SwiGLU forward: `out[N] = silu(gate[N]) · up[N]`.
 ///
 /// Errors: the three lengths differ.
-pub fn swiglu_forward<T: Element>(out: &mut [T], gate: &[T], up: &[T]) -> Result<()> {
+pub(crate) fn swiglu_forward<T: Element>(out: &mut [T], gate: &[T], up: &[T]) -> Result<()> {
     check_len("up", up.len(), gate.len())?;
     check_len("out", out.len(), gate.len())?;
     out.par_chunks_mut(ELEMS_PER_TASK)
@@ -43,7 +43,13 @@ pub fn swiglu_forward<T: Element>(out: &mut [T], gate: &[T], up: &[T]) -> Result
 /// SwiGLU backward: `d_gate[N]`, `d_up[N]` (overwritten) from `dout[N]` and the forward inputs.
 ///
 /// Errors: the lengths differ.
-pub fn swiglu_backward<T: Element>(d_gate: &mut [T], d_up: &mut [T], dout: &[T], gate: &[T], up: &[T]) -> Result<()> {
+pub(crate) fn swiglu_backward<T: Element>(
+    d_gate: &mut [T],
+    d_up: &mut [T],
+    dout: &[T],
+    gate: &[T],
+    up: &[T],
+) -> Result<()> {
     let n = gate.len();
     check_len("up", up.len(), n)?;
     check_len("dout", dout.len(), n)?;
@@ -69,7 +75,7 @@ pub fn swiglu_backward<T: Element>(d_gate: &mut [T], d_up: &mut [T], dout: &[T],
 /// Squared ReLU forward: `out[N] = max(x, 0)²`.
 ///
 /// Errors: the lengths differ.
-pub fn squared_relu_forward<T: Element>(out: &mut [T], x: &[T]) -> Result<()> {
+pub(crate) fn squared_relu_forward<T: Element>(out: &mut [T], x: &[T]) -> Result<()> {
     check_len("out", out.len(), x.len())?;
     out.par_chunks_mut(ELEMS_PER_TASK).zip(x.par_chunks(ELEMS_PER_TASK)).for_each(|(o, x)| {
         for (o, x) in o.iter_mut().zip(x) {
@@ -83,7 +89,7 @@ pub fn squared_relu_forward<T: Element>(out: &mut [T], x: &[T]) -> Result<()> {
 /// Squared ReLU backward: `dx[N] = dout · 2·max(x, 0)` (overwritten).
 ///
 /// Errors: the lengths differ.
-pub fn squared_relu_backward<T: Element>(dx: &mut [T], dout: &[T], x: &[T]) -> Result<()> {
+pub(crate) fn squared_relu_backward<T: Element>(dx: &mut [T], dout: &[T], x: &[T]) -> Result<()> {
     check_len("dout", dout.len(), x.len())?;
     check_len("dx", dx.len(), x.len())?;
     dx.par_chunks_mut(ELEMS_PER_TASK).zip(dout.par_chunks(ELEMS_PER_TASK)).zip(x.par_chunks(ELEMS_PER_TASK)).for_each(

@@ -29,7 +29,8 @@ use crate::error::{check_len, KernelError, Result};
 pub struct CrossEntropyOptions {
     /// Targets equal to this are skipped (PyTorch's default `-100`).
     pub ignore_index: i64,
-    /// Tokens per chunk `K` of [`cross_entropy_fused`] (≥ 1): peak memory is `K·V` floats.
+    /// Tokens per chunk `K` of [`Backend::cross_entropy_fused`](crate::Backend::cross_entropy_fused) (≥ 1): peak
+    /// memory is `K·V` floats.
     pub chunk_tokens: usize,
     /// Divide the loss sum (and the gradients) by this instead of the number of valid tokens, e.g. the valid
     /// tokens of the whole global batch when tokens are split across context-parallel ranks or micro-batches.
@@ -126,7 +127,7 @@ fn target_of(y: i64, ignore: i64) -> Option<usize> {
 ///
 /// Errors: zero `t` or `v`, a length mismatch, a target outside `[0, V)` that is not `ignore_index`, or a
 /// non-positive denominator. `opts.chunk_tokens` is not used.
-pub fn cross_entropy_logits<T: Element>(
+pub(crate) fn cross_entropy_logits<T: Element>(
     logits: &mut [T],
     targets: &[i64],
     t: usize,
@@ -162,7 +163,7 @@ pub fn cross_entropy_logits<T: Element>(
 /// Errors: zero sizes or chunk, a length mismatch, a target outside `[0, V)` that is not `ignore_index`, or a
 /// non-positive denominator.
 #[allow(clippy::too_many_arguments)]
-pub fn cross_entropy_fused<T: Element, G: Element>(
+pub(crate) fn cross_entropy_fused<T: Element, G: Element>(
     dhidden: &mut [T],
     dweight: &mut [G],
     hidden: &[T],

@@ -30,7 +30,7 @@ fn check_ids(ids: &[u32], v: usize) -> Result<()> {
 /// Embedding forward: `out[T,C] = table[ids[T], :]` with `table[V,C]`.
 ///
 /// Errors: zero `v` or `c`, a length mismatch (`out` must hold `ids.len()·c`), or an id `>= v`.
-pub fn embedding_forward<T: Element>(out: &mut [T], ids: &[u32], table: &[T], v: usize, c: usize) -> Result<()> {
+pub(crate) fn embedding_forward<T: Element>(out: &mut [T], ids: &[u32], table: &[T], v: usize, c: usize) -> Result<()> {
     nonzero("v", v)?;
     nonzero("c", c)?;
     check_len("table", table.len(), numel("table", &[v, c])?)?;
@@ -49,7 +49,7 @@ pub fn embedding_forward<T: Element>(out: &mut [T], ids: &[u32], table: &[T], v:
 /// `dtable` is zeroed first; training normally passes `true`.
 ///
 /// Errors: zero `v` or `c`, a length mismatch, or an id `>= v`.
-pub fn embedding_backward<T: Element, G: Element>(
+pub(crate) fn embedding_backward<T: Element, G: Element>(
     dtable: &mut [G],
     dout: &[T],
     ids: &[u32],

@@ -22,7 +22,7 @@ use crate::error::{check_len, KernelError, Result};
 ///
 /// Errors: zero `n` or `c`, a length mismatch, or `eps` negative or not finite.
 #[allow(clippy::too_many_arguments)]
-pub fn layernorm_forward<T: Element>(
+pub(crate) fn layernorm_forward<T: Element>(
     y: &mut [T],
     mean: &mut [f32],
     rstd: &mut [f32],
@@ -81,7 +81,7 @@ pub fn layernorm_forward<T: Element>(
 ///
 /// Errors: zero `n` or `c`, or a length mismatch.
 #[allow(clippy::too_many_arguments)]
-pub fn layernorm_backward<T: Element, G: Element>(
+pub(crate) fn layernorm_backward<T: Element, G: Element>(
     dx: &mut [T],
     dweight: &mut [G],
     dbias: &mut [G],

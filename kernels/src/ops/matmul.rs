@@ -16,7 +16,7 @@
 
 use rayon::prelude::*;
 
-use super::{as_f32_mut, clear_pool, nonzero, numel, store, F32In, Scratch};
+use super::{as_f32_mut, nonzero, numel, store, F32In, Scratch};
 use crate::dtype::Element;
 use crate::error::{check_len, Result};
 
@@ -119,15 +119,10 @@ pub(crate) fn with_out<G: Element>(dst: &mut [G], accumulate: bool, f: impl FnOn
     }
 }
 
-/// Frees the `f32` conversion buffers the calling thread keeps for `bf16` operands.
-pub fn release_scratch() {
-    clear_pool();
-}
-
 /// `C[M,N] = A[M,K] · B[K,N]`.
 ///
 /// Errors: a zero size, or a buffer whose length is not the product of its sizes.
-pub fn matmul<T: Element>(c: &mut [T], a: &[T], b: &[T], m: usize, k: usize, n: usize) -> Result<()> {
+pub(crate) fn matmul<T: Element>(c: &mut [T], a: &[T], b: &[T], m: usize, k: usize, n: usize) -> Result<()> {
     nonzero("m", m)?;
     nonzero("k", k)?;
     nonzero("n", n)?;
@@ -142,7 +137,7 @@ pub fn matmul<T: Element>(c: &mut [T], a: &[T], b: &[T], m: usize, k: usize, n: 
 /// Backward of [`matmul`]: `dA[M,K] = dC[M,N] · Bᵀ` (overwritten) and `dB[K,N] (+)= Aᵀ · dC` (added to when
 /// `accumulate`). Either gradient may be skipped with `None`.
 #[allow(clippy::too_many_arguments)]
-pub fn matmul_backward<T: Element, G: Element>(
+pub(crate) fn matmul_backward<T: Element, G: Element>(
     da: Option<&mut [T]>,
     db: Option<&mut [G]>,
     dc: &[T],
@@ -183,7 +178,7 @@ pub fn matmul_backward<T: Element, G: Element>(
 ///
 /// Errors: a zero size, or a buffer whose length does not match.
 #[allow(clippy::too_many_arguments)]
-pub fn linear_forward<T: Element>(
+pub(crate) fn linear_forward<T: Element>(
     y: &mut [T],
     x: &[T],
     w: &[T],
@@ -218,7 +213,7 @@ pub fn linear_forward<T: Element>(
 ///
 /// Errors: a zero size, or a buffer whose length does not match.
 #[allow(clippy::too_many_arguments)]
-pub fn linear_backward<T: Element, G: Element>(
+pub(crate) fn linear_backward<T: Element, G: Element>(
     dx: Option<&mut [T]>,
     dw: &mut [G],
     dbias: Option<&mut [G]>,

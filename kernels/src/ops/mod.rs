@@ -1,53 +1,76 @@
-//! Transformer ops other than attention, each with its backward: linear layers ([`matmul`](mod@matmul)), RMSNorm and
-//! LayerNorm ([`rmsnorm`], [`layernorm`]), rotary embeddings ([`rope`]), SwiGLU and squared ReLU
-//! ([`activation`]), token embeddings ([`embedding`]), chunked softmax cross-entropy ([`cross_entropy`]), and the
-//! optimizer step with gradient clipping ([`optim`]).
+//! Transformer ops other than attention, each with its backward: what they compute, and the types their
+//! [`Backend`](crate::Backend) methods take ([`AdamW`], [`CrossEntropyOptions`], [`CrossEntropyOutput`], the rotary
+//! tables [`RopeConfig`], [`RopeScaling`], [`RopeTable`]). The computing is the backend's: the CPU kernels below
+//! this module are private to [`CpuBackend`](crate::CpuBackend), which checks the views and calls them.
 //!
-//! Conventions (llm.c `train_gpt2.c`):
-//! - Legend: `B` batch, `S` sequence, `H` heads, `D` head dim, `T` tokens (`B·S` flattened), `C` channels
-//!   (model dim), `F` hidden (FFN) dim, `V` vocabulary. Every buffer is row-major, last dimension innermost.
-//! - Forward functions take outputs first, then inputs, then sizes and options. Backward functions take the
-//!   gradients they write first (`d`-prefixed), then the upstream gradient, then the saved forward values.
-//! - Storage is `f32` or `bf16` ([`Element`]); every op computes and accumulates in `f32`
-//!   (reductions that decide a loss or a norm in `f64`). Weight gradients have their own element type `G`, so a
-//!   `bf16` model can accumulate `f32` gradients across micro-batches; with `accumulate = true` weight gradients
-//!   are added to what the buffer holds, with `false` they are overwritten. Activation gradients are always
-//!   overwritten.
+//! Legend: `B` batch, `S` sequence, `H` heads, `D` head dim, `T` tokens (`B·S` flattened), `C` channels (model
+//! dim), `F` hidden (FFN) dim, `V` vocabulary, `P` parameters. Every buffer is row-major, last dimension innermost.
+//!
+//! ```text
+//! matmul                c[M,N] = a[M,K]·b[K,N]
+//! matmul_backward       da = dc·bᵀ                  db (+)= aᵀ·dc
+//! linear_forward        y[T,OUT] = x[T,IN]·wᵀ + bias (w is [OUT,IN])
+//! linear_backward       dx = dy·w                   dw (+)= dyᵀ·x          dbias (+)= Σ_t dy[t,:]
+//! rmsnorm_forward       y[N,C] = x·rstd·weight      rstd[N] = 1/√(mean(x²) + eps)
+//! layernorm_forward     y[N,C] = (x − mean)·rstd·weight + bias
+//! rope_forward          y[B,H,S,D] = x rotated by the angles of positions[S]; rope_backward rotates back
+//! swiglu_forward        out = silu(gate) ∘ up
+//! squared_relu_forward  out = max(x, 0)²
+//! embedding_forward     out[T,C] = table[ids[t], :]  embedding_backward: dtable[ids[t], :] (+)= dout[t, :]
+//! cross_entropy_fused   the loss of hidden[T,C]·weightᵀ (weight [V,C]) in chunks of tokens, never all [T,V]
+//! adamw_step            m, v and the f32 master weights (and a rounded copy) take one AdamW step
+//! clip_grad_norm        ‖g‖ = √(Σ g²) in f64; if ‖g‖ > max: g *= max / (‖g‖ + 1e-6)
+//! ```
+//!
+//! Conventions (llm.c `train_gpt2.c`), the same for every backend:
+//! - Outputs first, then the upstream gradient, then what the forward saved ([`crate::saved`]), then parameters
+//!   and options; gradients are named `dx`, `dw`, `dout`, ….
+//! - Storage is `f32` or `bf16` ([`crate::DType`]); every op computes and accumulates in `f32` (reductions that
+//!   decide a loss or a norm in `f64`). Weight gradients may have their own element type, so a `bf16` model can
+//!   accumulate `f32` gradients across micro-batches; [`GradMode`](crate::GradMode) says whether a backward
+//!   overwrites the weight gradients or adds to them. Activation gradients are always overwritten.
 //! - Every shape and length is checked before any element is written: an `Err` leaves outputs untouched.
 //! - Results are bit-identical for any number of rayon threads: work is split into pieces whose boundaries
 //!   depend only on the shapes, and partial sums are combined in a fixed order on one thread.
 //!
 //! ```
-//! use longctx_kernels::ops::{linear_backward, linear_forward};
-//! // Y[T,OUT] = X[T,IN]·Wᵀ with T = 2, IN = 3, OUT = 2, then the backward with dY = 1.
+//! use longctx_kernels::{Backend, CpuBackend, GradMode, LinearGrads, LinearSaved, View, ViewMut};
+//! let cpu = CpuBackend::new();
+//! // y[T,OUT] = x[T,IN]·wᵀ with T = 2, IN = 3, OUT = 2, then the backward with dy = 1.
 //! let x = [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0];
 //! let w = [1.0f32, 0.0, 0.0, 0.0, 1.0, 1.0];
+//! let (xv, wv) = (View::new(&x, [2, 3])?, View::new(&w, [2, 3])?);
 //! let mut y = [0.0f32; 4];
-//! linear_forward(&mut y, &x, &w, None, 2, 3, 2)?;
+//! cpu.linear_forward(ViewMut::new(&mut y, [2, 2])?, xv, wv, None)?;
 //! assert_eq!(y, [1.0, 5.0, 4.0, 11.0]);
 //! let (mut dx, mut dw) = ([0.0f32; 6], [0.0f32; 6]);
-//! linear_backward(Some(&mut dx[..]), &mut dw[..], None, &[1.0f32; 4], &x, &w, 2, 3, 2, false)?;
+//! let (dxv, dwv) = (ViewMut::new(&mut dx, [2, 3])?, ViewMut::new(&mut dw, [2, 3])?);
+//! let grads = LinearGrads { dx: Some(dxv), dw: dwv, dbias: None };
+//! let dy = [1.0f32; 4];
+//! cpu.linear_backward(grads, View::new(&dy, [2, 2])?, LinearSaved { x: xv }, wv, GradMode::Overwrite)?;
 //! assert_eq!(dx, [1.0, 1.0, 1.0, 1.0, 1.0, 1.0]);
 //! assert_eq!(dw, [5.0, 7.0, 9.0, 5.0, 7.0, 9.0]);
 //! # Ok::<(), longctx_kernels::KernelError>(())
 //! ```
 
-pub mod activation;
-pub mod cross_entropy;
-pub mod embedding;
-pub mod layernorm;
-pub mod matmul;
-pub mod optim;
-pub mod rmsnorm;
-pub mod rope;
+mod activation;
+mod cross_entropy;
+mod embedding;
+mod layernorm;
+mod matmul;
+mod optim;
+mod rmsnorm;
+mod rope;
 
-pub use activation::{squared_relu_backward, squared_relu_forward, swiglu_backward, swiglu_forward};
-pub use cross_entropy::{cross_entropy_fused, cross_entropy_logits, CrossEntropyOptions, CrossEntropyOutput};
-pub use embedding::{embedding_backward, embedding_forward};
-pub use layernorm::{layernorm_backward, layernorm_forward};
-pub use matmul::{linear_backward, linear_forward, matmul, matmul_backward, release_scratch};
-pub use optim::{adamw_step, adamw_step_with_copy, clip_grad_norm, AdamW};
-pub use rmsnorm::{rmsnorm_backward, rmsnorm_forward};
+pub(crate) use activation::{squared_relu_backward, squared_relu_forward, swiglu_backward, swiglu_forward};
+pub(crate) use cross_entropy::{cross_entropy_fused, cross_entropy_logits};
+pub use cross_entropy::{CrossEntropyOptions, CrossEntropyOutput};
+pub(crate) use embedding::{embedding_backward, embedding_forward};
+pub(crate) use layernorm::{layernorm_backward, layernorm_forward};
+pub(crate) use matmul::{linear_backward, linear_forward, matmul, matmul_backward};
+pub use optim::AdamW;
+pub(crate) use optim::{adamw_step, adamw_step_with_copy, sum_squares};
+pub(crate) use rmsnorm::{rmsnorm_backward, rmsnorm_forward};
 pub use rope::{RopeConfig, RopeScaling, RopeTable};
 
 use std::cell::RefCell;

@@ -1,4 +1,5 @@
-//! AdamW with decoupled weight decay, and global gradient-norm clipping.
+//! AdamW with decoupled weight decay, and the sum of squares behind gradient-norm clipping
+//! ([`Backend::clip_grad_norm`](crate::Backend::clip_grad_norm)).
 //!
 //! Legend: `P` parameters (one flat buffer), `t` the 1-based step.
 //!
@@ -81,7 +82,7 @@ fn bias_corrections(h: &AdamW, step: u64) -> (f32, f32) {
 /// counts from 1.
 ///
 /// Errors: a length mismatch, `step == 0`, a beta outside `[0, 1)`, or a non-finite / non-positive eps.
-pub fn adamw_step<G: Element>(
+pub(crate) fn adamw_step<G: Element>(
     params: &mut [f32],
     grads: &[G],
     m: &mut [f32],
@@ -108,7 +109,7 @@ pub fn adamw_step<G: Element>(
 /// parameters `params[P]` (e.g. `bf16`).
 ///
 /// Errors: as [`adamw_step`], and `params` not of length `P`.
-pub fn adamw_step_with_copy<P: Element, G: Element>(
+pub(crate) fn adamw_step_with_copy<P: Element, G: Element>(
     params: &mut [P],
     master: &mut [f32],
     grads: &[G],
@@ -142,32 +143,4 @@ pub(crate) fn sum_squares<G: Element>(x: &[G]) -> f64 {
         .map(|c| c.iter().map(|v| (v.to_f32() as f64) * (v.to_f32() as f64)).sum::<f64>())
         .collect();
     parts.iter().sum()
-}
-
-/// Global L2 norm over all of `grads` (in `f64`); when it exceeds `max_norm`, scales every gradient in place by
-/// `max_norm / (norm + 1e-6)`. Returns the norm before clipping, in `f64` (finite for any finite `f32`
-/// gradients).
-///
-/// Errors: `max_norm` negative or not finite; a non-finite norm (a NaN or infinite gradient, or overflow) is
-/// reported as [`KernelError::InvalidArgument`] for `grads`, with the gradients left untouched.
-pub fn clip_grad_norm<G: Element>(grads: &mut [&mut [G]], max_norm: f32) -> Result<f64> {
-    finite("max_norm", max_norm as f64, false)?;
-    if max_norm < 0.0 {
-        return Err(KernelError::InvalidArgument { name: "max_norm", why: format!("{max_norm} < 0") });
-    }
-    let norm = grads.iter().map(|g| sum_squares(g)).sum::<f64>().sqrt();
-    if !norm.is_finite() {
-        return Err(KernelError::InvalidArgument { name: "grads", why: format!("gradient norm is {norm}") });
-    }
-    if norm > max_norm as f64 {
-        let k = (max_norm as f64 / (norm + 1e-6)) as f32;
-        for g in grads.iter_mut() {
-            g.par_chunks_mut(ELEMS_PER_TASK).for_each(|c| {
-                for x in c {
-                    *x = G::from_f32(x.to_f32() * k);
-                }
-            });
-        }
-    }
-    Ok(norm)
 }

@@ -23,7 +23,7 @@ use crate::error::{check_len, Result};
 ///
 /// Errors: zero `n` or `c`, a length mismatch, or `eps` negative or not finite.
 #[allow(clippy::too_many_arguments)]
-pub fn rmsnorm_forward<T: Element>(
+pub(crate) fn rmsnorm_forward<T: Element>(
     y: &mut [T],
     rstd: &mut [f32],
     x: &[T],
@@ -70,7 +70,7 @@ pub fn rmsnorm_forward<T: Element>(
 ///
 /// Errors: zero `n` or `c`, or a length mismatch.
 #[allow(clippy::too_many_arguments)]
-pub fn rmsnorm_backward<T: Element, G: Element>(
+pub(crate) fn rmsnorm_backward<T: Element, G: Element>(
     dx: &mut [T],
     dweight: &mut [G],
     dy: &[T],

@@ -272,7 +272,14 @@ impl RopeTable {
     /// Forward: `y[B,H,S,D]` = `x` rotated by the angles of `positions[S]`.
     ///
     /// Errors: a zero size, or `x`/`y` not holding `B·H·S·D` elements.
-    pub fn forward<T: Element>(&self, y: &mut [T], x: &[T], positions: &[i64], b: usize, h: usize) -> Result<()> {
+    pub(crate) fn forward<T: Element>(
+        &self,
+        y: &mut [T],
+        x: &[T],
+        positions: &[i64],
+        b: usize,
+        h: usize,
+    ) -> Result<()> {
         self.check(y, x, positions, b, h)?;
         self.apply(y, Some(x), positions, 1.0);
         Ok(())
@@ -281,7 +288,14 @@ impl RopeTable {
     /// Backward: `dx[B,H,S,D]` = `dy` rotated back (the transpose of the forward map).
     ///
     /// Errors: a zero size, or `dx`/`dy` not holding `B·H·S·D` elements.
-    pub fn backward<T: Element>(&self, dx: &mut [T], dy: &[T], positions: &[i64], b: usize, h: usize) -> Result<()> {
+    pub(crate) fn backward<T: Element>(
+        &self,
+        dx: &mut [T],
+        dy: &[T],
+        positions: &[i64],
+        b: usize,
+        h: usize,
+    ) -> Result<()> {
         self.check(dx, dy, positions, b, h)?;
         self.apply(dx, Some(dy), positions, -1.0);
         Ok(())
@@ -290,7 +304,7 @@ impl RopeTable {
     /// In-place forward: `x[B,H,S,D]` is replaced by its rotation (e.g. Q and K before attention).
     ///
     /// Errors: a zero size, or `x` not holding `B·H·S·D` elements.
-    pub fn forward_inplace<T: Element>(&self, x: &mut [T], positions: &[i64], b: usize, h: usize) -> Result<()> {
+    pub(crate) fn forward_inplace<T: Element>(&self, x: &mut [T], positions: &[i64], b: usize, h: usize) -> Result<()> {
         self.check(x, x, positions, b, h)?;
         self.apply(x, None, positions, 1.0);
         Ok(())
@@ -299,7 +313,13 @@ impl RopeTable {
     /// In-place backward: `d[B,H,S,D]` (the gradient of the output) is replaced by the gradient of the input.
     ///
     /// Errors: a zero size, or `d` not holding `B·H·S·D` elements.
-    pub fn backward_inplace<T: Element>(&self, d: &mut [T], positions: &[i64], b: usize, h: usize) -> Result<()> {
+    pub(crate) fn backward_inplace<T: Element>(
+        &self,
+        d: &mut [T],
+        positions: &[i64],
+        b: usize,
+        h: usize,
+    ) -> Result<()> {
         self.check(d, d, positions, b, h)?;
         self.apply(d, None, positions, -1.0);
         Ok(())

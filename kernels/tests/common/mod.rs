@@ -1,13 +1,19 @@
-//! Shared by the attention test binaries: the kernels on one explicit SIMD path, and the f64 reference check.
+//! Shared by the attention test binaries: the CPU backend on one explicit SIMD path, and the f64 reference check.
 #![allow(dead_code)] // each test binary uses its own part
 
-use longctx_kernels::attention::{
-    attention_backward_on, attention_forward_on, AttnMask, AttnParams, AttnShape, Positions, SimdPath,
-};
-use longctx_kernels::testing::{max_rel_err, reference_f64, uniform_nonzero};
+use longctx_kernels::attention::{AttnMask, AttnParams, AttnShape, Positions, SimdPath};
+use longctx_kernels::testing::{attention_f32_with, max_rel_err, reference_f64, uniform_nonzero};
+use longctx_kernels::CpuBackend;
 
-/// Forward then backward on `simd` with `f32` buffers: `[O, LSE, dQ, dK, dV]`, every output poisoned with NaN
-/// before its call (as `testing::attention_f32`, which takes the detected path).
+/// The CPU backend on `simd` (which must be supported: the tests take their paths from `SimdPath::supported`).
+pub fn cpu_on(simd: SimdPath) -> CpuBackend {
+    let cpu = CpuBackend::new().with_simd(simd);
+    assert_eq!(cpu.simd(), simd, "{simd:?} is not supported here");
+    cpu
+}
+
+/// Forward then backward through the CPU backend on `simd` with `f32` buffers: `[O, LSE, dQ, dK, dV]`, every
+/// output poisoned with NaN before its call (`testing::attention_f32` on the detected path).
 pub fn attention_f32_on(
     simd: SimdPath,
     p: &AttnParams<'_>,
@@ -16,28 +22,7 @@ pub fn attention_f32_on(
     v: &[f32],
     d_o: &[f32],
 ) -> [Vec<f32>; 5] {
-    let s = p.shape;
-    let mut o = vec![f32::NAN; s.q_elems()];
-    let mut lse = vec![f32::NAN; s.lse_elems()];
-    attention_forward_on(simd, p, q.into(), k.into(), v.into(), (&mut o).into(), &mut lse).unwrap();
-    let (mut dq, mut dk, mut dv) =
-        (vec![f32::NAN; s.q_elems()], vec![f32::NAN; s.kv_elems()], vec![f32::NAN; s.kv_elems()]);
-    attention_backward_on(
-        simd,
-        p,
-        q.into(),
-        k.into(),
-        v.into(),
-        (&o).into(),
-        d_o.into(),
-        &lse,
-        (&mut dq).into(),
-        (&mut dk).into(),
-        (&mut dv).into(),
-        false,
-    )
-    .unwrap();
-    [o, lse, dq, dk, dv]
+    attention_f32_with(&cpu_on(simd), p, q, k, v, d_o).unwrap()
 }
 
 /// Forward and backward on `simd` against the f64 reference, causal and not, with packed documents of
@@ -70,4 +55,14 @@ pub fn matches_reference(
             assert!(e < 1e-5, "{simd:?} {name} (causal {causal}): relative error {e:e}");
         }
     }
+}
+
+/// Merges the partial `(o2, lse2)` into `(o1, lse1)` through the CPU backend: `lse1.len()` rows of
+/// `o1.len() / lse1.len()` elements, viewed as one batch and one head.
+pub fn merge_f32(o1: &mut [f32], lse1: &mut [f32], o2: &[f32], lse2: &[f32]) -> longctx_kernels::Result<()> {
+    use longctx_kernels::{AttnOut, AttnPartial, Backend, View, ViewMut};
+    let (rows, d) = (lse1.len(), o1.len() / lse1.len());
+    let acc = AttnOut { o: ViewMut::new(o1, [1, 1, rows, d])?, lse: ViewMut::new(lse1, [1, 1, rows])? };
+    let part = AttnPartial { o: View::new(o2, [1, 1, rows, d])?, lse: View::new(lse2, [1, 1, rows])? };
+    CpuBackend::new().attention_merge(acc, part)
 }

@@ -1,9 +1,31 @@
 //! Shared helpers of the `ops_*` integration tests: seeded data, dtype round trips, NaN poisoning, error
-//! measures and central finite differences. References are written in the test files as plain f64 loops.
+//! measures, central finite differences, and views for the calls through the backend. References are written in
+//! the test files as plain f64 loops.
 #![allow(dead_code)]
 
 use half::bf16;
-use longctx_kernels::{DType, Element};
+use longctx_kernels::{DType, Element, GradMode, IntoDims, View, ViewMut};
+
+/// A view of test data whose dims are known to fit (panics otherwise, naming the dims).
+#[track_caller]
+pub fn view<T: Element>(x: &[T], dims: impl IntoDims + std::fmt::Debug + Copy) -> View<'_> {
+    View::new(x, dims).unwrap_or_else(|e| panic!("view {dims:?}: {e}"))
+}
+
+/// A writable view of test data whose dims are known to fit.
+#[track_caller]
+pub fn view_mut<T: Element>(x: &mut [T], dims: impl IntoDims + std::fmt::Debug + Copy) -> ViewMut<'_> {
+    ViewMut::new(x, dims).unwrap_or_else(|e| panic!("view {dims:?}: {e}"))
+}
+
+/// The gradient mode a test's `acc` flag stands for.
+pub fn mode(acc: bool) -> GradMode {
+    if acc {
+        GradMode::Accumulate
+    } else {
+        GradMode::Overwrite
+    }
+}
 
 /// SplitMix64: small, seedable, good enough for test data.
 pub struct DataRng(u64);

@@ -47,10 +47,7 @@ use std::time::{Duration, Instant};
 
 use half::bf16;
 use longctx_kernels::testing::uniform_nonzero;
-use longctx_kernels::{
-    attention_backward, attention_forward, attention_work, merge_partial_attention, AttnMask, AttnParams, AttnShape,
-    HostSlice, Positions,
-};
+use longctx_kernels::{attention_work, AttnMask, AttnParams, AttnPartial, AttnShape, GradMode, Positions};
 use longctx_p2p::{Communicator, ThreadWorld};
 use longctx_ring_attn::{
     AttnGrads, AttnOut, AttnSaved, Backend, ContextParallel, CpConfig, CpMask, CpShape, CpuBackend, DType, Qkv,
@@ -154,23 +151,24 @@ struct RankBlocks<'a> {
     lse_part: Vec<f32>,
     d_q: Vec<f32>,
     d_kv: Vec<f32>,
+    /// The kernels, through the backend the ring calls, on the calling thread's pool.
+    cpu: CpuBackend,
 }
 
 /// A rank's own tensors, as the ring's forward and backward take them.
 #[derive(Clone, Copy)]
 struct Inputs<'a> {
-    q: HostSlice<'a>,
-    k: HostSlice<'a>,
-    v: HostSlice<'a>,
-    o: HostSlice<'a>,
-    d_o: HostSlice<'a>,
-    lse: &'a [f32],
+    qkv: Qkv<'a>,
+    o: View<'a>,
+    d_o: View<'a>,
+    lse: View<'a>,
 }
 
 impl<'a> RankBlocks<'a> {
     fn new(steps: Vec<AttnParams<'a>>, x: Inputs<'a>) -> Self {
-        let (q, kv, rows) = (x.q.len(), x.k.len(), x.lse.len());
+        let (q, kv, rows) = (x.qkv.q.len(), x.qkv.k.len(), x.lse.len());
         let mut blocks = Self {
+            cpu: CpuBackend::new(),
             steps: Vec::new(),
             x,
             first: None,
@@ -203,12 +201,24 @@ impl<'a> RankBlocks<'a> {
             return Duration::ZERO;
         }
         let (t, x) = (Instant::now(), self.x);
-        let p = &self.steps[step];
+        let (opts, qd, ld) = (self.steps[step].options(), x.qkv.q.shape(), x.lse.shape());
+        let acc = AttnOut {
+            o: ViewMut::new(&mut self.o_acc, qd).expect("dims"),
+            lse: ViewMut::new(&mut self.lse_acc, ld).expect("dims"),
+        };
         if self.first == Some(step) {
-            attention_forward(p, x.q, x.k, x.v, (&mut self.o_acc).into(), &mut self.lse_acc).expect("fwd");
+            self.cpu.attention_forward(&opts, acc, x.qkv).expect("fwd");
         } else {
-            attention_forward(p, x.q, x.k, x.v, (&mut self.o_part).into(), &mut self.lse_part).expect("fwd");
-            merge_partial_attention(&mut self.o_acc, &mut self.lse_acc, &self.o_part, &self.lse_part).expect("merge");
+            let part = AttnOut {
+                o: ViewMut::new(&mut self.o_part, qd).expect("dims"),
+                lse: ViewMut::new(&mut self.lse_part, ld).expect("dims"),
+            };
+            self.cpu.attention_forward(&opts, part, x.qkv).expect("fwd");
+            let part = AttnPartial {
+                o: View::new(&self.o_part, qd).expect("dims"),
+                lse: View::new(&self.lse_part, ld).expect("dims"),
+            };
+            self.cpu.attention_merge(acc, part).expect("merge");
         }
         t.elapsed()
     }
@@ -221,21 +231,16 @@ impl<'a> RankBlocks<'a> {
         let t = Instant::now();
         self.d_kv.fill(0.0);
         let x = self.x;
-        let (dk, dv) = self.d_kv.split_at_mut(x.k.len());
-        attention_backward(
-            &self.steps[step],
-            x.q,
-            x.k,
-            x.v,
-            x.o,
-            x.d_o,
-            x.lse,
-            (&mut self.d_q).into(),
-            dk.into(),
-            dv.into(),
-            true,
-        )
-        .expect("bwd");
+        let (qd, kd) = (x.qkv.q.shape(), x.qkv.k.shape());
+        let (dk, dv) = self.d_kv.split_at_mut(x.qkv.k.len());
+        let grads = AttnGrads {
+            dq: ViewMut::new(&mut self.d_q, qd).expect("dims"),
+            dk: ViewMut::new(dk, kd).expect("dims"),
+            dv: ViewMut::new(dv, kd).expect("dims"),
+        };
+        let saved = AttnSaved { qkv: x.qkv, o: x.o, lse: x.lse };
+        let opts = self.steps[step].options();
+        self.cpu.attention_backward(&opts, grads, x.d_o, saved, GradMode::Accumulate).expect("bwd");
         t.elapsed()
     }
 }
@@ -298,7 +303,7 @@ fn run_rank(comm: &Arc<Communicator>, job: &Job) -> RankResult {
     let fwd = t.elapsed();
     comm.barrier().expect("barrier");
     let t = Instant::now();
-    let x = Inputs { q: (&q).into(), k: (&k).into(), v: (&v).into(), o: (&o).into(), d_o: (&d_o).into(), lse: &lse };
+    let x = Inputs { qkv, o: view(&o, qd), d_o: view(&d_o, qd), lse: View::new(&lse, ld).expect("dims") };
     let grads = AttnGrads {
         dq: ViewMut::new(&mut dq, qd).expect("dims"),
         dk: ViewMut::new(&mut dk, kd).expect("dims"),
@@ -450,18 +455,12 @@ fn time_schedule(job: &Job, reps: usize, pool: &rayon::ThreadPool) -> Vec<Vec<Ve
     // ring, where the backward gets the merged result.
     let mut o = vec![bf16::ZERO; q.len()];
     let mut lse = vec![0f32; hq * l];
-    pool.install(|| {
-        attention_forward(
-            &block_params(local, &positions, 0, 0),
-            (&q).into(),
-            (&k).into(),
-            (&v).into(),
-            (&mut o).into(),
-            &mut lse,
-        )
-    })
-    .expect("forward");
-    let x = Inputs { q: (&q).into(), k: (&k).into(), v: (&v).into(), o: (&o).into(), d_o: (&d_o).into(), lse: &lse };
+    let (qd, kd, ld) = (local.q_dims(), local.kv_dims(), local.lse_dims());
+    let qkv = Qkv::new(view(&q, qd), view(&k, kd), view(&v, kd));
+    let out = AttnOut { o: ViewMut::new(&mut o, qd).expect("dims"), lse: ViewMut::new(&mut lse, ld).expect("dims") };
+    let opts = block_params(local, &positions, 0, 0).options();
+    pool.install(|| CpuBackend::new().attention_forward(&opts, out, qkv)).expect("forward");
+    let x = Inputs { qkv, o: view(&o, qd), d_o: view(&d_o, qd), lse: View::new(&lse, ld).expect("dims") };
     let steps_of = |r: usize| (0..cp).map(|step| block_params(local, &positions, r, (r + cp - step) % cp)).collect();
     let mut blocks = RankBlocks::new(steps_of(0), x);
     let mut samples = vec![vec![vec![[0.0; 2]; cp]; cp]; reps];

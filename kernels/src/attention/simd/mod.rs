@@ -15,8 +15,8 @@
 //! [`Simd::matmul_packed_b`]), so the kernel reads each strip as one contiguous block.
 
 /// The inner loops an attention call runs, slowest first. [`SimdPath::detect`] gives the best one this CPU
-/// has, [`SimdPath::supported`] all of them; [`attention_forward_on`](super::attention_forward_on) and
-/// [`attention_backward_on`](super::attention_backward_on) take one explicitly.
+/// has, [`SimdPath::supported`] all of them; [`CpuBackend::with_simd`](crate::CpuBackend::with_simd) makes a
+/// backend that takes one explicitly (to compare paths, or to test every one of them, in one process).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum SimdPath {
     /// Plain loops that the compiler vectorises for the baseline instruction set.
