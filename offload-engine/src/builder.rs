@@ -141,8 +141,7 @@ impl OffloadEngineBuilder {
             }
             None => None,
         };
-        let policy =
-            Policy { prefetch_depth: self.prefetch_depth, resident_from, max_pending: self.max_pending_bytes };
+        let policy = Policy { prefetch_depth: self.prefetch_depth, resident_from, max_pending: self.max_pending_bytes };
         OffloadEngine::start(host, disk, SparePool::new(self.spare_bytes), policy, self.workers)
     }
 }

@@ -58,9 +58,13 @@ impl Shared {
     /// A ticket was dropped.
     pub(crate) fn release(&self, id: SlotId) {
         let cleanup = self.lock().release(id);
+        // Outside the lock: freeing memory and unlinking a file take time.
+        let cleaned = cleanup.run();
+        if !cleaned.is_empty() {
+            self.lock().cleaned(cleaned);
+        }
         self.work.notify_all();
         self.done.notify_all();
-        cleanup.run();
     }
 }
 
@@ -100,7 +104,8 @@ impl OffloadEngine {
         let mut engine = Self { shared, workers: Vec::with_capacity(workers) };
         for i in 0..workers {
             let shared = Arc::clone(&engine.shared);
-            let spawned = thread::Builder::new().name(format!("longctx-offload-{i}")).spawn(move || worker::run(shared));
+            let spawned =
+                thread::Builder::new().name(format!("longctx-offload-{i}")).spawn(move || worker::run(shared));
             // On failure, dropping `engine` stops the workers already started.
             engine.workers.push(spawned.map_err(OffloadError::Spawn)?);
         }
@@ -168,6 +173,8 @@ impl OffloadEngine {
         self.check_owner(ticket)?;
         self.shared.lock().want(ticket.slot, false);
         self.shared.work.notify_all();
+        // A cancelled offload lowers the pending bytes that `offload` may be waiting on.
+        self.shared.done.notify_all();
         Ok(())
     }
 
@@ -177,6 +184,7 @@ impl OffloadEngine {
     pub fn backward_started(&self, layer: usize) {
         self.shared.lock().hint_backward(layer, self.shared.policy.prefetch_depth);
         self.shared.work.notify_all();
+        self.shared.done.notify_all();
     }
 
     /// Waits until `ticket`'s tensor is back in memory and returns it, bit-exact, with its dims; the slot is
@@ -193,11 +201,12 @@ impl OffloadEngine {
         sched.hint_backward(ticket.tag.layer, self.shared.policy.prefetch_depth);
         let mut waited = false;
         let result = loop {
+            // First: it may turn a tensor whose copy has not started into one that is ready.
+            sched.want(ticket.slot, true);
             if let Some(result) = sched.take_fetched(ticket.slot) {
                 break result;
             }
             assert!(sched.slots.contains_key(&ticket.slot), "the slot of a live ticket is gone");
-            sched.want(ticket.slot, true);
             self.shared.work.notify_all();
             waited = true;
             sched = self.shared.wait_done(sched);
@@ -208,6 +217,7 @@ impl OffloadEngine {
         }
         drop(sched);
         self.shared.work.notify_all();
+        self.shared.done.notify_all();
         // The slot is gone, so dropping the ticket now frees nothing twice.
         let dims = mem::take(&mut ticket.dims);
         result.map(|data| HostTensor::from_parts(data, dims))
@@ -252,6 +262,16 @@ impl OffloadEngine {
         } else {
             Err(OffloadError::ForeignTicket { tensor: ticket.tag.clone() })
         }
+    }
+}
+
+impl std::fmt::Debug for OffloadEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OffloadEngine")
+            .field("workers", &self.workers.len())
+            .field("spill_dir", &self.shared.spill_dir)
+            .field("disk_io", &self.shared.disk_io)
+            .finish_non_exhaustive()
     }
 }
 

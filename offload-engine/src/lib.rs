@@ -119,4 +119,6 @@ pub use error::{OffloadError, Result};
 pub use spill::DiskIo;
 pub use stats::{OffloadStats, TierStats};
 pub use tensor::{DType, HostTensor};
-pub use ticket::{Activation, ActivationTicket, Kind, Location, TensorKind, TensorTag, Ticket, Tier, Weights, WeightsTicket};
+pub use ticket::{
+    Activation, ActivationTicket, Kind, Location, TensorKind, TensorTag, Ticket, Tier, Weights, WeightsTicket,
+};

@@ -124,7 +124,7 @@ mod tests {
         assert_eq!(size_class(usize::MAX), None);
         for n in (1..200_000usize).step_by(997) {
             let c = size_class(n).unwrap();
-            assert!(c >= n && c % ALIGN == 0);
+            assert!(c >= n && c.is_multiple_of(ALIGN));
             assert!(n < ALIGN || c as f64 <= n as f64 * 1.25 + ALIGN as f64, "{n} -> {c}");
         }
     }

@@ -105,10 +105,24 @@ pub(crate) enum Job {
 pub(crate) enum Done {
     /// `data` is the caller's allocation, now free.
     /// On failure: the tier it was going to, and the error.
-    Wrote { id: SlotId, to: Result<Landed, (Tier, OffloadError)>, data: HostData, took: Duration },
-    Read { id: SlotId, result: Result<HostData, OffloadError>, from: Landed, took: Duration },
+    Wrote {
+        id: SlotId,
+        to: Result<Landed, (Tier, OffloadError)>,
+        data: HostData,
+        took: Duration,
+    },
+    Read {
+        id: SlotId,
+        result: Result<HostData, OffloadError>,
+        from: Landed,
+        took: Duration,
+    },
     /// The job panicked; everything it held is gone.
-    Panicked { id: SlotId, tier: Tier, writing: bool },
+    Panicked {
+        id: SlotId,
+        tier: Tier,
+        writing: bool,
+    },
 }
 
 /// A tensor's place in a tier: a host buffer, or a spill file (on failed writes: the partial file, to remove).
@@ -117,21 +131,42 @@ pub(crate) enum Landed {
     Disk(PathBuf),
 }
 
-/// What must happen after the lock is released: memory to free, a file to unlink.
+/// What must happen after the lock is released (memory to free, a file to unlink), and then be booked under
+/// it again ([`Scheduler::cleaned`]): a spill file's room is given back only once the file is gone, and a job
+/// counts as running until its cleanup is done, so [`Scheduler::is_idle`] means everything is tidy.
 #[derive(Default)]
 #[must_use]
 pub(crate) struct Cleanup {
     pub(crate) data: Option<HostData>,
-    pub(crate) file: Option<PathBuf>,
+    /// A spill file to remove, and the tensor bytes it held.
+    pub(crate) file: Option<(PathBuf, usize)>,
+    /// The job that finished: `Some(true)` a write, `Some(false)` a read.
+    pub(crate) job: Option<bool>,
+}
+
+/// What [`Cleanup::run`] leaves to book.
+#[must_use]
+pub(crate) struct Cleaned {
+    file_bytes: Option<usize>,
+    job: Option<bool>,
 }
 
 impl Cleanup {
-    pub(crate) fn run(self) {
+    pub(crate) fn run(self) -> Cleaned {
         drop(self.data);
-        if let Some(path) = self.file {
+        let file_bytes = self.file.map(|(path, bytes)| {
             // Already gone when the engine was dropped (its directory went with it).
             let _ = std::fs::remove_file(path);
-        }
+            bytes
+        });
+        Cleaned { file_bytes, job: self.job }
+    }
+}
+
+impl Cleaned {
+    /// True when nothing is left to book.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.file_bytes.is_none() && self.job.is_none()
     }
 }
 
@@ -173,7 +208,8 @@ impl Scheduler {
 
     /// True when some tier's whole budget fits a tensor of `bytes`.
     pub(crate) fn could_hold(&self, bytes: usize) -> bool {
-        self.host.as_ref().is_some_and(|h| h.could_hold(bytes)) || self.disk.as_ref().is_some_and(|d| d.could_hold(bytes))
+        self.host.as_ref().is_some_and(|h| h.could_hold(bytes))
+            || self.disk.as_ref().is_some_and(|d| d.could_hold(bytes))
     }
 
     /// Adds a slot: kept in place (`resident`) or queued for offload.
@@ -209,7 +245,8 @@ impl Scheduler {
 
     /// True when no job is running and none could start now.
     pub(crate) fn is_idle(&self) -> bool {
-        self.shutdown || (self.writes == 0 && self.reads == 0 && !self.offload_head_placeable() && !self.restore_pending())
+        self.shutdown
+            || (self.writes == 0 && self.reads == 0 && !self.offload_head_placeable() && !self.restore_pending())
     }
 
     /// True when a write is running or the head of the offload queue has room: waiting for the offload queue
@@ -349,7 +386,10 @@ impl Scheduler {
         // A kept scratch list: hints run once per layer per step and allocate nothing after the first.
         let mut ids = mem::take(&mut self.scratch);
         ids.extend(
-            self.slots.iter().filter(|(_, s)| below.contains(&s.tag.layer) && !s.wanted && !s.abandoned).map(|(&id, _)| id),
+            self.slots
+                .iter()
+                .filter(|(_, s)| below.contains(&s.tag.layer) && !s.wanted && !s.abandoned)
+                .map(|(&id, _)| id),
         );
         // Oldest first, so the restore queue's ties go the same way every run.
         ids.sort_unstable();
@@ -397,24 +437,31 @@ impl Scheduler {
                     h.put(buf);
                 }
             }
-            SlotState::OnDisk(path) => {
-                if let Some(d) = self.disk.as_mut() {
-                    d.release(slot.bytes);
-                }
-                cleanup.file = Some(path);
-            }
+            SlotState::OnDisk(path) => cleanup.file = Some((path, slot.bytes)),
             SlotState::Failed(_) | SlotState::Taken => {}
         }
         self.slots.remove(&id);
         cleanup
     }
 
-    /// Books a worker's report: the slot's new state, the tiers' room, the counters.
+    /// Books a [`Cleanup`] once it has run.
+    pub(crate) fn cleaned(&mut self, done: Cleaned) {
+        if let (Some(bytes), Some(d)) = (done.file_bytes, self.disk.as_mut()) {
+            d.release(bytes);
+        }
+        match done.job {
+            Some(true) => self.writes -= 1,
+            Some(false) => self.reads -= 1,
+            None => {}
+        }
+    }
+
+    /// Books a worker's report: the slot's new state, the tiers' room, the counters. The job still counts as
+    /// running until the returned cleanup is [`cleaned`](Scheduler::cleaned).
     pub(crate) fn complete(&mut self, done: Done) -> Cleanup {
-        let mut cleanup = Cleanup::default();
         match done {
             Done::Wrote { id, to, data, took } => {
-                self.writes -= 1;
+                let mut cleanup = Cleanup { job: Some(true), ..Cleanup::default() };
                 let Some(slot) = self.slots.get_mut(&id) else { return cleanup };
                 self.unmoved -= slot.bytes as u64;
                 let state = match to {
@@ -433,12 +480,9 @@ impl Scheduler {
                     }
                     Err((tier, err)) => {
                         self.counters.failures += 1;
-                        // The tier's room comes back; a partial file is removed.
-                        match (tier, self.disk.as_mut()) {
-                            (Tier::Disk, Some(d)) => {
-                                d.release(slot.bytes);
-                                cleanup.file = Some(d.dir.file(id));
-                            }
+                        // The tier's room comes back; a partial file is removed first.
+                        match (tier, self.disk.as_ref()) {
+                            (Tier::Disk, Some(d)) => cleanup.file = Some((d.dir.file(id), slot.bytes)),
                             _ => {
                                 if let Some(h) = self.host.as_mut() {
                                     h.forget(slot.bytes);
@@ -457,9 +501,10 @@ impl Scheduler {
                     self.restore_queue.push(id);
                 }
                 cleanup.data = self.spare.put(data);
+                cleanup
             }
             Done::Read { id, result, from, took } => {
-                self.reads -= 1;
+                let mut cleanup = Cleanup { job: Some(false), ..Cleanup::default() };
                 let Some(slot) = self.slots.get_mut(&id) else { return cleanup };
                 let c = match from {
                     Landed::Host(buf) => {
@@ -468,11 +513,11 @@ impl Scheduler {
                         }
                         &mut self.counters.host
                     }
-                    Landed::Disk(path) => {
+                    // The worker removed the file after reading it.
+                    Landed::Disk(_) => {
                         if let Some(d) = self.disk.as_mut() {
                             d.release(slot.bytes);
                         }
-                        cleanup.file = Some(path);
                         &mut self.counters.disk
                     }
                 };
@@ -497,26 +542,20 @@ impl Scheduler {
                         }
                     }
                 }
+                cleanup
             }
             Done::Panicked { id, tier, writing } => {
+                let mut cleanup = Cleanup { job: Some(writing), ..Cleanup::default() };
                 let Some(slot) = self.slots.get_mut(&id) else { return cleanup };
                 if writing {
-                    self.writes -= 1;
                     self.unmoved -= slot.bytes as u64;
-                } else {
-                    self.reads -= 1;
                 }
                 // The tier's room is given back; a host buffer the job held is lost with it.
-                match tier {
-                    Tier::Host => {
+                match (tier, self.disk.as_ref()) {
+                    (Tier::Disk, Some(d)) => cleanup.file = Some((d.dir.file(id), slot.bytes)),
+                    _ => {
                         if let Some(h) = self.host.as_mut() {
                             h.forget(slot.bytes);
-                        }
-                    }
-                    Tier::Disk => {
-                        if let Some(d) = self.disk.as_mut() {
-                            d.release(slot.bytes);
-                            cleanup.file = Some(d.dir.file(id));
                         }
                     }
                 }
@@ -527,12 +566,70 @@ impl Scheduler {
                 } else {
                     slot.state = SlotState::Failed(OffloadError::WorkerPanicked { tensor });
                 }
+                cleanup
             }
         }
-        cleanup
     }
 }
 
 fn is_stored(state: &SlotState) -> bool {
     matches!(state, SlotState::InHost(_) | SlotState::OnDisk(_))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ticket::TensorKind;
+
+    fn tag(layer: usize) -> TensorTag {
+        TensorTag { layer, name: "x".into(), kind: TensorKind::Activation }
+    }
+
+    /// Runs every job the scheduler hands out, in order, as a worker would; returns (slot, was a write).
+    fn drain(s: &mut Scheduler) -> Vec<(SlotId, bool)> {
+        let mut order = Vec::new();
+        while let Some(job) = s.next_job() {
+            let done = match job {
+                Job::Write { id, data, to: Dest::Host(buf), .. } => {
+                    order.push((id, true));
+                    Done::Wrote { id, to: Ok(Landed::Host(buf)), data, took: Duration::ZERO }
+                }
+                Job::Read { id, dtype, len, from: Source::Host(buf), .. } => {
+                    order.push((id, false));
+                    let data = HostData::zeroed(dtype, len);
+                    Done::Read { id, result: Ok(data), from: Landed::Host(buf), took: Duration::ZERO }
+                }
+                _ => unreachable!("host-only scheduler"),
+            };
+            let cleaned = s.complete(done).run();
+            s.cleaned(cleaned);
+        }
+        order
+    }
+
+    #[test]
+    fn a_waiting_fetch_goes_first_then_offloads_then_prefetches_from_the_top_layer_down() {
+        let mut s = Scheduler::new(Some(HostPool::new(64 << 20)), None, SparePool::new(0));
+        let ids: Vec<_> = (0..5).map(|l| s.insert(tag(l), HostData::zeroed(DType::F32, 1000), false)).collect();
+        assert_eq!(drain(&mut s), ids.iter().map(|&i| (i, true)).collect::<Vec<_>>(), "offloads in order");
+        // Prefetches of layers 1, 3 and 2 (in that order), a fetch of layer 0 waiting, and a new offload.
+        s.want(ids[1], false);
+        s.want(ids[3], false);
+        s.want(ids[2], false);
+        s.want(ids[0], true);
+        let late = s.insert(tag(4), HostData::zeroed(DType::F32, 1000), false);
+        let order = drain(&mut s);
+        assert_eq!(order, [(ids[0], false), (late, true), (ids[3], false), (ids[2], false), (ids[1], false)]);
+        assert!(s.is_idle());
+    }
+
+    #[test]
+    fn within_a_layer_the_latest_offload_comes_back_first() {
+        let mut s = Scheduler::new(Some(HostPool::new(64 << 20)), None, SparePool::new(0));
+        let ids: Vec<_> = (0..3).map(|_| s.insert(tag(2), HostData::zeroed(DType::U8, 10), false)).collect();
+        drain(&mut s);
+        s.hint_backward(3, 1);
+        let order: Vec<_> = drain(&mut s).into_iter().map(|(id, _)| id).collect();
+        assert_eq!(order, [ids[2], ids[1], ids[0]]);
+    }
 }

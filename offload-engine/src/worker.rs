@@ -27,18 +27,22 @@ pub(crate) fn run(shared: Arc<Shared>) {
         };
         drop(sched);
         let (id, tier, writing) = describe(&job);
-        let done = panic::catch_unwind(AssertUnwindSafe(|| execute(job, &mut staging)))
-            .unwrap_or(Done::Panicked { id, tier, writing });
+        let done = panic::catch_unwind(AssertUnwindSafe(|| execute(job, &mut staging))).unwrap_or(Done::Panicked {
+            id,
+            tier,
+            writing,
+        });
         sched = shared.lock();
         let cleanup = sched.complete(done);
-        // Room may have come free (more offloads can be placed) and a fetch may be waiting for this one.
+        // A fetch may be waiting for this one.
+        shared.done.notify_all();
+        drop(sched);
+        let cleaned = cleanup.run();
+        sched = shared.lock();
+        sched.cleaned(cleaned);
+        // Room may have come free (more offloads can be placed), and `sync` may be waiting for the last job.
         shared.work.notify_all();
         shared.done.notify_all();
-        if cleanup.data.is_some() || cleanup.file.is_some() {
-            drop(sched);
-            cleanup.run();
-            sched = shared.lock();
-        }
     }
 }
 
@@ -79,6 +83,8 @@ fn execute(job: Job, staging: &mut Option<AlignedBuf>) -> Done {
                 }
                 Source::Disk { path, mode } => {
                     let r = file::read(&path, mode, &tag, dtype, out.as_bytes_mut(), staging);
+                    // Read back (or found corrupt): the file has served its purpose either way.
+                    let _ = std::fs::remove_file(&path);
                     (r, Landed::Disk(path))
                 }
             };
