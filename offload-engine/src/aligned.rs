@@ -1,0 +1,97 @@
+//! Page-aligned host buffers: the host tier's slots and the disk tier's direct-I/O staging buffers.
+//!
+//! Each buffer is its own anonymous mapping. That gives the alignment `O_DIRECT` needs (and that a later
+//! `cudaHostRegister` wants), zeroed memory without a `memset` (pages are filled on first touch), and an
+//! `munmap` on drop, so a freed buffer's memory really goes back to the system instead of staying in the
+//! allocator's heap.
+
+use std::io;
+use std::ptr::NonNull;
+
+/// Alignment of every buffer, of every direct-I/O transfer and of the spill file layout.
+pub(crate) const ALIGN: usize = 4096;
+
+/// Rounds `n` up to a multiple of [`ALIGN`], or `None` on overflow.
+pub(crate) fn align_up(n: usize) -> Option<usize> {
+    n.checked_add(ALIGN - 1).map(|m| m & !(ALIGN - 1))
+}
+
+/// An owned, zero-initialised, page-aligned byte buffer whose length is a multiple of [`ALIGN`].
+pub(crate) struct AlignedBuf {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the buffer is plain memory owned by this value alone (like a `Box<[u8]>`); `&AlignedBuf` only gives
+// out `&[u8]`, so sharing it between threads is sound.
+unsafe impl Send for AlignedBuf {}
+// SAFETY: as above.
+unsafe impl Sync for AlignedBuf {}
+
+impl AlignedBuf {
+    /// A buffer of at least `min_len` bytes (rounded up to [`ALIGN`]; at least one page).
+    pub(crate) fn zeroed(min_len: usize) -> io::Result<Self> {
+        let len = align_up(min_len.max(1)).ok_or_else(|| io::Error::from(io::ErrorKind::OutOfMemory))?;
+        // SAFETY: an anonymous private mapping with no address hint touches no existing memory; the result is
+        // checked against MAP_FAILED before use.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        let ptr = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| io::Error::from(io::ErrorKind::OutOfMemory))?;
+        Ok(Self { ptr, len })
+    }
+
+    /// Bytes in the buffer.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    pub(crate) fn as_slice(&self) -> &[u8] {
+        // SAFETY: `ptr` points to `len` bytes mapped readable and writable for as long as `self` lives; an
+        // anonymous mapping is zero-filled, so every byte is initialised.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+
+    pub(crate) fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as in `as_slice`, and `&mut self` makes this the only reference.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        // SAFETY: `ptr`/`len` are exactly the mapping made in `zeroed`, unmapped once, here. No slice of it can
+        // outlive `self`. A failure could only mean a bad argument, which this cannot pass; there is nothing to do
+        // about it in a destructor.
+        unsafe {
+            libc::munmap(self.ptr.as_ptr().cast(), self.len);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buffers_are_aligned_zeroed_and_writable() {
+        let mut b = AlignedBuf::zeroed(5000).unwrap();
+        assert_eq!(b.len(), 8192);
+        assert_eq!(b.as_slice().as_ptr() as usize % ALIGN, 0);
+        assert!(b.as_slice().iter().all(|&x| x == 0));
+        b.as_mut_slice()[8191] = 7;
+        assert_eq!(b.as_slice()[8191], 7);
+        assert_eq!(AlignedBuf::zeroed(0).unwrap().len(), ALIGN);
+        assert_eq!(align_up(usize::MAX), None);
+    }
+}

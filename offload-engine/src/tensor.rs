@@ -1,0 +1,254 @@
+//! What the caller hands over and gets back: an owned host tensor, its element type and dims.
+//!
+//! The engine moves bytes; it never looks at values. Data comes back bit-exact (NaN payloads included), so
+//! tests compare [`HostTensor::as_bytes`], not floats.
+
+use std::fmt;
+
+use half::bf16;
+
+use crate::error::OffloadError;
+
+/// Element type of a [`HostTensor`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DType {
+    /// `f32`.
+    F32,
+    /// `half::bf16`.
+    Bf16,
+    /// Raw bytes (anything the caller serialised itself).
+    U8,
+}
+
+impl DType {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::Bf16 => 2,
+            DType::U8 => 1,
+        }
+    }
+
+    /// The code stored in a spill file's header.
+    pub(crate) fn code(self) -> u8 {
+        match self {
+            DType::F32 => 1,
+            DType::Bf16 => 2,
+            DType::U8 => 3,
+        }
+    }
+}
+
+/// The elements, typed. Private so that `len == dims.product()` always holds for a [`HostTensor`].
+#[derive(Clone)]
+pub(crate) enum HostData {
+    F32(Vec<f32>),
+    Bf16(Vec<bf16>),
+    U8(Vec<u8>),
+}
+
+impl HostData {
+    /// Zeros of `dtype` (through `calloc`: large ones are fresh zero pages, not a `memset`).
+    pub(crate) fn zeroed(dtype: DType, len: usize) -> Self {
+        match dtype {
+            DType::F32 => HostData::F32(vec![0.0; len]),
+            DType::Bf16 => HostData::Bf16(vec![bf16::ZERO; len]),
+            DType::U8 => HostData::U8(vec![0; len]),
+        }
+    }
+
+    pub(crate) fn dtype(&self) -> DType {
+        match self {
+            HostData::F32(_) => DType::F32,
+            HostData::Bf16(_) => DType::Bf16,
+            HostData::U8(_) => DType::U8,
+        }
+    }
+
+    /// Elements.
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            HostData::F32(v) => v.len(),
+            HostData::Bf16(v) => v.len(),
+            HostData::U8(v) => v.len(),
+        }
+    }
+
+    /// Bytes the allocation holds (its capacity, which is what freeing it gives back).
+    pub(crate) fn capacity_bytes(&self) -> usize {
+        match self {
+            HostData::F32(v) => v.capacity() * 4,
+            HostData::Bf16(v) => v.capacity() * 2,
+            HostData::U8(v) => v.capacity(),
+        }
+    }
+
+    pub(crate) fn as_bytes(&self) -> &[u8] {
+        match self {
+            HostData::F32(v) => bytemuck::cast_slice(v),
+            HostData::Bf16(v) => bytemuck::cast_slice(v),
+            HostData::U8(v) => v,
+        }
+    }
+
+    pub(crate) fn as_bytes_mut(&mut self) -> &mut [u8] {
+        match self {
+            HostData::F32(v) => bytemuck::cast_slice_mut(v),
+            HostData::Bf16(v) => bytemuck::cast_slice_mut(v),
+            HostData::U8(v) => v,
+        }
+    }
+}
+
+/// An owned, contiguous tensor in host memory: typed elements and their dims (row-major, no strides).
+///
+/// A trainer builds one from the `Vec` it already has (a move, no copy) and takes the `Vec` back with
+/// [`HostTensor::into_f32`] and friends. `Debug` prints the dtype and dims, never the elements.
+#[derive(Clone)]
+pub struct HostTensor {
+    data: HostData,
+    dims: Vec<usize>,
+}
+
+impl HostTensor {
+    /// An `f32` tensor; `data.len()` must equal the product of `dims` (an empty `dims` is a scalar).
+    pub fn f32(data: Vec<f32>, dims: impl Into<Vec<usize>>) -> Result<Self, OffloadError> {
+        Self::new(HostData::F32(data), dims.into())
+    }
+
+    /// A `bf16` tensor; `data.len()` must equal the product of `dims`.
+    pub fn bf16(data: Vec<bf16>, dims: impl Into<Vec<usize>>) -> Result<Self, OffloadError> {
+        Self::new(HostData::Bf16(data), dims.into())
+    }
+
+    /// Raw bytes; `data.len()` must equal the product of `dims`.
+    pub fn u8(data: Vec<u8>, dims: impl Into<Vec<usize>>) -> Result<Self, OffloadError> {
+        Self::new(HostData::U8(data), dims.into())
+    }
+
+    fn new(data: HostData, dims: Vec<usize>) -> Result<Self, OffloadError> {
+        let numel = dims.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
+        if numel != Some(data.len()) {
+            return Err(OffloadError::ShapeMismatch { dims, len: data.len() });
+        }
+        Ok(Self { data, dims })
+    }
+
+    /// Put back together what the engine took apart (the ticket kept the dims, a tier the data).
+    pub(crate) fn from_parts(data: HostData, dims: Vec<usize>) -> Self {
+        debug_assert_eq!(dims.iter().product::<usize>(), data.len());
+        Self { data, dims }
+    }
+
+    pub(crate) fn into_parts(self) -> (HostData, Vec<usize>) {
+        (self.data, self.dims)
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        self.data.dtype()
+    }
+
+    /// The dims.
+    pub fn dims(&self) -> &[usize] {
+        &self.dims
+    }
+
+    /// Elements.
+    pub fn len(&self) -> usize {
+        self.data.len()
+    }
+
+    /// True when the tensor holds no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Bytes the elements take.
+    pub fn size_bytes(&self) -> usize {
+        self.data.as_bytes().len()
+    }
+
+    /// The elements as bytes (native endianness).
+    pub fn as_bytes(&self) -> &[u8] {
+        self.data.as_bytes()
+    }
+
+    /// The elements, when this is an `f32` tensor.
+    pub fn as_f32(&self) -> Option<&[f32]> {
+        match &self.data {
+            HostData::F32(v) => Some(v),
+            _ => None,
+        }
+    }
+
+    /// The elements, when this is a `bf16` tensor.
+    pub fn as_bf16(&self) -> Option<&[bf16]> {
+        match &self.data {
+            HostData::Bf16(v) => Some(v),
+            _ => None,
+        }
+    }
+
+    /// The `f32` elements, moved out; another dtype hands the tensor back.
+    pub fn into_f32(self) -> Result<Vec<f32>, Self> {
+        match self.data {
+            HostData::F32(v) => Ok(v),
+            data => Err(Self { data, dims: self.dims }),
+        }
+    }
+
+    /// The `bf16` elements, moved out; another dtype hands the tensor back.
+    pub fn into_bf16(self) -> Result<Vec<bf16>, Self> {
+        match self.data {
+            HostData::Bf16(v) => Ok(v),
+            data => Err(Self { data, dims: self.dims }),
+        }
+    }
+
+    /// The raw bytes, moved out; another dtype hands the tensor back.
+    pub fn into_u8(self) -> Result<Vec<u8>, Self> {
+        match self.data {
+            HostData::U8(v) => Ok(v),
+            data => Err(Self { data, dims: self.dims }),
+        }
+    }
+}
+
+impl fmt::Debug for HostTensor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HostTensor").field("dtype", &self.dtype()).field("dims", &self.dims).finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shape_must_match_length() {
+        assert!(HostTensor::f32(vec![0.0; 6], [2, 3]).is_ok());
+        assert!(HostTensor::f32(vec![1.0], Vec::new()).is_ok(), "no dims is a scalar");
+        assert!(HostTensor::bf16(vec![bf16::ZERO; 0], [4, 0]).is_ok());
+        let err = HostTensor::u8(vec![0; 5], [2, 3]).unwrap_err();
+        assert!(matches!(err, OffloadError::ShapeMismatch { len: 5, .. }), "{err}");
+        let overflow = HostTensor::u8(vec![], [usize::MAX, 2]).unwrap_err();
+        assert!(matches!(overflow, OffloadError::ShapeMismatch { .. }));
+    }
+
+    #[test]
+    fn into_the_wrong_dtype_hands_the_tensor_back() {
+        let t = HostTensor::f32(vec![1.5; 4], [4]).unwrap();
+        let t = t.into_bf16().unwrap_err();
+        assert_eq!(t.dims(), &[4]);
+        assert_eq!(t.into_f32().unwrap(), vec![1.5; 4]);
+    }
+
+    #[test]
+    fn debug_shows_the_shape_not_the_data() {
+        let t = HostTensor::f32(vec![7.0; 1000], [10, 100]).unwrap();
+        let s = format!("{t:?}");
+        assert!(s.contains("[10, 100]") && !s.contains("7.0"), "{s}");
+    }
+}

@@ -1,0 +1,94 @@
+//! A worker thread: takes the scheduler's next job under the lock, does the copy without it, reports back.
+//!
+//! Each worker keeps one page-aligned staging buffer for direct I/O, mapped on its first disk job and kept
+//! until the engine is dropped.
+
+use std::panic::{self, AssertUnwindSafe};
+use std::sync::Arc;
+use std::time::Instant;
+
+use crate::aligned::AlignedBuf;
+use crate::engine::Shared;
+use crate::scheduler::{Dest, Done, Job, Landed, Source};
+use crate::spill::file;
+use crate::tensor::HostData;
+use crate::ticket::Tier;
+
+pub(crate) fn run(shared: Arc<Shared>) {
+    let mut staging: Option<AlignedBuf> = None;
+    let mut sched = shared.lock();
+    loop {
+        let Some(job) = sched.next_job() else {
+            if sched.shutdown {
+                return;
+            }
+            sched = shared.work.wait(sched).unwrap_or_else(|e| e.into_inner());
+            continue;
+        };
+        drop(sched);
+        let (id, tier, writing) = describe(&job);
+        let done = panic::catch_unwind(AssertUnwindSafe(|| execute(job, &mut staging))).unwrap_or(Done::Panicked {
+            id,
+            tier,
+            writing,
+        });
+        sched = shared.lock();
+        let cleanup = sched.complete(done);
+        // A fetch may be waiting for this one.
+        shared.done.notify_all();
+        drop(sched);
+        let cleaned = cleanup.run();
+        sched = shared.lock();
+        sched.cleaned(cleaned);
+        // Room may have come free (more offloads can be placed), and `sync` may be waiting for the last job.
+        shared.work.notify_all();
+        shared.done.notify_all();
+    }
+}
+
+fn describe(job: &Job) -> (u64, Tier, bool) {
+    match job {
+        Job::Write { id, to: Dest::Host(_), .. } => (*id, Tier::Host, true),
+        Job::Write { id, to: Dest::Disk { .. }, .. } => (*id, Tier::Disk, true),
+        Job::Read { id, from: Source::Host(_), .. } => (*id, Tier::Host, false),
+        Job::Read { id, from: Source::Disk { .. }, .. } => (*id, Tier::Disk, false),
+    }
+}
+
+fn execute(job: Job, staging: &mut Option<AlignedBuf>) -> Done {
+    let start = Instant::now();
+    match job {
+        Job::Write { id, tag, data, to } => {
+            let bytes = data.as_bytes();
+            let to = match to {
+                Dest::Host(mut buf) => {
+                    buf.as_mut_slice()[..bytes.len()].copy_from_slice(bytes);
+                    Ok(Landed::Host(buf))
+                }
+                Dest::Disk { path, mode } => match file::write(&path, mode, &tag, data.dtype(), bytes, staging) {
+                    Ok(()) => Ok(Landed::Disk(path)),
+                    Err(e) => Err((Tier::Disk, e)),
+                },
+            };
+            Done::Wrote { id, to, data, took: start.elapsed() }
+        }
+        Job::Read { id, tag, dtype, len, from, out } => {
+            let mut out = out.unwrap_or_else(|| HostData::zeroed(dtype, len));
+            let (result, from) = match from {
+                Source::Host(buf) => {
+                    let dst = out.as_bytes_mut();
+                    let n = dst.len();
+                    dst.copy_from_slice(&buf.as_slice()[..n]);
+                    (Ok(()), Landed::Host(buf))
+                }
+                Source::Disk { path, mode } => {
+                    let r = file::read(&path, mode, &tag, dtype, out.as_bytes_mut(), staging);
+                    // Read back (or found corrupt): the file has served its purpose either way.
+                    let _ = std::fs::remove_file(&path);
+                    (r, Landed::Disk(path))
+                }
+            };
+            Done::Read { id, result: result.map(|()| out), from, took: start.elapsed() }
+        }
+    }
+}
