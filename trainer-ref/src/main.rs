@@ -38,6 +38,15 @@ enum Command {
         /// budget:BYTES.
         #[arg(long)]
         recompute: Option<String>,
+        /// Offload kept activations (`train.offload`): none, host or disk.
+        #[arg(long)]
+        offload: Option<String>,
+        /// Layers offloaded, from the first (`train.offload_layers`; default all but the last).
+        #[arg(long)]
+        offload_layers: Option<usize>,
+        /// The offload tier's byte budget (`train.offload_budget`, e.g. 8GiB).
+        #[arg(long)]
+        offload_budget: Option<String>,
         /// Continue from the newest checkpoint in the output folder.
         #[arg(long)]
         resume: bool,
@@ -154,7 +163,20 @@ enum Command {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Train { recipe, out, mut set, cp, dp, recompute, resume, quiet, stop_at } => {
+        Command::Train {
+            recipe,
+            out,
+            mut set,
+            cp,
+            dp,
+            recompute,
+            offload,
+            offload_layers,
+            offload_budget,
+            resume,
+            quiet,
+            stop_at,
+        } => {
             if let Some(cp) = cp {
                 set.push(format!("parallel.cp={cp}"));
             }
@@ -163,6 +185,15 @@ fn run(cli: Cli) -> Result<()> {
             }
             if let Some(r) = recompute {
                 set.push(format!("train.recompute=\"{r}\""));
+            }
+            if let Some(o) = offload {
+                set.push(format!("train.offload=\"{o}\""));
+            }
+            if let Some(n) = offload_layers {
+                set.push(format!("train.offload_layers={n}"));
+            }
+            if let Some(b) = offload_budget {
+                set.push(format!("train.offload_budget=\"{b}\""));
             }
             let recipe = Recipe::load(&recipe, &set)?;
             let out = out.unwrap_or_else(|| PathBuf::from("runs").join(&recipe.name));

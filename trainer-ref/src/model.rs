@@ -13,11 +13,13 @@
 
 use std::sync::Arc;
 
+use longctx_kernels::HostVec;
 use longctx_kernels::{
     AttnGrads, AttnOut, AttnSaved, Backend, Buffer, CrossEntropyOptions, DType, Dims, GradMode, IntoDims, LinearGrads,
     LinearSaved, NormGrads, NormParams, ProjectionGrads, Qkv, RmsNormSaved, RopeConfig, RopeScaling, RopeTable,
     SwigluSaved, View,
 };
+use longctx_offload::{Activation, HostTensor, OffloadEngine, Ticket};
 use longctx_recompute::{Action, LayerActions};
 use longctx_ring_attn::CpPlan;
 
@@ -220,6 +222,10 @@ impl LayerSaved {
     }
 }
 
+/// The names of a layer's saved tensors, in [`LayerSaved`] order.
+pub const SAVED_NAMES: [&str; 14] =
+    ["x", "rstd1", "h1", "q", "k", "v", "o", "lse", "x2", "rstd2", "h2", "gate", "up", "act"];
+
 /// A layer's saved tensors after its recompute policy: each one kept, or dropped to be rebuilt before the
 /// backward (fields as in [`LayerSaved`]).
 #[derive(Debug, Default)]
@@ -239,9 +245,68 @@ pub struct KeptLayer {
     pub gate: Option<Buffer>,
     pub up: Option<Buffer>,
     pub act: Option<Buffer>,
+    /// Tensors handed to the offload engine, by field name.
+    pub away: Vec<(&'static str, Ticket<Activation>)>,
 }
 
 impl KeptLayer {
+    fn slot(&mut self, name: &str) -> Option<&mut Option<Buffer>> {
+        Some(match name {
+            "x" => &mut self.x,
+            "rstd1" => &mut self.rstd1,
+            "h1" => &mut self.h1,
+            "q" => &mut self.q,
+            "k" => &mut self.k,
+            "v" => &mut self.v,
+            "o" => &mut self.o,
+            "lse" => &mut self.lse,
+            "x2" => &mut self.x2,
+            "rstd2" => &mut self.rstd2,
+            "h2" => &mut self.h2,
+            "gate" => &mut self.gate,
+            "up" => &mut self.up,
+            "act" => &mut self.act,
+            _ => return None,
+        })
+    }
+
+    /// Hands the tensors `which` selects to `engine` (they come back through [`KeptLayer::restore`]).
+    fn offload(&mut self, layer: usize, engine: &OffloadEngine, which: impl Fn(&str) -> bool) -> Result<()> {
+        for name in SAVED_NAMES {
+            if !which(name) {
+                continue;
+            }
+            let Some(buf) = self.slot(name).and_then(Option::take) else { continue };
+            let (data, dims) = buf.into_host_vec();
+            let t = match data {
+                HostVec::F32(v) => HostTensor::f32(v, dims.as_slice().to_vec()),
+                HostVec::Bf16(v) => HostTensor::bf16(v, dims.as_slice().to_vec()),
+            }
+            .map_err(|e| TrainError::Config(format!("offload of layer {layer} `{name}`: {e}")))?;
+            let ticket = engine.offload(layer, name, t).map_err(|e| TrainError::Config(format!("offload: {e}")))?;
+            self.away.push((name, ticket));
+        }
+        Ok(())
+    }
+
+    /// Fetches back what was offloaded (bit-exact).
+    fn restore(&mut self, engine: Option<&OffloadEngine>) -> Result<()> {
+        let Some(engine) = engine else { return Ok(()) };
+        for (name, ticket) in std::mem::take(&mut self.away) {
+            let t = engine.fetch(ticket).map_err(|e| TrainError::Config(format!("offload fetch: {e}")))?;
+            let dims = t.dims().to_vec();
+            let data = match t.into_f32() {
+                Ok(v) => HostVec::F32(v),
+                Err(t) => HostVec::Bf16(t.into_bf16().map_err(|_| missing(0, name))?),
+            };
+            let buf = Buffer::from_host_vec(data, dims)?;
+            if let Some(slot) = self.slot(name) {
+                *slot = Some(buf);
+            }
+        }
+        Ok(())
+    }
+
     /// Bytes still held.
     pub fn bytes(&self) -> usize {
         [
@@ -267,15 +332,16 @@ impl KeptLayer {
 }
 
 impl LayerSaved {
-    /// Keeps what `actions` keeps and frees the rest (the names are [`LayerSaved::fields`]'). Offload is the
-    /// offload engine's (`--offload`), not done here: an `Offload` action is an error.
-    pub fn keep(self, actions: &LayerActions) -> Result<KeptLayer> {
+    /// Keeps what `actions` keeps or offloads and frees the rest (the names are [`SAVED_NAMES`]). An
+    /// `Offload` action needs an offload engine (`offload_ok`): without one it is an error.
+    pub fn keep(self, actions: &LayerActions, offload_ok: bool) -> Result<KeptLayer> {
         let k = |name: &'static str, b: Buffer| -> Result<Option<Buffer>> {
             match actions.of(name) {
                 Action::Keep => Ok(Some(b)),
                 Action::Recompute => Ok(None),
+                Action::Offload if offload_ok => Ok(Some(b)),
                 Action::Offload => Err(TrainError::Config(format!(
-                    "the recompute policy offloads `{name}`, and this trainer has no offload engine yet"
+                    "the recompute policy offloads `{name}`: give the run an offload tier (--offload host|disk)"
                 ))),
             }
         };
@@ -295,6 +361,7 @@ impl LayerSaved {
             gate: k("gate", gate)?,
             up: k("up", up)?,
             act: k("act", act)?,
+            away: Vec::new(),
         })
     }
 }
@@ -360,6 +427,8 @@ pub struct Llama {
     dtype: DType,
     /// What each layer keeps for its backward (everything when empty).
     recompute: Vec<LayerActions>,
+    /// Where kept tensors go between a layer's forward and its backward (`None`: they stay).
+    offload: Option<Arc<OffloadEngine>>,
 }
 
 fn norm(weight: &Buffer, eps: f32) -> NormParams<'_> {
@@ -400,7 +469,7 @@ impl Llama {
             },
         };
         let rope = RopeTable::new(&RopeConfig { head_dim: cfg.head_dim(), base: cfg.rope_theta, scaling })?;
-        Ok(Llama { cfg, weights, backend, rope, dtype, recompute: Vec::new() })
+        Ok(Llama { cfg, weights, backend, rope, dtype, recompute: Vec::new(), offload: None })
     }
 
     /// Sets what each layer keeps for its backward (one entry per layer, from a
@@ -418,6 +487,18 @@ impl Llama {
         }
         self.recompute = per_layer;
         Ok(())
+    }
+
+    /// Moves what each layer keeps to `engine` after its forward and fetches it back before its backward:
+    /// the tensors the recompute policy marks `Offload` when it marks any, else every kept tensor (the
+    /// engine keeps its resident last layers in place). Gradients do not change.
+    pub fn set_offload(&mut self, engine: Option<Arc<OffloadEngine>>) {
+        self.offload = engine;
+    }
+
+    /// The offload engine, if any (for its statistics).
+    pub fn offload_engine(&self) -> Option<&Arc<OffloadEngine>> {
+        self.offload.as_ref()
     }
 
     /// The working dtype of weights and activations.
@@ -556,7 +637,11 @@ impl Llama {
             mut gate,
             mut up,
             mut act,
+            away,
         } = k;
+        if !away.is_empty() {
+            return Err(missing(layer, away[0].0));
+        }
         let x =
             x.ok_or_else(|| TrainError::Config(format!("layer {layer}: its input was neither kept nor rebuilt")))?;
         if rstd1.is_none() || h1.is_none() {
@@ -715,9 +800,15 @@ impl Llama {
         b.embedding_forward(x.view_mut(), ids, self.weights.tensors[0].view())?;
         let mut layers = Vec::with_capacity(self.cfg.layers);
         let keep_all = LayerActions::keep_all();
+        let marks_offload = self.recompute.iter().any(|a| a.actions.values().any(|&v| v == Action::Offload));
         for layer in 0..self.cfg.layers {
             let (out, saved) = self.layer_forward(layer, x, plan, &pos)?;
-            layers.push(saved.keep(self.recompute.get(layer).unwrap_or(&keep_all))?);
+            let actions = self.recompute.get(layer).unwrap_or(&keep_all);
+            let mut kept = saved.keep(actions, self.offload.is_some())?;
+            if let Some(engine) = &self.offload {
+                kept.offload(layer, engine, |name| !marks_offload || actions.of(name) == Action::Offload)?;
+            }
+            layers.push(kept);
             x = out;
         }
         let (mut h_final, mut rstd_final) = (self.buf([l, c])?, self.buf_f32([l])?);
@@ -757,17 +848,26 @@ impl Llama {
         let ids = saved.ids;
         let mut kept: Vec<Option<KeptLayer>> = saved.layers.into_iter().map(Some).collect();
         let mut rebuilt: Vec<Option<LayerSaved>> = (0..kept.len()).map(|_| None).collect();
+        let engine = self.offload.clone();
         for layer in (0..kept.len()).rev() {
+            if let Some(e) = &engine {
+                e.backward_started(layer);
+            }
             let s = match rebuilt[layer].take() {
                 Some(s) => s,
                 None => {
-                    let k = kept[layer].take().ok_or_else(|| missing(layer, "saved tensors"))?;
+                    let mut k = kept[layer].take().ok_or_else(|| missing(layer, "saved tensors"))?;
+                    k.restore(engine.as_deref())?;
                     if k.x.is_some() {
                         self.rebuild(layer, k, plan, &pos)?
                     } else {
                         // `uniform`: replay the chunk's forward from its first layer's input.
-                        let start = (0..layer).rev().find(|&i| kept[i].as_ref().is_some_and(|k| k.x.is_some()));
+                        let has_x = |k: &KeptLayer| k.x.is_some() || k.away.iter().any(|(n, _)| *n == "x");
+                        let start = (0..layer).rev().find(|&i| kept[i].as_ref().is_some_and(has_x));
                         let start = start.ok_or_else(|| missing(layer, "x (no earlier layer kept its input)"))?;
+                        if let Some(k) = kept[start].as_mut() {
+                            k.restore(engine.as_deref())?;
+                        }
                         let mut x = kept[start].as_mut().and_then(|k| k.x.take()).ok_or_else(|| missing(start, "x"))?;
                         for i in start..layer {
                             kept[i] = None;

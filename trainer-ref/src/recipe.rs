@@ -145,6 +145,29 @@ pub struct TrainConfig {
     /// `budget:BYTES` (see `longctx-recompute`). Gradients are bit-identical under every policy.
     #[serde(default = "default_recompute")]
     pub recompute: String,
+    /// Where kept activations wait for the backward: `none`, `host` (a pool of host buffers) or `disk`
+    /// (spill files; on a CPU-only machine the tier that lowers peak memory).
+    #[serde(default = "default_offload")]
+    pub offload: String,
+    /// Byte budget of the offload tier (`8GiB`, `512MiB`; `auto`: 90% of the spill filesystem's free space
+    /// for `disk`, half of the available memory for `host`).
+    #[serde(default = "default_offload_budget")]
+    pub offload_budget: String,
+    /// Layers whose tensors are offloaded, from the first (0: all but the last, which the backward needs
+    /// first).
+    #[serde(default)]
+    pub offload_layers: usize,
+    /// The spill directory of the disk tier (empty: `offload/` in the run's output folder).
+    #[serde(default)]
+    pub offload_dir: String,
+}
+
+fn default_offload() -> String {
+    "none".into()
+}
+
+fn default_offload_budget() -> String {
+    "auto".into()
 }
 
 fn default_recompute() -> String {
@@ -325,6 +348,21 @@ impl Recipe {
         self.partition()?;
         self.schedule()?;
         self.recompute_policy()?;
+        if !["none", "host", "disk"].contains(&self.train.offload.as_str()) {
+            return Err(bad("train.offload", format!("`{}` (none, host or disk)", self.train.offload)));
+        }
+        if self.train.offload_budget != "auto" && longctx_recompute::parse_bytes(&self.train.offload_budget).is_none() {
+            return Err(bad(
+                "train.offload_budget",
+                format!("`{}` is not a size (8GiB, 512MiB, auto)", self.train.offload_budget),
+            ));
+        }
+        if self.train.offload_layers > self.model.layers {
+            return Err(bad(
+                "train.offload_layers",
+                format!("{} is more than model.layers = {}", self.train.offload_layers, self.model.layers),
+            ));
+        }
         if p.schedule == "ulysses" && !(m.kv_heads.is_multiple_of(p.cp) && m.heads.is_multiple_of(p.cp)) {
             return Err(bad(
                 "parallel.schedule",

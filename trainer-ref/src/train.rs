@@ -127,7 +127,8 @@ pub fn loss_gradients_and_saved(recipe: &Recipe, sequences: &[Sequence]) -> Resu
     }
     let threads = per_rank_threads(recipe.parallel.threads, cp * dp);
     let out = ThreadWorld::try_run(cp * dp, |comm| -> Result<(f64, Vec<Vec<f32>>, usize)> {
-        let mut rank = Rank::new(comm, recipe, threads)?;
+        let spill = std::env::temp_dir().join(format!("longctx-offload-{}", std::process::id()));
+        let mut rank = Rank::new(comm, recipe, threads, &spill)?;
         let (loss, saved) = rank.gradients(|micro, group| sequences[micro * dp + group].clone())?;
         let mut l = [loss];
         rank.world.all_reduce(&mut l, ReduceOp::Sum)?;
@@ -178,14 +179,14 @@ struct Rank<'a> {
 
 impl<'a> Rank<'a> {
     fn run(comm: Communicator, recipe: &'a Recipe, opts: &RunOptions, data: &Data, threads: usize) -> Result<Summary> {
-        let mut rank = Rank::new(comm, recipe, threads)?;
+        let mut rank = Rank::new(comm, recipe, threads, &opts.out.join("offload"))?;
         if opts.resume {
             rank.resume(&opts.out)?;
         }
         rank.train(opts, data)
     }
 
-    fn new(comm: Communicator, recipe: &'a Recipe, threads: usize) -> Result<Self> {
+    fn new(comm: Communicator, recipe: &'a Recipe, threads: usize, spill_root: &Path) -> Result<Self> {
         let cfg = &recipe.model;
         let cp = recipe.parallel.cp;
         let world = Arc::new(comm);
@@ -226,6 +227,7 @@ impl<'a> Rank<'a> {
         let final_norm = local * cfg.d_model * elem * 2 + local * 4;
         let predicted = (cost.resident_bytes as usize + final_norm, cost.peak_bytes as usize + final_norm);
         model.set_recompute(actions)?;
+        model.set_offload(offload_engine(recipe, world.rank(), spill_root)?);
         Ok(Rank { recipe, world, dp_index, model, master, grads, m, v, plan, step: 0, predicted })
     }
 
@@ -312,6 +314,9 @@ impl<'a> Rank<'a> {
             }
         }
         if let Some(m) = meter.as_mut() {
+            if let Some(e) = self.model.offload_engine() {
+                m.note(&format!("offload (rank 0): {}", e.stats()));
+            }
             m.finish(&opts.out);
         }
         let steps = (self.step - first_step) as f64;
@@ -508,6 +513,62 @@ fn tensors<'p>(p: &'p Params, prefix: &str) -> Result<Vec<checkpoint::Tensor<'p>
             })
         })
         .collect()
+}
+
+/// Bytes free on the filesystem holding `dir` (its nearest existing ancestor).
+fn free_bytes(dir: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let existing = dir.ancestors().find(|d| d.exists())?;
+    let c = std::ffi::CString::new(existing.as_os_str().as_bytes()).ok()?;
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is a valid C string and `st` a writable statvfs.
+    let rc = unsafe { libc::statvfs(c.as_ptr(), &mut st) };
+    (rc == 0).then(|| st.f_bavail as u64 * st.f_frsize as u64)
+}
+
+/// Half of `MemAvailable` (bytes), or 1 GiB where `/proc/meminfo` is absent.
+fn host_budget() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("MemAvailable:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        })
+        .map_or(1 << 30, |kb| kb * 1024 / 2)
+}
+
+/// The rank's offload engine for `train.offload` (`None` for `none`), spilling under `spill_root`.
+fn offload_engine(
+    recipe: &Recipe,
+    rank: usize,
+    spill_root: &Path,
+) -> Result<Option<Arc<longctx_offload::OffloadEngine>>> {
+    let t = &recipe.train;
+    let layers = recipe.model.layers;
+    let root = if t.offload_dir.is_empty() { spill_root.to_path_buf() } else { PathBuf::from(&t.offload_dir) };
+    let dir = root.join(format!("rank{rank}"));
+    let budget = match (t.offload_budget.as_str(), t.offload.as_str()) {
+        ("auto", "disk") => free_bytes(&dir).map_or(1 << 30, |f| f / 10 * 9),
+        ("auto", _) => host_budget(),
+        (b, _) => longctx_recompute::parse_bytes(b)
+            .ok_or_else(|| TrainError::Config(format!("train.offload_budget `{b}`")))?,
+    };
+    let offloaded = if t.offload_layers == 0 { layers.saturating_sub(1) } else { t.offload_layers };
+    let b = longctx_offload::OffloadEngine::builder()
+        .workers(1)
+        .prefetch_depth(1)
+        .resident_layers(layers - offloaded, layers);
+    let b = match t.offload.as_str() {
+        "none" => return Ok(None),
+        "host" => b.host_tier(budget),
+        _ => {
+            std::fs::create_dir_all(&root).map_err(|e| TrainError::io(&root, e))?;
+            b.disk_tier(dir, budget)
+        }
+    };
+    let engine = b.build().map_err(|e| TrainError::Config(format!("train.offload: {e}")))?;
+    Ok(Some(Arc::new(engine)))
 }
 
 /// A plan for sequences of `seq_len` with the recipe's mask.

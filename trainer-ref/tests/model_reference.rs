@@ -503,3 +503,42 @@ fn the_recompute_crate_describes_the_trainers_layer_exactly() {
         assert_eq!(r.layer_spec().saved_bytes() as usize, LayerSaved::bytes_for(&r.model, l, dtype), "{precision}");
     }
 }
+
+#[test]
+fn offload_to_host_or_disk_gives_bit_identical_loss_and_gradients_with_and_without_recompute() {
+    for cp in ["parallel.cp=1", "parallel.cp=4"] {
+        let seqs = [random_sequence(31, 24, &[11]), random_sequence(32, 24, &[])];
+        let base = tiny_recipe(&[cp, "train.batch=2", "model.layers=3", "data.document_masking=true"]);
+        let (loss0, g0, kept0) = loss_gradients_and_saved(&base, &seqs).unwrap();
+        for (offload, recompute) in [
+            ("disk", "none"),
+            ("host", "none"),
+            ("disk", "selective"),
+            ("disk", "uniform:2"),
+            ("disk", "custom:gate=offload,up=offload,act=recompute"),
+        ] {
+            let r = tiny_recipe(&[
+                cp,
+                "train.batch=2",
+                "model.layers=3",
+                "data.document_masking=true",
+                &format!("train.offload=\"{offload}\""),
+                &format!("train.recompute=\"{recompute}\""),
+                "train.offload_budget=\"64MiB\"",
+            ]);
+            let (loss, g, kept) = loss_gradients_and_saved(&r, &seqs).unwrap();
+            assert_eq!(loss.to_bits(), loss0.to_bits(), "{cp} {offload} {recompute}");
+            for (i, (a, b)) in g.iter().zip(&g0).enumerate() {
+                assert!(
+                    a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                    "{cp} {offload} {recompute}: tensor {i}"
+                );
+            }
+            // Two of the three layers are away while the forward ends (the last stays for the backward).
+            let bound = if recompute == "none" { kept0 / 2 } else { kept0 };
+            assert!(kept < bound, "{cp} {offload} {recompute}: {kept} of {kept0} bytes still held");
+        }
+    }
+    let e = loss_and_gradients(&tiny_recipe(&["train.recompute=\"custom:q=offload\""]), &[random_sequence(1, 24, &[])]);
+    assert!(e.unwrap_err().to_string().contains("--offload"));
+}
