@@ -125,7 +125,8 @@ impl OffloadEngine {
         let mut engine = Self { shared, workers: Vec::with_capacity(workers), reaper: None };
         let (tx, rx) = mpsc::channel();
         let shared = Arc::clone(&engine.shared);
-        let reaper = thread::Builder::new().name("longctx-offload-reaper".into()).spawn(move || worker::reap(shared, rx));
+        let reaper =
+            thread::Builder::new().name("longctx-offload-reaper".into()).spawn(move || worker::reap(shared, rx));
         engine.reaper = Some(reaper.map_err(OffloadError::Spawn)?);
         *engine.shared.reaper.lock().unwrap_or_else(|e| e.into_inner()) = Some(tx);
         for i in 0..workers {
