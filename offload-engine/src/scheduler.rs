@@ -237,6 +237,22 @@ impl Scheduler {
         !self.shutdown && (self.writes > 0 || self.unlinks > 0 || self.offload_head_placeable())
     }
 
+    /// True while the disk tier has a copy back running or queued.
+    pub(crate) fn disk_busy_reading(&self) -> bool {
+        let reading = |s: &Slot| matches!(s.state, SlotState::MovingBack(Tier::Disk) | SlotState::OnDisk(_));
+        self.slots.values().any(|s| matches!(s.state, SlotState::MovingBack(Tier::Disk)))
+            || self.restore_queue.iter().any(|id| self.slots.get(id).is_some_and(reading))
+    }
+
+    /// True when the head of the offload queue waits for room.
+    pub(crate) fn room_wanted(&self) -> bool {
+        let head_waits = self
+            .offload_queue
+            .iter()
+            .any(|id| self.slots.get(id).is_some_and(|s| matches!(s.state, SlotState::Waiting(_))));
+        head_waits && !self.offload_head_placeable()
+    }
+
     fn restore_pending(&self) -> bool {
         self.restore_queue.iter().any(|id| self.slots.get(id).is_some_and(|s| is_stored(&s.state)))
     }

@@ -47,10 +47,18 @@ pub(crate) fn run(shared: Arc<Shared>) {
 }
 
 /// The reaper thread: removes spill files off the workers' and callers' paths, then gives their room back.
-/// Unlinking is not free: on ext4 with online discard a 64 MiB file took 64 ms to remove, twice as long as
-/// reading it back.
+///
+/// Removing a file is not free: on ext4 with online discard a 64 MiB file took 64 ms to remove, twice as long
+/// as reading it back, and removals running beside reads halved their speed. So a removal waits while the
+/// disk tier is reading (a copy back running or queued), unless an offload is waiting for room. `sync` waits
+/// for removals too, so after it every file is gone.
 pub(crate) fn reap(shared: Arc<Shared>, files: Receiver<(PathBuf, usize)>) {
     for (path, bytes) in files {
+        let mut sched = shared.lock();
+        while !sched.shutdown && sched.disk_busy_reading() && !sched.room_wanted() {
+            sched = shared.done.wait(sched).unwrap_or_else(|e| e.into_inner());
+        }
+        drop(sched);
         // Already gone when the engine was dropped (its directory went with it).
         let _ = std::fs::remove_file(&path);
         shared.lock().file_removed(bytes);
