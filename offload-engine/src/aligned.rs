@@ -16,6 +16,28 @@ pub(crate) fn align_up(n: usize) -> Option<usize> {
     n.checked_add(ALIGN - 1).map(|m| m & !(ALIGN - 1))
 }
 
+/// Below this a buffer is not worth a huge-page hint.
+const HUGE_HINT_MIN: usize = 4 << 20;
+
+/// Asks the kernel to back the whole pages of `bytes` with transparent huge pages (`MADV_HUGEPAGE`; a no-op
+/// where THP is off). A fresh allocation then takes one fault per 2 MiB instead of one per 4 KiB on its first
+/// write: under virtualisation the faults, not the copy, set the speed of filling fresh memory. Contents are
+/// unchanged; errors are ignored (it is advice).
+pub(crate) fn advise_hugepages(bytes: &mut [u8]) {
+    if bytes.len() < HUGE_HINT_MIN {
+        return;
+    }
+    let start = bytes.as_mut_ptr() as usize;
+    let (first, end) = ((start + ALIGN - 1) & !(ALIGN - 1), (start + bytes.len()) & !(ALIGN - 1));
+    if end > first {
+        // SAFETY: [first, end) lies within `bytes`, memory this process owns and keeps mapped for the call;
+        // MADV_HUGEPAGE changes how the kernel backs it, never what it holds.
+        unsafe {
+            libc::madvise(first as *mut libc::c_void, end - first, libc::MADV_HUGEPAGE);
+        }
+    }
+}
+
 /// An owned, zero-initialised, page-aligned byte buffer whose length is a multiple of [`ALIGN`].
 pub(crate) struct AlignedBuf {
     ptr: NonNull<u8>,
@@ -48,7 +70,9 @@ impl AlignedBuf {
             return Err(io::Error::last_os_error());
         }
         let ptr = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| io::Error::from(io::ErrorKind::OutOfMemory))?;
-        Ok(Self { ptr, len })
+        let mut buf = Self { ptr, len };
+        advise_hugepages(buf.as_mut_slice());
+        Ok(buf)
     }
 
     /// Bytes in the buffer.

@@ -4,14 +4,14 @@ use std::borrow::Cow;
 use std::marker::PhantomData;
 use std::mem;
 use std::path::PathBuf;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard};
 use std::thread::{self, JoinHandle};
 use std::time::Instant;
 
 use crate::builder::OffloadEngineBuilder;
 use crate::error::{OffloadError, Result};
 use crate::pool::HostPool;
-use crate::scheduler::{DiskTier, Scheduler};
+use crate::scheduler::{Cleanup, DiskTier, Scheduler};
 use crate::slot::{SlotId, SlotState};
 use crate::spare::SparePool;
 use crate::spill::DiskIo;
@@ -38,6 +38,8 @@ pub(crate) struct Shared {
     policy: Policy,
     spill_dir: Option<PathBuf>,
     disk_io: Option<DiskIo>,
+    /// Files for the reaper thread; `None` once the engine is dropped.
+    reaper: Mutex<Option<mpsc::Sender<(PathBuf, usize)>>>,
 }
 
 impl Shared {
@@ -58,10 +60,27 @@ impl Shared {
     /// A ticket was dropped.
     pub(crate) fn release(&self, id: SlotId) {
         let cleanup = self.lock().release(id);
-        // Outside the lock: freeing memory and unlinking a file take time.
-        let cleaned = cleanup.run();
-        if !cleaned.is_empty() {
-            self.lock().cleaned(cleaned);
+        self.finish(cleanup);
+    }
+
+    /// Does a [`Cleanup`] outside the lock: frees the memory, hands the file to the reaper (or removes it here
+    /// once the engine is gone), books the job as over, and wakes whoever waits for room or for idleness.
+    pub(crate) fn finish(&self, cleanup: Cleanup) {
+        let Cleanup { data, file, job } = cleanup;
+        drop(data);
+        if let Some(file) = file {
+            let unsent = match self.reaper.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+                Some(tx) => tx.send(file).err().map(|e| e.0),
+                None => Some(file),
+            };
+            // No reaper: the engine is gone (and its directory with it, so this is quick).
+            if let Some((path, bytes)) = unsent {
+                let _ = std::fs::remove_file(&path);
+                self.lock().file_removed(bytes);
+            }
+        }
+        if let Some(writing) = job {
+            self.lock().job_done(writing);
         }
         self.work.notify_all();
         self.done.notify_all();
@@ -76,6 +95,7 @@ impl Shared {
 pub struct OffloadEngine {
     shared: Arc<Shared>,
     workers: Vec<JoinHandle<()>>,
+    reaper: Option<JoinHandle<()>>,
 }
 
 impl OffloadEngine {
@@ -100,8 +120,15 @@ impl OffloadEngine {
             policy,
             spill_dir,
             disk_io,
+            reaper: Mutex::new(None),
         });
-        let mut engine = Self { shared, workers: Vec::with_capacity(workers) };
+        let mut engine = Self { shared, workers: Vec::with_capacity(workers), reaper: None };
+        let (tx, rx) = mpsc::channel();
+        let shared = Arc::clone(&engine.shared);
+        let reaper =
+            thread::Builder::new().name("longctx-offload-reaper".into()).spawn(move || worker::reap(shared, rx));
+        engine.reaper = Some(reaper.map_err(OffloadError::Spawn)?);
+        *engine.shared.reaper.lock().unwrap_or_else(|e| e.into_inner()) = Some(tx);
         for i in 0..workers {
             let shared = Arc::clone(&engine.shared);
             let spawned =
@@ -283,6 +310,11 @@ impl Drop for OffloadEngine {
         for w in self.workers.drain(..) {
             // A worker that panicked outside a job has nothing left to clean up.
             let _ = w.join();
+        }
+        // The reaper removes what it was sent, then stops.
+        drop(self.shared.reaper.lock().unwrap_or_else(|e| e.into_inner()).take());
+        if let Some(r) = self.reaper.take() {
+            let _ = r.join();
         }
         let mut sched = self.shared.lock();
         for slot in sched.slots.values_mut() {

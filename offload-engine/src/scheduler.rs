@@ -131,9 +131,10 @@ pub(crate) enum Landed {
     Disk(PathBuf),
 }
 
-/// What must happen after the lock is released (memory to free, a file to unlink), and then be booked under
-/// it again ([`Scheduler::cleaned`]): a spill file's room is given back only once the file is gone, and a job
-/// counts as running until its cleanup is done, so [`Scheduler::is_idle`] means everything is tidy.
+/// What must happen once the lock is released ([`crate::engine::Shared::finish`]): memory to free, a spill
+/// file to remove (by the reaper thread, which then gives its room back: [`Scheduler::file_removed`]), a job to
+/// book as over ([`Scheduler::job_done`]). A job counts as running until then, and [`Scheduler::is_idle`] waits
+/// for pending removals too, so an idle engine is a tidy one.
 #[derive(Default)]
 #[must_use]
 pub(crate) struct Cleanup {
@@ -142,32 +143,6 @@ pub(crate) struct Cleanup {
     pub(crate) file: Option<(PathBuf, usize)>,
     /// The job that finished: `Some(true)` a write, `Some(false)` a read.
     pub(crate) job: Option<bool>,
-}
-
-/// What [`Cleanup::run`] leaves to book.
-#[must_use]
-pub(crate) struct Cleaned {
-    file_bytes: Option<usize>,
-    job: Option<bool>,
-}
-
-impl Cleanup {
-    pub(crate) fn run(self) -> Cleaned {
-        drop(self.data);
-        let file_bytes = self.file.map(|(path, bytes)| {
-            // Already gone when the engine was dropped (its directory went with it).
-            let _ = std::fs::remove_file(path);
-            bytes
-        });
-        Cleaned { file_bytes, job: self.job }
-    }
-}
-
-impl Cleaned {
-    /// True when nothing is left to book.
-    pub(crate) fn is_empty(&self) -> bool {
-        self.file_bytes.is_none() && self.job.is_none()
-    }
 }
 
 pub(crate) struct Scheduler {
@@ -183,6 +158,8 @@ pub(crate) struct Scheduler {
     pub(crate) unmoved: u64,
     writes: usize,
     reads: usize,
+    /// Spill files handed to the reaper and not yet removed.
+    unlinks: usize,
     scratch: Vec<SlotId>,
     pub(crate) shutdown: bool,
 }
@@ -201,6 +178,7 @@ impl Scheduler {
             unmoved: 0,
             writes: 0,
             reads: 0,
+            unlinks: 0,
             scratch: Vec::new(),
             shutdown: false,
         }
@@ -246,13 +224,33 @@ impl Scheduler {
     /// True when no job is running and none could start now.
     pub(crate) fn is_idle(&self) -> bool {
         self.shutdown
-            || (self.writes == 0 && self.reads == 0 && !self.offload_head_placeable() && !self.restore_pending())
+            || (self.writes == 0
+                && self.reads == 0
+                && self.unlinks == 0
+                && !self.offload_head_placeable()
+                && !self.restore_pending())
     }
 
-    /// True when a write is running or the head of the offload queue has room: waiting for the offload queue
-    /// to shrink will end.
+    /// True when a write is running, the head of the offload queue has room, or a spill file being removed
+    /// will make room: waiting for the offload queue to shrink will end.
     pub(crate) fn offloads_progressing(&self) -> bool {
-        !self.shutdown && (self.writes > 0 || self.offload_head_placeable())
+        !self.shutdown && (self.writes > 0 || self.unlinks > 0 || self.offload_head_placeable())
+    }
+
+    /// True while the disk tier has a copy back running or queued.
+    pub(crate) fn disk_busy_reading(&self) -> bool {
+        let reading = |s: &Slot| matches!(s.state, SlotState::MovingBack(Tier::Disk) | SlotState::OnDisk(_));
+        self.slots.values().any(|s| matches!(s.state, SlotState::MovingBack(Tier::Disk)))
+            || self.restore_queue.iter().any(|id| self.slots.get(id).is_some_and(reading))
+    }
+
+    /// True when the head of the offload queue waits for room.
+    pub(crate) fn room_wanted(&self) -> bool {
+        let head_waits = self
+            .offload_queue
+            .iter()
+            .any(|id| self.slots.get(id).is_some_and(|s| matches!(s.state, SlotState::Waiting(_))));
+        head_waits && !self.offload_head_placeable()
     }
 
     fn restore_pending(&self) -> bool {
@@ -418,6 +416,12 @@ impl Scheduler {
 
     /// The ticket of `id` is gone: free the slot wherever its data is.
     pub(crate) fn release(&mut self, id: SlotId) -> Cleanup {
+        let cleanup = self.release_slot(id);
+        self.unlinks += usize::from(cleanup.file.is_some());
+        cleanup
+    }
+
+    fn release_slot(&mut self, id: SlotId) -> Cleanup {
         let mut cleanup = Cleanup::default();
         let Some(slot) = self.slots.get_mut(&id) else { return cleanup };
         if matches!(slot.state, SlotState::MovingOut(_) | SlotState::MovingBack(_)) {
@@ -444,21 +448,32 @@ impl Scheduler {
         cleanup
     }
 
-    /// Books a [`Cleanup`] once it has run.
-    pub(crate) fn cleaned(&mut self, done: Cleaned) {
-        if let (Some(bytes), Some(d)) = (done.file_bytes, self.disk.as_mut()) {
-            d.release(bytes);
-        }
-        match done.job {
-            Some(true) => self.writes -= 1,
-            Some(false) => self.reads -= 1,
-            None => {}
+    /// A job's cleanup is done.
+    pub(crate) fn job_done(&mut self, writing: bool) {
+        if writing {
+            self.writes -= 1;
+        } else {
+            self.reads -= 1;
         }
     }
 
+    /// A spill file of a tensor of `bytes` is gone: its room is free.
+    pub(crate) fn file_removed(&mut self, bytes: usize) {
+        if let Some(d) = self.disk.as_mut() {
+            d.release(bytes);
+        }
+        self.unlinks -= 1;
+    }
+
     /// Books a worker's report: the slot's new state, the tiers' room, the counters. The job still counts as
-    /// running until the returned cleanup is [`cleaned`](Scheduler::cleaned).
+    /// running until the returned cleanup is done.
     pub(crate) fn complete(&mut self, done: Done) -> Cleanup {
+        let cleanup = self.complete_slot(done);
+        self.unlinks += usize::from(cleanup.file.is_some());
+        cleanup
+    }
+
+    fn complete_slot(&mut self, done: Done) -> Cleanup {
         match done {
             Done::Wrote { id, to, data, took } => {
                 let mut cleanup = Cleanup { job: Some(true), ..Cleanup::default() };
@@ -495,7 +510,7 @@ impl Scheduler {
                 slot.state = state;
                 let (abandoned, wanted) = (slot.abandoned, slot.wanted);
                 if abandoned {
-                    let more = self.release(id);
+                    let more = self.release_slot(id);
                     cleanup.file = cleanup.file.or(more.file);
                 } else if wanted && !self.restore_queue.contains(&id) {
                     self.restore_queue.push(id);
@@ -513,11 +528,9 @@ impl Scheduler {
                         }
                         &mut self.counters.host
                     }
-                    // The worker removed the file after reading it.
-                    Landed::Disk(_) => {
-                        if let Some(d) = self.disk.as_mut() {
-                            d.release(slot.bytes);
-                        }
+                    // Read back (or found corrupt): the file has served its purpose either way.
+                    Landed::Disk(path) => {
+                        cleanup.file = Some((path, slot.bytes));
                         &mut self.counters.disk
                     }
                 };
@@ -601,8 +614,13 @@ mod tests {
                 }
                 _ => unreachable!("host-only scheduler"),
             };
-            let cleaned = s.complete(done).run();
-            s.cleaned(cleaned);
+            let cleanup = s.complete(done);
+            if let Some((_, bytes)) = cleanup.file {
+                s.file_removed(bytes);
+            }
+            if let Some(writing) = cleanup.job {
+                s.job_done(writing);
+            }
         }
         order
     }

@@ -76,8 +76,10 @@ proptest! {
         }
         // The other tensor is unaffected, and the damaged file is gone.
         assert_same(&engine.fetch(intact).unwrap(), &tensor(DType::F32, &[100], 4), "intact");
+        // Spill files are removed by the reaper thread; `sync` waits for it.
+        engine.sync();
         prop_assert!(spill_files(engine.spill_dir().unwrap()).is_empty());
-        prop_assert_eq!(engine.stats().disk.unwrap().used_bytes, 0);
+        prop_assert_eq!(engine.stats().disk.unwrap().used_bytes, 0, "{:?}", engine.stats());
     }
 }
 
@@ -117,6 +119,7 @@ fn both_io_modes_round_trip_and_clean_up() {
         for (t, &n) in tickets.into_iter().zip(&sizes) {
             assert_same(&engine.fetch(t).unwrap(), &tensor(DType::U8, &[n], n as u64), "fetched");
         }
+        engine.sync();
         assert!(spill_files(&spill).is_empty(), "files are removed after fetch");
         // A ticket still alive when the engine goes: its file goes with the directory.
         let _alive = engine.offload(0, "late", tensor(DType::U8, &[1000], 0)).unwrap();

@@ -27,6 +27,7 @@ fn a_full_disk_is_a_typed_error_at_fetch() {
     assert!(matches!(err, OffloadError::DiskFull { .. }), "{err}");
     assert!(err.to_string().contains("'big' of layer 1"), "{err}");
     assert_same(&engine.fetch(small).unwrap(), &tensor(DType::F32, &[1000], 1), "small");
+    engine.sync();
     let stats = engine.stats();
     assert_eq!((stats.failures, stats.disk.unwrap().used_bytes), (1, 0));
     assert!(spill_files(engine.spill_dir().unwrap()).is_empty(), "the partial file is removed");

@@ -49,6 +49,7 @@ fn offloads_fill_the_host_tier_then_spill_to_disk_then_wait() {
             assert_same(&engine.fetch(t).unwrap(), &originals[i], "fetched");
         }
     }
+    engine.sync();
     let stats = engine.stats();
     assert!(stats.host.unwrap().peak_bytes <= 2 * T_BYTES && stats.disk.unwrap().peak_bytes <= 3 * T_FILE);
     assert!(spill_files(engine.spill_dir().unwrap()).is_empty(), "every spill file is removed once read");

@@ -171,7 +171,8 @@ pub(crate) fn read(
             stored
         }
         DiskIo::Buffered => {
-            let _ = sys::fadvise(&file, libc::POSIX_FADV_SEQUENTIAL);
+            // The whole file at once: the kernel reads ahead while this thread checksums what has arrived.
+            let _ = sys::fadvise(&file, libc::POSIX_FADV_WILLNEED);
             let mut page = [0u8; format::HEADER_BYTES];
             file.read_exact_at(&mut page, 0).map_err(|e| t.read_err(e))?;
             let stored = format::check(&page, tag, dtype, out.len() as u64).map_err(|r| t.corrupt(r))?;

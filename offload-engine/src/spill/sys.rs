@@ -24,7 +24,7 @@ pub(crate) fn preallocate(file: &File, len: u64) -> io::Result<()> {
 }
 
 /// Tells the kernel it may drop `file`'s cached pages (`POSIX_FADV_DONTNEED`; after `sync_data` they are clean,
-/// so they really go) or will read it sequentially (`POSIX_FADV_SEQUENTIAL`).
+/// so they really go) or should start reading all of it now (`POSIX_FADV_WILLNEED`).
 pub(crate) fn fadvise(file: &File, advice: libc::c_int) -> io::Result<()> {
     // SAFETY: `posix_fadvise` on a file descriptor that `file` keeps open; no memory is passed.
     let rc = unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, advice) };
