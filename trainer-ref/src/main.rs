@@ -104,53 +104,7 @@ enum Command {
     },
     /// Per-device memory and step time of a model at a length and layout, and the cheapest recompute policy
     /// that fits (longctx-recompute's planner).
-    Plan {
-        /// llama3-8b, llama3-70b, mixtral-8x7b, nemotron4-15b, nemotron4-22b, tiny-llama.
-        #[arg(long, default_value = "llama3-8b")]
-        model: String,
-        /// Tokens per sequence (8K, 128K, 1M).
-        #[arg(long, default_value = "128K")]
-        seq: String,
-        /// Devices.
-        #[arg(long, default_value_t = 8)]
-        gpus: u64,
-        /// Context parallelism.
-        #[arg(long, default_value_t = 1)]
-        cp: u64,
-        /// Tensor parallelism.
-        #[arg(long, default_value_t = 1)]
-        tp: u64,
-        /// Pipeline parallelism.
-        #[arg(long, default_value_t = 1)]
-        pp: u64,
-        /// a100-80g, h100-80g, h200-141g, b200-180g.
-        #[arg(long, default_value = "h100-80g")]
-        device: String,
-        /// A recompute policy; the cheapest that fits when absent.
-        #[arg(long)]
-        recompute: Option<String>,
-        /// Sequences per step (default: one per data-parallel rank).
-        #[arg(long)]
-        global_batch: Option<u64>,
-        /// Fraction of peak the kernels sustain.
-        #[arg(long, default_value_t = 0.5)]
-        efficiency: f64,
-        /// Matrix products at the FP8 peak.
-        #[arg(long)]
-        fp8: bool,
-        /// No sequence parallelism with TP.
-        #[arg(long)]
-        no_sequence_parallel: bool,
-        /// JSON instead of a table.
-        #[arg(long)]
-        json: bool,
-        /// One row per doubling: `seq=16K..1M`.
-        #[arg(long)]
-        sweep: Option<String>,
-        /// The planner against Korthikanti's formula and NeMo's published Llama 3 8B throughput.
-        #[arg(long)]
-        calibrate: bool,
-    },
+    Plan(longctx_trainer::plan_cmd::PlanArgs),
     /// Draw the loss curves of a run's `metrics.jsonl` into a PNG.
     Plot {
         /// The metrics file.
@@ -245,45 +199,8 @@ fn run(cli: Cli) -> Result<()> {
                 rounds,
             })?;
         }
-        Command::Plan {
-            model,
-            seq,
-            gpus,
-            cp,
-            tp,
-            pp,
-            device,
-            recompute,
-            global_batch,
-            efficiency,
-            fp8,
-            no_sequence_parallel,
-            json,
-            sweep,
-            calibrate,
-        } => {
-            if calibrate {
-                longctx_trainer::plan_cmd::calibrate(efficiency)?;
-            } else {
-                let a = longctx_trainer::plan_cmd::PlanArgs {
-                    model,
-                    seq,
-                    gpus,
-                    cp,
-                    tp,
-                    pp,
-                    device,
-                    recompute,
-                    global_batch,
-                    efficiency,
-                    fp8,
-                    no_sequence_parallel,
-                    json,
-                    sweep,
-                };
-                longctx_trainer::plan_cmd::run(&a)?;
-            }
-        }
+        Command::Plan(a) if a.calibrate => longctx_trainer::plan_cmd::calibrate(a.efficiency)?,
+        Command::Plan(a) => longctx_trainer::plan_cmd::run(&a)?,
         Command::Plot { metrics, output } => {
             plot::plot_metrics(&metrics, &output)?;
             println!("wrote {}", output.display());

@@ -7,36 +7,53 @@ use longctx_recompute::{device, model, plan, Layout, PlanInput, PlanReport, Poli
 use crate::error::{Result, TrainError};
 
 /// The command's options.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, clap::Args)]
 pub struct PlanArgs {
-    /// Built-in model.
+    /// llama3-8b, llama3-70b, mixtral-8x7b, nemotron4-15b, nemotron4-22b, tiny-llama.
+    #[arg(long, default_value = "llama3-8b")]
     pub model: String,
-    /// Sequence length (`128K`, `1M`).
+    /// Tokens per sequence (8K, 128K, 1M).
+    #[arg(long, default_value = "128K")]
     pub seq: String,
     /// Devices.
+    #[arg(long, default_value_t = 8)]
     pub gpus: u64,
     /// Context parallelism.
+    #[arg(long, default_value_t = 1)]
     pub cp: u64,
     /// Tensor parallelism.
+    #[arg(long, default_value_t = 1)]
     pub tp: u64,
     /// Pipeline parallelism.
+    #[arg(long, default_value_t = 1)]
     pub pp: u64,
-    /// Device.
+    /// a100-80g, h100-80g, h200-141g, b200-180g.
+    #[arg(long, default_value = "h100-80g")]
     pub device: String,
-    /// Policy (`None`: cheapest that fits).
+    /// A recompute policy; the cheapest that fits when absent.
+    #[arg(long)]
     pub recompute: Option<String>,
-    /// Sequences per step.
+    /// Sequences per step (default: one per data-parallel rank).
+    #[arg(long)]
     pub global_batch: Option<u64>,
-    /// Fraction of peak sustained.
+    /// Fraction of peak the kernels sustain.
+    #[arg(long, default_value_t = 0.5)]
     pub efficiency: f64,
-    /// FP8 matrix products.
+    /// Matrix products at the FP8 peak.
+    #[arg(long)]
     pub fp8: bool,
-    /// No sequence parallelism.
+    /// No sequence parallelism with TP.
+    #[arg(long)]
     pub no_sequence_parallel: bool,
-    /// JSON out.
+    /// JSON instead of a table.
+    #[arg(long)]
     pub json: bool,
-    /// `seq=16K..1M`: one row per doubling.
+    /// One row per doubling: `seq=16K..1M`.
+    #[arg(long)]
     pub sweep: Option<String>,
+    /// The planner against Korthikanti's formula and NeMo's published Llama 3 8B throughput.
+    #[arg(long)]
+    pub calibrate: bool,
 }
 
 const GIB: f64 = (1u64 << 30) as f64;
@@ -210,6 +227,7 @@ pub fn calibrate(efficiency: f64) -> Result<()> {
             no_sequence_parallel: false,
             json: false,
             sweep: None,
+            calibrate: false,
         };
         let r = plan(&input(&a, seq)?).map_err(cfg)?;
         println!(
