@@ -34,8 +34,8 @@ enum Command {
         /// Data-parallel groups (`parallel.dp`).
         #[arg(long)]
         dp: Option<usize>,
-        /// Activation recomputation (`train.recompute`): none, full, selective[:MODULES], uniform:K, block:N,
-        /// budget:BYTES.
+        /// Activation recomputation (`train.recompute`): `none`, `full`, `selective[:MODULES]`, `uniform:K`, `block:N`,
+        /// `budget:BYTES`.
         #[arg(long)]
         recompute: Option<String>,
         /// Offload kept activations (`train.offload`): none, host or disk.
