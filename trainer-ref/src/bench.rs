@@ -161,9 +161,11 @@ pub fn run(opts: &BenchOptions) -> Result<()> {
         "# longctx bench: tiny Llama (4 layers, d 256, 4/2 heads, SwiGLU 688, vocab 257), batch 1, {threads} threads"
     );
     println!(
-        "# GEMM peak measured here: {:.1} GFLOP/s; MFU = model FLOPs/s over it; {} timed steps after one untimed",
+        "# GEMM peak measured here: {:.1} GFLOP/s; MFU = model FLOPs/s over it; {} timed steps after one untimed; \
+         median of {} alternating rounds",
         peak / 1e9,
-        opts.steps
+        opts.steps,
+        opts.rounds.max(1)
     );
     println!("| seq | dtype | longctx tok/s | PyTorch tok/s | ratio | longctx MFU | PyTorch MFU | longctx peak RSS | PyTorch peak RSS | RSS ratio |");
     println!("|---|---|---|---|---|---|---|---|---|---|");
