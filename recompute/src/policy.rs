@@ -47,9 +47,13 @@ impl LayerActions {
     }
 }
 
-/// The Megatron modules `selective` recomputes when none are named: the norms and the MLP activation, cheap
-/// elementwise work whose outputs are large.
-pub const DEFAULT_SELECTIVE: &[&str] = &["norm", "mlp_act"];
+/// The Megatron modules `selective` recomputes when none are named: the norms and the MLP activation (cheap
+/// elementwise work whose outputs are large) and the attention projections (`q, k, v` and the residual after
+/// the output projection: GEMMs over `C` columns, a few percent of a layer's FLOPs beside the MLP's `3·C·F`,
+/// for a further sixth of its bytes). On Llama 3 8B's layer that keeps 53% of the bytes, and the rerun adds
+/// under 10% of a step's FLOPs (2.5% at 64K tokens, where attention dominates); the MLP's own projections (`mlp`) and core attention (`core_attn`) are left out because rerunning them
+/// costs far more.
+pub const DEFAULT_SELECTIVE: &[&str] = &["norm", "mlp_act", "attn_proj"];
 
 /// A recomputation policy.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -136,8 +136,13 @@ fn full_and_none_match_hand_computed_bytes_for_the_llama3_8b_layer() {
     let fwd = spec.forward_flops();
     let down = 2.0 * 8192.0 * 14336.0 * 4096.0 + 8192.0 * 4096.0;
     assert!((resolve("full").recompute_flops - 32.0 * (fwd - down)).abs() < 1.0);
-    // Selective (norms and the SwiGLU output) drops h1, h2, act and the two rstd.
-    assert_eq!(resolve("selective").resident_bytes, 32 * 8192 * (per_token - 2 * 8192 - 28672 - 8));
+    // Selective (norms, the SwiGLU output, the attention projections) drops h1, h2, act, the two rstd, q, k, v
+    // and x2: 47% of the bytes.
+    let dropped = 2 * 8192 + 28672 + 8 + 8192 + 2 * 2048 + 8192;
+    assert_eq!(resolve("selective").resident_bytes, 32 * 8192 * (per_token - dropped));
+    assert!(dropped as f64 / per_token as f64 > 0.4);
+    let extra = resolve("selective").recompute_flops / (32.0 * 3.0 * spec.forward_flops());
+    assert!(extra < 0.1, "selective reruns {:.1}% of a step's FLOPs", 100.0 * extra);
     assert_eq!(resolve("block:8").resident_bytes, 8 * 8192 * 8192 + 24 * 8192 * per_token);
     let u = resolve("uniform:4");
     assert_eq!(u.resident_bytes, 8 * 8192 * 8192);
