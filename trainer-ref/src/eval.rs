@@ -8,7 +8,7 @@ use longctx_kernels::{Backend, CpuBackend, DType, View};
 use longctx_p2p::{ReduceOp, ThreadWorld};
 use longctx_ring_attn::{ContextParallel, CpConfig};
 
-use crate::checkpoint;
+use crate::checkpoint::{self, LoadedTensor};
 use crate::data::{encode, Sequence, EOT};
 use crate::error::{Result, TrainError};
 use crate::model::{param_shapes, Llama, Params};
@@ -51,14 +51,35 @@ pub fn checkpoint_recipe(ck: &checkpoint::Checkpoint) -> Result<Recipe> {
 /// with the next token as the last target), computed over `cp` thread ranks.
 pub fn evaluate(dir: &Path, tokens: &[u32], seq: usize, cp: usize) -> Result<EvalResult> {
     let ck = checkpoint::load(dir)?;
-    let mut recipe = checkpoint_recipe(&ck)?;
+    let recipe = checkpoint_recipe(&ck)?;
+    let shapes = param_shapes(&recipe.model);
+    checkpoint::expect_tensors(&ck.dir.join("model.safetensors"), &ck.model, &shapes)?;
+    evaluate_tensors(&recipe, &ck.model, tokens, seq, cp)
+}
+
+/// The mean loss of the model `recipe.model` with weights `tensors` (in [`param_shapes`] order) over `tokens`,
+/// as [`evaluate`] computes it.
+pub fn evaluate_tensors(
+    recipe: &Recipe,
+    tensors: &[LoadedTensor],
+    tokens: &[u32],
+    seq: usize,
+    cp: usize,
+) -> Result<EvalResult> {
+    let mut recipe = recipe.clone();
     recipe.parallel.cp = cp.max(1);
     recipe.parallel.dp = 1;
     recipe.train.seq_len = seq;
     recipe.train.batch = 1;
     recipe.validate()?;
     let shapes = param_shapes(&recipe.model);
-    checkpoint::expect_tensors(&ck.dir.join("model.safetensors"), &ck.model, &shapes)?;
+    if shapes.len() != tensors.len() || shapes.iter().zip(tensors).any(|((n, d), t)| *n != t.name || *d != t.dims) {
+        return Err(TrainError::Config(format!(
+            "the weights ({} tensors) are not the model's {} tensors in order",
+            tensors.len(),
+            shapes.len()
+        )));
+    }
     if let Some((i, t)) = tokens.iter().enumerate().find(|(_, &t)| t as usize >= recipe.model.vocab) {
         return Err(TrainError::Config(format!(
             "token {i} is {t}, outside the model's vocabulary of {}",
@@ -74,11 +95,10 @@ pub fn evaluate(dir: &Path, tokens: &[u32], seq: usize, cp: usize) -> Result<Eva
     }
     let threads = (std::thread::available_parallelism().map_or(1, |n| n.get()) / recipe.parallel.cp).max(1);
     let recipe = &recipe;
-    let ck = &ck;
     let results = ThreadWorld::try_run(recipe.parallel.cp, |comm| -> Result<EvalResult> {
         let backend: Arc<dyn Backend> = Arc::new(CpuBackend::with_threads(threads)?);
         let mut weights = Params::zeros(&*backend, &recipe.model, DType::F32)?;
-        for (t, src) in weights.tensors.iter_mut().zip(&ck.model) {
+        for (t, src) in weights.tensors.iter_mut().zip(tensors) {
             backend.copy(t.view_mut(), View::new(&src.data, src.dims.as_slice())?)?;
         }
         let model = Llama::new(recipe.model.clone(), weights, backend.clone())?;

