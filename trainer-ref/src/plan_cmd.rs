@@ -5,10 +5,16 @@ use longctx_recompute::planner::{korthikanti_layer_bytes, layer_for, parse_token
 use longctx_recompute::{device, model, plan, Layout, PlanInput, PlanReport, Policy};
 
 use crate::error::{Result, TrainError};
+use crate::recipe::{ModelConfig, Recipe};
 
 /// The command's options.
 #[derive(Debug, Clone, clap::Args)]
 pub struct PlanArgs {
+    /// A recipe (built-in name or TOML file) planned as written: its model, sequence length, global batch,
+    /// recompute policy and parallel layout (GPUs = TP · PP · CP · DP); the other options then only pick the
+    /// device and efficiency.
+    #[arg(long, conflicts_with_all = ["model", "seq", "gpus", "cp", "tp", "pp", "global_batch", "sweep"])]
+    pub recipe: Option<String>,
     /// llama3-8b, llama3-70b, mixtral-8x7b, nemotron4-15b, nemotron4-22b, tiny-llama.
     #[arg(long, default_value = "llama3-8b")]
     pub model: String,
@@ -57,6 +63,55 @@ pub struct PlanArgs {
 }
 
 const GIB: f64 = (1u64 << 30) as f64;
+
+/// The planner's description of a recipe's model.
+pub fn model_desc(name: &str, m: &ModelConfig) -> longctx_recompute::models::ModelDesc {
+    longctx_recompute::models::ModelDesc {
+        name: name.to_string(),
+        layers: m.layers as u64,
+        d_model: m.d_model as u64,
+        heads: m.heads as u64,
+        kv_heads: m.kv_heads as u64,
+        head_dim: m.head_dim() as u64,
+        ffn: m.ffn as u64,
+        vocab: m.vocab as u64,
+        experts: 1,
+        top_k: 1,
+        mlp: longctx_recompute::models::Mlp::SwiGlu,
+        layernorm: false,
+        tied_embeddings: false,
+    }
+}
+
+/// What `--recipe` plans: the recipe's model, length, batch, policy and layout.
+fn recipe_input(a: &PlanArgs, name: &str) -> Result<PlanInput> {
+    let cfg = |e: longctx_recompute::RecomputeError| TrainError::Config(e.to_string());
+    let r = Recipe::load(name, &[])?;
+    let p = &r.parallel;
+    let (tp, pp, cp, dp) = (p.tp as u64, p.pp as u64, p.cp as u64, p.dp as u64);
+    let policy = match a.recompute.as_deref() {
+        Some(s) => s.parse::<Policy>().map_err(cfg)?,
+        None => r.train.recompute.parse::<Policy>().map_err(cfg)?,
+    };
+    Ok(PlanInput {
+        model: model_desc(&r.name, &r.model),
+        device: device(&a.device).map_err(cfg)?,
+        layout: Layout {
+            gpus: tp * pp * cp * dp,
+            tp,
+            cp,
+            pp,
+            sequence_parallel: !a.no_sequence_parallel && tp > 1,
+            distributed_optimizer: true,
+            global_batch: r.train.batch as u64,
+        },
+        seq_len: r.train.seq_len as u64,
+        policy: Some(policy),
+        efficiency: a.efficiency,
+        fp8: a.fp8,
+        loss_chunk: r.train.loss_chunk as u64,
+    })
+}
 
 fn input(a: &PlanArgs, seq: u64) -> Result<PlanInput> {
     let cfg = |e: longctx_recompute::RecomputeError| TrainError::Config(e.to_string());
@@ -132,6 +187,15 @@ fn print_report(r: &PlanReport) {
 /// Runs the command.
 pub fn run(a: &PlanArgs) -> Result<()> {
     let cfg = |e: longctx_recompute::RecomputeError| TrainError::Config(e.to_string());
+    if let Some(name) = &a.recipe {
+        let r = plan(&recipe_input(a, name)?).map_err(cfg)?;
+        if a.json {
+            println!("{}", serde_json::to_string_pretty(&r).map_err(|e| TrainError::Config(e.to_string()))?);
+        } else {
+            print_report(&r);
+        }
+        return Ok(());
+    }
     let seqs: Vec<u64> = match &a.sweep {
         Some(s) => {
             let range = s.strip_prefix("seq=").unwrap_or(s);
@@ -213,6 +277,7 @@ pub fn calibrate(efficiency: f64) -> Result<()> {
     for &(seq, cp, tp, nemo) in NEMO_LLAMA3_8B {
         let gpus = (cp * tp).max(8);
         let a = PlanArgs {
+            recipe: None,
             model: "llama3-8b".into(),
             seq: seq.to_string(),
             gpus,
@@ -237,4 +302,40 @@ pub fn calibrate(efficiency: f64) -> Result<()> {
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        plan: PlanArgs,
+    }
+
+    /// The seed's full-size recipes with NeMo's GPU counts (nemo/collections/llm/recipes/*_{16k,64k,128k}.py).
+    const NEMO_GPUS: &[(&str, u64)] = &[
+        ("llama3-8b-16k", 16),
+        ("llama3-8b-64k", 32),
+        ("llama3-8b-128k", 64),
+        ("llama3-70b-16k", 32),
+        ("llama3-70b-64k", 256),
+    ];
+
+    #[test]
+    fn full_size_recipes_plan_as_written_on_nemos_gpu_counts_and_fit_an_h100() {
+        for &(name, gpus) in NEMO_GPUS {
+            let cli = Cli::parse_from(["plan", "--recipe", name, "--device", "h100-80g"]);
+            let input = recipe_input(&cli.plan, name).unwrap_or_else(|e| panic!("{name}: {e}"));
+            let r = Recipe::load(name, &[]).unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert_eq!(input.layout.gpus, gpus, "{name}");
+            assert_eq!(input.seq_len, r.train.seq_len as u64, "{name}");
+            assert_eq!(input.layout.global_batch, r.train.batch as u64, "{name}");
+            let report = plan(&input).unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert!(report.fits, "{name}: {} GiB", report.memory.total as f64 / GIB);
+            assert!(r.parallel.check_trainable().is_err(), "{name} has TP/PP and must not train as is");
+        }
+    }
 }

@@ -15,7 +15,11 @@ use crate::error::{Result, TrainError};
 pub const BUILTIN: &[(&str, &str)] = &[
     ("tiny-llama", include_str!("../recipes/tiny-llama.toml")),
     ("tiny-llama-docs", include_str!("../recipes/tiny-llama-docs.toml")),
+    ("llama3-8b-16k", include_str!("../recipes/llama3-8b-16k.toml")),
+    ("llama3-8b-64k", include_str!("../recipes/llama3-8b-64k.toml")),
     ("llama3-8b-128k", include_str!("../recipes/llama3-8b-128k.toml")),
+    ("llama3-70b-16k", include_str!("../recipes/llama3-70b-16k.toml")),
+    ("llama3-70b-64k", include_str!("../recipes/llama3-70b-64k.toml")),
 ];
 
 /// A run: the model, the training loop, the data and the parallel layout.
@@ -202,11 +206,22 @@ pub struct ParallelConfig {
     /// Kernel threads per rank (0: the cores divided among the ranks; with a rank per process, rayon's global
     /// pool, `RAYON_NUM_THREADS` or every core).
     pub threads: usize,
+    /// Tensor parallelism of a published layout (NeMo's), for `longctx plan --recipe`; the trainer itself
+    /// runs CP × DP and refuses more than 1.
+    #[serde(default = "one")]
+    pub tp: usize,
+    /// Pipeline parallelism of a published layout, for `longctx plan --recipe`; as `tp`, 1 to train.
+    #[serde(default = "one")]
+    pub pp: usize,
+}
+
+fn one() -> usize {
+    1
 }
 
 impl Default for ParallelConfig {
     fn default() -> Self {
-        ParallelConfig { cp: 1, dp: 1, partition: "zigzag".into(), schedule: "ring".into(), threads: 0 }
+        ParallelConfig { cp: 1, dp: 1, partition: "zigzag".into(), schedule: "ring".into(), threads: 0, tp: 1, pp: 1 }
     }
 }
 
@@ -218,6 +233,24 @@ impl ModelConfig {
     /// Width of each head.
     pub fn head_dim(&self) -> usize {
         self.head_dim.unwrap_or(self.d_model / self.heads.max(1))
+    }
+}
+
+impl ParallelConfig {
+    /// Errors unless the layout is one the trainer runs: CP × DP, no tensor or pipeline parallelism.
+    pub fn check_trainable(&self) -> Result<()> {
+        for (f, v) in [("parallel.tp", self.tp), ("parallel.pp", self.pp)] {
+            if v != 1 {
+                return Err(bad(
+                    f,
+                    format!(
+                        "{v}: longctx trains with CP × DP ranks only; tensor and pipeline parallelism are \
+                             for `longctx plan --recipe` (set it to 1, or --set {f}=1, to train)"
+                    ),
+                ));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -279,6 +312,8 @@ impl Recipe {
             ("data.heldout_every", self.data.heldout_every),
             ("parallel.cp", p.cp),
             ("parallel.dp", p.dp),
+            ("parallel.tp", p.tp),
+            ("parallel.pp", p.pp),
         ] {
             if v == 0 {
                 return Err(bad(f, "must be at least 1"));

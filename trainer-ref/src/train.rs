@@ -74,6 +74,7 @@ fn install_signal_handler() {
 /// environment names a rank), as one rank of a multi-process job over UCX.
 pub fn train(recipe: &Recipe, opts: &RunOptions) -> Result<Summary> {
     recipe.validate()?;
+    recipe.parallel.check_trainable()?;
     let corpus = Corpus::load(&recipe.data.corpus)?;
     let (train_stream, heldout) = corpus.split(recipe.data.heldout_every)?;
     let world = recipe.parallel.cp * recipe.parallel.dp;
