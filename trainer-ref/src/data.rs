@@ -1,4 +1,4 @@
-//! The corpus, its byte-level tokens, and the packed sequences a step trains on.
+//! The corpus, its tokens (bytes, or a pretrained model's tokenizer), and the packed sequences a step trains on.
 //!
 //! Documents are packed end to end, each closed by the end-of-document token, into one token stream per split,
 //! cut into windows of `seq_len` inputs (each with one more token for the last target). Sequence `i` of a split
@@ -20,6 +20,44 @@ const JARGON_GZ: &[u8] = include_bytes!("../data/jargon.txt.gz");
 pub const EOT: u32 = 256;
 /// Tokens of the byte tokenizer.
 pub const BYTE_VOCAB: usize = 257;
+
+/// How text becomes token ids: the built-in byte tokenizer, or a pretrained model's (a `tokenizer.json`, or
+/// the vocabulary a GGUF file carries) with its end-of-sequence token closing each document.
+#[derive(Debug, Clone)]
+pub enum TextTokenizer {
+    /// Bytes, with [`EOT`] after the 256 byte values.
+    Bytes,
+    /// A Hugging Face tokenizer.
+    Pretrained {
+        /// The tokenizer.
+        tokenizer: Box<tokenizers::Tokenizer>,
+        /// The token that closes a document (the model's end-of-sequence token).
+        eot: u32,
+    },
+}
+
+impl TextTokenizer {
+    /// `text` as token ids (no special tokens added).
+    ///
+    /// Errors: the tokenizer fails on the text.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        match self {
+            TextTokenizer::Bytes => Ok(encode(text)),
+            TextTokenizer::Pretrained { tokenizer, .. } => tokenizer
+                .encode(text, false)
+                .map(|e| e.get_ids().to_vec())
+                .map_err(|e| TrainError::Config(format!("the tokenizer failed on the corpus: {e}"))),
+        }
+    }
+
+    /// The end-of-document token.
+    pub fn eot(&self) -> u32 {
+        match self {
+            TextTokenizer::Bytes => EOT,
+            TextTokenizer::Pretrained { eot, .. } => *eot,
+        }
+    }
+}
 
 /// UTF-8 text as byte tokens.
 pub fn encode(text: &str) -> Vec<u32> {
@@ -75,8 +113,13 @@ impl Corpus {
         Corpus { documents }
     }
 
-    /// Splits off every `every`-th document as the held-out set.
+    /// Splits off every `every`-th document as the held-out set, in byte tokens.
     pub fn split(&self, every: usize) -> Result<(TokenStream, TokenStream)> {
+        self.split_with(every, &TextTokenizer::Bytes)
+    }
+
+    /// Splits off every `every`-th document as the held-out set, tokenized by `tok`.
+    pub fn split_with(&self, every: usize, tok: &TextTokenizer) -> Result<(TokenStream, TokenStream)> {
         let every = every.max(2);
         let (mut train, mut heldout) = (Vec::new(), Vec::new());
         for (i, d) in self.documents.iter().enumerate() {
@@ -86,7 +129,7 @@ impl Corpus {
                 train.push(d.as_str());
             }
         }
-        Ok((TokenStream::pack("train", &train)?, TokenStream::pack("held-out", &heldout)?))
+        Ok((TokenStream::pack_with("train", &train, tok)?, TokenStream::pack_with("held-out", &heldout, tok)?))
     }
 }
 
@@ -115,14 +158,19 @@ pub struct Sequence {
 }
 
 impl TokenStream {
-    /// Packs `documents`, each closed by [`EOT`].
+    /// Packs `documents` as byte tokens, each closed by [`EOT`].
     pub fn pack(name: &str, documents: &[&str]) -> Result<TokenStream> {
+        Self::pack_with(name, documents, &TextTokenizer::Bytes)
+    }
+
+    /// Packs `documents` tokenized by `tok`, each closed by its end-of-document token.
+    pub fn pack_with(name: &str, documents: &[&str], tok: &TextTokenizer) -> Result<TokenStream> {
         let (mut tokens, mut docs) = (Vec::new(), Vec::new());
         for (i, d) in documents.iter().enumerate() {
-            let t = encode(d);
+            let t = tok.encode(d)?;
             docs.extend(std::iter::repeat_n(i as u32, t.len() + 1));
             tokens.extend(t);
-            tokens.push(EOT);
+            tokens.push(tok.eot());
         }
         if tokens.len() < 2 {
             return Err(TrainError::Config(format!("the {name} split of the corpus is empty")));
