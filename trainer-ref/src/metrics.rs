@@ -138,16 +138,21 @@ impl Meter {
         took: Duration,
         saved_bytes: usize,
         predicted_bytes: usize,
+        offload_wait: Option<Duration>,
     ) -> Result<()> {
         self.tokens += tokens;
         let tps = tokens / took.as_secs_f64().max(1e-9);
         let mfu = tps * self.flops_per_token / self.peak_flops;
         let rss = peak_rss_bytes() as f64 / MIB;
-        let line = serde_json::json!({
+        let mut line = serde_json::json!({
             "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tps, "mfu": mfu,
             "rss_mib": rss, "saved_mib_per_rank": saved_bytes as f64 / MIB,
             "predicted_mib_per_rank": predicted_bytes as f64 / MIB,
         });
+        if let Some(w) = offload_wait {
+            // Seconds rank 0's backward waited for offloaded tensors: the part of offload a step pays for.
+            line["offload_wait_s"] = serde_json::json!(w.as_secs_f64());
+        }
         append_line(&self.path, &line.to_string())?;
         if let Some(v) = val_loss {
             append_line(&self.path, &serde_json::json!({ "step": step, "val_loss": v }).to_string())?;
@@ -159,8 +164,9 @@ impl Meter {
             .set_message(format!("loss {loss:.4} | {tps:.0} tok/s | MFU {:.1}% | peak RSS {rss:.0} MiB", 100.0 * mfu));
         if self.bar.is_hidden() || val_loss.is_some() {
             let v = val_loss.map_or(String::new(), |v| format!(" held-out {v:.4}"));
+            let w = offload_wait.map_or(String::new(), |w| format!(" | offload wait {:.2} s", w.as_secs_f64()));
             self.note(&format!(
-                "step {step}: loss {loss:.4}{v} | {tps:.0} tok/s | MFU {:.1}% | lr {lr:.2e}",
+                "step {step}: loss {loss:.4}{v} | {tps:.0} tok/s | MFU {:.1}% | lr {lr:.2e}{w}",
                 100.0 * mfu
             ));
         }

@@ -255,6 +255,7 @@ impl<'a> Rank<'a> {
         let first_step = self.step;
         while self.step < t.steps {
             let step_start = Instant::now();
+            let fetch_wait_before = self.model.offload_engine().map(|e| e.stats().fetch_wait);
             let lr = lr_at(self.recipe, self.step);
             let step = self.step;
             let (loss_sum, saved_bytes) = self.gradients(|micro, group| {
@@ -283,6 +284,10 @@ impl<'a> Rank<'a> {
             self.step += 1;
             let loss = reduced[0] / denominator;
             let took = step_start.elapsed();
+            // What offload cost this step: the backward's waits for tensors not yet back.
+            let offload_wait = fetch_wait_before
+                .zip(self.model.offload_engine().map(|e| e.stats().fetch_wait))
+                .map(|(before, after)| after.saturating_sub(before));
             summary.losses.push((self.step, loss));
             let last = self.step == t.steps || reduced[1] > 0.0;
             let mut val = None;
@@ -303,6 +308,7 @@ impl<'a> Rank<'a> {
                     took,
                     summary.saved_bytes_per_rank,
                     summary.predicted_saved_bytes_per_rank,
+                    offload_wait,
                 )?;
             }
             let ckpt_due = (t.checkpoint_every > 0 && self.step.is_multiple_of(t.checkpoint_every)) || last;

@@ -270,3 +270,23 @@ fn the_planner_predicts_exactly_what_each_rank_keeps_under_every_policy() {
         assert!(s.predicted_peak_bytes_per_rank > s.predicted_saved_bytes_per_rank);
     }
 }
+
+#[test]
+fn an_offloaded_run_reports_each_steps_fetch_wait_and_the_same_losses() {
+    let plain_out = out_dir("no-offload");
+    let plain = run(&small(&["train.steps=2", "train.eval_every=0"]), &plain_out, false, None).unwrap();
+    let out = out_dir("offload-wait");
+    let r = small(&["train.steps=2", "train.eval_every=0", "train.offload=\"disk\""]);
+    let s = run(&r, &out, false, None).unwrap();
+    assert_eq!(bits(&s.losses), bits(&plain.losses));
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let waits: Vec<f64> = metrics
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|v| v.get("offload_wait_s").and_then(|w| w.as_f64()))
+        .collect();
+    assert_eq!(waits.len(), 2, "one offload_wait_s per step: {metrics}");
+    assert!(waits.iter().all(|w| w.is_finite() && *w >= 0.0), "{waits:?}");
+    let plain_metrics = std::fs::read_to_string(plain_out.join("metrics.jsonl")).unwrap();
+    assert!(plain_metrics.contains("\"loss\"") && !plain_metrics.contains("offload_wait_s"));
+}
