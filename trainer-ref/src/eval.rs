@@ -11,8 +11,9 @@ use longctx_ring_attn::{ContextParallel, CpConfig};
 use crate::checkpoint;
 use crate::data::{encode, Sequence, EOT};
 use crate::error::{Result, TrainError};
+use crate::hf::HfCheckpoint;
 use crate::model::{param_shapes, Llama, Params};
-use crate::recipe::Recipe;
+use crate::recipe::{ModelConfig, Recipe};
 use crate::train::{local_share, plan_for};
 
 /// What an evaluation measured.
@@ -28,11 +29,27 @@ pub struct EvalResult {
 
 /// Reads token ids: a `.npy` of integers, or any other file as UTF-8 text through the byte tokenizer.
 pub fn read_tokens(path: &Path) -> Result<Vec<u32>> {
+    read_tokens_with(path, None)
+}
+
+/// Reads token ids: a `.npy` of integers, or any other file as UTF-8 text through `tokenizer` (a Hugging Face
+/// `tokenizer.json`, with its special tokens added as transformers' `tokenizer(text)` adds them) or, without
+/// one, the byte tokenizer.
+pub fn read_tokens_with(path: &Path, tokenizer: Option<&Path>) -> Result<Vec<u32>> {
     if path.extension().is_some_and(|e| e == "npy") {
         return crate::npy::read_token_ids(path);
     }
     let text = std::fs::read_to_string(path).map_err(|e| TrainError::io(path, e))?;
-    Ok(encode(&text))
+    let Some(tok) = tokenizer else { return Ok(encode(&text)) };
+    let t = tokenizers::Tokenizer::from_file(tok).map_err(|e| TrainError::Checkpoint {
+        path: tok.to_path_buf(),
+        detail: format!("not a usable tokenizer: {e}"),
+    })?;
+    let enc = t.encode(text, true).map_err(|e| TrainError::Checkpoint {
+        path: tok.to_path_buf(),
+        detail: format!("encoding {}: {e}", path.display()),
+    })?;
+    Ok(enc.get_ids().to_vec())
 }
 
 /// The recipe a checkpoint was trained with (from its `state.json`).
@@ -51,14 +68,34 @@ pub fn checkpoint_recipe(ck: &checkpoint::Checkpoint) -> Result<Recipe> {
 /// with the next token as the last target), computed over `cp` thread ranks.
 pub fn evaluate(dir: &Path, tokens: &[u32], seq: usize, cp: usize) -> Result<EvalResult> {
     let ck = checkpoint::load(dir)?;
-    let mut recipe = checkpoint_recipe(&ck)?;
+    let recipe = checkpoint_recipe(&ck)?;
+    let shapes = param_shapes(&recipe.model);
+    checkpoint::expect_tensors(&ck.dir.join("model.safetensors"), &ck.model, &shapes)?;
+    evaluate_weights(recipe, &ck.model, tokens, seq, cp)
+}
+
+/// The mean loss of the Hugging Face checkpoint `hf` over `tokens`, as [`evaluate`] cuts them (no document
+/// masking: transformers attends over the whole window).
+pub fn evaluate_hf(hf: &HfCheckpoint, tokens: &[u32], seq: usize, cp: usize) -> Result<EvalResult> {
+    let mut recipe = Recipe::load("tiny-llama", &[])?;
+    recipe.model = ModelConfig { init_std: recipe.model.init_std, ..hf.model().clone() };
+    recipe.data.document_masking = false;
+    evaluate_weights(recipe, &hf.tensors, tokens, seq, cp)
+}
+
+/// The loss of `tensors` (in [`param_shapes`] order) of `recipe`'s model over `tokens`.
+fn evaluate_weights(
+    mut recipe: Recipe,
+    tensors: &[checkpoint::LoadedTensor],
+    tokens: &[u32],
+    seq: usize,
+    cp: usize,
+) -> Result<EvalResult> {
     recipe.parallel.cp = cp.max(1);
     recipe.parallel.dp = 1;
     recipe.train.seq_len = seq;
     recipe.train.batch = 1;
     recipe.validate()?;
-    let shapes = param_shapes(&recipe.model);
-    checkpoint::expect_tensors(&ck.dir.join("model.safetensors"), &ck.model, &shapes)?;
     if let Some((i, t)) = tokens.iter().enumerate().find(|(_, &t)| t as usize >= recipe.model.vocab) {
         return Err(TrainError::Config(format!(
             "token {i} is {t}, outside the model's vocabulary of {}",
@@ -74,14 +111,14 @@ pub fn evaluate(dir: &Path, tokens: &[u32], seq: usize, cp: usize) -> Result<Eva
     }
     let threads = (std::thread::available_parallelism().map_or(1, |n| n.get()) / recipe.parallel.cp).max(1);
     let recipe = &recipe;
-    let ck = &ck;
     let results = ThreadWorld::try_run(recipe.parallel.cp, |comm| -> Result<EvalResult> {
         let backend: Arc<dyn Backend> = Arc::new(CpuBackend::with_threads(threads)?);
         let mut weights = Params::zeros(&*backend, &recipe.model, DType::F32)?;
-        for (t, src) in weights.tensors.iter_mut().zip(&ck.model) {
+        for (t, src) in weights.tensors.iter_mut().zip(tensors) {
             backend.copy(t.view_mut(), View::new(&src.data, src.dims.as_slice())?)?;
         }
-        let model = Llama::new(recipe.model.clone(), weights, backend.clone())?;
+        let mut model = Llama::new(recipe.model.clone(), weights, backend.clone())?;
+        model.set_sequence_length(seq)?;
         let cfg = CpConfig { partition: recipe.partition()?, schedule: recipe.schedule()?, scale: None };
         let cp = ContextParallel::new(comm, backend, cfg)?;
         let mut plan = plan_for(&cp, recipe, seq, DType::F32)?;

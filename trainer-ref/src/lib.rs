@@ -20,12 +20,14 @@ pub mod checkpoint;
 pub mod data;
 pub mod error;
 pub mod eval;
+pub mod hf;
 pub mod metrics;
 pub mod model;
 pub mod npy;
 pub mod plan_cmd;
 pub mod plot;
 pub mod recipe;
+pub mod rope_scaling;
 pub mod train;
 
 pub use error::{Result, TrainError};
