@@ -292,7 +292,10 @@ fn bad_tensors_are_errors_naming_file_and_tensor() {
         c.insert("head_dim".into(), 48.into());
     });
     let e = err_of(&dir);
-    assert!(e.contains("model.safetensors") && e.contains(q0) && e.contains("[96, 64]"), "{e}");
+    assert!(
+        e.contains("model.safetensors") && e.contains(q0) && e.contains("[96, 64]") && e.contains("head_dim"),
+        "{e}"
+    );
 
     let dir = copy_fixture("llama", "missing");
     rewrite_safetensors(&dir.join("model.safetensors"), |ts| ts.retain(|t| t.0 != q0));

@@ -251,6 +251,8 @@ pub fn to_json(model: &ModelConfig, max_position_embeddings: usize, dtype: &str)
         _ => max_position_embeddings,
     };
     let arch = Architecture::Llama;
+    // The shortest decimal that reads back as the same f32 (`1e-05`, not its f64 widening 9.99999974e-06).
+    let eps: f64 = model.norm_eps.to_string().parse().unwrap_or(model.norm_eps as f64);
     json!({
         "architectures": [arch.class_name()],
         "model_type": arch.model_type(),
@@ -261,7 +263,7 @@ pub fn to_json(model: &ModelConfig, max_position_embeddings: usize, dtype: &str)
         "num_key_value_heads": model.kv_heads,
         "head_dim": model.head_dim(),
         "vocab_size": model.vocab,
-        "rms_norm_eps": model.norm_eps,
+        "rms_norm_eps": eps,
         "rope_theta": model.rope_theta,
         "rope_scaling": model.rope_scaling.as_ref().map(RopeScalingConfig::to_hf),
         "max_position_embeddings": max_pos,

@@ -76,13 +76,43 @@ pub fn load(dir: &Path) -> Result<HfCheckpoint> {
     let want: Vec<(String, Vec<usize>)> =
         shapes.iter().filter(|(n, _)| !(tied && n == "lm_head.weight")).cloned().collect();
     // A tied checkpoint may still carry lm_head.weight; transformers ties it to the embedding regardless.
-    files.check(&want, |n| ignorable(n) || (tied && n == "lm_head.weight"))?;
+    files.check(&want, |n| ignorable(n) || (tied && n == "lm_head.weight")).map_err(with_fields)?;
     let mut tensors = Vec::with_capacity(shapes.len());
     for (name, dims) in &shapes {
         let source = if tied && name == "lm_head.weight" { "model.embed_tokens.weight" } else { name.as_str() };
         tensors.push(LoadedTensor { name: name.clone(), dims: dims.clone(), data: files.read_f32(source)? });
     }
     Ok(HfCheckpoint { dir: dir.to_path_buf(), config, tensors })
+}
+
+/// Adds to a shape error the `config.json` fields the wanted dims come from, so a wrong `head_dim` or
+/// `intermediate_size` is named as well as the tensor it shows in.
+fn with_fields(e: TrainError) -> TrainError {
+    let TrainError::HfTensor { path, tensor, detail } = e else { return e };
+    if !detail.contains("config.json implies") {
+        return TrainError::HfTensor { path, tensor, detail };
+    }
+    let from = [
+        ("q_proj.weight", "[num_attention_heads × head_dim, hidden_size]"),
+        ("k_proj.weight", "[num_key_value_heads × head_dim, hidden_size]"),
+        ("v_proj.weight", "[num_key_value_heads × head_dim, hidden_size]"),
+        ("o_proj.weight", "[hidden_size, num_attention_heads × head_dim]"),
+        ("gate_proj.weight", "[intermediate_size, hidden_size]"),
+        ("up_proj.weight", "[intermediate_size, hidden_size]"),
+        ("down_proj.weight", "[hidden_size, intermediate_size]"),
+        ("embed_tokens.weight", "[vocab_size, hidden_size]"),
+        ("lm_head.weight", "[vocab_size, hidden_size]"),
+        ("norm.weight", "[hidden_size]"),
+    ]
+    .iter()
+    .find(|(suffix, _)| tensor.ends_with(suffix))
+    .map(|(_, f)| *f);
+    let mut detail = detail;
+    if let Some(f) = from {
+        let at = detail.find(" (and ").unwrap_or(detail.len());
+        detail.insert_str(at, &format!(" = {f}"));
+    }
+    TrainError::HfTensor { path, tensor, detail }
 }
 
 /// The model fields a recipe may not change from the checkpoint's: the shapes its tensors have.
