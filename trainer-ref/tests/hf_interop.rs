@@ -31,15 +31,37 @@ fn rel(a: f64, b: f64) -> f64 {
     (a - b).abs() / b.abs()
 }
 
-fn scratch(name: &str) -> PathBuf {
+/// A scratch directory, removed when dropped (the machine's disk is small).
+struct Scratch(PathBuf);
+
+impl std::ops::Deref for Scratch {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<Path> for Scratch {
+    fn as_ref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn scratch(name: &str) -> Scratch {
     let d = std::env::temp_dir().join(format!("longctx-hf-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
-    d
+    Scratch(d)
 }
 
 /// A copy of fixture `name` to break.
-fn copy_fixture(name: &str, to: &str) -> PathBuf {
+fn copy_fixture(name: &str, to: &str) -> Scratch {
     let dst = scratch(to);
     for e in std::fs::read_dir(fixtures().join(name)).unwrap() {
         let e = e.unwrap();
@@ -181,7 +203,7 @@ fn bits(t: &[LoadedTensor]) -> Vec<(String, Vec<usize>, Vec<u32>)> {
 
 /// A short trained run with a Llama 3 scaling, its checkpoint exported single-file and sharded. The weights
 /// start with a wide spread (std 0.25), so attention is sharp and a RoPE mistake would show in the loss.
-fn trained_and_exported(name: &str) -> (PathBuf, PathBuf, PathBuf) {
+fn trained_and_exported(name: &str) -> (Scratch, Scratch, Scratch) {
     let recipe = tiny_recipe(&[
         "model.init_std=0.25",
         "model.rope_scaling.rope_type=\"llama3\"",
@@ -191,10 +213,10 @@ fn trained_and_exported(name: &str) -> (PathBuf, PathBuf, PathBuf) {
         "model.rope_scaling.original_max_position_embeddings=16",
     ]);
     let out = scratch(&format!("{name}-run"));
-    train(&recipe, &RunOptions { out: out.clone(), quiet: true, ..Default::default() }).unwrap();
-    let single = scratch(&format!("{name}-single")).join("hf");
+    train(&recipe, &RunOptions { out: out.to_path_buf(), quiet: true, ..Default::default() }).unwrap();
+    let single = scratch(&format!("{name}-single"));
     export::export_checkpoint(&out, &single, &export::ExportOptions::default()).unwrap();
-    let sharded = scratch(&format!("{name}-sharded")).join("hf");
+    let sharded = scratch(&format!("{name}-sharded"));
     export::export_checkpoint(&out, &sharded, &export::ExportOptions { max_shard_bytes: 40_000 }).unwrap();
     (out, single, sharded)
 }
@@ -223,7 +245,7 @@ fn export_then_import_round_trips_bit_exactly() {
     }
     // Import → export → import of transformers' own (bf16, sharded) files: the same f32 values.
     let l3 = hf::load(&fixtures().join("llama3-sharded")).unwrap();
-    let re = scratch("reexport").join("hf");
+    let re = scratch("reexport");
     export::write_dir(&re, l3.model(), 128, &l3.tensors, &export::ExportOptions::default()).unwrap();
     let back = hf::load(&re).unwrap();
     assert_eq!(bits(&back.tensors), bits(&l3.tensors));
@@ -367,7 +389,7 @@ fn train_init_from_starts_from_the_checkpoint_and_refuses_other_shapes() {
     let recipe = hf::recipe_from(&Recipe::load("tiny-llama", &sets).unwrap(), &sets, &ck.config).unwrap();
     assert_eq!(recipe.model.layers, 2);
     let out = scratch("initfrom");
-    train_from(&recipe, &RunOptions { out: out.clone(), quiet: true, ..Default::default() }, Some(&ck)).unwrap();
+    train_from(&recipe, &RunOptions { out: out.to_path_buf(), quiet: true, ..Default::default() }, Some(&ck)).unwrap();
     // One step at a learning rate of 1e-12 moves no weight measurably: the run started from the checkpoint.
     let saved = longctx_trainer::checkpoint::load(&out).unwrap();
     for (a, b) in saved.model.iter().zip(&ck.tensors) {
