@@ -54,6 +54,26 @@ fn ref_inv_freq(d: usize, base: f64, sc: RopeScaling) -> (Vec<f64>, f64) {
             }
             (out, af)
         }
+        RopeScaling::DynamicNtk { factor, original_max_position, seq_len } => {
+            let (s, s0) = (seq_len.max(original_max_position) as f64, original_max_position as f64);
+            (plain(base * (factor * s / s0 - (factor - 1.0)).powf(d as f64 / (d as f64 - 2.0))), 1.0)
+        }
+        RopeScaling::LongRope {
+            short_factor,
+            long_factor,
+            factor,
+            original_max_position,
+            seq_len,
+            attention_factor,
+        } => {
+            let ext = if seq_len > original_max_position { long_factor } else { short_factor };
+            let af = attention_factor.unwrap_or(if factor <= 1.0 {
+                1.0
+            } else {
+                (1.0 + factor.ln() / (original_max_position as f64).ln()).sqrt()
+            });
+            (plain(base).iter().zip(ext).map(|(f, e)| f / e).collect(), af)
+        }
     }
 }
 
@@ -85,6 +105,18 @@ fn scaling(kind: u8, factor: f64, d: usize) -> RopeScaling {
         2 if d > 2 => RopeScaling::NtkAware { factor },
         2 => RopeScaling::None,
         3 => RopeScaling::Llama3 { factor, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position: 64 },
+        6 if d > 2 => {
+            RopeScaling::DynamicNtk { factor, original_max_position: 64, seq_len: 64 + (factor * 40.0) as usize }
+        }
+        6 => RopeScaling::None,
+        7 => RopeScaling::LongRope {
+            short_factor: (0..d / 2).map(|i| 1.0 + 0.1 * i as f64).collect(),
+            long_factor: (0..d / 2).map(|i| factor * (1.0 + i as f64)).collect(),
+            factor,
+            original_max_position: 64,
+            seq_len: if factor > 8.0 { 128 } else { 64 },
+            attention_factor: None,
+        },
         _ => RopeScaling::Yarn {
             factor,
             original_max_position: 64,
@@ -98,7 +130,7 @@ fn scaling(kind: u8, factor: f64, d: usize) -> RopeScaling {
 
 #[allow(clippy::too_many_arguments)]
 fn rope_case<T: Element>(b: usize, h: usize, d: usize, pos: Vec<i64>, base: f64, sc: RopeScaling, seed: u64) {
-    let table = RopeTable::new(&RopeConfig { head_dim: d, base, scaling: sc }).unwrap();
+    let table = RopeTable::new(&RopeConfig { head_dim: d, base, scaling: sc.clone() }).unwrap();
     let (inv, af) = ref_inv_freq(d, base, sc);
     assert_close_f64("inv_freq", table.inv_freq(), &inv, 1e-12);
     assert!((table.attention_factor() - af).abs() < 1e-12);
@@ -141,7 +173,7 @@ proptest! {
         b in 1usize..3, h in 1usize..4, half in 1usize..17,
         pos in prop::collection::vec(-50i64..200_000, 1..9),
         base in prop::sample::select(vec![10_000.0, 500_000.0]),
-        kind in 0u8..6, factor in 1.5f64..16.0, bf: bool, seed: u64,
+        kind in 0u8..8, factor in 1.5f64..16.0, bf: bool, seed: u64,
     ) {
         let d = 2 * half;
         both!(bf, rope_case(b, h, d, pos.clone(), base, scaling(kind, factor, d), seed));

@@ -30,6 +30,27 @@ pub enum TrainError {
         /// What is wrong, naming the field.
         detail: String,
     },
+    /// A Hugging Face `config.json` field this trainer cannot honour (unsupported, out of range, malformed).
+    #[error("{path}: field `{field}`: {detail}")]
+    HfConfig {
+        /// The `config.json`.
+        path: PathBuf,
+        /// The field, as the file spells it (`rope_scaling.factor`).
+        field: String,
+        /// What is wrong with it.
+        detail: String,
+    },
+    /// A tensor of a Hugging Face checkpoint that cannot be used: missing, extra, of the wrong shape or dtype,
+    /// or cut short.
+    #[error("{path}: tensor `{tensor}`: {detail}")]
+    HfTensor {
+        /// The safetensors file (or the index that lists it).
+        path: PathBuf,
+        /// The tensor's name.
+        tensor: String,
+        /// What is wrong with it.
+        detail: String,
+    },
     /// Anything else a user has to fix before work starts, naming the value.
     #[error("{0}")]
     Config(String),

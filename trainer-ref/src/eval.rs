@@ -11,8 +11,9 @@ use longctx_ring_attn::{ContextParallel, CpConfig};
 use crate::checkpoint::{self, LoadedTensor};
 use crate::data::{encode, Sequence, EOT};
 use crate::error::{Result, TrainError};
+use crate::hf::HfCheckpoint;
 use crate::model::{param_shapes, Llama, Params};
-use crate::recipe::Recipe;
+use crate::recipe::{ModelConfig, Recipe};
 use crate::train::{local_share, plan_for};
 
 /// What an evaluation measured.
@@ -28,11 +29,27 @@ pub struct EvalResult {
 
 /// Reads token ids: a `.npy` of integers, or any other file as UTF-8 text through the byte tokenizer.
 pub fn read_tokens(path: &Path) -> Result<Vec<u32>> {
+    read_tokens_with(path, None)
+}
+
+/// Reads token ids: a `.npy` of integers, or any other file as UTF-8 text through `tokenizer` (a Hugging Face
+/// `tokenizer.json`, with its special tokens added as transformers' `tokenizer(text)` adds them) or, without
+/// one, the byte tokenizer.
+pub fn read_tokens_with(path: &Path, tokenizer: Option<&Path>) -> Result<Vec<u32>> {
     if path.extension().is_some_and(|e| e == "npy") {
         return crate::npy::read_token_ids(path);
     }
     let text = std::fs::read_to_string(path).map_err(|e| TrainError::io(path, e))?;
-    Ok(encode(&text))
+    let Some(tok) = tokenizer else { return Ok(encode(&text)) };
+    let t = tokenizers::Tokenizer::from_file(tok).map_err(|e| TrainError::Checkpoint {
+        path: tok.to_path_buf(),
+        detail: format!("not a usable tokenizer: {e}"),
+    })?;
+    let enc = t.encode(text, true).map_err(|e| TrainError::Checkpoint {
+        path: tok.to_path_buf(),
+        detail: format!("encoding {}: {e}", path.display()),
+    })?;
+    Ok(enc.get_ids().to_vec())
 }
 
 /// The recipe a checkpoint was trained with (from its `state.json`).
@@ -55,6 +72,15 @@ pub fn evaluate(dir: &Path, tokens: &[u32], seq: usize, cp: usize) -> Result<Eva
     let shapes = param_shapes(&recipe.model);
     checkpoint::expect_tensors(&ck.dir.join("model.safetensors"), &ck.model, &shapes)?;
     evaluate_tensors(&recipe, &ck.model, tokens, seq, cp)
+}
+
+/// The mean loss of the Hugging Face checkpoint `hf` over `tokens`, as [`evaluate`] cuts them (no document
+/// masking: transformers attends over the whole window).
+pub fn evaluate_hf(hf: &HfCheckpoint, tokens: &[u32], seq: usize, cp: usize) -> Result<EvalResult> {
+    let mut recipe = Recipe::load("tiny-llama", &[])?;
+    recipe.model = ModelConfig { init_std: recipe.model.init_std, ..hf.model().clone() };
+    recipe.data.document_masking = false;
+    evaluate_tensors(&recipe, &hf.tensors, tokens, seq, cp)
 }
 
 /// The mean loss of the model `recipe.model` with weights `tensors` (in [`param_shapes`] order) over `tokens`,
@@ -101,7 +127,8 @@ pub fn evaluate_tensors(
         for (t, src) in weights.tensors.iter_mut().zip(tensors) {
             backend.copy(t.view_mut(), View::new(&src.data, src.dims.as_slice())?)?;
         }
-        let model = Llama::new(recipe.model.clone(), weights, backend.clone())?;
+        let mut model = Llama::new(recipe.model.clone(), weights, backend.clone())?;
+        model.set_sequence_length(seq)?;
         let cfg = CpConfig { partition: recipe.partition()?, schedule: recipe.schedule()?, scale: None };
         let cp = ContextParallel::new(comm, backend, cfg)?;
         let mut plan = plan_for(&cp, recipe, seq, DType::F32)?;

@@ -4,7 +4,8 @@
 //! its attention through `longctx-ring-attn`'s planned [`ContextParallel`](longctx_ring_attn::ContextParallel),
 //! trained over `cp × dp` ranks of `longctx-p2p` ([`train`]) on the packed documents of a real corpus
 //! ([`data`]), configured by TOML recipes ([`recipe`]), reporting to a progress bar and a metrics file
-//! ([`metrics`]), and saving atomic, verified checkpoints ([`checkpoint`]).
+//! ([`metrics`]), and saving atomic, verified checkpoints ([`checkpoint`]); Hugging Face checkpoints are read
+//! (`--init-from`) and written (`longctx export --hf`) by [`hf`].
 //!
 //! ```no_run
 //! use longctx_trainer::{recipe::Recipe, train::{train, RunOptions}};
@@ -21,12 +22,14 @@ pub mod data;
 pub mod error;
 pub mod eval;
 pub mod gguf;
+pub mod hf;
 pub mod metrics;
 pub mod model;
 pub mod npy;
 pub mod plan_cmd;
 pub mod plot;
 pub mod recipe;
+pub mod rope_scaling;
 pub mod train;
 
 pub use error::{Result, TrainError};

@@ -5,8 +5,8 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use longctx_trainer::recipe::{Recipe, BUILTIN};
-use longctx_trainer::train::{train, RunOptions};
-use longctx_trainer::{eval, plot, Result};
+use longctx_trainer::train::{train_from, RunOptions};
+use longctx_trainer::{eval, hf, plot, Result, TrainError};
 
 #[derive(Parser)]
 #[command(name = "longctx", version, about = "The longctx reference trainer")]
@@ -56,13 +56,21 @@ enum Command {
         /// Stop after this step, saving a checkpoint (continue with `--resume`).
         #[arg(long, value_name = "STEP")]
         stop_at: Option<u64>,
+        /// Start from a Hugging Face checkpoint directory (`config.json`, safetensors): its model replaces the
+        /// recipe's (`--set model.rope_scaling…`/`model.rope_theta` may still change the RoPE).
+        #[arg(long, value_name = "DIR")]
+        init_from: Option<PathBuf>,
     },
     /// Mean next-token cross-entropy of a checkpoint over a token file.
     Eval {
         /// A checkpoint folder, or a run's output folder (its newest checkpoint).
-        #[arg(long)]
-        checkpoint: PathBuf,
-        /// A `.npy` of integer token ids, or a text file (byte tokens).
+        #[arg(long, required_unless_present = "init_from", conflicts_with = "init_from")]
+        checkpoint: Option<PathBuf>,
+        /// A Hugging Face checkpoint directory instead (`config.json`, safetensors, optional `tokenizer.json`).
+        #[arg(long, value_name = "DIR")]
+        init_from: Option<PathBuf>,
+        /// A `.npy` of integer token ids, or a text file (through the Hugging Face checkpoint's
+        /// `tokenizer.json`; byte tokens for a trainer checkpoint).
         #[arg(long)]
         tokens: PathBuf,
         /// Tokens per window.
@@ -71,6 +79,19 @@ enum Command {
         /// Context-parallel ranks.
         #[arg(long, default_value_t = 1)]
         cp: usize,
+    },
+    /// Write a trainer checkpoint as a Hugging Face checkpoint directory (`config.json`, f32 safetensors,
+    /// sharded with `model.safetensors.index.json` past `--max-shard-size`).
+    Export {
+        /// The directory to write (new or empty).
+        #[arg(long, value_name = "DIR")]
+        hf: PathBuf,
+        /// A checkpoint folder, or a run's output folder (its newest checkpoint).
+        #[arg(long)]
+        checkpoint: PathBuf,
+        /// Largest safetensors file (`5GB`, `500MiB`).
+        #[arg(long, default_value = "5GB")]
+        max_shard_size: String,
     },
     /// List the built-in recipes, or print one.
     Recipes {
@@ -130,6 +151,7 @@ fn run(cli: Cli) -> Result<()> {
             resume,
             quiet,
             stop_at,
+            init_from,
         } => {
             if let Some(cp) = cp {
                 set.push(format!("parallel.cp={cp}"));
@@ -149,9 +171,16 @@ fn run(cli: Cli) -> Result<()> {
             if let Some(b) = offload_budget {
                 set.push(format!("train.offload_budget=\"{b}\""));
             }
-            let recipe = Recipe::load(&recipe, &set)?;
+            let mut recipe = Recipe::load(&recipe, &set)?;
+            let init = init_from.as_deref().map(hf::load).transpose()?;
+            if let Some(ck) = &init {
+                recipe = hf::recipe_from(&recipe, &set, &ck.config)?;
+                for note in &ck.config.notes {
+                    eprintln!("note: {note}");
+                }
+            }
             let out = out.unwrap_or_else(|| PathBuf::from("runs").join(&recipe.name));
-            let s = train(&recipe, &RunOptions { out: out.clone(), resume, quiet, stop_at })?;
+            let s = train_from(&recipe, &RunOptions { out: out.clone(), resume, quiet, stop_at }, init.as_ref())?;
             if let (Some(first), Some(last)) = (s.losses.first(), s.losses.last()) {
                 println!(
                     "trained steps {}..{}: loss {:.4} -> {:.4}{}",
@@ -167,13 +196,40 @@ fn run(cli: Cli) -> Result<()> {
             }
             println!("output: {} (metrics.jsonl, checkpoints/, recipe.toml)", out.display());
         }
-        Command::Eval { checkpoint, tokens, seq, cp } => {
-            let ids = eval::read_tokens(&tokens)?;
-            let r = eval::evaluate(&checkpoint, &ids, seq, cp)?;
+        Command::Eval { checkpoint, init_from, tokens, seq, cp } => {
+            let r = match (checkpoint, init_from) {
+                (_, Some(dir)) => {
+                    let ck = hf::load(&dir)?;
+                    for note in &ck.config.notes {
+                        eprintln!("note: {note}");
+                    }
+                    let tokenizer = ck.tokenizer();
+                    let is_text = tokens.extension().is_none_or(|e| e != "npy");
+                    if is_text && tokenizer.is_none() {
+                        return Err(TrainError::Config(format!(
+                            "{}: text needs the checkpoint's tokenizer.json, and {} has none (give a .npy of ids)",
+                            tokens.display(),
+                            dir.display()
+                        )));
+                    }
+                    let ids = eval::read_tokens_with(&tokens, tokenizer.as_deref())?;
+                    eval::evaluate_hf(&ck, &ids, seq, cp)?
+                }
+                (Some(dir), None) => eval::evaluate(&dir, &eval::read_tokens(&tokens)?, seq, cp)?,
+                (None, None) => return Err(TrainError::Config("give --checkpoint or --init-from".into())),
+            };
             println!(
                 "loss {:.6} nats/token over {} tokens ({} windows of {seq}, cp {cp})",
                 r.loss, r.tokens, r.windows
             );
+        }
+        Command::Export { hf: dir, checkpoint, max_shard_size } => {
+            let max_shard_bytes = longctx_recompute::parse_bytes(&max_shard_size)
+                .ok_or_else(|| TrainError::Config(format!("--max-shard-size `{max_shard_size}` is not a size")))?;
+            let opts = hf::export::ExportOptions { max_shard_bytes };
+            for f in hf::export::export_checkpoint(&checkpoint, &dir, &opts)? {
+                println!("wrote {}", f.display());
+            }
         }
         Command::Recipes { show: Some(name) } => {
             let r = Recipe::load(&name, &[])?;

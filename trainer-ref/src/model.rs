@@ -16,15 +16,15 @@ use std::sync::Arc;
 use longctx_kernels::HostVec;
 use longctx_kernels::{
     AttnGrads, AttnOut, AttnSaved, Backend, Buffer, CrossEntropyOptions, DType, Dims, GradMode, IntoDims, LinearGrads,
-    LinearSaved, NormGrads, NormParams, ProjectionGrads, Qkv, RmsNormSaved, RopeConfig, RopeScaling, RopeTable,
-    SwigluSaved, View,
+    LinearSaved, NormGrads, NormParams, ProjectionGrads, Qkv, RmsNormSaved, RopeTable, SwigluSaved, View,
 };
 use longctx_offload::{Activation, HostTensor, OffloadEngine, Ticket};
 use longctx_recompute::{Action, LayerActions};
 use longctx_ring_attn::CpPlan;
 
 use crate::error::{Result, TrainError};
-use crate::recipe::{ModelConfig, RopeScalingConfig};
+use crate::recipe::ModelConfig;
+use crate::rope_scaling::rope_config;
 
 /// Tensors per decoder layer, in [`Params`] order.
 const PER_LAYER: usize = 9;
@@ -453,23 +453,18 @@ impl Llama {
                 )));
             }
         }
-        let scaling = match cfg.rope_scaling {
-            None => RopeScaling::None,
-            Some(RopeScalingConfig::Linear { factor }) => RopeScaling::Linear { factor },
-            Some(RopeScalingConfig::Llama3 {
-                factor,
-                low_freq_factor,
-                high_freq_factor,
-                original_max_position_embeddings,
-            }) => RopeScaling::Llama3 {
-                factor,
-                low_freq_factor,
-                high_freq_factor,
-                original_max_position: original_max_position_embeddings,
-            },
-        };
-        let rope = RopeTable::new(&RopeConfig { head_dim: cfg.head_dim(), base: cfg.rope_theta, scaling })?;
+        // Sequence length 0: the table of the original context (what transformers builds at start-up);
+        // `set_sequence_length` rebuilds it for the scalings that depend on the length.
+        let rope = RopeTable::new(&rope_config(&cfg, 0))?;
         Ok(Llama { cfg, weights, backend, rope, dtype, recompute: Vec::new(), offload: None })
+    }
+
+    /// Builds the rotary table for sequences of `seq_len` tokens (the whole sequence, over every rank).
+    /// `dynamic` and `longrope` scalings depend on it: transformers recomputes them per forward from
+    /// `max(position) + 1`, which for a run of fixed sequence length is this, every step.
+    pub fn set_sequence_length(&mut self, seq_len: usize) -> Result<()> {
+        self.rope = RopeTable::new(&rope_config(&self.cfg, seq_len))?;
+        Ok(())
     }
 
     /// Sets what each layer keeps for its backward (one entry per layer, from a

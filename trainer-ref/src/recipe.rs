@@ -10,6 +10,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, TrainError};
+pub use crate::rope_scaling::RopeScalingConfig;
 
 /// The built-in recipes: name and TOML text.
 pub const BUILTIN: &[(&str, &str)] = &[
@@ -70,28 +71,6 @@ pub struct ModelConfig {
     pub norm_eps: f32,
     /// Standard deviation of the initial weights (residual projections are scaled by `1/√(2·layers)`).
     pub init_std: f32,
-}
-
-/// Hugging Face's `rope_scaling` object (the `rope_type` names it).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, tag = "rope_type", rename_all = "lowercase")]
-pub enum RopeScalingConfig {
-    /// Llama 3.1's frequency-dependent scaling.
-    Llama3 {
-        /// Context extension factor (8 in Llama 3.1).
-        factor: f64,
-        /// Low-frequency factor (1).
-        low_freq_factor: f64,
-        /// High-frequency factor (4).
-        high_freq_factor: f64,
-        /// Pre-training context (8192).
-        original_max_position_embeddings: usize,
-    },
-    /// Position interpolation.
-    Linear {
-        /// Interpolation factor.
-        factor: f64,
-    },
 }
 
 /// Number formats of a run.
@@ -338,6 +317,8 @@ impl Recipe {
         if !(m.rope_theta.is_finite() && m.rope_theta > 1.0) {
             return Err(bad("model.rope_theta", format!("{} must be finite and above 1", m.rope_theta)));
         }
+        longctx_kernels::RopeTable::new(&crate::rope_scaling::rope_config(m, t.seq_len))
+            .map_err(|e| bad("model.rope_scaling", e))?;
         if !(m.norm_eps.is_finite() && m.norm_eps > 0.0) {
             return Err(bad("model.norm_eps", format!("{} must be finite and positive", m.norm_eps)));
         }

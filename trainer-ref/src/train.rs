@@ -16,9 +16,10 @@ use longctx_kernels::{AdamW, AdamwState, Backend, CpuBackend, DType, GradMode, V
 use longctx_p2p::{Communicator, ReduceOp, ThreadWorld};
 use longctx_ring_attn::{ContextParallel, CpConfig, CpMask, CpPlan, CpShape};
 
-use crate::checkpoint;
+use crate::checkpoint::{self, LoadedTensor};
 use crate::data::{Corpus, Sequence, TokenStream};
 use crate::error::{Result, TrainError};
+use crate::hf::HfCheckpoint;
 use crate::metrics::Meter;
 use crate::model::{param_shapes, LayerSaved, Llama, LossSpec, Params};
 use crate::recipe::{Precision, Recipe};
@@ -73,8 +74,19 @@ fn install_signal_handler() {
 /// Runs `recipe`: in this process over `cp × dp` threads, or, when started by `longctx-launch` (the
 /// environment names a rank), as one rank of a multi-process job over UCX.
 pub fn train(recipe: &Recipe, opts: &RunOptions) -> Result<Summary> {
+    train_from(recipe, opts, None)
+}
+
+/// [`train`], starting from the weights of a Hugging Face checkpoint (`--init-from DIR`) instead of fresh
+/// ones when `init` is given; the recipe's model must have the checkpoint's shapes (see
+/// [`crate::hf::recipe_from`]). `--resume` still wins: a resumed run continues from its own checkpoint.
+pub fn train_from(recipe: &Recipe, opts: &RunOptions, init: Option<&HfCheckpoint>) -> Result<Summary> {
     recipe.validate()?;
     recipe.parallel.check_trainable()?;
+    if let Some(hf) = init {
+        crate::hf::check_model(&recipe.model, &hf.config)?;
+    }
+    let init = init.map(|hf| hf.tensors.as_slice());
     let corpus = Corpus::load(&recipe.data.corpus)?;
     let (train_stream, heldout) = corpus.split(recipe.data.heldout_every)?;
     let world = recipe.parallel.cp * recipe.parallel.dp;
@@ -91,10 +103,10 @@ pub fn train(recipe: &Recipe, opts: &RunOptions) -> Result<Summary> {
             )));
         }
         // One rank per process: `parallel.threads` kernel threads, or (0) rayon's global pool.
-        return Rank::run(comm, recipe, opts, &data, recipe.parallel.threads);
+        return Rank::run(comm, recipe, opts, &data, recipe.parallel.threads, init);
     }
     let threads = per_rank_threads(recipe.parallel.threads, world);
-    let results = ThreadWorld::try_run(world, |comm| Rank::run(comm, recipe, opts, &data, threads))?;
+    let results = ThreadWorld::try_run(world, |comm| Rank::run(comm, recipe, opts, &data, threads, init))?;
     let mut first = None;
     for r in results {
         match r {
@@ -129,7 +141,7 @@ pub fn loss_gradients_and_saved(recipe: &Recipe, sequences: &[Sequence]) -> Resu
     let threads = per_rank_threads(recipe.parallel.threads, cp * dp);
     let out = ThreadWorld::try_run(cp * dp, |comm| -> Result<(f64, Vec<Vec<f32>>, usize)> {
         let spill = std::env::temp_dir().join(format!("longctx-offload-{}", std::process::id()));
-        let mut rank = Rank::new(comm, recipe, threads, &spill)?;
+        let mut rank = Rank::new(comm, recipe, threads, &spill, None)?;
         let (loss, saved) = rank.gradients(|micro, group| sequences[micro * dp + group].clone())?;
         let mut l = [loss];
         rank.world.all_reduce(&mut l, ReduceOp::Sum)?;
@@ -179,15 +191,29 @@ struct Rank<'a> {
 }
 
 impl<'a> Rank<'a> {
-    fn run(comm: Communicator, recipe: &'a Recipe, opts: &RunOptions, data: &Data, threads: usize) -> Result<Summary> {
-        let mut rank = Rank::new(comm, recipe, threads, &opts.out.join("offload"))?;
+    fn run(
+        comm: Communicator,
+        recipe: &'a Recipe,
+        opts: &RunOptions,
+        data: &Data,
+        threads: usize,
+        init: Option<&[LoadedTensor]>,
+    ) -> Result<Summary> {
+        let mut rank = Rank::new(comm, recipe, threads, &opts.out.join("offload"), init)?;
         if opts.resume {
             rank.resume(&opts.out)?;
         }
         rank.train(opts, data)
     }
 
-    fn new(comm: Communicator, recipe: &'a Recipe, threads: usize, spill_root: &Path) -> Result<Self> {
+    /// A rank with fresh weights, or `init`'s (in [`param_shapes`] order, f32).
+    fn new(
+        comm: Communicator,
+        recipe: &'a Recipe,
+        threads: usize,
+        spill_root: &Path,
+        init: Option<&[LoadedTensor]>,
+    ) -> Result<Self> {
         let cfg = &recipe.model;
         let cp = recipe.parallel.cp;
         let world = Arc::new(comm);
@@ -199,7 +225,16 @@ impl<'a> Rank<'a> {
             Precision::F32 => DType::F32,
             Precision::Bf16 => DType::Bf16,
         };
-        let init = Params::init(&*backend, cfg, recipe.train.seed)?;
+        let init = match init {
+            None => Params::init(&*backend, cfg, recipe.train.seed)?,
+            Some(tensors) => {
+                let mut p = Params::zeros(&*backend, cfg, DType::F32)?;
+                for (dst, src) in p.tensors.iter_mut().zip(tensors) {
+                    backend.copy(dst.view_mut(), View::new(&src.data, src.dims.as_slice())?)?;
+                }
+                p
+            }
+        };
         let (weights, master) = if dtype == DType::F32 {
             (init, None)
         } else {
@@ -216,6 +251,7 @@ impl<'a> Rank<'a> {
         let cp = ContextParallel::new(cp_comm, backend.clone(), cpc)?;
         let plan = plan_for(&cp, recipe, recipe.train.seq_len, dtype)?;
         let mut model = Llama::new(cfg.clone(), weights, backend)?;
+        model.set_sequence_length(recipe.train.seq_len)?;
         // Recompute-only costs: the added time is FLOPs over a rate, so the rate only scales it.
         let costs = longctx_recompute::Costs { flops_per_s: 1e11, offload_bytes_per_s: 0.0 };
         let actions = recipe

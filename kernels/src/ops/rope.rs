@@ -24,7 +24,9 @@ use crate::dtype::Element;
 use crate::error::{check_len, KernelError, Result};
 
 /// Context-extension scaling of the rotary frequencies.
-#[derive(Debug, Clone, Copy, PartialEq)]
+///
+/// Not `Copy`: LongRoPE carries its per-frequency factors.
+#[derive(Debug, Clone, PartialEq)]
 pub enum RopeScaling {
     /// Plain RoPE.
     None,
@@ -37,6 +39,36 @@ pub enum RopeScaling {
     NtkAware {
         /// Context extension factor (> 0).
         factor: f64,
+    },
+    /// Dynamic NTK (HF `_compute_dynamic_ntk_parameters`): past the original context the base grows with the
+    /// sequence, `base · (factor·S/S₀ − (factor − 1))^(D/(D−2))` with `S = max(seq_len, S₀)`; at or below `S₀` it
+    /// is plain RoPE. Transformers recomputes this per forward from `max(position) + 1`; a run of fixed
+    /// sequence length gives the same `seq_len` every step, so the table is built once for it.
+    DynamicNtk {
+        /// Context extension factor (> 0).
+        factor: f64,
+        /// Pre-training context `S₀` (Hugging Face's `max_position_embeddings`).
+        original_max_position: usize,
+        /// The sequence length the table is for (the whole sequence, not one rank's share).
+        seq_len: usize,
+    },
+    /// LongRoPE (HF `_compute_longrope_parameters`): each frequency divided by its own factor, the long set when
+    /// the sequence is longer than the original context, the short set otherwise; cos and sin are multiplied by
+    /// the attention factor, by default `√(1 + ln(factor) / ln(S₀))` (1 when `factor <= 1`).
+    LongRope {
+        /// Per-frequency factors (`D/2` of them) for sequences of at most `original_max_position`.
+        short_factor: Vec<f64>,
+        /// Per-frequency factors (`D/2`) for longer sequences.
+        long_factor: Vec<f64>,
+        /// The extension factor behind the default attention factor (Hugging Face falls back to
+        /// `max_position_embeddings / original_max_position_embeddings` when the config has none).
+        factor: f64,
+        /// Pre-training context `S₀`.
+        original_max_position: usize,
+        /// The sequence length the table is for (picks the short or the long factors).
+        seq_len: usize,
+        /// Override of the attention factor.
+        attention_factor: Option<f64>,
     },
     /// Llama 3.1 (HF `_compute_llama3_parameters`): wavelengths longer than `original_max_position /
     /// low_freq_factor` are divided by `factor`, shorter than `original_max_position / high_freq_factor` kept,
@@ -70,8 +102,18 @@ pub enum RopeScaling {
     },
 }
 
+impl RopeScaling {
+    /// YaRN's attention factor from DeepSeek's `mscale` and `mscale_all_dim` (HF `_compute_yarn_parameters`):
+    /// `m(factor, mscale) / m(factor, mscale_all_dim)` with `m(s, k) = 0.1·k·ln(s) + 1` (1 when `s <= 1`). Pass
+    /// the result as [`RopeScaling::Yarn`]'s `attention_factor`.
+    pub fn yarn_mscale(factor: f64, mscale: f64, mscale_all_dim: f64) -> f64 {
+        let m = |s: f64, k: f64| if s <= 1.0 { 1.0 } else { 0.1 * k * s.ln() + 1.0 };
+        m(factor, mscale) / m(factor, mscale_all_dim)
+    }
+}
+
 /// RoPE parameters.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct RopeConfig {
     /// Head dim `D` (even, ≥ 2).
     pub head_dim: usize,
@@ -109,7 +151,7 @@ impl RopeTable {
         let base_inv =
             |base: f64| -> Vec<f64> { (0..half).map(|i| 1.0 / base.powf((2 * i) as f64 / d as f64)).collect() };
         let mut attention_factor = 1.0;
-        let inv_freq = match cfg.scaling {
+        let inv_freq = match cfg.scaling.clone() {
             RopeScaling::None => base_inv(cfg.base),
             RopeScaling::Linear { factor } => {
                 positive("factor", factor)?;
@@ -124,6 +166,52 @@ impl RopeTable {
                     });
                 }
                 base_inv(cfg.base * factor.powf(d as f64 / (d as f64 - 2.0)))
+            }
+            RopeScaling::DynamicNtk { factor, original_max_position, seq_len } => {
+                positive("factor", factor)?;
+                nonzero("original_max_position", original_max_position)?;
+                if d == 2 {
+                    return Err(KernelError::InvalidArgument {
+                        name: "head_dim",
+                        why: "dynamic NTK scaling needs D > 2 (exponent D/(D-2))".into(),
+                    });
+                }
+                let (s, s0) = (seq_len.max(original_max_position) as f64, original_max_position as f64);
+                let grown = (factor * s / s0 - (factor - 1.0)).powf(d as f64 / (d as f64 - 2.0));
+                positive("factor", grown)?;
+                base_inv(cfg.base * grown)
+            }
+            RopeScaling::LongRope {
+                short_factor,
+                long_factor,
+                factor,
+                original_max_position,
+                seq_len,
+                attention_factor: af,
+            } => {
+                positive("factor", factor)?;
+                nonzero("original_max_position", original_max_position)?;
+                for (name, f) in [("short_factor", &short_factor), ("long_factor", &long_factor)] {
+                    if f.len() != half {
+                        return Err(KernelError::InvalidArgument {
+                            name,
+                            why: format!("{} factors for a head dim of {d} (needs D/2 = {half})", f.len()),
+                        });
+                    }
+                    for &x in f.iter() {
+                        positive(name, x)?;
+                    }
+                }
+                attention_factor = match af {
+                    Some(a) => {
+                        positive("attention_factor", a)?;
+                        a
+                    }
+                    None if factor <= 1.0 => 1.0,
+                    None => (1.0 + factor.ln() / (original_max_position as f64).ln()).sqrt(),
+                };
+                let ext = if seq_len > original_max_position { long_factor } else { short_factor };
+                base_inv(cfg.base).into_iter().zip(ext).map(|(f, e)| f / e).collect()
             }
             RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position } => {
                 positive("factor", factor)?;

@@ -1,0 +1,157 @@
+//! Hugging Face checkpoints: read a transformers checkpoint directory (`--init-from DIR`) into the trainer's
+//! model, and write one back (`longctx export --hf DIR`).
+//!
+//! ```text
+//! DIR/config.json                          the architecture and shape (config)
+//! DIR/model.safetensors                    the weights, or
+//! DIR/model.safetensors.index.json         {"weight_map": {tensor: shard}} and the shards it names (weights)
+//! DIR/tokenizer.json                       optional: text for `longctx eval --tokens FILE.txt`
+//! ```
+//!
+//! Tensor names are transformers' (`model.layers.N.self_attn.q_proj.weight`, `[out, in]`), the trainer's own
+//! (see [`crate::model::param_shapes`]). Rotary layout: transformers rotates the pairs `(i, i + D/2)` of each
+//! head (`rotate_half`), and so does the trainer's RoPE kernel, so q and k rows load as they are; Meta's
+//! original checkpoints and GGUF files pair `(2i, 2i+1)` instead and need [`permute`]'s row permutation (the
+//! fixture test `hf_interop` shows the loss moving by 0.2 nats when it is applied where it should not be).
+//!
+//! Everything is checked before any tensor data is read: `config.json` field by field ([`config`]), every
+//! safetensors header, then names, shapes and dtypes ([`weights`]). Errors name the file and the field or
+//! tensor.
+
+pub mod architecture;
+pub mod config;
+pub mod export;
+pub mod permute;
+pub mod weights;
+
+use std::path::{Path, PathBuf};
+
+pub use architecture::Architecture;
+pub use config::HfConfig;
+
+use crate::checkpoint::LoadedTensor;
+use crate::error::{Result, TrainError};
+use crate::model::param_shapes;
+use crate::recipe::{ModelConfig, Recipe};
+
+/// The tokenizer's file inside a checkpoint directory.
+pub const TOKENIZER_FILE: &str = "tokenizer.json";
+
+/// A Hugging Face checkpoint, read and checked: its configuration and every tensor of the trainer's model, in
+/// [`param_shapes`] order, as f32.
+#[derive(Debug, Clone)]
+pub struct HfCheckpoint {
+    /// The directory.
+    pub dir: PathBuf,
+    /// Its `config.json`.
+    pub config: HfConfig,
+    /// The model's tensors, in the trainer's order, f32.
+    pub tensors: Vec<LoadedTensor>,
+}
+
+impl HfCheckpoint {
+    /// The model's configuration.
+    pub fn model(&self) -> &ModelConfig {
+        &self.config.model
+    }
+
+    /// `DIR/tokenizer.json`, if there is one.
+    pub fn tokenizer(&self) -> Option<PathBuf> {
+        let p = self.dir.join(TOKENIZER_FILE);
+        p.is_file().then_some(p)
+    }
+}
+
+/// A legacy buffer some checkpoints carry; transformers recomputes it and so does the trainer.
+fn ignorable(name: &str) -> bool {
+    name.ends_with(".self_attn.rotary_emb.inv_freq")
+}
+
+/// Reads and checks the checkpoint in `dir`, then its tensors (bf16 and f16 widened to f32).
+pub fn load(dir: &Path) -> Result<HfCheckpoint> {
+    let config = HfConfig::read(dir)?;
+    let files = weights::WeightFiles::open(dir)?;
+    let shapes = param_shapes(&config.model);
+    let tied = config.tie_word_embeddings;
+    let want: Vec<(String, Vec<usize>)> =
+        shapes.iter().filter(|(n, _)| !(tied && n == "lm_head.weight")).cloned().collect();
+    // A tied checkpoint may still carry lm_head.weight; transformers ties it to the embedding regardless.
+    files.check(&want, |n| ignorable(n) || (tied && n == "lm_head.weight")).map_err(with_fields)?;
+    let mut tensors = Vec::with_capacity(shapes.len());
+    for (name, dims) in &shapes {
+        let source = if tied && name == "lm_head.weight" { "model.embed_tokens.weight" } else { name.as_str() };
+        tensors.push(LoadedTensor { name: name.clone(), dims: dims.clone(), data: files.read_f32(source)? });
+    }
+    Ok(HfCheckpoint { dir: dir.to_path_buf(), config, tensors })
+}
+
+/// Adds to a shape error the `config.json` fields the wanted dims come from, so a wrong `head_dim` or
+/// `intermediate_size` is named as well as the tensor it shows in.
+fn with_fields(e: TrainError) -> TrainError {
+    let TrainError::HfTensor { path, tensor, detail } = e else { return e };
+    if !detail.contains("config.json implies") {
+        return TrainError::HfTensor { path, tensor, detail };
+    }
+    let from = [
+        ("q_proj.weight", "[num_attention_heads × head_dim, hidden_size]"),
+        ("k_proj.weight", "[num_key_value_heads × head_dim, hidden_size]"),
+        ("v_proj.weight", "[num_key_value_heads × head_dim, hidden_size]"),
+        ("o_proj.weight", "[hidden_size, num_attention_heads × head_dim]"),
+        ("gate_proj.weight", "[intermediate_size, hidden_size]"),
+        ("up_proj.weight", "[intermediate_size, hidden_size]"),
+        ("down_proj.weight", "[hidden_size, intermediate_size]"),
+        ("embed_tokens.weight", "[vocab_size, hidden_size]"),
+        ("lm_head.weight", "[vocab_size, hidden_size]"),
+        ("norm.weight", "[hidden_size]"),
+    ]
+    .iter()
+    .find(|(suffix, _)| tensor.ends_with(suffix))
+    .map(|(_, f)| *f);
+    let mut detail = detail;
+    if let Some(f) = from {
+        let at = detail.find(" (and ").unwrap_or(detail.len());
+        detail.insert_str(at, &format!(" = {f}"));
+    }
+    TrainError::HfTensor { path, tensor, detail }
+}
+
+/// The model fields a recipe may not change from the checkpoint's: the shapes its tensors have.
+fn shape_fields(m: &ModelConfig) -> [(&'static str, usize); 7] {
+    [
+        ("model.layers", m.layers),
+        ("model.d_model", m.d_model),
+        ("model.heads", m.heads),
+        ("model.kv_heads", m.kv_heads),
+        ("model.head_dim", m.head_dim()),
+        ("model.ffn", m.ffn),
+        ("model.vocab", m.vocab),
+    ]
+}
+
+/// Fails naming the field where `recipe`'s model has a shape other than the checkpoint's.
+pub fn check_model(recipe: &ModelConfig, hf: &HfConfig) -> Result<()> {
+    for ((field, mine), (_, theirs)) in shape_fields(recipe).into_iter().zip(shape_fields(&hf.model)) {
+        if mine != theirs {
+            return Err(TrainError::Config(format!(
+                "recipe field `{field}` is {mine}, but {} gives the checkpoint {theirs}",
+                hf.path.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// `recipe` with its model section replaced by the checkpoint's, then the `model.*` entries of `overrides`
+/// applied on top: the RoPE base, scaling and norm epsilon may change (extending the context); a shape may
+/// not (the tensors have theirs), and trying is an error naming the field.
+pub fn recipe_from(recipe: &Recipe, overrides: &[String], hf: &HfConfig) -> Result<Recipe> {
+    let mut r = recipe.clone();
+    r.model = ModelConfig { init_std: recipe.model.init_std, ..hf.model.clone() };
+    let model_sets: Vec<String> = overrides.iter().filter(|o| o.trim_start().starts_with("model.")).cloned().collect();
+    if !model_sets.is_empty() {
+        r = Recipe::parse("recipe with the checkpoint's model", &r.to_toml(), &model_sets)?;
+    }
+    r.validate()?;
+    check_model(&r.model, hf)?;
+    Ok(r)
+}
