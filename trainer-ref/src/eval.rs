@@ -33,22 +33,17 @@ pub fn read_tokens(path: &Path) -> Result<Vec<u32>> {
 }
 
 /// Reads token ids: a `.npy` of integers, or any other file as UTF-8 text through `tokenizer` (a Hugging Face
-/// `tokenizer.json`, with its special tokens added as transformers' `tokenizer(text)` adds them) or, without
-/// one, the byte tokenizer.
-pub fn read_tokens_with(path: &Path, tokenizer: Option<&Path>) -> Result<Vec<u32>> {
+/// tokenizer, with its special tokens added as transformers' `tokenizer(text)` adds them) or, without one, the
+/// byte tokenizer.
+pub fn read_tokens_with(path: &Path, tokenizer: Option<&tokenizers::Tokenizer>) -> Result<Vec<u32>> {
     if path.extension().is_some_and(|e| e == "npy") {
         return crate::npy::read_token_ids(path);
     }
     let text = std::fs::read_to_string(path).map_err(|e| TrainError::io(path, e))?;
-    let Some(tok) = tokenizer else { return Ok(encode(&text)) };
-    let t = tokenizers::Tokenizer::from_file(tok).map_err(|e| TrainError::Checkpoint {
-        path: tok.to_path_buf(),
-        detail: format!("not a usable tokenizer: {e}"),
-    })?;
-    let enc = t.encode(text, true).map_err(|e| TrainError::Checkpoint {
-        path: tok.to_path_buf(),
-        detail: format!("encoding {}: {e}", path.display()),
-    })?;
+    let Some(t) = tokenizer else { return Ok(encode(&text)) };
+    let enc = t
+        .encode(text, true)
+        .map_err(|e| TrainError::Config(format!("the checkpoint's tokenizer failed on {}: {e}", path.display())))?;
     Ok(enc.get_ids().to_vec())
 }
 

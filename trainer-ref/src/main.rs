@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use longctx_trainer::recipe::{Recipe, BUILTIN};
+use longctx_trainer::recipe::{Recipe, RopeScalingConfig, BUILTIN};
 use longctx_trainer::train::{train_from, RunOptions};
 use longctx_trainer::{eval, hf, plot, Result, TrainError};
 
@@ -56,21 +56,27 @@ enum Command {
         /// Stop after this step, saving a checkpoint (continue with `--resume`).
         #[arg(long, value_name = "STEP")]
         stop_at: Option<u64>,
-        /// Start from a Hugging Face checkpoint directory (`config.json`, safetensors): its model replaces the
-        /// recipe's (`--set model.rope_scaling…`/`model.rope_theta` may still change the RoPE).
-        #[arg(long, value_name = "DIR")]
+        /// Start from a pretrained checkpoint, a Hugging Face directory (`config.json`, safetensors) or a GGUF
+        /// file: its model replaces the recipe's (`--set model.rope_scaling…`/`model.rope_theta` may still
+        /// change the RoPE) and its tokenizer reads the corpus.
+        #[arg(long, value_name = "DIR|FILE.gguf")]
         init_from: Option<PathBuf>,
+        /// Context extension: `none`, `linear:F`, `ntk:F[,ORIG]`, `yarn:F[,ORIG]`, `llama3:F[,LOW,HIGH[,ORIG]]`
+        /// (`ORIG` defaults to the pretrained checkpoint's trained context).
+        #[arg(long, value_name = "TYPE:F")]
+        rope_scaling: Option<String>,
     },
     /// Mean next-token cross-entropy of a checkpoint over a token file.
     Eval {
         /// A checkpoint folder, or a run's output folder (its newest checkpoint).
         #[arg(long, required_unless_present = "init_from", conflicts_with = "init_from")]
         checkpoint: Option<PathBuf>,
-        /// A Hugging Face checkpoint directory instead (`config.json`, safetensors, optional `tokenizer.json`).
-        #[arg(long, value_name = "DIR")]
+        /// A pretrained checkpoint instead: a Hugging Face directory (`config.json`, safetensors, optional
+        /// `tokenizer.json`) or a GGUF file (`*.gguf`, its tokenizer in its metadata).
+        #[arg(long, value_name = "DIR|FILE.gguf")]
         init_from: Option<PathBuf>,
-        /// A `.npy` of integer token ids, or a text file (through the Hugging Face checkpoint's
-        /// `tokenizer.json`; byte tokens for a trainer checkpoint).
+        /// A `.npy` of integer token ids, or a text file (through the pretrained checkpoint's tokenizer; byte
+        /// tokens for a trainer checkpoint).
         #[arg(long)]
         tokens: PathBuf,
         /// Tokens per window.
@@ -79,6 +85,9 @@ enum Command {
         /// Context-parallel ranks.
         #[arg(long, default_value_t = 1)]
         cp: usize,
+        /// Context extension of the pretrained checkpoint's RoPE (as `train --rope-scaling`).
+        #[arg(long, value_name = "TYPE:F", requires = "init_from")]
+        rope_scaling: Option<String>,
     },
     /// Write a trainer checkpoint as a Hugging Face checkpoint directory (`config.json`, f32 safetensors,
     /// sharded with `model.safetensors.index.json` past `--max-shard-size`).
@@ -152,6 +161,7 @@ fn run(cli: Cli) -> Result<()> {
             quiet,
             stop_at,
             init_from,
+            rope_scaling,
         } => {
             if let Some(cp) = cp {
                 set.push(format!("parallel.cp={cp}"));
@@ -172,12 +182,17 @@ fn run(cli: Cli) -> Result<()> {
                 set.push(format!("train.offload_budget=\"{b}\""));
             }
             let mut recipe = Recipe::load(&recipe, &set)?;
-            let init = init_from.as_deref().map(hf::load).transpose()?;
+            let init = init_from.as_deref().map(hf::load_any).transpose()?;
             if let Some(ck) = &init {
                 recipe = hf::recipe_from(&recipe, &set, &ck.config)?;
                 for note in &ck.config.notes {
                     eprintln!("note: {note}");
                 }
+            }
+            if let Some(spec) = &rope_scaling {
+                let original = init.as_ref().and_then(|c| c.config.max_position_embeddings);
+                recipe.model.rope_scaling = RopeScalingConfig::parse_cli(spec, original)?;
+                recipe.validate()?;
             }
             let out = out.unwrap_or_else(|| PathBuf::from("runs").join(&recipe.name));
             let s = train_from(&recipe, &RunOptions { out: out.clone(), resume, quiet, stop_at }, init.as_ref())?;
@@ -196,14 +211,18 @@ fn run(cli: Cli) -> Result<()> {
             }
             println!("output: {} (metrics.jsonl, checkpoints/, recipe.toml)", out.display());
         }
-        Command::Eval { checkpoint, init_from, tokens, seq, cp } => {
+        Command::Eval { checkpoint, init_from, tokens, seq, cp, rope_scaling } => {
             let r = match (checkpoint, init_from) {
                 (_, Some(dir)) => {
-                    let ck = hf::load(&dir)?;
+                    let mut ck = hf::load_any(&dir)?;
+                    if let Some(spec) = &rope_scaling {
+                        let original = ck.config.max_position_embeddings;
+                        ck.config.model.rope_scaling = RopeScalingConfig::parse_cli(spec, original)?;
+                    }
                     for note in &ck.config.notes {
                         eprintln!("note: {note}");
                     }
-                    let tokenizer = ck.tokenizer();
+                    let tokenizer = ck.tokenizer.as_ref();
                     let is_text = tokens.extension().is_none_or(|e| e != "npy");
                     if is_text && tokenizer.is_none() {
                         return Err(TrainError::Config(format!(
@@ -212,7 +231,7 @@ fn run(cli: Cli) -> Result<()> {
                             dir.display()
                         )));
                     }
-                    let ids = eval::read_tokens_with(&tokens, tokenizer.as_deref())?;
+                    let ids = eval::read_tokens_with(&tokens, tokenizer)?;
                     eval::evaluate_hf(&ck, &ids, seq, cp)?
                 }
                 (Some(dir), None) => eval::evaluate(&dir, &eval::read_tokens(&tokens)?, seq, cp)?,

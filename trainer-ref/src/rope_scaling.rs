@@ -314,3 +314,115 @@ mod tests {
         assert!(e.contains("max_position_embeddings"), "{e}");
     }
 }
+
+impl RopeScalingConfig {
+    /// Parses the command line's `--rope-scaling`: `none`, `linear:F`, `ntk:F[,ORIG]` (Hugging Face's dynamic
+    /// NTK), `yarn:F[,ORIG]` or `llama3:F[,LOW,HIGH[,ORIG]]` (low 1, high 4 by default). `ORIG`, the context
+    /// the model was trained at, defaults to `original` (the checkpoint's `max_position_embeddings`).
+    ///
+    /// Errors: an unknown type, a value that is not a number, or no original context to scale from.
+    pub fn parse_cli(spec: &str, original: Option<usize>) -> Result<Option<RopeScalingConfig>> {
+        let bad = |why: String| TrainError::Config(format!("--rope-scaling {spec}: {why}"));
+        if spec == "none" {
+            return Ok(None);
+        }
+        let (kind, args) = spec.split_once(':').ok_or_else(|| bad("expected TYPE:FACTOR, e.g. linear:4".into()))?;
+        let nums: Vec<f64> = args
+            .split(',')
+            .map(|a| a.trim().parse::<f64>().map_err(|_| bad(format!("`{a}` is not a number"))))
+            .collect::<Result<_>>()?;
+        let factor = nums[0];
+        let orig = |at: usize| -> Result<usize> {
+            match nums.get(at) {
+                Some(&v) if v >= 1.0 && v.fract() == 0.0 => Ok(v as usize),
+                Some(v) => Err(bad(format!("the original context {v} is not a whole number of tokens"))),
+                None => original.ok_or_else(|| {
+                    bad(format!("give the original context as {kind}:{factor},ORIG (the model names none)"))
+                }),
+            }
+        };
+        let want = |n: usize| -> Result<()> {
+            if nums.len() > n {
+                return Err(bad(format!("`{kind}` takes at most {n} values")));
+            }
+            Ok(())
+        };
+        Ok(Some(match kind {
+            "linear" => {
+                want(1)?;
+                RopeScalingConfig::Linear { factor }
+            }
+            "ntk" | "dynamic" => {
+                want(2)?;
+                RopeScalingConfig::Dynamic { factor, original_max_position_embeddings: orig(1)? }
+            }
+            "yarn" => {
+                want(2)?;
+                RopeScalingConfig::Yarn {
+                    factor,
+                    original_max_position_embeddings: orig(1)?,
+                    beta_fast: default_beta_fast(),
+                    beta_slow: default_beta_slow(),
+                    attention_factor: None,
+                    mscale: None,
+                    mscale_all_dim: None,
+                    truncate: default_truncate(),
+                }
+            }
+            "llama3" => {
+                want(4)?;
+                let (low, high) = (nums.get(1).copied().unwrap_or(1.0), nums.get(2).copied().unwrap_or(4.0));
+                RopeScalingConfig::Llama3 {
+                    factor,
+                    low_freq_factor: low,
+                    high_freq_factor: high,
+                    original_max_position_embeddings: orig(3)?,
+                }
+            }
+            other => return Err(bad(format!("unknown type `{other}` (none, linear, ntk, yarn, llama3)"))),
+        }))
+    }
+}
+
+#[cfg(test)]
+mod cli_tests {
+    use super::*;
+
+    #[test]
+    fn the_command_line_forms_parse_and_bad_ones_name_the_problem() {
+        assert_eq!(RopeScalingConfig::parse_cli("none", None).unwrap(), None);
+        assert_eq!(
+            RopeScalingConfig::parse_cli("linear:4", None).unwrap(),
+            Some(RopeScalingConfig::Linear { factor: 4.0 })
+        );
+        assert_eq!(
+            RopeScalingConfig::parse_cli("ntk:2", Some(8192)).unwrap(),
+            Some(RopeScalingConfig::Dynamic { factor: 2.0, original_max_position_embeddings: 8192 })
+        );
+        let Some(RopeScalingConfig::Yarn { factor, original_max_position_embeddings: o, beta_fast, .. }) =
+            RopeScalingConfig::parse_cli("yarn:4,4096", Some(8192)).unwrap()
+        else {
+            panic!("yarn")
+        };
+        assert_eq!((factor, o, beta_fast), (4.0, 4096, 32.0));
+        assert_eq!(
+            RopeScalingConfig::parse_cli("llama3:8", Some(8192)).unwrap(),
+            Some(RopeScalingConfig::Llama3 {
+                factor: 8.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position_embeddings: 8192
+            })
+        );
+        for (spec, says) in [
+            ("linear", "TYPE:FACTOR"),
+            ("linear:x", "`x` is not a number"),
+            ("ntk:2", "original context"),
+            ("rope:2", "unknown type `rope`"),
+            ("linear:2,3", "at most 1"),
+        ] {
+            let e = RopeScalingConfig::parse_cli(spec, None).unwrap_err().to_string();
+            assert!(e.contains(says), "{spec}: {e}");
+        }
+    }
+}

@@ -17,7 +17,7 @@ use longctx_p2p::{Communicator, ReduceOp, ThreadWorld};
 use longctx_ring_attn::{ContextParallel, CpConfig, CpMask, CpPlan, CpShape};
 
 use crate::checkpoint::{self, LoadedTensor};
-use crate::data::{Corpus, Sequence, TokenStream};
+use crate::data::{Corpus, Sequence, TextTokenizer, TokenStream};
 use crate::error::{Result, TrainError};
 use crate::hf::HfCheckpoint;
 use crate::metrics::Meter;
@@ -86,9 +86,14 @@ pub fn train_from(recipe: &Recipe, opts: &RunOptions, init: Option<&HfCheckpoint
     if let Some(hf) = init {
         crate::hf::check_model(&recipe.model, &hf.config)?;
     }
+    // A pretrained model reads the corpus through its own tokenizer; a fresh one through bytes.
+    let tokenizer = init.and_then(HfCheckpoint::text_tokenizer).unwrap_or(TextTokenizer::Bytes);
+    if init.is_some() && matches!(tokenizer, TextTokenizer::Bytes) {
+        eprintln!("note: the checkpoint has no tokenizer (or no eos_token_id): the corpus is read as byte tokens");
+    }
     let init = init.map(|hf| hf.tensors.as_slice());
     let corpus = Corpus::load(&recipe.data.corpus)?;
-    let (train_stream, heldout) = corpus.split(recipe.data.heldout_every)?;
+    let (train_stream, heldout) = corpus.split_with(recipe.data.heldout_every, &tokenizer)?;
     let world = recipe.parallel.cp * recipe.parallel.dp;
     std::fs::create_dir_all(&opts.out).map_err(|e| TrainError::io(&opts.out, e))?;
     install_signal_handler();

@@ -190,3 +190,26 @@ fn block_formats_decode_as_the_gguf_package_does() {
         }
     }
 }
+
+fn longctx_eval(extra: &[&str]) -> String {
+    let (gguf, ids) = (fixture("tiny-llama.gguf"), fixture("ids.npy"));
+    let mut args =
+        vec!["eval", "--init-from", gguf.to_str().unwrap(), "--tokens", ids.to_str().unwrap(), "--seq", "64"];
+    args.extend_from_slice(extra);
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_longctx")).args(&args).output().expect("runs");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn printed_loss(out: &str) -> f64 {
+    out.split_whitespace().nth(1).and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("no loss in {out:?}"))
+}
+
+#[test]
+fn eval_init_from_a_gguf_file_prints_transformers_loss_and_rope_scaling_changes_it() {
+    let want = expected()["loss"].as_f64().expect("loss");
+    let got = printed_loss(&longctx_eval(&["--cp", "2"]));
+    assert!((got - want).abs() / want <= 1e-5, "{got} vs transformers {want}");
+    let scaled = printed_loss(&longctx_eval(&["--rope-scaling", "linear:4"]));
+    assert!((scaled - want).abs() > 1e-3, "linear:4 left the loss at {scaled}");
+}

@@ -141,7 +141,7 @@ fn text_through_tokenizer_json_matches_transformers() {
     let want = expected();
     let dir = fixtures().join("llama");
     let ck = hf::load(&dir).unwrap();
-    let ids = read_tokens_with(&fixtures().join("text.txt"), ck.tokenizer().as_deref()).unwrap();
+    let ids = read_tokens_with(&fixtures().join("text.txt"), ck.tokenizer.as_ref()).unwrap();
     let want_ids: Vec<u32> =
         want["text"]["ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
     assert_eq!(ids, want_ids, "tokenizer.json through the tokenizers crate");

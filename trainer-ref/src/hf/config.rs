@@ -39,6 +39,9 @@ pub struct HfConfig {
     pub tie_word_embeddings: bool,
     /// `torch_dtype` / `dtype`, when given (what the weights were saved in; they are converted anyway).
     pub dtype: Option<String>,
+    /// `eos_token_id` (the first, when a list): the token that closes a document when the corpus is
+    /// tokenized with the checkpoint's tokenizer.
+    pub eos_token_id: Option<u32>,
     /// What the import changed or assumed, for the user.
     pub notes: Vec<String>,
 }
@@ -229,6 +232,12 @@ impl HfConfig {
             norm_eps: norm_eps as f32,
             init_std: IMPORTED_INIT_STD,
         };
+        let eos_token_id = match obj.get("eos_token_id") {
+            Some(Value::Array(a)) => a.first().and_then(Value::as_u64),
+            Some(v) => v.as_u64(),
+            None => None,
+        }
+        .map(|v| v as u32);
         Ok(HfConfig {
             path: path.to_path_buf(),
             architecture,
@@ -236,6 +245,7 @@ impl HfConfig {
             max_position_embeddings,
             tie_word_embeddings,
             dtype,
+            eos_token_id,
             notes,
         })
     }

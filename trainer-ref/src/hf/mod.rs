@@ -37,16 +37,18 @@ use crate::recipe::{ModelConfig, Recipe};
 /// The tokenizer's file inside a checkpoint directory.
 pub const TOKENIZER_FILE: &str = "tokenizer.json";
 
-/// A Hugging Face checkpoint, read and checked: its configuration and every tensor of the trainer's model, in
-/// [`param_shapes`] order, as f32.
+/// A pretrained checkpoint, read and checked: its configuration and every tensor of the trainer's model, in
+/// [`param_shapes`] order, as f32; from a Hugging Face directory or a GGUF file.
 #[derive(Debug, Clone)]
 pub struct HfCheckpoint {
-    /// The directory.
+    /// The directory (or the GGUF file).
     pub dir: PathBuf,
-    /// Its `config.json`.
+    /// Its `config.json` (for a GGUF file, the same facts from its metadata).
     pub config: HfConfig,
     /// The model's tensors, in the trainer's order, f32.
     pub tensors: Vec<LoadedTensor>,
+    /// Its tokenizer (`DIR/tokenizer.json`, or the vocabulary in a GGUF file's metadata), if it has one.
+    pub tokenizer: Option<tokenizers::Tokenizer>,
 }
 
 impl HfCheckpoint {
@@ -55,11 +57,49 @@ impl HfCheckpoint {
         &self.config.model
     }
 
-    /// `DIR/tokenizer.json`, if there is one.
-    pub fn tokenizer(&self) -> Option<PathBuf> {
-        let p = self.dir.join(TOKENIZER_FILE);
-        p.is_file().then_some(p)
+    /// How the corpus becomes this model's tokens: its tokenizer with its end-of-sequence token closing
+    /// each document, or `None` when the checkpoint has no tokenizer or names no end-of-sequence token.
+    pub fn text_tokenizer(&self) -> Option<crate::data::TextTokenizer> {
+        let (tok, eot) = (self.tokenizer.as_ref()?, self.config.eos_token_id?);
+        Some(crate::data::TextTokenizer::Pretrained { tokenizer: Box::new(tok.clone()), eot })
     }
+}
+
+/// Reads a pretrained checkpoint: a GGUF file (`*.gguf`, see [`crate::gguf`]) or a Hugging Face directory.
+pub fn load_any(path: &Path) -> Result<HfCheckpoint> {
+    if path.is_file() && path.extension().is_some_and(|e| e == "gguf") {
+        return from_gguf(path);
+    }
+    load(path)
+}
+
+/// A GGUF Llama as a checkpoint: its metadata in `config.json` terms, its tensors dequantised and in the
+/// Hugging Face layout, its tokenizer.
+fn from_gguf(path: &Path) -> Result<HfCheckpoint> {
+    let g = crate::gguf::GgufLlama::load(path)?;
+    let mut notes = vec![format!(
+        "{}: a GGUF file, dequantised to f32; trained context {} tokens",
+        path.display(),
+        g.context_length
+    )];
+    if g.tied_embeddings {
+        notes.push(
+            "tied embeddings: lm_head.weight is loaded as a copy of model.embed_tokens.weight (this trainer's \
+             model is untied: training updates the two separately)"
+                .to_string(),
+        );
+    }
+    let config = HfConfig {
+        path: path.to_path_buf(),
+        architecture: Architecture::Llama,
+        model: g.model_config(),
+        max_position_embeddings: Some(g.context_length),
+        tie_word_embeddings: g.tied_embeddings,
+        dtype: None,
+        eos_token_id: g.eos_token,
+        notes,
+    };
+    Ok(HfCheckpoint { dir: path.to_path_buf(), tensors: g.untied_tensors(), tokenizer: g.tokenizer, config })
 }
 
 /// A legacy buffer some checkpoints carry; transformers recomputes it and so does the trainer.
@@ -82,7 +122,16 @@ pub fn load(dir: &Path) -> Result<HfCheckpoint> {
         let source = if tied && name == "lm_head.weight" { "model.embed_tokens.weight" } else { name.as_str() };
         tensors.push(LoadedTensor { name: name.clone(), dims: dims.clone(), data: files.read_f32(source)? });
     }
-    Ok(HfCheckpoint { dir: dir.to_path_buf(), config, tensors })
+    let tok_path = dir.join(TOKENIZER_FILE);
+    let tokenizer = if tok_path.is_file() {
+        Some(tokenizers::Tokenizer::from_file(&tok_path).map_err(|e| TrainError::Checkpoint {
+            path: tok_path.clone(),
+            detail: format!("not a usable tokenizer: {e}"),
+        })?)
+    } else {
+        None
+    };
+    Ok(HfCheckpoint { dir: dir.to_path_buf(), config, tensors, tokenizer })
 }
 
 /// Adds to a shape error the `config.json` fields the wanted dims come from, so a wrong `head_dim` or
