@@ -11,7 +11,7 @@ use longctx_ring_attn::{ContextParallel, CpConfig};
 use crate::checkpoint;
 use crate::data::{encode, Sequence, EOT};
 use crate::error::{Result, TrainError};
-use crate::model::{param_shapes, Llama, Params};
+use crate::model::{param_shapes, Model, Params};
 use crate::recipe::Recipe;
 use crate::train::{local_share, plan_for};
 
@@ -81,7 +81,7 @@ pub fn evaluate(dir: &Path, tokens: &[u32], seq: usize, cp: usize) -> Result<Eva
         for (t, src) in weights.tensors.iter_mut().zip(&ck.model) {
             backend.copy(t.view_mut(), View::new(&src.data, src.dims.as_slice())?)?;
         }
-        let model = Llama::new(recipe.model.clone(), weights, backend.clone())?;
+        let model = Model::new(recipe.model.clone(), weights, backend.clone())?;
         let cfg = CpConfig { partition: recipe.partition()?, schedule: recipe.schedule()?, scale: None };
         let cp = ContextParallel::new(comm, backend, cfg)?;
         let mut plan = plan_for(&cp, recipe, seq, DType::F32)?;
