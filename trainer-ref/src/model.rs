@@ -5,8 +5,8 @@
 //! loss in chunks of tokens, so `[tokens, vocab]` logits never exist at once.
 //!
 //! One model, not three: the families share the attention block and differ in their norms and MLP, which the
-//! layer's forward, rebuild and backward choose by the tensors' [`layout`] (`MlpIx`, a norm with or without a
-//! bias), so the recompute and offload machinery below serves every family unchanged.
+//! layer's forward, rebuild and backward choose by the tensors' layout (the private `layout` module's `MlpIx`,
+//! a norm with or without a bias), so the recompute and offload machinery below serves every family unchanged.
 //!
 //! Every computation is a call of the [`Backend`] the model was given, on buffers the backend allocated: a CUDA
 //! backend changes nothing here. Each layer's forward returns what its backward needs as a named struct
