@@ -18,6 +18,8 @@ pub const BUILTIN: &[(&str, &str)] = &[
     ("llama3-8b-128k", include_str!("../recipes/llama3-8b-128k.toml")),
     ("tiny-mixtral", include_str!("../recipes/tiny-mixtral.toml")),
     ("tiny-nemotron", include_str!("../recipes/tiny-nemotron.toml")),
+    ("mixtral-8x7b-16k", include_str!("../recipes/mixtral-8x7b-16k.toml")),
+    ("nemotron4-15b-16k", include_str!("../recipes/nemotron4-15b-16k.toml")),
 ];
 
 /// A run: the model, the training loop, the data and the parallel layout.
