@@ -1,10 +1,12 @@
 //! `longctx plan`: the recompute crate's planner on the command line (a table, `--json`, `--sweep`,
 //! `--calibrate`).
 
+use longctx_recompute::models::Mlp;
 use longctx_recompute::planner::{korthikanti_layer_bytes, layer_for, parse_tokens, NEMO_LLAMA3_8B};
-use longctx_recompute::{device, model, plan, Layout, PlanInput, PlanReport, Policy};
+use longctx_recompute::{device, model, plan, Layout, ModelDesc, PlanInput, PlanReport, Policy};
 
 use crate::error::{Result, TrainError};
+use crate::recipe::{Family, ModelConfig, Recipe};
 
 /// The command's options.
 #[derive(Debug, Clone, clap::Args)]
@@ -12,6 +14,11 @@ pub struct PlanArgs {
     /// llama3-8b, llama3-70b, mixtral-8x7b, nemotron4-15b, nemotron4-22b, tiny-llama.
     #[arg(long, default_value = "llama3-8b")]
     pub model: String,
+    /// Plan a recipe as written (a built-in name or a TOML file): its model, sequence length (unless
+    /// `--sweep`), CP, DP and batch; `--tp`/`--pp` add the layouts recipes do not hold. Overrides `--model`,
+    /// `--seq`, `--cp`, `--gpus` and `--global-batch`.
+    #[arg(long)]
+    pub recipe: Option<String>,
     /// Tokens per sequence (8K, 128K, 1M).
     #[arg(long, default_value = "128K")]
     pub seq: String,
@@ -58,21 +65,50 @@ pub struct PlanArgs {
 
 const GIB: f64 = (1u64 << 30) as f64;
 
+/// The planner's description of a recipe's model.
+pub fn model_desc(name: &str, m: &ModelConfig) -> ModelDesc {
+    let moe = m.experts();
+    ModelDesc {
+        name: name.into(),
+        layers: m.layers as u64,
+        d_model: m.d_model as u64,
+        heads: m.heads as u64,
+        kv_heads: m.kv_heads as u64,
+        head_dim: m.head_dim() as u64,
+        ffn: m.ffn as u64,
+        vocab: m.vocab as u64,
+        experts: moe.map_or(1, |e| e.experts as u64),
+        top_k: moe.map_or(1, |e| e.top_k as u64),
+        mlp: if m.family == Family::Nemotron { Mlp::SquaredRelu } else { Mlp::SwiGlu },
+        layernorm: m.family == Family::Nemotron,
+        tied_embeddings: m.tie_embeddings,
+    }
+}
+
 fn input(a: &PlanArgs, seq: u64) -> Result<PlanInput> {
     let cfg = |e: longctx_recompute::RecomputeError| TrainError::Config(e.to_string());
     let policy = a.recompute.as_deref().map(|p| p.parse::<Policy>()).transpose().map_err(cfg)?;
-    let dp = (a.gpus / (a.tp * a.cp * a.pp).max(1)).max(1);
+    let (desc, seq, cp, gpus, global_batch) = match &a.recipe {
+        Some(name) => {
+            let r = Recipe::load(name, &[])?;
+            let (cp, dp) = (r.parallel.cp as u64, r.parallel.dp as u64);
+            let seq = if a.sweep.is_some() { seq } else { r.train.seq_len as u64 };
+            (model_desc(&r.name, &r.model), seq, cp, cp * dp * a.tp * a.pp, Some(r.train.batch as u64))
+        }
+        None => (model(&a.model).map_err(cfg)?, seq, a.cp, a.gpus, a.global_batch),
+    };
+    let dp = (gpus / (a.tp * cp * a.pp).max(1)).max(1);
     Ok(PlanInput {
-        model: model(&a.model).map_err(cfg)?,
+        model: desc,
         device: device(&a.device).map_err(cfg)?,
         layout: Layout {
-            gpus: a.gpus,
+            gpus,
             tp: a.tp,
-            cp: a.cp,
+            cp,
             pp: a.pp,
             sequence_parallel: !a.no_sequence_parallel && a.tp > 1,
             distributed_optimizer: true,
-            global_batch: a.global_batch.unwrap_or(dp),
+            global_batch: global_batch.unwrap_or(dp),
         },
         seq_len: seq,
         policy,
@@ -214,6 +250,7 @@ pub fn calibrate(efficiency: f64) -> Result<()> {
         let gpus = (cp * tp).max(8);
         let a = PlanArgs {
             model: "llama3-8b".into(),
+            recipe: None,
             seq: seq.to_string(),
             gpus,
             cp,
@@ -237,4 +274,23 @@ pub fn calibrate(efficiency: f64) -> Result<()> {
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_full_size_recipe_plans_as_the_planners_own_model() {
+        for (recipe, builtin) in [
+            ("mixtral-8x7b-16k", "mixtral-8x7b"),
+            ("nemotron4-15b-16k", "nemotron4-15b"),
+            ("llama3-8b-128k", "llama3-8b"),
+        ] {
+            let r = Recipe::load(recipe, &[]).unwrap();
+            let want = model(builtin).unwrap();
+            let got = ModelDesc { name: want.name.clone(), ..model_desc(recipe, &r.model) };
+            assert_eq!(got, want, "{recipe}");
+        }
+    }
 }
