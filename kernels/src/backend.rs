@@ -25,8 +25,11 @@ use crate::attention::{AttnGrads, AttnOptions, AttnOut, AttnPartial, AttnSaved, 
 use crate::buffer::Buffer;
 use crate::dtype::DType;
 use crate::error::{KernelError, Result};
-use crate::ops::{AdamW, CrossEntropyOptions, CrossEntropyOutput, RopeTable};
-use crate::saved::{LayerNormSaved, LinearSaved, MatmulSaved, RmsNormSaved, SquaredReluSaved, SwigluSaved};
+use crate::ops::{AdamW, CrossEntropyOptions, CrossEntropyOutput, RopeTable, RouterOutput, Routing};
+use crate::saved::{
+    LayerNormSaved, LinearSaved, MatmulSaved, MoeCombineSaved, MoeRouterSaved, RmsNormSaved, SquaredReluSaved,
+    SwigluSaved,
+};
 use crate::view::{Dims, Memory, View, ViewMut};
 
 /// Whether a backward overwrites the gradients it is given or adds to them (accumulation over micro-batches,
@@ -250,6 +253,43 @@ pub trait Backend: Send + Sync + fmt::Debug {
     fn squared_relu_forward(&self, out: ViewMut<'_>, x: View<'_>) -> Result<()>;
     /// Squared ReLU backward: `dx` (overwritten).
     fn squared_relu_backward(&self, dx: ViewMut<'_>, dout: View<'_>, saved: SquaredReluSaved<'_>) -> Result<()>;
+
+    /// Mixture-of-experts router (Hugging Face Mixtral): `probs[L,E]` (`f32`) = softmax of `logits[L,E]`, each
+    /// token's `top_k` most probable experts (ties to the lower index) and their probabilities renormalised to
+    /// sum to 1 into `weights[L,K]` (`f32`). Returns the routing and the per-expert probability sums; saves
+    /// [`MoeRouterSaved`].
+    fn moe_router_forward(
+        &self,
+        probs: ViewMut<'_>,
+        weights: ViewMut<'_>,
+        logits: View<'_>,
+        top_k: usize,
+    ) -> Result<RouterOutput>;
+    /// The router's backward: `dlogits[L,E]` (overwritten) from `dweights[L,K]` (`f32`) and `aux[E]` (`f32`), a
+    /// gradient added to every token's expert probabilities (the load-balancing loss').
+    fn moe_router_backward(
+        &self,
+        dlogits: ViewMut<'_>,
+        dweights: View<'_>,
+        aux: Option<View<'_>>,
+        saved: MoeRouterSaved<'_>,
+    ) -> Result<()>;
+    /// Dispatch: `xe[N,C]` row `n` = `x[L,C]` row `routing.row_tokens()[n]` (tokens grouped by expert, expert
+    /// `e`'s rows `routing.offsets()[e]..[e+1]`). Saves nothing.
+    fn moe_gather(&self, xe: ViewMut<'_>, x: View<'_>, routing: &Routing) -> Result<()>;
+    /// The dispatch's backward: `dx[L,C]` (overwritten) sums each token's rows of `dxe[N,C]`.
+    fn moe_gather_backward(&self, dx: ViewMut<'_>, dxe: View<'_>, routing: &Routing) -> Result<()>;
+    /// Combine (a weighted index-add): `out[L,C]` (overwritten) row `t` = `Σ_j weights[t,j]·ye[row of (t, j)]`,
+    /// summed in ascending expert order. Saves [`MoeCombineSaved`].
+    fn moe_combine(&self, out: ViewMut<'_>, ye: View<'_>, weights: View<'_>, routing: &Routing) -> Result<()>;
+    /// The combine's backward: `dye[N,C]` and `dweights[L,K]` (`f32`), both overwritten.
+    fn moe_combine_backward(
+        &self,
+        dye: ViewMut<'_>,
+        dweights: ViewMut<'_>,
+        dout: View<'_>,
+        saved: MoeCombineSaved<'_>,
+    ) -> Result<()>;
 
     /// Token embedding: `out[N,C] = table[ids[n]]` (`table` is `[V, C]`). Saves the ids.
     fn embedding_forward(&self, out: ViewMut<'_>, ids: &[u32], table: View<'_>) -> Result<()>;

@@ -18,8 +18,11 @@ use crate::backend::{AdamwState, Backend, GradMode, LinearGrads, NormGrads, Norm
 use crate::buffer::Buffer;
 use crate::dtype::{DType, Element};
 use crate::error::{KernelError, Result};
-use crate::ops::{self, AdamW, CrossEntropyOptions, CrossEntropyOutput, RopeTable};
-use crate::saved::{LayerNormSaved, LinearSaved, MatmulSaved, RmsNormSaved, SquaredReluSaved, SwigluSaved};
+use crate::ops::{self, AdamW, CrossEntropyOptions, CrossEntropyOutput, RopeTable, RouterOutput, Routing};
+use crate::saved::{
+    LayerNormSaved, LinearSaved, MatmulSaved, MoeCombineSaved, MoeRouterSaved, RmsNormSaved, SquaredReluSaved,
+    SwigluSaved,
+};
 use crate::view::{Dims, HostSlice, HostSliceMut, Memory, View, ViewMut};
 
 /// Binds the type `$T` to the Rust type of `$dt` in `$body`.
@@ -492,6 +495,105 @@ impl Backend for CpuBackend {
         by_dtype!(saved.x.dtype(), T => {
             let (x, dy, dx) = (self.typed::<T>("x", saved.x)?, self.typed::<T>("dout", dout)?, self.typed_mut::<T>("dx", dx)?);
             self.run(|| ops::squared_relu_backward(dx, dy, x))
+        })
+    }
+
+    fn moe_router_forward(
+        &self,
+        probs: ViewMut<'_>,
+        weights: ViewMut<'_>,
+        logits: View<'_>,
+        top_k: usize,
+    ) -> Result<RouterOutput> {
+        let (l, e) = table_dims(logits.dims())?;
+        same_dims("probs", probs.dims(), &[l, e])?;
+        same_dims("weights", weights.dims(), &[l, top_k])?;
+        by_dtype!(logits.dtype(), T => {
+            let x = self.typed::<T>("logits", logits)?;
+            let (p, w) = (self.typed_mut::<f32>("probs", probs)?, self.typed_mut::<f32>("weights", weights)?);
+            self.run(|| ops::router_forward(p, w, x, l, e, top_k))
+        })
+    }
+
+    fn moe_router_backward(
+        &self,
+        dlogits: ViewMut<'_>,
+        dweights: View<'_>,
+        aux: Option<View<'_>>,
+        saved: MoeRouterSaved<'_>,
+    ) -> Result<()> {
+        let r = saved.routing;
+        let (l, e, k) = (r.tokens(), r.experts(), r.top_k());
+        same_dims("probs", saved.probs.dims(), &[l, e])?;
+        same_dims("dlogits", dlogits.dims(), &[l, e])?;
+        same_dims("weights", saved.weights.dims(), &[l, k])?;
+        same_dims("dweights", dweights.dims(), &[l, k])?;
+        let aux = match aux {
+            Some(a) => {
+                same_dims("aux", a.dims(), &[e])?;
+                Some(self.typed::<f32>("aux", a)?)
+            }
+            None => None,
+        };
+        let (p, w) = (self.typed::<f32>("probs", saved.probs)?, self.typed::<f32>("weights", saved.weights)?);
+        let dw = self.typed::<f32>("dweights", dweights)?;
+        by_dtype!(dlogits.dtype(), T => {
+            let dl = self.typed_mut::<T>("dlogits", dlogits)?;
+            self.run(|| ops::router_backward(dl, dw, aux, p, w, r))
+        })
+    }
+
+    fn moe_gather(&self, xe: ViewMut<'_>, x: View<'_>, routing: &Routing) -> Result<()> {
+        let (_, c) = table_dims(x.dims())?;
+        same_dims("x", x.dims(), &[routing.tokens(), c])?;
+        same_dims("xe", xe.dims(), &[routing.rows(), c])?;
+        by_dtype!(x.dtype(), T => {
+            let (x, o) = (self.typed::<T>("x", x)?, self.typed_mut::<T>("xe", xe)?);
+            self.run(|| ops::gather(o, x, routing, c))
+        })
+    }
+
+    fn moe_gather_backward(&self, dx: ViewMut<'_>, dxe: View<'_>, routing: &Routing) -> Result<()> {
+        let (_, c) = table_dims(dxe.dims())?;
+        same_dims("dxe", dxe.dims(), &[routing.rows(), c])?;
+        same_dims("dx", dx.dims(), &[routing.tokens(), c])?;
+        by_dtype!(dxe.dtype(), T => {
+            let (g, dx) = (self.typed::<T>("dxe", dxe)?, self.typed_mut::<T>("dx", dx)?);
+            self.run(|| ops::gather_backward(dx, g, routing, c))
+        })
+    }
+
+    fn moe_combine(&self, out: ViewMut<'_>, ye: View<'_>, weights: View<'_>, routing: &Routing) -> Result<()> {
+        let (_, c) = table_dims(ye.dims())?;
+        same_dims("ye", ye.dims(), &[routing.rows(), c])?;
+        same_dims("out", out.dims(), &[routing.tokens(), c])?;
+        same_dims("weights", weights.dims(), &[routing.tokens(), routing.top_k()])?;
+        let w = self.typed::<f32>("weights", weights)?;
+        by_dtype!(ye.dtype(), T => {
+            let (y, o) = (self.typed::<T>("ye", ye)?, self.typed_mut::<T>("out", out)?);
+            self.run(|| ops::combine(o, y, w, routing, c))
+        })
+    }
+
+    fn moe_combine_backward(
+        &self,
+        dye: ViewMut<'_>,
+        dweights: ViewMut<'_>,
+        dout: View<'_>,
+        saved: MoeCombineSaved<'_>,
+    ) -> Result<()> {
+        let r = saved.routing;
+        let (_, c) = table_dims(saved.ye.dims())?;
+        same_dims("ye", saved.ye.dims(), &[r.rows(), c])?;
+        same_dims("dye", dye.dims(), &[r.rows(), c])?;
+        same_dims("dout", dout.dims(), &[r.tokens(), c])?;
+        same_dims("weights", saved.weights.dims(), &[r.tokens(), r.top_k()])?;
+        same_dims("dweights", dweights.dims(), &[r.tokens(), r.top_k()])?;
+        let w = self.typed::<f32>("weights", saved.weights)?;
+        let dw = self.typed_mut::<f32>("dweights", dweights)?;
+        by_dtype!(saved.ye.dtype(), T => {
+            let (y, g, dy) = (self.typed::<T>("ye", saved.ye)?, self.typed::<T>("dout", dout)?, self.typed_mut::<T>("dye", dye)?);
+            self.run(|| ops::combine_backward(dy, dw, g, y, w, r, c))
         })
     }
 

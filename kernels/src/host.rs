@@ -103,6 +103,13 @@ impl<'a> HostSliceMut<'a> {
             HostSliceMut::Bf16(s) => HostSlice::Bf16(s),
         }
     }
+    /// The elements `start..start + len` (panics out of range, like slicing).
+    pub fn into_sub(self, start: usize, len: usize) -> HostSliceMut<'a> {
+        match self {
+            HostSliceMut::F32(s) => HostSliceMut::F32(&mut s[start..start + len]),
+            HostSliceMut::Bf16(s) => HostSliceMut::Bf16(&mut s[start..start + len]),
+        }
+    }
     /// Splits into consecutive chunks of `chunk` elements (the last may be shorter).
     pub(crate) fn into_chunks(self, chunk: usize) -> Vec<HostSliceMut<'a>> {
         match self {

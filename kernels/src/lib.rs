@@ -69,8 +69,11 @@ pub use cuda::CudaBackend;
 pub use dtype::{DType, Element};
 pub use error::{KernelError, Result};
 pub use host::{HostSlice, HostSliceMut};
-pub use ops::{AdamW, CrossEntropyOptions, CrossEntropyOutput, RopeConfig, RopeScaling, RopeTable};
+pub use ops::{
+    AdamW, CrossEntropyOptions, CrossEntropyOutput, RopeConfig, RopeScaling, RopeTable, RouterOutput, Routing,
+};
 pub use saved::{
-    EmbeddingSaved, LayerNormSaved, LinearSaved, MatmulSaved, RmsNormSaved, SquaredReluSaved, SwigluSaved,
+    EmbeddingSaved, LayerNormSaved, LinearSaved, MatmulSaved, MoeCombineSaved, MoeRouterSaved, RmsNormSaved,
+    SquaredReluSaved, SwigluSaved,
 };
 pub use view::{DeviceSlice, DeviceSliceMut, Dims, IntoDims, Memory, View, ViewMut};

@@ -9,6 +9,7 @@
 //! Legend: `N` rows (tokens), `C` channels, `F` hidden (FFN) dim, `IN`/`OUT` a linear layer's sizes.
 
 use crate::dtype::DType;
+use crate::ops::Routing;
 use crate::view::View;
 
 /// Linear layer `y = x·Wᵀ + b`: the backward needs `x` (for `dW`); `W` is a parameter.
@@ -127,6 +128,41 @@ impl SquaredReluSaved<'_> {
     pub fn bytes_for(n: usize, f: usize, dtype: DType) -> usize {
         n * f * dtype.size()
     }
+}
+
+/// Mixture-of-experts router (softmax, top-k, renormalised weights): the probabilities, the weights and the
+/// routing.
+#[derive(Debug, Clone, Copy)]
+pub struct MoeRouterSaved<'a> {
+    /// `[L, E]`, `f32`.
+    pub probs: View<'a>,
+    /// `[L, K]`, `f32`.
+    pub weights: View<'a>,
+    /// The top-k choices and the dispatch order (host metadata).
+    pub routing: &'a Routing,
+}
+
+impl MoeRouterSaved<'_> {
+    /// Bytes saved.
+    pub fn bytes(&self) -> usize {
+        self.probs.bytes() + self.weights.bytes() + self.routing.bytes()
+    }
+    /// Bytes a router over `l` tokens, `e` experts and top `k` saves.
+    pub fn bytes_for(l: usize, e: usize, k: usize) -> usize {
+        l * e * 4 + l * k * 4 + Routing::bytes_for(l, e, k)
+    }
+}
+
+/// Mixture-of-experts combine `out[t] = Σ_j w[t,j]·ye[row(t,j)]`: the experts' outputs, the weights and the
+/// routing.
+#[derive(Debug, Clone, Copy)]
+pub struct MoeCombineSaved<'a> {
+    /// `[N, C]` (`N = L·K` dispatched rows).
+    pub ye: View<'a>,
+    /// `[L, K]`, `f32`.
+    pub weights: View<'a>,
+    /// The dispatch order.
+    pub routing: &'a Routing,
 }
 
 /// Token embedding: the ids (the table is a parameter).

@@ -221,6 +221,16 @@ impl<'a> View<'a> {
         check_numel(self.len(), &dims)?;
         Ok(Self { data: self.data, dims })
     }
+    /// Rows `start..start + n` of the first dim (the other dims kept): e.g. one expert's tokens of a mixture of
+    /// experts' dispatched `[N, C]` rows. Errors when the rows run past the view.
+    pub fn rows(self, start: usize, n: usize) -> Result<Self> {
+        let (dims, at, len) = row_range(&self.dims, start, n)?;
+        let data = match self.data {
+            Data::Host(h) => Data::Host(h.sub(at, len)),
+            Data::Device(d) => match d.never {},
+        };
+        Ok(Self { data, dims })
+    }
     /// The host slice, or [`KernelError::Memory`] naming `name` when the view lives elsewhere.
     pub fn as_host(&self, name: &'static str) -> Result<HostSlice<'a>> {
         match self.data {
@@ -297,6 +307,15 @@ impl<'a> ViewMut<'a> {
         check_numel(self.len(), &dims)?;
         Ok(Self { data: self.data, dims })
     }
+    /// Rows `start..start + n` of the first dim (see [`View::rows`]).
+    pub fn rows(self, start: usize, n: usize) -> Result<Self> {
+        let (dims, at, len) = row_range(&self.dims, start, n)?;
+        let data = match self.data {
+            DataMut::Host(h) => DataMut::Host(h.into_sub(at, len)),
+            DataMut::Device(d) => match d.never {},
+        };
+        Ok(Self { data, dims })
+    }
     /// A shorter-lived writable view of the same elements.
     pub fn reborrow(&mut self) -> ViewMut<'_> {
         let data = match &mut self.data {
@@ -331,6 +350,19 @@ impl<'a> ViewMut<'a> {
             h => Err(dtype_error(name, T::DTYPE, h.dtype())),
         }
     }
+}
+
+/// The dims, first element and element count of rows `start..start + n` of a view of `dims`.
+fn row_range(dims: &Dims, start: usize, n: usize) -> Result<(Dims, usize, usize)> {
+    let d = dims.as_slice();
+    let first = d.first().copied().unwrap_or(0);
+    if start.checked_add(n).is_none_or(|end| end > first) {
+        return Err(KernelError::Shape(format!("rows {start}..{} of a view of dims {d:?}", start.saturating_add(n))));
+    }
+    let row = d[1..].iter().product::<usize>();
+    let mut out = *dims;
+    out.d[0] = n;
+    Ok((out, start * row, n * row))
 }
 
 fn dtype_error(name: &'static str, expected: DType, got: DType) -> KernelError {

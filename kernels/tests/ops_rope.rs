@@ -293,3 +293,49 @@ fn bad_inputs_are_typed_errors() {
     );
     assert!(matches!(e, Err(KernelError::Shape(_))), "{e:?}");
 }
+
+/// Partial rotary (Nemotron, `partial_rotary_factor`): the first `R` dims of each head rotate with the
+/// frequencies of an `R`-wide head; the rest pass through, in the forward and the backward.
+#[test]
+fn partial_rotary_rotates_the_first_dims_and_passes_the_rest() {
+    let (b, h, d, rd) = (1, 3, 16, 8);
+    let pos: Vec<i64> = vec![0, 5, 2, 9, 100];
+    let cfg = RopeConfig { head_dim: d, base: 10_000.0, scaling: RopeScaling::None };
+    let t = RopeTable::with_rotary_dim(&cfg, rd).unwrap();
+    assert_eq!((t.head_dim(), t.rotary_dim()), (d, rd));
+    let (inv, _) = ref_inv_freq(rd, 10_000.0, RopeScaling::None);
+    assert_close_f64("partial inv_freq", t.inv_freq(), &inv, 1e-12);
+    let n = b * h * pos.len() * d;
+    let mut r = DataRng::new(5);
+    let (x, dy) = (rounded::<f32>(&r.vec(n, 1.0)), rounded::<f32>(&r.vec(n, 1.0)));
+    // Reference: rotate each row's first rd dims as an rd-wide head; copy the rest.
+    let part = |v: &[f64], pos: &[i64]| -> Vec<f64> {
+        let mut out = v.to_vec();
+        for (ri, row) in v.chunks(d).enumerate() {
+            let y = ref_rope(&row[..rd], &pos[ri % pos.len()..ri % pos.len() + 1], &inv, 1.0, 1, rd);
+            out[ri * d..ri * d + rd].copy_from_slice(&y);
+        }
+        out
+    };
+    let neg: Vec<i64> = pos.iter().map(|p| -p).collect();
+    let cpu = CpuBackend::new();
+    let dims = [b, h, pos.len(), d];
+    let (xt, dyt) = (to_t::<f32>(&x), to_t::<f32>(&dy));
+    let mut y = poisoned::<f32>(n);
+    cpu.rope_forward(&t, view_mut(&mut y, dims), view(&xt, dims), &pos).unwrap();
+    assert_close("partial rope y", &y, &part(&x, &pos));
+    let mut dx = poisoned::<f32>(n);
+    cpu.rope_backward(&t, view_mut(&mut dx, dims), view(&dyt, dims), &pos).unwrap();
+    let fd = fd_grad(|v| dot(&dy, &part(v, &pos)), &x, 1e-4);
+    assert_fd("fd partial rope dx", &fd, &to_f64(&dx), 1e-6);
+    assert_close("partial rope dx", &dx, &part(&dy, &neg));
+    let mut yi = xt.clone();
+    cpu.rope_forward_inplace(&t, view_mut(&mut yi, dims), &pos).unwrap();
+    assert_eq!(bits(&yi), bits(&y));
+    for bad in [0, 7, 18] {
+        assert!(matches!(
+            RopeTable::with_rotary_dim(&cfg, bad),
+            Err(KernelError::ZeroDim(_)) | Err(KernelError::InvalidArgument { name: "rotary_dim", .. })
+        ));
+    }
+}

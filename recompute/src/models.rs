@@ -186,7 +186,8 @@ pub fn device(name: &str) -> Result<Device> {
 }
 
 /// A Nemotron-4 layer (LayerNorm with bias, squared-ReLU MLP) as [`crate::llama_layer`] describes a Llama
-/// layer: `x; mean1, rstd1, h1; q, k, v; o, lse; x2; mean2, rstd2, h2; fc1; act`.
+/// layer, tensor for tensor as longctx's reference trainer saves them: `x; mean1, rstd1, h1; q, k, v; o, lse; x2;
+/// mean2, rstd2, h2; up; act` (`up` is the up projection, the squared ReLU's input).
 pub fn nemotron_layer(s: &crate::LlamaLayerShape) -> LayerSpec {
     let mut spec = crate::llama_layer(s);
     let (l, e, f) = (s.tokens, s.elem_bytes, s.ffn);
@@ -204,25 +205,98 @@ pub fn nemotron_layer(s: &crate::LlamaLayerShape) -> LayerSpec {
     let ff = f as f64;
     spec.segments.retain(|seg| !matches!(seg.name.as_str(), "gate_up" | "swiglu" | "down_proj"));
     spec.segments.push(Segment {
-        name: "fc1".into(),
+        name: "up_proj".into(),
         module: "mlp".into(),
         flops: 2.0 * lf * cf * ff,
         inputs: vec!["h2".into()],
-        outputs: vec![t("fc1", l * f * e)],
+        outputs: vec![t("up", l * f * e)],
     });
     spec.segments.push(Segment {
         name: "squared_relu".into(),
         module: "mlp_act".into(),
         flops: 2.0 * lf * ff,
-        inputs: vec!["fc1".into()],
+        inputs: vec!["up".into()],
         outputs: vec![t("act", l * f * e)],
     });
     spec.segments.push(Segment {
-        name: "fc2".into(),
+        name: "down_proj".into(),
         module: "mlp".into(),
         flops: 2.0 * lf * ff * cf + lf * cf,
         inputs: vec!["act".into(), "x2".into()],
         outputs: vec![],
     });
     spec
+}
+
+/// A Mixtral layer (the Llama layer with a top-`top_k`-of-`experts` mixture of SwiGLU experts, `s.ffn` wide each)
+/// as longctx's reference trainer saves it: the Llama tensors up to `h2`, then the router's `router_probs`
+/// (`[L, E]`, f32), `topk_w` (`[L, K]`, f32) and `routing` (the dispatch order: four `u32` per routed row and the
+/// `E + 1` row offsets), and over the `N = L·K` dispatched rows the experts' `gate`, `up`, `act` (`[N, F]`) and
+/// outputs `ye` (`[N, C]`, the weighted combine's input).
+pub fn mixtral_layer(s: &crate::LlamaLayerShape, experts: u64, top_k: u64) -> LayerSpec {
+    let mut spec = crate::llama_layer(s);
+    let (l, e, f, c) = (s.tokens, s.elem_bytes, s.ffn, s.d_model);
+    let n = l * top_k;
+    let t = |name: &str, bytes: u64| SavedTensor { name: name.into(), bytes };
+    let seg = |name: &str, module: &str, flops: f64, inputs: &[&str], outputs: Vec<SavedTensor>| Segment {
+        name: name.into(),
+        module: module.into(),
+        flops,
+        inputs: inputs.iter().map(|s| s.to_string()).collect(),
+        outputs,
+    };
+    let (lf, nf, cf, ff, ef) = (l as f64, n as f64, c as f64, f as f64, experts as f64);
+    spec.segments.retain(|seg| !matches!(seg.name.as_str(), "gate_up" | "swiglu" | "down_proj"));
+    let routing = 16 * n + 8 * (experts + 1);
+    spec.segments.extend([
+        seg(
+            "router",
+            "moe",
+            2.0 * lf * cf * ef + 5.0 * lf * ef,
+            &["h2"],
+            vec![t("router_probs", l * experts * 4), t("topk_w", l * top_k * 4), t("routing", routing)],
+        ),
+        seg("gate_up", "mlp", 4.0 * nf * cf * ff, &["h2", "routing"], vec![t("gate", n * f * e), t("up", n * f * e)]),
+        seg("swiglu", "mlp_act", 5.0 * nf * ff, &["gate", "up"], vec![t("act", n * f * e)]),
+        seg("down_proj", "mlp", 2.0 * nf * ff * cf, &["act"], vec![t("ye", n * c * e)]),
+        // Saves nothing (its output is the next layer's input), so no policy reruns it.
+        seg("combine", "moe", 2.0 * nf * cf + lf * cf, &["ye", "topk_w", "routing", "x2"], vec![]),
+    ]);
+    let (ls, q) = (l / s.seq_shard.max(1), s.heads * s.head_dim);
+    // The backward holds the `[L, C]` gradients, the dispatched `[N, F]` ones and the regathered `[N, C]` input.
+    spec.backward_working_bytes = (4 * ls * c + 3 * n * f + 3 * n * c + 2 * l * q) * e + l * experts * 8;
+    spec
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_family_layers_are_well_formed_and_name_the_trainers_tensors() {
+        let s = crate::LlamaLayerShape {
+            tokens: 1024,
+            seq_len: 2048,
+            d_model: 128,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 32,
+            ffn: 256,
+            elem_bytes: 4,
+            seq_shard: 1,
+        };
+        let m = mixtral_layer(&s, 4, 2);
+        m.validate().unwrap();
+        let names: Vec<&str> = m.tensors().map(|t| t.name.as_str()).collect();
+        for n in ["router_probs", "topk_w", "routing", "gate", "up", "act", "ye"] {
+            assert!(names.contains(&n), "{n} in {names:?}");
+        }
+        // Top-2 doubles the dispatched MLP tensors over a dense layer's.
+        let dense = crate::llama_layer(&s);
+        let act = |l: &LayerSpec| l.tensors().find(|t| t.name == "act").map_or(0, |t| t.bytes);
+        assert_eq!(act(&m), 2 * act(&dense));
+        let n = nemotron_layer(&s);
+        n.validate().unwrap();
+        assert!(n.tensors().any(|t| t.name == "up") && !n.tensors().any(|t| t.name == "gate"));
+    }
 }

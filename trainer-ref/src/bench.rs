@@ -1,7 +1,8 @@
-//! `longctx bench`: the trainer beside PyTorch eager on CPU (`bench/peer_train.py`), the same tiny Llama at
+//! `longctx bench`: the trainer beside PyTorch eager on CPU (`bench/peer_train.py`), the same tiny model at
 //! several sequence lengths, in one run: tokens/s, MFU against the GEMM peak measured here, and peak RSS, each
 //! side in its own process so its peak memory is its own; then the per-rank activation memory of CP 4 beside
-//! CP 1 at the longest length.
+//! CP 1 at the longest length. `--family mixtral|nemotron` benches that family's tiny recipe (`tiny-mixtral`,
+//! `tiny-nemotron`) against the peer's model of the same family.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -9,7 +10,7 @@ use std::process::Command;
 use crate::error::{Result, TrainError};
 use crate::metrics::{flops_per_token, measure_peak_flops};
 use crate::model::param_shapes;
-use crate::recipe::Recipe;
+use crate::recipe::{Family, Recipe};
 
 /// What to compare.
 #[derive(Debug, Clone)]
@@ -30,6 +31,58 @@ pub struct BenchOptions {
     pub recompute: Vec<String>,
     /// Times each side runs per row, alternating (medians are printed).
     pub rounds: usize,
+    /// The model family (its tiny recipe; the Llama rows use the bench model below).
+    pub family: Family,
+}
+
+/// The recipe a family's rows train.
+pub fn bench_recipe(family: Family) -> &'static str {
+    match family {
+        Family::Llama => "tiny-llama",
+        Family::Mixtral => "tiny-mixtral",
+        Family::Nemotron => "tiny-nemotron",
+    }
+}
+
+/// The overrides of a family's row: the bench model for Llama, the tiny recipe's own model otherwise; batch 1,
+/// `steps + 1` steps, no evaluation or checkpoint beyond the last.
+pub fn family_overrides(family: Family, seq: usize, steps: u64, dtype: &str) -> Vec<String> {
+    let mut sets = bench_overrides(seq, steps, dtype);
+    if family != Family::Llama {
+        sets.retain(|s| !s.starts_with("model."));
+    }
+    sets
+}
+
+/// The peer's model arguments for `recipe`'s model.
+fn peer_model_args(recipe: &Recipe) -> Vec<String> {
+    let m = &recipe.model;
+    let mut a = vec![
+        "--family".to_string(),
+        m.family.name().into(),
+        "--layers".into(),
+        m.layers.to_string(),
+        "--d-model".into(),
+        m.d_model.to_string(),
+        "--heads".into(),
+        m.heads.to_string(),
+        "--kv-heads".into(),
+        m.kv_heads.to_string(),
+        "--ffn".into(),
+        m.ffn.to_string(),
+        "--vocab".into(),
+        m.vocab.to_string(),
+        "--theta".into(),
+        m.rope_theta.to_string(),
+    ];
+    if let Some(e) = m.experts() {
+        a.extend(["--experts".into(), e.experts.to_string(), "--top-k".into(), e.top_k.to_string()]);
+        a.extend(["--aux-coef".into(), e.aux_loss_coef.to_string()]);
+    }
+    if let Some(f) = m.partial_rotary_factor {
+        a.extend(["--rotary-factor".into(), f.to_string()]);
+    }
+    a
 }
 
 /// The bench model: the peer's (4 layers, d 256, 4 heads / 2 KV heads, SwiGLU 688, byte vocabulary).
@@ -62,10 +115,10 @@ struct Side {
     loss_first: f64,
 }
 
-fn ours(exe: &Path, out: &Path, sets: &[String], cp: usize) -> Result<Side> {
+fn ours(exe: &Path, out: &Path, recipe: &str, sets: &[String], cp: usize) -> Result<Side> {
     let _ = std::fs::remove_dir_all(out);
     let mut cmd = Command::new(exe);
-    cmd.args(["train", "--recipe", "tiny-llama", "--quiet", "--out"]).arg(out).args(["--cp", &cp.to_string()]);
+    cmd.args(["train", "--recipe", recipe, "--quiet", "--out"]).arg(out).args(["--cp", &cp.to_string()]);
     for s in sets {
         cmd.args(["--set", s]);
     }
@@ -100,9 +153,9 @@ fn recompute_table(exe: &Path, opts: &BenchOptions) -> Result<()> {
         let mut policies = vec!["none".to_string()];
         policies.extend(opts.recompute.iter().filter(|p| *p != "none").cloned());
         for p in &policies {
-            let mut sets = bench_overrides(seq, opts.steps, dtype);
+            let mut sets = family_overrides(opts.family, seq, opts.steps, dtype);
             sets.push(format!("train.recompute=\"{p}\""));
-            let s = ours(exe, &opts.scratch.join(format!("rc-{seq}")), &sets, 1)?;
+            let s = ours(exe, &opts.scratch.join(format!("rc-{seq}")), bench_recipe(opts.family), &sets, 1)?;
             let b = *base.get_or_insert(s);
             println!(
                 "| {seq} | {p} | {:.2} | {:.2}× | {:.1} MiB | {:.1} MiB | {:.2}× | {:.0} MiB |",
@@ -118,10 +171,11 @@ fn recompute_table(exe: &Path, opts: &BenchOptions) -> Result<()> {
     Ok(())
 }
 
-fn peer(python: &str, script: &Path, seq: usize, steps: u64, dtype: &str) -> Result<Option<Side>> {
+fn peer(python: &str, script: &Path, model: &[String], seq: usize, steps: u64, dtype: &str) -> Result<Option<Side>> {
     let o = Command::new(python)
         .arg(script)
         .args(["--seq", &seq.to_string(), "--steps", &steps.to_string(), "--dtype", dtype])
+        .args(model)
         .output()
         .map_err(|e| TrainError::io(python, e))?;
     let text = String::from_utf8_lossy(&o.stdout);
@@ -157,9 +211,16 @@ pub fn run(opts: &BenchOptions) -> Result<()> {
     }
     let peak = measure_peak_flops()?;
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    println!(
-        "# longctx bench: tiny Llama (4 layers, d 256, 4/2 heads, SwiGLU 688, vocab 257), batch 1, {threads} threads"
-    );
+    let name = bench_recipe(opts.family);
+    match opts.family {
+        Family::Llama => println!(
+            "# longctx bench: tiny Llama (4 layers, d 256, 4/2 heads, SwiGLU 688, vocab 257), batch 1, {threads} threads"
+        ),
+        _ => println!(
+            "# longctx bench: {name} ({}), batch 1, {threads} threads",
+            Recipe::load(name, &[])?.description
+        ),
+    }
     println!(
         "# GEMM peak measured here: {:.1} GFLOP/s; MFU = model FLOPs/s over it; {} timed steps after one untimed; \
          median of {} alternating rounds",
@@ -171,17 +232,18 @@ pub fn run(opts: &BenchOptions) -> Result<()> {
     println!("|---|---|---|---|---|---|---|---|---|---|");
     for &seq in &opts.seqs {
         for dtype in &opts.dtypes {
-            let sets = bench_overrides(seq, opts.steps, dtype);
-            let recipe = Recipe::load("tiny-llama", &sets)?;
+            let sets = family_overrides(opts.family, seq, opts.steps, dtype);
+            let recipe = Recipe::load(name, &sets)?;
+            let model_args = peer_model_args(&recipe);
             let weights: usize = param_shapes(&recipe.model).iter().map(|(_, d)| d.iter().product::<usize>()).sum();
             let fpt = flops_per_token(&recipe, weights);
             // Alternate the two sides `rounds` times and keep each side's median, so load that comes and goes
             // falls on both.
             let (mut us_runs, mut them_runs) = (Vec::new(), Vec::new());
             for _ in 0..opts.rounds.max(1) {
-                us_runs.push(ours(&exe, &opts.scratch.join(format!("ours-{seq}-{dtype}")), &sets, 1)?);
+                us_runs.push(ours(&exe, &opts.scratch.join(format!("ours-{seq}-{dtype}")), name, &sets, 1)?);
                 if let Some(py) = &opts.python {
-                    if let Some(p) = peer(py, &script, seq, opts.steps, dtype)? {
+                    if let Some(p) = peer(py, &script, &model_args, seq, opts.steps, dtype)? {
                         them_runs.push(p);
                     }
                 }
@@ -210,12 +272,12 @@ pub fn run(opts: &BenchOptions) -> Result<()> {
     if opts.cp > 1 {
         let seq = *opts.seqs.iter().max().unwrap_or(&4096);
         let dtype = opts.dtypes.first().map_or("f32", String::as_str);
-        let sets = bench_overrides(seq, 0, dtype);
+        let sets = family_overrides(opts.family, seq, 0, dtype);
         println!();
         println!("| seq | dtype | CP | activations saved per rank | step-1 loss | process peak RSS |");
         println!("|---|---|---|---|---|---|");
         for cp in [1, opts.cp] {
-            let s = ours(&exe, &opts.scratch.join(format!("cp{cp}-{seq}")), &sets, cp)?;
+            let s = ours(&exe, &opts.scratch.join(format!("cp{cp}-{seq}")), name, &sets, cp)?;
             println!(
                 "| {seq} | {dtype} | {cp} | {:.1} MiB | {:.6} | {:.0} MiB (all {cp} ranks) |",
                 s.saved_mib_per_rank, s.loss_first, s.peak_rss_mib

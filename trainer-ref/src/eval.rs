@@ -12,7 +12,7 @@ use crate::checkpoint::{self, LoadedTensor};
 use crate::data::{encode, Sequence, EOT};
 use crate::error::{Result, TrainError};
 use crate::hf::HfCheckpoint;
-use crate::model::{param_shapes, Llama, Params};
+use crate::model::{param_shapes, Model, Params};
 use crate::recipe::{ModelConfig, Recipe};
 use crate::train::{local_share, plan_for};
 
@@ -122,7 +122,7 @@ pub fn evaluate_tensors(
         for (t, src) in weights.tensors.iter_mut().zip(tensors) {
             backend.copy(t.view_mut(), View::new(&src.data, src.dims.as_slice())?)?;
         }
-        let mut model = Llama::new(recipe.model.clone(), weights, backend.clone())?;
+        let mut model = Model::new(recipe.model.clone(), weights, backend.clone())?;
         model.set_sequence_length(seq)?;
         let cfg = CpConfig { partition: recipe.partition()?, schedule: recipe.schedule()?, scale: None };
         let cp = ContextParallel::new(comm, backend, cfg)?;

@@ -1,6 +1,6 @@
 //! `longctx-trainer`: the reference trainer, where every longctx crate meets (binary `longctx`).
 //!
-//! A Llama 3 style decoder ([`model`]) computed through the kernels' [`Backend`](longctx_kernels::Backend),
+//! A Llama 3, Mixtral or Nemotron-4 style decoder ([`model`]) computed through the kernels' [`Backend`](longctx_kernels::Backend),
 //! its attention through `longctx-ring-attn`'s planned [`ContextParallel`](longctx_ring_attn::ContextParallel),
 //! trained over `cp × dp` ranks of `longctx-p2p` ([`train`]) on the packed documents of a real corpus
 //! ([`data`]), configured by TOML recipes ([`recipe`]), reporting to a progress bar and a metrics file

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use longctx_trainer::recipe::{Recipe, RopeScalingConfig, BUILTIN};
+use longctx_trainer::recipe::{Family, Recipe, RopeScalingConfig, BUILTIN};
 use longctx_trainer::train::{train_from, RunOptions};
 use longctx_trainer::{eval, hf, plot, Result, TrainError};
 
@@ -131,6 +131,9 @@ enum Command {
         /// Alternating rounds per row (medians printed).
         #[arg(long, default_value_t = 1)]
         rounds: usize,
+        /// The model family: `llama` (the bench model), `mixtral` or `nemotron` (their tiny recipes).
+        #[arg(long, default_value = "llama")]
+        family: String,
     },
     /// Per-device memory and step time of a model at a length and layout, and the cheapest recompute policy
     /// that fits (longctx-recompute's planner).
@@ -260,8 +263,16 @@ fn run(cli: Cli) -> Result<()> {
                 println!("{name:<18} {}", r.description);
             }
         }
-        Command::Bench { seqs, steps, dtypes, python, cp, recompute, rounds } => {
+        Command::Bench { seqs, steps, dtypes, python, cp, recompute, rounds, family } => {
             let python = (python != "none").then_some(python);
+            let family = match family.as_str() {
+                "llama" => Family::Llama,
+                "mixtral" => Family::Mixtral,
+                "nemotron" => Family::Nemotron,
+                other => {
+                    return Err(TrainError::Config(format!("--family `{other}` (llama, mixtral or nemotron)")));
+                }
+            };
             let scratch = std::env::temp_dir().join(format!("longctx-bench-{}", std::process::id()));
             longctx_trainer::bench::run(&longctx_trainer::bench::BenchOptions {
                 seqs,
@@ -272,6 +283,7 @@ fn run(cli: Cli) -> Result<()> {
                 scratch,
                 recompute,
                 rounds,
+                family,
             })?;
         }
         Command::Plan(a) if a.calibrate => longctx_trainer::plan_cmd::calibrate(a.efficiency)?,

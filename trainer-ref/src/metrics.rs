@@ -32,7 +32,12 @@ pub struct Meter {
 /// FLOPs of one token's forward and backward (see the module docs).
 pub fn flops_per_token(recipe: &Recipe, weights: usize) -> f64 {
     let m = &recipe.model;
-    let matmul_weights = weights - m.vocab * m.d_model - (2 * m.layers + 1) * m.d_model;
+    // Norm weights (and LayerNorm biases) multiply nothing; the embedding is a lookup, unless it is also the
+    // output projection; a token meets only its `top_k` experts of a mixture.
+    let norms = (2 * m.layers + 1) * m.d_model * if m.family == crate::recipe::Family::Nemotron { 2 } else { 1 };
+    let lookup = if m.tie_embeddings { 0 } else { m.vocab * m.d_model };
+    let idle_experts = m.experts().map_or(0, |e| m.layers * (e.experts - e.top_k) * 3 * m.d_model * m.ffn);
+    let matmul_weights = weights - lookup - norms - idle_experts;
     6.0 * matmul_weights as f64 + 6.0 * (m.layers * m.heads * m.head_dim() * recipe.train.seq_len) as f64
 }
 

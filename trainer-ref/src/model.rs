@@ -1,6 +1,12 @@
-//! The Llama 3 style decoder: RMSNorm, RoPE (with Llama 3 frequency scaling), grouped-query attention through
-//! context-parallel ring attention, a SwiGLU MLP, untied embeddings, and the output projection fused with the
+//! The decoder of every [`Family`]: Llama 3 (RMSNorm, RoPE with Llama 3 frequency scaling, grouped-query
+//! attention through context-parallel ring attention, a SwiGLU MLP), Mixtral (the same layer with a top-k mixture
+//! of SwiGLU experts and a load-balancing loss, [`moe`]) and Nemotron-4 (LayerNorm with zero-centred weight and
+//! bias, partial RoPE, a squared-ReLU MLP); embeddings untied or tied, and the output projection fused with the
 //! loss in chunks of tokens, so `[tokens, vocab]` logits never exist at once.
+//!
+//! One model, not three: the families share the attention block and differ in their norms and MLP, which the
+//! layer's forward, rebuild and backward choose by the tensors' layout (the private `layout` module's `MlpIx`,
+//! a norm with or without a bias), so the recompute and offload machinery below serves every family unchanged.
 //!
 //! Every computation is a call of the [`Backend`] the model was given, on buffers the backend allocated: a CUDA
 //! backend changes nothing here. Each layer's forward returns what its backward needs as a named struct
@@ -9,68 +15,39 @@
 //! (llm.c's `gpt2_backward`).
 //!
 //! Shapes: `L` tokens on this rank, `C` the model width, `Hq`/`Hkv` query and KV heads of width `D`, `F` the MLP
-//! width, `V` the vocabulary. Activations are `[L, C]` token-major; attention works head-major `[1, H, L, D]`.
+//! width (of one expert), `V` the vocabulary, `E` experts, `K` experts per token, `N = L·K` tokens dispatched to
+//! experts. Activations are `[L, C]` token-major; attention works head-major `[1, H, L, D]`.
+
+mod layout;
+pub mod moe;
 
 use std::sync::Arc;
 
 use longctx_kernels::HostVec;
 use longctx_kernels::{
-    AttnGrads, AttnOut, AttnSaved, Backend, Buffer, CrossEntropyOptions, DType, Dims, GradMode, IntoDims, LinearGrads,
-    LinearSaved, NormGrads, NormParams, ProjectionGrads, Qkv, RmsNormSaved, RopeTable, SwigluSaved, View,
+    AttnGrads, AttnOut, AttnSaved, Backend, Buffer, CrossEntropyOptions, DType, Dims, GradMode, IntoDims,
+    LayerNormSaved, LinearGrads, LinearSaved, MoeRouterSaved, NormGrads, NormParams, ProjectionGrads, Qkv,
+    RmsNormSaved, RopeTable, Routing, SquaredReluSaved, SwigluSaved, View,
 };
 use longctx_offload::{Activation, HostTensor, OffloadEngine, Ticket};
 use longctx_recompute::{Action, LayerActions};
 use longctx_ring_attn::CpPlan;
 
 use crate::error::{Result, TrainError};
-use crate::recipe::ModelConfig;
+use crate::recipe::{Family, ModelConfig};
 use crate::rope_scaling::rope_config;
-
-/// Tensors per decoder layer, in [`Params`] order.
-const PER_LAYER: usize = 9;
-/// Index of each tensor within a layer.
-const ATTN_NORM: usize = 0;
-const WQ: usize = 1;
-const WK: usize = 2;
-const WV: usize = 3;
-const WO: usize = 4;
-const MLP_NORM: usize = 5;
-const W_GATE: usize = 6;
-const W_UP: usize = 7;
-const W_DOWN: usize = 8;
+pub use layout::param_shapes;
+use layout::{Layout, MlpIx, NormIx};
+pub use moe::MoeStats;
 
 /// The model's tensors (weights, or their gradients, or an optimizer moment), one buffer each, named as in a
-/// Hugging Face Llama checkpoint, in a fixed order: the embedding, each layer's nine, the final norm, the head.
+/// Hugging Face checkpoint of the family, in a fixed order (see [`param_shapes`]).
 #[derive(Debug)]
 pub struct Params {
     /// Hugging Face names (`model.layers.3.self_attn.q_proj.weight`).
     pub names: Vec<String>,
     /// One buffer per name.
     pub tensors: Vec<Buffer>,
-}
-
-/// The dims of every tensor of a model, with its Hugging Face name, in [`Params`] order.
-pub fn param_shapes(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
-    let (c, f, v, d) = (cfg.d_model, cfg.ffn, cfg.vocab, cfg.head_dim());
-    let (q, kv) = (cfg.heads * d, cfg.kv_heads * d);
-    let mut out = vec![("model.embed_tokens.weight".to_string(), vec![v, c])];
-    for l in 0..cfg.layers {
-        let p = format!("model.layers.{l}");
-        out.extend([
-            (format!("{p}.input_layernorm.weight"), vec![c]),
-            (format!("{p}.self_attn.q_proj.weight"), vec![q, c]),
-            (format!("{p}.self_attn.k_proj.weight"), vec![kv, c]),
-            (format!("{p}.self_attn.v_proj.weight"), vec![kv, c]),
-            (format!("{p}.self_attn.o_proj.weight"), vec![c, q]),
-            (format!("{p}.post_attention_layernorm.weight"), vec![c]),
-            (format!("{p}.mlp.gate_proj.weight"), vec![f, c]),
-            (format!("{p}.mlp.up_proj.weight"), vec![f, c]),
-            (format!("{p}.mlp.down_proj.weight"), vec![c, f]),
-        ]);
-    }
-    out.push(("model.norm.weight".to_string(), vec![c]));
-    out.push(("lm_head.weight".to_string(), vec![v, c]));
-    out
 }
 
 impl Params {
@@ -84,22 +61,21 @@ impl Params {
         Ok(Params { names, tensors })
     }
 
-    /// The initial weights (`f32`): norms 1, matrices normal with `init_std` (residual output projections
-    /// divided by `√(2·layers)`, GPT-2's rule), from a generator seeded by `seed` alone, so every rank draws the
-    /// same weights.
+    /// The initial weights (`f32`): norms 1 (Nemotron's zero-centred LayerNorm weights 0, so effectively 1, and
+    /// biases 0), matrices normal with `init_std` (residual output projections divided by `√(2·layers)`, GPT-2's
+    /// rule), from a generator seeded by `seed` alone, so every rank draws the same weights.
     pub fn init(backend: &dyn Backend, cfg: &ModelConfig, seed: u64) -> Result<Params> {
         let mut p = Params::zeros(backend, cfg, DType::F32)?;
         let mut rng = Rng::new(seed);
         let resid = cfg.init_std / ((2 * cfg.layers) as f32).sqrt();
+        let zero_centred = cfg.family == Family::Nemotron;
         for (name, t) in p.names.iter().zip(p.tensors.iter_mut()) {
             let host: Vec<f32> = if t.dims().len() == 1 {
-                vec![1.0; t.len()]
+                let one = if zero_centred || name.ends_with(".bias") { 0.0 } else { 1.0 };
+                vec![one; t.len()]
             } else {
-                let std = if name.ends_with("o_proj.weight") || name.ends_with("down_proj.weight") {
-                    resid
-                } else {
-                    cfg.init_std
-                };
+                let residual = ["o_proj.weight", "down_proj.weight", ".w2.weight"].iter().any(|s| name.ends_with(s));
+                let std = if residual { resid } else { cfg.init_std };
                 (0..t.len()).map(|_| rng.normal() * std).collect()
             };
             let dims = t.dims().to_vec();
@@ -144,12 +120,16 @@ impl Rng {
 }
 
 /// What one decoder layer's forward keeps for its backward. `x` is the layer's input; the others are named by
-/// the op that made them.
+/// the op that made them. The `Option` fields belong to some families only (`None` in the others): LayerNorm's
+/// means (Nemotron), the gate (Llama, Mixtral), the router's and experts' tensors (Mixtral). In a Mixtral layer
+/// `gate`, `up` and `act` hold the `N = L·K` dispatched rows, grouped by expert.
 #[derive(Debug)]
 pub struct LayerSaved {
     /// The layer's input `[L, C]` (saved by the attention norm and the residual).
     pub x: Buffer,
-    /// Attention norm: `1/rms` per token `[L]`, `f32`.
+    /// Attention LayerNorm: mean per token `[L]`, `f32` (Nemotron).
+    pub mean1: Option<Buffer>,
+    /// Attention norm: `1/rms` (or LayerNorm's `1/std`) per token `[L]`, `f32`.
     pub rstd1: Buffer,
     /// Attention norm output `[L, C]`: the input of the Q, K and V projections.
     pub h1: Buffer,
@@ -165,42 +145,82 @@ pub struct LayerSaved {
     pub lse: Buffer,
     /// The residual after attention `[L, C]`: the MLP norm's input.
     pub x2: Buffer,
-    /// MLP norm: `1/rms` per token `[L]`, `f32`.
+    /// MLP LayerNorm: mean per token `[L]`, `f32` (Nemotron).
+    pub mean2: Option<Buffer>,
+    /// MLP norm: `1/rms` (or `1/std`) per token `[L]`, `f32`.
     pub rstd2: Buffer,
-    /// MLP norm output `[L, C]`: the gate and up projections' input.
+    /// MLP norm output `[L, C]`: the MLP's (and the router's) input.
     pub h2: Buffer,
-    /// Gate projection `[L, F]`.
-    pub gate: Buffer,
-    /// Up projection `[L, F]`.
+    /// Router probabilities `[L, E]`, `f32` (Mixtral).
+    pub router_probs: Option<Buffer>,
+    /// Each token's renormalised top-k weights `[L, K]`, `f32` (Mixtral).
+    pub topk_w: Option<Buffer>,
+    /// Which experts each token goes to and the dispatch order (Mixtral; host metadata).
+    pub routing: Option<Routing>,
+    /// Gate projection `[L, F]` (`[N, F]` for the experts' `w1`); not in Nemotron's MLP.
+    pub gate: Option<Buffer>,
+    /// Up projection `[L, F]` (`[N, F]`, the experts' `w3`): the activation's input.
     pub up: Buffer,
-    /// SwiGLU output `[L, F]`: the down projection's input.
+    /// SwiGLU or squared-ReLU output `[L, F]` (`[N, F]`): the down projection's input.
     pub act: Buffer,
+    /// The experts' outputs `[N, C]` before their weighted sum (Mixtral).
+    pub ye: Option<Buffer>,
 }
 
+/// The names of a layer's saved tensors (all families), in [`LayerSaved`] order; `routing` is metadata.
+pub const SAVED_NAMES: [&str; 20] = [
+    "x",
+    "mean1",
+    "rstd1",
+    "h1",
+    "q",
+    "k",
+    "v",
+    "o",
+    "lse",
+    "x2",
+    "mean2",
+    "rstd2",
+    "h2",
+    "router_probs",
+    "topk_w",
+    "routing",
+    "gate",
+    "up",
+    "act",
+    "ye",
+];
+
 impl LayerSaved {
-    /// The fields with their names, for recompute and offload policies.
-    pub fn fields(&self) -> [(&'static str, &Buffer); 14] {
-        [
-            ("x", &self.x),
-            ("rstd1", &self.rstd1),
-            ("h1", &self.h1),
-            ("q", &self.q),
-            ("k", &self.k),
-            ("v", &self.v),
-            ("o", &self.o),
-            ("lse", &self.lse),
-            ("x2", &self.x2),
-            ("rstd2", &self.rstd2),
-            ("h2", &self.h2),
-            ("gate", &self.gate),
-            ("up", &self.up),
-            ("act", &self.act),
-        ]
+    /// The buffers with their names, for recompute and offload policies (the family's only).
+    pub fn fields(&self) -> Vec<(&'static str, &Buffer)> {
+        let all: [(&'static str, Option<&Buffer>); 19] = [
+            ("x", Some(&self.x)),
+            ("mean1", self.mean1.as_ref()),
+            ("rstd1", Some(&self.rstd1)),
+            ("h1", Some(&self.h1)),
+            ("q", Some(&self.q)),
+            ("k", Some(&self.k)),
+            ("v", Some(&self.v)),
+            ("o", Some(&self.o)),
+            ("lse", Some(&self.lse)),
+            ("x2", Some(&self.x2)),
+            ("mean2", self.mean2.as_ref()),
+            ("rstd2", Some(&self.rstd2)),
+            ("h2", Some(&self.h2)),
+            ("router_probs", self.router_probs.as_ref()),
+            ("topk_w", self.topk_w.as_ref()),
+            ("gate", self.gate.as_ref()),
+            ("up", Some(&self.up)),
+            ("act", Some(&self.act)),
+            ("ye", self.ye.as_ref()),
+        ];
+        all.into_iter().filter_map(|(n, b)| b.map(|b| (n, b))).collect()
     }
 
-    /// Bytes held.
+    /// Bytes held (buffers and routing metadata).
     pub fn bytes(&self) -> usize {
-        self.fields().iter().map(|(_, b)| b.bytes()).sum()
+        self.fields().iter().map(|(_, b)| b.bytes()).sum::<usize>() + self.routing.as_ref().map_or(0, Routing::bytes)
     }
 
     /// Bytes one layer's forward over `l` tokens saves, from the shapes alone (equals [`LayerSaved::bytes`]).
@@ -214,24 +234,33 @@ impl LayerSaved {
             kv_len: l,
             head_dim: d,
         };
-        2 * RmsNormSaved::bytes_for(l, c, dtype)
-            + 2 * LinearSaved::bytes_for(l, c, dtype)
-            + AttnSaved::bytes_for(&attn, dtype)
-            + SwigluSaved::bytes_for(l, f, dtype)
-            + LinearSaved::bytes_for(l, f, dtype)
+        let norms = if cfg.family == Family::Nemotron {
+            2 * LayerNormSaved::bytes_for(l, c, dtype)
+        } else {
+            2 * RmsNormSaved::bytes_for(l, c, dtype)
+        };
+        let mlp = match (cfg.family, cfg.experts()) {
+            (Family::Nemotron, _) => SquaredReluSaved::bytes_for(l, f, dtype) + LinearSaved::bytes_for(l, f, dtype),
+            (Family::Mixtral, Some(m)) => {
+                let n = l * m.top_k;
+                MoeRouterSaved::bytes_for(l, m.experts, m.top_k)
+                    + SwigluSaved::bytes_for(n, f, dtype)
+                    + LinearSaved::bytes_for(n, f, dtype)
+                    + n * c * dtype.size()
+            }
+            _ => SwigluSaved::bytes_for(l, f, dtype) + LinearSaved::bytes_for(l, f, dtype),
+        };
+        norms + 2 * LinearSaved::bytes_for(l, c, dtype) + AttnSaved::bytes_for(&attn, dtype) + mlp
     }
 }
 
-/// The names of a layer's saved tensors, in [`LayerSaved`] order.
-pub const SAVED_NAMES: [&str; 14] =
-    ["x", "rstd1", "h1", "q", "k", "v", "o", "lse", "x2", "rstd2", "h2", "gate", "up", "act"];
-
 /// A layer's saved tensors after its recompute policy: each one kept, or dropped to be rebuilt before the
-/// backward (fields as in [`LayerSaved`]).
+/// backward (fields as in [`LayerSaved`]; a family's absent tensors stay `None`).
 #[derive(Debug, Default)]
 #[allow(missing_docs)]
 pub struct KeptLayer {
     pub x: Option<Buffer>,
+    pub mean1: Option<Buffer>,
     pub rstd1: Option<Buffer>,
     pub h1: Option<Buffer>,
     pub q: Option<Buffer>,
@@ -240,11 +269,17 @@ pub struct KeptLayer {
     pub o: Option<Buffer>,
     pub lse: Option<Buffer>,
     pub x2: Option<Buffer>,
+    pub mean2: Option<Buffer>,
     pub rstd2: Option<Buffer>,
     pub h2: Option<Buffer>,
+    pub router_probs: Option<Buffer>,
+    pub topk_w: Option<Buffer>,
+    /// Host metadata: kept unless the policy recomputes `routing` (offloading it keeps it in place).
+    pub routing: Option<Routing>,
     pub gate: Option<Buffer>,
     pub up: Option<Buffer>,
     pub act: Option<Buffer>,
+    pub ye: Option<Buffer>,
     /// Tensors handed to the offload engine, by field name.
     pub away: Vec<(&'static str, Ticket<Activation>)>,
 }
@@ -253,6 +288,7 @@ impl KeptLayer {
     fn slot(&mut self, name: &str) -> Option<&mut Option<Buffer>> {
         Some(match name {
             "x" => &mut self.x,
+            "mean1" => &mut self.mean1,
             "rstd1" => &mut self.rstd1,
             "h1" => &mut self.h1,
             "q" => &mut self.q,
@@ -261,11 +297,15 @@ impl KeptLayer {
             "o" => &mut self.o,
             "lse" => &mut self.lse,
             "x2" => &mut self.x2,
+            "mean2" => &mut self.mean2,
             "rstd2" => &mut self.rstd2,
             "h2" => &mut self.h2,
+            "router_probs" => &mut self.router_probs,
+            "topk_w" => &mut self.topk_w,
             "gate" => &mut self.gate,
             "up" => &mut self.up,
             "act" => &mut self.act,
+            "ye" => &mut self.ye,
             _ => return None,
         })
     }
@@ -311,6 +351,7 @@ impl KeptLayer {
     pub fn bytes(&self) -> usize {
         [
             &self.x,
+            &self.mean1,
             &self.rstd1,
             &self.h1,
             &self.q,
@@ -319,15 +360,20 @@ impl KeptLayer {
             &self.o,
             &self.lse,
             &self.x2,
+            &self.mean2,
             &self.rstd2,
             &self.h2,
+            &self.router_probs,
+            &self.topk_w,
             &self.gate,
             &self.up,
             &self.act,
+            &self.ye,
         ]
         .iter()
         .map(|b| b.as_ref().map_or(0, Buffer::bytes))
-        .sum()
+        .sum::<usize>()
+            + self.routing.as_ref().map_or(0, Routing::bytes)
     }
 }
 
@@ -345,9 +391,37 @@ impl LayerSaved {
                 ))),
             }
         };
-        let LayerSaved { x, rstd1, h1, q, k: kk, v, o, lse, x2, rstd2, h2, gate, up, act } = self;
+        let opt = |name: &'static str, b: Option<Buffer>| -> Result<Option<Buffer>> {
+            match b {
+                Some(b) => k(name, b),
+                None => Ok(None),
+            }
+        };
+        let LayerSaved {
+            x,
+            mean1,
+            rstd1,
+            h1,
+            q,
+            k: kk,
+            v,
+            o,
+            lse,
+            x2,
+            mean2,
+            rstd2,
+            h2,
+            router_probs,
+            topk_w,
+            routing,
+            gate,
+            up,
+            act,
+            ye,
+        } = self;
         Ok(KeptLayer {
             x: k("x", x)?,
+            mean1: opt("mean1", mean1)?,
             rstd1: k("rstd1", rstd1)?,
             h1: k("h1", h1)?,
             q: k("q", q)?,
@@ -356,11 +430,16 @@ impl LayerSaved {
             o: k("o", o)?,
             lse: k("lse", lse)?,
             x2: k("x2", x2)?,
+            mean2: opt("mean2", mean2)?,
             rstd2: k("rstd2", rstd2)?,
             h2: k("h2", h2)?,
-            gate: k("gate", gate)?,
+            router_probs: opt("router_probs", router_probs)?,
+            topk_w: opt("topk_w", topk_w)?,
+            routing: routing.filter(|_| actions.of("routing") != Action::Recompute),
+            gate: opt("gate", gate)?,
             up: k("up", up)?,
             act: k("act", act)?,
+            ye: opt("ye", ye)?,
             away: Vec::new(),
         })
     }
@@ -379,10 +458,15 @@ pub struct ModelSaved {
     pub layers: Vec<KeptLayer>,
     /// The last layer's output `[L, C]`: the final norm's input.
     pub x_final: Buffer,
-    /// Final norm `1/rms` `[L]`.
+    /// Final LayerNorm mean `[L]` (Nemotron).
+    pub mean_final: Option<Buffer>,
+    /// Final norm `1/rms` (or `1/std`) `[L]`.
     pub rstd_final: Buffer,
     /// Final norm output `[L, C]`: the output projection's input.
     pub h_final: Buffer,
+    /// The routers' statistics over this rank's tokens and every layer (Mixtral): what the load-balancing loss
+    /// is formed from, once summed over every rank.
+    pub moe: Option<MoeStats>,
 }
 
 impl ModelSaved {
@@ -390,6 +474,7 @@ impl ModelSaved {
     pub fn bytes(&self) -> usize {
         self.layers.iter().map(KeptLayer::bytes).sum::<usize>()
             + self.x_final.bytes()
+            + self.mean_final.as_ref().map_or(0, Buffer::bytes)
             + self.rstd_final.bytes()
             + self.h_final.bytes()
     }
@@ -413,11 +498,14 @@ pub struct LossSpec<'a> {
     pub denominator: f64,
     /// Tokens per chunk of the fused output projection.
     pub chunk: usize,
+    /// Mixtral: the load-balancing loss's gradient with respect to each router probability `[E]`, the same for
+    /// every token and layer ([`MoeStats::prob_grad`] of the global statistics); `None` without experts.
+    pub moe_aux: Option<&'a [f32]>,
 }
 
 /// The model: its configuration, its weights in the working dtype, and the backend it computes on.
 #[derive(Debug)]
-pub struct Llama {
+pub struct Model {
     /// Shape.
     pub cfg: ModelConfig,
     /// The working weights (`f32`, or `bf16` copies of the `f32` master weights).
@@ -425,21 +513,32 @@ pub struct Llama {
     backend: Arc<dyn Backend>,
     rope: RopeTable,
     dtype: DType,
+    /// Where each tensor sits in `weights`.
+    ix: Layout,
+    /// `[C]` ones in the working dtype: the `+ 1` of zero-centred LayerNorm weights (Nemotron).
+    ones: Option<Buffer>,
     /// What each layer keeps for its backward (everything when empty).
     recompute: Vec<LayerActions>,
     /// Where kept tensors go between a layer's forward and its backward (`None`: they stay).
     offload: Option<Arc<OffloadEngine>>,
 }
 
+/// The first name the trainer gave its model, when it had one family.
+pub type Llama = Model;
+
 fn norm(weight: &Buffer, eps: f32) -> NormParams<'_> {
     NormParams { weight: weight.view(), bias: None, eps }
 }
 
-impl Llama {
+/// A norm's three outputs: LayerNorm's mean (`None` for RMSNorm), `1/rms` or `1/std`, and the normalised rows.
+type NormOut = (Option<Buffer>, Buffer, Buffer);
+
+impl Model {
     /// A model with `weights` (working dtype `dtype`) computing on `backend`.
-    pub fn new(cfg: ModelConfig, weights: Params, backend: Arc<dyn Backend>) -> Result<Llama> {
+    pub fn new(cfg: ModelConfig, weights: Params, backend: Arc<dyn Backend>) -> Result<Model> {
         let dtype = weights.tensors.first().map_or(DType::F32, Buffer::dtype);
-        let want = param_shapes(&cfg);
+        let ix = Layout::new(&cfg);
+        let want = &ix.shapes;
         if weights.tensors.len() != want.len() {
             return Err(TrainError::Config(format!("{} tensors for a model of {}", weights.tensors.len(), want.len())));
         }
@@ -455,15 +554,22 @@ impl Llama {
         }
         // Sequence length 0: the table of the original context (what transformers builds at start-up);
         // `set_sequence_length` rebuilds it for the scalings that depend on the length.
-        let rope = RopeTable::new(&rope_config(&cfg, 0))?;
-        Ok(Llama { cfg, weights, backend, rope, dtype, recompute: Vec::new(), offload: None })
+        let rope = rope_table(&cfg, 0)?;
+        let ones = if cfg.family == Family::Nemotron {
+            let mut o = backend.zeros(dtype, Dims::new(&[cfg.d_model])?)?;
+            backend.copy(o.view_mut(), View::new(&vec![1.0f32; cfg.d_model], [cfg.d_model])?)?;
+            Some(o)
+        } else {
+            None
+        };
+        Ok(Model { cfg, weights, backend, rope, dtype, ix, ones, recompute: Vec::new(), offload: None })
     }
 
     /// Builds the rotary table for sequences of `seq_len` tokens (the whole sequence, over every rank).
     /// `dynamic` and `longrope` scalings depend on it: transformers recomputes them per forward from
     /// `max(position) + 1`, which for a run of fixed sequence length is this, every step.
     pub fn set_sequence_length(&mut self, seq_len: usize) -> Result<()> {
-        self.rope = RopeTable::new(&rope_config(&self.cfg, seq_len))?;
+        self.rope = rope_table(&self.cfg, seq_len)?;
         Ok(())
     }
 
@@ -506,8 +612,8 @@ impl Llama {
         &self.backend
     }
 
-    fn w(&self, layer: usize, which: usize) -> &Buffer {
-        &self.weights.tensors[1 + layer * PER_LAYER + which]
+    fn t(&self, i: usize) -> &Buffer {
+        &self.weights.tensors[i]
     }
 
     fn buf(&self, dims: impl IntoDims) -> Result<Buffer> {
@@ -519,38 +625,141 @@ impl Llama {
     }
 
     /// One decoder layer: attention block then MLP block, each `x + f(norm(x))`; the segments are those
-    /// [`longctx_recompute::llama_layer`] describes, and a rebuild before the backward reruns the same ones.
-    fn layer_forward(&self, layer: usize, x: Buffer, plan: &mut CpPlan, pos: &[i64]) -> Result<(Buffer, LayerSaved)> {
-        let (rstd1, h1) = self.attn_norm(layer, &x)?;
+    /// [`longctx_recompute::llama_layer`] (and its Nemotron and Mixtral variants) describes, and a rebuild before
+    /// the backward reruns the same ones. Returns the layer's routing statistics too (Mixtral).
+    fn layer_forward(
+        &self,
+        layer: usize,
+        x: Buffer,
+        plan: &mut CpPlan,
+        pos: &[i64],
+    ) -> Result<(Buffer, LayerSaved, Option<MoeStats>)> {
+        let ix = &self.ix.layers[layer];
+        let (mean1, rstd1, h1) = self.norm_forward(ix.attn_norm, &x)?;
         let (q, k, v) = self.qkv_proj(layer, &h1, pos)?;
         let (o, lse) = self.core_attn(&q, &k, &v, plan)?;
         let x2 = self.o_proj(layer, &o, &x)?;
-        let (rstd2, h2) = self.mlp_norm(layer, &x2)?;
-        let (gate, up) = self.gate_up(layer, &h2)?;
-        let act = self.swiglu(&gate, &up)?;
-        let out = self.down_proj(layer, &act, &x2)?;
-        Ok((out, LayerSaved { x, rstd1, h1, q, k, v, o, lse, x2, rstd2, h2, gate, up, act }))
+        let (mean2, rstd2, h2) = self.norm_forward(ix.mlp_norm, &x2)?;
+        let (mut router_probs, mut topk_w, mut routing, mut ye, mut stats) = (None, None, None, None, None);
+        let (gate, up, act, out) = match &ix.mlp {
+            MlpIx::SwiGlu { gate: wg, up: wu, down } => {
+                let (gate, up) = self.gate_up(*wg, *wu, &h2)?;
+                let act = self.swiglu(&gate, &up)?;
+                let out = self.down_proj(*down, &act, &x2)?;
+                (Some(gate), up, act, out)
+            }
+            MlpIx::SquaredRelu { up: wu, down } => {
+                let up = self.up_proj(*wu, &h2)?;
+                let act = self.squared_relu(&up)?;
+                let out = self.down_proj(*down, &act, &x2)?;
+                (None, up, act, out)
+            }
+            MlpIx::Moe { router, experts } => {
+                let (p, w, r) = self.router(*router, &h2)?;
+                stats = Some(MoeStats::of(&r));
+                let (gate, up) = self.experts_gate_up(experts, &h2, &r.routing)?;
+                let act = self.swiglu(&gate, &up)?;
+                let y = self.experts_down(experts, &act, &r.routing)?;
+                let out = self.combine(&y, &w, &r.routing, &x2)?;
+                (router_probs, topk_w, routing, ye) = (Some(p), Some(w), Some(r.routing), Some(y));
+                (Some(gate), up, act, out)
+            }
+        };
+        let saved = LayerSaved {
+            x,
+            mean1,
+            rstd1,
+            h1,
+            q,
+            k,
+            v,
+            o,
+            lse,
+            x2,
+            mean2,
+            rstd2,
+            h2,
+            router_probs,
+            topk_w,
+            routing,
+            gate,
+            up,
+            act,
+            ye,
+        };
+        Ok((out, saved, stats))
     }
 
-    /// `h1 = rmsnorm(x)`.
-    fn attn_norm(&self, layer: usize, x: &Buffer) -> Result<(Buffer, Buffer)> {
+    /// `h = norm(x)`: RMSNorm, or (a norm with a bias, Nemotron) LayerNorm with the effective weight
+    /// `weight + 1` (zero-centred gamma, Hugging Face `NemotronLayerNorm1P`).
+    fn norm_forward(&self, n: NormIx, x: &Buffer) -> Result<NormOut> {
+        let b = &*self.backend;
         let l = x.dims()[0];
-        let (mut h1, mut rstd1) = (self.buf([l, self.cfg.d_model])?, self.buf_f32([l])?);
-        let p = norm(self.w(layer, ATTN_NORM), self.cfg.norm_eps);
-        self.backend.rmsnorm_forward(h1.view_mut(), rstd1.view_mut(), x.view(), &p)?;
-        Ok((rstd1, h1))
+        let (mut h, mut rstd) = (self.buf([l, self.cfg.d_model])?, self.buf_f32([l])?);
+        match n.bias {
+            None => {
+                b.rmsnorm_forward(h.view_mut(), rstd.view_mut(), x.view(), &norm(self.t(n.weight), self.cfg.norm_eps))?;
+                Ok((None, rstd, h))
+            }
+            Some(bias) => {
+                let w = self.one_plus(n.weight)?;
+                let mut mean = self.buf_f32([l])?;
+                let p = NormParams { weight: w.view(), bias: Some(self.t(bias).view()), eps: self.cfg.norm_eps };
+                b.layernorm_forward(h.view_mut(), mean.view_mut(), rstd.view_mut(), x.view(), &p)?;
+                Ok((Some(mean), rstd, h))
+            }
+        }
     }
 
-    /// `q, k, v` from `h1`, head-major, `q` and `k` rotated.
+    /// `weight + 1`: a zero-centred LayerNorm weight's effective value (its gradient is the effective one's).
+    fn one_plus(&self, weight: usize) -> Result<Buffer> {
+        let ones =
+            self.ones.as_ref().ok_or_else(|| TrainError::Config("a LayerNorm in a non-Nemotron model".into()))?;
+        let mut w = self.buf([self.cfg.d_model])?;
+        self.backend.copy(w.view_mut(), self.t(weight).view())?;
+        self.backend.add(w.view_mut(), ones.view())?;
+        Ok(w)
+    }
+
+    /// The norm's backward: `dx` (overwritten), the weight's (and bias's) gradients per `mode`.
+    #[allow(clippy::too_many_arguments)]
+    fn norm_backward(
+        &self,
+        n: NormIx,
+        dx: &mut Buffer,
+        dh: &Buffer,
+        (x, mean, rstd): (&Buffer, Option<&Buffer>, &Buffer),
+        grads: &mut Params,
+        mode: GradMode,
+    ) -> Result<()> {
+        let b = &*self.backend;
+        match (n.bias, mean) {
+            (None, _) => {
+                let g = ng(dx.view_mut(), grads.tensors[n.weight].view_mut());
+                b.rmsnorm_backward(g, dh.view(), rms_saved(x, rstd), self.t(n.weight).view(), mode)?;
+            }
+            (Some(bias), Some(mean)) => {
+                let w = self.one_plus(n.weight)?;
+                let (dw, db) = two_mut(&mut grads.tensors, n.weight, bias);
+                let g = NormGrads { dx: dx.view_mut(), dweight: dw.view_mut(), dbias: Some(db.view_mut()) };
+                let saved = LayerNormSaved { x: x.view(), mean: mean.view(), rstd: rstd.view() };
+                b.layernorm_backward(g, dh.view(), saved, w.view(), mode)?;
+            }
+            (Some(_), None) => return Err(TrainError::Config("a LayerNorm's backward without its mean".into())),
+        }
+        Ok(())
+    }
+
+    /// `q, k, v` from `h1`, head-major, `q` and `k` rotated (their first `rotary_dim` dims, with partial RoPE).
     fn qkv_proj(&self, layer: usize, h1: &Buffer, pos: &[i64]) -> Result<(Buffer, Buffer, Buffer)> {
         let b = &*self.backend;
+        let ix = &self.ix.layers[layer];
         let (l, d, hq, hkv) = (h1.dims()[0], self.cfg.head_dim(), self.cfg.heads, self.cfg.kv_heads);
-        let w = |i| self.w(layer, i);
         let (mut q_t, mut k_t, mut v_t) = (self.buf([l, hq * d])?, self.buf([l, hkv * d])?, self.buf([l, hkv * d])?);
         let (mut q, mut k, mut v) = (self.buf([1, hq, l, d])?, self.buf([1, hkv, l, d])?, self.buf([1, hkv, l, d])?);
-        b.linear_forward(q_t.view_mut(), h1.view(), w(WQ).view(), None)?;
-        b.linear_forward(k_t.view_mut(), h1.view(), w(WK).view(), None)?;
-        b.linear_forward(v_t.view_mut(), h1.view(), w(WV).view(), None)?;
+        b.linear_forward(q_t.view_mut(), h1.view(), self.t(ix.wq).view(), None)?;
+        b.linear_forward(k_t.view_mut(), h1.view(), self.t(ix.wk).view(), None)?;
+        b.linear_forward(v_t.view_mut(), h1.view(), self.t(ix.wv).view(), None)?;
         b.transpose12(q.view_mut(), q_t.view().reshape([1, l, hq, d])?)?;
         b.transpose12(k.view_mut(), k_t.view().reshape([1, l, hkv, d])?)?;
         b.transpose12(v.view_mut(), v_t.view().reshape([1, l, hkv, d])?)?;
@@ -573,28 +782,27 @@ impl Llama {
         let (hq, l, d, c) = (o.dims()[1], o.dims()[2], o.dims()[3], self.cfg.d_model);
         let (mut o_t, mut attn_out, mut x2) = (self.buf([1, l, hq, d])?, self.buf([l, c])?, self.buf([l, c])?);
         b.transpose12(o_t.view_mut(), o.view())?;
-        b.linear_forward(attn_out.view_mut(), o_t.view().reshape([l, hq * d])?, self.w(layer, WO).view(), None)?;
+        let wo = self.t(self.ix.layers[layer].wo).view();
+        b.linear_forward(attn_out.view_mut(), o_t.view().reshape([l, hq * d])?, wo, None)?;
         b.copy(x2.view_mut(), x.view())?;
         b.add(x2.view_mut(), attn_out.view())?;
         Ok(x2)
     }
 
-    /// `h2 = rmsnorm(x2)`.
-    fn mlp_norm(&self, layer: usize, x2: &Buffer) -> Result<(Buffer, Buffer)> {
-        let l = x2.dims()[0];
-        let (mut h2, mut rstd2) = (self.buf([l, self.cfg.d_model])?, self.buf_f32([l])?);
-        let p = norm(self.w(layer, MLP_NORM), self.cfg.norm_eps);
-        self.backend.rmsnorm_forward(h2.view_mut(), rstd2.view_mut(), x2.view(), &p)?;
-        Ok((rstd2, h2))
-    }
-
     /// `gate, up` projections of `h2`.
-    fn gate_up(&self, layer: usize, h2: &Buffer) -> Result<(Buffer, Buffer)> {
+    fn gate_up(&self, wg: usize, wu: usize, h2: &Buffer) -> Result<(Buffer, Buffer)> {
         let (l, f) = (h2.dims()[0], self.cfg.ffn);
         let (mut gate, mut up) = (self.buf([l, f])?, self.buf([l, f])?);
-        self.backend.linear_forward(gate.view_mut(), h2.view(), self.w(layer, W_GATE).view(), None)?;
-        self.backend.linear_forward(up.view_mut(), h2.view(), self.w(layer, W_UP).view(), None)?;
+        self.backend.linear_forward(gate.view_mut(), h2.view(), self.t(wg).view(), None)?;
+        self.backend.linear_forward(up.view_mut(), h2.view(), self.t(wu).view(), None)?;
         Ok((gate, up))
+    }
+
+    /// The up projection of `h2` (Nemotron's only input projection).
+    fn up_proj(&self, wu: usize, h2: &Buffer) -> Result<Buffer> {
+        let mut up = self.buf([h2.dims()[0], self.cfg.ffn])?;
+        self.backend.linear_forward(up.view_mut(), h2.view(), self.t(wu).view(), None)?;
+        Ok(up)
     }
 
     /// `act = silu(gate) ∘ up`.
@@ -604,11 +812,18 @@ impl Llama {
         Ok(act)
     }
 
+    /// `act = relu(up)²`.
+    fn squared_relu(&self, up: &Buffer) -> Result<Buffer> {
+        let mut act = self.buf(up.dims())?;
+        self.backend.squared_relu_forward(act.view_mut(), up.view())?;
+        Ok(act)
+    }
+
     /// The layer's output `x2 + act·Wdownᵀ`.
-    fn down_proj(&self, layer: usize, act: &Buffer, x2: &Buffer) -> Result<Buffer> {
+    fn down_proj(&self, down: usize, act: &Buffer, x2: &Buffer) -> Result<Buffer> {
         let (l, c) = (act.dims()[0], self.cfg.d_model);
         let (mut mlp_out, mut out) = (self.buf([l, c])?, self.buf([l, c])?);
-        self.backend.linear_forward(mlp_out.view_mut(), act.view(), self.w(layer, W_DOWN).view(), None)?;
+        self.backend.linear_forward(mlp_out.view_mut(), act.view(), self.t(down).view(), None)?;
         self.backend.copy(out.view_mut(), x2.view())?;
         self.backend.add(out.view_mut(), mlp_out.view())?;
         Ok(out)
@@ -617,8 +832,11 @@ impl Llama {
     /// Reruns, in forward order, every segment whose outputs the policy dropped, from what was kept: the same
     /// ops on the same inputs, so the rebuilt tensors are bit-identical to the forward's.
     fn rebuild(&self, layer: usize, k: KeptLayer, plan: &mut CpPlan, pos: &[i64]) -> Result<LayerSaved> {
+        let ix = &self.ix.layers[layer];
+        let ln = ix.attn_norm.bias.is_some();
         let KeptLayer {
             x,
+            mut mean1,
             mut rstd1,
             mut h1,
             mut q,
@@ -627,11 +845,16 @@ impl Llama {
             mut o,
             mut lse,
             mut x2,
+            mut mean2,
             mut rstd2,
             mut h2,
+            mut router_probs,
+            mut topk_w,
+            mut routing,
             mut gate,
             mut up,
             mut act,
+            mut ye,
             away,
         } = k;
         if !away.is_empty() {
@@ -639,9 +862,8 @@ impl Llama {
         }
         let x =
             x.ok_or_else(|| TrainError::Config(format!("layer {layer}: its input was neither kept nor rebuilt")))?;
-        if rstd1.is_none() || h1.is_none() {
-            let (r, h) = self.attn_norm(layer, &x)?;
-            (rstd1, h1) = (Some(r), Some(h));
+        if rstd1.is_none() || h1.is_none() || (ln && mean1.is_none()) {
+            (mean1, rstd1, h1) = opt3(self.norm_forward(ix.attn_norm, &x)?);
         }
         let h1 = h1.ok_or_else(|| missing(layer, "h1"))?;
         if q.is_none() || k.is_none() || v.is_none() {
@@ -662,21 +884,51 @@ impl Llama {
             x2 = Some(self.o_proj(layer, &o, &x)?);
         }
         let x2 = x2.ok_or_else(|| missing(layer, "x2"))?;
-        if rstd2.is_none() || h2.is_none() {
-            let (r, h) = self.mlp_norm(layer, &x2)?;
-            (rstd2, h2) = (Some(r), Some(h));
+        if rstd2.is_none() || h2.is_none() || (ln && mean2.is_none()) {
+            (mean2, rstd2, h2) = opt3(self.norm_forward(ix.mlp_norm, &x2)?);
         }
         let h2 = h2.ok_or_else(|| missing(layer, "h2"))?;
-        if gate.is_none() || up.is_none() {
-            let (g, u) = self.gate_up(layer, &h2)?;
-            (gate, up) = (Some(g), Some(u));
-        }
-        let (gate, up) = (gate.ok_or_else(|| missing(layer, "gate"))?, up.ok_or_else(|| missing(layer, "up"))?);
-        if act.is_none() {
-            act = Some(self.swiglu(&gate, &up)?);
+        match &ix.mlp {
+            MlpIx::SwiGlu { gate: wg, up: wu, .. } => {
+                if gate.is_none() || up.is_none() {
+                    let (g, u) = self.gate_up(*wg, *wu, &h2)?;
+                    (gate, up) = (Some(g), Some(u));
+                }
+                if act.is_none() {
+                    let (g, u) = (gate.as_ref().ok_or_else(|| missing(layer, "gate"))?, up.as_ref());
+                    act = Some(self.swiglu(g, u.ok_or_else(|| missing(layer, "up"))?)?);
+                }
+            }
+            MlpIx::SquaredRelu { up: wu, .. } => {
+                if up.is_none() {
+                    up = Some(self.up_proj(*wu, &h2)?);
+                }
+                if act.is_none() {
+                    act = Some(self.squared_relu(up.as_ref().ok_or_else(|| missing(layer, "up"))?)?);
+                }
+            }
+            MlpIx::Moe { router, experts } => {
+                if router_probs.is_none() || topk_w.is_none() || routing.is_none() {
+                    let (p, w, r) = self.router(*router, &h2)?;
+                    (router_probs, topk_w, routing) = (Some(p), Some(w), Some(r.routing));
+                }
+                let r = routing.as_ref().ok_or_else(|| missing(layer, "routing"))?;
+                if gate.is_none() || up.is_none() {
+                    let (g, u) = self.experts_gate_up(experts, &h2, r)?;
+                    (gate, up) = (Some(g), Some(u));
+                }
+                if act.is_none() {
+                    let (g, u) = (gate.as_ref().ok_or_else(|| missing(layer, "gate"))?, up.as_ref());
+                    act = Some(self.swiglu(g, u.ok_or_else(|| missing(layer, "up"))?)?);
+                }
+                if ye.is_none() {
+                    ye = Some(self.experts_down(experts, act.as_ref().ok_or_else(|| missing(layer, "act"))?, r)?);
+                }
+            }
         }
         Ok(LayerSaved {
             x,
+            mean1,
             rstd1: rstd1.ok_or_else(|| missing(layer, "rstd1"))?,
             h1,
             q,
@@ -685,16 +937,22 @@ impl Llama {
             o,
             lse: lse.ok_or_else(|| missing(layer, "lse"))?,
             x2,
+            mean2,
             rstd2: rstd2.ok_or_else(|| missing(layer, "rstd2"))?,
             h2,
+            router_probs,
+            topk_w,
+            routing,
             gate,
-            up,
+            up: up.ok_or_else(|| missing(layer, "up"))?,
             act: act.ok_or_else(|| missing(layer, "act"))?,
+            ye,
         })
     }
 
     /// The layer's backward: `dout` `[L, C]` in, the input's gradient out; weight gradients into `grads`
-    /// (per `mode`).
+    /// (per `mode`); `moe_aux` is the load-balancing loss's gradient per router probability (Mixtral).
+    #[allow(clippy::too_many_arguments)]
     fn layer_backward(
         &self,
         layer: usize,
@@ -703,60 +961,90 @@ impl Llama {
         (grads, mode): (&mut Params, GradMode),
         plan: &mut CpPlan,
         pos: &[i64],
+        moe_aux: Option<&[f32]>,
     ) -> Result<Buffer> {
         let b = &*self.backend;
         let cfg = &self.cfg;
-        let (l, c, f, d, hq, hkv) = (s.x.dims()[0], cfg.d_model, cfg.ffn, cfg.head_dim(), cfg.heads, cfg.kv_heads);
-        let w = |i| self.w(layer, i);
-        let base = 1 + layer * PER_LAYER;
-        let (mut dact, mut dgate, mut dup) = (self.buf([l, f])?, self.buf([l, f])?, self.buf([l, f])?);
-        let (mut dh2, mut dh2_up, mut dx2) = (self.buf([l, c])?, self.buf([l, c])?, self.buf([l, c])?);
+        let ix = &self.ix.layers[layer];
+        let (l, c, d, hq, hkv) = (s.x.dims()[0], cfg.d_model, cfg.head_dim(), cfg.heads, cfg.kv_heads);
+        let w = |i: usize| self.t(i);
+        let (mut dh2, mut dx2) = (self.buf([l, c])?, self.buf([l, c])?);
         let (mut o_t, mut do_t, mut d_o) = (self.buf([1, l, hq, d])?, self.buf([l, hq * d])?, self.buf([1, hq, l, d])?);
         let (mut dq, mut dk, mut dv) = (self.buf([1, hq, l, d])?, self.buf([1, hkv, l, d])?, self.buf([1, hkv, l, d])?);
         let (mut dq_t, mut dk_t, mut dv_t) =
             (self.buf([1, l, hq, d])?, self.buf([1, l, hkv, d])?, self.buf([1, l, hkv, d])?);
         let (mut dh1, mut dh1_kv, mut dx) = (self.buf([l, c])?, self.buf([l, c])?, self.buf([l, c])?);
-        let g = |i: usize| base + i;
         macro_rules! dw {
             ($i:expr) => {
-                grads.tensors[g($i)].view_mut()
+                grads.tensors[$i].view_mut()
             };
         }
 
         // MLP block, reversed.
-        b.linear_backward(
-            lg(Some(dact.view_mut()), dw!(W_DOWN)),
-            dout.view(),
-            saved_x(&s.act),
-            w(W_DOWN).view(),
-            mode,
-        )?;
-        b.swiglu_backward(
-            dgate.view_mut(),
-            dup.view_mut(),
-            dact.view(),
-            SwigluSaved { gate: s.gate.view(), up: s.up.view() },
-        )?;
-        b.linear_backward(lg(Some(dh2.view_mut()), dw!(W_GATE)), dgate.view(), saved_x(&s.h2), w(W_GATE).view(), mode)?;
-        b.linear_backward(lg(Some(dh2_up.view_mut()), dw!(W_UP)), dup.view(), saved_x(&s.h2), w(W_UP).view(), mode)?;
-        b.add(dh2.view_mut(), dh2_up.view())?;
-        b.rmsnorm_backward(
-            ng(dx2.view_mut(), dw!(MLP_NORM)),
-            dh2.view(),
-            rms_saved(&s.x2, &s.rstd2),
-            w(MLP_NORM).view(),
-            mode,
-        )?;
+        match &ix.mlp {
+            MlpIx::SwiGlu { gate: wg, up: wu, down } => {
+                let gate = s.gate.as_ref().ok_or_else(|| missing(layer, "gate"))?;
+                let f = cfg.ffn;
+                let (mut dact, mut dgate, mut dup) = (self.buf([l, f])?, self.buf([l, f])?, self.buf([l, f])?);
+                let mut dh2_up = self.buf([l, c])?;
+                b.linear_backward(
+                    lg(Some(dact.view_mut()), dw!(*down)),
+                    dout.view(),
+                    saved_x(&s.act),
+                    w(*down).view(),
+                    mode,
+                )?;
+                b.swiglu_backward(
+                    dgate.view_mut(),
+                    dup.view_mut(),
+                    dact.view(),
+                    SwigluSaved { gate: gate.view(), up: s.up.view() },
+                )?;
+                b.linear_backward(
+                    lg(Some(dh2.view_mut()), dw!(*wg)),
+                    dgate.view(),
+                    saved_x(&s.h2),
+                    w(*wg).view(),
+                    mode,
+                )?;
+                b.linear_backward(
+                    lg(Some(dh2_up.view_mut()), dw!(*wu)),
+                    dup.view(),
+                    saved_x(&s.h2),
+                    w(*wu).view(),
+                    mode,
+                )?;
+                b.add(dh2.view_mut(), dh2_up.view())?;
+            }
+            MlpIx::SquaredRelu { up: wu, down } => {
+                let f = cfg.ffn;
+                let (mut dact, mut dup) = (self.buf([l, f])?, self.buf([l, f])?);
+                b.linear_backward(
+                    lg(Some(dact.view_mut()), dw!(*down)),
+                    dout.view(),
+                    saved_x(&s.act),
+                    w(*down).view(),
+                    mode,
+                )?;
+                b.squared_relu_backward(dup.view_mut(), dact.view(), SquaredReluSaved { x: s.up.view() })?;
+                b.linear_backward(lg(Some(dh2.view_mut()), dw!(*wu)), dup.view(), saved_x(&s.h2), w(*wu).view(), mode)?;
+            }
+            MlpIx::Moe { router, experts } => {
+                self.moe_backward(layer, (*router, experts), &mut dh2, dout, s, (grads, mode), moe_aux)?;
+            }
+        }
+        let mlp_norm_saved = (&s.x2, s.mean2.as_ref(), &s.rstd2);
+        self.norm_backward(ix.mlp_norm, &mut dx2, &dh2, mlp_norm_saved, grads, mode)?;
         b.add(dx2.view_mut(), dout.view())?;
 
         // Attention block, reversed.
         b.transpose12(o_t.view_mut(), s.o.view())?;
         let o_flat = o_t.view().reshape([l, hq * d])?;
         b.linear_backward(
-            lg(Some(do_t.view_mut()), dw!(WO)),
+            lg(Some(do_t.view_mut()), dw!(ix.wo)),
             dx2.view(),
             LinearSaved { x: o_flat },
-            w(WO).view(),
+            w(ix.wo).view(),
             mode,
         )?;
         b.transpose12(d_o.view_mut(), do_t.view().reshape([1, l, hq, d])?)?;
@@ -769,18 +1057,12 @@ impl Llama {
         b.transpose12(dv_t.view_mut(), dv.view())?;
         let (dq_t, dk_t, dv_t) =
             (dq_t.view().reshape([l, hq * d])?, dk_t.view().reshape([l, hkv * d])?, dv_t.view().reshape([l, hkv * d])?);
-        b.linear_backward(lg(Some(dh1.view_mut()), dw!(WQ)), dq_t, saved_x(&s.h1), w(WQ).view(), mode)?;
-        b.linear_backward(lg(Some(dh1_kv.view_mut()), dw!(WK)), dk_t, saved_x(&s.h1), w(WK).view(), mode)?;
+        b.linear_backward(lg(Some(dh1.view_mut()), dw!(ix.wq)), dq_t, saved_x(&s.h1), w(ix.wq).view(), mode)?;
+        b.linear_backward(lg(Some(dh1_kv.view_mut()), dw!(ix.wk)), dk_t, saved_x(&s.h1), w(ix.wk).view(), mode)?;
         b.add(dh1.view_mut(), dh1_kv.view())?;
-        b.linear_backward(lg(Some(dh1_kv.view_mut()), dw!(WV)), dv_t, saved_x(&s.h1), w(WV).view(), mode)?;
+        b.linear_backward(lg(Some(dh1_kv.view_mut()), dw!(ix.wv)), dv_t, saved_x(&s.h1), w(ix.wv).view(), mode)?;
         b.add(dh1.view_mut(), dh1_kv.view())?;
-        b.rmsnorm_backward(
-            ng(dx.view_mut(), dw!(ATTN_NORM)),
-            dh1.view(),
-            rms_saved(&s.x, &s.rstd1),
-            w(ATTN_NORM).view(),
-            mode,
-        )?;
+        self.norm_backward(ix.attn_norm, &mut dx, &dh1, (&s.x, s.mean1.as_ref(), &s.rstd1), grads, mode)?;
         b.add(dx.view_mut(), dx2.view())?;
         Ok(dx)
     }
@@ -796,8 +1078,12 @@ impl Llama {
         let mut layers = Vec::with_capacity(self.cfg.layers);
         let keep_all = LayerActions::keep_all();
         let marks_offload = self.recompute.iter().any(|a| a.actions.values().any(|&v| v == Action::Offload));
+        let mut moe: Option<MoeStats> = None;
         for layer in 0..self.cfg.layers {
-            let (out, saved) = self.layer_forward(layer, x, plan, &pos)?;
+            let (out, saved, stats) = self.layer_forward(layer, x, plan, &pos)?;
+            if let Some(s) = stats {
+                moe.get_or_insert_with(|| MoeStats::zeros(s.experts())).merge(&s);
+            }
             let actions = self.recompute.get(layer).unwrap_or(&keep_all);
             let mut kept = saved.keep(actions, self.offload.is_some())?;
             if let Some(engine) = &self.offload {
@@ -806,15 +1092,14 @@ impl Llama {
             layers.push(kept);
             x = out;
         }
-        let (mut h_final, mut rstd_final) = (self.buf([l, c])?, self.buf_f32([l])?);
-        let final_norm = &self.weights.tensors[1 + self.cfg.layers * PER_LAYER];
-        b.rmsnorm_forward(h_final.view_mut(), rstd_final.view_mut(), x.view(), &norm(final_norm, self.cfg.norm_eps))?;
-        Ok(ModelSaved { ids: ids.to_vec(), layers, x_final: x, rstd_final, h_final })
+        let (mean_final, rstd_final, h_final) = self.norm_forward(self.ix.final_norm, &x)?;
+        Ok(ModelSaved { ids: ids.to_vec(), layers, x_final: x, mean_final, rstd_final, h_final, moe })
     }
 
     /// The loss of `loss.targets` and the whole backward: gradients are written into `grads` (overwriting them
     /// with [`GradMode::Overwrite`], adding with [`GradMode::Accumulate`]), scaled so that the losses summed
-    /// over every rank, divided by `loss.denominator`, are the mean loss.
+    /// over every rank, divided by `loss.denominator`, are the mean loss. A Mixtral model's load-balancing loss
+    /// enters through `loss.moe_aux` (its value is the caller's: it needs every rank's statistics).
     pub fn loss_and_backward(
         &self,
         saved: ModelSaved,
@@ -824,22 +1109,21 @@ impl Llama {
         plan: &mut CpPlan,
     ) -> Result<LocalLoss> {
         let b = &*self.backend;
-        let (l, c, n) = (saved.ids.len(), self.cfg.d_model, self.weights.tensors.len());
+        let (l, c) = (saved.ids.len(), self.cfg.d_model);
         let pos = plan.positions().to_vec();
         let targets = loss.targets;
         let opts =
             CrossEntropyOptions { chunk_tokens: loss.chunk, denominator: Some(loss.denominator), ..Default::default() };
         let (mut dh_final, mut dx) = (self.buf([l, c])?, self.buf([l, c])?);
-        let final_norm = 1 + self.cfg.layers * PER_LAYER;
+        let head = self.ix.lm_head;
 
         let lm = {
-            let dweight = grads.tensors[n - 1].view_mut();
+            let dweight = grads.tensors[head].view_mut();
             let g = ProjectionGrads { dhidden: dh_final.view_mut(), dweight };
-            b.cross_entropy_fused(g, saved.h_final.view(), self.weights.tensors[n - 1].view(), targets, &opts, mode)?
+            b.cross_entropy_fused(g, saved.h_final.view(), self.weights.tensors[head].view(), targets, &opts, mode)?
         };
-        let rs = rms_saved(&saved.x_final, &saved.rstd_final);
-        let nw = self.weights.tensors[final_norm].view();
-        b.rmsnorm_backward(ng(dx.view_mut(), grads.tensors[final_norm].view_mut()), dh_final.view(), rs, nw, mode)?;
+        let final_saved = (&saved.x_final, saved.mean_final.as_ref(), &saved.rstd_final);
+        self.norm_backward(self.ix.final_norm, &mut dx, &dh_final, final_saved, grads, mode)?;
         let ids = saved.ids;
         let mut kept: Vec<Option<KeptLayer>> = saved.layers.into_iter().map(Some).collect();
         let mut rebuilt: Vec<Option<LayerSaved>> = (0..kept.len()).map(|_| None).collect();
@@ -866,7 +1150,7 @@ impl Llama {
                         let mut x = kept[start].as_mut().and_then(|k| k.x.take()).ok_or_else(|| missing(start, "x"))?;
                         for i in start..layer {
                             kept[i] = None;
-                            let (out, s) = self.layer_forward(i, x, plan, &pos)?;
+                            let (out, s, _) = self.layer_forward(i, x, plan, &pos)?;
                             rebuilt[i] = Some(s);
                             x = out;
                         }
@@ -874,18 +1158,19 @@ impl Llama {
                     }
                 }
             };
-            dx = self.layer_backward(layer, &dx, &s, (grads, mode), plan, &pos)?;
+            dx = self.layer_backward(layer, &dx, &s, (grads, mode), plan, &pos, loss.moe_aux)?;
         }
-        b.embedding_backward(grads.tensors[0].view_mut(), dx.view(), &ids, mode)?;
+        // Tied embeddings: the output projection's gradient is already in the table's; add the lookup's.
+        let emb_mode = if head == 0 { GradMode::Accumulate } else { mode };
+        b.embedding_backward(grads.tensors[0].view_mut(), dx.view(), &ids, emb_mode)?;
         Ok(LocalLoss { sum: lm.loss_sum, tokens: lm.n_valid })
     }
 
-    /// The loss alone (held-out evaluation): the forward, and the output projection's loss with its gradients
-    /// written to scratch.
+    /// The loss alone (held-out evaluation: the cross-entropy, without a load-balancing term): the forward, and
+    /// the output projection's loss with its gradients written to scratch.
     pub fn loss(&self, ids: &[u32], targets: &[i64], loss_chunk: usize, plan: &mut CpPlan) -> Result<LocalLoss> {
         let b = &*self.backend;
         let saved = self.forward(ids, plan)?;
-        let n = self.weights.tensors.len();
         let (l, c, v) = (ids.len(), self.cfg.d_model, self.cfg.vocab);
         let (mut dh, mut dw) = (self.buf([l, c])?, self.buf_f32([v, c])?);
         let opts = CrossEntropyOptions { chunk_tokens: loss_chunk, denominator: Some(1.0), ..Default::default() };
@@ -893,13 +1178,35 @@ impl Llama {
         let out = b.cross_entropy_fused(
             g,
             saved.h_final.view(),
-            self.weights.tensors[n - 1].view(),
+            self.weights.tensors[self.ix.lm_head].view(),
             targets,
             &opts,
             GradMode::Overwrite,
         )?;
         Ok(LocalLoss { sum: out.loss_sum, tokens: out.n_valid })
     }
+}
+
+/// A norm's outputs as the optional fields of a [`KeptLayer`] being rebuilt.
+fn opt3((mean, rstd, h): NormOut) -> (Option<Buffer>, Option<Buffer>, Option<Buffer>) {
+    (mean, Some(rstd), Some(h))
+}
+
+/// Two distinct tensors mutably (`i < j`: a norm's weight comes before its bias).
+fn two_mut(ts: &mut [Buffer], i: usize, j: usize) -> (&mut Buffer, &mut Buffer) {
+    let (a, b) = ts.split_at_mut(j);
+    (&mut a[i], &mut b[0])
+}
+
+/// The RoPE table of `cfg` at `seq_len` (see [`rope_config`]), rotating only the first `rotary_dim` dims of
+/// each head for a partial-rotary model.
+fn rope_table(cfg: &ModelConfig, seq_len: usize) -> Result<RopeTable> {
+    let rc = rope_config(cfg, seq_len);
+    Ok(if cfg.rotary_dim() == cfg.head_dim() {
+        RopeTable::new(&rc)?
+    } else {
+        RopeTable::with_rotary_dim(&rc, cfg.rotary_dim())?
+    })
 }
 
 fn lg<'a>(dx: Option<longctx_kernels::ViewMut<'a>>, dw: longctx_kernels::ViewMut<'a>) -> LinearGrads<'a> {

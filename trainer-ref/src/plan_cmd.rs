@@ -1,11 +1,12 @@
 //! `longctx plan`: the recompute crate's planner on the command line (a table, `--json`, `--sweep`,
 //! `--calibrate`).
 
+use longctx_recompute::models::Mlp;
 use longctx_recompute::planner::{korthikanti_layer_bytes, layer_for, parse_tokens, NEMO_LLAMA3_8B};
-use longctx_recompute::{device, model, plan, Layout, PlanInput, PlanReport, Policy};
+use longctx_recompute::{device, model, plan, Layout, ModelDesc, PlanInput, PlanReport, Policy};
 
 use crate::error::{Result, TrainError};
-use crate::recipe::{ModelConfig, Recipe};
+use crate::recipe::{Family, ModelConfig, Recipe};
 
 /// The command's options.
 #[derive(Debug, Clone, clap::Args)]
@@ -65,9 +66,10 @@ pub struct PlanArgs {
 const GIB: f64 = (1u64 << 30) as f64;
 
 /// The planner's description of a recipe's model.
-pub fn model_desc(name: &str, m: &ModelConfig) -> longctx_recompute::models::ModelDesc {
-    longctx_recompute::models::ModelDesc {
-        name: name.to_string(),
+pub fn model_desc(name: &str, m: &ModelConfig) -> ModelDesc {
+    let moe = m.experts();
+    ModelDesc {
+        name: name.into(),
         layers: m.layers as u64,
         d_model: m.d_model as u64,
         heads: m.heads as u64,
@@ -75,11 +77,11 @@ pub fn model_desc(name: &str, m: &ModelConfig) -> longctx_recompute::models::Mod
         head_dim: m.head_dim() as u64,
         ffn: m.ffn as u64,
         vocab: m.vocab as u64,
-        experts: 1,
-        top_k: 1,
-        mlp: longctx_recompute::models::Mlp::SwiGlu,
-        layernorm: false,
-        tied_embeddings: false,
+        experts: moe.map_or(1, |e| e.experts as u64),
+        top_k: moe.map_or(1, |e| e.top_k as u64),
+        mlp: if m.family == Family::Nemotron { Mlp::SquaredRelu } else { Mlp::SwiGlu },
+        layernorm: m.family == Family::Nemotron,
+        tied_embeddings: m.tie_embeddings,
     }
 }
 
@@ -322,6 +324,12 @@ mod tests {
         ("llama3-8b-128k", 64),
         ("llama3-70b-16k", 32),
         ("llama3-70b-64k", 256),
+        ("mixtral-8x7b-16k", 32),
+        ("mixtral-8x7b-64k", 128),
+        ("nemotron4-15b-16k", 8),
+        ("nemotron4-15b-64k", 32),
+        ("nemotron4-22b-16k", 8),
+        ("nemotron4-22b-64k", 32),
     ];
 
     #[test]
@@ -336,6 +344,22 @@ mod tests {
             let report = plan(&input).unwrap_or_else(|e| panic!("{name}: {e}"));
             assert!(report.fits, "{name}: {} GiB", report.memory.total as f64 / GIB);
             assert!(r.parallel.check_trainable().is_err(), "{name} has TP/PP and must not train as is");
+        }
+    }
+
+    #[test]
+    fn a_full_size_recipe_plans_as_the_planners_own_model() {
+        for (recipe, builtin) in [
+            ("mixtral-8x7b-16k", "mixtral-8x7b"),
+            ("nemotron4-15b-16k", "nemotron4-15b"),
+            ("nemotron4-22b-64k", "nemotron4-22b"),
+            ("llama3-8b-128k", "llama3-8b"),
+            ("llama3-70b-16k", "llama3-70b"),
+        ] {
+            let r = Recipe::load(recipe, &[]).unwrap();
+            let want = model(builtin).unwrap();
+            let got = ModelDesc { name: want.name.clone(), ..model_desc(recipe, &r.model) };
+            assert_eq!(got, want, "{recipe}");
         }
     }
 }

@@ -21,6 +21,14 @@ pub const BUILTIN: &[(&str, &str)] = &[
     ("llama3-8b-128k", include_str!("../recipes/llama3-8b-128k.toml")),
     ("llama3-70b-16k", include_str!("../recipes/llama3-70b-16k.toml")),
     ("llama3-70b-64k", include_str!("../recipes/llama3-70b-64k.toml")),
+    ("tiny-mixtral", include_str!("../recipes/tiny-mixtral.toml")),
+    ("tiny-nemotron", include_str!("../recipes/tiny-nemotron.toml")),
+    ("mixtral-8x7b-16k", include_str!("../recipes/mixtral-8x7b-16k.toml")),
+    ("mixtral-8x7b-64k", include_str!("../recipes/mixtral-8x7b-64k.toml")),
+    ("nemotron4-15b-16k", include_str!("../recipes/nemotron4-15b-16k.toml")),
+    ("nemotron4-15b-64k", include_str!("../recipes/nemotron4-15b-64k.toml")),
+    ("nemotron4-22b-16k", include_str!("../recipes/nemotron4-22b-16k.toml")),
+    ("nemotron4-22b-64k", include_str!("../recipes/nemotron4-22b-64k.toml")),
 ];
 
 /// A run: the model, the training loop, the data and the parallel layout.
@@ -43,10 +51,13 @@ pub struct Recipe {
     pub parallel: ParallelConfig,
 }
 
-/// A Llama 3 style decoder.
+/// A decoder of one of the [`Family`] kinds: Llama 3 style by default.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelConfig {
+    /// The layer structure (`llama` when absent).
+    #[serde(default)]
+    pub family: Family,
     /// Decoder layers.
     pub layers: usize,
     /// Model (residual) width `C`.
@@ -67,10 +78,58 @@ pub struct ModelConfig {
     /// RoPE context-extension scaling.
     #[serde(default)]
     pub rope_scaling: Option<RopeScalingConfig>,
-    /// RMSNorm epsilon.
+    /// RMSNorm epsilon (LayerNorm's for `nemotron`).
     pub norm_eps: f32,
     /// Standard deviation of the initial weights (residual projections are scaled by `1/√(2·layers)`).
     pub init_std: f32,
+    /// The mixture of experts: required for `mixtral`, refused for the other families.
+    #[serde(default)]
+    pub moe: Option<MoeConfig>,
+    /// Rotary embedding on the first `head_dim · factor` dims of each head only, the rest passing through
+    /// (Nemotron-4: 0.5); absent: every dim rotates.
+    #[serde(default)]
+    pub partial_rotary_factor: Option<f64>,
+    /// The output projection is the embedding matrix (no `lm_head.weight`; the two gradients are summed).
+    #[serde(default)]
+    pub tie_embeddings: bool,
+}
+
+/// The kind of decoder layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Family {
+    /// Llama 3: RMSNorm, RoPE, grouped-query attention, SwiGLU MLP.
+    #[default]
+    Llama,
+    /// Mixtral: the Llama layer with a top-k-of-E mixture of SwiGLU experts and a load-balancing loss.
+    Mixtral,
+    /// Nemotron-4: LayerNorm with zero-centred weight (`weight + 1`) and bias, partial RoPE, squared-ReLU MLP
+    /// (not gated), no linear biases.
+    Nemotron,
+}
+
+impl Family {
+    /// The name recipes use.
+    pub fn name(self) -> &'static str {
+        match self {
+            Family::Llama => "llama",
+            Family::Mixtral => "mixtral",
+            Family::Nemotron => "nemotron",
+        }
+    }
+}
+
+/// A Mixtral-style mixture of experts (Hugging Face `num_local_experts`, `num_experts_per_tok`,
+/// `router_aux_loss_coef`).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MoeConfig {
+    /// Experts per layer (Mixtral 8x7B: 8), each a SwiGLU MLP of width `model.ffn`.
+    pub experts: usize,
+    /// Experts each token is routed to (2).
+    pub top_k: usize,
+    /// Weight of the load-balancing loss added to the training loss (Hugging Face 0.02, NeMo 0.01).
+    pub aux_loss_coef: f64,
 }
 
 /// Number formats of a run.
@@ -213,6 +272,59 @@ impl ModelConfig {
     pub fn head_dim(&self) -> usize {
         self.head_dim.unwrap_or(self.d_model / self.heads.max(1))
     }
+
+    /// The dims of each head that rotate (`head_dim · partial_rotary_factor`, all of them without one).
+    pub fn rotary_dim(&self) -> usize {
+        match self.partial_rotary_factor {
+            Some(f) => (self.head_dim() as f64 * f).round() as usize,
+            None => self.head_dim(),
+        }
+    }
+
+    /// The mixture of experts of a `mixtral` model (`None` for the dense families).
+    pub fn experts(&self) -> Option<MoeConfig> {
+        self.moe.filter(|_| self.family == Family::Mixtral)
+    }
+
+    /// Checks the family's own fields; each error names the field.
+    fn validate_family(&self) -> Result<()> {
+        match (self.family, self.moe) {
+            (Family::Mixtral, None) => {
+                return Err(bad("model.moe", "a `mixtral` model needs { experts, top_k, aux_loss_coef }"))
+            }
+            (Family::Mixtral, Some(m)) => {
+                if m.experts == 0 {
+                    return Err(bad("model.moe.experts", "must be at least 1"));
+                }
+                if m.top_k == 0 || m.top_k > m.experts {
+                    return Err(bad(
+                        "model.moe.top_k",
+                        format!("{} must lie in [1, model.moe.experts = {}]", m.top_k, m.experts),
+                    ));
+                }
+                if !(m.aux_loss_coef.is_finite() && m.aux_loss_coef >= 0.0) {
+                    return Err(bad("model.moe.aux_loss_coef", format!("{} must be finite and ≥ 0", m.aux_loss_coef)));
+                }
+            }
+            (f, Some(_)) => {
+                return Err(bad("model.moe", format!("only a `mixtral` model has experts, not `{}`", f.name())))
+            }
+            (_, None) => {}
+        }
+        if let Some(f) = self.partial_rotary_factor {
+            if !(f.is_finite() && f > 0.0 && f <= 1.0) {
+                return Err(bad("model.partial_rotary_factor", format!("{f} must lie in (0, 1]")));
+            }
+            let dims = self.head_dim() as f64 * f;
+            if dims.fract() != 0.0 || !(dims as usize).is_multiple_of(2) || dims < 2.0 {
+                return Err(bad(
+                    "model.partial_rotary_factor",
+                    format!("{f} × head_dim {} = {dims} rotary dims: must be a whole, even number", self.head_dim()),
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 impl ParallelConfig {
@@ -314,6 +426,7 @@ impl Recipe {
         if !(32..=256).contains(&d) || !d.is_multiple_of(8) {
             return Err(bad("model.head_dim", format!("{d}: attention needs 32 to 256 in steps of 8")));
         }
+        m.validate_family()?;
         if !(m.rope_theta.is_finite() && m.rope_theta > 1.0) {
             return Err(bad("model.rope_theta", format!("{} must be finite and above 1", m.rope_theta)));
         }
@@ -402,10 +515,10 @@ impl Recipe {
         self.train.recompute.parse().map_err(|e: longctx_recompute::RecomputeError| bad("train.recompute", e))
     }
 
-    /// The recompute crate's description of one layer of this recipe's model on one rank.
+    /// The recompute crate's description of one layer of this recipe's model on one rank (its family's).
     pub fn layer_spec(&self) -> longctx_recompute::LayerSpec {
         let m = &self.model;
-        longctx_recompute::llama_layer(&longctx_recompute::LlamaLayerShape {
+        let shape = longctx_recompute::LlamaLayerShape {
             tokens: (self.train.seq_len / self.parallel.cp) as u64,
             seq_len: self.train.seq_len as u64,
             d_model: m.d_model as u64,
@@ -415,7 +528,14 @@ impl Recipe {
             ffn: m.ffn as u64,
             elem_bytes: if self.train.precision == Precision::Bf16 { 2 } else { 4 },
             seq_shard: 1,
-        })
+        };
+        match (m.family, m.experts()) {
+            (Family::Nemotron, _) => longctx_recompute::models::nemotron_layer(&shape),
+            (Family::Mixtral, Some(moe)) => {
+                longctx_recompute::models::mixtral_layer(&shape, moe.experts as u64, moe.top_k as u64)
+            }
+            _ => longctx_recompute::llama_layer(&shape),
+        }
     }
 
     /// The partition the recipe names.

@@ -21,7 +21,7 @@ use crate::data::{Corpus, Sequence, TextTokenizer, TokenStream};
 use crate::error::{Result, TrainError};
 use crate::hf::HfCheckpoint;
 use crate::metrics::Meter;
-use crate::model::{param_shapes, LayerSaved, Llama, LossSpec, Params};
+use crate::model::{param_shapes, LayerSaved, LossSpec, Model, MoeStats, Params};
 use crate::recipe::{Precision, Recipe};
 
 /// How to run a recipe.
@@ -147,9 +147,10 @@ pub fn loss_gradients_and_saved(recipe: &Recipe, sequences: &[Sequence]) -> Resu
     let out = ThreadWorld::try_run(cp * dp, |comm| -> Result<(f64, Vec<Vec<f32>>, usize)> {
         let spill = std::env::temp_dir().join(format!("longctx-offload-{}", std::process::id()));
         let mut rank = Rank::new(comm, recipe, threads, &spill, None)?;
-        let (loss, saved) = rank.gradients(|micro, group| sequences[micro * dp + group].clone())?;
+        let (loss, saved, aux) = rank.gradients(|micro, group| sequences[micro * dp + group].clone())?;
         let mut l = [loss];
         rank.world.all_reduce(&mut l, ReduceOp::Sum)?;
+        l[0] += aux * (recipe.train.batch * recipe.train.seq_len) as f64;
         let grads = rank
             .grads
             .tensors
@@ -183,7 +184,7 @@ struct Rank<'a> {
     recipe: &'a Recipe,
     world: Arc<Communicator>,
     dp_index: usize,
-    model: Llama,
+    model: Model,
     /// `f32` master weights for a `bf16` model (the model's own weights when it is `f32`).
     master: Option<Params>,
     grads: Params,
@@ -255,7 +256,7 @@ impl<'a> Rank<'a> {
         let cpc = CpConfig { partition: recipe.partition()?, schedule: recipe.schedule()?, scale: None };
         let cp = ContextParallel::new(cp_comm, backend.clone(), cpc)?;
         let plan = plan_for(&cp, recipe, recipe.train.seq_len, dtype)?;
-        let mut model = Llama::new(cfg.clone(), weights, backend)?;
+        let mut model = Model::new(cfg.clone(), weights, backend)?;
         model.set_sequence_length(recipe.train.seq_len)?;
         // Recompute-only costs: the added time is FLOPs over a rate, so the rate only scales it.
         let costs = longctx_recompute::Costs { flops_per_s: 1e11, offload_bytes_per_s: 0.0 };
@@ -299,7 +300,7 @@ impl<'a> Rank<'a> {
             let fetch_wait_before = self.model.offload_engine().map(|e| e.stats().fetch_wait);
             let lr = lr_at(self.recipe, self.step);
             let step = self.step;
-            let (loss_sum, saved_bytes) = self.gradients(|micro, group| {
+            let (loss_sum, saved_bytes, aux) = self.gradients(|micro, group| {
                 data.train.sequence(step * t.batch as u64 + (micro * dp + group) as u64, s)
             })?;
             if summary.saved_bytes_per_rank == 0 {
@@ -323,7 +324,7 @@ impl<'a> Rank<'a> {
             let grad_norm = self.clip()?;
             self.adamw(lr)?;
             self.step += 1;
-            let loss = reduced[0] / denominator;
+            let loss = reduced[0] / denominator + aux;
             let took = step_start.elapsed();
             // What offload cost this step: the backward's waits for tensors not yet back.
             let offload_wait = fetch_wait_before
@@ -374,9 +375,13 @@ impl<'a> Rank<'a> {
     }
 
     /// This rank's micro-batches (`sequence(micro, dp_group)` gives each), their gradients summed over every
-    /// rank into `self.grads`; returns this rank's loss sum (scaled by the global token count, so the sum over
-    /// ranks is the mean loss) and the bytes its forward saved.
-    fn gradients(&mut self, sequence: impl Fn(usize, usize) -> Sequence) -> Result<(f64, usize)> {
+    /// rank into `self.grads`; returns this rank's cross-entropy sum (scaled by the global token count, so the
+    /// sum over ranks is the mean loss), the bytes its forward saved over one micro-batch, and the
+    /// load-balancing loss (Mixtral, already weighted by its coefficient; the same on every rank; 0 otherwise).
+    fn gradients(&mut self, sequence: impl Fn(usize, usize) -> Sequence) -> Result<(f64, usize, f64)> {
+        if self.recipe.model.experts().is_some() {
+            return self.gradients_moe(sequence);
+        }
         let t = &self.recipe.train;
         let accum = t.batch / self.recipe.parallel.dp;
         let denominator = (t.batch * t.seq_len) as f64;
@@ -389,14 +394,60 @@ impl<'a> Rank<'a> {
             let saved = self.model.forward(&ids, &mut self.plan)?;
             saved_bytes = saved_bytes.max(saved.bytes());
             let mode = if micro == 0 { GradMode::Overwrite } else { GradMode::Accumulate };
-            let spec = LossSpec { targets: &targets, denominator, chunk: t.loss_chunk };
+            let spec = LossSpec { targets: &targets, denominator, chunk: t.loss_chunk, moe_aux: None };
             let loss = self.model.loss_and_backward(saved, &spec, &mut self.grads, mode, &mut self.plan)?;
             loss_sum += loss.sum;
         }
+        self.all_reduce_grads()?;
+        Ok((loss_sum, saved_bytes, 0.0))
+    }
+
+    /// [`Rank::gradients`] for a mixture of experts: the load-balancing loss is over the global batch (Hugging
+    /// Face's, over every layer and token), and its gradient needs the global routing statistics, so every
+    /// micro-batch's forward runs first, the statistics are summed over all ranks, then the backwards run. A rank
+    /// holds its micro-batches' activations together (one micro-batch with `train.batch = parallel.dp`).
+    fn gradients_moe(&mut self, sequence: impl Fn(usize, usize) -> Sequence) -> Result<(f64, usize, f64)> {
+        let t = &self.recipe.train;
+        let coef = self.recipe.model.experts().map_or(0.0, |m| m.aux_loss_coef);
+        let accum = t.batch / self.recipe.parallel.dp;
+        let denominator = (t.batch * t.seq_len) as f64;
+        let (mut forwards, mut saved_bytes, mut stats) = (Vec::with_capacity(accum), 0, None::<MoeStats>);
+        for micro in 0..accum {
+            let (ids, targets, docs) = self.local(&sequence(micro, self.dp_index));
+            if self.recipe.data.document_masking {
+                self.plan.set_documents(&docs)?;
+            }
+            let saved = self.model.forward(&ids, &mut self.plan)?;
+            saved_bytes = saved_bytes.max(saved.bytes());
+            if let Some(s) = &saved.moe {
+                stats.get_or_insert_with(|| MoeStats::zeros(s.experts())).merge(s);
+            }
+            forwards.push((saved, targets, docs));
+        }
+        let stats = stats.ok_or_else(|| TrainError::Config("a mixture of experts without router statistics".into()))?;
+        let mut flat = stats.to_flat();
+        self.world.all_reduce(&mut flat, ReduceOp::Sum)?;
+        let global = MoeStats::from_flat(&flat);
+        let aux_grad = global.prob_grad(coef);
+        let mut loss_sum = 0.0f64;
+        for (micro, (saved, targets, docs)) in forwards.into_iter().enumerate() {
+            if self.recipe.data.document_masking {
+                self.plan.set_documents(&docs)?;
+            }
+            let mode = if micro == 0 { GradMode::Overwrite } else { GradMode::Accumulate };
+            let spec = LossSpec { targets: &targets, denominator, chunk: t.loss_chunk, moe_aux: Some(&aux_grad) };
+            let loss = self.model.loss_and_backward(saved, &spec, &mut self.grads, mode, &mut self.plan)?;
+            loss_sum += loss.sum;
+        }
+        self.all_reduce_grads()?;
+        Ok((loss_sum, saved_bytes, coef * global.aux_loss()))
+    }
+
+    fn all_reduce_grads(&mut self) -> Result<()> {
         for g in self.grads.tensors.iter_mut() {
             self.world.all_reduce(g.view_mut().into_typed::<f32>("grad")?, ReduceOp::Sum)?;
         }
-        Ok((loss_sum, saved_bytes))
+        Ok(())
     }
 
     /// Clips the summed gradient to `train.clip` (PyTorch's `clip_grad_norm_`); returns the norm before.

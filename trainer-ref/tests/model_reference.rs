@@ -3,6 +3,11 @@
 //! attention with document masking, SwiGLU, cross-entropy), checked itself by central finite differences; the
 //! trainer's loss and every gradient tensor must match it. Then every parallel layout (CP 2 and 4 with each
 //! partition, DP 2, gradient accumulation) must give CP 1's loss and gradients within 1e-5.
+//!
+//! The other families the same way: a second reference walks the tensors of any family in order and adds
+//! Mixtral's mixture of experts (softmax router, top-k renormalised, SwiGLU experts, Hugging Face's
+//! load-balancing loss over every layer and token) and Nemotron's layer (LayerNorm with weight + 1 and bias,
+//! partial RoPE, squared ReLU), and tied embeddings.
 
 use longctx_kernels::{CpuBackend, DType};
 use longctx_trainer::data::Sequence;
@@ -55,6 +60,10 @@ impl Tape {
     fn recip(&mut self, a: u32) -> u32 {
         let x = self.v(a);
         self.push(1.0 / x, (a, -1.0 / (x * x)), (NONE, 0.0))
+    }
+    fn relu_sq(&mut self, a: u32) -> u32 {
+        let r = self.v(a).max(0.0);
+        self.push(r * r, (a, 2.0 * r), (NONE, 0.0))
     }
     fn rsqrt(&mut self, a: u32) -> u32 {
         let x = self.v(a);
@@ -541,4 +550,510 @@ fn offload_to_host_or_disk_gives_bit_identical_loss_and_gradients_with_and_witho
     }
     let e = loss_and_gradients(&tiny_recipe(&["train.recompute=\"custom:q=offload\""]), &[random_sequence(1, 24, &[])]);
     assert!(e.unwrap_err().to_string().contains("--offload"));
+}
+
+/// What the family reference needs beyond [`RefCfg`].
+struct FamilyRef {
+    base: RefCfg,
+    family: &'static str,
+    /// Rotating dims of each head (partial RoPE), with their frequencies in `base.inv_freq`.
+    rotary: usize,
+    experts: usize,
+    top_k: usize,
+    aux_coef: f64,
+    tied: bool,
+}
+
+/// LayerNorm with zero-centred weight: `(x − mean)/√(var + eps)·(w + 1) + b` (Hugging Face `NemotronLayerNorm1P`).
+fn layernorm1p(tp: &mut Tape, x: &[Vec<u32>], w: &[u32], b: &[u32], eps: f64) -> Vec<Vec<u32>> {
+    x.iter()
+        .map(|row| {
+            let n = row.len() as f64;
+            let s = tp.sum(row);
+            let mean = tp.scale(s, -1.0 / n);
+            let xc: Vec<u32> = row.iter().map(|&v| tp.add(v, mean)).collect();
+            let ss = tp.dot(&xc, &xc);
+            let var = tp.scale(ss, 1.0 / n);
+            let var = tp.offset(var, eps);
+            let r = tp.rsqrt(var);
+            xc.iter()
+                .zip(w.iter().zip(b))
+                .map(|(&v, (&g, &bb))| {
+                    let nv = tp.mul(v, r);
+                    let g1 = tp.offset(g, 1.0);
+                    let y = tp.mul(nv, g1);
+                    tp.add(y, bb)
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// Rotates the first `rot` dims of head `h` of `x[t]` by position `t`'s angles: pairs `(i, i + rot/2)`.
+fn rope_partial(tp: &mut Tape, x: &mut [Vec<u32>], heads: usize, d: usize, rot: usize, inv_freq: &[f64]) {
+    let half = rot / 2;
+    for (t, row) in x.iter_mut().enumerate() {
+        for h in 0..heads {
+            for i in 0..half {
+                let (a, b) = (row[h * d + i], row[h * d + i + half]);
+                let (s, c) = (t as f64 * inv_freq[i]).sin_cos();
+                let (ac, bs, bc, as_) = (tp.scale(a, c), tp.scale(b, -s), tp.scale(b, c), tp.scale(a, s));
+                row[h * d + i] = tp.add(ac, bs);
+                row[h * d + i + half] = tp.add(bc, as_);
+            }
+        }
+    }
+}
+
+/// Causal grouped-query attention within documents.
+fn causal_attention(
+    tp: &mut Tape,
+    q: &[Vec<u32>],
+    k: &[Vec<u32>],
+    v: &[Vec<u32>],
+    seq: &Sequence,
+    cfg: &RefCfg,
+) -> Vec<Vec<u32>> {
+    let (d, hq, hkv, s) = (cfg.d, cfg.hq, cfg.hkv, q.len());
+    let scale = 1.0 / (d as f64).sqrt();
+    let mut o = vec![Vec::with_capacity(hq * d); s];
+    for h in 0..hq {
+        let g = h / (hq / hkv);
+        for t in 0..s {
+            let seen: Vec<usize> = (0..=t).filter(|&j| seq.docs[j] == seq.docs[t]).collect();
+            let scores: Vec<u32> = seen
+                .iter()
+                .map(|&j| {
+                    let dot = tp.dot(&q[t][h * d..(h + 1) * d], &k[j][g * d..(g + 1) * d]);
+                    tp.scale(dot, scale)
+                })
+                .collect();
+            let m = scores.iter().map(|&n| tp.v(n)).fold(f64::NEG_INFINITY, f64::max);
+            let e: Vec<u32> = scores
+                .iter()
+                .map(|&n| {
+                    let z = tp.offset(n, -m);
+                    tp.exp(z)
+                })
+                .collect();
+            let z = tp.sum(&e);
+            let rz = tp.recip(z);
+            for i in 0..d {
+                let terms: Vec<u32> = seen.iter().zip(&e).map(|(&j, &ej)| tp.mul(ej, v[j][g * d + i])).collect();
+                let num = tp.sum(&terms);
+                o[t].push(tp.mul(num, rz));
+            }
+        }
+    }
+    o
+}
+
+fn swiglu_rows(tp: &mut Tape, gate: &[u32], up: &[u32]) -> Vec<u32> {
+    gate.iter()
+        .zip(up)
+        .map(|(&gi, &ui)| {
+            let ng = tp.scale(gi, -1.0);
+            let e = tp.exp(ng);
+            let den = tp.offset(e, 1.0);
+            let sig = tp.recip(den);
+            let silu = tp.mul(gi, sig);
+            tp.mul(silu, ui)
+        })
+        .collect()
+}
+
+fn residual(tp: &mut Tape, a: &[Vec<u32>], b: &[Vec<u32>]) -> Vec<Vec<u32>> {
+    a.iter().zip(b).map(|(x, y)| x.iter().zip(y).map(|(&p, &q)| tp.add(p, q)).collect()).collect()
+}
+
+/// The loss of one sequence for any family, walking the weights in `param_shapes` order; and every weight's
+/// tape nodes.
+fn family_reference_loss(
+    tp: &mut Tape,
+    fr: &FamilyRef,
+    weights: &[Vec<f32>],
+    seq: &Sequence,
+    vocab: usize,
+) -> (u32, Vec<Vec<u32>>) {
+    let cfg = &fr.base;
+    let leaves: Vec<Vec<u32>> = weights.iter().map(|w| w.iter().map(|&v| tp.leaf(v as f64)).collect()).collect();
+    let (c, d, hq, hkv, f) = (cfg.c, cfg.d, cfg.hq, cfg.hkv, cfg.f);
+    let ln = fr.family == "nemotron";
+    let s = seq.inputs.len();
+    let mut next = 1usize;
+    let mut take = || {
+        next += 1;
+        next - 1
+    };
+    let mut x: Vec<Vec<u32>> =
+        seq.inputs.iter().map(|&id| leaves[0][id as usize * c..(id as usize + 1) * c].to_vec()).collect();
+    // Router probabilities of every (layer, token), and top-k assignments per expert, for the auxiliary loss.
+    let (mut all_probs, mut counts): (Vec<Vec<u32>>, Vec<f64>) = (Vec::new(), vec![0.0; fr.experts]);
+    let norm = |tp: &mut Tape, x: &[Vec<u32>], take: &mut dyn FnMut() -> usize| {
+        if ln {
+            let (w, b) = (take(), take());
+            layernorm1p(tp, x, &leaves[w], &leaves[b], cfg.eps)
+        } else {
+            let w = take();
+            rmsnorm(tp, x, &leaves[w], cfg.eps)
+        }
+    };
+    for _ in 0..cfg.layers {
+        let h1 = norm(tp, &x, &mut take);
+        let (wq, wk, wv, wo) = (take(), take(), take(), take());
+        let mut q = linear(tp, &h1, &leaves[wq], hq * d);
+        let mut k = linear(tp, &h1, &leaves[wk], hkv * d);
+        let v = linear(tp, &h1, &leaves[wv], hkv * d);
+        rope_partial(tp, &mut q, hq, d, fr.rotary, &cfg.inv_freq);
+        rope_partial(tp, &mut k, hkv, d, fr.rotary, &cfg.inv_freq);
+        let o = causal_attention(tp, &q, &k, &v, seq, cfg);
+        let attn = linear(tp, &o, &leaves[wo], c);
+        let x2 = residual(tp, &x, &attn);
+        let h2 = norm(tp, &x2, &mut take);
+        let mlp: Vec<Vec<u32>> = match fr.family {
+            "nemotron" => {
+                let (wu, wd) = (take(), take());
+                let up = linear(tp, &h2, &leaves[wu], f);
+                let act: Vec<Vec<u32>> = up.iter().map(|r| r.iter().map(|&u| tp.relu_sq(u)).collect()).collect();
+                linear(tp, &act, &leaves[wd], c)
+            }
+            "mixtral" => {
+                let router = take();
+                let ex: Vec<(usize, usize, usize)> = (0..fr.experts).map(|_| (take(), take(), take())).collect();
+                let logits = linear(tp, &h2, &leaves[router], fr.experts);
+                let mut out = Vec::with_capacity(s);
+                for (t, z) in logits.iter().enumerate() {
+                    let m = z.iter().map(|&n| tp.v(n)).fold(f64::NEG_INFINITY, f64::max);
+                    let e: Vec<u32> = z
+                        .iter()
+                        .map(|&n| {
+                            let a = tp.offset(n, -m);
+                            tp.exp(a)
+                        })
+                        .collect();
+                    let sum = tp.sum(&e);
+                    let rz = tp.recip(sum);
+                    let p: Vec<u32> = e.iter().map(|&n| tp.mul(n, rz)).collect();
+                    let mut order: Vec<usize> = (0..fr.experts).collect();
+                    order.sort_by(|&a, &b| tp.v(p[b]).partial_cmp(&tp.v(p[a])).unwrap().then(a.cmp(&b)));
+                    let mut chosen = order[..fr.top_k].to_vec();
+                    let sel: Vec<u32> = chosen.iter().map(|&i| p[i]).collect();
+                    let total = tp.sum(&sel);
+                    let rt = tp.recip(total);
+                    chosen.sort_unstable();
+                    let mut y: Option<Vec<u32>> = None;
+                    for &i in &chosen {
+                        counts[i] += 1.0;
+                        let w = tp.mul(p[i], rt);
+                        let (w1, w2, w3) = ex[i];
+                        let row = std::slice::from_ref(&h2[t]);
+                        let g = linear(tp, row, &leaves[w1], f);
+                        let u = linear(tp, row, &leaves[w3], f);
+                        let a = swiglu_rows(tp, &g[0], &u[0]);
+                        let dn = linear(tp, std::slice::from_ref(&a), &leaves[w2], c);
+                        let wy: Vec<u32> = dn[0].iter().map(|&n| tp.mul(n, w)).collect();
+                        y = Some(match y {
+                            None => wy,
+                            Some(acc) => acc.iter().zip(&wy).map(|(&a, &b)| tp.add(a, b)).collect(),
+                        });
+                    }
+                    all_probs.push(p);
+                    out.push(y.unwrap_or_default());
+                }
+                out
+            }
+            _ => {
+                let (wg, wu, wd) = (take(), take(), take());
+                let gate = linear(tp, &h2, &leaves[wg], f);
+                let up = linear(tp, &h2, &leaves[wu], f);
+                let act: Vec<Vec<u32>> = gate.iter().zip(&up).map(|(g, u)| swiglu_rows(tp, g, u)).collect();
+                linear(tp, &act, &leaves[wd], c)
+            }
+        };
+        x = residual(tp, &x2, &mlp);
+    }
+    let hf = norm(tp, &x, &mut take);
+    let head = if fr.tied { 0 } else { take() };
+    assert_eq!(next, leaves.len(), "the reference walked every tensor");
+    let logits = linear(tp, &hf, &leaves[head], vocab);
+    let mut losses = Vec::new();
+    for (t, z) in logits.iter().enumerate() {
+        let m = z.iter().map(|&n| tp.v(n)).fold(f64::NEG_INFINITY, f64::max);
+        let e: Vec<u32> = z
+            .iter()
+            .map(|&n| {
+                let s = tp.offset(n, -m);
+                tp.exp(s)
+            })
+            .collect();
+        let sum = tp.sum(&e);
+        let lse = tp.ln(sum);
+        let lse = tp.offset(lse, m);
+        let neg = tp.scale(z[seq.targets[t] as usize], -1.0);
+        losses.push(tp.add(lse, neg));
+    }
+    let total = tp.sum(&losses);
+    let mut loss = tp.scale(total, 1.0 / s as f64);
+    if !all_probs.is_empty() {
+        // Hugging Face `load_balancing_loss_func`: E · Σ_e (count_e / N) · (Σ p_e / N), N = layers × tokens.
+        let n = all_probs.len() as f64;
+        let terms: Vec<u32> = (0..fr.experts)
+            .map(|e| {
+                let col: Vec<u32> = all_probs.iter().map(|p| p[e]).collect();
+                let pe = tp.sum(&col);
+                tp.scale(pe, fr.experts as f64 * (counts[e] / n) / n)
+            })
+            .collect();
+        let aux = tp.sum(&terms);
+        let aux = tp.scale(aux, fr.aux_coef);
+        loss = tp.add(loss, aux);
+    }
+    (loss, leaves)
+}
+
+fn family_recipe(name: &str, extra: &[&str]) -> Recipe {
+    let mut sets: Vec<String> = [
+        "model.layers=2",
+        "model.d_model=64",
+        "model.heads=2",
+        "model.kv_heads=1",
+        "model.ffn=32",
+        "model.init_std=0.3",
+        "train.seq_len=24",
+        "train.batch=1",
+        "train.loss_chunk=7",
+        "parallel.threads=1",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    if name == "tiny-mixtral" {
+        sets.push("model.moe.aux_loss_coef=0.5".into());
+    }
+    sets.extend(extra.iter().map(|s| s.to_string()));
+    Recipe::load(name, &sets).unwrap()
+}
+
+/// The trainer against the family reference; then the reference against finite differences on the tensors
+/// `fd_tensors` names (a few entries each).
+fn check_family(recipe: &Recipe, fd_tensors: &[&str]) {
+    let seq = random_sequence(5, 24, &[]);
+    let (loss, grads) = loss_and_gradients(recipe, std::slice::from_ref(&seq)).unwrap();
+    let m = &recipe.model;
+    let init = Params::init(&CpuBackend::new(), m, recipe.train.seed).unwrap();
+    let weights: Vec<Vec<f32>> = init.tensors.iter().map(|t| t.view().as_typed::<f32>("w").unwrap().to_vec()).collect();
+    let rot = m.rotary_dim();
+    let family = match m.family {
+        longctx_trainer::recipe::Family::Llama => "llama",
+        longctx_trainer::recipe::Family::Mixtral => "mixtral",
+        longctx_trainer::recipe::Family::Nemotron => "nemotron",
+    };
+    let moe = m.experts();
+    let fr = FamilyRef {
+        base: RefCfg {
+            c: m.d_model,
+            hq: m.heads,
+            hkv: m.kv_heads,
+            d: m.head_dim(),
+            f: m.ffn,
+            layers: m.layers,
+            eps: m.norm_eps as f64,
+            inv_freq: (0..rot / 2).map(|i| 1.0 / m.rope_theta.powf(2.0 * i as f64 / rot as f64)).collect(),
+        },
+        family,
+        rotary: rot,
+        experts: moe.map_or(0, |x| x.experts),
+        top_k: moe.map_or(0, |x| x.top_k),
+        aux_coef: moe.map_or(0.0, |x| x.aux_loss_coef),
+        tied: m.tie_embeddings,
+    };
+    let mut tp = Tape::default();
+    let (out, leaves) = family_reference_loss(&mut tp, &fr, &weights, &seq, m.vocab);
+    let ref_loss = tp.v(out);
+    assert!((loss - ref_loss).abs() <= 1e-5 * ref_loss.abs(), "{family}: loss {loss} vs reference {ref_loss}");
+    let g = tp.grad(out);
+    let shapes = param_shapes(m);
+    for (i, (name, _)) in shapes.iter().enumerate() {
+        let want: Vec<f64> = leaves[i].iter().map(|&n| g[n as usize]).collect();
+        let err = max_rel(&grads[i], &want);
+        assert!(err < 2e-4, "{family} {name}: gradient max error {err:.2e} of its largest entry");
+    }
+    for (j, want) in fd_tensors.iter().enumerate() {
+        let tensor = shapes.iter().position(|(n, _)| n == want).unwrap_or_else(|| panic!("no tensor {want}"));
+        let idx = (17 + 29 * j) % weights[tensor].len();
+        let h = 1e-4;
+        let (mut lp, mut lm) = (weights.clone(), weights.clone());
+        lp[tensor][idx] += h as f32;
+        lm[tensor][idx] -= h as f32;
+        let width = lp[tensor][idx] as f64 - lm[tensor][idx] as f64;
+        let (mut t1, mut t2) = (Tape::default(), Tape::default());
+        let (o1, _) = family_reference_loss(&mut t1, &fr, &lp, &seq, m.vocab);
+        let (o2, _) = family_reference_loss(&mut t2, &fr, &lm, &seq, m.vocab);
+        let fd = (t1.v(o1) - t2.v(o2)) / width;
+        let tape = g[leaves[tensor][idx] as usize];
+        assert!(
+            (fd - tape).abs() <= 1e-6 + 1e-4 * tape.abs(),
+            "{want}[{idx}]: finite difference {fd:e}, tape {tape:e}"
+        );
+    }
+}
+
+#[test]
+fn mixtral_loss_aux_loss_and_every_gradient_match_the_f64_reference() {
+    let r = family_recipe("tiny-mixtral", &[]);
+    check_family(
+        &r,
+        &[
+            "model.layers.0.block_sparse_moe.gate.weight",
+            "model.layers.1.block_sparse_moe.gate.weight",
+            "model.layers.0.block_sparse_moe.experts.2.w1.weight",
+            "model.layers.1.block_sparse_moe.experts.0.w2.weight",
+            "model.layers.0.block_sparse_moe.experts.3.w3.weight",
+            "model.layers.1.post_attention_layernorm.weight",
+        ],
+    );
+}
+
+#[test]
+fn nemotron_loss_and_every_gradient_match_the_f64_reference() {
+    let r = family_recipe("tiny-nemotron", &[]);
+    check_family(
+        &r,
+        &[
+            "model.layers.0.input_layernorm.weight",
+            "model.layers.0.input_layernorm.bias",
+            "model.layers.1.post_attention_layernorm.bias",
+            "model.layers.0.self_attn.q_proj.weight",
+            "model.layers.1.mlp.up_proj.weight",
+            "model.norm.bias",
+        ],
+    );
+}
+
+#[test]
+fn tied_embeddings_match_the_f64_reference_in_every_family() {
+    for name in ["tiny-llama", "tiny-nemotron", "tiny-mixtral"] {
+        let mut r = family_recipe(name, &["model.tie_embeddings=true"]);
+        r.model.rope_scaling = None;
+        assert!(!param_shapes(&r.model).iter().any(|(n, _)| n == "lm_head.weight"), "{name}");
+        check_family(&r, &["model.embed_tokens.weight"]);
+    }
+}
+
+#[test]
+fn each_family_gives_the_same_loss_and_gradients_under_every_parallel_layout() {
+    for name in ["tiny-mixtral", "tiny-nemotron"] {
+        let seqs = [random_sequence(41, 24, &[5, 14]), random_sequence(42, 24, &[20])];
+        let (loss1, g1) = loss_and_gradients(&family_recipe(name, &["train.batch=2"]), &seqs).unwrap();
+        for layout in [
+            &["parallel.cp=2"][..],
+            &["parallel.cp=4"],
+            &["parallel.cp=3", "parallel.partition=\"contiguous\""],
+            &["parallel.dp=2"],
+            &["parallel.dp=2", "parallel.cp=2"],
+        ] {
+            let mut sets = vec!["train.batch=2"];
+            sets.extend_from_slice(layout);
+            let (loss, g) = loss_and_gradients(&family_recipe(name, &sets), &seqs).unwrap();
+            assert!((loss - loss1).abs() <= 1e-5 * loss1.abs(), "{name} {layout:?}: loss {loss} vs {loss1}");
+            for (i, (a, b)) in g.iter().zip(&g1).enumerate() {
+                let e = rel(a, b);
+                assert!(e <= 1e-5, "{name} {layout:?}: tensor {i} differs by {e:.2e}");
+            }
+        }
+    }
+}
+
+#[test]
+fn each_family_recomputes_and_offloads_with_bit_identical_gradients() {
+    for name in ["tiny-mixtral", "tiny-nemotron"] {
+        let seqs = [random_sequence(51, 24, &[7]), random_sequence(52, 24, &[])];
+        let base = family_recipe(name, &["train.batch=2", "model.layers=3", "parallel.cp=2"]);
+        let (loss0, g0, kept0) = loss_gradients_and_saved(&base, &seqs).unwrap();
+        let (modules, custom, offloaded) = if name == "tiny-mixtral" {
+            ("selective:mlp,moe", "custom:router_probs=recompute,routing=recompute,act=recompute,ye=recompute", "ye")
+        } else {
+            ("selective:mlp", "custom:mean1=recompute,rstd2=recompute,act=recompute", "up")
+        };
+        let offload_custom = format!("custom:{offloaded}=offload,act=recompute");
+        for (policy, offload) in [
+            ("full", "none"),
+            ("selective", "none"),
+            (modules, "none"),
+            ("uniform:2", "none"),
+            (custom, "none"),
+            ("none", "host"),
+            (offload_custom.as_str(), "host"),
+        ] {
+            let r = family_recipe(
+                name,
+                &[
+                    "train.batch=2",
+                    "model.layers=3",
+                    "parallel.cp=2",
+                    &format!("train.recompute=\"{policy}\""),
+                    &format!("train.offload=\"{offload}\""),
+                    "train.offload_budget=\"64MiB\"",
+                ],
+            );
+            let (loss, g, kept) = loss_gradients_and_saved(&r, &seqs).unwrap();
+            assert!(kept < kept0, "{name} {policy} {offload}: kept {kept} of {kept0}");
+            assert_eq!(loss.to_bits(), loss0.to_bits(), "{name} {policy} {offload}: loss {loss} vs {loss0}");
+            for (i, (a, b)) in g.iter().zip(&g0).enumerate() {
+                assert!(
+                    a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                    "{name} {policy} {offload}: tensor {i}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn each_familys_saved_bytes_are_what_bytes_for_and_the_recompute_crate_state() {
+    use longctx_p2p::ThreadWorld;
+    use longctx_ring_attn::{ContextParallel, CpConfig};
+    use longctx_trainer::model::{KeptLayer, LayerSaved, Model};
+    use std::sync::Arc;
+    for name in ["tiny-mixtral", "tiny-nemotron"] {
+        for (precision, dtype) in [("f32", DType::F32), ("bf16", DType::Bf16)] {
+            let recipe = family_recipe(name, &[&format!("train.precision=\"{precision}\""), "parallel.cp=2"]);
+            let l = recipe.train.seq_len / 2;
+            assert_eq!(recipe.layer_spec().saved_bytes() as usize, LayerSaved::bytes_for(&recipe.model, l, dtype));
+            let sizes = ThreadWorld::run(2, |comm| {
+                let backend: Arc<dyn longctx_kernels::Backend> = Arc::new(CpuBackend::new());
+                let init = Params::init(&*backend, &recipe.model, 1).unwrap();
+                let mut w = Params::zeros(&*backend, &recipe.model, dtype).unwrap();
+                for (d, s) in w.tensors.iter_mut().zip(&init.tensors) {
+                    backend.copy(d.view_mut(), s.view()).unwrap();
+                }
+                let model = Model::new(recipe.model.clone(), w, backend.clone()).unwrap();
+                let cp = ContextParallel::new(comm, backend, CpConfig::default()).unwrap();
+                let mut plan = longctx_trainer::train::plan_for(&cp, &recipe, 24, dtype).unwrap();
+                let ids: Vec<u32> = (0..plan.local_len() as u32).collect();
+                let saved = model.forward(&ids, &mut plan).unwrap();
+                saved.layers.iter().map(KeptLayer::bytes).collect::<Vec<_>>()
+            })
+            .unwrap();
+            for b in sizes.into_iter().flatten() {
+                assert_eq!(b, LayerSaved::bytes_for(&recipe.model, l, dtype), "{name} {precision}");
+            }
+        }
+    }
+}
+
+#[test]
+fn family_fields_are_validated_naming_the_field() {
+    for (name, set, field) in [
+        ("tiny-mixtral", "model.moe.top_k=5", "model.moe.top_k"),
+        ("tiny-mixtral", "model.moe.aux_loss_coef=-1.0", "model.moe.aux_loss_coef"),
+        ("tiny-nemotron", "model.moe={ experts = 2, top_k = 1, aux_loss_coef = 0.0 }", "model.moe"),
+        ("tiny-nemotron", "model.partial_rotary_factor=1.5", "model.partial_rotary_factor"),
+        ("tiny-nemotron", "model.partial_rotary_factor=0.3", "model.partial_rotary_factor"),
+        ("tiny-llama", "model.family=\"mixtral\"", "model.moe"),
+        ("tiny-llama", "model.family=\"gpt\"", "gpt"),
+    ] {
+        let e = Recipe::load(name, &[set.to_string()]).unwrap_err().to_string();
+        assert!(e.contains(field), "{set}: {e}");
+    }
 }

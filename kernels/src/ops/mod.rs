@@ -1,7 +1,7 @@
 //! Transformer ops other than attention, each with its backward: what they compute, and the types their
 //! [`Backend`](crate::Backend) methods take ([`AdamW`], [`CrossEntropyOptions`], [`CrossEntropyOutput`], the rotary
-//! tables [`RopeConfig`], [`RopeScaling`], [`RopeTable`]). The computing is the backend's: the CPU kernels below
-//! this module are private to [`CpuBackend`](crate::CpuBackend), which checks the views and calls them.
+//! tables [`RopeConfig`], [`RopeScaling`], [`RopeTable`], the expert dispatch [`Routing`], [`RouterOutput`]). The
+//! computing is the backend's: the CPU kernels below this module are private to [`CpuBackend`](crate::CpuBackend), which checks the views and calls them.
 //!
 //! Legend: `B` batch, `S` sequence, `H` heads, `D` head dim, `T` tokens (`B·S` flattened), `C` channels (model
 //! dim), `F` hidden (FFN) dim, `V` vocabulary, `P` parameters. Every buffer is row-major, last dimension innermost.
@@ -17,6 +17,8 @@
 //! swiglu_forward        out = silu(gate) ∘ up
 //! squared_relu_forward  out = max(x, 0)²
 //! embedding_forward     out[T,C] = table[ids[t], :]  embedding_backward: dtable[ids[t], :] (+)= dout[t, :]
+//! moe_router_forward    p[T,E] = softmax(logits), top-k per token, weights renormalised (Mixtral)
+//! moe_gather/combine    xe[n] = x[row[n]] (tokens grouped by expert); out[t] = Σ_j w[t,j]·ye[row(t,j)]
 //! cross_entropy_fused   the loss of hidden[T,C]·weightᵀ (weight [V,C]) in chunks of tokens, never all [T,V]
 //! adamw_step            m, v and the f32 master weights (and a rounded copy) take one AdamW step
 //! clip_grad_norm        ‖g‖ = √(Σ g²) in f64; if ‖g‖ > max: g *= max / (‖g‖ + 1e-6)
@@ -58,6 +60,7 @@ mod cross_entropy;
 mod embedding;
 mod layernorm;
 mod matmul;
+mod moe;
 mod optim;
 mod rmsnorm;
 mod rope;
@@ -68,6 +71,8 @@ pub use cross_entropy::{CrossEntropyOptions, CrossEntropyOutput};
 pub(crate) use embedding::{embedding_backward, embedding_forward};
 pub(crate) use layernorm::{layernorm_backward, layernorm_forward};
 pub(crate) use matmul::{linear_backward, linear_forward, matmul, matmul_backward};
+pub(crate) use moe::{combine, combine_backward, gather, gather_backward, router_backward, router_forward};
+pub use moe::{RouterOutput, Routing};
 pub use optim::AdamW;
 pub(crate) use optim::{adamw_step, adamw_step_with_copy, sum_squares};
 pub(crate) use rmsnorm::{rmsnorm_backward, rmsnorm_forward};

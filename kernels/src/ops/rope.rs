@@ -14,6 +14,11 @@
 //!           dx[i] = dy[i]·c + dy[i+D/2]·s,  dx[i+D/2] = dy[i+D/2]·c − dy[i]·s
 //! ```
 //!
+//! Partial rotary (Nemotron's `partial_rotary_factor`, HF `NemotronAttention`): only the first `R` dims of each
+//! head rotate, with frequencies computed for a head of width `R` (`base^(−2i/R)`) and the pairing `(i, i + R/2)`
+//! within that part; dims `R..D` pass through unchanged, in the forward and the backward
+//! ([`RopeTable::with_rotary_dim`]).
+//!
 //! Inverse frequencies start from `inv_freq[i] = base^(−2i/D)` and are rescaled by [`RopeScaling`], following
 //! Hugging Face `modeling_rope_utils`.
 
@@ -127,6 +132,8 @@ pub struct RopeConfig {
 #[derive(Debug, Clone, PartialEq)]
 pub struct RopeTable {
     head_dim: usize,
+    /// The rotating dims at the start of each head (`head_dim` unless partial).
+    rotary_dim: usize,
     inv_freq: Vec<f64>,
     attention_factor: f64,
 }
@@ -285,14 +292,36 @@ impl RopeTable {
                     .collect()
             }
         };
-        Ok(RopeTable { head_dim: d, inv_freq, attention_factor })
+        Ok(RopeTable { head_dim: d, rotary_dim: d, inv_freq, attention_factor })
+    }
+
+    /// A table for heads of `cfg.head_dim` of which only the first `rotary_dim` rotate (partial rotary): the
+    /// frequencies (and any scaling) are those of a head of width `rotary_dim`, as Hugging Face computes them
+    /// for `partial_rotary_factor`; the remaining dims pass through.
+    ///
+    /// Errors: `rotary_dim` zero, odd, or above `cfg.head_dim`, and whatever [`RopeTable::new`] refuses.
+    pub fn with_rotary_dim(cfg: &RopeConfig, rotary_dim: usize) -> Result<Self> {
+        nonzero("rotary_dim", rotary_dim)?;
+        if rotary_dim % 2 == 1 || rotary_dim > cfg.head_dim {
+            return Err(KernelError::InvalidArgument {
+                name: "rotary_dim",
+                why: format!("{rotary_dim} must be even and at most head_dim = {}", cfg.head_dim),
+            });
+        }
+        let mut t = RopeTable::new(&RopeConfig { head_dim: rotary_dim, ..cfg.clone() })?;
+        t.head_dim = cfg.head_dim;
+        Ok(t)
     }
 
     /// Head dim `D`.
     pub fn head_dim(&self) -> usize {
         self.head_dim
     }
-    /// The `D/2` inverse frequencies.
+    /// The rotating dims `R` at the start of each head (`D` unless partial).
+    pub fn rotary_dim(&self) -> usize {
+        self.rotary_dim
+    }
+    /// The `R/2` inverse frequencies.
     pub fn inv_freq(&self) -> &[f64] {
         &self.inv_freq
     }
@@ -301,9 +330,9 @@ impl RopeTable {
         self.attention_factor
     }
 
-    /// `(cos, sin)`, each `[S, D/2]`, already multiplied by the attention factor.
+    /// `(cos, sin)`, each `[S, R/2]`, already multiplied by the attention factor.
     pub fn cos_sin(&self, positions: &[i64]) -> (Vec<f32>, Vec<f32>) {
-        let half = self.head_dim / 2;
+        let half = self.rotary_dim / 2;
         let mut cos = vec![0.0f32; positions.len() * half];
         let mut sin = vec![0.0f32; positions.len() * half];
         for (s, &p) in positions.iter().enumerate() {
@@ -326,9 +355,10 @@ impl RopeTable {
         Ok(n)
     }
 
-    /// Rotates every `D`-row of `out` (reading `inp`, or `out` itself when `None`) by `sign`·θ.
+    /// Rotates the first `R` dims of every `D`-row of `out` (reading `inp`, or `out` itself when `None`) by
+    /// `sign`·θ; the other dims are copied from `inp` (or left as they are).
     fn apply<T: Element>(&self, out: &mut [T], inp: Option<&[T]>, positions: &[i64], sign: f32) {
-        let (d, half, s_len) = (self.head_dim, self.head_dim / 2, positions.len());
+        let (d, half, s_len) = (self.head_dim, self.rotary_dim / 2, positions.len());
         let (cos, sin) = self.cos_sin(positions);
         let block = |blk: usize, o: &mut [T], x: Option<&[T]>| {
             for j in 0..o.len() / d {
@@ -336,6 +366,9 @@ impl RopeTable {
                 let (c, sn) = (&cos[s * half..(s + 1) * half], &sin[s * half..(s + 1) * half]);
                 let o = &mut o[j * d..(j + 1) * d];
                 let x = x.map(|x| &x[j * d..(j + 1) * d]);
+                if let Some(x) = x {
+                    o[2 * half..].copy_from_slice(&x[2 * half..]);
+                }
                 for i in 0..half {
                     let (x1, x2) = match x {
                         Some(x) => (x[i].to_f32(), x[i + half].to_f32()),

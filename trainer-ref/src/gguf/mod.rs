@@ -17,7 +17,7 @@ use std::path::Path;
 
 use crate::checkpoint::LoadedTensor;
 use crate::error::Result;
-use crate::recipe::{ModelConfig, RopeScalingConfig};
+use crate::recipe::{Family, ModelConfig, RopeScalingConfig};
 pub use container::{GgufFile, TensorInfo, Value};
 pub use dequant::GgmlType;
 
@@ -49,7 +49,8 @@ pub struct GgufLlama {
     /// No `output.weight`: the output projection is the embedding.
     pub tied_embeddings: bool,
     /// Every tensor, in the trainer's order (embedding, each layer's nine, final norm, then `lm_head.weight`
-    /// unless tied), with Hugging Face names and row-major dims.
+    /// unless tied), with Hugging Face names and row-major dims: [`crate::model::param_shapes`] of
+    /// [`GgufLlama::model_config`].
     pub tensors: Vec<LoadedTensor>,
     /// The tokenizer in the file's metadata, when it carries a byte-level BPE one.
     pub tokenizer: Option<tokenizers::Tokenizer>,
@@ -107,6 +108,10 @@ impl GgufLlama {
             rope_scaling: self.rope_linear_factor.map(|factor| RopeScalingConfig::Linear { factor }),
             norm_eps: self.norm_eps,
             init_std: 0.02,
+            family: Family::Llama,
+            moe: None,
+            partial_rotary_factor: None,
+            tie_embeddings: self.tied_embeddings,
         }
     }
 
@@ -218,19 +223,6 @@ impl GgufLlama {
             eos_token: token("tokenizer.ggml.eos_token_id"),
             tensors,
         })
-    }
-}
-
-impl GgufLlama {
-    /// The tensors with the output projection as its own tensor (`lm_head.weight`, a copy of the embedding
-    /// when the file ties them): the untied layout of [`crate::model::param_shapes`].
-    pub fn untied_tensors(&self) -> Vec<LoadedTensor> {
-        let mut t = self.tensors.clone();
-        if self.tied_embeddings {
-            let e = &self.tensors[0];
-            t.push(LoadedTensor { name: "lm_head.weight".into(), dims: e.dims.clone(), data: e.data.clone() });
-        }
-        t
     }
 }
 

@@ -4,9 +4,8 @@
 //! `heads`, `num_key_value_heads` → `kv_heads` (`heads` when absent), `head_dim` → `head_dim` (`hidden_size /
 //! heads` when absent or null), `intermediate_size` → `ffn`, `vocab_size` → `vocab`, `rope_theta` (or
 //! `rope_parameters.rope_theta`, transformers 5) → `rope_theta`, `rms_norm_eps` → `norm_eps`, `rope_scaling` /
-//! `rope_parameters` → `rope_scaling`. The trainer's model has untied embeddings: a tied checkpoint
-//! (`tie_word_embeddings: true`) loads with `lm_head.weight` a copy of the embedding, which training then
-//! updates separately (said in [`HfConfig::notes`]).
+//! `rope_parameters` → `rope_scaling`, `tie_word_embeddings` → `tie_embeddings` (the output projection is the
+//! embedding; no `lm_head.weight`).
 
 use std::path::{Path, PathBuf};
 
@@ -210,14 +209,7 @@ impl HfConfig {
             Some(Value::Bool(b)) => *b,
             Some(v) => return Err(err("tie_word_embeddings", format!("{v} is not a boolean"))),
         };
-        let mut notes = Vec::new();
-        if tie_word_embeddings {
-            notes.push(
-                "tie_word_embeddings: lm_head.weight is loaded as a copy of model.embed_tokens.weight (this \
-                 trainer's model is untied: training updates the two separately, and export writes both)"
-                    .to_string(),
-            );
-        }
+        let notes = Vec::new();
         let dtype = ["torch_dtype", "dtype"].iter().find_map(|k| obj.get(*k).and_then(Value::as_str)).map(String::from);
         let model = ModelConfig {
             layers,
@@ -231,6 +223,10 @@ impl HfConfig {
             rope_scaling,
             norm_eps: norm_eps as f32,
             init_std: IMPORTED_INIT_STD,
+            family: crate::recipe::Family::Llama,
+            moe: None,
+            partial_rotary_factor: None,
+            tie_embeddings: tie_word_embeddings,
         };
         let eos_token_id = match obj.get("eos_token_id") {
             Some(Value::Array(a)) => a.first().and_then(Value::as_u64),
@@ -251,7 +247,7 @@ impl HfConfig {
     }
 }
 
-/// A Llama `config.json` for `model` (untied, f32 unless `dtype` says otherwise), with `rope_theta` and
+/// A Llama `config.json` for `model` (f32 unless `dtype` says otherwise), with `rope_theta` and
 /// `rope_scaling` at the top level (what transformers 4 and 5 both read). `max_position_embeddings` is the
 /// context the model was trained at; with a `dynamic` scaling it is that scaling's original context, which
 /// transformers takes from this field.
@@ -277,7 +273,7 @@ pub fn to_json(model: &ModelConfig, max_position_embeddings: usize, dtype: &str)
         "rope_theta": model.rope_theta,
         "rope_scaling": model.rope_scaling.as_ref().map(RopeScalingConfig::to_hf),
         "max_position_embeddings": max_pos,
-        "tie_word_embeddings": false,
+        "tie_word_embeddings": model.tie_embeddings,
         "attention_bias": false,
         "mlp_bias": false,
         "hidden_act": "silu",

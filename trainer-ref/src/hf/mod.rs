@@ -77,18 +77,11 @@ pub fn load_any(path: &Path) -> Result<HfCheckpoint> {
 /// Hugging Face layout, its tokenizer.
 fn from_gguf(path: &Path) -> Result<HfCheckpoint> {
     let g = crate::gguf::GgufLlama::load(path)?;
-    let mut notes = vec![format!(
+    let notes = vec![format!(
         "{}: a GGUF file, dequantised to f32; trained context {} tokens",
         path.display(),
         g.context_length
     )];
-    if g.tied_embeddings {
-        notes.push(
-            "tied embeddings: lm_head.weight is loaded as a copy of model.embed_tokens.weight (this trainer's \
-             model is untied: training updates the two separately)"
-                .to_string(),
-        );
-    }
     let config = HfConfig {
         path: path.to_path_buf(),
         architecture: Architecture::Llama,
@@ -99,7 +92,7 @@ fn from_gguf(path: &Path) -> Result<HfCheckpoint> {
         eos_token_id: g.eos_token,
         notes,
     };
-    Ok(HfCheckpoint { dir: path.to_path_buf(), tensors: g.untied_tensors(), tokenizer: g.tokenizer, config })
+    Ok(HfCheckpoint { dir: path.to_path_buf(), tensors: g.tensors, tokenizer: g.tokenizer, config })
 }
 
 /// A legacy buffer some checkpoints carry; transformers recomputes it and so does the trainer.
@@ -111,16 +104,14 @@ fn ignorable(name: &str) -> bool {
 pub fn load(dir: &Path) -> Result<HfCheckpoint> {
     let config = HfConfig::read(dir)?;
     let files = weights::WeightFiles::open(dir)?;
+    // Tied: the model has no lm_head.weight (param_shapes leaves it out); a tied checkpoint may still carry
+    // one, which transformers ties to the embedding regardless.
     let shapes = param_shapes(&config.model);
-    let tied = config.tie_word_embeddings;
-    let want: Vec<(String, Vec<usize>)> =
-        shapes.iter().filter(|(n, _)| !(tied && n == "lm_head.weight")).cloned().collect();
-    // A tied checkpoint may still carry lm_head.weight; transformers ties it to the embedding regardless.
-    files.check(&want, |n| ignorable(n) || (tied && n == "lm_head.weight")).map_err(with_fields)?;
+    let tied = config.model.tie_embeddings;
+    files.check(&shapes, |n| ignorable(n) || (tied && n == "lm_head.weight")).map_err(with_fields)?;
     let mut tensors = Vec::with_capacity(shapes.len());
     for (name, dims) in &shapes {
-        let source = if tied && name == "lm_head.weight" { "model.embed_tokens.weight" } else { name.as_str() };
-        tensors.push(LoadedTensor { name: name.clone(), dims: dims.clone(), data: files.read_f32(source)? });
+        tensors.push(LoadedTensor { name: name.clone(), dims: dims.clone(), data: files.read_f32(name)? });
     }
     let tok_path = dir.join(TOKENIZER_FILE);
     let tokenizer = if tok_path.is_file() {
