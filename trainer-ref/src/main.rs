@@ -185,9 +185,24 @@ fn run(cli: Cli) -> Result<()> {
                 set.push(format!("train.offload_budget=\"{b}\""));
             }
             let mut recipe = Recipe::load(&recipe, &set)?;
-            let init = init_from.as_deref().map(hf::load_any).transpose()?;
+            let from_recipe = init_from.is_none() && !recipe.train.init_from.is_empty();
+            let init_path = init_from.or_else(|| from_recipe.then(|| resolve_init(&recipe.train.init_from)));
+            if let Some(p) = init_path.as_deref().filter(|p| !p.exists()) {
+                let fetch = if p.to_string_lossy().contains("smollm2") {
+                    " (fetch it with: bash trainer-ref/data/fetch-smollm2.sh)"
+                } else {
+                    ""
+                };
+                return Err(TrainError::Config(format!("no pretrained checkpoint at {}{fetch}", p.display())));
+            }
+            let init = init_path.as_deref().map(hf::load_any).transpose()?;
             if let Some(ck) = &init {
+                let scaling = recipe.model.rope_scaling.clone();
                 recipe = hf::recipe_from(&recipe, &set, &ck.config)?;
+                if from_recipe && scaling.is_some() {
+                    // A recipe written for this checkpoint names the context extension it trains with.
+                    recipe.model.rope_scaling = scaling;
+                }
                 for note in &ck.config.notes {
                     eprintln!("note: {note}");
                 }
@@ -304,4 +319,17 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// A recipe's `train.init_from`: as given when it exists from here, else under the trainer crate (where the
+/// fetch scripts put pretrained files).
+fn resolve_init(path: &str) -> PathBuf {
+    let p = PathBuf::from(path);
+    if p.is_relative() && !p.exists() {
+        let in_crate = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(&p);
+        if in_crate.exists() {
+            return in_crate;
+        }
+    }
+    p
 }

@@ -29,6 +29,7 @@ pub const BUILTIN: &[(&str, &str)] = &[
     ("nemotron4-15b-64k", include_str!("../recipes/nemotron4-15b-64k.toml")),
     ("nemotron4-22b-16k", include_str!("../recipes/nemotron4-22b-16k.toml")),
     ("nemotron4-22b-64k", include_str!("../recipes/nemotron4-22b-64k.toml")),
+    ("smollm2-135m-extend-32k", include_str!("../recipes/smollm2-135m-extend-32k.toml")),
 ];
 
 /// A run: the model, the training loop, the data and the parallel layout.
@@ -202,6 +203,11 @@ pub struct TrainConfig {
     /// The spill directory of the disk tier (empty: `offload/` in the run's output folder).
     #[serde(default)]
     pub offload_dir: String,
+    /// A pretrained checkpoint to start from (a Hugging Face directory or a GGUF file; `--init-from` wins):
+    /// its model replaces `[model]` except `rope_scaling`, which a recipe written for the checkpoint sets.
+    /// A relative path is taken from the current directory, else from the trainer crate's directory.
+    #[serde(default)]
+    pub init_from: String,
 }
 
 fn default_offload() -> String {

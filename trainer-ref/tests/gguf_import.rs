@@ -213,3 +213,22 @@ fn eval_init_from_a_gguf_file_prints_transformers_loss_and_rope_scaling_changes_
     let scaled = printed_loss(&longctx_eval(&["--rope-scaling", "linear:4"]));
     assert!((scaled - want).abs() > 1e-3, "linear:4 left the loss at {scaled}");
 }
+
+#[test]
+fn the_extension_recipe_names_the_fetch_script_when_the_model_is_missing() {
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_longctx"))
+        .args([
+            "train",
+            "--recipe",
+            "smollm2-135m-extend-32k",
+            "--set",
+            "train.init_from=\"/nonexistent/smollm2.gguf\"",
+        ])
+        .output()
+        .expect("runs");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("/nonexistent/smollm2.gguf") && err.contains("fetch-smollm2.sh"),
+        "{err}"
+    );
+}
