@@ -176,7 +176,6 @@ fn reference_loss(
 ) -> (u32, Vec<Vec<u32>>) {
     let leaves: Vec<Vec<u32>> = weights.iter().map(|w| w.iter().map(|&v| tp.leaf(v as f64)).collect()).collect();
     let (c, d, hq, hkv, f) = (cfg.c, cfg.d, cfg.hq, cfg.hkv, cfg.f);
-    let s = seq.inputs.len();
     let mut x: Vec<Vec<u32>> =
         seq.inputs.iter().map(|&id| leaves[0][id as usize * c..(id as usize + 1) * c].to_vec()).collect();
     for l in 0..cfg.layers {
@@ -187,37 +186,7 @@ fn reference_loss(
         let v = linear(tp, &h1, &w[3], hkv * d);
         rope(tp, &mut q, hq, cfg);
         rope(tp, &mut k, hkv, cfg);
-        let scale = 1.0 / (d as f64).sqrt();
-        let mut o = vec![Vec::with_capacity(hq * d); s];
-        for h in 0..hq {
-            let g = h / (hq / hkv);
-            for t in 0..s {
-                let seen: Vec<usize> = (0..=t).filter(|&j| seq.docs[j] == seq.docs[t]).collect();
-                let scores: Vec<u32> = seen
-                    .iter()
-                    .map(|&j| {
-                        let dot = tp.dot(&q[t][h * d..(h + 1) * d], &k[j][g * d..(g + 1) * d]);
-                        tp.scale(dot, scale)
-                    })
-                    .collect();
-                let m = scores.iter().map(|&n| tp.v(n)).fold(f64::NEG_INFINITY, f64::max);
-                let e: Vec<u32> = scores
-                    .iter()
-                    .map(|&n| {
-                        let z = tp.offset(n, -m);
-                        tp.exp(z)
-                    })
-                    .collect();
-                let z = tp.sum(&e);
-                let rz = tp.recip(z);
-                for i in 0..d {
-                    let terms: Vec<u32> = seen.iter().zip(&e).map(|(&j, &ej)| tp.mul(ej, v[j][g * d + i])).collect();
-                    let num = tp.sum(&terms);
-                    let oi = tp.mul(num, rz);
-                    o[t].push(oi);
-                }
-            }
-        }
+        let o = causal_attention(tp, &q, &k, &v, seq, cfg);
         let attn = linear(tp, &o, &w[4], c);
         let x2: Vec<Vec<u32>> =
             x.iter().zip(&attn).map(|(a, b)| a.iter().zip(b).map(|(&p, &q)| tp.add(p, q)).collect()).collect();
@@ -247,24 +216,7 @@ fn reference_loss(
     let n = leaves.len();
     let hf = rmsnorm(tp, &x, &leaves[n - 2], cfg.eps);
     let logits = linear(tp, &hf, &leaves[n - 1], vocab);
-    let mut losses = Vec::new();
-    for (t, z) in logits.iter().enumerate() {
-        let m = z.iter().map(|&n| tp.v(n)).fold(f64::NEG_INFINITY, f64::max);
-        let e: Vec<u32> = z
-            .iter()
-            .map(|&n| {
-                let s = tp.offset(n, -m);
-                tp.exp(s)
-            })
-            .collect();
-        let sum = tp.sum(&e);
-        let lse = tp.ln(sum);
-        let lse = tp.offset(lse, m);
-        let neg = tp.scale(z[seq.targets[t] as usize], -1.0);
-        losses.push(tp.add(lse, neg));
-    }
-    let total = tp.sum(&losses);
-    (tp.scale(total, 1.0 / s as f64), leaves)
+    (mean_cross_entropy(tp, &logits, &seq.targets), leaves)
 }
 
 fn tiny_recipe(extra: &[&str]) -> Recipe {
@@ -605,6 +557,28 @@ fn rope_partial(tp: &mut Tape, x: &mut [Vec<u32>], heads: usize, d: usize, rot: 
     }
 }
 
+/// The mean over tokens of `−log softmax(logits[t])[targets[t]]`, with the max subtracted first.
+fn mean_cross_entropy(tp: &mut Tape, logits: &[Vec<u32>], targets: &[i64]) -> u32 {
+    let mut losses = Vec::new();
+    for (t, z) in logits.iter().enumerate() {
+        let m = z.iter().map(|&n| tp.v(n)).fold(f64::NEG_INFINITY, f64::max);
+        let e: Vec<u32> = z
+            .iter()
+            .map(|&n| {
+                let s = tp.offset(n, -m);
+                tp.exp(s)
+            })
+            .collect();
+        let sum = tp.sum(&e);
+        let lse = tp.ln(sum);
+        let lse = tp.offset(lse, m);
+        let neg = tp.scale(z[targets[t] as usize], -1.0);
+        losses.push(tp.add(lse, neg));
+    }
+    let total = tp.sum(&losses);
+    tp.scale(total, 1.0 / logits.len() as f64)
+}
+
 /// Causal grouped-query attention within documents.
 fn causal_attention(
     tp: &mut Tape,
@@ -776,24 +750,7 @@ fn family_reference_loss(
     let head = if fr.tied { 0 } else { take() };
     assert_eq!(next, leaves.len(), "the reference walked every tensor");
     let logits = linear(tp, &hf, &leaves[head], vocab);
-    let mut losses = Vec::new();
-    for (t, z) in logits.iter().enumerate() {
-        let m = z.iter().map(|&n| tp.v(n)).fold(f64::NEG_INFINITY, f64::max);
-        let e: Vec<u32> = z
-            .iter()
-            .map(|&n| {
-                let s = tp.offset(n, -m);
-                tp.exp(s)
-            })
-            .collect();
-        let sum = tp.sum(&e);
-        let lse = tp.ln(sum);
-        let lse = tp.offset(lse, m);
-        let neg = tp.scale(z[seq.targets[t] as usize], -1.0);
-        losses.push(tp.add(lse, neg));
-    }
-    let total = tp.sum(&losses);
-    let mut loss = tp.scale(total, 1.0 / s as f64);
+    let mut loss = mean_cross_entropy(tp, &logits, &seq.targets);
     if !all_probs.is_empty() {
         // Hugging Face `load_balancing_loss_func`: E · Σ_e (count_e / N) · (Σ p_e / N), N = layers × tokens.
         let n = all_probs.len() as f64;
