@@ -36,6 +36,26 @@ pub struct Segment {
     pub outputs: Vec<SavedTensor>,
 }
 
+impl SavedTensor {
+    /// A tensor of `bytes` named `name`.
+    pub fn new(name: &str, bytes: u64) -> Self {
+        SavedTensor { name: name.into(), bytes }
+    }
+}
+
+impl Segment {
+    /// A segment of `module` costing `flops`, reading `inputs`, saving `outputs`.
+    pub fn new(name: &str, module: &str, flops: f64, inputs: &[&str], outputs: Vec<SavedTensor>) -> Self {
+        Segment {
+            name: name.into(),
+            module: module.into(),
+            flops,
+            inputs: inputs.iter().map(|s| s.to_string()).collect(),
+            outputs,
+        }
+    }
+}
+
 /// One layer's forward, as a policy sees it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LayerSpec {
@@ -127,14 +147,8 @@ pub fn llama_layer(s: &LlamaLayerShape) -> LayerSpec {
     let c = s.d_model;
     let ls = l / s.seq_shard.max(1);
     let (q, kv) = (s.heads * s.head_dim, s.kv_heads * s.head_dim);
-    let t = |name: &str, bytes: u64| SavedTensor { name: name.into(), bytes };
-    let seg = |name: &str, module: &str, flops: f64, inputs: &[&str], outputs: Vec<SavedTensor>| Segment {
-        name: name.into(),
-        module: module.into(),
-        flops,
-        inputs: inputs.iter().map(|s| s.to_string()).collect(),
-        outputs,
-    };
+    let t = SavedTensor::new;
+    let seg = Segment::new;
     let (lf, cf, qf, kvf, ff) = (l as f64, c as f64, q as f64, kv as f64, s.ffn as f64);
     LayerSpec {
         input: t("x", ls * c * e),

@@ -192,7 +192,7 @@ pub fn nemotron_layer(s: &crate::LlamaLayerShape) -> LayerSpec {
     let mut spec = crate::llama_layer(s);
     let (l, e, f) = (s.tokens, s.elem_bytes, s.ffn);
     let ls = l / s.seq_shard.max(1);
-    let t = |name: &str, bytes: u64| SavedTensor { name: name.into(), bytes };
+    let t = SavedTensor::new;
     for seg in spec.segments.iter_mut() {
         match seg.name.as_str() {
             "attn_norm" => seg.outputs.insert(0, t("mean1", ls * 4)),
@@ -237,14 +237,8 @@ pub fn mixtral_layer(s: &crate::LlamaLayerShape, experts: u64, top_k: u64) -> La
     let mut spec = crate::llama_layer(s);
     let (l, e, f, c) = (s.tokens, s.elem_bytes, s.ffn, s.d_model);
     let n = l * top_k;
-    let t = |name: &str, bytes: u64| SavedTensor { name: name.into(), bytes };
-    let seg = |name: &str, module: &str, flops: f64, inputs: &[&str], outputs: Vec<SavedTensor>| Segment {
-        name: name.into(),
-        module: module.into(),
-        flops,
-        inputs: inputs.iter().map(|s| s.to_string()).collect(),
-        outputs,
-    };
+    let t = SavedTensor::new;
+    let seg = Segment::new;
     let (lf, nf, cf, ff, ef) = (l as f64, n as f64, c as f64, f as f64, experts as f64);
     spec.segments.retain(|seg| !matches!(seg.name.as_str(), "gate_up" | "swiglu" | "down_proj"));
     let routing = 16 * n + 8 * (experts + 1);

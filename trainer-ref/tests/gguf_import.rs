@@ -6,7 +6,8 @@
 use std::path::{Path, PathBuf};
 
 use longctx_trainer::eval::evaluate_tensors;
-use longctx_trainer::gguf::{unpermute_rotary_rows, GgmlType, GgufLlama};
+use longctx_trainer::gguf::{GgmlType, GgufLlama};
+use longctx_trainer::hf::permute::permute_half_split_to_interleaved;
 use longctx_trainer::recipe::Recipe;
 
 fn fixture(name: &str) -> PathBuf {
@@ -43,39 +44,15 @@ fn tiny_llama_gguf_matches_transformers_at_cp_1_2_and_4() {
 }
 
 #[test]
-fn the_rotary_permutation_matters_and_inverts_llama_cpps() {
-    // llama.cpp's permute: reshape(heads, 2, D/2, C).swapaxes(1, 2): HF row h·D + j·D/2 + i goes to h·D + 2i + j.
-    let (heads, d, c) = (3, 8, 2);
-    let hf: Vec<f32> = (0..heads * d * c).map(|x| x as f32).collect();
-    let mut gguf = vec![0.0; hf.len()];
-    for h in 0..heads {
-        for j in 0..2 {
-            for i in 0..d / 2 {
-                let (src, dst) = (h * d + j * d / 2 + i, h * d + 2 * i + j);
-                gguf[dst * c..dst * c + c].copy_from_slice(&hf[src * c..src * c + c]);
-            }
-        }
-    }
-    assert_eq!(unpermute_rotary_rows(&gguf, heads, c), hf);
-    assert_ne!(gguf, hf);
-
-    // Without the inverse the tiny model's loss moves well outside the tolerance.
+fn a_wrong_rotary_order_moves_the_loss() {
+    // The importer undoes llama.cpp's q/k permutation (`hf::permute`, tested against the converter's formula);
+    // putting it back on one projection moves the tiny model's loss well outside the tolerance.
     let mut g = GgufLlama::load(&fixture("tiny-llama.gguf")).expect("fixture loads");
     let ids: Vec<u32> = longctx_trainer::npy::read_token_ids(&fixture("ids.npy")).expect("ids.npy");
     let want = expected()["loss"].as_f64().expect("loss");
     let q = g.tensors.iter_mut().find(|t| t.name == "model.layers.0.self_attn.q_proj.weight").expect("q_proj");
-    let mut repermuted = vec![0.0; q.data.len()];
-    let (rows, cols) = (q.dims[0], q.dims[1]);
-    let hd = rows / g.heads;
-    for h in 0..g.heads {
-        for j in 0..2 {
-            for i in 0..hd / 2 {
-                let (src, dst) = (h * hd + j * hd / 2 + i, h * hd + 2 * i + j);
-                repermuted[dst * cols..dst * cols + cols].copy_from_slice(&q.data[src * cols..src * cols + cols]);
-            }
-        }
-    }
-    q.data = repermuted;
+    let hd = q.dims[0] / g.heads;
+    q.data = permute_half_split_to_interleaved(&q.data, g.heads, hd, q.dims[1]);
     let recipe = recipe_for(&g);
     let got = evaluate_tensors(&recipe, &g.tensors, &ids[..65], 64, 1).expect("evaluates");
     assert!((got.loss - want).abs() / want > 1e-4, "a permuted q gave the same loss {}", got.loss);

@@ -557,18 +557,24 @@ fn rope_partial(tp: &mut Tape, x: &mut [Vec<u32>], heads: usize, d: usize, rot: 
     }
 }
 
+/// `exp(z − max z)` for each of `z`, and the max (a stable softmax's numerators).
+fn shifted_exps(tp: &mut Tape, z: &[u32]) -> (Vec<u32>, f64) {
+    let m = z.iter().map(|&n| tp.v(n)).fold(f64::NEG_INFINITY, f64::max);
+    let e = z
+        .iter()
+        .map(|&n| {
+            let s = tp.offset(n, -m);
+            tp.exp(s)
+        })
+        .collect();
+    (e, m)
+}
+
 /// The mean over tokens of `−log softmax(logits[t])[targets[t]]`, with the max subtracted first.
 fn mean_cross_entropy(tp: &mut Tape, logits: &[Vec<u32>], targets: &[i64]) -> u32 {
     let mut losses = Vec::new();
     for (t, z) in logits.iter().enumerate() {
-        let m = z.iter().map(|&n| tp.v(n)).fold(f64::NEG_INFINITY, f64::max);
-        let e: Vec<u32> = z
-            .iter()
-            .map(|&n| {
-                let s = tp.offset(n, -m);
-                tp.exp(s)
-            })
-            .collect();
+        let (e, m) = shifted_exps(tp, z);
         let sum = tp.sum(&e);
         let lse = tp.ln(sum);
         let lse = tp.offset(lse, m);
@@ -602,14 +608,7 @@ fn causal_attention(
                     tp.scale(dot, scale)
                 })
                 .collect();
-            let m = scores.iter().map(|&n| tp.v(n)).fold(f64::NEG_INFINITY, f64::max);
-            let e: Vec<u32> = scores
-                .iter()
-                .map(|&n| {
-                    let z = tp.offset(n, -m);
-                    tp.exp(z)
-                })
-                .collect();
+            let (e, _) = shifted_exps(tp, &scores);
             let z = tp.sum(&e);
             let rz = tp.recip(z);
             for i in 0..d {
@@ -697,14 +696,7 @@ fn family_reference_loss(
                 let logits = linear(tp, &h2, &leaves[router], fr.experts);
                 let mut out = Vec::with_capacity(s);
                 for (t, z) in logits.iter().enumerate() {
-                    let m = z.iter().map(|&n| tp.v(n)).fold(f64::NEG_INFINITY, f64::max);
-                    let e: Vec<u32> = z
-                        .iter()
-                        .map(|&n| {
-                            let a = tp.offset(n, -m);
-                            tp.exp(a)
-                        })
-                        .collect();
+                    let (e, _) = shifted_exps(tp, z);
                     let sum = tp.sum(&e);
                     let rz = tp.recip(sum);
                     let p: Vec<u32> = e.iter().map(|&n| tp.mul(n, rz)).collect();

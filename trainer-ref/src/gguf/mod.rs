@@ -6,7 +6,7 @@
 //! - GGML lists dims fastest first: a `[rows, cols]` matrix is stored as `ne = [cols, rows]`, same bytes.
 //! - llama.cpp's converter permutes the rows of `q_proj` and `k_proj` so that rotary pairs are adjacent
 //!   (interleaved, `(x0, x1), (x2, x3)…`), where Hugging Face and this trainer rotate half-split pairs
-//!   (`(x_i, x_{i+D/2})`). [`unpermute_rotary_rows`] restores the Hugging Face order; without it the model
+//!   (`(x_i, x_{i+D/2})`). [`permute_interleaved_to_half_split`] restores the Hugging Face order; without it the model
 //!   still runs and its loss is plausible but wrong.
 
 pub mod container;
@@ -17,6 +17,7 @@ use std::path::Path;
 
 use crate::checkpoint::LoadedTensor;
 use crate::error::Result;
+use crate::hf::permute::permute_interleaved_to_half_split;
 use crate::recipe::{Family, ModelConfig, RopeScalingConfig};
 pub use container::{GgufFile, TensorInfo, Value};
 pub use dequant::GgmlType;
@@ -58,26 +59,6 @@ pub struct GgufLlama {
     pub bos_token: Option<u32>,
     /// `tokenizer.ggml.eos_token_id`.
     pub eos_token: Option<u32>,
-}
-
-/// Undoes llama.cpp's rotary row permutation of a `[heads·D, C]` q or k projection (row-major `w`).
-///
-/// llama.cpp writes row `h·D + 2i + j` (pair `i`, member `j`) from Hugging Face row `h·D + j·D/2 + i`.
-pub fn unpermute_rotary_rows(w: &[f32], heads: usize, cols: usize) -> Vec<f32> {
-    let rows = w.len() / cols;
-    let d = rows / heads;
-    let half = d / 2;
-    let mut out = vec![0.0f32; w.len()];
-    for h in 0..heads {
-        for i in 0..half {
-            for j in 0..2 {
-                let src = h * d + 2 * i + j;
-                let dst = h * d + j * half + i;
-                out[dst * cols..(dst + 1) * cols].copy_from_slice(&w[src * cols..(src + 1) * cols]);
-            }
-        }
-    }
-    out
 }
 
 /// The GGUF names of a layer's tensors and their Hugging Face names, in the trainer's order.
@@ -198,9 +179,9 @@ impl GgufLlama {
             }
             let mut data = read_f32(&f, t)?;
             if gname.ends_with("attn_q.weight") {
-                data = unpermute_rotary_rows(&data, heads, d_model);
+                data = permute_interleaved_to_half_split(&data, heads, head_dim, d_model);
             } else if gname.ends_with("attn_k.weight") {
-                data = unpermute_rotary_rows(&data, kv_heads, d_model);
+                data = permute_interleaved_to_half_split(&data, kv_heads, head_dim, d_model);
             }
             tensors.push(LoadedTensor { name: hname, dims, data });
         }
