@@ -258,10 +258,12 @@ struct Peer {
     env: Vec<(&'static str, &'static str)>,
     /// What `torch.backends.cpu.get_cpu_capability()` reports under `env`, e.g. "AVX512".
     capability: String,
+    /// Query and key/value heads, as ours.
+    heads: (usize, usize),
 }
 
 impl Peer {
-    fn detect(avx2: bool) -> Option<Self> {
+    fn detect(avx2: bool, heads: (usize, usize)) -> Option<Self> {
         let python = std::env::var("LONGCTX_PEER_PYTHON").unwrap_or_else(|_| "python3".into());
         let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../bench/peer_sdpa.py");
         let script = script.canonicalize().unwrap_or(script);
@@ -282,7 +284,7 @@ impl Peer {
             .ok()
             .filter(|o| o.status.success())?;
         let capability = String::from_utf8_lossy(&out.stdout).trim().to_string();
-        script.exists().then_some(Self { python, script, env, capability })
+        script.exists().then_some(Self { python, script, env, capability, heads })
     }
 
     /// Forward and forward+backward GFLOP/s of one row (`None` for a part not run or a failed run).
@@ -301,6 +303,7 @@ impl Peer {
         cmd.envs(self.env.iter().copied());
         cmd.arg(&self.script).arg("--rows-only").args(["--seqs", &s.to_string(), "--dims", &d.to_string()]);
         cmd.args(["--threads", &threads.to_string(), "--dtypes", if bf { "bf16" } else { "f32" }]);
+        cmd.args(["--hq", &self.heads.0.to_string(), "--hkv", &self.heads.1.to_string()]);
         cmd.arg(if causal { "--causal" } else { "--full" });
         if !backward {
             cmd.arg("--no-backward");
@@ -383,10 +386,12 @@ fn main() {
     // bursts of load from other processes on a shared machine.
     let cpu = args.iter().any(|a| a == "--cpu-time");
     let reps_override = arg_list(&args, "--reps", &[]).first().copied().filter(|&r| r > 0);
-    // `--hkv N`: KV heads (default 2; 8 = no grouping, every K/V tile used by one query head).
+    // `--hq N`: query heads (default 8; the trainer's bench model has 4). `--hkv N`: KV heads (default 2; equal
+    // to Hq = no grouping, every K/V tile used by one query head).
+    let hq = arg_list(&args, "--hq", &[8]).first().copied().unwrap_or(8);
     let hkv = arg_list(&args, "--hkv", &[2]).first().copied().unwrap_or(2);
-    if hkv == 0 || 8 % hkv != 0 {
-        eprintln!("--hkv must divide Hq = 8");
+    if hq == 0 || hkv == 0 || hq % hkv != 0 {
+        eprintln!("--hkv must divide --hq (default 8)");
         std::process::exit(2);
     }
     let simd_arg = args.iter().position(|a| a == "--simd").and_then(|i| args.get(i + 1)).map(String::as_str);
@@ -400,14 +405,14 @@ fn main() {
         }
     }
     .clamp_supported();
-    let (batch, hq) = (1, 8);
+    let batch = 1;
     let threads = rayon::current_num_threads();
     // `--no-peak`: skip the peak (e.g. under valgrind, where it dominates); "% peak" then shows a dash.
     let (gemm, fma) =
         if args.iter().any(|a| a == "--no-peak") { (f64::NAN, None) } else { (gemm_peak(), fma_peak(simd)) };
     let peak = fma.map_or(gemm, |f| f.max(gemm));
     let rounds = arg_list(&args, "--rounds", &[1]).first().copied().unwrap_or(1).max(1);
-    let peer = if args.iter().any(|a| a == "--no-torch") { None } else { Peer::detect(simd_arg == Some("avx2")) };
+    let peer = if args.iter().any(|a| a == "--no-torch") { None } else { Peer::detect(simd_arg == Some("avx2"), (hq, hkv)) };
     let peer_bf16_bwd = args.iter().any(|a| a == "--peer-bf16-backward");
     println!("# longctx attention benchmark: B={batch} Hq={hq} Hkv={hkv}, {threads} threads, {simd:?} kernels",);
     if peak.is_finite() {

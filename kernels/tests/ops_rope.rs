@@ -195,6 +195,24 @@ fn backward_inverts_forward_without_attention_factor() {
 }
 
 #[test]
+fn one_table_rotates_each_call_by_its_own_positions() {
+    // The table keeps the angles of the last positions: alternating positions (a context-parallel rank's two
+    // zigzag halves, or a new sequence length) must still rotate by each call's own angles.
+    let cfg = RopeConfig { head_dim: 8, base: 10_000.0, scaling: RopeScaling::None };
+    let (shared, cpu) = (RopeTable::new(&cfg).unwrap(), CpuBackend::new());
+    let x: Vec<f32> = (0..2 * 3 * 8).map(|i| (i as f32 * 0.37).sin()).collect();
+    let sets: [&[i64]; 4] = [&[0, 1, 2], &[7, 100, 3], &[0, 1, 2], &[5, 6, 7]];
+    for pos in sets {
+        let fresh = RopeTable::new(&cfg).unwrap();
+        let (mut a, mut b) = (vec![0.0f32; x.len()], vec![0.0f32; x.len()]);
+        cpu.rope_forward(&shared, view_mut(&mut a, [1, 2, 3, 8]), view(&x, [1, 2, 3, 8]), pos).unwrap();
+        cpu.rope_forward(&fresh, view_mut(&mut b, [1, 2, 3, 8]), view(&x, [1, 2, 3, 8]), pos).unwrap();
+        assert_eq!(a, b, "positions {pos:?}");
+        assert_eq!(shared.cos_sin(pos), fresh.cos_sin(pos));
+    }
+}
+
+#[test]
 fn linear_scaling_is_position_interpolation() {
     let plain = RopeTable::new(&RopeConfig { head_dim: 16, base: 10_000.0, scaling: RopeScaling::None }).unwrap();
     let lin =

@@ -136,6 +136,36 @@ pub struct RopeTable {
     rotary_dim: usize,
     inv_freq: Vec<f64>,
     attention_factor: f64,
+    /// The angles of the positions rotated last.
+    angles: AngleCache,
+}
+
+/// `cos` and `sin` (each `[S, R/2]`) of one set of positions.
+#[derive(Debug)]
+struct Angles {
+    positions: Vec<i64>,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+}
+
+/// The angles of the last positions a table rotated. A model rotates Q and K in every layer's forward, and
+/// dQ and dK in every backward, all at the same positions: computing `S·R/2` sines and cosines in `f64` per
+/// call, on one thread, cost more than the rotations themselves. One entry, compared by value (`O(S)`), so a
+/// caller never has to say when positions change; a clone starts empty, and tables compare equal whatever
+/// their caches hold.
+#[derive(Debug, Default)]
+struct AngleCache(std::sync::Mutex<Option<std::sync::Arc<Angles>>>);
+
+impl Clone for AngleCache {
+    fn clone(&self) -> Self {
+        AngleCache::default()
+    }
+}
+
+impl PartialEq for AngleCache {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
 }
 
 fn positive(name: &'static str, x: f64) -> Result<()> {
@@ -292,7 +322,7 @@ impl RopeTable {
                     .collect()
             }
         };
-        Ok(RopeTable { head_dim: d, rotary_dim: d, inv_freq, attention_factor })
+        Ok(RopeTable { head_dim: d, rotary_dim: d, inv_freq, attention_factor, angles: AngleCache::default() })
     }
 
     /// A table for heads of `cfg.head_dim` of which only the first `rotary_dim` rotate (partial rotary): the
@@ -332,17 +362,33 @@ impl RopeTable {
 
     /// `(cos, sin)`, each `[S, R/2]`, already multiplied by the attention factor.
     pub fn cos_sin(&self, positions: &[i64]) -> (Vec<f32>, Vec<f32>) {
+        let a = self.angles(positions);
+        (a.cos.clone(), a.sin.clone())
+    }
+
+    /// The angles of `positions`: the cached ones when they are the positions of the last call.
+    fn angles(&self, positions: &[i64]) -> std::sync::Arc<Angles> {
+        // A poisoned lock only means a panic elsewhere while it was held; the entry is replaced whole.
+        let mut slot = self.angles.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(a) = slot.as_ref().filter(|a| a.positions == positions) {
+            return a.clone();
+        }
         let half = self.rotary_dim / 2;
         let mut cos = vec![0.0f32; positions.len() * half];
         let mut sin = vec![0.0f32; positions.len() * half];
-        for (s, &p) in positions.iter().enumerate() {
-            for (i, f) in self.inv_freq.iter().enumerate() {
-                let (sn, cs) = (p as f64 * f).sin_cos();
-                cos[s * half + i] = (cs * self.attention_factor) as f32;
-                sin[s * half + i] = (sn * self.attention_factor) as f32;
-            }
-        }
-        (cos, sin)
+        // Each element depends on its position and frequency only: the same bits on any number of threads.
+        cos.par_chunks_mut(half).zip(sin.par_chunks_mut(half)).zip(positions.par_iter()).for_each(
+            |((c, s), &p)| {
+                for (i, f) in self.inv_freq.iter().enumerate() {
+                    let (sn, cs) = (p as f64 * f).sin_cos();
+                    c[i] = (cs * self.attention_factor) as f32;
+                    s[i] = (sn * self.attention_factor) as f32;
+                }
+            },
+        );
+        let a = std::sync::Arc::new(Angles { positions: positions.to_vec(), cos, sin });
+        *slot = Some(a.clone());
+        a
     }
 
     fn check<T: Element>(&self, out: &[T], inp: &[T], positions: &[i64], b: usize, h: usize) -> Result<usize> {
@@ -359,7 +405,8 @@ impl RopeTable {
     /// `sign`·θ; the other dims are copied from `inp` (or left as they are).
     fn apply<T: Element>(&self, out: &mut [T], inp: Option<&[T]>, positions: &[i64], sign: f32) {
         let (d, half, s_len) = (self.head_dim, self.rotary_dim / 2, positions.len());
-        let (cos, sin) = self.cos_sin(positions);
+        let angles = self.angles(positions);
+        let (cos, sin) = (&angles.cos, &angles.sin);
         let block = |blk: usize, o: &mut [T], x: Option<&[T]>| {
             for j in 0..o.len() / d {
                 let s = (blk * ROWS_PER_TASK + j) % s_len;
