@@ -25,6 +25,8 @@ def main():
     ap.add_argument("--reps", type=int, default=0, help="timed repetitions per row (default: about 1 s of work)")
     ap.add_argument("--rows-only", action="store_true", help="print the table rows without the header")
     ap.add_argument("--dtypes", default="f32,bf16")
+    ap.add_argument("--hq", type=int, default=8, help="query heads")
+    ap.add_argument("--hkv", type=int, default=2, help="key/value heads")
     ap.add_argument("--no-backward", action="store_true",
                     help="forward only (PyTorch's CPU bf16 backward takes many minutes at S >= 16384)")
     a = ap.parse_args()
@@ -35,7 +37,7 @@ def main():
         print("# peer_sdpa: torch is not installed; no peer column", file=sys.stderr)
         return 0
     torch.set_num_threads(a.threads)
-    B, HQ, HKV = 1, 8, 2
+    B, HQ, HKV = 1, a.hq, a.hkv
     if not a.rows_only:
         print(f"# PyTorch {torch.__version__} CPU SDPA, B={B} Hq={HQ} Hkv={HKV}, {a.threads} threads")
         print("| S | D | mask | dtype | fwd ms | fwd GFLOP/s | fwd+bwd ms | fwd+bwd GFLOP/s |")

@@ -123,70 +123,6 @@ fn gemm_peak() -> f64 {
     2.0 * (n * n * n) as f64 / best / 1e9
 }
 
-/// GFLOP/s of independent FMA chains in registers on all threads, at the widest instruction set the attention
-/// kernels use (`path`): the ceiling no kernel can pass. `None` on the portable path. Every thread times
-/// its own loops and keeps its best of several (about 15 ms each), and the rates add up: a thread that starts
-/// late or loses a time slice does not pull the figure down.
-fn fma_peak(path: SimdPath) -> Option<f64> {
-    let iters = 4_000_000u64;
-    let rates: Vec<f64> = rayon::broadcast(|_| {
-        let mut best = f64::MAX;
-        let mut lanes = 0.0;
-        for _ in 0..8 {
-            let t = Instant::now();
-            lanes = fma_chains(path, iters);
-            best = best.min(t.elapsed().as_secs_f64());
-        }
-        // Lanes × 2 FLOPs × 24 chains × iterations; 0 lanes when the path has no kernel.
-        lanes as f64 * 2.0 * 24.0 * iters as f64 / best / 1e9
-    });
-    let total: f64 = rates.iter().sum();
-    (total > 0.0).then_some(total)
-}
-
-/// Runs 24 independent FMA chains `iters` times; returns the vector width in f32 lanes (0 if not run).
-fn fma_chains(path: SimdPath, iters: u64) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::*;
-        #[target_feature(enable = "avx512f")]
-        unsafe fn run512(iters: u64) -> f32 {
-            let m = _mm512_set1_ps(0.999_999);
-            let a = _mm512_set1_ps(1e-7);
-            let mut acc = [_mm512_set1_ps(1.0); 24];
-            for _ in 0..iters {
-                for x in acc.iter_mut() {
-                    *x = _mm512_fmadd_ps(*x, m, a);
-                }
-            }
-            // Keep the chains live so the loop is not removed.
-            std::hint::black_box(acc);
-            16.0
-        }
-        #[target_feature(enable = "avx2,fma")]
-        unsafe fn run256(iters: u64) -> f32 {
-            let m = _mm256_set1_ps(0.999_999);
-            let a = _mm256_set1_ps(1e-7);
-            let mut acc = [_mm256_set1_ps(1.0); 12];
-            for _ in 0..2 * iters {
-                for x in acc.iter_mut() {
-                    *x = _mm256_fmadd_ps(*x, m, a);
-                }
-            }
-            std::hint::black_box(acc);
-            8.0
-        }
-        // SAFETY: `path` comes from `SimdPath::clamp_supported`, so the CPU has its features.
-        match path {
-            SimdPath::Avx512 => return unsafe { run512(iters) },
-            SimdPath::Avx2 => return unsafe { run256(iters) },
-            _ => {}
-        }
-    }
-    let _ = (path, iters);
-    0.0
-}
-
 /// CPU time of all this process's threads so far, in seconds (Linux `schedstat`; `None` elsewhere).
 fn cpu_seconds() -> Option<f64> {
     let mut ns = 0u64;
@@ -408,11 +344,15 @@ fn main() {
     let batch = 1;
     let threads = rayon::current_num_threads();
     // `--no-peak`: skip the peak (e.g. under valgrind, where it dominates); "% peak" then shows a dash.
-    let (gemm, fma) =
-        if args.iter().any(|a| a == "--no-peak") { (f64::NAN, None) } else { (gemm_peak(), fma_peak(simd)) };
+    let (gemm, fma) = if args.iter().any(|a| a == "--no-peak") {
+        (f64::NAN, None)
+    } else {
+        (gemm_peak(), longctx_kernels::fma_peak_flops(simd).map(|f| f / 1e9))
+    };
     let peak = fma.map_or(gemm, |f| f.max(gemm));
     let rounds = arg_list(&args, "--rounds", &[1]).first().copied().unwrap_or(1).max(1);
-    let peer = if args.iter().any(|a| a == "--no-torch") { None } else { Peer::detect(simd_arg == Some("avx2"), (hq, hkv)) };
+    let peer =
+        if args.iter().any(|a| a == "--no-torch") { None } else { Peer::detect(simd_arg == Some("avx2"), (hq, hkv)) };
     let peer_bf16_bwd = args.iter().any(|a| a == "--peer-bf16-backward");
     println!("# longctx attention benchmark: B={batch} Hq={hq} Hkv={hkv}, {threads} threads, {simd:?} kernels",);
     if peak.is_finite() {

@@ -54,6 +54,7 @@ pub mod dtype;
 pub mod error;
 mod host;
 pub mod ops;
+pub mod peak;
 pub mod saved;
 pub mod testing;
 pub mod view;
@@ -72,6 +73,7 @@ pub use host::{HostSlice, HostSliceMut};
 pub use ops::{
     AdamW, CrossEntropyOptions, CrossEntropyOutput, RopeConfig, RopeScaling, RopeTable, RouterOutput, Routing,
 };
+pub use peak::fma_peak_flops;
 pub use saved::{
     EmbeddingSaved, LayerNormSaved, LinearSaved, MatmulSaved, MoeCombineSaved, MoeRouterSaved, RmsNormSaved,
     SquaredReluSaved, SwigluSaved,

@@ -2,8 +2,11 @@
 //! per step (`step`, `loss`, `lr`, `grad_norm`, `tokens_per_s`, `mfu`, `rss_mib`, `saved_mib_per_rank`) and one
 //! per evaluation (`step`, `val_loss`).
 //!
-//! MFU is the model's FLOPs per second over the peak of a large `f32` GEMM on this machine, measured when the
-//! run starts and again at each evaluation, keeping the best (the attainable peak, not a datasheet figure). The model's FLOPs per token are PaLM's count:
+//! MFU is the model's FLOPs per second over this machine's `f32` arithmetic peak, measured when the run starts
+//! and again at each evaluation, keeping the best: independent FMA chains in registers on every thread at the
+//! widest vector width the kernels use ([`fma_peak_flops`]; a large GEMM's rate on a machine without one). A
+//! measured ceiling, not a datasheet figure, and not a GEMM's rate either: that is an attainable figure below
+//! the ceiling, and how far below depends on the GEMM library. The model's FLOPs per token are PaLM's count:
 //! `6·N` for the `N` weights of the matrix products (the output projection included, the embedding gather
 //! not) plus `6·layers·Hq·D·S` for causal attention (half of `12·…`, forward and backward).
 
@@ -11,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressStyle};
-use longctx_kernels::{Backend, CpuBackend, DType, Dims, View};
+use longctx_kernels::{fma_peak_flops, Backend, CpuBackend, DType, Dims, SimdPath, View};
 
 use crate::error::{Result, TrainError};
 use crate::recipe::Recipe;
@@ -41,8 +44,17 @@ pub fn flops_per_token(recipe: &Recipe, weights: usize) -> f64 {
     6.0 * matmul_weights as f64 + 6.0 * (m.layers * m.heads * m.head_dim() * recipe.train.seq_len) as f64
 }
 
-/// FLOP/s of a 1024³ `f32` GEMM on every core, best of three.
+/// The denominator of MFU (see the module docs): the FMA ceiling, or [`measure_gemm_flops`] where the CPU has
+/// no vector path.
 pub fn measure_peak_flops() -> Result<f64> {
+    match fma_peak_flops(SimdPath::detect()) {
+        Some(f) => Ok(f),
+        None => measure_gemm_flops(),
+    }
+}
+
+/// FLOP/s of a 1024³ `f32` GEMM on every core, best of three.
+pub fn measure_gemm_flops() -> Result<f64> {
     let n = 1024;
     let cpu = CpuBackend::new();
     let a: Vec<f32> = (0..n * n).map(|i| ((i % 7) as f32 - 3.0) * 0.1).collect();
@@ -106,7 +118,7 @@ impl Meter {
             tokens: 0.0,
         };
         m.note(&format!(
-            "{}: {} weights, {} ranks (cp {} × dp {}), {} tokens per step, GEMM peak {:.1} GFLOP/s",
+            "{}: {} weights, {} ranks (cp {} × dp {}), {} tokens per step, FMA peak {:.1} GFLOP/s",
             recipe.name,
             weights,
             recipe.parallel.cp * recipe.parallel.dp,

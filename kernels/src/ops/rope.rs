@@ -377,15 +377,13 @@ impl RopeTable {
         let mut cos = vec![0.0f32; positions.len() * half];
         let mut sin = vec![0.0f32; positions.len() * half];
         // Each element depends on its position and frequency only: the same bits on any number of threads.
-        cos.par_chunks_mut(half).zip(sin.par_chunks_mut(half)).zip(positions.par_iter()).for_each(
-            |((c, s), &p)| {
-                for (i, f) in self.inv_freq.iter().enumerate() {
-                    let (sn, cs) = (p as f64 * f).sin_cos();
-                    c[i] = (cs * self.attention_factor) as f32;
-                    s[i] = (sn * self.attention_factor) as f32;
-                }
-            },
-        );
+        cos.par_chunks_mut(half).zip(sin.par_chunks_mut(half)).zip(positions.par_iter()).for_each(|((c, s), &p)| {
+            for (i, f) in self.inv_freq.iter().enumerate() {
+                let (sn, cs) = (p as f64 * f).sin_cos();
+                c[i] = (cs * self.attention_factor) as f32;
+                s[i] = (sn * self.attention_factor) as f32;
+            }
+        });
         let a = std::sync::Arc::new(Angles { positions: positions.to_vec(), cos, sin });
         *slot = Some(a.clone());
         a
