@@ -15,7 +15,7 @@ use rayon::prelude::*;
 
 use crate::attention::{self, AttnGrads, AttnOptions, AttnOut, AttnPartial, AttnSaved, Qkv, SimdPath};
 use crate::backend::{AdamwState, Backend, GradMode, LinearGrads, NormGrads, NormParams, ProjectionGrads};
-use crate::buffer::Buffer;
+use crate::buffer::{Buffer, HostVec};
 use crate::dtype::{DType, Element};
 use crate::error::{KernelError, Result};
 use crate::ops::{self, AdamW, CrossEntropyOptions, CrossEntropyOutput, RopeTable, RouterOutput, Routing};
@@ -102,6 +102,19 @@ impl CpuBackend {
     }
 }
 
+/// `n` copies of `zero`, written in parallel blocks.
+fn zeroed<T: Copy + Send + Sync>(n: usize, zero: T) -> Vec<T> {
+    let mut v = Vec::with_capacity(n);
+    v.spare_capacity_mut()[..n].par_chunks_mut(ops::ELEMS_PER_TASK).for_each(|c| {
+        for x in c {
+            x.write(zero);
+        }
+    });
+    // SAFETY: the loop above initialised all `n` elements, and the capacity is at least `n`.
+    unsafe { v.set_len(n) };
+    v
+}
+
 /// `N` rows of the last dim `C` of a view.
 fn rows(name: &'static str, dims: &[usize]) -> Result<(usize, usize)> {
     let c = *dims.last().unwrap_or(&0);
@@ -158,20 +171,35 @@ impl Backend for CpuBackend {
     }
 
     fn zeros(&self, dtype: DType, dims: Dims) -> Result<Buffer> {
-        Buffer::host_zeros(dtype, dims)
+        let n = dims.numel();
+        if n < ops::ELEMS_PER_TASK {
+            return Buffer::host_zeros(dtype, dims);
+        }
+        // Zeroed on every thread, not by `calloc` on the caller's: memory the allocator recycles is cleared
+        // with one `memset` on one thread while the pool idles, and fresh pages fault in on the threads that
+        // fill them. A model allocates its activations per op, so this is on the hot path.
+        let data = match dtype {
+            DType::F32 => HostVec::F32(self.run(|| zeroed(n, 0.0f32))),
+            DType::Bf16 => HostVec::Bf16(self.run(|| zeroed(n, bf16::ZERO))),
+        };
+        Buffer::from_host_vec(data, dims)
     }
 
     fn copy(&self, dst: ViewMut<'_>, src: View<'_>) -> Result<()> {
         same_dims("dst", dst.dims(), src.dims())?;
-        let src = self.host("src", src)?;
-        let mut dst = self.host_mut("dst", dst)?;
-        match (&mut dst, src) {
-            (HostSliceMut::F32(d), HostSlice::F32(s)) => d.copy_from_slice(s),
-            (HostSliceMut::Bf16(d), HostSlice::Bf16(s)) => d.copy_from_slice(s),
-            (HostSliceMut::F32(d), HostSlice::Bf16(s)) => crate::dtype::load_f32(s, d),
-            (HostSliceMut::Bf16(d), HostSlice::F32(s)) => crate::dtype::store_f32(s, d),
-        }
-        Ok(())
+        by_dtype!(dst.dtype(), D => by_dtype!(src.dtype(), S => {
+            let (d, s) = (self.typed_mut::<D>("dst", dst)?, self.typed::<S>("src", src)?);
+            self.run(|| {
+                d.par_chunks_mut(ops::ELEMS_PER_TASK).zip(s.par_chunks(ops::ELEMS_PER_TASK)).for_each(|(d, s)| {
+                    if D::DTYPE == S::DTYPE {
+                        d.copy_from_slice(bytemuck::cast_slice(s))
+                    } else {
+                        d.iter_mut().zip(s).for_each(|(d, s)| *d = D::from_f32(s.to_f32()))
+                    }
+                })
+            });
+            Ok(())
+        }))
     }
 
     fn add(&self, dst: ViewMut<'_>, src: View<'_>) -> Result<()> {

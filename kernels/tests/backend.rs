@@ -333,3 +333,30 @@ fn release_scratch_frees_the_bf16_buffers_and_changes_no_result() {
         assert_eq!(run(), before, "{} threads", cpu.threads());
     }
 }
+
+#[test]
+fn large_zeros_and_copies_run_on_the_pool_and_give_the_same_elements() {
+    // Past one parallel block (`2^14` elements) `zeros` and `copy` split the work over the pool; every element
+    // must come out as the serial versions give it, in both dtypes and both directions of conversion.
+    let cpu = CpuBackend::new();
+    let n = (1 << 14) * 3 + 5;
+    for dt in [DType::F32, DType::Bf16] {
+        let mut z = cpu.zeros(dt, Dims::new(&[n]).unwrap()).unwrap();
+        assert_eq!(z.len(), n);
+        let mut back = vec![1.0f32; n];
+        cpu.copy(ViewMut::new(&mut back, [n]).unwrap(), z.view()).unwrap();
+        assert!(back.iter().all(|&x| x == 0.0), "{dt:?}");
+        let src: Vec<f32> = (0..n).map(|i| (i as f32 * 0.001).sin() * 3.0).collect();
+        cpu.copy(z.view_mut(), View::new(&src, [n]).unwrap()).unwrap();
+        cpu.copy(ViewMut::new(&mut back, [n]).unwrap(), z.view()).unwrap();
+        let want: Vec<f32> = match dt {
+            DType::F32 => src.clone(),
+            DType::Bf16 => src.iter().map(|&x| bf16::from_f32(x).to_f32()).collect(),
+        };
+        assert_eq!(back, want, "{dt:?}");
+    }
+    let src: Vec<bf16> = (0..n).map(|i| bf16::from_f32(i as f32 - 7.5)).collect();
+    let mut dst = vec![bf16::ZERO; n];
+    cpu.copy(ViewMut::new(&mut dst, [n]).unwrap(), View::new(&src, [n]).unwrap()).unwrap();
+    assert_eq!(dst, src);
+}
