@@ -716,6 +716,33 @@ fn mixtral_fused_and_hub_layouts_read_the_same() {
     assert_eq!(nem.model().rotary_dim(), 16);
 }
 
+/// An absent field means what transformers' config class of the architecture assumes: Mixtral's RoPE base is
+/// 1e6 (the fixture's, so the loss still matches) and its KV heads 8 (which 2 query heads cannot group).
+#[test]
+fn absent_fields_take_transformers_defaults_per_architecture() {
+    let dir = copy_fixture("mixtral", "defaults-theta");
+    edit_config(&dir, |c| {
+        c.remove("rope_parameters");
+    });
+    let ck = hf::load(&dir).unwrap();
+    assert_eq!(ck.model().rope_theta, 1e6);
+    let want = expected()["loss"]["mixtral"].as_f64().unwrap();
+    let got = evaluate_hf(&ck, &tokens_for(257), 64, 1).unwrap().loss;
+    assert!(rel(got, want) <= 1e-5, "{got} vs {want}");
+    let dir = copy_fixture("mixtral", "defaults-kv");
+    edit_config(&dir, |c| {
+        c.remove("num_key_value_heads");
+    });
+    let e = err_of(&dir);
+    assert!(e.contains("num_key_value_heads") && e.contains('8'), "{e}");
+    // Llama's base is 10000 (its fixture's, too).
+    let dir = copy_fixture("llama", "defaults-llama");
+    edit_config(&dir, |c| {
+        c.remove("rope_parameters");
+    });
+    assert_eq!(hf::load(&dir).unwrap().model().rope_theta, 10_000.0);
+}
+
 /// Nemotron's `partial_rotary_factor` is read wherever transformers reads it (top level, inside
 /// `rope_parameters`, or absent: 0.5), and a value the head cannot take is an error naming it.
 #[test]

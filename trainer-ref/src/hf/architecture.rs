@@ -117,12 +117,20 @@ impl Architecture {
     }
 
     /// transformers' defaults for fields a `config.json` may leave out (its config classes'): the norm epsilon,
-    /// `rope_theta`, and `partial_rotary_factor` (`NemotronConfig` sets 0.5 when absent).
+    /// `rope_theta`, `partial_rotary_factor` (`NemotronConfig` sets 0.5 when absent) and the KV heads
+    /// (`MixtralConfig` 8; Llama as many as the query heads; Nemotron's modelling code has no default, so the
+    /// query heads' count, multi-head attention, stands in).
     pub fn defaults(self) -> Defaults {
         match self {
-            Architecture::Llama => Defaults { norm_eps: 1e-6, rope_theta: 10_000.0, partial_rotary_factor: 1.0 },
-            Architecture::Mixtral => Defaults { norm_eps: 1e-5, rope_theta: 1e6, partial_rotary_factor: 1.0 },
-            Architecture::Nemotron => Defaults { norm_eps: 1e-5, rope_theta: 10_000.0, partial_rotary_factor: 0.5 },
+            Architecture::Llama => {
+                Defaults { norm_eps: 1e-6, rope_theta: 10_000.0, partial_rotary_factor: 1.0, kv_heads: None }
+            }
+            Architecture::Mixtral => {
+                Defaults { norm_eps: 1e-5, rope_theta: 1e6, partial_rotary_factor: 1.0, kv_heads: Some(8) }
+            }
+            Architecture::Nemotron => {
+                Defaults { norm_eps: 1e-5, rope_theta: 10_000.0, partial_rotary_factor: 0.5, kv_heads: None }
+            }
         }
     }
 
@@ -211,6 +219,8 @@ pub struct Defaults {
     pub rope_theta: f64,
     /// The rotating share of each head.
     pub partial_rotary_factor: f64,
+    /// The KV heads (`None`: as many as the query heads).
+    pub kv_heads: Option<usize>,
 }
 
 /// The fields every architecture maps the same way (`partial_rotary_factor` must be 1 but for Nemotron) (the shapes, RoPE, embeddings tying).

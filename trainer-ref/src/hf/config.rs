@@ -144,7 +144,8 @@ impl HfConfig {
         let layers = need("num_hidden_layers")?;
         let d_model = need("hidden_size")?;
         let heads = need("num_attention_heads")?;
-        let kv_heads = usize_field("num_key_value_heads")?.unwrap_or(heads);
+        let defaults = architecture.defaults();
+        let kv_heads = usize_field("num_key_value_heads")?.or(defaults.kv_heads).unwrap_or(heads);
         let ffn = need("intermediate_size")?;
         let vocab = need("vocab_size")?;
         let max_position_embeddings = usize_field("max_position_embeddings")?;
@@ -163,7 +164,6 @@ impl HfConfig {
             let field = if head_dim.is_some() { "head_dim" } else { "num_attention_heads" };
             return Err(err(field, format!("head dim {d}: the attention kernels take 32 to 256 in steps of 8")));
         }
-        let defaults = architecture.defaults();
         let eps_field = architecture.eps_field();
         let norm_eps = f64_field(eps_field)?.unwrap_or(defaults.norm_eps);
         if !(norm_eps.is_finite() && norm_eps > 0.0) {
