@@ -573,6 +573,33 @@ fn init_from_takes_the_checkpoints_family_and_refuses_other_shapes() {
     other.family = Family::Llama;
     let e = hf::check_model(&other, &nem.config).unwrap_err().to_string();
     assert!(e.contains("model.family") && e.contains("nemotron"), "{e}");
+    // One step from each at a learning rate of 1e-12, over CP 2: the run starts from the checkpoint's weights.
+    let sets: Vec<String> = [
+        "train.seq_len=64",
+        "train.batch=1",
+        "train.steps=1",
+        "train.lr=1e-12",
+        "train.min_lr=0",
+        "train.warmup=0",
+        "train.eval_every=0",
+        "parallel.threads=1",
+        "parallel.cp=2",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    for ck in [&mix, &nem] {
+        let recipe = hf::recipe_from(&Recipe::load("tiny-llama", &sets).unwrap(), &sets, &ck.config).unwrap();
+        let out = scratch(&format!("initfrom-{}", recipe.model.family.name()));
+        let opts = RunOptions { out: out.to_path_buf(), quiet: true, ..Default::default() };
+        train_from(&recipe, &opts, Some(ck)).unwrap();
+        let saved = longctx_trainer::checkpoint::load(&out).unwrap();
+        assert_eq!(saved.model.len(), ck.tensors.len());
+        for (a, b) in saved.model.iter().zip(&ck.tensors) {
+            let d = a.data.iter().zip(&b.data).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+            assert!(a.name == b.name && d < 1e-6, "{}: moved {d}", a.name);
+        }
+    }
 }
 
 #[test]
