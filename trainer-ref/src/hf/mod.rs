@@ -8,8 +8,10 @@
 //! DIR/tokenizer.json                       optional: text for `longctx eval --tokens FILE.txt`
 //! ```
 //!
-//! Tensor names are transformers' (`model.layers.N.self_attn.q_proj.weight`, `[out, in]`), the trainer's own
-//! (see [`crate::model::param_shapes`]). Rotary layout: transformers rotates the pairs `(i, i + D/2)` of each
+//! Architectures: Llama, Mixtral and Nemotron ([`architecture`]). Tensor names are transformers'
+//! (`model.layers.N.self_attn.q_proj.weight`, `[out, in]`), the trainer's own (see
+//! [`crate::model::param_shapes`]); a Mixtral's experts may also come fused as transformers 5 holds them
+//! ([`experts`]), and export writes the per-expert names real checkpoints have. Rotary layout: transformers rotates the pairs `(i, i + D/2)` of each
 //! head (`rotate_half`), and so does the trainer's RoPE kernel, so q and k rows load as they are; Meta's
 //! original checkpoints and GGUF files pair `(2i, 2i+1)` instead and need [`permute`]'s row permutation (the
 //! fixture test `hf_interop` shows the loss moving by 0.2 nats when it is applied where it should not be).
@@ -20,6 +22,7 @@
 
 pub mod architecture;
 pub mod config;
+pub mod experts;
 pub mod export;
 pub mod permute;
 pub mod weights;
@@ -31,14 +34,13 @@ pub use config::HfConfig;
 
 use crate::checkpoint::LoadedTensor;
 use crate::error::{Result, TrainError};
-use crate::model::param_shapes;
 use crate::recipe::{ModelConfig, Recipe};
 
 /// The tokenizer's file inside a checkpoint directory.
 pub const TOKENIZER_FILE: &str = "tokenizer.json";
 
 /// A pretrained checkpoint, read and checked: its configuration and every tensor of the trainer's model, in
-/// [`param_shapes`] order, as f32; from a Hugging Face directory or a GGUF file.
+/// [`param_shapes`](crate::model::param_shapes) order, as f32; from a Hugging Face directory or a GGUF file.
 #[derive(Debug, Clone)]
 pub struct HfCheckpoint {
     /// The directory (or the GGUF file).
@@ -106,13 +108,11 @@ pub fn load(dir: &Path) -> Result<HfCheckpoint> {
     let files = weights::WeightFiles::open(dir)?;
     // Tied: the model has no lm_head.weight (param_shapes leaves it out); a tied checkpoint may still carry
     // one, which transformers ties to the embedding regardless.
-    let shapes = param_shapes(&config.model);
+    let layout = experts::ExpertLayout::of(&files);
+    let shapes = layout.file_shapes(&config.model);
     let tied = config.model.tie_embeddings;
     files.check(&shapes, |n| ignorable(n) || (tied && n == "lm_head.weight")).map_err(with_fields)?;
-    let mut tensors = Vec::with_capacity(shapes.len());
-    for (name, dims) in &shapes {
-        tensors.push(LoadedTensor { name: name.clone(), dims: dims.clone(), data: files.read_f32(name)? });
-    }
+    let tensors = layout.read(&files, &config.model)?;
     let tok_path = dir.join(TOKENIZER_FILE);
     let tokenizer = if tok_path.is_file() {
         Some(tokenizers::Tokenizer::from_file(&tok_path).map_err(|e| TrainError::Checkpoint {
@@ -143,6 +143,13 @@ fn with_fields(e: TrainError) -> TrainError {
         ("embed_tokens.weight", "[vocab_size, hidden_size]"),
         ("lm_head.weight", "[vocab_size, hidden_size]"),
         ("norm.weight", "[hidden_size]"),
+        ("norm.bias", "[hidden_size]"),
+        ("gate.weight", "[num_local_experts, hidden_size]"),
+        ("w1.weight", "[intermediate_size, hidden_size]"),
+        ("w3.weight", "[intermediate_size, hidden_size]"),
+        ("w2.weight", "[hidden_size, intermediate_size]"),
+        ("experts.gate_up_proj", "[num_local_experts, 2 × intermediate_size, hidden_size]"),
+        ("experts.down_proj", "[num_local_experts, hidden_size, intermediate_size]"),
     ]
     .iter()
     .find(|(suffix, _)| tensor.ends_with(suffix))
@@ -155,8 +162,9 @@ fn with_fields(e: TrainError) -> TrainError {
     TrainError::HfTensor { path, tensor, detail }
 }
 
-/// The model fields a recipe may not change from the checkpoint's: the shapes its tensors have.
-fn shape_fields(m: &ModelConfig) -> [(&'static str, usize); 7] {
+/// The model fields a recipe may not change from the checkpoint's: the shapes its tensors have (an absent
+/// mixture of experts counts 0 experts).
+fn shape_fields(m: &ModelConfig) -> [(&'static str, usize); 8] {
     [
         ("model.layers", m.layers),
         ("model.d_model", m.d_model),
@@ -165,11 +173,20 @@ fn shape_fields(m: &ModelConfig) -> [(&'static str, usize); 7] {
         ("model.head_dim", m.head_dim()),
         ("model.ffn", m.ffn),
         ("model.vocab", m.vocab),
+        ("model.moe.experts", m.moe.map_or(0, |e| e.experts)),
     ]
 }
 
 /// Fails naming the field where `recipe`'s model has a shape other than the checkpoint's.
 pub fn check_model(recipe: &ModelConfig, hf: &HfConfig) -> Result<()> {
+    if recipe.family != hf.model.family {
+        return Err(TrainError::Config(format!(
+            "recipe field `model.family` is {}, but {} gives the checkpoint {}",
+            recipe.family.name(),
+            hf.path.display(),
+            hf.model.family.name()
+        )));
+    }
     for ((field, mine), (_, theirs)) in shape_fields(recipe).into_iter().zip(shape_fields(&hf.model)) {
         if mine != theirs {
             return Err(TrainError::Config(format!(
