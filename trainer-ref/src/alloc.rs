@@ -18,9 +18,9 @@ pub const MMAP_THRESHOLD: usize = 1 << 20;
 /// threads start. A no-op outside glibc (other allocators, musl, other systems have their own policies).
 pub fn return_freed_memory() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: `mallopt` only changes the allocator's parameters; it is called before any other thread exists.
-    // It returns 0 on failure, which leaves the defaults: nothing breaks, peak RSS is only higher.
-    unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD as libc::c_int);
+    {
+        // SAFETY: `mallopt` only changes the allocator's parameters; it is called before any other thread
+        // exists. It returns 0 on failure, which leaves the defaults: nothing breaks, peak RSS is only higher.
+        unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD as libc::c_int) };
     }
 }
