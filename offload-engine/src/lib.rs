@@ -70,8 +70,11 @@
 //! - **Memory handed over**: once a tensor's copy has landed in a tier its allocation is dropped (on a CPU-only
 //!   machine, where the host tier is the same memory, that is what the disk tier is for: the process's peak
 //!   memory falls by the bytes on disk, which `tests/memory.rs` measures). glibc returns an allocation above its
-//!   `mmap` threshold (at most 32 MiB) to the system at once; a smaller one goes back to its heap, where the
-//!   caller's next tensors reuse it. With [`OffloadEngineBuilder::spare_bytes`] allocations are kept instead,
+//!   `mmap` threshold to the system at once; a smaller one goes back to its heap, which keeps it. That threshold
+//!   rises by default to each mapped block freed (up to 32 MiB), so after a first step most tensors come from
+//!   the heap and resident memory stays at the heap's high-water mark however much went to disk. A process
+//!   that wants its peak RSS to follow live memory fixes the threshold (`mallopt(M_MMAP_THRESHOLD, …)`, as the
+//!   `longctx` trainer does); the engine leaves the process's allocator alone. With [`OffloadEngineBuilder::spare_bytes`] allocations are kept instead,
 //!   up to that bound, for fetches to reuse ([`OffloadEngine::recycle`] gives back fetched tensors the same
 //!   way); the default bound is zero.
 //! - **No allocation per step**: host-tier buffers and direct-I/O staging buffers come from pools that keep

@@ -16,6 +16,7 @@
 //! ```
 #![warn(missing_docs, unsafe_op_in_unsafe_fn)]
 
+pub mod alloc;
 pub mod bench;
 pub mod checkpoint;
 pub mod data;
