@@ -335,9 +335,10 @@ fn release_scratch_frees_the_bf16_buffers_and_changes_no_result() {
 }
 
 #[test]
-fn large_zeros_and_copies_run_on_the_pool_and_give_the_same_elements() {
-    // Past one parallel block (`2^14` elements) `zeros` and `copy` split the work over the pool; every element
-    // must come out as the serial versions give it, in both dtypes and both directions of conversion.
+fn large_copies_run_on_the_pool_and_give_the_serial_elements() {
+    // Past one parallel block (`2^14` elements) `copy` splits the work over the pool; every element must come
+    // out as a serial copy gives it, in both dtypes and both directions of conversion, and large `zeros` are
+    // zeros.
     let cpu = CpuBackend::new();
     let n = (1 << 14) * 3 + 5;
     for dt in [DType::F32, DType::Bf16] {

@@ -74,7 +74,7 @@
 //!   rises by default to each mapped block freed (up to 32 MiB), so after a first step most tensors come from
 //!   the heap and resident memory stays at the heap's high-water mark however much went to disk. A process
 //!   that wants its peak RSS to follow live memory fixes the threshold (`mallopt(M_MMAP_THRESHOLD, …)`, as the
-//!   `longctx` trainer does); the engine leaves the process's allocator alone. With [`OffloadEngineBuilder::spare_bytes`] allocations are kept instead,
+//!   `longctx` trainer does for a run that offloads); the engine leaves the process's allocator alone. With [`OffloadEngineBuilder::spare_bytes`] allocations are kept instead,
 //!   up to that bound, for fetches to reuse ([`OffloadEngine::recycle`] gives back fetched tensors the same
 //!   way); the default bound is zero.
 //! - **No allocation per step**: host-tier buffers and direct-I/O staging buffers come from pools that keep

@@ -8,19 +8,22 @@
 //! resident (saved tensors sent to disk left their pages to the next layer's temporaries and the fetches).
 //! Fixing the threshold turns the dynamic adjustment off: every large buffer is its own mapping, unmapped
 //! when freed. What it costs is the first-touch faults of the fresh pages, which the heap's reused pages
-//! avoided.
+//! avoided: measured on the bench model at 4K tokens, 13–27% of the step (`bench/log/2026-12-01-offload.md`).
+//! So the trainer sets it only for a run that offloads, where resident memory following live memory is the
+//! point; without offload glibc's default keeps the speed (and peak RSS is already below PyTorch's).
 
 /// Buffers from this size up are mapped and unmapped one by one: every tensor of a long sequence, none of the
 /// per-token vectors of a short one.
 pub const MMAP_THRESHOLD: usize = 1 << 20;
 
-/// Sets the policy (see the module docs) for this process. Call it once, first thing in `main`, before
-/// threads start. A no-op outside glibc (other allocators, musl, other systems have their own policies).
+/// Sets the policy (see the module docs) for this process, before the run allocates its tensors. A no-op
+/// outside glibc (other allocators, musl, other systems have their own policies).
 pub fn return_freed_memory() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
-        // SAFETY: `mallopt` only changes the allocator's parameters; it is called before any other thread
-        // exists. It returns 0 on failure, which leaves the defaults: nothing breaks, peak RSS is only higher.
+        // SAFETY: `mallopt` only changes the allocator's parameters, under glibc's own arena lock (safe with
+        // other threads allocating). It returns 0 on failure, which leaves the defaults: nothing breaks, peak
+        // RSS is only higher.
         unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD as libc::c_int) };
     }
 }

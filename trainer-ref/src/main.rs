@@ -185,6 +185,9 @@ fn run(cli: Cli) -> Result<()> {
                 set.push(format!("train.offload_budget=\"{b}\""));
             }
             let mut recipe = Recipe::load(&recipe, &set)?;
+            if recipe.train.offload != "none" {
+                longctx_trainer::alloc::return_freed_memory();
+            }
             let from_recipe = init_from.is_none() && !recipe.train.init_from.is_empty();
             let init_path = init_from.or_else(|| from_recipe.then(|| resolve_init(&recipe.train.init_from)));
             if let Some(p) = init_path.as_deref().filter(|p| !p.exists()) {
@@ -312,7 +315,6 @@ fn run(cli: Cli) -> Result<()> {
 }
 
 fn main() -> ExitCode {
-    longctx_trainer::alloc::return_freed_memory();
     match run(Cli::parse()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
