@@ -11,7 +11,7 @@ use std::process::Command;
 
 use longctx_trainer::checkpoint::LoadedTensor;
 use longctx_trainer::eval::{evaluate, evaluate_hf, read_tokens, read_tokens_with};
-use longctx_trainer::hf::{self, export};
+use longctx_trainer::hf::{self, export, HfCheckpoint};
 use longctx_trainer::recipe::{Family, MoeConfig, Recipe};
 use longctx_trainer::train::{train, train_from, RunOptions};
 use serde_json::Value;
@@ -543,13 +543,34 @@ fn train_init_from_starts_from_the_checkpoint_and_refuses_other_shapes() {
     .collect();
     let recipe = hf::recipe_from(&Recipe::load("tiny-llama", &sets).unwrap(), &sets, &ck.config).unwrap();
     assert_eq!(recipe.model.layers, 2);
-    let out = scratch("initfrom");
-    train_from(&recipe, &RunOptions { out: out.to_path_buf(), quiet: true, ..Default::default() }, Some(&ck)).unwrap();
-    // One step at a learning rate of 1e-12 moves no weight measurably: the run started from the checkpoint.
+    one_step_starts_from(&ck, "initfrom");
+}
+
+/// One step from `ck` over CP 2 at a learning rate of 1e-12, which moves no weight measurably: the saved
+/// weights are the checkpoint's, tensor by tensor, so the run started from them.
+fn one_step_starts_from(ck: &HfCheckpoint, tag: &str) {
+    let sets: Vec<String> = [
+        "train.seq_len=64",
+        "train.batch=1",
+        "train.steps=1",
+        "train.lr=1e-12",
+        "train.min_lr=0",
+        "train.warmup=0",
+        "train.eval_every=0",
+        "parallel.threads=1",
+        "parallel.cp=2",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let recipe = hf::recipe_from(&Recipe::load("tiny-llama", &sets).unwrap(), &sets, &ck.config).unwrap();
+    let out = scratch(tag);
+    train_from(&recipe, &RunOptions { out: out.to_path_buf(), quiet: true, ..Default::default() }, Some(ck)).unwrap();
     let saved = longctx_trainer::checkpoint::load(&out).unwrap();
+    assert_eq!(saved.model.len(), ck.tensors.len());
     for (a, b) in saved.model.iter().zip(&ck.tensors) {
         let d = a.data.iter().zip(&b.data).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
-        assert!(d < 1e-6, "{}: moved {d}", a.name);
+        assert!(a.name == b.name && d < 1e-6, "{}: moved {d}", a.name);
     }
 }
 
@@ -573,33 +594,9 @@ fn init_from_takes_the_checkpoints_family_and_refuses_other_shapes() {
     other.family = Family::Llama;
     let e = hf::check_model(&other, &nem.config).unwrap_err().to_string();
     assert!(e.contains("model.family") && e.contains("nemotron"), "{e}");
-    // One step from each at a learning rate of 1e-12, over CP 2: the run starts from the checkpoint's weights.
-    let sets: Vec<String> = [
-        "train.seq_len=64",
-        "train.batch=1",
-        "train.steps=1",
-        "train.lr=1e-12",
-        "train.min_lr=0",
-        "train.warmup=0",
-        "train.eval_every=0",
-        "parallel.threads=1",
-        "parallel.cp=2",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    for ck in [&mix, &nem] {
-        let recipe = hf::recipe_from(&Recipe::load("tiny-llama", &sets).unwrap(), &sets, &ck.config).unwrap();
-        let out = scratch(&format!("initfrom-{}", recipe.model.family.name()));
-        let opts = RunOptions { out: out.to_path_buf(), quiet: true, ..Default::default() };
-        train_from(&recipe, &opts, Some(ck)).unwrap();
-        let saved = longctx_trainer::checkpoint::load(&out).unwrap();
-        assert_eq!(saved.model.len(), ck.tensors.len());
-        for (a, b) in saved.model.iter().zip(&ck.tensors) {
-            let d = a.data.iter().zip(&b.data).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
-            assert!(a.name == b.name && d < 1e-6, "{}: moved {d}", a.name);
-        }
-    }
+    // One step from each over CP 2 starts from the checkpoint's weights.
+    one_step_starts_from(&mix, "initfrom-mixtral");
+    one_step_starts_from(&nem, "initfrom-nemotron");
 }
 
 #[test]
