@@ -323,6 +323,37 @@ pub(super) unsafe fn scale(y: &mut [f32], a: f32) {
 }
 
 /// # Safety
+/// AVX2 and FMA must be present, and `ds` at least as long as `p`.
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn probs_and_ds(p: &mut [f32], ds: &mut [f32], c: f32, m: f32, di: f32) {
+    // SAFETY: the caller upholds this function's contract (see its docs).
+    unsafe {
+        let (cv, mv, dv) = (_mm256_set1_ps(c), _mm256_set1_ps(m), _mm256_set1_ps(di));
+        let n8 = p.len() / 8 * 8;
+        let (pp, gp) = (p.as_mut_ptr(), ds.as_mut_ptr());
+        let mut j = 0;
+        while j < n8 {
+            let pr = exp2(_mm256_fmsub_ps(_mm256_loadu_ps(pp.add(j)), cv, mv));
+            _mm256_storeu_ps(pp.add(j), pr);
+            _mm256_storeu_ps(gp.add(j), _mm256_mul_ps(pr, _mm256_sub_ps(_mm256_loadu_ps(gp.add(j)), dv)));
+            j += 8;
+        }
+        if j < p.len() {
+            // The tail through the same polynomial, padded with -inf (which gives 0), as in `exp2_scaled_sum`.
+            let rest = p.len() - j;
+            let (mut pt, mut gt) = ([f32::NEG_INFINITY; 8], [0f32; 8]);
+            pt[..rest].copy_from_slice(&p[j..]);
+            gt[..rest].copy_from_slice(&ds[j..j + rest]);
+            let pr = exp2(_mm256_fmsub_ps(_mm256_loadu_ps(pt.as_ptr()), cv, mv));
+            _mm256_storeu_ps(pt.as_mut_ptr(), pr);
+            _mm256_storeu_ps(gt.as_mut_ptr(), _mm256_mul_ps(pr, _mm256_sub_ps(_mm256_loadu_ps(gt.as_ptr()), dv)));
+            p[j..].copy_from_slice(&pt[..rest]);
+            ds[j..j + rest].copy_from_slice(&gt[..rest]);
+        }
+    }
+}
+
+/// # Safety
 /// AVX2 and FMA must be present.
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn exp2_scaled_sum(x: &mut [f32], c: f32, m: f32) -> f32 {

@@ -205,15 +205,19 @@ impl Simd {
     }
 
     /// The backward's row step: `p[j] = exp2(p[j]·c - m)` (the probabilities, from the scores), then
-    /// `ds[j] = p[j]·(ds[j] - di)` (from `dP`, giving `dS`). With AVX-512 in one pass over both rows, with the
-    /// same operations as the two passes it replaces (results bit-identical).
+    /// `ds[j] = p[j]·(ds[j] - di)` (from `dP`, giving `dS`). On the x86 paths in one vector pass over both rows,
+    /// with the same operations as the two passes it replaces (results bit-identical), and without the row sum
+    /// the backward does not need.
     #[inline]
     pub fn probs_and_ds(self, p: &mut [f32], ds: &mut [f32], c: f32, m: f32, di: f32) {
         assert_eq!(p.len(), ds.len(), "probs_and_ds: rows of different lengths");
-        #[cfg(target_arch = "x86_64")]
-        if self.0 == SimdPath::Avx512 {
-            // SAFETY: a `Simd` only holds a path the CPU supports; the rows have equal lengths.
-            return unsafe { avx512::probs_and_ds(p, ds, c, m, di) };
+        match self.0 {
+            // SAFETY (both): a `Simd` only holds a path the CPU supports; the rows have equal lengths.
+            #[cfg(target_arch = "x86_64")]
+            SimdPath::Avx512 => return unsafe { avx512::probs_and_ds(p, ds, c, m, di) },
+            #[cfg(target_arch = "x86_64")]
+            SimdPath::Avx2 => return unsafe { avx2::probs_and_ds(p, ds, c, m, di) },
+            _ => {}
         }
         self.exp2_scaled_sum(p, c, m);
         for (g, &pr) in ds.iter_mut().zip(p.iter()) {
@@ -400,6 +404,16 @@ mod tests {
                     let (mx, sum) = unsafe { (avx2::max(&x), avx2::exp2_scaled_sum(&mut e, 1.3, 0.2)) };
                     unsafe { avx2::scale(&mut s, 0.75) };
                     check("avx2", mx, sum, &e, &s);
+                    // The fused backward row step equals its two passes bit for bit.
+                    let (mut p1, mut g1) = (x.clone(), data(len, 9));
+                    let (mut p2, mut g2) = (p1.clone(), g1.clone());
+                    // SAFETY: features detected; equal lengths.
+                    unsafe { avx2::probs_and_ds(&mut p1, &mut g1, 1.3, 0.2, 0.1) };
+                    unsafe { avx2::exp2_scaled_sum(&mut p2, 1.3, 0.2) };
+                    for (g, &pr) in g2.iter_mut().zip(&p2) {
+                        *g = pr * (*g - 0.1);
+                    }
+                    assert_eq!((p1, g1), (p2, g2), "avx2 probs_and_ds, len {len}");
                 }
                 let (mut e, mut s) = (x.clone(), x.clone());
                 if std::arch::is_x86_feature_detected!("avx512f") {
