@@ -175,7 +175,10 @@ pub fn llama_layer(s: &LlamaLayerShape) -> LayerSpec {
             // Saves nothing (its output is the next layer's input), so no policy reruns it.
             seg("down_proj", "mlp", 2.0 * lf * ff * cf + lf * cf, &["act", "x2"], vec![]),
         ],
-        // The backward holds a few `[L, C]` and `[L, F]` gradients at once (dx, dx2, dh and dgate, dup, dact).
-        backward_working_bytes: (4 * ls * c + 3 * l * s.ffn + 2 * l * q) * e,
+        // The trainer's backward frees each saved tensor after its last use, so its largest working set is at
+        // the SwiGLU's backward: the incoming gradient and `dh2` (`[L, C]`), `dact`, `dgate`, `dup` (`[L, F]`),
+        // less the `act` already freed. The attention block's gradients come after `gate`, `up`, `h2`, `x2` are
+        // freed, so they add less whenever the MLP is at least as wide as the attention (every model here).
+        backward_working_bytes: (2 * ls * c + 2 * l * s.ffn) * e,
     }
 }

@@ -225,6 +225,9 @@ pub fn nemotron_layer(s: &crate::LlamaLayerShape) -> LayerSpec {
         inputs: vec!["act".into(), "x2".into()],
         outputs: vec![],
     });
+    // The squared ReLU's backward: the incoming gradient and `dh2` (`[L, C]`), `dact`, `dup` (`[L, F]`), less the
+    // `act` already freed (see `llama_layer`).
+    spec.backward_working_bytes = (2 * ls * s.d_model + l * f) * e;
     spec
 }
 

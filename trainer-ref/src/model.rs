@@ -952,12 +952,17 @@ impl Model {
 
     /// The layer's backward: `dout` `[L, C]` in, the input's gradient out; weight gradients into `grads`
     /// (per `mode`); `moe_aux` is the load-balancing loss's gradient per router probability (Mixtral).
+    ///
+    /// It owns the layer's saved tensors and frees each after its last use, and allocates each gradient where it
+    /// is first written: the peak of a step is inside the first layer's backward, with every layer's tensors
+    /// resident, and the MLP's saved tensors (more than half of a layer's) held through the attention block's
+    /// backward were the larger part of what it adds to them.
     #[allow(clippy::too_many_arguments)]
     fn layer_backward(
         &self,
         layer: usize,
-        dout: &Buffer,
-        s: &LayerSaved,
+        dout: Buffer,
+        s: LayerSaved,
         (grads, mode): (&mut Params, GradMode),
         plan: &mut CpPlan,
         pos: &[i64],
@@ -968,12 +973,6 @@ impl Model {
         let ix = &self.ix.layers[layer];
         let (l, c, d, hq, hkv) = (s.x.dims()[0], cfg.d_model, cfg.head_dim(), cfg.heads, cfg.kv_heads);
         let w = |i: usize| self.t(i);
-        let (mut dh2, mut dx2) = (self.buf([l, c])?, self.buf([l, c])?);
-        let (mut o_t, mut do_t, mut d_o) = (self.buf([1, l, hq, d])?, self.buf([l, hq * d])?, self.buf([1, hq, l, d])?);
-        let (mut dq, mut dk, mut dv) = (self.buf([1, hq, l, d])?, self.buf([1, hkv, l, d])?, self.buf([1, hkv, l, d])?);
-        let (mut dq_t, mut dk_t, mut dv_t) =
-            (self.buf([1, l, hq, d])?, self.buf([1, l, hkv, d])?, self.buf([1, l, hkv, d])?);
-        let (mut dh1, mut dh1_kv, mut dx) = (self.buf([l, c])?, self.buf([l, c])?, self.buf([l, c])?);
         macro_rules! dw {
             ($i:expr) => {
                 grads.tensors[$i].view_mut()
@@ -981,12 +980,12 @@ impl Model {
         }
 
         // MLP block, reversed.
+        let mut dh2 = self.buf([l, c])?;
         match &ix.mlp {
             MlpIx::SwiGlu { gate: wg, up: wu, down } => {
-                let gate = s.gate.as_ref().ok_or_else(|| missing(layer, "gate"))?;
+                let gate = s.gate.ok_or_else(|| missing(layer, "gate"))?;
                 let f = cfg.ffn;
-                let (mut dact, mut dgate, mut dup) = (self.buf([l, f])?, self.buf([l, f])?, self.buf([l, f])?);
-                let mut dh2_up = self.buf([l, c])?;
+                let mut dact = self.buf([l, f])?;
                 b.linear_backward(
                     lg(Some(dact.view_mut()), dw!(*down)),
                     dout.view(),
@@ -994,12 +993,11 @@ impl Model {
                     w(*down).view(),
                     mode,
                 )?;
-                b.swiglu_backward(
-                    dgate.view_mut(),
-                    dup.view_mut(),
-                    dact.view(),
-                    SwigluSaved { gate: gate.view(), up: s.up.view() },
-                )?;
+                drop(s.act);
+                let (mut dgate, mut dup) = (self.buf([l, f])?, self.buf([l, f])?);
+                let saved = SwigluSaved { gate: gate.view(), up: s.up.view() };
+                b.swiglu_backward(dgate.view_mut(), dup.view_mut(), dact.view(), saved)?;
+                drop((dact, gate, s.up));
                 b.linear_backward(
                     lg(Some(dh2.view_mut()), dw!(*wg)),
                     dgate.view(),
@@ -1007,6 +1005,8 @@ impl Model {
                     w(*wg).view(),
                     mode,
                 )?;
+                drop(dgate);
+                let mut dh2_up = self.buf([l, c])?;
                 b.linear_backward(
                     lg(Some(dh2_up.view_mut()), dw!(*wu)),
                     dup.view(),
@@ -1014,11 +1014,12 @@ impl Model {
                     w(*wu).view(),
                     mode,
                 )?;
+                drop((dup, s.h2));
                 b.add(dh2.view_mut(), dh2_up.view())?;
             }
             MlpIx::SquaredRelu { up: wu, down } => {
                 let f = cfg.ffn;
-                let (mut dact, mut dup) = (self.buf([l, f])?, self.buf([l, f])?);
+                let mut dact = self.buf([l, f])?;
                 b.linear_backward(
                     lg(Some(dact.view_mut()), dw!(*down)),
                     dout.view(),
@@ -1026,19 +1027,28 @@ impl Model {
                     w(*down).view(),
                     mode,
                 )?;
+                drop(s.act);
+                let mut dup = self.buf([l, f])?;
                 b.squared_relu_backward(dup.view_mut(), dact.view(), SquaredReluSaved { x: s.up.view() })?;
+                drop((dact, s.up));
                 b.linear_backward(lg(Some(dh2.view_mut()), dw!(*wu)), dup.view(), saved_x(&s.h2), w(*wu).view(), mode)?;
+                drop((dup, s.h2));
             }
             MlpIx::Moe { router, experts } => {
-                self.moe_backward(layer, (*router, experts), &mut dh2, dout, s, (grads, mode), moe_aux)?;
+                self.moe_backward(layer, (*router, experts), &mut dh2, &dout, &s, (grads, mode), moe_aux)?;
+                drop((s.act, s.up, s.h2, s.gate, s.router_probs, s.topk_w, s.routing, s.ye));
             }
         }
-        let mlp_norm_saved = (&s.x2, s.mean2.as_ref(), &s.rstd2);
-        self.norm_backward(ix.mlp_norm, &mut dx2, &dh2, mlp_norm_saved, grads, mode)?;
+        let mut dx2 = self.buf([l, c])?;
+        self.norm_backward(ix.mlp_norm, &mut dx2, &dh2, (&s.x2, s.mean2.as_ref(), &s.rstd2), grads, mode)?;
+        drop((dh2, s.x2, s.mean2, s.rstd2));
         b.add(dx2.view_mut(), dout.view())?;
+        drop(dout);
 
         // Attention block, reversed.
+        let mut o_t = self.buf([1, l, hq, d])?;
         b.transpose12(o_t.view_mut(), s.o.view())?;
+        let mut do_t = self.buf([l, hq * d])?;
         let o_flat = o_t.view().reshape([l, hq * d])?;
         b.linear_backward(
             lg(Some(do_t.view_mut()), dw!(ix.wo)),
@@ -1047,21 +1057,32 @@ impl Model {
             w(ix.wo).view(),
             mode,
         )?;
+        drop(o_t);
+        let mut d_o = self.buf([1, hq, l, d])?;
         b.transpose12(d_o.view_mut(), do_t.view().reshape([1, l, hq, d])?)?;
+        drop(do_t);
+        let (mut dq, mut dk, mut dv) = (self.buf([1, hq, l, d])?, self.buf([1, hkv, l, d])?, self.buf([1, hkv, l, d])?);
         let saved = AttnSaved { qkv: Qkv::new(s.q.view(), s.k.view(), s.v.view()), o: s.o.view(), lse: s.lse.view() };
         plan.backward(AttnGrads { dq: dq.view_mut(), dk: dk.view_mut(), dv: dv.view_mut() }, d_o.view(), saved)?;
+        drop((d_o, s.q, s.k, s.v, s.o, s.lse));
         b.rope_backward_inplace(&self.rope, dq.view_mut(), pos)?;
         b.rope_backward_inplace(&self.rope, dk.view_mut(), pos)?;
+        let (mut dq_t, mut dk_t, mut dv_t) =
+            (self.buf([1, l, hq, d])?, self.buf([1, l, hkv, d])?, self.buf([1, l, hkv, d])?);
         b.transpose12(dq_t.view_mut(), dq.view())?;
         b.transpose12(dk_t.view_mut(), dk.view())?;
         b.transpose12(dv_t.view_mut(), dv.view())?;
+        drop((dq, dk, dv));
         let (dq_t, dk_t, dv_t) =
             (dq_t.view().reshape([l, hq * d])?, dk_t.view().reshape([l, hkv * d])?, dv_t.view().reshape([l, hkv * d])?);
+        let (mut dh1, mut dh1_kv) = (self.buf([l, c])?, self.buf([l, c])?);
         b.linear_backward(lg(Some(dh1.view_mut()), dw!(ix.wq)), dq_t, saved_x(&s.h1), w(ix.wq).view(), mode)?;
         b.linear_backward(lg(Some(dh1_kv.view_mut()), dw!(ix.wk)), dk_t, saved_x(&s.h1), w(ix.wk).view(), mode)?;
         b.add(dh1.view_mut(), dh1_kv.view())?;
         b.linear_backward(lg(Some(dh1_kv.view_mut()), dw!(ix.wv)), dv_t, saved_x(&s.h1), w(ix.wv).view(), mode)?;
         b.add(dh1.view_mut(), dh1_kv.view())?;
+        drop((dh1_kv, s.h1));
+        let mut dx = self.buf([l, c])?;
         self.norm_backward(ix.attn_norm, &mut dx, &dh1, (&s.x, s.mean1.as_ref(), &s.rstd1), grads, mode)?;
         b.add(dx.view_mut(), dx2.view())?;
         Ok(dx)
@@ -1158,7 +1179,7 @@ impl Model {
                     }
                 }
             };
-            dx = self.layer_backward(layer, &dx, &s, (grads, mode), plan, &pos, loss.moe_aux)?;
+            dx = self.layer_backward(layer, dx, s, (grads, mode), plan, &pos, loss.moe_aux)?;
         }
         // Tied embeddings: the output projection's gradient is already in the table's; add the lookup's.
         let emb_mode = if head == 0 { GradMode::Accumulate } else { mode };
