@@ -112,6 +112,11 @@ struct Side {
     peak_rss_mib: f64,
     saved_mib_per_rank: f64,
     predicted_mib_per_rank: f64,
+    predicted_peak_mib_per_rank: f64,
+    /// The planner's peak over the layers alone (what a `budget:` policy bounds).
+    planned_layers_peak_mib: f64,
+    step_gflop: f64,
+    recompute_gflop_per_rank: f64,
     loss_first: f64,
 }
 
@@ -138,35 +143,95 @@ fn ours(exe: &Path, out: &Path, recipe: &str, sets: &[String], cp: usize) -> Res
         peak_rss_mib: steps.iter().map(|r| f(r, "rss_mib")).fold(0.0, f64::max),
         saved_mib_per_rank: steps.iter().map(|r| f(r, "saved_mib_per_rank")).fold(0.0, f64::max),
         predicted_mib_per_rank: steps.iter().map(|r| f(r, "predicted_mib_per_rank")).fold(0.0, f64::max),
+        predicted_peak_mib_per_rank: steps.iter().map(|r| f(r, "predicted_peak_mib_per_rank")).fold(0.0, f64::max),
+        planned_layers_peak_mib: steps.iter().map(|r| f(r, "planned_layers_peak_mib")).fold(0.0, f64::max),
+        step_gflop: steps.first().map_or(0.0, |r| f(r, "step_gflop")),
+        recompute_gflop_per_rank: steps.first().map_or(0.0, |r| f(r, "recompute_gflop_per_rank")),
         loss_first: steps.first().map_or(0.0, |r| f(r, "loss")),
     })
 }
 
-/// Each policy beside `none` on our side: step time, activations kept per rank (measured and predicted),
-/// process peak RSS.
+/// Each policy beside `none` on our side: step time measured and predicted (none's measured step plus the
+/// planner's rerun FLOPs at none's measured rate), activations kept per rank (measured and predicted), the
+/// planner's peak, process peak RSS. Policies alternate within each round, so load that comes and goes falls
+/// on all of them; medians are printed. Each `budget:BYTES` row is then set against the built-in policies of
+/// the same run whose planned peak fits the same budget.
 fn recompute_table(exe: &Path, opts: &BenchOptions) -> Result<()> {
-    println!("| seq | policy | step s | vs none | kept per rank | predicted | vs none | peak RSS |");
-    println!("|---|---|---|---|---|---|---|---|");
+    println!(
+        "| seq | policy | step s | vs none | predicted step s | kept per rank | predicted | vs none | planned peak | peak RSS |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     let dtype = opts.dtypes.first().map_or("f32", String::as_str);
+    let name = bench_recipe(opts.family);
+    let mut policies = vec!["none".to_string()];
+    policies.extend(opts.recompute.iter().filter(|p| *p != "none").cloned());
+    let parsed: Vec<longctx_recompute::Policy> = policies
+        .iter()
+        .map(|p| p.parse().map_err(|e| TrainError::Config(format!("--recompute {p}: {e}"))))
+        .collect::<Result<_>>()?;
+    let mut budget_lines = Vec::new();
     for &seq in &opts.seqs {
-        let mut base: Option<Side> = None;
-        let mut policies = vec!["none".to_string()];
-        policies.extend(opts.recompute.iter().filter(|p| *p != "none").cloned());
-        for p in &policies {
+        let sets_of = |p: &str| {
             let mut sets = family_overrides(opts.family, seq, opts.steps, dtype);
             sets.push(format!("train.recompute=\"{p}\""));
-            let s = ours(exe, &opts.scratch.join(format!("rc-{seq}")), bench_recipe(opts.family), &sets, 1)?;
-            let b = *base.get_or_insert(s);
+            sets
+        };
+        let mut runs: Vec<Vec<Side>> = vec![Vec::new(); policies.len()];
+        for _ in 0..opts.rounds.max(1) {
+            for (p, r) in policies.iter().zip(runs.iter_mut()) {
+                r.push(ours(exe, &opts.scratch.join(format!("rc-{seq}")), name, &sets_of(p), 1)?);
+            }
+        }
+        let sides: Vec<Side> = runs.iter().map(|r| median_side(r)).collect();
+        let step_s = |s: &Side| seq as f64 / s.tokens_per_s;
+        let base = sides[0];
+        // none's measured rate: the model's FLOPs of a step over its measured time.
+        let rate = base.step_gflop / step_s(&base);
+        for (p, s) in policies.iter().zip(&sides) {
             println!(
-                "| {seq} | {p} | {:.2} | {:.2}× | {:.1} MiB | {:.1} MiB | {:.2}× | {:.0} MiB |",
-                seq as f64 / s.tokens_per_s,
-                b.tokens_per_s / s.tokens_per_s,
+                "| {seq} | {p} | {:.2} | {:.2}× | {:.2} | {:.1} MiB | {:.1} MiB | {:.2}× | {:.1} MiB | {:.0} MiB |",
+                step_s(s),
+                step_s(s) / step_s(&base),
+                step_s(&base) + s.recompute_gflop_per_rank / rate,
                 s.saved_mib_per_rank,
                 s.predicted_mib_per_rank,
-                s.saved_mib_per_rank / b.saved_mib_per_rank,
+                s.saved_mib_per_rank / base.saved_mib_per_rank,
+                s.predicted_peak_mib_per_rank,
                 s.peak_rss_mib
             );
         }
+        // The budget is on the planner's peak of the layers (the final norm's tensors, the same under every
+        // policy, are outside it), so a built-in fits it when its planned peak, less that common part, does.
+        let outside = base.predicted_peak_mib_per_rank - base.planned_layers_peak_mib;
+        for (i, policy) in parsed.iter().enumerate() {
+            let longctx_recompute::Policy::Budget(bytes) = policy else { continue };
+            let limit = *bytes as f64 / (1024.0 * 1024.0) + outside;
+            let best = policies
+                .iter()
+                .zip(&parsed)
+                .zip(&sides)
+                .filter(|((_, q), s)| {
+                    !matches!(q, longctx_recompute::Policy::Budget(_)) && s.predicted_peak_mib_per_rank <= limit
+                })
+                .min_by(|(_, a), (_, b)| step_s(a).total_cmp(&step_s(b)));
+            budget_lines.push(match best {
+                Some(((q, _), b)) => format!(
+                    "{seq}: {} {:.2} s against the fastest built-in within the same budget, {q} {:.2} s ({:.2}×)",
+                    policies[i],
+                    step_s(&sides[i]),
+                    step_s(b),
+                    step_s(&sides[i]) / step_s(b)
+                ),
+                None => format!(
+                    "{seq}: {} {:.2} s; no built-in policy of this run fits its budget",
+                    policies[i],
+                    step_s(&sides[i])
+                ),
+            });
+        }
+    }
+    for l in budget_lines {
+        println!("{l}");
     }
     Ok(())
 }
@@ -190,8 +255,8 @@ fn peer(python: &str, script: &Path, model: &[String], seq: usize, steps: u64, d
         tokens_per_s: f("tokens_per_s"),
         peak_rss_mib: f("peak_rss_mib"),
         saved_mib_per_rank: 0.0,
-        predicted_mib_per_rank: 0.0,
         loss_first: f("loss_first"),
+        ..Side::default()
     }))
 }
 

@@ -20,6 +20,19 @@ use crate::error::{Result, TrainError};
 use crate::recipe::Recipe;
 use crate::train::append_line;
 
+/// What the recompute crate's planner predicts for one rank's step under the run's policy.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Predicted {
+    /// Activation bytes kept from the forward to the backward.
+    pub saved_bytes: usize,
+    /// The kept bytes plus the largest rebuilt working set of one backward.
+    pub peak_bytes: usize,
+    /// `peak_bytes` of the layers alone (without the final norm's tensors): what `budget:BYTES` bounds.
+    pub layers_peak_bytes: usize,
+    /// FLOPs the policy reruns during the backward.
+    pub recompute_flops: f64,
+}
+
 /// Rank 0's reporter.
 #[derive(Debug)]
 pub struct Meter {
@@ -154,7 +167,7 @@ impl Meter {
         tokens: f64,
         took: Duration,
         saved_bytes: usize,
-        predicted_bytes: usize,
+        predicted: Predicted,
         offload_wait: Option<Duration>,
     ) -> Result<()> {
         self.tokens += tokens;
@@ -164,7 +177,13 @@ impl Meter {
         let mut line = serde_json::json!({
             "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tps, "mfu": mfu,
             "rss_mib": rss, "saved_mib_per_rank": saved_bytes as f64 / MIB,
-            "predicted_mib_per_rank": predicted_bytes as f64 / MIB,
+            "predicted_mib_per_rank": predicted.saved_bytes as f64 / MIB,
+            "predicted_peak_mib_per_rank": predicted.peak_bytes as f64 / MIB,
+            "planned_layers_peak_mib": predicted.layers_peak_bytes as f64 / MIB,
+            // The model's FLOPs of this step (all ranks) and the planner's rerun FLOPs on one rank: with the
+            // step time they predict what a recompute policy adds.
+            "step_gflop": tokens * self.flops_per_token / 1e9,
+            "recompute_gflop_per_rank": predicted.recompute_flops / 1e9,
         });
         if let Some(w) = offload_wait {
             // Seconds rank 0's backward waited for offloaded tensors: the part of offload a step pays for.

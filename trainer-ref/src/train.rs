@@ -20,7 +20,7 @@ use crate::checkpoint::{self, LoadedTensor};
 use crate::data::{Corpus, Sequence, TextTokenizer, TokenStream};
 use crate::error::{Result, TrainError};
 use crate::hf::HfCheckpoint;
-use crate::metrics::Meter;
+use crate::metrics::{Meter, Predicted};
 use crate::model::{param_shapes, LayerSaved, LossSpec, Model, MoeStats, Params};
 use crate::recipe::{Precision, Recipe};
 
@@ -192,8 +192,8 @@ struct Rank<'a> {
     v: Params,
     plan: CpPlan,
     step: u64,
-    /// The planner's kept and peak activation bytes for this rank.
-    predicted: (usize, usize),
+    /// The planner's kept and peak activation bytes and rerun FLOPs for this rank.
+    predicted: Predicted,
 }
 
 impl<'a> Rank<'a> {
@@ -268,7 +268,13 @@ impl<'a> Rank<'a> {
         let elem = if dtype == DType::Bf16 { 2 } else { 4 };
         let local = recipe.train.seq_len / recipe.parallel.cp;
         let final_norm = local * cfg.d_model * elem * 2 + local * 4;
-        let predicted = (cost.resident_bytes as usize + final_norm, cost.peak_bytes as usize + final_norm);
+        let predicted = Predicted {
+            saved_bytes: cost.resident_bytes as usize + final_norm,
+            peak_bytes: cost.peak_bytes as usize + final_norm,
+            layers_peak_bytes: cost.peak_bytes as usize,
+            // Per micro-batch in the cost; a rank runs `batch / dp` of them per step.
+            recompute_flops: cost.recompute_flops * (recipe.train.batch / recipe.parallel.dp) as f64,
+        };
         model.set_recompute(actions)?;
         model.set_offload(offload_engine(recipe, world.rank(), spill_root)?);
         Ok(Rank { recipe, world, dp_index, model, master, grads, m, v, plan, step: 0, predicted })
@@ -309,15 +315,15 @@ impl<'a> Rank<'a> {
                     m.note(&format!(
                         "activations kept per rank: {:.1} MiB measured, {:.1} MiB predicted by the planner (recompute {}; peak with one layer rebuilt {:.1} MiB)",
                         mib(saved_bytes),
-                        mib(self.predicted.0),
+                        mib(self.predicted.saved_bytes),
                         self.recipe.train.recompute,
-                        mib(self.predicted.1)
+                        mib(self.predicted.peak_bytes)
                     ));
                 }
             }
             summary.saved_bytes_per_rank = saved_bytes;
-            summary.predicted_saved_bytes_per_rank = self.predicted.0;
-            summary.predicted_peak_bytes_per_rank = self.predicted.1;
+            summary.predicted_saved_bytes_per_rank = self.predicted.saved_bytes;
+            summary.predicted_peak_bytes_per_rank = self.predicted.peak_bytes;
             let stop = STOP.load(Ordering::SeqCst) || opts.stop_at.is_some_and(|s| step + 1 >= s);
             let mut reduced = [loss_sum, if stop { 1.0 } else { 0.0 }];
             self.world.all_reduce(&mut reduced, ReduceOp::Sum)?;
@@ -349,7 +355,7 @@ impl<'a> Rank<'a> {
                     tokens,
                     took,
                     summary.saved_bytes_per_rank,
-                    summary.predicted_saved_bytes_per_rank,
+                    self.predicted,
                     offload_wait,
                 )?;
             }
