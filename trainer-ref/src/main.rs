@@ -75,8 +75,9 @@ enum Command {
         /// `tokenizer.json`) or a GGUF file (`*.gguf`, its tokenizer in its metadata).
         #[arg(long, value_name = "DIR|FILE.gguf")]
         init_from: Option<PathBuf>,
-        /// A `.npy` of integer token ids, or a text file (through the pretrained checkpoint's tokenizer; byte
-        /// tokens for a trainer checkpoint).
+        /// A `.npy` of integer token ids, or a text file (through the checkpoint's tokenizer: the pretrained
+        /// one's, or the one a trainer checkpoint saved from its `--init-from`; byte tokens for a trainer
+        /// checkpoint without one).
         #[arg(long)]
         tokens: PathBuf,
         /// Tokens per window.
@@ -255,7 +256,12 @@ fn run(cli: Cli) -> Result<()> {
                     let ids = eval::read_tokens_with(&tokens, tokenizer)?;
                     eval::evaluate_hf(&ck, &ids, seq, cp)?
                 }
-                (Some(dir), None) => eval::evaluate(&dir, &eval::read_tokens(&tokens)?, seq, cp)?,
+                (Some(dir), None) => {
+                    let ck = longctx_trainer::checkpoint::load(&dir)?;
+                    // Text as the run read its corpus: its saved tokenizer, else bytes.
+                    let tokenizer = ck.tokenizer.as_ref().map(|t| &t.tokenizer);
+                    eval::evaluate_checkpoint(&ck, &eval::read_tokens_with(&tokens, tokenizer)?, seq, cp)?
+                }
                 (None, None) => return Err(TrainError::Config("give --checkpoint or --init-from".into())),
             };
             println!(
