@@ -9,7 +9,9 @@
 //! OUT/checkpoints/step-00000030/
 //!     model.safetensors   the model's weights, f32, under the names the caller gives
 //!     optim.safetensors   the optimizer's tensors, f32
-//!     state.json          {"manifest": {...}, "state": <the caller's JSON>}, written last
+//!     tokenizer.json      optional: the run's tokenizer (a run from a pretrained checkpoint that has one)
+//!     state.json          {"manifest": {...}, "state": <the caller's JSON>,
+//!                          "tokenizer": {"eos_token_id", "bos_token_id"} with tokenizer.json}, written last
 //! ```
 //!
 //! Why it is built this way:
@@ -24,6 +26,10 @@
 //!   file against it before parsing, naming the file and what is wrong.
 //! - The weights are safetensors with the caller's (Hugging Face-style) names, so other tools
 //!   can read them; tensors are stored in the order given and come back in that order.
+//! - A run that reads its corpus through a pretrained tokenizer saves that tokenizer in each
+//!   checkpoint (a file of the manifest like the others), so evaluating or exporting the checkpoint
+//!   tokenizes text as training did without the pretrained directory at hand. Checkpoints without
+//!   one (byte-level runs, and those written before tokenizers were saved) load as before.
 //!
 //! One out dir has one writer: a save removes every temporary directory it finds.
 
@@ -48,6 +54,28 @@ pub const MODEL_FILE: &str = "model.safetensors";
 pub const OPTIM_FILE: &str = "optim.safetensors";
 /// The manifest and the caller's state inside a checkpoint directory; written last.
 pub const STATE_FILE: &str = "state.json";
+/// The run's tokenizer inside a checkpoint directory, when it has one: Hugging Face's file name and
+/// format, so an export copies it as it is.
+pub const TOKENIZER_FILE: &str = "tokenizer.json";
+
+/// The tokenizer a run reads its corpus with, and the special tokens it needs: saved with each
+/// checkpoint so that text is tokenized later as training tokenized it.
+#[derive(Debug, Clone)]
+pub struct SavedTokenizer {
+    /// The tokenizer (a Hugging Face `tokenizer.json`, or one built from a GGUF file's vocabulary).
+    pub tokenizer: tokenizers::Tokenizer,
+    /// The end-of-sequence token, which closes each document of the corpus.
+    pub eos_token_id: u32,
+    /// The beginning-of-sequence token, when the pretrained checkpoint names one.
+    pub bos_token_id: Option<u32>,
+}
+
+impl SavedTokenizer {
+    /// How the corpus becomes tokens with it: each document closed by the end-of-sequence token.
+    pub fn text_tokenizer(&self) -> crate::data::TextTokenizer {
+        crate::data::TextTokenizer::Pretrained { tokenizer: Box::new(self.tokenizer.clone()), eot: self.eos_token_id }
+    }
+}
 
 /// One tensor to save: a name, its dims (row-major), and its values, borrowed (a checkpoint
 /// copies nothing but what it writes).
@@ -92,6 +120,8 @@ pub struct Checkpoint {
     pub optim: Vec<LoadedTensor>,
     /// The caller's JSON, as it was saved.
     pub state: Value,
+    /// The run's tokenizer, when it saved one.
+    pub tokenizer: Option<SavedTokenizer>,
 }
 
 impl Checkpoint {
@@ -141,6 +171,21 @@ pub fn save(
     state: &Value,
     keep_last: usize,
 ) -> Result<PathBuf> {
+    save_with_tokenizer(out_dir, step, model, optim, state, keep_last, None)
+}
+
+/// [`save`], with the run's tokenizer written into the checkpoint as [`TOKENIZER_FILE`] (listed in
+/// the manifest and checked on load like the tensor files) when `tokenizer` is given. A tokenizer
+/// that cannot be serialised is a `TrainError::Config`, before anything is written.
+pub fn save_with_tokenizer(
+    out_dir: &Path,
+    step: u64,
+    model: &[Tensor<'_>],
+    optim: &[Tensor<'_>],
+    state: &Value,
+    keep_last: usize,
+    tokenizer: Option<&SavedTokenizer>,
+) -> Result<PathBuf> {
     if keep_last == 0 {
         return Err(TrainError::Config(format!(
             "checkpoint keep_last is 0: at least the checkpoint being written must be kept (saving step {step} under {})",
@@ -149,6 +194,15 @@ pub fn save(
     }
     check_tensors(MODEL_FILE, model)?;
     check_tensors(OPTIM_FILE, optim)?;
+    let tokenizer = tokenizer
+        .map(|t| -> Result<(String, Value)> {
+            // Pretty, as Hugging Face writes it: the file is read by people too.
+            let text = t.tokenizer.to_string(true).map_err(|e| {
+                TrainError::Config(format!("checkpoint {TOKENIZER_FILE}: the tokenizer cannot be serialised: {e}"))
+            })?;
+            Ok((text, json!({ "eos_token_id": t.eos_token_id, "bos_token_id": t.bos_token_id })))
+        })
+        .transpose()?;
 
     let root = out_dir.join(CHECKPOINTS_DIR);
     let root_existed = root.is_dir();
@@ -166,7 +220,8 @@ pub fn save(
     let dest = root.join(&name);
 
     let mut moved_aside = false;
-    let published = write_and_publish(&root, &tmp, &dest, &aside, step, model, optim, state, &mut moved_aside);
+    let contents = Contents { model, optim, state, tokenizer: tokenizer.as_ref().map(|(t, ids)| (t.as_bytes(), ids)) };
+    let published = write_and_publish(&root, &tmp, &dest, &aside, step, &contents, &mut moved_aside);
     if let Err(e) = published {
         // Best effort: the error being returned matters more than one about the clean-up,
         // and whatever is left here the next save's `recover` handles the same way.
@@ -184,31 +239,46 @@ pub fn save(
     Ok(dest)
 }
 
+/// What one checkpoint holds, as [`save_with_tokenizer`] was given it.
+struct Contents<'a> {
+    model: &'a [Tensor<'a>],
+    optim: &'a [Tensor<'a>],
+    state: &'a Value,
+    /// The serialised tokenizer and its `state.json` section (the special tokens' ids).
+    tokenizer: Option<(&'a [u8], &'a Value)>,
+}
+
 /// The part of [`save`] that may fail midway; `save` undoes what it left on `Err`.
-#[allow(clippy::too_many_arguments)]
 fn write_and_publish(
     root: &Path,
     tmp: &Path,
     dest: &Path,
     aside: &Path,
     step: u64,
-    model: &[Tensor<'_>],
-    optim: &[Tensor<'_>],
-    state: &Value,
+    contents: &Contents<'_>,
     moved_aside: &mut bool,
 ) -> Result<()> {
     fs::create_dir(tmp).map_err(|e| TrainError::io(tmp, e))?;
-    let model_entry = write_safetensors(&tmp.join(MODEL_FILE), model)?;
+    let model_entry = write_safetensors(&tmp.join(MODEL_FILE), contents.model)?;
     fault("model-written")?;
-    let optim_entry = write_safetensors(&tmp.join(OPTIM_FILE), optim)?;
-    let doc = json!({
-        "manifest": {
-            "format": FORMAT_VERSION,
-            "step": step,
-            "files": { MODEL_FILE: model_entry.to_json(), OPTIM_FILE: optim_entry.to_json() },
-        },
-        "state": state,
+    let optim_entry = write_safetensors(&tmp.join(OPTIM_FILE), contents.optim)?;
+    let mut files = serde_json::Map::new();
+    files.insert(MODEL_FILE.into(), model_entry.to_json());
+    files.insert(OPTIM_FILE.into(), optim_entry.to_json());
+    if let Some((bytes, _)) = contents.tokenizer {
+        // Before state.json, like the tensors: the checkpoint is published complete or not at all.
+        let path = tmp.join(TOKENIZER_FILE);
+        write_synced(&path, bytes)?;
+        files.insert(TOKENIZER_FILE.into(), FileEntry::of(bytes).to_json());
+        fault("tokenizer-written")?;
+    }
+    let mut doc = json!({
+        "manifest": { "format": FORMAT_VERSION, "step": step, "files": files },
+        "state": contents.state,
     });
+    if let (Some((_, ids)), Some(obj)) = (contents.tokenizer, doc.as_object_mut()) {
+        obj.insert("tokenizer".into(), ids.clone());
+    }
     let state_path = tmp.join(STATE_FILE);
     let bytes = serde_json::to_vec_pretty(&doc)
         .map_err(|e| TrainError::Config(format!("{}: cannot encode the state: {e}", state_path.display())))?;
@@ -307,6 +377,33 @@ fn latest_in(root: &Path) -> Result<Option<PathBuf>> {
 /// a tensor that is not f32 is a `TrainError::Checkpoint` naming the file and the field or
 /// tensor.
 pub fn load(dir: &Path) -> Result<Checkpoint> {
+    let StateDoc { dir, path: state_path, doc, step } = read_state(dir)?;
+    let manifest = &doc["manifest"];
+    let model = parse_safetensors(&dir.join(MODEL_FILE), &read_verified(&dir, &state_path, manifest, MODEL_FILE)?)?;
+    let optim = parse_safetensors(&dir.join(OPTIM_FILE), &read_verified(&dir, &state_path, manifest, OPTIM_FILE)?)?;
+    let tokenizer = read_tokenizer(&dir, &state_path, &doc)?;
+    let state = doc.get("state").cloned().ok_or_else(|| bad(&state_path, "no `state` field"))?;
+    Ok(Checkpoint { dir, step, model, optim, state, tokenizer })
+}
+
+/// The tokenizer of the checkpoint `dir` (as [`load`] finds it), verified as [`load`] verifies it,
+/// without reading the tensors: what a resumed run needs before it reads its corpus.
+pub fn load_tokenizer(dir: &Path) -> Result<Option<SavedTokenizer>> {
+    let StateDoc { dir, path, doc, .. } = read_state(dir)?;
+    read_tokenizer(&dir, &path, &doc)
+}
+
+/// A checkpoint's `state.json`, parsed, its manifest's format and step checked.
+struct StateDoc {
+    /// The checkpoint directory.
+    dir: PathBuf,
+    /// Its `state.json`.
+    path: PathBuf,
+    doc: Value,
+    step: u64,
+}
+
+fn read_state(dir: &Path) -> Result<StateDoc> {
     let dir = resolve(dir)?;
     let state_path = dir.join(STATE_FILE);
     let text = match fs::read(&state_path) {
@@ -331,10 +428,40 @@ pub fn load(dir: &Path) -> Result<Checkpoint> {
             ));
         }
     }
-    let model = read_verified(&dir, &state_path, manifest, MODEL_FILE)?;
-    let optim = read_verified(&dir, &state_path, manifest, OPTIM_FILE)?;
-    let state = doc.get("state").cloned().ok_or_else(|| bad(&state_path, "no `state` field"))?;
-    Ok(Checkpoint { dir, step, model, optim, state })
+    Ok(StateDoc { dir, path: state_path, doc, step })
+}
+
+/// The tokenizer the manifest lists, checked against its entry, parsed, with its special tokens'
+/// ids from the `tokenizer` section (each one the tokenizer has). None when the manifest lists
+/// none: the run had no tokenizer, or the checkpoint predates saving one.
+fn read_tokenizer(dir: &Path, state_path: &Path, doc: &Value) -> Result<Option<SavedTokenizer>> {
+    let manifest = &doc["manifest"];
+    if manifest.get("files").and_then(|f| f.get(TOKENIZER_FILE)).is_none() {
+        return Ok(None);
+    }
+    let path = dir.join(TOKENIZER_FILE);
+    let bytes = read_verified(dir, state_path, manifest, TOKENIZER_FILE)?;
+    let tokenizer =
+        tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| bad(&path, format!("not a usable tokenizer: {e}")))?;
+    let ids = doc.get("tokenizer").ok_or_else(|| {
+        bad(state_path, format!("no `tokenizer` field, though manifest.files lists {TOKENIZER_FILE}"))
+    })?;
+    let id = |field: &str| -> Result<Option<u32>> {
+        let name = format!("tokenizer.{field}");
+        let Some(v) = ids.get(field).filter(|v| !v.is_null()) else { return Ok(None) };
+        let id = v
+            .as_u64()
+            .and_then(|x| u32::try_from(x).ok())
+            .ok_or_else(|| bad(state_path, format!("{name} is {v}, not a token id")))?;
+        if tokenizer.id_to_token(id).is_none() {
+            return Err(bad(state_path, format!("{name} is {id}, a token {TOKENIZER_FILE} does not have")));
+        }
+        Ok(Some(id))
+    };
+    let eos_token_id =
+        id("eos_token_id")?.ok_or_else(|| bad(state_path, "tokenizer.eos_token_id is missing or not a token id"))?;
+    let bos_token_id = id("bos_token_id")?;
+    Ok(Some(SavedTokenizer { tokenizer, eos_token_id, bos_token_id }))
 }
 
 /// Which checkpoint directory `load(dir)` means.
@@ -361,8 +488,8 @@ fn resolve(dir: &Path) -> Result<PathBuf> {
     ))
 }
 
-/// Reads `file` of checkpoint `dir`, checks it against its manifest entry, and parses it.
-fn read_verified(dir: &Path, state_path: &Path, manifest: &Value, file: &str) -> Result<Vec<LoadedTensor>> {
+/// Reads `file` of checkpoint `dir` and checks it against its manifest entry (length, then CRC-32).
+fn read_verified(dir: &Path, state_path: &Path, manifest: &Value, file: &str) -> Result<Vec<u8>> {
     let entry = manifest
         .get("files")
         .and_then(|files| files.get(file))
@@ -397,7 +524,7 @@ fn read_verified(dir: &Path, state_path: &Path, manifest: &Value, file: &str) ->
             format!("corrupt: CRC-32 is {got_crc:08x}, the manifest says {want_crc:08x} ({crc_field})"),
         ));
     }
-    parse_safetensors(&path, &bytes)
+    Ok(bytes)
 }
 
 /// Parses a safetensors file whose every tensor must be f32, in the file's (= saved) order.
@@ -486,6 +613,11 @@ struct FileEntry {
 }
 
 impl FileEntry {
+    /// The entry of a file whose bytes are `bytes`.
+    fn of(bytes: &[u8]) -> Self {
+        FileEntry { bytes: bytes.len() as u64, crc32: crc32fast::hash(bytes) }
+    }
+
     fn to_json(&self) -> Value {
         json!({ "bytes": self.bytes, "crc32": format!("{:08x}", self.crc32) })
     }
@@ -913,6 +1045,92 @@ mod tests {
         let (got, msg) = detail(load(&dir).unwrap_err());
         assert_eq!(got, dir.join(MODEL_FILE));
         assert!(msg.contains("`model.norm.weight`") && msg.contains("BF16"), "{msg}");
+    }
+
+    /// The Llama fixture's byte-level BPE tokenizer (`<s>` 1, `</s>` 2).
+    fn fixture_tokenizer() -> SavedTokenizer {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/llama/tokenizer.json");
+        let tokenizer = tokenizers::Tokenizer::from_file(path).unwrap();
+        SavedTokenizer { tokenizer, eos_token_id: 2, bos_token_id: Some(1) }
+    }
+
+    fn save_with_fixture_tokenizer(out: &Path, step: u64) -> PathBuf {
+        let (m, o) = (model(step as u32), optim(step as u32));
+        let tok = fixture_tokenizer();
+        save_with_tokenizer(out, step, &views(&m), &views(&o), &json!({"step": step}), 5, Some(&tok)).unwrap()
+    }
+
+    #[test]
+    fn a_tokenizer_is_saved_listed_and_loaded() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = save_with_fixture_tokenizer(tmp.path(), 10);
+        let want = fixture_tokenizer();
+        let c = load(&dir).unwrap();
+        assert_same(&c.model, &model(10));
+        let t = c.tokenizer.unwrap();
+        assert_eq!((t.eos_token_id, t.bos_token_id), (2, Some(1)));
+        let text = "A checkpoint carries the run's tokenizer.";
+        let ids = |t: &tokenizers::Tokenizer| t.encode(text, true).unwrap().get_ids().to_vec();
+        assert_eq!(ids(&t.tokenizer), ids(&want.tokenizer));
+        let doc: Value = serde_json::from_slice(&fs::read(dir.join(STATE_FILE)).unwrap()).unwrap();
+        let entry = &doc["manifest"]["files"][TOKENIZER_FILE];
+        assert_eq!(entry["bytes"].as_u64(), Some(fs::metadata(dir.join(TOKENIZER_FILE)).unwrap().len()));
+        let found = load_tokenizer(tmp.path()).unwrap().unwrap();
+        assert_eq!(ids(&found.tokenizer), ids(&want.tokenizer));
+
+        // A checkpoint without one (a byte-level run, or one saved before tokenizers were) has none.
+        let plain = save_step(tmp.path(), 20, 5).unwrap();
+        assert!(load(&plain).unwrap().tokenizer.is_none() && !plain.join(TOKENIZER_FILE).exists());
+        assert!(load_tokenizer(&plain).unwrap().is_none());
+
+        // A save that fails once the tokenizer is written leaves nothing of itself behind.
+        FAIL_AT.with(|f| f.set(Some("tokenizer-written")));
+        let (m, o) = (model(30), optim(30));
+        let e = save_with_tokenizer(tmp.path(), 30, &views(&m), &views(&o), &json!({}), 5, Some(&want)).unwrap_err();
+        FAIL_AT.with(|f| f.set(None));
+        assert!(e.to_string().contains("tokenizer-written"), "{e}");
+        assert_eq!(entries(&tmp.path().join(CHECKPOINTS_DIR)), ["step-00000010", "step-00000020"]);
+    }
+
+    #[test]
+    fn a_bad_tokenizer_or_token_id_is_named() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = save_with_fixture_tokenizer(tmp.path(), 10);
+        let path = dir.join(TOKENIZER_FILE);
+        let mut bytes = fs::read(&path).unwrap();
+        bytes[100] ^= 0x01;
+        fs::write(&path, &bytes).unwrap();
+        let (got, msg) = detail(load(&dir).unwrap_err());
+        assert_eq!(got, path);
+        assert!(msg.contains("CRC-32") && msg.contains("manifest.files.tokenizer.json.crc32"), "{msg}");
+        let (got, _) = detail(load_tokenizer(&dir).unwrap_err());
+        assert_eq!(got, path);
+
+        // Listed and intact, but not a tokenizer.
+        replace_file(&dir, TOKENIZER_FILE, b"{\"model\": 3}");
+        let (got, msg) = detail(load(&dir).unwrap_err());
+        assert_eq!(got, path);
+        assert!(msg.contains("not a usable tokenizer"), "{msg}");
+
+        // The special tokens' ids: missing, or not tokens of the tokenizer.
+        let dir = save_with_fixture_tokenizer(tmp.path(), 20);
+        let state_path = dir.join(STATE_FILE);
+        let mut doc: Value = serde_json::from_slice(&fs::read(&state_path).unwrap()).unwrap();
+        for (edit, needle) in [
+            (json!({"bos_token_id": 1}), "tokenizer.eos_token_id is missing"),
+            (json!({"eos_token_id": 2, "bos_token_id": 99999}), "tokenizer.bos_token_id is 99999"),
+            (json!({"eos_token_id": "2"}), "tokenizer.eos_token_id is \"2\""),
+        ] {
+            doc["tokenizer"] = edit;
+            fs::write(&state_path, serde_json::to_vec(&doc).unwrap()).unwrap();
+            let (got, msg) = detail(load(&dir).unwrap_err());
+            assert_eq!(got, state_path);
+            assert!(msg.contains(needle), "{msg}");
+        }
+        doc.as_object_mut().unwrap().remove("tokenizer");
+        fs::write(&state_path, serde_json::to_vec(&doc).unwrap()).unwrap();
+        let (_, msg) = detail(load(&dir).unwrap_err());
+        assert!(msg.contains("no `tokenizer` field"), "{msg}");
     }
 
     #[test]

@@ -62,8 +62,12 @@ pub fn checkpoint_recipe(ck: &checkpoint::Checkpoint) -> Result<Recipe> {
 /// The mean loss of the checkpoint in `dir` over `tokens`, cut into consecutive windows of `seq` inputs (each
 /// with the next token as the last target), computed over `cp` thread ranks.
 pub fn evaluate(dir: &Path, tokens: &[u32], seq: usize, cp: usize) -> Result<EvalResult> {
-    let ck = checkpoint::load(dir)?;
-    let recipe = checkpoint_recipe(&ck)?;
+    evaluate_checkpoint(&checkpoint::load(dir)?, tokens, seq, cp)
+}
+
+/// [`evaluate`] of a checkpoint already loaded (to read its tokenizer first, say).
+pub fn evaluate_checkpoint(ck: &checkpoint::Checkpoint, tokens: &[u32], seq: usize, cp: usize) -> Result<EvalResult> {
+    let recipe = checkpoint_recipe(ck)?;
     let shapes = param_shapes(&recipe.model);
     checkpoint::expect_tensors(&ck.dir.join("model.safetensors"), &ck.model, &shapes)?;
     evaluate_tensors(&recipe, &ck.model, tokens, seq, cp)

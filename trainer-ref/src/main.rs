@@ -75,8 +75,9 @@ enum Command {
         /// `tokenizer.json`) or a GGUF file (`*.gguf`, its tokenizer in its metadata).
         #[arg(long, value_name = "DIR|FILE.gguf")]
         init_from: Option<PathBuf>,
-        /// A `.npy` of integer token ids, or a text file (through the pretrained checkpoint's tokenizer; byte
-        /// tokens for a trainer checkpoint).
+        /// A `.npy` of integer token ids, or a text file (through the checkpoint's tokenizer: the pretrained
+        /// one's, or the one a trainer checkpoint saved from its `--init-from`; byte tokens for a trainer
+        /// checkpoint without one).
         #[arg(long)]
         tokens: PathBuf,
         /// Tokens per window.
@@ -89,8 +90,9 @@ enum Command {
         #[arg(long, value_name = "TYPE:F", requires = "init_from")]
         rope_scaling: Option<String>,
     },
-    /// Write a trainer checkpoint as a Hugging Face checkpoint directory (`config.json`, f32 safetensors,
-    /// sharded with `model.safetensors.index.json` past `--max-shard-size`).
+    /// Write a trainer checkpoint as a Hugging Face checkpoint directory: `config.json`, safetensors (f32 or
+    /// bf16, sharded with `model.safetensors.index.json` past `--max-shard-size`), and the run's
+    /// `tokenizer.json` when its checkpoint carries one; `--init-from` and transformers read it.
     Export {
         /// The directory to write (new or empty).
         #[arg(long, value_name = "DIR")]
@@ -101,6 +103,10 @@ enum Command {
         /// Largest safetensors file (`5GB`, `500MiB`).
         #[arg(long, default_value = "5GB")]
         max_shard_size: String,
+        /// The weights' format: `f32` (the checkpoint's values exactly) or `bf16` (each rounded to the nearest;
+        /// half the size).
+        #[arg(long, default_value = "f32", value_parser = ["f32", "bf16"])]
+        dtype: String,
     },
     /// List the built-in recipes, or print one.
     Recipes {
@@ -255,7 +261,12 @@ fn run(cli: Cli) -> Result<()> {
                     let ids = eval::read_tokens_with(&tokens, tokenizer)?;
                     eval::evaluate_hf(&ck, &ids, seq, cp)?
                 }
-                (Some(dir), None) => eval::evaluate(&dir, &eval::read_tokens(&tokens)?, seq, cp)?,
+                (Some(dir), None) => {
+                    let ck = longctx_trainer::checkpoint::load(&dir)?;
+                    // Text as the run read its corpus: its saved tokenizer, else bytes.
+                    let tokenizer = ck.tokenizer.as_ref().map(|t| &t.tokenizer);
+                    eval::evaluate_checkpoint(&ck, &eval::read_tokens_with(&tokens, tokenizer)?, seq, cp)?
+                }
                 (None, None) => return Err(TrainError::Config("give --checkpoint or --init-from".into())),
             };
             println!(
@@ -263,10 +274,12 @@ fn run(cli: Cli) -> Result<()> {
                 r.loss, r.tokens, r.windows
             );
         }
-        Command::Export { hf: dir, checkpoint, max_shard_size } => {
+        Command::Export { hf: dir, checkpoint, max_shard_size, dtype } => {
             let max_shard_bytes = longctx_recompute::parse_bytes(&max_shard_size)
                 .ok_or_else(|| TrainError::Config(format!("--max-shard-size `{max_shard_size}` is not a size")))?;
-            let opts = hf::export::ExportOptions { max_shard_bytes };
+            let dtype = hf::export::WeightDtype::parse(&dtype)
+                .ok_or_else(|| TrainError::Config(format!("--dtype `{dtype}` (f32 or bf16)")))?;
+            let opts = hf::export::ExportOptions { max_shard_bytes, dtype };
             for f in hf::export::export_checkpoint(&checkpoint, &dir, &opts)? {
                 println!("wrote {}", f.display());
             }

@@ -79,18 +79,29 @@ pub fn train(recipe: &Recipe, opts: &RunOptions) -> Result<Summary> {
 
 /// [`train`], starting from the weights of a Hugging Face checkpoint (`--init-from DIR`) instead of fresh
 /// ones when `init` is given; the recipe's model must have the checkpoint's shapes (see
-/// [`crate::hf::recipe_from`]). `--resume` still wins: a resumed run continues from its own checkpoint.
+/// [`crate::hf::recipe_from`]). `--resume` still wins: a resumed run continues from its own checkpoint. The
+/// checkpoint's tokenizer, when it has one and an end-of-sequence token, reads the corpus and is saved in every
+/// checkpoint of the run (a resumed run without `init` takes it from its own checkpoint).
 pub fn train_from(recipe: &Recipe, opts: &RunOptions, init: Option<&HfCheckpoint>) -> Result<Summary> {
     recipe.validate()?;
     recipe.parallel.check_trainable()?;
     if let Some(hf) = init {
         crate::hf::check_model(&recipe.model, &hf.config)?;
     }
-    // A pretrained model reads the corpus through its own tokenizer; a fresh one through bytes.
-    let tokenizer = init.and_then(HfCheckpoint::text_tokenizer).unwrap_or(TextTokenizer::Bytes);
-    if init.is_some() && matches!(tokenizer, TextTokenizer::Bytes) {
+    // A pretrained model reads the corpus through its own tokenizer; a fresh one through bytes. A resumed run
+    // without `--init-from` reads it as it did before, through the tokenizer its checkpoint saved (if any).
+    let saved = match init {
+        Some(hf) => hf.saved_tokenizer(),
+        None if opts.resume => {
+            checkpoint::latest(&opts.out)?.map(|d| checkpoint::load_tokenizer(&d)).transpose()?.flatten()
+        }
+        None => None,
+    };
+    let tokenizer = saved.as_ref().map_or(TextTokenizer::Bytes, checkpoint::SavedTokenizer::text_tokenizer);
+    if init.is_some() && saved.is_none() {
         eprintln!("note: the checkpoint has no tokenizer (or no eos_token_id): the corpus is read as byte tokens");
     }
+    let saved = saved.as_ref();
     let init = init.map(|hf| hf.tensors.as_slice());
     let corpus = Corpus::load(&recipe.data.corpus)?;
     let (train_stream, heldout) = corpus.split_with(recipe.data.heldout_every, &tokenizer)?;
@@ -108,10 +119,10 @@ pub fn train_from(recipe: &Recipe, opts: &RunOptions, init: Option<&HfCheckpoint
             )));
         }
         // One rank per process: `parallel.threads` kernel threads, or (0) rayon's global pool.
-        return Rank::run(comm, recipe, opts, &data, recipe.parallel.threads, init);
+        return Rank::run(comm, recipe, opts, &data, recipe.parallel.threads, init, saved);
     }
     let threads = per_rank_threads(recipe.parallel.threads, world);
-    let results = ThreadWorld::try_run(world, |comm| Rank::run(comm, recipe, opts, &data, threads, init))?;
+    let results = ThreadWorld::try_run(world, |comm| Rank::run(comm, recipe, opts, &data, threads, init, saved))?;
     let mut first = None;
     for r in results {
         match r {
@@ -194,6 +205,8 @@ struct Rank<'a> {
     step: u64,
     /// The planner's kept and peak activation bytes and rerun FLOPs for this rank.
     predicted: Predicted,
+    /// The tokenizer the corpus was read with, saved in every checkpoint (none for byte tokens).
+    tokenizer: Option<&'a checkpoint::SavedTokenizer>,
 }
 
 impl<'a> Rank<'a> {
@@ -204,8 +217,10 @@ impl<'a> Rank<'a> {
         data: &Data,
         threads: usize,
         init: Option<&[LoadedTensor]>,
+        tokenizer: Option<&'a checkpoint::SavedTokenizer>,
     ) -> Result<Summary> {
         let mut rank = Rank::new(comm, recipe, threads, &opts.out.join("offload"), init)?;
+        rank.tokenizer = tokenizer;
         if opts.resume {
             rank.resume(&opts.out)?;
         }
@@ -277,7 +292,7 @@ impl<'a> Rank<'a> {
         };
         model.set_recompute(actions)?;
         model.set_offload(offload_engine(recipe, world.rank(), spill_root)?);
-        Ok(Rank { recipe, world, dp_index, model, master, grads, m, v, plan, step: 0, predicted })
+        Ok(Rank { recipe, world, dp_index, model, master, grads, m, v, plan, step: 0, predicted, tokenizer: None })
     }
 
     fn is_root(&self) -> bool {
@@ -554,7 +569,8 @@ impl<'a> Rank<'a> {
             "seed": self.recipe.train.seed,
             "recipe": self.recipe.to_toml(),
         });
-        checkpoint::save(out, self.step, &model, &optim, &state, self.recipe.train.keep_checkpoints)?;
+        let keep = self.recipe.train.keep_checkpoints;
+        checkpoint::save_with_tokenizer(out, self.step, &model, &optim, &state, keep, self.tokenizer)?;
         Ok(())
     }
 

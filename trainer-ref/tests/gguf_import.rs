@@ -132,6 +132,10 @@ fn smollm2_loads_with_its_tokenizer_when_fetched() {
         exp["sample_ids"].as_array().expect("ids").iter().map(|v| v.as_u64().expect("id") as u32).collect();
     assert_eq!(enc.get_ids(), want.as_slice(), "token ids of {sample:?} differ from transformers'");
     assert_eq!(tok.decode(enc.get_ids(), false).expect("decodes"), sample);
+    // A run from the file saves this tokenizer in its checkpoints as JSON: it reads back the same.
+    let json = tok.to_string(true).expect("serialises as tokenizer.json");
+    let back = tokenizers::Tokenizer::from_bytes(json.as_bytes()).expect("reads back");
+    assert_eq!(back.encode(sample, false).expect("encodes").get_ids(), want.as_slice(), "after a JSON round trip");
 
     let ids = longctx_trainer::npy::read_token_ids(&fixture("smollm2-ids.npy")).expect("smollm2-ids.npy");
     let (want, seq) = (exp["loss"].as_f64().expect("loss"), exp["seq"].as_u64().expect("seq") as usize);

@@ -1,8 +1,9 @@
 //! Hugging Face interop against transformers: the fixtures of `fixtures/hf/` (tiny random Llamas, a Mixtral in
 //! both expert layouts and a Nemotron saved by transformers 5.24, made by `fixtures/hf/make_fixtures.py`, with
 //! the losses and logits transformers computes) give the same loss here at CP 1, 2 and 4 (≤ 1e-5 relative, f32),
-//! with every `rope_scaling` type; export then import is bit-exact for every family; bad checkpoints are errors
-//! naming the file and the tensor or field before any work. The live tests load exported directories of every
+//! with every `rope_scaling` type; export then import is bit-exact for every family (f32; a bf16 export reads
+//! back as each value rounded to bf16); a run `--init-from` a checkpoint with a tokenizer carries it through its
+//! checkpoints and exports; bad checkpoints are errors naming the file and the tensor or field before any work. The live tests load exported directories of every
 //! family in transformers itself when a Python can import it (`$LONGCTX_PYTHON`, else `python3`), and say they
 //! skipped when not.
 
@@ -229,7 +230,8 @@ fn trained_and_exported(name: &str) -> (Scratch, Scratch, Scratch) {
     let single = scratch(&format!("{name}-single"));
     export::export_checkpoint(&out, &single, &export::ExportOptions::default()).unwrap();
     let sharded = scratch(&format!("{name}-sharded"));
-    export::export_checkpoint(&out, &sharded, &export::ExportOptions { max_shard_bytes: 40_000 }).unwrap();
+    export::export_checkpoint(&out, &sharded, &export::ExportOptions { max_shard_bytes: 40_000, ..Default::default() })
+        .unwrap();
     (out, single, sharded)
 }
 
@@ -243,8 +245,11 @@ fn export_then_import_round_trips_bit_exactly() {
         .unwrap()
         .filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().starts_with("model-0"));
     assert!(shards.count() > 2, "40 kB shards of a ~300 kB model");
+    // A byte-level run has no tokenizer to save, nor its export to write.
+    assert!(ck.tokenizer.is_none() && !ck.dir.join("tokenizer.json").exists());
     for dir in [&single, &sharded] {
         let back = hf::load(dir).unwrap();
+        assert!(back.tokenizer.is_none() && back.config.eos_token_id.is_none(), "{}", dir.display());
         assert_eq!(bits(&back.tensors), bits(&ck.model), "{}", dir.display());
         let mut model = back.model().clone();
         model.init_std = recipe.model.init_std;
@@ -258,11 +263,11 @@ fn export_then_import_round_trips_bit_exactly() {
     // Import → export → import of transformers' own (bf16, sharded) files: the same f32 values.
     let l3 = hf::load(&fixtures().join("llama3-sharded")).unwrap();
     let re = scratch("reexport");
-    export::write_dir(&re, l3.model(), 128, &l3.tensors, &export::ExportOptions::default()).unwrap();
+    export::write_dir(&re, l3.model(), 128, &l3.tensors, None, &export::ExportOptions::default()).unwrap();
     let back = hf::load(&re).unwrap();
     assert_eq!(bits(&back.tensors), bits(&l3.tensors));
     assert_eq!(back.model(), l3.model());
-    let e = export::write_dir(&re, l3.model(), 128, &l3.tensors, &export::ExportOptions::default()).unwrap_err();
+    let e = export::write_dir(&re, l3.model(), 128, &l3.tensors, None, &export::ExportOptions::default()).unwrap_err();
     assert!(e.to_string().contains("not empty"), "{e}");
 }
 
@@ -292,7 +297,8 @@ fn trained_family(recipe: &str, name: &str) -> (Scratch, Scratch, Scratch) {
     let single = scratch(&format!("{name}-single"));
     export::export_checkpoint(&out, &single, &export::ExportOptions::default()).unwrap();
     let sharded = scratch(&format!("{name}-sharded"));
-    export::export_checkpoint(&out, &sharded, &export::ExportOptions { max_shard_bytes: 40_000 }).unwrap();
+    export::export_checkpoint(&out, &sharded, &export::ExportOptions { max_shard_bytes: 40_000, ..Default::default() })
+        .unwrap();
     (out, single, sharded)
 }
 
@@ -328,11 +334,184 @@ fn mixtral_and_nemotron_export_then_import_round_trip_bit_exactly() {
     for name in ["mixtral", "mixtral-fused", "nemotron"] {
         let ck = hf::load(&fixtures().join(name)).unwrap();
         let re = scratch(&format!("reexport-{name}"));
-        export::write_dir(&re, ck.model(), 128, &ck.tensors, &export::ExportOptions::default()).unwrap();
+        export::write_dir(&re, ck.model(), 128, &ck.tensors, None, &export::ExportOptions::default()).unwrap();
         let back = hf::load(&re).unwrap();
         assert_eq!(bits(&back.tensors), bits(&ck.tensors), "{name}");
         assert_eq!(back.model(), ck.model(), "{name}");
     }
+}
+
+/// A two-step run `--init-from` the Llama fixture (whose `tokenizer.json` reads the corpus, `eos_token_id` 2,
+/// `bos_token_id` 1), in two sessions: stopped after step 1, then resumed without `--init-from`, so the last
+/// checkpoint has the tokenizer only if a resumed run takes it from its own checkpoint.
+fn trained_from_llama(tag: &str) -> (HfCheckpoint, Scratch) {
+    let src = hf::load(&fixtures().join("llama")).unwrap();
+    let sets: Vec<String> = [
+        "train.seq_len=64",
+        "train.batch=1",
+        "train.steps=2",
+        "train.warmup=1",
+        "train.eval_every=0",
+        "parallel.threads=1",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let recipe = hf::recipe_from(&Recipe::load("tiny-llama", &sets).unwrap(), &sets, &src.config).unwrap();
+    let out = scratch(tag);
+    let opts = RunOptions { out: out.to_path_buf(), quiet: true, stop_at: Some(1), ..Default::default() };
+    train_from(&recipe, &opts, Some(&src)).unwrap();
+    let s = train_from(&recipe, &RunOptions { resume: true, stop_at: None, ..opts }, None).unwrap();
+    assert_eq!(s.last_step, 2);
+    (src, out)
+}
+
+fn encode(t: &tokenizers::Tokenizer, text: &str) -> Vec<u32> {
+    t.encode(text, true).unwrap().get_ids().to_vec()
+}
+
+fn read_json(path: &Path) -> Value {
+    serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap()
+}
+
+/// The checkpoint carries the run's tokenizer: `eval --checkpoint` reads text through it, and export writes it
+/// with the special tokens' ids, so the exported directory tokenizes as the pretrained one did.
+#[test]
+fn the_runs_tokenizer_travels_through_its_checkpoints_and_export() {
+    let (src, run) = trained_from_llama("tok-run");
+    let text = std::fs::read_to_string(fixtures().join("text.txt")).unwrap();
+    let want = encode(src.tokenizer.as_ref().unwrap(), &text);
+    let ck = longctx_trainer::checkpoint::load(&run).unwrap();
+    assert_eq!(ck.step, 2);
+    let manifest = read_json(&ck.dir.join("state.json"));
+    assert!(manifest["manifest"]["files"]["tokenizer.json"]["crc32"].is_string(), "{manifest}");
+    let saved = ck.tokenizer.as_ref().expect("the resumed run's checkpoint carries the tokenizer");
+    assert_eq!((saved.eos_token_id, saved.bos_token_id), (2, Some(1)));
+    assert_eq!(encode(&saved.tokenizer, &text), want);
+
+    // `longctx eval --checkpoint RUN --tokens text.txt`: the text through the saved tokenizer, not as bytes.
+    let out = Command::new(env!("CARGO_BIN_EXE_longctx"))
+        .args(["eval", "--checkpoint"])
+        .arg(&*run)
+        .arg("--tokens")
+        .arg(fixtures().join("text.txt"))
+        .args(["--seq", "32"])
+        .output()
+        .unwrap();
+    let printed = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{printed} {}", String::from_utf8_lossy(&out.stderr));
+    let by_ids = evaluate(&run, &want, 32, 1).unwrap();
+    println!("longctx eval --checkpoint (text): {}", printed.trim());
+    assert!(
+        printed.starts_with(&format!("loss {:.6} nats/token over {} tokens", by_ids.loss, by_ids.tokens)),
+        "{printed}"
+    );
+
+    let dir = scratch("tok-export");
+    let files = export::export_checkpoint(&run, &dir, &export::ExportOptions::default()).unwrap();
+    assert!(files.contains(&dir.join("tokenizer.json")) && files.contains(&dir.join("tokenizer_config.json")));
+    let config = read_json(&dir.join("config.json"));
+    assert_eq!((config["eos_token_id"].as_u64(), config["bos_token_id"].as_u64()), (Some(2), Some(1)));
+    let tc = read_json(&dir.join("tokenizer_config.json"));
+    assert_eq!((tc["eos_token"].as_str(), tc["bos_token"].as_str()), (Some("</s>"), Some("<s>")));
+    let back = hf::load(&dir).unwrap();
+    assert_eq!((back.config.eos_token_id, back.config.bos_token_id), (Some(2), Some(1)));
+    assert_eq!(encode(back.tokenizer.as_ref().unwrap(), &text), want);
+    // `eval --init-from` the export reads the text the same way and computes the same loss, bit for bit (f32).
+    let ids = read_tokens_with(&fixtures().join("text.txt"), back.tokenizer.as_ref()).unwrap();
+    assert_eq!(ids, want);
+    assert_eq!(evaluate_hf(&back, &ids, 32, 1).unwrap().loss.to_bits(), by_ids.loss.to_bits());
+    // And a run from the export carries the tokenizer on.
+    assert_eq!(back.saved_tokenizer().map(|t| (t.eos_token_id, t.bos_token_id)), Some((2, Some(1))));
+}
+
+/// Rounds `x` to the nearest bf16, ties to even (finite `x`), written out rather than taken from `half`.
+fn bf16_nearest_even(x: f32) -> f32 {
+    let b = x.to_bits();
+    let rounded = b.wrapping_add(0x7fff + ((b >> 16) & 1)) & 0xffff_0000;
+    f32::from_bits(rounded)
+}
+
+/// `--dtype bf16`: every tensor BF16 in the files, `torch_dtype` bfloat16, and the import is exactly each f32
+/// value of the checkpoint rounded to the nearest bf16; single-file and sharded, with the tokenizer.
+#[test]
+fn a_bf16_export_imports_as_each_value_rounded_to_nearest_bf16() {
+    let (_src, run) = trained_from_llama("bf16-run");
+    let ck = longctx_trainer::checkpoint::load(&run).unwrap();
+    let rounded: Vec<LoadedTensor> = ck
+        .model
+        .iter()
+        .map(|t| LoadedTensor { data: t.data.iter().map(|&x| bf16_nearest_even(x)).collect(), ..t.clone() })
+        .collect();
+    // Round to nearest, not truncation: some values round up.
+    let truncated =
+        ck.model.iter().flat_map(|t| &t.data).filter(|x| x.to_bits() & 0xffff_0000 != bf16_nearest_even(**x).to_bits());
+    assert!(truncated.count() > 1000, "rounding up is exercised");
+    let mut sizes = Vec::new();
+    for (tag, max_shard_bytes) in [("single", 5_000_000_000), ("sharded", 40_000)] {
+        let dir = scratch(&format!("bf16-{tag}"));
+        if tag == "single" {
+            // Through the command line, as a user runs it.
+            let out = Command::new(env!("CARGO_BIN_EXE_longctx"))
+                .args(["export", "--dtype", "bf16", "--hf"])
+                .arg(&*dir)
+                .arg("--checkpoint")
+                .arg(&*run)
+                .output()
+                .unwrap();
+            let printed = String::from_utf8_lossy(&out.stdout);
+            assert!(out.status.success(), "{printed} {}", String::from_utf8_lossy(&out.stderr));
+            assert!(printed.contains("tokenizer.json"), "{printed}");
+        } else {
+            let opts = export::ExportOptions { max_shard_bytes, dtype: export::WeightDtype::Bf16 };
+            export::export_checkpoint(&run, &dir, &opts).unwrap();
+        }
+        assert_eq!(read_json(&dir.join("config.json"))["torch_dtype"], "bfloat16");
+        let files = hf::weights::WeightFiles::open(&dir).unwrap();
+        assert!(files.entries.values().all(|e| e.dtype == safetensors::Dtype::BF16), "{tag}");
+        let back = hf::load(&dir).unwrap();
+        assert_eq!(bits(&back.tensors), bits(&rounded), "{tag}");
+        assert!(back.tokenizer.is_some() && back.config.eos_token_id == Some(2), "{tag}");
+        if tag == "single" {
+            sizes.push(std::fs::metadata(dir.join("model.safetensors")).unwrap().len());
+        } else {
+            assert!(dir.join("model.safetensors.index.json").is_file());
+        }
+    }
+    let f32_dir = scratch("bf16-vs-f32");
+    export::export_checkpoint(&run, &f32_dir, &export::ExportOptions::default()).unwrap();
+    let f32_size = std::fs::metadata(f32_dir.join("model.safetensors")).unwrap().len();
+    assert!(sizes[0] * 2 <= f32_size + 4096, "bf16 {} bytes, f32 {f32_size}", sizes[0]);
+}
+
+/// A trainer checkpoint's `tokenizer.json` is checked against its manifest like its tensor files: cut short or
+/// with a flipped byte, loading, evaluating or exporting it is an error naming the file.
+#[test]
+fn a_corrupt_tokenizer_in_a_trainer_checkpoint_is_an_error_naming_it() {
+    let (_src, run) = trained_from_llama("tok-corrupt");
+    let dir = longctx_trainer::checkpoint::latest(&run).unwrap().unwrap();
+    let path = dir.join("tokenizer.json");
+    let good = std::fs::read(&path).unwrap();
+    let mut flipped = good.clone();
+    flipped[good.len() / 2] ^= 0x20;
+    for (case, bytes, needle) in
+        [("cut short", &good[..good.len() - 10], "truncated"), ("flipped", &flipped[..], "CRC-32")]
+    {
+        std::fs::write(&path, bytes).unwrap();
+        match longctx_trainer::checkpoint::load(&run).unwrap_err() {
+            longctx_trainer::TrainError::Checkpoint { path: p, detail } => {
+                assert_eq!(p, path, "{case}");
+                assert!(detail.contains(needle), "{case}: {detail}");
+            }
+            other => panic!("{case}: {other}"),
+        }
+        let e = export::export_checkpoint(&run, &scratch("tok-corrupt-export"), &Default::default()).unwrap_err();
+        assert!(e.to_string().contains("tokenizer.json") && e.to_string().contains(needle), "{case}: {e}");
+        let e = evaluate(&run, &tokens(), 64, 1).unwrap_err().to_string();
+        assert!(e.contains("tokenizer.json"), "{case}: {e}");
+    }
+    std::fs::write(&path, &good).unwrap();
+    assert!(longctx_trainer::checkpoint::load(&run).unwrap().tokenizer.is_some());
 }
 
 fn err_of(dir: &Path) -> String {
@@ -705,6 +884,55 @@ fn live_transformers_loads_the_mixtral_and_nemotron_exports() {
             assert!(rel(ours, theirs) <= 1e-5, "{recipe}: {ours} vs transformers {theirs}");
         }
     }
+}
+
+/// transformers loads a bf16 export of a run `--init-from` the Llama fixture, model and tokenizer: its loss is
+/// `longctx eval --init-from` on the same directory's (≤ 1e-5 relative), and `AutoTokenizer` gives the ids this
+/// trainer gives the text, with the end-of-sequence token config.json names. Skips like the others.
+#[test]
+fn live_transformers_loads_the_bf16_export_and_its_tokenizer() {
+    let Some(py) = python() else { return };
+    let (_src, run) = trained_from_llama("live-bf16");
+    let dir = scratch("live-bf16-export");
+    let opts = export::ExportOptions { dtype: export::WeightDtype::Bf16, ..Default::default() };
+    export::export_checkpoint(&run, &dir, &opts).unwrap();
+    let ids = tokens();
+    let out = Command::new(env!("CARGO_BIN_EXE_longctx"))
+        .args(["eval", "--init-from"])
+        .arg(&*dir)
+        .arg("--tokens")
+        .arg(fixtures().join("tokens.npy"))
+        .args(["--seq", "64", "--cp", "2"])
+        .output()
+        .unwrap();
+    let printed = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{printed} {}", String::from_utf8_lossy(&out.stderr));
+    let ours: f64 = printed.split_whitespace().nth(1).unwrap().parse().unwrap();
+    let (theirs, class) = transformers_loss(&py, &dir, &ids);
+    println!("bf16 export in transformers ({class}): {theirs:.9}; longctx eval --init-from: {}", printed.trim());
+    assert_eq!(class, "LlamaForCausalLM");
+    assert!(rel(ours, theirs) <= 1e-5, "{ours} vs transformers {theirs}");
+
+    let script = format!(
+        r#"
+import transformers
+t = transformers.AutoTokenizer.from_pretrained("{dir}")
+print(t.eos_token_id)
+print(t(open("{text}").read()).input_ids)
+"#,
+        dir = dir.display(),
+        text = fixtures().join("text.txt").display()
+    );
+    let out = Command::new(&py).args(["-c", &script]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut lines = text.trim().lines().rev();
+    let theirs: Vec<u32> = serde_json::from_str(lines.next().unwrap()).unwrap();
+    let eos = lines.next().unwrap().trim().to_string();
+    let want = read_tokens_with(&fixtures().join("text.txt"), hf::load(&dir).unwrap().tokenizer.as_ref()).unwrap();
+    println!("AutoTokenizer on the export: eos {eos}, {} ids of text.txt", theirs.len());
+    assert_eq!(theirs, want, "AutoTokenizer and this trainer tokenize text.txt alike");
+    assert_eq!(eos, "2");
 }
 
 /// transformers 5's fused expert tensors (`save_original_format=False`) and the Hub's per-expert ones read into

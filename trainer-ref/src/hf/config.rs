@@ -45,6 +45,9 @@ pub struct HfConfig {
     /// `eos_token_id` (the first, when a list): the token that closes a document when the corpus is
     /// tokenized with the checkpoint's tokenizer.
     pub eos_token_id: Option<u32>,
+    /// `bos_token_id` (the first, when a list): kept so that an export of a run from this checkpoint names
+    /// it again.
+    pub bos_token_id: Option<u32>,
     /// What the import changed or assumed, for the user.
     pub notes: Vec<String>,
 }
@@ -277,12 +280,15 @@ impl HfConfig {
             partial_rotary_factor,
             tie_embeddings: tie_word_embeddings,
         };
-        let eos_token_id = match obj.get("eos_token_id") {
-            Some(Value::Array(a)) => a.first().and_then(Value::as_u64),
-            Some(v) => v.as_u64(),
-            None => None,
-        }
-        .map(|v| v as u32);
+        let token_id = |k: &str| {
+            match obj.get(k) {
+                Some(Value::Array(a)) => a.first().and_then(Value::as_u64),
+                Some(v) => v.as_u64(),
+                None => None,
+            }
+            .and_then(|v| u32::try_from(v).ok())
+        };
+        let (eos_token_id, bos_token_id) = (token_id("eos_token_id"), token_id("bos_token_id"));
         Ok(HfConfig {
             path: path.to_path_buf(),
             architecture,
@@ -291,6 +297,7 @@ impl HfConfig {
             tie_word_embeddings,
             dtype,
             eos_token_id,
+            bos_token_id,
             notes,
         })
     }

@@ -5,7 +5,8 @@
 //! DIR/config.json                          the architecture and shape (config)
 //! DIR/model.safetensors                    the weights, or
 //! DIR/model.safetensors.index.json         {"weight_map": {tensor: shard}} and the shards it names (weights)
-//! DIR/tokenizer.json                       optional: text for `longctx eval --tokens FILE.txt`
+//! DIR/tokenizer.json                       optional: text for `longctx eval --tokens FILE.txt` and a run's
+//!                                          corpus (saved in its checkpoints; export writes it back)
 //! ```
 //!
 //! Architectures: Llama, Mixtral and Nemotron ([`architecture`]). Tensor names are transformers'
@@ -62,8 +63,17 @@ impl HfCheckpoint {
     /// How the corpus becomes this model's tokens: its tokenizer with its end-of-sequence token closing
     /// each document, or `None` when the checkpoint has no tokenizer or names no end-of-sequence token.
     pub fn text_tokenizer(&self) -> Option<crate::data::TextTokenizer> {
-        let (tok, eot) = (self.tokenizer.as_ref()?, self.config.eos_token_id?);
-        Some(crate::data::TextTokenizer::Pretrained { tokenizer: Box::new(tok.clone()), eot })
+        self.saved_tokenizer().map(|t| t.text_tokenizer())
+    }
+
+    /// Its tokenizer and special tokens as a run's checkpoints save them, or `None` when the checkpoint has
+    /// no tokenizer or names no end-of-sequence token (the run then reads bytes, and saves no tokenizer).
+    pub fn saved_tokenizer(&self) -> Option<crate::checkpoint::SavedTokenizer> {
+        Some(crate::checkpoint::SavedTokenizer {
+            tokenizer: self.tokenizer.clone()?,
+            eos_token_id: self.config.eos_token_id?,
+            bos_token_id: self.config.bos_token_id,
+        })
     }
 }
 
@@ -92,6 +102,7 @@ fn from_gguf(path: &Path) -> Result<HfCheckpoint> {
         tie_word_embeddings: g.tied_embeddings,
         dtype: None,
         eos_token_id: g.eos_token,
+        bos_token_id: g.bos_token,
         notes,
     };
     Ok(HfCheckpoint { dir: path.to_path_buf(), tensors: g.tensors, tokenizer: g.tokenizer, config })

@@ -226,14 +226,66 @@ pub struct OutTensor<'a> {
     pub data: &'a [f32],
 }
 
-/// Writes `tensors` as f32 safetensors into `dir`: one `model.safetensors` when they fit in `max_shard_bytes`,
-/// else shards of at most that size (a tensor larger than it gets a shard of its own) named as transformers
-/// names them, `model-00001-of-00003.safetensors`, with the index. Returns the files written.
-pub fn write(dir: &Path, tensors: &[OutTensor<'_>], max_shard_bytes: u64) -> Result<Vec<PathBuf>> {
+/// The number format [`write`] stores the weights in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum WeightDtype {
+    /// f32: the trainer's values exactly.
+    #[default]
+    F32,
+    /// bfloat16, each value rounded to the nearest (ties to even): half the bytes, what most Hub checkpoints
+    /// hold, and what [`WeightFiles::read_f32`] widens back exactly.
+    Bf16,
+}
+
+impl WeightDtype {
+    /// `f32` or `bf16`, as the command line spells it.
+    pub fn parse(s: &str) -> Option<WeightDtype> {
+        match s {
+            "f32" | "float32" => Some(WeightDtype::F32),
+            "bf16" | "bfloat16" => Some(WeightDtype::Bf16),
+            _ => None,
+        }
+    }
+
+    /// Its name in `config.json`'s `torch_dtype`.
+    pub fn torch_dtype(self) -> &'static str {
+        match self {
+            WeightDtype::F32 => "float32",
+            WeightDtype::Bf16 => "bfloat16",
+        }
+    }
+
+    fn safetensors(self) -> Dtype {
+        match self {
+            WeightDtype::F32 => Dtype::F32,
+            WeightDtype::Bf16 => Dtype::BF16,
+        }
+    }
+
+    fn bytes_per_value(self) -> u64 {
+        match self {
+            WeightDtype::F32 => 4,
+            WeightDtype::Bf16 => 2,
+        }
+    }
+
+    /// `data` in this format, little-endian.
+    fn encode(self, data: &[f32]) -> Vec<u8> {
+        match self {
+            WeightDtype::F32 => data.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            WeightDtype::Bf16 => data.iter().flat_map(|&x| half::bf16::from_f32(x).to_le_bytes()).collect(),
+        }
+    }
+}
+
+/// Writes `tensors` as safetensors of `dtype` into `dir`: one `model.safetensors` when they fit in
+/// `max_shard_bytes`, else shards of at most that size (a tensor larger than it gets a shard of its own) named as
+/// transformers names them, `model-00001-of-00003.safetensors`, with the index. Returns the files written.
+pub fn write(dir: &Path, tensors: &[OutTensor<'_>], max_shard_bytes: u64, dtype: WeightDtype) -> Result<Vec<PathBuf>> {
     let mut shards: Vec<Vec<OutTensor<'_>>> = vec![Vec::new()];
     let mut size = 0u64;
     for t in tensors {
-        let bytes = t.data.len() as u64 * 4;
+        let bytes = t.data.len() as u64 * dtype.bytes_per_value();
         if size > 0 && size + bytes > max_shard_bytes {
             shards.push(Vec::new());
             size = 0;
@@ -251,10 +303,10 @@ pub fn write(dir: &Path, tensors: &[OutTensor<'_>], max_shard_bytes: u64) -> Res
     let mut total = 0u64;
     for (i, shard) in shards.iter().enumerate() {
         let path = dir.join(name(i));
-        let le: Vec<Vec<u8>> = shard.iter().map(|t| t.data.iter().flat_map(|x| x.to_le_bytes()).collect()).collect();
+        let le: Vec<Vec<u8>> = shard.iter().map(|t| dtype.encode(t.data)).collect();
         let mut views = Vec::with_capacity(shard.len());
         for (t, bytes) in shard.iter().zip(&le) {
-            let v = TensorView::new(Dtype::F32, t.dims.to_vec(), bytes)
+            let v = TensorView::new(dtype.safetensors(), t.dims.to_vec(), bytes)
                 .map_err(|e| tensor_err(&path, t.name, format!("cannot be written: {e}")))?;
             views.push((t.name.to_string(), v));
             weight_map.insert(t.name.to_string(), name(i));
