@@ -226,7 +226,7 @@ pub struct OutTensor<'a> {
     pub data: &'a [f32],
 }
 
-/// The number format [`write`] stores the weights in.
+/// The number format [`write()`] stores the weights in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum WeightDtype {
     /// f32: the trainer's values exactly.
