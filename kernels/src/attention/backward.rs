@@ -19,8 +19,10 @@ use rayon::prelude::*;
 
 use super::forward::{all_finite, Scratch, GROUP};
 use super::mask::{tile_summaries, TileClass};
-use super::pack::{as_f32, finite_copy, pack_transposed_tiles, NonFinite};
-use super::simd::{dot, prefetch_part, Simd, SimdPath};
+use super::pack::{
+    as_f32, finite_copy, pack_key_strips, pack_row_strips, pack_transposed_tiles, value_tile_len, NonFinite,
+};
+use super::simd::{dot, prefetch_part, Simd, SimdPath, STRIP};
 use super::{AttnMask, AttnParams, BC, BR};
 use crate::error::Result;
 use crate::view::{HostSlice, HostSliceMut};
@@ -67,6 +69,9 @@ pub(crate) fn attention_backward_on(
     let of = as_f32(o);
     let (kt, k_bad) = pack_transposed_tiles(k, &s);
     let (vt, v_bad) = pack_transposed_tiles(v, &s);
+    // K again, as the strip-packed right operand of `dS·K` (the transposed tiles above serve `Q·Kᵀ`).
+    let ks = pack_key_strips(k, &s);
+    let ks_len = value_tile_len(d);
     // Dᵢ = dOᵢ·Oᵢ, and the LSE in base 2 (−inf stays −inf). A row is tainted when its D (so dO or O), its LSE
     // (NaN or +inf; -inf is a row that saw nothing) or its Q holds a non-finite value.
     let mut delta = vec![0f32; s.lse_elems()];
@@ -98,6 +103,7 @@ pub(crate) fn attention_backward_on(
         d_o: &dof,
         kt: &kt,
         vt: &vt,
+        ks: &ks,
         lse2: &lse2,
         delta: &delta,
         q_tile_bad: &q_tile_bad,
@@ -168,10 +174,18 @@ pub(crate) fn attention_backward_on(
                         }
                     };
                     let rq = (bh * s.q_len + q0) * d;
+                    // This slot's dO and Q rows as strips for `Pᵀ·dO` and `dSᵀ·Q`, packed at its first visible
+                    // tile of the block and reused by the rest.
+                    let mut packed = false;
                     for t in blk.clone() {
                         let class = p.mask.classify(&ctx.q_sum[qt], &ctx.k_sum[t]);
                         if class == TileClass::Hidden {
                             continue;
+                        }
+                        if !packed {
+                            pack_row_strips(&ctx.d_o[rq..rq + rows * d], d, BR, &mut bs.do_strips);
+                            pack_row_strips(&ctx.q[rq..rq + rows * d], d, BR, &mut bs.q_strips);
+                            packed = true;
                         }
                         let j0 = t * BC;
                         let bc = BC.min(s.kv_len - j0);
@@ -194,21 +208,33 @@ pub(crate) fn attention_backward_on(
                             bs.do_bad.clear();
                             bs.q_bad.clear();
                         }
+                        let cleaned_q = exact && q_bad;
                         let mut k_t = k_tile;
                         bs.k_bad.clear();
                         if exact && !ctx.k_bad[bhk * k_tiles + t].is_empty() {
                             finite_copy(k_tile, d, &mut bs.k_clean, &mut bs.k_bad);
                             k_t = &bs.k_clean;
                         }
+                        let cleaned_k = !bs.k_bad.is_empty();
+                        let k_strips = &ctx.ks[(bhk * k_tiles + t) * ks_len..(bhk * k_tiles + t + 1) * ks_len];
                         let vis = |i: usize, j: usize| sc.vis[i * BC + j];
                         fetch(0, &bs.dq);
                         // dV += Pᵀ·dO and dK += dSᵀ·Q, reading P and dS transposed in place (zero outside the spans).
-                        simd.matmul_at(bc, d, rows, &sc.s, BC, d_o_t, d, dv_t, d, true);
+                        // Cleaned copies (rare) are read row-major; everything else from the strips (same sums).
+                        if cleaned_q {
+                            simd.matmul_at(bc, d, rows, &sc.s, BC, d_o_t, d, dv_t, d, true);
+                        } else {
+                            simd.matmul_at_packed_b(bc, d, rows, &sc.s, BC, &bs.do_strips, BR, dv_t, d, true);
+                        }
                         for &(i, dd, x) in &bs.do_bad {
                             (0..bc).filter(|&j| vis(i, j)).for_each(|j| dv_t[j * d + dd] += sc.s[i * BC + j] * x);
                         }
                         fetch(1, &bs.dq);
-                        simd.matmul_at(bc, d, rows, &bs.dp, BC, q_t, d, dk_t, d, true);
+                        if cleaned_q {
+                            simd.matmul_at(bc, d, rows, &bs.dp, BC, q_t, d, dk_t, d, true);
+                        } else {
+                            simd.matmul_at_packed_b(bc, d, rows, &bs.dp, BC, &bs.q_strips, BR, dk_t, d, true);
+                        }
                         for &(i, dd, x) in &bs.q_bad {
                             (0..bc).filter(|&j| vis(i, j)).for_each(|j| dk_t[j * d + dd] += bs.dp[i * BC + j] * x);
                         }
@@ -216,8 +242,13 @@ pub(crate) fn attention_backward_on(
                         // dQ += dS·K over each group's span.
                         let dq = &mut bs.dq[slot * BR * d..];
                         for (r0, gr, lo, hi) in product_groups(class, &spans, rows) {
-                            let (a, kk) = (&bs.dp[r0 * BC + lo..], &k_t[lo * d..]);
-                            simd.matmul(gr, d, hi - lo, a, BC, kk, d, &mut dq[r0 * d..], d, true);
+                            let a = &bs.dp[r0 * BC + lo..];
+                            if cleaned_k {
+                                simd.matmul(gr, d, hi - lo, a, BC, &k_t[lo * d..], d, &mut dq[r0 * d..], d, true);
+                            } else {
+                                let kk = &k_strips[lo * STRIP..];
+                                simd.matmul_packed_b(gr, d, hi - lo, a, BC, kk, BC, &mut dq[r0 * d..], d, true);
+                            }
                         }
                         for &(j, dd, x) in &bs.k_bad {
                             (0..rows).filter(|&i| vis(i, j)).for_each(|i| dq[i * d + dd] += bs.dp[i * BC + j] * x);
@@ -299,13 +330,16 @@ fn product_groups(
 }
 
 /// Query chunks per KV head, from the shape alone (never the thread count, so results stay bit-identical):
-/// enough tasks to keep 16 threads busy, but no more partial `dK`, `dV` memory than `dQ` itself takes in
-/// `f32` (so memory stays linear in the sequence), one chunk at least, and no more chunks than query tiles.
+/// enough tasks to keep 16 threads busy, but no more partial `dK`, `dV` memory than twice what `dQ` itself
+/// takes in `f32` (so memory stays linear in the sequence), one chunk at least, and no more chunks than query
+/// tiles. With two query heads per KV head, one chunk per head would be a single task per KV head: equal
+/// halves on two threads, so whichever core runs slower (another tenant, a lower clock) leaves the other
+/// idle at the end of every call; two chunks let the threads even out.
 fn query_chunks(s: &super::AttnShape) -> usize {
     const TASKS: usize = 16;
     let heads = s.batch * s.kv_heads;
     let for_threads = TASKS.div_ceil(heads);
-    let for_memory = (s.q_elems() / (heads * 2 * s.kv_len * s.head_dim)).max(1);
+    let for_memory = (2 * s.q_elems() / (heads * 2 * s.kv_len * s.head_dim)).max(1);
     for_threads.min(for_memory).min(s.q_len.div_ceil(BR)).max(1)
 }
 
@@ -318,6 +352,8 @@ struct Ctx<'a> {
     d_o: &'a [f32],
     kt: &'a [f32],
     vt: &'a [f32],
+    /// K strip-packed per tile (`pack_key_strips`), for `dS·K`.
+    ks: &'a [f32],
     lse2: &'a [f32],
     delta: &'a [f32],
     /// `[B·Hq][query tile]`: the tile has a row with a non-finite Q, dO, O or LSE.
@@ -448,6 +484,9 @@ struct BwdScratch {
     q_bad: NonFinite,
     k_clean: Vec<f32>,
     k_bad: NonFinite,
+    /// The current slot's dO and Q rows, strip-packed (`pack_row_strips`).
+    do_strips: Vec<f32>,
+    q_strips: Vec<f32>,
 }
 
 impl BwdScratch {
@@ -461,6 +500,8 @@ impl BwdScratch {
             q_bad: Vec::new(),
             k_clean: Vec::new(),
             k_bad: Vec::new(),
+            do_strips: Vec::new(),
+            q_strips: Vec::new(),
         }
     }
 }

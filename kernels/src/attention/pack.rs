@@ -44,6 +44,31 @@ pub(crate) fn pack_value_strips(x: HostSlice<'_>, s: &AttnShape) -> (Vec<f32>, V
     })
 }
 
+/// The layout of [`pack_value_strips`] for keys, with non-finite elements kept in place (the backward's `dS·K`
+/// lets them reach the rows that see them through the product itself).
+pub(crate) fn pack_key_strips(x: HostSlice<'_>, s: &AttnShape) -> Vec<f32> {
+    pack_key_tiles(x, s, value_tile_len(s.head_dim), false, |tile, j, row| {
+        for (st, part) in row.chunks(STRIP).enumerate() {
+            tile[(st * BC + j) * STRIP..][..part.len()].copy_from_slice(part);
+        }
+    })
+    .0
+}
+
+/// `rows` rows of `d` floats (`x`, row-major) into `[D / STRIP][strip_rows][STRIP]` in `out` (`D` rounded up
+/// to a whole strip), the strip-packed `B` of [`super::simd::Simd::matmul_at_packed_b`]: row `i`, dimension
+/// `dd` at `(dd / STRIP)·STRIP·strip_rows + i·STRIP + dd % STRIP`. Read row by row, a tile of 64-float rows
+/// walks its column strip 256 bytes at a time, which falls into a quarter of the L1 sets.
+pub(crate) fn pack_row_strips(x: &[f32], d: usize, strip_rows: usize, out: &mut Vec<f32>) {
+    let strips = d.div_ceil(STRIP);
+    out.resize(strips * strip_rows * STRIP, 0.0);
+    for (i, row) in x.chunks_exact(d).enumerate() {
+        for (st, part) in row.chunks(STRIP).enumerate() {
+            out[(st * strip_rows + i) * STRIP..][..part.len()].copy_from_slice(part);
+        }
+    }
+}
+
 /// `[B·Hkv][tile][tile_len]`, zero-filled, with `place(tile, j, row)` putting row `j` of each tile of `BC` keys
 /// (as `f32`) where the layout wants it, and the non-finite elements of each tile (with `zero_bad`, placed as
 /// 0). Heads are packed in parallel.

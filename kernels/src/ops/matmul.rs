@@ -10,7 +10,7 @@
 //! linear_backward:  dX[T,IN] = dY · W              dW[OUT,IN] (+)= dYᵀ · X     db[OUT] (+)= Σ_t dY[t,:]
 //! ```
 //!
-//! Determinism: the output is cut into fixed `TILE_M × TILE_N` tiles, each computed by one single-threaded
+//! Determinism: the output is cut into tiles that depend on its shape alone (`tile_sizes`), each computed by one single-threaded
 //! `gemm` call over the whole `K`; tiles run in parallel on rayon. Every output element is therefore the same
 //! sequence of operations whatever the number of threads.
 
@@ -22,6 +22,10 @@ use crate::error::{check_len, Result};
 
 const TILE_M: usize = 128;
 const TILE_N: usize = 256;
+/// Fewer tiles than this leave a thread idle for most of a product (a `[128, 256]` weight gradient over
+/// thousands of tokens is one tile): rows are then cut finer, down to [`MIN_TILE_M`].
+const MIN_TILES: usize = 8;
+const MIN_TILE_M: usize = 32;
 /// Below this many multiply-adds a product runs on the calling thread (same tiles, same result).
 const PAR_MIN_FLOPS: usize = 1 << 18;
 
@@ -57,13 +61,14 @@ impl OutPtr {
 /// views stay inside their buffers.
 pub(crate) fn gemm_f32(m: usize, n: usize, k: usize, c: &mut [f32], a: Strided, b: Strided, accumulate: bool) {
     debug_assert_eq!(c.len(), m * n);
-    let tiles_m = m.div_ceil(TILE_M);
-    let tiles_n = n.div_ceil(TILE_N);
+    let (tile_m, tile_n) = tile_sizes(m, n);
+    let tiles_m = m.div_ceil(tile_m);
+    let tiles_n = n.div_ceil(tile_n);
     let out = OutPtr(c.as_mut_ptr());
     let run = |tile: usize| {
         let (ti, tj) = (tile / tiles_n, tile % tiles_n);
-        let (i0, j0) = (ti * TILE_M, tj * TILE_N);
-        let (mm, nn) = (TILE_M.min(m - i0), TILE_N.min(n - j0));
+        let (i0, j0) = (ti * tile_m, tj * tile_n);
+        let (mm, nn) = (tile_m.min(m - i0), tile_n.min(n - j0));
         // SAFETY: the tile `[i0, i0+mm) × [j0, j0+nn)` lies inside `c` and no other task writes it; the operand
         // views cover rows `i0..i0+mm` of `a` and columns `j0..j0+nn` of `b`, inside their buffers.
         unsafe {
@@ -96,6 +101,20 @@ pub(crate) fn gemm_f32(m: usize, n: usize, k: usize, c: &mut [f32], a: Strided, 
     } else {
         (0..tiles).into_par_iter().for_each(run);
     }
+}
+
+/// The output tile of a product: at most `TILE_M × TILE_N`, cut into equal parts (257 columns are two tiles
+/// of 144 and 113, not 256 and 1), with rows cut finer while there are fewer than [`MIN_TILES`]. A function of
+/// the shape alone, so every element's sum is the same whatever the number of threads.
+fn tile_sizes(m: usize, n: usize) -> (usize, usize) {
+    let even = |len: usize, max: usize, align: usize| len.div_ceil(len.div_ceil(max)).next_multiple_of(align).min(len);
+    let tile_n = even(n, TILE_N, 16);
+    let tiles_n = n.div_ceil(tile_n);
+    let mut max_m = TILE_M;
+    while max_m > MIN_TILE_M && m.div_ceil(max_m) * tiles_n < MIN_TILES {
+        max_m /= 2;
+    }
+    (even(m, max_m, 8), tile_n)
 }
 
 pub(crate) fn row_major(s: &[f32], cols: usize) -> Strided {

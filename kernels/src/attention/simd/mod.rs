@@ -140,6 +140,28 @@ impl Simd {
         self.matmul_strided(m, n, k, a, lda, 1, b, STRIP, strip_rows, c, ldc, accumulate)
     }
 
+    /// `C[m×n] (+)= Aᵀ[m×k] · B[k×n]`: `A` as for [`Simd::matmul_at`], `B` strip-packed as for
+    /// [`Simd::matmul_packed_b`]. The backward's `Pᵀ·dO` and `dSᵀ·Q`, with the tile of dO (or Q) packed once per
+    /// block of key tiles.
+    #[inline]
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul_at_packed_b(
+        self,
+        m: usize,
+        n: usize,
+        k: usize,
+        a: &[f32],
+        lda: usize,
+        b: &[f32],
+        strip_rows: usize,
+        c: &mut [f32],
+        ldc: usize,
+        accumulate: bool,
+    ) {
+        debug_assert!(k <= strip_rows);
+        self.matmul_strided(m, n, k, a, 1, lda, b, STRIP, strip_rows, c, ldc, accumulate)
+    }
+
     /// `C (+)= A·B` with `A[i][p]` at `a[i·a_rs + p·a_cs]` and `B[p][j]` at `b[s·b_js + p·ldb + j % STRIP]` for
     /// the strip start `s = j - j % STRIP` (row-major: `b_js = 1`; strip-packed: `ldb = STRIP`, `b_js = k`).
     #[inline]
