@@ -213,3 +213,74 @@ fn the_extension_recipe_names_the_fetch_script_when_the_model_is_missing() {
         "{err}"
     );
 }
+
+/// GGUF in, Hugging Face out: a short run initialised from the llama.cpp-style file, its checkpoint exported,
+/// and the export read back holds the run's weights bit for bit (the q/k rows in Hugging Face's order, as the
+/// run's own loss shows), the GGUF's shape, and the same loss.
+#[test]
+fn a_run_from_a_gguf_file_exports_to_hugging_face_and_reads_back_bit_exactly() {
+    use longctx_trainer::eval::{evaluate, evaluate_hf};
+    use longctx_trainer::hf::{self, export};
+    use longctx_trainer::train::{train_from, RunOptions};
+
+    let src = hf::load_any(&fixture("tiny-llama.gguf")).expect("fixture loads");
+    let sets: Vec<String> = [
+        "train.seq_len=64",
+        "train.batch=1",
+        "train.steps=2",
+        "train.warmup=1",
+        "train.eval_every=0",
+        "parallel.threads=1",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let recipe =
+        hf::recipe_from(&Recipe::load("tiny-llama", &sets).expect("recipe"), &sets, &src.config).expect("fits");
+    let tmp = tempfile::tempdir().expect("scratch");
+    let (run, out) = (tmp.path().join("run"), tmp.path().join("hf"));
+    let opts = RunOptions { out: run.clone(), quiet: true, ..Default::default() };
+    let summary = train_from(&recipe, &opts, Some(&src)).expect("trains");
+    assert_eq!(summary.last_step, 2);
+    export::export_checkpoint(&run, &out, &export::ExportOptions::default()).expect("exports");
+
+    let ck = longctx_trainer::checkpoint::load(&run).expect("checkpoint");
+    let back = hf::load(&out).expect("the export loads");
+    let bits = |t: &[longctx_trainer::checkpoint::LoadedTensor]| -> Vec<(String, Vec<usize>, Vec<u32>)> {
+        t.iter().map(|t| (t.name.clone(), t.dims.clone(), t.data.iter().map(|x| x.to_bits()).collect())).collect()
+    };
+    assert_eq!(bits(&back.tensors), bits(&ck.model));
+    let m = back.model();
+    assert_eq!((m.layers, m.d_model, m.heads, m.kv_heads, m.ffn, m.vocab), (2, 64, 2, 1, 128, 320));
+    let ids: Vec<u32> = longctx_trainer::npy::read_token_ids(&fixture("ids.npy")).expect("ids.npy");
+    let a = evaluate(&run, &ids[..65], 64, 1).expect("evaluates the checkpoint").loss;
+    let b = evaluate_hf(&back, &ids[..65], 64, 2).expect("evaluates the export").loss;
+    assert!((a - b).abs() <= 1e-6 * a, "checkpoint {a} vs export {b}");
+    // Two steps moved the weights: the export is the run's, not the GGUF file's.
+    assert_ne!(bits(&back.tensors), bits(&src.tensors));
+
+    // Where a Python imports transformers, it loads the export and computes the same loss.
+    let py = std::env::var("LONGCTX_PYTHON").unwrap_or_else(|_| "python3".into());
+    let script = format!(
+        "import torch, transformers\n\
+         m = transformers.AutoModelForCausalLM.from_pretrained('{}', dtype=torch.float32).eval()\n\
+         c = torch.tensor({:?}).unsqueeze(0)\n\
+         with torch.no_grad(): l = m(input_ids=c[:, :-1]).logits.double()\n\
+         print(repr(torch.nn.functional.cross_entropy(l[0], c[0, 1:]).item()))",
+        out.display(),
+        &ids[..65]
+    );
+    let probe = std::process::Command::new(&py).args(["-c", "import transformers, torch"]).output();
+    match probe {
+        Ok(p) if p.status.success() => {
+            let o = std::process::Command::new(&py).args(["-c", &script]).output().expect("python runs");
+            assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+            let theirs: f64 = String::from_utf8_lossy(&o.stdout).trim().parse().expect("a loss");
+            println!("the GGUF run's export in transformers: {theirs:.9}; longctx: {a:.9}");
+            assert!((theirs - a).abs() <= 1e-5 * a, "transformers {theirs} vs longctx {a}");
+        }
+        _ => println!(
+            "SKIPPED the transformers check: {py} cannot import transformers and torch (LONGCTX_PYTHON names another)"
+        ),
+    }
+}
