@@ -37,22 +37,13 @@ pub(crate) fn pack_transposed_tiles(x: HostSlice<'_>, s: &AttnShape) -> (Vec<f32
 /// of keys then gives exactly 0 for the keys a row does not see, and the caller adds the rest back to the rows
 /// that do.
 pub(crate) fn pack_value_strips(x: HostSlice<'_>, s: &AttnShape) -> (Vec<f32>, Vec<NonFinite>) {
-    pack_key_tiles(x, s, value_tile_len(s.head_dim), true, |tile, j, row| {
-        for (st, part) in row.chunks(STRIP).enumerate() {
-            tile[(st * BC + j) * STRIP..][..part.len()].copy_from_slice(part);
-        }
-    })
+    pack_key_tiles(x, s, value_tile_len(s.head_dim), true, |tile, j, row| put_in_strips(tile, BC, j, row))
 }
 
 /// The layout of [`pack_value_strips`] for keys, with non-finite elements kept in place (the backward's `dS·K`
 /// lets them reach the rows that see them through the product itself).
 pub(crate) fn pack_key_strips(x: HostSlice<'_>, s: &AttnShape) -> Vec<f32> {
-    pack_key_tiles(x, s, value_tile_len(s.head_dim), false, |tile, j, row| {
-        for (st, part) in row.chunks(STRIP).enumerate() {
-            tile[(st * BC + j) * STRIP..][..part.len()].copy_from_slice(part);
-        }
-    })
-    .0
+    pack_key_tiles(x, s, value_tile_len(s.head_dim), false, |tile, j, row| put_in_strips(tile, BC, j, row)).0
 }
 
 /// `rows` rows of `d` floats (`x`, row-major) into `[D / STRIP][strip_rows][STRIP]` in `out` (`D` rounded up
@@ -63,9 +54,15 @@ pub(crate) fn pack_row_strips(x: &[f32], d: usize, strip_rows: usize, out: &mut 
     let strips = d.div_ceil(STRIP);
     out.resize(strips * strip_rows * STRIP, 0.0);
     for (i, row) in x.chunks_exact(d).enumerate() {
-        for (st, part) in row.chunks(STRIP).enumerate() {
-            out[(st * strip_rows + i) * STRIP..][..part.len()].copy_from_slice(part);
-        }
+        put_in_strips(out, strip_rows, i, row);
+    }
+}
+
+/// Row `i` of a strip-packed operand whose strips hold `strip_rows` rows: its `STRIP`-wide pieces at
+/// `(st·strip_rows + i)·STRIP` for strip `st`.
+fn put_in_strips(out: &mut [f32], strip_rows: usize, i: usize, row: &[f32]) {
+    for (st, part) in row.chunks(STRIP).enumerate() {
+        out[(st * strip_rows + i) * STRIP..][..part.len()].copy_from_slice(part);
     }
 }
 

@@ -10,9 +10,9 @@
 //! linear_backward:  dX[T,IN] = dY · W              dW[OUT,IN] (+)= dYᵀ · X     db[OUT] (+)= Σ_t dY[t,:]
 //! ```
 //!
-//! Determinism: the output is cut into tiles that depend on its shape alone (`tile_sizes`), each computed by one single-threaded
-//! `gemm` call over the whole `K`; tiles run in parallel on rayon. Every output element is therefore the same
-//! sequence of operations whatever the number of threads.
+//! Determinism: the output is cut into tiles that depend on its shape alone (`tile_sizes`), each computed by
+//! one single-threaded `gemm` call over the whole `K`; tiles run in parallel on rayon. Every output element is
+//! therefore the same sequence of operations whatever the number of threads.
 
 use rayon::prelude::*;
 
