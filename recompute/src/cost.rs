@@ -1,10 +1,15 @@
 //! What a choice of actions costs: the bytes that stay resident, the peak during the backward, and the time
 //! it adds to a step.
 //!
-//! Memory model: every layer's kept tensors stay resident from its forward to its backward; while a layer's
-//! backward runs, what it recomputed or fetched back is present too, with its backward's own working set. A
-//! layer whose input is recomputed (`uniform`) is rebuilt together with the layers before it back to the
-//! chunk's first layer, so the whole chunk's tensors are present at once.
+//! Memory model: every layer's kept tensors stay resident from its forward to the end of its backward, which
+//! frees them; the backward runs from the last layer down, so while layer `l`'s backward runs, the kept
+//! tensors of layers `0..=l` are resident and those above it are gone. Present with them: what layer `l`
+//! recomputed or fetched back, its backward's own working set, and the offloaded tensors of layer `l − 1`,
+//! coming back during `l`'s backward (one layer of prefetch, as the time model below assumes). A layer whose
+//! input is recomputed (`uniform`) is rebuilt together with the layers before it back to the chunk's first
+//! layer, so the whole chunk's tensors are present at once. The peak is the largest of these sums over the
+//! layers: the top layer's (everything kept, plus its working set) or a lower layer's whose rebuilt tensors
+//! outweigh what the layers above it have already freed (`block:N`'s recomputed first layers).
 //!
 //! Time model: recomputation adds its segments' FLOPs at `flops_per_s`; an offloaded tensor travels out during
 //! the layer's forward and back during the layer before's backward, so only the transfer time beyond that
@@ -44,7 +49,8 @@ pub struct LayerCost {
 pub struct PlanCost {
     /// Bytes resident over all layers between their forward and backward.
     pub resident_bytes: u64,
-    /// Peak activation bytes: resident, plus the largest rebuilt working set during a backward.
+    /// Peak activation bytes during the backward: the largest, over the layers, of the kept bytes of that layer
+    /// and those below it, plus its rebuilt or fetched tensors, its working set and the layer below's prefetch.
     pub peak_bytes: u64,
     /// FLOPs rerun over all layers.
     pub recompute_flops: f64,
@@ -97,15 +103,20 @@ pub fn plan_cost(spec: &LayerSpec, plan: &[LayerActions], costs: &Costs) -> Plan
         p.offloaded_bytes += c.offloaded_bytes;
         p.added_seconds += c.added_seconds;
     }
-    // Rebuild groups: a layer whose input is recomputed joins the group of the layer before it.
+    // Rebuild groups: a layer whose input is recomputed joins the group of the layer before it, whose tensors
+    // (fetched ones included) are then already present; otherwise the layer below's offloaded tensors are
+    // coming back.
     let mut worst = 0u64;
     let mut group = 0u64;
+    let mut kept_below = 0u64;
     for (l, c) in per.iter().enumerate() {
         let joins = l > 0 && plan[l].of(&spec.input.name) == Action::Recompute;
         let here = c.recomputed_bytes + c.offloaded_bytes;
         group = if joins { group + here } else { here };
-        worst = worst.max(group + spec.backward_working_bytes);
+        let prefetch = if l > 0 && !joins { per[l - 1].offloaded_bytes } else { 0 };
+        kept_below += c.resident_bytes;
+        worst = worst.max(kept_below + group + prefetch + spec.backward_working_bytes);
     }
-    p.peak_bytes = p.resident_bytes + worst;
+    p.peak_bytes = worst;
     p
 }

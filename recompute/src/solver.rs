@@ -4,12 +4,16 @@
 //! Per layer the problem is solved exactly: every choice of which segments to rerun and which kept tensors to
 //! offload is enumerated (a layer has a handful of segments and at most a few dozen saved tensors; the
 //! enumeration is capped, see [`MAX_CHOICES`]) and reduced to those no other choice beats on resident bytes,
-//! rebuilt working set and added time at once. Across the `L` identical layers the solver then picks how many
-//! layers take each of two such choices (`n` layers one way, `L − n` the other), which is the optimum of the
-//! problem's linear relaxation (an optimum uses at most two adjacent points of the per-layer trade-off) and
-//! within one layer's step of the integer optimum; layers are not chained into multi-layer checkpoints
-//! (`uniform` does that), because a rebuilt chunk's working set grows with its length and the per-layer
-//! choices already reach full recomputation's memory.
+//! rebuilt working set, offloaded bytes and added time at once. Across the `L` identical layers the solver
+//! then picks how many layers take each of two such choices and which of the two goes below (`n` layers one
+//! way at the bottom, `L − n` the other above them), which is the optimum of the problem's linear relaxation
+//! (an optimum uses at most two adjacent points of the per-layer trade-off) and within one layer's step of the
+//! integer optimum. The order matters because the backward frees each layer's kept tensors as it goes down
+//! ([`crate::cost`]): a choice that rebuilds much and keeps little costs least at the bottom, where the layers
+//! above have freed theirs; for two choices, one block of each is the best order of all interleavings (the
+//! top layer always sees everything kept, so only the block below can lower the peak). Layers are not chained
+//! into multi-layer checkpoints (`uniform` does that), because a rebuilt chunk's working set grows with its
+//! length and the per-layer choices already reach full recomputation's memory.
 
 use crate::cost::{layer_cost, plan_cost, Costs, PlanCost};
 use crate::error::{RecomputeError, Result};
@@ -34,7 +38,10 @@ pub struct Solution {
 pub(crate) struct Candidate {
     pub actions: LayerActions,
     pub resident: u64,
+    /// Rebuilt and fetched bytes plus the backward's working set.
     pub working: u64,
+    /// Bytes fetched back, which the layer above's backward prefetches.
+    pub offloaded: u64,
     pub seconds: f64,
 }
 
@@ -47,18 +54,24 @@ pub(crate) fn frontier(spec: &LayerSpec, costs: &Costs) -> Result<Vec<Candidate>
             Candidate {
                 resident: c.resident_bytes,
                 working: c.recomputed_bytes + c.offloaded_bytes + spec.backward_working_bytes,
+                offloaded: c.offloaded_bytes,
                 seconds: c.added_seconds,
                 actions,
             }
         })
         .collect();
     all.sort_by(|a, b| {
-        a.resident.cmp(&b.resident).then(a.working.cmp(&b.working)).then(a.seconds.total_cmp(&b.seconds))
+        a.resident
+            .cmp(&b.resident)
+            .then(a.working.cmp(&b.working))
+            .then(a.offloaded.cmp(&b.offloaded))
+            .then(a.seconds.total_cmp(&b.seconds))
     });
     let mut keep: Vec<Candidate> = Vec::new();
     for c in all {
-        let dominated =
-            keep.iter().any(|k| k.resident <= c.resident && k.working <= c.working && k.seconds <= c.seconds);
+        let dominated = keep.iter().any(|k| {
+            k.resident <= c.resident && k.working <= c.working && k.offloaded <= c.offloaded && k.seconds <= c.seconds
+        });
         if !dominated {
             keep.push(c);
         }
@@ -101,6 +114,24 @@ pub fn choices(spec: &LayerSpec, costs: &Costs) -> Result<Vec<LayerActions>> {
     Ok(out)
 }
 
+/// The peak of `n` layers taking `a` below `m` layers taking `b`: the largest of [`crate::cost`]'s per-layer
+/// sums is at the top of each block, or at the first layer of the upper block (which prefetches the lower
+/// block's offloaded tensors).
+fn stacked_peak(a: &Candidate, n: u64, b: &Candidate, m: u64) -> u64 {
+    let mut peak = 0;
+    if n > 0 {
+        peak = n * a.resident + a.working + if n >= 2 { a.offloaded } else { 0 };
+    }
+    if m > 0 {
+        let below = n * a.resident;
+        peak = peak.max(below + b.resident + b.working + if n > 0 { a.offloaded } else { 0 });
+        if m >= 2 {
+            peak = peak.max(below + m * b.resident + b.working + b.offloaded);
+        }
+    }
+    peak
+}
+
 /// The cheapest plan for `layers` layers of `spec` within `budget` bytes of peak activation memory.
 pub fn solve(spec: &LayerSpec, layers: usize, budget: u64, costs: &Costs) -> Result<Solution> {
     spec.validate()?;
@@ -108,16 +139,11 @@ pub fn solve(spec: &LayerSpec, layers: usize, budget: u64, costs: &Costs) -> Res
     let l = layers as u64;
     let mut best: Option<(f64, usize, usize, u64)> = None;
     let mut least = u64::MAX;
+    // `n` layers take `f[i]` at the bottom, the other `l − n` take `f[j]` above them; both orders of a pair.
     for (i, a) in f.iter().enumerate() {
-        for (j, b) in f.iter().enumerate().skip(i) {
+        for (j, b) in f.iter().enumerate() {
             for n in 0..=l {
-                // n layers take `a`, the rest `b`; a choice used by no layer does not widen the working set.
-                let working = match (n, l - n) {
-                    (0, _) => b.working,
-                    (_, 0) => a.working,
-                    _ => a.working.max(b.working),
-                };
-                let peak = n * a.resident + (l - n) * b.resident + working;
+                let peak = stacked_peak(a, n, b, l - n);
                 least = least.min(peak);
                 if peak > budget {
                     continue;

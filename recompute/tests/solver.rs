@@ -147,6 +147,44 @@ fn full_and_none_match_hand_computed_bytes_for_the_llama3_8b_layer() {
     let u = resolve("uniform:4");
     assert_eq!(u.resident_bytes, 8 * 8192 * 8192);
     assert!(u.peak_bytes > resolve("full").peak_bytes, "a 4-layer chunk is rebuilt at once");
+    // The peak is inside one layer's backward, with the kept tensors of that layer and those below it (the
+    // backward frees each layer's as it goes down). Keeping everything: the top layer's, all 32 layers kept.
+    let working = spec.backward_working_bytes;
+    assert_eq!(resolve("none").peak_bytes, 32 * 8192 * per_token + working);
+    // Full: the top layer rebuilds all it saves but its input, beside the 32 inputs.
+    assert_eq!(resolve("full").peak_bytes, 32 * 8192 * 8192 + 8192 * (per_token - 8192) + working);
+    // block:8 rebuilds the first 8 layers only after the 24 kept ones above have been freed: the peak is the
+    // top layer's, not the kept tensors plus a rebuild.
+    assert_eq!(resolve("block:8").peak_bytes, resolve("block:8").resident_bytes + working);
+    // block:31 leaves one kept layer above 31 rebuilt ones: the peak is layer 30's rebuild over 31 inputs.
+    let b31 = resolve("block:31");
+    assert_eq!(
+        b31.peak_bytes,
+        (31 * 8192 * 8192 + 8192 * (per_token - 8192) + working).max(b31.resident_bytes + working)
+    );
+}
+
+#[test]
+fn the_solver_puts_the_layers_that_rebuild_most_at_the_bottom() {
+    // Two layers, a budget between "keep both" and "rebuild both": one layer rebuilds, and it goes below the
+    // kept one, whose tensors are freed before the rebuild; above, the rebuild would sit beside them.
+    let spec = random_spec(&[(100, 0, 1e3)], 10, 5);
+    let costs = Costs { flops_per_s: 1e6, offload_bytes_per_s: 0.0 };
+    // keep both: 220 + 5; rebuild both: 20 + 100 + 5; one of each: bottom rebuilds 10 + 100 + 5 = 115 then the
+    // top 10 + 110 + 5 = 125; the other way 110 + 10 + 100 + 5 = 225.
+    let s = solve(&spec, 2, 130, &costs).unwrap();
+    assert_eq!(s.cost.peak_bytes, 125);
+    assert_eq!(s.layers[0].of("t0a"), Action::Recompute);
+    assert_eq!(s.layers[1].of("t0a"), Action::Keep);
+    let flipped = plan_cost(&spec, &[s.layers[1].clone(), s.layers[0].clone()], &costs);
+    assert_eq!(flipped.peak_bytes, 225);
+    // Offloaded tensors come back during the backward of the layer above: with one layer of prefetch, the top
+    // layer's backward holds the layer below's fetched tensors too.
+    let costs = Costs { flops_per_s: 1e6, offload_bytes_per_s: 1e3 };
+    let mut off = LayerActions::default();
+    off.set("t0a", Action::Offload);
+    let p = plan_cost(&spec, &[off.clone(), off], &costs);
+    assert_eq!(p.peak_bytes, 20 + 100 + 100 + 5);
 }
 
 #[test]
