@@ -155,6 +155,13 @@ impl Meter {
         }
     }
 
+    /// Records the held-out loss of the starting weights (step 0) of a run from a pretrained checkpoint.
+    pub fn baseline(&mut self, val_loss: f64) -> Result<()> {
+        append_line(&self.path, &serde_json::json!({ "step": 0, "val_loss": val_loss }).to_string())?;
+        self.note(&format!("step 0: held-out {val_loss:.4} (the pretrained weights, before training)"));
+        Ok(())
+    }
+
     /// Records one step.
     #[allow(clippy::too_many_arguments)]
     pub fn step(

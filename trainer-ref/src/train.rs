@@ -43,7 +43,8 @@ pub struct RunOptions {
 pub struct Summary {
     /// `(step, mean training loss)` for each step run (1-based steps).
     pub losses: Vec<(u64, f64)>,
-    /// `(step, held-out loss)` for each evaluation.
+    /// `(step, held-out loss)` for each evaluation; a fresh run from pretrained weights starts with `(0, …)`,
+    /// their loss before any training.
     pub val_losses: Vec<(u64, f64)>,
     /// The last step finished.
     pub last_step: u64,
@@ -207,6 +208,9 @@ struct Rank<'a> {
     predicted: Predicted,
     /// The tokenizer the corpus was read with, saved in every checkpoint (none for byte tokens).
     tokenizer: Option<&'a checkpoint::SavedTokenizer>,
+    /// The weights came from a pretrained checkpoint: a fresh run measures their held-out loss before its
+    /// first step, the baseline a continued training (a context extension) is judged against.
+    pretrained: bool,
 }
 
 impl<'a> Rank<'a> {
@@ -221,6 +225,7 @@ impl<'a> Rank<'a> {
     ) -> Result<Summary> {
         let mut rank = Rank::new(comm, recipe, threads, &opts.out.join("offload"), init)?;
         rank.tokenizer = tokenizer;
+        rank.pretrained = init.is_some();
         if opts.resume {
             rank.resume(&opts.out)?;
         }
@@ -292,7 +297,21 @@ impl<'a> Rank<'a> {
         };
         model.set_recompute(actions)?;
         model.set_offload(offload_engine(recipe, world.rank(), spill_root)?);
-        Ok(Rank { recipe, world, dp_index, model, master, grads, m, v, plan, step: 0, predicted, tokenizer: None })
+        Ok(Rank {
+            recipe,
+            world,
+            dp_index,
+            model,
+            master,
+            grads,
+            m,
+            v,
+            plan,
+            step: 0,
+            predicted,
+            tokenizer: None,
+            pretrained: false,
+        })
     }
 
     fn is_root(&self) -> bool {
@@ -316,6 +335,13 @@ impl<'a> Rank<'a> {
         let mut summary = Summary::default();
         let started = Instant::now();
         let first_step = self.step;
+        if self.pretrained && first_step == 0 && t.eval_every > 0 {
+            let v = self.heldout_loss(&data.heldout)?;
+            summary.val_losses.push((0, v));
+            if let Some(m) = meter.as_mut() {
+                m.baseline(v)?;
+            }
+        }
         while self.step < t.steps {
             let step_start = Instant::now();
             let fetch_wait_before = self.model.offload_engine().map(|e| e.stats().fetch_wait);

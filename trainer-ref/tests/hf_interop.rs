@@ -721,7 +721,8 @@ fn one_step_starts_from(ck: &HfCheckpoint, tag: &str) {
         "train.lr=1e-12",
         "train.min_lr=0",
         "train.warmup=0",
-        "train.eval_every=0",
+        "train.eval_every=1",
+        "train.eval_seqs=1",
         "parallel.threads=1",
         "parallel.cp=2",
     ]
@@ -730,13 +731,31 @@ fn one_step_starts_from(ck: &HfCheckpoint, tag: &str) {
     .collect();
     let recipe = hf::recipe_from(&Recipe::load("tiny-llama", &sets).unwrap(), &sets, &ck.config).unwrap();
     let out = scratch(tag);
-    train_from(&recipe, &RunOptions { out: out.to_path_buf(), quiet: true, ..Default::default() }, Some(ck)).unwrap();
+    let s = train_from(&recipe, &RunOptions { out: out.to_path_buf(), quiet: true, ..Default::default() }, Some(ck))
+        .unwrap();
     let saved = longctx_trainer::checkpoint::load(&out).unwrap();
     assert_eq!(saved.model.len(), ck.tensors.len());
     for (a, b) in saved.model.iter().zip(&ck.tensors) {
         let d = a.data.iter().zip(&b.data).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
         assert!(a.name == b.name && d < 1e-6, "{}: moved {d}", a.name);
     }
+    // A run from pretrained weights measures their held-out loss before its first step (step 0): with a
+    // learning rate that moves nothing, step 1's is the same loss.
+    let steps: Vec<u64> = s.val_losses.iter().map(|v| v.0).collect();
+    assert_eq!(steps, [0, 1], "{tag}");
+    let (before, after) = (s.val_losses[0].1, s.val_losses[1].1);
+    assert!(before.is_finite() && ((before - after) / before).abs() < 1e-5, "{tag}: {before} {after}");
+    // With a learning rate that does move the weights, step 0's loss is still the pretrained weights' (the
+    // same bits), and step 1's is another.
+    let mut moving = recipe.clone();
+    moving.train.lr = 1e-2;
+    let out = scratch(&format!("{tag}-moving"));
+    let m = train_from(&moving, &RunOptions { out: out.to_path_buf(), quiet: true, ..Default::default() }, Some(ck))
+        .unwrap();
+    assert_eq!(m.val_losses[0], (0, before), "{tag}");
+    assert_ne!(m.val_losses[1].1, after, "{tag}");
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    assert!(metrics.lines().next().is_some_and(|l| l.contains("\"step\":0") && l.contains("val_loss")), "{metrics}");
 }
 
 /// `--init-from` a Mixtral or Nemotron: the recipe takes the checkpoint's family, experts and rotary share; a
