@@ -40,6 +40,8 @@ pub struct LayerCost {
     pub recomputed_bytes: u64,
     /// FLOPs rerun.
     pub recompute_flops: f64,
+    /// Seconds of transfer not hidden under the layer's compute (part of `added_seconds`).
+    pub offload_seconds: f64,
     /// Seconds added to the step.
     pub added_seconds: f64,
 }
@@ -56,6 +58,8 @@ pub struct PlanCost {
     pub recompute_flops: f64,
     /// Bytes offloaded over all layers.
     pub offloaded_bytes: u64,
+    /// Seconds of offload transfer not hidden under compute (part of `added_seconds`).
+    pub offload_seconds: f64,
     /// Seconds added to a step.
     pub added_seconds: f64,
 }
@@ -88,7 +92,8 @@ pub fn layer_cost(spec: &LayerSpec, a: &LayerActions, costs: &Costs) -> LayerCos
         } else {
             f64::INFINITY
         };
-        c.added_seconds += (t - fwd).max(0.0) + (t - 2.0 * fwd).max(0.0);
+        c.offload_seconds = (t - fwd).max(0.0) + (t - 2.0 * fwd).max(0.0);
+        c.added_seconds += c.offload_seconds;
     }
     c
 }
@@ -101,6 +106,7 @@ pub fn plan_cost(spec: &LayerSpec, plan: &[LayerActions], costs: &Costs) -> Plan
         p.resident_bytes += c.resident_bytes;
         p.recompute_flops += c.recompute_flops;
         p.offloaded_bytes += c.offloaded_bytes;
+        p.offload_seconds += c.offload_seconds;
         p.added_seconds += c.added_seconds;
     }
     // Rebuild groups: a layer whose input is recomputed joins the group of the layer before it, whose tensors

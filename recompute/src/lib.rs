@@ -44,4 +44,4 @@ pub use layer::{llama_layer, LayerSpec, LlamaLayerShape, SavedTensor, Segment};
 pub use models::{device, model, Device, ModelDesc};
 pub use planner::{plan, Layout, MemoryBreakdown, PlanInput, PlanReport, TimeEstimate};
 pub use policy::{parse_bytes, Action, LayerActions, Policy, DEFAULT_SELECTIVE};
-pub use solver::{solve, Solution};
+pub use solver::{solve, solve_within, Solution};

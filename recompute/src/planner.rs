@@ -11,6 +11,10 @@
 //!   micro-batches in flight under 1F1B. The policy decides what stays ([`crate::plan_cost`]).
 //! - The loss's working set: chunked cross-entropy's `chunk × V/TP` f32 logits and their gradient.
 //! - Communication buffers: the ring's two KV blocks in flight and its dK/dV accumulators (f32).
+//! - With `offload`, the solver may also move saved tensors to host memory over the device's host link
+//!   ([`Device::host_bytes_per_s`]); what is out at the end of the forward (every layer's offloaded tensors,
+//!   times the micro-batches in flight) must fit the device's share of host memory
+//!   ([`Device::host_memory_bytes`]), and is reported beside device memory, not in it.
 //!
 //! # Time (per step)
 //! Compute is the model's FLOPs ([`ModelDesc::flops_per_token`]) plus recomputation, at `efficiency` of the
@@ -18,6 +22,8 @@
 //! attention compute (forward sends K/V, backward K/V and dK/dV); tensor parallelism adds its all-gathers and
 //! reduce-scatters (4 per layer forward, 4 backward, over NVLink, not overlapped); the pipeline adds its
 //! bubble `(PP−1)/(m+PP−1)`. Data-parallel gradient reduction is taken as overlapped with the backward.
+//! Offload adds, per layer, whatever its transfer out takes beyond the layer's forward and its transfer back
+//! beyond the backward of the layer above ([`crate::cost`]); at long context a layer's attention hides it.
 
 use serde::{Deserialize, Serialize};
 
@@ -26,7 +32,7 @@ use crate::error::{RecomputeError, Result};
 use crate::layer::{llama_layer, LayerSpec, LlamaLayerShape, SavedTensor, Segment};
 use crate::models::{nemotron_layer, Device, Mlp, ModelDesc};
 use crate::policy::Policy;
-use crate::solver::solve;
+use crate::solver::solve_within;
 
 /// How the devices are arranged.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -73,6 +79,9 @@ pub struct PlanInput {
     pub fp8: bool,
     /// Tokens per chunk of the loss.
     pub loss_chunk: u64,
+    /// Let the policy move saved tensors to host memory (the solver weighs it against recomputation).
+    #[serde(default)]
+    pub offload: bool,
 }
 
 /// Memory per device, bytes.
@@ -94,6 +103,9 @@ pub struct MemoryBreakdown {
     pub comm: u64,
     /// The sum.
     pub total: u64,
+    /// Saved activations in host memory at the end of the forward (not part of `total`).
+    #[serde(default)]
+    pub host_offload: u64,
 }
 
 /// Predicted step time.
@@ -107,6 +119,9 @@ pub struct TimeEstimate {
     pub compute_seconds: f64,
     /// Recomputation.
     pub recompute_seconds: f64,
+    /// Offload transfers not hidden under the layers' compute.
+    #[serde(default)]
+    pub offload_exposed_seconds: f64,
     /// The ring's transfer not hidden under attention.
     pub ring_exposed_seconds: f64,
     /// Tensor-parallel collectives.
@@ -233,23 +248,32 @@ pub fn plan(input: &PlanInput) -> Result<PlanReport> {
     let stage_layers = (m.layers / l.pp) as usize;
     let peak = if input.fp8 && d.fp8_flops > 0.0 { d.fp8_flops } else { d.bf16_flops };
     let rate = peak * input.efficiency;
-    let costs = Costs { flops_per_s: rate, offload_bytes_per_s: 0.0 };
+    let costs = Costs { flops_per_s: rate, offload_bytes_per_s: if input.offload { d.host_bytes_per_s } else { 0.0 } };
     let in_flight = l.pp;
     let fixed = weights + gradients + optimizer + loss + comm;
     let (policy_name, actions) = match &input.policy {
         Some(pol) => (pol.to_string(), pol.resolve(&spec, stage_layers, &costs)?),
         None => {
             let room = d.memory_bytes.saturating_sub(fixed);
-            // Micro-batches in flight multiply the resident part; solve for one and scale the budget.
+            // Micro-batches in flight multiply the resident and the offloaded part; solve for one and scale
+            // the budgets.
             let budget = room / in_flight.max(1);
+            let host_room = d.host_memory_bytes / in_flight.max(1);
             let keep_all = Policy::None.resolve(&spec, stage_layers, &costs)?;
             if plan_cost(&spec, &keep_all, &costs).peak_bytes <= budget {
                 ("none (fits)".to_string(), keep_all)
             } else {
-                match solve(&spec, stage_layers, budget, &costs) {
+                match solve_within(&spec, stage_layers, budget, host_room, &costs) {
                     Ok(s) => {
                         let dropped = s.cost.recompute_flops / spec.forward_flops() / stage_layers as f64;
-                        (format!("budget:{budget} (solver; reruns {:.0}% of the forward)", 100.0 * dropped), s.layers)
+                        let out = if s.cost.offloaded_bytes > 0 {
+                            format!(", offloads {:.1} GiB", s.cost.offloaded_bytes as f64 / (1u64 << 30) as f64)
+                        } else {
+                            String::new()
+                        };
+                        let name =
+                            format!("budget:{budget} (solver; reruns {:.0}% of the forward{out})", 100.0 * dropped);
+                        (name, s.layers)
                     }
                     Err(_) => ("full (nothing fits)".to_string(), Policy::Full.resolve(&spec, stage_layers, &costs)?),
                 }
@@ -258,6 +282,7 @@ pub fn plan(input: &PlanInput) -> Result<PlanReport> {
     };
     let pc: PlanCost = plan_cost(&spec, &actions, &costs);
     let activations = pc.resident_bytes * in_flight + (pc.peak_bytes - pc.resident_bytes);
+    let host_offload = pc.offloaded_bytes * in_flight;
     let memory = MemoryBreakdown {
         weights,
         gradients,
@@ -267,6 +292,7 @@ pub fn plan(input: &PlanInput) -> Result<PlanReport> {
         loss,
         comm,
         total: fixed + activations,
+        host_offload,
     };
 
     // Time.
@@ -277,6 +303,7 @@ pub fn plan(input: &PlanInput) -> Result<PlanReport> {
     let per_device_flops = model_flops / l.gpus as f64;
     let compute = per_device_flops / rate;
     let recompute = pc.recompute_flops * micro as f64 / rate;
+    let offload = pc.offload_seconds * micro as f64;
     let ring = if l.cp > 1 {
         let link = if l.cp * l.tp <= d.per_node { d.intra_node_bytes_per_s } else { d.inter_node_bytes_per_s };
         let block_flops = 4.0 * (tokens * tokens * (m.heads / l.tp) * m.head_dim) as f64 / 2.0;
@@ -293,7 +320,7 @@ pub fn plan(input: &PlanInput) -> Result<PlanReport> {
     } else {
         0.0
     };
-    let busy = compute + recompute + ring + tp;
+    let busy = compute + recompute + offload + ring + tp;
     let bubble = busy * (l.pp - 1) as f64 / (micro + l.pp - 1) as f64;
     let step = busy + bubble;
     let time = TimeEstimate {
@@ -301,11 +328,13 @@ pub fn plan(input: &PlanInput) -> Result<PlanReport> {
         tflops_per_device: per_device_flops / step / 1e12,
         compute_seconds: compute,
         recompute_seconds: recompute,
+        offload_exposed_seconds: offload,
         ring_exposed_seconds: ring,
         tp_seconds: tp,
         bubble_seconds: bubble,
     };
-    Ok(PlanReport { input: input.clone(), policy: policy_name, fits: memory.total <= d.memory_bytes, memory, time })
+    let fits = memory.total <= d.memory_bytes && host_offload <= d.host_memory_bytes;
+    Ok(PlanReport { input: input.clone(), policy: policy_name, fits, memory, time })
 }
 
 /// When `report` does not fit: the smallest doubling of context parallelism (with as many more devices) that

@@ -134,6 +134,19 @@ fn stacked_peak(a: &Candidate, n: u64, b: &Candidate, m: u64) -> u64 {
 
 /// The cheapest plan for `layers` layers of `spec` within `budget` bytes of peak activation memory.
 pub fn solve(spec: &LayerSpec, layers: usize, budget: u64, costs: &Costs) -> Result<Solution> {
+    solve_within(spec, layers, budget, u64::MAX, costs)
+}
+
+/// [`solve`] with the offload tier holding at most `offload_room` bytes of all layers' offloaded tensors at
+/// once (a device's share of host memory; the tensors of every layer are out together at the end of the
+/// forward).
+pub fn solve_within(
+    spec: &LayerSpec,
+    layers: usize,
+    budget: u64,
+    offload_room: u64,
+    costs: &Costs,
+) -> Result<Solution> {
     spec.validate()?;
     let f = frontier(spec, costs)?;
     let l = layers as u64;
@@ -143,6 +156,9 @@ pub fn solve(spec: &LayerSpec, layers: usize, budget: u64, costs: &Costs) -> Res
     for (i, a) in f.iter().enumerate() {
         for (j, b) in f.iter().enumerate() {
             for n in 0..=l {
+                if n * a.offloaded + (l - n) * b.offloaded > offload_room {
+                    continue;
+                }
                 let peak = stacked_peak(a, n, b, l - n);
                 least = least.min(peak);
                 if peak > budget {

@@ -24,6 +24,7 @@ fn input(model_name: &str, seq: u64, gpus: u64, tp: u64, cp: u64, pp: u64) -> Pl
         efficiency: 0.5,
         fp8: false,
         loss_chunk: 1024,
+        offload: false,
     }
 }
 
@@ -122,4 +123,34 @@ fn activation_bytes_agree_with_korthikanti_without_the_attention_scores() {
     }
     assert_eq!(parse_tokens("1M"), Some(1 << 20));
     assert_eq!(parse_tokens("128K"), Some(131072));
+}
+
+#[test]
+fn offloading_to_host_memory_is_weighed_against_recomputation_within_the_hosts_room() {
+    // Llama 3 8B at 256K tokens over CP 8: without offload the solver reruns much of the forward to fit.
+    let mut i = input("llama3-8b", 262144, 8, 1, 8, 1);
+    let without = plan(&i).unwrap();
+    assert!(without.fits && without.time.recompute_seconds > 0.0);
+    assert_eq!((without.memory.host_offload, without.time.offload_exposed_seconds), (0, 0.0));
+    // With a host tier the transfers hide under each layer's attention: offloading replaces recomputation.
+    i.offload = true;
+    let with = plan(&i).unwrap();
+    assert!(with.fits, "{with:?}");
+    assert!(with.memory.host_offload > 0 && with.memory.host_offload <= i.device.host_memory_bytes);
+    assert!(with.time.recompute_seconds < without.time.recompute_seconds);
+    assert!(with.time.step_seconds < without.time.step_seconds);
+    assert!(with.memory.total <= i.device.memory_bytes);
+    // Half the host memory: the solver offloads no more than fits and reruns the rest, never faster.
+    i.device.host_memory_bytes = with.memory.host_offload / 2;
+    let half = plan(&i).unwrap();
+    assert!(half.fits && half.memory.host_offload <= i.device.host_memory_bytes, "{half:?}");
+    assert!(half.time.step_seconds >= with.time.step_seconds && half.time.step_seconds <= without.time.step_seconds);
+    // A host link too slow to hide anything: what is still offloaded shows up as exposed time.
+    i.device.host_memory_bytes = with.memory.host_offload;
+    i.device.host_bytes_per_s = 1e6;
+    let slow = plan(&i).unwrap();
+    assert!(slow.time.step_seconds <= without.time.step_seconds + 1e-9);
+    let custom = Some("custom:act=offload".parse::<Policy>().unwrap());
+    let forced = plan(&PlanInput { policy: custom, ..i.clone() }).unwrap();
+    assert!(forced.time.offload_exposed_seconds > 1.0, "{:?}", forced.time);
 }

@@ -52,6 +52,10 @@ pub struct PlanArgs {
     /// No sequence parallelism with TP.
     #[arg(long)]
     pub no_sequence_parallel: bool,
+    /// Let the policy offload saved tensors to host memory over the device's host link (the solver weighs
+    /// each transfer against recomputation; a recipe with `train.offload = "host"` implies it).
+    #[arg(long)]
+    pub offload: bool,
     /// JSON instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -112,6 +116,7 @@ fn recipe_input(a: &PlanArgs, name: &str) -> Result<PlanInput> {
         efficiency: a.efficiency,
         fp8: a.fp8,
         loss_chunk: r.train.loss_chunk as u64,
+        offload: a.offload || r.train.offload == "host",
     })
 }
 
@@ -136,6 +141,7 @@ fn input(a: &PlanArgs, seq: u64) -> Result<PlanInput> {
         efficiency: a.efficiency,
         fp8: a.fp8,
         loss_chunk: 1024,
+        offload: a.offload,
     })
 }
 
@@ -175,14 +181,25 @@ fn print_report(r: &PlanReport) {
     ] {
         println!("| {k} | {} |", gib(v));
     }
+    if r.input.offload {
+        println!("| offloaded to host memory (end of forward) | {} |", gib(mem.host_offload));
+        println!("| host memory per device | {} |", gib(r.input.device.host_memory_bytes));
+    }
     println!("fits: {}", if r.fits { "yes" } else { "NO" });
     if let Some(s) = longctx_recompute::planner::suggest(r) {
         println!("smallest change that fits: {s}");
     }
     let t = &r.time;
     println!(
-        "step {:.2} s: compute {:.2}, recompute {:.2}, ring exposed {:.3}, TP {:.3}, bubble {:.3}; {:.0} TFLOP/s per device",
-        t.step_seconds, t.compute_seconds, t.recompute_seconds, t.ring_exposed_seconds, t.tp_seconds, t.bubble_seconds, t.tflops_per_device
+        "step {:.2} s: compute {:.2}, recompute {:.2}, offload exposed {:.3}, ring exposed {:.3}, TP {:.3}, bubble {:.3}; {:.0} TFLOP/s per device",
+        t.step_seconds,
+        t.compute_seconds,
+        t.recompute_seconds,
+        t.offload_exposed_seconds,
+        t.ring_exposed_seconds,
+        t.tp_seconds,
+        t.bubble_seconds,
+        t.tflops_per_device
     );
 }
 
@@ -292,6 +309,7 @@ pub fn calibrate(efficiency: f64) -> Result<()> {
             efficiency,
             fp8: true,
             no_sequence_parallel: false,
+            offload: false,
             json: false,
             sweep: None,
             calibrate: false,
