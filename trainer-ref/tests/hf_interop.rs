@@ -463,7 +463,8 @@ fn a_bf16_export_imports_as_each_value_rounded_to_nearest_bf16() {
             assert!(out.status.success(), "{printed} {}", String::from_utf8_lossy(&out.stderr));
             assert!(printed.contains("tokenizer.json"), "{printed}");
         } else {
-            let opts = export::ExportOptions { max_shard_bytes, dtype: export::WeightDtype::Bf16 };
+            let opts =
+                export::ExportOptions { max_shard_bytes, dtype: export::WeightDtype::Bf16, ..Default::default() };
             export::export_checkpoint(&run, &dir, &opts).unwrap();
         }
         assert_eq!(read_json(&dir.join("config.json"))["torch_dtype"], "bfloat16");
