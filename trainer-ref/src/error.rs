@@ -51,6 +51,14 @@ pub enum TrainError {
         /// What is wrong with it.
         detail: String,
     },
+    /// An export option the checkpoint cannot be written with (fused experts for a model without experts).
+    #[error("export option `{option}`: {detail}")]
+    ExportOption {
+        /// The option, as the command line spells it (`--experts fused`).
+        option: String,
+        /// Why this checkpoint cannot take it.
+        detail: String,
+    },
     /// Anything else a user has to fix before work starts, naming the value.
     #[error("{0}")]
     Config(String),

@@ -91,8 +91,9 @@ enum Command {
         rope_scaling: Option<String>,
     },
     /// Write a trainer checkpoint as a Hugging Face checkpoint directory: `config.json`, safetensors (f32 or
-    /// bf16, sharded with `model.safetensors.index.json` past `--max-shard-size`), and the run's
-    /// `tokenizer.json` when its checkpoint carries one; `--init-from` and transformers read it.
+    /// bf16, sharded with `model.safetensors.index.json` past `--max-shard-size`; a Mixtral's experts per expert or
+    /// fused), and the run's `tokenizer.json` when its checkpoint carries one; `--init-from` and transformers read
+    /// it.
     Export {
         /// The directory to write (new or empty).
         #[arg(long, value_name = "DIR")]
@@ -107,6 +108,10 @@ enum Command {
         /// half the size).
         #[arg(long, default_value = "f32", value_parser = ["f32", "bf16"])]
         dtype: String,
+        /// A Mixtral's experts: `per-expert` (the Hub's `block_sparse_moe.experts.E.w1/w2/w3`) or `fused`
+        /// (transformers 5's `mlp.experts.gate_up_proj`/`down_proj`; an error for a model without experts).
+        #[arg(long, default_value = "per-expert", value_parser = ["per-expert", "fused"])]
+        experts: String,
     },
     /// List the built-in recipes, or print one.
     Recipes {
@@ -274,12 +279,14 @@ fn run(cli: Cli) -> Result<()> {
                 r.loss, r.tokens, r.windows
             );
         }
-        Command::Export { hf: dir, checkpoint, max_shard_size, dtype } => {
+        Command::Export { hf: dir, checkpoint, max_shard_size, dtype, experts } => {
             let max_shard_bytes = longctx_recompute::parse_bytes(&max_shard_size)
                 .ok_or_else(|| TrainError::Config(format!("--max-shard-size `{max_shard_size}` is not a size")))?;
             let dtype = hf::export::WeightDtype::parse(&dtype)
                 .ok_or_else(|| TrainError::Config(format!("--dtype `{dtype}` (f32 or bf16)")))?;
-            let opts = hf::export::ExportOptions { max_shard_bytes, dtype };
+            let experts = hf::export::ExpertLayout::parse(&experts)
+                .ok_or_else(|| TrainError::Config(format!("--experts `{experts}` (per-expert or fused)")))?;
+            let opts = hf::export::ExportOptions { max_shard_bytes, dtype, experts };
             for f in hf::export::export_checkpoint(&checkpoint, &dir, &opts)? {
                 println!("wrote {}", f.display());
             }

@@ -2,19 +2,22 @@
 //! both expert layouts and a Nemotron saved by transformers 5.24, made by `fixtures/hf/make_fixtures.py`, with
 //! the losses and logits transformers computes) give the same loss here at CP 1, 2 and 4 (≤ 1e-5 relative, f32),
 //! with every `rope_scaling` type; export then import is bit-exact for every family (f32; a bf16 export reads
-//! back as each value rounded to bf16); a run `--init-from` a checkpoint with a tokenizer carries it through its
-//! checkpoints and exports; bad checkpoints are errors naming the file and the tensor or field before any work. The live tests load exported directories of every
-//! family in transformers itself when a Python can import it (`$LONGCTX_PYTHON`, else `python3`), and say they
-//! skipped when not.
+//! back as each value rounded to bf16), a Mixtral's in either expert layout (`--experts fused` writes transformers'
+//! own fused files); a run `--init-from` a checkpoint with a tokenizer carries it through its checkpoints and
+//! exports; bad checkpoints and export options are errors naming the file and the tensor, field or option before
+//! any work. The live tests load exported directories of every family and layout in transformers itself when a
+//! Python can import it (`$LONGCTX_PYTHON`, else `python3`), and say they skipped when not.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use longctx_trainer::checkpoint::LoadedTensor;
 use longctx_trainer::eval::{evaluate, evaluate_hf, read_tokens, read_tokens_with};
+use longctx_trainer::hf::weights::WeightFiles;
 use longctx_trainer::hf::{self, export, HfCheckpoint};
-use longctx_trainer::recipe::{Family, MoeConfig, Recipe};
+use longctx_trainer::recipe::{Family, ModelConfig, MoeConfig, Recipe};
 use longctx_trainer::train::{train, train_from, RunOptions};
+use longctx_trainer::TrainError;
 use serde_json::Value;
 
 fn fixtures() -> PathBuf {
@@ -274,7 +277,18 @@ fn export_then_import_round_trips_bit_exactly() {
 /// A short run of the tiny Mixtral or Nemotron recipe (shrunk, weights of a wide spread so routing and
 /// attention are sharp), exported single-file and sharded.
 fn trained_family(recipe: &str, name: &str) -> (Scratch, Scratch, Scratch) {
-    let sets: Vec<String> = [
+    let out = train_family(recipe, name, &[]);
+    let single = scratch(&format!("{name}-single"));
+    export::export_checkpoint(&out, &single, &export::ExportOptions::default()).unwrap();
+    let sharded = scratch(&format!("{name}-sharded"));
+    export::export_checkpoint(&out, &sharded, &export::ExportOptions { max_shard_bytes: 40_000, ..Default::default() })
+        .unwrap();
+    (out, single, sharded)
+}
+
+/// The run of [`trained_family`], with `extra` recipe settings on top.
+fn train_family(recipe: &str, name: &str, extra: &[&str]) -> Scratch {
+    let mut sets: Vec<String> = [
         "model.d_model=64",
         "model.heads=2",
         "model.kv_heads=1",
@@ -291,15 +305,11 @@ fn trained_family(recipe: &str, name: &str) -> (Scratch, Scratch, Scratch) {
     .iter()
     .map(|s| s.to_string())
     .collect();
+    sets.extend(extra.iter().map(|s| s.to_string()));
     let recipe = Recipe::load(recipe, &sets).unwrap();
     let out = scratch(&format!("{name}-run"));
     train(&recipe, &RunOptions { out: out.to_path_buf(), quiet: true, ..Default::default() }).unwrap();
-    let single = scratch(&format!("{name}-single"));
-    export::export_checkpoint(&out, &single, &export::ExportOptions::default()).unwrap();
-    let sharded = scratch(&format!("{name}-sharded"));
-    export::export_checkpoint(&out, &sharded, &export::ExportOptions { max_shard_bytes: 40_000, ..Default::default() })
-        .unwrap();
-    (out, single, sharded)
+    out
 }
 
 #[test]
@@ -338,6 +348,217 @@ fn mixtral_and_nemotron_export_then_import_round_trip_bit_exactly() {
         let back = hf::load(&re).unwrap();
         assert_eq!(bits(&back.tensors), bits(&ck.tensors), "{name}");
         assert_eq!(back.model(), ck.model(), "{name}");
+    }
+}
+
+/// A short tiny-Mixtral run for the fused export, its experts 24 wide so that `[E, 2F, C]` = [4, 48, 64] and
+/// `[E, C, F]` = [4, 64, 24] differ from their transposes.
+fn fused_run(name: &str) -> Scratch {
+    train_family("tiny-mixtral", name, &["model.ffn=24"])
+}
+
+fn fused_opts(max_shard_bytes: u64, dtype: export::WeightDtype) -> export::ExportOptions {
+    export::ExportOptions { max_shard_bytes, dtype, experts: export::ExpertLayout::Fused }
+}
+
+fn f32_bits(x: &[f32]) -> Vec<u32> {
+    x.iter().map(|v| v.to_bits()).collect()
+}
+
+/// Checks `dir` holds the Mixtral `cfg` in transformers 5's fused layout and nothing per expert: per layer
+/// `mlp.gate.weight` `[E, C]`, `mlp.experts.gate_up_proj` `[E, 2F, C]` whose expert `e` block has `want`'s w1 in
+/// rows 0..F and w3 in rows F..2F, and `mlp.experts.down_proj` `[E, C, F]` whose expert `e` block is its w2.
+/// Written out here rather than through the importer's mapping, so a layout both sides got wrong would show.
+fn assert_fused_files(dir: &Path, cfg: &ModelConfig, want: &[LoadedTensor]) -> WeightFiles {
+    let files = WeightFiles::open(dir).unwrap();
+    let (c, f, e) = (cfg.d_model, cfg.ffn, cfg.moe.unwrap().experts);
+    let per_expert: Vec<&String> =
+        files.entries.keys().filter(|n| n.contains("block_sparse_moe") || n.contains(".experts.0.")).collect();
+    assert!(per_expert.is_empty(), "{}: per-expert names {per_expert:?}", dir.display());
+    // The embedding, 9 tensors per layer, the final norm and lm_head.
+    assert_eq!(files.entries.len(), 3 + 9 * cfg.layers, "{}", dir.display());
+    let w = |name: String| f32_bits(&want.iter().find(|t| t.name == name).unwrap().data);
+    for l in 0..cfg.layers {
+        let p = format!("model.layers.{l}.mlp");
+        let (router, gate_up, down) =
+            (format!("{p}.gate.weight"), format!("{p}.experts.gate_up_proj"), format!("{p}.experts.down_proj"));
+        for (name, dims) in [(&router, vec![e, c]), (&gate_up, vec![e, 2 * f, c]), (&down, vec![e, c, f])] {
+            assert_eq!(files.entries.get(name).map(|x| &x.shape), Some(&dims), "{}: {name}", dir.display());
+        }
+        let m = format!("model.layers.{l}.block_sparse_moe");
+        // Compared as bits, reported by name (the values themselves would fill the screen).
+        let same = |got: &[u32], name: String| assert!(got == w(name.clone()), "{}: not {name}", dir.display());
+        same(&f32_bits(&files.read_f32(&router).unwrap()), format!("{m}.gate.weight"));
+        let (gu, dn) = (f32_bits(&files.read_f32(&gate_up).unwrap()), f32_bits(&files.read_f32(&down).unwrap()));
+        for x in 0..e {
+            let block = &gu[x * 2 * f * c..(x + 1) * 2 * f * c];
+            same(&block[..f * c], format!("{m}.experts.{x}.w1.weight"));
+            same(&block[f * c..], format!("{m}.experts.{x}.w3.weight"));
+            same(&dn[x * c * f..(x + 1) * c * f], format!("{m}.experts.{x}.w2.weight"));
+        }
+    }
+    files
+}
+
+/// `longctx export --experts fused`: transformers 5's fused names and shapes, which `--init-from` reads back bit
+/// for bit (f32) with the same loss and model, single-file and sharded (a fused tensor whole in one shard), with
+/// the per-expert export's `config.json`; a run starts from it.
+#[test]
+fn a_fused_mixtral_export_round_trips_bit_exactly() {
+    let run = fused_run("fused-rt");
+    let ck = longctx_trainer::checkpoint::load(&run).unwrap();
+    let recipe = longctx_trainer::eval::checkpoint_recipe(&ck).unwrap();
+    let ids: Vec<u32> = (0..129u32).map(|i| (i * 37) % 257).collect();
+    let a = evaluate(&run, &ids, 64, 1).unwrap().loss;
+    let single = scratch("fused-rt-single");
+    // Through the command line, as a user runs it.
+    let out = Command::new(env!("CARGO_BIN_EXE_longctx"))
+        .args(["export", "--experts", "fused", "--hf"])
+        .arg(&*single)
+        .arg("--checkpoint")
+        .arg(&*run)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let sharded = scratch("fused-rt-sharded");
+    export::export_checkpoint(&run, &sharded, &fused_opts(40_000, export::WeightDtype::F32)).unwrap();
+    for dir in [&single, &sharded] {
+        let files = assert_fused_files(dir, &recipe.model, &ck.model);
+        assert_eq!(export::ExpertLayout::of(&files), export::ExpertLayout::Fused);
+        let back = hf::load(dir).unwrap();
+        assert_eq!(bits(&back.tensors), bits(&ck.model), "{}", dir.display());
+        let mut model = back.model().clone();
+        model.init_std = recipe.model.init_std;
+        assert_eq!(model, recipe.model, "{}", dir.display());
+        let b = evaluate_hf(&back, &ids, 64, 1).unwrap().loss;
+        println!("fused export ({}): trainer checkpoint {a:.9}, imported {b:.9}", dir.display());
+        assert_eq!(a.to_bits(), b.to_bits());
+        assert!(rel(a, evaluate_hf(&back, &ids, 64, 2).unwrap().loss) <= 1e-6);
+    }
+    // gate_up_proj, 48 KiB in f32, is past the 40 kB limit: it is written whole, in a shard of its own.
+    let files = WeightFiles::open(&sharded).unwrap();
+    let index = read_json(&sharded.join("model.safetensors.index.json"));
+    assert!(index["weight_map"].as_object().unwrap().len() == files.entries.len());
+    for l in 0..recipe.model.layers {
+        let gu = &files.entries[&format!("model.layers.{l}.mlp.experts.gate_up_proj")];
+        assert_eq!(files.entries.values().filter(|e| e.file == gu.file).count(), 1, "layer {l}");
+    }
+    // config.json does not depend on the layout.
+    let per_expert = scratch("fused-rt-per-expert");
+    export::export_checkpoint(&run, &per_expert, &export::ExportOptions::default()).unwrap();
+    assert_eq!(read_json(&single.join("config.json")), read_json(&per_expert.join("config.json")));
+    one_step_starts_from(&hf::load(&single).unwrap(), "fused-initfrom");
+}
+
+/// `--experts fused --dtype bf16`: every tensor BF16 and each value of the checkpoint rounded to the nearest bf16,
+/// in the fused tensors as elsewhere; single-file and sharded.
+#[test]
+fn a_fused_bf16_export_imports_as_each_value_rounded_to_nearest_bf16() {
+    let run = fused_run("fused-bf16");
+    let ck = longctx_trainer::checkpoint::load(&run).unwrap();
+    let recipe = longctx_trainer::eval::checkpoint_recipe(&ck).unwrap();
+    let rounded: Vec<LoadedTensor> = ck
+        .model
+        .iter()
+        .map(|t| LoadedTensor { data: t.data.iter().map(|&x| bf16_nearest_even(x)).collect(), ..t.clone() })
+        .collect();
+    let up =
+        ck.model.iter().flat_map(|t| &t.data).filter(|x| x.to_bits() & 0xffff_0000 != bf16_nearest_even(**x).to_bits());
+    assert!(up.count() > 1000, "rounding up is exercised");
+    for (tag, max_shard_bytes) in [("single", 5_000_000_000), ("sharded", 20_000)] {
+        let dir = scratch(&format!("fused-bf16-{tag}"));
+        export::export_checkpoint(&run, &dir, &fused_opts(max_shard_bytes, export::WeightDtype::Bf16)).unwrap();
+        assert_eq!(read_json(&dir.join("config.json"))["torch_dtype"], "bfloat16");
+        let files = assert_fused_files(&dir, &recipe.model, &rounded);
+        assert!(files.entries.values().all(|e| e.dtype == safetensors::Dtype::BF16), "{tag}");
+        assert_eq!(dir.join("model.safetensors.index.json").is_file(), tag == "sharded");
+        assert_eq!(bits(&hf::load(&dir).unwrap().tensors), bits(&rounded), "{tag}");
+    }
+}
+
+/// Exported fused, transformers' per-expert Mixtral fixture is its fused one (`save_original_format=False`):
+/// the same names, dims, dtype and values, and it reads back as the weights it came from.
+#[test]
+fn the_fused_export_of_the_mixtral_fixture_is_transformers_own_fused_files() {
+    let hub = hf::load(&fixtures().join("mixtral")).unwrap();
+    let dir = scratch("fused-fixture");
+    export::write_dir(
+        &dir,
+        hub.model(),
+        128,
+        &hub.tensors,
+        None,
+        &fused_opts(5_000_000_000, export::WeightDtype::Bf16),
+    )
+    .unwrap();
+    let ours = WeightFiles::open(&dir).unwrap();
+    let theirs = WeightFiles::open(&fixtures().join("mixtral-fused")).unwrap();
+    let names = |f: &WeightFiles| {
+        let mut n: Vec<String> = f.entries.keys().cloned().collect();
+        n.sort();
+        n
+    };
+    assert_eq!(names(&ours), names(&theirs));
+    for n in names(&theirs) {
+        let (a, b) = (&ours.entries[&n], &theirs.entries[&n]);
+        assert_eq!((&a.shape, a.dtype), (&b.shape, b.dtype), "{n}");
+        assert!(f32_bits(&ours.read_f32(&n).unwrap()) == f32_bits(&theirs.read_f32(&n).unwrap()), "{n}: other values");
+    }
+    assert_eq!(bits(&hf::load(&dir).unwrap().tensors), bits(&hub.tensors));
+    // And transformers' fused files, exported fused again, are themselves.
+    let fused = hf::load(&fixtures().join("mixtral-fused")).unwrap();
+    let re = scratch("fused-fixture-again");
+    export::write_dir(
+        &re,
+        fused.model(),
+        128,
+        &fused.tensors,
+        None,
+        &fused_opts(5_000_000_000, export::WeightDtype::F32),
+    )
+    .unwrap();
+    assert_eq!(bits(&hf::load(&re).unwrap().tensors), bits(&fused.tensors));
+}
+
+/// `--experts fused` for a model without experts (a Llama run, the Nemotron fixture) is an error naming the option
+/// and the model, before anything is written; an unknown `--experts` value is an error listing the known ones.
+#[test]
+fn fused_experts_without_experts_is_an_error_naming_it() {
+    let recipe = tiny_recipe(&[]);
+    let run = scratch("fused-llama-run");
+    train(&recipe, &RunOptions { out: run.to_path_buf(), quiet: true, ..Default::default() }).unwrap();
+    let parent = scratch("fused-llama");
+    let dir = parent.join("out");
+    match export::export_checkpoint(&run, &dir, &fused_opts(5_000_000_000, export::WeightDtype::F32)) {
+        Err(TrainError::ExportOption { option, detail }) => {
+            assert_eq!(option, "--experts fused");
+            assert!(detail.contains("llama") && detail.contains("experts"), "{detail}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(!dir.exists(), "nothing written");
+    let nem = hf::load(&fixtures().join("nemotron")).unwrap();
+    let e =
+        export::write_dir(&dir, nem.model(), 128, &nem.tensors, None, &fused_opts(5_000_000_000, Default::default()))
+            .unwrap_err();
+    assert!(matches!(&e, TrainError::ExportOption { detail, .. } if detail.contains("nemotron")), "{e}");
+    assert!(!dir.exists(), "nothing written");
+
+    for (value, needles) in
+        [("fused", &["--experts fused", "llama"][..]), ("interleaved", &["interleaved", "per-expert", "fused"])]
+    {
+        let out = Command::new(env!("CARGO_BIN_EXE_longctx"))
+            .args(["export", "--experts", value, "--hf"])
+            .arg(&dir)
+            .arg("--checkpoint")
+            .arg(&*run)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        println!("longctx export --experts {value} (a Llama): {}", err.trim());
+        assert!(!out.status.success(), "{value}");
+        assert!(needles.iter().all(|n| err.contains(n)), "{value}: {err}");
+        assert!(!dir.exists(), "nothing written");
     }
 }
 
@@ -463,7 +684,8 @@ fn a_bf16_export_imports_as_each_value_rounded_to_nearest_bf16() {
             assert!(out.status.success(), "{printed} {}", String::from_utf8_lossy(&out.stderr));
             assert!(printed.contains("tokenizer.json"), "{printed}");
         } else {
-            let opts = export::ExportOptions { max_shard_bytes, dtype: export::WeightDtype::Bf16 };
+            let opts =
+                export::ExportOptions { max_shard_bytes, dtype: export::WeightDtype::Bf16, ..Default::default() };
             export::export_checkpoint(&run, &dir, &opts).unwrap();
         }
         assert_eq!(read_json(&dir.join("config.json"))["torch_dtype"], "bfloat16");
@@ -902,6 +1124,50 @@ fn live_transformers_loads_the_mixtral_and_nemotron_exports() {
             assert_eq!(loaded, class);
             assert!(rel(ours, theirs) <= 1e-5, "{recipe}: {ours} vs transformers {theirs}");
         }
+    }
+}
+
+/// What transformers made of a checkpoint's tensor names: the keys its model wanted and did not find, those it
+/// found and did not want, and those of another shape (`output_loading_info`), as one line.
+fn transformers_loading_report(py: &str, dir: &Path) -> String {
+    let script = format!(
+        r#"
+import torch, transformers
+m, info = transformers.AutoModelForCausalLM.from_pretrained("{dir}", dtype=torch.float32, output_loading_info=True)
+print("missing", sorted(info.get("missing_keys", [])), "unexpected", sorted(info.get("unexpected_keys", [])),
+      "mismatched", sorted(str(k) for k in info.get("mismatched_keys", [])))
+"#,
+        dir = dir.display()
+    );
+    let out = Command::new(py).args(["-c", &script]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).trim().lines().last().unwrap_or("").to_string()
+}
+
+/// The fused export (`--experts fused`) of a trained tiny Mixtral, f32 single-file and sharded and bf16: transformers
+/// finds every tensor it wants under its own name and shape, and computes the loss `longctx eval --init-from`
+/// computes on the same directory. Skips like the others.
+#[test]
+fn live_transformers_loads_the_fused_mixtral_export() {
+    let Some(py) = python() else { return };
+    let ids: Vec<u32> = tokens_for(257);
+    let run = fused_run("live-fused");
+    let cases = [
+        ("f32", fused_opts(5_000_000_000, export::WeightDtype::F32)),
+        ("f32-sharded", fused_opts(40_000, export::WeightDtype::F32)),
+        ("bf16", fused_opts(5_000_000_000, export::WeightDtype::Bf16)),
+    ];
+    for (tag, opts) in cases {
+        let dir = scratch(&format!("live-fused-{tag}"));
+        export::export_checkpoint(&run, &dir, &opts).unwrap();
+        let report = transformers_loading_report(&py, &dir);
+        println!("fused {tag} export in transformers: {report}");
+        assert_eq!(report, "missing [] unexpected [] mismatched []", "{tag}");
+        let ours = evaluate_hf(&hf::load(&dir).unwrap(), &ids, 64, 2).unwrap().loss;
+        let (theirs, class) = transformers_loss(&py, &dir, &ids);
+        println!("fused {tag} export in transformers ({class}): {theirs:.9}; longctx cp 2: {ours:.9}");
+        assert_eq!(class, "MixtralForCausalLM");
+        assert!(rel(ours, theirs) <= 1e-5, "{tag}: {ours} vs transformers {theirs}");
     }
 }
 

@@ -5,21 +5,27 @@
 //! DIR/config.json               the architecture; `torch_dtype` the weights' format; `eos_token_id` and
 //!                               `bos_token_id` when the checkpoint carries a tokenizer
 //! DIR/model.safetensors         the weights, f32 (default) or bf16 (`--dtype bf16`), or shards past a size
-//!                               with `model.safetensors.index.json`
+//!                               with `model.safetensors.index.json`; a Mixtral's experts per expert as on the
+//!                               Hub (default, `--experts per-expert`) or fused as transformers 5 holds them
+//!                               (`--experts fused`: `mlp.experts.gate_up_proj`/`down_proj`, see [`super::experts`])
 //! DIR/tokenizer.json            the run's tokenizer, when its checkpoint saved one (a run `--init-from` a
 //!                               checkpoint with a tokenizer, a GGUF file's included)
 //! DIR/tokenizer_config.json     with it: which class reads it and its special tokens, for `AutoTokenizer`
 //! ```
 //!
-//! [`super::load`] reads an f32 export back bit for bit, and a bf16 one as each value rounded to the nearest
-//! bf16 (ties to even) and widened; transformers' `AutoModelForCausalLM.from_pretrained` and
-//! `AutoTokenizer.from_pretrained` load the directory as it is.
+//! [`super::load`] reads an f32 export back bit for bit in either expert layout, and a bf16 one as each value
+//! rounded to the nearest bf16 (ties to even) and widened; transformers' `AutoModelForCausalLM.from_pretrained`
+//! and `AutoTokenizer.from_pretrained` load the directory as it is. A fused tensor is one tensor, so it lies in
+//! one shard whatever `--max-shard-size` says (a shard of its own when larger). `--experts fused` on a model
+//! without experts is an error ([`TrainError::ExportOption`]).
 
 use std::path::{Path, PathBuf};
 
 use serde_json::{json, Value};
 
 use super::config::{to_json, CONFIG_FILE};
+pub use super::experts::ExpertLayout;
+use super::experts::FileTensor;
 pub use super::weights::WeightDtype;
 use super::weights::{self, OutTensor};
 use super::TOKENIZER_FILE;
@@ -38,11 +44,14 @@ pub struct ExportOptions {
     pub max_shard_bytes: u64,
     /// The weights' number format.
     pub dtype: WeightDtype,
+    /// Where a Mixtral's experts go: per expert (the Hub's names) or fused (transformers 5's); fused is an error
+    /// for a model without experts.
+    pub experts: ExpertLayout,
 }
 
 impl Default for ExportOptions {
     fn default() -> Self {
-        ExportOptions { max_shard_bytes: 5_000_000_000, dtype: WeightDtype::F32 }
+        ExportOptions { max_shard_bytes: 5_000_000_000, dtype: WeightDtype::F32, experts: ExpertLayout::PerExpert }
     }
 }
 
@@ -57,7 +66,8 @@ pub fn export_checkpoint(ckpt: &Path, out: &Path, opts: &ExportOptions) -> Resul
 }
 
 /// Writes `tensors` of `model` (named and shaped as [`param_shapes`] says), and `tokenizer` when given, as a
-/// Hugging Face directory `out`.
+/// Hugging Face directory `out`, the experts in the layout `opts` names. Options the model cannot take fail
+/// before anything is written.
 pub fn write_dir(
     out: &Path,
     model: &ModelConfig,
@@ -66,6 +76,7 @@ pub fn write_dir(
     tokenizer: Option<&SavedTokenizer>,
     opts: &ExportOptions,
 ) -> Result<Vec<PathBuf>> {
+    let file_tensors = opts.experts.file_tensors(model, tensors)?;
     if out.exists() {
         let mut entries = std::fs::read_dir(out).map_err(|e| TrainError::io(out, e))?;
         if entries.next().is_some() {
@@ -95,7 +106,7 @@ pub fn write_dir(
         obj.insert("bos_token_id".into(), t.bos_token_id.map_or(Value::Null, Value::from));
     }
     let mut files = vec![write_json(&config_path, &config)?];
-    files.extend(weights::write(out, &tensor_views(tensors), opts.max_shard_bytes, opts.dtype)?);
+    files.extend(weights::write(out, &tensor_views(&file_tensors), opts.max_shard_bytes, opts.dtype)?);
     if let (Some(t), Some(text)) = (tokenizer, tokenizer_text) {
         let path = out.join(TOKENIZER_FILE);
         std::fs::write(&path, text).map_err(|e| TrainError::io(&path, e))?;
@@ -105,7 +116,7 @@ pub fn write_dir(
     Ok(files)
 }
 
-fn tensor_views(tensors: &[LoadedTensor]) -> Vec<OutTensor<'_>> {
+fn tensor_views<'a>(tensors: &'a [FileTensor<'_>]) -> Vec<OutTensor<'a>> {
     tensors.iter().map(|t| OutTensor { name: &t.name, dims: &t.dims, data: &t.data }).collect()
 }
 

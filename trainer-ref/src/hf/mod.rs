@@ -12,10 +12,11 @@
 //! Architectures: Llama, Mixtral and Nemotron ([`architecture`]). Tensor names are transformers'
 //! (`model.layers.N.self_attn.q_proj.weight`, `[out, in]`), the trainer's own (see
 //! [`crate::model::param_shapes`]); a Mixtral's experts may also come fused as transformers 5 holds them
-//! ([`experts`]), and export writes the per-expert names real checkpoints have. Rotary layout: transformers rotates the pairs `(i, i + D/2)` of each
-//! head (`rotate_half`), and so does the trainer's RoPE kernel, so q and k rows load as they are; Meta's
-//! original checkpoints and GGUF files pair `(2i, 2i+1)` instead and need [`permute`]'s row permutation (the
-//! fixture test `hf_interop` shows the loss moving by 0.2 nats when it is applied where it should not be).
+//! ([`experts`]), and export writes either (per expert, the names real checkpoints have, unless `--experts fused`).
+//! Rotary layout: transformers rotates the pairs `(i, i + D/2)` of each head (`rotate_half`), and so does the
+//! trainer's RoPE kernel, so q and k rows load as they are; Meta's original checkpoints and GGUF files pair
+//! `(2i, 2i+1)` instead and need [`permute`]'s row permutation (the fixture test `hf_interop` shows the loss moving
+//! by 0.2 nats when it is applied where it should not be).
 //!
 //! Everything is checked before any tensor data is read: `config.json` field by field ([`config`]), every
 //! safetensors header, then names, shapes and dtypes ([`weights`]). Errors name the file and the field or
