@@ -1,29 +1,256 @@
-//! The process's allocator policy: freed tensors go back to the system, so peak RSS follows live memory.
+//! The `longctx` binary's allocator: the system's, except in a run that offloads, where every buffer of
+//! [`LARGE`] bytes or more is a mapping of its own, backed by transparent huge pages and unmapped when freed,
+//! so peak RSS follows live memory.
 //!
-//! glibc's `malloc` serves an allocation from an `mmap` of its own only above a threshold, and by default it
-//! raises that threshold to the size of each such block freed (up to 32 MiB). After the first step's tensors
-//! are freed, every tensor of 32 MiB or less (at 16K tokens and d 256: x, q, o, the norms' outputs, the
-//! gradients) comes from the heap, and a freed one stays there: the heap keeps the high-water mark of the
-//! step's allocations, scattered, instead of returning it. Offloading then lowers what is live but not what is
-//! resident (saved tensors sent to disk left their pages to the next layer's temporaries and the fetches).
-//! Fixing the threshold turns the dynamic adjustment off: every large buffer is its own mapping, unmapped
-//! when freed. What it costs is the first-touch faults of the fresh pages, which the heap's reused pages
-//! avoided: measured on the bench model at 4K tokens, 13–27% of the step (`bench/log/2026-12-01-offload.md`).
-//! So the trainer sets it only for a run that offloads, where resident memory following live memory is the
-//! point; without offload glibc's default keeps the speed (and peak RSS is already below PyTorch's).
+//! Why a run that offloads needs it: glibc's `malloc` serves an allocation from an `mmap` of its own only above
+//! a threshold, and by default raises that threshold to the size of each such block freed (up to 32 MiB).
+//! After the first step's tensors are freed, every tensor of 32 MiB or less comes from the heap, and a freed one
+//! stays there: the heap keeps the high-water mark of the step's allocations, scattered, instead of returning
+//! it. Offloading then lowers what is live but not what is resident (saved tensors sent to disk leave their
+//! pages to the next layer's temporaries and to the fetches).
+//!
+//! Why huge pages: a fresh mapping costs its first-touch page faults, which the heap's reused pages avoid.
+//! With 4 KiB pages a tensor of 16 MiB takes 4096 faults each time it is allocated; fixing glibc's threshold
+//! instead (`M_MMAP_THRESHOLD`, what this module did before) tripled the page faults of a step and cost 13–27%
+//! of it at 4K tokens (`bench/log/2026-12-01-offload.md`). With 2 MiB pages the same tensor takes 8 faults; what
+//! stays is the kernel clearing the fresh memory. A run without offload keeps the system allocator as it is:
+//! its heap's reuse is what makes it fast, and its peak RSS is already below PyTorch's.
+//!
+//! The choice is made once per process, before the first large allocation ([`return_freed_memory`]); a large
+//! buffer is freed the way it was allocated because no large buffer is ever allocated under the other mode.
 
-/// Buffers from this size up are mapped and unmapped one by one: every tensor of a long sequence, none of the
-/// per-token vectors of a short one.
-pub const MMAP_THRESHOLD: usize = 1 << 20;
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicU8, Ordering};
 
-/// Sets the policy (see the module docs) for this process, before the run allocates its tensors. A no-op
-/// outside glibc (other allocators, musl, other systems have their own policies).
-pub fn return_freed_memory() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    {
-        // SAFETY: `mallopt` only changes the allocator's parameters, under glibc's own arena lock (safe with
-        // other threads allocating). It returns 0 on failure, which leaves the defaults: nothing breaks, peak
-        // RSS is only higher.
-        unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD as libc::c_int) };
+/// Buffers from this size up are mapped one by one in a run that offloads: every tensor of a long sequence,
+/// none of the per-token vectors of a short one.
+pub const LARGE: usize = 1 << 20;
+
+/// Transparent huge pages on x86-64 and most arm64 kernels: mappings of at least this size are rounded up to
+/// a multiple of it, which the kernel aligns so that they can be backed by huge pages.
+const HUGE_PAGE: usize = 2 << 20;
+
+const PAGE: usize = 4096;
+
+/// No large buffer allocated yet: the mode may still be chosen.
+const UNDECIDED: u8 = 0;
+/// Large buffers from the system allocator (the default).
+const SYSTEM: u8 = 1;
+/// Large buffers mapped one by one.
+const MAPPED: u8 = 2;
+
+static MODE: AtomicU8 = AtomicU8::new(UNDECIDED);
+
+/// The allocator (`#[global_allocator]` in the `longctx` binary).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Allocator;
+
+/// Makes this process map each large buffer on its own (see the module docs). Returns false when a large buffer
+/// was allocated before (the mode is then the system's for good, and peak RSS is only higher). A no-op that
+/// returns false outside Linux.
+pub fn return_freed_memory() -> bool {
+    if !cfg!(target_os = "linux") {
+        return false;
+    }
+    match MODE.compare_exchange(UNDECIDED, MAPPED, Ordering::AcqRel, Ordering::Acquire) {
+        Ok(_) => true,
+        Err(mode) => mode == MAPPED,
+    }
+}
+
+/// Whether a buffer of `layout` is (or is to be) a mapping of its own. The first large buffer under
+/// [`UNDECIDED`] fixes the mode at [`SYSTEM`].
+fn is_mapped(layout: Layout) -> bool {
+    if layout.size() < LARGE || layout.align() > PAGE {
+        return false;
+    }
+    match MODE.load(Ordering::Acquire) {
+        MAPPED => true,
+        SYSTEM => false,
+        _ => match MODE.compare_exchange(UNDECIDED, SYSTEM, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => false,
+            Err(mode) => mode == MAPPED,
+        },
+    }
+}
+
+/// The length of the mapping for `size` bytes.
+fn mapping_len(size: usize) -> usize {
+    let unit = if size >= HUGE_PAGE { HUGE_PAGE } else { PAGE };
+    size.div_ceil(unit) * unit
+}
+
+#[cfg(target_os = "linux")]
+mod mapping {
+    use super::{mapping_len, HUGE_PAGE};
+
+    /// A fresh zeroed mapping of at least `size` bytes, or null.
+    pub fn map(size: usize) -> *mut u8 {
+        let len = mapping_len(size);
+        // SAFETY: an anonymous private mapping at an address of the kernel's choosing touches no existing
+        // memory.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return std::ptr::null_mut();
+        }
+        if len >= HUGE_PAGE {
+            // SAFETY: the range is the mapping just made. A failure (THP disabled) leaves 4 KiB pages.
+            unsafe { libc::madvise(p, len, libc::MADV_HUGEPAGE) };
+        }
+        p.cast()
+    }
+
+    /// Unmaps what [`map`] or [`remap`] returned for `size` bytes.
+    ///
+    /// # Safety
+    /// `p` must be such a mapping of `size` bytes, not used after.
+    pub unsafe fn unmap(p: *mut u8, size: usize) {
+        // SAFETY: the caller's contract; a failure cannot happen for a whole mapping and would only leak it.
+        unsafe { libc::munmap(p.cast(), mapping_len(size)) };
+    }
+
+    /// Grows or shrinks the mapping `p` of `old` bytes to `new` bytes (maybe moving it), or null (`p` intact).
+    ///
+    /// # Safety
+    /// `p` must be a mapping from [`map`] or [`remap`] of `old` bytes.
+    pub unsafe fn remap(p: *mut u8, old: usize, new: usize) -> *mut u8 {
+        let (from, to) = (mapping_len(old), mapping_len(new));
+        if from == to {
+            return p;
+        }
+        // SAFETY: the caller's contract; MREMAP_MAYMOVE keeps the contents and leaves `p` intact on failure.
+        let q = unsafe { libc::mremap(p.cast(), from, to, libc::MREMAP_MAYMOVE) };
+        if q == libc::MAP_FAILED {
+            return std::ptr::null_mut();
+        }
+        if to >= HUGE_PAGE {
+            // SAFETY: the range is the mapping just made; failure only leaves 4 KiB pages.
+            unsafe { libc::madvise(q, to, libc::MADV_HUGEPAGE) };
+        }
+        q.cast()
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+mod mapping {
+    // Never called: the mode is never MAPPED outside Linux.
+    pub fn map(_: usize) -> *mut u8 {
+        std::ptr::null_mut()
+    }
+    pub unsafe fn unmap(_: *mut u8, _: usize) {}
+    pub unsafe fn remap(_: *mut u8, _: usize, _: usize) -> *mut u8 {
+        std::ptr::null_mut()
+    }
+}
+
+// SAFETY: every buffer is freed and resized by the allocator that made it: the system's for small ones and for
+// large ones under SYSTEM, a mapping for large ones under MAPPED, and the mode never changes once a large
+// buffer exists. Mappings are page-aligned, which covers every alignment `is_mapped` accepts, and zeroed.
+unsafe impl GlobalAlloc for Allocator {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        if is_mapped(layout) {
+            mapping::map(layout.size())
+        } else {
+            // SAFETY: the caller's contract, passed on.
+            unsafe { System.alloc(layout) }
+        }
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        if is_mapped(layout) {
+            mapping::map(layout.size())
+        } else {
+            // SAFETY: the caller's contract, passed on.
+            unsafe { System.alloc_zeroed(layout) }
+        }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        if is_mapped(layout) {
+            // SAFETY: a large buffer under MAPPED was mapped by `alloc` or `realloc` with this size.
+            unsafe { mapping::unmap(ptr, layout.size()) }
+        } else {
+            // SAFETY: the caller's contract, passed on.
+            unsafe { System.dealloc(ptr, layout) }
+        }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        // SAFETY (for the layout): `new_size` with the old alignment is a valid layout by realloc's contract.
+        let new_layout = unsafe { Layout::from_size_align_unchecked(new_size, layout.align()) };
+        match (is_mapped(layout), is_mapped(new_layout)) {
+            // SAFETY: the caller's contract, passed on.
+            (false, false) => unsafe { System.realloc(ptr, layout, new_size) },
+            // SAFETY: `ptr` is a mapping of `layout.size()` bytes.
+            (true, true) => unsafe { mapping::remap(ptr, layout.size(), new_size) },
+            // Between the two kinds: a new buffer of the other kind, the contents copied, the old one freed.
+            _ => {
+                // SAFETY: `new_layout` is valid and non-zero (realloc's contract).
+                let new = unsafe { self.alloc(new_layout) };
+                if !new.is_null() {
+                    // SAFETY: both buffers hold at least the smaller size and do not overlap; `ptr` is freed
+                    // with the layout it was allocated with.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(ptr, new, layout.size().min(new_size));
+                        self.dealloc(ptr, layout);
+                    }
+                }
+                new
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // The process-wide mode is not touched here (the test binary's allocator is the system's); the mapping
+    // functions and the allocator's paths are exercised directly.
+
+    #[test]
+    fn mappings_are_zeroed_grow_and_shrink_keeping_their_contents() {
+        let size = 3 * HUGE_PAGE + 123;
+        let p = mapping::map(size);
+        assert!(!p.is_null() && (p as usize).is_multiple_of(PAGE));
+        // SAFETY: `p` is a fresh mapping of at least `size` bytes.
+        let s = unsafe { std::slice::from_raw_parts_mut(p, size) };
+        assert!(s.iter().all(|&b| b == 0));
+        for (i, b) in s.iter_mut().enumerate() {
+            *b = (i % 251) as u8;
+        }
+        // SAFETY: `p` is a mapping of `size` bytes; the results are used as mappings of the new sizes.
+        unsafe {
+            let q = mapping::remap(p, size, 5 * HUGE_PAGE);
+            assert!(!q.is_null());
+            let t = std::slice::from_raw_parts(q, 5 * HUGE_PAGE);
+            assert!(t[..size].iter().enumerate().all(|(i, &b)| b == (i % 251) as u8));
+            assert!(t[size..].iter().all(|&b| b == 0));
+            let r = mapping::remap(q, 5 * HUGE_PAGE, LARGE);
+            assert!(!r.is_null());
+            let u = std::slice::from_raw_parts(r, LARGE);
+            assert!(u.iter().enumerate().all(|(i, &b)| b == (i % 251) as u8));
+            mapping::unmap(r, LARGE);
+        }
+    }
+
+    #[test]
+    fn only_large_page_aligned_buffers_are_mapped_and_lengths_round_to_their_pages() {
+        let small = Layout::from_size_align(LARGE - 1, 8).unwrap();
+        let aligned = Layout::from_size_align(LARGE, 2 * PAGE).unwrap();
+        assert!(!is_mapped(small));
+        assert!(!is_mapped(aligned));
+        assert_eq!(mapping_len(LARGE + 1), LARGE + PAGE);
+        assert_eq!(mapping_len(HUGE_PAGE + 1), 2 * HUGE_PAGE);
+        assert_eq!(mapping_len(HUGE_PAGE), HUGE_PAGE);
     }
 }

@@ -8,6 +8,11 @@ use longctx_trainer::recipe::{Family, Recipe, RopeScalingConfig, BUILTIN};
 use longctx_trainer::train::{train_from, RunOptions};
 use longctx_trainer::{eval, hf, plot, Result, TrainError};
 
+/// The system's allocator, except that a run that offloads maps its large buffers one by one (see
+/// `longctx_trainer::alloc`).
+#[global_allocator]
+static ALLOCATOR: longctx_trainer::alloc::Allocator = longctx_trainer::alloc::Allocator;
+
 #[derive(Parser)]
 #[command(name = "longctx", version, about = "The longctx reference trainer")]
 struct Cli {
@@ -196,8 +201,8 @@ fn run(cli: Cli) -> Result<()> {
                 set.push(format!("train.offload_budget=\"{b}\""));
             }
             let mut recipe = Recipe::load(&recipe, &set)?;
-            if recipe.train.offload != "none" {
-                longctx_trainer::alloc::return_freed_memory();
+            if recipe.train.offload != "none" && !longctx_trainer::alloc::return_freed_memory() {
+                eprintln!("note: a large buffer was allocated before the offload allocator could be chosen: peak RSS will not fall as far as the offloaded bytes");
             }
             let from_recipe = init_from.is_none() && !recipe.train.init_from.is_empty();
             let init_path = init_from.or_else(|| from_recipe.then(|| resolve_init(&recipe.train.init_from)));
