@@ -31,6 +31,8 @@ pub struct Predicted {
     pub layers_peak_bytes: usize,
     /// FLOPs the policy reruns during the backward.
     pub recompute_flops: f64,
+    /// Activation bytes the policy sends to the offload tier (per micro-batch).
+    pub offloaded_bytes: usize,
 }
 
 /// Rank 0's reporter.
@@ -191,6 +193,7 @@ impl Meter {
             // step time they predict what a recompute policy adds.
             "step_gflop": tokens * self.flops_per_token / 1e9,
             "recompute_gflop_per_rank": predicted.recompute_flops / 1e9,
+            "predicted_offload_mib_per_rank": predicted.offloaded_bytes as f64 / MIB,
         });
         if let Some(w) = offload_wait {
             // Seconds rank 0's backward waited for offloaded tensors: the part of offload a step pays for.

@@ -59,6 +59,9 @@ pub struct Summary {
     pub predicted_saved_bytes_per_rank: usize,
     /// The planner's peak: the kept bytes plus one layer's rebuilt tensors and backward working set.
     pub predicted_peak_bytes_per_rank: usize,
+    /// The planner's bytes per rank that the recompute policy offloads (`offload` actions; `budget:` chooses
+    /// them when the run has an offload tier).
+    pub predicted_offloaded_bytes_per_rank: usize,
 }
 
 static STOP: AtomicBool = AtomicBool::new(false);
@@ -278,10 +281,10 @@ impl<'a> Rank<'a> {
         let plan = plan_for(&cp, recipe, recipe.train.seq_len, dtype)?;
         let mut model = Model::new(cfg.clone(), weights, backend)?;
         model.set_sequence_length(recipe.train.seq_len)?;
-        // Recompute-only costs: the added time is FLOPs over a rate, so the rate only scales it.
-        let costs = longctx_recompute::Costs { flops_per_s: 1e11, offload_bytes_per_s: 0.0 };
-        let actions = recipe
-            .recompute_policy()?
+        let policy = recipe.recompute_policy()?;
+        let offload = offload_engine(recipe, world.rank(), spill_root)?;
+        let costs = costs(&world, &policy, offload.as_deref())?;
+        let actions = policy
             .resolve(&recipe.layer_spec(), cfg.layers, &costs)
             .map_err(|e| TrainError::Config(format!("train.recompute: {e}")))?;
         let cost = longctx_recompute::plan_cost(&recipe.layer_spec(), &actions, &costs);
@@ -294,9 +297,10 @@ impl<'a> Rank<'a> {
             layers_peak_bytes: cost.peak_bytes as usize,
             // Per micro-batch in the cost; a rank runs `batch / dp` of them per step.
             recompute_flops: cost.recompute_flops * (recipe.train.batch / recipe.parallel.dp) as f64,
+            offloaded_bytes: cost.offloaded_bytes as usize,
         };
         model.set_recompute(actions)?;
-        model.set_offload(offload_engine(recipe, world.rank(), spill_root)?);
+        model.set_offload(offload);
         Ok(Rank {
             recipe,
             world,
@@ -354,17 +358,23 @@ impl<'a> Rank<'a> {
                 if let Some(m) = meter.as_ref() {
                     let mib = |b: usize| b as f64 / (1024.0 * 1024.0);
                     m.note(&format!(
-                        "activations kept per rank: {:.1} MiB measured, {:.1} MiB predicted by the planner (recompute {}; peak with one layer rebuilt {:.1} MiB)",
+                        "activations kept per rank: {:.1} MiB measured, {:.1} MiB predicted by the planner (recompute {}; peak with one layer rebuilt {:.1} MiB{})",
                         mib(saved_bytes),
                         mib(self.predicted.saved_bytes),
                         self.recipe.train.recompute,
-                        mib(self.predicted.peak_bytes)
+                        mib(self.predicted.peak_bytes),
+                        if self.predicted.offloaded_bytes > 0 {
+                            format!("; {:.1} MiB offloaded", mib(self.predicted.offloaded_bytes))
+                        } else {
+                            String::new()
+                        }
                     ));
                 }
             }
             summary.saved_bytes_per_rank = saved_bytes;
             summary.predicted_saved_bytes_per_rank = self.predicted.saved_bytes;
             summary.predicted_peak_bytes_per_rank = self.predicted.peak_bytes;
+            summary.predicted_offloaded_bytes_per_rank = self.predicted.offloaded_bytes;
             let stop = STOP.load(Ordering::SeqCst) || opts.stop_at.is_some_and(|s| step + 1 >= s);
             let mut reduced = [loss_sum, if stop { 1.0 } else { 0.0 }];
             self.world.all_reduce(&mut reduced, ReduceOp::Sum)?;
@@ -686,6 +696,40 @@ fn host_budget() -> u64 {
 }
 
 /// The rank's offload engine for `train.offload` (`None` for `none`), spilling under `spill_root`.
+/// The rates the recompute solver prices its choices at. Only `budget:` weighs them, and only against each
+/// other once the run has an offload tier: then rank 0 measures both on this machine (a GEMM on every core, and
+/// a 16 MiB round trip through the run's own tier, checksums and all) and every rank takes its figures, so all
+/// ranks resolve the same plan (ring attention needs them to agree on what each layer reruns). Otherwise the
+/// added time is FLOPs over a nominal rate, which only scales it.
+fn costs(
+    world: &Communicator,
+    policy: &longctx_recompute::Policy,
+    engine: Option<&longctx_offload::OffloadEngine>,
+) -> Result<longctx_recompute::Costs> {
+    let nominal = longctx_recompute::Costs { flops_per_s: 1e11, offload_bytes_per_s: 0.0 };
+    let Some(engine) = engine.filter(|_| matches!(policy, longctx_recompute::Policy::Budget(_))) else {
+        return Ok(nominal);
+    };
+    let mut rates = [0.0f64; 2];
+    if world.rank() == 0 {
+        rates = [crate::metrics::measure_gemm_flops()?, tier_bytes_per_s(engine)?];
+    }
+    world.all_reduce(&mut rates, ReduceOp::Sum)?;
+    Ok(longctx_recompute::Costs { flops_per_s: rates[0], offload_bytes_per_s: rates[1] })
+}
+
+/// Bytes per second each way through `engine`: a 16 MiB tensor offloaded and fetched back, timed.
+fn tier_bytes_per_s(engine: &longctx_offload::OffloadEngine) -> Result<f64> {
+    let n = 4 << 20;
+    let probe = longctx_offload::HostTensor::f32(vec![1.0f32; n], vec![n])
+        .map_err(|e| TrainError::Config(format!("offload probe: {e}")))?;
+    let started = Instant::now();
+    let ticket =
+        engine.offload(0, "rate-probe", probe).map_err(|e| TrainError::Config(format!("offload probe: {e}")))?;
+    engine.fetch(ticket).map_err(|e| TrainError::Config(format!("offload probe: {e}")))?;
+    Ok(2.0 * (4 * n) as f64 / started.elapsed().as_secs_f64().max(1e-9))
+}
+
 fn offload_engine(
     recipe: &Recipe,
     rank: usize,

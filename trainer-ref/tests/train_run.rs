@@ -369,3 +369,29 @@ fn the_binary_with_offload_has_the_same_losses_and_a_lower_peak_rss() {
         "peak RSS {rss:.0} MiB with offload, {plain_rss:.0} without ({kept:.0} kept)"
     );
 }
+
+/// `budget:` with an offload tier weighs offloading against recomputation at rates measured on the machine: a
+/// budget below what full recomputation needs (it keeps every layer's input; with four layers, offloading the
+/// lower ones lowers the peak) fits only by offloading, which the solver then does, with the same losses bit
+/// for bit; without a tier the same budget is an error saying so.
+#[test]
+fn a_budget_below_full_recomputation_offloads_with_the_same_losses() {
+    let base = ["model.layers=4", "train.steps=2", "train.eval_every=0", "parallel.cp=2"];
+    let plain = run(&small(&base), &out_dir("budget-plain"), false, None).unwrap();
+    let r = small(&base);
+    let nominal = longctx_recompute::Costs { flops_per_s: 1e11, offload_bytes_per_s: 0.0 };
+    let spec = r.layer_spec();
+    let full = longctx_recompute::Policy::Full.resolve(&spec, r.model.layers, &nominal).unwrap();
+    let below = longctx_recompute::plan_cost(&spec, &full, &nominal).peak_bytes - 1;
+    let mut sets = base.to_vec();
+    let policy = format!("train.recompute=\"budget:{below}\"");
+    sets.push(&policy);
+    let e = run(&small(&sets), &out_dir("budget-no-tier"), false, None).unwrap_err().to_string();
+    assert!(e.contains("raise the budget"), "{e}");
+    sets.push("train.offload=\"disk\"");
+    let s = run(&small(&sets), &out_dir("budget-disk"), false, None).unwrap();
+    assert_eq!(bits(&s.losses), bits(&plain.losses));
+    assert!(s.predicted_offloaded_bytes_per_rank > 0, "{s:?}");
+    assert_eq!(s.saved_bytes_per_rank, s.predicted_saved_bytes_per_rank);
+    assert_eq!(plain.predicted_offloaded_bytes_per_rank, 0);
+}
