@@ -457,14 +457,7 @@ fn a_fused_bf16_export_imports_as_each_value_rounded_to_nearest_bf16() {
     let run = fused_run("fused-bf16");
     let ck = longctx_trainer::checkpoint::load(&run).unwrap();
     let recipe = longctx_trainer::eval::checkpoint_recipe(&ck).unwrap();
-    let rounded: Vec<LoadedTensor> = ck
-        .model
-        .iter()
-        .map(|t| LoadedTensor { data: t.data.iter().map(|&x| bf16_nearest_even(x)).collect(), ..t.clone() })
-        .collect();
-    let up =
-        ck.model.iter().flat_map(|t| &t.data).filter(|x| x.to_bits() & 0xffff_0000 != bf16_nearest_even(**x).to_bits());
-    assert!(up.count() > 1000, "rounding up is exercised");
+    let rounded = rounded_to_bf16(&ck.model);
     for (tag, max_shard_bytes) in [("single", 5_000_000_000), ("sharded", 20_000)] {
         let dir = scratch(&format!("fused-bf16-{tag}"));
         export::export_checkpoint(&run, &dir, &fused_opts(max_shard_bytes, export::WeightDtype::Bf16)).unwrap();
@@ -653,21 +646,25 @@ fn bf16_nearest_even(x: f32) -> f32 {
     f32::from_bits(rounded)
 }
 
+/// Each value of `model` rounded to the nearest bf16 (ties to even) and widened: what a bf16 export reads back
+/// as. Round to nearest, not truncation: some values round up, which the caller's checks then exercise.
+fn rounded_to_bf16(model: &[LoadedTensor]) -> Vec<LoadedTensor> {
+    let up =
+        model.iter().flat_map(|t| &t.data).filter(|x| x.to_bits() & 0xffff_0000 != bf16_nearest_even(**x).to_bits());
+    assert!(up.count() > 1000, "rounding up is exercised");
+    model
+        .iter()
+        .map(|t| LoadedTensor { data: t.data.iter().map(|&x| bf16_nearest_even(x)).collect(), ..t.clone() })
+        .collect()
+}
+
 /// `--dtype bf16`: every tensor BF16 in the files, `torch_dtype` bfloat16, and the import is exactly each f32
 /// value of the checkpoint rounded to the nearest bf16; single-file and sharded, with the tokenizer.
 #[test]
 fn a_bf16_export_imports_as_each_value_rounded_to_nearest_bf16() {
     let (_src, run) = trained_from_llama("bf16-run");
     let ck = longctx_trainer::checkpoint::load(&run).unwrap();
-    let rounded: Vec<LoadedTensor> = ck
-        .model
-        .iter()
-        .map(|t| LoadedTensor { data: t.data.iter().map(|&x| bf16_nearest_even(x)).collect(), ..t.clone() })
-        .collect();
-    // Round to nearest, not truncation: some values round up.
-    let truncated =
-        ck.model.iter().flat_map(|t| &t.data).filter(|x| x.to_bits() & 0xffff_0000 != bf16_nearest_even(**x).to_bits());
-    assert!(truncated.count() > 1000, "rounding up is exercised");
+    let rounded = rounded_to_bf16(&ck.model);
     let mut sizes = Vec::new();
     for (tag, max_shard_bytes) in [("single", 5_000_000_000), ("sharded", 40_000)] {
         let dir = scratch(&format!("bf16-{tag}"));
