@@ -322,15 +322,7 @@ fn mixtral_and_nemotron_export_then_import_round_trip_bit_exactly() {
         let ids: Vec<u32> = (0..129u32).map(|i| (i * 37) % 257).collect();
         let a = evaluate(&run, &ids, 64, 1).unwrap().loss;
         for dir in [&single, &sharded] {
-            let back = hf::load(dir).unwrap();
-            assert_eq!(bits(&back.tensors), bits(&ck.model), "{}", dir.display());
-            let mut model = back.model().clone();
-            model.init_std = recipe.model.init_std;
-            assert_eq!(model, recipe.model, "{}", dir.display());
-            let b = evaluate_hf(&back, &ids, 64, 2).unwrap().loss;
-            println!("{}: trainer checkpoint {a:.9}, exported and imported (cp 2) {b:.9}", family.name());
-            assert!(rel(a, b) <= 1e-6, "{a} vs {b}");
-            assert_eq!(a.to_bits(), evaluate_hf(&back, &ids, 64, 1).unwrap().loss.to_bits());
+            reads_back_as_the_checkpoint(dir, &ck.model, &recipe.model, &ids, a);
         }
         // Hub names, not the fused ones.
         let names = String::from_utf8(std::fs::read(sharded.join("model.safetensors.index.json")).unwrap()).unwrap();
@@ -425,15 +417,7 @@ fn a_fused_mixtral_export_round_trips_bit_exactly() {
     for dir in [&single, &sharded] {
         let files = assert_fused_files(dir, &recipe.model, &ck.model);
         assert_eq!(export::ExpertLayout::of(&files), export::ExpertLayout::Fused);
-        let back = hf::load(dir).unwrap();
-        assert_eq!(bits(&back.tensors), bits(&ck.model), "{}", dir.display());
-        let mut model = back.model().clone();
-        model.init_std = recipe.model.init_std;
-        assert_eq!(model, recipe.model, "{}", dir.display());
-        let b = evaluate_hf(&back, &ids, 64, 1).unwrap().loss;
-        println!("fused export ({}): trainer checkpoint {a:.9}, imported {b:.9}", dir.display());
-        assert_eq!(a.to_bits(), b.to_bits());
-        assert!(rel(a, evaluate_hf(&back, &ids, 64, 2).unwrap().loss) <= 1e-6);
+        reads_back_as_the_checkpoint(dir, &ck.model, &recipe.model, &ids, a);
     }
     // gate_up_proj, 48 KiB in f32, is past the 40 kB limit: it is written whole, in a shard of its own.
     let files = WeightFiles::open(&sharded).unwrap();
@@ -644,6 +628,20 @@ fn bf16_nearest_even(x: f32) -> f32 {
     let b = x.to_bits();
     let rounded = b.wrapping_add(0x7fff + ((b >> 16) & 1)) & 0xffff_0000;
     f32::from_bits(rounded)
+}
+
+/// The export in `dir` reads back as the checkpoint `tensors` of `model` bit for bit, and gives its loss `a`
+/// over `ids`: the same bits at CP 1, within 1e-6 at CP 2.
+fn reads_back_as_the_checkpoint(dir: &Path, tensors: &[LoadedTensor], model: &ModelConfig, ids: &[u32], a: f64) {
+    let back = hf::load(dir).unwrap();
+    assert_eq!(bits(&back.tensors), bits(tensors), "{}", dir.display());
+    let mut read = back.model().clone();
+    read.init_std = model.init_std;
+    assert_eq!(&read, model, "{}", dir.display());
+    let b = evaluate_hf(&back, ids, 64, 1).unwrap().loss;
+    println!("{}: trainer checkpoint {a:.9}, exported and imported {b:.9}", dir.display());
+    assert_eq!(a.to_bits(), b.to_bits());
+    assert!(rel(a, evaluate_hf(&back, ids, 64, 2).unwrap().loss) <= 1e-6);
 }
 
 /// Each value of `model` rounded to the nearest bf16 (ties to even) and widened: what a bf16 export reads back
