@@ -230,11 +230,7 @@ fn trained_and_exported(name: &str) -> (Scratch, Scratch, Scratch) {
     ]);
     let out = scratch(&format!("{name}-run"));
     train(&recipe, &RunOptions { out: out.to_path_buf(), quiet: true, ..Default::default() }).unwrap();
-    let single = scratch(&format!("{name}-single"));
-    export::export_checkpoint(&out, &single, &export::ExportOptions::default()).unwrap();
-    let sharded = scratch(&format!("{name}-sharded"));
-    export::export_checkpoint(&out, &sharded, &export::ExportOptions { max_shard_bytes: 40_000, ..Default::default() })
-        .unwrap();
+    let (single, sharded) = exported_single_and_sharded(&out, name);
     (out, single, sharded)
 }
 
@@ -274,15 +270,21 @@ fn export_then_import_round_trips_bit_exactly() {
     assert!(e.to_string().contains("not empty"), "{e}");
 }
 
+/// The run `out` exported as one file and sharded at 40 kB.
+fn exported_single_and_sharded(out: &Path, name: &str) -> (Scratch, Scratch) {
+    let single = scratch(&format!("{name}-single"));
+    export::export_checkpoint(out, &single, &export::ExportOptions::default()).unwrap();
+    let sharded = scratch(&format!("{name}-sharded"));
+    export::export_checkpoint(out, &sharded, &export::ExportOptions { max_shard_bytes: 40_000, ..Default::default() })
+        .unwrap();
+    (single, sharded)
+}
+
 /// A short run of the tiny Mixtral or Nemotron recipe (shrunk, weights of a wide spread so routing and
 /// attention are sharp), exported single-file and sharded.
 fn trained_family(recipe: &str, name: &str) -> (Scratch, Scratch, Scratch) {
     let out = train_family(recipe, name, &[]);
-    let single = scratch(&format!("{name}-single"));
-    export::export_checkpoint(&out, &single, &export::ExportOptions::default()).unwrap();
-    let sharded = scratch(&format!("{name}-sharded"));
-    export::export_checkpoint(&out, &sharded, &export::ExportOptions { max_shard_bytes: 40_000, ..Default::default() })
-        .unwrap();
+    let (single, sharded) = exported_single_and_sharded(&out, name);
     (out, single, sharded)
 }
 
