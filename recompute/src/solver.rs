@@ -150,13 +150,16 @@ pub fn solve_within(
     spec.validate()?;
     let f = frontier(spec, costs)?;
     let l = layers as u64;
-    let mut best: Option<(f64, usize, usize, u64)> = None;
+    let mut best: Option<(f64, u64, usize, usize, u64)> = None;
     let mut least = u64::MAX;
     // `n` layers take `f[i]` at the bottom, the other `l − n` take `f[j]` above them; both orders of a pair.
+    // Among plans of the same time, the one that offloads least: a transfer hidden under compute is free in
+    // time, not in host memory or link traffic.
     for (i, a) in f.iter().enumerate() {
         for (j, b) in f.iter().enumerate() {
             for n in 0..=l {
-                if n * a.offloaded + (l - n) * b.offloaded > offload_room {
+                let offloaded = n * a.offloaded + (l - n) * b.offloaded;
+                if offloaded > offload_room {
                     continue;
                 }
                 let peak = stacked_peak(a, n, b, l - n);
@@ -165,13 +168,16 @@ pub fn solve_within(
                     continue;
                 }
                 let t = n as f64 * a.seconds + (l - n) as f64 * b.seconds;
-                if best.is_none_or(|(bt, ..)| t < bt - 1e-15) {
-                    best = Some((t, i, j, n));
+                let better = |(bt, bo, ..): (f64, u64, usize, usize, u64)| {
+                    t < bt - 1e-15 * bt.max(1.0) || (t <= bt + 1e-15 * bt.max(1.0) && offloaded < bo)
+                };
+                if best.is_none_or(better) {
+                    best = Some((t, offloaded, i, j, n));
                 }
             }
         }
     }
-    let Some((_, i, j, n)) = best else {
+    let Some((_, _, i, j, n)) = best else {
         let keep_all = plan_cost(spec, &vec![LayerActions::keep_all(); layers], costs).peak_bytes;
         return Err(RecomputeError::Budget {
             budget,

@@ -29,16 +29,21 @@ fn random_spec(sizes: &[(u64, u64, f64)], input: u64, working: u64) -> LayerSpec
     LayerSpec { input: SavedTensor { name: "x".into(), bytes: input }, segments, backward_working_bytes: working }
 }
 
-/// The least added time over every assignment of per-layer choices to `layers` layers within `budget`.
-fn brute_force(spec: &LayerSpec, layers: usize, budget: u64, costs: &Costs) -> Option<f64> {
+/// The least added time over every assignment of per-layer choices to `layers` layers within `budget`, and
+/// the fewest bytes offloaded at that time.
+fn brute_force(spec: &LayerSpec, layers: usize, budget: u64, costs: &Costs) -> Option<(f64, u64)> {
     let c = choices(spec, costs).unwrap();
-    let mut best: Option<f64> = None;
+    let mut best: Option<(f64, u64)> = None;
     let mut idx = vec![0usize; layers];
     loop {
         let plan: Vec<LayerActions> = idx.iter().map(|&i| c[i].clone()).collect();
         let p = plan_cost(spec, &plan, costs);
-        if p.peak_bytes <= budget && best.is_none_or(|b| p.added_seconds < b) {
-            best = Some(p.added_seconds);
+        let better = |(t, off): (f64, u64)| {
+            let tol = 1e-12 * t.max(1.0);
+            p.added_seconds < t - tol || (p.added_seconds <= t + tol && p.offloaded_bytes < off)
+        };
+        if p.peak_bytes <= budget && best.is_none_or(better) {
+            best = Some((p.added_seconds, p.offloaded_bytes));
         }
         let mut k = 0;
         loop {
@@ -76,9 +81,11 @@ proptest! {
         let bf = brute_force(&spec, layers, budget, &costs);
         match solve(&spec, layers, budget, &costs) {
             Ok(s) => {
-                let bf = bf.expect("brute force finds a plan too");
+                let (bf, off) = bf.expect("brute force finds a plan too");
                 prop_assert!(s.cost.peak_bytes <= budget);
                 prop_assert!((s.cost.added_seconds - bf).abs() <= 1e-9 * bf.max(1.0), "solver {} brute {}", s.cost.added_seconds, bf);
+                // Of the plans that take the least time, one that offloads least.
+                prop_assert_eq!(s.cost.offloaded_bytes, off);
             }
             Err(RecomputeError::Budget { minimum, .. }) => {
                 prop_assert!(bf.is_none(), "brute force fits in {budget} but the solver says the minimum is {minimum}");
