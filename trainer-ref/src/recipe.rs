@@ -197,7 +197,8 @@ pub struct TrainConfig {
     #[serde(default = "default_offload_budget")]
     pub offload_budget: String,
     /// Layers whose tensors are offloaded, from the first (0: all but the last, which the backward needs
-    /// first).
+    /// first). A recompute policy with `offload` actions (`budget:` with a tier, `custom:`) decides instead,
+    /// tensor by tensor in every layer.
     #[serde(default)]
     pub offload_layers: usize,
     /// The spill directory of the disk tier (empty: `offload/` in the run's output folder).

@@ -282,11 +282,22 @@ impl<'a> Rank<'a> {
         let mut model = Model::new(cfg.clone(), weights, backend)?;
         model.set_sequence_length(recipe.train.seq_len)?;
         let policy = recipe.recompute_policy()?;
-        let offload = offload_engine(recipe, world.rank(), spill_root)?;
-        let costs = costs(&world, &policy, offload.as_deref())?;
+        let costs = {
+            // `budget:` probes the tier's rate on an engine of its own, gone (its spill files with it) before the
+            // run's is built.
+            let probe = match policy {
+                longctx_recompute::Policy::Budget(_) => offload_engine(recipe, world.rank(), spill_root, true)?,
+                _ => None,
+            };
+            costs(&world, &policy, probe.as_deref())?
+        };
         let actions = policy
             .resolve(&recipe.layer_spec(), cfg.layers, &costs)
             .map_err(|e| TrainError::Config(format!("train.recompute: {e}")))?;
+        // A policy that names what to offload is followed layer by layer (the planner counts every layer's
+        // offloaded bytes out); without one, everything kept goes out but the last layers' (`offload_layers`).
+        let chosen = actions.iter().any(|a| a.actions.values().any(|&v| v == longctx_recompute::Action::Offload));
+        let offload = offload_engine(recipe, world.rank(), spill_root, !chosen)?;
         let cost = longctx_recompute::plan_cost(&recipe.layer_spec(), &actions, &costs);
         let elem = if dtype == DType::Bf16 { 2 } else { 4 };
         let local = recipe.train.seq_len / recipe.parallel.cp;
@@ -695,7 +706,6 @@ fn host_budget() -> u64 {
         .map_or(1 << 30, |kb| kb * 1024 / 2)
 }
 
-/// The rank's offload engine for `train.offload` (`None` for `none`), spilling under `spill_root`.
 /// The rates the recompute solver prices its choices at. Only `budget:` weighs them, and only against each
 /// other once the run has an offload tier: then rank 0 measures both on this machine (a GEMM on every core, and
 /// a 16 MiB round trip through the run's own tier, checksums and all) and every rank takes its figures, so all
@@ -710,6 +720,7 @@ fn costs(
     let Some(engine) = engine.filter(|_| matches!(policy, longctx_recompute::Policy::Budget(_))) else {
         return Ok(nominal);
     };
+    // Every rank of a run has a tier or none (one recipe), so either all reach this all-reduce or none does.
     let mut rates = [0.0f64; 2];
     if world.rank() == 0 {
         rates = [crate::metrics::measure_gemm_flops()?, tier_bytes_per_s(engine)?];
@@ -730,10 +741,13 @@ fn tier_bytes_per_s(engine: &longctx_offload::OffloadEngine) -> Result<f64> {
     Ok(2.0 * (4 * n) as f64 / started.elapsed().as_secs_f64().max(1e-9))
 }
 
+/// The rank's offload engine for `train.offload` (`None` for `none`), spilling under `spill_root`. `keep_last`:
+/// the layers past `train.offload_layers` stay resident; otherwise every layer's handed tensors go out.
 fn offload_engine(
     recipe: &Recipe,
     rank: usize,
     spill_root: &Path,
+    keep_last: bool,
 ) -> Result<Option<Arc<longctx_offload::OffloadEngine>>> {
     let t = &recipe.train;
     let layers = recipe.model.layers;
@@ -745,7 +759,11 @@ fn offload_engine(
         (b, _) => longctx_recompute::parse_bytes(b)
             .ok_or_else(|| TrainError::Config(format!("train.offload_budget `{b}`")))?,
     };
-    let offloaded = if t.offload_layers == 0 { layers.saturating_sub(1) } else { t.offload_layers };
+    let offloaded = match (keep_last, t.offload_layers) {
+        (false, _) => layers,
+        (true, 0) => layers.saturating_sub(1),
+        (true, n) => n,
+    };
     let b = longctx_offload::OffloadEngine::builder()
         .workers(1)
         .prefetch_depth(1)
