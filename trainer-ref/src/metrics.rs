@@ -2,9 +2,11 @@
 //! per step (`step`, `loss`, `lr`, `grad_norm`, `tokens_per_s`, `mfu`, `rss_mib`, `saved_mib_per_rank`) and one
 //! per evaluation (`step`, `val_loss`).
 //!
-//! MFU is the model's FLOPs per second over this machine's `f32` arithmetic peak, measured when the run starts
-//! and again at each evaluation, keeping the best: independent FMA chains in registers on every thread at the
-//! widest vector width the kernels use ([`fma_peak_flops`]; a large GEMM's rate on a machine without one). A
+//! MFU is the model's FLOPs per second over the run's `f32` arithmetic peak, measured when the run starts and
+//! again at each evaluation, keeping the best, each time while every rank waits at a barrier (a peak timed
+//! beside a busy rank is too low, and the MFU above it too high): independent FMA chains in registers on every
+//! core of the machine at the widest vector width the kernels use ([`fma_peak_flops`]; a large GEMM's rate on a
+//! machine without one), times the machines the ranks run on. A
 //! measured ceiling, not a datasheet figure, and not a GEMM's rate either: that is an attainable figure below
 //! the ceiling, and how far below depends on the GEMM library. The model's FLOPs per token are PaLM's count:
 //! `6·N` for the `N` weights of the matrix products (the output projection included, the embedding gather
@@ -59,13 +61,24 @@ pub fn flops_per_token(recipe: &Recipe, weights: usize) -> f64 {
     6.0 * matmul_weights as f64 + 6.0 * (m.layers * m.heads * m.head_dim() * recipe.train.seq_len) as f64
 }
 
-/// The denominator of MFU (see the module docs): the FMA ceiling, or [`measure_gemm_flops`] where the CPU has
-/// no vector path.
+/// One machine's share of the denominator of MFU (see the module docs): the FMA ceiling, or
+/// [`measure_gemm_flops`] where the CPU has no vector path, on the current rayon pool.
 pub fn measure_peak_flops() -> Result<f64> {
     match fma_peak_flops(SimdPath::detect()) {
         Some(f) => Ok(f),
         None => measure_gemm_flops(),
     }
+}
+
+/// [`measure_peak_flops`] on a pool of one thread per core of this machine, whatever pool the caller runs on
+/// (a rank's own pool holds only its share of the cores).
+pub fn measure_machine_peak_flops() -> Result<f64> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(cores)
+        .build()
+        .map_err(|e| TrainError::Config(format!("a pool to time the FMA peak on: {e}")))?;
+    pool.install(measure_peak_flops)
 }
 
 /// FLOP/s of a 1024³ `f32` GEMM on every core, best of three.
@@ -97,7 +110,14 @@ const MIB: f64 = 1024.0 * 1024.0;
 impl Meter {
     /// Opens `out/metrics.jsonl` (a fresh run empties it; a resumed one keeps the lines up to `start_step`) and
     /// writes the recipe beside it.
-    pub fn open(out: &Path, recipe: &Recipe, start_step: u64, quiet: bool, weights: usize) -> Result<Meter> {
+    pub fn open(
+        out: &Path,
+        recipe: &Recipe,
+        start_step: u64,
+        quiet: bool,
+        weights: usize,
+        peak_flops: f64,
+    ) -> Result<Meter> {
         let path = out.join("metrics.jsonl");
         let kept: String = if start_step > 0 && path.exists() {
             let text = std::fs::read_to_string(&path).map_err(|e| TrainError::io(&path, e))?;
@@ -122,7 +142,6 @@ impl Meter {
                 .map_err(|e| TrainError::Config(e.to_string()))?,
         );
         bar.set_position(start_step);
-        let peak_flops = measure_peak_flops()?;
         let m = Meter {
             path,
             bar,
@@ -143,6 +162,12 @@ impl Meter {
             peak_flops / 1e9
         ));
         Ok(m)
+    }
+
+    /// Takes a peak measured again (at an evaluation) if it is higher: one timed while something else ran is
+    /// too low.
+    pub fn raise_peak(&mut self, peak_flops: f64) {
+        self.peak_flops = self.peak_flops.max(peak_flops);
     }
 
     /// A line above the bar (or on stdout when there is no terminal).
@@ -202,8 +227,6 @@ impl Meter {
         append_line(&self.path, &line.to_string())?;
         if let Some(v) = val_loss {
             append_line(&self.path, &serde_json::json!({ "step": step, "val_loss": v }).to_string())?;
-            // A peak measured while something else ran is too low; keep the best seen.
-            self.peak_flops = self.peak_flops.max(measure_peak_flops()?);
         }
         self.bar.set_position(step);
         self.bar

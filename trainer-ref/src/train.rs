@@ -177,6 +177,11 @@ pub fn loss_gradients_and_saved(recipe: &Recipe, sequences: &[Sequence]) -> Resu
     out.into_iter().next().ok_or_else(|| TrainError::Config("no ranks ran".into()))?
 }
 
+/// A 64-bit FNV-1a hash: enough to tell host names apart.
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
+}
+
 fn per_rank_threads(asked: usize, world: usize) -> usize {
     if asked > 0 {
         return asked;
@@ -333,6 +338,20 @@ impl<'a> Rank<'a> {
         self.world.rank() == 0
     }
 
+    /// The run's arithmetic peak, the denominator of MFU: rank 0 times one machine's every core while all ranks
+    /// wait at a barrier (so none of them competes for the cores), times the machines the ranks run on (alike,
+    /// as a cluster's nodes are). Every rank calls it; rank 0's answer is the one that counts.
+    fn run_peak_flops(&self) -> Result<f64> {
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+        let mut hosts = vec![0u64; self.world.world_size()];
+        self.world.all_gather(&[fnv1a(host.trim().as_bytes())], &mut hosts)?;
+        hosts.sort_unstable();
+        hosts.dedup();
+        let peak = if self.is_root() { crate::metrics::measure_machine_peak_flops()? } else { 0.0 };
+        self.world.barrier()?;
+        Ok(peak * hosts.len() as f64)
+    }
+
     /// This rank's share of a sequence: its tokens, targets and document ids at the plan's positions.
     fn local(&self, seq: &Sequence) -> (Vec<u32>, Vec<i64>, Vec<u32>) {
         local_share(self.plan.positions(), seq)
@@ -342,8 +361,9 @@ impl<'a> Rank<'a> {
         let t = &self.recipe.train;
         let (dp, s) = (self.recipe.parallel.dp, t.seq_len);
         let denominator = (t.batch * s) as f64;
+        let peak = self.run_peak_flops()?;
         let mut meter = if self.is_root() {
-            Some(Meter::open(&opts.out, self.recipe, self.step, opts.quiet, self.model.weights.numel())?)
+            Some(Meter::open(&opts.out, self.recipe, self.step, opts.quiet, self.model.weights.numel(), peak)?)
         } else {
             None
         };
@@ -405,6 +425,10 @@ impl<'a> Rank<'a> {
                 let v = self.heldout_loss(&data.heldout)?;
                 summary.val_losses.push((self.step, v));
                 val = Some(v);
+                let peak = self.run_peak_flops()?;
+                if let Some(m) = meter.as_mut() {
+                    m.raise_peak(peak);
+                }
             }
             if let Some(m) = meter.as_mut() {
                 let tokens = (t.batch * s) as f64;
