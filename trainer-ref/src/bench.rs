@@ -2,7 +2,8 @@
 //! several sequence lengths, in one run: tokens/s, MFU against the FMA peak measured here, and peak RSS, each
 //! side in its own process so its peak memory is its own; then the per-rank activation memory of CP 4 beside
 //! CP 1 at the longest length. `--family mixtral|nemotron` benches that family's tiny recipe (`tiny-mixtral`,
-//! `tiny-nemotron`) against the peer's model of the same family.
+//! `tiny-nemotron`) against the peer's model of the same family. `--recompute` and `--offload` compare our own
+//! runs instead: recompute policies, or an offload tier, against training with neither.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -29,6 +30,9 @@ pub struct BenchOptions {
     pub scratch: PathBuf,
     /// Recompute policies to compare with `none` (our side only) instead of the PyTorch table.
     pub recompute: Vec<String>,
+    /// An offload tier (`host`, `disk`) to compare with training without offload (our side only) instead of the
+    /// PyTorch table.
+    pub offload: Option<String>,
     /// Times each side runs per row, alternating (medians are printed).
     pub rounds: usize,
     /// The model family (its tiny recipe; the Llama rows use the bench model below).
@@ -118,6 +122,9 @@ struct Side {
     step_gflop: f64,
     recompute_gflop_per_rank: f64,
     loss_first: f64,
+    loss_last: f64,
+    /// Seconds the backward waited for offloaded tensors, per timed step (rank 0).
+    offload_wait_s: f64,
 }
 
 fn ours(exe: &Path, out: &Path, recipe: &str, sets: &[String], cp: usize) -> Result<Side> {
@@ -148,7 +155,58 @@ fn ours(exe: &Path, out: &Path, recipe: &str, sets: &[String], cp: usize) -> Res
         step_gflop: steps.first().map_or(0.0, |r| f(r, "step_gflop")),
         recompute_gflop_per_rank: steps.first().map_or(0.0, |r| f(r, "recompute_gflop_per_rank")),
         loss_first: steps.first().map_or(0.0, |r| f(r, "loss")),
+        loss_last: steps.last().map_or(0.0, |r| f(r, "loss")),
+        offload_wait_s: timed.iter().map(|r| f(r, "offload_wait_s")).sum::<f64>() / timed.len().max(1) as f64,
     })
+}
+
+/// Training with an offload tier beside training without, on our side: step time, the backward's wait for
+/// offloaded tensors (the part of offload a step pays for), activations the model keeps per rank, and peak RSS,
+/// with the losses compared bit for bit. The two alternate within each round; medians are printed.
+fn offload_table(exe: &Path, opts: &BenchOptions, tier: &str) -> Result<()> {
+    if !matches!(tier, "host" | "disk") {
+        return Err(TrainError::Config(format!("--offload `{tier}` (host or disk)")));
+    }
+    println!(
+        "| seq | step s, none | step s, offload {tier} | ratio | offload wait s per step | kept per rank, none | offload | peak RSS, none | offload | ratio | same losses |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    let dtype = opts.dtypes.first().map_or("f32", String::as_str);
+    let name = bench_recipe(opts.family);
+    for &seq in &opts.seqs {
+        let sets_of = |offload: &str| {
+            let mut sets = family_overrides(opts.family, seq, opts.steps, dtype);
+            sets.push(format!("train.offload=\"{offload}\""));
+            sets
+        };
+        let (mut plain, mut moved) = (Vec::new(), Vec::new());
+        for round in 0..opts.rounds.max(1) {
+            // Alternate which side runs first, so a host that speeds up or slows down falls on both.
+            for first in [round % 2 == 0, round % 2 == 1] {
+                let (side, runs) = if first { ("none", &mut plain) } else { (tier, &mut moved) };
+                runs.push(ours(exe, &opts.scratch.join(format!("off-{seq}")), name, &sets_of(side), 1)?);
+            }
+        }
+        let (a, b) = (median_side(&plain), median_side(&moved));
+        let step_s = |s: &Side| seq as f64 / s.tokens_per_s;
+        let same = plain.iter().chain(&moved).all(|s| {
+            s.loss_first.to_bits() == a.loss_first.to_bits() && s.loss_last.to_bits() == a.loss_last.to_bits()
+        });
+        println!(
+            "| {seq} | {:.2} | {:.2} | {:.2}× | {:.2} | {:.1} MiB | {:.1} MiB | {:.0} MiB | {:.0} MiB | {:.2}× | {} |",
+            step_s(&a),
+            step_s(&b),
+            step_s(&b) / step_s(&a),
+            b.offload_wait_s,
+            a.saved_mib_per_rank,
+            b.saved_mib_per_rank,
+            a.peak_rss_mib,
+            b.peak_rss_mib,
+            b.peak_rss_mib / a.peak_rss_mib,
+            if same { "yes" } else { "NO" }
+        );
+    }
+    Ok(())
 }
 
 /// Each policy beside `none` on our side: step time measured and predicted (none's measured step plus the
@@ -273,6 +331,9 @@ pub fn run(opts: &BenchOptions) -> Result<()> {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../bench/peer_train.py");
     if !opts.recompute.is_empty() {
         return recompute_table(&exe, opts);
+    }
+    if let Some(tier) = &opts.offload {
+        return offload_table(&exe, opts, tier);
     }
     let (peak, gemm) = (measure_peak_flops()?, measure_gemm_flops()?);
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());

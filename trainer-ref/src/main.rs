@@ -144,6 +144,10 @@ enum Command {
         /// Compare these recompute policies with `none` (our side only): `--recompute selective,full`.
         #[arg(long, value_delimiter = ',')]
         recompute: Vec<String>,
+        /// Compare training with this offload tier (`host` or `disk`) against training without (our side only):
+        /// step time, the backward's wait for offloaded tensors, activations kept and peak RSS.
+        #[arg(long)]
+        offload: Option<String>,
         /// Alternating rounds per row (medians printed).
         #[arg(long, default_value_t = 1)]
         rounds: usize,
@@ -306,7 +310,7 @@ fn run(cli: Cli) -> Result<()> {
                 println!("{name:<18} {}", r.description);
             }
         }
-        Command::Bench { seqs, steps, dtypes, python, cp, recompute, rounds, family } => {
+        Command::Bench { seqs, steps, dtypes, python, cp, recompute, offload, rounds, family } => {
             let python = (python != "none").then_some(python);
             let family = match family.as_str() {
                 "llama" => Family::Llama,
@@ -325,6 +329,7 @@ fn run(cli: Cli) -> Result<()> {
                 cp,
                 scratch,
                 recompute,
+                offload,
                 rounds,
                 family,
             })?;
