@@ -109,6 +109,20 @@ pub fn train_from(recipe: &Recipe, opts: &RunOptions, init: Option<&HfCheckpoint
     let init = init.map(|hf| hf.tensors.as_slice());
     let corpus = Corpus::load(&recipe.data.corpus)?;
     let (train_stream, heldout) = corpus.split_with(recipe.data.heldout_every, &tokenizer)?;
+    // A window longer than its split wraps round to the split's start: the model would see text it has just
+    // read, and the loss would reward copying it. Refused rather than reported as a loss at that length.
+    let seq = recipe.train.seq_len;
+    for (name, stream, used) in [("training", &train_stream, true), ("held-out", &heldout, recipe.train.eval_every > 0)]
+    {
+        if used && stream.len() <= seq {
+            return Err(TrainError::Config(format!(
+                "the corpus's {name} split has {} tokens, fewer than one window of train.seq_len = {seq} plus its \
+                 last target (a longer corpus, a shorter window{})",
+                stream.len(),
+                if name == "held-out" { ", or a smaller data.heldout_every" } else { "" }
+            )));
+        }
+    }
     let world = recipe.parallel.cp * recipe.parallel.dp;
     std::fs::create_dir_all(&opts.out).map_err(|e| TrainError::io(&opts.out, e))?;
     install_signal_handler();

@@ -159,6 +159,14 @@ fn the_command_line_refuses_bad_recipes_before_any_work_and_lists_recipes() {
     assert!(!ok && text.contains("model.kv_heads"), "{text}");
     let (ok, text) = longctx(&["train", "--set", "data.corpus=/no/such/corpus.txt", "--out", "/nonexistent/never"]);
     assert!(!ok && text.contains("data.corpus"), "{text}");
+    // A held-out split shorter than a window would wrap round into text the window has just shown.
+    let small = out_dir("small-corpus").join("corpus.txt");
+    std::fs::create_dir_all(small.parent().unwrap()).unwrap();
+    let doc = "A document of a small corpus, long enough to train on a little.\n".repeat(3);
+    std::fs::write(&small, vec![doc; 80].join("\n\n\n")).unwrap();
+    let corpus = format!("data.corpus={}", small.display());
+    let (ok, text) = longctx(&["train", "--set", &corpus, "--out", "/nonexistent/never"]);
+    assert!(!ok && text.contains("held-out split has") && text.contains("train.seq_len = 1024"), "{text}");
     let (ok, text) = longctx(&["recipes"]);
     assert!(ok && text.contains("tiny-llama"), "{text}");
     let (ok, text) = longctx(&["recipes", "--show", "tiny-llama"]);
