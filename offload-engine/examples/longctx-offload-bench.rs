@@ -218,9 +218,9 @@ fn cached_fraction(path: &Path) -> io::Result<f64> {
     Ok(vec.iter().filter(|&&b| b & 1 == 1).count() as f64 / pages as f64)
 }
 
-/// The disk peers on the same files: (direct write, direct read, buffered write+fdatasync, cold read into one
-/// touched buffer, cold read into a touched buffer per file, cold read into fresh allocations, warm read, cached share before the direct read, before the
-/// cold read, before the warm read).
+/// The disk peers on the same files: direct write, direct read, buffered write + fdatasync, cold reads into one
+/// touched buffer, into a touched buffer per file and into fresh allocations, the warm read, and the cached share
+/// before the direct, the cold and the warm read.
 struct DiskPeer {
     direct_w: Duration,
     direct_r: Duration,

@@ -112,14 +112,16 @@ pub fn train_from(recipe: &Recipe, opts: &RunOptions, init: Option<&HfCheckpoint
     // A window longer than its split wraps round to the split's start: the model would see text it has just
     // read, and the loss would reward copying it. Refused rather than reported as a loss at that length.
     let seq = recipe.train.seq_len;
-    for (name, stream, used) in [("training", &train_stream, true), ("held-out", &heldout, recipe.train.eval_every > 0)]
-    {
+    let splits = [
+        ("training", &train_stream, true, ""),
+        ("held-out", &heldout, recipe.train.eval_every > 0, ", or a smaller data.heldout_every"),
+    ];
+    for (name, stream, used, or) in splits {
         if used && stream.len() <= seq {
             return Err(TrainError::Config(format!(
                 "the corpus's {name} split has {} tokens, fewer than one window of train.seq_len = {seq} plus its \
-                 last target (a longer corpus, a shorter window{})",
-                stream.len(),
-                if name == "held-out" { ", or a smaller data.heldout_every" } else { "" }
+                 last target (a longer corpus, a shorter window{or})",
+                stream.len()
             )));
         }
     }
@@ -352,18 +354,23 @@ impl<'a> Rank<'a> {
         self.world.rank() == 0
     }
 
-    /// The run's arithmetic peak, the denominator of MFU: rank 0 times one machine's every core while all ranks
-    /// wait at a barrier (so none of them competes for the cores), times the machines the ranks run on (alike,
-    /// as a cluster's nodes are). Every rank calls it; rank 0's answer is the one that counts.
-    fn run_peak_flops(&self) -> Result<f64> {
+    /// The machines the ranks run on (distinct host names). Every rank calls it.
+    fn hosts(&self) -> Result<usize> {
         let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
         let mut hosts = vec![0u64; self.world.world_size()];
         self.world.all_gather(&[fnv1a(host.trim().as_bytes())], &mut hosts)?;
         hosts.sort_unstable();
         hosts.dedup();
+        Ok(hosts.len())
+    }
+
+    /// The run's arithmetic peak, the denominator of MFU: rank 0 times one machine's every core while all ranks
+    /// wait at a barrier (so none of them competes for the cores), times the `hosts` machines the ranks run on
+    /// (alike, as a cluster's nodes are). Every rank calls it; rank 0's answer is the one that counts.
+    fn run_peak_flops(&self, hosts: usize) -> Result<f64> {
         let peak = if self.is_root() { crate::metrics::measure_machine_peak_flops()? } else { 0.0 };
         self.world.barrier()?;
-        Ok(peak * hosts.len() as f64)
+        Ok(peak * hosts as f64)
     }
 
     /// This rank's share of a sequence: its tokens, targets and document ids at the plan's positions.
@@ -375,7 +382,8 @@ impl<'a> Rank<'a> {
         let t = &self.recipe.train;
         let (dp, s) = (self.recipe.parallel.dp, t.seq_len);
         let denominator = (t.batch * s) as f64;
-        let peak = self.run_peak_flops()?;
+        let hosts = self.hosts()?;
+        let peak = self.run_peak_flops(hosts)?;
         let mut meter = if self.is_root() {
             Some(Meter::open(&opts.out, self.recipe, self.step, opts.quiet, self.model.weights.numel(), peak)?)
         } else {
@@ -439,7 +447,7 @@ impl<'a> Rank<'a> {
                 let v = self.heldout_loss(&data.heldout)?;
                 summary.val_losses.push((self.step, v));
                 val = Some(v);
-                let peak = self.run_peak_flops()?;
+                let peak = self.run_peak_flops(hosts)?;
                 if let Some(m) = meter.as_mut() {
                     m.raise_peak(peak);
                 }
