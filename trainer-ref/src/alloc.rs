@@ -1,6 +1,6 @@
-//! The `longctx` binary's allocator: the system's, except in a run that offloads, where every buffer of
-//! [`LARGE`] bytes or more is a mapping of its own, backed by transparent huge pages and unmapped when freed,
-//! so peak RSS follows live memory.
+//! The `longctx` binary's allocator: the system's, keeping freed memory for reuse, except in a run that
+//! offloads, where every buffer of [`LARGE`] bytes or more is a mapping of its own, backed by transparent huge
+//! pages and unmapped when freed, so peak RSS follows live memory.
 //!
 //! Why a run that offloads needs it: glibc's `malloc` serves an allocation from an `mmap` of its own only above
 //! a threshold, and by default raises that threshold to the size of each such block freed (up to 32 MiB).
@@ -13,8 +13,15 @@
 //! With 4 KiB pages a tensor of 16 MiB takes 4096 faults each time it is allocated; fixing glibc's threshold
 //! instead (`M_MMAP_THRESHOLD`, what this module did before) tripled the page faults of a step and cost 13–27%
 //! of it at 4K tokens (`bench/log/2026-12-01-offload.md`). With 2 MiB pages the same tensor takes 8 faults; what
-//! stays is the kernel clearing the fresh memory. A run without offload keeps the system allocator as it is:
-//! its heap's reuse is what makes it fast, and its peak RSS is already below PyTorch's.
+//! stays is the kernel clearing the fresh memory, 4–5% of the samples of a step at 16K tokens. Keeping freed
+//! mappings for reuse while live plus kept bytes stay near the live high-water mark was tried: the peak of
+//! every step flushes them, so a step still mapped 0.7 GiB fresh at 16K (against 0.9) and peak RSS rose 9%.
+//!
+//! Every other run keeps what it frees ([`reuse_freed_memory`]): by default glibc gives the top of its heaps
+//! back to the kernel and serves blocks of 32 MiB and more from fresh mappings, so a step that frees and
+//! reallocates the same tensors faults their pages in again every time (43 thousand faults a step at 4K
+//! tokens, 300 thousand at 16K, 4 KiB each). One heap that is never trimmed reuses the pages instead; its
+//! resident size is the step's high-water mark, which is the peak either way.
 //!
 //! The choice is made once per process, before the first large allocation ([`return_freed_memory`]); a large
 //! buffer is freed the way it was allocated because no large buffer is ever allocated under the other mode.
@@ -44,6 +51,26 @@ static MODE: AtomicU8 = AtomicU8::new(UNDECIDED);
 /// The allocator (`#[global_allocator]` in the `longctx` binary).
 #[derive(Debug, Default, Clone, Copy)]
 pub struct Allocator;
+
+/// Makes the system allocator keep what is freed for reuse (see the module docs): one arena for all threads (a
+/// thread's own arena lives in heaps of at most 64 MiB, which glibc unmaps as they empty), no trimming of the
+/// heap's top, and no separate mapping for any block under 2 GiB. Call it first thing in `main`, before any
+/// thread starts. Returns whether every setting took; a no-op that returns false outside glibc.
+pub fn reuse_freed_memory() -> bool {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        // SAFETY: `mallopt` only changes the allocator's parameters; these three are valid at any time.
+        unsafe {
+            libc::mallopt(libc::M_ARENA_MAX, 1) == 1
+                && libc::mallopt(libc::M_TRIM_THRESHOLD, libc::c_int::MAX) == 1
+                && libc::mallopt(libc::M_MMAP_THRESHOLD, libc::c_int::MAX) == 1
+        }
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    {
+        false
+    }
+}
 
 /// Makes this process map each large buffer on its own (see the module docs). Returns false when a large buffer
 /// was allocated before (the mode is then the system's for good, and peak RSS is only higher). A no-op that
@@ -241,6 +268,14 @@ mod tests {
             assert!(u.iter().enumerate().all(|(i, &b)| b == (i % 251) as u8));
             mapping::unmap(r, LARGE);
         }
+    }
+
+    #[test]
+    fn the_system_allocator_takes_the_reuse_settings_where_it_is_glibc() {
+        // Only parameters change, so the test process's allocator (the system's) keeps working.
+        assert_eq!(reuse_freed_memory(), cfg!(all(target_os = "linux", target_env = "gnu")));
+        let v = vec![1u8; 3 * LARGE];
+        assert_eq!(v.iter().map(|&b| b as usize).sum::<usize>(), 3 * LARGE);
     }
 
     #[test]

@@ -8,8 +8,8 @@ use longctx_trainer::recipe::{Family, Recipe, RopeScalingConfig, BUILTIN};
 use longctx_trainer::train::{train_from, RunOptions};
 use longctx_trainer::{eval, hf, plot, Result, TrainError};
 
-/// The system's allocator, except that a run that offloads maps its large buffers one by one (see
-/// `longctx_trainer::alloc`).
+/// The system's allocator, keeping freed memory for reuse, except that a run that offloads maps its large
+/// buffers one by one (see `longctx_trainer::alloc`).
 #[global_allocator]
 static ALLOCATOR: longctx_trainer::alloc::Allocator = longctx_trainer::alloc::Allocator;
 
@@ -345,6 +345,8 @@ fn run(cli: Cli) -> Result<()> {
 }
 
 fn main() -> ExitCode {
+    // Before any thread or tensor exists. Where a setting does not take, steps only fault their memory in again.
+    longctx_trainer::alloc::reuse_freed_memory();
     match run(Cli::parse()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
