@@ -15,7 +15,7 @@
 //! of it at 4K tokens (`bench/log/2026-12-01-offload.md`). With 2 MiB pages the same tensor takes 8 faults; what
 //! stays is the kernel clearing the fresh memory, 4–5% of the samples of a step at 16K tokens. Keeping freed
 //! mappings for reuse while live plus kept bytes stay near the live high-water mark was tried: the peak of
-//! every step flushes them, so a step still mapped 0.7 GiB fresh at 16K (against 0.9) and peak RSS rose 9%.
+//! every step flushes them, so a step still mapped 0.7–0.85 GiB fresh at 16K, and peak RSS rose 4–9%.
 //!
 //! Every other run keeps what it frees ([`reuse_freed_memory`]): by default glibc gives the top of its heaps
 //! back to the kernel and serves blocks of 32 MiB and more from fresh mappings, so a step that frees and
