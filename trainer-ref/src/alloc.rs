@@ -1,21 +1,26 @@
 //! The `longctx` binary's allocator: the system's, keeping freed memory for reuse, except in a run that
 //! offloads, where every buffer of [`LARGE`] bytes or more is a mapping of its own, backed by transparent huge
-//! pages and unmapped when freed, so peak RSS follows live memory.
+//! pages, so that peak RSS follows live memory.
 //!
 //! Why a run that offloads needs it: glibc's `malloc` serves an allocation from an `mmap` of its own only above
 //! a threshold, and by default raises that threshold to the size of each such block freed (up to 32 MiB).
 //! After the first step's tensors are freed, every tensor of 32 MiB or less comes from the heap, and a freed one
 //! stays there: the heap keeps the high-water mark of the step's allocations, scattered, instead of returning
-//! it. Offloading then lowers what is live but not what is resident (saved tensors sent to disk leave their
-//! pages to the next layer's temporaries and to the fetches).
+//! it. Offloading then lowers what is live but not what is resident. A heap that is never trimmed (what every
+//! other run uses, below) does reuse the pages of offloaded tensors, but not well: tensors of many sizes leave
+//! gaps that fit none of the next ones, and the bench model's offloading run peaked at 922 instead of 836 MiB at
+//! 16K tokens and 3389 instead of 2897 MiB at 64K.
 //!
-//! Why huge pages: a fresh mapping costs its first-touch page faults, which the heap's reused pages avoid.
-//! With 4 KiB pages a tensor of 16 MiB takes 4096 faults each time it is allocated; fixing glibc's threshold
-//! instead (`M_MMAP_THRESHOLD`, what this module did before) tripled the page faults of a step and cost 13–27%
-//! of it at 4K tokens (`bench/log/2026-12-01-offload.md`). With 2 MiB pages the same tensor takes 8 faults; what
-//! stays is the kernel clearing the fresh memory, 4–5% of the samples of a step at 16K tokens. Keeping freed
-//! mappings for reuse while live plus kept bytes stay near the live high-water mark was tried: the peak of
-//! every step flushes them, so a step still mapped 0.7–0.85 GiB fresh at 16K, and peak RSS rose 4–9%.
+//! Why freed mappings are kept, and resized to fit: a fresh mapping costs the kernel clearing its pages (and,
+//! with 4 KiB pages, a fault for each; fixing glibc's threshold, what this module did first, cost 13–27% of a
+//! step at 4K tokens, `bench/log/2026-12-01-offload.md`). Unmapping every freed buffer made the kernel clear
+//! several GiB a step at 16K tokens, 4–5% of its samples. So a freed mapping is kept (up to `SLOTS` of them)
+//! while the bytes of the mappings in use plus those kept stay within the most that was ever in use: peak RSS
+//! is what it would be without keeping any. A request takes the kept mapping closest in size and `mremap`s it
+//! to fit (shrinking returns the tail to the kernel; growing adds fresh pages only for the difference), so a
+//! kept mapping of any size serves the next tensor. An earlier version, without the resizing, still mapped
+//! 0.7–0.85 GiB fresh a step at 16K tokens (kept mappings of the wrong sizes were unmapped to make room for
+//! fresh ones); with it, a step at 16K takes under 400 page faults and 0.2 s of system time.
 //!
 //! Every other run keeps what it frees ([`reuse_freed_memory`]): by default glibc gives the top of its heaps
 //! back to the kernel and serves blocks of 32 MiB and more from fresh mappings, so a step that frees and
@@ -28,6 +33,7 @@
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Mutex, MutexGuard, PoisonError};
 
 /// Buffers from this size up are mapped one by one in a run that offloads: every tensor of a long sequence,
 /// none of the per-token vectors of a short one.
@@ -179,13 +185,135 @@ mod mapping {
     }
 }
 
+/// Freed mappings kept for reuse (see the module docs), with the byte counts that bound them.
+struct Pool {
+    /// `(address, mapping length)`; a length of 0 is an empty slot.
+    slots: [(usize, usize); SLOTS],
+    /// Bytes of the mappings in use.
+    live: usize,
+    /// Bytes of the mappings kept in `slots`.
+    kept: usize,
+    /// The most `live` has been: what the mappings' resident size is never to exceed.
+    high: usize,
+}
+
+/// Enough for every size of tensor a layer's step frees before it allocates the next (about 40 mappings at the
+/// peak of a step of the bench model); a mapping freed while every slot is taken is unmapped.
+const SLOTS: usize = 64;
+
+static POOL: Mutex<Pool> = Mutex::new(Pool { slots: [(0, 0); SLOTS], live: 0, kept: 0, high: 0 });
+
+impl Pool {
+    fn lock() -> MutexGuard<'static, Pool> {
+        // A panic while the lock was held cannot leave the counts half-updated in a way that matters here.
+        POOL.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The kept mapping to serve `len` bytes from: the smallest of `len` or more, else the largest (to grow).
+    fn take(&mut self, len: usize) -> Option<(usize, usize)> {
+        let kept = self.slots.iter().enumerate().filter(|(_, s)| s.1 != 0);
+        let i = kept
+            .clone()
+            .filter(|(_, s)| s.1 >= len)
+            .min_by_key(|(_, s)| s.1)
+            .or_else(|| kept.max_by_key(|(_, s)| s.1))
+            .map(|(i, _)| i)?;
+        let slot = std::mem::take(&mut self.slots[i]);
+        self.kept -= slot.1;
+        Some(slot)
+    }
+
+    /// Takes the largest kept mapping out, if the mappings' total is above their high-water mark.
+    fn over_high(&mut self) -> Option<(usize, usize)> {
+        if self.live + self.kept <= self.high {
+            return None;
+        }
+        let i = self.slots.iter().enumerate().filter(|(_, s)| s.1 != 0).max_by_key(|(_, s)| s.1).map(|(i, _)| i)?;
+        let slot = std::mem::take(&mut self.slots[i]);
+        self.kept -= slot.1;
+        Some(slot)
+    }
+}
+
+/// A large buffer of `size` bytes under MAPPED: a kept mapping resized to fit when there is one, zeroed when
+/// `zeroed` (a fresh mapping is), else a fresh mapping; then kept mappings over the high-water mark are unmapped.
+fn map_large(size: usize, zeroed: bool) -> *mut u8 {
+    let len = mapping_len(size);
+    let mut pool = Pool::lock();
+    let p = match pool.take(len) {
+        Some((addr, had)) => {
+            // SAFETY: a kept mapping of `had` bytes, owned by the pool until now.
+            let q = unsafe { mapping::remap(addr as *mut u8, had, len) };
+            if q.is_null() {
+                // SAFETY: `remap` left the kept mapping intact; it is no longer in the pool.
+                unsafe { mapping::unmap(addr as *mut u8, had) };
+                mapping::map(size)
+            } else {
+                if zeroed {
+                    // SAFETY: the first `min(had, len)` bytes are the reused ones; a grown tail is fresh (zero).
+                    unsafe { std::ptr::write_bytes(q, 0, had.min(len)) };
+                }
+                q
+            }
+        }
+        None => mapping::map(size),
+    };
+    if !p.is_null() {
+        pool.live += len;
+        pool.high = pool.high.max(pool.live);
+        while let Some((addr, had)) = pool.over_high() {
+            // SAFETY: a kept mapping of `had` bytes, out of the pool.
+            unsafe { mapping::unmap(addr as *mut u8, had) };
+        }
+    }
+    p
+}
+
+/// Frees a large buffer under MAPPED: kept for reuse while a slot is free, else unmapped.
+///
+/// # Safety
+/// `p` must be a mapping from [`map_large`] or [`remap_large`] of `size` bytes, not used after.
+unsafe fn unmap_large(p: *mut u8, size: usize) {
+    let len = mapping_len(size);
+    let mut pool = Pool::lock();
+    pool.live -= len;
+    match pool.slots.iter_mut().find(|s| s.1 == 0) {
+        Some(slot) => {
+            *slot = (p as usize, len);
+            pool.kept += len;
+        }
+        // SAFETY: the caller's contract.
+        None => unsafe { mapping::unmap(p, size) },
+    }
+}
+
+/// Resizes a large buffer under MAPPED, keeping the counts.
+///
+/// # Safety
+/// `p` must be a mapping from [`map_large`] or [`remap_large`] of `old` bytes.
+unsafe fn remap_large(p: *mut u8, old: usize, new: usize) -> *mut u8 {
+    let mut pool = Pool::lock();
+    // SAFETY: the caller's contract.
+    let q = unsafe { mapping::remap(p, old, new) };
+    if !q.is_null() {
+        pool.live = pool.live - mapping_len(old) + mapping_len(new);
+        pool.high = pool.high.max(pool.live);
+        while let Some((addr, had)) = pool.over_high() {
+            // SAFETY: a kept mapping of `had` bytes, out of the pool.
+            unsafe { mapping::unmap(addr as *mut u8, had) };
+        }
+    }
+    q
+}
+
 // SAFETY: every buffer is freed and resized by the allocator that made it: the system's for small ones and for
 // large ones under SYSTEM, a mapping for large ones under MAPPED, and the mode never changes once a large
-// buffer exists. Mappings are page-aligned, which covers every alignment `is_mapped` accepts, and zeroed.
+// buffer exists. Mappings are page-aligned, which covers every alignment `is_mapped` accepts; a fresh one is
+// zeroed and a kept one is cleared for `alloc_zeroed`.
 unsafe impl GlobalAlloc for Allocator {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         if is_mapped(layout) {
-            mapping::map(layout.size())
+            map_large(layout.size(), false)
         } else {
             // SAFETY: the caller's contract, passed on.
             unsafe { System.alloc(layout) }
@@ -194,7 +322,7 @@ unsafe impl GlobalAlloc for Allocator {
 
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
         if is_mapped(layout) {
-            mapping::map(layout.size())
+            map_large(layout.size(), true)
         } else {
             // SAFETY: the caller's contract, passed on.
             unsafe { System.alloc_zeroed(layout) }
@@ -204,7 +332,7 @@ unsafe impl GlobalAlloc for Allocator {
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
         if is_mapped(layout) {
             // SAFETY: a large buffer under MAPPED was mapped by `alloc` or `realloc` with this size.
-            unsafe { mapping::unmap(ptr, layout.size()) }
+            unsafe { unmap_large(ptr, layout.size()) }
         } else {
             // SAFETY: the caller's contract, passed on.
             unsafe { System.dealloc(ptr, layout) }
@@ -218,7 +346,7 @@ unsafe impl GlobalAlloc for Allocator {
             // SAFETY: the caller's contract, passed on.
             (false, false) => unsafe { System.realloc(ptr, layout, new_size) },
             // SAFETY: `ptr` is a mapping of `layout.size()` bytes.
-            (true, true) => unsafe { mapping::remap(ptr, layout.size(), new_size) },
+            (true, true) => unsafe { remap_large(ptr, layout.size(), new_size) },
             // Between the two kinds: a new buffer of the other kind, the contents copied, the old one freed.
             _ => {
                 // SAFETY: `new_layout` is valid and non-zero (realloc's contract).
@@ -267,6 +395,49 @@ mod tests {
             let u = std::slice::from_raw_parts(r, LARGE);
             assert!(u.iter().enumerate().all(|(i, &b)| b == (i % 251) as u8));
             mapping::unmap(r, LARGE);
+        }
+    }
+
+    #[test]
+    fn freed_mappings_are_reused_resized_cleared_when_asked_and_kept_within_the_high_water_mark() {
+        // The only test of the pool, which is process-wide.
+        let counts = || {
+            let p = Pool::lock();
+            (p.live, p.kept, p.high)
+        };
+        let mb = HUGE_PAGE;
+        let a = map_large(3 * mb, false);
+        assert!(!a.is_null());
+        // SAFETY: `a` holds 3 huge pages; every pointer below is a buffer of the pool of the size it was asked
+        // for, freed once with that size.
+        unsafe {
+            std::ptr::write_bytes(a, 7, 3 * mb);
+            unmap_large(a, 3 * mb);
+            assert_eq!(counts(), (0, 3 * mb, 3 * mb));
+            // Served from the kept mapping, shrunk in place, and cleared.
+            let b = map_large(2 * mb, true);
+            assert_eq!(b, a);
+            assert!(std::slice::from_raw_parts(b, 2 * mb).iter().all(|&x| x == 0));
+            assert_eq!(counts(), (2 * mb, 0, 3 * mb));
+            let c = map_large(mb, false);
+            std::ptr::write_bytes(b, 9, 2 * mb);
+            unmap_large(b, 2 * mb);
+            unmap_large(c, mb);
+            assert_eq!(counts(), (0, 3 * mb, 3 * mb));
+            // Nothing kept fits: the largest grows, and the other goes to keep the total within the mark.
+            let d = map_large(5 * mb, true);
+            let t = std::slice::from_raw_parts(d, 5 * mb);
+            assert!(t.iter().all(|&x| x == 0));
+            assert_eq!(counts(), (5 * mb, 0, 5 * mb));
+            unmap_large(d, 5 * mb);
+            assert_eq!(counts(), (0, 5 * mb, 5 * mb));
+            // Every slot taken: what is freed after is unmapped.
+            let many: Vec<*mut u8> = (0..SLOTS + 2).map(|_| map_large(LARGE, false)).collect();
+            assert!(many.iter().all(|p| !p.is_null()));
+            many.into_iter().for_each(|p| unmap_large(p, LARGE));
+            let (live, kept, high) = counts();
+            assert_eq!((live, kept), (0, SLOTS * LARGE));
+            assert!(kept <= high);
         }
     }
 
