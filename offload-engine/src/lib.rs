@@ -75,8 +75,9 @@
 //!   the heap and resident memory stays at the heap's high-water mark however much went to disk. A process
 //!   that wants its peak RSS to follow live memory maps its large buffers one by one: fixing the threshold
 //!   (`mallopt(M_MMAP_THRESHOLD, …)`) does it with 4 KiB pages, whose first-touch faults cost a step up to a
-//!   quarter of its time; the `longctx` trainer's global allocator does it with transparent huge pages for a run
-//!   that offloads (`longctx_trainer::alloc`); the engine leaves the process's allocator alone. With
+//!   quarter of its time; the `longctx` trainer's global allocator does it with transparent huge pages, keeping
+//!   freed mappings for reuse within the high-water mark of those in use (`longctx_trainer::alloc`); the engine
+//!   leaves the process's allocator alone. With
 //!   [`OffloadEngineBuilder::spare_bytes`] allocations are kept instead,
 //!   up to that bound, for fetches to reuse ([`OffloadEngine::recycle`] gives back fetched tensors the same
 //!   way); the default bound is zero.

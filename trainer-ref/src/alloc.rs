@@ -1,15 +1,16 @@
-//! The `longctx` binary's allocator: the system's, keeping freed memory for reuse, except in a run that
-//! offloads, where every buffer of [`LARGE`] bytes or more is a mapping of its own, backed by transparent huge
-//! pages, so that peak RSS follows live memory.
+//! The `longctx` binary's allocator: every buffer of [`LARGE`] bytes or more (every tensor of a long sequence)
+//! is a mapping of its own, backed by transparent huge pages, and a freed one is kept for reuse only while that
+//! keeps the mappings within the most that was ever in use, so peak RSS follows live memory; smaller buffers
+//! come from the system allocator, set to keep what it frees ([`reuse_freed_memory`]).
 //!
-//! Why a run that offloads needs it: glibc's `malloc` serves an allocation from an `mmap` of its own only above
-//! a threshold, and by default raises that threshold to the size of each such block freed (up to 32 MiB).
-//! After the first step's tensors are freed, every tensor of 32 MiB or less comes from the heap, and a freed one
-//! stays there: the heap keeps the high-water mark of the step's allocations, scattered, instead of returning
-//! it. Offloading then lowers what is live but not what is resident. A heap that is never trimmed (what every
-//! other run uses, below) does reuse the pages of offloaded tensors, but not well: tensors of many sizes leave
-//! gaps that fit none of the next ones, and the bench model's offloading run peaked at 922 instead of 836 MiB at
-//! 16K tokens and 3389 instead of 2897 MiB at 64K.
+//! Why not the system allocator for everything: glibc's `malloc` serves an allocation from an `mmap` of its own
+//! only above a threshold, and by default raises that threshold to the size of each such block freed (up to 32
+//! MiB), and gives the top of its heaps back to the kernel. A step that frees and reallocates the same tensors
+//! then faults their pages in again every time: 43 thousand faults a step at 4K tokens, 300 thousand at 16K,
+//! 4 KiB each. One heap that is never trimmed reuses its pages, but not well: tensors of many sizes leave gaps
+//! that fit none of the next ones. Its resident size is the step's high-water mark plus those gaps: 5200
+//! instead of 5078 MiB for the bench model at 64K tokens, and in a run that offloads, whose live memory falls
+//! and rises within a step, 922 instead of 836 MiB at 16K and 3389 instead of 2897 MiB at 64K.
 //!
 //! Why freed mappings are kept, and resized to fit: a fresh mapping costs the kernel clearing its pages (and,
 //! with 4 KiB pages, a fault for each; fixing glibc's threshold, what this module did first, cost 13–27% of a
@@ -22,21 +23,15 @@
 //! 0.7–0.85 GiB fresh a step at 16K tokens (kept mappings of the wrong sizes were unmapped to make room for
 //! fresh ones); with it, a step at 16K takes under 400 page faults and 0.2 s of system time.
 //!
-//! Every other run keeps what it frees ([`reuse_freed_memory`]): by default glibc gives the top of its heaps
-//! back to the kernel and serves blocks of 32 MiB and more from fresh mappings, so a step that frees and
-//! reallocates the same tensors faults their pages in again every time (43 thousand faults a step at 4K
-//! tokens, 300 thousand at 16K, 4 KiB each). One heap that is never trimmed reuses the pages instead; its
-//! resident size is the step's high-water mark, which is the peak either way.
-//!
-//! The choice is made once per process, before the first large allocation ([`return_freed_memory`]); a large
-//! buffer is freed the way it was allocated because no large buffer is ever allocated under the other mode.
+//! The cost against the never-trimmed heap: a mapping of 2 MiB or more is rounded up to whole huge pages (10–15
+//! MiB more peak RSS at 4K tokens), and a buffer that must be zeroed is cleared on the calling thread when it
+//! is a kept one (as glibc's `calloc` clears a reused block).
 
 use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
-/// Buffers from this size up are mapped one by one in a run that offloads: every tensor of a long sequence,
-/// none of the per-token vectors of a short one.
+/// Buffers from this size up are mappings of their own: every tensor of a long sequence, none of the per-token
+/// vectors of a short one.
 pub const LARGE: usize = 1 << 20;
 
 /// Transparent huge pages on x86-64 and most arm64 kernels: mappings of at least this size are rounded up to
@@ -45,20 +40,12 @@ const HUGE_PAGE: usize = 2 << 20;
 
 const PAGE: usize = 4096;
 
-/// No large buffer allocated yet: the mode may still be chosen.
-const UNDECIDED: u8 = 0;
-/// Large buffers from the system allocator (the default).
-const SYSTEM: u8 = 1;
-/// Large buffers mapped one by one.
-const MAPPED: u8 = 2;
-
-static MODE: AtomicU8 = AtomicU8::new(UNDECIDED);
-
 /// The allocator (`#[global_allocator]` in the `longctx` binary).
 #[derive(Debug, Default, Clone, Copy)]
 pub struct Allocator;
 
-/// Makes the system allocator keep what is freed for reuse (see the module docs): one arena for all threads (a
+/// Makes the system allocator keep what is freed for reuse (small buffers; see the module docs): one arena for
+/// all threads (a
 /// thread's own arena lives in heaps of at most 64 MiB, which glibc unmaps as they empty), no trimming of the
 /// heap's top, and no separate mapping for any block under 2 GiB. Call it first thing in `main`, before any
 /// thread starts. Returns whether every setting took; a no-op that returns false outside glibc.
@@ -78,33 +65,9 @@ pub fn reuse_freed_memory() -> bool {
     }
 }
 
-/// Makes this process map each large buffer on its own (see the module docs). Returns false when a large buffer
-/// was allocated before (the mode is then the system's for good, and peak RSS is only higher). A no-op that
-/// returns false outside Linux.
-pub fn return_freed_memory() -> bool {
-    if !cfg!(target_os = "linux") {
-        return false;
-    }
-    match MODE.compare_exchange(UNDECIDED, MAPPED, Ordering::AcqRel, Ordering::Acquire) {
-        Ok(_) => true,
-        Err(mode) => mode == MAPPED,
-    }
-}
-
-/// Whether a buffer of `layout` is (or is to be) a mapping of its own. The first large buffer under
-/// [`UNDECIDED`] fixes the mode at [`SYSTEM`].
+/// Whether a buffer of `layout` is a mapping of its own: a large one whose alignment a page covers.
 fn is_mapped(layout: Layout) -> bool {
-    if layout.size() < LARGE || layout.align() > PAGE {
-        return false;
-    }
-    match MODE.load(Ordering::Acquire) {
-        MAPPED => true,
-        SYSTEM => false,
-        _ => match MODE.compare_exchange(UNDECIDED, SYSTEM, Ordering::AcqRel, Ordering::Acquire) {
-            Ok(_) => false,
-            Err(mode) => mode == MAPPED,
-        },
-    }
+    layout.size() >= LARGE && layout.align() <= PAGE && cfg!(target_os = "linux")
 }
 
 /// The length of the mapping for `size` bytes.
@@ -175,7 +138,7 @@ mod mapping {
 
 #[cfg(not(target_os = "linux"))]
 mod mapping {
-    // Never called: the mode is never MAPPED outside Linux.
+    // Never called: no buffer is mapped outside Linux (`is_mapped`).
     pub fn map(_: usize) -> *mut u8 {
         std::ptr::null_mut()
     }
@@ -197,9 +160,9 @@ struct Pool {
     high: usize,
 }
 
-/// Enough for every size of tensor a layer's step frees before it allocates the next (about 40 mappings at the
-/// peak of a step of the bench model); a mapping freed while every slot is taken is unmapped.
-const SLOTS: usize = 64;
+/// Enough for the tensors several ranks of one process free at once (one rank of the bench model holds about
+/// 40 mappings at the peak of its step); a mapping freed while every slot is taken is unmapped.
+const SLOTS: usize = 256;
 
 static POOL: Mutex<Pool> = Mutex::new(Pool { slots: [(0, 0); SLOTS], live: 0, kept: 0, high: 0 });
 
@@ -235,7 +198,7 @@ impl Pool {
     }
 }
 
-/// A large buffer of `size` bytes under MAPPED: a kept mapping resized to fit when there is one, zeroed when
+/// A large buffer of `size` bytes: a kept mapping resized to fit when there is one, zeroed when
 /// `zeroed` (a fresh mapping is), else a fresh mapping; then kept mappings over the high-water mark are unmapped.
 fn map_large(size: usize, zeroed: bool) -> *mut u8 {
     let len = mapping_len(size);
@@ -269,7 +232,7 @@ fn map_large(size: usize, zeroed: bool) -> *mut u8 {
     p
 }
 
-/// Frees a large buffer under MAPPED: kept for reuse while a slot is free, else unmapped.
+/// Frees a large buffer: kept for reuse while a slot is free, else unmapped.
 ///
 /// # Safety
 /// `p` must be a mapping from [`map_large`] or [`remap_large`] of `size` bytes, not used after.
@@ -287,7 +250,7 @@ unsafe fn unmap_large(p: *mut u8, size: usize) {
     }
 }
 
-/// Resizes a large buffer under MAPPED, keeping the counts.
+/// Resizes a large buffer, keeping the counts.
 ///
 /// # Safety
 /// `p` must be a mapping from [`map_large`] or [`remap_large`] of `old` bytes.
@@ -306,9 +269,8 @@ unsafe fn remap_large(p: *mut u8, old: usize, new: usize) -> *mut u8 {
     q
 }
 
-// SAFETY: every buffer is freed and resized by the allocator that made it: the system's for small ones and for
-// large ones under SYSTEM, a mapping for large ones under MAPPED, and the mode never changes once a large
-// buffer exists. Mappings are page-aligned, which covers every alignment `is_mapped` accepts; a fresh one is
+// SAFETY: every buffer is freed and resized by the allocator that made it, the system's for small ones and the
+// pool's mappings for large ones (`is_mapped` is a function of the layout alone). Mappings are page-aligned, which covers every alignment `is_mapped` accepts; a fresh one is
 // zeroed and a kept one is cleared for `alloc_zeroed`.
 unsafe impl GlobalAlloc for Allocator {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
@@ -331,7 +293,7 @@ unsafe impl GlobalAlloc for Allocator {
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
         if is_mapped(layout) {
-            // SAFETY: a large buffer under MAPPED was mapped by `alloc` or `realloc` with this size.
+            // SAFETY: a large buffer was mapped by `alloc` or `realloc` with this size.
             unsafe { unmap_large(ptr, layout.size()) }
         } else {
             // SAFETY: the caller's contract, passed on.
@@ -369,8 +331,7 @@ unsafe impl GlobalAlloc for Allocator {
 mod tests {
     use super::*;
 
-    // The process-wide mode is not touched here (the test binary's allocator is the system's); the mapping
-    // functions and the allocator's paths are exercised directly.
+    // The test binary's allocator is the system's: the mapping functions and the pool are exercised directly.
 
     #[test]
     fn mappings_are_zeroed_grow_and_shrink_keeping_their_contents() {

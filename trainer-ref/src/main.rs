@@ -205,9 +205,6 @@ fn run(cli: Cli) -> Result<()> {
                 set.push(format!("train.offload_budget=\"{b}\""));
             }
             let mut recipe = Recipe::load(&recipe, &set)?;
-            if recipe.train.offload != "none" && !longctx_trainer::alloc::return_freed_memory() {
-                eprintln!("note: a large buffer was allocated before the offload allocator could be chosen: peak RSS will not fall as far as the offloaded bytes");
-            }
             let from_recipe = init_from.is_none() && !recipe.train.init_from.is_empty();
             let init_path = init_from.or_else(|| from_recipe.then(|| resolve_init(&recipe.train.init_from)));
             if let Some(p) = init_path.as_deref().filter(|p| !p.exists()) {
@@ -345,7 +342,7 @@ fn run(cli: Cli) -> Result<()> {
 }
 
 fn main() -> ExitCode {
-    // Before any thread or tensor exists. Where a setting does not take, steps only fault their memory in again.
+    // Before any thread exists, so that one heap serves every thread (large buffers are the allocator's own).
     longctx_trainer::alloc::reuse_freed_memory();
     match run(Cli::parse()) {
         Ok(()) => ExitCode::SUCCESS,

@@ -268,6 +268,18 @@ fn export_then_import_round_trips_bit_exactly() {
     assert_eq!(back.model(), l3.model());
     let e = export::write_dir(&re, l3.model(), 128, &l3.tensors, None, &export::ExportOptions::default()).unwrap_err();
     assert!(e.to_string().contains("not empty"), "{e}");
+    // Tensors that are not the model's are refused by name before anything is written.
+    let mut renamed = l3.tensors.clone();
+    renamed[1].name = "model.layers.0.self_attn.q_proj.weigth".into();
+    let fresh = scratch("reexport-renamed");
+    let target = fresh.join("out");
+    let e = export::write_dir(&target, l3.model(), 128, &renamed, None, &export::ExportOptions::default()).unwrap_err();
+    let msg = e.to_string();
+    assert!(
+        msg.contains("q_proj.weigth` (dims") && msg.contains(&format!("`{}` is missing", l3.tensors[1].name)),
+        "{msg}"
+    );
+    assert!(!target.exists());
 }
 
 /// The run `out` exported as one file and sharded at 40 kB.

@@ -61,13 +61,15 @@ impl Default for ExportOptions {
 pub fn export_checkpoint(ckpt: &Path, out: &Path, opts: &ExportOptions) -> Result<Vec<PathBuf>> {
     let ck = checkpoint::load(ckpt)?;
     let recipe = crate::eval::checkpoint_recipe(&ck)?;
+    // Checked here too, so that a mismatch names the checkpoint's file rather than the export's directory.
     checkpoint::expect_tensors(&ck.model_path(), &ck.model, &param_shapes(&recipe.model))?;
     write_dir(out, &recipe.model, recipe.train.seq_len, &ck.model, ck.tokenizer.as_ref(), opts)
 }
 
 /// Writes `tensors` of `model` (named and shaped as [`param_shapes`] says), and `tokenizer` when given, as a
-/// Hugging Face directory `out`, the experts in the layout `opts` names. Options the model cannot take fail
-/// before anything is written.
+/// Hugging Face directory `out`, the experts in the layout `opts` names. Tensors that are not the model's
+/// (missing, extra, or of other dims: [`TrainError::Checkpoint`] naming each) and options the model cannot take
+/// fail before anything is written.
 pub fn write_dir(
     out: &Path,
     model: &ModelConfig,
@@ -76,6 +78,7 @@ pub fn write_dir(
     tokenizer: Option<&SavedTokenizer>,
     opts: &ExportOptions,
 ) -> Result<Vec<PathBuf>> {
+    checkpoint::expect_tensors(out, tensors, &param_shapes(model))?;
     let file_tensors = opts.experts.file_tensors(model, tensors)?;
     if out.exists() {
         let mut entries = std::fs::read_dir(out).map_err(|e| TrainError::io(out, e))?;
