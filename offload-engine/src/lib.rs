@@ -77,10 +77,9 @@
 //!   (`mallopt(M_MMAP_THRESHOLD, …)`) does it with 4 KiB pages, whose first-touch faults cost a step up to a
 //!   quarter of its time; the `longctx` trainer's global allocator does it with transparent huge pages, keeping
 //!   freed mappings for reuse within the high-water mark of those in use (`longctx_trainer::alloc`); the engine
-//!   leaves the process's allocator alone. With
-//!   [`OffloadEngineBuilder::spare_bytes`] allocations are kept instead,
-//!   up to that bound, for fetches to reuse ([`OffloadEngine::recycle`] gives back fetched tensors the same
-//!   way); the default bound is zero.
+//!   leaves the process's allocator alone. With [`OffloadEngineBuilder::spare_bytes`] allocations are kept
+//!   instead, up to that bound, for fetches to reuse ([`OffloadEngine::recycle`] gives back fetched tensors the
+//!   same way); the default bound is zero.
 //! - **No allocation per step**: host-tier buffers and direct-I/O staging buffers come from pools that keep
 //!   them ([`OffloadStats::host_buffers_mapped`] stops growing after the first step); fetched tensors are
 //!   allocated unless a spare matches ([`OffloadStats::fetch_allocations`]).

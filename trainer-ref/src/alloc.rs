@@ -45,9 +45,8 @@ const PAGE: usize = 4096;
 pub struct Allocator;
 
 /// Makes the system allocator keep what is freed for reuse (small buffers; see the module docs): one arena for
-/// all threads (a
-/// thread's own arena lives in heaps of at most 64 MiB, which glibc unmaps as they empty), no trimming of the
-/// heap's top, and no separate mapping for any block under 2 GiB. Call it first thing in `main`, before any
+/// all threads (a thread's own arena lives in heaps of at most 64 MiB, which glibc unmaps as they empty), no
+/// trimming of the heap's top, and no separate mapping for any block under 2 GiB. Call it first thing in `main`, before any
 /// thread starts. Returns whether every setting took; a no-op that returns false outside glibc.
 pub fn reuse_freed_memory() -> bool {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
@@ -181,53 +180,58 @@ impl Pool {
             .min_by_key(|(_, s)| s.1)
             .or_else(|| kept.max_by_key(|(_, s)| s.1))
             .map(|(i, _)| i)?;
-        let slot = std::mem::take(&mut self.slots[i]);
-        self.kept -= slot.1;
-        Some(slot)
+        Some(self.remove(i))
     }
 
-    /// Takes the largest kept mapping out, if the mappings' total is above their high-water mark.
-    fn over_high(&mut self) -> Option<(usize, usize)> {
-        if self.live + self.kept <= self.high {
-            return None;
-        }
-        let i = self.slots.iter().enumerate().filter(|(_, s)| s.1 != 0).max_by_key(|(_, s)| s.1).map(|(i, _)| i)?;
+    fn remove(&mut self, i: usize) -> (usize, usize) {
         let slot = std::mem::take(&mut self.slots[i]);
         self.kept -= slot.1;
-        Some(slot)
+        slot
     }
-}
 
-/// A large buffer of `size` bytes: a kept mapping resized to fit when there is one, zeroed when
-/// `zeroed` (a fresh mapping is), else a fresh mapping; then kept mappings over the high-water mark are unmapped.
-fn map_large(size: usize, zeroed: bool) -> *mut u8 {
-    let len = mapping_len(size);
-    let mut pool = Pool::lock();
-    let p = match pool.take(len) {
-        Some((addr, had)) => {
-            // SAFETY: a kept mapping of `had` bytes, owned by the pool until now.
-            let q = unsafe { mapping::remap(addr as *mut u8, had, len) };
-            if q.is_null() {
-                // SAFETY: `remap` left the kept mapping intact; it is no longer in the pool.
-                unsafe { mapping::unmap(addr as *mut u8, had) };
-                mapping::map(size)
-            } else {
-                if zeroed {
-                    // SAFETY: the first `min(had, len)` bytes are the reused ones; a grown tail is fresh (zero).
-                    unsafe { std::ptr::write_bytes(q, 0, had.min(len)) };
-                }
-                q
-            }
-        }
-        None => mapping::map(size),
-    };
-    if !p.is_null() {
-        pool.live += len;
-        pool.high = pool.high.max(pool.live);
-        while let Some((addr, had)) = pool.over_high() {
+    /// Counts a mapping in use going from `from` to `to` bytes (0 for none), then unmaps kept mappings, the
+    /// largest first, until the total is within the high-water mark again.
+    fn resized(&mut self, from: usize, to: usize) {
+        self.live = self.live - from + to;
+        self.high = self.high.max(self.live);
+        while self.live + self.kept > self.high {
+            let Some(i) =
+                self.slots.iter().enumerate().filter(|(_, s)| s.1 != 0).max_by_key(|(_, s)| s.1).map(|(i, _)| i)
+            else {
+                break;
+            };
+            let (addr, had) = self.remove(i);
             // SAFETY: a kept mapping of `had` bytes, out of the pool.
             unsafe { mapping::unmap(addr as *mut u8, had) };
         }
+    }
+}
+
+/// A large buffer of `size` bytes: a kept mapping resized to fit when there is one (cleared when `zeroed`; a
+/// fresh mapping is zero), else a fresh mapping. The lock is not held while the kernel resizes or maps, nor while
+/// a reused buffer is cleared, so that other threads' large buffers do not wait on them.
+fn map_large(size: usize, zeroed: bool) -> *mut u8 {
+    let len = mapping_len(size);
+    let kept = Pool::lock().take(len);
+    let (p, reused) = match kept {
+        // SAFETY: a kept mapping of `had` bytes, owned here since `take`.
+        Some((addr, had)) => match unsafe { mapping::remap(addr as *mut u8, had, len) } {
+            q if q.is_null() => {
+                // SAFETY: `remap` left the kept mapping intact.
+                unsafe { mapping::unmap(addr as *mut u8, had) };
+                (mapping::map(size), 0)
+            }
+            q => (q, had.min(len)),
+        },
+        None => (mapping::map(size), 0),
+    };
+    if p.is_null() {
+        return p;
+    }
+    Pool::lock().resized(0, len);
+    if zeroed {
+        // SAFETY: the first `reused` bytes are the kept mapping's; a grown tail is fresh (zero).
+        unsafe { std::ptr::write_bytes(p, 0, reused) };
     }
     p
 }
@@ -255,23 +259,18 @@ unsafe fn unmap_large(p: *mut u8, size: usize) {
 /// # Safety
 /// `p` must be a mapping from [`map_large`] or [`remap_large`] of `old` bytes.
 unsafe fn remap_large(p: *mut u8, old: usize, new: usize) -> *mut u8 {
-    let mut pool = Pool::lock();
     // SAFETY: the caller's contract.
     let q = unsafe { mapping::remap(p, old, new) };
     if !q.is_null() {
-        pool.live = pool.live - mapping_len(old) + mapping_len(new);
-        pool.high = pool.high.max(pool.live);
-        while let Some((addr, had)) = pool.over_high() {
-            // SAFETY: a kept mapping of `had` bytes, out of the pool.
-            unsafe { mapping::unmap(addr as *mut u8, had) };
-        }
+        Pool::lock().resized(mapping_len(old), mapping_len(new));
     }
     q
 }
 
 // SAFETY: every buffer is freed and resized by the allocator that made it, the system's for small ones and the
-// pool's mappings for large ones (`is_mapped` is a function of the layout alone). Mappings are page-aligned, which covers every alignment `is_mapped` accepts; a fresh one is
-// zeroed and a kept one is cleared for `alloc_zeroed`.
+// pool's mappings for large ones (`is_mapped` is a function of the layout alone). Mappings are page-aligned,
+// which covers every alignment `is_mapped` accepts; a fresh one is zeroed and a kept one is cleared for
+// `alloc_zeroed`.
 unsafe impl GlobalAlloc for Allocator {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         if is_mapped(layout) {

@@ -333,8 +333,8 @@ fn each_family_trains_and_resumes_with_bit_identical_losses() {
 }
 
 /// The `longctx` binary with `--offload disk` (its allocator maps each large buffer on its own and keeps a
-/// freed one only within the high-water mark of those in use, see `longctx_trainer::alloc`): the same losses bit for bit as without, and a peak RSS lower by a
-/// good part of what went to disk (two of four layers are out at the peak; the last stays resident and the one
+/// freed one only within the high-water mark of those in use, see `longctx_trainer::alloc`): the same losses
+/// bit for bit as without, and a peak RSS lower by a good part of what went to disk (two of four layers are out at the peak; the last stays resident and the one
 /// below it comes back during its backward).
 #[test]
 fn the_binary_with_offload_has_the_same_losses_and_a_lower_peak_rss() {
