@@ -15,7 +15,7 @@ use rayon::prelude::*;
 
 use crate::attention::{self, AttnGrads, AttnOptions, AttnOut, AttnPartial, AttnSaved, Qkv, SimdPath};
 use crate::backend::{AdamwState, Backend, GradMode, LinearGrads, NormGrads, NormParams, ProjectionGrads};
-use crate::buffer::Buffer;
+use crate::buffer::{Buffer, HostVec};
 use crate::dtype::{DType, Element};
 use crate::error::{KernelError, Result};
 use crate::ops::{self, AdamW, CrossEntropyOptions, CrossEntropyOutput, RopeTable, RouterOutput, Routing};
@@ -40,6 +40,9 @@ macro_rules! by_dtype {
         }
     };
 }
+
+/// Buffers from this size up are zeroed by the pool's threads rather than by `calloc` on the calling thread.
+const PARALLEL_ZEROS_BYTES: usize = 1 << 20;
 
 /// The CPU backend (see the module docs).
 #[derive(Debug, Clone)]
@@ -92,6 +95,19 @@ impl CpuBackend {
             Some(p) => p.broadcast(|_| ops::clear_pool()),
             None => rayon::broadcast(|_| ops::clear_pool()),
         };
+    }
+
+    /// `n` zeros, written by the pool's threads.
+    fn zeroed_vec<T: Element>(&self, n: usize) -> Vec<T> {
+        let mut v = Vec::with_capacity(n);
+        self.run(|| {
+            v.spare_capacity_mut()[..n]
+                .par_chunks_mut(ops::ELEMS_PER_TASK)
+                .for_each(|c| c.fill(std::mem::MaybeUninit::new(T::default())))
+        });
+        // SAFETY: the first `n` elements were written just above.
+        unsafe { v.set_len(n) };
+        v
     }
 
     fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
@@ -158,10 +174,15 @@ impl Backend for CpuBackend {
     }
 
     fn zeros(&self, dtype: DType, dims: Dims) -> Result<Buffer> {
-        // `calloc`: a large buffer's pages are mapped on first write, so memory allocated ahead of the op that
-        // fills it (a backward's gradient buffers) is not resident until then. Filling buffers on the pool here
-        // instead raised the trainer's peak RSS by 145 MiB at 16K tokens.
-        Buffer::host_zeros(dtype, dims)
+        let n = dims.numel();
+        if n * dtype.size() < PARALLEL_ZEROS_BYTES {
+            return Buffer::host_zeros(dtype, dims);
+        }
+        let data = match dtype {
+            DType::F32 => HostVec::F32(self.zeroed_vec(n)),
+            DType::Bf16 => HostVec::Bf16(self.zeroed_vec(n)),
+        };
+        Buffer::from_host_vec(data, dims)
     }
 
     fn copy(&self, dst: ViewMut<'_>, src: View<'_>) -> Result<()> {

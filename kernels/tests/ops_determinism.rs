@@ -39,6 +39,14 @@ fn run_all<T: Element>() -> Vec<Vec<u32>> {
     };
     cpu.linear_backward(grads, view(&dy, [t, d_o]), LinearSaved { x: xv }, wv, GradMode::Accumulate).unwrap();
     out.extend([bits(&y), bits(&dx), bits(&dw), bits(&db)]);
+    // A weight gradient over 4500 tokens: the token reduction cut into chunks, summed in chunk order.
+    let (t, di, d_o) = (4500, 24, 40);
+    let (x, w, dy) = (f(&mut r, t * di), f(&mut r, d_o * di), f(&mut r, t * d_o));
+    let mut dw = poisoned::<f32>(d_o * di);
+    let grads = LinearGrads { dx: None, dw: view_mut(&mut dw, [d_o, di]), dbias: None };
+    let (dyv, saved, wv) = (view(&dy, [t, d_o]), LinearSaved { x: view(&x, [t, di]) }, view(&w, [d_o, di]));
+    cpu.linear_backward(grads, dyv, saved, wv, GradMode::Overwrite).unwrap();
+    out.push(bits(&dw));
     // Norms: 300 rows = 19 row blocks.
     let (n, c) = (300, 64);
     let (x, wt, bt, dy) = (f(&mut r, n * c), f(&mut r, c), f(&mut r, c), f(&mut r, n * c));

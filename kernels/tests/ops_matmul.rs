@@ -177,6 +177,19 @@ fn multi_tile_shapes() {
 }
 
 #[test]
+fn long_token_reductions_split_into_chunks() {
+    // Weight gradients (and a product's right-hand gradient) over 4500 and 9000 tokens: the reduction is cut
+    // into 8 chunks (an uneven last one). Run twice on one thread, so that the second run's partials start
+    // from the first one's values.
+    for seed in [5, 6] {
+        linear_case::<f32, f32>(4500, 24, 40, true, seed == 5, seed);
+        linear_case::<Bf16, f32>(4500, 17, 9, false, seed == 6, seed);
+    }
+    linear_case::<f32, f32>(9000, 8, 16, false, false, 7);
+    matmul_case::<f32, f32>(4500, 12, 20, true, 8);
+}
+
+#[test]
 fn bad_shapes_are_typed_errors() {
     let cpu = CpuBackend::new();
     let a = vec![1.0f32; 6];

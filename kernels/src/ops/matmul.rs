@@ -11,8 +11,10 @@
 //! ```
 //!
 //! Determinism: the output is cut into tiles that depend on its shape alone (`tile_sizes`), each computed by
-//! one single-threaded `gemm` call over the whole `K`; tiles run in parallel on rayon. Every output element is
-//! therefore the same sequence of operations whatever the number of threads.
+//! one single-threaded `gemm` call over the whole `K`; tiles run in parallel on rayon. Gradients of a
+//! weight (a long reduction over tokens into a small output) cut `K` instead, into chunks that depend on the
+//! shape alone, and sum the chunks' partial products in chunk order (`gemm_f32_split_k`). Every output element
+//! is therefore the same sequence of operations whatever the number of threads.
 
 use rayon::prelude::*;
 
@@ -26,6 +28,14 @@ const TILE_N: usize = 256;
 /// thousands of tokens is one tile): rows are then cut finer, down to [`MIN_TILE_M`].
 const MIN_TILES: usize = 8;
 const MIN_TILE_M: usize = 32;
+/// Chunks of a split reduction ([`gemm_f32_split_k`]): enough to keep every thread of a small machine busy;
+/// more cost partials' memory and their summing (16 were slower than 8 at 16K tokens and took twice the memory).
+const K_CHUNKS: usize = 8;
+/// The shortest chunk of a split reduction: long enough that a chunk's packing of its operands stays small
+/// against its multiply-adds.
+const K_CHUNK_MIN: usize = 512;
+/// The most bytes of partials a split reduction may take (per thread that runs one: they are pooled).
+const SPLIT_K_MAX_BYTES: usize = 32 << 20;
 /// Below this many multiply-adds a product runs on the calling thread (same tiles, same result).
 const PAR_MIN_FLOPS: usize = 1 << 18;
 
@@ -101,6 +111,63 @@ pub(crate) fn gemm_f32(m: usize, n: usize, k: usize, c: &mut [f32], a: Strided, 
     } else {
         (0..tiles).into_par_iter().for_each(run);
     }
+}
+
+/// `c[M,N] (+)= a[M,K] · b[K,N]` for a long reduction over a small output (a weight gradient, `K` the tokens):
+/// `K` cut into chunks (their count and length a function of the shape alone), each chunk's product of the
+/// whole output one single-threaded `gemm` call into a partial of its own, the chunks in parallel, then the
+/// partials summed in chunk order. Cut by output tiles instead ([`gemm_f32`]), every tile repacks its slice of
+/// `b` over the whole `K` (the layer's input, once per tile row), which cost weight gradients 10–35% of their
+/// speed against the forward's products. Falls back to [`gemm_f32`] when the reduction is too short to cut
+/// into [`K_CHUNKS`] chunks of [`K_CHUNK_MIN`] or the partials would outgrow [`SPLIT_K_MAX_BYTES`].
+pub(crate) fn gemm_f32_split_k(m: usize, n: usize, k: usize, c: &mut [f32], a: Strided, b: Strided, accumulate: bool) {
+    let chunks = K_CHUNKS;
+    if k < chunks * K_CHUNK_MIN || chunks.saturating_mul(4 * m).saturating_mul(n) > SPLIT_K_MAX_BYTES {
+        return gemm_f32(m, n, k, c, a, b, accumulate);
+    }
+    let chunk = k.div_ceil(chunks);
+    // Every partial is written whole by its chunk's product (`gemm` without accumulation reads no output).
+    let mut partials = Scratch::overwritten(chunks * m * n);
+    partials.par_chunks_mut(m * n).enumerate().for_each(|(i, part)| {
+        let k0 = i * chunk;
+        let kc = chunk.min(k - k0);
+        // SAFETY: `part` is `m × n`, row-major, and this task's alone; the operand views cover rows `0..m` of
+        // `a` and columns `0..n` of `b` over the reduction's `k0..k0+kc`, inside their buffers.
+        unsafe {
+            gemm::gemm(
+                m,
+                n,
+                kc,
+                part.as_mut_ptr(),
+                1,
+                n as isize,
+                false,
+                a.at(0, k0),
+                a.cs,
+                a.rs,
+                b.at(k0, 0),
+                b.cs,
+                b.rs,
+                1.0f32,
+                1.0f32,
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            )
+        }
+    });
+    // Each output element sums its chunks in chunk order: the same operations on any number of threads.
+    c.par_chunks_mut(super::ELEMS_PER_TASK).enumerate().for_each(|(t, out)| {
+        let e0 = t * super::ELEMS_PER_TASK;
+        for (j, o) in out.iter_mut().enumerate() {
+            let mut sum = if accumulate { *o } else { 0.0 };
+            for part in partials.chunks_exact(m * n) {
+                sum += part[e0 + j];
+            }
+            *o = sum;
+        }
+    });
 }
 
 /// The output tile of a product: at most `TILE_M × TILE_N`, cut into equal parts (257 columns are two tiles
@@ -187,7 +254,7 @@ pub(crate) fn matmul_backward<T: Element, G: Element>(
     }
     if let Some(db) = db {
         let a = F32In::new(a);
-        with_out(db, accumulate, |o, acc| gemm_f32(k, n, m, o, transposed(&a, k), row_major(&dc, n), acc));
+        with_out(db, accumulate, |o, acc| gemm_f32_split_k(k, n, m, o, transposed(&a, k), row_major(&dc, n), acc));
     }
     Ok(())
 }
@@ -266,7 +333,7 @@ pub(crate) fn linear_backward<T: Element, G: Element>(
     {
         let x = F32In::new(x);
         with_out(dw, accumulate, |o, acc| {
-            gemm_f32(d_out, d_in, t, o, transposed(&dy, d_out), row_major(&x, d_in), acc)
+            gemm_f32_split_k(d_out, d_in, t, o, transposed(&dy, d_out), row_major(&x, d_in), acc)
         });
     }
     if let Some(db) = dbias {

@@ -142,7 +142,24 @@ pub(crate) struct Scratch(Vec<f32>);
 impl Scratch {
     /// A buffer of `n` zeros.
     pub(crate) fn zeroed(n: usize) -> Self {
-        let mut v = POOL.with(|p| {
+        let mut v = Self::take(n);
+        v.clear();
+        v.resize(n, 0.0);
+        Scratch(v)
+    }
+    /// A buffer of `n` elements left as an earlier use of the pooled buffer wrote them (zeros beyond that): for
+    /// outputs written whole before they are read, which need not be cleared first.
+    pub(crate) fn overwritten(n: usize) -> Self {
+        let mut v = Self::take(n);
+        if v.len() >= n {
+            v.truncate(n);
+        } else {
+            v.resize(n, 0.0);
+        }
+        Scratch(v)
+    }
+    fn take(n: usize) -> Vec<f32> {
+        POOL.with(|p| {
             let mut p = p.borrow_mut();
             // Best fit: the smallest pooled buffer that is large enough, else the largest.
             let best = (0..p.len())
@@ -150,10 +167,7 @@ impl Scratch {
                 .min_by_key(|&i| p[i].capacity())
                 .or_else(|| (0..p.len()).max_by_key(|&i| p[i].capacity()));
             best.map(|i| p.swap_remove(i)).unwrap_or_default()
-        });
-        v.clear();
-        v.resize(n, 0.0);
-        Scratch(v)
+        })
     }
     /// `src` widened to `f32`.
     pub(crate) fn widened<T: Element>(src: &[T]) -> Self {
