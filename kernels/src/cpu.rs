@@ -489,7 +489,8 @@ impl Backend for CpuBackend {
         same_dims("out", out.dims(), gate.dims())?;
         by_dtype!(gate.dtype(), T => {
             let (g, u, o) = (self.typed::<T>("gate", gate)?, self.typed::<T>("up", up)?, self.typed_mut::<T>("out", out)?);
-            self.run(|| ops::swiglu_forward(o, g, u))
+            let simd = self.simd;
+            self.run(|| ops::swiglu_forward(simd, o, g, u))
         })
     }
 
@@ -509,7 +510,8 @@ impl Backend for CpuBackend {
         by_dtype!(saved.gate.dtype(), T => {
             let (g, u, dy) = (self.typed::<T>("gate", saved.gate)?, self.typed::<T>("up", saved.up)?, self.typed::<T>("dout", dout)?);
             let (dg, du) = (self.typed_mut::<T>("dgate", dgate)?, self.typed_mut::<T>("dup", dup)?);
-            self.run(|| ops::swiglu_backward(dg, du, dy, g, u))
+            let simd = self.simd;
+            self.run(|| ops::swiglu_backward(simd, dg, du, dy, g, u))
         })
     }
 
