@@ -44,7 +44,7 @@ fn exp(x: f32) -> f32 {
     p = p * r + 8.333_452e-3;
     p = p * r + 4.166_579_6e-2;
     p = p * r + 1.666_666_5e-1;
-    p = p * r + 5.000_000_1e-1;
+    p = p * r + 0.5; // Cephes 5.0000001201e-1, which rounds to 0.5 in f32
     let er = p * r * r + r + 1.0;
     let y = er * f32::from_bits(((n as i32 + 127) as u32) << 23);
     let y = if x > HI { f32::INFINITY } else { y };
