@@ -67,6 +67,50 @@ impl OutPtr {
     }
 }
 
+/// One single-threaded `gemm` call: `c[m,n] (+)= a[m,k] · b[k,n]`, `c` row-major with leading dimension `ldc`,
+/// `a` and `b` starting at `a0` and `b0` with the strides of `a` and `b`.
+///
+/// # Safety
+/// `c` must be valid for writes, and `a0`, `b0` for reads, over the extents these sizes and strides give.
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_serial(
+    m: usize,
+    n: usize,
+    k: usize,
+    c: *mut f32,
+    ldc: usize,
+    a0: *const f32,
+    a: Strided,
+    b0: *const f32,
+    b: Strided,
+    accumulate: bool,
+) {
+    // SAFETY: the caller's contract; `gemm` reads `c` only with `accumulate`.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            c,
+            1,
+            ldc as isize,
+            accumulate,
+            a0,
+            a.cs,
+            a.rs,
+            b0,
+            b.cs,
+            b.rs,
+            1.0f32,
+            1.0f32,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        )
+    }
+}
+
 /// `c[M,N] (+)= a[M,K] · b[K,N]` with `c` row-major and `a`, `b` strided views. Callers have checked that the
 /// views stay inside their buffers.
 pub(crate) fn gemm_f32(m: usize, n: usize, k: usize, c: &mut [f32], a: Strided, b: Strided, accumulate: bool) {
@@ -81,29 +125,7 @@ pub(crate) fn gemm_f32(m: usize, n: usize, k: usize, c: &mut [f32], a: Strided, 
         let (mm, nn) = (tile_m.min(m - i0), tile_n.min(n - j0));
         // SAFETY: the tile `[i0, i0+mm) × [j0, j0+nn)` lies inside `c` and no other task writes it; the operand
         // views cover rows `i0..i0+mm` of `a` and columns `j0..j0+nn` of `b`, inside their buffers.
-        unsafe {
-            gemm::gemm(
-                mm,
-                nn,
-                k,
-                out.get().add(i0 * n + j0),
-                1,
-                n as isize,
-                accumulate,
-                a.at(i0, 0),
-                a.cs,
-                a.rs,
-                b.at(0, j0),
-                b.cs,
-                b.rs,
-                1.0f32,
-                1.0f32,
-                false,
-                false,
-                false,
-                gemm::Parallelism::None,
-            )
-        }
+        unsafe { gemm_serial(mm, nn, k, out.get().add(i0 * n + j0), n, a.at(i0, 0), a, b.at(0, j0), b, accumulate) }
     };
     let tiles = tiles_m * tiles_n;
     if tiles == 1 || m.saturating_mul(n).saturating_mul(k) < PAR_MIN_FLOPS {
@@ -133,29 +155,7 @@ pub(crate) fn gemm_f32_split_k(m: usize, n: usize, k: usize, c: &mut [f32], a: S
         let kc = chunk.min(k - k0);
         // SAFETY: `part` is `m × n`, row-major, and this task's alone; the operand views cover rows `0..m` of
         // `a` and columns `0..n` of `b` over the reduction's `k0..k0+kc`, inside their buffers.
-        unsafe {
-            gemm::gemm(
-                m,
-                n,
-                kc,
-                part.as_mut_ptr(),
-                1,
-                n as isize,
-                false,
-                a.at(0, k0),
-                a.cs,
-                a.rs,
-                b.at(k0, 0),
-                b.cs,
-                b.rs,
-                1.0f32,
-                1.0f32,
-                false,
-                false,
-                false,
-                gemm::Parallelism::None,
-            )
-        }
+        unsafe { gemm_serial(m, n, kc, part.as_mut_ptr(), n, a.at(0, k0), a, b.at(k0, 0), b, false) }
     });
     // Each output element sums its chunks in chunk order: the same operations on any number of threads.
     c.par_chunks_mut(super::ELEMS_PER_TASK).enumerate().for_each(|(t, out)| {
