@@ -44,8 +44,6 @@ macro_rules! by_dtype {
 /// Buffers from this size up are zeroed by the pool's threads rather than by `calloc` on the calling thread. An
 /// allocator that reuses freed memory (glibc's heap, or the trainer's own) clears a reused block on the thread
 /// that asks for it, while the pool waits: 2% of a training step's samples at 4K tokens, all of it serial.
-/// (With `calloc` handing out fresh pages that are mapped on first write, this once raised the trainer's peak
-/// RSS; with buffers reused from step to step it no longer does.)
 const PARALLEL_ZEROS_BYTES: usize = 1 << 20;
 
 /// The CPU backend (see the module docs).

@@ -46,8 +46,8 @@ pub struct Allocator;
 
 /// Makes the system allocator keep what is freed for reuse (small buffers; see the module docs): one arena for
 /// all threads (a thread's own arena lives in heaps of at most 64 MiB, which glibc unmaps as they empty), no
-/// trimming of the heap's top, and no separate mapping for any block under 2 GiB. Call it first thing in `main`, before any
-/// thread starts. Returns whether every setting took; a no-op that returns false outside glibc.
+/// trimming of the heap's top, and no separate mapping for any block under 2 GiB. Call it first thing in `main`,
+/// before any thread starts. Returns whether every setting took; a no-op that returns false outside glibc.
 pub fn reuse_freed_memory() -> bool {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {

@@ -143,13 +143,12 @@ pub(crate) fn gemm_f32(m: usize, n: usize, k: usize, c: &mut [f32], a: Strided, 
 /// speed against the forward's products. Falls back to [`gemm_f32`] when the reduction is too short to cut
 /// into [`K_CHUNKS`] chunks of [`K_CHUNK_MIN`] or the partials would outgrow [`SPLIT_K_MAX_BYTES`].
 pub(crate) fn gemm_f32_split_k(m: usize, n: usize, k: usize, c: &mut [f32], a: Strided, b: Strided, accumulate: bool) {
-    let chunks = K_CHUNKS;
-    if k < chunks * K_CHUNK_MIN || chunks.saturating_mul(4 * m).saturating_mul(n) > SPLIT_K_MAX_BYTES {
+    if k < K_CHUNKS * K_CHUNK_MIN || K_CHUNKS.saturating_mul(4 * m).saturating_mul(n) > SPLIT_K_MAX_BYTES {
         return gemm_f32(m, n, k, c, a, b, accumulate);
     }
-    let chunk = k.div_ceil(chunks);
+    let chunk = k.div_ceil(K_CHUNKS);
     // Every partial is written whole by its chunk's product (`gemm` without accumulation reads no output).
-    let mut partials = Scratch::overwritten(chunks * m * n);
+    let mut partials = Scratch::overwritten(K_CHUNKS * m * n);
     partials.par_chunks_mut(m * n).enumerate().for_each(|(i, part)| {
         let k0 = i * chunk;
         let kc = chunk.min(k - k0);
@@ -157,15 +156,15 @@ pub(crate) fn gemm_f32_split_k(m: usize, n: usize, k: usize, c: &mut [f32], a: S
         // `a` and columns `0..n` of `b` over the reduction's `k0..k0+kc`, inside their buffers.
         unsafe { gemm_serial(m, n, kc, part.as_mut_ptr(), n, a.at(0, k0), a, b.at(k0, 0), b, false) }
     });
-    // Each output element sums its chunks in chunk order: the same operations on any number of threads.
+    // Each output element adds its chunks in chunk order (one contiguous pass per chunk): the same operations on
+    // any number of threads.
     c.par_chunks_mut(super::ELEMS_PER_TASK).enumerate().for_each(|(t, out)| {
         let e0 = t * super::ELEMS_PER_TASK;
-        for (j, o) in out.iter_mut().enumerate() {
-            let mut sum = if accumulate { *o } else { 0.0 };
-            for part in partials.chunks_exact(m * n) {
-                sum += part[e0 + j];
-            }
-            *o = sum;
+        if !accumulate {
+            out.fill(0.0);
+        }
+        for part in partials.chunks_exact(m * n) {
+            out.iter_mut().zip(&part[e0..]).for_each(|(o, p)| *o += *p);
         }
     });
 }
