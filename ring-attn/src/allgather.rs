@@ -3,7 +3,7 @@
 //! `dK`, `dV` back to their owners.
 
 use bytemuck::Pod;
-use longctx_kernels::{AttnParams, AttnShape, Element, HostSlice};
+use longctx_kernels::{AttnParams, AttnShape, Element, GradMode, HostSlice};
 use longctx_p2p::{Communicator, ReduceOp};
 
 use crate::context::Local;
@@ -128,7 +128,7 @@ fn backward_typed<T: Element + Pod>(
             let p = params(loc, shape, &all_pos, docs.as_deref());
             let mut dkg = vec![0f32; kg.len()];
             let mut dvg = vec![0f32; vg.len()];
-            loc.attn_backward_add(
+            loc.attn_backward(
                 &p,
                 [
                     T::host(&q[q_off..q_off + rows * d]),
@@ -139,6 +139,7 @@ fn backward_typed<T: Element + Pod>(
                 ],
                 &lse[lse_off..lse_off + rows],
                 [&mut dq[q_off..q_off + rows * d], &mut dkg, &mut dvg],
+                GradMode::Accumulate,
             )?;
             // [hs][n][L·D] → [n][hs][L·D], then [dK_j | dV_j] per destination rank j.
             let dkr = swap01(&dkg, hs, n, l * d);

@@ -171,13 +171,15 @@ impl Local<'_> {
         Ok(())
     }
 
-    /// The backward of host blocks through the backend, adding into the `f32` gradients.
-    pub fn attn_backward_add(
+    /// The backward of host blocks through the backend, into the `f32` gradients (added to them with
+    /// [`GradMode::Accumulate`](longctx_kernels::GradMode), written whole with `Overwrite`).
+    pub fn attn_backward(
         &self,
         p: &AttnParams<'_>,
         [q, k, v, o, d_o]: [HostSlice<'_>; 5],
         lse: &[f32],
         [dq, dk, dv]: [&mut [f32]; 3],
+        mode: longctx_kernels::GradMode,
     ) -> Result<()> {
         let s = p.shape;
         let (qd, kd) = (q_dims(&s), kv_dims(&s));
@@ -185,13 +187,7 @@ impl Local<'_> {
         let saved = AttnSaved { qkv, o: View::host(o, qd)?, lse: View::new(lse, [s.batch, s.q_heads, s.q_len])? };
         let grads = AttnGrads { dq: ViewMut::new(dq, qd)?, dk: ViewMut::new(dk, kd)?, dv: ViewMut::new(dv, kd)? };
         let opts = AttnOptions { mask: p.mask, scale: Some(p.scale) };
-        self.backend.attention_backward(
-            &opts,
-            grads,
-            View::host(d_o, qd)?,
-            saved,
-            longctx_kernels::GradMode::Accumulate,
-        )?;
+        self.backend.attention_backward(&opts, grads, View::host(d_o, qd)?, saved, mode)?;
         Ok(())
     }
 

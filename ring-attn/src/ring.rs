@@ -13,7 +13,7 @@
 
 use std::time::Instant;
 
-use longctx_kernels::HostSlice;
+use longctx_kernels::{GradMode, HostSlice};
 use longctx_p2p::{CommError, Communicator, OwnedRequest, SendRequest};
 
 use crate::block::KvPacking;
@@ -56,6 +56,9 @@ pub(crate) fn ring_forward(
     rep: &mut StepReport,
 ) -> Result<()> {
     let (n, r) = (comm.world_size(), comm.rank());
+    if n == 1 {
+        return single_forward(pb, [q, k, v], o, lse, rep);
+    }
     let packing = KvPacking::for_block(k.dtype(), pb.shape.kv_elems(), pb.docs);
     let RingBuffers { cur, nxt, part: o_part, lse_part, .. } = bufs;
     packing.pack_into(cur, k, v, pb.docs);
@@ -125,6 +128,9 @@ pub(crate) fn ring_backward(
     rep: &mut StepReport,
 ) -> Result<()> {
     let (n, r) = (comm.world_size(), comm.rank());
+    if n == 1 {
+        return single_backward(pb, [q, k, v, o, d_o], lse, [dq, dk, dv], rep);
+    }
     let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
     let packing = KvPacking::for_block(k.dtype(), pb.shape.kv_elems(), pb.docs);
     let kv_elems = pb.shape.kv_elems();
@@ -161,16 +167,13 @@ pub(crate) fn ring_backward(
         local.fill(0.0);
         let (dk_loc, dv_loc) = local.split_at_mut(kv_elems);
         if p.mask.may_see_any(pb.shape.q_len, pb.shape.kv_len) {
-            pb.attn_backward_add(&p, [q, kb, vb, o, d_o], lse, [dq, dk_loc, dv_loc])?;
+            pb.attn_backward(&p, [q, kb, vb, o, d_o], lse, [dq, dk_loc, dv_loc], GradMode::Accumulate)?;
             rep.blocks_computed += 1;
         } else {
             rep.blocks_skipped += 1;
         }
         rep.compute += t.elapsed();
 
-        if n == 1 {
-            break;
-        }
         let t = Instant::now();
         // The accumulator that arrived (zeros at the first step) plus ours goes on; the buffer that went out
         // last comes back to receive the next one.
@@ -187,18 +190,60 @@ pub(crate) fn ring_backward(
         }
         rep.comm_wait += t.elapsed();
     }
-    // After n hops the accumulator arriving last is this rank's own block's, complete (with one rank, the
-    // only contribution is the local one).
-    let own = if let Some((s_req, r_req)) = acc_reqs.take() {
+    // After n hops the accumulator arriving last is this rank's own block's, complete.
+    if let Some((s_req, r_req)) = acc_reqs.take() {
         let t = Instant::now();
         (*acc_out, *acc_in) = wait_pair(s_req, r_req)?;
         rep.comm_wait += t.elapsed();
-        &acc_in[..]
+    }
+    dk.copy_from_slice(&acc_in[..kv_elems]);
+    dv.copy_from_slice(&acc_in[kv_elems..]);
+    Ok(())
+}
+
+/// [`ring_forward`] on one rank: its own block, read where it lies (nothing travels, so nothing is packed).
+fn single_forward(
+    pb: &Local<'_>,
+    [q, k, v]: [HostSlice<'_>; 3],
+    o: &mut [f32],
+    lse: &mut [f32],
+    rep: &mut StepReport,
+) -> Result<()> {
+    let t = Instant::now();
+    let p = pb.params(pb.my_positions(), pb.docs);
+    if p.mask.may_see_any(pb.shape.q_len, pb.shape.kv_len) {
+        pb.attn_forward(&p, [q, k, v], o, lse)?;
+        rep.blocks_computed += 1;
     } else {
-        &local[..]
-    };
-    dk.copy_from_slice(&own[..kv_elems]);
-    dv.copy_from_slice(&own[kv_elems..]);
+        o.fill(0.0);
+        lse.fill(f32::NEG_INFINITY);
+        rep.blocks_skipped += 1;
+    }
+    rep.compute += t.elapsed();
+    Ok(())
+}
+
+/// [`ring_backward`] on one rank: the gradients written whole by the kernel, with no accumulator to clear,
+/// pass on or copy out.
+fn single_backward(
+    pb: &Local<'_>,
+    inputs: [HostSlice<'_>; 5],
+    lse: &[f32],
+    [dq, dk, dv]: [&mut [f32]; 3],
+    rep: &mut StepReport,
+) -> Result<()> {
+    let t = Instant::now();
+    let p = pb.params(pb.my_positions(), pb.docs);
+    if p.mask.may_see_any(pb.shape.q_len, pb.shape.kv_len) {
+        pb.attn_backward(&p, inputs, lse, [dq, dk, dv], GradMode::Overwrite)?;
+        rep.blocks_computed += 1;
+    } else {
+        for g in [dq, dk, dv] {
+            g.fill(0.0);
+        }
+        rep.blocks_skipped += 1;
+    }
+    rep.compute += t.elapsed();
     Ok(())
 }
 
