@@ -136,42 +136,44 @@ thread_local! {
     static POOL: RefCell<Vec<Vec<f32>>> = const { RefCell::new(Vec::new()) };
 }
 
-/// A zeroed `f32` buffer taken from the calling thread's pool and given back on drop.
-pub(crate) struct Scratch(Vec<f32>);
+/// An `f32` buffer of `len` elements taken from the calling thread's pool and given back on drop. The pooled
+/// vector keeps every element it ever initialised (`buf.len() >= len`), so a later, longer use of it need not
+/// write them again before [`Scratch::overwritten`] hands them out.
+pub(crate) struct Scratch {
+    buf: Vec<f32>,
+    len: usize,
+}
 
 impl Scratch {
     /// A buffer of `n` zeros.
     pub(crate) fn zeroed(n: usize) -> Self {
-        let mut v = Self::take(n);
-        v.clear();
-        v.resize(n, 0.0);
-        Scratch(v)
+        let mut s = Self::overwritten(n);
+        s.fill(0.0);
+        s
     }
-    /// A buffer of `n` elements left as an earlier use of the pooled buffer wrote them (zeros beyond that): for
-    /// outputs written whole before they are read, which need not be cleared first.
+    /// A buffer of `n` elements left as an earlier use of the pooled buffer wrote them (zeros where none did):
+    /// for outputs written whole before they are read, which need not be cleared first.
     pub(crate) fn overwritten(n: usize) -> Self {
-        let mut v = Self::take(n);
-        if v.len() >= n {
-            v.truncate(n);
-        } else {
-            v.resize(n, 0.0);
+        let mut buf = Self::take(n);
+        if buf.len() < n {
+            buf.resize(n, 0.0);
         }
-        Scratch(v)
+        Scratch { buf, len: n }
     }
     fn take(n: usize) -> Vec<f32> {
         POOL.with(|p| {
             let mut p = p.borrow_mut();
             // Best fit: the smallest pooled buffer that is large enough, else the largest.
             let best = (0..p.len())
-                .filter(|&i| p[i].capacity() >= n)
-                .min_by_key(|&i| p[i].capacity())
-                .or_else(|| (0..p.len()).max_by_key(|&i| p[i].capacity()));
+                .filter(|&i| p[i].len() >= n)
+                .min_by_key(|&i| p[i].len())
+                .or_else(|| (0..p.len()).max_by_key(|&i| p[i].len()));
             best.map(|i| p.swap_remove(i)).unwrap_or_default()
         })
     }
     /// `src` widened to `f32`.
     pub(crate) fn widened<T: Element>(src: &[T]) -> Self {
-        let mut s = Scratch::zeroed(src.len());
+        let mut s = Scratch::overwritten(src.len());
         crate::dtype::load_f32(src, &mut s);
         s
     }
@@ -179,7 +181,7 @@ impl Scratch {
 
 impl Drop for Scratch {
     fn drop(&mut self) {
-        let v = std::mem::take(&mut self.0);
+        let v = std::mem::take(&mut self.buf);
         // Tolerate drops during thread teardown, when the pool is gone.
         let _ = POOL.try_with(|p| {
             let mut p = p.borrow_mut();
@@ -193,12 +195,12 @@ impl Drop for Scratch {
 impl Deref for Scratch {
     type Target = [f32];
     fn deref(&self) -> &[f32] {
-        &self.0
+        &self.buf[..self.len]
     }
 }
 impl DerefMut for Scratch {
     fn deref_mut(&mut self) -> &mut [f32] {
-        &mut self.0
+        &mut self.buf[..self.len]
     }
 }
 
