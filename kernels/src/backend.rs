@@ -111,6 +111,13 @@ pub trait Backend: Send + Sync + fmt::Debug {
 
     /// A zeroed buffer of `dtype` with `dims` in this backend's memory.
     fn zeros(&self, dtype: DType, dims: Dims) -> Result<Buffer>;
+    /// A buffer of `dtype` with `dims` whose contents are unspecified, for an output that an op writes whole
+    /// before anything reads it (every op's output, and every gradient under [`GradMode::Overwrite`]): what
+    /// saves clearing memory that is about to be overwritten. Reading an element before writing it gives an
+    /// unspecified value (never undefined behaviour). The default is [`Backend::zeros`].
+    fn empty(&self, dtype: DType, dims: Dims) -> Result<Buffer> {
+        self.zeros(dtype, dims)
+    }
     /// `dst = src`, converting the element type when they differ. Same dims.
     fn copy(&self, dst: ViewMut<'_>, src: View<'_>) -> Result<()>;
     /// `dst += src` (in `f32`, rounded to `dst`'s type). Same dims.

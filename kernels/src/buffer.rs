@@ -1,13 +1,17 @@
 //! An owned buffer in some backend's memory, with its dims: what a plan allocates once for its workspace, and
 //! what [`Backend::zeros`](crate::Backend::zeros) returns. It hands out [`View`]s and [`ViewMut`]s of itself.
+//!
+//! A large host buffer (1 MiB or more) that is dropped goes to the process's cache of host buffers for the
+//! next one of its type and length (see [`Backend::empty`](crate::Backend::empty)).
 
 use half::bf16;
 
 use crate::dtype::DType;
 use crate::error::Result;
+use crate::host_cache;
 use crate::view::{Dims, HostSlice, HostSliceMut, IntoDims, Memory, View, ViewMut};
 
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 enum Owned {
     HostF32(Vec<f32>),
     HostBf16(Vec<bf16>),
@@ -22,8 +26,39 @@ pub enum HostVec {
     Bf16(Vec<bf16>),
 }
 
+/// The element types a [`HostVec`] holds, moved in and out of it by type.
+pub(crate) trait HostElement: crate::dtype::Element {
+    fn into_host_vec(v: Vec<Self>) -> HostVec;
+    /// The elements when `v` holds this type.
+    fn from_host_vec(v: HostVec) -> Option<Vec<Self>>;
+}
+
+impl HostElement for f32 {
+    fn into_host_vec(v: Vec<Self>) -> HostVec {
+        HostVec::F32(v)
+    }
+    fn from_host_vec(v: HostVec) -> Option<Vec<Self>> {
+        match v {
+            HostVec::F32(v) => Some(v),
+            HostVec::Bf16(_) => None,
+        }
+    }
+}
+
+impl HostElement for bf16 {
+    fn into_host_vec(v: Vec<Self>) -> HostVec {
+        HostVec::Bf16(v)
+    }
+    fn from_host_vec(v: HostVec) -> Option<Vec<Self>> {
+        match v {
+            HostVec::Bf16(v) => Some(v),
+            HostVec::F32(_) => None,
+        }
+    }
+}
+
 /// An owned, contiguous buffer with dims (see the module docs).
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Buffer {
     data: Owned,
     dims: Dims,
@@ -35,10 +70,10 @@ impl Buffer {
         let dims = dims.into_dims()?;
         let n = dims.numel();
         let data = match dtype {
-            DType::F32 => Owned::HostF32(vec![0.0; n]),
-            DType::Bf16 => Owned::HostBf16(vec![bf16::ZERO; n]),
+            DType::F32 => HostVec::F32(vec![0.0; n]),
+            DType::Bf16 => HostVec::Bf16(vec![bf16::ZERO; n]),
         };
-        Ok(Self { data, dims })
+        Self::from_host_vec(data, dims)
     }
     /// A host buffer owning `data` with `dims` (no copy). Errors: a length that is not the dims' product.
     pub fn from_host_vec(data: HostVec, dims: impl IntoDims) -> Result<Self> {
@@ -48,20 +83,30 @@ impl Buffer {
             HostVec::Bf16(v) => v.len(),
         };
         crate::error::check_len("data", len, dims.numel())?;
+        host_cache::made(host_cache::bytes_of(&data));
+        Ok(Self::owning(data, dims))
+    }
+    /// A buffer taken from the host cache (already counted there).
+    pub(crate) fn owning(data: HostVec, dims: Dims) -> Self {
         let data = match data {
             HostVec::F32(v) => Owned::HostF32(v),
             HostVec::Bf16(v) => Owned::HostBf16(v),
         };
-        Ok(Self { data, dims })
+        Self { data, dims }
     }
     /// The elements, moved out (no copy), with the dims. Host buffers only: a device buffer (with the CUDA
     /// backend) is copied out by its backend.
-    pub fn into_host_vec(self) -> (HostVec, Dims) {
-        let data = match self.data {
+    pub fn into_host_vec(mut self) -> (HostVec, Dims) {
+        let data = self.take_data();
+        host_cache::left(host_cache::bytes_of(&data));
+        (data, self.dims)
+    }
+    /// The elements, leaving the buffer empty (for its `Drop` not to see them again).
+    fn take_data(&mut self) -> HostVec {
+        match std::mem::replace(&mut self.data, Owned::HostF32(Vec::new())) {
             Owned::HostF32(v) => HostVec::F32(v),
             Owned::HostBf16(v) => HostVec::Bf16(v),
-        };
-        (data, self.dims)
+        }
     }
     /// The dims.
     pub fn dims(&self) -> &[usize] {
@@ -105,5 +150,22 @@ impl Buffer {
             Owned::HostBf16(v) => HostSliceMut::Bf16(v),
         };
         ViewMut::host(h, self.dims).expect("a buffer's dims match its length")
+    }
+}
+
+impl Clone for Buffer {
+    fn clone(&self) -> Self {
+        let data = match &self.data {
+            Owned::HostF32(v) => HostVec::F32(v.clone()),
+            Owned::HostBf16(v) => HostVec::Bf16(v.clone()),
+        };
+        host_cache::made(host_cache::bytes_of(&data));
+        Self::owning(data, self.dims)
+    }
+}
+
+impl Drop for Buffer {
+    fn drop(&mut self) {
+        host_cache::give(self.take_data());
     }
 }

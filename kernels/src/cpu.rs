@@ -15,9 +15,10 @@ use rayon::prelude::*;
 
 use crate::attention::{self, AttnGrads, AttnOptions, AttnOut, AttnPartial, AttnSaved, Qkv, SimdPath};
 use crate::backend::{AdamwState, Backend, GradMode, LinearGrads, NormGrads, NormParams, ProjectionGrads};
-use crate::buffer::{Buffer, HostVec};
+use crate::buffer::{Buffer, HostElement};
 use crate::dtype::{DType, Element};
 use crate::error::{KernelError, Result};
+use crate::host_cache;
 use crate::ops::{self, AdamW, CrossEntropyOptions, CrossEntropyOutput, RopeTable, RouterOutput, Routing};
 use crate::saved::{
     LayerNormSaved, LinearSaved, MatmulSaved, MoeCombineSaved, MoeRouterSaved, RmsNormSaved, SquaredReluSaved,
@@ -41,10 +42,15 @@ macro_rules! by_dtype {
     };
 }
 
-/// Buffers from this size up are zeroed by the pool's threads rather than by `calloc` on the calling thread. An
-/// allocator that reuses freed memory (glibc's heap, or the trainer's own) clears a reused block on the thread
-/// that asks for it, while the pool waits: 2% of a training step's samples at 4K tokens, all of it serial.
-const PARALLEL_ZEROS_BYTES: usize = 1 << 20;
+/// Buffers from this size up come from the host cache when it holds one of their type and length, and are
+/// cleared (for `zeros`) by the pool's threads rather than by `calloc` on the calling thread. An allocator that
+/// reuses freed memory (glibc's heap, or the trainer's own) clears a reused block on the thread that asks for
+/// it, while the pool waits: 2% of a training step's samples at 4K tokens, all of it serial.
+const PARALLEL_ZEROS_BYTES: usize = host_cache::MIN_BYTES;
+
+/// Whether [`Backend::empty`] fills its buffers with NaN: in debug builds (so the test suite), an op that leaves
+/// part of an output unwritten shows as NaN rather than passing on stale values that happen to fit.
+const POISON_EMPTY: bool = cfg!(debug_assertions);
 
 /// The CPU backend (see the module docs).
 #[derive(Debug, Clone)]
@@ -89,9 +95,15 @@ impl CpuBackend {
     pub fn threads(&self) -> usize {
         self.pool.as_ref().map_or_else(rayon::current_num_threads, |p| p.current_num_threads())
     }
+    /// Bytes of large host buffers kept for reuse, process-wide (see [`Backend::empty`]): what
+    /// [`CpuBackend::release_scratch`] would give back.
+    pub fn cached_bytes(&self) -> usize {
+        host_cache::kept_bytes()
+    }
     /// Frees the `f32` conversion buffers that the calling thread and this backend's threads keep for `bf16`
-    /// operands (each thread reuses a few between calls).
+    /// operands (each thread reuses a few between calls), and the large host buffers kept for reuse.
     pub fn release_scratch(&self) {
+        host_cache::release();
         ops::clear_pool();
         match &self.pool {
             Some(p) => p.broadcast(|_| ops::clear_pool()),
@@ -99,13 +111,33 @@ impl CpuBackend {
         };
     }
 
-    /// `n` zeros, written by the pool's threads.
-    fn zeroed_vec<T: Element>(&self, n: usize) -> Vec<T> {
+    /// A large host buffer with `dims`: a cached one (as its last owner left it) or, failing that, fresh zeros;
+    /// either way filled with `fill` by the pool's threads when given.
+    fn large<T: HostElement>(&self, dims: Dims, fill: Option<T>) -> Buffer {
+        let n = dims.numel();
+        let cached = host_cache::take(T::DTYPE, n).and_then(T::from_host_vec);
+        let v = match cached {
+            Some(mut v) => {
+                if let Some(x) = fill {
+                    self.run(|| v.par_chunks_mut(ops::ELEMS_PER_TASK).for_each(|c| c.fill(x)));
+                }
+                v
+            }
+            None => {
+                host_cache::made(n * T::DTYPE.size());
+                self.filled_vec(n, fill.unwrap_or_default())
+            }
+        };
+        Buffer::owning(T::into_host_vec(v), dims)
+    }
+
+    /// `n` copies of `x`, written by the pool's threads.
+    fn filled_vec<T: Element>(&self, n: usize, x: T) -> Vec<T> {
         let mut v = Vec::with_capacity(n);
         self.run(|| {
             v.spare_capacity_mut()[..n]
                 .par_chunks_mut(ops::ELEMS_PER_TASK)
-                .for_each(|c| c.fill(std::mem::MaybeUninit::new(T::default())))
+                .for_each(|c| c.fill(std::mem::MaybeUninit::new(x)))
         });
         // SAFETY: the first `n` elements were written just above.
         unsafe { v.set_len(n) };
@@ -176,15 +208,23 @@ impl Backend for CpuBackend {
     }
 
     fn zeros(&self, dtype: DType, dims: Dims) -> Result<Buffer> {
-        let n = dims.numel();
-        if n * dtype.size() < PARALLEL_ZEROS_BYTES {
+        if dims.numel() * dtype.size() < PARALLEL_ZEROS_BYTES {
             return Buffer::host_zeros(dtype, dims);
         }
-        let data = match dtype {
-            DType::F32 => HostVec::F32(self.zeroed_vec(n)),
-            DType::Bf16 => HostVec::Bf16(self.zeroed_vec(n)),
-        };
-        Buffer::from_host_vec(data, dims)
+        Ok(by_dtype!(dtype, T => self.large::<T>(dims, Some(T::default()))))
+    }
+
+    fn empty(&self, dtype: DType, dims: Dims) -> Result<Buffer> {
+        let small = dims.numel() * dtype.size() < PARALLEL_ZEROS_BYTES;
+        match (small, POISON_EMPTY) {
+            (true, false) => Buffer::host_zeros(dtype, dims),
+            (true, true) => {
+                let mut b = Buffer::host_zeros(dtype, dims)?;
+                by_dtype!(dtype, T => self.typed_mut::<T>("empty", b.view_mut())?.fill(T::from_f32(f32::NAN)));
+                Ok(b)
+            }
+            (false, poison) => Ok(by_dtype!(dtype, T => self.large::<T>(dims, poison.then(|| T::from_f32(f32::NAN))))),
+        }
     }
 
     fn copy(&self, dst: ViewMut<'_>, src: View<'_>) -> Result<()> {

@@ -53,6 +53,7 @@ pub mod cuda;
 pub mod dtype;
 pub mod error;
 mod host;
+mod host_cache;
 pub mod ops;
 pub mod peak;
 pub mod saved;

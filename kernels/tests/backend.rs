@@ -6,9 +6,9 @@ use half::bf16;
 use longctx_kernels::attention::reference;
 use longctx_kernels::testing::{max_rel_err, uniform_nonzero};
 use longctx_kernels::{
-    AttnGrads, AttnMask, AttnOptions, AttnOut, AttnParams, AttnPartial, AttnSaved, Backend, CpuBackend, DType, Dims,
-    GradMode, KernelError, LayerNormSaved, LinearGrads, LinearSaved, MatmulSaved, NormGrads, NormParams, Qkv,
-    RmsNormSaved, SimdPath, SwigluSaved, View, ViewMut,
+    AttnGrads, AttnMask, AttnOptions, AttnOut, AttnParams, AttnPartial, AttnSaved, Backend, Buffer, CpuBackend, DType,
+    Dims, GradMode, HostVec, KernelError, LayerNormSaved, LinearGrads, LinearSaved, MatmulSaved, NormGrads, NormParams,
+    Qkv, RmsNormSaved, SimdPath, SwigluSaved, View, ViewMut,
 };
 
 /// Runs `body` once per SIMD path this CPU supports, each on its own backend.
@@ -360,4 +360,32 @@ fn large_copies_run_on_the_pool_and_give_the_serial_elements() {
     let mut dst = vec![bf16::ZERO; n];
     cpu.copy(ViewMut::new(&mut dst, [n]).unwrap(), View::new(&src, [n]).unwrap()).unwrap();
     assert_eq!(dst, src);
+}
+
+#[test]
+fn a_reused_large_buffer_comes_back_zeroed_from_zeros_and_poisoned_from_empty_in_debug() {
+    // A dropped buffer of 1 MiB or more is kept for the next one of its type and length: `zeros` must clear what
+    // its last owner left, and `empty` (in debug builds, so in this suite) fills it with NaN, so an op that left
+    // part of an output unwritten would show. Small buffers take the other path; both are checked.
+    let cpu = CpuBackend::new();
+    for (dt, n) in [(DType::F32, 300_000), (DType::Bf16, 600_000), (DType::F32, 1000)] {
+        let dims = Dims::new(&[n]).unwrap();
+        for _ in 0..3 {
+            let mut dirty = cpu.zeros(dt, dims).unwrap();
+            let ones = Buffer::from_host_vec(HostVec::F32(vec![1.0; n]), dims).unwrap();
+            cpu.copy(dirty.view_mut(), ones.view()).unwrap();
+            drop(dirty);
+            let z = cpu.zeros(dt, dims).unwrap();
+            assert!(z.view().as_host("z").unwrap().to_f32_vec().iter().all(|&x| x == 0.0), "{dt:?} × {n}: zeros");
+            drop(z);
+            let e = cpu.empty(dt, dims).unwrap();
+            assert_eq!((e.dtype(), e.dims()), (dt, &[n][..]));
+            if cfg!(debug_assertions) {
+                assert!(
+                    e.view().as_host("e").unwrap().to_f32_vec().iter().all(|x| x.is_nan()),
+                    "{dt:?} × {n}: empty poisoned"
+                );
+            }
+        }
+    }
 }
