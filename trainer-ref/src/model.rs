@@ -616,12 +616,15 @@ impl Model {
         &self.weights.tensors[i]
     }
 
+    /// An output buffer of the model's dtype: every one is written whole by the op it is passed to, so none is
+    /// cleared first ([`Backend::empty`]).
     fn buf(&self, dims: impl IntoDims) -> Result<Buffer> {
-        Ok(self.backend.zeros(self.dtype, dims.into_dims()?)?)
+        Ok(self.backend.empty(self.dtype, dims.into_dims()?)?)
     }
 
+    /// An `f32` output buffer (see [`Model::buf`]).
     fn buf_f32(&self, dims: impl IntoDims) -> Result<Buffer> {
-        Ok(self.backend.zeros(DType::F32, dims.into_dims()?)?)
+        Ok(self.backend.empty(DType::F32, dims.into_dims()?)?)
     }
 
     /// One decoder layer: attention block then MLP block, each `x + f(norm(x))`; the segments are those
@@ -780,12 +783,13 @@ impl Model {
     fn o_proj(&self, layer: usize, o: &Buffer, x: &Buffer) -> Result<Buffer> {
         let b = &*self.backend;
         let (hq, l, d, c) = (o.dims()[1], o.dims()[2], o.dims()[3], self.cfg.d_model);
-        let (mut o_t, mut attn_out, mut x2) = (self.buf([1, l, hq, d])?, self.buf([l, c])?, self.buf([l, c])?);
+        let (mut o_t, mut x2) = (self.buf([1, l, hq, d])?, self.buf([l, c])?);
         b.transpose12(o_t.view_mut(), o.view())?;
         let wo = self.t(self.ix.layers[layer].wo).view();
-        b.linear_forward(attn_out.view_mut(), o_t.view().reshape([l, hq * d])?, wo, None)?;
-        b.copy(x2.view_mut(), x.view())?;
-        b.add(x2.view_mut(), attn_out.view())?;
+        // The projection straight into the output, then the residual added to it (`x + y` is `y + x` bit for
+        // bit): no buffer for the projection alone, and no pass copying `x`.
+        b.linear_forward(x2.view_mut(), o_t.view().reshape([l, hq * d])?, wo, None)?;
+        b.add(x2.view_mut(), x.view())?;
         Ok(x2)
     }
 
@@ -822,10 +826,10 @@ impl Model {
     /// The layer's output `x2 + act·Wdownᵀ`.
     fn down_proj(&self, down: usize, act: &Buffer, x2: &Buffer) -> Result<Buffer> {
         let (l, c) = (act.dims()[0], self.cfg.d_model);
-        let (mut mlp_out, mut out) = (self.buf([l, c])?, self.buf([l, c])?);
-        self.backend.linear_forward(mlp_out.view_mut(), act.view(), self.t(down).view(), None)?;
-        self.backend.copy(out.view_mut(), x2.view())?;
-        self.backend.add(out.view_mut(), mlp_out.view())?;
+        let mut out = self.buf([l, c])?;
+        // As in `o_proj`: the projection into the output, the residual added to it.
+        self.backend.linear_forward(out.view_mut(), act.view(), self.t(down).view(), None)?;
+        self.backend.add(out.view_mut(), x2.view())?;
         Ok(out)
     }
 

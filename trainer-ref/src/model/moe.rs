@@ -146,10 +146,10 @@ impl Model {
     /// The layer's output `x2 + Σ_j w[t,j]·ye[row(t,j)]`.
     pub(super) fn combine(&self, ye: &Buffer, w: &Buffer, r: &Routing, x2: &Buffer) -> Result<Buffer> {
         let b = &*self.backend;
-        let (mut moe_out, mut out) = (self.buf(x2.dims())?, self.buf(x2.dims())?);
-        b.moe_combine(moe_out.view_mut(), ye.view(), w.view(), r)?;
-        b.copy(out.view_mut(), x2.view())?;
-        b.add(out.view_mut(), moe_out.view())?;
+        let mut out = self.buf(x2.dims())?;
+        // As in `o_proj`: the combined experts into the output, the residual added to it.
+        b.moe_combine(out.view_mut(), ye.view(), w.view(), r)?;
+        b.add(out.view_mut(), x2.view())?;
         Ok(out)
     }
 
