@@ -131,7 +131,11 @@ pub(crate) fn attention_backward_on(
     let part_len = 2 * s.kv_len * d;
     let mut partials = vec![0f32; heads * z * part_len];
     dq_tiles.into_par_iter().zip(partials.par_chunks_mut(part_len)).enumerate().for_each_init(
-        || (Scratch::new(), BwdScratch::new()),
+        || {
+            let mut sc = Scratch::new();
+            sc.s.resize(BR * LDS, 0.0);
+            (sc, BwdScratch::new())
+        },
         |(sc, bs), (task, (mut my_dq, part))| {
             let bhk = task / z;
             let b = bhk / s.kv_heads;
@@ -222,36 +226,36 @@ pub(crate) fn attention_backward_on(
                         // dV += Pᵀ·dO and dK += dSᵀ·Q, reading P and dS transposed in place (zero outside the spans).
                         // Cleaned copies (rare) are read row-major; everything else from the strips (same sums).
                         if cleaned_q {
-                            simd.matmul_at(bc, d, rows, &sc.s, BC, d_o_t, d, dv_t, d, true);
+                            simd.matmul_at(bc, d, rows, &sc.s, LDS, d_o_t, d, dv_t, d, true);
                         } else {
-                            simd.matmul_at_packed_b(bc, d, rows, &sc.s, BC, &bs.do_strips, BR, dv_t, d, true);
+                            simd.matmul_at_packed_b(bc, d, rows, &sc.s, LDS, &bs.do_strips, BR, dv_t, d, true);
                         }
                         for &(i, dd, x) in &bs.do_bad {
-                            (0..bc).filter(|&j| vis(i, j)).for_each(|j| dv_t[j * d + dd] += sc.s[i * BC + j] * x);
+                            (0..bc).filter(|&j| vis(i, j)).for_each(|j| dv_t[j * d + dd] += sc.s[i * LDS + j] * x);
                         }
                         fetch(1, &bs.dq);
                         if cleaned_q {
-                            simd.matmul_at(bc, d, rows, &bs.dp, BC, q_t, d, dk_t, d, true);
+                            simd.matmul_at(bc, d, rows, &bs.dp, LDS, q_t, d, dk_t, d, true);
                         } else {
-                            simd.matmul_at_packed_b(bc, d, rows, &bs.dp, BC, &bs.q_strips, BR, dk_t, d, true);
+                            simd.matmul_at_packed_b(bc, d, rows, &bs.dp, LDS, &bs.q_strips, BR, dk_t, d, true);
                         }
                         for &(i, dd, x) in &bs.q_bad {
-                            (0..bc).filter(|&j| vis(i, j)).for_each(|j| dk_t[j * d + dd] += bs.dp[i * BC + j] * x);
+                            (0..bc).filter(|&j| vis(i, j)).for_each(|j| dk_t[j * d + dd] += bs.dp[i * LDS + j] * x);
                         }
                         fetch(2, &bs.dq);
                         // dQ += dS·K over each group's span.
                         let dq = &mut bs.dq[slot * BR * d..];
                         for (r0, gr, lo, hi) in product_groups(class, &spans, rows) {
-                            let a = &bs.dp[r0 * BC + lo..];
+                            let a = &bs.dp[r0 * LDS + lo..];
                             if cleaned_k {
-                                simd.matmul(gr, d, hi - lo, a, BC, &k_t[lo * d..], d, &mut dq[r0 * d..], d, true);
+                                simd.matmul(gr, d, hi - lo, a, LDS, &k_t[lo * d..], d, &mut dq[r0 * d..], d, true);
                             } else {
                                 let kk = &k_strips[lo * STRIP..];
-                                simd.matmul_packed_b(gr, d, hi - lo, a, BC, kk, BC, &mut dq[r0 * d..], d, true);
+                                simd.matmul_packed_b(gr, d, hi - lo, a, LDS, kk, BC, &mut dq[r0 * d..], d, true);
                             }
                         }
                         for &(j, dd, x) in &bs.k_bad {
-                            (0..rows).filter(|&i| vis(i, j)).for_each(|i| dq[i * d + dd] += bs.dp[i * BC + j] * x);
+                            (0..rows).filter(|&i| vis(i, j)).for_each(|i| dq[i * d + dd] += bs.dp[i * LDS + j] * x);
                         }
                         sc.spans = spans;
                     }
@@ -293,6 +297,12 @@ pub(crate) fn attention_backward_on(
     });
     Ok(())
 }
+
+/// The leading dimension of the backward's `P` and `dS` tiles (`sc.s`, `bs.dp`): `BC` plus a 64-byte line. The
+/// transposed products (`Pᵀ·dO`, `dSᵀ·Q`) pack each block of keys from a 32-byte piece of every query row of the
+/// tile; at a stride of `BC` floats (512 bytes) those rows fall into 8 of the 64 L1 sets, 128 lines into 64
+/// slots, so every block's packing came from L2. At 576 bytes they spread over all the sets.
+const LDS: usize = BC + 16;
 
 /// Key tiles a slot (one query head's query tile) runs through before the task moves to its next slot, so the
 /// slot's Q, dO and dQ rows, which at long contexts come from DRAM or L3, are loaded once per block rather than
@@ -407,8 +417,8 @@ impl Ctx<'_> {
                 d,
                 &kt_tile[lo * d..],
                 d,
-                &mut sc.s[r0 * BC + lo..],
-                BC,
+                &mut sc.s[r0 * LDS + lo..],
+                LDS,
                 false,
             );
             self.simd.matmul_packed_b(
@@ -419,8 +429,8 @@ impl Ctx<'_> {
                 d,
                 &vt_tile[lo * d..],
                 d,
-                &mut bs.dp[r0 * BC + lo..],
-                BC,
+                &mut bs.dp[r0 * LDS + lo..],
+                LDS,
                 false,
             );
         }
@@ -431,20 +441,20 @@ impl Ctx<'_> {
             let (lo, hi) = spans[i / GROUP];
             // Outside its span a row has no probability mass: zero it so products over whole rows are exact.
             let (lo_z, hi_z) = if lo >= hi { (bc, bc) } else { (lo, hi) };
-            sc.s[i * BC..i * BC + lo_z].fill(0.0);
-            sc.s[i * BC + hi_z.max(lo_z)..i * BC + bc].fill(0.0);
-            bs.dp[i * BC..i * BC + lo_z].fill(0.0);
-            bs.dp[i * BC + hi_z.max(lo_z)..i * BC + bc].fill(0.0);
+            sc.s[i * LDS..i * LDS + lo_z].fill(0.0);
+            sc.s[i * LDS + hi_z.max(lo_z)..i * LDS + bc].fill(0.0);
+            bs.dp[i * LDS..i * LDS + lo_z].fill(0.0);
+            bs.dp[i * LDS + hi_z.max(lo_z)..i * LDS + bc].fill(0.0);
             if lo >= hi {
                 continue;
             }
             let row = bh * s.q_len + q0 + i;
-            let srow = &mut sc.s[i * BC + lo..i * BC + hi];
+            let srow = &mut sc.s[i * LDS + lo..i * LDS + hi];
             let lse2 = self.lse2[row];
             if lse2 == f32::NEG_INFINITY {
                 // The row saw no key in the forward pass: it has no probability mass anywhere.
                 srow.fill(0.0);
-                bs.dp[i * BC + lo..i * BC + hi].fill(0.0);
+                bs.dp[i * LDS + lo..i * LDS + hi].fill(0.0);
                 continue;
             }
             if class == TileClass::Partial {
@@ -456,7 +466,7 @@ impl Ctx<'_> {
             }
             let poisoned = tainted
                 && (lse2.is_nan() || lse2 == f32::INFINITY || srow.iter().any(|x| x.is_nan() || *x == f32::INFINITY));
-            let dprow = &mut bs.dp[i * BC + lo..i * BC + hi];
+            let dprow = &mut bs.dp[i * LDS + lo..i * LDS + hi];
             self.simd.probs_and_ds(srow, dprow, self.c, lse2, self.delta[row]);
             if tainted {
                 let partial = class == TileClass::Partial;
@@ -492,7 +502,7 @@ struct BwdScratch {
 impl BwdScratch {
     fn new() -> Self {
         Self {
-            dp: vec![0.0; BR * BC],
+            dp: vec![0.0; BR * LDS],
             dq: Vec::new(),
             do_clean: Vec::new(),
             do_bad: Vec::new(),
