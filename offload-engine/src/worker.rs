@@ -22,7 +22,14 @@ pub(crate) fn run(shared: Arc<Shared>) {
     let mut staging: Option<AlignedBuf> = None;
     let mut sched = shared.lock();
     loop {
-        let Some(job) = sched.next_job() else {
+        let failures = sched.counters.failures;
+        let job = sched.next_job();
+        if sched.counters.failures != failures {
+            // Taking the job failed a tensor that never reached a tier (no host buffer could be mapped or
+            // locked): a fetch or `sync` may be waiting for it.
+            shared.done.notify_all();
+        }
+        let Some(job) = job else {
             if sched.shutdown {
                 return;
             }
