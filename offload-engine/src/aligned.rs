@@ -7,6 +7,9 @@
 
 use std::io;
 use std::ptr::NonNull;
+use std::sync::Arc;
+
+use crate::page_lock::PageLocker;
 
 /// Alignment of every buffer, of every direct-I/O transfer and of the spill file layout.
 pub(crate) const ALIGN: usize = 4096;
@@ -42,6 +45,8 @@ pub(crate) fn advise_hugepages(bytes: &mut [u8]) {
 pub(crate) struct AlignedBuf {
     ptr: NonNull<u8>,
     len: usize,
+    /// Who locked the buffer's pages, to unlock them before the unmapping.
+    locked_by: Option<Arc<dyn PageLocker>>,
 }
 
 // SAFETY: the buffer is plain memory owned by this value alone (like a `Box<[u8]>`); `&AlignedBuf` only gives
@@ -70,9 +75,19 @@ impl AlignedBuf {
             return Err(io::Error::last_os_error());
         }
         let ptr = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| io::Error::from(io::ErrorKind::OutOfMemory))?;
-        let mut buf = Self { ptr, len };
+        let mut buf = Self { ptr, len, locked_by: None };
         advise_hugepages(buf.as_mut_slice());
         Ok(buf)
+    }
+
+    /// Page-locks the whole buffer with `locker`, until it is dropped.
+    pub(crate) fn lock(&mut self, locker: &Arc<dyn PageLocker>) -> io::Result<()> {
+        debug_assert!(self.locked_by.is_none(), "a buffer is locked once");
+        // SAFETY: `ptr`/`len` are this buffer's whole mapping (page-aligned, a non-zero multiple of the page),
+        // mapped until `drop`, which unlocks it first; it is not locked yet.
+        unsafe { locker.lock(self.ptr.as_ptr(), self.len)? };
+        self.locked_by = Some(Arc::clone(locker));
+        Ok(())
     }
 
     /// Bytes in the buffer.
@@ -94,6 +109,10 @@ impl AlignedBuf {
 
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
+        if let Some(locker) = self.locked_by.take() {
+            // SAFETY: locked by this locker in `lock` with the same range, and still mapped.
+            unsafe { locker.unlock(self.ptr.as_ptr(), self.len) };
+        }
         // SAFETY: `ptr`/`len` are exactly the mapping made in `zeroed`, unmapped once, here. No slice of it can
         // outlive `self`. A failure could only mean a bad argument, which this cannot pass; there is nothing to do
         // about it in a destructor.

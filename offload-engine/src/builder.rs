@@ -1,9 +1,11 @@
 //! The engine's options, checked once by [`OffloadEngineBuilder::build`].
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use crate::engine::{OffloadEngine, Policy};
 use crate::error::{OffloadError, Result};
+use crate::page_lock::PageLocker;
 use crate::pool::HostPool;
 use crate::scheduler::DiskTier;
 use crate::spare::SparePool;
@@ -26,6 +28,7 @@ pub struct OffloadEngineBuilder {
     spare_bytes: u64,
     max_pending_bytes: Option<u64>,
     direct_io: bool,
+    page_lock: Option<Arc<dyn PageLocker>>,
 }
 
 impl Default for OffloadEngineBuilder {
@@ -38,6 +41,7 @@ impl Default for OffloadEngineBuilder {
             spare_bytes: 0,
             max_pending_bytes: None,
             direct_io: true,
+            page_lock: None,
         }
     }
 }
@@ -104,6 +108,16 @@ impl OffloadEngineBuilder {
         self
     }
 
+    /// Page-locks every host tier buffer with `locker` when it is mapped, and unlocks it when it is unmapped
+    /// (default: not locked). [`Mlock`](crate::Mlock) keeps the tier resident; a device backend's locker
+    /// registers it for DMA. `build` asks the locker whether the whole host budget can be locked
+    /// ([`OffloadError::PageLockBudget`]); a buffer that fails to lock later is [`OffloadError::PageLock`] at
+    /// its tensor's fetch.
+    pub fn page_lock(mut self, locker: impl PageLocker + 'static) -> Self {
+        self.page_lock = Some(Arc::new(locker));
+        self
+    }
+
     /// Checks the options, prepares the tiers (the disk tier's directory: see [`OffloadError::SpillDir`] and
     /// [`OffloadError::DiskTooSmall`]) and starts the workers.
     pub fn build(self) -> Result<OffloadEngine> {
@@ -124,9 +138,19 @@ impl OffloadEngineBuilder {
                 TierSpec::Host { budget: 0 } | TierSpec::Disk { budget: 0, .. } => {
                     return bad("a tier's budget must be above zero");
                 }
-                TierSpec::Host { budget } => host = Some(HostPool::new(budget)),
+                TierSpec::Host { budget } => {
+                    if let Some(locker) = &self.page_lock {
+                        locker
+                            .check_budget(budget)
+                            .map_err(|source| OffloadError::PageLockBudget { budget, source })?;
+                    }
+                    host = Some(HostPool::new(budget, self.page_lock.clone()));
+                }
                 TierSpec::Disk { dir, budget } => disk = Some((dir, budget)),
             }
+        }
+        if self.page_lock.is_some() && host.is_none() {
+            return bad("page locking needs a host tier");
         }
         let resident_from = match self.resident {
             Some((last, num_layers)) if last > num_layers => {

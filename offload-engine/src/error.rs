@@ -101,6 +101,27 @@ pub enum OffloadError {
         #[source]
         source: io::Error,
     },
+    /// The host buffer for the tensor could not be page-locked (see [`PageLocker`](crate::PageLocker)); the
+    /// tensor is lost.
+    #[error("cannot page-lock a host buffer of {bytes} bytes for {tensor}: {source}")]
+    PageLock {
+        /// The tensor.
+        tensor: TensorTag,
+        /// Its size in bytes.
+        bytes: u64,
+        /// The cause.
+        #[source]
+        source: io::Error,
+    },
+    /// The host tier's budget cannot be page-locked whole (a limit on locked memory is below it).
+    #[error("a host tier of {budget} bytes cannot be page-locked: {source}")]
+    PageLockBudget {
+        /// The host tier's budget.
+        budget: u64,
+        /// The cause, naming the limit.
+        #[source]
+        source: io::Error,
+    },
     /// A worker thread could not be started.
     #[error("cannot start an offload worker thread: {0}")]
     Spawn(#[source] io::Error),

@@ -97,9 +97,11 @@
 //!   Linux 6.6, some network filesystems) gets buffered I/O followed by `fdatasync` and
 //!   `POSIX_FADV_DONTNEED`, so the page cache does not keep the memory; [`OffloadEngine::disk_io`] says which.
 //!   On tmpfs the disk tier is memory itself.
-//! - **Host tier and devices**: the pool's buffers are page-aligned anonymous mappings, ready to be
-//!   page-locked; this crate has no CUDA code yet, so today they are ordinary memory and copies into them are
-//!   `memcpy`s on the workers. Large pool buffers and freshly allocated fetch outputs get `MADV_HUGEPAGE`:
+//! - **Host tier and devices**: the pool's buffers are page-aligned anonymous mappings, each page-locked once
+//!   when it is mapped by the [`PageLocker`] given to [`OffloadEngineBuilder::page_lock`] ([`Mlock`]: resident,
+//!   never swapped; a device backend registers them with its driver for DMA, which the CUDA backend, a later
+//!   part of this project, will do through the same call) and unlocked when it is unmapped. Copies into them
+//!   are `memcpy`s on the workers. Large pool buffers and freshly allocated fetch outputs get `MADV_HUGEPAGE`:
 //!   filling fresh memory in 4 KiB page faults ran at about 1 GiB/s on the VM this was measured on.
 //! - **Speed**: `examples/longctx-offload-bench.rs` sets each tier beside `memcpy` and plain sequential file
 //!   I/O on the same sizes and directory (see its docs for what each peer is).
@@ -115,6 +117,7 @@ mod aligned;
 mod builder;
 mod engine;
 mod error;
+mod page_lock;
 mod pool;
 mod scheduler;
 mod slot;
@@ -128,6 +131,7 @@ mod worker;
 pub use builder::OffloadEngineBuilder;
 pub use engine::OffloadEngine;
 pub use error::{OffloadError, Result};
+pub use page_lock::{Mlock, PageLocker};
 pub use spill::DiskIo;
 pub use stats::{OffloadStats, TierStats};
 pub use tensor::{DType, HostTensor};

@@ -9,8 +9,19 @@
 
 use std::collections::BTreeMap;
 use std::io;
+use std::sync::Arc;
 
 use crate::aligned::{AlignedBuf, ALIGN};
+use crate::page_lock::PageLocker;
+
+/// Why [`HostPool::take`] could not give a buffer that the budget has room for.
+#[derive(Debug)]
+pub(crate) enum TakeError {
+    /// No memory could be mapped.
+    Map(io::Error),
+    /// The new buffer could not be page-locked (it was unmapped again).
+    Lock(io::Error),
+}
 
 /// The size of the buffer a tensor of `bytes` bytes takes (see the module docs); `None` on overflow.
 pub(crate) fn size_class(bytes: usize) -> Option<usize> {
@@ -30,11 +41,13 @@ pub(crate) struct HostPool {
     peak: u64,
     /// Buffers mapped since the start.
     allocations: u64,
+    /// Locks every buffer when it is mapped.
+    locker: Option<Arc<dyn PageLocker>>,
 }
 
 impl HostPool {
-    pub(crate) fn new(budget: u64) -> Self {
-        Self { budget, in_use: 0, idle: BTreeMap::new(), idle_bytes: 0, peak: 0, allocations: 0 }
+    pub(crate) fn new(budget: u64, locker: Option<Arc<dyn PageLocker>>) -> Self {
+        Self { budget, in_use: 0, idle: BTreeMap::new(), idle_bytes: 0, peak: 0, allocations: 0, locker }
     }
 
     /// True when a tensor of `bytes` could ever be placed here (its class fits the whole budget).
@@ -51,8 +64,9 @@ impl HostPool {
     }
 
     /// A buffer for a tensor of `bytes`: an idle one of its class, or a new one when the budget allows (freeing
-    /// idle buffers of other classes to make room). `Ok(None)`: no room now.
-    pub(crate) fn take(&mut self, bytes: usize) -> io::Result<Option<AlignedBuf>> {
+    /// idle buffers of other classes to make room), page-locked when the pool has a locker. `Ok(None)`: no room
+    /// now.
+    pub(crate) fn take(&mut self, bytes: usize) -> Result<Option<AlignedBuf>, TakeError> {
         let Some(class) = size_class(bytes) else { return Ok(None) };
         if let Some(buf) = self.idle.get_mut(&class).and_then(Vec::pop) {
             self.idle_bytes -= class as u64;
@@ -72,7 +86,10 @@ impl HostPool {
                 entry.remove();
             }
         }
-        let buf = AlignedBuf::zeroed(class)?;
+        let mut buf = AlignedBuf::zeroed(class).map_err(TakeError::Map)?;
+        if let Some(locker) = &self.locker {
+            buf.lock(locker).map_err(TakeError::Lock)?;
+        }
         self.allocations += 1;
         self.in_use += class as u64;
         self.peak = self.peak.max(self.in_use + self.idle_bytes);
@@ -131,7 +148,7 @@ mod tests {
 
     #[test]
     fn buffers_are_reused_and_the_budget_bounds_idle_ones_too() {
-        let mut pool = HostPool::new(3 << 20);
+        let mut pool = HostPool::new(3 << 20, None);
         let a = pool.take(1 << 20).unwrap().unwrap();
         let b = pool.take(1 << 20).unwrap().unwrap();
         pool.put(a);

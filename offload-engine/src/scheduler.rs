@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use crate::aligned::AlignedBuf;
 use crate::error::OffloadError;
-use crate::pool::HostPool;
+use crate::pool::{HostPool, TakeError};
 use crate::slot::{Slot, SlotId, SlotState};
 use crate::spare::SparePool;
 use crate::spill::dir::SpillDir;
@@ -283,9 +283,12 @@ impl Scheduler {
             let host_buf = match self.host.as_mut() {
                 Some(h) if h.has_room(bytes) => match h.take(bytes) {
                     Ok(buf) => buf,
-                    Err(source) => {
+                    Err(e) => {
                         self.offload_queue.pop_front();
-                        self.fail_waiting(id, |tensor| OffloadError::HostAlloc { tensor, source });
+                        self.fail_waiting(id, |tensor| match e {
+                            TakeError::Map(source) => OffloadError::HostAlloc { tensor, source },
+                            TakeError::Lock(source) => OffloadError::PageLock { tensor, bytes: bytes as u64, source },
+                        });
                         continue;
                     }
                 },
@@ -627,7 +630,7 @@ mod tests {
 
     #[test]
     fn a_waiting_fetch_goes_first_then_offloads_then_prefetches_from_the_top_layer_down() {
-        let mut s = Scheduler::new(Some(HostPool::new(64 << 20)), None, SparePool::new(0));
+        let mut s = Scheduler::new(Some(HostPool::new(64 << 20, None)), None, SparePool::new(0));
         let ids: Vec<_> = (0..5).map(|l| s.insert(tag(l), HostData::zeroed(DType::F32, 1000), false)).collect();
         assert_eq!(drain(&mut s), ids.iter().map(|&i| (i, true)).collect::<Vec<_>>(), "offloads in order");
         // Prefetches of layers 1, 3 and 2 (in that order), a fetch of layer 0 waiting, and a new offload.
@@ -643,7 +646,7 @@ mod tests {
 
     #[test]
     fn within_a_layer_the_latest_offload_comes_back_first() {
-        let mut s = Scheduler::new(Some(HostPool::new(64 << 20)), None, SparePool::new(0));
+        let mut s = Scheduler::new(Some(HostPool::new(64 << 20, None)), None, SparePool::new(0));
         let ids: Vec<_> = (0..3).map(|_| s.insert(tag(2), HostData::zeroed(DType::U8, 10), false)).collect();
         drain(&mut s);
         s.hint_backward(3, 1);
