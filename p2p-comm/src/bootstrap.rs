@@ -29,6 +29,10 @@ pub struct Bootstrap {
     pub master_port: u16,
     /// Secret every process presents to the store (`LONGCTX_JOB_TOKEN`).
     pub token: String,
+    /// Whether the store is already served at `master_addr:master_port` by something other than the ranks
+    /// (`LONGCTX_STORE_HOSTED=1`: `longctx-launch` does when it picks the port itself, so that the port is held
+    /// from the start rather than found free and taken later); else rank 0 hosts it.
+    pub store_hosted: bool,
 }
 
 /// The launcher whose variables gave the rank.
@@ -47,7 +51,7 @@ impl Bootstrap {
     /// Open MPI (`OMPI_COMM_WORLD_RANK`, `OMPI_COMM_WORLD_SIZE`, `OMPI_COMM_WORLD_LOCAL_RANK`,
     /// `OMPI_COMM_WORLD_LOCAL_SIZE`) or MPICH / Intel MPI (`PMI_RANK`, `PMI_SIZE`, `MPI_LOCALRANKID`,
     /// `MPI_LOCALNRANKS`), in that order of preference, plus `MASTER_ADDR`, `MASTER_PORT` and
-    /// `LONGCTX_JOB_TOKEN`.
+    /// `LONGCTX_JOB_TOKEN` (and `LONGCTX_STORE_HOSTED`, see [`Bootstrap::store_hosted`]).
     ///
     /// Under Slurm or `mpirun`, export a token shared by the job, e.g. `export LONGCTX_JOB_TOKEN=$(openssl rand
     /// -hex 16)` before `srun`. Under Slurm, `MASTER_ADDR` may be left unset: on several nodes it is the first
@@ -154,7 +158,12 @@ impl Bootstrap {
         };
         let token = get("LONGCTX_JOB_TOKEN")
             .ok_or_else(|| CommError::Bootstrap("LONGCTX_JOB_TOKEN is not set (longctx-launch sets it)".into()))?;
-        Ok(Bootstrap { rank, world_size, local_rank, multi_host, master_addr, master_port, token })
+        let store_hosted = match get("LONGCTX_STORE_HOSTED").as_deref().map(str::trim) {
+            None | Some("0") => false,
+            Some("1") => true,
+            Some(v) => return Err(CommError::Bootstrap(format!("LONGCTX_STORE_HOSTED={v:?} is not 0 or 1"))),
+        };
+        Ok(Bootstrap { rank, world_size, local_rank, multi_host, master_addr, master_port, token, store_hosted })
     }
 
     /// The store's socket address (resolves `master_addr`). In a job on several hosts, an address that resolves
@@ -192,6 +201,18 @@ mod tests {
     fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
         let m: HashMap<String, String> = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
         move |k| m.get(k).cloned()
+    }
+
+    #[test]
+    fn the_store_is_rank_0s_unless_the_launcher_says_it_hosts_it() {
+        let base = [("RANK", "1"), ("WORLD_SIZE", "2"), ("LONGCTX_JOB_TOKEN", "t")];
+        assert!(!Bootstrap::from_lookup(env(&base)).unwrap().store_hosted);
+        for (v, hosted) in [("1", true), ("0", false)] {
+            let b = Bootstrap::from_lookup(env(&[&base[..], &[("LONGCTX_STORE_HOSTED", v)]].concat())).unwrap();
+            assert_eq!(b.store_hosted, hosted);
+        }
+        let e = Bootstrap::from_lookup(env(&[&base[..], &[("LONGCTX_STORE_HOSTED", "yes")]].concat())).unwrap_err();
+        assert!(e.to_string().contains("LONGCTX_STORE_HOSTED=\"yes\""), "{e}");
     }
 
     #[test]

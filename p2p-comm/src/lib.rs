@@ -34,8 +34,9 @@
 //!   (under [`ThreadWorld::run`] a panicking rank's peers get [`CommError::PeerFailed`] with the panic message,
 //!   and under [`ThreadWorld::try_run`] also a rank's returned error).
 //! - `ucx`: ranks are processes. Start them with `longctx-launch --nproc N -- CMD` (feature `launcher`, on by
-//!   default), Slurm or `mpirun`, and call `Communicator::from_env()` in each; rank 0 hosts a small
-//!   [`rendezvous`] store on `MASTER_ADDR:MASTER_PORT` that only admits holders of the job token. Bindings are
+//!   default), Slurm or `mpirun`, and call `Communicator::from_env()` in each; a small [`rendezvous`]
+//!   store on `MASTER_ADDR:MASTER_PORT`, hosted by rank 0 (or by `longctx-launch` when it picks the port),
+//!   only admits holders of the job token. Bindings are
 //!   generated at build time from the installed UCX headers (`libucx-dev`, `pkg-config`, libclang). A
 //!   background thread of each process progresses UCX while non-blocking operations are in flight, so a
 //!   transfer posted with `isend`/`irecv`/`isendrecv` moves while the rank computes (`LONGCTX_UCX_PROGRESS=0`

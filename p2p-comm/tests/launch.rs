@@ -47,14 +47,33 @@ fn node_rank_offsets_the_ranks_of_a_job_on_several_hosts() {
     let out = Command::new(env!("CARGO_BIN_EXE_longctx-launch"))
         .args(["--nnodes", "2", "--node-rank", "1", "--nproc", "2", "--master-addr", "10.9.8.7"])
         .args(["--master-port", "29999", "--", "sh", "-c"])
-        .arg("echo $RANK/$WORLD_SIZE/$LOCAL_RANK/$LOCAL_WORLD_SIZE $MASTER_ADDR:$MASTER_PORT $LONGCTX_JOB_TOKEN")
+        .arg("echo $RANK/$WORLD_SIZE/$LOCAL_RANK/$LOCAL_WORLD_SIZE $MASTER_ADDR:$MASTER_PORT $LONGCTX_JOB_TOKEN $LONGCTX_STORE_HOSTED")
         .env("LONGCTX_JOB_TOKEN", "shared")
         .output()
         .expect("run launcher");
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     for (rank, local) in [(2, 0), (3, 1)] {
-        assert!(text.contains(&format!("[rank {rank}] {rank}/4/{local}/2 10.9.8.7:29999 shared")), "{text}");
+        // With a port given, rank 0 hosts the store there.
+        assert!(text.contains(&format!("[rank {rank}] {rank}/4/{local}/2 10.9.8.7:29999 shared 0")), "{text}");
+    }
+}
+
+/// Without `--master-port` the launcher serves the store itself, on a port it holds before any rank starts
+/// (a port picked free and left for rank 0 to bind later was once taken in between), and says so.
+#[test]
+fn without_a_port_the_launcher_hosts_the_store_before_the_ranks_start() {
+    let (ok, out, err, _) = launch(&[
+        "--nproc",
+        "2",
+        "--",
+        "bash",
+        "-c",
+        "exec 3<>/dev/tcp/$MASTER_ADDR/$MASTER_PORT && echo reached $LONGCTX_STORE_HOSTED",
+    ]);
+    assert!(ok, "{err}");
+    for r in 0..2 {
+        assert!(out.contains(&format!("[rank {r}] reached 1")), "{out}\n{err}");
     }
 }
 

@@ -343,6 +343,21 @@ fn non_loopback_address() -> Option<std::net::IpAddr> {
     (!ip.is_loopback() && !ip.is_unspecified()).then_some(ip)
 }
 
+/// A port on `ip` for a rank 0 to host the store on, free now, in 30000..32768: below Linux's ephemeral ports
+/// (32768 up), so no process's outgoing connection takes it before rank 0 binds it (a port the system picked
+/// for a listener that was then closed can be, and once was), and above the Slurm ports of
+/// [`slurm_job_with_a_free_port`].
+fn unused_port(ip: std::net::IpAddr) -> u16 {
+    // Distinct starts for concurrent tests of this process (which would otherwise find the same port free).
+    static CALLS: std::sync::atomic::AtomicU16 = std::sync::atomic::AtomicU16::new(0);
+    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let start = (std::process::id() as u16).wrapping_mul(7919).wrapping_add(call.wrapping_mul(101)) % 2768;
+    (0..2768u16)
+        .map(|k| 30000 + (start + k) % 2768)
+        .find(|&p| std::net::TcpListener::bind((ip, p)).is_ok())
+        .expect("a free port in 30000..32768")
+}
+
 /// A Slurm job id whose derived store port (`20000 + 10 * (id % 1000) + step`) is free on `ip` now.
 fn slurm_job_with_a_free_port(ip: std::net::IpAddr, step: u16) -> u32 {
     let start = std::process::id() % 1000;
@@ -416,7 +431,7 @@ fn ranks_started_by_slurm_or_mpirun_on_several_hosts_find_each_other() {
     };
     suite::all_ok(run_like_a_scheduler(2, timeout, name, &slurm, &body));
 
-    let free = std::net::TcpListener::bind((ip, 0)).and_then(|l| l.local_addr()).map(|a| a.port()).unwrap_or(0);
+    let free = unused_port(ip);
     let mpirun = |addr: String| {
         move |r: usize| {
             let mut v = common(format!("{addr}:{free}"));
@@ -457,7 +472,7 @@ fn launchers_on_two_nodes_form_one_world() {
         if child_mode(&id, Duration::from_secs(20), body) {
             return None;
         }
-        let port = std::net::TcpListener::bind((ip, 0)).and_then(|l| l.local_addr()).expect("a free port").port();
+        let port = unused_port(ip);
         let exe = std::env::current_exe().expect("test binary path");
         let launchers: Vec<_> = (0..2)
             .map(|node| {
@@ -663,7 +678,7 @@ fn a_rank_killed_mid_transfer_is_an_error_on_its_peer() {
         cases.push(("sender", "", false));
     }
     for (victim, tls, peer_errors) in cases {
-        let store = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free port");
+        let store = std::net::SocketAddr::from(([127, 0, 0, 1], unused_port([127, 0, 0, 1].into())));
         let env = |r: usize| {
             let mut v = vec![
                 ("RANK".to_string(), r.to_string()),
@@ -697,7 +712,7 @@ fn a_rank_killed_mid_transfer_is_an_error_on_its_peer() {
 #[test]
 fn a_rank_that_never_joins_is_named_within_the_timeout() {
     let name = "a_rank_that_never_joins_is_named_within_the_timeout";
-    let store = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free port");
+    let store = std::net::SocketAddr::from(([127, 0, 0, 1], unused_port([127, 0, 0, 1].into())));
     let env = |r: usize| {
         [
             ("RANK", r.to_string()),

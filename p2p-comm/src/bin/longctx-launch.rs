@@ -4,6 +4,11 @@
 //! `MASTER_PORT` and a fresh random `LONGCTX_JOB_TOKEN` set, prefixes each line they print with `[rank k]`, and
 //! if one exits with an error (or is killed) kills the others and exits with status 1 naming that rank.
 //!
+//! Without `--master-port` the launcher hosts the rendezvous store itself, on a port the system picks, and
+//! tells the ranks so (`LONGCTX_STORE_HOSTED=1`): a port found free and left for rank 0 to bind later can be
+//! taken in between, by any process's outgoing connection from the same ephemeral range. With `--master-port`
+//! rank 0 hosts it there.
+//!
 //! Each rank leads its own process group (so that killing it reaches what it started), which also keeps a
 //! terminal's Ctrl-C from reaching the ranks directly. So the launcher passes SIGINT, SIGTERM and SIGHUP on to
 //! every rank's group, gives them `--stop-grace` seconds (10) to exit, then kills them, and exits with 128 + the
@@ -24,6 +29,7 @@ use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::Duration;
 
 use clap::Parser;
+use longctx_p2p::rendezvous::StoreHost;
 
 #[derive(Parser, Debug)]
 #[command(name = "longctx-launch", about = "Start N local ranks of a longctx job")]
@@ -31,10 +37,11 @@ struct Args {
     /// Number of processes.
     #[arg(long)]
     nproc: usize,
-    /// Address the rendezvous store binds (rank 0 hosts it).
+    /// Address the rendezvous store binds (the launcher hosts it, or rank 0 with `--master-port`).
     #[arg(long, default_value = "127.0.0.1")]
     master_addr: String,
-    /// Port of the rendezvous store (default: a free port; required with `--nnodes` above 1).
+    /// Port of the rendezvous store, hosted by rank 0 (default: a port the system picks, the store hosted by
+    /// the launcher; required with `--nnodes` above 1).
     #[arg(long)]
     master_port: Option<u16>,
     /// Number of hosts, each running one launcher with the same arguments but its own `--node-rank`.
@@ -56,10 +63,6 @@ fn token() -> std::io::Result<String> {
     let mut b = [0u8; 16];
     std::fs::File::open("/dev/urandom")?.read_exact(&mut b)?;
     Ok(b.iter().map(|x| format!("{x:02x}")).collect())
-}
-
-fn free_port(addr: &str) -> std::io::Result<u16> {
-    Ok(std::net::TcpListener::bind((addr, 0))?.local_addr()?.port())
 }
 
 fn describe(s: ExitStatus) -> String {
@@ -175,19 +178,26 @@ fn main() -> ExitCode {
     }
     let world_size = args.nnodes * args.nproc;
     let first_rank = args.node_rank * args.nproc;
-    let port = match args.master_port.map(Ok).unwrap_or_else(|| free_port(&args.master_addr)) {
-        Ok(p) => p,
-        Err(e) => {
-            eprintln!("longctx-launch: no free port on {}: {e}", args.master_addr);
-            return ExitCode::from(2);
-        }
-    };
     let token = match job_token.map(Ok).unwrap_or_else(token) {
         Ok(t) => t,
         Err(e) => {
             eprintln!("longctx-launch: reading /dev/urandom: {e}");
             return ExitCode::from(2);
         }
+    };
+    // The store is kept until the ranks have exited (see the module docs).
+    let (store, port) = match args.master_port {
+        Some(p) => (None, p),
+        None => match StoreHost::bind((args.master_addr.as_str(), 0), &token) {
+            Ok(h) => {
+                let port = h.addr().port();
+                (Some(h), port)
+            }
+            Err(e) => {
+                eprintln!("longctx-launch: hosting the rendezvous store on {}: {e}", args.master_addr);
+                return ExitCode::from(2);
+            }
+        },
     };
     let mut children: Vec<Child> = Vec::new();
     let mut pumps = Vec::new();
@@ -202,6 +212,7 @@ fn main() -> ExitCode {
             .env("MASTER_ADDR", &args.master_addr)
             .env("MASTER_PORT", port.to_string())
             .env("LONGCTX_JOB_TOKEN", &token)
+            .env("LONGCTX_STORE_HOSTED", if store.is_some() { "1" } else { "0" })
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())

@@ -306,7 +306,8 @@ impl Shared {
         // must still end by its own deadline.
         match self.store.try_get_within(&format!("gone/{world_rank}"), STORE_ANSWER) {
             Ok(v) => v.is_some(),
-            // The store lives in rank 0's process: losing it means rank 0 is gone.
+            // The store lives in rank 0's process: losing it means rank 0 is gone. (When the launcher hosts
+            // it, losing it means the launcher is gone, which takes every rank with it.)
             Err(_) => world_rank == 0,
         }
     }
@@ -321,7 +322,7 @@ pub(crate) fn join(timeout: Duration) -> Result<UcxEndpoint, CommError> {
     }
     // Resolved (and checked) before rank 0 binds it, so every rank meets the store at the same address.
     let store_addr = b.master_socket()?;
-    let host = if b.rank == 0 {
+    let host = if b.rank == 0 && !b.store_hosted {
         let mut h = StoreHost::bind(store_addr, &b.token).map_err(|e| match e {
             CommError::Io { source, .. } => CommError::io(
                 format!(
@@ -338,6 +339,13 @@ pub(crate) fn join(timeout: Duration) -> Result<UcxEndpoint, CommError> {
         None
     };
     let store = Store::connect(store_addr, &b.token, timeout).map_err(|e| match e {
+        CommError::Io { source, .. } if b.store_hosted => CommError::io(
+            format!(
+                "the rendezvous store at {store_addr} (LONGCTX_STORE_HOSTED=1: served by the launcher) did not \
+                 answer within {timeout:?}"
+            ),
+            source,
+        ),
         CommError::Io { source, .. } => CommError::io(
             format!(
                 "rank 0 did not open the rendezvous store at {store_addr} within {timeout:?} (is it running, with \
