@@ -13,6 +13,9 @@
 //!   lets the engine keep allocations: offload is one copy into a pooled buffer, fetch one copy into a kept
 //!   allocation. Peer: `memcpy` between buffers already touched, of the same sizes, on one thread. Every
 //!   large buffer here, the peers' and the tensors', gets the `MADV_HUGEPAGE` advice the engine gives its own.
+//! - host (spares on, mlock): the same with the pool page-locked (`Mlock`; skipped, saying so, where
+//!   `RLIMIT_MEMLOCK` is below the pool): the locking happens in the warm-up pass, so the timed passes show
+//!   that a locked pool costs nothing in steady state.
 //! - host (spares off): every handed-over allocation is freed after its copy, every fetch allocates. Peers:
 //!   `memcpy` out of a buffer that is then freed (offload), and `memcpy` into a fresh allocation (fetch).
 //! - disk (direct): the disk tier with `O_DIRECT` (when the filesystem allows it), each worker copying through
@@ -47,7 +50,7 @@ use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use longctx_offload::{DiskIo, HostTensor, OffloadEngine, OffloadError};
+use longctx_offload::{DiskIo, HostTensor, Mlock, OffloadEngine, OffloadError};
 
 const BLOCK: usize = 8 << 20;
 const GIB: f64 = (1u64 << 30) as f64;
@@ -390,14 +393,24 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     // Host tier.
     let host_engine = |spare: bool| {
-        OffloadEngine::builder()
-            .host_tier(total as u64)
-            .workers(args.workers)
-            .spare_bytes(if spare { total as u64 } else { 0 })
-            .build()
+        OffloadEngine::builder().host_tier(total as u64).workers(args.workers).spare_bytes(if spare {
+            total as u64
+        } else {
+            0
+        })
     };
-    let spare_on = host_engine(true)?;
-    let spare_off = host_engine(false)?;
+    let spare_on = host_engine(true).build()?;
+    let spare_off = host_engine(false).build()?;
+    // The pool page-locked with `mlock` (the warm-up pass maps and locks it; later passes lock nothing), where
+    // the process may lock that much.
+    let locked = match host_engine(true).page_lock(Mlock).build() {
+        Ok(e) => Some(e),
+        Err(e @ OffloadError::PageLockBudget { .. }) => {
+            println!("host (page-locked) skipped: {e}");
+            None
+        }
+        Err(e) => return Err(e.into()),
+    };
     let mut tensors = make_tensors(k, n);
     let mut dst_warm: Vec<Vec<u8>> = (0..k)
         .map(|_| {
@@ -406,10 +419,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             v
         })
         .collect();
-    let mut samples: Vec<[f64; 7]> = Vec::new();
+    let mut samples: Vec<[f64; 9]> = Vec::new();
     for rep in 0..=args.reps {
-        let mut s = [0.0; 7];
-        let peers = |s: &mut [f64; 7], dst_warm: &mut Vec<Vec<u8>>, tensors: &[HostTensor]| {
+        let mut s = [0.0; 9];
+        let peers = |s: &mut [f64; 9], dst_warm: &mut Vec<Vec<u8>>, tensors: &[HostTensor]| {
             // memcpy between touched buffers.
             let t = Instant::now();
             for (d, x) in dst_warm.iter_mut().zip(tensors) {
@@ -446,6 +459,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         s[5] = gibs(total, o);
         s[6] = gibs(total, f);
         tensors = back;
+        if let Some(locked) = &locked {
+            let (o, f, back) = engine_pass(locked, tensors)?;
+            s[7] = gibs(total, o);
+            s[8] = gibs(total, f);
+            tensors = back;
+        }
         if !peer_first {
             peers(&mut s, &mut dst_warm, &tensors);
         }
@@ -460,8 +479,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         row(&samples, "host (spares off)", "offload", 5, "memcpy, then free the source", 2),
         row(&samples, "host (spares off)", "fetch", 6, "memcpy into a fresh allocation", 1),
     ];
+    if locked.is_some() {
+        rows.push(row(&samples, "host (spares on, mlock)", "offload", 7, "memcpy, touched buffers", 0));
+        rows.push(row(&samples, "host (spares on, mlock)", "fetch", 8, "memcpy, touched buffers", 0));
+    }
     let host_wait = spare_on.stats().fetch_wait;
-    drop((spare_on, spare_off, dst_warm));
+    drop((spare_on, spare_off, locked, dst_warm));
 
     // Disk tier: the engine in each mode the filesystem allows, beside the peers on the same directory.
     // (direct I/O, spares): the buffered mode also with spares covering every tensor, so its fetches read into
