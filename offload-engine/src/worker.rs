@@ -2,8 +2,8 @@
 //!
 //! Spill files are removed by a thread of their own, the reaper ([`reap`]).
 //!
-//! Each worker keeps one page-aligned staging buffer for direct I/O, mapped on its first disk job and kept
-//! until the engine is dropped.
+//! Each worker keeps two page-aligned staging buffers for direct I/O ([`file::Staging`]), mapped on its first
+//! disk job and kept until the engine is dropped.
 
 use std::panic::{self, AssertUnwindSafe};
 use std::path::PathBuf;
@@ -11,7 +11,7 @@ use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::aligned::{advise_hugepages, AlignedBuf};
+use crate::aligned::advise_hugepages;
 use crate::engine::Shared;
 use crate::scheduler::{Dest, Done, Job, Landed, Source};
 use crate::spill::file;
@@ -19,7 +19,7 @@ use crate::tensor::HostData;
 use crate::ticket::Tier;
 
 pub(crate) fn run(shared: Arc<Shared>) {
-    let mut staging: Option<AlignedBuf> = None;
+    let mut staging = file::Staging::default();
     let mut sched = shared.lock();
     loop {
         let failures = sched.counters.failures;
@@ -83,7 +83,7 @@ fn describe(job: &Job) -> (u64, Tier, bool) {
     }
 }
 
-fn execute(job: Job, staging: &mut Option<AlignedBuf>) -> Done {
+fn execute(job: Job, staging: &mut file::Staging) -> Done {
     let start = Instant::now();
     match job {
         Job::Write { id, tag, data, to } => {

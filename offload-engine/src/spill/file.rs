@@ -5,8 +5,11 @@
 //! costs no extra trip through memory.
 //!
 //! - Direct (`O_DIRECT`): every transfer is a whole number of pages from a page-aligned staging buffer, so the
-//!   data is copied once into the worker's staging buffer and goes to the device past the page cache. The file
-//!   is padded to a page. No `fsync`: the data is on the device when `pwrite` returns, and a file nobody will
+//!   data is copied once into one of the worker's two staging buffers and goes to the device past the page
+//!   cache. A file of more than one piece is pipelined: a thread of the file's own moves one buffer to or from
+//!   the device while the worker copies and checksums the other, so the copy hides behind the transfer instead
+//!   of adding to it (done in turn, they ran at 0.75 of a plain `O_DIRECT` transfer on a disk of 2.2 GiB/s). The
+//!   file is padded to a page. No `fsync`: the data is on the device when `pwrite` returns, and a file nobody will
 //!   read after a crash (the next start removes it) needs no durable metadata.
 //! - Buffered (a filesystem that refuses `O_DIRECT`, or [`crate::OffloadEngineBuilder::direct_io`] off): the
 //!   data goes straight from the tensor into the page cache, then `fdatasync` and `POSIX_FADV_DONTNEED`, so the
@@ -18,6 +21,8 @@ use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
+use std::sync::mpsc;
+use std::thread;
 
 use crate::aligned::{align_up, AlignedBuf};
 use crate::error::OffloadError;
@@ -30,6 +35,182 @@ pub(crate) const CHUNK: usize = 8 << 20;
 
 /// Pieces checksummed and copied together, small enough to stay in L2 between the two.
 const SUB: usize = 256 << 10;
+
+/// Staging buffers per worker: one on the device, one being copied.
+const DEPTH: usize = 2;
+
+/// A worker's direct-I/O staging buffers ([`DEPTH`] of [`CHUNK`] bytes), mapped on first use and kept for the
+/// worker's life.
+#[derive(Default)]
+pub(crate) struct Staging {
+    bufs: Vec<AlignedBuf>,
+    /// Buffers mapped so far: [`DEPTH`] at most while none is lost.
+    mapped: usize,
+}
+
+impl Staging {
+    fn take(&mut self) -> io::Result<AlignedBuf> {
+        match self.bufs.pop() {
+            Some(b) => Ok(b),
+            None => {
+                self.mapped += 1;
+                AlignedBuf::zeroed(CHUNK)
+            }
+        }
+    }
+
+    fn put(&mut self, buf: AlignedBuf) {
+        if self.bufs.len() < DEPTH {
+            self.bufs.push(buf);
+        }
+    }
+}
+
+/// Bytes of the `i`-th piece of a payload of `len` bytes, and that rounded up to a page (what `O_DIRECT` moves).
+fn piece_len(len: usize, i: usize) -> (usize, usize) {
+    let n = (len - i * CHUNK).min(CHUNK);
+    (n, align_up(n).unwrap_or(CHUNK))
+}
+
+/// Copies `piece` into the front of `buf`, checksumming it as it goes, and zeroes the rest of its last page
+/// (the buffer may hold an older piece there).
+fn stage(buf: &mut AlignedBuf, piece: &[u8], crc: &mut crc32fast::Hasher) {
+    let out = &mut buf.as_mut_slice()[..piece.len()];
+    for (src, dst) in piece.chunks(SUB).zip(out.chunks_mut(SUB)) {
+        dst.copy_from_slice(src);
+        crc.update(dst);
+    }
+    let padded = align_up(piece.len()).unwrap_or(CHUNK);
+    buf.as_mut_slice()[piece.len()..padded].fill(0);
+}
+
+/// Copies the front of `buf` into `piece`, checksumming it as it goes.
+fn unstage(buf: &AlignedBuf, piece: &mut [u8], crc: &mut crc32fast::Hasher) {
+    for (src, dst) in buf.as_slice()[..piece.len()].chunks(SUB).zip(piece.chunks_mut(SUB)) {
+        crc.update(src);
+        dst.copy_from_slice(src);
+    }
+}
+
+/// Writes `data` in pieces at `base` with `O_DIRECT`: the calling thread stages each piece while a writer
+/// thread puts the one before on the device.
+fn write_direct(
+    file: &File,
+    data: &[u8],
+    base: u64,
+    staging: &mut Staging,
+    crc: &mut crc32fast::Hasher,
+) -> io::Result<()> {
+    if data.len() <= CHUNK {
+        let mut buf = staging.take()?;
+        stage(&mut buf, data, crc);
+        let r = file.write_all_at(&buf.as_slice()[..piece_len(data.len(), 0).1], base);
+        staging.put(buf);
+        return r;
+    }
+    let (full_tx, full_rx) = mpsc::sync_channel::<(u64, usize, AlignedBuf)>(DEPTH);
+    let (empty_tx, empty_rx) = mpsc::channel::<AlignedBuf>();
+    for _ in 0..DEPTH {
+        // The receiver is alive: this cannot fail.
+        let _ = empty_tx.send(staging.take()?);
+    }
+    let result = thread::scope(|s| {
+        let writer = s.spawn(move || -> io::Result<()> {
+            for (at, len, buf) in full_rx {
+                let r = file.write_all_at(&buf.as_slice()[..len], at);
+                let _ = empty_tx.send(buf);
+                r?;
+            }
+            Ok(())
+        });
+        for (i, piece) in data.chunks(CHUNK).enumerate() {
+            // Either fails only when the writer stopped on an error, which its join returns.
+            let Ok(mut buf) = empty_rx.recv() else { break };
+            stage(&mut buf, piece, crc);
+            if full_tx.send((base + (i * CHUNK) as u64, piece_len(data.len(), i).1, buf)).is_err() {
+                break;
+            }
+        }
+        drop(full_tx);
+        writer.join().unwrap_or_else(|_| Err(io::Error::other("the spill writer thread panicked")))
+    });
+    empty_rx.try_iter().for_each(|b| staging.put(b));
+    result
+}
+
+/// Reads `out.len()` bytes in pieces from `base` with `O_DIRECT`: a reader thread brings each piece into a
+/// staging buffer while the calling thread copies out the one before. `Err` carries the read's own error.
+fn read_direct(
+    file: &File,
+    out: &mut [u8],
+    base: u64,
+    staging: &mut Staging,
+    crc: &mut crc32fast::Hasher,
+) -> io::Result<()> {
+    let len = out.len();
+    if len <= CHUNK {
+        let mut buf = staging.take()?;
+        let r = file.read_exact_at(&mut buf.as_mut_slice()[..piece_len(len, 0).1], base);
+        if r.is_ok() {
+            unstage(&buf, out, crc);
+        }
+        staging.put(buf);
+        return r;
+    }
+    let pieces = len.div_ceil(CHUNK);
+    let (full_tx, full_rx) = mpsc::sync_channel::<io::Result<AlignedBuf>>(DEPTH);
+    let mut bufs = Vec::with_capacity(DEPTH);
+    for _ in 0..DEPTH {
+        bufs.push(staging.take()?);
+    }
+    let (result, back) = thread::scope(|s| {
+        let (empty_tx, empty_rx) = mpsc::channel::<AlignedBuf>();
+        bufs.into_iter().for_each(|b| {
+            let _ = empty_tx.send(b);
+        });
+        // The reader hands its end of the empty buffers back when it ends, so that none is lost with it.
+        let reader = s.spawn(move || {
+            for i in 0..pieces {
+                // Fails only when the calling thread stopped (on an error of its own).
+                let Ok(mut buf) = empty_rx.recv() else { break };
+                let r = file.read_exact_at(&mut buf.as_mut_slice()[..piece_len(len, i).1], base + (i * CHUNK) as u64);
+                let failed = r.is_err();
+                if full_tx.send(r.map(|()| buf)).is_err() || failed {
+                    break;
+                }
+            }
+            empty_rx
+        });
+        let mut back = Vec::new();
+        let mut result = Ok(());
+        for piece in out.chunks_mut(CHUNK) {
+            match full_rx.recv() {
+                Ok(Ok(buf)) => {
+                    unstage(&buf, piece, crc);
+                    let _ = empty_tx.send(buf);
+                }
+                Ok(Err(e)) => {
+                    result = Err(e);
+                    break;
+                }
+                Err(_) => {
+                    result = Err(io::Error::other("the spill reader thread panicked"));
+                    break;
+                }
+            }
+        }
+        // Unblocks a reader still waiting for a buffer, then collects every buffer: those it did not take, and
+        // those it read that were not copied out (after an error).
+        drop(empty_tx);
+        if let Ok(empty_rx) = reader.join() {
+            back.extend(empty_rx.try_iter());
+        }
+        back.extend(full_rx.try_iter().filter_map(Result::ok));
+        (result, back)
+    });
+    back.into_iter().for_each(|b| staging.put(b));
+    result
+}
 
 /// Bytes a file for a tensor of `data_len` bytes takes on disk (what the disk tier's budget counts), at most.
 pub(crate) fn file_bytes(data_len: usize) -> Option<u64> {
@@ -95,7 +276,7 @@ pub(crate) fn write(
     tag: &TensorTag,
     dtype: DType,
     data: &[u8],
-    staging: &mut Option<AlignedBuf>,
+    staging: &mut Staging,
 ) -> Result<(), OffloadError> {
     let t = Target { path, tag };
     let file = open(path, mode, true).map_err(|e| t.io(e))?;
@@ -104,20 +285,12 @@ pub(crate) fn write(
     let base = format::HEADER_BYTES as u64;
     match mode {
         DiskIo::Direct => {
-            let buf = staging_buf(staging).map_err(|e| t.io(e))?;
-            for (i, piece) in data.chunks(CHUNK).enumerate() {
-                let out = &mut buf.as_mut_slice()[..piece.len()];
-                for (src, dst) in piece.chunks(SUB).zip(out.chunks_mut(SUB)) {
-                    dst.copy_from_slice(src);
-                    crc.update(dst);
-                }
-                // A short last piece is padded to a page with zeros (the buffer may hold an older piece there).
-                let padded = align_up(piece.len()).unwrap_or(CHUNK);
-                buf.as_mut_slice()[piece.len()..padded].fill(0);
-                file.write_all_at(&buf.as_slice()[..padded], base + (i * CHUNK) as u64).map_err(|e| t.io(e))?;
-            }
+            write_direct(&file, data, base, staging, &mut crc).map_err(|e| t.io(e))?;
+            let mut buf = staging.take().map_err(|e| t.io(e))?;
             format::encode(buf.as_mut_slice(), tag, dtype, data.len() as u64, crc.finalize());
-            file.write_all_at(&buf.as_slice()[..format::HEADER_BYTES], 0).map_err(|e| t.io(e))?;
+            let r = file.write_all_at(&buf.as_slice()[..format::HEADER_BYTES], 0);
+            staging.put(buf);
+            r.map_err(|e| t.io(e))?;
         }
         DiskIo::Buffered => {
             for (i, piece) in data.chunks(CHUNK).enumerate() {
@@ -142,7 +315,7 @@ pub(crate) fn read(
     tag: &TensorTag,
     dtype: DType,
     out: &mut [u8],
-    staging: &mut Option<AlignedBuf>,
+    staging: &mut Staging,
 ) -> Result<(), OffloadError> {
     let t = Target { path, tag };
     let file = open(path, mode, false).map_err(|e| t.io(e))?;
@@ -156,18 +329,14 @@ pub(crate) fn read(
     let base = format::HEADER_BYTES as u64;
     let stored = match mode {
         DiskIo::Direct => {
-            let buf = staging_buf(staging).map_err(|e| t.io(e))?;
-            file.read_exact_at(&mut buf.as_mut_slice()[..format::HEADER_BYTES], 0).map_err(|e| t.read_err(e))?;
-            let stored = format::check(buf.as_slice(), tag, dtype, out.len() as u64).map_err(|r| t.corrupt(r))?;
-            for (i, piece) in out.chunks_mut(CHUNK).enumerate() {
-                let padded = align_up(piece.len()).unwrap_or(CHUNK);
-                let at = base + (i * CHUNK) as u64;
-                file.read_exact_at(&mut buf.as_mut_slice()[..padded], at).map_err(|e| t.read_err(e))?;
-                for (src, dst) in buf.as_slice()[..piece.len()].chunks(SUB).zip(piece.chunks_mut(SUB)) {
-                    crc.update(src);
-                    dst.copy_from_slice(src);
-                }
-            }
+            let mut buf = staging.take().map_err(|e| t.io(e))?;
+            let header = file.read_exact_at(&mut buf.as_mut_slice()[..format::HEADER_BYTES], 0);
+            let stored = header
+                .map_err(|e| t.read_err(e))
+                .and_then(|()| format::check(buf.as_slice(), tag, dtype, out.len() as u64).map_err(|r| t.corrupt(r)));
+            staging.put(buf);
+            let stored = stored?;
+            read_direct(&file, out, base, staging, &mut crc).map_err(|e| t.read_err(e))?;
             stored
         }
         DiskIo::Buffered => {
@@ -190,10 +359,44 @@ pub(crate) fn read(
     Ok(())
 }
 
-fn staging_buf(staging: &mut Option<AlignedBuf>) -> io::Result<&mut AlignedBuf> {
-    let buf = match staging.take() {
-        Some(buf) => buf,
-        None => AlignedBuf::zeroed(CHUNK)?,
-    };
-    Ok(staging.insert(buf))
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ticket::TensorKind;
+
+    fn pattern(n: usize, seed: u8) -> Vec<u8> {
+        (0..n).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 13) as u8).collect()
+    }
+
+    #[test]
+    fn pipelined_direct_files_round_trip_reuse_the_staging_buffers_and_catch_truncation() {
+        let dir = tempfile::tempdir().unwrap();
+        let probe = dir.path().join("probe");
+        if open(&probe, DiskIo::Direct, true).is_err() {
+            eprintln!("skipped: {} refuses O_DIRECT", dir.path().display());
+            return;
+        }
+        let tag = TensorTag { layer: 3, name: "x".into(), kind: TensorKind::Activation };
+        let mut staging = Staging::default();
+        // One piece, exactly two, and several with a short last one.
+        for (k, n) in [(0, 5000), (1, 2 * CHUNK), (2, 3 * CHUNK + 4097)] {
+            let data = pattern(n, k as u8);
+            let path = dir.path().join(format!("{k}.spill"));
+            write(&path, DiskIo::Direct, &tag, DType::U8, &data, &mut staging).unwrap();
+            let mut out = vec![0u8; n];
+            read(&path, DiskIo::Direct, &tag, DType::U8, &mut out, &mut staging).unwrap();
+            assert!(out == data, "{n} bytes differ");
+            // A one-piece file needs one buffer; a longer one both.
+            assert_eq!(staging.bufs.len(), if n <= CHUNK { 1 } else { DEPTH }, "every buffer back after {n} bytes");
+            if k == 2 {
+                // Cut in the middle of the third piece: an error naming truncation, and no buffer lost.
+                let f = OpenOptions::new().write(true).open(&path).unwrap();
+                f.set_len((format::HEADER_BYTES + 2 * CHUNK + 4096) as u64).unwrap();
+                let e = read(&path, DiskIo::Direct, &tag, DType::U8, &mut out, &mut staging).unwrap_err();
+                assert!(e.to_string().contains("truncated"), "{e}");
+                assert_eq!(staging.bufs.len(), DEPTH);
+            }
+            assert_eq!(staging.mapped, staging.bufs.len(), "the same buffers, none mapped again");
+        }
+    }
 }
