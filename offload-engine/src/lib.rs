@@ -94,8 +94,8 @@
 //!   that tensor's fetch.
 //! - **Direct I/O**: every spill file is written and read in 8 MiB page-aligned pieces through two staging
 //!   buffers per worker with `O_DIRECT`, past the page cache; a file of several pieces is pipelined (one
-//!   buffer on the device while the worker copies and checksums the other). A filesystem that refuses `O_DIRECT` (tmpfs before
-//!   Linux 6.6, some network filesystems) gets buffered I/O followed by `fdatasync` and
+//!   buffer on the device while the worker copies and checksums the other). A filesystem that refuses
+//!   `O_DIRECT` (tmpfs before Linux 6.6, some network filesystems) gets buffered I/O followed by `fdatasync` and
 //!   `POSIX_FADV_DONTNEED`, so the page cache does not keep the memory; [`OffloadEngine::disk_io`] says which.
 //!   On tmpfs the disk tier is memory itself.
 //! - **Host tier and devices**: the pool's buffers are page-aligned anonymous mappings, each page-locked once

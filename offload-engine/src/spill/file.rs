@@ -8,8 +8,8 @@
 //!   data is copied once into one of the worker's two staging buffers and goes to the device past the page
 //!   cache. A file of more than one piece is pipelined: a thread of the file's own moves one buffer to or from
 //!   the device while the worker copies and checksums the other, so the copy hides behind the transfer instead
-//!   of adding to it (done in turn, they ran at 0.75 of a plain `O_DIRECT` transfer on a disk of 2.2 GiB/s). The
-//!   file is padded to a page. No `fsync`: the data is on the device when `pwrite` returns, and a file nobody will
+//!   of adding to it (on a fast disk, done in turn, they cost a quarter of the transfer's speed). The file is
+//!   padded to a page. No `fsync`: the data is on the device when `pwrite` returns, and a file nobody will
 //!   read after a crash (the next start removes it) needs no durable metadata.
 //! - Buffered (a filesystem that refuses `O_DIRECT`, or [`crate::OffloadEngineBuilder::direct_io`] off): the
 //!   data goes straight from the tensor into the page cache, then `fdatasync` and `POSIX_FADV_DONTNEED`, so the
@@ -66,10 +66,14 @@ impl Staging {
     }
 }
 
-/// Bytes of the `i`-th piece of a payload of `len` bytes, and that rounded up to a page (what `O_DIRECT` moves).
-fn piece_len(len: usize, i: usize) -> (usize, usize) {
-    let n = (len - i * CHUNK).min(CHUNK);
-    (n, align_up(n).unwrap_or(CHUNK))
+/// Bytes `O_DIRECT` moves for a piece of `n` bytes: `n` rounded up to a page.
+fn padded(n: usize) -> usize {
+    align_up(n).unwrap_or(CHUNK)
+}
+
+/// [`padded`] length of the `i`-th piece of a payload of `len` bytes.
+fn padded_piece(len: usize, i: usize) -> usize {
+    padded((len - i * CHUNK).min(CHUNK))
 }
 
 /// Copies `piece` into the front of `buf`, checksumming it as it goes, and zeroes the rest of its last page
@@ -80,8 +84,7 @@ fn stage(buf: &mut AlignedBuf, piece: &[u8], crc: &mut crc32fast::Hasher) {
         dst.copy_from_slice(src);
         crc.update(dst);
     }
-    let padded = align_up(piece.len()).unwrap_or(CHUNK);
-    buf.as_mut_slice()[piece.len()..padded].fill(0);
+    buf.as_mut_slice()[piece.len()..padded(piece.len())].fill(0);
 }
 
 /// Copies the front of `buf` into `piece`, checksumming it as it goes.
@@ -104,7 +107,7 @@ fn write_direct(
     if data.len() <= CHUNK {
         let mut buf = staging.take()?;
         stage(&mut buf, data, crc);
-        let r = file.write_all_at(&buf.as_slice()[..piece_len(data.len(), 0).1], base);
+        let r = file.write_all_at(&buf.as_slice()[..padded(data.len())], base);
         staging.put(buf);
         return r;
     }
@@ -127,7 +130,7 @@ fn write_direct(
             // Either fails only when the writer stopped on an error, which its join returns.
             let Ok(mut buf) = empty_rx.recv() else { break };
             stage(&mut buf, piece, crc);
-            if full_tx.send((base + (i * CHUNK) as u64, piece_len(data.len(), i).1, buf)).is_err() {
+            if full_tx.send((base + (i * CHUNK) as u64, padded_piece(data.len(), i), buf)).is_err() {
                 break;
             }
         }
@@ -150,7 +153,7 @@ fn read_direct(
     let len = out.len();
     if len <= CHUNK {
         let mut buf = staging.take()?;
-        let r = file.read_exact_at(&mut buf.as_mut_slice()[..piece_len(len, 0).1], base);
+        let r = file.read_exact_at(&mut buf.as_mut_slice()[..padded(len)], base);
         if r.is_ok() {
             unstage(&buf, out, crc);
         }
@@ -159,21 +162,18 @@ fn read_direct(
     }
     let pieces = len.div_ceil(CHUNK);
     let (full_tx, full_rx) = mpsc::sync_channel::<io::Result<AlignedBuf>>(DEPTH);
-    let mut bufs = Vec::with_capacity(DEPTH);
+    let (empty_tx, empty_rx) = mpsc::channel::<AlignedBuf>();
     for _ in 0..DEPTH {
-        bufs.push(staging.take()?);
+        // The receiver is alive: this cannot fail.
+        let _ = empty_tx.send(staging.take()?);
     }
     let (result, back) = thread::scope(|s| {
-        let (empty_tx, empty_rx) = mpsc::channel::<AlignedBuf>();
-        bufs.into_iter().for_each(|b| {
-            let _ = empty_tx.send(b);
-        });
         // The reader hands its end of the empty buffers back when it ends, so that none is lost with it.
         let reader = s.spawn(move || {
             for i in 0..pieces {
                 // Fails only when the calling thread stopped (on an error of its own).
                 let Ok(mut buf) = empty_rx.recv() else { break };
-                let r = file.read_exact_at(&mut buf.as_mut_slice()[..piece_len(len, i).1], base + (i * CHUNK) as u64);
+                let r = file.read_exact_at(&mut buf.as_mut_slice()[..padded_piece(len, i)], base + (i * CHUNK) as u64);
                 let failed = r.is_err();
                 if full_tx.send(r.map(|()| buf)).is_err() || failed {
                     break;
