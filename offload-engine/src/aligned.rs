@@ -6,6 +6,7 @@
 //! allocator's heap.
 
 use std::io;
+use std::mem::MaybeUninit;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
@@ -19,6 +20,24 @@ pub(crate) fn align_up(n: usize) -> Option<usize> {
     n.checked_add(ALIGN - 1).map(|m| m & !(ALIGN - 1))
 }
 
+/// `bytes` as memory to overwrite. Sound because a `&mut [MaybeUninit<u8>]` cannot be used to write anything but
+/// bytes, every one of which is a valid `u8`: the readers that fill a fetch's destination take this type so that
+/// a fresh allocation need not be zeroed first, and a destination that already holds data is passed through it.
+pub(crate) fn as_unfilled(bytes: &mut [u8]) -> &mut [MaybeUninit<u8>] {
+    // SAFETY: same memory, same length; `MaybeUninit<u8>` has `u8`'s layout. What can be written through it
+    // (`MaybeUninit::write`, copies of initialised slices) leaves initialised bytes, except
+    // `MaybeUninit::uninit()`, which no caller writes.
+    unsafe { &mut *(bytes as *mut [u8] as *mut [MaybeUninit<u8>]) }
+}
+
+/// Copies `src` into `dst` (equal lengths), which may never have been written.
+pub(crate) fn fill(dst: &mut [MaybeUninit<u8>], src: &[u8]) {
+    assert_eq!(dst.len(), src.len(), "fill: lengths differ");
+    // SAFETY: both ranges are `src.len()` bytes long and valid (one borrowed shared, one mutably, so they cannot
+    // overlap).
+    unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.as_mut_ptr().cast(), src.len()) }
+}
+
 /// Below this a buffer is not worth a huge-page hint.
 const HUGE_HINT_MIN: usize = 4 << 20;
 
@@ -26,7 +45,7 @@ const HUGE_HINT_MIN: usize = 4 << 20;
 /// where THP is off). A fresh allocation then takes one fault per 2 MiB instead of one per 4 KiB on its first
 /// write: under virtualisation the faults, not the copy, set the speed of filling fresh memory. Contents are
 /// unchanged; errors are ignored (it is advice).
-pub(crate) fn advise_hugepages(bytes: &mut [u8]) {
+pub(crate) fn advise_hugepages(bytes: &mut [MaybeUninit<u8>]) {
     if bytes.len() < HUGE_HINT_MIN {
         return;
     }
@@ -76,7 +95,7 @@ impl AlignedBuf {
         }
         let ptr = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| io::Error::from(io::ErrorKind::OutOfMemory))?;
         let mut buf = Self { ptr, len, locked_by: None };
-        advise_hugepages(buf.as_mut_slice());
+        advise_hugepages(as_unfilled(buf.as_mut_slice()));
         Ok(buf)
     }
 

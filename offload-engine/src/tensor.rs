@@ -4,6 +4,7 @@
 //! tests compare [`HostTensor::as_bytes`], not floats.
 
 use std::fmt;
+use std::mem::MaybeUninit;
 
 use half::bf16;
 
@@ -49,12 +50,55 @@ pub(crate) enum HostData {
 }
 
 impl HostData {
-    /// Zeros of `dtype` (through `calloc`: large ones are fresh zero pages, not a `memset`).
+    /// Zeros of `dtype`.
+    #[cfg(test)]
     pub(crate) fn zeroed(dtype: DType, len: usize) -> Self {
         match dtype {
             DType::F32 => HostData::F32(vec![0.0; len]),
             DType::Bf16 => HostData::Bf16(vec![bf16::ZERO; len]),
             DType::U8 => HostData::U8(vec![0; len]),
+        }
+    }
+
+    /// Room for `len` elements of `dtype`, none of them written yet (length 0): a fetch into fresh memory fills
+    /// it through [`HostData::unfilled_bytes`] and then [`HostData::assume_filled`], writing each byte once. Zeros
+    /// first would cost a pass over the tensor: with a caching allocator, `calloc` of a reused block clears it.
+    pub(crate) fn unfilled(dtype: DType, len: usize) -> Self {
+        match dtype {
+            DType::F32 => HostData::F32(Vec::with_capacity(len)),
+            DType::Bf16 => HostData::Bf16(Vec::with_capacity(len)),
+            DType::U8 => HostData::U8(Vec::with_capacity(len)),
+        }
+    }
+
+    /// The bytes of the first `len` elements past the current length, for writing (see [`HostData::unfilled`]).
+    /// Panics if the capacity is short of them.
+    pub(crate) fn unfilled_bytes(&mut self, len: usize) -> &mut [MaybeUninit<u8>] {
+        fn bytes<T>(v: &mut Vec<T>, len: usize) -> &mut [MaybeUninit<u8>] {
+            let spare = &mut v.spare_capacity_mut()[..len];
+            // SAFETY: the same memory seen as bytes; `MaybeUninit<u8>` has no alignment or validity requirement.
+            unsafe { std::slice::from_raw_parts_mut(spare.as_mut_ptr().cast(), std::mem::size_of_val(spare)) }
+        }
+        match self {
+            HostData::F32(v) => bytes(v, len),
+            HostData::Bf16(v) => bytes(v, len),
+            HostData::U8(v) => bytes(v, len),
+        }
+    }
+
+    /// Takes the first `len` elements past the current length as written.
+    ///
+    /// # Safety
+    /// Every byte of [`HostData::unfilled_bytes`]`(len)` must have been written (every bit pattern is a valid
+    /// `f32`, `bf16` and `u8`, so any bytes will do).
+    pub(crate) unsafe fn assume_filled(&mut self, len: usize) {
+        // SAFETY: the caller's contract; `unfilled_bytes(len)` checked that the capacity holds them.
+        unsafe {
+            match self {
+                HostData::F32(v) => v.set_len(v.len() + len),
+                HostData::Bf16(v) => v.set_len(v.len() + len),
+                HostData::U8(v) => v.set_len(v.len() + len),
+            }
         }
     }
 
@@ -235,6 +279,24 @@ mod tests {
         assert!(matches!(err, OffloadError::ShapeMismatch { len: 5, .. }), "{err}");
         let overflow = HostTensor::u8(vec![], [usize::MAX, 2]).unwrap_err();
         assert!(matches!(overflow, OffloadError::ShapeMismatch { .. }));
+    }
+
+    /// Unfilled storage exposes exactly the bytes of its elements, and once they are written holds them.
+    #[test]
+    fn unfilled_data_is_filled_through_its_bytes() {
+        for (dtype, size) in [(DType::F32, 4), (DType::Bf16, 2), (DType::U8, 1)] {
+            let mut d = HostData::unfilled(dtype, 5);
+            assert_eq!(d.len(), 0);
+            let bytes = d.unfilled_bytes(5);
+            assert_eq!(bytes.len(), 5 * size);
+            for (i, b) in bytes.iter_mut().enumerate() {
+                b.write(i as u8 + 1);
+            }
+            // SAFETY: every byte was written just above.
+            unsafe { d.assume_filled(5) };
+            assert_eq!(d.len(), 5);
+            assert_eq!(d.as_bytes(), (1..=(5 * size) as u8).collect::<Vec<_>>());
+        }
     }
 
     #[test]

@@ -11,7 +11,7 @@ use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::aligned::advise_hugepages;
+use crate::aligned::{advise_hugepages, as_unfilled, fill};
 use crate::engine::Shared;
 use crate::scheduler::{Dest, Done, Job, Landed, Source};
 use crate::spill::file;
@@ -101,23 +101,28 @@ fn execute(job: Job, staging: &mut file::Staging) -> Done {
             Done::Wrote { id, to, data, took: start.elapsed() }
         }
         Job::Read { id, tag, dtype, len, from, out } => {
-            let mut out = out.unwrap_or_else(|| {
-                let mut fresh = HostData::zeroed(dtype, len);
-                advise_hugepages(fresh.as_bytes_mut());
-                fresh
-            });
+            // A destination the caller handed over holds data already; a fresh one is filled without being zeroed.
+            let fresh = out.is_none();
+            let mut out = out.unwrap_or_else(|| HostData::unfilled(dtype, len));
+            let dst = if fresh { out.unfilled_bytes(len) } else { as_unfilled(out.as_bytes_mut()) };
+            if fresh {
+                advise_hugepages(dst);
+            }
             let (result, from) = match from {
                 Source::Host(buf) => {
-                    let dst = out.as_bytes_mut();
                     let n = dst.len();
-                    dst.copy_from_slice(&buf.as_slice()[..n]);
+                    fill(dst, &buf.as_slice()[..n]);
                     (Ok(()), Landed::Host(buf))
                 }
                 Source::Disk { path, mode } => {
-                    let r = file::read(&path, mode, &tag, dtype, out.as_bytes_mut(), staging);
+                    let r = file::read(&path, mode, &tag, dtype, dst, staging);
                     (r, Landed::Disk(path))
                 }
             };
+            if fresh && result.is_ok() {
+                // SAFETY: the copy, or a read that returned `Ok`, wrote all of `unfilled_bytes(len)`.
+                unsafe { out.assume_filled(len) };
+            }
             Done::Read { id, result: result.map(|()| out), from, took: start.elapsed() }
         }
     }

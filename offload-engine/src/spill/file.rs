@@ -19,12 +19,13 @@
 
 use std::fs::{File, OpenOptions};
 use std::io;
+use std::mem::MaybeUninit;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
 use std::sync::mpsc;
 use std::thread;
 
-use crate::aligned::{align_up, AlignedBuf};
+use crate::aligned::{align_up, fill, AlignedBuf};
 use crate::error::OffloadError;
 use crate::spill::{format, sys, DiskIo};
 use crate::tensor::DType;
@@ -88,10 +89,10 @@ fn stage(buf: &mut AlignedBuf, piece: &[u8], crc: &mut crc32fast::Hasher) {
 }
 
 /// Copies the front of `buf` into `piece`, checksumming it as it goes.
-fn unstage(buf: &AlignedBuf, piece: &mut [u8], crc: &mut crc32fast::Hasher) {
+fn unstage(buf: &AlignedBuf, piece: &mut [MaybeUninit<u8>], crc: &mut crc32fast::Hasher) {
     for (src, dst) in buf.as_slice()[..piece.len()].chunks(SUB).zip(piece.chunks_mut(SUB)) {
         crc.update(src);
-        dst.copy_from_slice(src);
+        fill(dst, src);
     }
 }
 
@@ -145,7 +146,7 @@ fn write_direct(
 /// staging buffer while the calling thread copies out the one before. `Err` carries the read's own error.
 fn read_direct(
     file: &File,
-    out: &mut [u8],
+    out: &mut [MaybeUninit<u8>],
     base: u64,
     staging: &mut Staging,
     crc: &mut crc32fast::Hasher,
@@ -308,13 +309,14 @@ pub(crate) fn write(
     Ok(())
 }
 
-/// Reads the file at `path` into `out` (exactly the tensor's bytes), checking header and checksum.
+/// Reads the file at `path` into `out` (exactly the tensor's bytes), checking header and checksum. `out` may be
+/// memory never written (a fetch into a fresh allocation); on success every byte of it has been.
 pub(crate) fn read(
     path: &Path,
     mode: DiskIo,
     tag: &TensorTag,
     dtype: DType,
-    out: &mut [u8],
+    out: &mut [MaybeUninit<u8>],
     staging: &mut Staging,
 ) -> Result<(), OffloadError> {
     let t = Target { path, tag };
@@ -346,7 +348,7 @@ pub(crate) fn read(
             file.read_exact_at(&mut page, 0).map_err(|e| t.read_err(e))?;
             let stored = format::check(&page, tag, dtype, out.len() as u64).map_err(|r| t.corrupt(r))?;
             for (i, piece) in out.chunks_mut(CHUNK).enumerate() {
-                file.read_exact_at(piece, base + (i * CHUNK) as u64).map_err(|e| t.read_err(e))?;
+                let piece = sys::read_exact_at(&file, piece, base + (i * CHUNK) as u64).map_err(|e| t.read_err(e))?;
                 crc.update(piece);
             }
             stored
@@ -362,6 +364,7 @@ pub(crate) fn read(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::aligned::as_unfilled;
     use crate::ticket::TensorKind;
 
     fn pattern(n: usize, seed: u8) -> Vec<u8> {
@@ -384,7 +387,7 @@ mod tests {
             let path = dir.path().join(format!("{k}.spill"));
             write(&path, DiskIo::Direct, &tag, DType::U8, &data, &mut staging).unwrap();
             let mut out = vec![0u8; n];
-            read(&path, DiskIo::Direct, &tag, DType::U8, &mut out, &mut staging).unwrap();
+            read(&path, DiskIo::Direct, &tag, DType::U8, as_unfilled(&mut out), &mut staging).unwrap();
             assert!(out == data, "{n} bytes differ");
             // A one-piece file needs one buffer; a longer one both.
             assert_eq!(staging.bufs.len(), if n <= CHUNK { 1 } else { DEPTH }, "every buffer back after {n} bytes");
@@ -392,7 +395,7 @@ mod tests {
                 // Cut in the middle of the third piece: an error naming truncation, and no buffer lost.
                 let f = OpenOptions::new().write(true).open(&path).unwrap();
                 f.set_len((format::HEADER_BYTES + 2 * CHUNK + 4096) as u64).unwrap();
-                let e = read(&path, DiskIo::Direct, &tag, DType::U8, &mut out, &mut staging).unwrap_err();
+                let e = read(&path, DiskIo::Direct, &tag, DType::U8, as_unfilled(&mut out), &mut staging).unwrap_err();
                 assert!(e.to_string().contains("truncated"), "{e}");
                 assert_eq!(staging.bufs.len(), DEPTH);
             }
