@@ -83,6 +83,38 @@ pub enum KernelError {
         /// What was looked for and not found.
         why: String,
     },
+    /// The device ran out of memory, even after its pool gave back what it kept for reuse.
+    #[error("out of {memory} memory allocating {bytes} bytes ({free} bytes free on the device)")]
+    OutOfMemory {
+        /// The memory asked.
+        memory: crate::Memory,
+        /// Bytes asked for.
+        bytes: usize,
+        /// Bytes the device reported free.
+        free: usize,
+    },
+    /// A call into the device's driver or libraries failed: a launch refused, a fault while a kernel ran
+    /// (reported by the next synchronising call, or by the op itself with checked launches), a library error.
+    #[error("{backend}: {op} failed: {why}")]
+    Device {
+        /// The backend's name.
+        backend: &'static str,
+        /// The op or driver call that failed (a kernel's name for a launch).
+        op: String,
+        /// The driver's or library's message.
+        why: String,
+    },
+    /// A kernel source failed to compile (NVRTC's log, or the host compiler's for the emulator), or the headers
+    /// it needs were not found.
+    #[error("compiling `{file}` for {target} failed:\n{log}")]
+    Compile {
+        /// The kernel source.
+        file: &'static str,
+        /// What it was compiled for (`sm_90`, `host emulator`).
+        target: String,
+        /// The compiler's messages, or where the missing headers were looked for.
+        log: String,
+    },
 }
 
 /// Result alias of this crate.

@@ -5,6 +5,13 @@
 
 use crate::error::{KernelError, Result};
 
+#[cfg(feature = "cuda")]
+#[allow(dead_code)] // the ops that use every part of the seam come with the backend
+pub(crate) mod device;
+#[cfg(feature = "cuda")]
+#[allow(dead_code)]
+pub(crate) mod sources;
+
 /// A CUDA device to compute on (see the module docs).
 #[derive(Debug)]
 pub struct CudaBackend {

@@ -1,0 +1,1 @@
+// Element types, conversions and reductions shared by every kernel (see sources.rs).

@@ -1,0 +1,1 @@
+// Inline-PTX wrappers (see sources.rs).

@@ -1,0 +1,28 @@
+//! The CUDA kernel sources, embedded in the binary: one `.cu` file per kernel family under `kernels/`, each
+//! compiled as one translation unit made of the shared headers (`common.cuh`: element types, conversions,
+//! reductions; `ptx.cuh`: the inline-PTX wrappers) followed by the file itself. The same text goes to NVRTC
+//! for a GPU and to the host C++ compiler for the emulator, so what the emulator tests is what the GPU runs.
+
+use super::device::KernelSource;
+
+/// The shared headers, in the order they are prepended.
+pub(crate) const HEADERS: &[(&str, &str)] =
+    &[("common.cuh", include_str!("kernels/common.cuh")), ("ptx.cuh", include_str!("kernels/ptx.cuh"))];
+
+/// Every kernel source.
+pub(crate) static SOURCES: &[&KernelSource] = &[];
+
+/// The translation unit of `src`: the headers, then the source, with `#line` directives so that compiler
+/// messages name the file and line they come from.
+pub(crate) fn translation_unit(src: &KernelSource) -> String {
+    let mut tu = String::new();
+    for (name, text) in HEADERS {
+        tu.push_str(&format!("#line 1 \"{name}\"\n"));
+        tu.push_str(text);
+        tu.push('\n');
+    }
+    tu.push_str(&format!("#line 1 \"{}\"\n", src.file));
+    tu.push_str(src.code);
+    tu.push('\n');
+    tu
+}
