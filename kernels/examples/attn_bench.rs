@@ -40,7 +40,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use half::bf16;
-use longctx_kernels::attention::{AttnMask, AttnParams, AttnShape, SimdPath};
+use longctx_kernels::attention::{AttnMask, AttnParams, AttnShape};
+use longctx_kernels::cpu::SimdPath;
 use longctx_kernels::{
     AttnGrads, AttnOut, AttnSaved, Backend, CpuBackend, GradMode, HostSlice, HostSliceMut, Qkv, View, ViewMut,
 };
@@ -347,7 +348,7 @@ fn main() {
     let (gemm, fma) = if args.iter().any(|a| a == "--no-peak") {
         (f64::NAN, None)
     } else {
-        (gemm_peak(), longctx_kernels::fma_peak_flops(simd).map(|f| f / 1e9))
+        (gemm_peak(), longctx_kernels::cpu::fma_peak_flops(simd).map(|f| f / 1e9))
     };
     let peak = fma.map_or(gemm, |f| f.max(gemm));
     let rounds = arg_list(&args, "--rounds", &[1]).first().copied().unwrap_or(1).max(1);

@@ -15,8 +15,8 @@
 
 use std::time::Instant;
 
-use longctx_kernels::peak::fma_peak_flops;
-use longctx_kernels::{Backend, CpuBackend, GradMode, LinearGrads, LinearSaved, Result, SimdPath, View, ViewMut};
+use longctx_kernels::cpu::{fma_peak_flops, SimdPath};
+use longctx_kernels::{Backend, CpuBackend, GradMode, LinearGrads, LinearSaved, Result, View, ViewMut};
 
 struct Args {
     tokens: usize,

@@ -8,53 +8,15 @@ use half::bf16;
 
 use crate::dtype::DType;
 use crate::error::Result;
-use crate::host_cache;
-use crate::view::{Dims, HostSlice, HostSliceMut, IntoDims, Memory, View, ViewMut};
+use crate::host::cache as host_cache;
+pub use crate::host::HostVec;
+use crate::host::{HostSlice, HostSliceMut};
+use crate::view::{Dims, IntoDims, Memory, View, ViewMut};
 
 #[derive(Debug)]
 enum Owned {
     HostF32(Vec<f32>),
     HostBf16(Vec<bf16>),
-}
-
-/// A host buffer's elements, moved out of it without a copy (to hand to an offload engine, and back).
-#[derive(Debug, Clone, PartialEq)]
-pub enum HostVec {
-    /// `f32` elements.
-    F32(Vec<f32>),
-    /// `bf16` elements.
-    Bf16(Vec<bf16>),
-}
-
-/// The element types a [`HostVec`] holds, moved in and out of it by type.
-pub(crate) trait HostElement: crate::dtype::Element {
-    fn into_host_vec(v: Vec<Self>) -> HostVec;
-    /// The elements when `v` holds this type.
-    fn from_host_vec(v: HostVec) -> Option<Vec<Self>>;
-}
-
-impl HostElement for f32 {
-    fn into_host_vec(v: Vec<Self>) -> HostVec {
-        HostVec::F32(v)
-    }
-    fn from_host_vec(v: HostVec) -> Option<Vec<Self>> {
-        match v {
-            HostVec::F32(v) => Some(v),
-            HostVec::Bf16(_) => None,
-        }
-    }
-}
-
-impl HostElement for bf16 {
-    fn into_host_vec(v: Vec<Self>) -> HostVec {
-        HostVec::Bf16(v)
-    }
-    fn from_host_vec(v: HostVec) -> Option<Vec<Self>> {
-        match v {
-            HostVec::Bf16(v) => Some(v),
-            HostVec::F32(_) => None,
-        }
-    }
 }
 
 /// An owned, contiguous buffer with dims (see the module docs).

@@ -48,21 +48,20 @@
 pub mod attention;
 pub mod backend;
 pub mod buffer;
+pub(crate) mod checks;
 pub mod cpu;
 pub mod cuda;
 pub mod dtype;
 pub mod error;
 mod host;
-mod host_cache;
 pub mod ops;
-pub mod peak;
 pub mod saved;
 pub mod testing;
 pub mod view;
 
 pub use attention::{
     attention_work, AttnGrads, AttnMask, AttnOptions, AttnOut, AttnParams, AttnPartial, AttnSaved, AttnShape, AttnWork,
-    Positions, Qkv, SimdPath,
+    Positions, Qkv,
 };
 pub use backend::{AdamwState, Backend, GradMode, LinearGrads, NormGrads, NormParams, ProjectionGrads};
 pub use buffer::{Buffer, HostVec};
@@ -74,7 +73,6 @@ pub use host::{HostSlice, HostSliceMut};
 pub use ops::{
     AdamW, CrossEntropyOptions, CrossEntropyOutput, RopeConfig, RopeScaling, RopeTable, RouterOutput, Routing,
 };
-pub use peak::fma_peak_flops;
 pub use saved::{
     EmbeddingSaved, LayerNormSaved, LinearSaved, MatmulSaved, MoeCombineSaved, MoeRouterSaved, RmsNormSaved,
     SquaredReluSaved, SwigluSaved,

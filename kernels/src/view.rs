@@ -25,7 +25,7 @@ use half::bf16;
 
 use crate::dtype::{DType, Element};
 use crate::error::{KernelError, Result};
-pub(crate) use crate::host::{HostSlice, HostSliceMut};
+use crate::host::{HostSlice, HostSliceMut};
 
 /// The most dims a view has (`[B, H, S, D]`).
 pub const MAX_DIMS: usize = 4;

@@ -5,7 +5,8 @@
 mod common;
 
 use half::bf16;
-use longctx_kernels::attention::{AttnMask, AttnParams, AttnShape, Positions, SimdPath};
+use longctx_kernels::attention::{AttnMask, AttnParams, AttnShape, Positions};
+use longctx_kernels::cpu::SimdPath;
 use longctx_kernels::testing::{attention_backward, attention_forward, uniform_nonzero};
 use longctx_kernels::{GradMode, HostSlice, HostSliceMut};
 use proptest::prelude::*;

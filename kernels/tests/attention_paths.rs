@@ -3,7 +3,8 @@
 
 mod common;
 
-use longctx_kernels::attention::{AttnShape, SimdPath};
+use longctx_kernels::attention::AttnShape;
+use longctx_kernels::cpu::SimdPath;
 
 #[test]
 fn portable_path_matches_reference() {

@@ -4,11 +4,12 @@
 
 use half::bf16;
 use longctx_kernels::attention::reference;
+use longctx_kernels::cpu::SimdPath;
 use longctx_kernels::testing::{max_rel_err, uniform_nonzero};
 use longctx_kernels::{
     AttnGrads, AttnMask, AttnOptions, AttnOut, AttnParams, AttnPartial, AttnSaved, Backend, Buffer, CpuBackend, DType,
     Dims, GradMode, HostVec, KernelError, LayerNormSaved, LinearGrads, LinearSaved, MatmulSaved, NormGrads, NormParams,
-    Qkv, RmsNormSaved, SimdPath, SwigluSaved, View, ViewMut,
+    Qkv, RmsNormSaved, SwigluSaved, View, ViewMut,
 };
 
 /// Runs `body` once per SIMD path this CPU supports, each on its own backend.

@@ -2,9 +2,8 @@
 
 mod ops_util;
 
-use longctx_kernels::{
-    Backend, CpuBackend, Element, KernelError, SimdPath, SquaredReluSaved, SwigluSaved, View, ViewMut,
-};
+use longctx_kernels::cpu::SimdPath;
+use longctx_kernels::{Backend, CpuBackend, Element, KernelError, SquaredReluSaved, SwigluSaved, View, ViewMut};
 use ops_util::*;
 use proptest::prelude::*;
 

@@ -16,7 +16,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressStyle};
-use longctx_kernels::{fma_peak_flops, Backend, CpuBackend, DType, Dims, SimdPath, View};
+use longctx_kernels::cpu::{fma_peak_flops, SimdPath};
+use longctx_kernels::{Backend, CpuBackend, DType, Dims, View};
 
 use crate::error::{Result, TrainError};
 use crate::recipe::Recipe;

@@ -3,10 +3,10 @@
 //! [`attention_backward`](crate::Backend::attention_backward) and
 //! [`attention_merge`](crate::Backend::attention_merge); this module holds what those calls take (the grouped
 //! views [`Qkv`], [`AttnOut`], [`AttnSaved`], [`AttnGrads`], the [`AttnMask`] and [`AttnOptions`]), the sizes and
-//! parameters of one problem ([`AttnShape`], [`AttnParams`]), the exact work count [`attention_work`], the plain
-//! f64 [`reference`](mod@reference) every kernel is checked against, and the CPU backend's SIMD levels
-//! ([`SimdPath`]). The CPU kernels themselves are private to [`CpuBackend`](crate::CpuBackend); the layout,
-//! numerics and determinism below are theirs.
+//! parameters of one problem ([`AttnShape`], [`AttnParams`]), the exact work count [`attention_work`], and the
+//! plain f64 [`reference`](mod@reference) every kernel is checked against. The layout, numerics and determinism
+//! below are the contract every backend meets (the CPU's kernels are under `cpu/attention`, the GPU's under
+//! `cuda/kernels`).
 //!
 //! # Layout
 //! Legend: `B` batch, `Hq` query heads, `Hkv` key/value heads, `Sq` query rows, `Sk` key rows, `D` head dim.
@@ -16,8 +16,8 @@
 //! - `LSE`: `[B, Hq, Sq]`, `f32`, natural log: `LSE[i] = ln Σ_j exp(scale · q_i·k_j)` over the visible keys.
 //!
 //! # Numerics
-//! Tiles are loaded as `f32` (bf16 is widened) and all products, softmax statistics and gradients are
-//! accumulated in `f32`. A query row that sees no key gets `O = 0` and `LSE = -inf` (never NaN), and
+//! Every product, softmax statistic and gradient is accumulated in `f32` (`bf16` inputs are widened, and their
+//! products are exact in `f32`). A query row that sees no key gets `O = 0` and `LSE = -inf` (never NaN), and
 //! contributes nothing to any gradient.
 //!
 //! Masked pairs contribute nothing, even when an input is NaN or infinite: a masked entry is selected away,
@@ -25,31 +25,20 @@
 //! `K`, `V` or `dO` leaves every output, `LSE` and gradient row of the other documents bit-identical to a run
 //! without it; the same holds for rows a causal or window mask separates from it. The rows that do see a
 //! non-finite value get NaN (or ±inf): the `O` and `LSE` of a query row that sees a non-finite score or value,
-//! and the gradients reached from it. Each key tile's non-finite elements are found while K and V are
-//! packed, each query tile's while its rows are loaded, and only tile pairs that hold one take the slower
-//! exact path, so finite inputs run as fast as before. The merge likewise gives a partial with `LSE = -inf` no
-//! weight even when its `O` is not finite.
+//! and the gradients reached from it. The merge likewise gives a partial with `LSE = -inf` no weight even when
+//! its `O` is not finite.
 //!
 //! # Determinism
-//! Every output element is produced by exactly one task, which reduces in a fixed order, so results are
-//! bit-identical from run to run whatever the number of threads.
+//! Every output element is produced by exactly one task (a CPU task, a GPU thread block), which reduces in a
+//! fixed order, so results are bit-identical from run to run whatever the number of threads.
 
-mod backward;
-mod forward;
 pub(crate) mod groups;
 pub mod mask;
-mod merge;
-mod pack;
 pub mod reference;
-pub(crate) mod simd;
 mod work;
 
-pub(crate) use backward::attention_backward_on;
-pub(crate) use forward::attention_forward_on;
 pub use groups::{AttnGrads, AttnOptions, AttnOut, AttnPartial, AttnSaved, Qkv};
 pub use mask::{AttnMask, Positions};
-pub(crate) use merge::merge_partial_attention;
-pub use simd::SimdPath;
 pub use work::{attention_work, AttnWork};
 
 use crate::error::{check_len, KernelError, Result};

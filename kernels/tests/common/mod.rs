@@ -1,7 +1,8 @@
 //! Shared by the attention test binaries: the CPU backend on one explicit SIMD path, and the f64 reference check.
 #![allow(dead_code)] // each test binary uses its own part
 
-use longctx_kernels::attention::{AttnMask, AttnParams, AttnShape, Positions, SimdPath};
+use longctx_kernels::attention::{AttnMask, AttnParams, AttnShape, Positions};
+use longctx_kernels::cpu::SimdPath;
 use longctx_kernels::testing::{attention_f32_with, max_rel_err, reference_f64, uniform_nonzero};
 use longctx_kernels::CpuBackend;
 

@@ -13,18 +13,25 @@ use std::sync::Arc;
 use half::bf16;
 use rayon::prelude::*;
 
-use crate::attention::{self, AttnGrads, AttnOptions, AttnOut, AttnPartial, AttnSaved, Qkv, SimdPath};
+mod attention;
+mod ops;
+mod peak;
+
+pub use attention::SimdPath;
+pub use peak::fma_peak_flops;
+
+use crate::attention::{AttnGrads, AttnOptions, AttnOut, AttnPartial, AttnSaved, Qkv};
 use crate::backend::{AdamwState, Backend, GradMode, LinearGrads, NormGrads, NormParams, ProjectionGrads};
-use crate::buffer::{Buffer, HostElement};
+use crate::buffer::Buffer;
 use crate::dtype::{DType, Element};
 use crate::error::{KernelError, Result};
-use crate::host_cache;
-use crate::ops::{self, AdamW, CrossEntropyOptions, CrossEntropyOutput, RopeTable, RouterOutput, Routing};
+use crate::host::{cache as host_cache, HostElement, HostSlice, HostSliceMut};
+use crate::ops::{AdamW, CrossEntropyOptions, CrossEntropyOutput, RopeTable, RouterOutput, Routing};
 use crate::saved::{
     LayerNormSaved, LinearSaved, MatmulSaved, MoeCombineSaved, MoeRouterSaved, RmsNormSaved, SquaredReluSaved,
     SwigluSaved,
 };
-use crate::view::{Dims, HostSlice, HostSliceMut, Memory, View, ViewMut};
+use crate::view::{Dims, Memory, View, ViewMut};
 
 /// Binds the type `$T` to the Rust type of `$dt` in `$body`.
 macro_rules! by_dtype {
@@ -162,7 +169,7 @@ fn rows(name: &'static str, dims: &[usize]) -> Result<(usize, usize)> {
 }
 
 fn same_dims(name: &'static str, got: &[usize], want: &[usize]) -> Result<()> {
-    attention::groups::expect_dims(name, got, want)
+    crate::attention::groups::expect_dims(name, got, want)
 }
 
 fn same_dtype(name: &'static str, got: DType, want: DType) -> Result<()> {

@@ -18,7 +18,8 @@
 
 use rayon::prelude::*;
 
-use super::{as_f32_mut, nonzero, numel, store, F32In, Scratch};
+use super::{as_f32_mut, store, F32In, Scratch};
+use crate::checks::{nonzero, numel};
 use crate::dtype::Element;
 use crate::error::{check_len, Result};
 

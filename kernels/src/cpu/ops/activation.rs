@@ -19,7 +19,7 @@
 use rayon::prelude::*;
 
 use super::ELEMS_PER_TASK;
-use crate::attention::SimdPath;
+use crate::cpu::SimdPath;
 use crate::dtype::Element;
 use crate::error::{check_len, Result};
 

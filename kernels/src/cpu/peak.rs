@@ -5,7 +5,7 @@
 
 use std::time::Instant;
 
-use crate::attention::SimdPath;
+use crate::cpu::SimdPath;
 
 /// FLOP/s of independent FMA chains in registers on all threads of the current rayon pool, at `path`
 /// (clamped to what the CPU supports); `None` on the portable path, which has no vector kernel to time.

@@ -13,7 +13,8 @@
 
 use rayon::prelude::*;
 
-use super::{nonzero, numel, ROWS_PER_TASK};
+use super::ROWS_PER_TASK;
+use crate::checks::{nonzero, numel};
 use crate::dtype::Element;
 use crate::error::{check_len, KernelError, Result};
 

@@ -15,7 +15,8 @@
 
 use rayon::prelude::*;
 
-use super::{finite, nonzero, numel, reduce_partials, ROWS_PER_TASK};
+use super::{reduce_partials, ROWS_PER_TASK};
+use crate::checks::{finite, nonzero, numel};
 use crate::dtype::Element;
 use crate::error::{check_len, Result};
 

@@ -18,14 +18,15 @@ use std::f32::consts::LOG2_E;
 use rayon::prelude::*;
 
 use super::forward::{all_finite, Scratch, GROUP};
-use super::mask::{tile_summaries, TileClass};
 use super::pack::{
     as_f32, finite_copy, pack_key_strips, pack_row_strips, pack_transposed_tiles, value_tile_len, NonFinite,
 };
 use super::simd::{dot, prefetch_part, Simd, SimdPath, STRIP};
-use super::{AttnMask, AttnParams, BC, BR};
+use super::{BC, BR};
+use crate::attention::mask::{tile_summaries, TileClass};
+use crate::attention::{AttnMask, AttnParams};
 use crate::error::Result;
-use crate::view::{HostSlice, HostSliceMut};
+use crate::host::{HostSlice, HostSliceMut};
 
 /// Attention backward on the CPU, on the inner loops of `simd` (clamped to what this CPU supports): the kernel
 /// behind [`CpuBackend`](crate::CpuBackend)'s [`attention_backward`](crate::Backend::attention_backward).
@@ -345,7 +346,7 @@ fn product_groups(
 /// tiles. With two query heads per KV head, one chunk per head would be a single task per KV head: equal
 /// halves on two threads, so whichever core runs slower (another tenant, a lower clock) leaves the other
 /// idle at the end of every call; two chunks let the threads even out.
-fn query_chunks(s: &super::AttnShape) -> usize {
+fn query_chunks(s: &crate::attention::AttnShape) -> usize {
     const TASKS: usize = 16;
     let heads = s.batch * s.kv_heads;
     let for_threads = TASKS.div_ceil(heads);
@@ -372,8 +373,8 @@ struct Ctx<'a> {
     kv_bad: &'a [bool],
     /// `[B·Hkv][key tile]`: the non-finite elements of K.
     k_bad: &'a [NonFinite],
-    q_sum: Vec<super::mask::RangeSummary>,
-    k_sum: Vec<super::mask::RangeSummary>,
+    q_sum: Vec<crate::attention::mask::RangeSummary>,
+    k_sum: Vec<crate::attention::mask::RangeSummary>,
 }
 
 impl Ctx<'_> {

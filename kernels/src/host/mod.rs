@@ -3,6 +3,8 @@
 
 use half::bf16;
 
+pub(crate) mod cache;
+
 use crate::dtype::DType;
 
 /// A read-only host buffer of `f32` or `bf16`.
@@ -185,5 +187,45 @@ impl<'a> From<&'a mut Vec<f32>> for HostSliceMut<'a> {
 impl<'a> From<&'a mut Vec<bf16>> for HostSliceMut<'a> {
     fn from(s: &'a mut Vec<bf16>) -> Self {
         HostSliceMut::Bf16(s)
+    }
+}
+
+/// A host buffer's elements, moved out of it without a copy (to hand to an offload engine, and back).
+#[derive(Debug, Clone, PartialEq)]
+pub enum HostVec {
+    /// `f32` elements.
+    F32(Vec<f32>),
+    /// `bf16` elements.
+    Bf16(Vec<bf16>),
+}
+
+/// The element types a [`HostVec`] holds, moved in and out of it by type.
+pub(crate) trait HostElement: crate::dtype::Element {
+    fn into_host_vec(v: Vec<Self>) -> HostVec;
+    /// The elements when `v` holds this type.
+    fn from_host_vec(v: HostVec) -> Option<Vec<Self>>;
+}
+
+impl HostElement for f32 {
+    fn into_host_vec(v: Vec<Self>) -> HostVec {
+        HostVec::F32(v)
+    }
+    fn from_host_vec(v: HostVec) -> Option<Vec<Self>> {
+        match v {
+            HostVec::F32(v) => Some(v),
+            HostVec::Bf16(_) => None,
+        }
+    }
+}
+
+impl HostElement for bf16 {
+    fn into_host_vec(v: Vec<Self>) -> HostVec {
+        HostVec::Bf16(v)
+    }
+    fn from_host_vec(v: HostVec) -> Option<Vec<Self>> {
+        match v {
+            HostVec::Bf16(v) => Some(v),
+            HostVec::F32(_) => None,
+        }
     }
 }

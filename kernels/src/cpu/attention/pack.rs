@@ -7,12 +7,13 @@ use rayon::prelude::*;
 
 use super::forward::all_finite;
 use super::simd::STRIP;
-use super::{AttnShape, BC};
+use super::BC;
+use crate::attention::AttnShape;
 
 /// The non-finite elements of one tile of `BC` key (or value) rows: `(row in the tile, dimension, value)`.
 /// Empty for every tile of finite data, which is all the kernels check on their normal path.
 pub(crate) type NonFinite = Vec<(usize, usize, f32)>;
-use crate::view::HostSlice;
+use crate::host::HostSlice;
 
 /// `[B·Hkv][tile][BC / STRIP][D][STRIP]`: each key tile transposed (columns are keys), zero-padded to `BC` keys
 /// and strip-packed for [`super::simd::Simd::matmul_packed_b`] (key `j` of the tile, dimension `dd` at

@@ -11,7 +11,8 @@ use crate::attention::{reference, AttnGrads, AttnOut, AttnParams, AttnSaved, Qkv
 use crate::backend::{Backend, GradMode};
 use crate::cpu::CpuBackend;
 use crate::error::{check_len, Result};
-use crate::view::{HostSlice, HostSliceMut, IntoDims, View, ViewMut};
+use crate::host::{HostSlice, HostSliceMut};
+use crate::view::{IntoDims, View, ViewMut};
 
 /// `n` values uniform in (−1, 1), never exactly zero, reproducible from `seed` (xorshift64).
 ///

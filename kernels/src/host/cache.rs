@@ -13,7 +13,7 @@
 use std::collections::VecDeque;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
-use crate::buffer::HostVec;
+use super::HostVec;
 use crate::dtype::DType;
 
 /// Buffers from this many bytes up are counted and kept; smaller ones are the system allocator's business.

@@ -14,12 +14,13 @@ use std::f32::consts::{LN_2, LOG2_E};
 
 use rayon::prelude::*;
 
-use super::mask::{tile_summaries, TileClass};
 use super::pack::{pack_transposed_tiles, pack_value_strips, value_tile_len};
 use super::simd::{prefetch_part, Simd, SimdPath, STRIP};
-use super::{AttnParams, BC, BR};
+use super::{BC, BR};
+use crate::attention::mask::{tile_summaries, TileClass};
+use crate::attention::AttnParams;
 use crate::error::Result;
-use crate::view::{HostSlice, HostSliceMut};
+use crate::host::{HostSlice, HostSliceMut};
 
 /// Rows per register block of the micro-kernel; partial tiles are cut into groups of this many rows.
 pub(crate) const GROUP: usize = 6;
@@ -317,7 +318,7 @@ impl Scratch {
     /// multiple of 8. For partial tiles it also fills `vis`.
     pub fn spans(
         &mut self,
-        mask: &super::AttnMask<'_>,
+        mask: &crate::attention::AttnMask<'_>,
         class: TileClass,
         rows: usize,
         q0: usize,
