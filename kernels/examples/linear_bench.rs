@@ -105,9 +105,12 @@ fn main() -> Result<()> {
         let (xv, wv, dyv) = (View::new(&x, [t, d_in])?, View::new(&w, [d_out, d_in])?, View::new(&dy, [t, d_out])?);
         let fwd = best_of(a.reps, || cpu.linear_forward(ViewMut::new(&mut y, [t, d_out])?, xv, wv, None))?;
         // dX alone: `linear_backward` always computes dW too, so dX is timed as the product it runs for it,
-        // `dY·W` through `matmul` (the same tiled `gemm` call). Timed as the difference of two backward calls it
-        // read past the FMA ceiling whenever a repetition of the longer call was disturbed.
-        let dx_only = best_of(a.reps, || cpu.matmul(ViewMut::new(&mut dx, [t, d_in])?, dyv, wv))?;
+        // `dY·W`, here as a linear layer of the transposed weight (the same tiled `gemm` call). Timed as the
+        // difference of two backward calls it read past the FMA ceiling whenever a repetition of the longer call
+        // was disturbed.
+        let wt: Vec<f32> = (0..d_in * d_out).map(|i| w[(i % d_out) * d_in + i / d_out]).collect();
+        let wtv = View::new(&wt, [d_in, d_out])?;
+        let dx_only = best_of(a.reps, || cpu.linear_forward(ViewMut::new(&mut dx, [t, d_in])?, dyv, wtv, None))?;
         let dw_only = best_of(a.reps, || {
             let g = LinearGrads { dx: None, dw: ViewMut::new(&mut dw, [d_out, d_in])?, dbias: None };
             cpu.linear_backward(g, dyv, LinearSaved { x: xv }, wv, GradMode::Overwrite)

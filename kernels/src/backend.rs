@@ -18,6 +18,34 @@
 //! and options. Gradients are named `dq, dk, dv, dout, dx, dw`. Activation gradients are overwritten; the
 //! gradients a [`GradMode`] governs are named in each method's docs. Every shape is checked before any element
 //! is written: an `Err` leaves outputs untouched.
+//!
+//! # Memory
+//! Every [`View`] and [`ViewMut`] a method takes lives in the backend's memory ([`Backend::memory`]): a view
+//! of other memory is a [`KernelError::Memory`] naming the argument. The exceptions say so: `upload` reads host
+//! memory, `download` writes it. Host data reaches a device backend only through `upload`, and leaves only
+//! through `download`.
+//!
+//! Arguments that are plain slices or host structures are host memory, read before the call returns: token
+//! positions (`&[i64]`), token ids and targets, an [`AttnMask`](crate::AttnMask)'s explicit positions and document
+//! ids, a [`RopeTable`], a [`Routing`]. A device backend uploads what the op needs of them on every call (a few
+//! bytes per token, ordered on its stream like any op); the caller may change them once the call returned.
+//!
+//! # Ordering
+//! On a device backend every op is asynchronous: the call checks its arguments, enqueues the work on the
+//! backend's queue (a CUDA stream) and returns; ops run in the order they were called on that backend. So:
+//! - results reach the host through [`Backend::download`], which waits for the ops enqueued before it; a method
+//!   that returns a value computed on the device (`sum_squares`, the cross-entropy loss, the MoE router's
+//!   routing) waits for its own op before it returns, and says so;
+//! - [`Backend::synchronize`] waits for everything enqueued, and reports a fault of any of it (a failed launch
+//!   the device refuses is reported by the call that made it);
+//! - a buffer may be dropped while ops that use it are enqueued on the backend that made it: its memory is
+//!   reused only by ops enqueued after the drop;
+//! - work on another queue ([`Backend::fork`]: the same device and memory, its own queue) is ordered with an
+//!   [`Event`]: `let e = a.record_event()?; b.wait_event(&e)?;` makes the ops enqueued on `b` from then on wait
+//!   for those enqueued on `a` before `e`. A buffer used on `b` and made (or dropped) on `a` needs that order.
+//!
+//! On the CPU every op has run when its call returns: events are complete at once, and the two-queue rules
+//! hold trivially.
 
 use std::fmt;
 
@@ -25,10 +53,10 @@ use crate::attention::{AttnGrads, AttnOptions, AttnOut, AttnPartial, AttnSaved, 
 use crate::buffer::Buffer;
 use crate::dtype::DType;
 use crate::error::{KernelError, Result};
+use crate::event::Event;
 use crate::ops::{AdamW, CrossEntropyOptions, CrossEntropyOutput, RopeTable, RouterOutput, Routing};
 use crate::saved::{
-    LayerNormSaved, LinearSaved, MatmulSaved, MoeCombineSaved, MoeRouterSaved, RmsNormSaved, SquaredReluSaved,
-    SwigluSaved,
+    LayerNormSaved, LinearSaved, MoeCombineSaved, MoeRouterSaved, RmsNormSaved, SquaredReluSaved, SwigluSaved,
 };
 use crate::view::{Dims, Memory, View, ViewMut};
 
@@ -109,6 +137,31 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// The memory this backend computes on.
     fn memory(&self) -> Memory;
 
+    /// Copies `src` (host memory) into `dst` (this backend's memory): same dims and dtype. Returns once `src` may
+    /// be changed or freed; the copy is ordered with this backend's other work like any op.
+    fn upload(&self, dst: ViewMut<'_>, src: View<'_>) -> Result<()>;
+    /// Copies `src` (this backend's memory) into `dst` (host memory): same dims and dtype. Waits for the ops
+    /// enqueued before it; returns once `dst` holds the values.
+    fn download(&self, dst: ViewMut<'_>, src: View<'_>) -> Result<()>;
+    /// Blocks until every op enqueued so far on this backend has run; reports a fault of any of them. A no-op
+    /// on a backend whose ops run before they return (the default).
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
+    /// An event complete once every op enqueued so far on this backend has run (see "Ordering"). The default,
+    /// for a backend whose ops run before they return, is complete at once.
+    fn record_event(&self) -> Result<Event> {
+        Ok(Event::complete())
+    }
+    /// Ops enqueued on this backend from now on wait for `event` (recorded on this backend or another one of
+    /// the same device). The default, for a backend whose ops run before they return, waits on the host.
+    fn wait_event(&self, event: &Event) -> Result<()> {
+        event.synchronize()
+    }
+    /// The same device, memory and settings with a queue of its own, so that its work (a ring's transfers, an
+    /// offload's copies) can overlap this backend's. Buffers of either may be used by both, ordered by events.
+    fn fork(&self) -> Result<std::sync::Arc<dyn Backend>>;
+
     /// A zeroed buffer of `dtype` with `dims` in this backend's memory.
     fn zeros(&self, dtype: DType, dims: Dims) -> Result<Buffer>;
     /// A buffer of `dtype` with `dims` whose contents are unspecified, for an output that an op writes whole
@@ -120,11 +173,14 @@ pub trait Backend: Send + Sync + fmt::Debug {
     }
     /// `dst = src`, converting the element type when they differ. Same dims.
     fn copy(&self, dst: ViewMut<'_>, src: View<'_>) -> Result<()>;
+    /// Every element of `dst` = `value`, rounded to `dst`'s type (e.g. `0` or `-inf`).
+    fn fill(&self, dst: ViewMut<'_>, value: f32) -> Result<()>;
     /// `dst += src` (in `f32`, rounded to `dst`'s type). Same dims.
     fn add(&self, dst: ViewMut<'_>, src: View<'_>) -> Result<()>;
     /// `x *= a`.
     fn scale(&self, x: ViewMut<'_>, a: f32) -> Result<()>;
-    /// `Σ x²` over all the views, in `f64` (the squared global norm, to all-reduce before clipping).
+    /// `Σ x²` over all the views, in `f64` (the squared global norm, to all-reduce before clipping). Waits for
+    /// its op: the value is on the host.
     fn sum_squares(&self, xs: &[View<'_>]) -> Result<f64>;
     /// Clips gradients by their global L2 norm (PyTorch's `clip_grad_norm_`): `‖g‖ = √(Σ g²)` over all of
     /// `grads`, in `f64`; when it exceeds `max_norm`, every gradient is scaled by `max_norm / (‖g‖ + 1e-6)`.
@@ -182,17 +238,6 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// the union of the keys.
     fn attention_merge(&self, acc: AttnOut<'_>, part: AttnPartial<'_>) -> Result<()>;
 
-    /// `c[M,N] = a[M,K]·b[K,N]`. The forward saves `a` and `b` ([`MatmulSaved`]).
-    fn matmul(&self, c: ViewMut<'_>, a: View<'_>, b: View<'_>) -> Result<()>;
-    /// `da = dc·bᵀ` (overwritten) and `db = aᵀ·dc` (per `mode`); either may be skipped.
-    fn matmul_backward(
-        &self,
-        da: Option<ViewMut<'_>>,
-        db: Option<ViewMut<'_>>,
-        dc: View<'_>,
-        saved: MatmulSaved<'_>,
-        mode: GradMode,
-    ) -> Result<()>;
     /// `y[N,OUT] = x[N,IN]·wᵀ + bias` (`w` is `[OUT, IN]`, as PyTorch's `Linear`). Saves `x` ([`LinearSaved`]).
     fn linear_forward(&self, y: ViewMut<'_>, x: View<'_>, w: View<'_>, bias: Option<View<'_>>) -> Result<()>;
     /// The linear layer's backward: `grads.dx` (overwritten), `grads.dw` and `grads.dbias` (per `mode`).
@@ -235,16 +280,12 @@ pub trait Backend: Send + Sync + fmt::Debug {
         mode: GradMode,
     ) -> Result<()>;
 
-    /// Rotary embedding of `x[B,H,S,D]` by the angles of `positions[S]` (global token positions) into `y`;
-    /// `y` and `x` may be the same buffer through [`Backend::rope_forward_inplace`]. Saves nothing.
-    fn rope_forward(&self, rope: &RopeTable, y: ViewMut<'_>, x: View<'_>, positions: &[i64]) -> Result<()>;
-    /// Rotary embedding in place.
-    fn rope_forward_inplace(&self, rope: &RopeTable, x: ViewMut<'_>, positions: &[i64]) -> Result<()>;
-    /// The rotary embedding's backward: `dx[B,H,S,D]` receives `dy` rotated back (the transpose of the forward
+    /// Rotary embedding of `x[B,H,S,D]` in place, by the angles of `positions[S]` (global token positions; host
+    /// memory, as the table). Saves nothing.
+    fn rope_forward(&self, rope: &RopeTable, x: ViewMut<'_>, positions: &[i64]) -> Result<()>;
+    /// The rotary embedding's backward in place: `d` holds `dy` and receives `dx` (the transpose of the forward
     /// map, so with no attention factor its inverse).
-    fn rope_backward(&self, rope: &RopeTable, dx: ViewMut<'_>, dy: View<'_>, positions: &[i64]) -> Result<()>;
-    /// The rotary embedding's backward (the inverse rotation) in place: `d` holds `dy` and receives `dx`.
-    fn rope_backward_inplace(&self, rope: &RopeTable, d: ViewMut<'_>, positions: &[i64]) -> Result<()>;
+    fn rope_backward(&self, rope: &RopeTable, d: ViewMut<'_>, positions: &[i64]) -> Result<()>;
 
     /// SwiGLU: `out = silu(gate) ∘ up`. Saves both inputs ([`SwigluSaved`]).
     fn swiglu_forward(&self, out: ViewMut<'_>, gate: View<'_>, up: View<'_>) -> Result<()>;
@@ -264,7 +305,8 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// Mixture-of-experts router (Hugging Face Mixtral): `probs[L,E]` (`f32`) = softmax of `logits[L,E]`, each
     /// token's `top_k` most probable experts (ties to the lower index) and their probabilities renormalised to
     /// sum to 1 into `weights[L,K]` (`f32`). Returns the routing and the per-expert probability sums; saves
-    /// [`MoeRouterSaved`].
+    /// [`MoeRouterSaved`]. The routing is host metadata (it sizes each expert's product), so on a device backend
+    /// this call waits for its op and brings each token's choices to the host: one synchronisation per MoE layer.
     fn moe_router_forward(
         &self,
         probs: ViewMut<'_>,
@@ -283,12 +325,12 @@ pub trait Backend: Send + Sync + fmt::Debug {
     ) -> Result<()>;
     /// Dispatch: `xe[N,C]` row `n` = `x[L,C]` row `routing.row_tokens()[n]` (tokens grouped by expert, expert
     /// `e`'s rows `routing.offsets()[e]..[e+1]`). Saves nothing.
-    fn moe_gather(&self, xe: ViewMut<'_>, x: View<'_>, routing: &Routing) -> Result<()>;
+    fn moe_gather_forward(&self, xe: ViewMut<'_>, x: View<'_>, routing: &Routing) -> Result<()>;
     /// The dispatch's backward: `dx[L,C]` (overwritten) sums each token's rows of `dxe[N,C]`.
     fn moe_gather_backward(&self, dx: ViewMut<'_>, dxe: View<'_>, routing: &Routing) -> Result<()>;
     /// Combine (a weighted index-add): `out[L,C]` (overwritten) row `t` = `Σ_j weights[t,j]·ye[row of (t, j)]`,
     /// summed in ascending expert order. Saves [`MoeCombineSaved`].
-    fn moe_combine(&self, out: ViewMut<'_>, ye: View<'_>, weights: View<'_>, routing: &Routing) -> Result<()>;
+    fn moe_combine_forward(&self, out: ViewMut<'_>, ye: View<'_>, weights: View<'_>, routing: &Routing) -> Result<()>;
     /// The combine's backward: `dye[N,C]` and `dweights[L,K]` (`f32`), both overwritten.
     fn moe_combine_backward(
         &self,
@@ -303,16 +345,10 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// Embedding backward: `dtable` (per `mode`) gathers `dout`'s rows.
     fn embedding_backward(&self, dtable: ViewMut<'_>, dout: View<'_>, ids: &[u32], mode: GradMode) -> Result<()>;
 
-    /// Cross-entropy from `logits[T,V]`, replaced by their gradient; ignored targets give zero rows.
-    fn cross_entropy_logits(
-        &self,
-        logits: ViewMut<'_>,
-        targets: &[i64],
-        opts: &CrossEntropyOptions,
-    ) -> Result<CrossEntropyOutput>;
     /// Cross-entropy of the output projection `hidden[T,C]·weightᵀ` (`weight` `[V, C]`) computed in chunks of
     /// tokens, so the `[T, V]` logits never exist at once: the loss, `grads.dhidden` (overwritten) and
-    /// `grads.dweight` (per `mode`).
+    /// `grads.dweight` (per `mode`). `targets` are host memory; the loss is returned on the host, so a device
+    /// backend waits for the op.
     fn cross_entropy_fused(
         &self,
         grads: ProjectionGrads<'_>,

@@ -1,22 +1,51 @@
 //! An owned buffer in some backend's memory, with its dims: what a plan allocates once for its workspace, and
 //! what [`Backend::zeros`](crate::Backend::zeros) returns. It hands out [`View`]s and [`ViewMut`]s of itself.
 //!
-//! A large host buffer (1 MiB or more) that is dropped goes to the process's cache of host buffers for the
-//! next one of its type and length (see [`Backend::empty`](crate::Backend::empty)).
+//! Host buffers own a `Vec`; a large one (1 MiB or more) that is dropped goes to the process's cache of host
+//! buffers for the next one of its type and length (see [`Backend::empty`](crate::Backend::empty)). Device
+//! buffers own a [`DeviceAllocation`], which gives the memory back to its backend's pool when dropped.
+
+use std::fmt;
 
 use half::bf16;
 
 use crate::dtype::DType;
-use crate::error::Result;
+use crate::error::{KernelError, Result};
 use crate::host::cache as host_cache;
 pub use crate::host::HostVec;
 use crate::host::{HostSlice, HostSliceMut};
-use crate::view::{Dims, IntoDims, Memory, View, ViewMut};
+use crate::view::{DeviceSlice, DeviceSliceMut, Dims, IntoDims, Memory, View, ViewMut};
 
-#[derive(Debug)]
+/// Device memory that a [`Buffer`] owns: an address range in some device's memory, given back to the backend
+/// that made it when dropped (the backend decides when: the CUDA backend's pool reuses it for work enqueued after
+/// the drop on the stream that allocated it).
+///
+/// # Safety
+/// `ptr()..ptr() + bytes()` is memory of `memory()` that stays allocated, and is used by nothing but views of
+/// the buffer that owns this allocation, until the allocation is dropped. `ptr()` is aligned to 256 bytes.
+pub unsafe trait DeviceAllocation: Send + Sync + fmt::Debug {
+    /// The device address of the first byte.
+    fn ptr(&self) -> u64;
+    /// Bytes allocated.
+    fn bytes(&self) -> usize;
+    /// Which device's memory.
+    fn memory(&self) -> Memory;
+}
+
 enum Owned {
     HostF32(Vec<f32>),
     HostBf16(Vec<bf16>),
+    Device { alloc: Box<dyn DeviceAllocation>, dtype: DType },
+}
+
+impl fmt::Debug for Owned {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Owned::HostF32(v) => write!(f, "HostF32({} elements)", v.len()),
+            Owned::HostBf16(v) => write!(f, "HostBf16({} elements)", v.len()),
+            Owned::Device { alloc, dtype } => write!(f, "Device({alloc:?}, {dtype:?})"),
+        }
+    }
 }
 
 /// An owned, contiguous buffer with dims (see the module docs).
@@ -40,11 +69,7 @@ impl Buffer {
     /// A host buffer owning `data` with `dims` (no copy). Errors: a length that is not the dims' product.
     pub fn from_host_vec(data: HostVec, dims: impl IntoDims) -> Result<Self> {
         let dims = dims.into_dims()?;
-        let len = match &data {
-            HostVec::F32(v) => v.len(),
-            HostVec::Bf16(v) => v.len(),
-        };
-        crate::error::check_len("data", len, dims.numel())?;
+        crate::error::check_len("data", data.len(), dims.numel())?;
         host_cache::made(host_cache::bytes_of(&data));
         Ok(Self::owning(data, dims))
     }
@@ -56,18 +81,39 @@ impl Buffer {
         };
         Self { data, dims }
     }
-    /// The elements, moved out (no copy), with the dims. Host buffers only: a device buffer (with the CUDA
-    /// backend) is copied out by its backend.
-    pub fn into_host_vec(mut self) -> (HostVec, Dims) {
-        let data = self.take_data();
-        host_cache::left(host_cache::bytes_of(&data));
-        (data, self.dims)
+    /// A device buffer of `dtype` with `dims` owning `alloc` (what a device backend's
+    /// [`Backend::empty`](crate::Backend::empty) returns). Errors: an allocation smaller than the dims need.
+    pub fn from_device(alloc: Box<dyn DeviceAllocation>, dtype: DType, dims: impl IntoDims) -> Result<Self> {
+        let dims = dims.into_dims()?;
+        let need = dims.numel() * dtype.size();
+        if alloc.bytes() < need {
+            return Err(KernelError::Shape(format!(
+                "a device allocation of {} bytes cannot hold {dims:?} of {}",
+                alloc.bytes(),
+                dtype.name()
+            )));
+        }
+        Ok(Self { data: Owned::Device { alloc, dtype }, dims })
     }
-    /// The elements, leaving the buffer empty (for its `Drop` not to see them again).
-    fn take_data(&mut self) -> HostVec {
+    /// The elements, moved out (no copy), with the dims; a device buffer is handed back unchanged (its
+    /// elements reach the host through [`Backend::download`](crate::Backend::download)).
+    pub fn into_host_vec(mut self) -> std::result::Result<(HostVec, Dims), Buffer> {
+        if matches!(self.data, Owned::Device { .. }) {
+            return Err(self);
+        }
+        let data = self.take_host();
+        host_cache::left(host_cache::bytes_of(&data));
+        Ok((data, self.dims))
+    }
+    /// A host buffer's elements, leaving it empty (for its `Drop` not to see them again).
+    fn take_host(&mut self) -> HostVec {
         match std::mem::replace(&mut self.data, Owned::HostF32(Vec::new())) {
             Owned::HostF32(v) => HostVec::F32(v),
             Owned::HostBf16(v) => HostVec::Bf16(v),
+            device @ Owned::Device { .. } => {
+                self.data = device;
+                HostVec::F32(Vec::new())
+            }
         }
     }
     /// The dims.
@@ -87,11 +133,15 @@ impl Buffer {
         match &self.data {
             Owned::HostF32(_) => DType::F32,
             Owned::HostBf16(_) => DType::Bf16,
+            Owned::Device { dtype, .. } => *dtype,
         }
     }
     /// Where the elements live.
     pub fn memory(&self) -> Memory {
-        Memory::Host
+        match &self.data {
+            Owned::HostF32(_) | Owned::HostBf16(_) => Memory::Host,
+            Owned::Device { alloc, .. } => alloc.memory(),
+        }
     }
     /// Bytes the elements take.
     pub fn bytes(&self) -> usize {
@@ -99,35 +149,38 @@ impl Buffer {
     }
     /// A read-only view of the whole buffer.
     pub fn view(&self) -> View<'_> {
-        let h = match &self.data {
-            Owned::HostF32(v) => HostSlice::F32(v),
-            Owned::HostBf16(v) => HostSlice::Bf16(v),
+        let view = match &self.data {
+            Owned::HostF32(v) => View::host(HostSlice::F32(v), self.dims),
+            Owned::HostBf16(v) => View::host(HostSlice::Bf16(v), self.dims),
+            Owned::Device { alloc, dtype } => {
+                // SAFETY: the allocation holds the dims' elements (checked when the buffer was made) and lives
+                // as long as `self`, which the view borrows.
+                let d = unsafe { DeviceSlice::new(alloc.ptr(), self.len(), *dtype, alloc.memory()) };
+                View::device(d, self.dims)
+            }
         };
-        View::host(h, self.dims).expect("a buffer's dims match its length")
+        view.expect("a buffer's dims match its length")
     }
     /// A writable view of the whole buffer.
     pub fn view_mut(&mut self) -> ViewMut<'_> {
-        let h = match &mut self.data {
-            Owned::HostF32(v) => HostSliceMut::F32(v),
-            Owned::HostBf16(v) => HostSliceMut::Bf16(v),
+        let len = self.len();
+        let view = match &mut self.data {
+            Owned::HostF32(v) => ViewMut::host(HostSliceMut::F32(v), self.dims),
+            Owned::HostBf16(v) => ViewMut::host(HostSliceMut::Bf16(v), self.dims),
+            Owned::Device { alloc, dtype } => {
+                // SAFETY: as in `view`; the view borrows `self` mutably, so it is the only one.
+                let d = unsafe { DeviceSliceMut::new(alloc.ptr(), len, *dtype, alloc.memory()) };
+                ViewMut::device(d, self.dims)
+            }
         };
-        ViewMut::host(h, self.dims).expect("a buffer's dims match its length")
-    }
-}
-
-impl Clone for Buffer {
-    fn clone(&self) -> Self {
-        let data = match &self.data {
-            Owned::HostF32(v) => HostVec::F32(v.clone()),
-            Owned::HostBf16(v) => HostVec::Bf16(v.clone()),
-        };
-        host_cache::made(host_cache::bytes_of(&data));
-        Self::owning(data, self.dims)
+        view.expect("a buffer's dims match its length")
     }
 }
 
 impl Drop for Buffer {
     fn drop(&mut self) {
-        host_cache::give(self.take_data());
+        if !matches!(self.data, Owned::Device { .. }) {
+            host_cache::give(self.take_host());
+        }
     }
 }

@@ -53,6 +53,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod dtype;
 pub mod error;
+pub mod event;
 mod host;
 pub mod ops;
 pub mod saved;
@@ -69,12 +70,13 @@ pub use cpu::CpuBackend;
 pub use cuda::CudaBackend;
 pub use dtype::{DType, Element};
 pub use error::{KernelError, Result};
+pub use event::{BackendEvent, Event};
 pub use host::{HostSlice, HostSliceMut};
 pub use ops::{
     AdamW, CrossEntropyOptions, CrossEntropyOutput, RopeConfig, RopeScaling, RopeTable, RouterOutput, Routing,
 };
 pub use saved::{
-    EmbeddingSaved, LayerNormSaved, LinearSaved, MatmulSaved, MoeCombineSaved, MoeRouterSaved, RmsNormSaved,
-    SquaredReluSaved, SwigluSaved,
+    EmbeddingSaved, LayerNormSaved, LinearSaved, MoeCombineSaved, MoeRouterSaved, RmsNormSaved, SquaredReluSaved,
+    SwigluSaved,
 };
 pub use view::{DeviceSlice, DeviceSliceMut, Dims, IntoDims, Memory, View, ViewMut};

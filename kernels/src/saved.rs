@@ -30,26 +30,6 @@ impl LinearSaved<'_> {
     }
 }
 
-/// Matrix product `C = A·B`: the backward needs both operands.
-#[derive(Debug, Clone, Copy)]
-pub struct MatmulSaved<'a> {
-    /// `[M, K]`.
-    pub a: View<'a>,
-    /// `[K, N]`.
-    pub b: View<'a>,
-}
-
-impl MatmulSaved<'_> {
-    /// Bytes saved.
-    pub fn bytes(&self) -> usize {
-        self.a.bytes() + self.b.bytes()
-    }
-    /// Bytes an `[m, k]·[k, n]` product saves.
-    pub fn bytes_for(m: usize, k: usize, n: usize, dtype: DType) -> usize {
-        (m * k + k * n) * dtype.size()
-    }
-}
-
 /// RMSNorm: the input and the reciprocal root mean square of each row.
 #[derive(Debug, Clone, Copy)]
 pub struct RmsNormSaved<'a> {

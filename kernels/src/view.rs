@@ -2,10 +2,11 @@
 //!
 //! A [`View`] (read-only) or [`ViewMut`] (writable) is what every [`Backend`](crate::Backend) method takes.
 //! It is not a tensor library: no broadcasting, no strides, no autograd, no lazy ops; a view is a contiguous
-//! row-major buffer with up to four dims, checked once when it is made. The memory is an enum (host memory
-//! today; device memory is one more variant when the CUDA backend lands), so code written against views moves
-//! to the device without changing its signatures, as candle's `Storage { Cpu, Cuda }` does. A backend checks
-//! that every view it is given lives in its memory ([`KernelError::Memory`]).
+//! row-major buffer with up to four dims, checked once when it is made. The memory is an enum (host memory, or a
+//! device's: [`DeviceSlice`], an address range a device backend made), so code written against views runs on
+//! every backend without changing its signatures, as candle's `Storage { Cpu, Cuda }` does. A backend checks
+//! that every view it is given lives in its memory ([`KernelError::Memory`]); host code reaches a device view's
+//! elements only through [`Backend::download`](crate::Backend::download).
 //!
 //! ```
 //! use longctx_kernels::{View, ViewMut, DType};
@@ -20,6 +21,7 @@
 //! ```
 
 use std::fmt;
+use std::marker::PhantomData;
 
 use half::bf16;
 
@@ -114,32 +116,110 @@ impl fmt::Display for Memory {
     }
 }
 
-/// A read-only view of device memory. Only a device backend makes these; without one (no `cuda` feature) the
-/// type has no values, so host code matches on it for free.
+/// A read-only view of device memory: an address, an element count and type, and the device. Made by a device
+/// backend's [`Buffer`](crate::Buffer)s, or by [`DeviceSlice::new`] for memory a framework owns.
 #[derive(Debug, Clone, Copy)]
 pub struct DeviceSlice<'a> {
-    never: std::convert::Infallible,
-    _life: std::marker::PhantomData<&'a ()>,
+    ptr: u64,
+    len: usize,
+    dtype: DType,
+    memory: Memory,
+    _life: PhantomData<&'a ()>,
 }
 
 /// A writable view of device memory (see [`DeviceSlice`]).
 #[derive(Debug)]
 pub struct DeviceSliceMut<'a> {
-    never: std::convert::Infallible,
-    _life: std::marker::PhantomData<&'a mut ()>,
+    ptr: u64,
+    len: usize,
+    dtype: DType,
+    memory: Memory,
+    _life: PhantomData<&'a mut ()>,
+}
+
+impl<'a> DeviceSlice<'a> {
+    /// `len` elements of `dtype` at device address `ptr` of `memory`.
+    ///
+    /// # Safety
+    /// The `len · dtype.size()` bytes at `ptr` are memory of `memory`, allocated for `'a`, and not written
+    /// through anything else for `'a` (outside work ordered before or after the reads, as the backend's
+    /// ordering rules say).
+    pub unsafe fn new(ptr: u64, len: usize, dtype: DType, memory: Memory) -> Self {
+        Self { ptr, len, dtype, memory, _life: PhantomData }
+    }
+    /// The device address of the first element.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+    /// Elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// True when the slice holds no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+    /// Which device's memory.
+    pub fn memory(&self) -> Memory {
+        self.memory
+    }
+    fn sub(self, start: usize, len: usize) -> Self {
+        Self { ptr: self.ptr + (start * self.dtype.size()) as u64, len, ..self }
+    }
+}
+
+impl<'a> DeviceSliceMut<'a> {
+    /// `len` writable elements of `dtype` at device address `ptr` of `memory`.
+    ///
+    /// # Safety
+    /// As [`DeviceSlice::new`], and nothing else reads or writes the bytes for `'a`.
+    pub unsafe fn new(ptr: u64, len: usize, dtype: DType, memory: Memory) -> Self {
+        Self { ptr, len, dtype, memory, _life: PhantomData }
+    }
+    /// The device address of the first element.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+    /// Elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// True when the slice holds no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+    /// Which device's memory.
+    pub fn memory(&self) -> Memory {
+        self.memory
+    }
+    fn into_sub(self, start: usize, len: usize) -> Self {
+        Self { ptr: self.ptr + (start * self.dtype.size()) as u64, len, ..self }
+    }
+    fn reborrow(&mut self) -> DeviceSliceMut<'_> {
+        DeviceSliceMut { ptr: self.ptr, len: self.len, dtype: self.dtype, memory: self.memory, _life: PhantomData }
+    }
+    fn as_slice(&self) -> DeviceSlice<'_> {
+        DeviceSlice { ptr: self.ptr, len: self.len, dtype: self.dtype, memory: self.memory, _life: PhantomData }
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
 enum Data<'a> {
     Host(HostSlice<'a>),
-    #[allow(dead_code)] // made by the device backend
     Device(DeviceSlice<'a>),
 }
 
 #[derive(Debug)]
 enum DataMut<'a> {
     Host(HostSliceMut<'a>),
-    #[allow(dead_code)] // made by the device backend
     Device(DeviceSliceMut<'a>),
 }
 
@@ -176,6 +256,12 @@ impl<'a> View<'a> {
         check_numel(data.len(), &dims)?;
         Ok(Self { data: Data::Host(data), dims })
     }
+    /// A device slice with dims.
+    pub fn device(data: DeviceSlice<'a>, dims: impl IntoDims) -> Result<Self> {
+        let dims = dims.into_dims()?;
+        check_numel(data.len(), &dims)?;
+        Ok(Self { data: Data::Device(data), dims })
+    }
     /// Host elements viewed as one dimension of their length.
     pub fn flat<T: Element>(data: &'a [T]) -> Self {
         let dims = Dims { rank: 1, d: [data.len(), 1, 1, 1] };
@@ -201,14 +287,14 @@ impl<'a> View<'a> {
     pub fn dtype(&self) -> DType {
         match &self.data {
             Data::Host(h) => h.dtype(),
-            Data::Device(d) => match d.never {},
+            Data::Device(d) => d.dtype(),
         }
     }
     /// Where the elements live.
     pub fn memory(&self) -> Memory {
         match &self.data {
             Data::Host(_) => Memory::Host,
-            Data::Device(d) => match d.never {},
+            Data::Device(d) => d.memory(),
         }
     }
     /// Bytes the elements take.
@@ -227,7 +313,7 @@ impl<'a> View<'a> {
         let (dims, at, len) = row_range(&self.dims, start, n)?;
         let data = match self.data {
             Data::Host(h) => Data::Host(h.sub(at, len)),
-            Data::Device(d) => match d.never {},
+            Data::Device(d) => Data::Device(d.sub(at, len)),
         };
         Ok(Self { data, dims })
     }
@@ -235,10 +321,15 @@ impl<'a> View<'a> {
     pub fn as_host(&self, name: &'static str) -> Result<HostSlice<'a>> {
         match self.data {
             Data::Host(h) => Ok(h),
-            Data::Device(d) => {
-                let _ = name;
-                match d.never {}
-            }
+            Data::Device(d) => Err(not_host(name, d.memory())),
+        }
+    }
+    /// The device slice, or [`KernelError::Memory`] naming `name` when the view is not in `memory` (a device
+    /// backend's own).
+    pub fn as_device(&self, name: &'static str, memory: Memory) -> Result<DeviceSlice<'a>> {
+        match self.data {
+            Data::Device(d) if d.memory() == memory => Ok(d),
+            _ => Err(wrong_memory(name, memory, self.memory())),
         }
     }
     /// The host elements as `T`, or an error naming `name` (wrong memory or dtype).
@@ -261,6 +352,12 @@ impl<'a> ViewMut<'a> {
         let dims = dims.into_dims()?;
         check_numel(data.len(), &dims)?;
         Ok(Self { data: DataMut::Host(data), dims })
+    }
+    /// A writable device slice with dims.
+    pub fn device(data: DeviceSliceMut<'a>, dims: impl IntoDims) -> Result<Self> {
+        let dims = dims.into_dims()?;
+        check_numel(data.len(), &dims)?;
+        Ok(Self { data: DataMut::Device(data), dims })
     }
     /// Writable host elements viewed as one dimension of their length.
     pub fn flat<T: Element>(data: &'a mut [T]) -> Self {
@@ -287,14 +384,14 @@ impl<'a> ViewMut<'a> {
     pub fn dtype(&self) -> DType {
         match &self.data {
             DataMut::Host(h) => h.dtype(),
-            DataMut::Device(d) => match d.never {},
+            DataMut::Device(d) => d.dtype(),
         }
     }
     /// Where the elements live.
     pub fn memory(&self) -> Memory {
         match &self.data {
             DataMut::Host(_) => Memory::Host,
-            DataMut::Device(d) => match d.never {},
+            DataMut::Device(d) => d.memory(),
         }
     }
     /// Bytes the elements take.
@@ -312,7 +409,7 @@ impl<'a> ViewMut<'a> {
         let (dims, at, len) = row_range(&self.dims, start, n)?;
         let data = match self.data {
             DataMut::Host(h) => DataMut::Host(h.into_sub(at, len)),
-            DataMut::Device(d) => match d.never {},
+            DataMut::Device(d) => DataMut::Device(d.into_sub(at, len)),
         };
         Ok(Self { data, dims })
     }
@@ -320,7 +417,7 @@ impl<'a> ViewMut<'a> {
     pub fn reborrow(&mut self) -> ViewMut<'_> {
         let data = match &mut self.data {
             DataMut::Host(h) => DataMut::Host(h.reborrow()),
-            DataMut::Device(d) => match d.never {},
+            DataMut::Device(d) => DataMut::Device(d.reborrow()),
         };
         ViewMut { data, dims: self.dims }
     }
@@ -328,7 +425,7 @@ impl<'a> ViewMut<'a> {
     pub fn as_view(&self) -> View<'_> {
         let data = match &self.data {
             DataMut::Host(h) => Data::Host(h.as_slice()),
-            DataMut::Device(d) => match d.never {},
+            DataMut::Device(d) => Data::Device(d.as_slice()),
         };
         View { data, dims: self.dims }
     }
@@ -336,10 +433,15 @@ impl<'a> ViewMut<'a> {
     pub fn into_host(self, name: &'static str) -> Result<HostSliceMut<'a>> {
         match self.data {
             DataMut::Host(h) => Ok(h),
-            DataMut::Device(d) => {
-                let _ = name;
-                match d.never {}
-            }
+            DataMut::Device(d) => Err(not_host(name, d.memory())),
+        }
+    }
+    /// The writable device slice, or [`KernelError::Memory`] naming `name` when the view is not in `memory`.
+    pub fn into_device(self, name: &'static str, memory: Memory) -> Result<DeviceSliceMut<'a>> {
+        let got = self.memory();
+        match self.data {
+            DataMut::Device(d) if d.memory() == memory => Ok(d),
+            _ => Err(wrong_memory(name, memory, got)),
         }
     }
     /// The writable host elements as `T`, or an error naming `name` (wrong memory or dtype).
@@ -363,6 +465,20 @@ fn row_range(dims: &Dims, start: usize, n: usize) -> Result<(Dims, usize, usize)
     let mut out = *dims;
     out.d[0] = n;
     Ok((out, start * row, n * row))
+}
+
+/// A device view asked for as host memory.
+fn not_host(name: &'static str, got: Memory) -> KernelError {
+    wrong_memory(name, Memory::Host, got)
+}
+
+/// A view asked for in `expected` memory (that of the backend of the same name) that lives in `got`.
+pub(crate) fn wrong_memory(name: &'static str, expected: Memory, got: Memory) -> KernelError {
+    let backend = match expected {
+        Memory::Host => "cpu",
+        Memory::Cuda { .. } => "cuda",
+    };
+    KernelError::Memory { name, backend, expected, got }
 }
 
 fn dtype_error(name: &'static str, expected: DType, got: DType) -> KernelError {

@@ -77,13 +77,18 @@ fn targets(r: &mut DataRng, t: usize, v: usize, p_ignore: f64) -> Vec<i64> {
     (0..t).map(|_| if r.unit() < p_ignore { IGN } else { r.below(v) as i64 }).collect()
 }
 
+/// The loss and its gradient over logits `z[T,V]` themselves: the fused op with `hidden = z` and the identity
+/// `[V, V]` as the projection, whose products are exact, so `dhidden` is `dz`.
 fn logits_case<T: Element>(t: usize, v: usize, scale: f64, p_ignore: f64, seed: u64) {
     let mut r = DataRng::new(seed);
     let z = rounded::<T>(&r.vec(t * v, scale));
     let tg = targets(&mut r, t, v, p_ignore);
-    let mut zt = to_t::<T>(&z);
-    let out = CpuBackend::new().cross_entropy_logits(view_mut(&mut zt, [t, v]), &tg, &CrossEntropyOptions::default());
-    let out = out.unwrap();
+    let eye: Vec<f64> = (0..v * v).map(|i| if i / v == i % v { 1.0 } else { 0.0 }).collect();
+    let (zt, eye) = (to_t::<T>(&z), to_t::<T>(&eye));
+    let (mut dz, mut deye) = (to_t::<T>(&vec![f64::NAN; t * v]), to_t::<T>(&vec![0.0; v * v]));
+    let opts = CrossEntropyOptions::default();
+    let out = fused(&mut dz, &mut deye, &zt, &eye, &tg, (t, v, v), &opts, GradMode::Overwrite).unwrap();
+    let zt = dz;
     let (loss, dz) = ref_ce(&z, &tg, v, None);
     assert_eq!(out.n_valid, tg.iter().filter(|&&y| y != IGN).count());
     assert!((out.loss as f64 - loss).abs() <= 1e-5 * loss.abs().max(1.0), "{} vs {loss}", out.loss);
@@ -209,19 +214,18 @@ fn ignore_index_contributes_nothing() {
 fn bad_inputs_are_typed_errors() {
     let cpu = CpuBackend::new();
     let opts = CrossEntropyOptions::default();
-    let mut z = vec![0.5f32; 2 * 3];
-    let mut logits = |tg: &[i64], opts: &CrossEntropyOptions| {
-        cpu.cross_entropy_logits(ViewMut::new(&mut z, [2, 3]).unwrap(), tg, opts)
-    };
-    let e = logits(&[0, 3], &opts).unwrap_err();
-    assert!(matches!(e, KernelError::InvalidArgument { name: "targets", .. }));
-    assert!(matches!(logits(&[0, -1], &opts), Err(KernelError::InvalidArgument { .. })));
-    assert!(matches!(logits(&[0], &opts), Err(KernelError::BufferLength { name: "targets", .. })));
-    let bad = CrossEntropyOptions { denominator: Some(0.0), ..opts };
-    assert!(logits(&[0, 1], &bad).is_err());
-    assert_eq!(z, vec![0.5; 6], "untouched on error");
     let (h, w) = (vec![0.5f32; 2 * 4], vec![0.5f32; 3 * 4]);
     let (mut dh, mut dw) = (vec![0.0f32; 8], vec![0.0f32; 12]);
+    let mut call = |tg: &[i64], opts: &CrossEntropyOptions| {
+        fused(&mut dh, &mut dw, &h, &w, tg, (2, 4, 3), opts, GradMode::Overwrite)
+    };
+    let e = call(&[0, 3], &opts).unwrap_err();
+    assert!(matches!(e, KernelError::InvalidArgument { name: "targets", .. }));
+    assert!(matches!(call(&[0, -1], &opts), Err(KernelError::InvalidArgument { .. })));
+    assert!(matches!(call(&[0], &opts), Err(KernelError::BufferLength { name: "targets", .. })));
+    let bad = CrossEntropyOptions { denominator: Some(0.0), ..opts };
+    assert!(call(&[0, 1], &bad).is_err());
+    assert_eq!((&dh, &dw), (&vec![0.0; 8], &vec![0.0; 12]), "untouched on error");
     let zero = CrossEntropyOptions { chunk_tokens: 0, ..opts };
     assert_eq!(
         fused(&mut dh, &mut dw, &h, &w, &[0, 1], (2, 4, 3), &zero, GradMode::Overwrite),

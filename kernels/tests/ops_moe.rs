@@ -103,7 +103,7 @@ fn dispatch_and_combine_match_the_reference_and_are_adjoint() {
     let (xt, wt, yt, gt) = (to_t::<f32>(&x), to_t::<f32>(&w), to_t::<f32>(&ye), to_t::<f32>(&dout));
     // Gather: rows grouped by expert, in token order within an expert.
     let mut xe = poisoned::<f32>(n * c);
-    cpu.moe_gather(view_mut(&mut xe, [n, c]), view(&xt, [l, c]), &routing).unwrap();
+    cpu.moe_gather_forward(view_mut(&mut xe, [n, c]), view(&xt, [l, c]), &routing).unwrap();
     let mut want = vec![];
     let mut row_of = vec![0usize; l * k];
     for ex in 0..e as u32 {
@@ -123,7 +123,7 @@ fn dispatch_and_combine_match_the_reference_and_are_adjoint() {
     assert!((dot(&to_f64(&xe), &ye) - dot(&x, &to_f64(&dx))).abs() < 1e-4);
     // Combine: out[t] = Σ_j w[t,j]·ye[row(t,j)].
     let mut out = poisoned::<f32>(l * c);
-    cpu.moe_combine(view_mut(&mut out, [l, c]), view(&yt, [n, c]), view(&wt, [l, k]), &routing).unwrap();
+    cpu.moe_combine_forward(view_mut(&mut out, [l, c]), view(&yt, [n, c]), view(&wt, [l, k]), &routing).unwrap();
     let mut want = vec![0.0; l * c];
     for t in 0..l {
         for j in 0..k {
@@ -182,8 +182,8 @@ fn routing_does_not_depend_on_which_tokens_share_the_call() {
         }
     }
     let (mut a, mut b) = (vec![0f32; l * c], vec![0f32; l / 2 * c]);
-    cpu.moe_combine(view_mut(&mut a, [l, c]), view(&ye, [l * k, c]), view(&w, [l, k]), &whole).unwrap();
-    cpu.moe_combine(view_mut(&mut b, [l / 2, c]), view(&ye_half, [l / 2 * k, c]), view(&w2, [l / 2, k]), &half)
+    cpu.moe_combine_forward(view_mut(&mut a, [l, c]), view(&ye, [l * k, c]), view(&w, [l, k]), &whole).unwrap();
+    cpu.moe_combine_forward(view_mut(&mut b, [l / 2, c]), view(&ye_half, [l / 2 * k, c]), view(&w2, [l / 2, k]), &half)
         .unwrap();
     assert_eq!(bits(&a[l / 2 * c..]), bits(&b));
 }
@@ -201,6 +201,6 @@ fn bad_shapes_and_arguments_are_typed_errors() {
     assert!(matches!(Routing::new(vec![0, 3], 1, 3, 2), Err(KernelError::InvalidArgument { name: "choice", .. })));
     let routing = Routing::new(vec![0, 1, 1, 2], 2, 3, 2).unwrap();
     let mut xe = vec![0f32; 4 * 3];
-    let e = cpu.moe_gather(view_mut(&mut xe, [4, 3]), view(&x, [3, 4]), &routing);
+    let e = cpu.moe_gather_forward(view_mut(&mut xe, [4, 3]), view(&x, [3, 4]), &routing);
     assert!(matches!(e, Err(KernelError::Shape(_))), "{e:?}");
 }

@@ -140,29 +140,17 @@ fn rope_case<T: Element>(b: usize, h: usize, d: usize, pos: Vec<i64>, base: f64,
     let dy = rounded::<T>(&r.vec(n, 1.0));
     let cpu = CpuBackend::new();
     let dims = [b, h, pos.len(), d];
-    let (xt, dyt) = (to_t::<T>(&x), to_t::<T>(&dy));
-    let mut y = poisoned::<T>(n);
-    cpu.rope_forward(&table, view_mut(&mut y, dims), view(&xt, dims), &pos).unwrap();
+    let mut y = to_t::<T>(&x);
+    cpu.rope_forward(&table, view_mut(&mut y, dims), &pos).unwrap();
     assert_close("rope y", &y, &ref_rope(&x, &pos, &inv, af, b * h, d));
-    let mut dx = poisoned::<T>(n);
-    cpu.rope_backward(&table, view_mut(&mut dx, dims), view(&dyt, dims), &pos).unwrap();
+    let mut dx = to_t::<T>(&dy);
+    cpu.rope_backward(&table, view_mut(&mut dx, dims), &pos).unwrap();
     let dx_ref = ref_rope_bwd(&dy, &pos, &inv, af, b * h, d);
     if n <= 512 {
         let fx = fd_grad(|v| dot(&dy, &ref_rope(v, &pos, &inv, af, b * h, d)), &x, 1e-4);
         assert_fd("fd rope dx", &fx, &dx_ref, 1e-8);
     }
     assert_close("rope dx", &dx, &dx_ref);
-    // In place gives the same bits.
-    let mut yi = to_t::<T>(&x);
-    cpu.rope_forward_inplace(&table, view_mut(&mut yi, dims), &pos).unwrap();
-    assert_eq!(bits(&yi), bits(&y));
-    let mut di = to_t::<T>(&dy);
-    cpu.rope_backward_inplace(&table, view_mut(&mut di, dims), &pos).unwrap();
-    assert_eq!(bits(&di), bits(&dx));
-}
-
-fn bits<T: Element>(v: &[T]) -> Vec<u32> {
-    v.iter().map(|x| x.to_f32().to_bits()).collect()
 }
 
 proptest! {
@@ -186,10 +174,10 @@ fn backward_inverts_forward_without_attention_factor() {
         .unwrap();
     let pos = [3i64, 17, 1_000_000, 9];
     let x = DataRng::new(5).vec(2 * 4 * 8, 1.0).iter().map(|&v| v as f32).collect::<Vec<f32>>();
-    let (mut y, mut z) = (vec![f32::NAN; x.len()], vec![f32::NAN; x.len()]);
+    let mut z = x.clone();
     let cpu = CpuBackend::new();
-    cpu.rope_forward(&t, view_mut(&mut y, [1, 2, 4, 8]), view(&x, [1, 2, 4, 8]), &pos).unwrap();
-    cpu.rope_backward(&t, view_mut(&mut z, [1, 2, 4, 8]), view(&y, [1, 2, 4, 8]), &pos).unwrap();
+    cpu.rope_forward(&t, view_mut(&mut z, [1, 2, 4, 8]), &pos).unwrap();
+    cpu.rope_backward(&t, view_mut(&mut z, [1, 2, 4, 8]), &pos).unwrap();
     let e = rel_err(&z.iter().map(|&v| v as f64).collect::<Vec<_>>(), &x.iter().map(|&v| v as f64).collect::<Vec<_>>());
     assert!(e < 1e-6, "{e}");
 }
@@ -204,9 +192,9 @@ fn one_table_rotates_each_call_by_its_own_positions() {
     let sets: [&[i64]; 4] = [&[0, 1, 2], &[7, 100, 3], &[0, 1, 2], &[5, 6, 7]];
     for pos in sets {
         let fresh = RopeTable::new(&cfg).unwrap();
-        let (mut a, mut b) = (vec![0.0f32; x.len()], vec![0.0f32; x.len()]);
-        cpu.rope_forward(&shared, view_mut(&mut a, [1, 2, 3, 8]), view(&x, [1, 2, 3, 8]), pos).unwrap();
-        cpu.rope_forward(&fresh, view_mut(&mut b, [1, 2, 3, 8]), view(&x, [1, 2, 3, 8]), pos).unwrap();
+        let (mut a, mut b) = (x.clone(), x.clone());
+        cpu.rope_forward(&shared, view_mut(&mut a, [1, 2, 3, 8]), pos).unwrap();
+        cpu.rope_forward(&fresh, view_mut(&mut b, [1, 2, 3, 8]), pos).unwrap();
         assert_eq!(a, b, "positions {pos:?}");
         assert_eq!(shared.cos_sin(pos), fresh.cos_sin(pos));
     }
@@ -284,32 +272,18 @@ fn bad_inputs_are_typed_errors() {
     // constructor refuses them), and viewed as the [2, 3, 1, 8] they fill, the backend finds that S is not the
     // number of positions: the slice kernel's `BufferLength` is a `Shape` error through views.
     assert!(matches!(View::new(&x, [2, 2, 2, 8]), Err(KernelError::Shape(_))));
-    let e = cpu.rope_forward(
-        &t,
-        ViewMut::new(&mut y, [2, 3, 1, 8]).unwrap(),
-        View::new(&x, [2, 3, 1, 8]).unwrap(),
-        &[0, 1],
-    );
+    let e = cpu.rope_forward(&t, ViewMut::new(&mut y, [2, 3, 1, 8]).unwrap(), &[0, 1]);
     assert!(matches!(e, Err(KernelError::Shape(_))), "{e:?}");
     // No positions reach the kernel through empty [2, 3, 0, 8] views.
-    let e = cpu.rope_forward(
-        &t,
-        ViewMut::new(&mut y[..0], [2, 3, 0, 8]).unwrap(),
-        View::new(&x[..0], [2, 3, 0, 8]).unwrap(),
-        &[],
-    );
+    let e = cpu.rope_forward(&t, ViewMut::new(&mut y[..0], [2, 3, 0, 8]).unwrap(), &[]);
     assert_eq!(e, Err(KernelError::ZeroDim("s")));
-    // Eight elements for three positions: in place and out of place, a `Shape` error through views.
+    // Eight elements for three positions: a `Shape` error through views, forward and backward.
     assert!(matches!(ViewMut::new(&mut y[..8], [2, 1, 3, 8]), Err(KernelError::Shape(_))));
-    let e = cpu.rope_forward_inplace(&t, ViewMut::new(&mut y[..8], [1, 1, 1, 8]).unwrap(), &[0, 1, 2]);
+    let e = cpu.rope_forward(&t, ViewMut::new(&mut y[..8], [1, 1, 1, 8]).unwrap(), &[0, 1, 2]);
     assert!(matches!(e, Err(KernelError::Shape(_))), "{e:?}");
-    let e = cpu.rope_backward(
-        &t,
-        ViewMut::new(&mut y[..8], [1, 1, 1, 8]).unwrap(),
-        View::new(&x, [2, 1, 3, 8]).unwrap(),
-        &[0, 1, 2],
-    );
+    let e = cpu.rope_backward(&t, ViewMut::new(&mut y[..8], [1, 1, 1, 8]).unwrap(), &[0, 1, 2]);
     assert!(matches!(e, Err(KernelError::Shape(_))), "{e:?}");
+    assert_eq!(x, vec![1.0f32; 2 * 3 * 8]);
 }
 
 /// Partial rotary (Nemotron, `partial_rotary_factor`): the first `R` dims of each head rotate with the
@@ -338,18 +312,14 @@ fn partial_rotary_rotates_the_first_dims_and_passes_the_rest() {
     let neg: Vec<i64> = pos.iter().map(|p| -p).collect();
     let cpu = CpuBackend::new();
     let dims = [b, h, pos.len(), d];
-    let (xt, dyt) = (to_t::<f32>(&x), to_t::<f32>(&dy));
-    let mut y = poisoned::<f32>(n);
-    cpu.rope_forward(&t, view_mut(&mut y, dims), view(&xt, dims), &pos).unwrap();
+    let mut y = to_t::<f32>(&x);
+    cpu.rope_forward(&t, view_mut(&mut y, dims), &pos).unwrap();
     assert_close("partial rope y", &y, &part(&x, &pos));
-    let mut dx = poisoned::<f32>(n);
-    cpu.rope_backward(&t, view_mut(&mut dx, dims), view(&dyt, dims), &pos).unwrap();
+    let mut dx = to_t::<f32>(&dy);
+    cpu.rope_backward(&t, view_mut(&mut dx, dims), &pos).unwrap();
     let fd = fd_grad(|v| dot(&dy, &part(v, &pos)), &x, 1e-4);
     assert_fd("fd partial rope dx", &fd, &to_f64(&dx), 1e-6);
     assert_close("partial rope dx", &dx, &part(&dy, &neg));
-    let mut yi = xt.clone();
-    cpu.rope_forward_inplace(&t, view_mut(&mut yi, dims), &pos).unwrap();
-    assert_eq!(bits(&yi), bits(&y));
     for bad in [0, 7, 18] {
         assert!(matches!(
             RopeTable::with_rotary_dim(&cfg, bad),

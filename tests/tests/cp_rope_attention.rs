@@ -18,9 +18,9 @@ fn full_path(rope: &RopeTable, shape: CpShape, q: &[f32], k: &[f32], v: &[f32], 
     let cpu = CpuBackend::new();
     let qd = [shape.batch, shape.q_heads, s, shape.head_dim];
     let kd = [shape.batch, shape.kv_heads, s, shape.head_dim];
-    let (mut qr, mut kr) = (vec![0f32; q.len()], vec![0f32; k.len()]);
-    cpu.rope_forward(rope, ViewMut::new(&mut qr, qd).unwrap(), View::new(q, qd).unwrap(), &pos).unwrap();
-    cpu.rope_forward(rope, ViewMut::new(&mut kr, kd).unwrap(), View::new(k, kd).unwrap(), &pos).unwrap();
+    let (mut qr, mut kr) = (q.to_vec(), k.to_vec());
+    cpu.rope_forward(rope, ViewMut::new(&mut qr, qd).unwrap(), &pos).unwrap();
+    cpu.rope_forward(rope, ViewMut::new(&mut kr, kd).unwrap(), &pos).unwrap();
     let a = AttnShape {
         batch: shape.batch,
         q_heads: shape.q_heads,
@@ -31,9 +31,9 @@ fn full_path(rope: &RopeTable, shape: CpShape, q: &[f32], k: &[f32], v: &[f32], 
     };
     let p = AttnParams::new(a).with_mask(AttnMask::causal());
     let [o, _, dqr, dkr, dv] = attention_f32(&p, &qr, &kr, v, d_o).unwrap();
-    let (mut dq, mut dk) = (vec![0f32; q.len()], vec![0f32; k.len()]);
-    cpu.rope_backward(rope, ViewMut::new(&mut dq, qd).unwrap(), View::new(&dqr, qd).unwrap(), &pos).unwrap();
-    cpu.rope_backward(rope, ViewMut::new(&mut dk, kd).unwrap(), View::new(&dkr, kd).unwrap(), &pos).unwrap();
+    let (mut dq, mut dk) = (dqr, dkr);
+    cpu.rope_backward(rope, ViewMut::new(&mut dq, qd).unwrap(), &pos).unwrap();
+    cpu.rope_backward(rope, ViewMut::new(&mut dk, kd).unwrap(), &pos).unwrap();
     [o, dq, dk, dv]
 }
 
@@ -74,8 +74,8 @@ proptest! {
             let pos = plan.positions().to_vec();
             let sh = |x: &[f32], h: usize| layout.shard(x, h, d, r).unwrap();
             let (mut qr, mut kr, vl, dol) = (sh(&q, 4), sh(&k, 2), sh(&v, 2), sh(&d_o, 4));
-            cpu.rope_forward_inplace(&rope, ViewMut::new(&mut qr, qd).unwrap(), &pos).unwrap();
-            cpu.rope_forward_inplace(&rope, ViewMut::new(&mut kr, kd).unwrap(), &pos).unwrap();
+            cpu.rope_forward(&rope, ViewMut::new(&mut qr, qd).unwrap(), &pos).unwrap();
+            cpu.rope_forward(&rope, ViewMut::new(&mut kr, kd).unwrap(), &pos).unwrap();
             let qkv = Qkv::new(View::new(&qr, qd).unwrap(), View::new(&kr, kd).unwrap(), View::new(&vl, kd).unwrap());
             let (mut o, mut lse) = (vec![0f32; qr.len()], vec![0f32; qr.len() / d]);
             plan.forward(AttnOut { o: ViewMut::new(&mut o, qd).unwrap(), lse: ViewMut::new(&mut lse, ld).unwrap() }, qkv).unwrap();
@@ -87,8 +87,8 @@ proptest! {
             };
             let saved = AttnSaved { qkv, o: View::new(&o, qd).unwrap(), lse: View::new(&lse, ld).unwrap() };
             plan.backward(grads, View::new(&dol, qd).unwrap(), saved).unwrap();
-            cpu.rope_backward_inplace(&rope, ViewMut::new(&mut dq, qd).unwrap(), &pos).unwrap();
-            cpu.rope_backward_inplace(&rope, ViewMut::new(&mut dk, kd).unwrap(), &pos).unwrap();
+            cpu.rope_backward(&rope, ViewMut::new(&mut dq, qd).unwrap(), &pos).unwrap();
+            cpu.rope_backward(&rope, ViewMut::new(&mut dk, kd).unwrap(), &pos).unwrap();
             [o, dq, dk, dv]
         }).unwrap();
         let gather = |i: usize, h: usize| {

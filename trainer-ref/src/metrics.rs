@@ -91,7 +91,7 @@ pub fn measure_gemm_flops() -> Result<f64> {
     let mut best = f64::INFINITY;
     for _ in 0..3 {
         let t = Instant::now();
-        cpu.matmul(c.view_mut(), View::new(&a, [n, n])?, View::new(&a, [n, n])?)?;
+        cpu.linear_forward(c.view_mut(), View::new(&a, [n, n])?, View::new(&a, [n, n])?, None)?;
         best = best.min(t.elapsed().as_secs_f64());
     }
     Ok(2.0 * (n * n * n) as f64 / best)

@@ -317,7 +317,11 @@ impl KeptLayer {
                 continue;
             }
             let Some(buf) = self.slot(name).and_then(Option::take) else { continue };
-            let (data, dims) = buf.into_host_vec();
+            // Offload moves host tensors; device buffers go through the backend's copies (the device-generic
+            // offload of the next issue).
+            let (data, dims) = buf.into_host_vec().map_err(|b| {
+                TrainError::Config(format!("offload of layer {layer} `{name}`: a buffer in {} memory", b.memory()))
+            })?;
             let t = match data {
                 HostVec::F32(v) => HostTensor::f32(v, dims.as_slice().to_vec()),
                 HostVec::Bf16(v) => HostTensor::bf16(v, dims.as_slice().to_vec()),
@@ -766,8 +770,8 @@ impl Model {
         b.transpose12(q.view_mut(), q_t.view().reshape([1, l, hq, d])?)?;
         b.transpose12(k.view_mut(), k_t.view().reshape([1, l, hkv, d])?)?;
         b.transpose12(v.view_mut(), v_t.view().reshape([1, l, hkv, d])?)?;
-        b.rope_forward_inplace(&self.rope, q.view_mut(), pos)?;
-        b.rope_forward_inplace(&self.rope, k.view_mut(), pos)?;
+        b.rope_forward(&self.rope, q.view_mut(), pos)?;
+        b.rope_forward(&self.rope, k.view_mut(), pos)?;
         Ok((q, k, v))
     }
 
@@ -1069,8 +1073,8 @@ impl Model {
         let saved = AttnSaved { qkv: Qkv::new(s.q.view(), s.k.view(), s.v.view()), o: s.o.view(), lse: s.lse.view() };
         plan.backward(AttnGrads { dq: dq.view_mut(), dk: dk.view_mut(), dv: dv.view_mut() }, d_o.view(), saved)?;
         drop((d_o, s.q, s.k, s.v, s.o, s.lse));
-        b.rope_backward_inplace(&self.rope, dq.view_mut(), pos)?;
-        b.rope_backward_inplace(&self.rope, dk.view_mut(), pos)?;
+        b.rope_backward(&self.rope, dq.view_mut(), pos)?;
+        b.rope_backward(&self.rope, dk.view_mut(), pos)?;
         let (mut dq_t, mut dk_t, mut dv_t) =
             (self.buf([1, l, hq, d])?, self.buf([1, l, hkv, d])?, self.buf([1, l, hkv, d])?);
         b.transpose12(dq_t.view_mut(), dq.view())?;

@@ -28,8 +28,7 @@ use crate::error::{KernelError, Result};
 use crate::host::{cache as host_cache, HostElement, HostSlice, HostSliceMut};
 use crate::ops::{AdamW, CrossEntropyOptions, CrossEntropyOutput, RopeTable, RouterOutput, Routing};
 use crate::saved::{
-    LayerNormSaved, LinearSaved, MatmulSaved, MoeCombineSaved, MoeRouterSaved, RmsNormSaved, SquaredReluSaved,
-    SwigluSaved,
+    LayerNormSaved, LinearSaved, MoeCombineSaved, MoeRouterSaved, RmsNormSaved, SquaredReluSaved, SwigluSaved,
 };
 use crate::view::{Dims, Memory, View, ViewMut};
 
@@ -214,6 +213,20 @@ impl Backend for CpuBackend {
         Memory::Host
     }
 
+    fn upload(&self, dst: ViewMut<'_>, src: View<'_>) -> Result<()> {
+        same_transfer(&dst, &src)?;
+        self.copy(dst, src)
+    }
+
+    fn download(&self, dst: ViewMut<'_>, src: View<'_>) -> Result<()> {
+        same_transfer(&dst, &src)?;
+        self.copy(dst, src)
+    }
+
+    fn fork(&self) -> Result<Arc<dyn Backend>> {
+        Ok(Arc::new(self.clone()))
+    }
+
     fn zeros(&self, dtype: DType, dims: Dims) -> Result<Buffer> {
         if dims.numel() * dtype.size() < PARALLEL_ZEROS_BYTES {
             return Buffer::host_zeros(dtype, dims);
@@ -249,6 +262,14 @@ impl Backend for CpuBackend {
             });
             Ok(())
         }))
+    }
+
+    fn fill(&self, dst: ViewMut<'_>, value: f32) -> Result<()> {
+        by_dtype!(dst.dtype(), D => {
+            let (d, x) = (self.typed_mut::<D>("dst", dst)?, D::from_f32(value));
+            self.run(|| d.par_chunks_mut(ops::ELEMS_PER_TASK).for_each(|c| c.fill(x)));
+            Ok(())
+        })
     }
 
     fn add(&self, dst: ViewMut<'_>, src: View<'_>) -> Result<()> {
@@ -349,41 +370,6 @@ impl Backend for CpuBackend {
         let lse1 = self.typed_mut::<f32>("acc.lse", acc.lse)?;
         let (o2, lse2) = (self.typed::<f32>("part.o", part.o)?, self.typed::<f32>("part.lse", part.lse)?);
         self.run(|| attention::merge_partial_attention(o1, lse1, o2, lse2))
-    }
-
-    fn matmul(&self, c: ViewMut<'_>, a: View<'_>, b: View<'_>) -> Result<()> {
-        let (m, k, n) = matmul_dims(c.dims(), a.dims(), b.dims())?;
-        same_dtype("b", b.dtype(), a.dtype())?;
-        same_dtype("c", c.dtype(), a.dtype())?;
-        by_dtype!(a.dtype(), T => {
-            let (a, b) = (self.typed::<T>("a", a)?, self.typed::<T>("b", b)?);
-            let c = self.typed_mut::<T>("c", c)?;
-            self.run(|| ops::matmul(c, a, b, m, k, n))
-        })
-    }
-
-    fn matmul_backward(
-        &self,
-        da: Option<ViewMut<'_>>,
-        db: Option<ViewMut<'_>>,
-        dc: View<'_>,
-        saved: MatmulSaved<'_>,
-        mode: GradMode,
-    ) -> Result<()> {
-        let (m, k, n) = matmul_dims(dc.dims(), saved.a.dims(), saved.b.dims())?;
-        if let Some(da) = &da {
-            same_dims("da", da.dims(), saved.a.dims())?;
-        }
-        if let Some(db) = &db {
-            same_dims("db", db.dims(), saved.b.dims())?;
-        }
-        let gdt = db.as_ref().map_or(DType::F32, |d| d.dtype());
-        by_dtype!(saved.a.dtype(), T => by_dtype!(gdt, G => {
-            let (a, b, dc) = (self.typed::<T>("a", saved.a)?, self.typed::<T>("b", saved.b)?, self.typed::<T>("dc", dc)?);
-            let da = da.map(|d| self.typed_mut::<T>("da", d)).transpose()?;
-            let db = db.map(|d| self.typed_mut::<G>("db", d)).transpose()?;
-            self.run(|| ops::matmul_backward(da, db, dc, a, b, m, k, n, mode.accumulate()))
-        }))
     }
 
     fn linear_forward(&self, y: ViewMut<'_>, x: View<'_>, w: View<'_>, bias: Option<View<'_>>) -> Result<()> {
@@ -495,16 +481,7 @@ impl Backend for CpuBackend {
         }))
     }
 
-    fn rope_forward(&self, rope: &RopeTable, y: ViewMut<'_>, x: View<'_>, positions: &[i64]) -> Result<()> {
-        let (b, h) = rope_dims(x.dims(), positions, rope)?;
-        same_dims("y", y.dims(), x.dims())?;
-        by_dtype!(x.dtype(), T => {
-            let (x, y) = (self.typed::<T>("x", x)?, self.typed_mut::<T>("y", y)?);
-            self.run(|| rope.forward(y, x, positions, b, h))
-        })
-    }
-
-    fn rope_forward_inplace(&self, rope: &RopeTable, x: ViewMut<'_>, positions: &[i64]) -> Result<()> {
+    fn rope_forward(&self, rope: &RopeTable, x: ViewMut<'_>, positions: &[i64]) -> Result<()> {
         let (b, h) = rope_dims(x.dims(), positions, rope)?;
         by_dtype!(x.dtype(), T => {
             let x = self.typed_mut::<T>("x", x)?;
@@ -512,16 +489,7 @@ impl Backend for CpuBackend {
         })
     }
 
-    fn rope_backward(&self, rope: &RopeTable, dx: ViewMut<'_>, dy: View<'_>, positions: &[i64]) -> Result<()> {
-        let (b, h) = rope_dims(dy.dims(), positions, rope)?;
-        same_dims("dx", dx.dims(), dy.dims())?;
-        by_dtype!(dy.dtype(), T => {
-            let (dy, dx) = (self.typed::<T>("dy", dy)?, self.typed_mut::<T>("dx", dx)?);
-            self.run(|| rope.backward(dx, dy, positions, b, h))
-        })
-    }
-
-    fn rope_backward_inplace(&self, rope: &RopeTable, d: ViewMut<'_>, positions: &[i64]) -> Result<()> {
+    fn rope_backward(&self, rope: &RopeTable, d: ViewMut<'_>, positions: &[i64]) -> Result<()> {
         let (b, h) = rope_dims(d.dims(), positions, rope)?;
         by_dtype!(d.dtype(), T => {
             let d = self.typed_mut::<T>("d", d)?;
@@ -622,7 +590,7 @@ impl Backend for CpuBackend {
         })
     }
 
-    fn moe_gather(&self, xe: ViewMut<'_>, x: View<'_>, routing: &Routing) -> Result<()> {
+    fn moe_gather_forward(&self, xe: ViewMut<'_>, x: View<'_>, routing: &Routing) -> Result<()> {
         let (_, c) = table_dims(x.dims())?;
         same_dims("x", x.dims(), &[routing.tokens(), c])?;
         same_dims("xe", xe.dims(), &[routing.rows(), c])?;
@@ -642,7 +610,7 @@ impl Backend for CpuBackend {
         })
     }
 
-    fn moe_combine(&self, out: ViewMut<'_>, ye: View<'_>, weights: View<'_>, routing: &Routing) -> Result<()> {
+    fn moe_combine_forward(&self, out: ViewMut<'_>, ye: View<'_>, weights: View<'_>, routing: &Routing) -> Result<()> {
         let (_, c) = table_dims(ye.dims())?;
         same_dims("ye", ye.dims(), &[routing.rows(), c])?;
         same_dims("out", out.dims(), &[routing.tokens(), c])?;
@@ -692,19 +660,6 @@ impl Backend for CpuBackend {
             let (dy, dt) = (self.typed::<T>("dout", dout)?, self.typed_mut::<G>("dtable", dtable)?);
             self.run(|| ops::embedding_backward(dt, dy, ids, v, c, mode.accumulate()))
         }))
-    }
-
-    fn cross_entropy_logits(
-        &self,
-        logits: ViewMut<'_>,
-        targets: &[i64],
-        opts: &CrossEntropyOptions,
-    ) -> Result<CrossEntropyOutput> {
-        let (t, v) = table_dims(logits.dims())?;
-        by_dtype!(logits.dtype(), T => {
-            let z = self.typed_mut::<T>("logits", logits)?;
-            self.run(|| ops::cross_entropy_logits(z, targets, t, v, opts))
-        })
     }
 
     fn cross_entropy_fused(
@@ -759,14 +714,10 @@ impl Backend for CpuBackend {
     }
 }
 
-fn matmul_dims(c: &[usize], a: &[usize], b: &[usize]) -> Result<(usize, usize, usize)> {
-    match (a, b) {
-        (&[m, k], &[k2, n]) if k == k2 => {
-            same_dims("c", c, &[m, n])?;
-            Ok((m, k, n))
-        }
-        _ => Err(KernelError::Shape(format!("matmul needs a [M, K] and b [K, N], got {a:?} and {b:?}"))),
-    }
+/// `upload` and `download` move bytes: one dims and one dtype on both sides.
+fn same_transfer(dst: &ViewMut<'_>, src: &View<'_>) -> Result<()> {
+    same_dims("dst", dst.dims(), src.dims())?;
+    same_dtype("dst", dst.dtype(), src.dtype())
 }
 
 fn linear_dims(y: &[usize], x: &[usize], w: &[usize]) -> Result<(usize, usize, usize)> {

@@ -25,6 +25,20 @@ pub enum HostSliceMut<'a> {
     Bf16(&'a mut [bf16]),
 }
 
+impl HostVec {
+    /// Elements.
+    pub fn len(&self) -> usize {
+        match self {
+            HostVec::F32(v) => v.len(),
+            HostVec::Bf16(v) => v.len(),
+        }
+    }
+    /// True when it holds no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 impl<'a> HostSlice<'a> {
     /// Number of elements.
     pub fn len(&self) -> usize {

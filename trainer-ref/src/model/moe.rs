@@ -107,7 +107,7 @@ impl Model {
     /// The dispatched rows of `h2` `[N, C]`, grouped by expert.
     fn dispatch(&self, h2: &Buffer, routing: &Routing) -> Result<Buffer> {
         let mut xe = self.buf([routing.rows(), self.cfg.d_model])?;
-        self.backend.moe_gather(xe.view_mut(), h2.view(), routing)?;
+        self.backend.moe_gather_forward(xe.view_mut(), h2.view(), routing)?;
         Ok(xe)
     }
 
@@ -148,7 +148,7 @@ impl Model {
         let b = &*self.backend;
         let mut out = self.buf(x2.dims())?;
         // As in `o_proj`: the combined experts into the output, the residual added to it.
-        b.moe_combine(out.view_mut(), ye.view(), w.view(), r)?;
+        b.moe_combine_forward(out.view_mut(), ye.view(), w.view(), r)?;
         b.add(out.view_mut(), x2.view())?;
         Ok(out)
     }

@@ -50,40 +50,6 @@ fn target_of(y: i64, ignore: i64) -> Option<usize> {
     (y != ignore).then_some(y as usize)
 }
 
-/// Cross-entropy from logits: `logits[T,V]` is replaced by `dlogits` (the gradient of the mean loss; zero rows
-/// for ignored tokens).
-///
-/// Errors: zero `t` or `v`, a length mismatch, a target outside `[0, V)` that is not `ignore_index`, or a
-/// non-positive denominator. `opts.chunk_tokens` is not used.
-pub(crate) fn cross_entropy_logits<T: Element>(
-    logits: &mut [T],
-    targets: &[i64],
-    t: usize,
-    v: usize,
-    opts: &CrossEntropyOptions,
-) -> Result<CrossEntropyOutput> {
-    nonzero("t", t)?;
-    nonzero("v", v)?;
-    check_len("logits", logits.len(), numel("logits", &[t, v])?)?;
-    check_len("targets", targets.len(), t)?;
-    let (n_valid, denom) = check_targets(targets, v, opts)?;
-    let scale = (1.0 / denom) as f32;
-    let mut losses = vec![0.0f64; t];
-    logits.par_chunks_mut(v).zip(targets.par_iter()).zip(losses.par_iter_mut()).for_each(|((row, &y), l)| {
-        let target = target_of(y, opts.ignore_index);
-        match super::as_f32_mut(row) {
-            Some(z) => *l = softmax_xent_row(z, target, scale),
-            None => {
-                let mut z = Scratch::widened(row);
-                *l = softmax_xent_row(&mut z, target, scale);
-                super::store(row, &z, false);
-            }
-        }
-    });
-    let loss_sum: f64 = losses.iter().sum();
-    Ok(CrossEntropyOutput { loss: (loss_sum / denom) as f32, loss_sum, n_valid })
-}
-
 /// Fused output projection and cross-entropy, chunked over tokens: from `hidden[T,C]` and `weight[V,C]` computes
 /// the mean loss, `dhidden[T,C]` (overwritten) and `dweight[V,C]` (added to when `accumulate`), holding only
 /// `opts.chunk_tokens × V` logits at a time.

@@ -1,11 +1,9 @@
-//! Matrix products and the linear layer, on the `gemm` crate (f32 micro-kernels; `bf16` operands are widened
+//! The linear layer, on the `gemm` crate (f32 micro-kernels; `bf16` operands are widened
 //! into reused `f32` scratch first).
 //!
 //! Legend: `M`, `K`, `N` matrix sizes; `T` tokens; `IN`/`OUT` a linear layer's input and output features.
 //!
 //! ```text
-//! matmul:           C[M,N]   = A[M,K] · B[K,N]
-//! matmul_backward:  dA[M,K]  = dC · Bᵀ            dB[K,N] (+)= Aᵀ · dC
 //! linear_forward:   Y[T,OUT] = X[T,IN] · Wᵀ + b    with W[OUT,IN], b[OUT]
 //! linear_backward:  dX[T,IN] = dY · W              dW[OUT,IN] (+)= dYᵀ · X     db[OUT] (+)= Σ_t dY[t,:]
 //! ```
@@ -208,60 +206,6 @@ pub(crate) fn with_out<G: Element>(dst: &mut [G], accumulate: bool, f: impl FnOn
             store(dst, &s, accumulate);
         }
     }
-}
-
-/// `C[M,N] = A[M,K] · B[K,N]`.
-///
-/// Errors: a zero size, or a buffer whose length is not the product of its sizes.
-pub(crate) fn matmul<T: Element>(c: &mut [T], a: &[T], b: &[T], m: usize, k: usize, n: usize) -> Result<()> {
-    nonzero("m", m)?;
-    nonzero("k", k)?;
-    nonzero("n", n)?;
-    check_len("a", a.len(), numel("a", &[m, k])?)?;
-    check_len("b", b.len(), numel("b", &[k, n])?)?;
-    check_len("c", c.len(), numel("c", &[m, n])?)?;
-    let (a, b) = (F32In::new(a), F32In::new(b));
-    with_out(c, false, |c, acc| gemm_f32(m, n, k, c, row_major(&a, k), row_major(&b, n), acc));
-    Ok(())
-}
-
-/// Backward of [`matmul`]: `dA[M,K] = dC[M,N] · Bᵀ` (overwritten) and `dB[K,N] (+)= Aᵀ · dC` (added to when
-/// `accumulate`). Either gradient may be skipped with `None`.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn matmul_backward<T: Element, G: Element>(
-    da: Option<&mut [T]>,
-    db: Option<&mut [G]>,
-    dc: &[T],
-    a: &[T],
-    b: &[T],
-    m: usize,
-    k: usize,
-    n: usize,
-    accumulate: bool,
-) -> Result<()> {
-    nonzero("m", m)?;
-    nonzero("k", k)?;
-    nonzero("n", n)?;
-    let (mk, kn, mn) = (numel("a", &[m, k])?, numel("b", &[k, n])?, numel("dc", &[m, n])?);
-    check_len("dc", dc.len(), mn)?;
-    check_len("a", a.len(), mk)?;
-    check_len("b", b.len(), kn)?;
-    if let Some(da) = &da {
-        check_len("da", da.len(), mk)?;
-    }
-    if let Some(db) = &db {
-        check_len("db", db.len(), kn)?;
-    }
-    let dc = F32In::new(dc);
-    if let Some(da) = da {
-        let b = F32In::new(b);
-        with_out(da, false, |o, acc| gemm_f32(m, k, n, o, row_major(&dc, n), transposed(&b, n), acc));
-    }
-    if let Some(db) = db {
-        let a = F32In::new(a);
-        with_out(db, accumulate, |o, acc| gemm_f32_split_k(k, n, m, o, transposed(&a, k), row_major(&dc, n), acc));
-    }
-    Ok(())
 }
 
 /// Linear layer forward: `Y[T,OUT] = X[T,IN] · Wᵀ + b`, with `W[OUT,IN]` (PyTorch `nn.Linear` layout) and an

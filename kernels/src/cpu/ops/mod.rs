@@ -16,10 +16,10 @@ mod rmsnorm;
 mod rope;
 
 pub(crate) use activation::{squared_relu_backward, squared_relu_forward, swiglu_backward, swiglu_forward};
-pub(crate) use cross_entropy::{cross_entropy_fused, cross_entropy_logits};
+pub(crate) use cross_entropy::cross_entropy_fused;
 pub(crate) use embedding::{embedding_backward, embedding_forward};
 pub(crate) use layernorm::{layernorm_backward, layernorm_forward};
-pub(crate) use matmul::{linear_backward, linear_forward, matmul, matmul_backward};
+pub(crate) use matmul::{linear_backward, linear_forward};
 pub(crate) use moe::{combine, combine_backward, gather, gather_backward, router_backward, router_forward};
 pub(crate) use optim::{adamw_step, adamw_step_with_copy, sum_squares};
 pub(crate) use rmsnorm::{rmsnorm_backward, rmsnorm_forward};
