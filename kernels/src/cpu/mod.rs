@@ -23,6 +23,7 @@ pub use peak::fma_peak_flops;
 use crate::attention::{AttnGrads, AttnOptions, AttnOut, AttnPartial, AttnSaved, Qkv};
 use crate::backend::{AdamwState, Backend, GradMode, LinearGrads, NormGrads, NormParams, ProjectionGrads};
 use crate::buffer::Buffer;
+use crate::checks::{self, CrossEntropyDims, LinearDims, On, RopeDims, Rows};
 use crate::dtype::{DType, Element};
 use crate::error::{KernelError, Result};
 use crate::host::{cache as host_cache, HostElement, HostSlice, HostSliceMut};
@@ -57,6 +58,9 @@ const PARALLEL_ZEROS_BYTES: usize = host_cache::MIN_BYTES;
 /// Whether [`Backend::empty`] fills its buffers with NaN: in debug builds (so the test suite), an op that leaves
 /// part of an output unwritten shows as NaN rather than passing on stale values that happen to fit.
 const POISON_EMPTY: bool = cfg!(debug_assertions);
+
+/// Where the CPU backend's views live, for the shared checks.
+const ON: On = On { memory: Memory::Host };
 
 /// The CPU backend (see the module docs).
 #[derive(Debug, Clone)]
@@ -158,27 +162,6 @@ impl CpuBackend {
     }
 }
 
-/// `N` rows of the last dim `C` of a view.
-fn rows(name: &'static str, dims: &[usize]) -> Result<(usize, usize)> {
-    let c = *dims.last().unwrap_or(&0);
-    if c == 0 {
-        return Err(KernelError::ZeroDim(name));
-    }
-    Ok((dims.iter().product::<usize>() / c, c))
-}
-
-fn same_dims(name: &'static str, got: &[usize], want: &[usize]) -> Result<()> {
-    crate::attention::groups::expect_dims(name, got, want)
-}
-
-fn same_dtype(name: &'static str, got: DType, want: DType) -> Result<()> {
-    if got == want {
-        Ok(())
-    } else {
-        Err(KernelError::DType { name, expected: want.name(), got: got.name() })
-    }
-}
-
 impl CpuBackend {
     fn host<'a>(&self, name: &'static str, v: View<'a>) -> Result<HostSlice<'a>> {
         self.check_memory(name, v.memory())?;
@@ -214,12 +197,12 @@ impl Backend for CpuBackend {
     }
 
     fn upload(&self, dst: ViewMut<'_>, src: View<'_>) -> Result<()> {
-        same_transfer(&dst, &src)?;
+        checks::upload(ON, &dst, &src)?;
         self.copy(dst, src)
     }
 
     fn download(&self, dst: ViewMut<'_>, src: View<'_>) -> Result<()> {
-        same_transfer(&dst, &src)?;
+        checks::download(ON, &dst, &src)?;
         self.copy(dst, src)
     }
 
@@ -248,7 +231,7 @@ impl Backend for CpuBackend {
     }
 
     fn copy(&self, dst: ViewMut<'_>, src: View<'_>) -> Result<()> {
-        same_dims("dst", dst.dims(), src.dims())?;
+        checks::copy(ON, &dst, &src)?;
         by_dtype!(dst.dtype(), D => by_dtype!(src.dtype(), S => {
             let (d, s) = (self.typed_mut::<D>("dst", dst)?, self.typed::<S>("src", src)?);
             self.run(|| {
@@ -265,6 +248,7 @@ impl Backend for CpuBackend {
     }
 
     fn fill(&self, dst: ViewMut<'_>, value: f32) -> Result<()> {
+        checks::fill(ON, &dst)?;
         by_dtype!(dst.dtype(), D => {
             let (d, x) = (self.typed_mut::<D>("dst", dst)?, D::from_f32(value));
             self.run(|| d.par_chunks_mut(ops::ELEMS_PER_TASK).for_each(|c| c.fill(x)));
@@ -273,7 +257,7 @@ impl Backend for CpuBackend {
     }
 
     fn add(&self, dst: ViewMut<'_>, src: View<'_>) -> Result<()> {
-        same_dims("dst", dst.dims(), src.dims())?;
+        checks::copy(ON, &dst, &src)?;
         by_dtype!(dst.dtype(), D => by_dtype!(src.dtype(), S => {
             let (d, s) = (self.typed_mut::<D>("dst", dst)?, self.typed::<S>("src", src)?);
             self.run(|| {
@@ -286,6 +270,7 @@ impl Backend for CpuBackend {
     }
 
     fn scale(&self, x: ViewMut<'_>, a: f32) -> Result<()> {
+        checks::scale(ON, &x, a)?;
         let x = self.host_mut("x", x)?;
         self.run(|| match x {
             HostSliceMut::F32(x) => {
@@ -299,6 +284,7 @@ impl Backend for CpuBackend {
     }
 
     fn sum_squares(&self, xs: &[View<'_>]) -> Result<f64> {
+        checks::sum_squares(ON, xs)?;
         let hosts = xs.iter().map(|x| self.host("xs", *x)).collect::<Result<Vec<_>>>()?;
         Ok(self.run(|| {
             hosts
@@ -312,9 +298,7 @@ impl Backend for CpuBackend {
     }
 
     fn transpose12(&self, dst: ViewMut<'_>, src: View<'_>) -> Result<()> {
-        let [a, b, c, d] = <[usize; 4]>::try_from(src.dims())
-            .map_err(|_| KernelError::Shape(format!("`src` must have 4 dims, has {:?}", src.dims())))?;
-        same_dims("dst", dst.dims(), &[a, c, b, d])?;
+        let [_, b, c, d] = checks::transpose12(ON, &dst, &src)?;
         by_dtype!(dst.dtype(), D => by_dtype!(src.dtype(), S => {
             let (dst, src) = (self.typed_mut::<D>("dst", dst)?, self.typed::<S>("src", src)?);
             // One task per destination row block [c, ·]: each reads b strided rows of d elements.
@@ -332,9 +316,7 @@ impl Backend for CpuBackend {
     }
 
     fn attention_forward(&self, opts: &AttnOptions<'_>, out: AttnOut<'_>, qkv: Qkv<'_>) -> Result<()> {
-        let shape = qkv.shape()?;
-        out.check(&shape)?;
-        let p = opts.params(shape)?;
+        let p = checks::attention_forward(ON, opts, &out, &qkv)?;
         let (q, k, v) = (self.host("q", qkv.q)?, self.host("k", qkv.k)?, self.host("v", qkv.v)?);
         let o = self.host_mut("o", out.o)?;
         let lse = self.typed_mut::<f32>("lse", out.lse)?;
@@ -350,10 +332,7 @@ impl Backend for CpuBackend {
         saved: AttnSaved<'_>,
         mode: GradMode,
     ) -> Result<()> {
-        let shape = saved.shape()?;
-        grads.check(&shape)?;
-        same_dims("dout", dout.dims(), saved.o.dims())?;
-        let p = opts.params(shape)?;
+        let p = checks::attention_backward(ON, opts, &grads, &dout, &saved)?;
         let (q, k, v) = (self.host("q", saved.qkv.q)?, self.host("k", saved.qkv.k)?, self.host("v", saved.qkv.v)?);
         let (o, d_o) = (self.host("o", saved.o)?, self.host("dout", dout)?);
         let lse = self.typed::<f32>("lse", saved.lse)?;
@@ -364,8 +343,7 @@ impl Backend for CpuBackend {
     }
 
     fn attention_merge(&self, acc: AttnOut<'_>, part: AttnPartial<'_>) -> Result<()> {
-        same_dims("part.o", part.o.dims(), acc.o.dims())?;
-        same_dims("part.lse", part.lse.dims(), acc.lse.dims())?;
+        checks::attention_merge(ON, &acc, &part)?;
         let o1 = self.typed_mut::<f32>("acc.o", acc.o)?;
         let lse1 = self.typed_mut::<f32>("acc.lse", acc.lse)?;
         let (o2, lse2) = (self.typed::<f32>("part.o", part.o)?, self.typed::<f32>("part.lse", part.lse)?);
@@ -373,7 +351,7 @@ impl Backend for CpuBackend {
     }
 
     fn linear_forward(&self, y: ViewMut<'_>, x: View<'_>, w: View<'_>, bias: Option<View<'_>>) -> Result<()> {
-        let (t, d_in, d_out) = linear_dims(y.dims(), x.dims(), w.dims())?;
+        let LinearDims { t, d_in, d_out } = checks::linear_forward(ON, &y, &x, &w, bias.as_ref())?;
         by_dtype!(x.dtype(), T => {
             let (x, w) = (self.typed::<T>("x", x)?, self.typed::<T>("w", w)?);
             let bias = bias.map(|b| self.typed::<T>("bias", b)).transpose()?;
@@ -390,11 +368,7 @@ impl Backend for CpuBackend {
         w: View<'_>,
         mode: GradMode,
     ) -> Result<()> {
-        let (t, d_in, d_out) = linear_dims(dy.dims(), saved.x.dims(), w.dims())?;
-        if let Some(dx) = &grads.dx {
-            same_dims("dx", dx.dims(), saved.x.dims())?;
-        }
-        same_dims("dw", grads.dw.dims(), w.dims())?;
+        let LinearDims { t, d_in, d_out } = checks::linear_backward(ON, &grads, &dy, &saved, &w)?;
         by_dtype!(saved.x.dtype(), T => by_dtype!(grads.dw.dtype(), G => {
             let (x, w, dy) = (self.typed::<T>("x", saved.x)?, self.typed::<T>("w", w)?, self.typed::<T>("dy", dy)?);
             let dx = grads.dx.map(|d| self.typed_mut::<T>("dx", d)).transpose()?;
@@ -405,11 +379,7 @@ impl Backend for CpuBackend {
     }
 
     fn rmsnorm_forward(&self, y: ViewMut<'_>, rstd: ViewMut<'_>, x: View<'_>, p: &NormParams<'_>) -> Result<()> {
-        let (n, c) = rows("x", x.dims())?;
-        same_dims("y", y.dims(), x.dims())?;
-        if p.bias.is_some() {
-            return Err(KernelError::InvalidArgument { name: "bias", why: "RMSNorm has no bias".into() });
-        }
+        let Rows { n, c } = checks::rmsnorm_forward(ON, &y, &rstd, &x, p)?;
         by_dtype!(x.dtype(), T => {
             let (x, w) = (self.typed::<T>("x", x)?, self.typed::<T>("weight", p.weight)?);
             let (y, rstd) = (self.typed_mut::<T>("y", y)?, self.typed_mut::<f32>("rstd", rstd)?);
@@ -425,12 +395,7 @@ impl Backend for CpuBackend {
         weight: View<'_>,
         mode: GradMode,
     ) -> Result<()> {
-        let (n, c) = rows("x", saved.x.dims())?;
-        same_dims("dy", dy.dims(), saved.x.dims())?;
-        same_dims("dx", grads.dx.dims(), saved.x.dims())?;
-        if grads.dbias.is_some() {
-            return Err(KernelError::InvalidArgument { name: "dbias", why: "RMSNorm has no bias".into() });
-        }
+        let Rows { n, c } = checks::rmsnorm_backward(ON, &grads, &dy, &saved, &weight)?;
         by_dtype!(saved.x.dtype(), T => by_dtype!(grads.dweight.dtype(), G => {
             let (x, w, dy) = (self.typed::<T>("x", saved.x)?, self.typed::<T>("weight", weight)?, self.typed::<T>("dy", dy)?);
             let rstd = self.typed::<f32>("rstd", saved.rstd)?;
@@ -447,8 +412,7 @@ impl Backend for CpuBackend {
         x: View<'_>,
         p: &NormParams<'_>,
     ) -> Result<()> {
-        let (n, c) = rows("x", x.dims())?;
-        same_dims("y", y.dims(), x.dims())?;
+        let Rows { n, c } = checks::layernorm_forward(ON, &y, &mean, &rstd, &x, p)?;
         let bias = p.bias.ok_or(KernelError::InvalidArgument { name: "bias", why: "LayerNorm needs a bias".into() })?;
         by_dtype!(x.dtype(), T => {
             let (x, w, b) = (self.typed::<T>("x", x)?, self.typed::<T>("weight", p.weight)?, self.typed::<T>("bias", bias)?);
@@ -466,9 +430,7 @@ impl Backend for CpuBackend {
         weight: View<'_>,
         mode: GradMode,
     ) -> Result<()> {
-        let (n, c) = rows("x", saved.x.dims())?;
-        same_dims("dy", dy.dims(), saved.x.dims())?;
-        same_dims("dx", grads.dx.dims(), saved.x.dims())?;
+        let Rows { n, c } = checks::layernorm_backward(ON, &grads, &dy, &saved, &weight)?;
         let dbias = grads
             .dbias
             .ok_or(KernelError::InvalidArgument { name: "dbias", why: "LayerNorm's backward needs dbias".into() })?;
@@ -482,7 +444,7 @@ impl Backend for CpuBackend {
     }
 
     fn rope_forward(&self, rope: &RopeTable, x: ViewMut<'_>, positions: &[i64]) -> Result<()> {
-        let (b, h) = rope_dims(x.dims(), positions, rope)?;
+        let RopeDims { b, h, .. } = checks::rope(ON, rope, &x, positions)?;
         by_dtype!(x.dtype(), T => {
             let x = self.typed_mut::<T>("x", x)?;
             self.run(|| rope.forward_inplace(x, positions, b, h))
@@ -490,7 +452,7 @@ impl Backend for CpuBackend {
     }
 
     fn rope_backward(&self, rope: &RopeTable, d: ViewMut<'_>, positions: &[i64]) -> Result<()> {
-        let (b, h) = rope_dims(d.dims(), positions, rope)?;
+        let RopeDims { b, h, .. } = checks::rope(ON, rope, &d, positions)?;
         by_dtype!(d.dtype(), T => {
             let d = self.typed_mut::<T>("d", d)?;
             self.run(|| rope.backward_inplace(d, positions, b, h))
@@ -498,8 +460,7 @@ impl Backend for CpuBackend {
     }
 
     fn swiglu_forward(&self, out: ViewMut<'_>, gate: View<'_>, up: View<'_>) -> Result<()> {
-        same_dims("up", up.dims(), gate.dims())?;
-        same_dims("out", out.dims(), gate.dims())?;
+        checks::swiglu_forward(ON, &out, &gate, &up)?;
         by_dtype!(gate.dtype(), T => {
             let (g, u, o) = (self.typed::<T>("gate", gate)?, self.typed::<T>("up", up)?, self.typed_mut::<T>("out", out)?);
             let simd = self.simd;
@@ -514,12 +475,7 @@ impl Backend for CpuBackend {
         dout: View<'_>,
         saved: SwigluSaved<'_>,
     ) -> Result<()> {
-        let d = saved.gate.dims();
-        for (name, got) in
-            [("up", saved.up.dims()), ("dout", dout.dims()), ("dgate", dgate.dims()), ("dup", dup.dims())]
-        {
-            same_dims(name, got, d)?;
-        }
+        checks::swiglu_backward(ON, &dgate, &dup, &dout, &saved)?;
         by_dtype!(saved.gate.dtype(), T => {
             let (g, u, dy) = (self.typed::<T>("gate", saved.gate)?, self.typed::<T>("up", saved.up)?, self.typed::<T>("dout", dout)?);
             let (dg, du) = (self.typed_mut::<T>("dgate", dgate)?, self.typed_mut::<T>("dup", dup)?);
@@ -529,7 +485,7 @@ impl Backend for CpuBackend {
     }
 
     fn squared_relu_forward(&self, out: ViewMut<'_>, x: View<'_>) -> Result<()> {
-        same_dims("out", out.dims(), x.dims())?;
+        checks::squared_relu_forward(ON, &out, &x)?;
         by_dtype!(x.dtype(), T => {
             let (x, o) = (self.typed::<T>("x", x)?, self.typed_mut::<T>("out", out)?);
             self.run(|| ops::squared_relu_forward(o, x))
@@ -537,8 +493,7 @@ impl Backend for CpuBackend {
     }
 
     fn squared_relu_backward(&self, dx: ViewMut<'_>, dout: View<'_>, saved: SquaredReluSaved<'_>) -> Result<()> {
-        same_dims("dout", dout.dims(), saved.x.dims())?;
-        same_dims("dx", dx.dims(), saved.x.dims())?;
+        checks::squared_relu_backward(ON, &dx, &dout, &saved)?;
         by_dtype!(saved.x.dtype(), T => {
             let (x, dy, dx) = (self.typed::<T>("x", saved.x)?, self.typed::<T>("dout", dout)?, self.typed_mut::<T>("dx", dx)?);
             self.run(|| ops::squared_relu_backward(dx, dy, x))
@@ -552,9 +507,7 @@ impl Backend for CpuBackend {
         logits: View<'_>,
         top_k: usize,
     ) -> Result<RouterOutput> {
-        let (l, e) = table_dims(logits.dims())?;
-        same_dims("probs", probs.dims(), &[l, e])?;
-        same_dims("weights", weights.dims(), &[l, top_k])?;
+        let (l, e) = checks::moe_router_forward(ON, &probs, &weights, &logits, top_k)?;
         by_dtype!(logits.dtype(), T => {
             let x = self.typed::<T>("logits", logits)?;
             let (p, w) = (self.typed_mut::<f32>("probs", probs)?, self.typed_mut::<f32>("weights", weights)?);
@@ -569,19 +522,9 @@ impl Backend for CpuBackend {
         aux: Option<View<'_>>,
         saved: MoeRouterSaved<'_>,
     ) -> Result<()> {
+        checks::moe_router_backward(ON, &dlogits, &dweights, aux.as_ref(), &saved)?;
         let r = saved.routing;
-        let (l, e, k) = (r.tokens(), r.experts(), r.top_k());
-        same_dims("probs", saved.probs.dims(), &[l, e])?;
-        same_dims("dlogits", dlogits.dims(), &[l, e])?;
-        same_dims("weights", saved.weights.dims(), &[l, k])?;
-        same_dims("dweights", dweights.dims(), &[l, k])?;
-        let aux = match aux {
-            Some(a) => {
-                same_dims("aux", a.dims(), &[e])?;
-                Some(self.typed::<f32>("aux", a)?)
-            }
-            None => None,
-        };
+        let aux = aux.map(|a| self.typed::<f32>("aux", a)).transpose()?;
         let (p, w) = (self.typed::<f32>("probs", saved.probs)?, self.typed::<f32>("weights", saved.weights)?);
         let dw = self.typed::<f32>("dweights", dweights)?;
         by_dtype!(dlogits.dtype(), T => {
@@ -591,9 +534,7 @@ impl Backend for CpuBackend {
     }
 
     fn moe_gather_forward(&self, xe: ViewMut<'_>, x: View<'_>, routing: &Routing) -> Result<()> {
-        let (_, c) = table_dims(x.dims())?;
-        same_dims("x", x.dims(), &[routing.tokens(), c])?;
-        same_dims("xe", xe.dims(), &[routing.rows(), c])?;
+        let c = checks::moe_gather_forward(ON, &xe, &x, routing)?;
         by_dtype!(x.dtype(), T => {
             let (x, o) = (self.typed::<T>("x", x)?, self.typed_mut::<T>("xe", xe)?);
             self.run(|| ops::gather(o, x, routing, c))
@@ -601,9 +542,7 @@ impl Backend for CpuBackend {
     }
 
     fn moe_gather_backward(&self, dx: ViewMut<'_>, dxe: View<'_>, routing: &Routing) -> Result<()> {
-        let (_, c) = table_dims(dxe.dims())?;
-        same_dims("dxe", dxe.dims(), &[routing.rows(), c])?;
-        same_dims("dx", dx.dims(), &[routing.tokens(), c])?;
+        let c = checks::moe_gather_backward(ON, &dx, &dxe, routing)?;
         by_dtype!(dxe.dtype(), T => {
             let (g, dx) = (self.typed::<T>("dxe", dxe)?, self.typed_mut::<T>("dx", dx)?);
             self.run(|| ops::gather_backward(dx, g, routing, c))
@@ -611,10 +550,7 @@ impl Backend for CpuBackend {
     }
 
     fn moe_combine_forward(&self, out: ViewMut<'_>, ye: View<'_>, weights: View<'_>, routing: &Routing) -> Result<()> {
-        let (_, c) = table_dims(ye.dims())?;
-        same_dims("ye", ye.dims(), &[routing.rows(), c])?;
-        same_dims("out", out.dims(), &[routing.tokens(), c])?;
-        same_dims("weights", weights.dims(), &[routing.tokens(), routing.top_k()])?;
+        let c = checks::moe_combine_forward(ON, &out, &ye, &weights, routing)?;
         let w = self.typed::<f32>("weights", weights)?;
         by_dtype!(ye.dtype(), T => {
             let (y, o) = (self.typed::<T>("ye", ye)?, self.typed_mut::<T>("out", out)?);
@@ -629,13 +565,8 @@ impl Backend for CpuBackend {
         dout: View<'_>,
         saved: MoeCombineSaved<'_>,
     ) -> Result<()> {
+        let c = checks::moe_combine_backward(ON, &dye, &dweights, &dout, &saved)?;
         let r = saved.routing;
-        let (_, c) = table_dims(saved.ye.dims())?;
-        same_dims("ye", saved.ye.dims(), &[r.rows(), c])?;
-        same_dims("dye", dye.dims(), &[r.rows(), c])?;
-        same_dims("dout", dout.dims(), &[r.tokens(), c])?;
-        same_dims("weights", saved.weights.dims(), &[r.tokens(), r.top_k()])?;
-        same_dims("dweights", dweights.dims(), &[r.tokens(), r.top_k()])?;
         let w = self.typed::<f32>("weights", saved.weights)?;
         let dw = self.typed_mut::<f32>("dweights", dweights)?;
         by_dtype!(saved.ye.dtype(), T => {
@@ -645,8 +576,7 @@ impl Backend for CpuBackend {
     }
 
     fn embedding_forward(&self, out: ViewMut<'_>, ids: &[u32], table: View<'_>) -> Result<()> {
-        let (v, c) = table_dims(table.dims())?;
-        same_dims("out", out.dims(), &[ids.len(), c])?;
+        let (v, c) = checks::embedding_forward(ON, &out, ids, &table)?;
         by_dtype!(table.dtype(), T => {
             let (t, o) = (self.typed::<T>("table", table)?, self.typed_mut::<T>("out", out)?);
             self.run(|| ops::embedding_forward(o, ids, t, v, c))
@@ -654,8 +584,7 @@ impl Backend for CpuBackend {
     }
 
     fn embedding_backward(&self, dtable: ViewMut<'_>, dout: View<'_>, ids: &[u32], mode: GradMode) -> Result<()> {
-        let (v, c) = table_dims(dtable.dims())?;
-        same_dims("dout", dout.dims(), &[ids.len(), c])?;
+        let (v, c) = checks::embedding_backward(ON, &dtable, &dout, ids)?;
         by_dtype!(dout.dtype(), T => by_dtype!(dtable.dtype(), G => {
             let (dy, dt) = (self.typed::<T>("dout", dout)?, self.typed_mut::<G>("dtable", dtable)?);
             self.run(|| ops::embedding_backward(dt, dy, ids, v, c, mode.accumulate()))
@@ -671,11 +600,8 @@ impl Backend for CpuBackend {
         opts: &CrossEntropyOptions,
         mode: GradMode,
     ) -> Result<CrossEntropyOutput> {
-        let (t, c) = table_dims(hidden.dims())?;
-        let (v, cw) = table_dims(weight.dims())?;
-        same_dims("weight", &[v, cw], &[v, c])?;
-        same_dims("dhidden", grads.dhidden.dims(), hidden.dims())?;
-        same_dims("dweight", grads.dweight.dims(), weight.dims())?;
+        let CrossEntropyDims { t, c, v, .. } =
+            checks::cross_entropy_fused(ON, &grads, &hidden, &weight, targets, opts)?;
         by_dtype!(hidden.dtype(), T => by_dtype!(grads.dweight.dtype(), G => {
             let (h, w) = (self.typed::<T>("hidden", hidden)?, self.typed::<T>("weight", weight)?);
             let (dh, dw) = (self.typed_mut::<T>("dhidden", grads.dhidden)?, self.typed_mut::<G>("dweight", grads.dweight)?);
@@ -692,13 +618,7 @@ impl Backend for CpuBackend {
         hp: &AdamW,
         step: u64,
     ) -> Result<()> {
-        let d = master.dims().to_vec();
-        for (name, got) in [("grads", grads.dims()), ("m", state.m.dims()), ("v", state.v.dims())] {
-            same_dims(name, got, &d)?;
-        }
-        if let Some(c) = &copy_to {
-            same_dims("copy_to", c.dims(), &d)?;
-        }
+        checks::adamw_step(ON, &master, copy_to.as_ref(), &grads, &state, hp, step)?;
         let master = self.typed_mut::<f32>("master", master)?;
         let (m, v) = (self.typed_mut::<f32>("m", state.m)?, self.typed_mut::<f32>("v", state.v)?);
         by_dtype!(grads.dtype(), G => {
@@ -711,44 +631,5 @@ impl Backend for CpuBackend {
                 }),
             }
         })
-    }
-}
-
-/// `upload` and `download` move bytes: one dims and one dtype on both sides.
-fn same_transfer(dst: &ViewMut<'_>, src: &View<'_>) -> Result<()> {
-    same_dims("dst", dst.dims(), src.dims())?;
-    same_dtype("dst", dst.dtype(), src.dtype())
-}
-
-fn linear_dims(y: &[usize], x: &[usize], w: &[usize]) -> Result<(usize, usize, usize)> {
-    let (t, d_in) = rows("x", x)?;
-    let &[d_out, w_in] = w else {
-        return Err(KernelError::Shape(format!("`w` must be [OUT, IN], has {w:?}")));
-    };
-    if w_in != d_in {
-        return Err(KernelError::Shape(format!("`w` is {w:?} but `x`'s last dim is {d_in}")));
-    }
-    let (ty, y_out) = rows("y", y)?;
-    if (ty, y_out) != (t, d_out) {
-        return Err(KernelError::Shape(format!("`y` has dims {y:?}, expected {t} rows of {d_out}")));
-    }
-    Ok((t, d_in, d_out))
-}
-
-fn table_dims(d: &[usize]) -> Result<(usize, usize)> {
-    match *d {
-        [r, c] => Ok((r, c)),
-        _ => Err(KernelError::Shape(format!("expected a 2-dim [rows, cols] view, got {d:?}"))),
-    }
-}
-
-fn rope_dims(d: &[usize], positions: &[i64], rope: &RopeTable) -> Result<(usize, usize)> {
-    match *d {
-        [b, h, s, hd] if s == positions.len() && hd == rope.head_dim() => Ok((b, h)),
-        _ => Err(KernelError::Shape(format!(
-            "rotary embedding needs [B, H, S, D] with S = {} positions and D = {}, got {d:?}",
-            positions.len(),
-            rope.head_dim()
-        ))),
     }
 }
