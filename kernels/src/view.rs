@@ -421,6 +421,20 @@ impl<'a> ViewMut<'a> {
         };
         ViewMut { data, dims: self.dims }
     }
+    /// The same elements, read-only, for as long as this view could have written them.
+    pub fn into_view(self) -> View<'a> {
+        let data = match self.data {
+            DataMut::Host(h) => Data::Host(h.into_slice()),
+            DataMut::Device(d) => Data::Device(DeviceSlice {
+                ptr: d.ptr,
+                len: d.len,
+                dtype: d.dtype,
+                memory: d.memory,
+                _life: PhantomData,
+            }),
+        };
+        View { data, dims: self.dims }
+    }
     /// A read-only view of the same elements.
     pub fn as_view(&self) -> View<'_> {
         let data = match &self.data {

@@ -34,6 +34,8 @@ pub(crate) struct KernelSource {
     pub code: &'static str,
     /// The kernels it defines (their `extern "C"` names), checked against the compiled module.
     pub kernels: &'static [&'static str],
+    /// Headers of its own (name, text), placed after the shared ones (e.g. attention's mask).
+    pub includes: &'static [(&'static str, &'static str)],
 }
 
 /// One kernel: its source and its name.
@@ -59,17 +61,13 @@ impl LaunchConfig {
     }
 }
 
-/// Storage for one kernel parameter: 16-byte aligned, up to 64 bytes (a pointer, a scalar, a small struct).
-#[derive(Clone, Copy)]
-#[repr(C, align(16))]
-struct ArgSlot([u8; 64]);
-
-/// A kernel's parameters in declaration order, each stored at its own address, as `cuLaunchKernel`'s
-/// `kernelParams` takes them; with each parameter's size, which a device checks against the kernel's
-/// declaration where it can (the emulator always does).
+/// A kernel's parameters in declaration order, each stored at its own 16-byte aligned address, as
+/// `cuLaunchKernel`'s `kernelParams` takes them; with each parameter's size, which a device checks against the
+/// kernel's declaration where it can (the emulator always does).
 #[derive(Clone, Default)]
 pub(crate) struct KernelArgs {
-    slots: Vec<ArgSlot>,
+    /// One boxed run of 16-byte words per parameter (boxed so their addresses stay put as more are pushed).
+    slots: Vec<Box<[u128]>>,
     sizes: Vec<usize>,
 }
 
@@ -81,10 +79,10 @@ impl KernelArgs {
     /// (`u64` for a pointer, `i32` for an `int`, `f32` for a `float`, a `#[repr(C)]` struct for a struct).
     pub fn push<T: Copy + 'static>(&mut self, v: T) -> &mut Self {
         let size = std::mem::size_of::<T>();
-        assert!(size <= 64 && std::mem::align_of::<T>() <= 16, "a kernel parameter of {size} bytes");
-        let mut slot = ArgSlot([0; 64]);
+        assert!(std::mem::align_of::<T>() <= 16, "a kernel parameter aligned past 16 bytes");
+        let mut slot = vec![0u128; size.div_ceil(16).max(1)].into_boxed_slice();
         // SAFETY: `slot` is 16-byte aligned and holds at least `size` bytes; `T: Copy` has no drop glue.
-        unsafe { std::ptr::write(slot.0.as_mut_ptr().cast::<T>(), v) };
+        unsafe { std::ptr::write(slot.as_mut_ptr().cast::<T>(), v) };
         self.slots.push(slot);
         self.sizes.push(size);
         self
@@ -93,9 +91,9 @@ impl KernelArgs {
     pub fn sizes(&self) -> &[usize] {
         &self.sizes
     }
-    /// The address of each parameter's storage, valid while `self` is neither moved nor changed.
-    pub fn pointers(&mut self) -> Vec<*mut c_void> {
-        self.slots.iter_mut().map(|s| s.0.as_mut_ptr().cast::<c_void>()).collect()
+    /// The address of each parameter's storage, valid while `self` lives and is not changed.
+    pub fn pointers(&self) -> Vec<*mut c_void> {
+        self.slots.iter().map(|s| s.as_ptr().cast_mut().cast::<c_void>()).collect()
     }
 }
 

@@ -1,54 +1,44 @@
-//! The CUDA backend's public face. Its kernels are not written yet: without the `cuda` feature
-//! [`CudaBackend::new`] returns [`KernelError::NotCompiled`]; with it, [`KernelError::NoDevice`] (naming whether a
-//! driver was found), so the type exists in every build and callers that probe for a GPU compile everywhere
-//! (candle's `dummy_cuda_backend`). The device memory kind is already [`Memory::Cuda`](crate::Memory::Cuda).
-
-use crate::error::{KernelError, Result};
+//! The CUDA backend: [`CudaBackend`], every [`Backend`](crate::Backend) op on an NVIDIA GPU.
+//!
+//! - Memory: buffers are device memory from a stream-ordered caching pool (the driver's memory pool, kept
+//!   across frees; see `driver.rs` for what it keeps and when it gives memory back), so no op allocates from the
+//!   driver on the hot path. Views of it are [`DeviceSlice`](crate::DeviceSlice)s over
+//!   [`Memory::Cuda`](crate::Memory::Cuda).
+//! - Work: every op is enqueued on the backend's stream and returns ([`Backend`](crate::Backend)'s "Ordering");
+//!   [`CudaBackend::fork`](crate::Backend::fork) gives another stream on the same device and pool.
+//! - Kernels: our own `.cu` sources under `cuda/kernels/` (one file per kernel family, the pipeline described
+//!   at the top of each), embedded in the binary and compiled by NVRTC for the device's architecture the first
+//!   time one of their kernels runs (cached on disk by a hash of source and options). Linear layers and the
+//!   cross-entropy's products go to cuBLASLt (`f32` accumulation; TF32 only when asked).
+//! - Host-typed arguments (positions, ids, targets, mask positions and documents, the RoPE table's frequencies,
+//!   a routing) are uploaded per call into pool memory, a few bytes per token.
+//!
+//! Without the `cuda` feature the type exists but [`CudaBackend::new`] returns [`KernelError::NotCompiled`], so
+//! callers that probe for a GPU compile everywhere (candle's `dummy_cuda_backend`). With it, no CUDA install is
+//! needed to build: the driver, NVRTC and cuBLASLt are loaded when a backend is made, and a missing one is a
+//! typed error ([`KernelError::NoDevice`]), never a panic.
+//!
+//! [`CudaBackend::emulated`] runs the same kernels on the host (see `device.rs`): it is how this crate tests
+//! every kernel on machines without a GPU.
 
 #[cfg(feature = "cuda")]
-#[allow(dead_code)] // the ops that use every part of the seam come with the backend
+mod alloc;
+#[cfg(feature = "cuda")]
+mod backend;
+#[cfg(feature = "cuda")]
+#[allow(dead_code)] // parts of the seam used only by one of the two devices
 pub(crate) mod device;
+#[cfg(feature = "cuda")]
+mod ops;
 #[cfg(feature = "cuda")]
 #[allow(dead_code)]
 pub(crate) mod sources;
-
-/// A CUDA device to compute on (see the module docs).
-#[derive(Debug)]
-pub struct CudaBackend {
-    _never: std::convert::Infallible,
-}
-
-impl CudaBackend {
-    /// The backend on device `ordinal`.
-    pub fn new(ordinal: usize) -> Result<Self> {
-        #[cfg(not(feature = "cuda"))]
-        {
-            let _ = ordinal;
-            Err(KernelError::NotCompiled { backend: "cuda", feature: "cuda" })
-        }
-        #[cfg(feature = "cuda")]
-        {
-            let why = if driver_present() {
-                format!("a CUDA driver is present, but this release has no device kernels (device {ordinal})")
-            } else {
-                "no CUDA driver (libcuda.so.1) could be loaded".to_string()
-            };
-            Err(KernelError::NoDevice { backend: "cuda", why })
-        }
-    }
-}
+#[cfg(not(feature = "cuda"))]
+mod stub;
 
 #[cfg(feature = "cuda")]
-fn driver_present() -> bool {
-    let name = c"libcuda.so.1";
-    // SAFETY: dlopen with a valid C string; the handle is closed at once and nothing from it is used.
-    unsafe {
-        let h = libc::dlopen(name.as_ptr(), libc::RTLD_LAZY | libc::RTLD_LOCAL);
-        if h.is_null() {
-            false
-        } else {
-            libc::dlclose(h);
-            true
-        }
-    }
-}
+pub use backend::CudaBackend;
+#[cfg(feature = "cuda")]
+pub use device::MemoryStats;
+#[cfg(not(feature = "cuda"))]
+pub use stub::{CudaBackend, MemoryStats};

@@ -10,13 +10,29 @@ pub(crate) const HEADERS: &[(&str, &str)] =
     &[("common.cuh", include_str!("kernels/common.cuh")), ("ptx.cuh", include_str!("kernels/ptx.cuh"))];
 
 /// Every kernel source.
-pub(crate) static SOURCES: &[&KernelSource] = &[];
+pub(crate) static SOURCES: &[&KernelSource] = &[
+    &super::ops::elementwise::SOURCE,
+    &super::ops::norm::SOURCE,
+    &super::ops::rope::SOURCE,
+    &super::ops::embedding::SOURCE,
+    &super::ops::moe::SOURCE,
+    &super::ops::linear::SOURCE,
+    &super::ops::cross_entropy::SOURCE,
+    &super::ops::attention::FORWARD,
+    &super::ops::attention::BACKWARD,
+    &super::ops::attention::MERGE,
+];
 
 /// The translation unit of `src`: the headers, then the source, with `#line` directives so that compiler
 /// messages name the file and line they come from.
 pub(crate) fn translation_unit(src: &KernelSource) -> String {
     let mut tu = String::new();
     for (name, text) in HEADERS {
+        tu.push_str(&format!("#line 1 \"{name}\"\n"));
+        tu.push_str(text);
+        tu.push('\n');
+    }
+    for (name, text) in src.includes {
         tu.push_str(&format!("#line 1 \"{name}\"\n"));
         tu.push_str(text);
         tu.push('\n');

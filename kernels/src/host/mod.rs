@@ -58,6 +58,13 @@ impl<'a> HostSlice<'a> {
             HostSlice::Bf16(_) => DType::Bf16,
         }
     }
+    /// The elements' bytes, as they lie in memory.
+    pub fn as_bytes(&self) -> &'a [u8] {
+        match *self {
+            HostSlice::F32(s) => bytemuck::cast_slice(s),
+            HostSlice::Bf16(s) => bytemuck::cast_slice(s),
+        }
+    }
     /// The elements `start..start + len`.
     pub fn sub(&self, start: usize, len: usize) -> HostSlice<'a> {
         match *self {
@@ -105,11 +112,25 @@ impl<'a> HostSliceMut<'a> {
             HostSliceMut::Bf16(_) => DType::Bf16,
         }
     }
+    /// The elements' bytes, writable (every bit pattern is a valid `f32` or `bf16`).
+    pub fn as_bytes_mut(&mut self) -> &mut [u8] {
+        match self {
+            HostSliceMut::F32(s) => bytemuck::cast_slice_mut(s),
+            HostSliceMut::Bf16(s) => bytemuck::cast_slice_mut(s),
+        }
+    }
     /// Reborrows as a shorter-lived writable view.
     pub fn reborrow(&mut self) -> HostSliceMut<'_> {
         match self {
             HostSliceMut::F32(s) => HostSliceMut::F32(s),
             HostSliceMut::Bf16(s) => HostSliceMut::Bf16(s),
+        }
+    }
+    /// The same memory, read-only, for the whole borrow.
+    pub fn into_slice(self) -> HostSlice<'a> {
+        match self {
+            HostSliceMut::F32(s) => HostSlice::F32(s),
+            HostSliceMut::Bf16(s) => HostSlice::Bf16(s),
         }
     }
     /// A read-only view of the same memory.

@@ -1,0 +1,449 @@
+//! [`CudaBackend`]: the `Backend` trait on a [`Device`]. Each method runs the shared argument checks
+//! ([`crate::checks`]), then hands the op to its family in `ops/` (one file per `.cu` source), which picks the
+//! kernel or the cuBLASLt product and launches it.
+
+use std::sync::Arc;
+
+use super::alloc::CudaAllocation;
+use super::device::{Device, DeviceEvent, DeviceInfo, DevicePtr, Gemm, Kernel, KernelArgs, LaunchConfig, MemoryStats};
+use super::ops;
+use crate::attention::{AttnGrads, AttnOptions, AttnOut, AttnPartial, AttnSaved, Qkv};
+use crate::backend::{AdamwState, Backend, GradMode, LinearGrads, NormGrads, NormParams, ProjectionGrads};
+use crate::buffer::Buffer;
+use crate::checks::On;
+use crate::dtype::DType;
+use crate::error::{KernelError, Result};
+use crate::event::{BackendEvent, Event};
+use crate::ops::{AdamW, CrossEntropyOptions, CrossEntropyOutput, RopeTable, RouterOutput, Routing};
+use crate::saved::{
+    LayerNormSaved, LinearSaved, MoeCombineSaved, MoeRouterSaved, RmsNormSaved, SquaredReluSaved, SwigluSaved,
+};
+use crate::view::{Dims, Memory, View, ViewMut};
+
+/// Whether [`Backend::empty`] fills its buffers with NaN: in debug builds (so the test suite), an op that leaves
+/// part of an output unwritten shows as NaN rather than passing on stale values that happen to fit (as the CPU
+/// backend does).
+const POISON_EMPTY: bool = cfg!(debug_assertions);
+
+/// A CUDA device and one stream on it (see the module docs).
+#[derive(Debug, Clone)]
+pub struct CudaBackend {
+    device: Arc<dyn Device>,
+}
+
+impl CudaBackend {
+    /// The backend on device `ordinal`, with its own stream.
+    ///
+    /// Errors: [`KernelError::NoDevice`] when no CUDA driver can be loaded or no device has that ordinal.
+    pub fn new(ordinal: usize) -> Result<Self> {
+        let device = super::driver::DriverDevice::new(ordinal)?;
+        Ok(Self { device })
+    }
+
+    /// The backend on the host emulator: the same kernels compiled for this CPU by the system's C++ compiler
+    /// (`$CXX`, else `c++`) and run with one fiber per CUDA thread, device memory being host memory with guard
+    /// zones checked after every launch. Slow; for testing kernels and the backend without a GPU.
+    ///
+    /// Errors: [`KernelError::Compile`] when the kernels do not build with the host compiler.
+    pub fn emulated() -> Result<Self> {
+        let device = super::emulated::EmulatedDevice::new()?;
+        Ok(Self { device })
+    }
+
+    /// The device's name, compute capability, multiprocessors and memory.
+    pub fn device_name(&self) -> String {
+        let i = self.device.info();
+        format!("{} (sm_{}{}, {} SMs, {} GiB)", i.name, i.compute_capability.0, i.compute_capability.1, i.multiprocessors, i.total_memory >> 30)
+    }
+
+    /// What the device's pool holds now and at most (bytes).
+    pub fn memory_stats(&self) -> MemoryStats {
+        self.device.memory_stats()
+    }
+
+    /// Gives the memory the pool keeps for reuse back to the driver (after the work enqueued so far).
+    pub fn trim(&self) -> Result<()> {
+        self.device.trim()
+    }
+
+    pub(crate) fn info(&self) -> &DeviceInfo {
+        self.device.info()
+    }
+
+    pub(crate) fn on(&self) -> On {
+        On { memory: self.device.memory() }
+    }
+
+    /// Launches `kernel`.
+    ///
+    /// # Safety
+    /// The parameters are what the kernel declares and every address among them is live device memory of this
+    /// device covering what the kernel touches (see [`Device::launch`]).
+    pub(crate) unsafe fn launch(&self, kernel: &Kernel, cfg: LaunchConfig, args: &KernelArgs) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { self.device.launch(kernel, &cfg, args) }
+    }
+
+    /// Enqueues a matrix product.
+    ///
+    /// # Safety
+    /// Every address covers the bytes the product touches.
+    pub(crate) unsafe fn gemm(&self, g: &Gemm) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { self.device.gemm(g) }
+    }
+
+    /// Scratch device memory of `bytes`, freed (stream-ordered) when dropped.
+    pub(crate) fn scratch(&self, bytes: usize) -> Result<CudaAllocation> {
+        CudaAllocation::new(&self.device, bytes)
+    }
+
+    /// `data` (host) copied into new device memory: how host-typed arguments reach a kernel.
+    pub(crate) fn upload_bytes(&self, data: &[u8]) -> Result<CudaAllocation> {
+        let a = self.scratch(data.len())?;
+        if !data.is_empty() {
+            // SAFETY: `a` holds `data.len()` bytes, just allocated on this stream.
+            unsafe { self.device.upload(a.ptr(), data)? };
+        }
+        Ok(a)
+    }
+
+    /// The `bytes` at `src` brought to the host, after the work enqueued so far.
+    pub(crate) fn download_bytes(&self, dst: &mut [u8], src: DevicePtr) -> Result<()> {
+        // SAFETY: callers pass an address of live device memory holding `dst.len()` bytes.
+        unsafe { self.device.download(dst, src) }
+    }
+
+    /// Sets `count` 32-bit words at `dst` to `value`.
+    ///
+    /// # Safety
+    /// `dst` covers `4·count` bytes of live device memory.
+    pub(crate) unsafe fn memset32(&self, dst: DevicePtr, value: u32, count: usize) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { self.device.memset32(dst, value, count) }
+    }
+
+    /// Copies `bytes` between device addresses.
+    ///
+    /// # Safety
+    /// Both cover `bytes` of live device memory and do not overlap.
+    pub(crate) unsafe fn copy_bytes(&self, dst: DevicePtr, src: DevicePtr, bytes: usize) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { self.device.copy(dst, src, bytes) }
+    }
+
+    fn buffer(&self, dtype: DType, dims: Dims) -> Result<Buffer> {
+        let alloc = CudaAllocation::new(&self.device, dims.numel() * dtype.size())?;
+        Buffer::from_device(Box::new(alloc), dtype, dims)
+    }
+}
+
+/// An event recorded on a CUDA stream.
+#[derive(Debug)]
+struct CudaEvent(Arc<dyn DeviceEvent>);
+
+impl BackendEvent for CudaEvent {
+    fn synchronize(&self) -> Result<()> {
+        self.0.synchronize()
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+impl Backend for CudaBackend {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+    fn memory(&self) -> Memory {
+        self.device.memory()
+    }
+
+    fn upload(&self, dst: ViewMut<'_>, src: View<'_>) -> Result<()> {
+        crate::checks::upload(self.on(), &dst, &src)?;
+        let host = src.as_host("src")?;
+        let dst = dst.into_device("dst", self.memory())?;
+        // SAFETY: `dst` is a view of live device memory of this device holding as many bytes as `src`.
+        unsafe { self.device.upload(dst.ptr(), host.as_bytes()) }
+    }
+
+    fn download(&self, dst: ViewMut<'_>, src: View<'_>) -> Result<()> {
+        crate::checks::download(self.on(), &dst, &src)?;
+        let src = src.as_device("src", self.memory())?;
+        let mut host = dst.into_host("dst")?;
+        self.download_bytes(host.as_bytes_mut(), src.ptr())
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.device.synchronize()
+    }
+
+    fn record_event(&self) -> Result<Event> {
+        Ok(Event::new(Arc::new(CudaEvent(self.device.record_event()?))))
+    }
+
+    fn wait_event(&self, event: &Event) -> Result<()> {
+        match event.marker() {
+            None => Ok(()),
+            Some(m) => match m.as_any().downcast_ref::<CudaEvent>() {
+                // Waited for on the device: the host goes on.
+                Some(e) => self.device.wait_event(e.0.as_ref()),
+                // Another backend's event: wait on the host, so that work enqueued from now on follows it.
+                None => event.synchronize(),
+            },
+        }
+    }
+
+    fn fork(&self) -> Result<Arc<dyn Backend>> {
+        Ok(Arc::new(CudaBackend { device: self.device.fork()? }))
+    }
+
+    fn zeros(&self, dtype: DType, dims: Dims) -> Result<Buffer> {
+        let mut b = self.buffer(dtype, dims)?;
+        ops::elementwise::fill(self, b.view_mut(), 0.0)?;
+        Ok(b)
+    }
+
+    fn empty(&self, dtype: DType, dims: Dims) -> Result<Buffer> {
+        let mut b = self.buffer(dtype, dims)?;
+        if POISON_EMPTY {
+            ops::elementwise::fill(self, b.view_mut(), f32::NAN)?;
+        }
+        Ok(b)
+    }
+
+    fn copy(&self, dst: ViewMut<'_>, src: View<'_>) -> Result<()> {
+        crate::checks::copy(self.on(), &dst, &src)?;
+        ops::elementwise::copy(self, dst, src)
+    }
+
+    fn fill(&self, dst: ViewMut<'_>, value: f32) -> Result<()> {
+        crate::checks::fill(self.on(), &dst)?;
+        ops::elementwise::fill(self, dst, value)
+    }
+
+    fn add(&self, dst: ViewMut<'_>, src: View<'_>) -> Result<()> {
+        crate::checks::copy(self.on(), &dst, &src)?;
+        ops::elementwise::add(self, dst, src)
+    }
+
+    fn scale(&self, x: ViewMut<'_>, a: f32) -> Result<()> {
+        crate::checks::scale(self.on(), &x, a)?;
+        ops::elementwise::scale(self, x, a)
+    }
+
+    fn sum_squares(&self, xs: &[View<'_>]) -> Result<f64> {
+        crate::checks::sum_squares(self.on(), xs)?;
+        ops::elementwise::sum_squares(self, xs)
+    }
+
+    fn transpose12(&self, dst: ViewMut<'_>, src: View<'_>) -> Result<()> {
+        let dims = crate::checks::transpose12(self.on(), &dst, &src)?;
+        ops::elementwise::transpose12(self, dst, src, dims)
+    }
+
+    fn attention_forward(&self, opts: &AttnOptions<'_>, out: AttnOut<'_>, qkv: Qkv<'_>) -> Result<()> {
+        let p = crate::checks::attention_forward(self.on(), opts, &out, &qkv)?;
+        ops::attention::forward(self, &p, out, qkv)
+    }
+
+    fn attention_backward(
+        &self,
+        opts: &AttnOptions<'_>,
+        grads: AttnGrads<'_>,
+        dout: View<'_>,
+        saved: AttnSaved<'_>,
+        mode: GradMode,
+    ) -> Result<()> {
+        let p = crate::checks::attention_backward(self.on(), opts, &grads, &dout, &saved)?;
+        ops::attention::backward(self, &p, grads, dout, saved, mode)
+    }
+
+    fn attention_merge(&self, acc: AttnOut<'_>, part: AttnPartial<'_>) -> Result<()> {
+        let (rows, d) = crate::checks::attention_merge(self.on(), &acc, &part)?;
+        ops::attention::merge(self, acc, part, rows, d)
+    }
+
+    fn linear_forward(&self, y: ViewMut<'_>, x: View<'_>, w: View<'_>, bias: Option<View<'_>>) -> Result<()> {
+        let l = crate::checks::linear_forward(self.on(), &y, &x, &w, bias.as_ref())?;
+        ops::linear::forward(self, l, y, x, w, bias)
+    }
+
+    fn linear_backward(
+        &self,
+        grads: LinearGrads<'_>,
+        dy: View<'_>,
+        saved: LinearSaved<'_>,
+        w: View<'_>,
+        mode: GradMode,
+    ) -> Result<()> {
+        let l = crate::checks::linear_backward(self.on(), &grads, &dy, &saved, &w)?;
+        ops::linear::backward(self, l, grads, dy, saved, w, mode)
+    }
+
+    fn rmsnorm_forward(&self, y: ViewMut<'_>, rstd: ViewMut<'_>, x: View<'_>, p: &NormParams<'_>) -> Result<()> {
+        let r = crate::checks::rmsnorm_forward(self.on(), &y, &rstd, &x, p)?;
+        ops::norm::forward(self, r, y, None, rstd, x, p)
+    }
+
+    fn rmsnorm_backward(
+        &self,
+        grads: NormGrads<'_>,
+        dy: View<'_>,
+        saved: RmsNormSaved<'_>,
+        weight: View<'_>,
+        mode: GradMode,
+    ) -> Result<()> {
+        let r = crate::checks::rmsnorm_backward(self.on(), &grads, &dy, &saved, &weight)?;
+        ops::norm::backward(self, r, grads, dy, saved.x, None, saved.rstd, weight, mode)
+    }
+
+    fn layernorm_forward(
+        &self,
+        y: ViewMut<'_>,
+        mean: ViewMut<'_>,
+        rstd: ViewMut<'_>,
+        x: View<'_>,
+        p: &NormParams<'_>,
+    ) -> Result<()> {
+        let r = crate::checks::layernorm_forward(self.on(), &y, &mean, &rstd, &x, p)?;
+        ops::norm::forward(self, r, y, Some(mean), rstd, x, p)
+    }
+
+    fn layernorm_backward(
+        &self,
+        grads: NormGrads<'_>,
+        dy: View<'_>,
+        saved: LayerNormSaved<'_>,
+        weight: View<'_>,
+        mode: GradMode,
+    ) -> Result<()> {
+        let r = crate::checks::layernorm_backward(self.on(), &grads, &dy, &saved, &weight)?;
+        ops::norm::backward(self, r, grads, dy, saved.x, Some(saved.mean), saved.rstd, weight, mode)
+    }
+
+    fn rope_forward(&self, rope: &RopeTable, x: ViewMut<'_>, positions: &[i64]) -> Result<()> {
+        let d = crate::checks::rope(self.on(), rope, &x, positions)?;
+        ops::rope::apply(self, rope, d, x, positions, 1.0)
+    }
+
+    fn rope_backward(&self, rope: &RopeTable, d: ViewMut<'_>, positions: &[i64]) -> Result<()> {
+        let dims = crate::checks::rope(self.on(), rope, &d, positions)?;
+        ops::rope::apply(self, rope, dims, d, positions, -1.0)
+    }
+
+    fn swiglu_forward(&self, out: ViewMut<'_>, gate: View<'_>, up: View<'_>) -> Result<()> {
+        crate::checks::swiglu_forward(self.on(), &out, &gate, &up)?;
+        ops::elementwise::swiglu_forward(self, out, gate, up)
+    }
+
+    fn swiglu_backward(
+        &self,
+        dgate: ViewMut<'_>,
+        dup: ViewMut<'_>,
+        dout: View<'_>,
+        saved: SwigluSaved<'_>,
+    ) -> Result<()> {
+        crate::checks::swiglu_backward(self.on(), &dgate, &dup, &dout, &saved)?;
+        ops::elementwise::swiglu_backward(self, dgate, dup, dout, saved)
+    }
+
+    fn squared_relu_forward(&self, out: ViewMut<'_>, x: View<'_>) -> Result<()> {
+        crate::checks::squared_relu_forward(self.on(), &out, &x)?;
+        ops::elementwise::squared_relu_forward(self, out, x)
+    }
+
+    fn squared_relu_backward(&self, dx: ViewMut<'_>, dout: View<'_>, saved: SquaredReluSaved<'_>) -> Result<()> {
+        crate::checks::squared_relu_backward(self.on(), &dx, &dout, &saved)?;
+        ops::elementwise::squared_relu_backward(self, dx, dout, saved)
+    }
+
+    fn moe_router_forward(
+        &self,
+        probs: ViewMut<'_>,
+        weights: ViewMut<'_>,
+        logits: View<'_>,
+        top_k: usize,
+    ) -> Result<RouterOutput> {
+        let (l, e) = crate::checks::moe_router_forward(self.on(), &probs, &weights, &logits, top_k)?;
+        ops::moe::router_forward(self, probs, weights, logits, l, e, top_k)
+    }
+
+    fn moe_router_backward(
+        &self,
+        dlogits: ViewMut<'_>,
+        dweights: View<'_>,
+        aux: Option<View<'_>>,
+        saved: MoeRouterSaved<'_>,
+    ) -> Result<()> {
+        crate::checks::moe_router_backward(self.on(), &dlogits, &dweights, aux.as_ref(), &saved)?;
+        ops::moe::router_backward(self, dlogits, dweights, aux, saved)
+    }
+
+    fn moe_gather_forward(&self, xe: ViewMut<'_>, x: View<'_>, routing: &Routing) -> Result<()> {
+        let c = crate::checks::moe_gather_forward(self.on(), &xe, &x, routing)?;
+        ops::moe::gather_forward(self, xe, x, routing, c)
+    }
+
+    fn moe_gather_backward(&self, dx: ViewMut<'_>, dxe: View<'_>, routing: &Routing) -> Result<()> {
+        let c = crate::checks::moe_gather_backward(self.on(), &dx, &dxe, routing)?;
+        ops::moe::sum_rows(self, dx, dxe, None, routing, c)
+    }
+
+    fn moe_combine_forward(&self, out: ViewMut<'_>, ye: View<'_>, weights: View<'_>, routing: &Routing) -> Result<()> {
+        let c = crate::checks::moe_combine_forward(self.on(), &out, &ye, &weights, routing)?;
+        ops::moe::sum_rows(self, out, ye, Some(weights), routing, c)
+    }
+
+    fn moe_combine_backward(
+        &self,
+        dye: ViewMut<'_>,
+        dweights: ViewMut<'_>,
+        dout: View<'_>,
+        saved: MoeCombineSaved<'_>,
+    ) -> Result<()> {
+        let c = crate::checks::moe_combine_backward(self.on(), &dye, &dweights, &dout, &saved)?;
+        ops::moe::combine_backward(self, dye, dweights, dout, saved, c)
+    }
+
+    fn embedding_forward(&self, out: ViewMut<'_>, ids: &[u32], table: View<'_>) -> Result<()> {
+        let (_, c) = crate::checks::embedding_forward(self.on(), &out, ids, &table)?;
+        ops::embedding::forward(self, out, ids, table, c)
+    }
+
+    fn embedding_backward(&self, dtable: ViewMut<'_>, dout: View<'_>, ids: &[u32], mode: GradMode) -> Result<()> {
+        let (v, c) = crate::checks::embedding_backward(self.on(), &dtable, &dout, ids)?;
+        ops::embedding::backward(self, dtable, dout, ids, v, c, mode)
+    }
+
+    fn cross_entropy_fused(
+        &self,
+        grads: ProjectionGrads<'_>,
+        hidden: View<'_>,
+        weight: View<'_>,
+        targets: &[i64],
+        opts: &CrossEntropyOptions,
+        mode: GradMode,
+    ) -> Result<CrossEntropyOutput> {
+        let d = crate::checks::cross_entropy_fused(self.on(), &grads, &hidden, &weight, targets, opts)?;
+        ops::cross_entropy::fused(self, d, grads, hidden, weight, targets, opts, mode)
+    }
+
+    fn adamw_step(
+        &self,
+        master: ViewMut<'_>,
+        copy_to: Option<ViewMut<'_>>,
+        grads: View<'_>,
+        state: AdamwState<'_>,
+        hp: &AdamW,
+        step: u64,
+    ) -> Result<()> {
+        crate::checks::adamw_step(self.on(), &master, copy_to.as_ref(), &grads, &state, hp, step)?;
+        ops::elementwise::adamw(self, master, copy_to, grads, state, hp, step)
+    }
+}
+
+/// The error of an op this backend does not run for these arguments.
+pub(crate) fn unsupported(what: &'static str) -> KernelError {
+    KernelError::Unsupported(what)
+}
