@@ -9,6 +9,9 @@ use crate::error::{KernelError, Result};
 #[allow(dead_code)] // the ops that use every part of the seam come with the backend
 pub(crate) mod device;
 #[cfg(feature = "cuda")]
+#[allow(dead_code)] // wrapped into the backend's EmulatedDevice, which comes with the backend
+pub(crate) mod emulator;
+#[cfg(feature = "cuda")]
 #[allow(dead_code)]
 pub(crate) mod sources;
 
