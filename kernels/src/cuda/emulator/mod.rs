@@ -35,6 +35,8 @@ mod compile;
 mod ffi;
 mod launch;
 mod memory;
+#[cfg(test)]
+mod tests;
 
 use std::sync::{Arc, Mutex};
 
