@@ -28,6 +28,11 @@
 //! scheduling would let it finish); blocks of a grid cannot wait for each other. Out-of-bounds reads and writes that
 //! miss every guard zone are not caught (a wild one can crash the process, as can a fiber overflowing its stack).
 //!
+//! Costs, measured on the 2-core dev machine (the `emulator_figures` test): building the 8 test sources from nothing
+//! 2.7-4.4 s (once per change; finding them in the cache 3 ms); a launch of one small block 2.6 us, of 64 blocks
+//! 110 us; 28 ns per thread per `__syncthreads` in a 128-thread block that also touches shared memory (17 ns for the
+//! barrier alone); 2.1 us per warp-wide `mma.m16n8k16`. Tests should use small shapes.
+//!
 //! This is not the `Device` trait: `EmulatedDevice` (with the host GEMM, events, streams) wraps an [`Emulator`].
 //! Launches are synchronous and may run concurrently from several threads.
 

@@ -720,7 +720,7 @@ fn the_same_sources_compile_with_nvrtc_without_warnings() {
 // Figures.
 
 /// What the emulator costs: a cold build of the test sources (a fresh cache directory), a 128-thread block doing
-/// 1000 `__syncthreads`, 1000 emulated `mma.sync` per warp. Run alone (`--ignored --nocapture`) for figures.
+/// 1000 `__syncthreads`, launches that do nothing, 1000 emulated `mma.sync` per warp. Run alone (`--ignored --nocapture`) for figures.
 #[test]
 #[ignore]
 fn emulator_figures() {
@@ -756,6 +756,12 @@ fn emulator_figures() {
             "{threads}-thread block, 1000 __syncthreads: {dt:.2?} ({:.1} ns per thread per barrier)",
             dt.as_nanos() as f64 / (1000.0 * f64::from(threads))
         );
+    }
+    for blocks in [1u32, 64] {
+        let mut a = KernelArgs::new();
+        a.push(0i32).push(out.ptr);
+        let dt = best(&|| run(e, &FIGURES, "many_barriers", LaunchConfig::linear(blocks, 32), &a).unwrap());
+        eprintln!("a launch of {blocks} block(s) of 32 threads doing nothing: {dt:.2?}");
     }
     for warps in [1u32, 4] {
         let mut a = KernelArgs::new();
