@@ -24,6 +24,7 @@
 #include <cstring>
 #include <math.h>
 #include <type_traits>
+#include <ctime>
 #include <utility>
 #if !defined(__x86_64__) || defined(LONGCTX_EMU_UCONTEXT)
 #include <ucontext.h>
@@ -40,7 +41,9 @@
 #define __constant__
 #define __shared__ static thread_local
 #define __forceinline__ inline __attribute__((always_inline))
+#define __inline__ inline
 #define __noinline__ __attribute__((noinline))
+#define __grid_constant__
 #define __launch_bounds__(...)
 #define __restrict__ __restrict
 #define __align__(n) __attribute__((aligned(n)))
@@ -261,6 +264,18 @@ template <class T>
 inline T __ldg(const T* p) {
     return *p;
 }
+// A cycle counter where there is one (rdtsc), else nanoseconds: only differences mean anything, as on the GPU.
+inline long long clock64() {
+#if defined(__x86_64__)
+    return static_cast<long long>(__builtin_ia32_rdtsc());
+#else
+    timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return static_cast<long long>(t.tv_sec) * 1000000000ll + t.tv_nsec;
+#endif
+}
+// Not a scheduling point: a fiber spinning on another thread of its block still never lets it run (see mod.rs).
+inline void __nanosleep(unsigned int) {}
 inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 inline void __threadfence_block() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 inline void __threadfence_system() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }

@@ -51,10 +51,11 @@ static MATH: KernelSource = source!("math.cu", ["math_builtins"]);
 static FIGURES: KernelSource = source!("figures.cu", ["many_barriers", "many_mma"]);
 static ALL: [&KernelSource; 8] = [&REDUCE, &MMA, &CP_ASYNC, &ATOMICS, &CONVERT, &MATH, &ERRORS, &FIGURES];
 
-/// One emulator with every test source, shared by the tests (built once per process; cached on disk after).
+/// One emulator with every test source, shared by the tests (built once per process; cached on disk after). A build
+/// that fails is reported by every test, built once.
 fn emu() -> &'static Emulator {
-    static EMU: OnceLock<Emulator> = OnceLock::new();
-    EMU.get_or_init(|| Emulator::new(&ALL).unwrap_or_else(|e| panic!("{e}")))
+    static EMU: OnceLock<Result<Emulator, String>> = OnceLock::new();
+    EMU.get_or_init(|| Emulator::new(&ALL).map_err(|e| e.to_string())).as_ref().unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// Device memory freed on drop.
@@ -469,7 +470,7 @@ fn math_builtins_compute_what_the_host_does() {
     let n = x.len();
     let (xb, out) = (Buf::from(e, &x), Buf::new(e, n * 32 * 4));
     let mut a = KernelArgs::new();
-    a.push(xb.ptr).push(out.ptr).push(n as i32);
+    a.push(xb.ptr).push(out.ptr).push(n as i32).push(1.0f32);
     run(e, &MATH, "math_builtins", LaunchConfig::linear(n.div_ceil(64) as u32, 64), &a).unwrap();
     let out = out.read::<f32>();
     for (i, &v) in x.iter().enumerate() {
