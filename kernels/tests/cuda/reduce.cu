@@ -85,3 +85,13 @@ extern "C" __global__ void early_exit(int n, int* out) {
     __syncthreads();
     out[threadIdx.x] = count;
 }
+
+// The built-in variables of a 3-D grid of 3-D blocks: 12 values per thread.
+extern "C" __global__ void built_ins(u32* out) {
+    const u32 block = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    const u32 nthreads = blockDim.x * blockDim.y * blockDim.z;
+    u32* o = out + (block * nthreads + linear_thread()) * 12;
+    const u32 v[12] = {threadIdx.x, threadIdx.y, threadIdx.z, blockIdx.x, blockIdx.y, blockIdx.z,
+                       blockDim.x,  blockDim.y,  blockDim.z,  gridDim.x,  gridDim.y,  gridDim.z};
+    for (int i = 0; i < 12; i++) o[i] = v[i];
+}

@@ -23,7 +23,8 @@ macro_rules! source {
     };
 }
 
-static REDUCE: KernelSource = source!("reduce.cu", ["reduce_rows", "shuffles", "barrier_visibility", "early_exit"]);
+static REDUCE: KernelSource =
+    source!("reduce.cu", ["reduce_rows", "shuffles", "barrier_visibility", "early_exit", "built_ins"]);
 static MMA: KernelSource = source!(
     "mma.cu",
     ["mma_ldmatrix_bf16", "mma_ldmatrix_f16", "mma_by_hand_bf16", "mma_by_hand_f16", "ldmatrix_layout"]
@@ -240,6 +241,23 @@ fn shared_memory_is_seen_across_barriers_and_exited_threads_do_not_hold_them() {
     let got = out.read::<i32>();
     assert_eq!(&got[..100], &[100; 100][..]);
     assert_eq!(&got[100..], &[-1; 28][..], "unwritten device memory is poison (0xFF bytes)");
+}
+
+#[test]
+fn built_in_variables_of_a_3d_grid() {
+    let e = emu();
+    let (grid, block) = ([3u32, 2, 2], [4u32, 2, 3]);
+    let out = Buf::new(e, 12 * 24 * 12 * 4);
+    run(e, &REDUCE, "built_ins", cfg(grid, block, 0), &args(&[&out])).unwrap();
+    let out = out.read::<u32>();
+    let mut i = 0;
+    for (bz, by, bx) in (0..2).flat_map(|z| (0..2).flat_map(move |y| (0..3).map(move |x| (z, y, x)))) {
+        for (tz, ty, tx) in (0..3).flat_map(|z| (0..2).flat_map(move |y| (0..4).map(move |x| (z, y, x)))) {
+            let want = [tx, ty, tz, bx, by, bz, 4, 2, 3, 3, 2, 2];
+            assert_eq!(&out[i * 12..(i + 1) * 12], &want, "block ({bx},{by},{bz}) thread ({tx},{ty},{tz})");
+            i += 1;
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------------------------------
