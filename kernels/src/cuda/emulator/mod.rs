@@ -8,8 +8,9 @@
 //! - **Execution**: a launch's blocks run on a few OS threads (`LONGCTX_EMU_THREADS`, default: the machine's cores),
 //!   one block at a time per thread; every CUDA thread of a block is a fiber with its own stack (over 170 KiB, a guard
 //!   page below it), scheduled cooperatively: a fiber runs until it waits at a barrier or a warp collective.
-//!   `__syncthreads` waits for every thread that has not exited; warp collectives (`__shfl*_sync`, votes, `__syncwarp`, `mma.sync`,
-//!   `ldmatrix`) gather all 32 lanes and compute at one instant with the PTX ISA's fragment layouts. A barrier that
+//!   `__syncthreads` waits for every thread that has not exited; warp collectives (`__shfl*_sync`, votes,
+//!   `__syncwarp`, `mma.sync`, `ldmatrix`) gather all 32 lanes and compute at one instant with the PTX ISA's fragment
+//!   layouts. A barrier that
 //!   can never complete (divergent `__syncthreads`, a collective some lanes never reach or reach in another
 //!   collective, a lane that exited) is an error naming the threads and source lines, never a hang. Masks other than
 //!   the full warp are refused rather than guessed at.
