@@ -1,0 +1,876 @@
+// The CUDA emulator's runtime: runs the blocks of one launch on the calling OS thread, one fiber per CUDA thread, and
+// implements the barriers and warp collectives (shuffles, votes, mma.sync, ldmatrix) and cp.async. Compiled once (with
+// emu.h prepended) and linked into every unit's library. See mod.rs for the model and emu.h for the fiber layout.
+//
+// Scheduling: cooperative and deterministic. A fiber runs until it waits (a barrier, a warp collective) or exits,
+// then switches straight to the next runnable fiber (a FIFO, first filled in thread order); the last to arrive at a
+// barrier completes it, makes the waiters runnable and goes on. When nothing is runnable the scheduler regains
+// control: either every thread has exited, or the block is deadlocked, which is reported with where each thread waits.
+// Nothing here needs locks: a block is one OS thread; blocks share only the launch's atomic block counter.
+//
+// A warp collective is gathered in the warp's slots: each lane writes its operands, the last lane to arrive computes
+// every lane's result (so the whole collective happens at one instant, as on the GPU) and each lane reads its own.
+#include <dlfcn.h>
+#include <link.h>
+
+#include <cstdarg>
+#include <string>
+#include <vector>
+
+namespace emu {
+
+constexpr unsigned int kAbiVersion = 1;
+// Guard bytes on each side of a block's dynamic shared memory.
+constexpr std::size_t kDynGuardBytes = 256;
+constexpr unsigned char kSmemPoison = 0xff;  // NaN as f32, bf16 and f16; -1 as an integer
+constexpr unsigned char kGuardByte = 0xfd;
+
+}  // namespace emu
+
+// The launch, as the Rust side lays it out (launch.rs). Read-only during the launch except the two atomics.
+extern "C" {
+struct LongctxEmuLaunch {
+    void (*kernel)(void**);
+    void** args;
+    unsigned int grid[3];
+    unsigned int block[3];
+    unsigned int shared_bytes;
+    unsigned long long nblocks;
+    unsigned long long* next_block;  // the next block to run, shared by the workers
+    int* abort;                      // set by the first worker that fails
+};
+// What one worker (OS thread) owns: fiber regions (kFiberRegionBytes each, aligned to it, guard pages mapped by Rust)
+// and a buffer for the block's dynamic shared memory with its guards.
+struct LongctxEmuWorker {
+    unsigned char* regions;
+    unsigned long long nregions;
+    unsigned char* dyn;
+    unsigned long long dyn_capacity;
+};
+struct LongctxEmuAbi {
+    unsigned int version;
+    unsigned int fiber_region_bytes;
+    unsigned int fiber_header_bytes;
+    unsigned int dyn_guard_bytes;
+    unsigned long long static_smem_bytes;
+};
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Context switch. x86-64: push the callee-saved registers and the SSE/x87 control words, swap stack pointers, pop.
+// Measured on this project's 2-core dev machine (an AMD EPYC, shared with other work): a block of 128 threads doing
+// 1000 __syncthreads and nothing else takes 2.2 ms, 17 ns per thread per barrier (one switch to the next fiber plus
+// the barrier's bookkeeping); 1024 threads, 21 ns. The ucontext fallback (forced with -DLONGCTX_EMU_UCONTEXT) takes
+// 336 ns: swapcontext saves and restores the signal mask with a system call at every switch.
+extern "C" void longctx_emu_switch(void** save_sp, void* load_sp);
+extern "C" [[noreturn]] void longctx_emu_fiber_main(emu::Fiber* f);
+
+namespace emu {
+inline unsigned char* region_of(Fiber* f) {
+    return reinterpret_cast<unsigned char*>(reinterpret_cast<std::uintptr_t>(f) &
+                                            ~static_cast<std::uintptr_t>(kFiberRegionBytes - 1));
+}
+// Where a fiber's stack starts: the top of its region, less a per-thread offset (up to 64 cache lines and 15 pages)
+// so that the stacks' hot tops do not all fall into the same cache sets. Every fiber keeps over 170 KiB of stack.
+inline unsigned char* stack_top(Fiber* f) {
+    return region_of(f) + kFiberRegionBytes - (f->linear % 64) * 64 - (f->linear / 64 % 16) * 4096;
+}
+}  // namespace emu
+
+#if defined(__x86_64__) && !defined(LONGCTX_EMU_UCONTEXT)
+extern "C" void longctx_emu_fiber_start();
+asm(R"(
+    .text
+    .p2align 4
+    .globl longctx_emu_switch
+    .hidden longctx_emu_switch
+    .type longctx_emu_switch, @function
+longctx_emu_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    subq $8, %rsp
+    stmxcsr (%rsp)
+    fnstcw 4(%rsp)
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    ldmxcsr (%rsp)
+    fldcw 4(%rsp)
+    addq $8, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size longctx_emu_switch, .-longctx_emu_switch
+
+    .p2align 4
+    .globl longctx_emu_fiber_start
+    .hidden longctx_emu_fiber_start
+    .type longctx_emu_fiber_start, @function
+longctx_emu_fiber_start:
+    .cfi_startproc
+    .cfi_undefined rip
+    movq %r12, %rdi
+    callq *%r13
+    ud2
+    .cfi_endproc
+    .size longctx_emu_fiber_start, .-longctx_emu_fiber_start
+)");
+
+namespace emu {
+inline void switch_to(Context* from, Context* to) { longctx_emu_switch(&from->sp, to->sp); }
+
+// A new fiber's stack: the frame longctx_emu_switch pops (control words, r15..rbp, return address), returning into
+// longctx_emu_fiber_start with r12 = the fiber and r13 = the function to call. After `ret` the stack pointer is
+// 16-byte aligned, as the `call` there needs.
+inline void prepare(Fiber* f) {
+    unsigned char* top = stack_top(f);
+    auto* frame = reinterpret_cast<std::uint64_t*>(top - 80);
+    frame[0] = 0x1f80ull | (0x037full << 32);  // MXCSR and x87 control word at their defaults
+    frame[1] = 0;                              // r15
+    frame[2] = 0;                              // r14
+    frame[3] = reinterpret_cast<std::uint64_t>(&longctx_emu_fiber_main);  // r13
+    frame[4] = reinterpret_cast<std::uint64_t>(f);                        // r12
+    frame[5] = 0;                                                         // rbx
+    frame[6] = 0;                                                         // rbp
+    frame[7] = reinterpret_cast<std::uint64_t>(&longctx_emu_fiber_start);
+    f->ctx.sp = frame;
+}
+}  // namespace emu
+#else
+// Portable fallback: ucontext (slower: swapcontext saves and restores the signal mask with a system call).
+namespace emu {
+inline void switch_to(Context* from, Context* to) { swapcontext(&from->uc, &to->uc); }
+extern "C" void longctx_emu_fiber_entry(unsigned int hi, unsigned int lo) {
+    longctx_emu_fiber_main(reinterpret_cast<Fiber*>((static_cast<std::uintptr_t>(hi) << 32) | lo));
+}
+inline void prepare(Fiber* f) {
+    getcontext(&f->ctx.uc);
+    unsigned char* lo = region_of(f) + kFiberHeaderBytes + 65536;  // above any guard page
+    f->ctx.uc.uc_stack.ss_sp = lo;
+    f->ctx.uc.uc_stack.ss_size = static_cast<std::size_t>(stack_top(f) - lo);
+    f->ctx.uc.uc_link = nullptr;
+    const std::uintptr_t p = reinterpret_cast<std::uintptr_t>(f);
+    makecontext(&f->ctx.uc, reinterpret_cast<void (*)()>(&longctx_emu_fiber_entry), 2,
+                static_cast<unsigned int>(p >> 32), static_cast<unsigned int>(p));
+}
+}  // namespace emu
+#endif
+
+namespace emu {
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Block state.
+
+// One lane's operands and result in a warp collective.
+struct LaneSlot {
+    alignas(16) unsigned char in[48];  // mma: a[4], b[2], c[4]; ldmatrix: the row address; shfl: the value
+    alignas(16) unsigned char out[16];  // mma: d[4]; ldmatrix: r[num]; shfl/vote/reduce: the result
+    int arg;                            // shfl: the source lane
+};
+
+// Collective kinds, so that lanes meeting in different collectives are caught.
+enum Op {
+    kOpSyncwarp = 1,
+    kOpShfl = 10,       // + ShflMode
+    kOpVote = 20,       // + VoteOp
+    kOpReduce = 30,     // + ReduceOp
+    kOpMma = 40,        // + MmaType
+    kOpLdmatrix = 50,   // + num · 2 + trans
+};
+
+struct Warp {
+    unsigned int lanes;    // threads in the warp (fewer than 32 in the last warp of a block that is not whole warps)
+    unsigned int live;     // lanes not exited
+    unsigned int arrived;  // lanes waiting in the collective being gathered
+    int op;
+    int width;
+    const char* what;
+    Site site;
+    unsigned int first_lane;  // the first to arrive, for messages
+    Fiber* waiting[32];
+    LaneSlot slot[32];
+};
+
+struct Barrier {
+    unsigned int arrived;
+    int op;  // -1: __syncthreads; else a SyncOp
+    int acc;
+    int result;  // of the last completed __syncthreads_{count,and,or}
+    Site site;
+    unsigned int first_thread;
+};
+
+struct Block {
+    const LongctxEmuLaunch* launch;
+    uint3 block_idx;
+    dim3 block_dim;
+    dim3 grid_dim;
+    unsigned int nthreads;
+    unsigned int live;  // threads not exited
+    unsigned int done;  // threads exited
+    unsigned char* regions;
+    unsigned char* static_smem;
+    std::size_t static_bytes;
+    unsigned char* dyn_smem;
+    std::size_t dyn_bytes;
+    Barrier bar;
+    std::vector<Fiber*> bar_waiting;
+    std::vector<Warp> warps;
+    std::vector<Fiber*> queue;  // runnable fibers, a ring
+    std::size_t q_head = 0, q_len = 0;
+    Context sched;
+    bool failed = false;
+    std::string error;
+
+    Fiber* fiber(unsigned int i) const {
+        return fiber_at(reinterpret_cast<std::uintptr_t>(regions) + std::size_t(i) * kFiberRegionBytes);
+    }
+    void push(Fiber* f) {
+        f->state = kRunnable;
+        std::size_t i = q_head + q_len;
+        if (i >= queue.size()) i -= queue.size();
+        queue[i] = f;
+        q_len++;
+    }
+    Fiber* pop() {
+        if (q_len == 0) return nullptr;
+        Fiber* f = queue[q_head];
+        if (++q_head == queue.size()) q_head = 0;
+        q_len--;
+        return f;
+    }
+};
+
+std::string vformat(const char* fmt, va_list ap) {
+    char buf[1024];
+    std::vsnprintf(buf, sizeof buf, fmt, ap);
+    return std::string(buf);
+}
+
+std::string format(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+std::string format(const char* fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    std::string s = vformat(fmt, ap);
+    va_end(ap);
+    return s;
+}
+
+// Gives the OS thread to the next runnable fiber, or back to the scheduler when there is none (or the block failed).
+// Returns when `f` is made runnable again and its turn comes.
+void park(Fiber* f) {
+    Block& b = *f->block;
+    Fiber* next = b.failed ? nullptr : b.pop();
+    switch_to(&f->ctx, next ? &next->ctx : &b.sched);
+}
+
+// Ends the block with an error from thread `f`; the launch reports the first.
+[[noreturn]] __attribute__((format(printf, 2, 3))) void fail(Fiber* f, const char* fmt, ...) {
+    Block& b = *f->block;
+    if (!b.failed) {
+        b.failed = true;
+        va_list ap;
+        va_start(ap, fmt);
+        b.error = format("block (%u,%u,%u) thread (%u,%u,%u): ", b.block_idx.x, b.block_idx.y, b.block_idx.z,
+                         f->thread_idx.x, f->thread_idx.y, f->thread_idx.z) +
+                  vformat(fmt, ap);
+        va_end(ap);
+    }
+    switch_to(&f->ctx, &b.sched);
+    __builtin_unreachable();
+}
+
+bool same_site(Site a, Site b) { return a.line == b.line && (a.file == b.file || std::strcmp(a.file, b.file) == 0); }
+
+bool in_smem(const Block& b, const void* p, std::size_t bytes) {
+    const unsigned char* c = static_cast<const unsigned char*>(p);
+    auto within = [&](const unsigned char* base, std::size_t len) {
+        return base != nullptr && c >= base && c + bytes <= base + len;
+    };
+    return within(b.static_smem, b.static_bytes) || within(b.dyn_smem, b.dyn_bytes);
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Block barrier. Exited threads count as arrived (as on sm_70 and later); two threads waiting at different
+// __syncthreads is a divergent barrier, reported at once (the GPU may hang or silently mismatch them).
+int block_barrier(Fiber* f, Site site, int op, int pred) {
+    Block& b = *f->block;
+    Barrier& bar = b.bar;
+    if (bar.arrived == 0) {
+        bar.site = site;
+        bar.op = op;
+        bar.first_thread = f->linear;
+        bar.acc = op == kSyncAnd ? 1 : 0;
+    } else if (!same_site(bar.site, site) || bar.op != op) {
+        fail(f,
+             "__syncthreads at %s:%d while thread %u waits at the one at %s:%d: a divergent __syncthreads (every "
+             "thread of the block that has not exited must reach the same barrier)",
+             site.file, site.line, bar.first_thread, bar.site.file, bar.site.line);
+    }
+    const int p = pred != 0;
+    if (op == kSyncCount) bar.acc += p;
+    if (op == kSyncAnd) bar.acc &= p;
+    if (op == kSyncOr) bar.acc |= p;
+    bar.arrived++;
+    if (bar.arrived < b.live) {
+        f->state = kWaitBlock;
+        f->wait_what = "__syncthreads";
+        f->wait_site = site;
+        b.bar_waiting.push_back(f);
+        park(f);
+        return bar.result;
+    }
+    bar.result = bar.acc;
+    bar.arrived = 0;
+    for (Fiber* w : b.bar_waiting) b.push(w);
+    b.bar_waiting.clear();
+    return bar.result;
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Warp collectives. Only full masks with all 32 lanes present and alive are emulated; anything else is refused with
+// an error rather than guessed at. `aligned` collectives (mma.sync.aligned, ldmatrix.sync.aligned) must be the same
+// instruction in every lane; shfl.sync and friends may meet from different call sites, as on sm_70 and later.
+using Compute = void (*)(Warp& w, Fiber* last);
+
+void warp_collective(Fiber* f, Site site, int op, const char* what, unsigned int mask, int width, bool aligned,
+                     Compute compute) {
+    Block& b = *f->block;
+    Warp& w = b.warps[f->warp];
+    if (mask != 0xffffffffu)
+        fail(f, "%s at %s:%d with mask 0x%08x: the emulator runs warp collectives with the full mask only", what,
+             site.file, site.line, mask);
+    if (w.lanes != 32)
+        fail(f,
+             "%s at %s:%d in warp %u, which has %u threads: the block's %u threads are not whole warps, so the full "
+             "mask names lanes that do not exist",
+             what, site.file, site.line, f->warp, w.lanes, b.nthreads);
+    if (w.live != 32)
+        fail(f, "%s at %s:%d: %u lanes of warp %u have exited, and a full-mask collective needs all 32", what,
+             site.file, site.line, 32 - w.live, f->warp);
+    if (w.arrived == 0) {
+        w.op = op;
+        w.width = width;
+        w.what = what;
+        w.site = site;
+        w.first_lane = f->lane;
+    } else if (w.op != op || w.width != width || (aligned && !same_site(w.site, site))) {
+        fail(f, "%s at %s:%d while lane %u of its warp waits in %s at %s:%d: the warp's lanes diverged", what,
+             site.file, site.line, w.first_lane, w.what, w.site.file, w.site.line);
+    }
+    if (++w.arrived < 32) {
+        f->state = kWaitWarp;
+        f->wait_what = what;
+        f->wait_site = site;
+        w.waiting[w.arrived - 1] = f;
+        park(f);
+        return;
+    }
+    compute(w, f);
+    w.arrived = 0;
+    for (int i = 0; i < 31; i++) b.push(w.waiting[i]);
+}
+
+Warp& warp_of(Fiber* f) { return f->block->warps[f->warp]; }
+
+void compute_shfl(Warp& w, Fiber*) {
+    for (int l = 0; l < 32; l++) std::memcpy(w.slot[l].out, w.slot[w.slot[l].arg].in, 8);
+}
+
+void compute_vote(Warp& w, Fiber*) {
+    unsigned int ballot = 0;
+    for (int l = 0; l < 32; l++) ballot |= (w.slot[l].in[0] ? 1u : 0u) << l;
+    unsigned int r = ballot;
+    if (w.op == kOpVote + kVoteAny) r = ballot != 0;
+    if (w.op == kOpVote + kVoteAll) r = ballot == 0xffffffffu;
+    for (int l = 0; l < 32; l++) std::memcpy(w.slot[l].out, &r, 4);
+}
+
+void compute_reduce(Warp& w, Fiber*) {
+    const int op = w.op - kOpReduce;
+    unsigned int acc;
+    std::memcpy(&acc, w.slot[0].in, 4);
+    for (int l = 1; l < 32; l++) {
+        unsigned int v;
+        std::memcpy(&v, w.slot[l].in, 4);
+        const int si = static_cast<int>(v), sa = static_cast<int>(acc);
+        switch (op) {
+            case kReduceAddU: acc += v; break;
+            case kReduceMinU: acc = v < acc ? v : acc; break;
+            case kReduceMaxU: acc = v > acc ? v : acc; break;
+            case kReduceMinI: acc = static_cast<unsigned int>(si < sa ? si : sa); break;
+            case kReduceMaxI: acc = static_cast<unsigned int>(si > sa ? si : sa); break;
+            case kReduceAnd: acc &= v; break;
+            case kReduceOr: acc |= v; break;
+            default: acc ^= v; break;
+        }
+    }
+    for (int l = 0; l < 32; l++) std::memcpy(w.slot[l].out, &acc, 4);
+}
+
+// mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}: D = A·B + C with A 16×16, B 16×8, C and D 16×8 in f32, each lane
+// holding the fragments of the PTX ISA's layout (ptx.cuh). The products of 16-bit floats are exact; the emulator sums
+// them and C in double and rounds once to f32, where the tensor core's order and rounding are unspecified (it is
+// known to truncate its partial sums): results agree to about f32 precision, not bit for bit.
+float half_bits_to_f32(int type, unsigned int h) {
+    return type == kMmaBf16 ? bits_f32((h & 0xffffu) << 16) : f16_bits_to_f32(static_cast<unsigned short>(h));
+}
+
+void compute_mma(Warp& w, Fiber*) {
+    const int type = w.op - kOpMma;
+    float A[16][16], B[16][8], C[16][8];
+    for (unsigned int l = 0; l < 32; l++) {
+        const unsigned int gid = l >> 2, tig = l & 3;
+        unsigned int a[4], b[2];
+        float c[4];
+        std::memcpy(a, w.slot[l].in, 16);
+        std::memcpy(b, w.slot[l].in + 16, 8);
+        std::memcpy(c, w.slot[l].in + 24, 16);
+        for (unsigned int r = 0; r < 4; r++) {
+            // a[r]: row gid (+8 for r odd), columns 2·tig, 2·tig+1 (+8 for r ≥ 2), the lower column in the low half.
+            const unsigned int row = gid + 8 * (r & 1), col = 2 * tig + 8 * (r >> 1);
+            A[row][col] = half_bits_to_f32(type, a[r]);
+            A[row][col + 1] = half_bits_to_f32(type, a[r] >> 16);
+        }
+        for (unsigned int r = 0; r < 2; r++) {
+            // b[r]: rows (k) 2·tig, 2·tig+1 (+8 for r = 1), column gid.
+            const unsigned int k = 2 * tig + 8 * r;
+            B[k][gid] = half_bits_to_f32(type, b[r]);
+            B[k + 1][gid] = half_bits_to_f32(type, b[r] >> 16);
+        }
+        // c[i]: row gid (+8 for i ≥ 2), column 2·tig + (i & 1).
+        C[gid][2 * tig] = c[0];
+        C[gid][2 * tig + 1] = c[1];
+        C[gid + 8][2 * tig] = c[2];
+        C[gid + 8][2 * tig + 1] = c[3];
+    }
+    for (unsigned int l = 0; l < 32; l++) {
+        const unsigned int gid = l >> 2, tig = l & 3;
+        float d[4];
+        for (unsigned int i = 0; i < 4; i++) {
+            const unsigned int row = gid + 8 * (i >> 1), col = 2 * tig + (i & 1);
+            double acc = 0.0;
+            for (int k = 0; k < 16; k++) acc += static_cast<double>(A[row][k]) * static_cast<double>(B[k][col]);
+            d[i] = static_cast<float>(acc + static_cast<double>(C[row][col]));
+        }
+        std::memcpy(w.slot[l].out, d, 16);
+    }
+}
+
+// ldmatrix.sync.aligned.m8n8.x{1,2,4}{.trans}.shared.b16: lanes 8j..8j+7 give the row addresses of matrix j (16 bytes
+// each, 16-byte aligned, in shared memory); lane l gets in r[j] the elements (row l/4, columns 2·(l%4), +1) of matrix
+// j, or with .trans those of its transpose: (rows 2·(l%4), +1, column l/4) of the matrix as stored.
+void compute_ldmatrix(Warp& w, Fiber* last) {
+    const int code = w.op - kOpLdmatrix;
+    const int num = code >> 1;
+    const bool trans = code & 1;
+    const Block& b = *last->block;
+    const unsigned char* rows[32];
+    for (int i = 0; i < 8 * num; i++) {
+        std::memcpy(&rows[i], w.slot[i].in, sizeof(void*));
+        const std::uintptr_t a = reinterpret_cast<std::uintptr_t>(rows[i]);
+        if (a % 16 != 0)
+            fail(last, "%s at %s:%d: lane %d's row address %p is not 16-byte aligned", w.what, w.site.file,
+                 w.site.line, i, static_cast<const void*>(rows[i]));
+        if (!in_smem(b, rows[i], 16))
+            fail(last, "%s at %s:%d: lane %d's row address %p is not in the block's shared memory", w.what,
+                 w.site.file, w.site.line, i, static_cast<const void*>(rows[i]));
+    }
+    for (int l = 0; l < 32; l++) {
+        unsigned int r[4];
+        for (int j = 0; j < num; j++) {
+            if (!trans) {
+                std::memcpy(&r[j], rows[8 * j + l / 4] + 4 * (l % 4), 4);
+            } else {
+                unsigned short lo, hi;
+                std::memcpy(&lo, rows[8 * j + 2 * (l % 4)] + 2 * (l / 4), 2);
+                std::memcpy(&hi, rows[8 * j + 2 * (l % 4) + 1] + 2 * (l / 4), 2);
+                r[j] = static_cast<unsigned int>(lo) | (static_cast<unsigned int>(hi) << 16);
+            }
+        }
+        std::memcpy(w.slot[l].out, r, 4 * num);
+    }
+}
+
+const char* const kShflNames[] = {"__shfl_sync", "__shfl_up_sync", "__shfl_down_sync", "__shfl_xor_sync"};
+const char* const kVoteNames[] = {"__ballot_sync", "__any_sync", "__all_sync"};
+const char* const kLdmatrixNames[] = {"", "", "ldmatrix.x1", "ldmatrix.x1.trans", "ldmatrix.x2", "ldmatrix.x2.trans",
+                                      "", "", "ldmatrix.x4", "ldmatrix.x4.trans"};
+
+// ---------------------------------------------------------------------------------------------------------------------
+// cp.async: each thread's copies wait in its fiber header and land at the cp.async.wait_group that covers their group
+// (or when the thread exits), reading global memory then. So a kernel that reads shared memory before waiting, or
+// before the __syncthreads after the other threads' waits, sees the poison there, where a GPU would usually (not
+// always) see the data.
+void complete_cp_async(Fiber* f, unsigned int below_group, bool all) {
+    unsigned int kept = 0;
+    for (unsigned int i = 0; i < f->cp_count; i++) {
+        CpAsync& c = f->cp[i];
+        if (all || c.group < below_group) {
+            if (c.valid)
+                std::memcpy(c.dst, c.src, 16);
+            else
+                std::memset(c.dst, 0, 16);
+        } else {
+            f->cp[kept++] = c;
+        }
+    }
+    f->cp_count = kept;
+}
+
+[[noreturn]] void thread_exit(Fiber* f) {
+    Block& b = *f->block;
+    complete_cp_async(f, 0, true);
+    f->state = kDone;
+    b.done++;
+    b.live--;
+    Warp& w = b.warps[f->warp];
+    w.live--;
+    if (w.arrived > 0)
+        fail(f, "exited while %u lanes of its warp wait in %s at %s:%d (a full-mask collective needs every lane)",
+             w.arrived, w.what, w.site.file, w.site.line);
+    if (b.bar.arrived > 0 && b.bar.arrived == b.live) {
+        b.bar.result = b.bar.acc;
+        b.bar.arrived = 0;
+        for (Fiber* x : b.bar_waiting) b.push(x);
+        b.bar_waiting.clear();
+    }
+    park(f);
+    __builtin_unreachable();
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
+// The block: its fibers, run to completion or to the first error.
+
+struct StaticSmem {
+    unsigned char* data;
+    std::size_t bytes;
+};
+
+// Forces this module's TLS block to exist on the calling thread (glibc allocates a dlopen'ed module's lazily).
+thread_local unsigned char tls_anchor;
+
+int find_tls(dl_phdr_info* info, std::size_t, void* out) {
+    const auto self_addr = reinterpret_cast<std::uintptr_t>(&find_tls);
+    bool mine = false;
+    std::size_t tls_bytes = 0;
+    for (int i = 0; i < info->dlpi_phnum; i++) {
+        const ElfW(Phdr)& ph = info->dlpi_phdr[i];
+        if (ph.p_type == PT_LOAD) {
+            const std::uintptr_t lo = info->dlpi_addr + ph.p_vaddr;
+            if (self_addr >= lo && self_addr < lo + ph.p_memsz) mine = true;
+        }
+        if (ph.p_type == PT_TLS) tls_bytes = ph.p_memsz;
+    }
+    if (!mine) return 0;
+    auto* s = static_cast<StaticSmem*>(out);
+    s->data = static_cast<unsigned char*>(info->dlpi_tls_data);
+    s->bytes = tls_bytes;
+    return 1;
+}
+
+// The calling OS thread's instance of this module's `__shared__` variables: the module's PT_TLS segment.
+StaticSmem static_smem() {
+    *static_cast<volatile unsigned char*>(&tls_anchor) = 0;
+    StaticSmem s{nullptr, 0};
+    dl_iterate_phdr(&find_tls, &s);
+    return s;
+}
+
+bool check_guard(const unsigned char* p, std::size_t n, std::size_t* bad) {
+    for (std::size_t i = 0; i < n; i++) {
+        if (p[i] != kGuardByte) {
+            *bad = i;
+            return false;
+        }
+    }
+    return true;
+}
+
+std::string deadlock_report(Block& b) {
+    std::string s = "deadlock: no thread of the block can go on (a barrier or warp collective some threads never "
+                    "reach); waiting:";
+    struct Group {
+        const char* what;
+        Site site;
+        unsigned int count, first;
+    };
+    std::vector<Group> groups;
+    for (unsigned int i = 0; i < b.nthreads; i++) {
+        Fiber* f = b.fiber(i);
+        if (f->state == kDone) continue;
+        bool found = false;
+        for (Group& g : groups) {
+            if (g.what == f->wait_what && same_site(g.site, f->wait_site)) {
+                g.count++;
+                found = true;
+                break;
+            }
+        }
+        if (!found) groups.push_back(Group{f->wait_what, f->wait_site, 1, i});
+    }
+    for (const Group& g : groups)
+        s += format(" %u threads (the first: %u) at %s at %s:%d;", g.count, g.first, g.what, g.site.file, g.site.line);
+    s += format(" %u threads exited", b.done);
+    return s;
+}
+
+bool run_block(Block& b, unsigned long long linear) {
+    const LongctxEmuLaunch& L = *b.launch;
+    b.block_idx = uint3{static_cast<unsigned int>(linear % L.grid[0]),
+                        static_cast<unsigned int>((linear / L.grid[0]) % L.grid[1]),
+                        static_cast<unsigned int>(linear / (static_cast<unsigned long long>(L.grid[0]) * L.grid[1]))};
+    b.live = b.nthreads;
+    b.done = 0;
+    b.failed = false;
+    b.error.clear();
+    b.bar = Barrier{0, -1, 0, 0, Site{"", 0}, 0};
+    b.bar_waiting.clear();
+    b.q_head = 0;
+    b.q_len = 0;
+    for (std::size_t i = 0; i < b.warps.size(); i++) {
+        Warp& w = b.warps[i];
+        w.lanes = std::min<unsigned int>(32, b.nthreads - static_cast<unsigned int>(i) * 32);
+        w.live = w.lanes;
+        w.arrived = 0;
+    }
+    if (b.static_smem) std::memset(b.static_smem, kSmemPoison, b.static_bytes);
+    std::memset(b.dyn_smem - kDynGuardBytes, kGuardByte, kDynGuardBytes);
+    std::memset(b.dyn_smem, kSmemPoison, b.dyn_bytes);
+    std::memset(b.dyn_smem + b.dyn_bytes, kGuardByte, kDynGuardBytes);
+
+    const unsigned int bx = L.block[0], by = L.block[1];
+    for (unsigned int i = 0; i < b.nthreads; i++) {
+        Fiber* f = b.fiber(i);
+        f->thread_idx = uint3{i % bx, (i / bx) % by, i / (bx * by)};
+        f->block = &b;
+        f->linear = i;
+        f->lane = i % 32;
+        f->warp = i / 32;
+        f->wait_what = "";
+        f->wait_site = Site{"", 0};
+        f->cp_committed = 0;
+        f->cp_count = 0;
+        prepare(f);
+        b.push(f);
+    }
+    Fiber* first = b.pop();
+    switch_to(&b.sched, &first->ctx);
+    // Back here when no fiber is runnable: all exited, deadlock, or a failure.
+    if (b.failed) return false;
+    if (b.done < b.nthreads) {
+        b.error = format("block (%u,%u,%u): ", b.block_idx.x, b.block_idx.y, b.block_idx.z) + deadlock_report(b);
+        return false;
+    }
+    std::size_t bad = 0;
+    if (!check_guard(b.dyn_smem - kDynGuardBytes, kDynGuardBytes, &bad)) {
+        b.error = format("block (%u,%u,%u) wrote %zu bytes before the start of its %zu bytes of dynamic shared memory",
+                         b.block_idx.x, b.block_idx.y, b.block_idx.z, kDynGuardBytes - bad, b.dyn_bytes);
+        return false;
+    }
+    if (!check_guard(b.dyn_smem + b.dyn_bytes, kDynGuardBytes, &bad)) {
+        b.error = format("block (%u,%u,%u) wrote past the end of its %zu bytes of dynamic shared memory (at byte %zu)",
+                         b.block_idx.x, b.block_idx.y, b.block_idx.z, b.dyn_bytes, b.dyn_bytes + bad);
+        return false;
+    }
+    return true;
+}
+
+}  // namespace emu
+
+using namespace emu;
+
+extern "C" [[noreturn]] void longctx_emu_fiber_main(Fiber* f) {
+    const LongctxEmuLaunch& L = *f->block->launch;
+    L.kernel(L.args);
+    thread_exit(f);
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Device-side entry points (emu.h).
+namespace emu {
+
+const uint3& block_idx() { return self()->block->block_idx; }
+const dim3& block_dim() { return self()->block->block_dim; }
+const dim3& grid_dim() { return self()->block->grid_dim; }
+unsigned char* dynamic_smem() { return self()->block->dyn_smem; }
+
+void syncthreads(Site site) { block_barrier(self(), site, -1, 0); }
+int syncthreads_reduce(Site site, int op, int pred) { return block_barrier(self(), site, op, pred); }
+
+void syncwarp(Site site, unsigned int mask) {
+    warp_collective(self(), site, kOpSyncwarp, "__syncwarp", mask, 32, false, [](Warp&, Fiber*) {});
+}
+
+unsigned long long shfl(Site site, int mode, unsigned int mask, unsigned long long bits, int arg, int width) {
+    Fiber* f = self();
+    const char* what = kShflNames[mode];
+    if (width < 1 || width > 32 || (width & (width - 1)) != 0)
+        fail(f, "%s at %s:%d with width %d: the width must be a power of two up to 32", what, site.file, site.line,
+             width);
+    LaneSlot& s = warp_of(f).slot[f->lane];
+    std::memcpy(s.in, &bits, 8);
+    const int lane = static_cast<int>(f->lane);
+    const int base = lane & ~(width - 1);
+    int src = lane;
+    switch (mode) {
+        case kShflIdx: src = base + (arg & (width - 1)); break;
+        case kShflUp:
+            src = static_cast<unsigned int>(arg) <= static_cast<unsigned int>(lane - base) ? lane - arg : lane;
+            break;
+        case kShflDown:
+            src = static_cast<unsigned int>(arg) < static_cast<unsigned int>(base + width - lane) ? lane + arg : lane;
+            break;
+        default: {
+            const unsigned int x = static_cast<unsigned int>(lane) ^ static_cast<unsigned int>(arg);
+            src = x < static_cast<unsigned int>(base + width) ? static_cast<int>(x) : lane;
+        }
+    }
+    s.arg = src;
+    warp_collective(f, site, kOpShfl + mode, what, mask, width, false, compute_shfl);
+    unsigned long long out;
+    std::memcpy(&out, s.out, 8);
+    return out;
+}
+
+unsigned int vote(Site site, int op, unsigned int mask, int pred) {
+    Fiber* f = self();
+    LaneSlot& s = warp_of(f).slot[f->lane];
+    s.in[0] = pred != 0;
+    warp_collective(f, site, kOpVote + op, kVoteNames[op], mask, 32, false, compute_vote);
+    unsigned int out;
+    std::memcpy(&out, s.out, 4);
+    return out;
+}
+
+unsigned long long warp_reduce(Site site, int op, unsigned int mask, unsigned long long bits) {
+    Fiber* f = self();
+    LaneSlot& s = warp_of(f).slot[f->lane];
+    const unsigned int v = static_cast<unsigned int>(bits);
+    std::memcpy(s.in, &v, 4);
+    warp_collective(f, site, kOpReduce + op, "__reduce_*_sync", mask, 32, false, compute_reduce);
+    unsigned int out;
+    std::memcpy(&out, s.out, 4);
+    return out;
+}
+
+void mma_m16n8k16(Site site, int type, float* d, const unsigned int* a, const unsigned int* b, const float* c) {
+    Fiber* f = self();
+    LaneSlot& s = warp_of(f).slot[f->lane];
+    std::memcpy(s.in, a, 16);
+    std::memcpy(s.in + 16, b, 8);
+    std::memcpy(s.in + 24, c, 16);
+    warp_collective(f, site, kOpMma + type,
+                    type == kMmaBf16 ? "mma.m16n8k16.f32.bf16" : "mma.m16n8k16.f32.f16", 0xffffffffu, 32, true,
+                    compute_mma);
+    std::memcpy(d, s.out, 16);
+}
+
+void ldmatrix(Site site, int num, bool trans, unsigned int* r, const void* smem) {
+    Fiber* f = self();
+    LaneSlot& s = warp_of(f).slot[f->lane];
+    std::memcpy(s.in, &smem, sizeof(void*));
+    const int code = num * 2 + (trans ? 1 : 0);
+    warp_collective(f, site, kOpLdmatrix + code, kLdmatrixNames[code], 0xffffffffu, 32, true, compute_ldmatrix);
+    std::memcpy(r, s.out, 4 * static_cast<std::size_t>(num));
+}
+
+void cp_async_16(Site site, void* smem, const void* gmem, bool valid) {
+    Fiber* f = self();
+    const Block& b = *f->block;
+    if (reinterpret_cast<std::uintptr_t>(smem) % 16 != 0 || !in_smem(b, smem, 16))
+        fail(f, "cp.async at %s:%d: the destination %p is not 16 bytes of the block's shared memory, 16-byte aligned",
+             site.file, site.line, smem);
+    if (valid && reinterpret_cast<std::uintptr_t>(gmem) % 16 != 0)
+        fail(f, "cp.async at %s:%d: the source %p is not 16-byte aligned", site.file, site.line, gmem);
+    if (f->cp_count == static_cast<unsigned int>(kMaxCpAsync))
+        fail(f, "cp.async at %s:%d: more than %d copies in flight in one thread (the emulator's limit; wait sooner)",
+             site.file, site.line, kMaxCpAsync);
+    f->cp[f->cp_count++] = CpAsync{smem, gmem, f->cp_committed, valid};
+}
+
+void cp_async_commit() { self()->cp_committed++; }
+
+void cp_async_wait(Site site, int pending) {
+    Fiber* f = self();
+    if (pending < 0) fail(f, "cp.async.wait_group %d at %s:%d: a negative count", pending, site.file, site.line);
+    const unsigned int p = static_cast<unsigned int>(pending);
+    complete_cp_async(f, f->cp_committed > p ? f->cp_committed - p : 0, false);
+}
+
+float ex2_approx_ftz(float x) {
+    if (std::fpclassify(x) == FP_SUBNORMAL) x = std::copysign(0.0f, x);
+    float r = exp2f(x);
+    if (std::fpclassify(r) == FP_SUBNORMAL) r = std::copysign(0.0f, r);
+    return r;
+}
+
+[[noreturn]] void trap(Site site, const char* what) { fail(self(), "%s at %s:%d", what, site.file, site.line); }
+
+[[noreturn]] void assert_fail(const char* expr, Site site, const char* func) {
+    fail(self(), "assertion `%s` failed at %s:%d in %s", expr, site.file, site.line, func);
+}
+
+}  // namespace emu
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Host-side entry points (launch.rs).
+
+extern "C" __attribute__((visibility("default"))) void longctx_emu_abi(LongctxEmuAbi* abi) {
+    const StaticSmem s = static_smem();
+    abi->version = kAbiVersion;
+    abi->fiber_region_bytes = static_cast<unsigned int>(kFiberRegionBytes);
+    abi->fiber_header_bytes = static_cast<unsigned int>(kFiberHeaderBytes);
+    abi->dyn_guard_bytes = static_cast<unsigned int>(kDynGuardBytes);
+    abi->static_smem_bytes = s.bytes;
+}
+
+// Runs blocks of the launch, taking their indices from the shared counter, until none are left or a worker failed.
+// Returns 0, or 1 with a message in `err` (NUL-terminated, truncated to err_len).
+extern "C" __attribute__((visibility("default"))) int longctx_emu_run(const LongctxEmuLaunch* launch,
+                                                                      const LongctxEmuWorker* worker, char* err,
+                                                                      std::size_t err_len) {
+    Block b;
+    b.launch = launch;
+    b.block_dim = dim3(launch->block[0], launch->block[1], launch->block[2]);
+    b.grid_dim = dim3(launch->grid[0], launch->grid[1], launch->grid[2]);
+    b.nthreads = launch->block[0] * launch->block[1] * launch->block[2];
+    if (worker->nregions < b.nthreads) {
+        std::snprintf(err, err_len, "the worker has %llu fiber regions for a block of %u threads", worker->nregions,
+                      b.nthreads);
+        return 1;
+    }
+    b.regions = worker->regions;
+    const StaticSmem s = static_smem();
+    b.static_smem = s.data;
+    b.static_bytes = s.bytes;
+    const std::uintptr_t base = (reinterpret_cast<std::uintptr_t>(worker->dyn) + 31) & ~std::uintptr_t(31);
+    // 16-byte aligned and not 32: what CUDA promises and no more.
+    b.dyn_smem = reinterpret_cast<unsigned char*>(base) + kDynGuardBytes + 16;
+    b.dyn_bytes = launch->shared_bytes;
+    if (b.dyn_smem + b.dyn_bytes + kDynGuardBytes > worker->dyn + worker->dyn_capacity) {
+        std::snprintf(err, err_len, "the worker's dynamic shared memory buffer (%llu bytes) is too small for %u bytes",
+                      worker->dyn_capacity, launch->shared_bytes);
+        return 1;
+    }
+    b.bar_waiting.reserve(b.nthreads);
+    b.warps.resize((b.nthreads + 31) / 32);
+    b.queue.resize(b.nthreads);
+    for (;;) {
+        if (__atomic_load_n(launch->abort, __ATOMIC_ACQUIRE)) return 0;
+        const unsigned long long i = __atomic_fetch_add(launch->next_block, 1ull, __ATOMIC_RELAXED);
+        if (i >= launch->nblocks) return 0;
+        if (!run_block(b, i)) {
+            __atomic_store_n(launch->abort, 1, __ATOMIC_RELEASE);
+            std::snprintf(err, err_len, "%s", b.error.c_str());
+            return 1;
+        }
+    }
+}
