@@ -29,6 +29,10 @@ mod backend;
 #[allow(dead_code)] // parts of the seam used only by one of the two devices
 pub(crate) mod device;
 #[cfg(feature = "cuda")]
+mod driver;
+#[cfg(feature = "cuda")]
+mod emulated;
+#[cfg(feature = "cuda")]
 #[allow(dead_code)] // wrapped into the backend's EmulatedDevice
 pub(crate) mod emulator;
 #[cfg(feature = "cuda")]
