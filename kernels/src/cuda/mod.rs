@@ -12,6 +12,21 @@ pub(crate) mod device;
 #[allow(dead_code)]
 pub(crate) mod sources;
 
+// The real GPU behind the seam: where CUDA's libraries and headers are, NVRTC, the driver, cuBLASLt. The backend
+// that calls them comes later, hence the allowance.
+#[cfg(feature = "cuda")]
+#[allow(dead_code)]
+pub(crate) mod headers;
+#[cfg(feature = "cuda")]
+#[allow(dead_code)]
+pub(crate) mod libraries;
+#[cfg(feature = "cuda")]
+#[allow(dead_code)]
+pub(crate) mod nvrtc;
+#[cfg(feature = "cuda")]
+#[allow(dead_code)]
+pub(crate) mod places;
+
 /// A CUDA device to compute on (see the module docs).
 #[derive(Debug)]
 pub struct CudaBackend {
