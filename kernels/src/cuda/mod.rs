@@ -16,6 +16,12 @@ pub(crate) mod sources;
 // that calls them comes later, hence the allowance.
 #[cfg(feature = "cuda")]
 #[allow(dead_code)]
+pub(crate) mod driver;
+#[cfg(feature = "cuda")]
+#[allow(dead_code)]
+pub(crate) mod gemm;
+#[cfg(feature = "cuda")]
+#[allow(dead_code)]
 pub(crate) mod headers;
 #[cfg(feature = "cuda")]
 #[allow(dead_code)]
