@@ -323,7 +323,7 @@ impl DriverDevice {
         self.shared.driver_version
     }
 
-    /// Resets the pool's high-water marks to the current values.
+    /// Resets the pool's high-water marks (the driver only accepts zero; they count from there).
     pub fn reset_peak_memory(&self) -> Result<()> {
         self.shared.bind()?;
         for attr in [
@@ -446,25 +446,43 @@ impl DriverDevice {
 
     /// The staging buffers, made at the first upload.
     fn staging<'a>(&self, slot: &'a mut Option<Staging>) -> Result<&'a mut Staging> {
-        if slot.is_none() {
-            let mut buffers = Vec::new();
-            for _ in 0..2 {
-                // Flags 0: ordinary (cached, not write-combined) page-locked memory.
-                // SAFETY: the context is current; the size is non-zero.
-                let ptr = unsafe { cu::malloc_host(STAGING_BYTES, 0) }.map_err(|e| device_err("cuMemHostAlloc", e))?;
-                let event = match cu::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING) {
-                    Ok(ev) => ev,
-                    Err(e) => {
-                        // SAFETY: just allocated, unused.
-                        let _ = unsafe { cu::free_host(ptr) };
-                        return Err(device_err("cuEventCreate", e));
+        let staging = match slot.take() {
+            Some(s) => s,
+            None => {
+                let mut buffers: Vec<(*mut u8, sys::CUevent, bool)> = Vec::new();
+                let release = |buffers: Vec<(*mut u8, sys::CUevent, bool)>| {
+                    for (ptr, event, _) in buffers {
+                        // SAFETY: made below and never used.
+                        unsafe {
+                            let _ = cu::free_host(ptr.cast());
+                            let _ = cu::event::destroy(event);
+                        }
                     }
                 };
-                buffers.push((ptr.cast::<u8>(), event, false));
+                for _ in 0..2 {
+                    // Flags 0: ordinary (cached, not write-combined) page-locked memory.
+                    // SAFETY: the context is current; the size is non-zero.
+                    let ptr = match unsafe { cu::malloc_host(STAGING_BYTES, 0) } {
+                        Ok(p) => p.cast::<u8>(),
+                        Err(e) => {
+                            release(buffers);
+                            return Err(device_err("cuMemHostAlloc", e));
+                        }
+                    };
+                    match cu::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING) {
+                        Ok(event) => buffers.push((ptr, event, false)),
+                        Err(e) => {
+                            // SAFETY: just allocated, unused.
+                            let _ = unsafe { cu::free_host(ptr.cast()) };
+                            release(buffers);
+                            return Err(device_err("cuEventCreate", e));
+                        }
+                    }
+                }
+                Staging { buffers, next: 0 }
             }
-            *slot = Some(Staging { buffers, next: 0 });
-        }
-        Ok(slot.as_mut().expect("filled above"))
+        };
+        Ok(slot.insert(staging))
     }
 }
 

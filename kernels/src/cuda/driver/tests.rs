@@ -2,6 +2,12 @@
 //! others need a GPU and skip with a message when `DriverDevice::new(0)` finds none, unless
 //! `LONGCTX_REQUIRE_GPU=1` (set it on GPU machines so that a broken setup fails instead of skipping). They run
 //! with checked launches except where a test needs work left in flight.
+//!
+//! On a GPU machine without cargo: build here with `cargo test -p longctx-kernels --features cuda --lib --no-run`
+//! (the path of the test binary is printed), carry it, and run there
+//! `LONGCTX_REQUIRE_GPU=1 LONGCTX_REQUIRE_NVRTC=1 <binary> cuda:: --test-threads=4`. The driver, NVRTC, cuBLASLt
+//! and the CUDA headers are found at run time (`LONGCTX_CUDA_LIB_DIRS`, `LONGCTX_CUDA_INCLUDE` when they are
+//! somewhere unusual); `a_checked_launch_names_the_faulting_kernel` runs the binary again as a child process.
 
 use std::sync::Arc;
 
