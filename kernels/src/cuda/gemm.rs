@@ -21,6 +21,9 @@
 //! `f32` inputs with a `bf16` output is not a cuBLASLt combination and is [`KernelError::Unsupported`]. (`f16`
 //! would be the same as `bf16`, but `DType` has no `f16`.)
 //!
+//! The descriptors are built on the host in a [`Plan`], which needs cuBLASLt loaded but no GPU: the test
+//! `plans_are_accepted_by_the_real_cublaslt` has the real library check every attribute's value and size.
+//!
 //! The algorithm is asked of `cublasLtMatmulAlgoGetHeuristic` once per [`GemmKey`]: every field of the product
 //! that a descriptor carries (shape, leading dimensions, transposes, batch and strides, types, bias or not) and
 //! the alignment of each pointer (A, B, C/D and the bias), since a view into the middle of a buffer can be as
@@ -251,122 +254,132 @@ impl Blas {
         workspace: DevicePtr,
         workspace_bytes: usize,
     ) -> Result<()> {
-        let key = key(g)?;
-        let err = |op: &'static str| move |e: CublasError| lt_err(op, &key, e);
-        let (rows_a, cols_a) = if g.trans_a { (g.k, g.m) } else { (g.m, g.k) };
-        let (rows_b, cols_b) = if g.trans_b { (g.n, g.k) } else { (g.k, g.n) };
-        let a_layout = Layout::new(key.types.ab, rows_a, cols_a, g.lda, key.batch, key.stride_a)
-            .map_err(err("cublasLtMatrixLayoutCreate (A)"))?;
-        let b_layout = Layout::new(key.types.ab, rows_b, cols_b, g.ldb, key.batch, key.stride_b)
-            .map_err(err("cublasLtMatrixLayoutCreate (B)"))?;
-        let c_layout = Layout::new(key.types.c, g.m, g.n, g.ldc, key.batch, key.stride_c)
-            .map_err(err("cublasLtMatrixLayoutCreate (C)"))?;
-
-        let desc = Desc::new(key.types.compute).map_err(err("cublasLtMatmulDescCreate"))?;
-        // SAFETY (all `set` calls below): `desc` is live and each value has the type and size the attribute's
-        // documentation gives (cublasLt.h: TRANSA/TRANSB int32_t, EPILOGUE uint32_t, BIAS_POINTER a pointer).
-        unsafe {
-            desc.set(lt::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA, &(g.trans_a as i32))
-                .map_err(err("cublasLtMatmulDescSetAttribute (TRANSA)"))?;
-            desc.set(lt::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB, &(g.trans_b as i32))
-                .map_err(err("cublasLtMatmulDescSetAttribute (TRANSB)"))?;
-            if let Some(bias) = g.bias {
-                let epilogue = lt::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS as u32;
-                desc.set(lt::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue)
-                    .map_err(err("cublasLtMatmulDescSetAttribute (EPILOGUE)"))?;
-                let bias_ptr = bias as usize as *const c_void;
-                desc.set(lt::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias_ptr)
-                    .map_err(err("cublasLtMatmulDescSetAttribute (BIAS_POINTER)"))?;
-            }
-        }
-
+        let plan = Plan::new(g, workspace_bytes)?;
+        let key = plan.key;
         let cached = self.algos.lock().unwrap_or_else(|e| e.into_inner()).get(&key).copied();
         let algo = match cached {
             Some(a) => a,
             None => {
-                // SAFETY: every descriptor is live; the handle is live.
-                let a = unsafe { self.heuristic(&key, &desc, &a_layout, &b_layout, &c_layout, workspace_bytes) }?;
+                // SAFETY: the plan's descriptors and the handle are live.
+                let found = unsafe {
+                    lt_result::get_matmul_algo_heuristic(
+                        self.handle,
+                        plan.desc.0,
+                        plan.a.0,
+                        plan.b.0,
+                        plan.c.0,
+                        plan.c.0,
+                        plan.pref.0,
+                    )
+                };
+                // cudarc's wrapper asks for one result and turns "none found" and a failed state into errors.
+                let a = found
+                    .map_err(|e| KernelError::Device {
+                        backend: "cuda",
+                        op: "cublasLtMatmulAlgoGetHeuristic".to_string(),
+                        why: format!(
+                            "{:?}: no algorithm for {key:?} within {workspace_bytes} bytes of workspace (alignments \
+                             of A, B, C/D, bias: {:?})",
+                            e.0, key.align
+                        ),
+                    })?
+                    .algo;
                 self.algos.lock().unwrap_or_else(|e| e.into_inner()).insert(key, a);
                 a
             }
         };
-
         let (alpha, beta) = (g.alpha, g.beta);
         // SAFETY: the caller guarantees the context, stream, workspace and matrix pointers; alpha and beta are
         // host f32 (pointer mode host, scale type 32F) read during the call; C and D are the same buffer with the
-        // same layout, which cuBLASLt allows; `algo` was returned by the heuristic for exactly these descriptors'
-        // key (alignment included) with this workspace limit.
+        // same layout, which cuBLASLt allows; `algo` was returned by the heuristic for this key (alignments
+        // included) within this workspace.
         unsafe {
             lt_result::matmul(
                 self.handle,
-                desc.0,
+                plan.desc.0,
                 (&alpha as *const f32).cast(),
                 (&beta as *const f32).cast(),
                 g.a as usize as *const c_void,
-                a_layout.0,
+                plan.a.0,
                 g.b as usize as *const c_void,
-                b_layout.0,
+                plan.b.0,
                 g.c as usize as *const c_void,
-                c_layout.0,
+                plan.c.0,
                 g.c as usize as *mut c_void,
-                c_layout.0,
+                plan.c.0,
                 &algo,
                 workspace as usize as *mut c_void,
                 workspace_bytes,
                 stream.cast(),
             )
         }
-        .map_err(err("cublasLtMatmul"))
+        .map_err(|e| lt_err("cublasLtMatmul", &key, e))
     }
+}
 
-    /// The heuristic's best algorithm for `key` within `workspace_bytes`.
-    ///
-    /// # Safety
-    /// The descriptors are live and describe `key`.
-    unsafe fn heuristic(
-        &self,
-        key: &GemmKey,
-        desc: &Desc,
-        a: &Layout,
-        b: &Layout,
-        c: &Layout,
-        workspace_bytes: usize,
-    ) -> Result<lt::cublasLtMatmulAlgo_t> {
-        let err = |op: &'static str| move |e: CublasError| lt_err(op, key, e);
+/// The host-side description of one product: its key, matmul descriptor, layouts (C's serves D) and heuristic
+/// preference. Building it needs cuBLASLt loaded but no GPU, so a test checks every attribute against the real
+/// library (which refuses a value of the wrong size).
+pub(crate) struct Plan {
+    pub key: GemmKey,
+    desc: Desc,
+    a: Layout,
+    b: Layout,
+    c: Layout,
+    pref: Pref,
+}
+
+impl Plan {
+    /// Checks `g` and describes it for a workspace of `workspace_bytes`. cuBLASLt must be loaded.
+    pub fn new(g: &Gemm, workspace_bytes: usize) -> Result<Self> {
+        let key = key(g)?;
+        let err = |op: &'static str| move |e: CublasError| lt_err(op, &key, e);
+        let (rows_a, cols_a) = if g.trans_a { (g.k, g.m) } else { (g.m, g.k) };
+        let (rows_b, cols_b) = if g.trans_b { (g.n, g.k) } else { (g.k, g.n) };
+        let a = Layout::new(key.types.ab, rows_a, cols_a, g.lda, key.batch, key.stride_a)
+            .map_err(err("cublasLtMatrixLayout (A)"))?;
+        let b = Layout::new(key.types.ab, rows_b, cols_b, g.ldb, key.batch, key.stride_b)
+            .map_err(err("cublasLtMatrixLayout (B)"))?;
+        let c = Layout::new(key.types.c, g.m, g.n, g.ldc, key.batch, key.stride_c)
+            .map_err(err("cublasLtMatrixLayout (C)"))?;
+
+        let desc = Desc::new(key.types.compute).map_err(err("cublasLtMatmulDescCreate"))?;
+        use lt::cublasLtMatmulDescAttributes_t as D;
+        // SAFETY (every `set` below): `desc` is live and each value has the type cublasLt.h gives the attribute:
+        // TRANSA/TRANSB int32_t (cublasOperation_t: N = 0, T = 1), EPILOGUE uint32_t, BIAS_POINTER a pointer.
+        unsafe {
+            desc.set(D::CUBLASLT_MATMUL_DESC_TRANSA, &(g.trans_a as i32)).map_err(err("matmul desc TRANSA"))?;
+            desc.set(D::CUBLASLT_MATMUL_DESC_TRANSB, &(g.trans_b as i32)).map_err(err("matmul desc TRANSB"))?;
+            if let Some(bias) = g.bias {
+                let epilogue = lt::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS as u32;
+                desc.set(D::CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue).map_err(err("matmul desc EPILOGUE"))?;
+                // The heuristic reads this pointer's alignment, so it is set before the query.
+                let bias_ptr = bias as usize as *const c_void;
+                desc.set(D::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias_ptr).map_err(err("matmul desc BIAS_POINTER"))?;
+            }
+        }
+
         let pref = Pref::new().map_err(err("cublasLtMatmulPreferenceCreate"))?;
         use lt::cublasLtMatmulPreferenceAttributes_t as P;
-        // SAFETY: `pref` is live; MAX_WORKSPACE_BYTES is uint64_t, MIN_ALIGNMENT_* and REDUCTION_SCHEME_MASK are
-        // uint32_t (cublasLt.h).
+        // SAFETY (every `set` below): `pref` is live; MAX_WORKSPACE_BYTES is uint64_t, MIN_ALIGNMENT_* and
+        // REDUCTION_SCHEME_MASK are uint32_t (cublasLt.h).
         unsafe {
             pref.set(P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &(workspace_bytes as u64))
-                .map_err(err("cublasLtMatmulPreferenceSetAttribute (MAX_WORKSPACE_BYTES)"))?;
+                .map_err(err("preference MAX_WORKSPACE_BYTES"))?;
             for (attr, align) in [
                 (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, key.align[0]),
                 (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, key.align[1]),
                 (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, key.align[2]),
                 (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, key.align[2]),
             ] {
-                pref.set(attr, &align).map_err(err("cublasLtMatmulPreferenceSetAttribute (MIN_ALIGNMENT)"))?;
+                pref.set(attr, &align).map_err(err("preference MIN_ALIGNMENT"))?;
             }
             if let Some(mask) = REDUCTION_SCHEME_MASK {
                 pref.set(P::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &mask)
-                    .map_err(err("cublasLtMatmulPreferenceSetAttribute (REDUCTION_SCHEME_MASK)"))?;
+                    .map_err(err("preference REDUCTION_SCHEME_MASK"))?;
             }
         }
-        // SAFETY: all descriptors live; cudarc's wrapper asks for one result and checks its count and state.
-        let found = unsafe { lt_result::get_matmul_algo_heuristic(self.handle, desc.0, a.0, b.0, c.0, c.0, pref.0) };
-        match found {
-            Ok(h) => Ok(h.algo),
-            Err(e) => Err(KernelError::Device {
-                backend: "cuda",
-                op: "cublasLtMatmulAlgoGetHeuristic".to_string(),
-                why: format!(
-                    "{:?}: no algorithm for {key:?} within {workspace_bytes} bytes of workspace (alignments A, B, \
-                     C/D, bias: {:?})",
-                    e.0, key.align
-                ),
-            }),
-        }
+        Ok(Self { key, desc, a, b, c, pref })
     }
 }
 
@@ -496,6 +509,46 @@ pub(crate) mod tests {
             beta: 0.0,
             bias: None,
             tf32: false,
+        }
+    }
+
+    /// Every descriptor, layout and preference attribute is accepted by the real cuBLASLt, which checks each
+    /// value's size against the attribute's type (a `u64` for `TRANSA` is refused): this needs cuBLASLt loadable
+    /// (the `nvidia-cublas` wheel, e.g. `LONGCTX_CUDA_LIB_DIRS=…/nvidia/cu13/lib`) but no GPU.
+    #[test]
+    fn plans_are_accepted_by_the_real_cublaslt() {
+        if let Err(e) = libraries::ensure(CudaLib::CublasLt) {
+            eprintln!("plans_are_accepted_by_the_real_cublaslt: skipped: {e}");
+            return;
+        }
+        let variants: Vec<fn(&mut Gemm)> = vec![
+            |_| {},
+            |g| g.bias = Some(0x7300_0000),
+            |g| {
+                g.trans_a = true;
+                g.lda = 16;
+                g.trans_b = true;
+                g.ldb = 4;
+            },
+            |g| {
+                g.batch = 3;
+                g.stride_a = 8 * 16 + 1;
+                g.stride_b = 64;
+                g.stride_c = 32;
+                g.bias = Some(0x7300_0004);
+            },
+            |g| {
+                g.ab_type = DType::F32;
+                g.tf32 = true;
+            },
+            |g| g.c_type = DType::Bf16,
+            |g| g.a += 2,
+        ];
+        for (i, change) in variants.iter().enumerate() {
+            let mut g = product();
+            change(&mut g);
+            let plan = Plan::new(&g, WORKSPACE_BYTES).unwrap_or_else(|e| panic!("variant {i}: {e}"));
+            assert_eq!(plan.key, key(&g).unwrap());
         }
     }
 

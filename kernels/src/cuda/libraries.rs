@@ -278,6 +278,16 @@ mod tests {
         }
     }
 
+    /// cuBLASLt from NVIDIA's wheel (`nvidia/cu13/lib` of a virtual environment, as on the GPU machines, where
+    /// it is only in PyTorch's environment) loads with its dependencies and answers to its soname.
+    #[test]
+    fn wheel_cublaslt_is_found_by_soname() {
+        match ensure(CudaLib::CublasLt) {
+            Ok(()) => assert!(CudaLib::CublasLt.loader_finds()),
+            Err(e) => eprintln!("skipped: {e}"),
+        }
+    }
+
     /// The wheel's NVRTC, loaded by full path from a folder the loader does not search, answers to its soname:
     /// cudarc's presence check (which `dlopen`s `libnvrtc.so.13` by name) succeeds afterwards, and a compile
     /// works, which needs the builtins library found the same way.

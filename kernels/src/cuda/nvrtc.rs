@@ -444,7 +444,11 @@ extern "C" __global__ void longctx_headers_only(float* out, const __nv_bfloat16*
                     Ok(c) if !c.log.is_empty() => {
                         failures.push(format!("{} for {arch}: warnings:\n{}", src.file, c.log))
                     }
-                    Ok(c) => assert!(!c.cubin.is_empty() && c.arch == arch),
+                    Ok(c) => {
+                        assert_eq!(c.arch, arch);
+                        // An ELF object for NVIDIA's machine (EM_CUDA = 190), not PTX text.
+                        assert!(c.cubin.starts_with(b"\x7fELF") && c.cubin[18..20] == 190u16.to_le_bytes());
+                    }
                     Err(e) => failures.push(e.to_string()),
                 }
             }
