@@ -13,7 +13,8 @@
 //! streams follows the stream order or the driver's own dependencies); the pool gives memory back to the driver
 //! only when asked: [`Device::trim`] (`cuMemPoolTrimTo(0)` after a context synchronise, so that pending frees
 //! have landed), and once automatically when an allocation fails with `CUDA_ERROR_OUT_OF_MEMORY` (trim, then one
-//! retry; a second failure is `KernelError::OutOfMemory` with the free memory `cuMemGetInfo` reports).
+//! retry; a second failure is `KernelError::OutOfMemory` with the free memory `cuMemGetInfo` reports; more than
+//! the device's whole memory is refused so without asking the driver).
 //! [`Device::memory_stats`] reads the pool's used/reserved current/high attributes. Allocations are checked to
 //! be 256-byte aligned, as the seam promises.
 //!
@@ -576,6 +577,14 @@ impl Device for DriverDevice {
 
     fn alloc(&self, bytes: usize) -> Result<DevicePtr> {
         self.shared.bind()?;
+        let out_of_memory = || {
+            let free = cu::mem_get_info().map(|(free, _)| free).unwrap_or(0);
+            KernelError::OutOfMemory { memory: self.memory(), bytes, free }
+        };
+        if bytes > self.shared.info.total_memory {
+            // No trim can make room; the driver is not asked.
+            return Err(out_of_memory());
+        }
         // The driver refuses 0 bytes; a 1-byte allocation keeps `free` uniform.
         let size = bytes.max(1);
         let ptr = match self.alloc_once(size) {
@@ -587,10 +596,7 @@ impl Device for DriverDevice {
                 unsafe { cu::mem_pool::trim_to(self.shared.pool, 0) }.map_err(|e| device_err("cuMemPoolTrimTo", e))?;
                 match self.alloc_once(size) {
                     Ok(p) => p,
-                    Err(e) if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
-                        let free = cu::mem_get_info().map(|(free, _)| free).unwrap_or(0);
-                        return Err(KernelError::OutOfMemory { memory: self.memory(), bytes, free });
-                    }
+                    Err(e) if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => return Err(out_of_memory()),
                     Err(e) => return Err(device_err("cuMemAllocFromPoolAsync", e)),
                 }
             }

@@ -317,6 +317,7 @@ fn the_pool_keeps_memory_until_trimmed_and_oom_is_an_error() {
     let Some(dev) = gpu("the_pool_keeps_memory_until_trimmed_and_oom_is_an_error") else { return };
     let big = 256 << 20;
     let p = dev.alloc(big).unwrap();
+    dev.synchronize().unwrap();
     let held = dev.memory_stats();
     assert!(held.used >= big && held.reserved >= big && held.used_high >= big, "{held:?}");
     // SAFETY: allocated above, unused.
@@ -330,19 +331,28 @@ fn the_pool_keeps_memory_until_trimmed_and_oom_is_an_error() {
     dev.reset_peak_memory().unwrap();
     assert!(dev.memory_stats().reserved_high < big);
 
-    let too_much = dev.info().total_memory * 2;
-    match dev.alloc(too_much) {
+    let total = dev.info().total_memory;
+    let oom = |r: Result<DevicePtr>, asked: usize| match r {
         Err(KernelError::OutOfMemory { bytes, free, memory }) => {
-            assert_eq!((bytes, memory), (too_much, Memory::Cuda { ordinal: 0 }));
-            assert!(free > 0 && free <= dev.info().total_memory);
+            assert_eq!((bytes, memory), (asked, Memory::Cuda { ordinal: 0 }));
+            assert!(free <= total);
         }
         other => panic!("{other:?}"),
-    }
+    };
+    // More than the device has: refused without asking the driver.
+    oom(dev.alloc(total * 2), total * 2);
+    // Twice 60%: the second fails in the driver, the pool is trimmed, the retry fails too.
+    let most = total / 10 * 6;
+    let first = dev.alloc(most).unwrap();
+    oom(dev.alloc(most), most);
     // Out of memory is not sticky.
     let q = dev.alloc(1 << 20).unwrap();
     // SAFETY: allocated above, unused.
-    unsafe { dev.free(q) };
-    dev.synchronize().unwrap();
+    unsafe {
+        dev.free(q);
+        dev.free(first);
+    }
+    dev.trim().unwrap();
 }
 
 /// `D = alpha · op(A) · op(B) + beta · C (+ bias)` on the host, in f64, column-major like [`Gemm`].
