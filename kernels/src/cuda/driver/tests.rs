@@ -165,7 +165,8 @@ fn info_arch_and_aligned_allocations() {
 fn copies_round_trip_and_upload_is_done_with_its_source() {
     let Some(dev) = gpu("copies_round_trip_and_upload_is_done_with_its_source") else { return };
     for len in [4usize, 256, 4 * 1000, STAGING_BYTES + 4 * 12345, 3 * STAGING_BYTES] {
-        let mut src: Vec<u8> = (0..len).map(|i| (i * 31 + len) as u8).collect();
+        // Not periodic in the staging size, so that a chunk copied from a refilled buffer shows.
+        let mut src: Vec<u8> = (0..len).map(|i| (i * 31 + i / 4093 + len) as u8).collect();
         let expected = src.clone();
         let a = dev.alloc(len).unwrap();
         let b = dev.alloc(len).unwrap();
@@ -197,6 +198,17 @@ fn copies_round_trip_and_upload_is_done_with_its_source() {
     }
     // SAFETY: never dereferenced: the alignment is checked first.
     assert!(matches!(unsafe { dev.memset32(2, 0, 1) }, Err(KernelError::InvalidArgument { .. })));
+
+    // A device dropped with an upload in flight waits for it before releasing its staging buffers.
+    let other = dev.fork_driver().unwrap();
+    drop(dev);
+    let p = other.alloc(1 << 20).unwrap();
+    // SAFETY: `p` holds 1 MiB; it is freed after the copy in stream order.
+    unsafe {
+        other.upload(p, &vec![7u8; 1 << 20]).unwrap();
+        other.free(p);
+    }
+    drop(other);
 }
 
 #[test]
@@ -244,6 +256,12 @@ fn a_kernel_runs_and_its_parameters_are_checked() {
     assert!(matches!(too_big, Err(KernelError::Device { ref op, .. }) if op == "longctx_test_affine"), "{too_big:?}");
     // A refused launch leaves the context usable.
     dev.synchronize().unwrap();
+    // SAFETY: the work using them has run.
+    unsafe {
+        dev.free(x);
+        dev.free(y);
+    }
+    dev.synchronize().unwrap();
 }
 
 #[test]
@@ -265,6 +283,12 @@ fn more_than_48k_of_dynamic_shared_memory() {
     // SAFETY: refused before launching.
     let err = unsafe { dev.launch(&kernel("longctx_test_reverse"), &huge, &args) }.unwrap_err();
     assert!(matches!(&err, KernelError::Device { op, .. } if op == "longctx_test_reverse"), "{err}");
+    // SAFETY: the work using them has run.
+    unsafe {
+        dev.free(x);
+        dev.free(y);
+    }
+    dev.synchronize().unwrap();
 }
 
 #[test]
@@ -310,6 +334,24 @@ fn events_order_forks_and_time_work() {
         a.free(out);
     }
     a.synchronize().unwrap();
+
+    // Another thread (no context current on it yet) forks, uploads, launches and records: every call binds.
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let c = a.fork_driver().unwrap();
+            let v = values(1000, 5);
+            let x = upload(&c, &bytes_f32(&v));
+            let mut args = KernelArgs::new();
+            args.push(x).push(x).push(1.0f32).push(1.0f32).push(1000i32);
+            // SAFETY: `x` holds 1000 floats, read and written by the same thread of the kernel.
+            unsafe { c.launch(&kernel("longctx_test_affine"), &LaunchConfig::linear(4, 256), &args) }.unwrap();
+            c.record_event().unwrap().synchronize().unwrap();
+            let got = as_f32(&download(&c, x, 4000));
+            assert!(got.iter().zip(&v).all(|(g, v)| *g == v + 1.0));
+            // SAFETY: the download synchronised the work using it.
+            unsafe { c.free(x) };
+        });
+    });
 }
 
 #[test]
@@ -567,17 +609,136 @@ fn fault_child() {
     if std::env::var("LONGCTX_FAULT_CHILD").as_deref() != Ok("1") {
         return;
     }
-    let dev = gpu("fault_child").expect("a GPU in the child");
+    fault_is_named(&gpu("fault_child").expect("a GPU in the child"));
+}
+
+/// Launches the faulting kernel with checked launches and prints `FAULT NAMED: …` when the launch reports it.
+fn fault_is_named(dev: &DriverDevice) {
     let p = dev.alloc(256).unwrap();
     let mut args = KernelArgs::new();
     args.push(p);
-    // SAFETY: the kernel faults on purpose; this process ends right after.
+    // SAFETY: the kernel faults on purpose; the context is not used for anything else afterwards.
     match unsafe { dev.launch(&kernel("longctx_test_fault"), &LaunchConfig::linear(1, 1), &args) } {
         Err(KernelError::Device { op, why, .. }) if op == "longctx_test_fault" => println!("FAULT NAMED: {why}"),
         other => panic!("expected the fault to name the kernel: {other:?}"),
     }
     // Sticky: the next call fails too.
     assert!(dev.synchronize().is_err());
+    // SAFETY: allocated above; nothing will run.
+    unsafe { dev.free(p) };
+}
+
+/// Where there is no driver, every path of `DriverDevice` except cuBLASLt's runs against `mock_cuda.c`, a
+/// stand-in for `libcuda.so.1` that executes streams late (so early reuse of a staging buffer corrupts data),
+/// insists on a current context where the driver uses it, and counts what is left alive: the GPU tests above
+/// run in a child process with it as the driver, and then nothing may be leaked or misused.
+#[test]
+fn driver_paths_against_a_mock_driver() {
+    let test = "driver_paths_against_a_mock_driver";
+    if CudaLib::Driver.loader_finds() {
+        eprintln!("{test}: skipped, a real driver is here (the GPU tests run for real)");
+        return;
+    }
+    if !crate::cuda::nvrtc::tests::nvrtc_or_skip(test) {
+        return;
+    }
+    let dir = crate::cuda::places::tests::TempDir::new("mock-cuda");
+    let src = dir.file("mock_cuda.c", include_bytes!("mock_cuda.c"));
+    let lib = dir.0.join("libcuda.so.1");
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".to_string());
+    let built = std::process::Command::new(&cc)
+        .args(["-shared", "-fPIC", "-O1", "-Wall", "-Wextra", "-Werror", "-Wl,-soname,libcuda.so.1", "-o"])
+        .arg(&lib)
+        .arg(&src)
+        .arg("-lpthread")
+        .output();
+    match built {
+        Err(e) => {
+            eprintln!("{test}: skipped, no C compiler `{cc}`: {e}");
+            return;
+        }
+        Ok(o) => assert!(o.status.success(), "building the mock driver:\n{}", String::from_utf8_lossy(&o.stderr)),
+    }
+    let mut dirs = dir.0.as_os_str().to_os_string();
+    if let Some(more) = std::env::var_os("LONGCTX_CUDA_LIB_DIRS") {
+        dirs.push(":");
+        dirs.push(more);
+    }
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let out = std::process::Command::new(exe)
+        .args(["--exact", "cuda::driver::tests::mock_child", "--ignored", "--nocapture", "--test-threads=1"])
+        .env("LONGCTX_MOCK_CHILD", "1")
+        .env("LONGCTX_CUDA_LIB_DIRS", dirs)
+        .env_remove("LONGCTX_CUDA_SYNC")
+        .env_remove("LONGCTX_CUDA_ARCH")
+        .output()
+        .expect("running the child test");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && stdout.contains("MOCK DRIVER OK"), "child:\n{stdout}\n{stderr}");
+}
+
+#[test]
+#[ignore = "run by driver_paths_against_a_mock_driver in a child process"]
+fn mock_child() {
+    if std::env::var("LONGCTX_MOCK_CHILD").as_deref() != Ok("1") {
+        return;
+    }
+    // Loads the mock (the first folder of LONGCTX_CUDA_LIB_DIRS) as the driver.
+    libraries::ensure(CudaLib::Driver).expect("the mock driver");
+    let symbol = |name: &std::ffi::CStr| {
+        // SAFETY: looks a symbol up among the libraries loaded with RTLD_GLOBAL (the mock is one).
+        let p = unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) };
+        assert!(!p.is_null(), "{name:?}: the driver loaded is not the mock");
+        p
+    };
+    // SAFETY: the mock defines these with exactly these C signatures.
+    let (live, counter, violation) = unsafe {
+        (
+            std::mem::transmute::<*mut c_void, extern "C" fn(i32) -> i64>(symbol(c"longctx_mock_live")),
+            std::mem::transmute::<*mut c_void, extern "C" fn(*const std::ffi::c_char) -> i64>(symbol(
+                c"longctx_mock_counter",
+            )),
+            std::mem::transmute::<*mut c_void, extern "C" fn() -> *const std::ffi::c_char>(symbol(
+                c"longctx_mock_violation",
+            )),
+        )
+    };
+    let check = |after: &str| {
+        let v = violation();
+        if !v.is_null() {
+            // SAFETY: a NUL-terminated string of the mock's, valid for the process's life.
+            panic!("after {after}: {}", unsafe { std::ffi::CStr::from_ptr(v) }.to_string_lossy());
+        }
+    };
+    let steps: [(&str, fn()); 7] = [
+        ("no_driver_or_no_such_device_is_no_device_not_a_panic", no_driver_or_no_such_device_is_no_device_not_a_panic),
+        ("info_arch_and_aligned_allocations", info_arch_and_aligned_allocations),
+        ("copies_round_trip_and_upload_is_done_with_its_source", copies_round_trip_and_upload_is_done_with_its_source),
+        ("a_kernel_runs_and_its_parameters_are_checked", a_kernel_runs_and_its_parameters_are_checked),
+        ("more_than_48k_of_dynamic_shared_memory", more_than_48k_of_dynamic_shared_memory),
+        ("events_order_forks_and_time_work", events_order_forks_and_time_work),
+        (
+            "the_pool_keeps_memory_until_trimmed_and_oom_is_an_error",
+            the_pool_keeps_memory_until_trimmed_and_oom_is_an_error,
+        ),
+    ];
+    for (name, step) in steps {
+        step();
+        check(name);
+    }
+    assert!(counter(c"trims".as_ptr()) >= 2, "an out-of-memory retry trims the pool");
+    fault_is_named(&gpu("mock_child").expect("the mock device"));
+    check("the fault");
+    // Every device is dropped by now: nothing of the driver's may be left.
+    for (kind, what) in
+        ["pools", "streams", "events", "page-locked buffers", "device allocations", "modules"].iter().enumerate()
+    {
+        assert_eq!(live(kind as i32), 0, "{what} left alive");
+    }
+    assert_eq!(counter(c"primary_refs".as_ptr()), 0, "the primary context was not released");
+    assert!(counter(c"launches".as_ptr()) > 0 && counter(c"module_loads".as_ptr()) > 0);
+    println!("MOCK DRIVER OK");
 }
 
 /// The kernels above compile cleanly (checked here, without a GPU, so that a GPU run does not find out).
