@@ -13,8 +13,8 @@
 //! streams follows the stream order or the driver's own dependencies); the pool gives memory back to the driver
 //! only when asked: [`Device::trim`] (`cuMemPoolTrimTo(0)` after a context synchronise, so that pending frees
 //! have landed), and once automatically when an allocation fails with `CUDA_ERROR_OUT_OF_MEMORY` (trim, then one
-//! retry; a second failure is `KernelError::OutOfMemory` with the free memory `cuMemGetInfo` reports; more than
-//! the device's whole memory is refused so without asking the driver).
+//! retry; a second failure is `KernelError::OutOfMemory` with the free memory `cuMemGetInfo` reports; an
+//! allocation larger than the device's whole memory fails the same way without asking the driver).
 //! [`Device::memory_stats`] reads the pool's used/reserved current/high attributes. Allocations are checked to
 //! be 256-byte aligned, as the seam promises.
 //!

@@ -11,10 +11,9 @@
 //! only when [`Gemm::tf32`] is set and the inputs are `f32`), scale type `f32` (alpha and beta are host `f32`),
 //! `TRANSA`/`TRANSB`, and with a bias the `CUBLASLT_EPILOGUE_BIAS` epilogue and `BIAS_POINTER`; column-major
 //! layouts with their leading dimensions, and for `batch > 1` the batch count and strided batch offsets on each.
-//! C and D are one buffer with one layout (cuBLASLt allows in place when `Cdesc == Ddesc`). The bias's type is
-//! left at its default, which the cuBLASLt header defines as the output's type, as [`Gemm::bias`] says; the
-//! attribute `CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE` is not set because a non-default bias type is only documented
-//! for FP8 products.
+//! C and D are one buffer with one layout (cuBLASLt allows in place when `Cdesc == Ddesc`). The bias's type
+//! (`CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE`) is left unset: its default, -1, means the output's type (cublasLt.h),
+//! which is what [`Gemm::bias`] says, so setting it would change nothing, and unset is the path most callers take.
 //!
 //! Element types (cuBLASLt's table of `cublasLtMatmul` type combinations, regular non-FP8 rows, compute 32F,
 //! scale 32F): A/B `f32` → C/D `f32` (also with `FAST_TF32`); A/B `bf16` → C/D `bf16`; A/B `bf16` → C/D `f32`.

@@ -6,6 +6,10 @@
 //! be an `.entry` of it) and NVRTC's log, whose warnings are kept (the test `nvrtc_compiles_every_source` fails on
 //! any). Nothing here needs a GPU: CI compiles every source with the NVRTC of the `nvidia-cuda-nvrtc` wheel.
 //!
+//! NVRTC 13 itself opens `libcuda.so.1` when one is there and calls its `cuInit` and `cuGetExportTable` (seen in
+//! its imports, and when the test driver stand-in lacked the latter: NVRTC crashed), so compiling involves the
+//! driver on a GPU machine; nothing here depends on it.
+//!
 //! Options: `--gpu-architecture=<arch> --std=c++17 -lineinfo --include-path=<cuda headers>`. `-lineinfo` costs
 //! nothing at run time and lets `compute-sanitizer` and `ncu` name source lines; `--use_fast_math` is not used
 //! (a kernel that wants fast intrinsics calls them by name). Kernels are `extern "C" __global__`, so their names
