@@ -26,7 +26,7 @@
 //! after the event recorded behind its last copy completed; when `upload` returns, `src` has been read entirely.
 //! [`Device::download`] enqueues the copy on the stream and synchronises the stream.
 //!
-//! **Kernels.** A source is compiled by [`nvrtc`](super::nvrtc) for the device's exact `sm_XY` (or
+//! **Kernels.** A source is compiled by [`nvrtc`] for the device's exact `sm_XY` (or
 //! `$LONGCTX_CUDA_ARCH`, e.g. `sm_90a` for `wgmma`) at the first launch of one of its kernels, as CUBIN, loaded
 //! with `cuModuleLoadData` and kept for the context's life; each function is looked up once. Launches check the
 //! arguments against the kernel's declaration: `cuFuncGetParamInfo` (driver ≥ 12.4) gives every parameter's size,

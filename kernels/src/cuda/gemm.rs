@@ -28,7 +28,7 @@
 //! the alignment of each pointer (A, B, C/D and the bias), since a view into the middle of a buffer can be as
 //! little as 2-byte aligned: the preference's `MIN_ALIGNMENT_{A,B,C,D}_BYTES` are set from the actual pointers
 //! (the default, 256, would let the heuristic pick a kernel that faults or fails on them), the bias pointer is set
-//! on the descriptor before the query (the header: the heuristic "depend[s] on its value to determine expected
+//! on the descriptor before the query (the header: the heuristic depends "on its value to determine expected
 //! pointer alignment"), and the workspace limit is the workspace's size.
 //!
 //! ## Determinism
