@@ -33,6 +33,16 @@ mod driver;
 #[cfg(feature = "cuda")]
 mod emulated;
 #[cfg(feature = "cuda")]
+mod gemm;
+#[cfg(feature = "cuda")]
+mod headers;
+#[cfg(feature = "cuda")]
+mod libraries;
+#[cfg(feature = "cuda")]
+pub(crate) mod nvrtc;
+#[cfg(feature = "cuda")]
+mod places;
+#[cfg(feature = "cuda")]
 #[allow(dead_code)] // wrapped into the backend's EmulatedDevice
 pub(crate) mod emulator;
 #[cfg(feature = "cuda")]
