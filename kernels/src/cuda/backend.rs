@@ -5,14 +5,14 @@
 use std::sync::Arc;
 
 use super::alloc::CudaAllocation;
-use super::device::{Device, DeviceEvent, DeviceInfo, DevicePtr, Gemm, Kernel, KernelArgs, LaunchConfig, MemoryStats};
+use super::device::{Device, DeviceEvent, DevicePtr, Gemm, Kernel, KernelArgs, LaunchConfig, MemoryStats};
 use super::ops;
 use crate::attention::{AttnGrads, AttnOptions, AttnOut, AttnPartial, AttnSaved, Qkv};
 use crate::backend::{AdamwState, Backend, GradMode, LinearGrads, NormGrads, NormParams, ProjectionGrads};
 use crate::buffer::Buffer;
 use crate::checks::On;
 use crate::dtype::DType;
-use crate::error::{KernelError, Result};
+use crate::error::Result;
 use crate::event::{BackendEvent, Event};
 use crate::ops::{AdamW, CrossEntropyOptions, CrossEntropyOutput, RopeTable, RouterOutput, Routing};
 use crate::saved::{
@@ -46,14 +46,21 @@ impl CudaBackend {
     ///
     /// Errors: [`KernelError::Compile`] when the kernels do not build with the host compiler.
     pub fn emulated() -> Result<Self> {
-        let device = super::emulated::EmulatedDevice::new()?;
+        let device = super::emulated::EmulatedDevice::open()?;
         Ok(Self { device })
     }
 
     /// The device's name, compute capability, multiprocessors and memory.
     pub fn device_name(&self) -> String {
         let i = self.device.info();
-        format!("{} (sm_{}{}, {} SMs, {} GiB)", i.name, i.compute_capability.0, i.compute_capability.1, i.multiprocessors, i.total_memory >> 30)
+        format!(
+            "{} (sm_{}{}, {} SMs, {} GiB)",
+            i.name,
+            i.compute_capability.0,
+            i.compute_capability.1,
+            i.multiprocessors,
+            i.total_memory >> 30
+        )
     }
 
     /// What the device's pool holds now and at most (bytes).
@@ -64,10 +71,6 @@ impl CudaBackend {
     /// Gives the memory the pool keeps for reuse back to the driver (after the work enqueued so far).
     pub fn trim(&self) -> Result<()> {
         self.device.trim()
-    }
-
-    pub(crate) fn info(&self) -> &DeviceInfo {
-        self.device.info()
     }
 
     pub(crate) fn on(&self) -> On {
@@ -441,9 +444,4 @@ impl Backend for CudaBackend {
         crate::checks::adamw_step(self.on(), &master, copy_to.as_ref(), &grads, &state, hp, step)?;
         ops::elementwise::adamw(self, master, copy_to, grads, state, hp, step)
     }
-}
-
-/// The error of an op this backend does not run for these arguments.
-pub(crate) fn unsupported(what: &'static str) -> KernelError {
-    KernelError::Unsupported(what)
 }

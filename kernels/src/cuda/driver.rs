@@ -737,7 +737,7 @@ impl Device for DriverDevice {
         }
         // The driver reads every parameter during the call, so a copy whose addresses live until it returns is
         // enough.
-        let mut args = args.clone();
+        let args = args.clone();
         let mut params = args.pointers();
         let params_ptr = if params.is_empty() { std::ptr::null_mut() } else { params.as_mut_ptr() };
         // SAFETY: `f` is a loaded function of the current context; `params_ptr` points to one valid address per

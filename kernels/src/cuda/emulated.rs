@@ -19,9 +19,7 @@ use std::sync::{Arc, Mutex};
 use half::bf16;
 use rayon::prelude::*;
 
-use super::device::{
-    Device, DeviceEvent, DeviceInfo, DevicePtr, Gemm, Kernel, KernelArgs, LaunchConfig, MemoryStats,
-};
+use super::device::{Device, DeviceEvent, DeviceInfo, DevicePtr, Gemm, Kernel, KernelArgs, LaunchConfig, MemoryStats};
 use super::emulator::Emulator;
 use super::sources::SOURCES;
 use crate::dtype::DType;
@@ -50,7 +48,7 @@ pub(crate) struct EmulatedDevice {
 static EMULATOR: Mutex<Option<Arc<Shared>>> = Mutex::new(None);
 
 impl EmulatedDevice {
-    pub fn new() -> Result<Arc<dyn Device>> {
+    pub fn open() -> Result<Arc<dyn Device>> {
         let mut slot = EMULATOR.lock().unwrap_or_else(|e| e.into_inner());
         let shared = match slot.as_ref() {
             Some(s) => s.clone(),
@@ -63,12 +61,7 @@ impl EmulatedDevice {
                     multiprocessors: std::thread::available_parallelism().map_or(1, |n| n.get() as u32),
                     total_memory: 1 << 34,
                 };
-                let s = Arc::new(Shared {
-                    emulator,
-                    info,
-                    fault: Mutex::new(None),
-                    used_high: AtomicUsize::new(0),
-                });
+                let s = Arc::new(Shared { emulator, info, fault: Mutex::new(None), used_high: AtomicUsize::new(0) });
                 *slot = Some(s.clone());
                 s
             }

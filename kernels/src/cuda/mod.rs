@@ -29,24 +29,27 @@ mod backend;
 #[allow(dead_code)] // parts of the seam used only by one of the two devices
 pub(crate) mod device;
 #[cfg(feature = "cuda")]
+#[allow(dead_code)] // timing events and statistics the benchmarks will use
 mod driver;
 #[cfg(feature = "cuda")]
 mod emulated;
 #[cfg(feature = "cuda")]
+#[allow(dead_code)] // wrapped into the backend's EmulatedDevice
+pub(crate) mod emulator;
+#[cfg(feature = "cuda")]
+#[allow(dead_code)]
 mod gemm;
 #[cfg(feature = "cuda")]
 mod headers;
 #[cfg(feature = "cuda")]
 mod libraries;
 #[cfg(feature = "cuda")]
+#[allow(dead_code)]
 pub(crate) mod nvrtc;
 #[cfg(feature = "cuda")]
-mod places;
-#[cfg(feature = "cuda")]
-#[allow(dead_code)] // wrapped into the backend's EmulatedDevice
-pub(crate) mod emulator;
-#[cfg(feature = "cuda")]
 mod ops;
+#[cfg(feature = "cuda")]
+mod places;
 #[cfg(feature = "cuda")]
 #[allow(dead_code)]
 pub(crate) mod sources;

@@ -431,6 +431,7 @@ extern "C" __global__ void longctx_headers_only(float* out, const __nv_bfloat16*
 }
 "#,
         kernels: &["longctx_headers_only"],
+        includes: &[],
     };
 
     /// Every kernel source compiles for sm_80 and sm_90 with no error, no warning, and every kernel it lists an
@@ -469,6 +470,7 @@ extern "C" __global__ void longctx_headers_only(float* out, const __nv_bfloat16*
             file: "warns.cu",
             code: "extern \"C\" __global__ void longctx_warns(float* out) { int unused = 3; out[0] = 1.0f; }\n",
             kernels: &["longctx_warns"],
+            includes: &[],
         };
         let c = Compiler::new(None).compile(&WARNS, "sm_90").unwrap();
         assert!(c.log.contains("warning") && c.log.contains("warns.cu"), "{}", c.log);
@@ -483,6 +485,7 @@ extern "C" __global__ void longctx_headers_only(float* out, const __nv_bfloat16*
             file: "bad.cu",
             code: "extern \"C\" __global__ void longctx_bad(float* out) {\n  out[0] = undeclared;\n}\n",
             kernels: &["longctx_bad"],
+            includes: &[],
         };
         match Compiler::new(None).compile(&BAD, "sm_80") {
             Err(KernelError::Compile { file: "bad.cu", target, log }) => {
@@ -502,6 +505,7 @@ extern "C" __global__ void longctx_headers_only(float* out, const __nv_bfloat16*
             file: "missing.cu",
             code: "extern \"C\" __global__ void longctx_here(float* out) { out[0] = 1.0f; }\n",
             kernels: &["longctx_here", "longctx_not_here"],
+            includes: &[],
         };
         let err = Compiler::new(None).compile(&MISSING, "sm_90").unwrap_err().to_string();
         assert!(err.contains("longctx_not_here") && err.contains("longctx_here"), "{err}");
@@ -560,7 +564,7 @@ extern "C" __global__ void longctx_headers_only(float* out, const __nv_bfloat16*
         let ptx =
             "//\n.version 9.0\n.visible .entry longctx_a(\n\t.param .u64 p\n)\n.entry longctx_b (\n)\n.func f()\n";
         assert_eq!(ptx_entries(ptx), vec!["longctx_a", "longctx_b"]);
-        let src = KernelSource { file: "x.cu", code: "", kernels: &["longctx_a", "longctx_c"] };
+        let src = KernelSource { file: "x.cu", code: "", kernels: &["longctx_a", "longctx_c"], includes: &[] };
         let err = check_entries(&src, "sm_90", ptx).unwrap_err().to_string();
         assert!(err.contains("longctx_c"), "{err}");
     }

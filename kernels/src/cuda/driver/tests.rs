@@ -69,6 +69,7 @@ extern "C" __global__ void longctx_test_fault(float* out) {
 }
 "#,
     kernels: &["longctx_test_affine", "longctx_test_reverse", "longctx_test_slow_fill", "longctx_test_fault"],
+    includes: &[],
 };
 
 fn kernel(name: &'static str) -> Kernel {

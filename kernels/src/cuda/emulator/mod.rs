@@ -152,7 +152,7 @@ impl Emulator {
             pool.split_off(keep)
         };
         workers.resize_with(nworkers, Worker::default);
-        let mut args = args.clone();
+        let args = args.clone();
         let mut pointers = args.pointers();
         // SAFETY: the arguments match the kernel's parameters (checked above) and their addresses are valid (the
         // caller's contract); `pointers` and `args` live until `run` returns.

@@ -19,7 +19,7 @@ use crate::error::KernelError;
 
 macro_rules! source {
     ($file:literal, [$($k:literal),* $(,)?]) => {
-        KernelSource { file: $file, code: include_str!(concat!("../../../tests/cuda/", $file)), kernels: &[$($k),*] }
+        KernelSource { file: $file, code: include_str!(concat!("../../../tests/cuda/", $file)), kernels: &[$($k),*], includes: &[] }
     };
 }
 
@@ -685,6 +685,7 @@ fn a_compile_error_names_the_file() {
         file: "broken.cu",
         code: "extern \"C\" __global__ void broken(int* x) {\n    x[0] = undefined_name;\n}\n",
         kernels: &["broken"],
+        includes: &[],
     };
     match Emulator::new(&[&BROKEN]) {
         Err(KernelError::Compile { file, target, log }) => {

@@ -9,7 +9,7 @@
 //! size, rounded once at the end, as the CPU does.
 
 use super::linear::gemm;
-use super::{bytes_of, kernel, ptr, ptr_mut, suffix, THREADS};
+use super::{bytes_of, kernel, ptr, ptr_mut, THREADS};
 use crate::backend::{GradMode, ProjectionGrads};
 use crate::checks::CrossEntropyDims;
 use crate::cuda::backend::CudaBackend;
@@ -96,7 +96,8 @@ pub(crate) fn fused(
         let dz = match &dz_t {
             Some(s) => {
                 // SAFETY: `s` holds `K·V` elements of `dt`, `z` `K·V` floats.
-                let (dst, src) = unsafe { (view(s.ptr(), rows * v, dt, memory), view(z.ptr(), rows * v, DType::F32, memory)) };
+                let (dst, src) =
+                    unsafe { (view(s.ptr(), rows * v, dt, memory), view(z.ptr(), rows * v, DType::F32, memory)) };
                 super::elementwise::copy(b, dst, src.into_view())?;
                 s.ptr()
             }
@@ -131,4 +132,3 @@ unsafe fn view<'a>(ptr: u64, len: usize, dtype: DType, memory: crate::view::Memo
     let d = unsafe { DeviceSliceMut::new(ptr, len, dtype, memory) };
     ViewMut::device(d, [len]).expect("one dim of the slice's length")
 }
-

@@ -74,7 +74,8 @@ pub(crate) fn backward(
         order[first[id as usize] as usize] = tok as u32;
         first[id as usize] += 1;
     }
-    let (op, sp, up) = (b.upload_bytes(bytes_of(&order))?, b.upload_bytes(bytes_of(&starts))?, b.upload_bytes(bytes_of(&uniq))?);
+    let (op, sp, up) =
+        (b.upload_bytes(bytes_of(&order))?, b.upload_bytes(bytes_of(&starts))?, b.upload_bytes(bytes_of(&uniq))?);
     let dp = ptr(b, "dout", &dout)?;
     let tp = ptr_mut(b, "dtable", dtable)?;
     let k = kernel(&SOURCE, &format!("embedding_bwd_{}_{}", suffix(t), suffix(g)))?;

@@ -81,7 +81,8 @@ pub(crate) fn router_backward(
         Some(a) => ptr(b, "aux", a)?,
         None => 0,
     };
-    let (dwp, pp, wp) = (ptr(b, "dweights", &dweights)?, ptr(b, "probs", &saved.probs)?, ptr(b, "weights", &saved.weights)?);
+    let (dwp, pp, wp) =
+        (ptr(b, "dweights", &dweights)?, ptr(b, "probs", &saved.probs)?, ptr(b, "weights", &saved.weights)?);
     let dl = ptr_mut(b, "dlogits", dlogits)?;
     let kf = kernel(&SOURCE, &format!("router_bwd_{}", suffix(t)))?;
     let mut args = KernelArgs::new();

@@ -1,0 +1,251 @@
+//! Attention forward, backward and merge (`attention_forward.cu`, `attention_backward.cu`, `attention_merge.cu`,
+//! sharing `attention.cuh`). Per call the host uploads what the mask needs of host memory: explicit positions,
+//! document ids, and the position and document range of every tile of rows (`O(Sq + Sk)`), from which the
+//! kernels classify each (query tile, key tile) pair.
+
+use super::{kernel, ptr, ptr_mut, THREADS};
+use crate::attention::mask::{tile_summaries, RangeSummary};
+use crate::attention::{AttnGrads, AttnOut, AttnParams, AttnPartial, AttnSaved, Positions, Qkv};
+use crate::backend::GradMode;
+use crate::cuda::alloc::CudaAllocation;
+use crate::cuda::backend::CudaBackend;
+use crate::cuda::device::{KernelArgs, KernelSource, LaunchConfig};
+use crate::dtype::DType;
+use crate::error::Result;
+use crate::view::View;
+
+const HEADER: (&str, &str) = ("attention.cuh", include_str!("../kernels/attention.cuh"));
+
+pub(crate) static FORWARD: KernelSource = KernelSource {
+    file: "attention_forward.cu",
+    code: include_str!("../kernels/attention_forward.cu"),
+    kernels: &["attn_fwd_general"],
+    includes: &[HEADER],
+};
+
+pub(crate) static BACKWARD: KernelSource = KernelSource {
+    file: "attention_backward.cu",
+    code: include_str!("../kernels/attention_backward.cu"),
+    kernels: &["attn_bwd_delta", "attn_bwd_dq", "attn_bwd_dkdv"],
+    includes: &[HEADER],
+};
+
+pub(crate) static MERGE: KernelSource = KernelSource {
+    file: "attention_merge.cu",
+    code: include_str!("../kernels/attention_merge.cu"),
+    kernels: &["attn_merge"],
+    includes: &[],
+};
+
+/// Rows per tile of the general kernels (`FWD_ROWS`, `FWD_KEYS`, `BWD_ROWS` in the sources), and so of the
+/// summaries they classify by.
+const GENERAL_TILE: usize = 16;
+
+/// `TileSummary` of `attention.cuh`.
+#[derive(Clone, Copy)]
+#[repr(C)]
+struct TileSummary {
+    pos_min: i64,
+    pos_max: i64,
+    doc_min: u32,
+    doc_max: u32,
+}
+
+/// `AttnProblem` of `attention.cuh`, field for field (pointers as device addresses, 0 for null).
+#[derive(Clone, Copy)]
+#[repr(C)]
+struct AttnProblem {
+    batch: u32,
+    q_heads: u32,
+    kv_heads: u32,
+    q_len: u32,
+    kv_len: u32,
+    head_dim: u32,
+    scale: f32,
+    causal: u32,
+    window: u64,
+    q_pos: u64,
+    k_pos: u64,
+    q_off: i64,
+    k_off: i64,
+    q_doc: u64,
+    k_doc: u64,
+    q_tiles: u64,
+    k_tiles: u64,
+    q_tile: u32,
+    k_tile: u32,
+}
+
+/// The problem on the device: the struct the kernels take, and the uploads it points into (kept alive until the
+/// launches that read them are enqueued; their memory is reused only by later work).
+struct Problem {
+    args: AttnProblem,
+    _uploads: Vec<CudaAllocation>,
+}
+
+fn summaries(s: &[RangeSummary]) -> Vec<TileSummary> {
+    s.iter()
+        .map(|r| TileSummary { pos_min: r.pos_min, pos_max: r.pos_max, doc_min: r.doc_min, doc_max: r.doc_max })
+        .collect()
+}
+
+fn upload<T: bytemuck::Pod>(b: &CudaBackend, v: &[T], keep: &mut Vec<CudaAllocation>) -> Result<u64> {
+    let a = b.upload_bytes(bytemuck::cast_slice(v))?;
+    let p = a.ptr();
+    keep.push(a);
+    Ok(p)
+}
+
+fn upload_summaries(b: &CudaBackend, s: Vec<TileSummary>, keep: &mut Vec<CudaAllocation>) -> Result<u64> {
+    // SAFETY: `TileSummary` is plain data (`#[repr(C)]`, integers, no padding: 8 + 8 + 4 + 4 bytes).
+    let bytes = unsafe { std::slice::from_raw_parts(s.as_ptr().cast::<u8>(), std::mem::size_of_val(s.as_slice())) };
+    let a = b.upload_bytes(bytes)?;
+    let p = a.ptr();
+    keep.push(a);
+    Ok(p)
+}
+
+fn problem(b: &CudaBackend, p: &AttnParams<'_>, tile: usize) -> Result<Problem> {
+    let s = p.shape;
+    let m = &p.mask;
+    let mut keep = Vec::new();
+    let (q_pos, q_off) = match m.q_pos {
+        Positions::Offset(o) => (0, o),
+        Positions::Explicit(v) => (upload(b, v, &mut keep)?, 0),
+    };
+    let (k_pos, k_off) = match m.k_pos {
+        Positions::Offset(o) => (0, o),
+        Positions::Explicit(v) => (upload(b, v, &mut keep)?, 0),
+    };
+    let (q_doc, k_doc) = match (m.q_doc, m.k_doc) {
+        (Some(q), Some(k)) => (upload(b, q, &mut keep)?, upload(b, k, &mut keep)?),
+        _ => (0, 0),
+    };
+    let q_tiles = upload_summaries(b, summaries(&tile_summaries(m, true, s.q_len, tile)), &mut keep)?;
+    let k_tiles = upload_summaries(b, summaries(&tile_summaries(m, false, s.kv_len, tile)), &mut keep)?;
+    let args = AttnProblem {
+        batch: s.batch as u32,
+        q_heads: s.q_heads as u32,
+        kv_heads: s.kv_heads as u32,
+        q_len: s.q_len as u32,
+        kv_len: s.kv_len as u32,
+        head_dim: s.head_dim as u32,
+        scale: p.scale,
+        causal: u32::from(m.causal),
+        window: m.window.unwrap_or(0),
+        q_pos,
+        k_pos,
+        q_off,
+        k_off,
+        q_doc,
+        k_doc,
+        q_tiles,
+        k_tiles,
+        q_tile: tile as u32,
+        k_tile: tile as u32,
+    };
+    Ok(Problem { args, _uploads: keep })
+}
+
+/// The element-type code of `attention.cuh`.
+fn code(d: DType) -> u32 {
+    match d {
+        DType::F32 => 0,
+        DType::Bf16 => 1,
+    }
+}
+
+/// Dynamic shared memory of the general kernels: two tiles of `GENERAL_TILE` rows of `D` floats (and, for the
+/// key-side backward, the tile's LSE and Δ).
+fn general_smem(d: usize) -> u32 {
+    (2 * GENERAL_TILE * d * 4 + 2 * GENERAL_TILE * 4) as u32
+}
+
+pub(crate) fn forward(b: &CudaBackend, p: &AttnParams<'_>, out: AttnOut<'_>, qkv: Qkv<'_>) -> Result<()> {
+    let s = p.shape;
+    let pr = problem(b, p, GENERAL_TILE)?;
+    let (qt, ot) = (qkv.q.dtype(), out.o.dtype());
+    let (q, k, v) = (ptr(b, "q", &qkv.q)?, ptr(b, "k", &qkv.k)?, ptr(b, "v", &qkv.v)?);
+    let o = ptr_mut(b, "o", out.o)?;
+    let lse = ptr_mut(b, "lse", out.lse)?;
+    let mut args = KernelArgs::new();
+    args.push(pr.args).push(q).push(k).push(v).push(o).push(lse).push(code(qt)).push(code(ot));
+    let cfg = LaunchConfig {
+        grid: [s.q_len.div_ceil(GENERAL_TILE) as u32, s.q_heads as u32, s.batch as u32],
+        block: [128, 1, 1],
+        shared_bytes: general_smem(s.head_dim),
+    };
+    let kf = kernel(&FORWARD, "attn_fwd_general")?;
+    // SAFETY: the views have the problem's dims and types (checked); the problem's pointers are the uploads it
+    // keeps alive past the launch.
+    unsafe { b.launch(&kf, cfg, &args) }
+}
+
+pub(crate) fn backward(
+    b: &CudaBackend,
+    p: &AttnParams<'_>,
+    grads: AttnGrads<'_>,
+    dout: View<'_>,
+    saved: AttnSaved<'_>,
+    mode: GradMode,
+) -> Result<()> {
+    let s = p.shape;
+    let pr = problem(b, p, GENERAL_TILE)?;
+    let qt = saved.qkv.q.dtype();
+    let (ot, dot) = (saved.o.dtype(), dout.dtype());
+    let (dqt, dkt, dvt) = (grads.dq.dtype(), grads.dk.dtype(), grads.dv.dtype());
+    let (q, k, v) = (ptr(b, "q", &saved.qkv.q)?, ptr(b, "k", &saved.qkv.k)?, ptr(b, "v", &saved.qkv.v)?);
+    let (o, lse, dop) = (ptr(b, "o", &saved.o)?, ptr(b, "lse", &saved.lse)?, ptr(b, "dout", &dout)?);
+    let (dq, dk, dv) = (ptr_mut(b, "dq", grads.dq)?, ptr_mut(b, "dk", grads.dk)?, ptr_mut(b, "dv", grads.dv)?);
+    let acc = i32::from(mode == GradMode::Accumulate);
+    let rows = s.lse_elems() as u64;
+    let delta = b.scratch(4 * rows as usize)?;
+
+    let kd = kernel(&BACKWARD, "attn_bwd_delta")?;
+    let mut args = KernelArgs::new();
+    args.push(delta.ptr()).push(o).push(dop).push(rows).push(s.head_dim as u32).push(code(ot)).push(code(dot));
+    let warps_per_block = (THREADS / 32) as u64;
+    let blocks = rows.div_ceil(warps_per_block).clamp(1, super::MAX_BLOCKS) as u32;
+    // SAFETY: `o` and `dout` hold `rows·D` elements of their types, `delta` `rows` floats.
+    unsafe { b.launch(&kd, LaunchConfig::linear(blocks, THREADS), &args)? };
+
+    let smem = general_smem(s.head_dim);
+    let kq = kernel(&BACKWARD, "attn_bwd_dq")?;
+    let mut args = KernelArgs::new();
+    args.push(pr.args).push(dq).push(q).push(k).push(v).push(dop).push(lse).push(delta.ptr());
+    args.push(code(qt)).push(code(dot)).push(code(dqt)).push(acc);
+    let cfg = LaunchConfig {
+        grid: [s.q_len.div_ceil(GENERAL_TILE) as u32, s.q_heads as u32, s.batch as u32],
+        block: [128, 1, 1],
+        shared_bytes: smem,
+    };
+    // SAFETY: as the forward; `dq` has `q`'s dims.
+    unsafe { b.launch(&kq, cfg, &args)? };
+
+    let kk = kernel(&BACKWARD, "attn_bwd_dkdv")?;
+    let mut args = KernelArgs::new();
+    args.push(pr.args).push(dk).push(dv).push(q).push(k).push(v).push(dop).push(lse).push(delta.ptr());
+    args.push(code(qt)).push(code(dot)).push(code(dkt)).push(code(dvt)).push(acc);
+    let cfg = LaunchConfig {
+        grid: [s.kv_len.div_ceil(GENERAL_TILE) as u32, s.kv_heads as u32, s.batch as u32],
+        block: [128, 1, 1],
+        shared_bytes: smem,
+    };
+    // SAFETY: as the forward; `dk` and `dv` have `k`'s dims.
+    unsafe { b.launch(&kk, cfg, &args) }
+}
+
+pub(crate) fn merge(b: &CudaBackend, acc: AttnOut<'_>, part: AttnPartial<'_>, rows: usize, d: usize) -> Result<()> {
+    if rows == 0 {
+        return Ok(());
+    }
+    let (o2, l2) = (ptr(b, "part.o", &part.o)?, ptr(b, "part.lse", &part.lse)?);
+    let (o1, l1) = (ptr_mut(b, "acc.o", acc.o)?, ptr_mut(b, "acc.lse", acc.lse)?);
+    let k = kernel(&MERGE, "attn_merge")?;
+    let mut args = KernelArgs::new();
+    args.push(o1).push(l1).push(o2).push(l2).push(rows as u64).push(d as u32);
+    let warps_per_block = (THREADS / 32) as u64;
+    let blocks = (rows as u64).div_ceil(warps_per_block).clamp(1, super::MAX_BLOCKS) as u32;
+    // SAFETY: all four are f32 with `rows` rows of `d` (checked).
+    unsafe { b.launch(&k, LaunchConfig::linear(blocks, THREADS), &args) }
+}
