@@ -19,6 +19,8 @@ pub(crate) static SOURCES: &[&KernelSource] = &[
     &super::ops::linear::SOURCE,
     &super::ops::cross_entropy::SOURCE,
     &super::ops::attention::FORWARD,
+    &super::ops::attention::FORWARD_TC,
+    &super::ops::attention::FLAGS,
     &super::ops::attention::BACKWARD,
     &super::ops::attention::MERGE,
 ];

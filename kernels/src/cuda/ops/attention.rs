@@ -23,6 +23,20 @@ pub(crate) static FORWARD: KernelSource = KernelSource {
     includes: &[HEADER],
 };
 
+pub(crate) static FORWARD_TC: KernelSource = KernelSource {
+    file: "attention_forward_tc.cu",
+    code: include_str!("../kernels/attention_forward_tc.cu"),
+    kernels: &["attn_fwd_tc_d64_bf16", "attn_fwd_tc_d64_f32", "attn_fwd_tc_d128_bf16", "attn_fwd_tc_d128_f32"],
+    includes: &[HEADER],
+};
+
+pub(crate) static FLAGS: KernelSource = KernelSource {
+    file: "attention_flags.cu",
+    code: include_str!("../kernels/attention_flags.cu"),
+    kernels: &["nonfinite_rows_f32", "nonfinite_rows_bf16"],
+    includes: &[],
+};
+
 pub(crate) static BACKWARD: KernelSource = KernelSource {
     file: "attention_backward.cu",
     code: include_str!("../kernels/attention_backward.cu"),
@@ -36,6 +50,32 @@ pub(crate) static MERGE: KernelSource = KernelSource {
     kernels: &["attn_merge"],
     includes: &[],
 };
+
+/// Rows per tile of the tensor-core kernels (`TC_BR`, `TC_BC`), and of the non-finite row masks.
+const TC_TILE: usize = 64;
+
+/// Whether the tensor-core forward runs this problem: bf16 inputs, a head dim it is built for.
+fn tensor_cores(p: &AttnParams<'_>, qkv_dtype: DType) -> bool {
+    qkv_dtype == DType::Bf16 && matches!(p.shape.head_dim, 64 | 128)
+}
+
+/// One 64-bit mask per tile of 64 rows of each head of `x` (`[heads, len, D]`): which rows hold a non-finite
+/// element (`attention_flags.cu`).
+fn nonfinite_masks(b: &CudaBackend, x: &View<'_>, heads: usize, len: usize, d: usize) -> Result<CudaAllocation> {
+    let n = heads * len.div_ceil(TC_TILE);
+    let masks = b.scratch(8 * n)?;
+    // SAFETY: `masks` holds `n` u64 words, `2n` u32 words.
+    unsafe { b.memset32(masks.ptr(), 0, 2 * n)? };
+    let k = kernel(&FLAGS, &format!("nonfinite_rows_{}", super::suffix(x.dtype())))?;
+    let xp = ptr(b, "x", x)?;
+    let mut args = KernelArgs::new();
+    args.push(masks.ptr()).push(xp).push(heads as u64).push(len as u32).push(d as u32);
+    let warps_per_block = (THREADS / 32) as u64;
+    let blocks = ((heads * len) as u64).div_ceil(warps_per_block).clamp(1, super::MAX_BLOCKS) as u32;
+    // SAFETY: `x` holds `heads·len·d` elements; `masks` one word per tile of each head.
+    unsafe { b.launch(&k, LaunchConfig::linear(blocks, THREADS), &args)? };
+    Ok(masks)
+}
 
 /// Rows per tile of the general kernels (`FWD_ROWS`, `FWD_KEYS`, `BWD_ROWS` in the sources), and so of the
 /// summaries they classify by.
@@ -163,8 +203,26 @@ fn general_smem(d: usize) -> u32 {
 
 pub(crate) fn forward(b: &CudaBackend, p: &AttnParams<'_>, out: AttnOut<'_>, qkv: Qkv<'_>) -> Result<()> {
     let s = p.shape;
-    let pr = problem(b, p, GENERAL_TILE)?;
     let (qt, ot) = (qkv.q.dtype(), out.o.dtype());
+    if tensor_cores(p, qt) {
+        let pr = problem(b, p, TC_TILE)?;
+        let v_bad = nonfinite_masks(b, &qkv.v, s.batch * s.kv_heads, s.kv_len, s.head_dim)?;
+        let (q, k, v) = (ptr(b, "q", &qkv.q)?, ptr(b, "k", &qkv.k)?, ptr(b, "v", &qkv.v)?);
+        let o = ptr_mut(b, "o", out.o)?;
+        let lse = ptr_mut(b, "lse", out.lse)?;
+        let mut args = KernelArgs::new();
+        args.push(pr.args).push(q).push(k).push(v).push(o).push(lse).push(v_bad.ptr());
+        let cfg = LaunchConfig {
+            grid: [s.q_len.div_ceil(TC_TILE) as u32, s.q_heads as u32, s.batch as u32],
+            block: [128, 1, 1],
+            shared_bytes: (5 * TC_TILE * s.head_dim * 2) as u32,
+        };
+        let name = format!("attn_fwd_tc_d{}_{}", s.head_dim, super::suffix(ot));
+        let kf = kernel(&FORWARD_TC, &name)?;
+        // SAFETY: as the general path; `v_bad` holds one mask per 64 key rows of each head.
+        return unsafe { b.launch(&kf, cfg, &args) };
+    }
+    let pr = problem(b, p, GENERAL_TILE)?;
     let (q, k, v) = (ptr(b, "q", &qkv.q)?, ptr(b, "k", &qkv.k)?, ptr(b, "v", &qkv.v)?);
     let o = ptr_mut(b, "o", out.o)?;
     let lse = ptr_mut(b, "lse", out.lse)?;

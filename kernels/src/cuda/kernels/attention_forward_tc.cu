@@ -1,0 +1,256 @@
+// Attention forward on tensor cores: bf16 Q, K, V, head dim 64 or 128, mma.sync m16n8k16 with f32 accumulation
+// (FlashAttention-2's structure).
+//
+// Pipeline. Block = 4 warps for a tile of BR = 64 query rows of one (batch, head); warp w owns rows 16w..16w+15.
+// 1. Q's tile goes global → shared (cp.async, 16 bytes per copy, rows past Sq zero-filled) and into registers as
+//    mma A fragments (ldmatrix.x4), where it stays.
+// 2. Key tiles of BC = 64 rows, in order, skipping those the mask's tile summaries classify as hidden: K and V go
+//    global → shared by cp.async into one of two buffers while the tile before computes (double buffering; one
+//    commit group per tile).
+// 3. Per tile: S = Q·Kᵀ (mma, B fragments by ldmatrix from K rows), scaled; on a partial tile, or the last one past
+//    Sk, every hidden pair's score is selected to −inf (never multiplied); the online softmax per row (running max
+//    m and sum l, reduced across the four lanes of a quad by shuffles); P = exp(S − m) rounded to bf16 becomes the
+//    A fragments of O += P·V (B fragments by ldmatrix.trans from V rows), O rescaled by exp(m_old − m) first.
+// 4. O / l is written (bf16 or f32), and LSE = m + ln l (−inf and O = 0 for a row that saw no key).
+//
+// Shared memory: rows of D bf16 in 16-byte chunks, chunk c of row r stored at chunk c ^ (r % 8) (an XOR swizzle),
+// so the eight rows an ldmatrix reads at one column fall in different banks. Q: 64×D; K and V: two buffers of
+// 64×D each (80 KiB at D = 128).
+//
+// Non-finite values behind the mask. A masked score is selected away, but P·V multiplies each hidden pair's P = 0
+// by V[j], and 0·NaN is NaN: a NaN in V would reach rows the mask hides it from. So on a partial tile that holds a
+// non-finite V row (the host's per-tile row masks, attention_flags.cu), the non-finite elements of V are set to 0 in
+// shared memory before the product (for the rows that do not see them nothing changes: their P is 0 either way),
+// and each row that sees such a key then adds P·V[j, d] for those elements from global memory, so it gets the NaN
+// or infinity the exact sum would have given it.
+
+#define TC_BR 64
+#define TC_BC 64
+#define TC_WARPS 4
+
+// Byte offset of chunk `c` (16 bytes) of row `r` in a swizzled tile of rows of D bf16.
+template <int D>
+__device__ __forceinline__ u32 swz(u32 r, u32 c) {
+    return r * (D * 2) + ((c ^ (r & 7)) << 4);
+}
+
+// Starts copying rows [row0, row0 + 64) of one head (`src` points at the head's row 0, `len` rows) into the
+// swizzled tile at `dst`; rows past `len` become zeros.
+template <int D>
+__device__ __forceinline__ void load_tile(unsigned char* dst, const bf16* src, u32 row0, u32 len) {
+    constexpr u32 CHUNKS = D / 8;
+    for (u32 x = threadIdx.x; x < TC_BC * CHUNKS; x += TC_WARPS * 32) {
+        u32 r = x / CHUNKS, c = x % CHUNKS;
+        u32 row = row0 + r;
+        bool valid = row < len;
+        const bf16* g = src + (u64)(valid ? row : 0) * D + c * 8;
+        cp_async_16_zfill(dst + swz<D>(r, c), g, valid);
+    }
+}
+
+template <int D, typename OT>
+__device__ __forceinline__ void attn_fwd_tc(const AttnProblem& p, const bf16* __restrict__ q, const bf16* __restrict__ k,
+                                            const bf16* __restrict__ v, OT* __restrict__ o, float* __restrict__ lse,
+                                            const unsigned long long* __restrict__ v_bad) {
+    DYNAMIC_SMEM(unsigned char, smem);
+    constexpr u32 TILE_BYTES = TC_BC * D * 2;
+    unsigned char* qs = smem;
+    unsigned char* kbuf[2] = {smem + TILE_BYTES, smem + 2 * TILE_BYTES};
+    unsigned char* vbuf[2] = {smem + 3 * TILE_BYTES, smem + 4 * TILE_BYTES};
+
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u32 gid = lane >> 2, tig = lane & 3;
+    const u32 qt = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    const u32 hk = h / (p.q_heads / p.kv_heads);
+    const u64 q_head = ((u64)b * p.q_heads + h) * p.q_len;
+    const u64 k_head = ((u64)b * p.kv_heads + hk) * p.kv_len;
+    const bf16* qg = q + q_head * D;
+    const bf16* kg = k + k_head * D;
+    const bf16* vg = v + k_head * D;
+    const u32 k_tiles = (p.kv_len + TC_BC - 1) / TC_BC;
+    const u32 bad_tiles = k_tiles;  // masks per head: one per 64 key rows
+    const float scale = p.scale;
+
+    // 1. Q.
+    load_tile<D>(qs, qg, qt * TC_BR, p.q_len);
+    cp_async_commit();
+
+    // The first key tile that is not hidden.
+    u32 kt = 0;
+    while (kt < k_tiles && classify(p, qt, kt) == TILE_HIDDEN) ++kt;
+    if (kt < k_tiles) {
+        load_tile<D>(kbuf[0], kg, kt * TC_BC, p.kv_len);
+        load_tile<D>(vbuf[0], vg, kt * TC_BC, p.kv_len);
+    }
+    cp_async_commit();
+
+    cp_async_wait<1>();
+    __syncthreads();
+    u32 qf[D / 16][4];
+    for (u32 ks = 0; ks < D / 16; ++ks) {
+        u32 r = warp * 16 + (lane & 15);
+        u32 c = 2 * ks + (lane >> 4);
+        ldmatrix_x4(qf[ks], qs + swz<D>(r, c));
+    }
+
+    float acc[D / 8][4];
+    for (u32 n = 0; n < D / 8; ++n)
+        for (u32 e = 0; e < 4; ++e) acc[n][e] = 0.0f;
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
+    const u32 row_lo = qt * TC_BR + warp * 16 + gid;  // this thread's rows: row_lo and row_lo + 8
+
+    u32 buf = 0;
+    while (kt < k_tiles) {
+        int cls = classify(p, qt, kt);
+        // Prefetch the next tile that is not hidden into the other buffer.
+        u32 next = kt + 1;
+        while (next < k_tiles && classify(p, qt, next) == TILE_HIDDEN) ++next;
+        if (next < k_tiles) {
+            load_tile<D>(kbuf[buf ^ 1], kg, next * TC_BC, p.kv_len);
+            load_tile<D>(vbuf[buf ^ 1], vg, next * TC_BC, p.kv_len);
+        }
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+
+        const u32 j0 = kt * TC_BC;
+        const bool tail = j0 + TC_BC > p.kv_len;
+        const bool masked = cls == TILE_PARTIAL || tail;
+        unsigned long long vb = (cls == TILE_PARTIAL && v_bad) ? v_bad[((u64)b * p.kv_heads + hk) * bad_tiles + kt] : 0ull;
+        unsigned char* ks_ = kbuf[buf];
+        unsigned char* vs_ = vbuf[buf];
+        if (vb) {
+            // Zero V's non-finite elements in the rows flagged (see the header).
+            for (u32 x = threadIdx.x; x < TC_BC * D; x += TC_WARPS * 32) {
+                u32 r = x / D, d = x % D;
+                if (!((vb >> r) & 1ull)) continue;
+                bf16* e = reinterpret_cast<bf16*>(vs_ + swz<D>(r, d / 8)) + (d % 8);
+                if (!isfinite(to_f32(*e))) *e = from_f32<bf16>(0.0f);
+            }
+            __syncthreads();
+        }
+
+        // S = Q·Kᵀ for this warp's 16 rows and the tile's 64 keys.
+        float s[TC_BC / 8][4];
+        for (u32 n = 0; n < TC_BC / 8; ++n)
+            for (u32 e = 0; e < 4; ++e) s[n][e] = 0.0f;
+        for (u32 n = 0; n < TC_BC / 8; ++n) {
+            for (u32 ks = 0; ks < D / 16; ks += 2) {
+                u32 bfr[4];
+                ldmatrix_x4(bfr, ks_ + swz<D>(n * 8 + (lane & 7), 2 * ks + (lane >> 3)));
+                const u32 b0[2] = {bfr[0], bfr[1]}, b1[2] = {bfr[2], bfr[3]};
+                mma_16816_bf16(s[n], qf[ks], b0, s[n]);
+                mma_16816_bf16(s[n], qf[ks + 1], b1, s[n]);
+            }
+        }
+
+        // Scale, mask, and the online softmax of each of the thread's two rows (half 0: row_lo, half 1: +8).
+        float alpha[2];
+        for (u32 hf = 0; hf < 2; ++hf) {
+            u32 i = row_lo + 8 * hf;
+            float mx = m[hf];
+            for (u32 n = 0; n < TC_BC / 8; ++n) {
+                for (u32 e = 0; e < 2; ++e) {
+                    u32 j = j0 + n * 8 + 2 * tig + e;
+                    float x = s[n][2 * hf + e] * scale;
+                    if (masked && (j >= p.kv_len || i >= p.q_len || !visible(p, i, j))) x = NEG_INF;
+                    s[n][2 * hf + e] = x;
+                    mx = fmaxf(mx, x);
+                }
+            }
+            mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 2));
+            // A row that has seen no key yet keeps m = −inf: exponents are taken against 0 then, giving 0.
+            float base = mx == NEG_INF ? 0.0f : mx;
+            alpha[hf] = m[hf] == mx ? 1.0f : expf(m[hf] - base);
+            float sum = 0.0f;
+            for (u32 n = 0; n < TC_BC / 8; ++n) {
+                for (u32 e = 0; e < 2; ++e) {
+                    float x = s[n][2 * hf + e];
+                    float pv = x == NEG_INF ? 0.0f : expf(x - base);
+                    s[n][2 * hf + e] = pv;
+                    sum += pv;
+                }
+            }
+            sum += __shfl_xor_sync(FULL_MASK, sum, 1);
+            sum += __shfl_xor_sync(FULL_MASK, sum, 2);
+            l[hf] = l[hf] * alpha[hf] + sum;
+            m[hf] = mx;
+        }
+        for (u32 n = 0; n < D / 8; ++n) {
+            acc[n][0] *= alpha[0];
+            acc[n][1] *= alpha[0];
+            acc[n][2] *= alpha[1];
+            acc[n][3] *= alpha[1];
+        }
+
+        // O += P·V: P's C fragments become A fragments (keys 16t..16t+15 are S tiles 2t and 2t+1).
+        for (u32 t = 0; t < TC_BC / 16; ++t) {
+            u32 pa[4];
+            pa[0] = pack_bf16x2(s[2 * t][0], s[2 * t][1]);
+            pa[1] = pack_bf16x2(s[2 * t][2], s[2 * t][3]);
+            pa[2] = pack_bf16x2(s[2 * t + 1][0], s[2 * t + 1][1]);
+            pa[3] = pack_bf16x2(s[2 * t + 1][2], s[2 * t + 1][3]);
+            for (u32 n = 0; n < D / 8; n += 2) {
+                u32 bfr[4];
+                u32 r = 16 * t + (lane & 7) + 8 * ((lane >> 3) & 1);
+                ldmatrix_x4_trans(bfr, vs_ + swz<D>(r, n + (lane >> 4)));
+                const u32 b0[2] = {bfr[0], bfr[1]}, b1[2] = {bfr[2], bfr[3]};
+                mma_16816_bf16(acc[n], pa, b0, acc[n]);
+                mma_16816_bf16(acc[n + 1], pa, b1, acc[n + 1]);
+            }
+        }
+
+        if (vb) {
+            // Each row that sees a flagged key adds what the zeroed elements held, times its P (fetched from the
+            // lane of the quad that holds it).
+            for (u32 jj = 0; jj < TC_BC; ++jj) {
+                if (!((vb >> jj) & 1ull)) continue;
+                u32 j = j0 + jj;
+                u32 src = (lane & ~3u) | ((jj % 8) / 2);
+                for (u32 hf = 0; hf < 2; ++hf) {
+                    float pv = __shfl_sync(FULL_MASK, s[jj / 8][2 * hf + (jj % 2)], src);
+                    u32 i = row_lo + 8 * hf;
+                    if (i >= p.q_len || j >= p.kv_len || !visible(p, i, j)) continue;
+                    for (u32 n = 0; n < D / 8; ++n) {
+                        for (u32 e = 0; e < 2; ++e) {
+                            float x = to_f32(vg[(u64)j * D + n * 8 + 2 * tig + e]);
+                            if (!isfinite(x)) acc[n][2 * hf + e] += pv * x;
+                        }
+                    }
+                }
+            }
+        }
+
+        __syncthreads();  // every warp is done with this buffer before the next prefetch overwrites it
+        buf ^= 1;
+        kt = next;
+    }
+    cp_async_wait_all();
+
+    // 4. O / l and LSE.
+    for (u32 hf = 0; hf < 2; ++hf) {
+        u32 i = row_lo + 8 * hf;
+        if (i >= p.q_len) continue;
+        bool none = l[hf] == 0.0f;
+        float inv = none ? 0.0f : 1.0f / l[hf];
+        for (u32 n = 0; n < D / 8; ++n) {
+            u32 d = n * 8 + 2 * tig;
+            OT* out = o + (q_head + i) * D + d;
+            out[0] = from_f32<OT>(none ? 0.0f : acc[n][2 * hf] * inv);
+            out[1] = from_f32<OT>(none ? 0.0f : acc[n][2 * hf + 1] * inv);
+        }
+        if (tig == 0) lse[q_head + i] = none ? NEG_INF : m[hf] + logf(l[hf]);
+    }
+}
+
+#define FWD_TC(dd, on, ot)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(128) attn_fwd_tc_d##dd##_##on(                               \
+        AttnProblem p, const bf16* q, const bf16* k, const bf16* v, ot* o, float* lse,                          \
+        const unsigned long long* v_bad) {                                                                     \
+        attn_fwd_tc<dd, ot>(p, q, k, v, o, lse, v_bad);                                                        \
+    }
+FWD_TC(64, bf16, bf16)
+FWD_TC(64, f32, float)
+FWD_TC(128, bf16, bf16)
+FWD_TC(128, f32, float)
