@@ -22,6 +22,7 @@ pub(crate) static SOURCES: &[&KernelSource] = &[
     &super::ops::attention::FORWARD_TC,
     &super::ops::attention::FLAGS,
     &super::ops::attention::BACKWARD,
+    &super::ops::attention::BACKWARD_TC,
     &super::ops::attention::MERGE,
 ];
 

@@ -44,6 +44,22 @@ pub(crate) static BACKWARD: KernelSource = KernelSource {
     includes: &[HEADER],
 };
 
+pub(crate) static BACKWARD_TC: KernelSource = KernelSource {
+    file: "attention_backward_tc.cu",
+    code: include_str!("../kernels/attention_backward_tc.cu"),
+    kernels: &[
+        "attn_bwd_tc_dkdv_d64_bf16",
+        "attn_bwd_tc_dq_d64_bf16",
+        "attn_bwd_tc_dkdv_d64_f32",
+        "attn_bwd_tc_dq_d64_f32",
+        "attn_bwd_tc_dkdv_d128_bf16",
+        "attn_bwd_tc_dq_d128_bf16",
+        "attn_bwd_tc_dkdv_d128_f32",
+        "attn_bwd_tc_dq_d128_f32",
+    ],
+    includes: &[HEADER],
+};
+
 pub(crate) static MERGE: KernelSource = KernelSource {
     file: "attention_merge.cu",
     code: include_str!("../kernels/attention_merge.cu"),
@@ -248,7 +264,6 @@ pub(crate) fn backward(
     mode: GradMode,
 ) -> Result<()> {
     let s = p.shape;
-    let pr = problem(b, p, GENERAL_TILE)?;
     let qt = saved.qkv.q.dtype();
     let (ot, dot) = (saved.o.dtype(), dout.dtype());
     let (dqt, dkt, dvt) = (grads.dq.dtype(), grads.dk.dtype(), grads.dv.dtype());
@@ -258,6 +273,7 @@ pub(crate) fn backward(
     let acc = i32::from(mode == GradMode::Accumulate);
     let rows = s.lse_elems() as u64;
     let delta = b.scratch(4 * rows as usize)?;
+    let tc = tensor_cores(p, qt) && dot == DType::Bf16 && dkt == dvt;
 
     let kd = kernel(&BACKWARD, "attn_bwd_delta")?;
     let mut args = KernelArgs::new();
@@ -267,6 +283,40 @@ pub(crate) fn backward(
     // SAFETY: `o` and `dout` hold `rows·D` elements of their types, `delta` `rows` floats.
     unsafe { b.launch(&kd, LaunchConfig::linear(blocks, THREADS), &args)? };
 
+    if tc {
+        let pr = problem(b, p, TC_TILE)?;
+        let (qh, kh) = (s.batch * s.q_heads, s.batch * s.kv_heads);
+        let q_bad = nonfinite_masks(b, &saved.qkv.q, qh, s.q_len, s.head_dim)?;
+        let do_bad = nonfinite_masks(b, &dout, qh, s.q_len, s.head_dim)?;
+        let k_bad = nonfinite_masks(b, &saved.qkv.k, kh, s.kv_len, s.head_dim)?;
+        let tile_bytes = TC_TILE * s.head_dim * 2;
+        let d = s.head_dim;
+        let kk = kernel(&BACKWARD_TC, &format!("attn_bwd_tc_dkdv_d{d}_{}", super::suffix(dkt)))?;
+        let mut args = KernelArgs::new();
+        args.push(pr.args).push(dk).push(dv).push(q).push(k).push(v).push(dop).push(lse).push(delta.ptr());
+        args.push(q_bad.ptr()).push(do_bad.ptr()).push(acc);
+        let cfg = LaunchConfig {
+            grid: [s.kv_len.div_ceil(TC_TILE) as u32, s.kv_heads as u32, s.batch as u32],
+            block: [128, 1, 1],
+            shared_bytes: (4 * tile_bytes + 2 * TC_TILE * 4) as u32,
+        };
+        // SAFETY: as the forward; `dk`/`dv` have `k`'s dims and one type; the masks one word per 64 rows of each
+        // head.
+        unsafe { b.launch(&kk, cfg, &args)? };
+        let kq = kernel(&BACKWARD_TC, &format!("attn_bwd_tc_dq_d{d}_{}", super::suffix(dqt)))?;
+        let mut args = KernelArgs::new();
+        args.push(pr.args).push(dq).push(q).push(k).push(v).push(dop).push(lse).push(delta.ptr());
+        args.push(k_bad.ptr()).push(acc);
+        let cfg = LaunchConfig {
+            grid: [s.q_len.div_ceil(TC_TILE) as u32, s.q_heads as u32, s.batch as u32],
+            block: [128, 1, 1],
+            shared_bytes: (4 * tile_bytes) as u32,
+        };
+        // SAFETY: as above; `dq` has `q`'s dims.
+        return unsafe { b.launch(&kq, cfg, &args) };
+    }
+
+    let pr = problem(b, p, GENERAL_TILE)?;
     let smem = general_smem(s.head_dim);
     let kq = kernel(&BACKWARD, "attn_bwd_dq")?;
     let mut args = KernelArgs::new();
