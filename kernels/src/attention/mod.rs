@@ -41,7 +41,7 @@ pub use groups::{AttnGrads, AttnOptions, AttnOut, AttnPartial, AttnSaved, Qkv};
 pub use mask::{AttnMask, Positions};
 pub use work::{attention_work, AttnWork};
 
-use crate::error::{check_len, KernelError, Result};
+use crate::error::{KernelError, Result};
 
 /// Query rows per tile. 128 rather than 64: a forward task then reuses every key/value tile it streams in for
 /// twice as many rows (per query head), halving the K/V traffic, which at long contexts comes from DRAM;
@@ -167,15 +167,5 @@ impl<'a> AttnParams<'a> {
             });
         }
         Ok(())
-    }
-
-    pub(crate) fn check_q(&self, name: &'static str, len: usize) -> Result<()> {
-        check_len(name, len, self.shape.q_elems())
-    }
-    pub(crate) fn check_kv(&self, name: &'static str, len: usize) -> Result<()> {
-        check_len(name, len, self.shape.kv_elems())
-    }
-    pub(crate) fn check_lse(&self, name: &'static str, len: usize) -> Result<()> {
-        check_len(name, len, self.shape.lse_elems())
     }
 }

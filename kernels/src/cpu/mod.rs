@@ -23,7 +23,7 @@ pub use peak::fma_peak_flops;
 use crate::attention::{AttnGrads, AttnOptions, AttnOut, AttnPartial, AttnSaved, Qkv};
 use crate::backend::{AdamwState, Backend, GradMode, LinearGrads, NormGrads, NormParams, ProjectionGrads};
 use crate::buffer::Buffer;
-use crate::checks::{self, CrossEntropyDims, LinearDims, On, RopeDims, Rows};
+use crate::checks::{self, CrossEntropyDims, LinearDims, On, Rows};
 use crate::dtype::{DType, Element};
 use crate::error::{KernelError, Result};
 use crate::host::{cache as host_cache, HostElement, HostSlice, HostSliceMut};
@@ -321,7 +321,10 @@ impl Backend for CpuBackend {
         let o = self.host_mut("o", out.o)?;
         let lse = self.typed_mut::<f32>("lse", out.lse)?;
         let simd = self.simd;
-        self.run(|| attention::attention_forward_on(simd, &p, q, k, v, o, lse))
+        {
+            self.run(|| attention::attention_forward_on(simd, &p, q, k, v, o, lse));
+            Ok(())
+        }
     }
 
     fn attention_backward(
@@ -339,7 +342,12 @@ impl Backend for CpuBackend {
         let (dq, dk, dv) =
             (self.host_mut("dq", grads.dq)?, self.host_mut("dk", grads.dk)?, self.host_mut("dv", grads.dv)?);
         let simd = self.simd;
-        self.run(|| attention::attention_backward_on(simd, &p, q, k, v, o, d_o, lse, dq, dk, dv, mode.accumulate()))
+        {
+            self.run(|| {
+                attention::attention_backward_on(simd, &p, q, k, v, o, d_o, lse, dq, dk, dv, mode.accumulate())
+            });
+            Ok(())
+        }
     }
 
     fn attention_merge(&self, acc: AttnOut<'_>, part: AttnPartial<'_>) -> Result<()> {
@@ -347,7 +355,10 @@ impl Backend for CpuBackend {
         let o1 = self.typed_mut::<f32>("acc.o", acc.o)?;
         let lse1 = self.typed_mut::<f32>("acc.lse", acc.lse)?;
         let (o2, lse2) = (self.typed::<f32>("part.o", part.o)?, self.typed::<f32>("part.lse", part.lse)?);
-        self.run(|| attention::merge_partial_attention(o1, lse1, o2, lse2))
+        {
+            self.run(|| attention::merge_partial_attention(o1, lse1, o2, lse2));
+            Ok(())
+        }
     }
 
     fn linear_forward(&self, y: ViewMut<'_>, x: View<'_>, w: View<'_>, bias: Option<View<'_>>) -> Result<()> {
@@ -356,7 +367,7 @@ impl Backend for CpuBackend {
             let (x, w) = (self.typed::<T>("x", x)?, self.typed::<T>("w", w)?);
             let bias = bias.map(|b| self.typed::<T>("bias", b)).transpose()?;
             let y = self.typed_mut::<T>("y", y)?;
-            self.run(|| ops::linear_forward(y, x, w, bias, t, d_in, d_out))
+            { self.run(|| ops::linear_forward(y, x, w, bias, t, d_in, d_out)); Ok(()) }
         })
     }
 
@@ -374,16 +385,16 @@ impl Backend for CpuBackend {
             let dx = grads.dx.map(|d| self.typed_mut::<T>("dx", d)).transpose()?;
             let dw = self.typed_mut::<G>("dw", grads.dw)?;
             let dbias = grads.dbias.map(|d| self.typed_mut::<G>("dbias", d)).transpose()?;
-            self.run(|| ops::linear_backward(dx, dw, dbias, dy, x, w, t, d_in, d_out, mode.accumulate()))
+            { self.run(|| ops::linear_backward(dx, dw, dbias, dy, x, w, t, d_in, d_out, mode.accumulate())); Ok(()) }
         }))
     }
 
     fn rmsnorm_forward(&self, y: ViewMut<'_>, rstd: ViewMut<'_>, x: View<'_>, p: &NormParams<'_>) -> Result<()> {
-        let Rows { n, c } = checks::rmsnorm_forward(ON, &y, &rstd, &x, p)?;
+        let Rows { c, .. } = checks::rmsnorm_forward(ON, &y, &rstd, &x, p)?;
         by_dtype!(x.dtype(), T => {
             let (x, w) = (self.typed::<T>("x", x)?, self.typed::<T>("weight", p.weight)?);
             let (y, rstd) = (self.typed_mut::<T>("y", y)?, self.typed_mut::<f32>("rstd", rstd)?);
-            self.run(|| ops::rmsnorm_forward(y, rstd, x, w, n, c, p.eps))
+            { self.run(|| ops::rmsnorm_forward(y, rstd, x, w, c, p.eps)); Ok(()) }
         })
     }
 
@@ -395,12 +406,12 @@ impl Backend for CpuBackend {
         weight: View<'_>,
         mode: GradMode,
     ) -> Result<()> {
-        let Rows { n, c } = checks::rmsnorm_backward(ON, &grads, &dy, &saved, &weight)?;
+        let Rows { c, .. } = checks::rmsnorm_backward(ON, &grads, &dy, &saved, &weight)?;
         by_dtype!(saved.x.dtype(), T => by_dtype!(grads.dweight.dtype(), G => {
             let (x, w, dy) = (self.typed::<T>("x", saved.x)?, self.typed::<T>("weight", weight)?, self.typed::<T>("dy", dy)?);
             let rstd = self.typed::<f32>("rstd", saved.rstd)?;
             let (dx, dw) = (self.typed_mut::<T>("dx", grads.dx)?, self.typed_mut::<G>("dweight", grads.dweight)?);
-            self.run(|| ops::rmsnorm_backward(dx, dw, dy, x, w, rstd, n, c, mode.accumulate()))
+            { self.run(|| ops::rmsnorm_backward(dx, dw, dy, x, w, rstd, c, mode.accumulate())); Ok(()) }
         }))
     }
 
@@ -412,13 +423,13 @@ impl Backend for CpuBackend {
         x: View<'_>,
         p: &NormParams<'_>,
     ) -> Result<()> {
-        let Rows { n, c } = checks::layernorm_forward(ON, &y, &mean, &rstd, &x, p)?;
+        let Rows { c, .. } = checks::layernorm_forward(ON, &y, &mean, &rstd, &x, p)?;
         let bias = p.bias.ok_or(KernelError::InvalidArgument { name: "bias", why: "LayerNorm needs a bias".into() })?;
         by_dtype!(x.dtype(), T => {
             let (x, w, b) = (self.typed::<T>("x", x)?, self.typed::<T>("weight", p.weight)?, self.typed::<T>("bias", bias)?);
             let y = self.typed_mut::<T>("y", y)?;
             let (mean, rstd) = (self.typed_mut::<f32>("mean", mean)?, self.typed_mut::<f32>("rstd", rstd)?);
-            self.run(|| ops::layernorm_forward(y, mean, rstd, x, w, b, n, c, p.eps))
+            { self.run(|| ops::layernorm_forward(y, mean, rstd, x, w, b, c, p.eps)); Ok(()) }
         })
     }
 
@@ -430,7 +441,7 @@ impl Backend for CpuBackend {
         weight: View<'_>,
         mode: GradMode,
     ) -> Result<()> {
-        let Rows { n, c } = checks::layernorm_backward(ON, &grads, &dy, &saved, &weight)?;
+        let Rows { c, .. } = checks::layernorm_backward(ON, &grads, &dy, &saved, &weight)?;
         let dbias = grads
             .dbias
             .ok_or(KernelError::InvalidArgument { name: "dbias", why: "LayerNorm's backward needs dbias".into() })?;
@@ -439,23 +450,23 @@ impl Backend for CpuBackend {
             let (mean, rstd) = (self.typed::<f32>("mean", saved.mean)?, self.typed::<f32>("rstd", saved.rstd)?);
             let dx = self.typed_mut::<T>("dx", grads.dx)?;
             let (dw, db) = (self.typed_mut::<G>("dweight", grads.dweight)?, self.typed_mut::<G>("dbias", dbias)?);
-            self.run(|| ops::layernorm_backward(dx, dw, db, dy, x, w, mean, rstd, n, c, mode.accumulate()))
+            { self.run(|| ops::layernorm_backward(dx, dw, db, dy, x, w, mean, rstd, c, mode.accumulate())); Ok(()) }
         }))
     }
 
     fn rope_forward(&self, rope: &RopeTable, x: ViewMut<'_>, positions: &[i64]) -> Result<()> {
-        let RopeDims { b, h, .. } = checks::rope(ON, rope, &x, positions)?;
+        checks::rope(ON, rope, &x, positions)?;
         by_dtype!(x.dtype(), T => {
             let x = self.typed_mut::<T>("x", x)?;
-            self.run(|| rope.forward_inplace(x, positions, b, h))
+            { self.run(|| rope.forward_inplace(x, positions)); Ok(()) }
         })
     }
 
     fn rope_backward(&self, rope: &RopeTable, d: ViewMut<'_>, positions: &[i64]) -> Result<()> {
-        let RopeDims { b, h, .. } = checks::rope(ON, rope, &d, positions)?;
+        checks::rope(ON, rope, &d, positions)?;
         by_dtype!(d.dtype(), T => {
             let d = self.typed_mut::<T>("d", d)?;
-            self.run(|| rope.backward_inplace(d, positions, b, h))
+            { self.run(|| rope.backward_inplace(d, positions)); Ok(()) }
         })
     }
 
@@ -464,7 +475,7 @@ impl Backend for CpuBackend {
         by_dtype!(gate.dtype(), T => {
             let (g, u, o) = (self.typed::<T>("gate", gate)?, self.typed::<T>("up", up)?, self.typed_mut::<T>("out", out)?);
             let simd = self.simd;
-            self.run(|| ops::swiglu_forward(simd, o, g, u))
+            { self.run(|| ops::swiglu_forward(simd, o, g, u)); Ok(()) }
         })
     }
 
@@ -480,7 +491,7 @@ impl Backend for CpuBackend {
             let (g, u, dy) = (self.typed::<T>("gate", saved.gate)?, self.typed::<T>("up", saved.up)?, self.typed::<T>("dout", dout)?);
             let (dg, du) = (self.typed_mut::<T>("dgate", dgate)?, self.typed_mut::<T>("dup", dup)?);
             let simd = self.simd;
-            self.run(|| ops::swiglu_backward(simd, dg, du, dy, g, u))
+            { self.run(|| ops::swiglu_backward(simd, dg, du, dy, g, u)); Ok(()) }
         })
     }
 
@@ -488,7 +499,7 @@ impl Backend for CpuBackend {
         checks::squared_relu_forward(ON, &out, &x)?;
         by_dtype!(x.dtype(), T => {
             let (x, o) = (self.typed::<T>("x", x)?, self.typed_mut::<T>("out", out)?);
-            self.run(|| ops::squared_relu_forward(o, x))
+            { self.run(|| ops::squared_relu_forward(o, x)); Ok(()) }
         })
     }
 
@@ -496,7 +507,7 @@ impl Backend for CpuBackend {
         checks::squared_relu_backward(ON, &dx, &dout, &saved)?;
         by_dtype!(saved.x.dtype(), T => {
             let (x, dy, dx) = (self.typed::<T>("x", saved.x)?, self.typed::<T>("dout", dout)?, self.typed_mut::<T>("dx", dx)?);
-            self.run(|| ops::squared_relu_backward(dx, dy, x))
+            { self.run(|| ops::squared_relu_backward(dx, dy, x)); Ok(()) }
         })
     }
 
@@ -529,7 +540,7 @@ impl Backend for CpuBackend {
         let dw = self.typed::<f32>("dweights", dweights)?;
         by_dtype!(dlogits.dtype(), T => {
             let dl = self.typed_mut::<T>("dlogits", dlogits)?;
-            self.run(|| ops::router_backward(dl, dw, aux, p, w, r))
+            { self.run(|| ops::router_backward(dl, dw, aux, p, w, r)); Ok(()) }
         })
     }
 
@@ -537,7 +548,7 @@ impl Backend for CpuBackend {
         let c = checks::moe_gather_forward(ON, &xe, &x, routing)?;
         by_dtype!(x.dtype(), T => {
             let (x, o) = (self.typed::<T>("x", x)?, self.typed_mut::<T>("xe", xe)?);
-            self.run(|| ops::gather(o, x, routing, c))
+            { self.run(|| ops::gather(o, x, routing, c)); Ok(()) }
         })
     }
 
@@ -545,7 +556,7 @@ impl Backend for CpuBackend {
         let c = checks::moe_gather_backward(ON, &dx, &dxe, routing)?;
         by_dtype!(dxe.dtype(), T => {
             let (g, dx) = (self.typed::<T>("dxe", dxe)?, self.typed_mut::<T>("dx", dx)?);
-            self.run(|| ops::gather_backward(dx, g, routing, c))
+            { self.run(|| ops::gather_backward(dx, g, routing, c)); Ok(()) }
         })
     }
 
@@ -554,7 +565,7 @@ impl Backend for CpuBackend {
         let w = self.typed::<f32>("weights", weights)?;
         by_dtype!(ye.dtype(), T => {
             let (y, o) = (self.typed::<T>("ye", ye)?, self.typed_mut::<T>("out", out)?);
-            self.run(|| ops::combine(o, y, w, routing, c))
+            { self.run(|| ops::combine(o, y, w, routing, c)); Ok(()) }
         })
     }
 
@@ -571,15 +582,15 @@ impl Backend for CpuBackend {
         let dw = self.typed_mut::<f32>("dweights", dweights)?;
         by_dtype!(saved.ye.dtype(), T => {
             let (y, g, dy) = (self.typed::<T>("ye", saved.ye)?, self.typed::<T>("dout", dout)?, self.typed_mut::<T>("dye", dye)?);
-            self.run(|| ops::combine_backward(dy, dw, g, y, w, r, c))
+            { self.run(|| ops::combine_backward(dy, dw, g, y, w, r, c)); Ok(()) }
         })
     }
 
     fn embedding_forward(&self, out: ViewMut<'_>, ids: &[u32], table: View<'_>) -> Result<()> {
-        let (v, c) = checks::embedding_forward(ON, &out, ids, &table)?;
+        let (_, c) = checks::embedding_forward(ON, &out, ids, &table)?;
         by_dtype!(table.dtype(), T => {
             let (t, o) = (self.typed::<T>("table", table)?, self.typed_mut::<T>("out", out)?);
-            self.run(|| ops::embedding_forward(o, ids, t, v, c))
+            { self.run(|| ops::embedding_forward(o, ids, t, c)); Ok(()) }
         })
     }
 
@@ -587,7 +598,7 @@ impl Backend for CpuBackend {
         let (v, c) = checks::embedding_backward(ON, &dtable, &dout, ids)?;
         by_dtype!(dout.dtype(), T => by_dtype!(dtable.dtype(), G => {
             let (dy, dt) = (self.typed::<T>("dout", dout)?, self.typed_mut::<G>("dtable", dtable)?);
-            self.run(|| ops::embedding_backward(dt, dy, ids, v, c, mode.accumulate()))
+            { self.run(|| ops::embedding_backward(dt, dy, ids, v, c, mode.accumulate())); Ok(()) }
         }))
     }
 
@@ -600,12 +611,12 @@ impl Backend for CpuBackend {
         opts: &CrossEntropyOptions,
         mode: GradMode,
     ) -> Result<CrossEntropyOutput> {
-        let CrossEntropyDims { t, c, v, .. } =
+        let CrossEntropyDims { t, c, v, n_valid, denom } =
             checks::cross_entropy_fused(ON, &grads, &hidden, &weight, targets, opts)?;
         by_dtype!(hidden.dtype(), T => by_dtype!(grads.dweight.dtype(), G => {
             let (h, w) = (self.typed::<T>("hidden", hidden)?, self.typed::<T>("weight", weight)?);
             let (dh, dw) = (self.typed_mut::<T>("dhidden", grads.dhidden)?, self.typed_mut::<G>("dweight", grads.dweight)?);
-            self.run(|| ops::cross_entropy_fused(dh, dw, h, w, targets, t, c, v, opts, mode.accumulate()))
+            Ok(self.run(|| ops::cross_entropy_fused(dh, dw, h, w, targets, t, c, v, opts, (n_valid, denom), mode.accumulate())))
         }))
     }
 
@@ -624,10 +635,10 @@ impl Backend for CpuBackend {
         by_dtype!(grads.dtype(), G => {
             let g = self.typed::<G>("grads", grads)?;
             match copy_to {
-                None => self.run(|| ops::adamw_step(master, g, m, v, hp, step)),
+                None => { self.run(|| ops::adamw_step(master, g, m, v, hp, step)); Ok(()) },
                 Some(c) => by_dtype!(c.dtype(), P => {
                     let p = self.typed_mut::<P>("copy_to", c)?;
-                    self.run(|| ops::adamw_step_with_copy(p, master, g, m, v, hp, step))
+                    { self.run(|| ops::adamw_step_with_copy(p, master, g, m, v, hp, step)); Ok(()) }
                 }),
             }
         })

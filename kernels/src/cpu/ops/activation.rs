@@ -21,7 +21,6 @@ use rayon::prelude::*;
 use super::ELEMS_PER_TASK;
 use crate::cpu::SimdPath;
 use crate::dtype::Element;
-use crate::error::{check_len, Result};
 
 /// `e^x` within 1 ulp of the exact value for `x` in `[-87.33, 88]` (Cephes `expf`: `x = n·ln 2 + r` with `ln 2`
 /// in two parts, a degree-6 polynomial in `r`, `2^n` built in the exponent bits), 0 below (where `expf` gives a
@@ -78,11 +77,7 @@ fn on_path(simd: SimdPath, f: impl FnOnce()) {
 }
 
 /// SwiGLU forward: `out[N] = silu(gate[N]) · up[N]`.
-///
-/// Errors: the three lengths differ.
-pub(crate) fn swiglu_forward<T: Element>(simd: SimdPath, out: &mut [T], gate: &[T], up: &[T]) -> Result<()> {
-    check_len("up", up.len(), gate.len())?;
-    check_len("out", out.len(), gate.len())?;
+pub(crate) fn swiglu_forward<T: Element>(simd: SimdPath, out: &mut [T], gate: &[T], up: &[T]) {
     out.par_chunks_mut(ELEMS_PER_TASK)
         .zip(gate.par_chunks(ELEMS_PER_TASK))
         .zip(up.par_chunks(ELEMS_PER_TASK))
@@ -94,12 +89,9 @@ pub(crate) fn swiglu_forward<T: Element>(simd: SimdPath, out: &mut [T], gate: &[
                 }
             })
         });
-    Ok(())
 }
 
 /// SwiGLU backward: `d_gate[N]`, `d_up[N]` (overwritten) from `dout[N]` and the forward inputs.
-///
-/// Errors: the lengths differ.
 pub(crate) fn swiglu_backward<T: Element>(
     simd: SimdPath,
     d_gate: &mut [T],
@@ -107,12 +99,7 @@ pub(crate) fn swiglu_backward<T: Element>(
     dout: &[T],
     gate: &[T],
     up: &[T],
-) -> Result<()> {
-    let n = gate.len();
-    check_len("up", up.len(), n)?;
-    check_len("dout", dout.len(), n)?;
-    check_len("d_gate", d_gate.len(), n)?;
-    check_len("d_up", d_up.len(), n)?;
+) {
     d_gate
         .par_chunks_mut(ELEMS_PER_TASK)
         .zip(d_up.par_chunks_mut(ELEMS_PER_TASK))
@@ -129,29 +116,20 @@ pub(crate) fn swiglu_backward<T: Element>(
                 }
             })
         });
-    Ok(())
 }
 
 /// Squared ReLU forward: `out[N] = max(x, 0)²`.
-///
-/// Errors: the lengths differ.
-pub(crate) fn squared_relu_forward<T: Element>(out: &mut [T], x: &[T]) -> Result<()> {
-    check_len("out", out.len(), x.len())?;
+pub(crate) fn squared_relu_forward<T: Element>(out: &mut [T], x: &[T]) {
     out.par_chunks_mut(ELEMS_PER_TASK).zip(x.par_chunks(ELEMS_PER_TASK)).for_each(|(o, x)| {
         for (o, x) in o.iter_mut().zip(x) {
             let r = x.to_f32().max(0.0);
             *o = T::from_f32(r * r);
         }
     });
-    Ok(())
 }
 
 /// Squared ReLU backward: `dx[N] = dout · 2·max(x, 0)` (overwritten).
-///
-/// Errors: the lengths differ.
-pub(crate) fn squared_relu_backward<T: Element>(dx: &mut [T], dout: &[T], x: &[T]) -> Result<()> {
-    check_len("dout", dout.len(), x.len())?;
-    check_len("dx", dx.len(), x.len())?;
+pub(crate) fn squared_relu_backward<T: Element>(dx: &mut [T], dout: &[T], x: &[T]) {
     dx.par_chunks_mut(ELEMS_PER_TASK).zip(dout.par_chunks(ELEMS_PER_TASK)).zip(x.par_chunks(ELEMS_PER_TASK)).for_each(
         |((dx, d), x)| {
             for ((dx, d), x) in dx.iter_mut().zip(d).zip(x) {
@@ -159,7 +137,6 @@ pub(crate) fn squared_relu_backward<T: Element>(dx: &mut [T], dout: &[T], x: &[T
             }
         },
     );
-    Ok(())
 }
 
 #[cfg(test)]

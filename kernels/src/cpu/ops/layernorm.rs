@@ -15,13 +15,9 @@
 use rayon::prelude::*;
 
 use super::{reduce_partials, ROWS_PER_TASK};
-use crate::checks::{finite, nonzero, numel};
 use crate::dtype::Element;
-use crate::error::{check_len, KernelError, Result};
 
 /// LayerNorm forward: `y[N,C]`, saving `mean[N]` and `rstd[N]` for the backward.
-///
-/// Errors: zero `n` or `c`, a length mismatch, or `eps` negative or not finite.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn layernorm_forward<T: Element>(
     y: &mut [T],
@@ -30,23 +26,9 @@ pub(crate) fn layernorm_forward<T: Element>(
     x: &[T],
     weight: &[T],
     bias: &[T],
-    n: usize,
     c: usize,
     eps: f32,
-) -> Result<()> {
-    nonzero("n", n)?;
-    nonzero("c", c)?;
-    let nc = numel("x", &[n, c])?;
-    check_len("x", x.len(), nc)?;
-    check_len("y", y.len(), nc)?;
-    check_len("mean", mean.len(), n)?;
-    check_len("rstd", rstd.len(), n)?;
-    check_len("weight", weight.len(), c)?;
-    check_len("bias", bias.len(), c)?;
-    finite("eps", eps as f64, false)?;
-    if eps < 0.0 {
-        return Err(KernelError::InvalidArgument { name: "eps", why: format!("{eps} < 0") });
-    }
+) {
     let w: Vec<f32> = weight.iter().map(|v| v.to_f32()).collect();
     let b: Vec<f32> = bias.iter().map(|v| v.to_f32()).collect();
     y.par_chunks_mut(c * ROWS_PER_TASK)
@@ -75,12 +57,9 @@ pub(crate) fn layernorm_forward<T: Element>(
                 }
             }
         });
-    Ok(())
 }
 
 /// LayerNorm backward: `dx[N,C]` (overwritten), `dweight[C]` and `dbias[C]` (added to when `accumulate`).
-///
-/// Errors: zero `n` or `c`, or a length mismatch.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn layernorm_backward<T: Element, G: Element>(
     dx: &mut [T],
@@ -91,21 +70,9 @@ pub(crate) fn layernorm_backward<T: Element, G: Element>(
     weight: &[T],
     mean: &[f32],
     rstd: &[f32],
-    n: usize,
     c: usize,
     accumulate: bool,
-) -> Result<()> {
-    nonzero("n", n)?;
-    nonzero("c", c)?;
-    let nc = numel("x", &[n, c])?;
-    check_len("dy", dy.len(), nc)?;
-    check_len("x", x.len(), nc)?;
-    check_len("dx", dx.len(), nc)?;
-    check_len("mean", mean.len(), n)?;
-    check_len("rstd", rstd.len(), n)?;
-    check_len("weight", weight.len(), c)?;
-    check_len("dweight", dweight.len(), c)?;
-    check_len("dbias", dbias.len(), c)?;
+) {
     let w: Vec<f32> = weight.iter().map(|v| v.to_f32()).collect();
     let partials: Vec<(Vec<f32>, Vec<f32>)> = dx
         .par_chunks_mut(c * ROWS_PER_TASK)
@@ -141,5 +108,4 @@ pub(crate) fn layernorm_backward<T: Element, G: Element>(
     let (pw, pb): (Vec<Vec<f32>>, Vec<Vec<f32>>) = partials.into_iter().unzip();
     reduce_partials(dweight, &pw, accumulate);
     reduce_partials(dbias, &pb, accumulate);
-    Ok(())
 }

@@ -17,9 +17,7 @@
 use rayon::prelude::*;
 
 use super::{as_f32_mut, store, F32In, Scratch};
-use crate::checks::{nonzero, numel};
 use crate::dtype::Element;
-use crate::error::{check_len, Result};
 
 /// Rows of an output tile at most: each tile's `gemm` call packs its slice of `B` (a weight, for the linear
 /// layer) again, so taller tiles pack it less often; 512 rather than 128 took the bench model's forward products
@@ -210,8 +208,6 @@ pub(crate) fn with_out<G: Element>(dst: &mut [G], accumulate: bool, f: impl FnOn
 
 /// Linear layer forward: `Y[T,OUT] = X[T,IN] · Wᵀ + b`, with `W[OUT,IN]` (PyTorch `nn.Linear` layout) and an
 /// optional bias `b[OUT]`.
-///
-/// Errors: a zero size, or a buffer whose length does not match.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn linear_forward<T: Element>(
     y: &mut [T],
@@ -221,16 +217,7 @@ pub(crate) fn linear_forward<T: Element>(
     t: usize,
     d_in: usize,
     d_out: usize,
-) -> Result<()> {
-    nonzero("t", t)?;
-    nonzero("d_in", d_in)?;
-    nonzero("d_out", d_out)?;
-    check_len("x", x.len(), numel("x", &[t, d_in])?)?;
-    check_len("w", w.len(), numel("w", &[d_out, d_in])?)?;
-    check_len("y", y.len(), numel("y", &[t, d_out])?)?;
-    if let Some(b) = bias {
-        check_len("bias", b.len(), d_out)?;
-    }
+) {
     let (x, w) = (F32In::new(x), F32In::new(w));
     let bias = bias.map(F32In::new);
     with_out(y, false, |y, _| {
@@ -240,13 +227,10 @@ pub(crate) fn linear_forward<T: Element>(
         }
         gemm_f32(t, d_out, d_in, y, row_major(&x, d_in), transposed(&w, d_in), bias.is_some());
     });
-    Ok(())
 }
 
 /// Linear layer backward. `dX[T,IN] = dY · W` (overwritten; `None` skips it, e.g. for the first layer),
 /// `dW[OUT,IN] (+)= dYᵀ · X`, `db[OUT] (+)= Σ_t dY[t,:]` (added to when `accumulate`).
-///
-/// Errors: a zero size, or a buffer whose length does not match.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn linear_backward<T: Element, G: Element>(
     dx: Option<&mut [T]>,
@@ -259,21 +243,7 @@ pub(crate) fn linear_backward<T: Element, G: Element>(
     d_in: usize,
     d_out: usize,
     accumulate: bool,
-) -> Result<()> {
-    nonzero("t", t)?;
-    nonzero("d_in", d_in)?;
-    nonzero("d_out", d_out)?;
-    let (n_x, n_w) = (numel("x", &[t, d_in])?, numel("w", &[d_out, d_in])?);
-    check_len("dy", dy.len(), numel("dy", &[t, d_out])?)?;
-    check_len("x", x.len(), n_x)?;
-    check_len("w", w.len(), n_w)?;
-    check_len("dw", dw.len(), n_w)?;
-    if let Some(dx) = &dx {
-        check_len("dx", dx.len(), n_x)?;
-    }
-    if let Some(db) = &dbias {
-        check_len("dbias", db.len(), d_out)?;
-    }
+) {
     let dy = F32In::new(dy);
     if let Some(dx) = dx {
         let w = F32In::new(w);
@@ -295,5 +265,4 @@ pub(crate) fn linear_backward<T: Element, G: Element>(
         }
         store(db, &sum, accumulate);
     }
-    Ok(())
 }

@@ -3,15 +3,12 @@
 use rayon::prelude::*;
 
 use super::ROWS_PER_TASK;
-use crate::checks::{nonzero, numel};
 use crate::dtype::Element;
-use crate::error::{check_len, KernelError, Result};
+use crate::error::Result;
 use crate::ops::{RouterOutput, Routing};
 
 /// Router forward: softmax of `logits[L,E]` into `probs` (`f32`), its top `k` per token, and their weights
 /// renormalised to sum to 1 into `weights[L,K]` (`f32`).
-///
-/// Errors: zero sizes, `k > e`, length mismatches.
 pub(crate) fn router_forward<T: Element>(
     probs: &mut [f32],
     weights: &mut [f32],
@@ -20,16 +17,6 @@ pub(crate) fn router_forward<T: Element>(
     e: usize,
     k: usize,
 ) -> Result<RouterOutput> {
-    nonzero("l", l)?;
-    nonzero("e", e)?;
-    nonzero("k", k)?;
-    if k > e {
-        return Err(KernelError::InvalidArgument { name: "top_k", why: format!("{k} is more than the {e} experts") });
-    }
-    let n = numel("logits", &[l, e])?;
-    check_len("logits", logits.len(), n)?;
-    check_len("probs", probs.len(), n)?;
-    check_len("weights", weights.len(), numel("weights", &[l, k])?)?;
     let mut choice = vec![0u32; l * k];
     probs
         .par_chunks_mut(e * ROWS_PER_TASK)
@@ -83,8 +70,6 @@ pub(crate) fn router_forward<T: Element>(
 /// Router backward (see the module docs): `dlogits[L,E]` (overwritten) from `dweights[L,K]`, the auxiliary
 /// loss's per-expert probability gradient `aux[E]` (added to every token's), and the saved `probs`, `weights`
 /// and routing.
-///
-/// Errors: length mismatches.
 pub(crate) fn router_backward<T: Element>(
     dlogits: &mut [T],
     dweights: &[f32],
@@ -92,16 +77,8 @@ pub(crate) fn router_backward<T: Element>(
     probs: &[f32],
     weights: &[f32],
     routing: &Routing,
-) -> Result<()> {
-    let (l, e, k) = (routing.tokens, routing.experts, routing.top_k);
-    let n = numel("probs", &[l, e])?;
-    check_len("probs", probs.len(), n)?;
-    check_len("dlogits", dlogits.len(), n)?;
-    check_len("weights", weights.len(), l * k)?;
-    check_len("dweights", dweights.len(), l * k)?;
-    if let Some(a) = aux {
-        check_len("aux", a.len(), e)?;
-    }
+) {
+    let (e, k) = (routing.experts, routing.top_k);
     dlogits
         .par_chunks_mut(e * ROWS_PER_TASK)
         .zip(probs.par_chunks(e * ROWS_PER_TASK))
@@ -132,27 +109,16 @@ pub(crate) fn router_backward<T: Element>(
                 }
             }
         });
-    Ok(())
-}
-
-fn check_rows(name: &'static str, len: usize, rows: usize, c: usize) -> Result<()> {
-    check_len(name, len, numel(name, &[rows, c])?)
 }
 
 /// Gather: `xe[N,C]` row `n` = `x[L,C]` row `rows[n]`.
-///
-/// Errors: zero `c`, length mismatches.
-pub(crate) fn gather<T: Element>(xe: &mut [T], x: &[T], routing: &Routing, c: usize) -> Result<()> {
-    nonzero("c", c)?;
-    check_rows("x", x.len(), routing.tokens, c)?;
-    check_rows("xe", xe.len(), routing.rows(), c)?;
+pub(crate) fn gather<T: Element>(xe: &mut [T], x: &[T], routing: &Routing, c: usize) {
     xe.par_chunks_mut(c * ROWS_PER_TASK).zip(routing.rows.par_chunks(ROWS_PER_TASK)).for_each(|(o, rows)| {
         for (o, &t) in o.chunks_exact_mut(c).zip(rows) {
             let t = t as usize;
             o.copy_from_slice(&x[t * c..(t + 1) * c]);
         }
     });
-    Ok(())
 }
 
 /// The weighted sum over each token's dispatched rows, in ascending expert order: `out[t,:] = Σ_n w(n)·ye[n,:]`
@@ -176,31 +142,16 @@ fn sum_rows<T: Element, U: Element>(out: &mut [T], ye: &[U], weights: Option<&[f
 }
 
 /// Gather backward: `dx[L,C]` (overwritten) row `t` = the sum of `dxe[N,C]`'s rows of token `t`.
-///
-/// Errors: zero `c`, length mismatches.
-pub(crate) fn gather_backward<T: Element>(dx: &mut [T], dxe: &[T], routing: &Routing, c: usize) -> Result<()> {
-    nonzero("c", c)?;
-    check_rows("dx", dx.len(), routing.tokens, c)?;
-    check_rows("dxe", dxe.len(), routing.rows(), c)?;
+pub(crate) fn gather_backward<T: Element>(dx: &mut [T], dxe: &[T], routing: &Routing, c: usize) {
     sum_rows(dx, dxe, None, routing, c);
-    Ok(())
 }
 
 /// Combine: `out[L,C]` (overwritten) row `t` = `Σ_j weights[t,j]·ye[row of (t,j)]`, in ascending expert order.
-///
-/// Errors: zero `c`, length mismatches.
-pub(crate) fn combine<T: Element>(out: &mut [T], ye: &[T], weights: &[f32], routing: &Routing, c: usize) -> Result<()> {
-    nonzero("c", c)?;
-    check_rows("out", out.len(), routing.tokens, c)?;
-    check_rows("ye", ye.len(), routing.rows(), c)?;
-    check_len("weights", weights.len(), routing.choice.len())?;
+pub(crate) fn combine<T: Element>(out: &mut [T], ye: &[T], weights: &[f32], routing: &Routing, c: usize) {
     sum_rows(out, ye, Some(weights), routing, c);
-    Ok(())
 }
 
 /// Combine backward: `dye[N,C]` and `dweights[L,K]` (`f32`), both overwritten.
-///
-/// Errors: zero `c`, length mismatches.
 pub(crate) fn combine_backward<T: Element>(
     dye: &mut [T],
     dweights: &mut [f32],
@@ -209,13 +160,7 @@ pub(crate) fn combine_backward<T: Element>(
     weights: &[f32],
     routing: &Routing,
     c: usize,
-) -> Result<()> {
-    nonzero("c", c)?;
-    check_rows("dout", dout.len(), routing.tokens, c)?;
-    check_rows("ye", ye.len(), routing.rows(), c)?;
-    check_rows("dye", dye.len(), routing.rows(), c)?;
-    check_len("weights", weights.len(), routing.choice.len())?;
-    check_len("dweights", dweights.len(), routing.choice.len())?;
+) {
     let mut dw_row = vec![0.0f32; routing.rows()];
     dye.par_chunks_mut(c * ROWS_PER_TASK)
         .zip(ye.par_chunks(c * ROWS_PER_TASK))
@@ -239,5 +184,4 @@ pub(crate) fn combine_backward<T: Element>(
     for (n, d) in dw_row.into_iter().enumerate() {
         dweights[routing.slots[n] as usize] = d;
     }
-    Ok(())
 }

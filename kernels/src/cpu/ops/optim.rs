@@ -4,7 +4,6 @@ use rayon::prelude::*;
 
 use super::ELEMS_PER_TASK;
 use crate::dtype::Element;
-use crate::error::{check_len, Result};
 use crate::ops::AdamW;
 
 #[inline(always)]
@@ -16,12 +15,6 @@ fn update(p: &mut f32, g: f32, m: &mut f32, v: &mut f32, h: &AdamW, bc1: f32, bc
     *p -= h.lr * (mh / (vh.sqrt() + h.eps) + h.weight_decay * *p);
 }
 
-fn check(n: usize, grads: usize, m: usize, v: usize) -> Result<()> {
-    check_len("grads", grads, n)?;
-    check_len("m", m, n)?;
-    check_len("v", v, n)
-}
-
 fn bias_corrections(h: &AdamW, step: u64) -> (f32, f32) {
     let t = step.min(i32::MAX as u64) as i32;
     ((1.0 - (h.beta1 as f64).powi(t)) as f32, (1.0 - (h.beta2 as f64).powi(t)) as f32)
@@ -29,8 +22,6 @@ fn bias_corrections(h: &AdamW, step: u64) -> (f32, f32) {
 
 /// One AdamW step on `f32` parameters `params[P]` with gradients `grads[P]` and moments `m[P]`, `v[P]`; `step`
 /// counts from 1.
-///
-/// Errors: a length mismatch, `step == 0`, a beta outside `[0, 1)`, or a non-finite / non-positive eps.
 pub(crate) fn adamw_step<G: Element>(
     params: &mut [f32],
     grads: &[G],
@@ -38,9 +29,7 @@ pub(crate) fn adamw_step<G: Element>(
     v: &mut [f32],
     hp: &AdamW,
     step: u64,
-) -> Result<()> {
-    check(params.len(), grads.len(), m.len(), v.len())?;
-    hp.validate(step)?;
+) {
     let (bc1, bc2) = bias_corrections(hp, step);
     params
         .par_chunks_mut(ELEMS_PER_TASK)
@@ -51,13 +40,10 @@ pub(crate) fn adamw_step<G: Element>(
                 update(&mut p[i], g[i].to_f32(), &mut m[i], &mut v[i], hp, bc1, bc2);
             }
         });
-    Ok(())
 }
 
 /// One AdamW step on an `f32` master copy `master[P]`, then writes the rounded result into the model's
 /// parameters `params[P]` (e.g. `bf16`).
-///
-/// Errors: as [`adamw_step`], and `params` not of length `P`.
 pub(crate) fn adamw_step_with_copy<P: Element, G: Element>(
     params: &mut [P],
     master: &mut [f32],
@@ -66,10 +52,7 @@ pub(crate) fn adamw_step_with_copy<P: Element, G: Element>(
     v: &mut [f32],
     hp: &AdamW,
     step: u64,
-) -> Result<()> {
-    check_len("params", params.len(), master.len())?;
-    check(master.len(), grads.len(), m.len(), v.len())?;
-    hp.validate(step)?;
+) {
     let (bc1, bc2) = bias_corrections(hp, step);
     params
         .par_chunks_mut(ELEMS_PER_TASK)
@@ -82,7 +65,6 @@ pub(crate) fn adamw_step_with_copy<P: Element, G: Element>(
                 q[i] = P::from_f32(p[i]);
             }
         });
-    Ok(())
 }
 
 /// `Σ x²` in `f64`, summed in fixed pieces and then in order, so the bits do not depend on the thread count.

@@ -4,20 +4,10 @@
 use rayon::prelude::*;
 
 use super::ROWS_PER_TASK;
-use crate::checks::{nonzero, numel};
 use crate::dtype::Element;
-use crate::error::{check_len, Result};
 use crate::ops::RopeTable;
 
 impl RopeTable {
-    fn check<T: Element>(&self, x: &[T], positions: &[i64], b: usize, h: usize) -> Result<()> {
-        nonzero("b", b)?;
-        nonzero("h", h)?;
-        nonzero("s", positions.len())?;
-        let n = numel("x", &[b, h, positions.len(), self.head_dim()])?;
-        check_len("x", x.len(), n)
-    }
-
     /// Rotates the first `R` dims of every `D`-row of `x` by `sign`·θ in place; the other dims stay.
     fn apply<T: Element>(&self, x: &mut [T], positions: &[i64], sign: f32) {
         let (d, half, s_len) = (self.head_dim(), self.rotary_dim() / 2, positions.len());
@@ -39,27 +29,13 @@ impl RopeTable {
     }
 
     /// Forward in place: `x[B,H,S,D]` is replaced by its rotation by the angles of `positions[S]`.
-    ///
-    /// Errors: a zero size, or `x` not holding `B·H·S·D` elements.
-    pub(crate) fn forward_inplace<T: Element>(&self, x: &mut [T], positions: &[i64], b: usize, h: usize) -> Result<()> {
-        self.check(x, positions, b, h)?;
+    pub(crate) fn forward_inplace<T: Element>(&self, x: &mut [T], positions: &[i64]) {
         self.apply(x, positions, 1.0);
-        Ok(())
     }
 
     /// Backward in place: `d[B,H,S,D]` (the gradient of the output) is replaced by the gradient of the input,
     /// the transposed rotation.
-    ///
-    /// Errors: a zero size, or `d` not holding `B·H·S·D` elements.
-    pub(crate) fn backward_inplace<T: Element>(
-        &self,
-        d: &mut [T],
-        positions: &[i64],
-        b: usize,
-        h: usize,
-    ) -> Result<()> {
-        self.check(d, positions, b, h)?;
+    pub(crate) fn backward_inplace<T: Element>(&self, d: &mut [T], positions: &[i64]) {
         self.apply(d, positions, -1.0);
-        Ok(())
     }
 }
