@@ -92,6 +92,7 @@ __device__ __forceinline__ void attn_bwd_tc_dkdv(const AttnProblem& p, G* __rest
     const u64 k_head = ((u64)b * p.kv_heads + hk) * p.kv_len;
     const u32 q_tiles = (p.q_len + BT_TILE - 1) / BT_TILE;
     const u32 j_lo = kt * BT_TILE + warp * 16 + gid;  // this thread's keys: j_lo and j_lo + 8
+    const float scale2 = p.scale * 1.4426950408889634f;
 
     bload_tile<D>(ks_, k + k_head * D, kt * BT_TILE, p.kv_len);
     bload_tile<D>(vs_, v + k_head * D, kt * BT_TILE, p.kv_len);
@@ -116,7 +117,8 @@ __device__ __forceinline__ void attn_bwd_tc_dkdv(const AttnProblem& p, G* __rest
             cp_async_commit();
             for (u32 x = threadIdx.x; x < BT_TILE; x += BT_WARPS * 32) {
                 u32 i = i0 + x;
-                ls[x] = i < p.q_len ? lse[q_head + i] : 0.0f;
+                // LSE in base 2, for P = 2^(S·scale·log2 e − LSE·log2 e) by one ex2.approx.
+                ls[x] = i < p.q_len ? lse[q_head + i] * 1.4426950408889634f : 0.0f;
                 dls[x] = i < p.q_len ? delta[q_head + i] : 0.0f;
             }
             cp_async_wait_all();
@@ -160,7 +162,7 @@ __device__ __forceinline__ void attn_bwd_tc_dkdv(const AttnProblem& p, G* __rest
                         u32 il = half * 32 + n * 8 + 2 * tig + (e & 1);
                         u32 i = i0 + il;
                         bool hidden = masked && (i >= p.q_len || j >= p.kv_len || !visible(p, i, j));
-                        float pv = hidden ? 0.0f : expf(st[n][e] * p.scale - ls[il]);
+                        float pv = hidden ? 0.0f : ex2_approx(st[n][e] * scale2 - ls[il]);
                         float dsv = hidden ? 0.0f : pv * (dpt[n][e] - dls[il]);
                         st[n][e] = pv;
                         dpt[n][e] = dsv;
@@ -254,6 +256,7 @@ __device__ __forceinline__ void attn_bwd_tc_dq(const AttnProblem& p, G* __restri
     const bf16* kg = k + k_head * D;
     const u32 k_tiles = (p.kv_len + BT_TILE - 1) / BT_TILE;
     const u32 i_lo = qt * BT_TILE + warp * 16 + gid;  // this thread's rows: i_lo and i_lo + 8
+    const float scale2 = p.scale * 1.4426950408889634f;
 
     bload_tile<D>(qs, q + q_head * D, qt * BT_TILE, p.q_len);
     bload_tile<D>(dos, dout + q_head * D, qt * BT_TILE, p.q_len);
@@ -269,7 +272,7 @@ __device__ __forceinline__ void attn_bwd_tc_dq(const AttnProblem& p, G* __restri
     float lr[2], dl[2];
     for (u32 hf = 0; hf < 2; ++hf) {
         u32 i = i_lo + 8 * hf;
-        lr[hf] = i < p.q_len ? lse[q_head + i] : 0.0f;
+        lr[hf] = i < p.q_len ? lse[q_head + i] * 1.4426950408889634f : 0.0f;
         dl[hf] = i < p.q_len ? delta[q_head + i] : 0.0f;
     }
 
@@ -318,7 +321,7 @@ __device__ __forceinline__ void attn_bwd_tc_dq(const AttnProblem& p, G* __restri
                     u32 jl = half * 32 + n * 8 + 2 * tig + (e & 1);
                     u32 j = j0 + jl;
                     bool hidden = masked && (i >= p.q_len || j >= p.kv_len || !visible(p, i, j));
-                    float pv = hidden ? 0.0f : expf(s[n][e] * p.scale - lr[hf]);
+                    float pv = hidden ? 0.0f : ex2_approx(s[n][e] * scale2 - lr[hf]);
                     dp[n][e] = hidden ? 0.0f : pv * (dp[n][e] - dl[hf]);
                 }
             }

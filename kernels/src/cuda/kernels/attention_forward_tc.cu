@@ -9,7 +9,8 @@
 //    commit group per tile).
 // 3. Per tile: S = Q·Kᵀ (mma, B fragments by ldmatrix from K rows), scaled; on a partial tile, or the last one past
 //    Sk, every hidden pair's score is selected to −inf (never multiplied); the online softmax per row (running max
-//    m and sum l, reduced across the four lanes of a quad by shuffles); P = exp(S − m) rounded to bf16 becomes the
+//    m and sum l, reduced across the four lanes of a quad by shuffles; scores in base 2, so that each exponential is
+//    one ex2.approx); P = exp(S − m) rounded to bf16 becomes the
 //    A fragments of O += P·V (B fragments by ldmatrix.trans from V rows), O rescaled by exp(m_old − m) first.
 // 4. O / l is written (bf16 or f32), and LSE = m + ln l (−inf and O = 0 for a row that saw no key).
 //
@@ -69,7 +70,9 @@ __device__ __forceinline__ void attn_fwd_tc(const AttnProblem& p, const bf16* __
     const bf16* vg = v + k_head * D;
     const u32 k_tiles = (p.kv_len + TC_BC - 1) / TC_BC;
     const u32 bad_tiles = k_tiles;  // masks per head: one per 64 key rows
-    const float scale = p.scale;
+    // Scores are kept in base-2 units (scale·log2 e folded into one multiply), so each exponential is one
+    // ex2.approx; m is in those units too.
+    const float scale2 = p.scale * 1.4426950408889634f;
 
     // 1. Q.
     load_tile<D>(qs, qg, qt * TC_BR, p.q_len);
@@ -152,7 +155,7 @@ __device__ __forceinline__ void attn_fwd_tc(const AttnProblem& p, const bf16* __
             for (u32 n = 0; n < TC_BC / 8; ++n) {
                 for (u32 e = 0; e < 2; ++e) {
                     u32 j = j0 + n * 8 + 2 * tig + e;
-                    float x = s[n][2 * hf + e] * scale;
+                    float x = s[n][2 * hf + e] * scale2;
                     if (masked && (j >= p.kv_len || i >= p.q_len || !visible(p, i, j))) x = NEG_INF;
                     s[n][2 * hf + e] = x;
                     mx = fmaxf(mx, x);
@@ -162,12 +165,12 @@ __device__ __forceinline__ void attn_fwd_tc(const AttnProblem& p, const bf16* __
             mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 2));
             // A row that has seen no key yet keeps m = −inf: exponents are taken against 0 then, giving 0.
             float base = mx == NEG_INF ? 0.0f : mx;
-            alpha[hf] = m[hf] == mx ? 1.0f : expf(m[hf] - base);
+            alpha[hf] = m[hf] == mx ? 1.0f : ex2_approx(m[hf] - base);
             float sum = 0.0f;
             for (u32 n = 0; n < TC_BC / 8; ++n) {
                 for (u32 e = 0; e < 2; ++e) {
                     float x = s[n][2 * hf + e];
-                    float pv = x == NEG_INF ? 0.0f : expf(x - base);
+                    float pv = x == NEG_INF ? 0.0f : ex2_approx(x - base);
                     s[n][2 * hf + e] = pv;
                     sum += pv;
                 }
@@ -240,7 +243,7 @@ __device__ __forceinline__ void attn_fwd_tc(const AttnProblem& p, const bf16* __
             out[0] = from_f32<OT>(none ? 0.0f : acc[n][2 * hf] * inv);
             out[1] = from_f32<OT>(none ? 0.0f : acc[n][2 * hf + 1] * inv);
         }
-        if (tig == 0) lse[q_head + i] = none ? NEG_INF : m[hf] + logf(l[hf]);
+        if (tig == 0) lse[q_head + i] = none ? NEG_INF : m[hf] * 0.6931471805599453f + logf(l[hf]);
     }
 }
 
