@@ -18,7 +18,8 @@
 // global → shared; per half of 32 keys, S = Q·Kᵀ, dP = dO·Vᵀ, P and dS as above, dQ += dS·K (K by ldmatrix.trans).
 // At the end dQ·scale is written (or added).
 //
-// Shared memory tiles are swizzled as in attention_forward_tc.cu (chunk c of row r at c ^ (r % 8)).
+// Shared memory tiles are swizzled as in attention_forward_tc.cu (chunk c of row r at c ^ (r % 8)); every loop over
+// a register array is unrolled with constant bounds (an array indexed at run time is placed in local memory).
 //
 // Non-finite values behind the mask: a hidden pair's P and dS are selected to 0, but a product multiplies that 0
 // by the other operand's row, and 0·NaN is NaN. So on a partial tile pair whose tiles hold non-finite rows (the
@@ -62,13 +63,6 @@ __device__ __forceinline__ void store_grad(G* dst, float v, bool accumulate) {
     *dst = from_f32<G>(accumulate ? to_f32(*dst) + v : v);
 }
 
-// The value a thread's C-fragment register `reg` (0..3) of tile `n` holds at column `col` of the 16×32 half, fetched
-// from the quad lane that holds it: the thread's rows are gid (regs 0, 1) and gid + 8 (regs 2, 3).
-__device__ __forceinline__ float quad_fetch(const float (&t)[4][4], u32 col, u32 hf, u32 lane) {
-    u32 src = (lane & ~3u) | ((col % 8) / 2);
-    return __shfl_sync(FULL_MASK, t[col / 8][2 * hf + (col % 2)], src);
-}
-
 template <int D, typename G>
 __device__ __forceinline__ void attn_bwd_tc_dkdv(const AttnProblem& p, G* __restrict__ dk, G* __restrict__ dv,
                                                  const bf16* __restrict__ q, const bf16* __restrict__ k,
@@ -84,6 +78,7 @@ __device__ __forceinline__ void attn_bwd_tc_dkdv(const AttnProblem& p, G* __rest
     unsigned char* dos = smem + 3 * TB;
     float* ls = reinterpret_cast<float*>(smem + 4 * TB);
     float* dls = ls + BT_TILE;
+    float* scr = dls + BT_TILE;  // [4 warps][2][16][32]: Pᵀ and dSᵀ, for the correction
 
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 gid = lane >> 2, tig = lane & 3;
@@ -99,7 +94,9 @@ __device__ __forceinline__ void attn_bwd_tc_dkdv(const AttnProblem& p, G* __rest
     cp_async_commit();
 
     float dka[D / 8][4], dva[D / 8][4];
+    #pragma unroll
     for (u32 n = 0; n < D / 8; ++n)
+        #pragma unroll
         for (u32 e = 0; e < 4; ++e) dka[n][e] = dva[n][e] = 0.0f;
 
     for (u32 g = 0; g < group; ++g) {
@@ -135,16 +132,21 @@ __device__ __forceinline__ void attn_bwd_tc_dkdv(const AttnProblem& p, G* __rest
                 }
             }
 
+            #pragma unroll
             for (u32 half = 0; half < 2; ++half) {
                 // Sᵀ and dPᵀ: 16 keys × 32 queries.
                 float st[4][4], dpt[4][4];
+                #pragma unroll
                 for (u32 n = 0; n < 4; ++n)
+                    #pragma unroll
                     for (u32 e = 0; e < 4; ++e) st[n][e] = dpt[n][e] = 0.0f;
+                #pragma unroll
                 for (u32 ks = 0; ks < D / 16; ++ks) {
                     u32 ka[4], va[4];
                     u32 r = warp * 16 + (lane & 15), c = 2 * ks + (lane >> 4);
                     ldmatrix_x4(ka, ks_ + bswz<D>(r, c));
                     ldmatrix_x4(va, vs_ + bswz<D>(r, c));
+                    #pragma unroll
                     for (u32 n = 0; n < 4; ++n) {
                         u32 qb2[2], db2[2];
                         u32 row = half * 32 + n * 8 + (lane & 7), ch = 2 * ks + ((lane >> 3) & 1);
@@ -155,7 +157,9 @@ __device__ __forceinline__ void attn_bwd_tc_dkdv(const AttnProblem& p, G* __rest
                     }
                 }
                 // Pᵀ and dSᵀ.
+                #pragma unroll
                 for (u32 n = 0; n < 4; ++n) {
+                    #pragma unroll
                     for (u32 e = 0; e < 4; ++e) {
                         u32 jl = (e < 2) ? 0 : 8;
                         u32 j = j_lo + jl;
@@ -169,6 +173,7 @@ __device__ __forceinline__ void attn_bwd_tc_dkdv(const AttnProblem& p, G* __rest
                     }
                 }
                 // dV += Pᵀ·dO and dK += dSᵀ·Q over the half's 32 queries (2 k-steps of 16).
+                #pragma unroll
                 for (u32 t = 0; t < 2; ++t) {
                     u32 pa[4], sa[4];
                     pa[0] = pack_bf16x2(st[2 * t][0], st[2 * t][1]);
@@ -179,6 +184,7 @@ __device__ __forceinline__ void attn_bwd_tc_dkdv(const AttnProblem& p, G* __rest
                     sa[1] = pack_bf16x2(dpt[2 * t][2], dpt[2 * t][3]);
                     sa[2] = pack_bf16x2(dpt[2 * t + 1][0], dpt[2 * t + 1][1]);
                     sa[3] = pack_bf16x2(dpt[2 * t + 1][2], dpt[2 * t + 1][3]);
+                    #pragma unroll
                     for (u32 n = 0; n < D / 8; n += 2) {
                         u32 r = half * 32 + 16 * t + (lane & 7) + 8 * ((lane >> 3) & 1);
                         u32 c = n + (lane >> 4);
@@ -194,37 +200,58 @@ __device__ __forceinline__ void attn_bwd_tc_dkdv(const AttnProblem& p, G* __rest
                     }
                 }
                 if (qb | db) {
-                    // Add back what the zeroed elements contribute to visible pairs (see the header).
+                    // Add back what the zeroed elements contribute to visible pairs (see the header). Pᵀ and dSᵀ go
+                    // through shared memory (this warp's 16 × 32 each), so that no register array is indexed at run
+                    // time.
+                    float* ps = scr + warp * 2 * 16 * 32;
+                    float* ss = ps + 16 * 32;
+#pragma unroll
+                    for (u32 n = 0; n < 4; ++n)
+#pragma unroll
+                        for (u32 e = 0; e < 4; ++e) {
+                            u32 at = (gid + 8 * (e >> 1)) * 32 + n * 8 + 2 * tig + (e & 1);
+                            ps[at] = st[n][e];
+                            ss[at] = dpt[n][e];
+                        }
+                    __syncwarp();
                     for (u32 col = 0; col < 32; ++col) {
                         u32 il = half * 32 + col;
                         bool qf = (qb >> il) & 1ull, df = (db >> il) & 1ull;
                         if (!(qf || df)) continue;
                         u32 i = i0 + il;
+#pragma unroll
                         for (u32 hf = 0; hf < 2; ++hf) {
-                            float pv = quad_fetch(st, col, hf, lane);
-                            float dsv = quad_fetch(dpt, col, hf, lane);
+                            float pv = ps[(gid + 8 * hf) * 32 + col];
+                            float dsv = ss[(gid + 8 * hf) * 32 + col];
                             u32 j = j_lo + 8 * hf;
-                            if (i >= p.q_len || j >= p.kv_len || !visible(p, i, j)) continue;
+                            bool seen = i < p.q_len && j < p.kv_len && visible(p, i, j);
+#pragma unroll
                             for (u32 n = 0; n < D / 8; ++n) {
+#pragma unroll
                                 for (u32 e = 0; e < 2; ++e) {
                                     u32 d = n * 8 + 2 * tig + e;
-                                    float qx = to_f32(qg[(u64)i * D + d]), dx = to_f32(dog[(u64)i * D + d]);
-                                    if (qf && !isfinite(qx)) dka[n][2 * hf + e] += dsv * qx;
-                                    if (df && !isfinite(dx)) dva[n][2 * hf + e] += pv * dx;
+                                    float qx = seen ? to_f32(qg[(u64)i * D + d]) : 0.0f;
+                                    float dx = seen ? to_f32(dog[(u64)i * D + d]) : 0.0f;
+                                    if (seen && qf && !isfinite(qx)) dka[n][2 * hf + e] += dsv * qx;
+                                    if (seen && df && !isfinite(dx)) dva[n][2 * hf + e] += pv * dx;
                                 }
                             }
                         }
                     }
+                    __syncwarp();
                 }
             }
         }
     }
     cp_async_wait_all();
 
+    #pragma unroll
     for (u32 hf = 0; hf < 2; ++hf) {
         u32 j = j_lo + 8 * hf;
         if (j >= p.kv_len) continue;
+        #pragma unroll
         for (u32 n = 0; n < D / 8; ++n) {
+            #pragma unroll
             for (u32 e = 0; e < 2; ++e) {
                 u64 at = (k_head + j) * D + n * 8 + 2 * tig + e;
                 store_grad(dk + at, dka[n][2 * hf + e] * p.scale, accumulate != 0);
@@ -246,6 +273,7 @@ __device__ __forceinline__ void attn_bwd_tc_dq(const AttnProblem& p, G* __restri
     unsigned char* dos = smem + TB;
     unsigned char* ks_ = smem + 2 * TB;
     unsigned char* vs_ = smem + 3 * TB;
+    float* scr = reinterpret_cast<float*>(smem + 4 * TB);  // [4 warps][16][32]: dS, for the correction
 
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 gid = lane >> 2, tig = lane & 3;
@@ -264,12 +292,14 @@ __device__ __forceinline__ void attn_bwd_tc_dq(const AttnProblem& p, G* __restri
     cp_async_wait_all();
     __syncthreads();
     u32 qf[D / 16][4], df[D / 16][4];
+    #pragma unroll
     for (u32 ks = 0; ks < D / 16; ++ks) {
         u32 r = warp * 16 + (lane & 15), c = 2 * ks + (lane >> 4);
         ldmatrix_x4(qf[ks], qs + bswz<D>(r, c));
         ldmatrix_x4(df[ks], dos + bswz<D>(r, c));
     }
     float lr[2], dl[2];
+    #pragma unroll
     for (u32 hf = 0; hf < 2; ++hf) {
         u32 i = i_lo + 8 * hf;
         lr[hf] = i < p.q_len ? lse[q_head + i] * 1.4426950408889634f : 0.0f;
@@ -277,7 +307,9 @@ __device__ __forceinline__ void attn_bwd_tc_dq(const AttnProblem& p, G* __restri
     }
 
     float dqa[D / 8][4];
+    #pragma unroll
     for (u32 n = 0; n < D / 8; ++n)
+        #pragma unroll
         for (u32 e = 0; e < 4; ++e) dqa[n][e] = 0.0f;
 
     for (u32 kt = 0; kt < k_tiles; ++kt) {
@@ -296,11 +328,16 @@ __device__ __forceinline__ void attn_bwd_tc_dq(const AttnProblem& p, G* __restri
             sanitize<D>(ks_, kb);
             __syncthreads();
         }
+        #pragma unroll
         for (u32 half = 0; half < 2; ++half) {
             float s[4][4], dp[4][4];
+            #pragma unroll
             for (u32 n = 0; n < 4; ++n)
+                #pragma unroll
                 for (u32 e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.0f;
+            #pragma unroll
             for (u32 n = 0; n < 4; ++n) {
+                #pragma unroll
                 for (u32 ks = 0; ks < D / 16; ks += 2) {
                     u32 kb4[4], vb4[4];
                     u32 row = half * 32 + n * 8 + (lane & 7), ch = 2 * ks + (lane >> 3);
@@ -314,7 +351,9 @@ __device__ __forceinline__ void attn_bwd_tc_dq(const AttnProblem& p, G* __restri
                     mma_16816_bf16(dp[n], df[ks + 1], v1, dp[n]);
                 }
             }
+            #pragma unroll
             for (u32 n = 0; n < 4; ++n) {
+                #pragma unroll
                 for (u32 e = 0; e < 4; ++e) {
                     u32 hf = e >> 1;
                     u32 i = i_lo + 8 * hf;
@@ -326,12 +365,14 @@ __device__ __forceinline__ void attn_bwd_tc_dq(const AttnProblem& p, G* __restri
                 }
             }
             // dQ += dS·K over the half's 32 keys.
+            #pragma unroll
             for (u32 t = 0; t < 2; ++t) {
                 u32 sa[4];
                 sa[0] = pack_bf16x2(dp[2 * t][0], dp[2 * t][1]);
                 sa[1] = pack_bf16x2(dp[2 * t][2], dp[2 * t][3]);
                 sa[2] = pack_bf16x2(dp[2 * t + 1][0], dp[2 * t + 1][1]);
                 sa[3] = pack_bf16x2(dp[2 * t + 1][2], dp[2 * t + 1][3]);
+                #pragma unroll
                 for (u32 n = 0; n < D / 8; n += 2) {
                     u32 r = half * 32 + 16 * t + (lane & 7) + 8 * ((lane >> 3) & 1);
                     u32 kbt[4];
@@ -342,30 +383,43 @@ __device__ __forceinline__ void attn_bwd_tc_dq(const AttnProblem& p, G* __restri
                 }
             }
             if (kb) {
+                float* ss = scr + warp * 16 * 32;
+#pragma unroll
+                for (u32 n = 0; n < 4; ++n)
+#pragma unroll
+                    for (u32 e = 0; e < 4; ++e) ss[(gid + 8 * (e >> 1)) * 32 + n * 8 + 2 * tig + (e & 1)] = dp[n][e];
+                __syncwarp();
                 for (u32 col = 0; col < 32; ++col) {
                     u32 jl = half * 32 + col;
                     if (!((kb >> jl) & 1ull)) continue;
                     u32 j = j0 + jl;
+#pragma unroll
                     for (u32 hf = 0; hf < 2; ++hf) {
-                        float dsv = quad_fetch(dp, col, hf, lane);
+                        float dsv = ss[(gid + 8 * hf) * 32 + col];
                         u32 i = i_lo + 8 * hf;
-                        if (i >= p.q_len || j >= p.kv_len || !visible(p, i, j)) continue;
+                        bool seen = i < p.q_len && j < p.kv_len && visible(p, i, j);
+#pragma unroll
                         for (u32 n = 0; n < D / 8; ++n) {
+#pragma unroll
                             for (u32 e = 0; e < 2; ++e) {
-                                float x = to_f32(kg[(u64)j * D + n * 8 + 2 * tig + e]);
-                                if (!isfinite(x)) dqa[n][2 * hf + e] += dsv * x;
+                                float x = seen ? to_f32(kg[(u64)j * D + n * 8 + 2 * tig + e]) : 0.0f;
+                                if (seen && !isfinite(x)) dqa[n][2 * hf + e] += dsv * x;
                             }
                         }
                     }
                 }
+                __syncwarp();
             }
         }
     }
 
+    #pragma unroll
     for (u32 hf = 0; hf < 2; ++hf) {
         u32 i = i_lo + 8 * hf;
         if (i >= p.q_len) continue;
+        #pragma unroll
         for (u32 n = 0; n < D / 8; ++n) {
+            #pragma unroll
             for (u32 e = 0; e < 2; ++e) {
                 store_grad(dq + (q_head + i) * D + n * 8 + 2 * tig + e, dqa[n][2 * hf + e] * p.scale, accumulate != 0);
             }

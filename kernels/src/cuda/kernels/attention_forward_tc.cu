@@ -16,7 +16,10 @@
 //
 // Shared memory: rows of D bf16 in 16-byte chunks, chunk c of row r stored at chunk c ^ (r % 8) (an XOR swizzle),
 // so the eight rows an ldmatrix reads at one column fall in different banks. Q: 64×D; K and V: two buffers of
-// 64×D each (80 KiB at D = 128).
+// 64×D each; 16 KiB for P on the rare tile that needs a correction (96 KiB at D = 128).
+//
+// Every loop over a register array (fragments, accumulators) is unrolled with constant bounds: an array indexed at
+// run time is placed in local memory.
 //
 // Non-finite values behind the mask. A masked score is selected away, but P·V multiplies each hidden pair's P = 0
 // by V[j], and 0·NaN is NaN: a NaN in V would reach rows the mask hides it from. So on a partial tile that holds a
@@ -56,8 +59,9 @@ __device__ __forceinline__ void attn_fwd_tc(const AttnProblem& p, const bf16* __
     DYNAMIC_SMEM(unsigned char, smem);
     constexpr u32 TILE_BYTES = TC_BC * D * 2;
     unsigned char* qs = smem;
-    unsigned char* kbuf[2] = {smem + TILE_BYTES, smem + 2 * TILE_BYTES};
-    unsigned char* vbuf[2] = {smem + 3 * TILE_BYTES, smem + 4 * TILE_BYTES};
+    // K's buffer b at smem + (1 + b)·TILE_BYTES, V's at smem + (3 + b)·TILE_BYTES (computed, not an array: an array
+    // indexed at run time would live in local memory).
+    float* pscr = reinterpret_cast<float*>(smem + 5 * TILE_BYTES);  // [4 warps][16][64]: P, for the correction
 
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 gid = lane >> 2, tig = lane & 3;
@@ -82,14 +86,15 @@ __device__ __forceinline__ void attn_fwd_tc(const AttnProblem& p, const bf16* __
     u32 kt = 0;
     while (kt < k_tiles && classify(p, qt, kt) == TILE_HIDDEN) ++kt;
     if (kt < k_tiles) {
-        load_tile<D>(kbuf[0], kg, kt * TC_BC, p.kv_len);
-        load_tile<D>(vbuf[0], vg, kt * TC_BC, p.kv_len);
+        load_tile<D>(smem + TILE_BYTES, kg, kt * TC_BC, p.kv_len);
+        load_tile<D>(smem + 3 * TILE_BYTES, vg, kt * TC_BC, p.kv_len);
     }
     cp_async_commit();
 
     cp_async_wait<1>();
     __syncthreads();
     u32 qf[D / 16][4];
+    #pragma unroll
     for (u32 ks = 0; ks < D / 16; ++ks) {
         u32 r = warp * 16 + (lane & 15);
         u32 c = 2 * ks + (lane >> 4);
@@ -97,7 +102,9 @@ __device__ __forceinline__ void attn_fwd_tc(const AttnProblem& p, const bf16* __
     }
 
     float acc[D / 8][4];
+    #pragma unroll
     for (u32 n = 0; n < D / 8; ++n)
+        #pragma unroll
         for (u32 e = 0; e < 4; ++e) acc[n][e] = 0.0f;
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
     const u32 row_lo = qt * TC_BR + warp * 16 + gid;  // this thread's rows: row_lo and row_lo + 8
@@ -109,8 +116,8 @@ __device__ __forceinline__ void attn_fwd_tc(const AttnProblem& p, const bf16* __
         u32 next = kt + 1;
         while (next < k_tiles && classify(p, qt, next) == TILE_HIDDEN) ++next;
         if (next < k_tiles) {
-            load_tile<D>(kbuf[buf ^ 1], kg, next * TC_BC, p.kv_len);
-            load_tile<D>(vbuf[buf ^ 1], vg, next * TC_BC, p.kv_len);
+            load_tile<D>(smem + (2 - buf) * TILE_BYTES, kg, next * TC_BC, p.kv_len);
+            load_tile<D>(smem + (4 - buf) * TILE_BYTES, vg, next * TC_BC, p.kv_len);
         }
         cp_async_commit();
         cp_async_wait<1>();
@@ -120,8 +127,8 @@ __device__ __forceinline__ void attn_fwd_tc(const AttnProblem& p, const bf16* __
         const bool tail = j0 + TC_BC > p.kv_len;
         const bool masked = cls == TILE_PARTIAL || tail;
         unsigned long long vb = (cls == TILE_PARTIAL && v_bad) ? v_bad[((u64)b * p.kv_heads + hk) * bad_tiles + kt] : 0ull;
-        unsigned char* ks_ = kbuf[buf];
-        unsigned char* vs_ = vbuf[buf];
+        unsigned char* ks_ = smem + (1 + buf) * TILE_BYTES;
+        unsigned char* vs_ = smem + (3 + buf) * TILE_BYTES;
         if (vb) {
             // Zero V's non-finite elements in the rows flagged (see the header).
             for (u32 x = threadIdx.x; x < TC_BC * D; x += TC_WARPS * 32) {
@@ -135,9 +142,13 @@ __device__ __forceinline__ void attn_fwd_tc(const AttnProblem& p, const bf16* __
 
         // S = Q·Kᵀ for this warp's 16 rows and the tile's 64 keys.
         float s[TC_BC / 8][4];
+        #pragma unroll
         for (u32 n = 0; n < TC_BC / 8; ++n)
+            #pragma unroll
             for (u32 e = 0; e < 4; ++e) s[n][e] = 0.0f;
+        #pragma unroll
         for (u32 n = 0; n < TC_BC / 8; ++n) {
+            #pragma unroll
             for (u32 ks = 0; ks < D / 16; ks += 2) {
                 u32 bfr[4];
                 ldmatrix_x4(bfr, ks_ + swz<D>(n * 8 + (lane & 7), 2 * ks + (lane >> 3)));
@@ -149,10 +160,13 @@ __device__ __forceinline__ void attn_fwd_tc(const AttnProblem& p, const bf16* __
 
         // Scale, mask, and the online softmax of each of the thread's two rows (half 0: row_lo, half 1: +8).
         float alpha[2];
+        #pragma unroll
         for (u32 hf = 0; hf < 2; ++hf) {
             u32 i = row_lo + 8 * hf;
             float mx = m[hf];
+            #pragma unroll
             for (u32 n = 0; n < TC_BC / 8; ++n) {
+                #pragma unroll
                 for (u32 e = 0; e < 2; ++e) {
                     u32 j = j0 + n * 8 + 2 * tig + e;
                     float x = s[n][2 * hf + e] * scale2;
@@ -167,7 +181,9 @@ __device__ __forceinline__ void attn_fwd_tc(const AttnProblem& p, const bf16* __
             float base = mx == NEG_INF ? 0.0f : mx;
             alpha[hf] = m[hf] == mx ? 1.0f : ex2_approx(m[hf] - base);
             float sum = 0.0f;
+            #pragma unroll
             for (u32 n = 0; n < TC_BC / 8; ++n) {
+                #pragma unroll
                 for (u32 e = 0; e < 2; ++e) {
                     float x = s[n][2 * hf + e];
                     float pv = x == NEG_INF ? 0.0f : ex2_approx(x - base);
@@ -180,6 +196,7 @@ __device__ __forceinline__ void attn_fwd_tc(const AttnProblem& p, const bf16* __
             l[hf] = l[hf] * alpha[hf] + sum;
             m[hf] = mx;
         }
+        #pragma unroll
         for (u32 n = 0; n < D / 8; ++n) {
             acc[n][0] *= alpha[0];
             acc[n][1] *= alpha[0];
@@ -188,12 +205,14 @@ __device__ __forceinline__ void attn_fwd_tc(const AttnProblem& p, const bf16* __
         }
 
         // O += P·V: P's C fragments become A fragments (keys 16t..16t+15 are S tiles 2t and 2t+1).
+        #pragma unroll
         for (u32 t = 0; t < TC_BC / 16; ++t) {
             u32 pa[4];
             pa[0] = pack_bf16x2(s[2 * t][0], s[2 * t][1]);
             pa[1] = pack_bf16x2(s[2 * t][2], s[2 * t][3]);
             pa[2] = pack_bf16x2(s[2 * t + 1][0], s[2 * t + 1][1]);
             pa[3] = pack_bf16x2(s[2 * t + 1][2], s[2 * t + 1][3]);
+            #pragma unroll
             for (u32 n = 0; n < D / 8; n += 2) {
                 u32 bfr[4];
                 u32 r = 16 * t + (lane & 7) + 8 * ((lane >> 3) & 1);
@@ -205,24 +224,33 @@ __device__ __forceinline__ void attn_fwd_tc(const AttnProblem& p, const bf16* __
         }
 
         if (vb) {
-            // Each row that sees a flagged key adds what the zeroed elements held, times its P (fetched from the
-            // lane of the quad that holds it).
+            // Each row that sees a flagged key adds what the zeroed elements held, times its P. P goes through
+            // shared memory (this warp's 16 × 64), so that no register array is indexed at run time.
+            float* ps = pscr + warp * 16 * TC_BC;
+#pragma unroll
+            for (u32 n = 0; n < TC_BC / 8; ++n)
+#pragma unroll
+                for (u32 e = 0; e < 4; ++e) ps[(gid + 8 * (e >> 1)) * TC_BC + n * 8 + 2 * tig + (e & 1)] = s[n][e];
+            __syncwarp();
             for (u32 jj = 0; jj < TC_BC; ++jj) {
                 if (!((vb >> jj) & 1ull)) continue;
                 u32 j = j0 + jj;
-                u32 src = (lane & ~3u) | ((jj % 8) / 2);
+#pragma unroll
                 for (u32 hf = 0; hf < 2; ++hf) {
-                    float pv = __shfl_sync(FULL_MASK, s[jj / 8][2 * hf + (jj % 2)], src);
                     u32 i = row_lo + 8 * hf;
-                    if (i >= p.q_len || j >= p.kv_len || !visible(p, i, j)) continue;
+                    float pv = ps[(gid + 8 * hf) * TC_BC + jj];
+                    bool seen = i < p.q_len && j < p.kv_len && visible(p, i, j);
+#pragma unroll
                     for (u32 n = 0; n < D / 8; ++n) {
+#pragma unroll
                         for (u32 e = 0; e < 2; ++e) {
-                            float x = to_f32(vg[(u64)j * D + n * 8 + 2 * tig + e]);
-                            if (!isfinite(x)) acc[n][2 * hf + e] += pv * x;
+                            float x = seen ? to_f32(vg[(u64)j * D + n * 8 + 2 * tig + e]) : 0.0f;
+                            if (seen && !isfinite(x)) acc[n][2 * hf + e] += pv * x;
                         }
                     }
                 }
             }
+            __syncwarp();
         }
 
         __syncthreads();  // every warp is done with this buffer before the next prefetch overwrites it
@@ -232,11 +260,13 @@ __device__ __forceinline__ void attn_fwd_tc(const AttnProblem& p, const bf16* __
     cp_async_wait_all();
 
     // 4. O / l and LSE.
+    #pragma unroll
     for (u32 hf = 0; hf < 2; ++hf) {
         u32 i = row_lo + 8 * hf;
         if (i >= p.q_len) continue;
         bool none = l[hf] == 0.0f;
         float inv = none ? 0.0f : 1.0f / l[hf];
+        #pragma unroll
         for (u32 n = 0; n < D / 8; ++n) {
             u32 d = n * 8 + 2 * tig;
             OT* out = o + (q_head + i) * D + d;

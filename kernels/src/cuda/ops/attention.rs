@@ -231,7 +231,7 @@ pub(crate) fn forward(b: &CudaBackend, p: &AttnParams<'_>, out: AttnOut<'_>, qkv
         let cfg = LaunchConfig {
             grid: [s.q_len.div_ceil(TC_TILE) as u32, s.q_heads as u32, s.batch as u32],
             block: [128, 1, 1],
-            shared_bytes: (5 * TC_TILE * s.head_dim * 2) as u32,
+            shared_bytes: (5 * TC_TILE * s.head_dim * 2 + 4 * 16 * TC_TILE * 4) as u32,
         };
         let name = format!("attn_fwd_tc_d{}_{}", s.head_dim, super::suffix(ot));
         let kf = kernel(&FORWARD_TC, &name)?;
@@ -298,7 +298,7 @@ pub(crate) fn backward(
         let cfg = LaunchConfig {
             grid: [s.kv_len.div_ceil(TC_TILE) as u32, s.kv_heads as u32, s.batch as u32],
             block: [128, 1, 1],
-            shared_bytes: (4 * tile_bytes + 2 * TC_TILE * 4) as u32,
+            shared_bytes: (4 * tile_bytes + 2 * TC_TILE * 4 + 4 * 2 * 16 * 32 * 4) as u32,
         };
         // SAFETY: as the forward; `dk`/`dv` have `k`'s dims and one type; the masks one word per 64 rows of each
         // head.
@@ -310,7 +310,7 @@ pub(crate) fn backward(
         let cfg = LaunchConfig {
             grid: [s.q_len.div_ceil(TC_TILE) as u32, s.q_heads as u32, s.batch as u32],
             block: [128, 1, 1],
-            shared_bytes: (4 * tile_bytes) as u32,
+            shared_bytes: (4 * tile_bytes + 4 * 16 * 32 * 4) as u32,
         };
         // SAFETY: as above; `dq` has `q`'s dims.
         return unsafe { b.launch(&kq, cfg, &args) };
