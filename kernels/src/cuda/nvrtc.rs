@@ -660,3 +660,41 @@ extern "C" __global__ void longctx_headers_only(float* out, const __nv_bfloat16*
         }
     }
 }
+
+/// The tensor-core attention kernels keep every fragment and accumulator in registers: ptxas (through NVRTC, no GPU
+/// needed) reports no stack frame and no spills for any of them, for sm_80 and sm_90. An array indexed at run time,
+/// or a register budget the compiler cannot meet, shows here as local memory, which would cost those kernels most of
+/// their speed.
+#[cfg(test)]
+mod register_budget {
+    #[test]
+    fn tensor_core_attention_uses_no_local_memory() {
+        if !super::tests::nvrtc_or_skip("tensor_core_attention_uses_no_local_memory") {
+            return;
+        }
+        let include = super::super::headers::include_dir().expect("CUDA headers");
+        for arch in ["sm_80", "sm_90"] {
+            for src in [&crate::cuda::ops::attention::FORWARD_TC, &crate::cuda::ops::attention::BACKWARD_TC] {
+                let mut opts = super::options(arch, &include);
+                opts.push("--ptxas-options=-v".into());
+                let tu = crate::cuda::sources::translation_unit(src);
+                let c = super::run_nvrtc(&tu, src.file, arch, &opts).expect("compiles");
+                let mut entry = "";
+                for line in c.log.lines() {
+                    if let Some(at) = line.find("Compiling entry function '") {
+                        entry = line[at + 26..].split('\'').next().unwrap_or("");
+                    }
+                    if line.contains("stack frame") {
+                        assert!(
+                            line.contains("0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads"),
+                            "{arch} {entry}: {line}"
+                        );
+                    }
+                    if line.contains("Used") && line.contains("registers") {
+                        eprintln!("{arch} {entry}: {}", line.trim());
+                    }
+                }
+            }
+        }
+    }
+}

@@ -428,13 +428,13 @@ __device__ __forceinline__ void attn_bwd_tc_dq(const AttnProblem& p, G* __restri
 }
 
 #define BWD_TC(dd, gn, gt)                                                                                          \
-    extern "C" __global__ void __launch_bounds__(128) attn_bwd_tc_dkdv_d##dd##_##gn(                               \
+    extern "C" __global__ void __launch_bounds__(128, 1) attn_bwd_tc_dkdv_d##dd##_##gn(                               \
         AttnProblem p, gt* dk, gt* dv, const bf16* q, const bf16* k, const bf16* v, const bf16* dout,               \
         const float* lse, const float* delta, const unsigned long long* q_bad, const unsigned long long* do_bad,     \
         int accumulate) {                                                                                           \
         attn_bwd_tc_dkdv<dd, gt>(p, dk, dv, q, k, v, dout, lse, delta, q_bad, do_bad, accumulate);                  \
     }                                                                                                               \
-    extern "C" __global__ void __launch_bounds__(128) attn_bwd_tc_dq_d##dd##_##gn(                                 \
+    extern "C" __global__ void __launch_bounds__(128, 1) attn_bwd_tc_dq_d##dd##_##gn(                                 \
         AttnProblem p, gt* dq, const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse,      \
         const float* delta, const unsigned long long* k_bad, int accumulate) {                                      \
         attn_bwd_tc_dq<dd, gt>(p, dq, q, k, v, dout, lse, delta, k_bad, accumulate);                                \

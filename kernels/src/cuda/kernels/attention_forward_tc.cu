@@ -278,7 +278,7 @@ __device__ __forceinline__ void attn_fwd_tc(const AttnProblem& p, const bf16* __
 }
 
 #define FWD_TC(dd, on, ot)                                                                                     \
-    extern "C" __global__ void __launch_bounds__(128) attn_fwd_tc_d##dd##_##on(                               \
+    extern "C" __global__ void __launch_bounds__(128, 1) attn_fwd_tc_d##dd##_##on(                               \
         AttnProblem p, const bf16* q, const bf16* k, const bf16* v, ot* o, float* lse,                          \
         const unsigned long long* v_bad) {                                                                     \
         attn_fwd_tc<dd, ot>(p, q, k, v, o, lse, v_bad);                                                        \
