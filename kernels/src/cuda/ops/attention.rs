@@ -70,9 +70,13 @@ pub(crate) static MERGE: KernelSource = KernelSource {
 /// Rows per tile of the tensor-core kernels (`TC_BR`, `TC_BC`), and of the non-finite row masks.
 const TC_TILE: usize = 64;
 
-/// Whether the tensor-core forward runs this problem: bf16 inputs, a head dim it is built for.
-fn tensor_cores(p: &AttnParams<'_>, qkv_dtype: DType) -> bool {
-    qkv_dtype == DType::Bf16 && matches!(p.shape.head_dim, 64 | 128)
+/// Whether the tensor-core kernels run this problem: bf16 inputs, a head dim they are built for, and inputs at
+/// 16-byte aligned addresses (their rows are copied 16 bytes at a time by cp.async, which faults otherwise; a view
+/// of a buffer's middle rows may start anywhere).
+fn tensor_cores(p: &AttnParams<'_>, qkv_dtype: DType, inputs: &[&View<'_>]) -> bool {
+    qkv_dtype == DType::Bf16
+        && matches!(p.shape.head_dim, 64 | 128)
+        && inputs.iter().all(|v| v.as_device("input", v.memory()).is_ok_and(|d| d.ptr() % 16 == 0))
 }
 
 /// One 64-bit mask per tile of 64 rows of each head of `x` (`[heads, len, D]`): which rows hold a non-finite
@@ -220,7 +224,7 @@ fn general_smem(d: usize) -> u32 {
 pub(crate) fn forward(b: &CudaBackend, p: &AttnParams<'_>, out: AttnOut<'_>, qkv: Qkv<'_>) -> Result<()> {
     let s = p.shape;
     let (qt, ot) = (qkv.q.dtype(), out.o.dtype());
-    if tensor_cores(p, qt) {
+    if tensor_cores(p, qt, &[&qkv.q, &qkv.k, &qkv.v]) {
         let pr = problem(b, p, TC_TILE)?;
         let v_bad = nonfinite_masks(b, &qkv.v, s.batch * s.kv_heads, s.kv_len, s.head_dim)?;
         let (q, k, v) = (ptr(b, "q", &qkv.q)?, ptr(b, "k", &qkv.k)?, ptr(b, "v", &qkv.v)?);
@@ -273,7 +277,8 @@ pub(crate) fn backward(
     let acc = i32::from(mode == GradMode::Accumulate);
     let rows = s.lse_elems() as u64;
     let delta = b.scratch(4 * rows as usize)?;
-    let tc = tensor_cores(p, qt) && dot == DType::Bf16 && dkt == dvt;
+    let tc =
+        tensor_cores(p, qt, &[&saved.qkv.q, &saved.qkv.k, &saved.qkv.v, &dout]) && dot == DType::Bf16 && dkt == dvt;
 
     let kd = kernel(&BACKWARD, "attn_bwd_delta")?;
     let mut args = KernelArgs::new();
