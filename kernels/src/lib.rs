@@ -6,9 +6,12 @@
 //! and squared ReLU, embeddings, chunked cross-entropy, AdamW and gradient norms.
 //!
 //! Main types:
-//! - [`Backend`]: the one interface every caller computes through; [`CpuBackend`] (SIMD micro-kernels on a
-//!   rayon pool) today, [`CudaBackend`] with the `cuda` feature later (a typed error until then).
-//! - [`View`] / [`ViewMut`]: buffers that carry their dims, dtype and [`Memory`]; [`Buffer`] owns one.
+//! - [`Backend`]: the one interface every caller computes through, with its memory and ordering rules (host
+//!   data moves in and out by `upload`/`download`; [`Event`]s order work across queues); [`CpuBackend`] (SIMD
+//!   micro-kernels on a rayon pool) and, with the `cuda` feature, [`CudaBackend`] (our NVRTC-compiled kernels and
+//!   cuBLASLt on an NVIDIA GPU, or the same kernels on a host emulator for tests).
+//! - [`View`] / [`ViewMut`]: buffers that carry their dims, dtype and [`Memory`] (host, or a device's
+//!   [`DeviceSlice`]); [`Buffer`] owns one.
 //! - Grouped arguments: [`Qkv`], [`AttnOut`], [`AttnSaved`] (what attention's forward saves), [`AttnGrads`];
 //!   the other ops' saved tensors are in [`saved`], each with its size in bytes from the shapes.
 //! - [`AttnMask`]: causal, sliding-window and document masks by global token positions.
@@ -37,11 +40,11 @@
 //! # Ok::<(), longctx_kernels::KernelError>(())
 //! ```
 //!
-//! [`Backend`] is the only way to compute: the CPU kernels (typed slices with explicit sizes) are private to
-//! [`CpuBackend`], which checks the views and calls them. Beside it, [`attention`] and [`ops`] hold the types the
-//! methods take and say what each op computes, [`attention::reference`] is a plain f64 attention to check kernels
-//! against, and [`testing`] has seeded data, the error measure and slice-level wrappers of a backend's attention
-//! for property tests.
+//! [`Backend`] is the only way to compute. The layout shows the split: the interface at the root ([`backend`],
+//! [`view`], [`buffer`], [`event`], [`dtype`], [`saved`], the argument types in [`attention`] and [`ops`], and the
+//! checks every backend runs before any element is written), the implementations side by side in [`cpu`] and
+//! [`cuda`]. [`attention::reference`] is a plain f64 attention to check kernels against, and [`testing`] has seeded
+//! data, the error measure and slice-level wrappers of a backend's attention for property tests.
 #![warn(missing_docs, unsafe_op_in_unsafe_fn)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 

@@ -34,7 +34,7 @@ pub struct CudaBackend {
 impl CudaBackend {
     /// The backend on device `ordinal`, with its own stream.
     ///
-    /// Errors: [`KernelError::NoDevice`] when no CUDA driver can be loaded or no device has that ordinal.
+    /// Errors: [`KernelError::NoDevice`](crate::KernelError::NoDevice) when no CUDA driver can be loaded or no device has that ordinal.
     pub fn new(ordinal: usize) -> Result<Self> {
         let device = super::driver::DriverDevice::new(ordinal)?;
         Ok(Self { device })
@@ -44,7 +44,7 @@ impl CudaBackend {
     /// (`$CXX`, else `c++`) and run with one fiber per CUDA thread, device memory being host memory with guard
     /// zones checked after every launch. Slow; for testing kernels and the backend without a GPU.
     ///
-    /// Errors: [`KernelError::Compile`] when the kernels do not build with the host compiler.
+    /// Errors: [`KernelError::Compile`](crate::KernelError::Compile) when the kernels do not build with the host compiler.
     pub fn emulated() -> Result<Self> {
         let device = super::emulated::EmulatedDevice::open()?;
         Ok(Self { device })

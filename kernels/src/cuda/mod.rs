@@ -13,10 +13,10 @@
 //! - Host-typed arguments (positions, ids, targets, mask positions and documents, the RoPE table's frequencies,
 //!   a routing) are uploaded per call into pool memory, a few bytes per token.
 //!
-//! Without the `cuda` feature the type exists but [`CudaBackend::new`] returns [`KernelError::NotCompiled`], so
+//! Without the `cuda` feature the type exists but [`CudaBackend::new`] returns [`KernelError::NotCompiled`](crate::KernelError::NotCompiled), so
 //! callers that probe for a GPU compile everywhere (candle's `dummy_cuda_backend`). With it, no CUDA install is
 //! needed to build: the driver, NVRTC and cuBLASLt are loaded when a backend is made, and a missing one is a
-//! typed error ([`KernelError::NoDevice`]), never a panic.
+//! typed error ([`KernelError::NoDevice`](crate::KernelError::NoDevice)), never a panic.
 //!
 //! [`CudaBackend::emulated`] runs the same kernels on the host (see `device.rs`): it is how this crate tests
 //! every kernel on machines without a GPU.
