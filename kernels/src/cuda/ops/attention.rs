@@ -26,7 +26,14 @@ pub(crate) static FORWARD: KernelSource = KernelSource {
 pub(crate) static FORWARD_TC: KernelSource = KernelSource {
     file: "attention_forward_tc.cu",
     code: include_str!("../kernels/attention_forward_tc.cu"),
-    kernels: &["attn_fwd_tc_d64_bf16", "attn_fwd_tc_d64_f32", "attn_fwd_tc_d128_bf16", "attn_fwd_tc_d128_f32"],
+    kernels: &[
+        "attn_fwd_tc_d64_m1_bf16",
+        "attn_fwd_tc_d64_m1_f32",
+        "attn_fwd_tc_d128_m1_bf16",
+        "attn_fwd_tc_d128_m1_f32",
+        "attn_fwd_tc_d64_m2_bf16",
+        "attn_fwd_tc_d64_m2_f32",
+    ],
     includes: &[HEADER],
 };
 
@@ -77,6 +84,18 @@ fn tensor_cores(p: &AttnParams<'_>, qkv_dtype: DType, inputs: &[&View<'_>]) -> b
     qkv_dtype == DType::Bf16
         && matches!(p.shape.head_dim, 64 | 128)
         && inputs.iter().all(|v| v.as_device("input", v.memory()).is_ok_and(|d| d.ptr() % 16 == 0))
+}
+
+/// Row tiles of 16 per warp in the tensor-core forward (`MT` in `attention_forward_tc.cu`): 2 loads each K and
+/// V fragment once for 32 rows (half the shared-memory traffic per product) but reads Q's fragments from shared
+/// memory at each use; 1 keeps Q in registers. At D = 64, `LONGCTX_CUDA_ATTN_ROWS=64|128` picks the block's rows
+/// (1 or 2 tiles per warp); the default is 64 until the two are measured on a GPU. At D = 128 only 1 is built (2
+/// does not fit in the registers).
+fn forward_row_tiles(head_dim: usize) -> usize {
+    match (head_dim, std::env::var("LONGCTX_CUDA_ATTN_ROWS").as_deref()) {
+        (64, Ok("128")) => 2,
+        _ => 1,
+    }
 }
 
 /// One 64-bit mask per tile of 64 rows of each head of `x` (`[heads, len, D]`): which rows hold a non-finite
@@ -165,7 +184,7 @@ fn upload_summaries(b: &CudaBackend, s: Vec<TileSummary>, keep: &mut Vec<CudaAll
     Ok(p)
 }
 
-fn problem(b: &CudaBackend, p: &AttnParams<'_>, tile: usize) -> Result<Problem> {
+fn problem(b: &CudaBackend, p: &AttnParams<'_>, (q_tile, k_tile): (usize, usize)) -> Result<Problem> {
     let s = p.shape;
     let m = &p.mask;
     let mut keep = Vec::new();
@@ -181,8 +200,8 @@ fn problem(b: &CudaBackend, p: &AttnParams<'_>, tile: usize) -> Result<Problem> 
         (Some(q), Some(k)) => (upload(b, q, &mut keep)?, upload(b, k, &mut keep)?),
         _ => (0, 0),
     };
-    let q_tiles = upload_summaries(b, summaries(&tile_summaries(m, true, s.q_len, tile)), &mut keep)?;
-    let k_tiles = upload_summaries(b, summaries(&tile_summaries(m, false, s.kv_len, tile)), &mut keep)?;
+    let q_tiles = upload_summaries(b, summaries(&tile_summaries(m, true, s.q_len, q_tile)), &mut keep)?;
+    let k_tiles = upload_summaries(b, summaries(&tile_summaries(m, false, s.kv_len, k_tile)), &mut keep)?;
     let args = AttnProblem {
         batch: s.batch as u32,
         q_heads: s.q_heads as u32,
@@ -201,8 +220,8 @@ fn problem(b: &CudaBackend, p: &AttnParams<'_>, tile: usize) -> Result<Problem> 
         k_doc,
         q_tiles,
         k_tiles,
-        q_tile: tile as u32,
-        k_tile: tile as u32,
+        q_tile: q_tile as u32,
+        k_tile: k_tile as u32,
     };
     Ok(Problem { args, _uploads: keep })
 }
@@ -225,7 +244,9 @@ pub(crate) fn forward(b: &CudaBackend, p: &AttnParams<'_>, out: AttnOut<'_>, qkv
     let s = p.shape;
     let (qt, ot) = (qkv.q.dtype(), out.o.dtype());
     if tensor_cores(p, qt, &[&qkv.q, &qkv.k, &qkv.v]) {
-        let pr = problem(b, p, TC_TILE)?;
+        let mt = forward_row_tiles(s.head_dim);
+        let rows = 64 * mt;
+        let pr = problem(b, p, (rows, TC_TILE))?;
         let v_bad = nonfinite_masks(b, &qkv.v, s.batch * s.kv_heads, s.kv_len, s.head_dim)?;
         let (q, k, v) = (ptr(b, "q", &qkv.q)?, ptr(b, "k", &qkv.k)?, ptr(b, "v", &qkv.v)?);
         let o = ptr_mut(b, "o", out.o)?;
@@ -233,16 +254,17 @@ pub(crate) fn forward(b: &CudaBackend, p: &AttnParams<'_>, out: AttnOut<'_>, qkv
         let mut args = KernelArgs::new();
         args.push(pr.args).push(q).push(k).push(v).push(o).push(lse).push(v_bad.ptr());
         let cfg = LaunchConfig {
-            grid: [s.q_len.div_ceil(TC_TILE) as u32, s.q_heads as u32, s.batch as u32],
+            grid: [s.q_len.div_ceil(rows) as u32, s.q_heads as u32, s.batch as u32],
             block: [128, 1, 1],
-            shared_bytes: (5 * TC_TILE * s.head_dim * 2 + 4 * 16 * TC_TILE * 4) as u32,
+            // Q, two K and two V buffers, P's correction scratch.
+            shared_bytes: ((rows + 4 * TC_TILE) * s.head_dim * 2 + 4 * 16 * mt * TC_TILE * 4) as u32,
         };
-        let name = format!("attn_fwd_tc_d{}_{}", s.head_dim, super::suffix(ot));
+        let name = format!("attn_fwd_tc_d{}_m{mt}_{}", s.head_dim, super::suffix(ot));
         let kf = kernel(&FORWARD_TC, &name)?;
         // SAFETY: as the general path; `v_bad` holds one mask per 64 key rows of each head.
         return unsafe { b.launch(&kf, cfg, &args) };
     }
-    let pr = problem(b, p, GENERAL_TILE)?;
+    let pr = problem(b, p, (GENERAL_TILE, GENERAL_TILE))?;
     let (q, k, v) = (ptr(b, "q", &qkv.q)?, ptr(b, "k", &qkv.k)?, ptr(b, "v", &qkv.v)?);
     let o = ptr_mut(b, "o", out.o)?;
     let lse = ptr_mut(b, "lse", out.lse)?;
@@ -289,7 +311,7 @@ pub(crate) fn backward(
     unsafe { b.launch(&kd, LaunchConfig::linear(blocks, THREADS), &args)? };
 
     if tc {
-        let pr = problem(b, p, TC_TILE)?;
+        let pr = problem(b, p, (TC_TILE, TC_TILE))?;
         let (qh, kh) = (s.batch * s.q_heads, s.batch * s.kv_heads);
         let q_bad = nonfinite_masks(b, &saved.qkv.q, qh, s.q_len, s.head_dim)?;
         let do_bad = nonfinite_masks(b, &dout, qh, s.q_len, s.head_dim)?;
@@ -321,7 +343,7 @@ pub(crate) fn backward(
         return unsafe { b.launch(&kq, cfg, &args) };
     }
 
-    let pr = problem(b, p, GENERAL_TILE)?;
+    let pr = problem(b, p, (GENERAL_TILE, GENERAL_TILE))?;
     let smem = general_smem(s.head_dim);
     let kq = kernel(&BACKWARD, "attn_bwd_dq")?;
     let mut args = KernelArgs::new();
