@@ -7,8 +7,6 @@
 
 use std::fmt;
 
-use half::bf16;
-
 use crate::dtype::DType;
 use crate::error::{KernelError, Result};
 use crate::host::cache as host_cache;
@@ -33,16 +31,14 @@ pub unsafe trait DeviceAllocation: Send + Sync + fmt::Debug {
 }
 
 enum Owned {
-    HostF32(Vec<f32>),
-    HostBf16(Vec<bf16>),
+    Host(HostVec),
     Device { alloc: Box<dyn DeviceAllocation>, dtype: DType },
 }
 
 impl fmt::Debug for Owned {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Owned::HostF32(v) => write!(f, "HostF32({} elements)", v.len()),
-            Owned::HostBf16(v) => write!(f, "HostBf16({} elements)", v.len()),
+            Owned::Host(v) => write!(f, "Host({} elements of {})", v.len(), v.dtype().name()),
             Owned::Device { alloc, dtype } => write!(f, "Device({alloc:?}, {dtype:?})"),
         }
     }
@@ -59,12 +55,7 @@ impl Buffer {
     /// Zeros of `dtype` in host memory.
     pub fn host_zeros(dtype: DType, dims: impl IntoDims) -> Result<Self> {
         let dims = dims.into_dims()?;
-        let n = dims.numel();
-        let data = match dtype {
-            DType::F32 => HostVec::F32(vec![0.0; n]),
-            DType::Bf16 => HostVec::Bf16(vec![bf16::ZERO; n]),
-        };
-        Self::from_host_vec(data, dims)
+        Self::from_host_vec(HostVec::zeros(dtype, dims.numel()), dims)
     }
     /// A host buffer owning `data` with `dims` (no copy). Errors: a length that is not the dims' product.
     pub fn from_host_vec(data: HostVec, dims: impl IntoDims) -> Result<Self> {
@@ -75,11 +66,7 @@ impl Buffer {
     }
     /// A buffer taken from the host cache (already counted there).
     pub(crate) fn owning(data: HostVec, dims: Dims) -> Self {
-        let data = match data {
-            HostVec::F32(v) => Owned::HostF32(v),
-            HostVec::Bf16(v) => Owned::HostBf16(v),
-        };
-        Self { data, dims }
+        Self { data: Owned::Host(data), dims }
     }
     /// A device buffer of `dtype` with `dims` owning `alloc` (what a device backend's
     /// [`Backend::empty`](crate::Backend::empty) returns). Errors: an allocation smaller than the dims need.
@@ -107,9 +94,8 @@ impl Buffer {
     }
     /// A host buffer's elements, leaving it empty (for its `Drop` not to see them again).
     fn take_host(&mut self) -> HostVec {
-        match std::mem::replace(&mut self.data, Owned::HostF32(Vec::new())) {
-            Owned::HostF32(v) => HostVec::F32(v),
-            Owned::HostBf16(v) => HostVec::Bf16(v),
+        match std::mem::replace(&mut self.data, Owned::Host(HostVec::F32(Vec::new()))) {
+            Owned::Host(v) => v,
             device @ Owned::Device { .. } => {
                 self.data = device;
                 HostVec::F32(Vec::new())
@@ -131,15 +117,14 @@ impl Buffer {
     /// The element type.
     pub fn dtype(&self) -> DType {
         match &self.data {
-            Owned::HostF32(_) => DType::F32,
-            Owned::HostBf16(_) => DType::Bf16,
+            Owned::Host(v) => v.dtype(),
             Owned::Device { dtype, .. } => *dtype,
         }
     }
     /// Where the elements live.
     pub fn memory(&self) -> Memory {
         match &self.data {
-            Owned::HostF32(_) | Owned::HostBf16(_) => Memory::Host,
+            Owned::Host(_) => Memory::Host,
             Owned::Device { alloc, .. } => alloc.memory(),
         }
     }
@@ -150,8 +135,9 @@ impl Buffer {
     /// A read-only view of the whole buffer.
     pub fn view(&self) -> View<'_> {
         let view = match &self.data {
-            Owned::HostF32(v) => View::host(HostSlice::F32(v), self.dims),
-            Owned::HostBf16(v) => View::host(HostSlice::Bf16(v), self.dims),
+            Owned::Host(HostVec::F32(v)) => View::host(HostSlice::F32(v), self.dims),
+            Owned::Host(HostVec::Bf16(v)) => View::host(HostSlice::Bf16(v), self.dims),
+            Owned::Host(HostVec::F16(v)) => View::host(HostSlice::F16(v), self.dims),
             Owned::Device { alloc, dtype } => {
                 // SAFETY: the allocation holds the dims' elements (checked when the buffer was made) and lives
                 // as long as `self`, which the view borrows.
@@ -165,8 +151,9 @@ impl Buffer {
     pub fn view_mut(&mut self) -> ViewMut<'_> {
         let len = self.len();
         let view = match &mut self.data {
-            Owned::HostF32(v) => ViewMut::host(HostSliceMut::F32(v), self.dims),
-            Owned::HostBf16(v) => ViewMut::host(HostSliceMut::Bf16(v), self.dims),
+            Owned::Host(HostVec::F32(v)) => ViewMut::host(HostSliceMut::F32(v), self.dims),
+            Owned::Host(HostVec::Bf16(v)) => ViewMut::host(HostSliceMut::Bf16(v), self.dims),
+            Owned::Host(HostVec::F16(v)) => ViewMut::host(HostSliceMut::F16(v), self.dims),
             Owned::Device { alloc, dtype } => {
                 // SAFETY: as in `view`; the view borrows `self` mutably, so it is the only one.
                 let d = unsafe { DeviceSliceMut::new(alloc.ptr(), len, *dtype, alloc.memory()) };

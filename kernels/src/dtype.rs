@@ -1,7 +1,8 @@
-//! Element types: `f32` and `bf16` (`half::bf16` storage). Every kernel computes and accumulates in `f32`;
-//! `bf16` is converted when a tile is loaded and rounded (to nearest even) when a result is stored.
+//! Element types: `f32`, `bf16` and `f16` (`half::bf16`, `half::f16` storage). Every kernel computes and
+//! accumulates in `f32`; a 16-bit type is converted when a tile is loaded and rounded (to nearest even) when a
+//! result is stored.
 
-use half::bf16;
+use half::{bf16, f16};
 
 /// The element types the kernels take.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -10,6 +11,8 @@ pub enum DType {
     F32,
     /// bfloat16: 8 exponent bits, 7 mantissa bits.
     Bf16,
+    /// IEEE half precision: 5 exponent bits, 10 mantissa bits.
+    F16,
 }
 
 impl DType {
@@ -18,19 +21,20 @@ impl DType {
         match self {
             DType::F32 => "f32",
             DType::Bf16 => "bf16",
+            DType::F16 => "f16",
         }
     }
     /// Bytes per element.
     pub fn size(self) -> usize {
         match self {
             DType::F32 => 4,
-            DType::Bf16 => 2,
+            DType::Bf16 | DType::F16 => 2,
         }
     }
 }
 
-/// A storage element: `f32` or `bf16`. Sealed; conversions are exact for `f32` and round-to-nearest-even
-/// for `bf16` on store.
+/// A storage element: `f32`, `bf16` or `f16`. Sealed; conversions are exact for `f32` and round-to-nearest-even
+/// for the 16-bit types on store.
 pub trait Element: Copy + Send + Sync + Default + bytemuck::Pod + private::Sealed + 'static {
     /// The runtime tag of this type.
     const DTYPE: DType;
@@ -80,10 +84,29 @@ impl Element for bf16 {
     }
 }
 
+impl Element for f16 {
+    const DTYPE: DType = DType::F16;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        f16::from_f32(x)
+    }
+    fn host(s: &[Self]) -> crate::HostSlice<'_> {
+        crate::HostSlice::F16(s)
+    }
+    fn host_mut(s: &mut [Self]) -> crate::HostSliceMut<'_> {
+        crate::HostSliceMut::F16(s)
+    }
+}
+
 mod private {
     pub trait Sealed {}
     impl Sealed for f32 {}
     impl Sealed for half::bf16 {}
+    impl Sealed for half::f16 {}
 }
 
 /// Widens `src` into `dst` (same length).

@@ -23,7 +23,7 @@
 use std::fmt;
 use std::marker::PhantomData;
 
-use half::bf16;
+use half::{bf16, f16};
 
 use crate::dtype::{DType, Element};
 use crate::error::{KernelError, Result};
@@ -246,7 +246,7 @@ fn check_numel(len: usize, dims: &Dims) -> Result<()> {
 }
 
 impl<'a> View<'a> {
-    /// Host elements of `f32` or `bf16` with dims whose product is their length.
+    /// Host elements of `f32`, `bf16` or `f16` with dims whose product is their length.
     pub fn new<T: Element>(data: &'a [T], dims: impl IntoDims) -> Result<Self> {
         Self::host(T::host(data), dims)
     }
@@ -337,13 +337,14 @@ impl<'a> View<'a> {
         match self.as_host(name)? {
             HostSlice::F32(s) if T::DTYPE == DType::F32 => Ok(bytemuck::cast_slice(s)),
             HostSlice::Bf16(s) if T::DTYPE == DType::Bf16 => Ok(bytemuck::cast_slice(s)),
+            HostSlice::F16(s) if T::DTYPE == DType::F16 => Ok(bytemuck::cast_slice(s)),
             h => Err(dtype_error(name, T::DTYPE, h.dtype())),
         }
     }
 }
 
 impl<'a> ViewMut<'a> {
-    /// Writable host elements of `f32` or `bf16` with dims whose product is their length.
+    /// Writable host elements of `f32`, `bf16` or `f16` with dims whose product is their length.
     pub fn new<T: Element>(data: &'a mut [T], dims: impl IntoDims) -> Result<Self> {
         Self::host(T::host_mut(data), dims)
     }
@@ -463,6 +464,7 @@ impl<'a> ViewMut<'a> {
         match self.into_host(name)? {
             HostSliceMut::F32(s) if T::DTYPE == DType::F32 => Ok(bytemuck::cast_slice_mut(s)),
             HostSliceMut::Bf16(s) if T::DTYPE == DType::Bf16 => Ok(bytemuck::cast_slice_mut(s)),
+            HostSliceMut::F16(s) if T::DTYPE == DType::F16 => Ok(bytemuck::cast_slice_mut(s)),
             h => Err(dtype_error(name, T::DTYPE, h.dtype())),
         }
     }
@@ -499,43 +501,29 @@ fn dtype_error(name: &'static str, expected: DType, got: DType) -> KernelError {
     KernelError::DType { name, expected: expected.name(), got: got.name() }
 }
 
-impl<'a> From<&'a [f32]> for View<'a> {
-    fn from(s: &'a [f32]) -> Self {
-        View::flat(s)
-    }
+/// `From` a slice (or `Vec`) of each element type, into a one-dim view of its length.
+macro_rules! from_slices {
+    ($($t:ty),*) => {$(
+        impl<'a> From<&'a [$t]> for View<'a> {
+            fn from(s: &'a [$t]) -> Self {
+                View::flat(s)
+            }
+        }
+        impl<'a> From<&'a Vec<$t>> for View<'a> {
+            fn from(s: &'a Vec<$t>) -> Self {
+                View::flat(s)
+            }
+        }
+        impl<'a> From<&'a mut [$t]> for ViewMut<'a> {
+            fn from(s: &'a mut [$t]) -> Self {
+                ViewMut::flat(s)
+            }
+        }
+        impl<'a> From<&'a mut Vec<$t>> for ViewMut<'a> {
+            fn from(s: &'a mut Vec<$t>) -> Self {
+                ViewMut::flat(s)
+            }
+        }
+    )*};
 }
-impl<'a> From<&'a [bf16]> for View<'a> {
-    fn from(s: &'a [bf16]) -> Self {
-        View::flat(s)
-    }
-}
-impl<'a> From<&'a Vec<f32>> for View<'a> {
-    fn from(s: &'a Vec<f32>) -> Self {
-        View::flat(s)
-    }
-}
-impl<'a> From<&'a Vec<bf16>> for View<'a> {
-    fn from(s: &'a Vec<bf16>) -> Self {
-        View::flat(s)
-    }
-}
-impl<'a> From<&'a mut [f32]> for ViewMut<'a> {
-    fn from(s: &'a mut [f32]) -> Self {
-        ViewMut::flat(s)
-    }
-}
-impl<'a> From<&'a mut [bf16]> for ViewMut<'a> {
-    fn from(s: &'a mut [bf16]) -> Self {
-        ViewMut::flat(s)
-    }
-}
-impl<'a> From<&'a mut Vec<f32>> for ViewMut<'a> {
-    fn from(s: &'a mut Vec<f32>) -> Self {
-        ViewMut::flat(s)
-    }
-}
-impl<'a> From<&'a mut Vec<bf16>> for ViewMut<'a> {
-    fn from(s: &'a mut Vec<bf16>) -> Self {
-        ViewMut::flat(s)
-    }
-}
+from_slices!(f32, bf16, f16);

@@ -336,6 +336,7 @@ fn large_copies_run_on_the_pool_and_give_the_serial_elements() {
         let want: Vec<f32> = match dt {
             DType::F32 => src.clone(),
             DType::Bf16 => src.iter().map(|&x| bf16::from_f32(x).to_f32()).collect(),
+            DType::F16 => src.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect(),
         };
         assert_eq!(back, want, "{dt:?}");
     }

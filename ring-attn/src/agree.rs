@@ -31,6 +31,7 @@ fn fingerprint(cfg: &CpConfig, s: &CpShape, m: &CpMask, scale: f32) -> [u64; 13]
     let dtype = match s.dtype {
         DType::F32 => 0,
         DType::Bf16 => 1,
+        DType::F16 => 2,
     };
     let partition = match cfg.partition {
         Partition::Zigzag => 0,

@@ -38,6 +38,7 @@ macro_rules! typed_qkv {
         match ($q, $k, $v) {
             (HostSlice::F32($qq), HostSlice::F32($kk), HostSlice::F32($vv)) => $body,
             (HostSlice::Bf16($qq), HostSlice::Bf16($kk), HostSlice::Bf16($vv)) => $body,
+            (HostSlice::F16($qq), HostSlice::F16($kk), HostSlice::F16($vv)) => $body,
             _ => unreachable!("q, k and v dtypes are checked to agree before a schedule runs"),
         }
     };

@@ -1,7 +1,7 @@
 //! A KV block as it travels between ranks: keys, values and (for packed sequences) document ids in one
 //! 4-byte-aligned buffer, so one message carries the whole block and the receiver views it without a copy.
 
-use half::bf16;
+use half::{bf16, f16};
 use longctx_kernels::{DType, HostSlice};
 
 /// Where the parts of a packed block lie.
@@ -25,7 +25,7 @@ impl KvPacking {
         match self.dtype {
             DType::F32 => self.kv_elems,
             // head dims are multiples of 8, so the element count is even.
-            DType::Bf16 => self.kv_elems / 2,
+            DType::Bf16 | DType::F16 => self.kv_elems / 2,
         }
     }
     /// Words in the packed block.
@@ -41,6 +41,7 @@ impl KvPacking {
             match x {
                 HostSlice::F32(s) => buf.extend_from_slice(bytemuck::cast_slice::<f32, u32>(s)),
                 HostSlice::Bf16(s) => buf.extend_from_slice(bytemuck::cast_slice::<bf16, u32>(s)),
+                HostSlice::F16(s) => buf.extend_from_slice(bytemuck::cast_slice::<f16, u32>(s)),
             }
         }
         if let Some(d) = docs {
@@ -54,6 +55,7 @@ impl KvPacking {
         let part = |s: &'a [u32]| match self.dtype {
             DType::F32 => HostSlice::F32(bytemuck::cast_slice(s)),
             DType::Bf16 => HostSlice::Bf16(bytemuck::cast_slice(s)),
+            DType::F16 => HostSlice::F16(bytemuck::cast_slice(s)),
         };
         let docs = (self.doc_len > 0).then(|| &buf[2 * w..2 * w + self.doc_len]);
         (part(&buf[..w]), part(&buf[w..2 * w]), docs)

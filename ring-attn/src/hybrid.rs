@@ -9,7 +9,7 @@
 use std::time::Instant;
 
 use bytemuck::Pod;
-use half::bf16;
+use half::{bf16, f16};
 use longctx_kernels::{AttnShape, Element, HostSlice};
 use longctx_p2p::Communicator;
 
@@ -53,6 +53,7 @@ fn qkv_to_heads<T: Pod>(inner: &Communicator, s: AttnShape, q: &[T], k: &[T], v:
 enum Qkv {
     F32([Vec<f32>; 3]),
     Bf16([Vec<bf16>; 3]),
+    F16([Vec<f16>; 3]),
 }
 
 impl Qkv {
@@ -60,6 +61,7 @@ impl Qkv {
         Ok(match (q, k, v) {
             (HostSlice::F32(q), HostSlice::F32(k), HostSlice::F32(v)) => Qkv::F32(qkv_to_heads(inner, s, q, k, v)?),
             (HostSlice::Bf16(q), HostSlice::Bf16(k), HostSlice::Bf16(v)) => Qkv::Bf16(qkv_to_heads(inner, s, q, k, v)?),
+            (HostSlice::F16(q), HostSlice::F16(k), HostSlice::F16(v)) => Qkv::F16(qkv_to_heads(inner, s, q, k, v)?),
             _ => unreachable!("dtypes checked by the caller"),
         })
     }
@@ -70,6 +72,7 @@ impl Qkv {
         match self {
             Qkv::F32(x) => v(x),
             Qkv::Bf16(x) => v(x),
+            Qkv::F16(x) => v(x),
         }
     }
 }

@@ -410,7 +410,9 @@ fn host_f32<'a>(name: &'static str, v: ViewMut<'a>) -> Result<&'a mut [f32]> {
     match v.memory() {
         longctx_kernels::Memory::Host => match v.into_host(name)? {
             HostSliceMut::F32(s) => Ok(s),
-            HostSliceMut::Bf16(_) => Err(RingError::NotAsPlanned { name, why: "must be f32".into() }),
+            HostSliceMut::Bf16(_) | HostSliceMut::F16(_) => {
+                Err(RingError::NotAsPlanned { name, why: "must be f32".into() })
+            }
         },
         memory => Err(RingError::Memory { name, memory }),
     }

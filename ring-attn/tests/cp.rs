@@ -44,6 +44,7 @@ fn inputs(c: &Case) -> Inputs {
         match c.shape.dtype {
             DType::F32 => x,
             DType::Bf16 => x.into_iter().map(|v| bf16::from_f32(v).to_f32()).collect(),
+            DType::F16 => x.into_iter().map(|v| half::f16::from_f32(v).to_f32()).collect(),
         }
     };
     let qn = s.batch * s.q_heads * s.seq_len * s.head_dim;
@@ -126,6 +127,7 @@ fn run_cp(c: &Case, x: &Inputs) -> CpRun {
             match c.shape.dtype {
                 DType::F32 => fwd_bwd::<f32>(&mut plan, [&q, &k, &v, &d_o]),
                 DType::Bf16 => fwd_bwd::<bf16>(&mut plan, [&q, &k, &v, &d_o]),
+                DType::F16 => fwd_bwd::<half::f16>(&mut plan, [&q, &k, &v, &d_o]),
             }
         })
         .unwrap();
@@ -148,6 +150,7 @@ fn check(c: &Case) -> Result<(), TestCaseError> {
     let tol = match c.shape.dtype {
         DType::F32 => 1e-5,
         DType::Bf16 => 2e-2,
+        DType::F16 => 5e-3,
     };
     for (i, name) in ["O", "LSE", "dQ", "dK", "dV"].iter().enumerate() {
         let e = rel_err(&got[i], &want[i]);

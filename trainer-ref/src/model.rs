@@ -317,14 +317,19 @@ impl KeptLayer {
                 continue;
             }
             let Some(buf) = self.slot(name).and_then(Option::take) else { continue };
-            // Offload moves host tensors; device buffers go through the backend's copies (the device-generic
-            // offload of the next issue).
+            // The offload engine takes host tensors: a device buffer would need the backend's copy into its pool,
+            // which this glue does not make yet.
             let (data, dims) = buf.into_host_vec().map_err(|b| {
                 TrainError::Config(format!("offload of layer {layer} `{name}`: a buffer in {} memory", b.memory()))
             })?;
             let t = match data {
                 HostVec::F32(v) => HostTensor::f32(v, dims.as_slice().to_vec()),
                 HostVec::Bf16(v) => HostTensor::bf16(v, dims.as_slice().to_vec()),
+                HostVec::F16(_) => {
+                    return Err(TrainError::Config(format!(
+                        "offload of layer {layer} `{name}`: the model holds f32 or bf16 tensors, not f16"
+                    )))
+                }
             }
             .map_err(|e| TrainError::Config(format!("offload of layer {layer} `{name}`: {e}")))?;
             let ticket = engine.offload(layer, name, t).map_err(|e| TrainError::Config(format!("offload: {e}")))?;

@@ -10,7 +10,7 @@
 
 use std::sync::Arc;
 
-use half::bf16;
+use half::{bf16, f16};
 use rayon::prelude::*;
 
 mod attention;
@@ -43,6 +43,10 @@ macro_rules! by_dtype {
             }
             DType::Bf16 => {
                 type $T = bf16;
+                $body
+            }
+            DType::F16 => {
+                type $T = f16;
                 $body
             }
         }
@@ -271,16 +275,14 @@ impl Backend for CpuBackend {
 
     fn scale(&self, x: ViewMut<'_>, a: f32) -> Result<()> {
         checks::scale(ON, &x, a)?;
-        let x = self.host_mut("x", x)?;
-        self.run(|| match x {
-            HostSliceMut::F32(x) => {
-                x.par_chunks_mut(ops::ELEMS_PER_TASK).for_each(|c| c.iter_mut().for_each(|v| *v *= a))
-            }
-            HostSliceMut::Bf16(x) => x
-                .par_chunks_mut(ops::ELEMS_PER_TASK)
-                .for_each(|c| c.iter_mut().for_each(|v| *v = bf16::from_f32(v.to_f32() * a))),
-        });
-        Ok(())
+        by_dtype!(x.dtype(), T => {
+            let x = self.typed_mut::<T>("x", x)?;
+            self.run(|| {
+                x.par_chunks_mut(ops::ELEMS_PER_TASK)
+                    .for_each(|c| c.iter_mut().for_each(|v| *v = T::from_f32(v.to_f32() * a)))
+            });
+            Ok(())
+        })
     }
 
     fn sum_squares(&self, xs: &[View<'_>]) -> Result<f64> {
@@ -292,6 +294,7 @@ impl Backend for CpuBackend {
                 .map(|h| match *h {
                     HostSlice::F32(s) => ops::sum_squares(s),
                     HostSlice::Bf16(s) => ops::sum_squares(s),
+                    HostSlice::F16(s) => ops::sum_squares(s),
                 })
                 .sum()
         }))

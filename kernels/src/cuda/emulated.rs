@@ -16,7 +16,7 @@ use std::any::Any;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use half::bf16;
+use half::{bf16, f16};
 use rayon::prelude::*;
 
 use super::device::{Device, DeviceEvent, DeviceInfo, DevicePtr, Gemm, Kernel, KernelArgs, LaunchConfig, MemoryStats};
@@ -209,6 +209,7 @@ unsafe fn load(ptr: DevicePtr, idx: usize, dtype: DType) -> f32 {
         match dtype {
             DType::F32 => *(ptr as *const f32).add(idx),
             DType::Bf16 => (*(ptr as *const bf16).add(idx)).to_f32(),
+            DType::F16 => (*(ptr as *const f16).add(idx)).to_f32(),
         }
     }
 }
@@ -269,6 +270,7 @@ unsafe fn host_gemm(emu: &Emulator, g: &Gemm) -> Result<()> {
                     match ct {
                         DType::F32 => *(c0 as *mut f32).add(idx) = d,
                         DType::Bf16 => *(c0 as *mut bf16).add(idx) = bf16::from_f32(d),
+                        DType::F16 => *(c0 as *mut f16).add(idx) = f16::from_f32(d),
                     }
                 }
             }

@@ -84,6 +84,7 @@ fn cuda_type(t: DType) -> lt::cudaDataType {
     match t {
         DType::F32 => lt::cudaDataType::CUDA_R_32F,
         DType::Bf16 => lt::cudaDataType::CUDA_R_16BF,
+        DType::F16 => lt::cudaDataType::CUDA_R_16F,
     }
 }
 
@@ -91,11 +92,16 @@ fn cuda_type(t: DType) -> lt::cudaDataType {
 pub(crate) fn types(g: &Gemm) -> Result<Types> {
     let compute = match (g.ab_type, g.c_type) {
         (DType::F32, DType::F32) if g.tf32 => lt::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
-        (DType::F32, DType::F32) | (DType::Bf16, DType::Bf16) | (DType::Bf16, DType::F32) => {
-            lt::cublasComputeType_t::CUBLAS_COMPUTE_32F
+        (DType::F32, DType::F32)
+        | (DType::Bf16, DType::Bf16)
+        | (DType::Bf16, DType::F32)
+        | (DType::F16, DType::F16)
+        | (DType::F16, DType::F32) => lt::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        (DType::F32, DType::Bf16 | DType::F16) => {
+            return Err(KernelError::Unsupported("cuBLASLt has no product of f32 inputs with a 16-bit output"))
         }
-        (DType::F32, DType::Bf16) => {
-            return Err(KernelError::Unsupported("cuBLASLt has no product of f32 inputs with a bf16 output"))
+        (DType::Bf16, DType::F16) | (DType::F16, DType::Bf16) => {
+            return Err(KernelError::Unsupported("cuBLASLt has no product mixing bf16 and f16"))
         }
     };
     Ok(Types { compute, ab: cuda_type(g.ab_type), c: cuda_type(g.c_type) })

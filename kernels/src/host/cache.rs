@@ -41,17 +41,11 @@ fn lock() -> MutexGuard<'static, Cache> {
 }
 
 pub(crate) fn bytes_of(v: &HostVec) -> usize {
-    match v {
-        HostVec::F32(v) => v.len() * 4,
-        HostVec::Bf16(v) => v.len() * 2,
-    }
+    v.len() * v.dtype().size()
 }
 
 fn dtype_of(v: &HostVec) -> DType {
-    match v {
-        HostVec::F32(_) => DType::F32,
-        HostVec::Bf16(_) => DType::Bf16,
-    }
+    v.dtype()
 }
 
 /// Whether a buffer of `bytes` is counted and kept.

@@ -67,6 +67,7 @@ pub fn tol<T: Element>() -> f64 {
     match T::DTYPE {
         DType::F32 => 1e-5,
         DType::Bf16 => 2e-2,
+        DType::F16 => 3e-3,
     }
 }
 

@@ -128,18 +128,20 @@ pub(crate) fn value_tile_len(d: usize) -> usize {
     d.next_multiple_of(STRIP) * BC
 }
 
-/// The buffer as `f32`: borrowed when it already is, widened (in parallel) when it is `bf16`.
+/// The buffer as `f32`: borrowed when it already is, widened (in parallel) when it is 16-bit.
 pub(crate) fn as_f32(x: HostSlice<'_>) -> Cow<'_, [f32]> {
+    fn widened<T: crate::dtype::Element>(s: &[T]) -> Vec<f32> {
+        let mut out = vec![0f32; s.len()];
+        out.par_chunks_mut(1 << 14).zip(s.par_chunks(1 << 14)).for_each(|(d, s)| {
+            for (d, s) in d.iter_mut().zip(s) {
+                *d = s.to_f32();
+            }
+        });
+        out
+    }
     match x {
         HostSlice::F32(s) => Cow::Borrowed(s),
-        HostSlice::Bf16(s) => {
-            let mut out = vec![0f32; s.len()];
-            out.par_chunks_mut(1 << 14).zip(s.par_chunks(1 << 14)).for_each(|(d, s)| {
-                for (d, s) in d.iter_mut().zip(s) {
-                    *d = s.to_f32();
-                }
-            });
-            Cow::Owned(out)
-        }
+        HostSlice::Bf16(s) => Cow::Owned(widened(s)),
+        HostSlice::F16(s) => Cow::Owned(widened(s)),
     }
 }

@@ -69,17 +69,50 @@ __device__ __forceinline__ int classify(const AttnProblem& p, u32 qt, u32 kt) {
 // Element types chosen at run time by the general kernels (codes of ops/attention.rs).
 #define DT_F32 0u
 #define DT_BF16 1u
+#define DT_F16 2u
 
 __device__ __forceinline__ float load_any(const void* base, u64 i, u32 dt) {
-    return dt == DT_F32 ? static_cast<const float*>(base)[i] : to_f32(static_cast<const bf16*>(base)[i]);
+    if (dt == DT_F32) return static_cast<const float*>(base)[i];
+    if (dt == DT_BF16) return to_f32(static_cast<const bf16*>(base)[i]);
+    return to_f32(static_cast<const f16*>(base)[i]);
+}
+
+template <typename T>
+__device__ __forceinline__ void store_as(void* base, u64 i, float v, bool accumulate) {
+    T* d = static_cast<T*>(base);
+    d[i] = from_f32<T>(accumulate ? to_f32(d[i]) + v : v);
 }
 
 __device__ __forceinline__ void store_any(void* base, u64 i, u32 dt, float v, bool accumulate) {
     if (dt == DT_F32) {
-        float* d = static_cast<float*>(base);
-        d[i] = accumulate ? d[i] + v : v;
+        store_as<float>(base, i, v, accumulate);
+    } else if (dt == DT_BF16) {
+        store_as<bf16>(base, i, v, accumulate);
     } else {
-        bf16* d = static_cast<bf16*>(base);
-        d[i] = from_f32<bf16>(accumulate ? to_f32(d[i]) + v : v);
+        store_as<f16>(base, i, v, accumulate);
     }
+}
+
+// The tensor-core kernels' element type T (bf16 or f16): its mma and its packing of two f32 into an operand register.
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&d)[4], const u32 (&a)[4], const u32 (&b)[2], const float (&c)[4]);
+template <>
+__device__ __forceinline__ void mma_16816<bf16>(float (&d)[4], const u32 (&a)[4], const u32 (&b)[2],
+                                                const float (&c)[4]) {
+    mma_16816_bf16(d, a, b, c);
+}
+template <>
+__device__ __forceinline__ void mma_16816<f16>(float (&d)[4], const u32 (&a)[4], const u32 (&b)[2],
+                                               const float (&c)[4]) {
+    mma_16816_f16(d, a, b, c);
+}
+template <typename T>
+__device__ __forceinline__ u32 pack2(float lo, float hi);
+template <>
+__device__ __forceinline__ u32 pack2<bf16>(float lo, float hi) {
+    return pack_bf16x2(lo, hi);
+}
+template <>
+__device__ __forceinline__ u32 pack2<f16>(float lo, float hi) {
+    return pack_f16x2(lo, hi);
 }

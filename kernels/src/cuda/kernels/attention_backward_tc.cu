@@ -1,4 +1,4 @@
-// Attention backward on tensor cores: bf16 Q, K, V, dO, head dim 64 or 128, mma.sync m16n8k16 with f32
+// Attention backward on tensor cores: bf16 or f16 Q, K, V, dO (T), head dim 64 or 128, mma.sync m16n8k16 with f32
 // accumulation. Deterministic: no atomics; every gradient element is accumulated by one thread in a fixed order.
 // (Δ = rowsum(dO∘O) comes first from attention_backward.cu's attn_bwd_delta.)
 //
@@ -36,8 +36,8 @@ __device__ __forceinline__ u32 bswz(u32 r, u32 c) {
     return r * (D * 2) + ((c ^ (r & 7)) << 4);
 }
 
-template <int D>
-__device__ __forceinline__ void bload_tile(unsigned char* dst, const bf16* src, u32 row0, u32 len) {
+template <int D, typename T>
+__device__ __forceinline__ void bload_tile(unsigned char* dst, const T* src, u32 row0, u32 len) {
     constexpr u32 CHUNKS = D / 8;
     for (u32 x = threadIdx.x; x < BT_TILE * CHUNKS; x += BT_WARPS * 32) {
         u32 r = x / CHUNKS, c = x % CHUNKS;
@@ -48,13 +48,13 @@ __device__ __forceinline__ void bload_tile(unsigned char* dst, const bf16* src, 
 }
 
 // Sets the non-finite elements of the rows of `tile` flagged in `bad` to 0.
-template <int D>
+template <int D, typename T>
 __device__ __forceinline__ void sanitize(unsigned char* tile, unsigned long long bad) {
     for (u32 x = threadIdx.x; x < BT_TILE * D; x += BT_WARPS * 32) {
         u32 r = x / D, d = x % D;
         if (!((bad >> r) & 1ull)) continue;
-        bf16* e = reinterpret_cast<bf16*>(tile + bswz<D>(r, d / 8)) + (d % 8);
-        if (!isfinite(to_f32(*e))) *e = from_f32<bf16>(0.0f);
+        T* e = reinterpret_cast<T*>(tile + bswz<D>(r, d / 8)) + (d % 8);
+        if (!isfinite(to_f32(*e))) *e = from_f32<T>(0.0f);
     }
 }
 
@@ -63,10 +63,10 @@ __device__ __forceinline__ void store_grad(G* dst, float v, bool accumulate) {
     *dst = from_f32<G>(accumulate ? to_f32(*dst) + v : v);
 }
 
-template <int D, typename G>
+template <int D, typename T, typename G>
 __device__ __forceinline__ void attn_bwd_tc_dkdv(const AttnProblem& p, G* __restrict__ dk, G* __restrict__ dv,
-                                                 const bf16* __restrict__ q, const bf16* __restrict__ k,
-                                                 const bf16* __restrict__ v, const bf16* __restrict__ dout,
+                                                 const T* __restrict__ q, const T* __restrict__ k,
+                                                 const T* __restrict__ v, const T* __restrict__ dout,
                                                  const float* __restrict__ lse, const float* __restrict__ delta,
                                                  const unsigned long long* __restrict__ q_bad,
                                                  const unsigned long long* __restrict__ do_bad, int accumulate) {
@@ -89,8 +89,8 @@ __device__ __forceinline__ void attn_bwd_tc_dkdv(const AttnProblem& p, G* __rest
     const u32 j_lo = kt * BT_TILE + warp * 16 + gid;  // this thread's keys: j_lo and j_lo + 8
     const float scale2 = p.scale * 1.4426950408889634f;
 
-    bload_tile<D>(ks_, k + k_head * D, kt * BT_TILE, p.kv_len);
-    bload_tile<D>(vs_, v + k_head * D, kt * BT_TILE, p.kv_len);
+    bload_tile<D, T>(ks_, k + k_head * D, kt * BT_TILE, p.kv_len);
+    bload_tile<D, T>(vs_, v + k_head * D, kt * BT_TILE, p.kv_len);
     cp_async_commit();
 
     float dka[D / 8][4], dva[D / 8][4];
@@ -102,15 +102,15 @@ __device__ __forceinline__ void attn_bwd_tc_dkdv(const AttnProblem& p, G* __rest
     for (u32 g = 0; g < group; ++g) {
         const u32 h = hk * group + g;
         const u64 q_head = ((u64)b * p.q_heads + h) * p.q_len;
-        const bf16* qg = q + q_head * D;
-        const bf16* dog = dout + q_head * D;
+        const T* qg = q + q_head * D;
+        const T* dog = dout + q_head * D;
         for (u32 qt = 0; qt < q_tiles; ++qt) {
             int cls = classify(p, qt, kt);
             if (cls == TILE_HIDDEN) continue;
             const u32 i0 = qt * BT_TILE;
             __syncthreads();  // every warp is done with the previous Q and dO
-            bload_tile<D>(qs, qg, i0, p.q_len);
-            bload_tile<D>(dos, dog, i0, p.q_len);
+            bload_tile<D, T>(qs, qg, i0, p.q_len);
+            bload_tile<D, T>(dos, dog, i0, p.q_len);
             cp_async_commit();
             for (u32 x = threadIdx.x; x < BT_TILE; x += BT_WARPS * 32) {
                 u32 i = i0 + x;
@@ -126,8 +126,8 @@ __device__ __forceinline__ void attn_bwd_tc_dkdv(const AttnProblem& p, G* __rest
                 qb = q_bad[((u64)b * p.q_heads + h) * q_tiles + qt];
                 db = do_bad[((u64)b * p.q_heads + h) * q_tiles + qt];
                 if (qb | db) {
-                    sanitize<D>(qs, qb);
-                    sanitize<D>(dos, db);
+                    sanitize<D, T>(qs, qb);
+                    sanitize<D, T>(dos, db);
                     __syncthreads();
                 }
             }
@@ -152,8 +152,8 @@ __device__ __forceinline__ void attn_bwd_tc_dkdv(const AttnProblem& p, G* __rest
                         u32 row = half * 32 + n * 8 + (lane & 7), ch = 2 * ks + ((lane >> 3) & 1);
                         ldmatrix_x2(qb2, qs + bswz<D>(row, ch));
                         ldmatrix_x2(db2, dos + bswz<D>(row, ch));
-                        mma_16816_bf16(st[n], ka, qb2, st[n]);
-                        mma_16816_bf16(dpt[n], va, db2, dpt[n]);
+                        mma_16816<T>(st[n], ka, qb2, st[n]);
+                        mma_16816<T>(dpt[n], va, db2, dpt[n]);
                     }
                 }
                 // Pᵀ and dSᵀ.
@@ -176,14 +176,14 @@ __device__ __forceinline__ void attn_bwd_tc_dkdv(const AttnProblem& p, G* __rest
                 #pragma unroll
                 for (u32 t = 0; t < 2; ++t) {
                     u32 pa[4], sa[4];
-                    pa[0] = pack_bf16x2(st[2 * t][0], st[2 * t][1]);
-                    pa[1] = pack_bf16x2(st[2 * t][2], st[2 * t][3]);
-                    pa[2] = pack_bf16x2(st[2 * t + 1][0], st[2 * t + 1][1]);
-                    pa[3] = pack_bf16x2(st[2 * t + 1][2], st[2 * t + 1][3]);
-                    sa[0] = pack_bf16x2(dpt[2 * t][0], dpt[2 * t][1]);
-                    sa[1] = pack_bf16x2(dpt[2 * t][2], dpt[2 * t][3]);
-                    sa[2] = pack_bf16x2(dpt[2 * t + 1][0], dpt[2 * t + 1][1]);
-                    sa[3] = pack_bf16x2(dpt[2 * t + 1][2], dpt[2 * t + 1][3]);
+                    pa[0] = pack2<T>(st[2 * t][0], st[2 * t][1]);
+                    pa[1] = pack2<T>(st[2 * t][2], st[2 * t][3]);
+                    pa[2] = pack2<T>(st[2 * t + 1][0], st[2 * t + 1][1]);
+                    pa[3] = pack2<T>(st[2 * t + 1][2], st[2 * t + 1][3]);
+                    sa[0] = pack2<T>(dpt[2 * t][0], dpt[2 * t][1]);
+                    sa[1] = pack2<T>(dpt[2 * t][2], dpt[2 * t][3]);
+                    sa[2] = pack2<T>(dpt[2 * t + 1][0], dpt[2 * t + 1][1]);
+                    sa[3] = pack2<T>(dpt[2 * t + 1][2], dpt[2 * t + 1][3]);
                     #pragma unroll
                     for (u32 n = 0; n < D / 8; n += 2) {
                         u32 r = half * 32 + 16 * t + (lane & 7) + 8 * ((lane >> 3) & 1);
@@ -193,10 +193,10 @@ __device__ __forceinline__ void attn_bwd_tc_dkdv(const AttnProblem& p, G* __rest
                         ldmatrix_x4_trans(qbf, qs + bswz<D>(r, c));
                         const u32 o0[2] = {ob[0], ob[1]}, o1[2] = {ob[2], ob[3]};
                         const u32 q0[2] = {qbf[0], qbf[1]}, q1[2] = {qbf[2], qbf[3]};
-                        mma_16816_bf16(dva[n], pa, o0, dva[n]);
-                        mma_16816_bf16(dva[n + 1], pa, o1, dva[n + 1]);
-                        mma_16816_bf16(dka[n], sa, q0, dka[n]);
-                        mma_16816_bf16(dka[n + 1], sa, q1, dka[n + 1]);
+                        mma_16816<T>(dva[n], pa, o0, dva[n]);
+                        mma_16816<T>(dva[n + 1], pa, o1, dva[n + 1]);
+                        mma_16816<T>(dka[n], sa, q0, dka[n]);
+                        mma_16816<T>(dka[n + 1], sa, q1, dka[n + 1]);
                     }
                 }
                 if (qb | db) {
@@ -261,10 +261,10 @@ __device__ __forceinline__ void attn_bwd_tc_dkdv(const AttnProblem& p, G* __rest
     }
 }
 
-template <int D, typename G>
-__device__ __forceinline__ void attn_bwd_tc_dq(const AttnProblem& p, G* __restrict__ dq, const bf16* __restrict__ q,
-                                               const bf16* __restrict__ k, const bf16* __restrict__ v,
-                                               const bf16* __restrict__ dout, const float* __restrict__ lse,
+template <int D, typename T, typename G>
+__device__ __forceinline__ void attn_bwd_tc_dq(const AttnProblem& p, G* __restrict__ dq, const T* __restrict__ q,
+                                               const T* __restrict__ k, const T* __restrict__ v,
+                                               const T* __restrict__ dout, const float* __restrict__ lse,
                                                const float* __restrict__ delta,
                                                const unsigned long long* __restrict__ k_bad, int accumulate) {
     DYNAMIC_SMEM(unsigned char, smem);
@@ -281,13 +281,13 @@ __device__ __forceinline__ void attn_bwd_tc_dq(const AttnProblem& p, G* __restri
     const u32 hk = h / (p.q_heads / p.kv_heads);
     const u64 q_head = ((u64)b * p.q_heads + h) * p.q_len;
     const u64 k_head = ((u64)b * p.kv_heads + hk) * p.kv_len;
-    const bf16* kg = k + k_head * D;
+    const T* kg = k + k_head * D;
     const u32 k_tiles = (p.kv_len + BT_TILE - 1) / BT_TILE;
     const u32 i_lo = qt * BT_TILE + warp * 16 + gid;  // this thread's rows: i_lo and i_lo + 8
     const float scale2 = p.scale * 1.4426950408889634f;
 
-    bload_tile<D>(qs, q + q_head * D, qt * BT_TILE, p.q_len);
-    bload_tile<D>(dos, dout + q_head * D, qt * BT_TILE, p.q_len);
+    bload_tile<D, T>(qs, q + q_head * D, qt * BT_TILE, p.q_len);
+    bload_tile<D, T>(dos, dout + q_head * D, qt * BT_TILE, p.q_len);
     cp_async_commit();
     cp_async_wait_all();
     __syncthreads();
@@ -317,15 +317,15 @@ __device__ __forceinline__ void attn_bwd_tc_dq(const AttnProblem& p, G* __restri
         if (cls == TILE_HIDDEN) continue;
         const u32 j0 = kt * BT_TILE;
         __syncthreads();  // every warp is done with the previous K and V
-        bload_tile<D>(ks_, kg, j0, p.kv_len);
-        bload_tile<D>(vs_, v + k_head * D, j0, p.kv_len);
+        bload_tile<D, T>(ks_, kg, j0, p.kv_len);
+        bload_tile<D, T>(vs_, v + k_head * D, j0, p.kv_len);
         cp_async_commit();
         cp_async_wait_all();
         __syncthreads();
         const bool masked = cls == TILE_PARTIAL || j0 + BT_TILE > p.kv_len || (qt + 1) * BT_TILE > p.q_len;
         unsigned long long kb = (cls == TILE_PARTIAL && k_bad) ? k_bad[((u64)b * p.kv_heads + hk) * k_tiles + kt] : 0ull;
         if (kb) {
-            sanitize<D>(ks_, kb);
+            sanitize<D, T>(ks_, kb);
             __syncthreads();
         }
         #pragma unroll
@@ -345,10 +345,10 @@ __device__ __forceinline__ void attn_bwd_tc_dq(const AttnProblem& p, G* __restri
                     ldmatrix_x4(vb4, vs_ + bswz<D>(row, ch));
                     const u32 k0[2] = {kb4[0], kb4[1]}, k1[2] = {kb4[2], kb4[3]};
                     const u32 v0[2] = {vb4[0], vb4[1]}, v1[2] = {vb4[2], vb4[3]};
-                    mma_16816_bf16(s[n], qf[ks], k0, s[n]);
-                    mma_16816_bf16(s[n], qf[ks + 1], k1, s[n]);
-                    mma_16816_bf16(dp[n], df[ks], v0, dp[n]);
-                    mma_16816_bf16(dp[n], df[ks + 1], v1, dp[n]);
+                    mma_16816<T>(s[n], qf[ks], k0, s[n]);
+                    mma_16816<T>(s[n], qf[ks + 1], k1, s[n]);
+                    mma_16816<T>(dp[n], df[ks], v0, dp[n]);
+                    mma_16816<T>(dp[n], df[ks + 1], v1, dp[n]);
                 }
             }
             #pragma unroll
@@ -368,18 +368,18 @@ __device__ __forceinline__ void attn_bwd_tc_dq(const AttnProblem& p, G* __restri
             #pragma unroll
             for (u32 t = 0; t < 2; ++t) {
                 u32 sa[4];
-                sa[0] = pack_bf16x2(dp[2 * t][0], dp[2 * t][1]);
-                sa[1] = pack_bf16x2(dp[2 * t][2], dp[2 * t][3]);
-                sa[2] = pack_bf16x2(dp[2 * t + 1][0], dp[2 * t + 1][1]);
-                sa[3] = pack_bf16x2(dp[2 * t + 1][2], dp[2 * t + 1][3]);
+                sa[0] = pack2<T>(dp[2 * t][0], dp[2 * t][1]);
+                sa[1] = pack2<T>(dp[2 * t][2], dp[2 * t][3]);
+                sa[2] = pack2<T>(dp[2 * t + 1][0], dp[2 * t + 1][1]);
+                sa[3] = pack2<T>(dp[2 * t + 1][2], dp[2 * t + 1][3]);
                 #pragma unroll
                 for (u32 n = 0; n < D / 8; n += 2) {
                     u32 r = half * 32 + 16 * t + (lane & 7) + 8 * ((lane >> 3) & 1);
                     u32 kbt[4];
                     ldmatrix_x4_trans(kbt, ks_ + bswz<D>(r, n + (lane >> 4)));
                     const u32 b0[2] = {kbt[0], kbt[1]}, b1[2] = {kbt[2], kbt[3]};
-                    mma_16816_bf16(dqa[n], sa, b0, dqa[n]);
-                    mma_16816_bf16(dqa[n + 1], sa, b1, dqa[n + 1]);
+                    mma_16816<T>(dqa[n], sa, b0, dqa[n]);
+                    mma_16816<T>(dqa[n + 1], sa, b1, dqa[n + 1]);
                 }
             }
             if (kb) {
@@ -427,19 +427,20 @@ __device__ __forceinline__ void attn_bwd_tc_dq(const AttnProblem& p, G* __restri
     }
 }
 
-#define BWD_TC(dd, gn, gt)                                                                                          \
-    extern "C" __global__ void __launch_bounds__(128, 1) attn_bwd_tc_dkdv_d##dd##_##gn(                               \
-        AttnProblem p, gt* dk, gt* dv, const bf16* q, const bf16* k, const bf16* v, const bf16* dout,               \
-        const float* lse, const float* delta, const unsigned long long* q_bad, const unsigned long long* do_bad,     \
-        int accumulate) {                                                                                           \
-        attn_bwd_tc_dkdv<dd, gt>(p, dk, dv, q, k, v, dout, lse, delta, q_bad, do_bad, accumulate);                  \
+// attn_bwd_tc_{dkdv,dq}_<inputs>_d<D>_<gradients>.
+#define BWD_TC(tn, tt, dd, gn, gt)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(128, 1) attn_bwd_tc_dkdv_##tn##_d##dd##_##gn(                     \
+        AttnProblem p, gt* dk, gt* dv, const tt* q, const tt* k, const tt* v, const tt* dout, const float* lse,      \
+        const float* delta, const unsigned long long* q_bad, const unsigned long long* do_bad, int accumulate) {     \
+        attn_bwd_tc_dkdv<dd, tt, gt>(p, dk, dv, q, k, v, dout, lse, delta, q_bad, do_bad, accumulate);              \
     }                                                                                                               \
-    extern "C" __global__ void __launch_bounds__(128, 1) attn_bwd_tc_dq_d##dd##_##gn(                                 \
-        AttnProblem p, gt* dq, const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse,      \
+    extern "C" __global__ void __launch_bounds__(128, 1) attn_bwd_tc_dq_##tn##_d##dd##_##gn(                       \
+        AttnProblem p, gt* dq, const tt* q, const tt* k, const tt* v, const tt* dout, const float* lse,              \
         const float* delta, const unsigned long long* k_bad, int accumulate) {                                      \
-        attn_bwd_tc_dq<dd, gt>(p, dq, q, k, v, dout, lse, delta, k_bad, accumulate);                                \
+        attn_bwd_tc_dq<dd, tt, gt>(p, dq, q, k, v, dout, lse, delta, k_bad, accumulate);                            \
     }
-BWD_TC(64, bf16, bf16)
-BWD_TC(64, f32, float)
-BWD_TC(128, bf16, bf16)
-BWD_TC(128, f32, float)
+#define BWD_TC_TYPES(tn, tt)                                                                                       \
+    BWD_TC(tn, tt, 64, tn, tt) BWD_TC(tn, tt, 64, f32, float) BWD_TC(tn, tt, 128, tn, tt)                           \
+    BWD_TC(tn, tt, 128, f32, float)
+BWD_TC_TYPES(bf16, bf16)
+BWD_TC_TYPES(f16, f16)

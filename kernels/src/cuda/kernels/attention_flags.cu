@@ -14,6 +14,10 @@ template <>
 __device__ __forceinline__ bool finite_el<bf16>(bf16 x) {
     return isfinite(to_f32(x));
 }
+template <>
+__device__ __forceinline__ bool finite_el<f16>(f16 x) {
+    return isfinite(to_f32(x));
+}
 
 // x is [heads, len, d] (batch and heads flattened); masks is [heads, ceil(len / 64)].
 template <typename T>
@@ -39,4 +43,7 @@ extern "C" __global__ void nonfinite_rows_f32(unsigned long long* masks, const f
 }
 extern "C" __global__ void nonfinite_rows_bf16(unsigned long long* masks, const bf16* x, u64 heads, u32 len, u32 d) {
     nonfinite_rows<bf16>(masks, x, heads, len, d);
+}
+extern "C" __global__ void nonfinite_rows_f16(unsigned long long* masks, const f16* x, u64 heads, u32 len, u32 d) {
+    nonfinite_rows<f16>(masks, x, heads, len, d);
 }

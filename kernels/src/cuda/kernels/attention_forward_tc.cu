@@ -1,4 +1,5 @@
-// Attention forward on tensor cores: bf16 Q, K, V, head dim 64 or 128, mma.sync m16n8k16 with f32 accumulation
+// Attention forward on tensor cores: bf16 or f16 Q, K, V (T), head dim 64 or 128, mma.sync m16n8k16 with f32
+// accumulation
 // (FlashAttention-2's structure).
 //
 // Pipeline. Block = 4 warps for a tile of BR = 64·MT query rows of one (batch, head); warp w owns MT tiles of 16
@@ -14,11 +15,11 @@
 // 3. Per tile: S = Q·Kᵀ (mma, B fragments by ldmatrix from K rows), scaled; on a partial tile, or the last one past
 //    Sk, every hidden pair's score is selected to −inf (never multiplied); the online softmax per row (running max
 //    m and sum l, reduced across the four lanes of a quad by shuffles; scores in base 2, so that each exponential is
-//    one ex2.approx); P = exp(S − m) rounded to bf16 becomes the A fragments of O += P·V (B fragments by
+//    one ex2.approx); P = exp(S − m) rounded to T becomes the A fragments of O += P·V (B fragments by
 //    ldmatrix.trans from V rows), O rescaled by exp(m_old − m) first.
-// 4. O / l is written (bf16 or f32), and LSE = m + ln l (−inf and O = 0 for a row that saw no key).
+// 4. O / l is written (T or f32), and LSE = m + ln l (−inf and O = 0 for a row that saw no key).
 //
-// Shared memory: rows of D bf16 in 16-byte chunks, chunk c of row r stored at chunk c ^ (r % 8) (an XOR swizzle),
+// Shared memory: rows of D 16-bit elements in 16-byte chunks, chunk c of row r stored at chunk c ^ (r % 8) (an XOR swizzle),
 // so the eight rows an ldmatrix reads at one column fall in different banks. Q: BR×D; K and V: two buffers of
 // 64×D each; 16·MT KiB for P on the rare tile that needs a correction (96 KiB at D = 128, MT = 1).
 //
@@ -35,7 +36,7 @@
 #define TC_BC 64
 #define TC_WARPS 4
 
-// Byte offset of chunk `c` (16 bytes) of row `r` in a swizzled tile of rows of D bf16.
+// Byte offset of chunk `c` (16 bytes) of row `r` in a swizzled tile of rows of D 16-bit elements.
 template <int D>
 __device__ __forceinline__ u32 swz(u32 r, u32 c) {
     return r * (D * 2) + ((c ^ (r & 7)) << 4);
@@ -43,21 +44,21 @@ __device__ __forceinline__ u32 swz(u32 r, u32 c) {
 
 // Starts copying rows [row0, row0 + ROWS) of one head (`src` points at the head's row 0, `len` rows) into the
 // swizzled tile at `dst`; rows past `len` become zeros.
-template <int D, int ROWS>
-__device__ __forceinline__ void load_tile(unsigned char* dst, const bf16* src, u32 row0, u32 len) {
+template <int D, int ROWS, typename T>
+__device__ __forceinline__ void load_tile(unsigned char* dst, const T* src, u32 row0, u32 len) {
     constexpr u32 CHUNKS = D / 8;
     for (u32 x = threadIdx.x; x < ROWS * CHUNKS; x += TC_WARPS * 32) {
         u32 r = x / CHUNKS, c = x % CHUNKS;
         u32 row = row0 + r;
         bool valid = row < len;
-        const bf16* g = src + (u64)(valid ? row : 0) * D + c * 8;
+        const T* g = src + (u64)(valid ? row : 0) * D + c * 8;
         cp_async_16_zfill(dst + swz<D>(r, c), g, valid);
     }
 }
 
-template <int D, int MT, typename OT>
-__device__ __forceinline__ void attn_fwd_tc(const AttnProblem& p, const bf16* __restrict__ q, const bf16* __restrict__ k,
-                                            const bf16* __restrict__ v, OT* __restrict__ o, float* __restrict__ lse,
+template <int D, int MT, typename T, typename OT>
+__device__ __forceinline__ void attn_fwd_tc(const AttnProblem& p, const T* __restrict__ q, const T* __restrict__ k,
+                                            const T* __restrict__ v, OT* __restrict__ o, float* __restrict__ lse,
                                             const unsigned long long* __restrict__ v_bad) {
     constexpr u32 BR = 64 * MT;
     constexpr bool Q_IN_REGS = MT == 1;
@@ -76,9 +77,9 @@ __device__ __forceinline__ void attn_fwd_tc(const AttnProblem& p, const bf16* __
     const u32 hk = h / (p.q_heads / p.kv_heads);
     const u64 q_head = ((u64)b * p.q_heads + h) * p.q_len;
     const u64 k_head = ((u64)b * p.kv_heads + hk) * p.kv_len;
-    const bf16* qg = q + q_head * D;
-    const bf16* kg = k + k_head * D;
-    const bf16* vg = v + k_head * D;
+    const T* qg = q + q_head * D;
+    const T* kg = k + k_head * D;
+    const T* vg = v + k_head * D;
     const u32 k_tiles = (p.kv_len + TC_BC - 1) / TC_BC;
     // Scores are kept in base-2 units (scale·log2 e folded into one multiply), so each exponential is one
     // ex2.approx; m is in those units too.
@@ -86,15 +87,15 @@ __device__ __forceinline__ void attn_fwd_tc(const AttnProblem& p, const bf16* __
     const u32 warp_row0 = warp * 16 * MT;  // the warp's first row in the tile
 
     // 1. Q.
-    load_tile<D, BR>(qs, qg, qt * BR, p.q_len);
+    load_tile<D, BR, T>(qs, qg, qt * BR, p.q_len);
     cp_async_commit();
 
     // The first key tile that is not hidden.
     u32 kt = 0;
     while (kt < k_tiles && classify(p, qt, kt) == TILE_HIDDEN) ++kt;
     if (kt < k_tiles) {
-        load_tile<D, TC_BC>(kv, kg, kt * TC_BC, p.kv_len);
-        load_tile<D, TC_BC>(kv + 2 * TILE_BYTES, vg, kt * TC_BC, p.kv_len);
+        load_tile<D, TC_BC, T>(kv, kg, kt * TC_BC, p.kv_len);
+        load_tile<D, TC_BC, T>(kv + 2 * TILE_BYTES, vg, kt * TC_BC, p.kv_len);
     }
     cp_async_commit();
 
@@ -133,8 +134,8 @@ __device__ __forceinline__ void attn_fwd_tc(const AttnProblem& p, const bf16* __
         u32 next = kt + 1;
         while (next < k_tiles && classify(p, qt, next) == TILE_HIDDEN) ++next;
         if (next < k_tiles) {
-            load_tile<D, TC_BC>(kv + (1 - buf) * TILE_BYTES, kg, next * TC_BC, p.kv_len);
-            load_tile<D, TC_BC>(kv + (3 - buf) * TILE_BYTES, vg, next * TC_BC, p.kv_len);
+            load_tile<D, TC_BC, T>(kv + (1 - buf) * TILE_BYTES, kg, next * TC_BC, p.kv_len);
+            load_tile<D, TC_BC, T>(kv + (3 - buf) * TILE_BYTES, vg, next * TC_BC, p.kv_len);
         }
         cp_async_commit();
         cp_async_wait<1>();
@@ -151,8 +152,8 @@ __device__ __forceinline__ void attn_fwd_tc(const AttnProblem& p, const bf16* __
             for (u32 x = threadIdx.x; x < TC_BC * D; x += TC_WARPS * 32) {
                 u32 r = x / D, d = x % D;
                 if (!((vb >> r) & 1ull)) continue;
-                bf16* e = reinterpret_cast<bf16*>(vs_ + swz<D>(r, d / 8)) + (d % 8);
-                if (!isfinite(to_f32(*e))) *e = from_f32<bf16>(0.0f);
+                T* e = reinterpret_cast<T*>(vs_ + swz<D>(r, d / 8)) + (d % 8);
+                if (!isfinite(to_f32(*e))) *e = from_f32<T>(0.0f);
             }
             __syncthreads();
         }
@@ -187,8 +188,8 @@ __device__ __forceinline__ void attn_fwd_tc(const AttnProblem& p, const bf16* __
                 const u32 b0[2] = {bfr[0], bfr[1]}, b1[2] = {bfr[2], bfr[3]};
 #pragma unroll
                 for (u32 mt = 0; mt < MT; ++mt) {
-                    mma_16816_bf16(s[mt][n], qa[mt][0], b0, s[mt][n]);
-                    mma_16816_bf16(s[mt][n], qa[mt][1], b1, s[mt][n]);
+                    mma_16816<T>(s[mt][n], qa[mt][0], b0, s[mt][n]);
+                    mma_16816<T>(s[mt][n], qa[mt][1], b1, s[mt][n]);
                 }
             }
         }
@@ -249,10 +250,10 @@ __device__ __forceinline__ void attn_fwd_tc(const AttnProblem& p, const bf16* __
             u32 pa[MT][4];
 #pragma unroll
             for (u32 mt = 0; mt < MT; ++mt) {
-                pa[mt][0] = pack_bf16x2(s[mt][2 * t][0], s[mt][2 * t][1]);
-                pa[mt][1] = pack_bf16x2(s[mt][2 * t][2], s[mt][2 * t][3]);
-                pa[mt][2] = pack_bf16x2(s[mt][2 * t + 1][0], s[mt][2 * t + 1][1]);
-                pa[mt][3] = pack_bf16x2(s[mt][2 * t + 1][2], s[mt][2 * t + 1][3]);
+                pa[mt][0] = pack2<T>(s[mt][2 * t][0], s[mt][2 * t][1]);
+                pa[mt][1] = pack2<T>(s[mt][2 * t][2], s[mt][2 * t][3]);
+                pa[mt][2] = pack2<T>(s[mt][2 * t + 1][0], s[mt][2 * t + 1][1]);
+                pa[mt][3] = pack2<T>(s[mt][2 * t + 1][2], s[mt][2 * t + 1][3]);
             }
 #pragma unroll
             for (u32 n = 0; n < D / 8; n += 2) {
@@ -262,8 +263,8 @@ __device__ __forceinline__ void attn_fwd_tc(const AttnProblem& p, const bf16* __
                 const u32 b0[2] = {bfr[0], bfr[1]}, b1[2] = {bfr[2], bfr[3]};
 #pragma unroll
                 for (u32 mt = 0; mt < MT; ++mt) {
-                    mma_16816_bf16(acc[mt][n], pa[mt], b0, acc[mt][n]);
-                    mma_16816_bf16(acc[mt][n + 1], pa[mt], b1, acc[mt][n + 1]);
+                    mma_16816<T>(acc[mt][n], pa[mt], b0, acc[mt][n]);
+                    mma_16816<T>(acc[mt][n + 1], pa[mt], b1, acc[mt][n + 1]);
                 }
             }
         }
@@ -331,15 +332,14 @@ __device__ __forceinline__ void attn_fwd_tc(const AttnProblem& p, const bf16* __
     }
 }
 
-#define FWD_TC(dd, mt, on, ot)                                                                                  \
-    extern "C" __global__ void __launch_bounds__(128, 1) attn_fwd_tc_d##dd##_m##mt##_##on(                     \
-        AttnProblem p, const bf16* q, const bf16* k, const bf16* v, ot* o, float* lse,                          \
-        const unsigned long long* v_bad) {                                                                     \
-        attn_fwd_tc<dd, mt, ot>(p, q, k, v, o, lse, v_bad);                                                    \
+// attn_fwd_tc_<inputs>_d<D>_m<MT>_<output>.
+#define FWD_TC(tn, tt, dd, mt, on, ot)                                                                          \
+    extern "C" __global__ void __launch_bounds__(128, 1) attn_fwd_tc_##tn##_d##dd##_m##mt##_##on(              \
+        AttnProblem p, const tt* q, const tt* k, const tt* v, ot* o, float* lse, const unsigned long long* v_bad) { \
+        attn_fwd_tc<dd, mt, tt, ot>(p, q, k, v, o, lse, v_bad);                                                \
     }
-FWD_TC(64, 1, bf16, bf16)
-FWD_TC(64, 1, f32, float)
-FWD_TC(128, 1, bf16, bf16)
-FWD_TC(128, 1, f32, float)
-FWD_TC(64, 2, bf16, bf16)
-FWD_TC(64, 2, f32, float)
+#define FWD_TC_TYPES(tn, tt)                                                                                  \
+    FWD_TC(tn, tt, 64, 1, tn, tt) FWD_TC(tn, tt, 64, 1, f32, float) FWD_TC(tn, tt, 128, 1, tn, tt)            \
+    FWD_TC(tn, tt, 128, 1, f32, float) FWD_TC(tn, tt, 64, 2, tn, tt) FWD_TC(tn, tt, 64, 2, f32, float)
+FWD_TC_TYPES(bf16, bf16)
+FWD_TC_TYPES(f16, f16)

@@ -130,8 +130,12 @@ __device__ __forceinline__ void adamw_impl(float* __restrict__ master, P* __rest
     }
 }
 
-#define TWO_TYPES(X) X(f32, float, f32, float) X(f32, float, bf16, bf16) X(bf16, bf16, f32, float) X(bf16, bf16, bf16, bf16)
-#define ONE_TYPE(X) X(f32, float) X(bf16, bf16)
+// Every (output, input) pair of element types, and every element type.
+#define TWO_TYPES(X)                                                                                         \
+    X(f32, float, f32, float) X(f32, float, bf16, bf16) X(f32, float, f16, f16) X(bf16, bf16, f32, float)     \
+    X(bf16, bf16, bf16, bf16) X(bf16, bf16, f16, f16) X(f16, f16, f32, float) X(f16, f16, bf16, bf16)         \
+    X(f16, f16, f16, f16)
+#define ONE_TYPE(X) X(f32, float) X(bf16, bf16) X(f16, f16)
 
 #define COPY(dn, dt, sn, st) \
     extern "C" __global__ void copy_##dn##_##sn(dt* dst, const st* src, u64 n) { copy_impl(dst, src, n); }

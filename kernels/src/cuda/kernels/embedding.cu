@@ -38,6 +38,7 @@ __device__ __forceinline__ void embedding_bwd(G* __restrict__ dtable, const T* _
     }
 EMB_FWD(f32, float)
 EMB_FWD(bf16, bf16)
+EMB_FWD(f16, f16)
 
 #define EMB_BWD(tn, tt, gn, gt)                                                                                  \
     extern "C" __global__ void embedding_bwd_##tn##_##gn(gt* dtable, const tt* dout, const u32* order,          \
@@ -47,5 +48,10 @@ EMB_FWD(bf16, bf16)
     }
 EMB_BWD(f32, float, f32, float)
 EMB_BWD(bf16, bf16, f32, float)
+EMB_BWD(f16, f16, f32, float)
 EMB_BWD(f32, float, bf16, bf16)
 EMB_BWD(bf16, bf16, bf16, bf16)
+EMB_BWD(f16, f16, bf16, bf16)
+EMB_BWD(f32, float, f16, f16)
+EMB_BWD(bf16, bf16, f16, f16)
+EMB_BWD(f16, f16, f16, f16)

@@ -20,5 +20,10 @@ __device__ __forceinline__ void bias_grad(G* __restrict__ dbias, const T* __rest
     }
 BIAS_GRAD(f32, float, f32, float)
 BIAS_GRAD(bf16, bf16, f32, float)
+BIAS_GRAD(f16, f16, f32, float)
 BIAS_GRAD(f32, float, bf16, bf16)
 BIAS_GRAD(bf16, bf16, bf16, bf16)
+BIAS_GRAD(f16, f16, bf16, bf16)
+BIAS_GRAD(f32, float, f16, f16)
+BIAS_GRAD(bf16, bf16, f16, f16)
+BIAS_GRAD(f16, f16, f16, f16)

@@ -151,3 +151,4 @@ __device__ __forceinline__ void combine_bwd(T* __restrict__ dye, float* __restri
     }
 MOE(f32, float)
 MOE(bf16, bf16)
+MOE(f16, f16)

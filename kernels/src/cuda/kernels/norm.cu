@@ -118,3 +118,4 @@ __device__ __forceinline__ void norm_reduce(G* __restrict__ dst, const float* __
 
 NORMS(f32, float)
 NORMS(bf16, bf16)
+NORMS(f16, f16)

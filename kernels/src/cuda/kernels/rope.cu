@@ -42,3 +42,4 @@ __device__ __forceinline__ void rope_apply(T* __restrict__ x, const float* __res
     }
 ROPE(f32, float)
 ROPE(bf16, bf16)
+ROPE(f16, f16)

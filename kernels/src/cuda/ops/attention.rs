@@ -27,12 +27,18 @@ pub(crate) static FORWARD_TC: KernelSource = KernelSource {
     file: "attention_forward_tc.cu",
     code: include_str!("../kernels/attention_forward_tc.cu"),
     kernels: &[
-        "attn_fwd_tc_d64_m1_bf16",
-        "attn_fwd_tc_d64_m1_f32",
-        "attn_fwd_tc_d128_m1_bf16",
-        "attn_fwd_tc_d128_m1_f32",
-        "attn_fwd_tc_d64_m2_bf16",
-        "attn_fwd_tc_d64_m2_f32",
+        "attn_fwd_tc_bf16_d64_m1_bf16",
+        "attn_fwd_tc_bf16_d64_m1_f32",
+        "attn_fwd_tc_bf16_d128_m1_bf16",
+        "attn_fwd_tc_bf16_d128_m1_f32",
+        "attn_fwd_tc_bf16_d64_m2_bf16",
+        "attn_fwd_tc_bf16_d64_m2_f32",
+        "attn_fwd_tc_f16_d64_m1_f16",
+        "attn_fwd_tc_f16_d64_m1_f32",
+        "attn_fwd_tc_f16_d128_m1_f16",
+        "attn_fwd_tc_f16_d128_m1_f32",
+        "attn_fwd_tc_f16_d64_m2_f16",
+        "attn_fwd_tc_f16_d64_m2_f32",
     ],
     includes: &[HEADER],
 };
@@ -40,7 +46,7 @@ pub(crate) static FORWARD_TC: KernelSource = KernelSource {
 pub(crate) static FLAGS: KernelSource = KernelSource {
     file: "attention_flags.cu",
     code: include_str!("../kernels/attention_flags.cu"),
-    kernels: &["nonfinite_rows_f32", "nonfinite_rows_bf16"],
+    kernels: &["nonfinite_rows_f32", "nonfinite_rows_bf16", "nonfinite_rows_f16"],
     includes: &[],
 };
 
@@ -55,14 +61,22 @@ pub(crate) static BACKWARD_TC: KernelSource = KernelSource {
     file: "attention_backward_tc.cu",
     code: include_str!("../kernels/attention_backward_tc.cu"),
     kernels: &[
-        "attn_bwd_tc_dkdv_d64_bf16",
-        "attn_bwd_tc_dq_d64_bf16",
-        "attn_bwd_tc_dkdv_d64_f32",
-        "attn_bwd_tc_dq_d64_f32",
-        "attn_bwd_tc_dkdv_d128_bf16",
-        "attn_bwd_tc_dq_d128_bf16",
-        "attn_bwd_tc_dkdv_d128_f32",
-        "attn_bwd_tc_dq_d128_f32",
+        "attn_bwd_tc_dkdv_bf16_d64_bf16",
+        "attn_bwd_tc_dq_bf16_d64_bf16",
+        "attn_bwd_tc_dkdv_bf16_d64_f32",
+        "attn_bwd_tc_dq_bf16_d64_f32",
+        "attn_bwd_tc_dkdv_bf16_d128_bf16",
+        "attn_bwd_tc_dq_bf16_d128_bf16",
+        "attn_bwd_tc_dkdv_bf16_d128_f32",
+        "attn_bwd_tc_dq_bf16_d128_f32",
+        "attn_bwd_tc_dkdv_f16_d64_f16",
+        "attn_bwd_tc_dq_f16_d64_f16",
+        "attn_bwd_tc_dkdv_f16_d64_f32",
+        "attn_bwd_tc_dq_f16_d64_f32",
+        "attn_bwd_tc_dkdv_f16_d128_f16",
+        "attn_bwd_tc_dq_f16_d128_f16",
+        "attn_bwd_tc_dkdv_f16_d128_f32",
+        "attn_bwd_tc_dq_f16_d128_f32",
     ],
     includes: &[HEADER],
 };
@@ -77,11 +91,11 @@ pub(crate) static MERGE: KernelSource = KernelSource {
 /// Rows per tile of the tensor-core kernels (`TC_BR`, `TC_BC`), and of the non-finite row masks.
 const TC_TILE: usize = 64;
 
-/// Whether the tensor-core kernels run this problem: bf16 inputs, a head dim they are built for, and inputs at
+/// Whether the tensor-core kernels run this problem: bf16 or f16 inputs, a head dim they are built for, and inputs at
 /// 16-byte aligned addresses (their rows are copied 16 bytes at a time by cp.async, which faults otherwise; a view
 /// of a buffer's middle rows may start anywhere).
 fn tensor_cores(p: &AttnParams<'_>, qkv_dtype: DType, inputs: &[&View<'_>]) -> bool {
-    qkv_dtype == DType::Bf16
+    matches!(qkv_dtype, DType::Bf16 | DType::F16)
         && matches!(p.shape.head_dim, 64 | 128)
         && inputs.iter().all(|v| v.as_device("input", v.memory()).is_ok_and(|d| d.ptr() % 16 == 0))
 }
@@ -231,6 +245,7 @@ fn code(d: DType) -> u32 {
     match d {
         DType::F32 => 0,
         DType::Bf16 => 1,
+        DType::F16 => 2,
     }
 }
 
@@ -243,7 +258,7 @@ fn general_smem(d: usize) -> u32 {
 pub(crate) fn forward(b: &CudaBackend, p: &AttnParams<'_>, out: AttnOut<'_>, qkv: Qkv<'_>) -> Result<()> {
     let s = p.shape;
     let (qt, ot) = (qkv.q.dtype(), out.o.dtype());
-    if tensor_cores(p, qt, &[&qkv.q, &qkv.k, &qkv.v]) {
+    if tensor_cores(p, qt, &[&qkv.q, &qkv.k, &qkv.v]) && (ot == qt || ot == DType::F32) {
         let mt = forward_row_tiles(s.head_dim);
         let rows = 64 * mt;
         let pr = problem(b, p, (rows, TC_TILE))?;
@@ -259,7 +274,7 @@ pub(crate) fn forward(b: &CudaBackend, p: &AttnParams<'_>, out: AttnOut<'_>, qkv
             // Q, two K and two V buffers, P's correction scratch.
             shared_bytes: ((rows + 4 * TC_TILE) * s.head_dim * 2 + 4 * 16 * mt * TC_TILE * 4) as u32,
         };
-        let name = format!("attn_fwd_tc_d{}_m{mt}_{}", s.head_dim, super::suffix(ot));
+        let name = format!("attn_fwd_tc_{}_d{}_m{mt}_{}", super::suffix(qt), s.head_dim, super::suffix(ot));
         let kf = kernel(&FORWARD_TC, &name)?;
         // SAFETY: as the general path; `v_bad` holds one mask per 64 key rows of each head.
         return unsafe { b.launch(&kf, cfg, &args) };
@@ -299,8 +314,11 @@ pub(crate) fn backward(
     let acc = i32::from(mode == GradMode::Accumulate);
     let rows = s.lse_elems() as u64;
     let delta = b.scratch(4 * rows as usize)?;
-    let tc =
-        tensor_cores(p, qt, &[&saved.qkv.q, &saved.qkv.k, &saved.qkv.v, &dout]) && dot == DType::Bf16 && dkt == dvt;
+    let tc = tensor_cores(p, qt, &[&saved.qkv.q, &saved.qkv.k, &saved.qkv.v, &dout])
+        && dot == qt
+        && dkt == dvt
+        && (dkt == qt || dkt == DType::F32)
+        && (dqt == qt || dqt == DType::F32);
 
     let kd = kernel(&BACKWARD, "attn_bwd_delta")?;
     let mut args = KernelArgs::new();
@@ -318,7 +336,7 @@ pub(crate) fn backward(
         let k_bad = nonfinite_masks(b, &saved.qkv.k, kh, s.kv_len, s.head_dim)?;
         let tile_bytes = TC_TILE * s.head_dim * 2;
         let d = s.head_dim;
-        let kk = kernel(&BACKWARD_TC, &format!("attn_bwd_tc_dkdv_d{d}_{}", super::suffix(dkt)))?;
+        let kk = kernel(&BACKWARD_TC, &format!("attn_bwd_tc_dkdv_{}_d{d}_{}", super::suffix(qt), super::suffix(dkt)))?;
         let mut args = KernelArgs::new();
         args.push(pr.args).push(dk).push(dv).push(q).push(k).push(v).push(dop).push(lse).push(delta.ptr());
         args.push(q_bad.ptr()).push(do_bad.ptr()).push(acc);
@@ -330,7 +348,7 @@ pub(crate) fn backward(
         // SAFETY: as the forward; `dk`/`dv` have `k`'s dims and one type; the masks one word per 64 rows of each
         // head.
         unsafe { b.launch(&kk, cfg, &args)? };
-        let kq = kernel(&BACKWARD_TC, &format!("attn_bwd_tc_dq_d{d}_{}", super::suffix(dqt)))?;
+        let kq = kernel(&BACKWARD_TC, &format!("attn_bwd_tc_dq_{}_d{d}_{}", super::suffix(qt), super::suffix(dqt)))?;
         let mut args = KernelArgs::new();
         args.push(pr.args).push(dq).push(q).push(k).push(v).push(dop).push(lse).push(delta.ptr());
         args.push(k_bad.ptr()).push(acc);

@@ -14,10 +14,16 @@ pub(crate) static SOURCE: KernelSource = KernelSource {
     kernels: &[
         "embedding_fwd_f32",
         "embedding_fwd_bf16",
+        "embedding_fwd_f16",
         "embedding_bwd_f32_f32",
         "embedding_bwd_bf16_f32",
+        "embedding_bwd_f16_f32",
         "embedding_bwd_f32_bf16",
         "embedding_bwd_bf16_bf16",
+        "embedding_bwd_f16_bf16",
+        "embedding_bwd_f32_f16",
+        "embedding_bwd_bf16_f16",
+        "embedding_bwd_f16_f16",
     ],
     includes: &[],
 };

@@ -21,7 +21,17 @@ use crate::view::{View, ViewMut};
 pub(crate) static SOURCE: KernelSource = KernelSource {
     file: "linear.cu",
     code: include_str!("../kernels/linear.cu"),
-    kernels: &["bias_grad_f32_f32", "bias_grad_bf16_f32", "bias_grad_f32_bf16", "bias_grad_bf16_bf16"],
+    kernels: &[
+        "bias_grad_f32_f32",
+        "bias_grad_bf16_f32",
+        "bias_grad_f16_f32",
+        "bias_grad_f32_bf16",
+        "bias_grad_bf16_bf16",
+        "bias_grad_f16_bf16",
+        "bias_grad_f32_f16",
+        "bias_grad_bf16_f16",
+        "bias_grad_f16_f16",
+    ],
     includes: &[],
 };
 

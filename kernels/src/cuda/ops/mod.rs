@@ -39,6 +39,7 @@ pub(crate) fn suffix(d: DType) -> &'static str {
     match d {
         DType::F32 => "f32",
         DType::Bf16 => "bf16",
+        DType::F16 => "f16",
     }
 }
 

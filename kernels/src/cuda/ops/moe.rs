@@ -25,6 +25,11 @@ pub(crate) static SOURCE: KernelSource = KernelSource {
         "moe_gather_bf16",
         "moe_sum_rows_bf16",
         "moe_combine_bwd_bf16",
+        "router_fwd_f16",
+        "router_bwd_f16",
+        "moe_gather_f16",
+        "moe_sum_rows_f16",
+        "moe_combine_bwd_f16",
     ],
     includes: &[],
 };

@@ -22,6 +22,11 @@ pub(crate) static SOURCE: KernelSource = KernelSource {
         "rmsnorm_bwd_bf16",
         "layernorm_bwd_bf16",
         "norm_reduce_bf16",
+        "rmsnorm_fwd_f16",
+        "layernorm_fwd_f16",
+        "rmsnorm_bwd_f16",
+        "layernorm_bwd_f16",
+        "norm_reduce_f16",
     ],
     includes: &[],
 };

@@ -12,7 +12,7 @@ use crate::view::ViewMut;
 pub(crate) static SOURCE: KernelSource = KernelSource {
     file: "rope.cu",
     code: include_str!("../kernels/rope.cu"),
-    kernels: &["rope_angles", "rope_apply_f32", "rope_apply_bf16"],
+    kernels: &["rope_angles", "rope_apply_f32", "rope_apply_bf16", "rope_apply_f16"],
     includes: &[],
 };
 
