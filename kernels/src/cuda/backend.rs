@@ -35,6 +35,8 @@ impl CudaBackend {
     /// The backend on device `ordinal`, with its own stream.
     ///
     /// Errors: [`KernelError::NoDevice`] when no CUDA driver can be loaded or no device has that ordinal.
+    ///
+    /// [`KernelError::NoDevice`]: crate::KernelError::NoDevice
     pub fn new(ordinal: usize) -> Result<Self> {
         let device = super::driver::DriverDevice::new(ordinal)?;
         Ok(Self { device })
@@ -45,6 +47,8 @@ impl CudaBackend {
     /// zones checked after every launch. Slow; for testing kernels and the backend without a GPU.
     ///
     /// Errors: [`KernelError::Compile`] when the kernels do not build with the host compiler.
+    ///
+    /// [`KernelError::Compile`]: crate::KernelError::Compile
     pub fn emulated() -> Result<Self> {
         let device = super::emulated::EmulatedDevice::open()?;
         Ok(Self { device })
