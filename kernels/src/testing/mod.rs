@@ -7,6 +7,10 @@
 //! slices with the dims of an [`AttnParams`] and call a [`Backend`]; there is no second implementation. Nothing
 //! in the kernels themselves depends on this module.
 
+#[cfg(feature = "conformance")]
+#[cfg_attr(docsrs, doc(cfg(feature = "conformance")))]
+pub mod conformance;
+
 use crate::attention::{reference, AttnGrads, AttnOut, AttnParams, AttnSaved, Qkv};
 use crate::backend::{Backend, GradMode};
 use crate::cpu::CpuBackend;

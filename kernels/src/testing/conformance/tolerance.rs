@@ -1,0 +1,67 @@
+//! The suite's tolerances, all in one place, each with its reason.
+//!
+//! **The measure.** One number per output tensor: `max |got − want| / max |want|` over its elements (the absolute
+//! error when `want` is zero everywhere, as when a gradient vanishes exactly), so an element is judged against the
+//! tensor's scale, not its own (a value that cancels to near zero does not blow the error up). A non-finite
+//! `want` must be met exactly (a masked row's `LSE = -inf`, a NaN that must show); a non-finite `got` where `want`
+//! is finite fails whatever the tolerance.
+//!
+//! **The element type.** A case is held to the tolerance of its inputs' type, for every output: with `bf16` inputs
+//! a backend may round intermediates to `bf16` (the CUDA backend rounds the logits' gradient of the cross-entropy
+//! before its two products), so even an `f32` output of a `bf16` case carries `bf16` error.
+//!
+//! **Against the CPU backend.** Both sides are within the tolerance of the truth, so they are compared within
+//! [`CPU_FACTOR`] times it; an exact family is compared bit for bit.
+//!
+//! | family | `f32` | `bf16` | why |
+//! |---|---|---|---|
+//! | [`EXACT`]: upload, download, copy, fill, transpose, embedding lookup, dispatch, `add` and `scale` | 0 | 0 | each element is moved, or computed by one `f32` operation and rounded once to nearest even, which every backend must do the same way |
+//! | [`POINTWISE`]: SwiGLU, squared ReLU, RoPE, AdamW, clipped gradients | 1e-5 | 8e-3 | a few `f32` operations per element with transcendentals (`exp`, the angles' `sin`/`cos`) that libraries round within 1–2 ulp (CUDA's `expf` 2 ulp, a SIMD `exp` polynomial ~1 ulp): ~1e-6 relative, with room for AdamW's division by `√v̂ + ε` of a small `v̂`; `bf16` stores the `f32` result rounded once (at most 2⁻⁹ relative), and a result near a rounding boundary may round either way after an `f32` difference: two `bf16` ulps (2⁻⁷ = 7.8e-3) |
+//! | [`REDUCTION`]: linear, norms, embedding backward, MoE, cross-entropy | 1e-5 | 2e-2 | `f32` sums of up to a few hundred terms in an order each backend picks (tiles, split reductions): the error grows with the number of terms, ~√n·2⁻²⁴ typically; `bf16` products may round intermediates (a chunk's logit gradient, a layer's output feeding its own backward) to `bf16` before the next sum, a few `bf16` ulps relative to the output's largest element |
+//! | [`ATTENTION`]: `O`, `LSE` | 1e-5 | 2e-2 | the online softmax rescales partial sums per key tile; `f32` throughout, so ~√S·2⁻²⁴; `bf16` kernels may round the probabilities to `bf16` before `P·V` |
+//! | [`ATTENTION_GRAD`]: `dQ`, `dK`, `dV` | 5e-5 | 2e-2 | the backward recomputes `P` from the saved `LSE` and subtracts `rowsum(dO∘O)` (a cancellation that loses a few bits when a row's softmax is peaked), then sums over the other sequence |
+//! | [`HOST_SCALAR`]: a loss, a norm | 1e-5 | 1e-5 | summed in `f64` from per-token or per-element values that carry `f32` error; returned as `f32` (the loss) or `f64` |
+//! | [`F64_SUM`]: `sum_squares`, the norm of `clip_grad_norm`, the router's probability sums | 1e-12 | 1e-12 | sums of exact `f64` squares (or of `f32` probabilities) in `f64`, in an order each backend picks: a few `f64` ulps per term |
+//!
+//! A finite-difference check of a backend's own attention gradients uses [`FINITE_DIFFERENCES`].
+
+use crate::dtype::DType;
+
+/// A tolerance per element type.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Tolerance {
+    /// For cases of `f32` inputs.
+    pub f32: f64,
+    /// For cases of `bf16` inputs.
+    pub bf16: f64,
+}
+
+impl Tolerance {
+    /// The tolerance of a case of `dtype` inputs.
+    pub fn of(&self, dtype: DType) -> f64 {
+        match dtype {
+            DType::F32 => self.f32,
+            DType::Bf16 => self.bf16,
+        }
+    }
+}
+
+/// Moves, and one rounded `f32` operation per element: bit for bit.
+pub const EXACT: Tolerance = Tolerance { f32: 0.0, bf16: 0.0 };
+/// A few `f32` operations per element, some transcendental.
+pub const POINTWISE: Tolerance = Tolerance { f32: 1e-5, bf16: 8e-3 };
+/// `f32` sums in an order the backend picks.
+pub const REDUCTION: Tolerance = Tolerance { f32: 1e-5, bf16: 2e-2 };
+/// Attention's forward: `O` and `LSE`.
+pub const ATTENTION: Tolerance = Tolerance { f32: 2e-5, bf16: 2e-2 };
+/// Attention's backward: `dQ`, `dK`, `dV`.
+pub const ATTENTION_GRAD: Tolerance = Tolerance { f32: 5e-5, bf16: 2e-2 };
+/// A loss or a norm returned to the host.
+pub const HOST_SCALAR: Tolerance = Tolerance { f32: 1e-5, bf16: 1e-5 };
+/// Sums in `f64`.
+pub const F64_SUM: Tolerance = Tolerance { f32: 1e-12, bf16: 1e-12 };
+/// A backend's attention gradients against central differences (step `1e-2`) of its own `f32` forward: the
+/// differences carry the forward's rounding divided by the step, ~1e-5/1e-2.
+pub const FINITE_DIFFERENCES: f64 = 2e-3;
+/// Against the CPU backend: each side within the tolerance of the truth.
+pub const CPU_FACTOR: f64 = 2.0;
