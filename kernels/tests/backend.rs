@@ -147,3 +147,19 @@ fn cpu_reuses_a_large_buffer_zeroed_from_zeros_and_poisoned_from_empty_in_debug(
         }
     }
 }
+
+/// A view is checked once, when it is made: dims its data does not fill, or whose element count overflows, are a
+/// `Shape` error, so no backend ever sees such a view.
+#[test]
+fn views_refuse_dims_their_data_does_not_fill() {
+    let mut x = vec![1.0f32; 6];
+    assert!(matches!(View::new(&x[..5], [2, 3]), Err(KernelError::Shape(_))));
+    assert!(matches!(View::new(&x, [usize::MAX, 3]), Err(KernelError::Shape(_))));
+    assert!(matches!(View::new(&x, [1, 1, 1, 1, 6]), Err(KernelError::Shape(_))));
+    assert!(matches!(ViewMut::new(&mut x[..3], [2, 2]), Err(KernelError::Shape(_))));
+    let v = View::new(&x, [2, 3]).unwrap();
+    assert!(matches!(v.rows(1, 2), Err(KernelError::Shape(_))));
+    assert_eq!(v.rows(1, 1).unwrap().dims(), &[1, 3]);
+    let z = CpuBackend::new().zeros(DType::Bf16, Dims::new(&[2, 3]).unwrap()).unwrap();
+    assert_eq!((z.dims(), z.dtype(), z.bytes()), (&[2, 3][..], DType::Bf16, 12));
+}

@@ -98,3 +98,24 @@ fn saturation(ctx: &Ctx<'_>) -> Result<(), Failure> {
     let want: Vec<f64> = g.iter().map(|&g| g / (1.0 + (-g).exp()) * 1.5).collect();
     ctx.compare("swiglu_forward", &g, run, &[Expect::new("out", want, POINTWISE.f32)]).map(drop)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The analytic gradients the suite compares with against central differences of the forward formulas.
+    #[test]
+    fn reference_gradients_match_finite_differences() {
+        let silu = |g: f64| g * sigmoid(g);
+        for g in [-4.0, -1.3, -0.2, 0.3, 2.5, 4.0] {
+            let fd = (silu(g + 1e-6) - silu(g - 1e-6)) / 2e-6;
+            let an = sigmoid(g) * (1.0 + g * (1.0 - sigmoid(g)));
+            assert!((fd - an).abs() < 1e-8, "silu'({g}): {fd} against {an}");
+        }
+        for x in [-1.5f64, -0.2, 0.2, 1.7] {
+            let sq = |x: f64| x.max(0.0) * x.max(0.0);
+            let fd = (sq(x + 1e-6) - sq(x - 1e-6)) / 2e-6;
+            assert!((fd - 2.0 * x.max(0.0)).abs() < 1e-8, "squared ReLU'({x})");
+        }
+    }
+}

@@ -283,18 +283,18 @@ pub fn pinned(limits: &Limits) -> Vec<AttnCase> {
                 w,
             ));
         }
-        // Every tile height and the micro-kernel's column tails: 141 queries (at 59) over 200 keys, documents of 70.
-        let docs = Some((1..4).map(|i| 70 * i).collect());
-        out.push(AttnCase::new(
-            shape(4, 2, 141, 200, 40),
-            MaskCase::new(true, None, at(59, 141), at(0, 200), docs),
-            11,
-        ));
-        let docs = Some((1..4).map(|i| 60 * i).collect());
-        let mut c =
-            AttnCase::new(shape(4, 2, 150, 170, 40), MaskCase::new(false, Some(90), at(20, 150), at(0, 170), docs), 1);
-        c.shape.batch = 2;
-        out.push(c);
+        // Every tile height and the micro-kernel's column tails: 141 queries (at 59) over 200 keys, documents of 70;
+        // two batches of 150 queries (at 20) over 170 keys, documents of 60, a window of 90. Causal and not.
+        for causal in [false, true] {
+            let docs = Some((1..4).map(|i| 70 * i).collect());
+            let mask = MaskCase::new(causal, None, at(59, 141), at(0, 200), docs);
+            out.push(AttnCase::new(shape(4, 2, 141, 200, 40), mask, 11));
+            let docs = Some((1..4).map(|i| 60 * i).collect());
+            let mask = MaskCase::new(causal, Some(90), at(20, 150), at(0, 170), docs);
+            let mut c = AttnCase::new(shape(4, 2, 150, 170, 40), mask, 1);
+            c.shape.batch = 2;
+            out.push(c);
+        }
         out.push(AttnCase::new(
             shape(4, 2, 200, 200, 64),
             MaskCase::new(true, Some(90), at(0, 200), at(0, 200), None),

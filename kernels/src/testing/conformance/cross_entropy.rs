@@ -261,7 +261,20 @@ fn fused(ctx: &Ctx<'_>, c: &CrossEntropyCase) -> Result<(), Failure> {
             Expect::new(names[4], dw.clone(), tol).floor(1e-30),
         ]);
     }
-    ctx.compare("cross_entropy_fused", c, run, &want).map(drop)
+    let got = ctx.compare("cross_entropy_fused", c, run, &want)?;
+    // Chunking changes no more than rounding: the loss within 1e-6, the gradients within a quarter of the tolerance
+    // of one call over all the tokens at once (measured on the reference's scale, at least 1 for the loss).
+    let find = |name: &str| got.iter().find(|o| o.name == name).expect("an output of the run");
+    let scale = |x: &[f64]| x.iter().filter(|v| v.is_finite()).fold(1e-30f64, |m, v| m.max(v.abs()));
+    let pairs = [
+        ("loss", "loss (one chunk)", 1e-6, (sum / den).abs().max(1.0)),
+        ("dhidden", "dhidden (one chunk)", tol / 4.0, scale(&dh)),
+        ("dweight", "dweight (one chunk)", tol / 4.0, scale(&dw)),
+    ];
+    for (chunked, whole, t, on) in pairs {
+        ctx.within_on("cross_entropy_fused", c, find(chunked), &find(whole).vals, on, t, super::Against::Rerun)?;
+    }
+    Ok(())
 }
 
 /// With `ignore_index` 3 (inside the vocabulary) and chunks of 4: an ignored token's `dhidden` row is exactly 0,
