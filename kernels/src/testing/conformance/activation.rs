@@ -37,6 +37,14 @@ pub fn cases(limits: &Limits) -> impl Strategy<Value = ActivationCase> {
 /// The checks of this family.
 pub(crate) fn check(ctx: &Ctx<'_>) -> Result<(), Failure> {
     ctx.property("forward and backward against f64 formulas", cases(&ctx.cfg.limits), |c| activation(ctx, c))?;
+    let long = ctx.cfg.limits.long_elems;
+    if long > 0 {
+        ctx.fixed("past the largest grid", || {
+            [true, false].into_iter().try_for_each(|swiglu| {
+                activation(ctx, &ActivationCase { swiglu, dims: vec![long], dtype: DType::Bf16, seed: 11 })
+            })
+        })?;
+    }
     ctx.fixed("SwiGLU saturates as the formula does", || saturation(ctx))
 }
 

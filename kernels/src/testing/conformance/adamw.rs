@@ -71,7 +71,18 @@ pub fn cases(limits: &Limits) -> impl Strategy<Value = AdamwCase> {
 
 /// The checks of this family.
 pub(crate) fn check(ctx: &Ctx<'_>) -> Result<(), Failure> {
-    ctx.property("steps against PyTorch's update in f64", cases(&ctx.cfg.limits), |c| steps(ctx, c))
+    ctx.property("steps against PyTorch's update in f64", cases(&ctx.cfg.limits), |c| steps(ctx, c))?;
+    let long = ctx.cfg.limits.long_elems;
+    if long > 0 {
+        ctx.fixed("past the largest grid", || {
+            let hp = AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 };
+            steps(
+                ctx,
+                &AdamwCase { n: long, steps: 2, hp, grad_dtype: DType::Bf16, copy_to: Some(DType::Bf16), seed: 12 },
+            )
+        })?;
+    }
+    Ok(())
 }
 
 /// One step in f64 (PyTorch `AdamW`): decay, the moments, the bias-corrected update.

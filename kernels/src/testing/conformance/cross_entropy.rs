@@ -146,6 +146,26 @@ pub(crate) fn check(ctx: &Ctx<'_>) -> Result<(), Failure> {
         };
         fused(ctx, &c)
     })?;
+    ctx.fixed("a vocabulary wider than a GPU block", || {
+        [DType::F32, DType::Bf16].into_iter().try_for_each(|dtype| {
+            let opts = CrossEntropyOptions { chunk_tokens: 4, ..CrossEntropyOptions::default() };
+            let v = ctx.cfg.limits.wide;
+            let c = CrossEntropyCase {
+                t: 9,
+                c: 16,
+                v,
+                opts,
+                p_ignore: 0.2,
+                identity: false,
+                scale: 1.0,
+                dtype,
+                grad_dtype: DType::F32,
+                mode: GradMode::Accumulate,
+                seed: 5,
+            };
+            fused(ctx, &c)
+        })
+    })?;
     ctx.fixed("an ignored token changes nothing", || ignored(ctx))
 }
 

@@ -103,6 +103,15 @@ pub(crate) fn check(ctx: &Ctx<'_>) -> Result<(), Failure> {
     ctx.property("add and scale are one f32 operation per element", flat_cases(&l), |c| add_scale(ctx, c))?;
     ctx.property("transpose12 swaps the middle dims", transpose_cases(&l), |c| transpose(ctx, c))?;
     ctx.property("sum_squares and clip_grad_norm against f64 sums", norm_cases(&l), |c| norms(ctx, c))?;
+    if l.long_elems > 0 {
+        ctx.fixed("past the largest grid: copy, fill, add, scale, sum_squares, clip_grad_norm", || {
+            let c = FlatCase { dst: DType::Bf16, src: DType::F32, n: l.long_elems, value: 0.75, offset: 1, seed: 9 };
+            copy(ctx, &c)?;
+            fill(ctx, &c)?;
+            add_scale(ctx, &c)?;
+            norms(ctx, &NormCase { views: vec![(DType::F32, l.long_elems), (DType::Bf16, 3)], max_frac: 0.5, seed: 10 })
+        })?;
+    }
     ctx.fixed("a norm past f32's range is a number, and clips", || {
         // Four elements of f32::MAX: the f64 norm is finite (2·MAX), the scale a subnormal f32.
         let c = NormCase { views: vec![(DType::F32, 4)], max_frac: 0.0, seed: 0 };

@@ -72,7 +72,24 @@ pub fn cases(limits: &Limits) -> impl Strategy<Value = EmbeddingCase> {
 
 /// The checks of this family.
 pub(crate) fn check(ctx: &Ctx<'_>) -> Result<(), Failure> {
-    ctx.property("lookup and scatter-add against f64", cases(&ctx.cfg.limits), |c| embedding(ctx, c))
+    ctx.property("lookup and scatter-add against f64", cases(&ctx.cfg.limits), |c| embedding(ctx, c))?;
+    ctx.fixed("rows wider than a GPU block", || {
+        [(DType::F32, GradMode::Overwrite), (DType::Bf16, GradMode::Accumulate)].into_iter().try_for_each(
+            |(dtype, mode)| {
+                let c = EmbeddingCase {
+                    v: 50,
+                    c: ctx.cfg.limits.wide,
+                    t: 30,
+                    distinct: 10,
+                    dtype,
+                    grad_dtype: DType::F32,
+                    mode,
+                    seed: 6,
+                };
+                embedding(ctx, &c)
+            },
+        )
+    })
 }
 
 fn embedding(ctx: &Ctx<'_>, c: &EmbeddingCase) -> Result<(), Failure> {

@@ -214,6 +214,12 @@ pub struct Limits {
     pub features: usize,
     /// Tokens of the fixed cases whose reductions over tokens are long (weight gradients); 0 leaves them out.
     pub long_tokens: usize,
+    /// Width of the fixed cases whose rows are wider than a GPU block (a norm's channels, a vocabulary, an
+    /// embedding's or a dispatched row's channels), so that each thread of a block handles several elements.
+    pub wide: usize,
+    /// Elements of the fixed element-wise cases past the largest grid a backend launches (the CUDA backend's is
+    /// 4096 blocks of 256 threads), so that its threads loop; 0 leaves them out.
+    pub long_elems: usize,
 }
 
 impl Limits {
@@ -227,11 +233,23 @@ impl Limits {
             tokens: 40,
             features: 48,
             long_tokens: 4500,
+            wide: 1100,
+            long_elems: (1 << 20) + 77,
         }
     }
     /// Small shapes for a slow backend (an emulator): every code path a small case reaches, none of the long ones.
     pub fn small() -> Self {
-        Limits { attn_len: 40, attn_head_dim: 64, attn_long: 0, elems: 2_000, tokens: 24, features: 32, long_tokens: 0 }
+        Limits {
+            attn_len: 40,
+            attn_head_dim: 64,
+            attn_long: 0,
+            elems: 2_000,
+            tokens: 24,
+            features: 32,
+            long_tokens: 0,
+            wide: 300,
+            long_elems: 0,
+        }
     }
 }
 

@@ -84,6 +84,11 @@ pub(crate) fn check(ctx: &Ctx<'_>) -> Result<(), Failure> {
     let l = ctx.cfg.limits;
     ctx.property("router forward and backward against f64 loops", cases(&l), |c| router(ctx, c))?;
     ctx.property("dispatch and combine with their backwards against f64 loops", cases(&l), |c| dispatch(ctx, c))?;
+    ctx.fixed("64 experts, top 8, rows wider than a GPU block", || {
+        let c = MoeCase { l: 9, e: 64, k: 8, c: l.wide, dtype: DType::Bf16, aux: true, seed: 7 };
+        router(ctx, &c)?;
+        dispatch(ctx, &c)
+    })?;
     ctx.fixed("router ties go to the lower expert", || ties(ctx))?;
     ctx.fixed("a token's routing and combine do not depend on the other tokens of the call", || shared_call(ctx))
 }
@@ -251,7 +256,9 @@ fn dispatch(ctx: &Ctx<'_>, c: &MoeCase) -> Result<(), Failure> {
         Expect::new("dx", dx, tol),
         Expect::new("out", out, tol),
         Expect::new("dye", dye, POINTWISE.of(dt)),
-        Expect::new("dweights", dw, tol),
+        // Each weight's gradient is one dot product over `C` that may cancel to far below its terms: measured on at
+        // least the size of a term, so that a well-computed dot that cancels is not held to its own tiny scale.
+        Expect::new("dweights", dw, tol).floor(super::harness::scale(&dout) * super::harness::scale(&ye)),
     ];
     ctx.compare("moe_gather/combine+backward", c, run, &want).map(drop)
 }

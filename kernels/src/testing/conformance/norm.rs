@@ -99,6 +99,23 @@ pub(crate) fn check(ctx: &Ctx<'_>) -> Result<(), Failure> {
             };
             forward_backward(ctx, &c)
         })
+    })?;
+    ctx.fixed("fixed shapes: rows wider than a GPU block", || {
+        [(false, DType::F32), (true, DType::F32), (false, DType::Bf16), (true, DType::Bf16)].into_iter().try_for_each(
+            |(layernorm, dtype)| {
+                let c = NormCase {
+                    layernorm,
+                    n: 5,
+                    c: l.wide,
+                    eps: 1e-5,
+                    dtype,
+                    grad_dtype: DType::F32,
+                    mode: GradMode::Overwrite,
+                    seed: 4,
+                };
+                forward_backward(ctx, &c)
+            },
+        )
     })
 }
 

@@ -111,6 +111,15 @@ pub fn cases(_limits: &Limits) -> impl Strategy<Value = RopeCase> {
 /// The checks of this family.
 pub(crate) fn check(ctx: &Ctx<'_>) -> Result<(), Failure> {
     ctx.property("forward and backward against the f64 rotation", cases(&ctx.cfg.limits), |c| rotate(ctx, c))?;
+    ctx.fixed("the head dims of real models: 128 (half of it rotating) and 256", || {
+        [(128, 64, RopeScaling::Linear { factor: 4.0 }), (256, 256, RopeScaling::None)].into_iter().try_for_each(
+            |(head_dim, rotary_dim, scaling)| {
+                let config = RopeConfig { head_dim, base: 500_000.0, scaling };
+                let positions = (0..17).map(|i| 3 * i * i + 5).collect();
+                rotate(ctx, &RopeCase { b: 1, h: 2, config, rotary_dim, positions, dtype: DType::Bf16, seed: 8 })
+            },
+        )
+    })?;
     ctx.fixed("the backward inverts the forward", || inverse(ctx))?;
     ctx.fixed("one table rotates each call by its own positions", || positions_per_call(ctx))
 }
