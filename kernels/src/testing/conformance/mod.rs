@@ -20,7 +20,19 @@
 //!
 //! The cases: [`strategies`] has the building blocks (dtypes, [`GradMode`](crate::GradMode), positions including a
 //! zigzag shard's two ranges, documents, masks), and each family's module its case type and the strategy that
-//! draws it (e.g. [`attention::cases`]), bounded by [`Limits`], so a test can compose its own.
+//! draws it (e.g. [`attention::cases`]), bounded by [`Limits`], so a test can compose its own (the [`proptest`] they
+//! are written with is re-exported, so its version is the suite's):
+//! ```
+//! use longctx_kernels::testing::conformance::{attention, proptest, Limits};
+//! use proptest::strategy::{Strategy, ValueTree};
+//!
+//! let mut runner = proptest::test_runner::TestRunner::deterministic();
+//! let case = attention::cases(&Limits::small()).new_tree(&mut runner).unwrap().current();
+//! // Sizes, mask (positions, documents), scale, dtypes, mode and seed: `case.params()` for the f64 reference,
+//! // `case.options()` for a backend call.
+//! assert!(case.shape.q_len <= Limits::small().attn_len);
+//! let _ = (case.params(), case.options());
+//! ```
 //!
 //! # Running it on your backend
 //! ```
@@ -64,6 +76,8 @@ pub mod strategies;
 pub mod tolerance;
 
 pub use failure::{Against, CheckReport, Failure, FailureKind, Report, Worst};
+/// The property-testing library the strategies are written with.
+pub use proptest;
 
 use crate::backend::Backend;
 use crate::cpu::CpuBackend;
