@@ -41,7 +41,7 @@
 //! [`CpuBackend`], which checks the views and calls them. Beside it, [`attention`] and [`ops`] hold the types the
 //! methods take and say what each op computes, [`attention::reference`] is a plain f64 attention to check kernels
 //! against, and [`testing`] has seeded data, the error measure and slice-level wrappers of a backend's attention
-//! for property tests.
+//! for property tests, and (feature `conformance`) the conformance suite any backend can be run through.
 #![warn(missing_docs, unsafe_op_in_unsafe_fn)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
