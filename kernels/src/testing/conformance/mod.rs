@@ -173,7 +173,7 @@ pub struct Config {
 }
 
 impl Default for Config {
-    /// 32 cases per property on [`Limits::full`], seed 20261129: about two seconds on a CPU backend.
+    /// 32 cases per property on [`Limits::full`], seed 20261129: a few seconds on a CPU backend.
     fn default() -> Self {
         Config {
             cases: 32,
