@@ -44,7 +44,8 @@
 //! [`view`], [`buffer`], [`event`], [`dtype`], [`saved`], the argument types in [`attention`] and [`ops`], and the
 //! checks every backend runs before any element is written), the implementations side by side in [`cpu`] and
 //! [`cuda`]. [`attention::reference`] is a plain f64 attention to check kernels against, and [`testing`] has seeded
-//! data, the error measure and slice-level wrappers of a backend's attention for property tests.
+//! data, the error measure and slice-level wrappers of a backend's attention for property tests, and (feature `conformance`) the
+//! conformance suite any backend can be run through.
 #![warn(missing_docs, unsafe_op_in_unsafe_fn)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 

@@ -1,14 +1,31 @@
 //! Every op, through the CPU backend, gives the same bits on a 1-thread and on a 2-thread (and 3-thread) rayon
-//! pool.
-
-mod ops_util;
+//! pool: the CPU's own determinism (every backend's determinism from run to run is a conformance property, in the
+//! other test files).
 
 use half::bf16;
+use longctx_kernels::testing::conformance::data::DataRng;
 use longctx_kernels::{
-    Backend, CpuBackend, CrossEntropyOptions, Element, GradMode, LayerNormSaved, LinearGrads, LinearSaved, NormGrads,
-    NormParams, ProjectionGrads, RmsNormSaved, RopeConfig, RopeScaling, RopeTable, SwigluSaved, ViewMut,
+    Backend, CpuBackend, CrossEntropyOptions, Element, GradMode, IntoDims, LayerNormSaved, LinearGrads, LinearSaved,
+    NormGrads, NormParams, ProjectionGrads, RmsNormSaved, RopeConfig, RopeScaling, RopeTable, SwigluSaved, View,
+    ViewMut,
 };
-use ops_util::*;
+
+fn view<T: Element>(x: &[T], dims: impl IntoDims) -> View<'_> {
+    View::new(x, dims).unwrap()
+}
+
+fn view_mut<T: Element>(x: &mut [T], dims: impl IntoDims) -> ViewMut<'_> {
+    ViewMut::new(x, dims).unwrap()
+}
+
+fn to_t<T: Element>(x: &[f64]) -> Vec<T> {
+    x.iter().map(|&v| T::from_f32(v as f32)).collect()
+}
+
+/// `n` NaNs, so that an element an op fails to write shows.
+fn poisoned<T: Element>(n: usize) -> Vec<T> {
+    vec![T::from_f32(f32::NAN); n]
+}
 
 fn pool(n: usize) -> rayon::ThreadPool {
     rayon::ThreadPoolBuilder::new().num_threads(n).build().unwrap()

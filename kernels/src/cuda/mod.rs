@@ -20,6 +20,9 @@
 //!
 //! [`CudaBackend::emulated`] runs the same kernels on the host (see `device.rs`): it is how this crate tests
 //! every kernel on machines without a GPU.
+//!
+//! [`KernelError::NotCompiled`]: crate::KernelError::NotCompiled
+//! [`KernelError::NoDevice`]: crate::KernelError::NoDevice
 
 #[cfg(feature = "cuda")]
 mod alloc;

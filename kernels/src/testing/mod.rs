@@ -6,6 +6,14 @@
 //! calls ([`attention_forward`], [`attention_backward`], [`attention_f32`]) are thin wrappers that view the
 //! slices with the dims of an [`AttnParams`] and call a [`Backend`]; there is no second implementation. Nothing
 //! in the kernels themselves depends on this module.
+//!
+//! With the `conformance` feature, `testing::conformance` is the whole conformance suite: every [`Backend`] op of
+//! any backend against f64 references and the CPU backend, on cases drawn by proptest (this crate's own tests run
+//! it on each of its backends).
+
+#[cfg(feature = "conformance")]
+#[cfg_attr(docsrs, doc(cfg(feature = "conformance")))]
+pub mod conformance;
 
 use crate::attention::{reference, AttnGrads, AttnOut, AttnParams, AttnSaved, Qkv};
 use crate::backend::{Backend, GradMode};

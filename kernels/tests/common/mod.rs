@@ -1,69 +1,184 @@
-//! Shared by the attention test binaries: the CPU backend on one explicit SIMD path, and the f64 reference check.
+//! Shared by the kernels' test binaries: the backends a test runs on, and `test_device!`, which writes a test body
+//! once over a [`Device`] and instantiates it per backend present (candle's `test_device!`):
+//! - `cpu`: the CPU backend on every SIMD path this CPU supports, one after the other;
+//! - `cuda_emulated` (feature `cuda`): the CUDA backend on the host emulator, which compiles our `.cu` kernels with
+//!   the host C++ compiler; skipped, saying why, when there is none;
+//! - `cuda` (feature `cuda`): the CUDA backend on device 0; skipped, saying why, when there is no GPU, unless
+//!   `LONGCTX_REQUIRE_GPU=1` (set it on GPU machines, so that a broken setup fails instead of skipping).
+//!
+//! The emulator runs one fiber per CUDA thread, so its instances get smaller shapes and fewer cases: a [`Device`]
+//! carries its budget ([`Device::config`], [`Device::cases`]).
 #![allow(dead_code)] // each test binary uses its own part
 
-use longctx_kernels::attention::{AttnMask, AttnParams, AttnShape, Positions};
+use std::ops::Deref;
+
 use longctx_kernels::cpu::SimdPath;
-use longctx_kernels::testing::{attention_f32_with, max_rel_err, reference_f64, uniform_nonzero};
-use longctx_kernels::CpuBackend;
+use longctx_kernels::testing::conformance::{self, Config, Family, Limits};
+use longctx_kernels::{Backend, CpuBackend};
 
-/// The CPU backend on `simd` (which must be supported: the tests take their paths from `SimdPath::supported`).
-pub fn cpu_on(simd: SimdPath) -> CpuBackend {
-    let cpu = CpuBackend::new().with_simd(simd);
-    assert_eq!(cpu.simd(), simd, "{simd:?} is not supported here");
-    cpu
+/// Which backend a [`Device`] is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// The CPU backend on one SIMD path.
+    Cpu(SimdPath),
+    /// The CUDA backend on the host emulator.
+    CudaEmulated,
+    /// The CUDA backend on a GPU.
+    Cuda,
 }
 
-/// Forward then backward through the CPU backend on `simd` with `f32` buffers: `[O, LSE, dQ, dK, dV]`, every
-/// output poisoned with NaN before its call (`testing::attention_f32` on the detected path).
-pub fn attention_f32_on(
-    simd: SimdPath,
-    p: &AttnParams<'_>,
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    d_o: &[f32],
-) -> [Vec<f32>; 5] {
-    attention_f32_with(&cpu_on(simd), p, q, k, v, d_o).unwrap()
+/// A backend under test with its budget. Derefs to the backend, so a body calls `dev.linear_forward(...)` or
+/// hands `&**dev` to what takes a `&dyn Backend`.
+pub struct Device {
+    backend: Box<dyn Backend>,
+    kind: Kind,
 }
 
-/// Forward and backward on `simd` against the f64 reference, causal and not, with packed documents of
-/// `doc_len` positions, a query offset and an optional window: every output within 1e-5 (relative).
-pub fn matches_reference(
-    simd: SimdPath,
-    shape: AttnShape,
-    q_offset: usize,
-    doc_len: usize,
-    window: Option<u64>,
-    seed: u64,
-) {
-    let docs_q: Vec<u32> = (0..shape.q_len).map(|i| ((i + q_offset) / doc_len) as u32).collect();
-    let docs_k: Vec<u32> = (0..shape.kv_len).map(|i| (i / doc_len) as u32).collect();
-    for causal in [false, true] {
-        let mut mask = AttnMask::full()
-            .with_positions(Positions::Offset(q_offset as i64), Positions::Offset(0))
-            .with_docs(&docs_q, &docs_k);
-        mask.causal = causal;
-        mask.window = window;
-        let p = AttnParams::new(shape).with_mask(mask);
-        let q = uniform_nonzero(shape.q_elems(), seed);
-        let k = uniform_nonzero(shape.kv_elems(), seed + 1);
-        let v = uniform_nonzero(shape.kv_elems(), seed + 2);
-        let d_o = uniform_nonzero(shape.q_elems(), seed + 3);
-        let want = reference_f64(&p, &q, &k, &v, &d_o);
-        let got = attention_f32_on(simd, &p, &q, &k, &v, &d_o);
-        for (name, (got, want)) in ["O", "LSE", "dQ", "dK", "dV"].iter().zip(got.iter().zip(&want)) {
-            let e = max_rel_err(got, want);
-            assert!(e < 1e-5, "{simd:?} {name} (causal {causal}): relative error {e:e}");
+impl Deref for Device {
+    type Target = dyn Backend;
+    fn deref(&self) -> &Self::Target {
+        self.backend.as_ref()
+    }
+}
+
+impl Device {
+    /// Which backend this is.
+    pub fn kind(&self) -> Kind {
+        self.kind
+    }
+    /// The backend.
+    pub fn backend(&self) -> &dyn Backend {
+        self.backend.as_ref()
+    }
+    /// The conformance suite's configuration for this backend: the full budget on the CPU and the GPU (`cases`
+    /// from `PROPTEST_CASES` when set, for soak runs), a small one on the emulator; the seed from
+    /// `PROPTEST_RNG_SEED` when set (scripts/test sets it), so a run is reproducible and another seed explores.
+    pub fn config(&self) -> Config {
+        let mut cfg = match self.kind {
+            Kind::CudaEmulated => Config::quick().with_cases(12),
+            Kind::Cpu(_) | Kind::Cuda => Config::default().with_cases(cases_from_env(32)),
+        };
+        if let Some(seed) = std::env::var("PROPTEST_RNG_SEED").ok().and_then(|s| s.parse().ok()) {
+            cfg = cfg.with_seed(seed);
+        }
+        cfg
+    }
+    /// The limits of this backend's shapes.
+    pub fn limits(&self) -> Limits {
+        self.config().limits
+    }
+    /// `cpu` proptest cases on the CPU and the GPU, a quarter of them (at least 2) on the emulator.
+    pub fn cases(&self, cpu: u32) -> u32 {
+        match self.kind {
+            Kind::CudaEmulated => (cpu / 4).max(2),
+            _ => cases_from_env(cpu),
+        }
+    }
+    /// Runs the conformance suite's `families` on this backend, panicking with the failure (the op, the shrunk
+    /// case and the error) or printing the report's one-line-per-property summary.
+    pub fn conformance(&self, families: &[Family]) {
+        match conformance::check(self.backend(), &self.config(), families) {
+            Ok(report) => eprintln!("{} ({:?}): {report}", self.name(), self.kind),
+            Err(failure) => panic!("{:?}: {failure}", self.kind),
         }
     }
 }
 
-/// Merges the partial `(o2, lse2)` into `(o1, lse1)` through the CPU backend: `lse1.len()` rows of
-/// `o1.len() / lse1.len()` elements, viewed as one batch and one head.
-pub fn merge_f32(o1: &mut [f32], lse1: &mut [f32], o2: &[f32], lse2: &[f32]) -> longctx_kernels::Result<()> {
-    use longctx_kernels::{AttnOut, AttnPartial, Backend, View, ViewMut};
-    let (rows, d) = (lse1.len(), o1.len() / lse1.len());
-    let acc = AttnOut { o: ViewMut::new(o1, [1, 1, rows, d])?, lse: ViewMut::new(lse1, [1, 1, rows])? };
-    let part = AttnPartial { o: View::new(o2, [1, 1, rows, d])?, lse: View::new(lse2, [1, 1, rows])? };
-    CpuBackend::new().attention_merge(acc, part)
+/// `PROPTEST_CASES` from the environment when set (for soak runs), else `default`.
+pub fn cases_from_env(default: u32) -> u32 {
+    std::env::var("PROPTEST_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(default)
+}
+
+/// The CPU backend on each SIMD path this CPU supports.
+pub fn cpus() -> Vec<Device> {
+    SimdPath::supported()
+        .into_iter()
+        .map(|simd| {
+            let cpu = CpuBackend::new().with_simd(simd);
+            assert_eq!(cpu.simd(), simd, "{simd:?} is listed as supported");
+            Device { backend: Box::new(cpu), kind: Kind::Cpu(simd) }
+        })
+        .collect()
+}
+
+/// The CUDA backend on the host emulator, or `None` (saying why) when there is no host C++ compiler to build it
+/// with. With a compiler, a backend that fails to build is a failure.
+#[cfg(feature = "cuda")]
+pub fn cuda_emulated(test: &str) -> Option<Device> {
+    let cxx = std::env::var("CXX").ok().filter(|s| !s.trim().is_empty()).unwrap_or_else(|| "c++".into());
+    let mut words = cxx.split_whitespace();
+    let program = words.next().unwrap_or("c++");
+    let runs =
+        std::process::Command::new(program).args(words).arg("--version").output().is_ok_and(|o| o.status.success());
+    if !runs {
+        eprintln!(
+            "{test}: cuda_emulated skipped: the host C++ compiler `{cxx}` cannot be run (install g++ or set CXX)"
+        );
+        return None;
+    }
+    match longctx_kernels::CudaBackend::emulated() {
+        Ok(b) => Some(Device { backend: Box::new(b), kind: Kind::CudaEmulated }),
+        Err(e) => panic!("{test}: the emulated CUDA backend does not build: {e}"),
+    }
+}
+
+/// The CUDA backend on device 0, or `None` (saying why) when there is no GPU, unless `LONGCTX_REQUIRE_GPU=1`.
+#[cfg(feature = "cuda")]
+pub fn cuda(test: &str) -> Option<Device> {
+    match longctx_kernels::CudaBackend::new(0) {
+        Ok(b) => {
+            eprintln!("{test}: cuda on {}", b.device_name());
+            Some(Device { backend: Box::new(b), kind: Kind::Cuda })
+        }
+        Err(longctx_kernels::KernelError::NoDevice { why, .. }) => {
+            if std::env::var("LONGCTX_REQUIRE_GPU").as_deref() == Ok("1") {
+                panic!("{test}: LONGCTX_REQUIRE_GPU=1 but there is no device: {why}");
+            }
+            eprintln!("{test}: cuda skipped, no GPU: {why}");
+            None
+        }
+        Err(e) => panic!("{test}: {e}"),
+    }
+}
+
+/// Without the `cuda` feature there is no CUDA instance; on a machine that must test one, that is a failure.
+pub fn require_gpu_feature() {
+    if cfg!(not(feature = "cuda")) && std::env::var("LONGCTX_REQUIRE_GPU").as_deref() == Ok("1") {
+        panic!("LONGCTX_REQUIRE_GPU=1 but this build has no `cuda` feature: the CUDA instances are not compiled");
+    }
+}
+
+/// `test_device!(body, ...)`: for each `fn body(dev: &Device)`, a module `body` with the tests `cpu`,
+/// `cuda_emulated` and `cuda` (the last two with the `cuda` feature), each running `body` on the backends of its
+/// kind that are present (see the module docs). Filter with `cargo test cuda_emulated`, `cargo test body::`.
+macro_rules! test_device {
+    ($($body:ident),+ $(,)?) => {
+        $(
+            mod $body {
+                #[test]
+                fn cpu() {
+                    $crate::common::require_gpu_feature();
+                    for dev in $crate::common::cpus() {
+                        super::$body(&dev);
+                    }
+                }
+
+                #[cfg(feature = "cuda")]
+                #[test]
+                fn cuda_emulated() {
+                    if let Some(dev) = $crate::common::cuda_emulated(concat!(stringify!($body), "::cuda_emulated")) {
+                        super::$body(&dev);
+                    }
+                }
+
+                #[cfg(feature = "cuda")]
+                #[test]
+                fn cuda() {
+                    if let Some(dev) = $crate::common::cuda(concat!(stringify!($body), "::cuda")) {
+                        super::$body(&dev);
+                    }
+                }
+            }
+        )+
+    };
 }
