@@ -4,12 +4,13 @@
 //! Properties:
 //! - forward and backward, on drawn shapes (GQA, lengths that are no multiple of any tile), masks (causal, window,
 //!   documents, explicit positions such as a zigzag shard's two ranges, rows that see no key), the softmax scale,
-//!   both element types (gradients in `f32` or the inputs' type) and both [`GradMode`]s; rows that see no key must
+//!   every element type (gradients in `f32` or the inputs' type) and both [`GradMode`]s; rows that see no key must
 //!   give exactly `O = 0`, `LSE = -inf` and no gradient;
 //! - the merge of the forwards over two key sets equals the forward over their union;
 //! - fixed cases: decoding shapes (`Sq = 1`, `Sk = 1`), windows crossing tile borders, the largest head dims, a
-//!   long causal `bf16` run (sized by [`Limits`]); extreme and `-inf` log-sum-exps in the merge; the gradients
-//!   against central differences of the backend's own forward.
+//!   long causal `bf16` run (sized by [`Limits`]); the shapes of a GPU's tensor-core path ([`tensor_core`]);
+//!   extreme and `-inf` log-sum-exps in the merge; the gradients against central differences of the backend's own
+//!   forward.
 
 use std::fmt;
 
@@ -113,7 +114,7 @@ struct Data {
 
 /// Attention cases within `limits`: batch 1–2, 1–2 key/value heads each read by 1–3 query heads, 1 to
 /// `attn_len` query and key rows (independently, so most lengths are no multiple of any tile), head dims 32 to
-/// `attn_head_dim` in steps of 8, any [`strategies::mask`], the default scale or one in `0.05..2`, either element
+/// `attn_head_dim` in steps of 8, any [`strategies::mask`], the default scale or one in `0.05..2`, any element
 /// type (the gradients in `f32` or the same), either [`GradMode`].
 pub fn cases(limits: &Limits) -> impl Strategy<Value = AttnCase> {
     let (len, d8) = (limits.attn_len.max(1), (limits.attn_head_dim / 8).max(4));
@@ -145,6 +146,9 @@ pub(crate) fn check(ctx: &Ctx<'_>) -> Result<(), Failure> {
     ctx.property("the merge of two key sets is attention over both", merge, |(c, at)| merge_halves(ctx, c, *at))?;
     ctx.fixed("fixed shapes: decoding, rows without keys, tile borders, head dims", || {
         pinned(&limits).iter().try_for_each(|c| forward_backward(ctx, c))
+    })?;
+    ctx.fixed("the tensor-core shapes: 16-bit types, head dims 64 and 128, every mask", || {
+        tensor_core(&limits).iter().try_for_each(|c| forward_backward(ctx, c))
     })?;
     ctx.fixed("the merge of extreme and empty log-sum-exps", || merge_extremes(ctx))?;
     ctx.fixed("gradients against finite differences of its own forward", || finite_differences(ctx))?;
@@ -312,6 +316,38 @@ pub fn pinned(limits: &Limits) -> Vec<AttnCase> {
         c.dtype = DType::Bf16;
         c.grad_dtype = DType::Bf16;
         out.push(c);
+    }
+    out
+}
+
+/// The shapes a GPU backend runs on its tensor-core path (`bf16` and `f16`, head dims 64 and 128 where `limits`
+/// allow), which a drawn case reaches only now and then: GQA with the queries at the end of the keys, causal, the
+/// gradients in `f32`; a zigzag shard's two ranges of positions (explicit), causal, accumulating into gradients of
+/// the inputs' type; a window across documents in both directions. Lengths are no multiple of a 64-row tile.
+pub fn tensor_core(limits: &Limits) -> Vec<AttnCase> {
+    let (sq, sk) = (limits.attn_len.clamp(2, 70), limits.attn_len.clamp(2, 130));
+    let at = |start: i64, n: usize| (start..start + n as i64).collect::<Vec<i64>>();
+    let shape =
+        |hq, hkv, sq, sk, d| AttnShape { batch: 1, q_heads: hq, kv_heads: hkv, q_len: sq, kv_len: sk, head_dim: d };
+    let mut out = Vec::new();
+    let dims = [64, 128].into_iter().filter(|&d| d <= limits.attn_head_dim.max(64));
+    for (i, d) in dims.enumerate() {
+        for (j, dtype) in [DType::Bf16, DType::F16].into_iter().enumerate() {
+            let seed = 40 + 4 * i as u64 + j as u64;
+            let case =
+                |shape, mask, grad_dtype, mode| AttnCase { shape, dtype, grad_dtype, mask, scale: None, mode, seed };
+            let mask = MaskCase::new(true, None, at((sk - sq) as i64, sq), at(0, sk), None);
+            out.push(case(shape(4, 2, sq, sk, d), mask, DType::F32, GradMode::Overwrite));
+            // Rank 0 of two under zigzag: the first and the last of four chunks, for the queries and the keys alike.
+            let (qh, kh) = (sq / 2, sk / 2);
+            let q_pos = [at(0, qh), at(3 * qh as i64, sq - qh)].concat();
+            let k_pos = [at(0, kh), at(3 * kh as i64, sk - kh)].concat();
+            let mask = MaskCase::new(true, None, q_pos, k_pos, None).explicit();
+            out.push(case(shape(2, 1, sq, sk, d), mask, dtype, GradMode::Accumulate));
+            let cuts = Some(vec![sk as i64 / 3, 2 * sk as i64 / 3]);
+            let mask = MaskCase::new(false, Some(33), at(sk as i64 - sq as i64, sq), at(0, sk), cuts);
+            out.push(case(shape(2, 2, sq, sk, d), mask, DType::F32, GradMode::Accumulate));
+        }
     }
     out
 }

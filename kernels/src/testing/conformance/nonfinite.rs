@@ -74,17 +74,22 @@ pub fn cases(limits: &Limits) -> impl Strategy<Value = PoisonCase> {
 /// The checks of this family.
 pub(crate) fn check(ctx: &Ctx<'_>) -> Result<(), Failure> {
     ctx.property("a non-finite input stays where the mask lets it", cases(&ctx.cfg.limits), |c| confined(ctx, c))?;
+    // The fixed cases run in `f32` and in `bf16` (a GPU's tensor-core path, whose tiles hold the NaN beside
+    // visible entries), each with a NaN and with an infinity.
+    let types = [DType::F32, DType::Bf16];
+    let values = [f32::NAN, f32::INFINITY];
+    let each = |attn: &AttnCase, which: Input, at: f64| {
+        types.into_iter().try_for_each(|dtype| {
+            let attn = AttnCase { dtype, grad_dtype: dtype, ..attn.clone() };
+            values.into_iter().try_for_each(|value| confined(ctx, &PoisonCase { attn: attn.clone(), which, at, value }))
+        })
+    };
     ctx.fixed("a NaN in one document stays there", || {
         // Documents [0, 100) and [100, 128): a NaN (then an infinity) in V at position 50.
         let shape = AttnShape { batch: 1, q_heads: 1, kv_heads: 1, q_len: 128, kv_len: 128, head_dim: 64 };
         let pos: Vec<i64> = (0..128).collect();
         let attn = AttnCase::new(shape, MaskCase::new(false, None, pos.clone(), pos, Some(vec![100])), 1);
-        [f32::NAN, f32::INFINITY].into_iter().try_for_each(|value| {
-            confined(
-                ctx,
-                &PoisonCase { attn: attn.clone(), which: Input::V, at: (50.0 * 64.0 + 7.0) / (128.0 * 64.0), value },
-            )
-        })
+        each(&attn, Input::V, (50.0 * 64.0 + 7.0) / (128.0 * 64.0))
     })?;
     ctx.fixed("a regression: a NaN in the gradient of a query that sees one key", || {
         let shape = AttnShape { batch: 1, q_heads: 1, kv_heads: 1, q_len: 1, kv_len: 86, head_dim: 32 };
@@ -96,12 +101,16 @@ pub(crate) fn check(ctx: &Ctx<'_>) -> Result<(), Failure> {
         let shape = AttnShape { batch: 1, q_heads: 1, kv_heads: 1, q_len: 128, kv_len: 128, head_dim: 64 };
         let pos: Vec<i64> = (0..128).collect();
         let attn = AttnCase::new(shape, MaskCase::new(true, None, pos.clone(), pos, None), 2);
-        [f32::NAN, f32::INFINITY].into_iter().try_for_each(|value| {
-            confined(
-                ctx,
-                &PoisonCase { attn: attn.clone(), which: Input::Q, at: (77.0 * 64.0 + 3.0) / (128.0 * 64.0), value },
-            )
-        })
+        each(&attn, Input::Q, (77.0 * 64.0 + 3.0) / (128.0 * 64.0))
+    })?;
+    ctx.fixed("a NaN key behind the causal mask, f16, head dim 128, grouped queries", || {
+        // Keys 0..130 at positions 0.., queries 0..70 at 60..: key 100 is hidden from the queries before it.
+        let d = ctx.cfg.limits.attn_head_dim.clamp(64, 128);
+        let shape = AttnShape { batch: 1, q_heads: 2, kv_heads: 1, q_len: 70, kv_len: 130, head_dim: d };
+        let mask = MaskCase::new(true, None, (60..130).collect(), (0..130).collect(), None);
+        let attn = AttnCase { dtype: DType::F16, grad_dtype: DType::F16, ..AttnCase::new(shape, mask, 3) };
+        let at = (100.0 * d as f64 + 5.0) / (130.0 * d as f64);
+        confined(ctx, &PoisonCase { attn, which: Input::K, at, value: f32::NAN })
     })
 }
 
