@@ -3,11 +3,12 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use crate::engine::{OffloadEngine, Policy};
+use crate::engine::OffloadEngine;
 use crate::error::{OffloadError, Result};
 use crate::page_lock::PageLocker;
 use crate::pool::HostPool;
 use crate::scheduler::DiskTier;
+use crate::shared::Policy;
 use crate::spare::SparePool;
 use crate::spill::dir::SpillDir;
 
@@ -29,6 +30,13 @@ pub struct OffloadEngineBuilder {
     max_pending_bytes: Option<u64>,
     direct_io: bool,
     page_lock: Option<Arc<dyn PageLocker>>,
+}
+
+impl OffloadEngine {
+    /// The options, to [`OffloadEngineBuilder::build`] the engine from.
+    pub fn builder() -> OffloadEngineBuilder {
+        OffloadEngineBuilder::default()
+    }
 }
 
 impl Default for OffloadEngineBuilder {

@@ -3,89 +3,22 @@
 use std::borrow::Cow;
 use std::marker::PhantomData;
 use std::mem;
-use std::path::PathBuf;
-use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{mpsc, Arc, Condvar, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::Instant;
 
-use crate::builder::OffloadEngineBuilder;
 use crate::error::{OffloadError, Result};
 use crate::pool::HostPool;
-use crate::scheduler::{Cleanup, DiskTier, Scheduler};
-use crate::slot::{SlotId, SlotState};
+use crate::scheduler::{DiskTier, Scheduler};
+use crate::shared::{Policy, Shared};
+use crate::slot::SlotState;
 use crate::spare::SparePool;
 use crate::spill::DiskIo;
 use crate::stats::OffloadStats;
+use crate::tag::{Activation, Kind, TensorTag, Weights};
 use crate::tensor::HostTensor;
-use crate::ticket::{Activation, Kind, Location, TensorTag, Ticket, Weights};
+use crate::ticket::Ticket;
 use crate::worker;
-
-/// The options the engine's calls apply (the rest went into the tiers).
-pub(crate) struct Policy {
-    pub(crate) prefetch_depth: usize,
-    /// Layers from this one on stay resident.
-    pub(crate) resident_from: Option<usize>,
-    pub(crate) max_pending: Option<u64>,
-}
-
-/// What the engine, its workers and its tickets share.
-pub(crate) struct Shared {
-    sched: Mutex<Scheduler>,
-    /// Wakes workers: a job may be ready.
-    pub(crate) work: Condvar,
-    /// Wakes callers: a job finished.
-    pub(crate) done: Condvar,
-    policy: Policy,
-    spill_dir: Option<PathBuf>,
-    disk_io: Option<DiskIo>,
-    /// Files for the reaper thread; `None` once the engine is dropped.
-    reaper: Mutex<Option<mpsc::Sender<(PathBuf, usize)>>>,
-}
-
-impl Shared {
-    /// The scheduler. A panic while it was held (a bug) does not stop the others: its state is still
-    /// consistent, every change to it being made before anything that could panic.
-    pub(crate) fn lock(&self) -> MutexGuard<'_, Scheduler> {
-        self.sched.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    fn wait_done<'a>(&self, guard: MutexGuard<'a, Scheduler>) -> MutexGuard<'a, Scheduler> {
-        self.done.wait(guard).unwrap_or_else(|e| e.into_inner())
-    }
-
-    pub(crate) fn location(&self, id: SlotId) -> Location {
-        self.lock().slots.get(&id).map_or(Location::Ready, |s| s.location())
-    }
-
-    /// A ticket was dropped.
-    pub(crate) fn release(&self, id: SlotId) {
-        let cleanup = self.lock().release(id);
-        self.finish(cleanup);
-    }
-
-    /// Does a [`Cleanup`] outside the lock: frees the memory, hands the file to the reaper (or removes it here
-    /// once the engine is gone), books the job as over, and wakes whoever waits for room or for idleness.
-    pub(crate) fn finish(&self, cleanup: Cleanup) {
-        let Cleanup { data, file, job } = cleanup;
-        drop(data);
-        if let Some(file) = file {
-            let unsent = match self.reaper.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
-                Some(tx) => tx.send(file).err().map(|e| e.0),
-                None => Some(file),
-            };
-            // No reaper: the engine is gone (and its directory with it, so this is quick).
-            if let Some((path, bytes)) = unsent {
-                let _ = std::fs::remove_file(&path);
-                self.lock().file_removed(bytes);
-            }
-        }
-        if let Some(writing) = job {
-            self.lock().job_done(writing);
-        }
-        self.work.notify_all();
-        self.done.notify_all();
-    }
-}
 
 /// Moves tensors out of the caller's memory into tiers, on background workers, and back (see the crate docs).
 ///
@@ -99,11 +32,6 @@ pub struct OffloadEngine {
 }
 
 impl OffloadEngine {
-    /// The options, to [`OffloadEngineBuilder::build`] the engine from.
-    pub fn builder() -> OffloadEngineBuilder {
-        OffloadEngineBuilder::default()
-    }
-
     pub(crate) fn start(
         host: Option<HostPool>,
         disk: Option<DiskTier>,

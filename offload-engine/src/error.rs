@@ -3,8 +3,8 @@
 use std::io;
 use std::path::PathBuf;
 
-use crate::tensor::HostTensor;
-use crate::ticket::TensorTag;
+use crate::tag::TensorTag;
+use crate::tensor::{HostTensor, ShapeMismatch};
 
 /// Everything that can go wrong building an engine, offloading or fetching.
 #[derive(Debug, thiserror::Error)]
@@ -17,13 +17,8 @@ pub enum OffloadError {
         reason: &'static str,
     },
     /// A tensor's data length is not the product of its dims.
-    #[error("dims {dims:?} hold {} elements but the data has {len}", dims.iter().map(|&d| d as u128).product::<u128>())]
-    ShapeMismatch {
-        /// The dims given.
-        dims: Vec<usize>,
-        /// Elements in the data.
-        len: usize,
-    },
+    #[error(transparent)]
+    ShapeMismatch(#[from] ShapeMismatch),
     /// The tensor is larger than every tier's whole budget, so it could never be placed. The tensor is handed
     /// back untouched.
     #[error("{tensor} ({bytes} bytes) is larger than every tier's budget")]

@@ -109,22 +109,26 @@
 //!
 //! # Layout
 //!
-//! Modules depend downwards only: `tensor`, `error`, `ticket`, `aligned` ← `pool`, `spare`, `spill/` (sys ←
-//! format ← file, dir) ← `slot` ← `scheduler` (placement and job order, under the lock) ← `worker` (the copies,
-//! outside it, and the reaper that removes spill files) ← `engine` ← `builder`; `stats` reads the scheduler.
+//! Modules depend downwards only: `tensor`, `tag`, `location`, `aligned`, `page_lock` ← `error` ← `pool`,
+//! `spare`, `spill/` (sys ← format ← file, dir) ← `slot` ← `scheduler` (placement and job order, under the lock)
+//! ← `shared` (the scheduler's lock and the condition variables) ← `worker` (the copies, outside the lock, and
+//! the reaper that removes spill files), `ticket` ← `engine` ← `builder`; `stats` reads the scheduler.
 #![warn(missing_docs, unsafe_op_in_unsafe_fn)]
 
 mod aligned;
 mod builder;
 mod engine;
 mod error;
+mod location;
 mod page_lock;
 mod pool;
 mod scheduler;
+mod shared;
 mod slot;
 mod spare;
 mod spill;
 mod stats;
+mod tag;
 mod tensor;
 mod ticket;
 mod worker;
@@ -132,10 +136,10 @@ mod worker;
 pub use builder::OffloadEngineBuilder;
 pub use engine::OffloadEngine;
 pub use error::{OffloadError, Result};
+pub use location::{Location, Tier};
 pub use page_lock::{Mlock, PageLocker};
 pub use spill::DiskIo;
 pub use stats::{OffloadStats, TierStats};
-pub use tensor::{DType, HostTensor};
-pub use ticket::{
-    Activation, ActivationTicket, Kind, Location, TensorKind, TensorTag, Ticket, Tier, Weights, WeightsTicket,
-};
+pub use tag::{Activation, Kind, TensorKind, TensorTag, Weights};
+pub use tensor::{DType, HostTensor, ShapeMismatch};
+pub use ticket::{ActivationTicket, Ticket, WeightsTicket};

@@ -19,13 +19,14 @@ use std::time::Duration;
 
 use crate::aligned::AlignedBuf;
 use crate::error::OffloadError;
+use crate::location::Tier;
 use crate::pool::{HostPool, TakeError};
 use crate::slot::{Slot, SlotId, SlotState};
 use crate::spare::SparePool;
 use crate::spill::dir::SpillDir;
 use crate::spill::{file, DiskIo};
+use crate::tag::TensorTag;
 use crate::tensor::{DType, HostData};
-use crate::ticket::{TensorTag, Tier};
 
 /// The disk tier's directory and budget.
 pub(crate) struct DiskTier {
@@ -131,7 +132,7 @@ pub(crate) enum Landed {
     Disk(PathBuf),
 }
 
-/// What must happen once the lock is released ([`crate::engine::Shared::finish`]): memory to free, a spill
+/// What must happen once the lock is released ([`crate::shared::Shared::finish`]): memory to free, a spill
 /// file to remove (by the reaper thread, which then gives its room back: [`Scheduler::file_removed`]), a job to
 /// book as over ([`Scheduler::job_done`]). A job counts as running until then, and [`Scheduler::is_idle`] waits
 /// for pending removals too, so an idle engine is a tidy one.
@@ -595,7 +596,7 @@ fn is_stored(state: &SlotState) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ticket::TensorKind;
+    use crate::tag::TensorKind;
 
     fn tag(layer: usize) -> TensorTag {
         TensorTag { layer, name: "x".into(), kind: TensorKind::Activation }

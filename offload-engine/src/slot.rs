@@ -13,8 +13,9 @@ use std::path::PathBuf;
 
 use crate::aligned::AlignedBuf;
 use crate::error::OffloadError;
+use crate::location::{Location, Tier};
+use crate::tag::TensorTag;
 use crate::tensor::{DType, HostData};
-use crate::ticket::{Location, TensorTag, Tier};
 
 /// Identifies a slot within its engine; increasing in offload order.
 pub(crate) type SlotId = u64;

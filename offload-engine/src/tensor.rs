@@ -8,8 +8,6 @@ use std::mem::MaybeUninit;
 
 use half::bf16;
 
-use crate::error::OffloadError;
-
 /// Element type of a [`HostTensor`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum DType {
@@ -145,6 +143,16 @@ impl HostData {
     }
 }
 
+/// A tensor's data whose length is not the product of its dims (the error of [`HostTensor`]'s constructors).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("dims {dims:?} hold {} elements but the data has {len}", dims.iter().map(|&d| d as u128).product::<u128>())]
+pub struct ShapeMismatch {
+    /// The dims given.
+    pub dims: Vec<usize>,
+    /// Elements in the data.
+    pub len: usize,
+}
+
 /// An owned, contiguous tensor in host memory: typed elements and their dims (row-major, no strides).
 ///
 /// A trainer builds one from the `Vec` it already has (a move, no copy) and takes the `Vec` back with
@@ -157,24 +165,24 @@ pub struct HostTensor {
 
 impl HostTensor {
     /// An `f32` tensor; `data.len()` must equal the product of `dims` (an empty `dims` is a scalar).
-    pub fn f32(data: Vec<f32>, dims: impl Into<Vec<usize>>) -> Result<Self, OffloadError> {
+    pub fn f32(data: Vec<f32>, dims: impl Into<Vec<usize>>) -> Result<Self, ShapeMismatch> {
         Self::new(HostData::F32(data), dims.into())
     }
 
     /// A `bf16` tensor; `data.len()` must equal the product of `dims`.
-    pub fn bf16(data: Vec<bf16>, dims: impl Into<Vec<usize>>) -> Result<Self, OffloadError> {
+    pub fn bf16(data: Vec<bf16>, dims: impl Into<Vec<usize>>) -> Result<Self, ShapeMismatch> {
         Self::new(HostData::Bf16(data), dims.into())
     }
 
     /// Raw bytes; `data.len()` must equal the product of `dims`.
-    pub fn u8(data: Vec<u8>, dims: impl Into<Vec<usize>>) -> Result<Self, OffloadError> {
+    pub fn u8(data: Vec<u8>, dims: impl Into<Vec<usize>>) -> Result<Self, ShapeMismatch> {
         Self::new(HostData::U8(data), dims.into())
     }
 
-    fn new(data: HostData, dims: Vec<usize>) -> Result<Self, OffloadError> {
+    fn new(data: HostData, dims: Vec<usize>) -> Result<Self, ShapeMismatch> {
         let numel = dims.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
         if numel != Some(data.len()) {
-            return Err(OffloadError::ShapeMismatch { dims, len: data.len() });
+            return Err(ShapeMismatch { dims, len: data.len() });
         }
         Ok(Self { data, dims })
     }
@@ -276,9 +284,9 @@ mod tests {
         assert!(HostTensor::f32(vec![1.0], Vec::new()).is_ok(), "no dims is a scalar");
         assert!(HostTensor::bf16(vec![bf16::ZERO; 0], [4, 0]).is_ok());
         let err = HostTensor::u8(vec![0; 5], [2, 3]).unwrap_err();
-        assert!(matches!(err, OffloadError::ShapeMismatch { len: 5, .. }), "{err}");
+        assert_eq!(err.len, 5, "{err}");
         let overflow = HostTensor::u8(vec![], [usize::MAX, 2]).unwrap_err();
-        assert!(matches!(overflow, OffloadError::ShapeMismatch { .. }));
+        assert_eq!(overflow.dims, [usize::MAX, 2]);
     }
 
     /// Unfilled storage exposes exactly the bytes of its elements, and once they are written holds them.

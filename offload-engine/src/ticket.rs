@@ -5,110 +5,15 @@
 //! tensor cannot be fetched twice, and dropping a ticket frees its slot wherever the data is (a copy in flight
 //! is finished and then thrown away).
 
-use std::borrow::Cow;
 use std::fmt;
 use std::marker::PhantomData;
 use std::sync::Arc;
 
-use crate::engine::Shared;
+use crate::location::Location;
+use crate::shared::Shared;
 use crate::slot::SlotId;
+use crate::tag::{Activation, Kind, TensorTag, Weights};
 use crate::tensor::DType;
-
-/// What a ticket stands for: a saved activation or a layer's parameters.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum TensorKind {
-    /// A tensor a layer's forward saved for its backward.
-    Activation,
-    /// A layer's parameters, moved out between its forward and its backward.
-    Weights,
-}
-
-mod sealed {
-    pub trait Sealed {}
-    impl Sealed for super::Activation {}
-    impl Sealed for super::Weights {}
-}
-
-/// The type-level [`TensorKind`] of a [`Ticket`] (sealed: [`Activation`] or [`Weights`]).
-pub trait Kind: sealed::Sealed + 'static {
-    /// The kind, as a value.
-    const KIND: TensorKind;
-}
-
-/// Marker of activation tickets ([`ActivationTicket`]).
-#[derive(Debug)]
-pub enum Activation {}
-
-/// Marker of weight tickets ([`WeightsTicket`]).
-#[derive(Debug)]
-pub enum Weights {}
-
-impl Kind for Activation {
-    const KIND: TensorKind = TensorKind::Activation;
-}
-
-impl Kind for Weights {
-    const KIND: TensorKind = TensorKind::Weights;
-}
-
-/// Which tier a tensor is in or moving to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Tier {
-    /// The pool of host buffers.
-    Host,
-    /// The spill directory.
-    Disk,
-}
-
-impl fmt::Display for Tier {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Tier::Host => "host",
-            Tier::Disk => "disk",
-        })
-    }
-}
-
-/// Where a ticket's data is now (see [`Ticket::location`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Location {
-    /// Kept in memory as handed over: one of the last resident layers, or an empty tensor.
-    Resident,
-    /// In the caller's memory, waiting for a worker or for room in a tier (back-pressure).
-    Waiting,
-    /// Being copied into a tier.
-    MovingOut(Tier),
-    /// In a tier.
-    In(Tier),
-    /// Being copied back from a tier.
-    MovingBack(Tier),
-    /// Back in memory (prefetched, or its offload was cancelled before it started): `fetch` does not wait.
-    Ready,
-    /// A copy failed; `fetch` returns the error.
-    Failed,
-}
-
-/// The caller's name for a tensor: the layer it belongs to, a name, and its kind. Errors and prefetch hints
-/// refer to tensors by their tag.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct TensorTag {
-    /// Layer index (forward order: layer 0 runs first, its backward last).
-    pub layer: usize,
-    /// The caller's name (for a trainer: the saved field, e.g. `"q"`).
-    pub name: Cow<'static, str>,
-    /// Activation or weights.
-    pub kind: TensorKind,
-}
-
-impl fmt::Display for TensorTag {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let kind = match self.kind {
-            TensorKind::Activation => "activation",
-            TensorKind::Weights => "weights",
-        };
-        write!(f, "{kind} '{}' of layer {}", self.name, self.layer)
-    }
-}
 
 /// A claim on one offloaded tensor (see the module docs). `K` is [`Activation`] or [`Weights`].
 ///

@@ -12,11 +12,11 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::aligned::{advise_hugepages, as_unfilled, fill};
-use crate::engine::Shared;
+use crate::location::Tier;
 use crate::scheduler::{Dest, Done, Job, Landed, Source};
+use crate::shared::Shared;
 use crate::spill::file;
 use crate::tensor::HostData;
-use crate::ticket::Tier;
 
 pub(crate) fn run(shared: Arc<Shared>) {
     let mut staging = file::Staging::default();

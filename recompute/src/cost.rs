@@ -17,8 +17,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::action::{Action, LayerActions};
 use crate::layer::LayerSpec;
-use crate::policy::{Action, LayerActions};
 
 /// The machine's rates.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]

@@ -30,6 +30,7 @@
 //! ```
 #![warn(missing_docs, unsafe_op_in_unsafe_fn)]
 
+pub mod action;
 pub mod cost;
 pub mod error;
 pub mod layer;
@@ -38,10 +39,11 @@ pub mod planner;
 pub mod policy;
 pub mod solver;
 
+pub use action::{Action, LayerActions};
 pub use cost::{layer_cost, plan_cost, Costs, LayerCost, PlanCost};
 pub use error::{RecomputeError, Result};
 pub use layer::{llama_layer, LayerSpec, LlamaLayerShape, SavedTensor, Segment};
 pub use models::{device, model, Device, ModelDesc};
 pub use planner::{plan, Layout, MemoryBreakdown, PlanInput, PlanReport, TimeEstimate};
-pub use policy::{parse_bytes, Action, LayerActions, Policy, DEFAULT_SELECTIVE};
+pub use policy::{parse_bytes, Policy, DEFAULT_SELECTIVE};
 pub use solver::{solve, solve_within, Solution};

@@ -15,10 +15,10 @@
 //! into multi-layer checkpoints (`uniform` does that), because a rebuilt chunk's working set grows with its
 //! length and the per-layer choices already reach full recomputation's memory.
 
+use crate::action::{Action, LayerActions};
 use crate::cost::{layer_cost, plan_cost, Costs, PlanCost};
 use crate::error::{RecomputeError, Result};
 use crate::layer::LayerSpec;
-use crate::policy::{Action, LayerActions};
 
 /// Per-layer choices enumerated at most: `3^segments × 2` (each segment's outputs kept, recomputed or
 /// offloaded; the input kept or offloaded).

@@ -12,6 +12,7 @@
 //! `6·N` for the `N` weights of the matrix products (the output projection included, the embedding gather
 //! not) plus `6·layers·Hq·D·S` for causal attention (half of `12·…`, forward and backward).
 
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -21,7 +22,6 @@ use longctx_kernels::{Backend, CpuBackend, DType, Dims, View};
 
 use crate::error::{Result, TrainError};
 use crate::recipe::Recipe;
-use crate::train::append_line;
 
 /// What the recompute crate's planner predicts for one rank's step under the run's policy.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -256,4 +256,11 @@ impl Meter {
             self.path.display()
         ));
     }
+}
+
+/// Appends one line to a file (the metrics log).
+fn append_line(path: &Path, line: &str) -> Result<()> {
+    let mut f =
+        std::fs::OpenOptions::new().create(true).append(true).open(path).map_err(|e| TrainError::io(path, e))?;
+    writeln!(f, "{line}").map_err(|e| TrainError::io(path, e))
 }

@@ -35,7 +35,6 @@ use longctx_ring_attn::CpPlan;
 
 use crate::error::{Result, TrainError};
 use crate::recipe::{Family, ModelConfig};
-use crate::rope_scaling::rope_config;
 pub use layout::param_shapes;
 use layout::{Layout, MlpIx, NormIx};
 pub use moe::MoeStats;
@@ -1232,10 +1231,10 @@ fn two_mut(ts: &mut [Buffer], i: usize, j: usize) -> (&mut Buffer, &mut Buffer) 
     (&mut a[i], &mut b[0])
 }
 
-/// The RoPE table of `cfg` at `seq_len` (see [`rope_config`]), rotating only the first `rotary_dim` dims of
+/// The RoPE table of `cfg` at `seq_len` (see [`ModelConfig::rope_config`]), rotating only the first `rotary_dim` dims of
 /// each head for a partial-rotary model.
 fn rope_table(cfg: &ModelConfig, seq_len: usize) -> Result<RopeTable> {
-    let rc = rope_config(cfg, seq_len);
+    let rc = cfg.rope_config(seq_len);
     Ok(if cfg.rotary_dim() == cfg.head_dim() {
         RopeTable::new(&rc)?
     } else {

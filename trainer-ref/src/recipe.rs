@@ -7,6 +7,7 @@
 
 use std::path::Path;
 
+use longctx_kernels::{RopeConfig, RopeScaling};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, TrainError};
@@ -275,6 +276,11 @@ fn bad(field: &str, why: impl std::fmt::Display) -> TrainError {
 }
 
 impl ModelConfig {
+    /// The kernel's RoPE parameters for sequences of `seq_len` tokens.
+    pub fn rope_config(&self, seq_len: usize) -> RopeConfig {
+        let scaling = self.rope_scaling.as_ref().map_or(RopeScaling::None, |s| s.to_kernel(seq_len));
+        RopeConfig { head_dim: self.head_dim(), base: self.rope_theta, scaling }
+    }
     /// Width of each head.
     pub fn head_dim(&self) -> usize {
         self.head_dim.unwrap_or(self.d_model / self.heads.max(1))
@@ -437,8 +443,7 @@ impl Recipe {
         if !(m.rope_theta.is_finite() && m.rope_theta > 1.0) {
             return Err(bad("model.rope_theta", format!("{} must be finite and above 1", m.rope_theta)));
         }
-        longctx_kernels::RopeTable::new(&crate::rope_scaling::rope_config(m, t.seq_len))
-            .map_err(|e| bad("model.rope_scaling", e))?;
+        longctx_kernels::RopeTable::new(&m.rope_config(t.seq_len)).map_err(|e| bad("model.rope_scaling", e))?;
         if !(m.norm_eps.is_finite() && m.norm_eps > 0.0) {
             return Err(bad("model.norm_eps", format!("{} must be finite and positive", m.norm_eps)));
         }

@@ -9,12 +9,11 @@
 
 use std::path::Path;
 
-use longctx_kernels::{RopeConfig, RopeScaling};
+use longctx_kernels::RopeScaling;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use crate::error::{Result, TrainError};
-use crate::recipe::ModelConfig;
 
 /// Hugging Face's `rope_scaling` / `rope_parameters` object (the `rope_type` names it); every type
 /// transformers' `modeling_rope_utils` computes for Llama.
@@ -262,12 +261,6 @@ impl RopeScalingConfig {
         }
         v
     }
-}
-
-/// The kernel's RoPE parameters of `model` for sequences of `seq_len` tokens.
-pub fn rope_config(model: &ModelConfig, seq_len: usize) -> RopeConfig {
-    let scaling = model.rope_scaling.as_ref().map_or(RopeScaling::None, |s| s.to_kernel(seq_len));
-    RopeConfig { head_dim: model.head_dim(), base: model.rope_theta, scaling }
 }
 
 #[cfg(test)]

@@ -6,7 +6,6 @@
 //! already scaled by the global batch's token count, so the sum is the gradient of the mean loss; then the
 //! gradient is clipped and every rank applies the same AdamW step to its replica of the weights.
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Once};
@@ -862,11 +861,4 @@ pub fn layer_saved_bytes(recipe: &Recipe) -> usize {
     let l = recipe.train.seq_len / recipe.parallel.cp;
     let dtype = if recipe.train.precision == Precision::Bf16 { DType::Bf16 } else { DType::F32 };
     LayerSaved::bytes_for(&recipe.model, l, dtype)
-}
-
-/// Appends one line to a file (the metrics log).
-pub(crate) fn append_line(path: &Path, line: &str) -> Result<()> {
-    let mut f =
-        std::fs::OpenOptions::new().create(true).append(true).open(path).map_err(|e| TrainError::io(path, e))?;
-    writeln!(f, "{line}").map_err(|e| TrainError::io(path, e))
 }

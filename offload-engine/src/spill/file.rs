@@ -28,8 +28,8 @@ use std::thread;
 use crate::aligned::{align_up, fill, AlignedBuf};
 use crate::error::OffloadError;
 use crate::spill::{format, sys, DiskIo};
+use crate::tag::TensorTag;
 use crate::tensor::DType;
-use crate::ticket::TensorTag;
 
 /// Bytes moved per system call, and the size of a worker's staging buffer.
 pub(crate) const CHUNK: usize = 8 << 20;
@@ -365,7 +365,7 @@ pub(crate) fn read(
 mod tests {
     use super::*;
     use crate::aligned::as_unfilled;
-    use crate::ticket::TensorKind;
+    use crate::tag::TensorKind;
 
     fn pattern(n: usize, seed: u8) -> Vec<u8> {
         (0..n).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 13) as u8).collect()

@@ -14,8 +14,8 @@
 //! error naming the tensor, never data handed back.
 
 use crate::aligned::ALIGN;
+use crate::tag::{TensorKind, TensorTag};
 use crate::tensor::DType;
-use crate::ticket::{TensorKind, TensorTag};
 
 /// Bytes of the header: one page, so the data starts aligned.
 pub(crate) const HEADER_BYTES: usize = ALIGN;

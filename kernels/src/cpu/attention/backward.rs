@@ -17,7 +17,8 @@ use std::f32::consts::LOG2_E;
 
 use rayon::prelude::*;
 
-use super::forward::{all_finite, Scratch, GROUP};
+use super::forward::{Scratch, GROUP};
+use super::pack::all_finite;
 use super::pack::{
     as_f32, finite_copy, pack_key_strips, pack_row_strips, pack_transposed_tiles, value_tile_len, NonFinite,
 };

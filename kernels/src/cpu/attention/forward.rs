@@ -14,7 +14,7 @@ use std::f32::consts::{LN_2, LOG2_E};
 
 use rayon::prelude::*;
 
-use super::pack::{pack_transposed_tiles, pack_value_strips, value_tile_len};
+use super::pack::{all_finite, pack_transposed_tiles, pack_value_strips, value_tile_len};
 use super::simd::{prefetch_part, Simd, SimdPath, STRIP};
 use super::{BC, BR};
 use crate::attention::mask::{tile_summaries, TileClass};
@@ -345,18 +345,4 @@ impl Scratch {
         }
         spans
     }
-}
-
-/// Whether every element is finite (no NaN, no infinity). Branch-free, in 8 lanes, so it vectorises: `0·x` is
-/// ±0 for a finite `x` and NaN otherwise, and a NaN stays in its lane's sum.
-pub(crate) fn all_finite(x: &[f32]) -> bool {
-    let mut lanes = [0f32; 8];
-    let mut chunks = x.chunks_exact(8);
-    for ch in &mut chunks {
-        for l in 0..8 {
-            lanes[l] += ch[l] * 0.0;
-        }
-    }
-    let rest = chunks.remainder().iter().fold(0f32, |a, v| a + v * 0.0);
-    lanes.iter().sum::<f32>() + rest == 0.0
 }

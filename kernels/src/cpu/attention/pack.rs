@@ -5,7 +5,6 @@ use std::borrow::Cow;
 
 use rayon::prelude::*;
 
-use super::forward::all_finite;
 use super::simd::STRIP;
 use super::BC;
 use crate::attention::AttnShape;
@@ -106,6 +105,20 @@ fn pack_key_tiles(
         })
         .collect();
     (out, bad.into_iter().flatten().collect())
+}
+
+/// Whether every element is finite (no NaN, no infinity). Branch-free, in 8 lanes, so it vectorises: `0·x` is
+/// ±0 for a finite `x` and NaN otherwise, and a NaN stays in its lane's sum.
+pub(crate) fn all_finite(x: &[f32]) -> bool {
+    let mut lanes = [0f32; 8];
+    let mut chunks = x.chunks_exact(8);
+    for ch in &mut chunks {
+        for l in 0..8 {
+            lanes[l] += ch[l] * 0.0;
+        }
+    }
+    let rest = chunks.remainder().iter().fold(0f32, |a, v| a + v * 0.0);
+    lanes.iter().sum::<f32>() + rest == 0.0
 }
 
 /// A copy of `x` with its non-finite elements as 0 (in `clean`), and those elements as `(row, dimension,
