@@ -8,6 +8,7 @@ use longctx_kernels::{AttnGrads, AttnSaved, Qkv, View, ViewMut};
 use longctx_kernels::{AttnMask, AttnOptions, AttnOut, AttnParams, AttnShape, Backend, DType, HostSlice, Positions};
 use longctx_p2p::Communicator;
 
+use crate::agree::agree_on_schedule;
 use crate::error::{Result, RingError};
 use crate::partition::{Partition, SeqLayout};
 use crate::plan::CpPlan;
@@ -213,9 +214,9 @@ fn kv_dims(s: &AttnShape) -> [usize; 4] {
 /// so a model struct can hold it beside everything else) and is planned once per problem with
 /// [`ContextParallel::plan`]; the plan runs the forward and backward.
 ///
-/// Construction is collective (the hybrid and Ulysses schedules split the communicator): every rank calls
-/// [`ContextParallel::new`] with the same config, and then [`ContextParallel::plan`] with the same shape and
-/// mask, which checks that they agree. Cloning is cheap (shared handles); a plan holds a clone, so a model can
+/// Construction is collective (the ranks check that they chose the same schedule, and the hybrid and Ulysses
+/// schedules split the communicator): every rank calls [`ContextParallel::new`] with the same config, and then
+/// [`ContextParallel::plan`] with the same shape and mask, which checks that they agree on the rest. Cloning is cheap (shared handles); a plan holds a clone, so a model can
 /// own its `ContextParallel` and its plans side by side.
 #[derive(Clone)]
 pub struct ContextParallel {
@@ -238,7 +239,8 @@ impl std::fmt::Debug for ContextParallel {
 }
 
 impl ContextParallel {
-    /// Checks the configuration against the communicator and sets up sub-communicators.
+    /// Checks the configuration against the communicator and sets up sub-communicators (collective: ranks that
+    /// chose different schedules all fail with [`RingError::RanksDisagree`] naming `schedule`).
     pub fn new(comm: impl Into<Arc<Communicator>>, backend: Arc<dyn Backend>, cfg: CpConfig) -> Result<Self> {
         let comm = comm.into();
         let n = comm.world_size();
@@ -258,6 +260,9 @@ impl ContextParallel {
                 return Err(RingError::Scale(s));
             }
         }
+        // Before the split, which only the all-to-all schedules make: a rank that split while a peer went on to
+        // plan would meet a collective of another size and fail as a bare mismatch, not naming the schedule.
+        agree_on_schedule(&comm, cfg.schedule)?;
         let groups = match group {
             Some(u) => {
                 let r = comm.rank();
