@@ -1,13 +1,14 @@
 //! What each rank is told when something is wrong between the ranks or on one of them (threads transport): a
 //! schedule that differs between ranks is a typed error naming the field on every rank, at once; under the
-//! all-to-all schedules (Ulysses, hybrid) a rank that fails tells its peers why, as it does under the ring.
+//! all-to-all schedules (Ulysses, hybrid) a rank that fails tells its peers why, as it does under the ring; and a
+//! view that does not fit the plan is one error type naming the view, whichever view it is.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use longctx_ring_attn::{
-    AttnOut, CommError, ContextParallel, CpConfig, CpMask, CpShape, CpuBackend, DType, Qkv, RingError, Schedule,
-    ThreadWorld, View, ViewMut,
+    AttnGrads, AttnOut, AttnSaved, CommError, ContextParallel, CpConfig, CpMask, CpShape, CpuBackend, DType, Qkv,
+    RingError, Schedule, ThreadWorld, View, ViewMut,
 };
 
 /// Divisible for every schedule over 2 and 4 ranks (heads by the all-to-all group, tokens by 2·CP).
@@ -106,4 +107,88 @@ fn under_all_to_all_a_failing_rank_tells_its_peers_why() {
             );
         }
     }
+}
+
+/// A view whose dims are not the plan's is one error type whichever view it is, naming the view and giving both
+/// dims: each of the forward's views (q, k, v, o, lse) and the backward's (dq, dk, dv, dout and the saved q, k, v,
+/// o, lse) in turn, with half the plan's tokens, and a few with half its heads.
+#[test]
+fn a_view_that_does_not_fit_the_plan_is_one_error_naming_it() {
+    // Grouped-query heads, so that q's and k's dims differ.
+    let shape = CpShape { q_heads: 4, kv_heads: 2, ..SHAPE };
+    let mut cases: Vec<(bool, &str, usize)> = Vec::new(); // (backward, the wrong view, the dim halved)
+    cases.extend(["q", "k", "v", "o", "lse"].map(|name| (false, name, 2)));
+    cases.extend(["dq", "dk", "dv", "dout", "q", "k", "v", "o", "lse"].map(|name| (true, name, 2)));
+    cases.extend([(false, "q", 1), (false, "k", 1), (false, "v", 1), (true, "o", 1), (true, "dv", 1)]);
+    let halved = |planned: &[usize], dim: usize| -> Vec<usize> {
+        let mut d = planned.to_vec();
+        d[dim] /= 2;
+        d
+    };
+    let res = ThreadWorld::run(1, |comm| {
+        let cp = ContextParallel::new(comm, Arc::new(CpuBackend::new()), CpConfig::default()).unwrap();
+        let mut plan = cp.plan(&shape, &CpMask::causal()).unwrap();
+        let (qd, kd, ld) = (plan.q_dims().to_vec(), plan.kv_dims().to_vec(), plan.lse_dims().to_vec());
+        let full = |d: &[usize]| vec![0.5f32; d.iter().product()];
+        let (q, kv, d_o) = (full(&qd), full(&kd), full(&qd));
+        let (mut o, mut lse) = (full(&qd), full(&ld));
+        let (mut dq, mut dk, mut dv) = (full(&qd), full(&kd), full(&kd));
+        let errs: Vec<Option<RingError>> = cases
+            .iter()
+            .map(|&(backward, bad, dim)| {
+                // Each view over the front of its buffer, with the plan's dims or, for `bad`, the wrong ones.
+                let dims = |name: &str, planned: &[usize]| {
+                    if name == bad {
+                        halved(planned, dim)
+                    } else {
+                        planned.to_vec()
+                    }
+                };
+                fn view<'a>(buf: &'a [f32], d: &[usize]) -> View<'a> {
+                    View::new(&buf[..d.iter().product()], d).unwrap()
+                }
+                fn view_mut<'a>(buf: &'a mut [f32], d: &[usize]) -> ViewMut<'a> {
+                    ViewMut::new(&mut buf[..d.iter().product()], d).unwrap()
+                }
+                let qkv = Qkv::new(view(&q, &dims("q", &qd)), view(&kv, &dims("k", &kd)), view(&kv, &dims("v", &kd)));
+                let r = if backward {
+                    let saved = AttnSaved { qkv, o: view(&o, &dims("o", &qd)), lse: view(&lse, &dims("lse", &ld)) };
+                    let grads = AttnGrads {
+                        dq: view_mut(&mut dq, &dims("dq", &qd)),
+                        dk: view_mut(&mut dk, &dims("dk", &kd)),
+                        dv: view_mut(&mut dv, &dims("dv", &kd)),
+                    };
+                    plan.backward(grads, view(&d_o, &dims("dout", &qd)), saved)
+                } else {
+                    let out =
+                        AttnOut { o: view_mut(&mut o, &dims("o", &qd)), lse: view_mut(&mut lse, &dims("lse", &ld)) };
+                    plan.forward(out, qkv)
+                };
+                r.err()
+            })
+            .collect();
+        (errs, [qd, kd, ld])
+    })
+    .unwrap();
+    let (errs, [qd, kd, ld]) = res.into_iter().next().unwrap();
+    let mut failures = Vec::new();
+    for (&(backward, bad, dim), e) in cases.iter().zip(errs) {
+        let planned = match bad {
+            "q" | "o" | "dq" | "dout" => &qd,
+            "lse" => &ld,
+            _ => &kd,
+        };
+        let call = if backward { "backward" } else { "forward" };
+        let Some(e) = e else {
+            failures.push(format!("{call} with a wrong `{bad}` succeeded"));
+            continue;
+        };
+        let (got, want) = (format!("{:?}", halved(planned, dim)), format!("{planned:?}"));
+        let text = e.to_string();
+        let named = matches!(&e, RingError::NotAsPlanned { name, .. } if *name == bad);
+        if !(named && text.contains(&got) && text.contains(&want)) {
+            failures.push(format!("{call}, `{bad}` {got} for {want}: {e:?}"));
+        }
+    }
+    assert!(failures.is_empty(), "not one error naming the view and both dims:\n{}", failures.join("\n"));
 }
