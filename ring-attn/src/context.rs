@@ -35,14 +35,19 @@ pub struct CpShape {
 /// The mask, by global token positions: causal and/or a sliding window, and whether the sequence packs several
 /// documents (their ids are given per batch with [`CpPlan::set_documents`]).
 ///
-/// Conventions (those of `longctx-kernels`): a query at position `i` sees the key at `j` when `j ≤ i` (causal),
-/// `i − j < window` (a window of `w` shows the query itself and the `w − 1` keys before it), and both tokens have
-/// the same document id. A row that sees no key gets `O = 0` and `LSE = −inf`.
+/// Conventions (those of `longctx-kernels`' `AttnMask`): a query at position `i` sees the key at `j` when
+/// - causal: `j ≤ i`;
+/// - with a window `w`: `i − j < w` when causal (the query itself and the `w − 1` keys before it), and
+///   `|i − j| < w` when not (the query itself and the `w − 1` keys on each side of it: `2w − 1` positions);
+/// - with documents: both tokens have the same document id.
+///
+/// A row that sees no key gets `O = 0` and `LSE = −inf`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct CpMask {
     /// Keys after the query are hidden.
     pub causal: bool,
-    /// Sliding window in positions (at least 1).
+    /// Sliding window in positions (at least 1): keys less than this far from the query, before it when causal,
+    /// on either side when not.
     pub window: Option<u64>,
     /// The sequence packs documents that must not see each other.
     pub documents: bool,
@@ -53,7 +58,8 @@ impl CpMask {
     pub fn causal() -> Self {
         Self { causal: true, ..Self::default() }
     }
-    /// With a sliding window of `window` positions.
+    /// With a sliding window of `window` positions (one-sided when causal, on both sides when not; see
+    /// [`CpMask`]).
     pub fn with_window(mut self, window: u64) -> Self {
         self.window = Some(window);
         self
