@@ -69,7 +69,7 @@ fn fingerprint(cfg: &CpConfig, s: &CpShape, m: &CpMask, scale: f32) -> [u64; 13]
 
 fn describe(field: &str, v: u64) -> String {
     match field {
-        "dtype" => ["f32", "bf16"].get(v as usize).unwrap_or(&"?").to_string(),
+        "dtype" => ["f32", "bf16", "f16"].get(v as usize).unwrap_or(&"?").to_string(),
         "causal" | "documents" => (v != 0).to_string(),
         "window" if v == u64::MAX => "none".into(),
         "partition" => ["zigzag", "contiguous", "striped"].get(v as usize).unwrap_or(&"?").to_string(),

@@ -192,3 +192,17 @@ fn a_view_that_does_not_fit_the_plan_is_one_error_naming_it() {
     }
     assert!(failures.is_empty(), "not one error naming the view and both dims:\n{}", failures.join("\n"));
 }
+
+/// Every dtype is named in a disagreement (f16 was shown as `?`).
+#[test]
+fn a_dtype_that_differs_between_ranks_is_named() {
+    let res = ThreadWorld::run(2, |comm| {
+        let dtype = if comm.rank() == 0 { DType::F32 } else { DType::F16 };
+        let cp = ContextParallel::new(comm, Arc::new(CpuBackend::new()), CpConfig::default()).unwrap();
+        cp.plan(&CpShape { dtype, ..SHAPE }, &CpMask::causal()).unwrap_err().to_string()
+    })
+    .unwrap();
+    for e in res {
+        assert_eq!(e, "the ranks disagree on dtype: rank 0: f32; rank 1: f16");
+    }
+}
