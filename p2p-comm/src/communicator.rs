@@ -159,7 +159,8 @@ impl Communicator {
     /// Tells the other ranks that this one failed, and why, before it leaves: their pending and later operations
     /// with this rank fail with [`CommError::PeerFailed`] naming it and carrying `reason` (instead of the bare
     /// [`CommError::PeerGone`] a dropped communicator leaves them), and so do this rank's own later operations.
-    /// Only the first call's reason counts. It concerns this communicator (not those split from it).
+    /// Only the first call's reason counts. It concerns this communicator: in those split from it the rank stays
+    /// until it drops them, and then its peers there get the same reason.
     ///
     /// [`ThreadWorld::run`](crate::ThreadWorld::run) does this with the panic message of a rank that panics,
     /// and [`ThreadWorld::try_run`](crate::ThreadWorld::try_run) also with the error a rank returns.
@@ -363,7 +364,7 @@ impl Communicator {
         let seq = self.split_seq.fetch_add(1, Ordering::Relaxed);
         let transport = match &self.transport {
             Transport::Threads(ep) => {
-                let world = ep.join_split(seq, color, ranks.len());
+                let world = ep.join_split(seq, color, &ranks);
                 Transport::Threads(threads::Endpoint::new(world, new_rank))
             }
             #[cfg(feature = "ucx")]

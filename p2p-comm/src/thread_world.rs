@@ -33,7 +33,8 @@ impl ThreadWorld {
 
     /// [`run`](Self::run) for a closure that returns a `Result`: a rank that returns `Err(e)` leaves its peers
     /// [`CommError::PeerFailed`] with `e`'s `Display` as the reason (as if it had called
-    /// [`Communicator::abort`]), so they learn why the job failed rather than only that the rank is gone.
+    /// [`Communicator::abort`]), so they learn why the job failed rather than only that the rank is gone. So do
+    /// its peers in communicators split from the one it was given, which it dropped before the error was known.
     ///
     /// ```
     /// use longctx_p2p::{CommError, ThreadWorld};

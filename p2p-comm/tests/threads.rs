@@ -167,6 +167,70 @@ fn thread_world_tells_peers_why_a_rank_failed() {
     });
 }
 
+/// A failed rank's reason also reaches its peers in communicators split from the one it was given, though it
+/// drops those (leaving them without a word) before its closure's error or its abort says why: in a pending
+/// receive and a later one, with the rank named as that communicator numbers it.
+#[test]
+fn peers_in_a_split_communicator_learn_why_a_rank_failed() {
+    let builder = ThreadWorld::builder().timeout(Duration::from_secs(20));
+    // Groups {0, 2} and {1, 3}: world rank 2 is rank 1 of its group.
+    let peer_sees = |sub: &Communicator, why: &str| -> Result<(), String> {
+        for when in ["pending", "later"] {
+            match sub.recv(1, 0, &mut [0u8; 4]) {
+                Err(CommError::PeerFailed { rank: 1, reason }) if reason.contains(why) => {}
+                other => return Err(format!("{when} receive from the failed rank: {other:?}")),
+            }
+        }
+        Ok(())
+    };
+    let started = std::time::Instant::now();
+    let out = builder
+        .try_run(4, |c| {
+            let sub = c.split((c.rank() % 2) as u32, c.rank() as u32).map_err(|e| e.to_string())?;
+            match c.rank() {
+                2 => {
+                    std::thread::sleep(Duration::from_millis(100));
+                    Err("shard 2 is empty".to_string())
+                }
+                0 => peer_sees(&sub, "shard 2 is empty"),
+                _ => Ok(()),
+            }
+        })
+        .unwrap();
+    assert!(out[0].is_ok(), "{out:?}");
+    // A split member that returns without failing leaves no reason, and its peers are not kept waiting for one.
+    let out = builder
+        .try_run(2, |c| {
+            let sub = c.split(0, c.rank() as u32).map_err(|e| e.to_string())?;
+            if c.rank() == 1 {
+                return Ok(());
+            }
+            match sub.recv(1, 0, &mut [0u8]) {
+                Err(CommError::PeerGone { rank: 1 }) => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        })
+        .unwrap();
+    suite::all_ok(out);
+    assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
+    // Unsupervised ranks: one that aborts its communicator, then drops the split one.
+    let comms = builder.build(2).unwrap();
+    let subs: Vec<Communicator> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms.iter().map(|c| s.spawn(move || c.split(0, c.rank() as u32).unwrap())).collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let (mut comms, mut subs) = (comms.into_iter(), subs.into_iter());
+    let (_c0, c1) = (comms.next().unwrap(), comms.next().unwrap());
+    let (s0, s1) = (subs.next().unwrap(), subs.next().unwrap());
+    std::thread::scope(|s| {
+        let h = s.spawn(|| peer_sees(&s0, "checkpoint is corrupt"));
+        std::thread::sleep(Duration::from_millis(100));
+        c1.abort("checkpoint is corrupt");
+        drop(s1);
+        h.join().unwrap().unwrap();
+    });
+}
+
 #[test]
 fn dropped_request_keeps_buffer_until_matched() {
     let out = ThreadWorld::run(2, |c| {

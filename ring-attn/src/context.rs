@@ -8,6 +8,7 @@ use longctx_kernels::{AttnGrads, AttnSaved, Qkv, View, ViewMut};
 use longctx_kernels::{AttnMask, AttnOptions, AttnOut, AttnParams, AttnShape, Backend, DType, HostSlice, Positions};
 use longctx_p2p::Communicator;
 
+use crate::agree::agree_on_schedule;
 use crate::error::{Result, RingError};
 use crate::partition::{Partition, SeqLayout};
 use crate::plan::CpPlan;
@@ -34,14 +35,19 @@ pub struct CpShape {
 /// The mask, by global token positions: causal and/or a sliding window, and whether the sequence packs several
 /// documents (their ids are given per batch with [`CpPlan::set_documents`]).
 ///
-/// Conventions (those of `longctx-kernels`): a query at position `i` sees the key at `j` when `j ≤ i` (causal),
-/// `i − j < window` (a window of `w` shows the query itself and the `w − 1` keys before it), and both tokens have
-/// the same document id. A row that sees no key gets `O = 0` and `LSE = −inf`.
+/// Conventions (those of `longctx-kernels`' `AttnMask`): a query at position `i` sees the key at `j` when
+/// - causal: `j ≤ i`;
+/// - with a window `w`: `i − j < w` when causal (the query itself and the `w − 1` keys before it), and
+///   `|i − j| < w` when not (the query itself and the `w − 1` keys on each side of it: `2w − 1` positions);
+/// - with documents: both tokens have the same document id.
+///
+/// A row that sees no key gets `O = 0` and `LSE = −inf`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct CpMask {
     /// Keys after the query are hidden.
     pub causal: bool,
-    /// Sliding window in positions (at least 1).
+    /// Sliding window in positions (at least 1): keys less than this far from the query, before it when causal,
+    /// on either side when not.
     pub window: Option<u64>,
     /// The sequence packs documents that must not see each other.
     pub documents: bool,
@@ -52,7 +58,8 @@ impl CpMask {
     pub fn causal() -> Self {
         Self { causal: true, ..Self::default() }
     }
-    /// With a sliding window of `window` positions.
+    /// With a sliding window of `window` positions (one-sided when causal, on both sides when not; see
+    /// [`CpMask`]).
     pub fn with_window(mut self, window: u64) -> Self {
         self.window = Some(window);
         self
@@ -213,9 +220,9 @@ fn kv_dims(s: &AttnShape) -> [usize; 4] {
 /// so a model struct can hold it beside everything else) and is planned once per problem with
 /// [`ContextParallel::plan`]; the plan runs the forward and backward.
 ///
-/// Construction is collective (the hybrid and Ulysses schedules split the communicator): every rank calls
-/// [`ContextParallel::new`] with the same config, and then [`ContextParallel::plan`] with the same shape and
-/// mask, which checks that they agree. Cloning is cheap (shared handles); a plan holds a clone, so a model can
+/// Construction is collective (the ranks check that they chose the same schedule, and the hybrid and Ulysses
+/// schedules split the communicator): every rank calls [`ContextParallel::new`] with the same config, and then
+/// [`ContextParallel::plan`] with the same shape and mask, which checks that they agree on the rest. Cloning is cheap (shared handles); a plan holds a clone, so a model can
 /// own its `ContextParallel` and its plans side by side.
 #[derive(Clone)]
 pub struct ContextParallel {
@@ -238,7 +245,8 @@ impl std::fmt::Debug for ContextParallel {
 }
 
 impl ContextParallel {
-    /// Checks the configuration against the communicator and sets up sub-communicators.
+    /// Checks the configuration against the communicator and sets up sub-communicators (collective: ranks that
+    /// chose different schedules all fail with [`RingError::RanksDisagree`] naming `schedule`).
     pub fn new(comm: impl Into<Arc<Communicator>>, backend: Arc<dyn Backend>, cfg: CpConfig) -> Result<Self> {
         let comm = comm.into();
         let n = comm.world_size();
@@ -258,6 +266,9 @@ impl ContextParallel {
                 return Err(RingError::Scale(s));
             }
         }
+        // Before the split, which only the all-to-all schedules make: a rank that split while a peer went on to
+        // plan would meet a collective of another size and fail as a bare mismatch, not naming the schedule.
+        agree_on_schedule(&comm, cfg.schedule)?;
         let groups = match group {
             Some(u) => {
                 let r = comm.rank();

@@ -100,7 +100,8 @@ pub enum RingError {
         /// Where it is.
         memory: longctx_kernels::Memory,
     },
-    /// A view's dtype or dims differ from what the plan was made for.
+    /// A view's dtype or dims differ from what the plan was made for: whichever view it is, this error names it
+    /// (`q`, `k`, `v`, `o`, `lse`, `dq`, `dk`, `dv`, `dout`) with its dims and the plan's.
     #[error("`{name}`: {why}")]
     NotAsPlanned {
         /// The argument.

@@ -18,7 +18,8 @@
 //! enough to call it. Conventions: views are `[B, H, L, D]` (query head `h` reads KV head `h / (Hq / Hkv)`),
 //! `D` is 32 to 256 in steps of 8, `LSE` is `[B, Hq, L]` `f32` natural log (`-inf` for a row that sees no key),
 //! masks are by global positions ([`CpMask`]: a window of `w` shows a query itself and the `w − 1` keys before
-//! it; documents by id, per batch with [`CpPlan::set_documents`]).
+//! it when causal, and the `w − 1` keys on each side of it when not; documents by id, per batch with
+//! [`CpPlan::set_documents`]).
 //!
 //! ```
 //! use std::sync::Arc;

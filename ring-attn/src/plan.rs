@@ -229,20 +229,28 @@ impl CpPlan {
         }
     }
 
-    /// Checks a call's sizes and dtype (`s`, from the views) against the plan.
-    fn check_planned(&self, s: AttnShape, qkv: &Qkv<'_>) -> Result<()> {
-        if s != self.local {
-            return Err(RingError::NotAsPlanned {
-                name: "qkv",
-                why: format!(
-                    "dims q {:?}, k {:?} but the plan has q {:?}, k {:?}",
-                    qkv.q.dims(),
-                    qkv.k.dims(),
-                    self.q_dims(),
-                    self.kv_dims()
-                ),
-            });
+    /// Checks that each view has the dims the plan gives it, naming the first that does not. Every misfit is
+    /// then the one [`RingError::NotAsPlanned`] naming the view, with its dims and the plan's: checked here,
+    /// before the views are grouped into an [`AttnShape`] (whose checks compare the views with each other, so
+    /// a wrong `k` is reported as `v` disagreeing with it, in a kernel error that names no field).
+    fn check_dims(&self, views: &[(&'static str, &[usize])]) -> Result<()> {
+        let (q, kv, lse) = (self.q_dims(), self.kv_dims(), self.lse_dims());
+        for &(name, got) in views {
+            let planned: &[usize] = match name {
+                "k" | "v" | "dk" | "dv" => &kv,
+                "lse" => &lse,
+                _ => &q,
+            };
+            if got != planned {
+                let why = format!("dims {got:?}, but the plan has {planned:?}");
+                return Err(RingError::NotAsPlanned { name, why });
+            }
         }
+        Ok(())
+    }
+
+    /// Checks a call's dtype against the plan (the dims were checked by [`CpPlan::check_dims`]).
+    fn check_dtype(&self, qkv: &Qkv<'_>) -> Result<()> {
         if qkv.q.dtype() != self.shape.dtype {
             return Err(RingError::NotAsPlanned {
                 name: "qkv",
@@ -266,9 +274,14 @@ impl CpPlan {
     }
 
     /// Forward: `out.o` (`[B, Hq, L, D]`, the plan's dtype) and `out.lse` (`[B, Hq, L]`, `f32`) receive this
-    /// rank's rows of full attention over the whole sequence.
+    /// rank's rows of full attention over the whole sequence. A view whose dims are not the plan's
+    /// ([`CpPlan::q_dims`], [`CpPlan::kv_dims`], [`CpPlan::lse_dims`]) is [`RingError::NotAsPlanned`] naming it.
     pub fn forward(&mut self, out: AttnOut<'_>, qkv: Qkv<'_>) -> Result<StepReport> {
-        self.check_planned(qkv.shape()?, &qkv)?;
+        let (o, l) = (out.o.dims(), out.lse.dims());
+        self.check_dims(&[("q", qkv.q.dims()), ("k", qkv.k.dims()), ("v", qkv.v.dims()), ("o", o), ("lse", l)])?;
+        // What is left to the kernels' checks: element types and memory.
+        qkv.shape()?;
+        self.check_dtype(&qkv)?;
         out.check(&self.local)?;
         let [q, k, v] = [host("q", qkv.q)?, host("k", qkv.k)?, host("v", qkv.v)?];
         let lse = host_f32("lse", out.lse)?;
@@ -335,16 +348,24 @@ impl CpPlan {
 
     /// Backward: from `dout` and what the forward saved, `grads.dq` (`[B, Hq, L, D]`), `grads.dk` and
     /// `grads.dv` (`[B, Hkv, L, D]`) receive this rank's gradients (overwritten; accumulated in `f32` and
-    /// rounded once when stored).
+    /// rounded once when stored). A view whose dims are not the plan's is [`RingError::NotAsPlanned`] naming
+    /// it, as in the forward.
     pub fn backward(&mut self, grads: AttnGrads<'_>, dout: View<'_>, saved: AttnSaved<'_>) -> Result<StepReport> {
-        let s = saved.shape()?;
-        self.check_planned(s, &saved.qkv)?;
-        grads.check(&s)?;
-        if dout.dims() != saved.o.dims() {
-            let why = format!("dims {:?}, but `o` has {:?}", dout.dims(), saved.o.dims());
-            return Err(RingError::NotAsPlanned { name: "dout", why });
-        }
         let qkv = saved.qkv;
+        self.check_dims(&[
+            ("dq", grads.dq.dims()),
+            ("dk", grads.dk.dims()),
+            ("dv", grads.dv.dims()),
+            ("dout", dout.dims()),
+            ("q", qkv.q.dims()),
+            ("k", qkv.k.dims()),
+            ("v", qkv.v.dims()),
+            ("o", saved.o.dims()),
+            ("lse", saved.lse.dims()),
+        ])?;
+        // What is left to the kernels' checks: element types and memory.
+        saved.shape()?;
+        self.check_dtype(&qkv)?;
         let inputs =
             [host("q", qkv.q)?, host("k", qkv.k)?, host("v", qkv.v)?, host("o", saved.o)?, host("dout", dout)?];
         let lse = host("lse", saved.lse)?;

@@ -59,6 +59,17 @@ pub enum TrainError {
         /// Why this checkpoint cannot take it.
         detail: String,
     },
+    /// A token id the model has no embedding for, among ids given to it (a `.npy` of ids, or what a tokenizer
+    /// made of a text): the first such id and its position.
+    #[error("token {position} is id {id}, outside the model's vocabulary of {vocab} tokens")]
+    TokenOutOfVocab {
+        /// The id.
+        id: u32,
+        /// Its index in the ids.
+        position: usize,
+        /// The model's vocabulary size (`model.vocab`).
+        vocab: usize,
+    },
     /// Anything else a user has to fix before work starts, naming the value.
     #[error("{0}")]
     Config(String),

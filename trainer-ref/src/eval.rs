@@ -96,7 +96,10 @@ pub fn evaluate_tensors(
     recipe.parallel.dp = 1;
     recipe.train.seq_len = seq;
     recipe.train.batch = 1;
-    recipe.validate()?;
+    // Token ids, not text for the byte tokenizer: a vocabulary below its 257 tokens is fine (a pretrained
+    // model's, read with its own tokenizer or from a `.npy`); the ids are checked against it below. Text a
+    // trainer checkpoint reads through bytes met the byte rule when its recipe was read (`checkpoint_recipe`).
+    recipe.validate_for_token_ids()?;
     let shapes = param_shapes(&recipe.model);
     if shapes.len() != tensors.len() || shapes.iter().zip(tensors).any(|((n, d), t)| *n != t.name || *d != t.dims) {
         return Err(TrainError::Config(format!(
@@ -105,11 +108,9 @@ pub fn evaluate_tensors(
             shapes.len()
         )));
     }
-    if let Some((i, t)) = tokens.iter().enumerate().find(|(_, &t)| t as usize >= recipe.model.vocab) {
-        return Err(TrainError::Config(format!(
-            "token {i} is {t}, outside the model's vocabulary of {}",
-            recipe.model.vocab
-        )));
+    let vocab = recipe.model.vocab;
+    if let Some((position, &id)) = tokens.iter().enumerate().find(|(_, &t)| t as usize >= vocab) {
+        return Err(TrainError::TokenOutOfVocab { id, position, vocab });
     }
     let windows = tokens.len().saturating_sub(1) / seq;
     if windows == 0 {

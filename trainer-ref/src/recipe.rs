@@ -10,6 +10,7 @@ use std::path::Path;
 use longctx_kernels::{RopeConfig, RopeScaling};
 use serde::{Deserialize, Serialize};
 
+use crate::data::BYTE_VOCAB;
 use crate::error::{Result, TrainError};
 pub use crate::rope_scaling::RopeScalingConfig;
 
@@ -397,8 +398,22 @@ impl Recipe {
         toml::to_string(self).unwrap_or_else(|e| format!("# cannot print the recipe: {e}"))
     }
 
-    /// Checks every value before any work starts; each error names the field.
+    /// Checks every value before any work starts; each error names the field. The vocabulary must hold the byte
+    /// tokenizer's 257 tokens, which read the corpus (and a trainer checkpoint's text) unless a pretrained
+    /// tokenizer does.
     pub fn validate(&self) -> Result<()> {
+        self.check(true)
+    }
+
+    /// [`Recipe::validate`] for a model given token ids rather than text for the byte tokenizer (a `.npy` of ids,
+    /// or a pretrained checkpoint's text through its own tokenizer): any vocabulary of at least one token, the
+    /// ids being checked against it where they are read.
+    pub fn validate_for_token_ids(&self) -> Result<()> {
+        self.check(false)
+    }
+
+    /// The checks of [`Recipe::validate`], the byte tokenizer's vocabulary among them when `byte_tokens`.
+    fn check(&self, byte_tokens: bool) -> Result<()> {
         let m = &self.model;
         let t = &self.train;
         let p = &self.parallel;
@@ -423,8 +438,11 @@ impl Recipe {
                 return Err(bad(f, "must be at least 1"));
             }
         }
-        if m.vocab < 257 {
-            return Err(bad("model.vocab", format!("{} is below the byte tokenizer's 257 tokens", m.vocab)));
+        if byte_tokens && m.vocab < BYTE_VOCAB {
+            return Err(bad("model.vocab", format!("{} is below the byte tokenizer's {BYTE_VOCAB} tokens", m.vocab)));
+        }
+        if m.vocab == 0 {
+            return Err(bad("model.vocab", "must be at least 1"));
         }
         if !m.heads.is_multiple_of(m.kv_heads) {
             return Err(bad(

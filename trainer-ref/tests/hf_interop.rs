@@ -1046,6 +1046,61 @@ fn eval_command_prints_the_loss_at_any_cp() {
     }
 }
 
+/// `longctx eval --init-from DIR --tokens ids.npy` needs no tokenizer, so it takes a checkpoint whose vocabulary
+/// is below the byte tokenizer's 257 tokens (the Llama fixture cut to 200, without its tokenizer.json); the ids
+/// are checked against the model's vocabulary instead, the first out of range named with its position. The byte
+/// tokenizer's rule stays where text goes through it (a recipe for the byte-level corpus).
+#[test]
+fn eval_of_token_ids_checks_them_against_the_models_vocabulary() {
+    let vocab = 200;
+    let dir = copy_fixture("llama", "small-vocab");
+    edit_config(&dir, |c| {
+        c.insert("vocab_size".into(), vocab.into());
+    });
+    rewrite_safetensors(&dir.join("model.safetensors"), |ts| {
+        for (name, _, shape, data) in ts.iter_mut() {
+            if name == "model.embed_tokens.weight" || name == "lm_head.weight" {
+                data.truncate(vocab * shape[1] * 4); // f32 rows
+                shape[0] = vocab;
+            }
+        }
+    });
+    std::fs::remove_file(dir.join("tokenizer.json")).unwrap();
+    let ids = tokens_for(vocab);
+    let mut bad = ids.clone();
+    bad[37] = 250;
+    let files = scratch("small-vocab-ids");
+    write_npy(&files.join("ids.npy"), &ids);
+    write_npy(&files.join("bad.npy"), &bad);
+    let eval = |tokens: &str| {
+        Command::new(env!("CARGO_BIN_EXE_longctx"))
+            .args(["eval", "--init-from"])
+            .arg(&*dir)
+            .arg("--tokens")
+            .arg(files.join(tokens))
+            .args(["--seq", "64"])
+            .output()
+            .unwrap()
+    };
+
+    let out = eval("ids.npy");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text} {}", String::from_utf8_lossy(&out.stderr));
+    let printed: f64 = text.split_whitespace().nth(1).unwrap().parse().unwrap();
+    let ck = hf::load(&dir).unwrap();
+    let direct = evaluate_hf(&ck, &ids, 64, 1).unwrap();
+    assert!(direct.loss.is_finite() && (printed - direct.loss).abs() <= 1e-6, "{text} vs {direct:?}");
+
+    let e = evaluate_hf(&ck, &bad, 64, 1).unwrap_err();
+    assert!(matches!(e, TrainError::TokenOutOfVocab { id: 250, position: 37, vocab: 200 }), "{e}");
+    let out = eval("bad.npy");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains(&e.to_string()), "{stderr}");
+
+    let e = Recipe::load("tiny-llama", &["model.vocab=200".into()]).unwrap_err().to_string();
+    assert!(e.contains("model.vocab") && e.contains("byte tokenizer's 257 tokens"), "{e}");
+}
+
 /// `ids` as a one-dimensional little-endian int64 `.npy` (what `read_tokens` reads).
 fn write_npy(path: &Path, ids: &[u32]) {
     let mut header = format!("{{'descr': '<i8', 'fortran_order': False, 'shape': ({},), }}", ids.len());

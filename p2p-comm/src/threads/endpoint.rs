@@ -124,11 +124,13 @@ impl Endpoint {
         }))
     }
 
-    /// Collective part of `split` that is specific to threads: finds or creates the sub-world of `color`.
-    pub(crate) fn join_split(&self, seq: u64, color: u32, members: usize) -> Arc<World> {
+    /// Collective part of `split` that is specific to threads: finds or creates the sub-world of `color`, whose
+    /// members are `members` here (in their order there; every member passes the same list).
+    pub(crate) fn join_split(&self, seq: u64, color: u32, members: &[usize]) -> Arc<World> {
         let mut splits = lock(&self.world.splits);
-        let e =
-            splits.entry((seq, color)).or_insert_with(|| SplitEntry { world: World::new(members), remaining: members });
+        let e = splits
+            .entry((seq, color))
+            .or_insert_with(|| SplitEntry { world: World::split_from(&self.world, members), remaining: members.len() });
         let world = e.world.clone();
         e.remaining -= 1;
         if e.remaining == 0 {

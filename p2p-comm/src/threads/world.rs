@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, PoisonError};
+use std::sync::{Arc, Condvar, Mutex, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
 use crossbeam::utils::CachePadded;
@@ -54,10 +54,25 @@ pub(crate) struct World {
     /// Per rank: whether and why it left; `departed` is notified whenever one does.
     departures: Box<[Mutex<Departure>]>,
     departed: Condvar,
+    /// A split world's parent and each member's rank there: where a member that left this world without a
+    /// reason (its endpoint dropped, as a failing rank's are while its closure returns) may have given one.
+    /// Weak: the parent holds this world in `splits` until every member joined, and a split that never
+    /// completes must not keep both alive.
+    parent: Option<(Weak<World>, Box<[usize]>)>,
 }
 
 impl World {
     pub(crate) fn new(size: usize) -> Arc<World> {
+        Self::with_parent(size, None)
+    }
+
+    /// The world of a communicator split from `parent`'s, whose members are `members` there (in their order
+    /// here).
+    pub(crate) fn split_from(parent: &Arc<World>, members: &[usize]) -> Arc<World> {
+        Self::with_parent(members.len(), Some((Arc::downgrade(parent), members.into())))
+    }
+
+    fn with_parent(size: usize, parent: Option<(Weak<World>, Box<[usize]>)>) -> Arc<World> {
         Arc::new(World {
             size,
             mailboxes: (0..size).map(|_| CachePadded::new(Mutex::new(Mailbox::new()))).collect(),
@@ -68,6 +83,7 @@ impl World {
             splits: Mutex::new(HashMap::new()),
             departures: (0..size).map(|_| Mutex::default()).collect(),
             departed: Condvar::new(),
+            parent,
         })
     }
 
@@ -155,21 +171,40 @@ impl World {
     /// unwinding is given a moment to say why): [`CommError::PeerFailed`] if it gave a reason, else
     /// [`CommError::PeerGone`].
     pub(crate) fn gone_error(&self, r: usize) -> CommError {
-        let deadline = Instant::now() + VERDICT_WAIT;
+        match self.verdict(r, Instant::now() + VERDICT_WAIT) {
+            Some(reason) => CommError::PeerFailed { rank: r, reason },
+            None => CommError::PeerGone { rank: r },
+        }
+    }
+
+    /// Why rank `r` failed, if it said, waiting until `deadline` for a supervised rank that has not left yet.
+    ///
+    /// A member of a split world that left it without a reason is looked up in the parent world: a failing
+    /// rank's closure returns, dropping its split communicators (which leave at once, saying nothing), and only
+    /// then does its supervisor settle it with the reason in the world it was given, the root; a rank that
+    /// [aborted](crate::Communicator::abort) its parent communicator leaves the reason there too. So peers
+    /// waiting on it in a split world (the groups of ring attention's all-to-all schedules, say) learn why, as
+    /// they would in the root. (UCX looks the reason up by the process's world rank, so it needs no such chain.)
+    /// A supervised rank that dropped a split communicator and runs on leaves that world's peers waiting here
+    /// until the deadline, then `None`, as an unwinding root rank that never says why does.
+    fn verdict(&self, r: usize, deadline: Instant) -> Option<String> {
         let mut d = lock(&self.departures[r]);
         loop {
             match &d.left {
-                Some(Some(reason)) => return CommError::PeerFailed { rank: r, reason: reason.clone() },
-                Some(None) => return CommError::PeerGone { rank: r },
-                None if !d.supervised => return CommError::PeerGone { rank: r },
+                Some(Some(reason)) => return Some(reason.clone()),
+                Some(None) => break,
+                None if !d.supervised => return None,
                 None => {}
             }
             let now = Instant::now();
             if now >= deadline {
-                return CommError::PeerGone { rank: r };
+                return None;
             }
             d = self.departed.wait_timeout(d, deadline - now).unwrap_or_else(PoisonError::into_inner).0;
         }
+        drop(d);
+        let (parent, members) = self.parent.as_ref()?;
+        parent.upgrade()?.verdict(members[r], deadline)
     }
 
     /// The channel from `src` to `dst`, created on first use.
