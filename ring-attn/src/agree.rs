@@ -7,7 +7,7 @@
 use longctx_kernels::DType;
 use longctx_p2p::Communicator;
 
-use crate::context::{CpConfig, CpMask, CpShape, Schedule};
+use crate::config::{CpConfig, CpMask, CpShape, Schedule};
 use crate::error::{Result, RingError};
 use crate::partition::Partition;
 

@@ -6,8 +6,8 @@ use bytemuck::Pod;
 use longctx_kernels::{AttnParams, AttnShape, Element, GradMode, HostSlice};
 use longctx_p2p::{Communicator, ReduceOp};
 
-use crate::context::Local;
 use crate::error::Result;
+use crate::local::Local;
 use crate::reshard::swap01;
 
 /// Gathers this slice's K and V from every rank: returns `[hs, n·L, D]` for each, tokens in rank order.

@@ -13,8 +13,9 @@ use half::{bf16, f16};
 use longctx_kernels::{AttnShape, Element, HostSlice};
 use longctx_p2p::Communicator;
 
-use crate::context::{Local, StepReport};
 use crate::error::Result;
+use crate::local::Local;
+use crate::report::StepReport;
 use crate::reshard::{all_to_all_bytes, heads_to_seq, seq_to_heads};
 use crate::ring::{self, RingBuffers};
 

@@ -43,18 +43,23 @@
 mod agree;
 mod allgather;
 mod block;
+mod config;
 mod context;
 pub mod error;
 mod hybrid;
+mod local;
 pub mod partition;
 mod plan;
+mod report;
 mod reshard;
 mod ring;
 
-pub use context::{ContextParallel, CpConfig, CpMask, CpShape, Schedule, StepReport};
+pub use config::{CpConfig, CpMask, CpShape, Schedule};
+pub use context::ContextParallel;
 pub use error::{Result, RingError};
 pub use partition::{Partition, SeqLayout};
 pub use plan::{CpPlan, WorkspaceBytes};
+pub use report::StepReport;
 
 pub use longctx_kernels::{AttnGrads, AttnOut, AttnSaved, Backend, CpuBackend, DType, KernelError, Qkv, View, ViewMut};
 pub use longctx_p2p::{CommError, Communicator, ThreadWorld};

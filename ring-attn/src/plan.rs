@@ -6,9 +6,12 @@ use longctx_kernels::{AttnGrads, AttnOut, AttnSaved, AttnShape, HostSlice, HostS
 use crate::agree::agree;
 use longctx_p2p::Communicator;
 
-use crate::context::{ContextParallel, CpMask, CpShape, Local, Schedule, StepReport};
+use crate::config::{CpMask, CpShape, Schedule};
+use crate::context::ContextParallel;
 use crate::error::{Result, RingError};
+use crate::local::Local;
 use crate::partition::SeqLayout;
+use crate::report::StepReport;
 use crate::ring::RingBuffers;
 use crate::{allgather, hybrid, ring};
 
@@ -22,6 +25,16 @@ pub struct WorkspaceBytes {
     /// Kept allocated by the plan between calls (its accumulators and the ring's buffers, reused by every
     /// call): one plan serves every layer of a model with this shape, so this is held once, not per layer.
     pub held: usize,
+}
+
+impl ContextParallel {
+    /// Plans the problem (collective): checks the shape and mask, checks that every rank planned the same
+    /// problem (a typed [`RingError::RanksDisagree`] naming the field and the ranks otherwise), computes every
+    /// rank's positions and sizes the workspace. The plan's [`CpPlan::forward`] and [`CpPlan::backward`] then
+    /// take only the data.
+    pub fn plan(&self, shape: &CpShape, mask: &CpMask) -> Result<CpPlan> {
+        CpPlan::new(self.clone(), *shape, *mask)
+    }
 }
 
 /// A planned context-parallel attention problem (see [`ContextParallel::plan`]). It holds a clone of its

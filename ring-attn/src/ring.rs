@@ -17,8 +17,9 @@ use longctx_kernels::{GradMode, HostSlice};
 use longctx_p2p::{CommError, Communicator, OwnedRequest, SendRequest};
 
 use crate::block::KvPacking;
-use crate::context::{Local, StepReport};
 use crate::error::Result;
+use crate::local::Local;
+use crate::report::StepReport;
 
 /// Message tags of the two streams.
 const TAG_KV: u32 = 0x4b56;
