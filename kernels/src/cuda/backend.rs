@@ -1,16 +1,16 @@
 //! [`CudaBackend`]: the `Backend` trait on a [`Device`]. Each method runs the shared argument checks
-//! ([`crate::checks`]), then hands the op to its family in `ops/` (one file per `.cu` source), which picks the
-//! kernel or the cuBLASLt product and launches it.
+//! ([`crate::checks`]), then hands the op, with the backend's [`Stream`], to its family in `ops/` (one file per
+//! `.cu` source), which picks the kernel or the cuBLASLt product and enqueues it.
 
 use std::sync::Arc;
 
 use super::alloc::CudaAllocation;
-use super::device::{Device, DeviceEvent, DevicePtr, Gemm, Kernel, KernelArgs, LaunchConfig, MemoryStats};
+use super::device::{DeviceEvent, MemoryStats};
 use super::ops;
+use super::stream::Stream;
 use crate::attention::{AttnGrads, AttnOptions, AttnOut, AttnPartial, AttnSaved, Qkv};
 use crate::backend::{AdamwState, Backend, GradMode, LinearGrads, NormGrads, NormParams, ProjectionGrads};
 use crate::buffer::Buffer;
-use crate::checks::On;
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::event::{BackendEvent, Event};
@@ -28,7 +28,7 @@ const POISON_EMPTY: bool = cfg!(debug_assertions);
 /// A CUDA device and one stream on it (see the module docs).
 #[derive(Debug, Clone)]
 pub struct CudaBackend {
-    device: Arc<dyn Device>,
+    stream: Stream,
 }
 
 impl CudaBackend {
@@ -37,7 +37,7 @@ impl CudaBackend {
     /// Errors: [`KernelError::NoDevice`](crate::KernelError::NoDevice) when no CUDA driver can be loaded or no device has that ordinal.
     pub fn new(ordinal: usize) -> Result<Self> {
         let device = super::driver::DriverDevice::new(ordinal)?;
-        Ok(Self { device })
+        Ok(Self { stream: Stream { device } })
     }
 
     /// The backend on the host emulator: the same kernels compiled for this CPU by the system's C++ compiler
@@ -47,12 +47,12 @@ impl CudaBackend {
     /// Errors: [`KernelError::Compile`](crate::KernelError::Compile) when the kernels do not build with the host compiler.
     pub fn emulated() -> Result<Self> {
         let device = super::emulated::EmulatedDevice::open()?;
-        Ok(Self { device })
+        Ok(Self { stream: Stream { device } })
     }
 
     /// The device's name, compute capability, multiprocessors and memory.
     pub fn device_name(&self) -> String {
-        let i = self.device.info();
+        let i = self.stream.device.info();
         format!(
             "{} (sm_{}{}, {} SMs, {} GiB)",
             i.name,
@@ -65,78 +65,16 @@ impl CudaBackend {
 
     /// What the device's pool holds now and at most (bytes).
     pub fn memory_stats(&self) -> MemoryStats {
-        self.device.memory_stats()
+        self.stream.device.memory_stats()
     }
 
     /// Gives the memory the pool keeps for reuse back to the driver (after the work enqueued so far).
     pub fn trim(&self) -> Result<()> {
-        self.device.trim()
-    }
-
-    pub(crate) fn on(&self) -> On {
-        On { memory: self.device.memory() }
-    }
-
-    /// Launches `kernel`.
-    ///
-    /// # Safety
-    /// The parameters are what the kernel declares and every address among them is live device memory of this
-    /// device covering what the kernel touches (see [`Device::launch`]).
-    pub(crate) unsafe fn launch(&self, kernel: &Kernel, cfg: LaunchConfig, args: &KernelArgs) -> Result<()> {
-        // SAFETY: the caller's contract.
-        unsafe { self.device.launch(kernel, &cfg, args) }
-    }
-
-    /// Enqueues a matrix product.
-    ///
-    /// # Safety
-    /// Every address covers the bytes the product touches.
-    pub(crate) unsafe fn gemm(&self, g: &Gemm) -> Result<()> {
-        // SAFETY: the caller's contract.
-        unsafe { self.device.gemm(g) }
-    }
-
-    /// Scratch device memory of `bytes`, freed (stream-ordered) when dropped.
-    pub(crate) fn scratch(&self, bytes: usize) -> Result<CudaAllocation> {
-        CudaAllocation::new(&self.device, bytes)
-    }
-
-    /// `data` (host) copied into new device memory: how host-typed arguments reach a kernel.
-    pub(crate) fn upload_bytes(&self, data: &[u8]) -> Result<CudaAllocation> {
-        let a = self.scratch(data.len())?;
-        if !data.is_empty() {
-            // SAFETY: `a` holds `data.len()` bytes, just allocated on this stream.
-            unsafe { self.device.upload(a.ptr(), data)? };
-        }
-        Ok(a)
-    }
-
-    /// The `bytes` at `src` brought to the host, after the work enqueued so far.
-    pub(crate) fn download_bytes(&self, dst: &mut [u8], src: DevicePtr) -> Result<()> {
-        // SAFETY: callers pass an address of live device memory holding `dst.len()` bytes.
-        unsafe { self.device.download(dst, src) }
-    }
-
-    /// Sets `count` 32-bit words at `dst` to `value`.
-    ///
-    /// # Safety
-    /// `dst` covers `4·count` bytes of live device memory.
-    pub(crate) unsafe fn memset32(&self, dst: DevicePtr, value: u32, count: usize) -> Result<()> {
-        // SAFETY: the caller's contract.
-        unsafe { self.device.memset32(dst, value, count) }
-    }
-
-    /// Copies `bytes` between device addresses.
-    ///
-    /// # Safety
-    /// Both cover `bytes` of live device memory and do not overlap.
-    pub(crate) unsafe fn copy_bytes(&self, dst: DevicePtr, src: DevicePtr, bytes: usize) -> Result<()> {
-        // SAFETY: the caller's contract.
-        unsafe { self.device.copy(dst, src, bytes) }
+        self.stream.device.trim()
     }
 
     fn buffer(&self, dtype: DType, dims: Dims) -> Result<Buffer> {
-        let alloc = CudaAllocation::new(&self.device, dims.numel() * dtype.size())?;
+        let alloc = CudaAllocation::new(&self.stream.device, dims.numel() * dtype.size())?;
         Buffer::from_device(Box::new(alloc), dtype, dims)
     }
 }
@@ -159,30 +97,30 @@ impl Backend for CudaBackend {
         "cuda"
     }
     fn memory(&self) -> Memory {
-        self.device.memory()
+        self.stream.device.memory()
     }
 
     fn upload(&self, dst: ViewMut<'_>, src: View<'_>) -> Result<()> {
-        crate::checks::upload(self.on(), &dst, &src)?;
+        crate::checks::upload(self.stream.on(), &dst, &src)?;
         let host = src.as_host("src")?;
         let dst = dst.into_device("dst", self.memory())?;
         // SAFETY: `dst` is a view of live device memory of this device holding as many bytes as `src`.
-        unsafe { self.device.upload(dst.ptr(), host.as_bytes()) }
+        unsafe { self.stream.device.upload(dst.ptr(), host.as_bytes()) }
     }
 
     fn download(&self, dst: ViewMut<'_>, src: View<'_>) -> Result<()> {
-        crate::checks::download(self.on(), &dst, &src)?;
+        crate::checks::download(self.stream.on(), &dst, &src)?;
         let src = src.as_device("src", self.memory())?;
         let mut host = dst.into_host("dst")?;
-        self.download_bytes(host.as_bytes_mut(), src.ptr())
+        self.stream.download_bytes(host.as_bytes_mut(), src.ptr())
     }
 
     fn synchronize(&self) -> Result<()> {
-        self.device.synchronize()
+        self.stream.device.synchronize()
     }
 
     fn record_event(&self) -> Result<Event> {
-        Ok(Event::new(Arc::new(CudaEvent(self.device.record_event()?))))
+        Ok(Event::new(Arc::new(CudaEvent(self.stream.device.record_event()?))))
     }
 
     fn wait_event(&self, event: &Event) -> Result<()> {
@@ -190,7 +128,7 @@ impl Backend for CudaBackend {
             None => Ok(()),
             Some(m) => match m.as_any().downcast_ref::<CudaEvent>() {
                 // Waited for on the device: the host goes on.
-                Some(e) => self.device.wait_event(e.0.as_ref()),
+                Some(e) => self.stream.device.wait_event(e.0.as_ref()),
                 // Another backend's event: wait on the host, so that work enqueued from now on follows it.
                 None => event.synchronize(),
             },
@@ -198,56 +136,56 @@ impl Backend for CudaBackend {
     }
 
     fn fork(&self) -> Result<Arc<dyn Backend>> {
-        Ok(Arc::new(CudaBackend { device: self.device.fork()? }))
+        Ok(Arc::new(CudaBackend { stream: Stream { device: self.stream.device.fork()? } }))
     }
 
     fn zeros(&self, dtype: DType, dims: Dims) -> Result<Buffer> {
         let mut b = self.buffer(dtype, dims)?;
-        ops::elementwise::fill(self, b.view_mut(), 0.0)?;
+        ops::elementwise::fill(&self.stream, b.view_mut(), 0.0)?;
         Ok(b)
     }
 
     fn empty(&self, dtype: DType, dims: Dims) -> Result<Buffer> {
         let mut b = self.buffer(dtype, dims)?;
         if POISON_EMPTY {
-            ops::elementwise::fill(self, b.view_mut(), f32::NAN)?;
+            ops::elementwise::fill(&self.stream, b.view_mut(), f32::NAN)?;
         }
         Ok(b)
     }
 
     fn copy(&self, dst: ViewMut<'_>, src: View<'_>) -> Result<()> {
-        crate::checks::copy(self.on(), &dst, &src)?;
-        ops::elementwise::copy(self, dst, src)
+        crate::checks::copy(self.stream.on(), &dst, &src)?;
+        ops::elementwise::copy(&self.stream, dst, src)
     }
 
     fn fill(&self, dst: ViewMut<'_>, value: f32) -> Result<()> {
-        crate::checks::fill(self.on(), &dst)?;
-        ops::elementwise::fill(self, dst, value)
+        crate::checks::fill(self.stream.on(), &dst)?;
+        ops::elementwise::fill(&self.stream, dst, value)
     }
 
     fn add(&self, dst: ViewMut<'_>, src: View<'_>) -> Result<()> {
-        crate::checks::copy(self.on(), &dst, &src)?;
-        ops::elementwise::add(self, dst, src)
+        crate::checks::copy(self.stream.on(), &dst, &src)?;
+        ops::elementwise::add(&self.stream, dst, src)
     }
 
     fn scale(&self, x: ViewMut<'_>, a: f32) -> Result<()> {
-        crate::checks::scale(self.on(), &x, a)?;
-        ops::elementwise::scale(self, x, a)
+        crate::checks::scale(self.stream.on(), &x, a)?;
+        ops::elementwise::scale(&self.stream, x, a)
     }
 
     fn sum_squares(&self, xs: &[View<'_>]) -> Result<f64> {
-        crate::checks::sum_squares(self.on(), xs)?;
-        ops::elementwise::sum_squares(self, xs)
+        crate::checks::sum_squares(self.stream.on(), xs)?;
+        ops::elementwise::sum_squares(&self.stream, xs)
     }
 
     fn transpose12(&self, dst: ViewMut<'_>, src: View<'_>) -> Result<()> {
-        let dims = crate::checks::transpose12(self.on(), &dst, &src)?;
-        ops::elementwise::transpose12(self, dst, src, dims)
+        let dims = crate::checks::transpose12(self.stream.on(), &dst, &src)?;
+        ops::elementwise::transpose12(&self.stream, dst, src, dims)
     }
 
     fn attention_forward(&self, opts: &AttnOptions<'_>, out: AttnOut<'_>, qkv: Qkv<'_>) -> Result<()> {
-        let p = crate::checks::attention_forward(self.on(), opts, &out, &qkv)?;
-        ops::attention::forward(self, &p, out, qkv)
+        let p = crate::checks::attention_forward(self.stream.on(), opts, &out, &qkv)?;
+        ops::attention::forward(&self.stream, &p, out, qkv)
     }
 
     fn attention_backward(
@@ -258,18 +196,18 @@ impl Backend for CudaBackend {
         saved: AttnSaved<'_>,
         mode: GradMode,
     ) -> Result<()> {
-        let p = crate::checks::attention_backward(self.on(), opts, &grads, &dout, &saved)?;
-        ops::attention::backward(self, &p, grads, dout, saved, mode)
+        let p = crate::checks::attention_backward(self.stream.on(), opts, &grads, &dout, &saved)?;
+        ops::attention::backward(&self.stream, &p, grads, dout, saved, mode)
     }
 
     fn attention_merge(&self, acc: AttnOut<'_>, part: AttnPartial<'_>) -> Result<()> {
-        let (rows, d) = crate::checks::attention_merge(self.on(), &acc, &part)?;
-        ops::attention::merge(self, acc, part, rows, d)
+        let (rows, d) = crate::checks::attention_merge(self.stream.on(), &acc, &part)?;
+        ops::attention::merge(&self.stream, acc, part, rows, d)
     }
 
     fn linear_forward(&self, y: ViewMut<'_>, x: View<'_>, w: View<'_>, bias: Option<View<'_>>) -> Result<()> {
-        let l = crate::checks::linear_forward(self.on(), &y, &x, &w, bias.as_ref())?;
-        ops::linear::forward(self, l, y, x, w, bias)
+        let l = crate::checks::linear_forward(self.stream.on(), &y, &x, &w, bias.as_ref())?;
+        ops::linear::forward(&self.stream, l, y, x, w, bias)
     }
 
     fn linear_backward(
@@ -280,13 +218,13 @@ impl Backend for CudaBackend {
         w: View<'_>,
         mode: GradMode,
     ) -> Result<()> {
-        let l = crate::checks::linear_backward(self.on(), &grads, &dy, &saved, &w)?;
-        ops::linear::backward(self, l, grads, dy, saved, w, mode)
+        let l = crate::checks::linear_backward(self.stream.on(), &grads, &dy, &saved, &w)?;
+        ops::linear::backward(&self.stream, l, grads, dy, saved, w, mode)
     }
 
     fn rmsnorm_forward(&self, y: ViewMut<'_>, rstd: ViewMut<'_>, x: View<'_>, p: &NormParams<'_>) -> Result<()> {
-        let r = crate::checks::rmsnorm_forward(self.on(), &y, &rstd, &x, p)?;
-        ops::norm::forward(self, r, y, None, rstd, x, p)
+        let r = crate::checks::rmsnorm_forward(self.stream.on(), &y, &rstd, &x, p)?;
+        ops::norm::forward(&self.stream, r, y, None, rstd, x, p)
     }
 
     fn rmsnorm_backward(
@@ -297,8 +235,8 @@ impl Backend for CudaBackend {
         weight: View<'_>,
         mode: GradMode,
     ) -> Result<()> {
-        let r = crate::checks::rmsnorm_backward(self.on(), &grads, &dy, &saved, &weight)?;
-        ops::norm::backward(self, r, grads, dy, saved.x, None, saved.rstd, weight, mode)
+        let r = crate::checks::rmsnorm_backward(self.stream.on(), &grads, &dy, &saved, &weight)?;
+        ops::norm::backward(&self.stream, r, grads, dy, saved.x, None, saved.rstd, weight, mode)
     }
 
     fn layernorm_forward(
@@ -309,8 +247,8 @@ impl Backend for CudaBackend {
         x: View<'_>,
         p: &NormParams<'_>,
     ) -> Result<()> {
-        let r = crate::checks::layernorm_forward(self.on(), &y, &mean, &rstd, &x, p)?;
-        ops::norm::forward(self, r, y, Some(mean), rstd, x, p)
+        let r = crate::checks::layernorm_forward(self.stream.on(), &y, &mean, &rstd, &x, p)?;
+        ops::norm::forward(&self.stream, r, y, Some(mean), rstd, x, p)
     }
 
     fn layernorm_backward(
@@ -321,23 +259,23 @@ impl Backend for CudaBackend {
         weight: View<'_>,
         mode: GradMode,
     ) -> Result<()> {
-        let r = crate::checks::layernorm_backward(self.on(), &grads, &dy, &saved, &weight)?;
-        ops::norm::backward(self, r, grads, dy, saved.x, Some(saved.mean), saved.rstd, weight, mode)
+        let r = crate::checks::layernorm_backward(self.stream.on(), &grads, &dy, &saved, &weight)?;
+        ops::norm::backward(&self.stream, r, grads, dy, saved.x, Some(saved.mean), saved.rstd, weight, mode)
     }
 
     fn rope_forward(&self, rope: &RopeTable, x: ViewMut<'_>, positions: &[i64]) -> Result<()> {
-        let d = crate::checks::rope(self.on(), rope, &x, positions)?;
-        ops::rope::apply(self, rope, d, x, positions, 1.0)
+        let d = crate::checks::rope(self.stream.on(), rope, &x, positions)?;
+        ops::rope::apply(&self.stream, rope, d, x, positions, 1.0)
     }
 
     fn rope_backward(&self, rope: &RopeTable, d: ViewMut<'_>, positions: &[i64]) -> Result<()> {
-        let dims = crate::checks::rope(self.on(), rope, &d, positions)?;
-        ops::rope::apply(self, rope, dims, d, positions, -1.0)
+        let dims = crate::checks::rope(self.stream.on(), rope, &d, positions)?;
+        ops::rope::apply(&self.stream, rope, dims, d, positions, -1.0)
     }
 
     fn swiglu_forward(&self, out: ViewMut<'_>, gate: View<'_>, up: View<'_>) -> Result<()> {
-        crate::checks::swiglu_forward(self.on(), &out, &gate, &up)?;
-        ops::elementwise::swiglu_forward(self, out, gate, up)
+        crate::checks::swiglu_forward(self.stream.on(), &out, &gate, &up)?;
+        ops::elementwise::swiglu_forward(&self.stream, out, gate, up)
     }
 
     fn swiglu_backward(
@@ -347,18 +285,18 @@ impl Backend for CudaBackend {
         dout: View<'_>,
         saved: SwigluSaved<'_>,
     ) -> Result<()> {
-        crate::checks::swiglu_backward(self.on(), &dgate, &dup, &dout, &saved)?;
-        ops::elementwise::swiglu_backward(self, dgate, dup, dout, saved)
+        crate::checks::swiglu_backward(self.stream.on(), &dgate, &dup, &dout, &saved)?;
+        ops::elementwise::swiglu_backward(&self.stream, dgate, dup, dout, saved)
     }
 
     fn squared_relu_forward(&self, out: ViewMut<'_>, x: View<'_>) -> Result<()> {
-        crate::checks::squared_relu_forward(self.on(), &out, &x)?;
-        ops::elementwise::squared_relu_forward(self, out, x)
+        crate::checks::squared_relu_forward(self.stream.on(), &out, &x)?;
+        ops::elementwise::squared_relu_forward(&self.stream, out, x)
     }
 
     fn squared_relu_backward(&self, dx: ViewMut<'_>, dout: View<'_>, saved: SquaredReluSaved<'_>) -> Result<()> {
-        crate::checks::squared_relu_backward(self.on(), &dx, &dout, &saved)?;
-        ops::elementwise::squared_relu_backward(self, dx, dout, saved)
+        crate::checks::squared_relu_backward(self.stream.on(), &dx, &dout, &saved)?;
+        ops::elementwise::squared_relu_backward(&self.stream, dx, dout, saved)
     }
 
     fn moe_router_forward(
@@ -368,8 +306,8 @@ impl Backend for CudaBackend {
         logits: View<'_>,
         top_k: usize,
     ) -> Result<RouterOutput> {
-        let (l, e) = crate::checks::moe_router_forward(self.on(), &probs, &weights, &logits, top_k)?;
-        ops::moe::router_forward(self, probs, weights, logits, l, e, top_k)
+        let (l, e) = crate::checks::moe_router_forward(self.stream.on(), &probs, &weights, &logits, top_k)?;
+        ops::moe::router_forward(&self.stream, probs, weights, logits, l, e, top_k)
     }
 
     fn moe_router_backward(
@@ -379,23 +317,23 @@ impl Backend for CudaBackend {
         aux: Option<View<'_>>,
         saved: MoeRouterSaved<'_>,
     ) -> Result<()> {
-        crate::checks::moe_router_backward(self.on(), &dlogits, &dweights, aux.as_ref(), &saved)?;
-        ops::moe::router_backward(self, dlogits, dweights, aux, saved)
+        crate::checks::moe_router_backward(self.stream.on(), &dlogits, &dweights, aux.as_ref(), &saved)?;
+        ops::moe::router_backward(&self.stream, dlogits, dweights, aux, saved)
     }
 
     fn moe_gather_forward(&self, xe: ViewMut<'_>, x: View<'_>, routing: &Routing) -> Result<()> {
-        let c = crate::checks::moe_gather_forward(self.on(), &xe, &x, routing)?;
-        ops::moe::gather_forward(self, xe, x, routing, c)
+        let c = crate::checks::moe_gather_forward(self.stream.on(), &xe, &x, routing)?;
+        ops::moe::gather_forward(&self.stream, xe, x, routing, c)
     }
 
     fn moe_gather_backward(&self, dx: ViewMut<'_>, dxe: View<'_>, routing: &Routing) -> Result<()> {
-        let c = crate::checks::moe_gather_backward(self.on(), &dx, &dxe, routing)?;
-        ops::moe::sum_rows(self, dx, dxe, None, routing, c)
+        let c = crate::checks::moe_gather_backward(self.stream.on(), &dx, &dxe, routing)?;
+        ops::moe::sum_rows(&self.stream, dx, dxe, None, routing, c)
     }
 
     fn moe_combine_forward(&self, out: ViewMut<'_>, ye: View<'_>, weights: View<'_>, routing: &Routing) -> Result<()> {
-        let c = crate::checks::moe_combine_forward(self.on(), &out, &ye, &weights, routing)?;
-        ops::moe::sum_rows(self, out, ye, Some(weights), routing, c)
+        let c = crate::checks::moe_combine_forward(self.stream.on(), &out, &ye, &weights, routing)?;
+        ops::moe::sum_rows(&self.stream, out, ye, Some(weights), routing, c)
     }
 
     fn moe_combine_backward(
@@ -405,18 +343,18 @@ impl Backend for CudaBackend {
         dout: View<'_>,
         saved: MoeCombineSaved<'_>,
     ) -> Result<()> {
-        let c = crate::checks::moe_combine_backward(self.on(), &dye, &dweights, &dout, &saved)?;
-        ops::moe::combine_backward(self, dye, dweights, dout, saved, c)
+        let c = crate::checks::moe_combine_backward(self.stream.on(), &dye, &dweights, &dout, &saved)?;
+        ops::moe::combine_backward(&self.stream, dye, dweights, dout, saved, c)
     }
 
     fn embedding_forward(&self, out: ViewMut<'_>, ids: &[u32], table: View<'_>) -> Result<()> {
-        let (_, c) = crate::checks::embedding_forward(self.on(), &out, ids, &table)?;
-        ops::embedding::forward(self, out, ids, table, c)
+        let (_, c) = crate::checks::embedding_forward(self.stream.on(), &out, ids, &table)?;
+        ops::embedding::forward(&self.stream, out, ids, table, c)
     }
 
     fn embedding_backward(&self, dtable: ViewMut<'_>, dout: View<'_>, ids: &[u32], mode: GradMode) -> Result<()> {
-        let (v, c) = crate::checks::embedding_backward(self.on(), &dtable, &dout, ids)?;
-        ops::embedding::backward(self, dtable, dout, ids, v, c, mode)
+        let (v, c) = crate::checks::embedding_backward(self.stream.on(), &dtable, &dout, ids)?;
+        ops::embedding::backward(&self.stream, dtable, dout, ids, v, c, mode)
     }
 
     fn cross_entropy_fused(
@@ -428,8 +366,8 @@ impl Backend for CudaBackend {
         opts: &CrossEntropyOptions,
         mode: GradMode,
     ) -> Result<CrossEntropyOutput> {
-        let d = crate::checks::cross_entropy_fused(self.on(), &grads, &hidden, &weight, targets, opts)?;
-        ops::cross_entropy::fused(self, d, grads, hidden, weight, targets, opts, mode)
+        let d = crate::checks::cross_entropy_fused(self.stream.on(), &grads, &hidden, &weight, targets, opts)?;
+        ops::cross_entropy::fused(&self.stream, d, grads, hidden, weight, targets, opts, mode)
     }
 
     fn adamw_step(
@@ -441,7 +379,7 @@ impl Backend for CudaBackend {
         hp: &AdamW,
         step: u64,
     ) -> Result<()> {
-        crate::checks::adamw_step(self.on(), &master, copy_to.as_ref(), &grads, &state, hp, step)?;
-        ops::elementwise::adamw(self, master, copy_to, grads, state, hp, step)
+        crate::checks::adamw_step(self.stream.on(), &master, copy_to.as_ref(), &grads, &state, hp, step)?;
+        ops::elementwise::adamw(&self.stream, master, copy_to, grads, state, hp, step)
     }
 }

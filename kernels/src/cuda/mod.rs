@@ -56,6 +56,8 @@ mod places;
 #[cfg(feature = "cuda")]
 #[allow(dead_code)]
 pub(crate) mod sources;
+#[cfg(feature = "cuda")]
+mod stream;
 #[cfg(not(feature = "cuda"))]
 mod stub;
 

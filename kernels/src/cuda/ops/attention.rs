@@ -8,8 +8,8 @@ use crate::attention::mask::{tile_summaries, RangeSummary};
 use crate::attention::{AttnGrads, AttnOut, AttnParams, AttnPartial, AttnSaved, Positions, Qkv};
 use crate::backend::GradMode;
 use crate::cuda::alloc::CudaAllocation;
-use crate::cuda::backend::CudaBackend;
 use crate::cuda::device::{KernelArgs, KernelSource, LaunchConfig};
+use crate::cuda::stream::Stream;
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::view::View;
@@ -114,7 +114,7 @@ fn forward_row_tiles(head_dim: usize) -> usize {
 
 /// One 64-bit mask per tile of 64 rows of each head of `x` (`[heads, len, D]`): which rows hold a non-finite
 /// element (`attention_flags.cu`).
-fn nonfinite_masks(b: &CudaBackend, x: &View<'_>, heads: usize, len: usize, d: usize) -> Result<CudaAllocation> {
+fn nonfinite_masks(b: &Stream, x: &View<'_>, heads: usize, len: usize, d: usize) -> Result<CudaAllocation> {
     let n = heads * len.div_ceil(TC_TILE);
     let masks = b.scratch(8 * n)?;
     // SAFETY: `masks` holds `n` u64 words, `2n` u32 words.
@@ -182,14 +182,14 @@ fn summaries(s: &[RangeSummary]) -> Vec<TileSummary> {
         .collect()
 }
 
-fn upload<T: bytemuck::Pod>(b: &CudaBackend, v: &[T], keep: &mut Vec<CudaAllocation>) -> Result<u64> {
+fn upload<T: bytemuck::Pod>(b: &Stream, v: &[T], keep: &mut Vec<CudaAllocation>) -> Result<u64> {
     let a = b.upload_bytes(bytemuck::cast_slice(v))?;
     let p = a.ptr();
     keep.push(a);
     Ok(p)
 }
 
-fn upload_summaries(b: &CudaBackend, s: Vec<TileSummary>, keep: &mut Vec<CudaAllocation>) -> Result<u64> {
+fn upload_summaries(b: &Stream, s: Vec<TileSummary>, keep: &mut Vec<CudaAllocation>) -> Result<u64> {
     // SAFETY: `TileSummary` is plain data (`#[repr(C)]`, integers, no padding: 8 + 8 + 4 + 4 bytes).
     let bytes = unsafe { std::slice::from_raw_parts(s.as_ptr().cast::<u8>(), std::mem::size_of_val(s.as_slice())) };
     let a = b.upload_bytes(bytes)?;
@@ -198,7 +198,7 @@ fn upload_summaries(b: &CudaBackend, s: Vec<TileSummary>, keep: &mut Vec<CudaAll
     Ok(p)
 }
 
-fn problem(b: &CudaBackend, p: &AttnParams<'_>, (q_tile, k_tile): (usize, usize)) -> Result<Problem> {
+fn problem(b: &Stream, p: &AttnParams<'_>, (q_tile, k_tile): (usize, usize)) -> Result<Problem> {
     let s = p.shape;
     let m = &p.mask;
     let mut keep = Vec::new();
@@ -255,7 +255,7 @@ fn general_smem(d: usize) -> u32 {
     (2 * GENERAL_TILE * d * 4 + 2 * GENERAL_TILE * 4) as u32
 }
 
-pub(crate) fn forward(b: &CudaBackend, p: &AttnParams<'_>, out: AttnOut<'_>, qkv: Qkv<'_>) -> Result<()> {
+pub(crate) fn forward(b: &Stream, p: &AttnParams<'_>, out: AttnOut<'_>, qkv: Qkv<'_>) -> Result<()> {
     let s = p.shape;
     let (qt, ot) = (qkv.q.dtype(), out.o.dtype());
     if tensor_cores(p, qt, &[&qkv.q, &qkv.k, &qkv.v]) && (ot == qt || ot == DType::F32) {
@@ -297,7 +297,7 @@ pub(crate) fn forward(b: &CudaBackend, p: &AttnParams<'_>, out: AttnOut<'_>, qkv
 }
 
 pub(crate) fn backward(
-    b: &CudaBackend,
+    b: &Stream,
     p: &AttnParams<'_>,
     grads: AttnGrads<'_>,
     dout: View<'_>,
@@ -388,7 +388,7 @@ pub(crate) fn backward(
     unsafe { b.launch(&kk, cfg, &args) }
 }
 
-pub(crate) fn merge(b: &CudaBackend, acc: AttnOut<'_>, part: AttnPartial<'_>, rows: usize, d: usize) -> Result<()> {
+pub(crate) fn merge(b: &Stream, acc: AttnOut<'_>, part: AttnPartial<'_>, rows: usize, d: usize) -> Result<()> {
     if rows == 0 {
         return Ok(());
     }

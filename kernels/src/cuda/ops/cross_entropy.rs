@@ -12,8 +12,8 @@ use super::linear::gemm;
 use super::{bytes_of, kernel, ptr, ptr_mut, THREADS};
 use crate::backend::{GradMode, ProjectionGrads};
 use crate::checks::CrossEntropyDims;
-use crate::cuda::backend::CudaBackend;
 use crate::cuda::device::{KernelArgs, KernelSource, LaunchConfig};
+use crate::cuda::stream::Stream;
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::ops::{CrossEntropyOptions, CrossEntropyOutput};
@@ -28,7 +28,7 @@ pub(crate) static SOURCE: KernelSource = KernelSource {
 
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn fused(
-    b: &CudaBackend,
+    b: &Stream,
     d: CrossEntropyDims,
     grads: ProjectionGrads<'_>,
     hidden: View<'_>,

@@ -2,8 +2,8 @@
 
 use super::{grid, kernel, ptr, ptr_mut, suffix, MAX_BLOCKS};
 use crate::backend::AdamwState;
-use crate::cuda::backend::CudaBackend;
 use crate::cuda::device::{KernelArgs, KernelSource, LaunchConfig};
+use crate::cuda::stream::Stream;
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::ops::AdamW;
@@ -76,7 +76,7 @@ pub(crate) static SOURCE: KernelSource = KernelSource {
     includes: &[],
 };
 
-fn launch(b: &CudaBackend, name: &str, n: usize, args: &KernelArgs) -> Result<()> {
+fn launch(b: &Stream, name: &str, n: usize, args: &KernelArgs) -> Result<()> {
     if n == 0 {
         return Ok(());
     }
@@ -86,7 +86,7 @@ fn launch(b: &CudaBackend, name: &str, n: usize, args: &KernelArgs) -> Result<()
     unsafe { b.launch(&k, grid(n as u64), args) }
 }
 
-pub(crate) fn copy(b: &CudaBackend, dst: ViewMut<'_>, src: View<'_>) -> Result<()> {
+pub(crate) fn copy(b: &Stream, dst: ViewMut<'_>, src: View<'_>) -> Result<()> {
     let (n, dt, st) = (dst.len(), dst.dtype(), src.dtype());
     let s = ptr(b, "src", &src)?;
     let d = ptr_mut(b, "dst", dst)?;
@@ -100,7 +100,7 @@ pub(crate) fn copy(b: &CudaBackend, dst: ViewMut<'_>, src: View<'_>) -> Result<(
     launch(b, &format!("copy_{}_{}", suffix(dt), suffix(st)), n, KernelArgs::new().push(d).push(s).push(n as u64))
 }
 
-pub(crate) fn fill(b: &CudaBackend, dst: ViewMut<'_>, value: f32) -> Result<()> {
+pub(crate) fn fill(b: &Stream, dst: ViewMut<'_>, value: f32) -> Result<()> {
     let (n, dt) = (dst.len(), dst.dtype());
     let d = ptr_mut(b, "dst", dst)?;
     if dt == DType::F32 && n > 0 {
@@ -110,14 +110,14 @@ pub(crate) fn fill(b: &CudaBackend, dst: ViewMut<'_>, value: f32) -> Result<()> 
     launch(b, &format!("fill_{}", suffix(dt)), n, KernelArgs::new().push(d).push(value).push(n as u64))
 }
 
-pub(crate) fn add(b: &CudaBackend, dst: ViewMut<'_>, src: View<'_>) -> Result<()> {
+pub(crate) fn add(b: &Stream, dst: ViewMut<'_>, src: View<'_>) -> Result<()> {
     let (n, dt, st) = (dst.len(), dst.dtype(), src.dtype());
     let s = ptr(b, "src", &src)?;
     let d = ptr_mut(b, "dst", dst)?;
     launch(b, &format!("add_{}_{}", suffix(dt), suffix(st)), n, KernelArgs::new().push(d).push(s).push(n as u64))
 }
 
-pub(crate) fn scale(b: &CudaBackend, x: ViewMut<'_>, a: f32) -> Result<()> {
+pub(crate) fn scale(b: &Stream, x: ViewMut<'_>, a: f32) -> Result<()> {
     let (n, dt) = (x.len(), x.dtype());
     let p = ptr_mut(b, "x", x)?;
     launch(b, &format!("scale_{}", suffix(dt)), n, KernelArgs::new().push(p).push(a).push(n as u64))
@@ -125,7 +125,7 @@ pub(crate) fn scale(b: &CudaBackend, x: ViewMut<'_>, a: f32) -> Result<()> {
 
 /// `Σ x²` over the views in `f64`: per view, a fixed grid of partials and their ordered sum on the device; the
 /// views' sums are added in order on the host once the last one is downloaded.
-pub(crate) fn sum_squares(b: &CudaBackend, xs: &[View<'_>]) -> Result<f64> {
+pub(crate) fn sum_squares(b: &Stream, xs: &[View<'_>]) -> Result<f64> {
     let xs: Vec<&View<'_>> = xs.iter().filter(|x| !x.is_empty()).collect();
     if xs.is_empty() {
         return Ok(0.0);
@@ -153,7 +153,7 @@ pub(crate) fn sum_squares(b: &CudaBackend, xs: &[View<'_>]) -> Result<f64> {
     Ok(sums.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes"))).sum())
 }
 
-pub(crate) fn transpose12(b: &CudaBackend, dst: ViewMut<'_>, src: View<'_>, dims: [usize; 4]) -> Result<()> {
+pub(crate) fn transpose12(b: &Stream, dst: ViewMut<'_>, src: View<'_>, dims: [usize; 4]) -> Result<()> {
     let (n, dt, st) = (dst.len(), dst.dtype(), src.dtype());
     let s = ptr(b, "src", &src)?;
     let d = ptr_mut(b, "dst", dst)?;
@@ -163,7 +163,7 @@ pub(crate) fn transpose12(b: &CudaBackend, dst: ViewMut<'_>, src: View<'_>, dims
     launch(b, &format!("transpose12_{}_{}", suffix(dt), suffix(st)), n, &args)
 }
 
-pub(crate) fn swiglu_forward(b: &CudaBackend, out: ViewMut<'_>, gate: View<'_>, up: View<'_>) -> Result<()> {
+pub(crate) fn swiglu_forward(b: &Stream, out: ViewMut<'_>, gate: View<'_>, up: View<'_>) -> Result<()> {
     let (n, t) = (out.len(), gate.dtype());
     let (g, u) = (ptr(b, "gate", &gate)?, ptr(b, "up", &up)?);
     let o = ptr_mut(b, "out", out)?;
@@ -171,7 +171,7 @@ pub(crate) fn swiglu_forward(b: &CudaBackend, out: ViewMut<'_>, gate: View<'_>, 
 }
 
 pub(crate) fn swiglu_backward(
-    b: &CudaBackend,
+    b: &Stream,
     dgate: ViewMut<'_>,
     dup: ViewMut<'_>,
     dout: View<'_>,
@@ -185,7 +185,7 @@ pub(crate) fn swiglu_backward(
     launch(b, &format!("swiglu_bwd_{}", suffix(t)), n, &args)
 }
 
-pub(crate) fn squared_relu_forward(b: &CudaBackend, out: ViewMut<'_>, x: View<'_>) -> Result<()> {
+pub(crate) fn squared_relu_forward(b: &Stream, out: ViewMut<'_>, x: View<'_>) -> Result<()> {
     let (n, t) = (out.len(), x.dtype());
     let xp = ptr(b, "x", &x)?;
     let o = ptr_mut(b, "out", out)?;
@@ -193,7 +193,7 @@ pub(crate) fn squared_relu_forward(b: &CudaBackend, out: ViewMut<'_>, x: View<'_
 }
 
 pub(crate) fn squared_relu_backward(
-    b: &CudaBackend,
+    b: &Stream,
     dx: ViewMut<'_>,
     dout: View<'_>,
     saved: SquaredReluSaved<'_>,
@@ -208,7 +208,7 @@ pub(crate) fn squared_relu_backward(
 
 /// One AdamW step; the bias corrections `1 − βᵗ` in `f64` on the host, as the CPU computes them.
 pub(crate) fn adamw(
-    b: &CudaBackend,
+    b: &Stream,
     master: ViewMut<'_>,
     copy_to: Option<ViewMut<'_>>,
     grads: View<'_>,

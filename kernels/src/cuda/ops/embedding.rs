@@ -3,8 +3,8 @@
 
 use super::{bytes_of, grid, kernel, ptr, ptr_mut, suffix, MAX_BLOCKS, THREADS};
 use crate::backend::GradMode;
-use crate::cuda::backend::CudaBackend;
 use crate::cuda::device::{KernelArgs, KernelSource, LaunchConfig};
+use crate::cuda::stream::Stream;
 use crate::error::Result;
 use crate::view::{View, ViewMut};
 
@@ -28,7 +28,7 @@ pub(crate) static SOURCE: KernelSource = KernelSource {
     includes: &[],
 };
 
-pub(crate) fn forward(b: &CudaBackend, out: ViewMut<'_>, ids: &[u32], table: View<'_>, c: usize) -> Result<()> {
+pub(crate) fn forward(b: &Stream, out: ViewMut<'_>, ids: &[u32], table: View<'_>, c: usize) -> Result<()> {
     if ids.is_empty() {
         return Ok(());
     }
@@ -44,7 +44,7 @@ pub(crate) fn forward(b: &CudaBackend, out: ViewMut<'_>, ids: &[u32], table: Vie
 }
 
 pub(crate) fn backward(
-    b: &CudaBackend,
+    b: &Stream,
     mut dtable: ViewMut<'_>,
     dout: View<'_>,
     ids: &[u32],

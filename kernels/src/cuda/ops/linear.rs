@@ -11,8 +11,8 @@
 use super::{kernel, ptr, ptr_mut, suffix, THREADS};
 use crate::backend::{GradMode, LinearGrads};
 use crate::checks::LinearDims;
-use crate::cuda::backend::CudaBackend;
 use crate::cuda::device::{Gemm, KernelArgs, KernelSource, LaunchConfig};
+use crate::cuda::stream::Stream;
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::saved::LinearSaved;
@@ -72,7 +72,7 @@ pub(crate) fn gemm(
 }
 
 pub(crate) fn forward(
-    b: &CudaBackend,
+    b: &Stream,
     l: LinearDims,
     y: ViewMut<'_>,
     x: View<'_>,
@@ -90,7 +90,7 @@ pub(crate) fn forward(
 }
 
 pub(crate) fn backward(
-    b: &CudaBackend,
+    b: &Stream,
     l: LinearDims,
     grads: LinearGrads<'_>,
     dy: View<'_>,

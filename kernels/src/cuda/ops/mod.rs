@@ -12,8 +12,8 @@ pub(crate) mod moe;
 pub(crate) mod norm;
 pub(crate) mod rope;
 
-use super::backend::CudaBackend;
 use super::device::{Kernel, KernelSource, LaunchConfig};
+use super::stream::Stream;
 use crate::dtype::DType;
 use crate::error::{KernelError, Result};
 use crate::view::{View, ViewMut};
@@ -25,12 +25,12 @@ pub(crate) const THREADS: u32 = 256;
 pub(crate) const MAX_BLOCKS: u64 = 4096;
 
 /// The device address of `v` (a view the checks placed on `b`'s device).
-pub(crate) fn ptr(b: &CudaBackend, name: &'static str, v: &View<'_>) -> Result<u64> {
+pub(crate) fn ptr(b: &Stream, name: &'static str, v: &View<'_>) -> Result<u64> {
     Ok(v.as_device(name, b.on().memory)?.ptr())
 }
 
 /// The device address of the writable `v`.
-pub(crate) fn ptr_mut(b: &CudaBackend, name: &'static str, v: ViewMut<'_>) -> Result<u64> {
+pub(crate) fn ptr_mut(b: &Stream, name: &'static str, v: ViewMut<'_>) -> Result<u64> {
     Ok(v.into_device(name, b.on().memory)?.ptr())
 }
 

@@ -3,8 +3,8 @@
 //! dispatch op uploads the index arrays it needs per call.
 
 use super::{bytes_of, grid, kernel, ptr, ptr_mut, suffix, THREADS};
-use crate::cuda::backend::CudaBackend;
 use crate::cuda::device::{KernelArgs, KernelSource, LaunchConfig};
+use crate::cuda::stream::Stream;
 use crate::error::Result;
 use crate::ops::{RouterOutput, Routing};
 use crate::saved::{MoeCombineSaved, MoeRouterSaved};
@@ -39,7 +39,7 @@ fn threads_for(n: u64) -> LaunchConfig {
 }
 
 pub(crate) fn router_forward(
-    b: &CudaBackend,
+    b: &Stream,
     probs: ViewMut<'_>,
     weights: ViewMut<'_>,
     logits: View<'_>,
@@ -71,7 +71,7 @@ pub(crate) fn router_forward(
 }
 
 pub(crate) fn router_backward(
-    b: &CudaBackend,
+    b: &Stream,
     dlogits: ViewMut<'_>,
     dweights: View<'_>,
     aux: Option<View<'_>>,
@@ -97,7 +97,7 @@ pub(crate) fn router_backward(
     unsafe { b.launch(&kf, threads_for(l as u64), &args) }
 }
 
-pub(crate) fn gather_forward(b: &CudaBackend, xe: ViewMut<'_>, x: View<'_>, routing: &Routing, c: usize) -> Result<()> {
+pub(crate) fn gather_forward(b: &Stream, xe: ViewMut<'_>, x: View<'_>, routing: &Routing, c: usize) -> Result<()> {
     let n = routing.rows();
     let rows = b.upload_bytes(bytes_of(routing.row_tokens()))?;
     let xp = ptr(b, "x", &x)?;
@@ -113,7 +113,7 @@ pub(crate) fn gather_forward(b: &CudaBackend, xe: ViewMut<'_>, x: View<'_>, rout
 /// `out[t, :] = Σ w·ye[n, :]` over token `t`'s dispatched rows: the combine (with `weights`) and the gather's
 /// backward (without).
 pub(crate) fn sum_rows(
-    b: &CudaBackend,
+    b: &Stream,
     out: ViewMut<'_>,
     ye: View<'_>,
     weights: Option<View<'_>>,
@@ -138,7 +138,7 @@ pub(crate) fn sum_rows(
 }
 
 pub(crate) fn combine_backward(
-    b: &CudaBackend,
+    b: &Stream,
     dye: ViewMut<'_>,
     dweights: ViewMut<'_>,
     dout: View<'_>,

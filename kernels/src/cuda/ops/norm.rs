@@ -3,8 +3,8 @@
 use super::{kernel, ptr, ptr_mut, suffix, MAX_BLOCKS, THREADS};
 use crate::backend::{GradMode, NormGrads, NormParams};
 use crate::checks::Rows;
-use crate::cuda::backend::CudaBackend;
 use crate::cuda::device::{KernelArgs, KernelSource, LaunchConfig};
+use crate::cuda::stream::Stream;
 use crate::error::Result;
 use crate::view::{View, ViewMut};
 
@@ -39,7 +39,7 @@ fn rows_per_block(n: usize) -> usize {
 
 /// Forward: LayerNorm when `mean` is given, RMSNorm otherwise.
 pub(crate) fn forward(
-    b: &CudaBackend,
+    b: &Stream,
     r: Rows,
     y: ViewMut<'_>,
     mean: Option<ViewMut<'_>>,
@@ -74,7 +74,7 @@ pub(crate) fn forward(
 /// Backward: LayerNorm when `mean` is given, RMSNorm otherwise.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn backward(
-    b: &CudaBackend,
+    b: &Stream,
     r: Rows,
     grads: NormGrads<'_>,
     dy: View<'_>,

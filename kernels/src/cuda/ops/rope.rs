@@ -3,8 +3,8 @@
 
 use super::{bytes_of, grid, kernel, ptr_mut, suffix};
 use crate::checks::RopeDims;
-use crate::cuda::backend::CudaBackend;
 use crate::cuda::device::{KernelArgs, KernelSource};
+use crate::cuda::stream::Stream;
 use crate::error::Result;
 use crate::ops::RopeTable;
 use crate::view::ViewMut;
@@ -18,7 +18,7 @@ pub(crate) static SOURCE: KernelSource = KernelSource {
 
 /// Rotates `x[B,H,S,D]` by `sign`·θ (1 forward, −1 backward).
 pub(crate) fn apply(
-    b: &CudaBackend,
+    b: &Stream,
     rope: &RopeTable,
     d: RopeDims,
     x: ViewMut<'_>,
