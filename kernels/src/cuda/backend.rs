@@ -1,4 +1,4 @@
-//! [`CudaBackend`]: the `Backend` trait on a [`Device`]. Each method runs the shared argument checks
+//! [`CudaBackend`]: the `Backend` trait on a [`Device`](super::device::Device). Each method runs the shared argument checks
 //! ([`crate::checks`]), then hands the op, with the backend's [`Stream`], to its family in `ops/` (one file per
 //! `.cu` source), which picks the kernel or the cuBLASLt product and enqueues it.
 
