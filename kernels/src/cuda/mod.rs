@@ -21,6 +21,17 @@
 //! [`CudaBackend::emulated`] runs the same kernels on the host (see `device.rs`): it is how this crate tests
 //! every kernel on machines without a GPU.
 //!
+//! Environment (all optional):
+//! - `LONGCTX_CUDA_LIB_DIRS`, `LONGCTX_CUDA_INCLUDE`: folders searched first for the CUDA libraries (NVRTC,
+//!   cuBLASLt) and for `cuda_bf16.h`, before `CUDA_HOME`, `/usr/local/cuda` and NVIDIA's Python wheels; a
+//!   missing one is an error naming every folder tried.
+//! - `LONGCTX_CUDA_ARCH`: the architecture kernels are compiled for (default: the device's own, e.g. `sm_90`).
+//! - `LONGCTX_CUDA_CACHE`: where compiled kernels are kept between runs (`off`: nowhere).
+//! - `LONGCTX_CUDA_SYNC=1`: every launch and product is checked at once, so a failing kernel is reported by the op
+//!   that launched it (slow; for debugging and for the GPU check's tests).
+//! - `LONGCTX_CUDA_ATTN_ROWS=64|128`: the tensor-core forward's query rows per block at head dim 64.
+//! - `LONGCTX_EMU_THREADS`, `LONGCTX_EMU_CACHE`: the emulator's worker threads and its compiled-kernel cache.
+//!
 //! [`KernelError::NotCompiled`]: crate::KernelError::NotCompiled
 //! [`KernelError::NoDevice`]: crate::KernelError::NoDevice
 
