@@ -31,6 +31,7 @@
 //!   that launched it (slow; for debugging and for the GPU check's tests).
 //! - `LONGCTX_CUDA_ATTN_ROWS=64|128`: the tensor-core forward's query rows per block at head dim 64.
 //! - `LONGCTX_EMU_THREADS`, `LONGCTX_EMU_CACHE`: the emulator's worker threads and its compiled-kernel cache.
+//! - `LONGCTX_NVRTC_ARCHS` (tests): the architectures the NVRTC compile tests cover (default `sm_80,sm_90`).
 //!
 //! [`KernelError::NotCompiled`]: crate::KernelError::NotCompiled
 //! [`KernelError::NoDevice`]: crate::KernelError::NoDevice
