@@ -44,7 +44,7 @@ mod backend;
 #[allow(dead_code)] // parts of the seam used only by one of the two devices
 pub(crate) mod device;
 #[cfg(feature = "cuda")]
-#[allow(dead_code)] // timing events and statistics the benchmarks will use
+#[allow(dead_code)] // the driver's version and peak reset, for tools not written yet
 mod driver;
 #[cfg(feature = "cuda")]
 mod emulated;
