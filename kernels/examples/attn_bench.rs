@@ -46,7 +46,8 @@
 //! same way, with ours/flash and ours/cuDNN per direction; without it, our columns alone and why. `--seqs`,
 //! `--dims`, `--hq`, `--hkv`, `--causal`, `--full`, `--no-backward`, `--no-torch` as above. `--device cuda-emulated`
 //! runs the same code on the host emulator with tiny sizes (S 128 and 256, 2 heads, one timed call: `--quick`), a
-//! smoke test of this path without a GPU.
+//! smoke test of this path without a GPU. `--compile-only` compiles every kernel for the device (NVRTC, in parallel,
+//! into the disk cache: `$LONGCTX_CUDA_CACHE`) and exits.
 //!
 //! ```text
 //! cargo run --release -p longctx-kernels --features cuda --example attn_bench -- --device cuda
@@ -733,6 +734,11 @@ mod on_device {
     pub(crate) fn main(args: &[String], kind: DeviceKind) -> std::result::Result<(), String> {
         let o = options(args, kind)?;
         let dev = Device::open(kind).map_err(|e| e.to_string())?;
+        if args.iter().any(|a| a == "--compile-only") {
+            // Device::open compiled every kernel (and filled the disk cache): what scripts/gpu-check's run does first.
+            println!("# {}: every kernel compiled", dev.describe());
+            return Ok(());
+        }
         let peak = gemm_peak(&dev, (o.gemm, o.warmup, o.budget, o.reps)).map_err(|e| format!("GEMM: {e}"))?;
         println!(
             "# longctx attention benchmark on {}: bf16, B=1, Hq={} Hkv={}; TFLOP/s count causal as half, backward as \
