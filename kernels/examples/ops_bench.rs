@@ -122,6 +122,7 @@ fn run(dev: &Device, o: &Options) -> Result<Vec<Row>> {
     row("fill bf16", 2.0 * act, None, r);
     // `y` holds 0.5 everywhere: adding `x` and scaling keep it finite however often they run.
     let r = time(&mut || b.add(y.view_mut(), x.view()));
+    let r = r.and_then(|r| common::check_finite(dev, "add", &[y.view()]).map(|()| r));
     row("add bf16", 6.0 * act, None, r);
     b.fill(y.view_mut(), 0.5)?;
     let r = time(&mut || b.scale(y.view_mut(), 0.999));
