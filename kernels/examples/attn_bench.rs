@@ -34,6 +34,28 @@
 //! is against the machine's AVX-512 peak.
 //! FLOP counts follow the usual convention (also used by `bench/peer_sdpa.py`): forward `4·B·Hq·Sq·Sk·D`,
 //! halved for causal; backward 2.5× forward.
+//!
+//! **On a GPU** (`--device cuda`, built with `--features cuda`; `--device cpu` is the default and everything above):
+//! bf16, B = 1, Hq = Hkv = 32, D = 128, S = 8K, 16K, 32K and 64K, causal and full, forward and backward timed apart
+//! (the backward on what the forward saved), each the median of up to `--reps` (20) calls fitting about a second
+//! after two warm-up calls, timed with the backend's CUDA events. Inputs are random, outputs poisoned with NaN and
+//! checked finite after the timed calls. "% GEMM" is against a bf16 `--gemm N` (8192) GEMM through the backend's
+//! linear layer (cuBLASLt) in the same run. The peer, `bench/peer_sdpa_gpu.py` (`$LONGCTX_PEER_SCRIPTS`), runs after
+//! ours with `$LONGCTX_PEER_PYTHON` (else `python3`, which needs torch with CUDA): PyTorch's
+//! `scaled_dot_product_attention` under `sdpa_kernel(FLASH_ATTENTION)` and `sdpa_kernel(CUDNN_ATTENTION)`, timed the
+//! same way, with ours/flash and ours/cuDNN per direction; without it, our columns alone and why. `--seqs`,
+//! `--dims`, `--hq`, `--hkv`, `--causal`, `--full`, `--no-backward`, `--no-torch` as above. `--device cuda-emulated`
+//! runs the same code on the host emulator with tiny sizes (S 128 and 256, 2 heads, one timed call: `--quick`), a
+//! smoke test of this path without a GPU. `--compile-only` compiles every kernel for the device (NVRTC, in parallel,
+//! into the disk cache: `$LONGCTX_CUDA_CACHE`) and exits.
+//!
+//! ```text
+//! cargo run --release -p longctx-kernels --features cuda --example attn_bench -- --device cuda
+//! cargo run --release -p longctx-kernels --features cuda --example attn_bench -- --device cuda --seqs 16384 --causal
+//! cargo run --release -p longctx-kernels --features cuda --example attn_bench -- --device cuda-emulated
+//! ```
+
+mod common;
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -301,6 +323,20 @@ fn main() {
         print!("{doc}");
         return;
     }
+    match common::DeviceKind::from_args(&args) {
+        Ok(common::DeviceKind::Cpu) => {}
+        Ok(kind) => {
+            if let Err(e) = on_device::main(&args, kind) {
+                eprintln!("attn_bench: {e}");
+                std::process::exit(1);
+            }
+            return;
+        }
+        Err(e) => {
+            eprintln!("attn_bench: {e}");
+            std::process::exit(2);
+        }
+    }
     let seqs = arg_list(&args, "--seqs", &[1024, 4096, 16384, 32768]);
     let dims = arg_list(&args, "--dims", &[64, 128]);
     let masks: Vec<bool> = if args.iter().any(|a| a == "--causal") {
@@ -537,4 +573,260 @@ fn measure(
         }
     }
     Measured { fwd, bwd, peak_mem: PEAK.load(Ordering::Relaxed) - base, inputs }
+}
+
+/// `--device cuda|cuda-emulated`: our attention on the CUDA backend beside PyTorch's SDPA on the same GPU (see the
+/// module docs, "On a GPU").
+mod on_device {
+    use std::collections::HashMap;
+    use std::time::Duration;
+
+    use longctx_kernels::attention::{AttnMask, AttnParams, AttnShape};
+    use longctx_kernels::{AttnGrads, AttnOut, AttnSaved, DType, GradMode, Qkv, Result};
+
+    use super::common::{self, Device, DeviceKind, Timed};
+
+    /// One row's figures: forward and backward times, or why the row failed.
+    struct Row {
+        s: usize,
+        d: usize,
+        causal: bool,
+        fwd: Option<Timed>,
+        bwd: Option<Timed>,
+        error: Option<String>,
+    }
+
+    /// PyTorch's TFLOP/s for one row: flash forward, flash backward, cuDNN forward, cuDNN backward (NaN: failed or
+    /// not run).
+    type PeerRow = [f64; 4];
+
+    struct Options {
+        seqs: Vec<usize>,
+        dims: Vec<usize>,
+        hq: usize,
+        hkv: usize,
+        masks: Vec<bool>,
+        backward: bool,
+        gemm: usize,
+        warmup: usize,
+        budget: Duration,
+        reps: (usize, usize),
+        peer: bool,
+    }
+
+    fn options(args: &[String], kind: DeviceKind) -> std::result::Result<Options, String> {
+        // The emulator runs one fiber per CUDA thread: tiny sizes, one timed repetition.
+        let quick = kind == DeviceKind::CudaEmulated || args.iter().any(|a| a == "--quick");
+        let seqs = common::arg_list(args, "--seqs", if quick { &[128, 256] } else { &[8192, 16384, 32768, 65536] })?;
+        let dims = common::arg_list(args, "--dims", &[128])?;
+        let hq = common::arg(args, "--hq", if quick { 2 } else { 32 })?;
+        let hkv = common::arg(args, "--hkv", hq)?;
+        if hq == 0 || hkv == 0 || hq % hkv != 0 || seqs.contains(&0) || dims.contains(&0) {
+            return Err("--hkv must divide --hq, and every size must be positive".into());
+        }
+        let masks = if args.iter().any(|a| a == "--causal") {
+            vec![true]
+        } else if args.iter().any(|a| a == "--full") {
+            vec![false]
+        } else {
+            vec![true, false]
+        };
+        let max_reps = common::arg(args, "--reps", if quick { 1 } else { 20 })?.max(1);
+        Ok(Options {
+            seqs,
+            dims,
+            hq,
+            hkv,
+            masks,
+            backward: !args.iter().any(|a| a == "--no-backward"),
+            gemm: common::arg(args, "--gemm", if quick { 128 } else { 8192 })?,
+            warmup: if quick { 1 } else { 2 },
+            budget: Duration::from_secs_f64(if quick { 0.0 } else { 1.0 }),
+            reps: (if quick { 1 } else { 3 }.min(max_reps), max_reps),
+            peer: !args.iter().any(|a| a == "--no-torch"),
+        })
+    }
+
+    /// Forward FLOPs of a row (`4·B·Hq·S²·D`, halved for causal); the backward counts 2.5 times as many.
+    fn fwd_flops(o: &Options, s: usize, d: usize, causal: bool) -> f64 {
+        4.0 * (o.hq * s * s * d) as f64 * if causal { 0.5 } else { 1.0 }
+    }
+
+    /// TFLOP/s of a bf16 GEMM `[n, n]·[n, n]ᵀ` through the backend's linear layer (cuBLASLt on a GPU): the peak
+    /// the rows are a fraction of.
+    pub(crate) fn gemm_peak(dev: &Device, o: (usize, usize, Duration, (usize, usize))) -> Result<f64> {
+        let (n, warmup, budget, reps) = o;
+        let b = dev.backend();
+        let x = common::random(dev, DType::Bf16, &[n, n], 11, 1.0)?;
+        let w = common::random(dev, DType::Bf16, &[n, n], 12, 0.05)?;
+        let mut y = common::poisoned(dev, DType::Bf16, &[n, n])?;
+        let t =
+            common::measure(dev, warmup, budget, reps, || b.linear_forward(y.view_mut(), x.view(), w.view(), None))?;
+        common::check_finite(dev, "the GEMM", &[y.view()])?;
+        Ok(2.0 * (n as f64).powi(3) / t.secs() / 1e12)
+    }
+
+    /// Times one row's forward, then its backward on what the forward saved.
+    fn run_row(dev: &Device, o: &Options, s: usize, d: usize, causal: bool) -> Result<(Timed, Option<Timed>)> {
+        let shape = AttnShape { batch: 1, q_heads: o.hq, kv_heads: o.hkv, q_len: s, kv_len: s, head_dim: d };
+        let p = AttnParams::new(shape).with_mask(if causal { AttnMask::causal() } else { AttnMask::full() });
+        let opts = p.options();
+        let (qd, kd, ld) = (shape.q_dims(), shape.kv_dims(), shape.lse_dims());
+        let bf = DType::Bf16;
+        let q = common::random(dev, bf, &qd, 1, 1.0)?;
+        let k = common::random(dev, bf, &kd, 2, 1.0)?;
+        let v = common::random(dev, bf, &kd, 3, 1.0)?;
+        let (mut out, mut lse) = (common::poisoned(dev, bf, &qd)?, common::poisoned(dev, DType::F32, &ld)?);
+        let b = dev.backend();
+        let qkv = Qkv::new(q.view(), k.view(), v.view());
+        let fwd = common::measure(dev, o.warmup, o.budget, o.reps, || {
+            b.attention_forward(&opts, AttnOut { o: out.view_mut(), lse: lse.view_mut() }, qkv)
+        })?;
+        common::check_finite(dev, "the forward", &[out.view(), lse.view()])?;
+        if !o.backward {
+            return Ok((fwd, None));
+        }
+        let dout = common::random(dev, bf, &qd, 4, 1.0)?;
+        let (mut dq, mut dk, mut dv) =
+            (common::poisoned(dev, bf, &qd)?, common::poisoned(dev, bf, &kd)?, common::poisoned(dev, bf, &kd)?);
+        let bwd = common::measure(dev, o.warmup, o.budget, o.reps, || {
+            let saved = AttnSaved { qkv, o: out.view(), lse: lse.view() };
+            let grads = AttnGrads { dq: dq.view_mut(), dk: dk.view_mut(), dv: dv.view_mut() };
+            b.attention_backward(&opts, grads, dout.view(), saved, GradMode::Overwrite)
+        })?;
+        common::check_finite(dev, "the backward", &[dq.view(), dk.view(), dv.view()])?;
+        Ok((fwd, Some(bwd)))
+    }
+
+    /// What the peer ran, and its rows by `(S, D, causal)`.
+    struct Peer {
+        who: String,
+        rows: HashMap<(usize, usize, bool), PeerRow>,
+    }
+
+    /// PyTorch's rows from `bench/peer_sdpa_gpu.py` (one run for every row), or why there are none.
+    fn peer(o: &Options) -> std::result::Result<Peer, String> {
+        let (python, torch) = common::python_with_cuda_torch()?;
+        let script = common::peer_script("peer_sdpa_gpu.py")?;
+        let list = |v: &[usize]| v.iter().map(usize::to_string).collect::<Vec<_>>().join(",");
+        let masks: Vec<&str> = o.masks.iter().map(|&c| if c { "causal" } else { "full" }).collect();
+        let mut args = vec!["--seqs".to_string(), list(&o.seqs), "--dims".into(), list(&o.dims)];
+        args.extend(["--hq".into(), o.hq.to_string(), "--hkv".into(), o.hkv.to_string()]);
+        args.extend(["--masks".into(), masks.join(","), "--max-reps".into(), o.reps.1.to_string()]);
+        args.extend(["--budget".into(), o.budget.as_secs_f64().to_string()]);
+        if !o.backward {
+            args.push("--no-backward".into());
+        }
+        let out = common::run_peer(&python, &script, &args)?;
+        let mut rows = HashMap::new();
+        for line in out.lines().filter(|l| !l.starts_with('#')) {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            if let [s, d, mask, rest @ ..] = f.as_slice() {
+                if let (Ok(s), Ok(d), [a, b, c, e]) = (s.parse(), d.parse(), rest) {
+                    let v = [a, b, c, e].map(|x| x.parse::<f64>().unwrap_or(f64::NAN));
+                    rows.insert((s, d, *mask == "causal"), v);
+                }
+            }
+        }
+        Ok(Peer { who: format!("PyTorch {torch} ({python} {})", script.display()), rows })
+    }
+
+    pub(crate) fn main(args: &[String], kind: DeviceKind) -> std::result::Result<(), String> {
+        let o = options(args, kind)?;
+        let dev = Device::open(kind).map_err(|e| e.to_string())?;
+        if args.iter().any(|a| a == "--compile-only") {
+            // Device::open compiled every kernel (and filled the disk cache): what scripts/gpu-check's run does first.
+            println!("# {}: every kernel compiled", dev.describe());
+            return Ok(());
+        }
+        let peak = gemm_peak(&dev, (o.gemm, o.warmup, o.budget, o.reps)).map_err(|e| format!("GEMM: {e}"))?;
+        println!(
+            "# longctx attention benchmark on {}: bf16, B=1, Hq={} Hkv={}; TFLOP/s count causal as half, backward as \
+             2.5x forward; median of up to {} timed calls after {} warm-up",
+            dev.describe(),
+            o.hq,
+            o.hkv,
+            o.reps.1,
+            o.warmup
+        );
+        println!(
+            "# peak: bf16 GEMM {n}x{n}x{n} through the backend's linear layer, same run: {} TFLOP/s",
+            common::rate(peak),
+            n = o.gemm
+        );
+        let mut rows = Vec::new();
+        for &s in &o.seqs {
+            for &d in &o.dims {
+                for &causal in &o.masks {
+                    let (fwd, bwd, error) = match run_row(&dev, &o, s, d, causal) {
+                        Ok((f, b)) => (Some(f), b, None),
+                        Err(e) => (None, None, Some(e.to_string())),
+                    };
+                    if let Some(e) = &error {
+                        eprintln!("attn_bench: S={s} D={d} {}: {e}", if causal { "causal" } else { "full" });
+                    }
+                    rows.push(Row { s, d, causal, fwd, bwd, error });
+                }
+            }
+        }
+        // The peer needs the GPU's memory, which our pool keeps until asked.
+        dev.trim().map_err(|e| e.to_string())?;
+        let peer = if o.peer { peer(&o) } else { Err("--no-torch".into()) };
+        match &peer {
+            Ok(p) => println!("# peer: {}: SDPA with the flash and the cuDNN backends, same shapes, after ours", p.who),
+            Err(why) => println!("# peer: none ({why})"),
+        }
+        let with_peer = peer.is_ok();
+        print!("| S | D | mask | fwd ms | fwd TFLOP/s | fwd % GEMM | bwd ms | bwd TFLOP/s | bwd % GEMM |");
+        if with_peer {
+            print!(" flash fwd | flash bwd | cuDNN fwd | cuDNN bwd | fwd ours/flash | bwd ours/flash | fwd ours/cuDNN | bwd ours/cuDNN |");
+        }
+        println!(
+            "\n|---|---|---|---|---|---|---|---|---|{}",
+            if with_peer { "---|---|---|---|---|---|---|---|" } else { "" }
+        );
+        let mut failed = 0;
+        for r in &rows {
+            let mask = if r.causal { "causal" } else { "full" };
+            if let Some(e) = &r.error {
+                failed += 1;
+                println!("| {} | {} | {mask} | failed: {e} |", r.s, r.d);
+                continue;
+            }
+            let flops = fwd_flops(&o, r.s, r.d, r.causal);
+            let rate = |t: Option<Timed>, mult: f64| t.map_or(f64::NAN, |t| mult * flops / t.secs() / 1e12);
+            let ms = |t: Option<Timed>| t.map_or(f64::NAN, |t| t.secs() * 1e3);
+            let (f, b) = (rate(r.fwd, 1.0), rate(r.bwd, 2.5));
+            print!(
+                "| {} | {} | {mask} | {} | {} | {} | {} | {} | {} |",
+                r.s,
+                r.d,
+                common::fmt(ms(r.fwd), 2),
+                common::rate(f),
+                common::pct(f, peak),
+                common::fmt(ms(r.bwd), 2),
+                common::rate(b),
+                common::pct(b, peak)
+            );
+            if let Ok(p) = &peer {
+                let t = p.rows.get(&(r.s, r.d, r.causal)).copied().unwrap_or([f64::NAN; 4]);
+                print!(
+                    " {} | {} | {} | {} | {} | {} | {} | {} |",
+                    common::rate(t[0]),
+                    common::rate(t[1]),
+                    common::rate(t[2]),
+                    common::rate(t[3]),
+                    common::fmt(f / t[0], 2),
+                    common::fmt(b / t[1], 2),
+                    common::fmt(f / t[2], 2),
+                    common::fmt(b / t[3], 2)
+                );
+            }
+            println!();
+        }
+        if failed > 0 {
+            return Err(format!("{failed} row(s) failed"));
+        }
+        Ok(())
+    }
 }

@@ -46,6 +46,16 @@
 //! [`cuda`]. [`attention::reference`] is a plain f64 attention to check kernels against, and [`testing`] has seeded
 //! data, the error measure and slice-level wrappers of a backend's attention for property tests, and (feature `conformance`) the
 //! conformance suite any backend can be run through.
+//!
+//! # GPU check
+//!
+//! The CUDA backend's tests and benchmarks run on a GPU machine without a Rust toolchain in one command, from the
+//! repository root: `scripts/gpu-check --pack .gpu-pack` builds them here (release, stripped, compressed, with a
+//! `run` script), then on the GPU machine `.gpu-pack/run` runs the GPU tests (`LONGCTX_REQUIRE_GPU=1`) and the
+//! `attn_bench`, `linear_bench` and `ops_bench` examples with `--device cuda` beside their PyTorch peers, and prints
+//! one summary last (the repository's README says more). The benchmarks time device work with
+//! [`CudaBackend::time`] (CUDA events with timing: ops are asynchronous, so the host clock would time their launch)
+//! after [`CudaBackend::compile_kernels`].
 #![warn(missing_docs, unsafe_op_in_unsafe_fn)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 

@@ -75,6 +75,48 @@ fn a_view_of_another_backends_memory_is_a_memory_error() {
     assert!(matches!(e, KernelError::Memory { name: "src", got: longctx_kernels::Memory::Host, .. }), "{e:?}");
 }
 
+/// `CudaBackend::time` counts what the device waits for between its two stamps (here the host, sleeping) and the
+/// ops enqueued between them, and hands back the closure's error; `is_emulated` tells the two devices apart;
+/// `compile_kernels` succeeds (on the emulator there is nothing left to compile).
+#[cfg(feature = "cuda")]
+fn times_its_work(test: &str, b: &longctx_kernels::CudaBackend, emulated: bool) {
+    assert_eq!(b.is_emulated(), emulated);
+    b.compile_kernels().unwrap();
+    let n = 1 << 20;
+    let src = b.zeros(DType::F32, Dims::new(&[n]).unwrap()).unwrap();
+    let mut dst = b.empty(DType::F32, Dims::new(&[n]).unwrap()).unwrap();
+    let nap = std::time::Duration::from_millis(20);
+    let slept = b.time(|| {
+        std::thread::sleep(nap);
+        b.copy(dst.view_mut(), src.view())
+    });
+    let slept = slept.unwrap();
+    assert!(slept >= nap - std::time::Duration::from_millis(1), "{slept:?}");
+    let copy = b.time(|| b.copy(dst.view_mut(), src.view())).unwrap();
+    assert!(copy > std::time::Duration::ZERO, "{copy:?}");
+    let failed = b.time(|| Err(KernelError::Unsupported("the timed work failed")));
+    assert!(matches!(failed, Err(KernelError::Unsupported("the timed work failed"))), "{failed:?}");
+    eprintln!("{test}: {}: 4 MiB copy {copy:?}, with a {nap:?} nap {slept:?}", b.device_name());
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn the_emulated_cuda_backend_times_its_work() {
+    let test = "the_emulated_cuda_backend_times_its_work";
+    if let Some(b) = common::cuda_emulated_backend(test) {
+        times_its_work(test, &b, true);
+    }
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn the_cuda_backend_times_its_work() {
+    let test = "the_cuda_backend_times_its_work";
+    if let Some(b) = common::cuda_backend(test) {
+        times_its_work(test, &b, false);
+    }
+}
+
 /// What a forward saves has the size its `bytes_for` states, from the shapes alone.
 #[test]
 fn saved_tensors_have_the_sizes_bytes_for_states() {

@@ -3,6 +3,7 @@
 //! `.cu` source), which picks the kernel or the cuBLASLt product and enqueues it.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use super::alloc::CudaAllocation;
 use super::device::{DeviceEvent, MemoryStats};
@@ -61,6 +62,45 @@ impl CudaBackend {
             i.multiprocessors,
             i.total_memory >> 30
         )
+    }
+
+    /// Whether this is the host emulator ([`CudaBackend::emulated`]) rather than a GPU.
+    pub fn is_emulated(&self) -> bool {
+        self.stream.device.info().emulated
+    }
+
+    /// Compiles every kernel for this device now, on as many threads as the machine has, instead of each source at
+    /// the first launch of one of its kernels (NVRTC takes about a minute of one core for each tensor-core attention
+    /// source; compiled kernels are also cached on disk: [`crate::cuda`]): call it before timing anything, or to
+    /// pay the cost up front. Nothing to do on the emulator, which builds every kernel when it is made.
+    ///
+    /// Errors: a source that does not compile ([`KernelError::Compile`](crate::KernelError::Compile)).
+    pub fn compile_kernels(&self) -> Result<()> {
+        self.stream.device.compile_kernels()
+    }
+
+    /// How long the device took to run the ops `work` enqueues on this backend: the time between a stamp
+    /// enqueued before `work` is called and one enqueued after it returns, waiting for the second (ops are
+    /// asynchronous, so the host clock around `work` would time their launches, not their work). Ops enqueued
+    /// before the call are not counted; ops on a [`fork`](Backend::fork) count only where this stream waits for
+    /// them. On a GPU the stamps are CUDA events with timing (resolution about half a microsecond); on the
+    /// emulator, whose ops have run when they return, the host clock. What `work` returns is returned:
+    ///
+    /// ```no_run
+    /// # use longctx_kernels::{Backend, CudaBackend, DType, Dims};
+    /// let gpu = CudaBackend::new(0)?;
+    /// let dims = Dims::new(&[4096, 4096])?;
+    /// let (mut x, y) = (gpu.empty(DType::Bf16, dims)?, gpu.zeros(DType::Bf16, dims)?);
+    /// let took = gpu.time(|| gpu.copy(x.view_mut(), y.view()))?;
+    /// println!("{:.1} GB/s", 2.0 * y.bytes() as f64 / took.as_secs_f64() / 1e9);
+    /// # Ok::<(), longctx_kernels::KernelError>(())
+    /// ```
+    pub fn time(&self, work: impl FnOnce() -> Result<()>) -> Result<Duration> {
+        let mut work = Some(work);
+        self.stream.device.time(&mut || match work.take() {
+            Some(w) => w(),
+            None => Ok(()),
+        })
     }
 
     /// What the device's pool holds now and at most (bytes).

@@ -16,6 +16,7 @@ use std::any::Any;
 use std::ffi::c_void;
 use std::fmt;
 use std::sync::Arc;
+use std::time::Duration;
 
 use crate::dtype::DType;
 use crate::error::Result;
@@ -141,6 +142,8 @@ pub(crate) struct Gemm {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct DeviceInfo {
     pub name: String,
+    /// The host emulator rather than a GPU.
+    pub emulated: bool,
     /// Compute capability `(major, minor)`.
     pub compute_capability: (u32, u32),
     pub multiprocessors: u32,
@@ -231,6 +234,24 @@ pub(crate) trait Device: Send + Sync + fmt::Debug {
     fn wait_event(&self, event: &dyn DeviceEvent) -> Result<()>;
     /// The same device, pool and compiled kernels on a new stream.
     fn fork(&self) -> Result<Arc<dyn Device>>;
+
+    /// Compiles every kernel source for this device now, in parallel, rather than each at the first launch of one
+    /// of its kernels (NVRTC takes about a minute of one core for each tensor-core attention source): what a
+    /// benchmark calls before it times anything. A source already compiled (in this process, or found in the disk
+    /// cache) costs nothing. The emulator builds every source when it is made, so it has nothing to do here.
+    fn compile_kernels(&self) -> Result<()>;
+
+    /// How long the device took to run the work `work` enqueues on this stream: the time between a stamp
+    /// enqueued before `work` is called and one enqueued after it returns, waiting for the second. Work enqueued
+    /// earlier is not counted (the first stamp is taken once it has run); work on other streams counts only
+    /// where this stream waits for it. What `work` costs the host counts only where the device waits for the
+    /// host, which is what a benchmark of device work wants: a launch-bound op shows as slow, a queue kept full
+    /// does not show its launch cost. A failure of `work` is returned as it is.
+    ///
+    /// The driver stamps with CUDA events made with timing (`CU_EVENT_DEFAULT`: [`Device::record_event`]'s
+    /// events have none, and the driver refuses to time them), resolution about half a microsecond; the
+    /// emulator, whose work has run when each call returns, reads the host clock around `work`.
+    fn time(&self, work: &mut dyn FnMut() -> Result<()>) -> Result<Duration>;
 
     /// What the pool holds now and at most.
     fn memory_stats(&self) -> MemoryStats;

@@ -40,13 +40,17 @@
 //! sticky: the context is unusable afterwards and every later call fails.
 //!
 //! **Events.** [`Device::record_event`] events are made with `CU_EVENT_DISABLE_TIMING` (cheaper, ordering only);
-//! [`DriverDevice::timing_event`] and [`elapsed_ms`] time with `CU_EVENT_DEFAULT` events.
+//! [`DriverDevice::timing_event`] and [`elapsed_ms`] time with `CU_EVENT_DEFAULT` events, and [`Device::time`] is
+//! the two around the work it times (an event without timing is refused by `cuEventElapsedTime` with
+//! `CUDA_ERROR_INVALID_HANDLE`).
 
 use std::any::Any;
 use std::collections::HashMap;
 use std::ffi::{c_void, CString};
 use std::fmt;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use cudarc::driver::result::{self as cu, DriverError};
 use cudarc::driver::sys;
@@ -58,6 +62,7 @@ use super::device::{
 use super::gemm::{Blas, WORKSPACE_BYTES};
 use super::libraries::{self, CudaLib};
 use super::nvrtc;
+use super::sources::SOURCES;
 use crate::error::{KernelError, Result};
 use crate::view::Memory;
 
@@ -266,6 +271,7 @@ impl DriverDevice {
         );
         let info = DeviceInfo {
             name: ctx.name().map_err(|e| device_err("cuDeviceGetName", e))?,
+            emulated: false,
             compute_capability: cc,
             multiprocessors: attr(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32,
             total_memory: ctx.total_mem().map_err(|e| device_err("cuDeviceTotalMem", e))?,
@@ -827,6 +833,45 @@ impl Device for DriverDevice {
 
     fn fork(&self) -> Result<Arc<dyn Device>> {
         Ok(self.fork_driver()?)
+    }
+
+    fn compile_kernels(&self) -> Result<()> {
+        // Largest sources first (a fair proxy for NVRTC's time), so that the slow ones do not start last.
+        let mut sources: Vec<&'static KernelSource> = SOURCES.to_vec();
+        sources.sort_by_key(|src| std::cmp::Reverse(src.code.len()));
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(sources.len());
+        let next = AtomicUsize::new(0);
+        let failed = Mutex::new(None);
+        std::thread::scope(|s| {
+            for _ in 0..threads {
+                s.spawn(|| {
+                    while let Some(src) = sources.get(next.fetch_add(1, Ordering::Relaxed)) {
+                        // Fills the process's cache (and the disk's), where the first launch will find it.
+                        if let Err(e) = nvrtc::compile(src, &self.shared.arch) {
+                            failed.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(e);
+                        }
+                    }
+                });
+            }
+        });
+        match failed.into_inner().unwrap_or_else(|e| e.into_inner()) {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    fn time(&self, work: &mut dyn FnMut() -> Result<()>) -> Result<Duration> {
+        let start = self.timing_event()?;
+        work()?;
+        let end = self.timing_event()?;
+        let ms = elapsed_ms(&start, &end)?;
+        // The driver's milliseconds are an f32 that is never negative for events recorded in order on one stream;
+        // a value that is not a duration is reported rather than turned into a panic.
+        Duration::try_from_secs_f64(f64::from(ms) / 1e3).map_err(|_| KernelError::Device {
+            backend: BACKEND,
+            op: "time".to_string(),
+            why: format!("cuEventElapsedTime_v2 gave {ms} ms"),
+        })
     }
 
     fn memory_stats(&self) -> MemoryStats {

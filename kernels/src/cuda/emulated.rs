@@ -9,12 +9,14 @@
 //! - Matrix products are computed on the host with cuBLAS's column-major semantics ([`Gemm`]): the `op(A)`/`op(B)`
 //!   indexing, leading dimensions, batch strides, `alpha`/`beta` and the bias epilogue, accumulating in `f32` in
 //!   `k` order, so that the backend's row-major-to-column-major mapping is tested against the real contract.
-//! - One queue: every op has run when its call returns, so events are complete at once and a fork shares the
-//!   device. The emulator presents itself as device 0 (`Memory::Cuda { ordinal: 0 }`).
+//! - One queue: every op has run when its call returns, so events are complete at once, a fork shares the
+//!   device, and [`Device::time`] is the host clock around the work. The emulator presents itself as device 0
+//!   (`Memory::Cuda { ordinal: 0 }`).
 
 use std::any::Any;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use half::{bf16, f16};
 use rayon::prelude::*;
@@ -56,6 +58,7 @@ impl EmulatedDevice {
                 let emulator = Emulator::new(SOURCES)?;
                 let info = DeviceInfo {
                     name: "host emulator".into(),
+                    emulated: true,
                     // What the emulator runs: sm_80's instructions (mma.sync, ldmatrix, cp.async).
                     compute_capability: (8, 0),
                     multiprocessors: std::thread::available_parallelism().map_or(1, |n| n.get() as u32),
@@ -162,6 +165,16 @@ impl Device for EmulatedDevice {
     }
     fn fork(&self) -> Result<Arc<dyn Device>> {
         Ok(Arc::new(self.clone()))
+    }
+    fn compile_kernels(&self) -> Result<()> {
+        // Every source was built (or loaded from the cache) when the emulator was made.
+        Ok(())
+    }
+    fn time(&self, work: &mut dyn FnMut() -> Result<()>) -> Result<Duration> {
+        // Every op has run when its call returns: the host clock around the calls is the work's time.
+        let start = Instant::now();
+        work()?;
+        Ok(start.elapsed())
     }
     fn memory_stats(&self) -> MemoryStats {
         let used = self.emu().memory_used();

@@ -31,6 +31,7 @@
 //!   that launched it (slow; for debugging and for the GPU check's tests).
 //! - `LONGCTX_CUDA_ATTN_ROWS=64|128`: the tensor-core forward's query rows per block at head dim 64.
 //! - `LONGCTX_EMU_THREADS`, `LONGCTX_EMU_CACHE`: the emulator's worker threads and its compiled-kernel cache.
+//! - `LONGCTX_NVRTC_ARCHS` (tests): the architectures the NVRTC compile tests cover (default `sm_80,sm_90`).
 //!
 //! [`KernelError::NotCompiled`]: crate::KernelError::NotCompiled
 //! [`KernelError::NoDevice`]: crate::KernelError::NoDevice
@@ -43,7 +44,7 @@ mod backend;
 #[allow(dead_code)] // parts of the seam used only by one of the two devices
 pub(crate) mod device;
 #[cfg(feature = "cuda")]
-#[allow(dead_code)] // timing events and statistics the benchmarks will use
+#[allow(dead_code)] // the driver's version and peak reset, for tools not written yet
 mod driver;
 #[cfg(feature = "cuda")]
 mod emulated;

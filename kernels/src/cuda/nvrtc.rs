@@ -434,31 +434,110 @@ extern "C" __global__ void longctx_headers_only(float* out, const __nv_bfloat16*
         includes: &[],
     };
 
-    /// Every kernel source compiles for sm_80 and sm_90 with no error, no warning, and every kernel it lists an
-    /// entry of the module.
+    /// The architectures the compile tests cover: `$LONGCTX_NVRTC_ARCHS` (comma-separated), else sm_80 and sm_90.
+    /// sm_90a (for `wgmma`, which no kernel uses yet) costs as much again: `LONGCTX_NVRTC_ARCHS=sm_80,sm_90,sm_90a`.
+    pub(crate) fn test_archs() -> Vec<String> {
+        match std::env::var("LONGCTX_NVRTC_ARCHS") {
+            Ok(list) if !list.trim().is_empty() => {
+                list.split(',').map(|a| a.trim().to_string()).filter(|a| !a.is_empty()).collect()
+            }
+            _ => vec!["sm_80".to_string(), "sm_90".to_string()],
+        }
+    }
+
+    /// One source compiled for one architecture by [`every_source_compiled`].
+    pub(crate) struct TestCompile {
+        pub arch: String,
+        pub src: &'static KernelSource,
+        pub result: Result<Compiled>,
+    }
+
+    /// Every source (and [`HEADERS_ONLY`]) compiled for every [`test_archs`] architecture, once per process: the
+    /// tests that look at the results share them, since the two tensor-core attention sources take over a minute
+    /// of NVRTC's time each per architecture. Compiled with `--ptxas-options=-v` (ptxas's report of each kernel's
+    /// registers and stack, which [`warnings`] leaves out) on as many threads as the machine has (NVRTC compiles
+    /// distinct programs concurrently), the slowest sources first.
+    pub(crate) fn every_source_compiled() -> &'static [TestCompile] {
+        static ALL: OnceLock<Vec<TestCompile>> = OnceLock::new();
+        ALL.get_or_init(|| {
+            let include = headers::include_dir().expect("nvrtc_or_skip checked the headers");
+            let mut jobs: Vec<(String, &'static KernelSource)> = Vec::new();
+            for arch in test_archs() {
+                for src in SOURCES.iter().copied().chain([&HEADERS_ONLY]) {
+                    jobs.push((arch.clone(), src));
+                }
+            }
+            // Longest first (by source size, a fair proxy), so that the two slow sources do not start last.
+            jobs.sort_by_key(|(_, src)| std::cmp::Reverse(src.code.len()));
+            let next = AtomicUsize::new(0);
+            let done = Mutex::new(Vec::new());
+            let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(jobs.len());
+            std::thread::scope(|s| {
+                for _ in 0..threads {
+                    s.spawn(|| {
+                        while let Some((arch, src)) = jobs.get(next.fetch_add(1, Ordering::Relaxed)) {
+                            let started = std::time::Instant::now();
+                            let mut opts = options(arch, &include);
+                            opts.push("--ptxas-options=-v".into());
+                            let result = check_arch(arch)
+                                .and_then(|()| run_nvrtc(&translation_unit(src), src.file, arch, &opts))
+                                .and_then(|c| check_entries(src, arch, &c.ptx).map(|()| c));
+                            eprintln!("NVRTC {arch} {}: {:.1} s", src.file, started.elapsed().as_secs_f64());
+                            let compiled = TestCompile { arch: arch.clone(), src, result };
+                            done.lock().unwrap_or_else(|e| e.into_inner()).push(compiled);
+                        }
+                    });
+                }
+            });
+            done.into_inner().unwrap_or_else(|e| e.into_inner())
+        })
+    }
+
+    /// The lines of an NVRTC log that are not ptxas's `-v` report (`ptxas info …` and its indented `ptxas .`
+    /// continuation lines): its warnings.
+    pub(crate) fn warnings(log: &str) -> String {
+        let info = |l: &str| {
+            l.starts_with("ptxas info") || l.strip_prefix("ptxas").is_some_and(|r| r.trim_start().starts_with('.'))
+        };
+        log.lines().filter(|l| !l.trim().is_empty() && !info(l)).collect::<Vec<_>>().join("\n")
+    }
+
+    /// Every kernel source compiles for sm_80 and sm_90 (or `$LONGCTX_NVRTC_ARCHS`) with no error, no warning,
+    /// and every kernel it lists an entry of the module.
     #[test]
     fn nvrtc_compiles_every_source() {
         if !nvrtc_or_skip("nvrtc_compiles_every_source") {
             return;
         }
-        let compiler = Compiler::new(None);
         let mut failures = Vec::new();
-        for arch in ["sm_80", "sm_90"] {
-            for src in SOURCES.iter().copied().chain([&HEADERS_ONLY]) {
-                match compiler.compile(src, arch) {
-                    Ok(c) if !c.log.is_empty() => {
-                        failures.push(format!("{} for {arch}: warnings:\n{}", src.file, c.log))
-                    }
-                    Ok(c) => {
-                        assert_eq!(c.arch, arch);
-                        // An ELF object for NVIDIA's machine (EM_CUDA = 190), not PTX text.
-                        assert!(c.cubin.starts_with(b"\x7fELF") && c.cubin[18..20] == 190u16.to_le_bytes());
-                    }
-                    Err(e) => failures.push(e.to_string()),
+        for TestCompile { arch, src, result } in every_source_compiled() {
+            match result {
+                Ok(c) if !warnings(&c.log).is_empty() => {
+                    failures.push(format!("{} for {arch}: warnings:\n{}", src.file, warnings(&c.log)))
                 }
+                Ok(c) => {
+                    assert_eq!(&c.arch, arch);
+                    // An ELF object for NVIDIA's machine (EM_CUDA = 190), not PTX text.
+                    assert!(c.cubin.starts_with(b"\x7fELF") && c.cubin[18..20] == 190u16.to_le_bytes());
+                }
+                Err(e) => failures.push(e.to_string()),
             }
         }
         assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+    }
+
+    #[test]
+    fn only_ptxas_reports_are_left_out_of_warnings() {
+        let log =
+            "ptxas info    : Compiling entry function 'k' for 'sm_90'\nptxas info    : Function properties for k\n\
+                   ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n\
+                   x.cu(3): warning #177-D: variable \"unused\" was declared but never referenced\n\
+                   ptxas warning : Registers are spilled to local memory\n";
+        assert_eq!(
+            warnings(log),
+            "x.cu(3): warning #177-D: variable \"unused\" was declared but never referenced\n\
+             ptxas warning : Registers are spilled to local memory"
+        );
     }
 
     #[test]
@@ -662,39 +741,43 @@ extern "C" __global__ void longctx_headers_only(float* out, const __nv_bfloat16*
 }
 
 /// The tensor-core attention kernels keep every fragment and accumulator in registers: ptxas (through NVRTC, no GPU
-/// needed) reports no stack frame and no spills for any of them, for sm_80 and sm_90. An array indexed at run time,
-/// or a register budget the compiler cannot meet, shows here as local memory, which would cost those kernels most of
-/// their speed.
+/// needed) reports no stack frame and no spills for any of them, for every architecture the compile tests cover
+/// (sm_80 and sm_90). An array indexed at run time, or a register budget the compiler cannot meet, shows here as
+/// local memory, which would cost those kernels most of their speed. Reads the compiles `nvrtc_compiles_every_source`
+/// makes (with ptxas's report), so each source is compiled once.
 #[cfg(test)]
 mod register_budget {
+    use super::tests::{every_source_compiled, nvrtc_or_skip, TestCompile};
+
     #[test]
     fn tensor_core_attention_uses_no_local_memory() {
-        if !super::tests::nvrtc_or_skip("tensor_core_attention_uses_no_local_memory") {
+        if !nvrtc_or_skip("tensor_core_attention_uses_no_local_memory") {
             return;
         }
-        let include = super::super::headers::include_dir().expect("CUDA headers");
-        for arch in ["sm_80", "sm_90"] {
-            for src in [&crate::cuda::ops::attention::FORWARD_TC, &crate::cuda::ops::attention::BACKWARD_TC] {
-                let mut opts = super::options(arch, &include);
-                opts.push("--ptxas-options=-v".into());
-                let tu = crate::cuda::sources::translation_unit(src);
-                let c = super::run_nvrtc(&tu, src.file, arch, &opts).expect("compiles");
-                let mut entry = "";
-                for line in c.log.lines() {
-                    if let Some(at) = line.find("Compiling entry function '") {
-                        entry = line[at + 26..].split('\'').next().unwrap_or("");
-                    }
-                    if line.contains("stack frame") {
-                        assert!(
-                            line.contains("0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads"),
-                            "{arch} {entry}: {line}"
-                        );
-                    }
-                    if line.contains("Used") && line.contains("registers") {
-                        eprintln!("{arch} {entry}: {}", line.trim());
-                    }
+        let tensor_core = [&crate::cuda::ops::attention::FORWARD_TC, &crate::cuda::ops::attention::BACKWARD_TC];
+        let mut seen = 0;
+        for TestCompile { arch, src, result } in every_source_compiled() {
+            if !tensor_core.iter().any(|tc| std::ptr::eq(*tc, *src)) {
+                continue;
+            }
+            seen += 1;
+            let c = result.as_ref().unwrap_or_else(|e| panic!("{e}"));
+            let mut entry = "";
+            for line in c.log.lines() {
+                if let Some(at) = line.find("Compiling entry function '") {
+                    entry = line[at + 26..].split('\'').next().unwrap_or("");
+                }
+                if line.contains("stack frame") {
+                    assert!(
+                        line.contains("0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads"),
+                        "{arch} {entry}: {line}"
+                    );
+                }
+                if line.contains("Used") && line.contains("registers") {
+                    eprintln!("{arch} {entry}: {}", line.trim());
                 }
             }
         }
+        assert_eq!(seen, 2 * super::tests::test_archs().len(), "both sources for every architecture");
     }
 }

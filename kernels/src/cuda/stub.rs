@@ -1,6 +1,8 @@
 //! The CUDA backend in a build without the `cuda` feature: the same public names, constructors that return
 //! [`KernelError::NotCompiled`].
 
+use std::time::Duration;
+
 use crate::error::{KernelError, Result};
 
 /// A CUDA device to compute on; this build has no CUDA backend (enable the `cuda` feature).
@@ -31,5 +33,30 @@ impl CudaBackend {
     /// The backend on the host emulator: [`KernelError::NotCompiled`] in this build.
     pub fn emulated() -> Result<Self> {
         Err(KernelError::NotCompiled { backend: "cuda", feature: "cuda" })
+    }
+    /// The device's name (no value of this type exists in this build).
+    pub fn device_name(&self) -> String {
+        match self._never {}
+    }
+    /// Whether this is the host emulator (no value of this type exists in this build).
+    pub fn is_emulated(&self) -> bool {
+        match self._never {}
+    }
+    /// Compiles every kernel now (no value of this type exists in this build).
+    pub fn compile_kernels(&self) -> Result<()> {
+        match self._never {}
+    }
+    /// How long the device took to run `work`'s ops (no value of this type exists in this build).
+    pub fn time(&self, work: impl FnOnce() -> Result<()>) -> Result<Duration> {
+        let _ = work;
+        match self._never {}
+    }
+    /// What the device's pool holds (no value of this type exists in this build).
+    pub fn memory_stats(&self) -> MemoryStats {
+        match self._never {}
+    }
+    /// Gives the pool's kept memory back (no value of this type exists in this build).
+    pub fn trim(&self) -> Result<()> {
+        match self._never {}
     }
 }

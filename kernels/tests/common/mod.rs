@@ -105,6 +105,12 @@ pub fn cpus() -> Vec<Device> {
 /// with. With a compiler, a backend that fails to build is a failure.
 #[cfg(feature = "cuda")]
 pub fn cuda_emulated(test: &str) -> Option<Device> {
+    cuda_emulated_backend(test).map(|b| Device { backend: Box::new(b), kind: Kind::CudaEmulated })
+}
+
+/// [`cuda_emulated`]'s backend itself, for tests of what only `CudaBackend` has.
+#[cfg(feature = "cuda")]
+pub fn cuda_emulated_backend(test: &str) -> Option<longctx_kernels::CudaBackend> {
     let cxx = std::env::var("CXX").ok().filter(|s| !s.trim().is_empty()).unwrap_or_else(|| "c++".into());
     let mut words = cxx.split_whitespace();
     let program = words.next().unwrap_or("c++");
@@ -117,7 +123,7 @@ pub fn cuda_emulated(test: &str) -> Option<Device> {
         return None;
     }
     match longctx_kernels::CudaBackend::emulated() {
-        Ok(b) => Some(Device { backend: Box::new(b), kind: Kind::CudaEmulated }),
+        Ok(b) => Some(b),
         Err(e) => panic!("{test}: the emulated CUDA backend does not build: {e}"),
     }
 }
@@ -125,10 +131,16 @@ pub fn cuda_emulated(test: &str) -> Option<Device> {
 /// The CUDA backend on device 0, or `None` (saying why) when there is no GPU, unless `LONGCTX_REQUIRE_GPU=1`.
 #[cfg(feature = "cuda")]
 pub fn cuda(test: &str) -> Option<Device> {
+    cuda_backend(test).map(|b| Device { backend: Box::new(b), kind: Kind::Cuda })
+}
+
+/// [`cuda`]'s backend itself, for tests of what only `CudaBackend` has.
+#[cfg(feature = "cuda")]
+pub fn cuda_backend(test: &str) -> Option<longctx_kernels::CudaBackend> {
     match longctx_kernels::CudaBackend::new(0) {
         Ok(b) => {
             eprintln!("{test}: cuda on {}", b.device_name());
-            Some(Device { backend: Box::new(b), kind: Kind::Cuda })
+            Some(b)
         }
         Err(longctx_kernels::KernelError::NoDevice { why, .. }) => {
             if std::env::var("LONGCTX_REQUIRE_GPU").as_deref() == Ok("1") {

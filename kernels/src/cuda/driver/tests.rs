@@ -10,6 +10,7 @@
 //! somewhere unusual); `a_checked_launch_names_the_faulting_kernel` runs the binary again as a child process.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use half::bf16;
 
@@ -353,6 +354,40 @@ fn events_order_forks_and_time_work() {
             unsafe { c.free(x) };
         });
     });
+}
+
+/// `Device::time` stamps with timing events around the work: a slow kernel takes longer than no work, work
+/// enqueued before the call is not counted, and a failure of the work comes back as it is.
+#[test]
+fn time_counts_the_work_it_wraps() {
+    // Unchecked: a checked launch would synchronise and the host would wait inside the timed work.
+    let Some(dev) = gpu_with("time_counts_the_work_it_wraps", DriverOptions { checked: false }) else { return };
+    let n = 1 << 16;
+    let buf = dev.alloc(4 * n).unwrap();
+    let slow_fill = |cycles: i64| {
+        let mut fill = KernelArgs::new();
+        fill.push(buf).push(3.0f32).push(n as i32).push(cycles);
+        // SAFETY: `buf` holds `n` floats.
+        unsafe { dev.launch(&kernel("longctx_test_slow_fill"), &LaunchConfig::linear((n / 256) as u32, 256), &fill) }
+    };
+    // About 10 ms of spinning on any recent GPU clock.
+    let cycles = 20_000_000;
+    let slow = dev.time(&mut || slow_fill(cycles)).unwrap();
+    // Enqueued before the timed (empty) work: the first stamp waits for it, so it is not counted.
+    slow_fill(cycles).unwrap();
+    let nothing = dev.time(&mut || Ok(())).unwrap();
+    eprintln!("{}: slow fill {slow:?}, no work {nothing:?}", dev.info().name);
+    assert!(slow > Duration::ZERO);
+    if dev.info().name != "Mock H200" {
+        // The mock driver answers 1.5 ms for every pair of events.
+        assert!(slow > Duration::from_millis(1) && nothing < slow / 10, "{slow:?} vs {nothing:?}");
+    }
+    let failed = dev.time(&mut || Err(KernelError::Unsupported("the timed work failed")));
+    assert!(matches!(failed, Err(KernelError::Unsupported("the timed work failed"))), "{failed:?}");
+    assert!(as_f32(&download(&dev, buf, 4 * n)).iter().all(|&v| v == 3.0));
+    // SAFETY: the download synchronised the work using it.
+    unsafe { dev.free(buf) };
+    dev.synchronize().unwrap();
 }
 
 #[test]
@@ -712,13 +747,14 @@ fn mock_child() {
             panic!("after {after}: {}", unsafe { std::ffi::CStr::from_ptr(v) }.to_string_lossy());
         }
     };
-    let steps: [(&str, fn()); 7] = [
+    let steps: [(&str, fn()); 8] = [
         ("no_driver_or_no_such_device_is_no_device_not_a_panic", no_driver_or_no_such_device_is_no_device_not_a_panic),
         ("info_arch_and_aligned_allocations", info_arch_and_aligned_allocations),
         ("copies_round_trip_and_upload_is_done_with_its_source", copies_round_trip_and_upload_is_done_with_its_source),
         ("a_kernel_runs_and_its_parameters_are_checked", a_kernel_runs_and_its_parameters_are_checked),
         ("more_than_48k_of_dynamic_shared_memory", more_than_48k_of_dynamic_shared_memory),
         ("events_order_forks_and_time_work", events_order_forks_and_time_work),
+        ("time_counts_the_work_it_wraps", time_counts_the_work_it_wraps),
         (
             "the_pool_keeps_memory_until_trimmed_and_oom_is_an_error",
             the_pool_keeps_memory_until_trimmed_and_oom_is_an_error,
