@@ -69,8 +69,8 @@ impl OffloadEngine {
 
     /// Hands `tensor`, saved by layer `layer`'s forward, to the engine and returns at once: a worker copies it
     /// into the first tier with room and then frees the caller's allocation (or keeps it as a spare, see
-    /// [`OffloadEngineBuilder::spare_bytes`]). Tensors of the resident layers, and empty ones, stay where they
-    /// are. Blocks only under [`OffloadEngineBuilder::max_pending_bytes`].
+    /// [`OffloadEngineBuilder::spare_bytes`](crate::OffloadEngineBuilder::spare_bytes)). Tensors of the resident layers, and empty ones, stay where they
+    /// are. Blocks only under [`OffloadEngineBuilder::max_pending_bytes`](crate::OffloadEngineBuilder::max_pending_bytes).
     ///
     /// Errors: [`OffloadError::TooLarge`] (handing the tensor back) when no tier's whole budget could hold it.
     pub fn offload(
@@ -134,7 +134,7 @@ impl OffloadEngine {
     }
 
     /// The LIFO prefetch hint: layer `layer`'s backward has started, so the tensors of the
-    /// [`prefetch_depth`](OffloadEngineBuilder::prefetch_depth) layers below it are needed next and are brought
+    /// [`prefetch_depth`](crate::OffloadEngineBuilder::prefetch_depth) layers below it are needed next and are brought
     /// back (the highest layer first). Fetching a tensor of `layer` gives the same hint.
     pub fn backward_started(&self, layer: usize) {
         self.shared.lock().hint_backward(layer, self.shared.policy.prefetch_depth);
@@ -180,7 +180,7 @@ impl OffloadEngine {
 
     /// Gives a tensor the caller is done with (for instance one it fetched, after the layer's backward) to the
     /// pool of spare allocations that fetches draw from; dropped if the pool is full
-    /// ([`OffloadEngineBuilder::spare_bytes`]).
+    /// ([`OffloadEngineBuilder::spare_bytes`](crate::OffloadEngineBuilder::spare_bytes)).
     pub fn recycle(&self, tensor: HostTensor) {
         let (data, _) = tensor.into_parts();
         let rejected = self.shared.lock().spare.put(data);

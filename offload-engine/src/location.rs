@@ -20,7 +20,7 @@ impl fmt::Display for Tier {
     }
 }
 
-/// Where a ticket's data is now (see [`Ticket::location`]).
+/// Where a ticket's data is now (see [`Ticket::location`](crate::Ticket::location)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Location {
     /// Kept in memory as handed over: one of the last resident layers, or an empty tensor.

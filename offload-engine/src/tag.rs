@@ -19,17 +19,17 @@ mod sealed {
     impl Sealed for super::Weights {}
 }
 
-/// The type-level [`TensorKind`] of a [`Ticket`] (sealed: [`Activation`] or [`Weights`]).
+/// The type-level [`TensorKind`] of a [`Ticket`](crate::Ticket) (sealed: [`Activation`] or [`Weights`]).
 pub trait Kind: sealed::Sealed + 'static {
     /// The kind, as a value.
     const KIND: TensorKind;
 }
 
-/// Marker of activation tickets ([`ActivationTicket`]).
+/// Marker of activation tickets ([`ActivationTicket`](crate::ActivationTicket)).
 #[derive(Debug)]
 pub enum Activation {}
 
-/// Marker of weight tickets ([`WeightsTicket`]).
+/// Marker of weight tickets ([`WeightsTicket`](crate::WeightsTicket)).
 #[derive(Debug)]
 pub enum Weights {}
 
