@@ -762,8 +762,16 @@ mod on_device {
                         Ok((f, b)) => (Some(f), b, None),
                         Err(e) => (None, None, Some(e.to_string())),
                     };
-                    if let Some(e) = &error {
-                        eprintln!("attn_bench: S={s} D={d} {}: {e}", if causal { "causal" } else { "full" });
+                    // As each row is measured (the table comes after the peer): what a run cut short still shows.
+                    let mask = if causal { "causal" } else { "full" };
+                    match (&error, fwd) {
+                        (Some(e), _) => eprintln!("attn_bench: S={s} D={d} {mask}: {e}"),
+                        (None, Some(f)) => eprintln!(
+                            "attn_bench: S={s} D={d} {mask}: forward {:.3} ms, backward {} ms",
+                            f.secs() * 1e3,
+                            bwd.map_or("–".into(), |b| format!("{:.3}", b.secs() * 1e3))
+                        ),
+                        (None, None) => {}
                     }
                     rows.push(Row { s, d, causal, fwd, bwd, error });
                 }

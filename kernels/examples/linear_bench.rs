@@ -310,8 +310,15 @@ mod on_device {
         let mut results = Vec::new();
         for &(d_in, d_out) in &o.shapes {
             let r = run_shape(&dev, &o, d_in, d_out).map_err(|e| e.to_string());
-            if let Err(e) = &r {
-                eprintln!("linear_bench: {d_in}x{d_out}: {e}");
+            // As each shape is measured (the table comes after the peer): what a run cut short still shows.
+            match &r {
+                Err(e) => eprintln!("linear_bench: {d_in}x{d_out}: {e}"),
+                Ok(t) => eprintln!(
+                    "linear_bench: {d_in}x{d_out}: forward {:.3} ms, backward {:.3} ms, dW alone {:.3} ms",
+                    t.fwd.secs() * 1e3,
+                    t.bwd.secs() * 1e3,
+                    t.dw.secs() * 1e3
+                ),
             }
             results.push(r);
         }
