@@ -122,6 +122,14 @@ pub enum CommError {
     /// An error reported by UCX.
     #[error("UCX: {0}")]
     Ucx(String),
+    /// The copier of a buffer in device memory failed to move its bytes.
+    #[error("copying a message's bytes to or from device {ordinal}: {reason}")]
+    DeviceCopy {
+        /// The device's ordinal.
+        ordinal: u32,
+        /// What the copier reported.
+        reason: String,
+    },
 }
 
 impl CommError {

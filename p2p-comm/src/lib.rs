@@ -49,7 +49,8 @@
 //! Modules depend downwards only: `sync`, `error`, `copy`, `stats`, `reduce`, `hostlist` ← `op` (what a
 //! transport is asked to do), `bootstrap`, `rendezvous` ← `threads/` (refs ← completion, channel ← mailbox ←
 //! world ← mailbox_op, exchange ← endpoint) and `ucx/` (sys ← result ← safe ← mod) ← `pending` ←
-//! `communicator` ← `request`, `owned`, `collectives`, `thread_world`.
+//! `communicator` ← `request`, `owned`, `collectives`, `thread_world` ← `memory` (buffers in any memory, staged
+//! through the host with their owner's copier).
 #![warn(missing_docs, unsafe_op_in_unsafe_fn)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
@@ -59,6 +60,7 @@ mod communicator;
 mod copy;
 mod error;
 mod hostlist;
+pub mod memory;
 mod op;
 mod owned;
 mod pending;
@@ -76,6 +78,7 @@ mod ucx;
 pub use bootstrap::Bootstrap;
 pub use communicator::Communicator;
 pub use error::CommError;
+pub use memory::{Bytes, BytesMut, BytesRequest, DeviceBytes, DeviceCopy, MemoryKind};
 pub use owned::{OwnedBuf, OwnedRequest, SendRequest};
 pub use reduce::{Reduce, ReduceOp};
 pub use request::{Request, Scope};

@@ -107,6 +107,11 @@ pub struct Scope<'scope, 'env: 'scope> {
 }
 
 impl<'scope> Scope<'scope, '_> {
+    /// The communicator the scope's operations run on.
+    pub(crate) fn comm(&self) -> &Communicator {
+        self.comm
+    }
+
     /// Keeps `parts` in a slot the scope finishes on its way out; the request shares it.
     fn hold(&'scope self, parts: Parts) -> Request<'scope> {
         let slot = lock(&self.comm.scope_pool).free.pop().unwrap_or_default();

@@ -699,6 +699,123 @@ pub fn bad_input<W: World>(n: usize) {
     every_rank_failed_naming(&out, "collective all_reduce");
 }
 
+/// A stand-in for device memory: bytes the transport must not touch itself, reached only through the copier,
+/// which counts its copies. Each fake device address is an offset into the arena plus `BASE`.
+struct FakeDevice {
+    arena: std::sync::Mutex<Vec<u8>>,
+    copies: std::sync::atomic::AtomicUsize,
+    fail: bool,
+}
+
+impl FakeDevice {
+    const BASE: u64 = 1 << 40;
+    fn new(len: usize, fail: bool) -> Self {
+        Self { arena: std::sync::Mutex::new(vec![0; len]), copies: Default::default(), fail }
+    }
+    fn bytes(&self, off: usize, len: usize) -> longctx_p2p::DeviceBytes<'_> {
+        longctx_p2p::DeviceBytes { ptr: Self::BASE + off as u64, len, ordinal: 7, copy: self }
+    }
+    fn read(&self, off: usize, len: usize) -> Vec<u8> {
+        self.arena.lock().unwrap()[off..off + len].to_vec()
+    }
+}
+
+impl longctx_p2p::DeviceCopy for FakeDevice {
+    fn download(&self, src: u64, dst: &mut [u8]) -> Result<(), String> {
+        if self.fail {
+            return Err("the fake device refuses".into());
+        }
+        self.copies.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let off = (src - Self::BASE) as usize;
+        dst.copy_from_slice(&self.arena.lock().unwrap()[off..off + dst.len()]);
+        Ok(())
+    }
+    fn upload(&self, dst: u64, src: &[u8]) -> Result<(), String> {
+        if self.fail {
+            return Err("the fake device refuses".into());
+        }
+        self.copies.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let off = (dst - Self::BASE) as usize;
+        self.arena.lock().unwrap()[off..off + src.len()].copy_from_slice(src);
+        Ok(())
+    }
+}
+
+/// Messages between device and host memory in every combination (non-blocking in a scope and blocking),
+/// all-gather and all-to-all into and out of device memory, and a copier's failure as a typed error.
+pub fn device_bytes(c: Communicator) -> Result<(), String> {
+    use longctx_p2p::{Bytes, BytesMut};
+    let (r, n) = (c.rank(), c.world_size());
+    let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+    let len = 1000 + 8 * n;
+    let dev = FakeDevice::new(4 * len * n, false);
+    let mine = bytes(21, r, len);
+    dev.fill_at(0, &mine);
+    // Device → device around the ring, then device → host and host → device.
+    c.scope(|s| -> Result<(), CommError> {
+        let send = s.isend_bytes(next, 1, Bytes::Device(dev.bytes(0, len)))?;
+        let recv = s.irecv_bytes(prev, 1, BytesMut::Device(dev.bytes(len, len)))?;
+        recv.wait()?;
+        send.wait()
+    })
+    .map_err(|e| e.to_string())?;
+    expect(dev.read(len, len) == bytes(21, prev, len), "device to device")?;
+    let mut host = vec![0u8; len];
+    c.scope(|s| -> Result<(), CommError> {
+        let send = s.isend_bytes(next, 2, Bytes::Device(dev.bytes(0, len)))?;
+        let recv = s.irecv_bytes(prev, 2, BytesMut::Host(&mut host))?;
+        recv.wait()?;
+        send.wait()
+    })
+    .map_err(|e| e.to_string())?;
+    expect(host == bytes(21, prev, len), "device to host")?;
+    let (tx, rx) = (mine.clone(), 2 * len);
+    // Blocking sends are synchronous: even ranks send first, odd ones receive first (one rank has no peer).
+    if n > 1 && r % 2 == 0 {
+        c.send_bytes_in(next, 3, Bytes::Host(&tx)).map_err(|e| e.to_string())?;
+        c.recv_bytes_in(prev, 3, BytesMut::Device(dev.bytes(rx, len))).map_err(|e| e.to_string())?;
+    } else if n > 1 {
+        c.recv_bytes_in(prev, 3, BytesMut::Device(dev.bytes(rx, len))).map_err(|e| e.to_string())?;
+        c.send_bytes_in(next, 3, Bytes::Host(&tx)).map_err(|e| e.to_string())?;
+    }
+    expect(n == 1 || dev.read(rx, len) == bytes(21, prev, len), "host to device, blocking")?;
+    // Collectives out of and into device memory.
+    let gathered = FakeDevice::new(n * len, false);
+    c.all_gather_bytes(Bytes::Device(dev.bytes(0, len)), BytesMut::Device(gathered.bytes(0, n * len)))
+        .map_err(|e| e.to_string())?;
+    for j in 0..n {
+        expect(gathered.read(j * len, len) == bytes(21, j, len), "all_gather_bytes")?;
+    }
+    let chunk = len / n;
+    let out = FakeDevice::new(chunk * n, false);
+    c.all_to_all_bytes(Bytes::Device(dev.bytes(0, chunk * n)), BytesMut::Device(out.bytes(0, chunk * n)))
+        .map_err(|e| e.to_string())?;
+    for j in 0..n {
+        expect(out.read(j * chunk, chunk) == bytes(21, j, len)[r * chunk..(r + 1) * chunk], "all_to_all_bytes")?;
+    }
+    expect(dev.copies.load(std::sync::atomic::Ordering::Relaxed) > 0, "the copier was used")?;
+    // A copier that fails: the send fails on this rank before anything is posted, naming the device.
+    let broken = FakeDevice::new(len, true);
+    match c.scope(|s| s.isend_bytes(next, 4, Bytes::Device(broken.bytes(0, len))).map(drop)) {
+        Err(CommError::DeviceCopy { ordinal: 7, reason }) if reason.contains("refuses") => Ok(()),
+        other => Err(format!("a failing copier gave {other:?}")),
+    }
+}
+
+impl FakeDevice {
+    fn fill_at(&self, off: usize, src: &[u8]) {
+        self.arena.lock().unwrap()[off..off + src.len()].copy_from_slice(src);
+    }
+}
+
+fn expect(ok: bool, what: &str) -> Result<(), String> {
+    if ok {
+        Ok(())
+    } else {
+        Err(format!("{what}: wrong bytes"))
+    }
+}
+
 /// Every rank's body ended with an expected error (`Err("expected: …")`), and at least one names `what`.
 fn every_rank_failed_naming(out: &[Result<(), String>], what: &str) {
     let named = out.iter().filter(|o| matches!(o, Err(e) if e.contains(what))).count();
@@ -804,6 +921,12 @@ macro_rules! suite_tests {
                     "owned_ring_reuses_buffers",
                     &suite::owned_ring_reuses_buffers,
                 ));
+            }
+        }
+        #[test]
+        fn device_bytes() {
+            for n in [1, 2, 3] {
+                suite::all_ok(<$w>::run(n, std::time::Duration::from_secs(30), "device_bytes", &suite::device_bytes));
             }
         }
         #[test]

@@ -1,0 +1,279 @@
+//! Buffers in any memory: [`Bytes`] and [`BytesMut`] say where a message's bytes lie (host memory, or device
+//! memory with the [`DeviceCopy`] that reaches it), and [`BytesRequest`] is a non-blocking transfer of them.
+//!
+//! The communicator itself owns no device code: whoever owns the device memory (ring attention, over a kernels
+//! backend) hands a transfer its bytes with a copier. Host bytes move as every other message does (one copy,
+//! send buffer to receive buffer, under threads). Device bytes are staged through host memory with the copier
+//! (device → host on the sending side, host → device on the receiving side), so device memory works on every
+//! transport, at two more copies per message; transports that reach device memory themselves (CUDA-aware UCX,
+//! NCCL) remove the staging without changing this interface.
+//!
+//! Ordering: a send reads its device bytes when it is posted ([`DeviceCopy::download`] returns once they are
+//! read), so the producer of those bytes must have finished by then (a backend's `synchronize`, or its event);
+//! a receive writes them during [`BytesRequest::wait`], after which they are ready for the consumer.
+
+use crate::communicator::Communicator;
+use crate::error::CommError;
+use crate::owned::{OwnedRequest, SendRequest};
+use crate::request::{Request, Scope};
+
+/// Where a buffer's bytes lie.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MemoryKind {
+    /// Host memory the CPU reads and writes.
+    Host,
+    /// Memory of the accelerator with this ordinal.
+    Device {
+        /// The device's ordinal.
+        ordinal: u32,
+    },
+}
+
+/// Copies between device memory and host memory, for a transport that cannot reach the device. Implemented by
+/// the owner of the device memory (ring attention implements it over its backend).
+pub trait DeviceCopy: Sync {
+    /// Copies `dst.len()` bytes at device address `src` into `dst`, finished when it returns.
+    fn download(&self, src: u64, dst: &mut [u8]) -> Result<(), String>;
+    /// Copies `src` to device address `dst`, finished when it returns.
+    fn upload(&self, dst: u64, src: &[u8]) -> Result<(), String>;
+}
+
+/// A run of device bytes and the copier that reaches them.
+#[derive(Clone, Copy)]
+pub struct DeviceBytes<'a> {
+    /// Device address of the first byte.
+    pub ptr: u64,
+    /// Length in bytes.
+    pub len: usize,
+    /// The device's ordinal.
+    pub ordinal: u32,
+    /// What moves the bytes to and from host memory.
+    pub copy: &'a dyn DeviceCopy,
+}
+
+impl std::fmt::Debug for DeviceBytes<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceBytes")
+            .field("ptr", &self.ptr)
+            .field("len", &self.len)
+            .field("ordinal", &self.ordinal)
+            .finish()
+    }
+}
+
+impl DeviceBytes<'_> {
+    fn read_into(&self, dst: &mut [u8]) -> Result<(), CommError> {
+        self.copy.download(self.ptr, dst).map_err(|reason| CommError::DeviceCopy { ordinal: self.ordinal, reason })
+    }
+    fn write_from(&self, src: &[u8]) -> Result<(), CommError> {
+        self.copy.upload(self.ptr, src).map_err(|reason| CommError::DeviceCopy { ordinal: self.ordinal, reason })
+    }
+}
+
+/// The bytes a send reads.
+#[derive(Debug, Clone, Copy)]
+pub enum Bytes<'a> {
+    /// Host memory.
+    Host(&'a [u8]),
+    /// Device memory.
+    Device(DeviceBytes<'a>),
+}
+
+/// The bytes a receive writes.
+#[derive(Debug)]
+pub enum BytesMut<'a> {
+    /// Host memory.
+    Host(&'a mut [u8]),
+    /// Device memory.
+    Device(DeviceBytes<'a>),
+}
+
+impl Bytes<'_> {
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        match self {
+            Bytes::Host(b) => b.len(),
+            Bytes::Device(d) => d.len,
+        }
+    }
+    /// Whether there are no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Where the bytes lie.
+    pub fn memory(&self) -> MemoryKind {
+        match self {
+            Bytes::Host(_) => MemoryKind::Host,
+            Bytes::Device(d) => MemoryKind::Device { ordinal: d.ordinal },
+        }
+    }
+}
+
+impl BytesMut<'_> {
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        match self {
+            BytesMut::Host(b) => b.len(),
+            BytesMut::Device(d) => d.len,
+        }
+    }
+    /// Whether there are no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Where the bytes lie.
+    pub fn memory(&self) -> MemoryKind {
+        match self {
+            BytesMut::Host(_) => MemoryKind::Host,
+            BytesMut::Device(d) => MemoryKind::Device { ordinal: d.ordinal },
+        }
+    }
+}
+
+/// Device bytes read into a new host buffer (the staging of a send).
+fn staged(d: &DeviceBytes<'_>) -> Result<Vec<u8>, CommError> {
+    let mut v = vec![0u8; d.len];
+    d.read_into(&mut v)?;
+    Ok(v)
+}
+
+/// A non-blocking transfer of [`Bytes`] or into [`BytesMut`], started in a [`Scope`] with
+/// [`Scope::isend_bytes`] or [`Scope::irecv_bytes`]. [`wait`](BytesRequest::wait) finishes it (for a receive
+/// into device memory, also the copy to the device). Dropping it unfinished finishes the transfer as a
+/// [`Request`] does, but a receive's device copy then does not happen.
+#[must_use = "a request must be waited for; dropping it blocks until it finishes"]
+pub struct BytesRequest<'scope>(Flavor<'scope>);
+
+enum Flavor<'scope> {
+    /// Host bytes, moved in place.
+    Direct(Request<'scope>),
+    /// Device bytes read to host memory when posted.
+    StagedSend(SendRequest<Vec<u8>>),
+    /// Into host memory, then to the device at `wait`.
+    StagedRecv(OwnedRequest<Vec<u8>>, DeviceBytes<'scope>),
+}
+
+impl BytesRequest<'_> {
+    /// Blocks until the transfer completes (and, for a receive into device memory, its bytes are there).
+    pub fn wait(self) -> Result<(), CommError> {
+        match self.0 {
+            Flavor::Direct(r) => r.wait(),
+            Flavor::StagedSend(r) => r.wait().map(drop).map_err(|(e, _)| e),
+            Flavor::StagedRecv(r, dst) => {
+                let host = r.wait().map_err(|(e, _)| e)?;
+                dst.write_from(&host)
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for BytesRequest<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kind = match &self.0 {
+            Flavor::Direct(_) => "direct",
+            Flavor::StagedSend(_) => "staged send",
+            Flavor::StagedRecv(..) => "staged receive",
+        };
+        f.debug_tuple("BytesRequest").field(&kind).finish()
+    }
+}
+
+impl<'scope> Scope<'scope, '_> {
+    /// Starts sending `buf` to `dst` with `tag`, wherever its bytes lie (device bytes are read to host memory
+    /// before this returns: see the [module docs](crate::memory)).
+    pub fn isend_bytes(
+        &'scope self,
+        dst: usize,
+        tag: u32,
+        buf: Bytes<'scope>,
+    ) -> Result<BytesRequest<'scope>, CommError> {
+        Ok(BytesRequest(match buf {
+            Bytes::Host(b) => Flavor::Direct(self.isend(dst, tag, b)?),
+            Bytes::Device(d) => {
+                let host = staged(&d)?;
+                Flavor::StagedSend(self.comm().isend(dst, tag, host).map_err(|(e, _)| e)?)
+            }
+        }))
+    }
+
+    /// Starts receiving the message from `src` with `tag` into `buf` (whose length must equal the message's),
+    /// wherever its bytes lie (device bytes are written during [`BytesRequest::wait`]).
+    pub fn irecv_bytes(
+        &'scope self,
+        src: usize,
+        tag: u32,
+        buf: BytesMut<'scope>,
+    ) -> Result<BytesRequest<'scope>, CommError> {
+        Ok(BytesRequest(match buf {
+            BytesMut::Host(b) => Flavor::Direct(self.irecv(src, tag, b)?),
+            BytesMut::Device(d) => {
+                let host = vec![0u8; d.len];
+                Flavor::StagedRecv(self.comm().irecv(src, tag, host).map_err(|(e, _)| e)?, d)
+            }
+        }))
+    }
+}
+
+impl Communicator {
+    /// Blocking [`send`](Self::send) of bytes wherever they lie.
+    pub fn send_bytes_in(&self, dst: usize, tag: u32, buf: Bytes<'_>) -> Result<(), CommError> {
+        match buf {
+            Bytes::Host(b) => self.send(dst, tag, b),
+            Bytes::Device(d) => self.send(dst, tag, &staged(&d)?),
+        }
+    }
+
+    /// Blocking [`recv`](Self::recv) into bytes wherever they lie.
+    pub fn recv_bytes_in(&self, src: usize, tag: u32, buf: BytesMut<'_>) -> Result<(), CommError> {
+        match buf {
+            BytesMut::Host(b) => self.recv(src, tag, b),
+            BytesMut::Device(d) => {
+                let mut host = vec![0u8; d.len];
+                self.recv(src, tag, &mut host)?;
+                d.write_from(&host)
+            }
+        }
+    }
+
+    /// [`all_gather`](Self::all_gather) wherever the bytes lie: `recv` (world size × `send`'s length) receives
+    /// every rank's `send`, in rank order.
+    pub fn all_gather_bytes(&self, send: Bytes<'_>, recv: BytesMut<'_>) -> Result<(), CommError> {
+        let staged_send;
+        let send: &[u8] = match send {
+            Bytes::Host(b) => b,
+            Bytes::Device(d) => {
+                staged_send = staged(&d)?;
+                &staged_send
+            }
+        };
+        match recv {
+            BytesMut::Host(b) => self.all_gather(send, b),
+            BytesMut::Device(d) => {
+                let mut host = vec![0u8; d.len];
+                self.all_gather(send, &mut host)?;
+                d.write_from(&host)
+            }
+        }
+    }
+
+    /// [`all_to_all`](Self::all_to_all) wherever the bytes lie: chunk `j` of `send` goes to rank `j`, and chunk
+    /// `i` of `recv` comes from rank `i`.
+    pub fn all_to_all_bytes(&self, send: Bytes<'_>, recv: BytesMut<'_>) -> Result<(), CommError> {
+        let staged_send;
+        let send: &[u8] = match send {
+            Bytes::Host(b) => b,
+            Bytes::Device(d) => {
+                staged_send = staged(&d)?;
+                &staged_send
+            }
+        };
+        match recv {
+            BytesMut::Host(b) => self.all_to_all(send, b),
+            BytesMut::Device(d) => {
+                let mut host = vec![0u8; d.len];
+                self.all_to_all(send, &mut host)?;
+                d.write_from(&host)
+            }
+        }
+    }
+}
