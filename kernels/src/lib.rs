@@ -93,4 +93,4 @@ pub use saved::{
     EmbeddingSaved, LayerNormSaved, LinearSaved, MoeCombineSaved, MoeRouterSaved, RmsNormSaved, SquaredReluSaved,
     SwigluSaved,
 };
-pub use view::{DeviceSlice, DeviceSliceMut, Dims, IntoDims, Memory, View, ViewMut};
+pub use view::{DeviceSlice, DeviceSliceMut, Dims, IntoDims, Memory, RawBytes, RawBytesMut, View, ViewMut};

@@ -203,6 +203,10 @@ impl<'a> DeviceSliceMut<'a> {
     fn into_sub(self, start: usize, len: usize) -> Self {
         Self { ptr: self.ptr + (start * self.dtype.size()) as u64, len, ..self }
     }
+    fn into_split(self, at: usize) -> (Self, Self) {
+        let tail = Self { ptr: self.ptr + (at * self.dtype.size()) as u64, len: self.len - at, ..self };
+        (Self { len: at, ..self }, tail)
+    }
     fn reborrow(&mut self) -> DeviceSliceMut<'_> {
         DeviceSliceMut { ptr: self.ptr, len: self.len, dtype: self.dtype, memory: self.memory, _life: PhantomData }
     }
@@ -235,6 +239,39 @@ pub struct View<'a> {
 pub struct ViewMut<'a> {
     data: DataMut<'a>,
     dims: Dims,
+}
+
+/// Where a view's bytes lie, for code that moves them without reading them as numbers (a transport): host
+/// bytes, or a device address with the memory it is in.
+#[derive(Debug, Clone, Copy)]
+pub enum RawBytes<'a> {
+    /// Host memory.
+    Host(&'a [u8]),
+    /// Device memory: `len` bytes at `ptr`.
+    Device {
+        /// Address of the first byte.
+        ptr: u64,
+        /// Length in bytes.
+        len: usize,
+        /// The device.
+        memory: Memory,
+    },
+}
+
+/// Where a writable view's bytes lie (see [`RawBytes`]).
+#[derive(Debug)]
+pub enum RawBytesMut<'a> {
+    /// Host memory.
+    Host(&'a mut [u8]),
+    /// Device memory: `len` bytes at `ptr`.
+    Device {
+        /// Address of the first byte.
+        ptr: u64,
+        /// Length in bytes.
+        len: usize,
+        /// The device.
+        memory: Memory,
+    },
 }
 
 fn check_numel(len: usize, dims: &Dims) -> Result<()> {
@@ -316,6 +353,15 @@ impl<'a> View<'a> {
             Data::Device(d) => Data::Device(d.sub(at, len)),
         };
         Ok(Self { data, dims })
+    }
+    /// Where the bytes lie (see [`RawBytes`]).
+    pub fn raw_bytes(&self) -> RawBytes<'a> {
+        match self.data {
+            Data::Host(HostSlice::F32(s)) => RawBytes::Host(bytemuck::cast_slice(s)),
+            Data::Host(HostSlice::Bf16(s)) => RawBytes::Host(bytemuck::cast_slice(s)),
+            Data::Host(HostSlice::F16(s)) => RawBytes::Host(bytemuck::cast_slice(s)),
+            Data::Device(d) => RawBytes::Device { ptr: d.ptr(), len: d.len() * d.dtype().size(), memory: d.memory() },
+        }
     }
     /// The host slice, or [`KernelError::Memory`] naming `name` when the view lives elsewhere.
     pub fn as_host(&self, name: &'static str) -> Result<HostSlice<'a>> {
@@ -414,6 +460,24 @@ impl<'a> ViewMut<'a> {
         };
         Ok(Self { data, dims })
     }
+    /// Rows `..at` and `at..` of the first dim, as two views that can be written at once (e.g. the two halves of
+    /// one buffer, each receiving a message). Errors when `at` is past the rows.
+    pub fn split_rows(self, at: usize) -> Result<(Self, Self)> {
+        let first = self.dims.as_slice().first().copied().unwrap_or(0);
+        let (head_dims, _, head_len) = row_range(&self.dims, 0, at)?;
+        let (tail_dims, _, _) = row_range(&self.dims, at, first - at)?;
+        let (head, tail) = match self.data {
+            DataMut::Host(h) => {
+                let (a, b) = h.into_split(head_len);
+                (DataMut::Host(a), DataMut::Host(b))
+            }
+            DataMut::Device(d) => {
+                let (a, b) = d.into_split(head_len);
+                (DataMut::Device(a), DataMut::Device(b))
+            }
+        };
+        Ok((Self { data: head, dims: head_dims }, Self { data: tail, dims: tail_dims }))
+    }
     /// A shorter-lived writable view of the same elements.
     pub fn reborrow(&mut self) -> ViewMut<'_> {
         let data = match &mut self.data {
@@ -443,6 +507,17 @@ impl<'a> ViewMut<'a> {
             DataMut::Device(d) => Data::Device(d.as_slice()),
         };
         View { data, dims: self.dims }
+    }
+    /// Where the bytes lie (see [`RawBytes`]).
+    pub fn into_raw_bytes(self) -> RawBytesMut<'a> {
+        match self.data {
+            DataMut::Host(HostSliceMut::F32(s)) => RawBytesMut::Host(bytemuck::cast_slice_mut(s)),
+            DataMut::Host(HostSliceMut::Bf16(s)) => RawBytesMut::Host(bytemuck::cast_slice_mut(s)),
+            DataMut::Host(HostSliceMut::F16(s)) => RawBytesMut::Host(bytemuck::cast_slice_mut(s)),
+            DataMut::Device(d) => {
+                RawBytesMut::Device { ptr: d.ptr(), len: d.len() * d.dtype().size(), memory: d.memory() }
+            }
+        }
     }
     /// The writable host slice, or [`KernelError::Memory`] naming `name` when the view lives elsewhere.
     pub fn into_host(self, name: &'static str) -> Result<HostSliceMut<'a>> {

@@ -1,63 +1,72 @@
-//! A KV block as it travels between ranks: keys, values and (for packed sequences) document ids in one
-//! 4-byte-aligned buffer, so one message carries the whole block and the receiver views it without a copy.
+//! What a plan keeps between calls on the backend: [`Scratch`], a buffer reused by every call, and [`KvBlock`],
+//! a KV block as it travels between ranks.
 
-use half::{bf16, f16};
-use longctx_kernels::{DType, HostSlice};
+use longctx_kernels::{Backend, Buffer, DType, Dims, View, ViewMut};
 
-/// Where the parts of a packed block lie.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct KvPacking {
-    pub dtype: DType,
-    /// Elements of K (and of V).
-    pub kv_elems: usize,
-    /// Document ids carried (one per token).
-    pub doc_len: usize,
+use crate::error::Result;
+
+/// A backend buffer kept between calls and viewed with the dims of each use: allocated on first use and again
+/// only when a call needs more elements or another dtype, so a steady loop allocates nothing.
+#[derive(Debug, Default)]
+pub(crate) struct Scratch(Option<Buffer>);
+
+impl Scratch {
+    /// Makes room for `len` elements of `dtype`.
+    pub fn ensure(&mut self, backend: &dyn Backend, dtype: DType, len: usize) -> Result<()> {
+        let fits = self.0.as_ref().is_some_and(|b| b.dtype() == dtype && b.len() >= len);
+        if !fits {
+            self.0 = Some(backend.empty(dtype, Dims::new(&[len.max(1)])?)?);
+        }
+        Ok(())
+    }
+
+    fn buffer(&self) -> &Buffer {
+        self.0.as_ref().expect("Scratch::ensure runs before a scratch buffer is viewed")
+    }
+
+    /// The first elements, viewed with `dims`.
+    pub fn view(&self, dims: &[usize]) -> Result<View<'_>> {
+        let n = dims.iter().product();
+        Ok(self.buffer().view().rows(0, n)?.reshape(dims)?)
+    }
+
+    /// The first elements, writable, viewed with `dims`.
+    pub fn view_mut(&mut self, dims: &[usize]) -> Result<ViewMut<'_>> {
+        let n = dims.iter().product();
+        let b = self.0.as_mut().expect("Scratch::ensure runs before a scratch buffer is viewed");
+        Ok(b.view_mut().rows(0, n)?.reshape(dims)?)
+    }
+
+    /// The first `2·n` elements as two writable halves of `dims` each (`n` their element count).
+    pub fn halves_mut(&mut self, dims: &[usize]) -> Result<(ViewMut<'_>, ViewMut<'_>)> {
+        let n: usize = dims.iter().product();
+        let b = self.0.as_mut().expect("Scratch::ensure runs before a scratch buffer is viewed");
+        let (a, c) = b.view_mut().rows(0, 2 * n)?.split_rows(n)?;
+        Ok((a.reshape(dims)?, c.reshape(dims)?))
+    }
+
+    /// The first `2·n` elements as two halves of `dims` each.
+    pub fn halves(&self, dims: &[usize]) -> Result<(View<'_>, View<'_>)> {
+        let n: usize = dims.iter().product();
+        let v = self.buffer().view();
+        Ok((v.rows(0, n)?.reshape(dims)?, v.rows(n, n)?.reshape(dims)?))
+    }
 }
 
-impl KvPacking {
-    /// The packing of a block of `kv_elems` keys (and as many values) of `dtype`, with `docs` if given.
-    pub fn for_block(dtype: DType, kv_elems: usize, docs: Option<&[u32]>) -> Self {
-        Self { dtype, kv_elems, doc_len: docs.map_or(0, |d| d.len()) }
-    }
+/// A KV block as it travels between ranks: K and V in the two halves of one backend buffer (two messages, each
+/// read and written where the backend keeps it) and, for packed sequences, the block's document ids (host
+/// metadata of the mask, a third message).
+#[derive(Debug, Default)]
+pub(crate) struct KvBlock {
+    pub kv: Scratch,
+    pub docs: Vec<u32>,
+}
 
-    /// 32-bit words for K (or V).
-    fn words(&self) -> usize {
-        match self.dtype {
-            DType::F32 => self.kv_elems,
-            // head dims are multiples of 8, so the element count is even.
-            DType::Bf16 | DType::F16 => self.kv_elems / 2,
-        }
-    }
-    /// Words in the packed block.
-    pub fn len(&self) -> usize {
-        2 * self.words() + self.doc_len
-    }
-
-    /// Packs `k`, `v` (same dtype) and `docs` into `buf` (replacing what it held, keeping its allocation).
-    pub fn pack_into(&self, buf: &mut Vec<u32>, k: HostSlice<'_>, v: HostSlice<'_>, docs: Option<&[u32]>) {
-        buf.clear();
-        buf.reserve(self.len());
-        for x in [k, v] {
-            match x {
-                HostSlice::F32(s) => buf.extend_from_slice(bytemuck::cast_slice::<f32, u32>(s)),
-                HostSlice::Bf16(s) => buf.extend_from_slice(bytemuck::cast_slice::<bf16, u32>(s)),
-                HostSlice::F16(s) => buf.extend_from_slice(bytemuck::cast_slice::<f16, u32>(s)),
-            }
-        }
-        if let Some(d) = docs {
-            buf.extend_from_slice(d);
-        }
-    }
-
-    /// Views a packed buffer as `(k, v, docs)`.
-    pub fn view<'a>(&self, buf: &'a [u32]) -> (HostSlice<'a>, HostSlice<'a>, Option<&'a [u32]>) {
-        let w = self.words();
-        let part = |s: &'a [u32]| match self.dtype {
-            DType::F32 => HostSlice::F32(bytemuck::cast_slice(s)),
-            DType::Bf16 => HostSlice::Bf16(bytemuck::cast_slice(s)),
-            DType::F16 => HostSlice::F16(bytemuck::cast_slice(s)),
-        };
-        let docs = (self.doc_len > 0).then(|| &buf[2 * w..2 * w + self.doc_len]);
-        (part(&buf[..w]), part(&buf[w..2 * w]), docs)
+impl KvBlock {
+    /// Makes room for K and V of `kv_elems` elements of `dtype` each, and `doc_len` document ids.
+    pub fn ensure(&mut self, backend: &dyn Backend, dtype: DType, kv_elems: usize, doc_len: usize) -> Result<()> {
+        self.kv.ensure(backend, dtype, 2 * kv_elems)?;
+        self.docs.resize(doc_len, 0);
+        Ok(())
     }
 }

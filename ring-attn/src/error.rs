@@ -92,14 +92,6 @@ pub enum RingError {
     /// without documents.
     #[error("{0}")]
     Documents(&'static str),
-    /// Q, K, V, O or the gradients are not in host memory (the transports move host memory today).
-    #[error("`{name}` is in {memory} memory; context-parallel exchange needs host memory in this build")]
-    Memory {
-        /// The argument.
-        name: &'static str,
-        /// Where it is.
-        memory: longctx_kernels::Memory,
-    },
     /// A view's dtype or dims differ from what the plan was made for: whichever view it is, this error names it
     /// (`q`, `k`, `v`, `o`, `lse`, `dq`, `dk`, `dv`, `dout`) with its dims and the plan's.
     #[error("`{name}`: {why}")]

@@ -8,15 +8,13 @@
 
 use std::time::Instant;
 
-use bytemuck::Pod;
-use half::{bf16, f16};
-use longctx_kernels::{AttnShape, Element, HostSlice};
+use longctx_kernels::{AttnGrads, AttnOut, AttnSaved, AttnShape, DType, Qkv, View};
 use longctx_p2p::Communicator;
 
 use crate::error::Result;
-use crate::local::Local;
+use crate::local::{kv_dims, lse_dims, q_dims, Local};
 use crate::report::StepReport;
-use crate::reshard::{all_to_all_bytes, heads_to_seq, seq_to_heads};
+use crate::reshard::{all_to_all_bytes, empty, heads_to_seq, seq_to_heads};
 use crate::ring::{self, RingBuffers};
 
 fn gather_docs(inner: &Communicator, docs: Option<&[u32]>) -> Result<Option<Vec<u32>>> {
@@ -41,106 +39,90 @@ pub(crate) fn head_shape(local: AttnShape, u: usize) -> AttnShape {
     }
 }
 
-/// Re-shards q, k, v (one dtype) to head shards.
-fn qkv_to_heads<T: Pod>(inner: &Communicator, s: AttnShape, q: &[T], k: &[T], v: &[T]) -> Result<[Vec<T>; 3]> {
-    let (b, l, d) = (s.batch, s.q_len, s.head_dim);
-    Ok([
-        seq_to_heads(inner, q, b, s.q_heads, l, d)?,
-        seq_to_heads(inner, k, b, s.kv_heads, l, d)?,
-        seq_to_heads(inner, v, b, s.kv_heads, l, d)?,
-    ])
-}
-
-enum Qkv {
-    F32([Vec<f32>; 3]),
-    Bf16([Vec<bf16>; 3]),
-    F16([Vec<f16>; 3]),
-}
-
-impl Qkv {
-    fn new(inner: &Communicator, s: AttnShape, q: HostSlice<'_>, k: HostSlice<'_>, v: HostSlice<'_>) -> Result<Self> {
-        Ok(match (q, k, v) {
-            (HostSlice::F32(q), HostSlice::F32(k), HostSlice::F32(v)) => Qkv::F32(qkv_to_heads(inner, s, q, k, v)?),
-            (HostSlice::Bf16(q), HostSlice::Bf16(k), HostSlice::Bf16(v)) => Qkv::Bf16(qkv_to_heads(inner, s, q, k, v)?),
-            (HostSlice::F16(q), HostSlice::F16(k), HostSlice::F16(v)) => Qkv::F16(qkv_to_heads(inner, s, q, k, v)?),
-            _ => unreachable!("dtypes checked by the caller"),
-        })
-    }
-    fn views(&self) -> [HostSlice<'_>; 3] {
-        fn v<T: Element>(x: &[Vec<T>; 3]) -> [HostSlice<'_>; 3] {
-            [T::host(&x[0]), T::host(&x[1]), T::host(&x[2])]
-        }
-        match self {
-            Qkv::F32(x) => v(x),
-            Qkv::Bf16(x) => v(x),
-            Qkv::F16(x) => v(x),
-        }
-    }
+/// `x` (`[B, H, L, D]`, sequence-sharded) re-sharded into a new buffer of head shards.
+fn to_heads(inner: &Communicator, loc: &Local<'_>, x: View<'_>, dims: [usize; 4]) -> Result<longctx_kernels::Buffer> {
+    let u = inner.world_size();
+    let [bs, h, l, d] = dims;
+    let mut out = empty(loc.backend, x.dtype(), &[bs, h / u, u * l, d])?;
+    seq_to_heads(inner, loc.backend, x, out.view_mut(), dims)?;
+    Ok(out)
 }
 
 /// Forward: `ring` is the ring member's problem (its group's positions per member, the head-shard shape);
-/// `local` this rank's sequence-shard block.
+/// `local` this rank's sequence-shard block; `out` is `f32`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn forward(
     inner: &Communicator,
     outer: &Communicator,
     ring: &Local<'_>,
     local: AttnShape,
-    [q, k, v]: [HostSlice<'_>; 3],
-    (o, lse): (&mut [f32], &mut [f32]),
+    qkv: Qkv<'_>,
+    out: AttnOut<'_>,
     bufs: &mut RingBuffers,
     rep: &mut StepReport,
 ) -> Result<()> {
+    let b = ring.backend;
+    let (qd, kd, ld) = (q_dims(&local), kv_dims(&local), lse_dims(&local));
     let t = Instant::now();
     let docs = gather_docs(inner, ring.docs)?;
-    let heads = Qkv::new(inner, local, q, k, v)?;
+    let qh = to_heads(inner, ring, qkv.q, qd)?;
+    let kh = to_heads(inner, ring, qkv.k, kd)?;
+    let vh = to_heads(inner, ring, qkv.v, kd)?;
     rep.comm_wait += t.elapsed();
     let hs = ring.shape;
     let loc = Local { docs: docs.as_deref(), ..*ring };
-    let [qh, kh, vh] = heads.views();
-    let mut o_h = vec![0f32; hs.q_elems()];
-    let mut lse_h = vec![0f32; hs.lse_elems()];
-    ring::ring_forward(outer, &loc, [qh, kh, vh], &mut o_h, &mut lse_h, bufs, rep)?;
+    let mut o_h = empty(b, DType::F32, &q_dims(&hs))?;
+    let mut lse_h = empty(b, DType::F32, &lse_dims(&hs))?;
+    let heads = Qkv::new(qh.view(), kh.view(), vh.view());
+    ring::ring_forward(outer, &loc, heads, AttnOut { o: o_h.view_mut(), lse: lse_h.view_mut() }, bufs, rep)?;
     let t = Instant::now();
-    o.copy_from_slice(&heads_to_seq(inner, &o_h, local.batch, local.q_heads, local.q_len, local.head_dim)?);
-    lse.copy_from_slice(&heads_to_seq(inner, &lse_h, local.batch, local.q_heads, local.q_len, 1)?);
+    heads_to_seq(inner, b, o_h.view(), out.o, qd)?;
+    let [bs, h, l] = ld;
+    heads_to_seq(inner, b, lse_h.view(), out.lse, [bs, h, l, 1])?;
     rep.comm_wait += t.elapsed();
     Ok(())
 }
 
-/// Backward (see [`forward`] for `ring` and `local`).
+/// Backward (see [`forward`] for `ring` and `local`); `grads` are `f32`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn backward(
     inner: &Communicator,
     outer: &Communicator,
     ring: &Local<'_>,
     local: AttnShape,
-    [q, k, v, o, d_o]: [HostSlice<'_>; 5],
-    lse: &[f32],
-    [dq, dk, dv]: [&mut [f32]; 3],
+    saved: AttnSaved<'_>,
+    d_o: View<'_>,
+    grads: AttnGrads<'_>,
     bufs: &mut RingBuffers,
     rep: &mut StepReport,
 ) -> Result<()> {
-    let (b, l, d) = (local.batch, local.q_len, local.head_dim);
+    let b = ring.backend;
+    let (qd, kd, [bs, h, l]) = (q_dims(&local), kv_dims(&local), lse_dims(&local));
     let t = Instant::now();
     let docs = gather_docs(inner, ring.docs)?;
-    let heads = Qkv::new(inner, local, q, k, v)?;
-    let o_h = seq_to_heads(inner, &o.to_f32_vec(), b, local.q_heads, l, d)?;
-    let do_h = seq_to_heads(inner, &d_o.to_f32_vec(), b, local.q_heads, l, d)?;
-    let lse_h = seq_to_heads(inner, lse, b, local.q_heads, l, 1)?;
+    let qh = to_heads(inner, ring, saved.qkv.q, qd)?;
+    let kh = to_heads(inner, ring, saved.qkv.k, kd)?;
+    let vh = to_heads(inner, ring, saved.qkv.v, kd)?;
+    let o_h = to_heads(inner, ring, saved.o, qd)?;
+    let do_h = to_heads(inner, ring, d_o, qd)?;
+    let lse_h = to_heads(inner, ring, saved.lse.reshape([bs, h, l, 1])?, [bs, h, l, 1])?;
     rep.comm_wait += t.elapsed();
     let hs = ring.shape;
     let loc = Local { docs: docs.as_deref(), ..*ring };
-    let [qh, kh, vh] = heads.views();
-    let mut dq_h = vec![0f32; hs.q_elems()];
-    let mut dk_h = vec![0f32; hs.kv_elems()];
-    let mut dv_h = vec![0f32; hs.kv_elems()];
-    let inputs = [qh, kh, vh, (&o_h).into(), (&do_h).into()];
-    ring::ring_backward(outer, &loc, inputs, &lse_h, [&mut dq_h, &mut dk_h, &mut dv_h], bufs, rep)?;
+    let mut dq_h = empty(b, DType::F32, &q_dims(&hs))?;
+    let mut dk_h = empty(b, DType::F32, &kv_dims(&hs))?;
+    let mut dv_h = empty(b, DType::F32, &kv_dims(&hs))?;
+    let heads = AttnSaved {
+        qkv: Qkv::new(qh.view(), kh.view(), vh.view()),
+        o: o_h.view(),
+        lse: lse_h.view().reshape(lse_dims(&hs))?,
+    };
+    let into = AttnGrads { dq: dq_h.view_mut(), dk: dk_h.view_mut(), dv: dv_h.view_mut() };
+    ring::ring_backward(outer, &loc, heads, do_h.view(), into, bufs, rep)?;
     let t = Instant::now();
-    dq.copy_from_slice(&heads_to_seq(inner, &dq_h, b, local.q_heads, l, d)?);
-    dk.copy_from_slice(&heads_to_seq(inner, &dk_h, b, local.kv_heads, l, d)?);
-    dv.copy_from_slice(&heads_to_seq(inner, &dv_h, b, local.kv_heads, l, d)?);
+    heads_to_seq(inner, b, dq_h.view(), grads.dq, qd)?;
+    heads_to_seq(inner, b, dk_h.view(), grads.dk, kd)?;
+    heads_to_seq(inner, b, dv_h.view(), grads.dv, kd)?;
     rep.comm_wait += t.elapsed();
     Ok(())
 }
@@ -157,11 +139,20 @@ pub(crate) fn forward_bytes(u: usize, m: usize, local: &AttnShape, elem: usize, 
 }
 
 /// Bytes one rank sends in a hybrid backward.
-pub(crate) fn backward_bytes(u: usize, m: usize, local: &AttnShape, elem: usize, doc_len: usize) -> u64 {
+/// `o_do`: the element sizes of the saved `O` and of `dO`, each re-sharded in its own type.
+pub(crate) fn backward_bytes(
+    u: usize,
+    m: usize,
+    local: &AttnShape,
+    elem: usize,
+    o_do: [usize; 2],
+    doc_len: usize,
+) -> u64 {
     let (qe, kve, le) = (local.q_elems(), local.kv_elems(), local.lse_elems());
     let a2a_in = all_to_all_bytes(u, qe, elem)
         + 2 * all_to_all_bytes(u, kve, elem)
-        + 2 * all_to_all_bytes(u, qe, 4)
+        + all_to_all_bytes(u, qe, o_do[0])
+        + all_to_all_bytes(u, qe, o_do[1])
         + all_to_all_bytes(u, le, 4);
     let docs = ((u - 1) * doc_len * 4) as u64;
     let a2a_out = all_to_all_bytes(u, qe, 4) + 2 * all_to_all_bytes(u, kve, 4);

@@ -14,6 +14,11 @@
 //!   Schedules ([`Schedule`]): ring P2P with overlap (default), all-gather KV, all-to-all (Ulysses), and a hybrid
 //!   of all-to-all inside groups and ring across them.
 //!
+//! Everything below the plan runs on the backend's memory: the plan's accumulators and the ring's blocks are
+//! backend buffers, fills, sums, merges and re-shards are backend calls, and the communicator moves the bytes
+//! where the backend keeps them (device memory through the backend's copies; see `longctx_p2p::memory`). The
+//! same code runs on `CpuBackend` and on a device backend, through the same tests.
+//!
 //! What a caller needs from the kernels and the communicator is re-exported here, so this crate alone is
 //! enough to call it. Conventions: views are `[B, H, L, D]` (query head `h` reads KV head `h / (Hq / Hkv)`),
 //! `D` is 32 to 256 in steps of 8, `LSE` is `[B, Hq, L]` `f32` natural log (`-inf` for a row that sees no key),
@@ -53,6 +58,7 @@ mod plan;
 mod report;
 mod reshard;
 mod ring;
+mod transfer;
 
 pub use config::{CpConfig, CpMask, CpShape, Schedule};
 pub use context::ContextParallel;

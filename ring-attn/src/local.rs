@@ -1,7 +1,7 @@
 //! [`Local`]: one rank's side of the problem as a schedule runs it, and its attention calls through the backend.
 
-use longctx_kernels::{AttnGrads, AttnSaved, Qkv, View, ViewMut};
-use longctx_kernels::{AttnMask, AttnOptions, AttnOut, AttnParams, AttnShape, Backend, HostSlice, Positions};
+use longctx_kernels::{AttnGrads, AttnPartial, AttnSaved, GradMode, Qkv, View};
+use longctx_kernels::{AttnMask, AttnOptions, AttnOut, AttnParams, AttnShape, Backend, Positions};
 
 use crate::error::Result;
 
@@ -46,56 +46,43 @@ impl Local<'_> {
         AttnParams { shape, mask, scale: self.scale }
     }
 
-    /// Attention of host blocks through the backend: `o` and `lse` are `f32`.
-    pub fn attn_forward(
-        &self,
-        p: &AttnParams<'_>,
-        [q, k, v]: [HostSlice<'_>; 3],
-        o: &mut [f32],
-        lse: &mut [f32],
-    ) -> Result<()> {
-        let s = p.shape;
-        let (qd, kd) = (q_dims(&s), kv_dims(&s));
-        let qkv = Qkv::new(View::host(q, qd)?, View::host(k, kd)?, View::host(v, kd)?);
-        let out = AttnOut { o: ViewMut::new(o, qd)?, lse: ViewMut::new(lse, [s.batch, s.q_heads, s.q_len])? };
+    /// Attention of a block through the backend: `out.o` and `out.lse` are `f32`.
+    pub fn attn_forward(&self, p: &AttnParams<'_>, qkv: Qkv<'_>, out: AttnOut<'_>) -> Result<()> {
         self.backend.attention_forward(&AttnOptions { mask: p.mask, scale: Some(p.scale) }, out, qkv)?;
         Ok(())
     }
 
-    /// The backward of host blocks through the backend, into the `f32` gradients (added to them with
-    /// [`GradMode::Accumulate`](longctx_kernels::GradMode), written whole with `Overwrite`).
+    /// The backward of a block through the backend, into the `f32` gradients (added to them with
+    /// [`GradMode::Accumulate`], written whole with `Overwrite`).
     pub fn attn_backward(
         &self,
         p: &AttnParams<'_>,
-        [q, k, v, o, d_o]: [HostSlice<'_>; 5],
-        lse: &[f32],
-        [dq, dk, dv]: [&mut [f32]; 3],
-        mode: longctx_kernels::GradMode,
+        saved: AttnSaved<'_>,
+        d_o: View<'_>,
+        grads: AttnGrads<'_>,
+        mode: GradMode,
     ) -> Result<()> {
-        let s = p.shape;
-        let (qd, kd) = (q_dims(&s), kv_dims(&s));
-        let qkv = Qkv::new(View::host(q, qd)?, View::host(k, kd)?, View::host(v, kd)?);
-        let saved = AttnSaved { qkv, o: View::host(o, qd)?, lse: View::new(lse, [s.batch, s.q_heads, s.q_len])? };
-        let grads = AttnGrads { dq: ViewMut::new(dq, qd)?, dk: ViewMut::new(dk, kd)?, dv: ViewMut::new(dv, kd)? };
         let opts = AttnOptions { mask: p.mask, scale: Some(p.scale) };
-        self.backend.attention_backward(&opts, grads, View::host(d_o, qd)?, saved, mode)?;
+        self.backend.attention_backward(&opts, grads, d_o, saved, mode)?;
         Ok(())
     }
 
     /// Merges a partial result into the accumulator through the backend.
-    pub fn merge(&self, o: &mut [f32], lse: &mut [f32], o2: &[f32], lse2: &[f32]) -> Result<()> {
-        let s = self.shape;
-        let (qd, ld) = (q_dims(&s), [s.batch, s.q_heads, s.q_len]);
-        let acc = AttnOut { o: ViewMut::new(o, qd)?, lse: ViewMut::new(lse, ld)? };
-        let part = longctx_kernels::AttnPartial { o: View::new(o2, qd)?, lse: View::new(lse2, ld)? };
+    pub fn merge(&self, acc: AttnOut<'_>, part: AttnPartial<'_>) -> Result<()> {
         self.backend.attention_merge(acc, part)?;
         Ok(())
     }
 }
 
-fn q_dims(s: &AttnShape) -> [usize; 4] {
+/// Dims of a block's `Q` (and `O`, `dQ`): `[B, Hq, Lq, D]`.
+pub(crate) fn q_dims(s: &AttnShape) -> [usize; 4] {
     [s.batch, s.q_heads, s.q_len, s.head_dim]
 }
-fn kv_dims(s: &AttnShape) -> [usize; 4] {
+/// Dims of a block's `K`, `V` (and their gradients): `[B, Hkv, Lkv, D]`.
+pub(crate) fn kv_dims(s: &AttnShape) -> [usize; 4] {
     [s.batch, s.kv_heads, s.kv_len, s.head_dim]
+}
+/// Dims of a block's `LSE`: `[B, Hq, Lq]`.
+pub(crate) fn lse_dims(s: &AttnShape) -> [usize; 3] {
+    [s.batch, s.q_heads, s.q_len]
 }

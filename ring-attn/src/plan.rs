@@ -1,7 +1,7 @@
 //! [`CpPlan`]: one context-parallel attention problem, checked, agreed between the ranks and sized once; its
 //! forward and backward take only the data.
 
-use longctx_kernels::{AttnGrads, AttnOut, AttnSaved, AttnShape, HostSlice, HostSliceMut, Qkv, View, ViewMut};
+use longctx_kernels::{AttnGrads, AttnOut, AttnSaved, AttnShape, Buffer, DType, Dims, Qkv, View};
 
 use crate::agree::agree;
 use longctx_p2p::Communicator;
@@ -53,17 +53,18 @@ pub struct CpPlan {
     /// shard's block shape.
     groups: Option<(Vec<Vec<i64>>, AttnShape)>,
     docs: Option<Vec<u32>>,
-    ws: Workspace,
+    /// Out of the plan only during a call (whose schedules borrow the plan meanwhile).
+    ws: Option<Workspace>,
 }
 
-/// What a plan keeps between calls: one `f32` accumulator of `Q`'s size (the forward's `O`, then the backward's
-/// `dQ`: never needed at once), the `f32` `dK` and `dV`, and the ring's buffers (see [`RingBuffers`]). Taken out
-/// of the plan for a call and put back after it.
-#[derive(Debug, Default)]
+/// What a plan keeps between calls, as buffers of its backend: one `f32` accumulator of `Q`'s size (the
+/// forward's `O`, then the backward's `dQ`: never needed at once), the `f32` `dK` and `dV`, and the ring's
+/// buffers (see [`RingBuffers`]).
+#[derive(Debug)]
 struct Workspace {
-    q_acc: Vec<f32>,
-    dk: Vec<f32>,
-    dv: Vec<f32>,
+    q_acc: Buffer,
+    dk: Buffer,
+    dv: Buffer,
     ring: RingBuffers,
 }
 
@@ -113,14 +114,18 @@ impl CpPlan {
         // Every rank must plan the same problem: exchanged before anything is sized, so a disagreement is one
         // typed error on every rank rather than wrong numbers or a timeout.
         agree(&cp.comm, &cp.cfg, &shape, &mask, scale)?;
+        let b = &cp.backend;
+        let (qd, kd) =
+            ([local.batch, local.q_heads, l, local.head_dim], [local.batch, local.kv_heads, l, local.head_dim]);
+        let ws = Workspace {
+            q_acc: b.zeros(DType::F32, Dims::new(&qd)?)?,
+            dk: b.zeros(DType::F32, Dims::new(&kd)?)?,
+            dv: b.zeros(DType::F32, Dims::new(&kd)?)?,
+            ring: RingBuffers::default(),
+        };
         Ok(Self {
             positions: layout.all_positions(),
-            ws: Workspace {
-                q_acc: vec![0.0; local.q_elems()],
-                dk: vec![0.0; local.kv_elems()],
-                dv: vec![0.0; local.kv_elems()],
-                ring: RingBuffers::default(),
-            },
+            ws: Some(ws),
             cp,
             shape,
             mask,
@@ -214,7 +219,7 @@ impl CpPlan {
                 let hs = kv_heads_per_step.min(s.kv_heads);
                 let slice = 2 * hs * s.kv_len * s.head_dim;
                 let gather = (slice + 3 * n * slice) * elem + n * doc_len * 4;
-                // Backward: f32 dK/dV of the gathered slice, reordered, packed to send, and this rank's share.
+                // Backward: f32 dK/dV of the gathered slice, reordered to send, received, and this rank's share.
                 let scatter = (3 * n * slice + slice) * 4;
                 (gather, gather + scatter + 2 * qe * 4, 0)
             }
@@ -296,39 +301,39 @@ impl CpPlan {
         qkv.shape()?;
         self.check_dtype(&qkv)?;
         out.check(&self.local)?;
-        let [q, k, v] = [host("q", qkv.q)?, host("k", qkv.k)?, host("v", qkv.v)?];
-        let lse = host_f32("lse", out.lse)?;
-        let mut ws = std::mem::take(&mut self.ws);
-        let r = self.forward_into([q, k, v], lse, &mut ws);
+        check_f32("lse", out.lse.dtype())?;
+        let AttnOut { o, lse } = out;
+        let mut ws = self.ws.take().expect("a call puts the workspace back");
+        let Workspace { q_acc, ring, .. } = &mut ws;
+        let r = self.forward_into(qkv, AttnOut { o: q_acc.view_mut(), lse }, ring);
         let stored = r.and_then(|rep| {
-            self.cp.backend.copy(out.o, View::new(&ws.q_acc, self.q_dims())?)?;
+            self.cp.backend.copy(o, q_acc.view())?;
             Ok(rep)
         });
-        self.ws = ws;
+        self.ws = Some(ws);
         stored
     }
 
-    fn forward_into(&self, [q, k, v]: [HostSlice<'_>; 3], lse: &mut [f32], ws: &mut Workspace) -> Result<StepReport> {
-        let Workspace { q_acc: o, ring: bufs, .. } = ws;
+    fn forward_into(&self, qkv: Qkv<'_>, out: AttnOut<'_>, bufs: &mut RingBuffers) -> Result<StepReport> {
         let docs = self.docs()?;
         let (kve, elem, doc_len) = (self.local.kv_elems(), self.shape.dtype.size(), docs.map_or(0, |d| d.len()));
         self.measured(|rep| match self.exchange(docs) {
             Exchange::Ring { comm, loc } => {
-                ring::ring_forward(comm, &loc, [q, k, v], o, lse, bufs, rep)?;
+                ring::ring_forward(comm, &loc, qkv, out, bufs, rep)?;
                 rep.expected_bytes = ring::forward_bytes(comm.world_size(), kve, elem, doc_len);
                 Ok(())
             }
             Exchange::AllGather { comm, loc, slice } => {
                 let t = std::time::Instant::now();
-                allgather::forward(comm, &loc, slice, [q, k, v], o, lse)?;
+                allgather::forward(comm, &loc, slice, qkv, out)?;
                 rep.compute += t.elapsed();
-                rep.expected_bytes = allgather::bytes(comm.world_size(), kve, elem, doc_len, false);
+                rep.expected_bytes = allgather::expected_bytes(comm.world_size(), kve, elem, doc_len, false);
                 Ok(())
             }
             Exchange::Groups { inner, outer, ring } => {
                 let (u, m) = (inner.world_size(), outer.world_size());
                 rep.expected_bytes = hybrid::forward_bytes(u, m, &self.local, elem, doc_len);
-                hybrid::forward(inner, outer, &ring, self.local, [q, k, v], (o, lse), bufs, rep)
+                hybrid::forward(inner, outer, &ring, self.local, qkv, out, bufs, rep)
             }
         })
     }
@@ -379,46 +384,49 @@ impl CpPlan {
         // What is left to the kernels' checks: element types and memory.
         saved.shape()?;
         self.check_dtype(&qkv)?;
-        let inputs =
-            [host("q", qkv.q)?, host("k", qkv.k)?, host("v", qkv.v)?, host("o", saved.o)?, host("dout", dout)?];
-        let lse = host("lse", saved.lse)?;
-        let HostSlice::F32(lse) = lse else {
-            return Err(RingError::NotAsPlanned { name: "lse", why: "LSE must be f32".into() });
-        };
-        let mut ws = std::mem::take(&mut self.ws);
-        let r = self.backward_into(inputs, lse, &mut ws);
+        check_f32("lse", saved.lse.dtype())?;
+        let mut ws = self.ws.take().expect("a call puts the workspace back");
+        let Workspace { q_acc: dq, dk, dv, ring } = &mut ws;
+        let into = AttnGrads { dq: dq.view_mut(), dk: dk.view_mut(), dv: dv.view_mut() };
+        let r = self.backward_into(saved, dout, into, ring);
         let stored = r.and_then(|rep| {
-            let (qd, kd, b) = (self.q_dims(), self.kv_dims(), &self.cp.backend);
-            b.copy(grads.dq, View::new(&ws.q_acc, qd)?)?;
-            b.copy(grads.dk, View::new(&ws.dk, kd)?)?;
-            b.copy(grads.dv, View::new(&ws.dv, kd)?)?;
+            let b = &self.cp.backend;
+            b.copy(grads.dq, dq.view())?;
+            b.copy(grads.dk, dk.view())?;
+            b.copy(grads.dv, dv.view())?;
             Ok(rep)
         });
-        self.ws = ws;
+        self.ws = Some(ws);
         stored
     }
 
-    fn backward_into(&self, inputs: [HostSlice<'_>; 5], lse: &[f32], ws: &mut Workspace) -> Result<StepReport> {
-        let Workspace { q_acc: dq, dk, dv, ring: bufs } = ws;
+    fn backward_into(
+        &self,
+        saved: AttnSaved<'_>,
+        d_o: View<'_>,
+        grads: AttnGrads<'_>,
+        bufs: &mut RingBuffers,
+    ) -> Result<StepReport> {
         let docs = self.docs()?;
         let (kve, elem, doc_len) = (self.local.kv_elems(), self.shape.dtype.size(), docs.map_or(0, |d| d.len()));
+        let o_do = [saved.o.dtype().size(), d_o.dtype().size()];
         self.measured(|rep| match self.exchange(docs) {
             Exchange::Ring { comm, loc } => {
-                ring::ring_backward(comm, &loc, inputs, lse, [dq, dk, dv], bufs, rep)?;
+                ring::ring_backward(comm, &loc, saved, d_o, grads, bufs, rep)?;
                 rep.expected_bytes = ring::backward_bytes(comm.world_size(), kve, elem, doc_len);
                 Ok(())
             }
             Exchange::AllGather { comm, loc, slice } => {
                 let t = std::time::Instant::now();
-                allgather::backward(comm, &loc, slice, inputs, lse, [dq, dk, dv])?;
+                allgather::backward(comm, &loc, slice, saved, d_o, grads)?;
                 rep.compute += t.elapsed();
-                rep.expected_bytes = allgather::bytes(comm.world_size(), kve, elem, doc_len, true);
+                rep.expected_bytes = allgather::expected_bytes(comm.world_size(), kve, elem, doc_len, true);
                 Ok(())
             }
             Exchange::Groups { inner, outer, ring } => {
                 let (u, m) = (inner.world_size(), outer.world_size());
-                rep.expected_bytes = hybrid::backward_bytes(u, m, &self.local, elem, doc_len);
-                hybrid::backward(inner, outer, &ring, self.local, inputs, lse, [dq, dk, dv], bufs, rep)
+                rep.expected_bytes = hybrid::backward_bytes(u, m, &self.local, elem, o_do, doc_len);
+                hybrid::backward(inner, outer, &ring, self.local, saved, d_o, grads, bufs, rep)
             }
         })
     }
@@ -432,22 +440,11 @@ enum Exchange<'a> {
     Groups { inner: &'a Communicator, outer: &'a Communicator, ring: Local<'a> },
 }
 
-/// The host elements of a view; the exchange moves host memory in this build.
-fn host<'a>(name: &'static str, v: View<'a>) -> Result<HostSlice<'a>> {
-    match v.memory() {
-        longctx_kernels::Memory::Host => Ok(v.as_host(name)?),
-        memory => Err(RingError::Memory { name, memory }),
-    }
-}
-
-fn host_f32<'a>(name: &'static str, v: ViewMut<'a>) -> Result<&'a mut [f32]> {
-    match v.memory() {
-        longctx_kernels::Memory::Host => match v.into_host(name)? {
-            HostSliceMut::F32(s) => Ok(s),
-            HostSliceMut::Bf16(_) | HostSliceMut::F16(_) => {
-                Err(RingError::NotAsPlanned { name, why: "must be f32".into() })
-            }
-        },
-        memory => Err(RingError::Memory { name, memory }),
+/// `LSE` is `f32` whatever the plan's dtype.
+fn check_f32(name: &'static str, dtype: DType) -> Result<()> {
+    if dtype == DType::F32 {
+        Ok(())
+    } else {
+        Err(RingError::NotAsPlanned { name, why: format!("dtype {} but LSE is always f32", dtype.name()) })
     }
 }

@@ -13,84 +13,131 @@
 
 use std::time::Instant;
 
-use longctx_kernels::{GradMode, HostSlice};
-use longctx_p2p::{CommError, Communicator, OwnedRequest, SendRequest};
+use longctx_kernels::{AttnGrads, AttnOut, AttnPartial, AttnSaved, DType, GradMode, Qkv, View};
+use longctx_p2p::{BytesRequest, Communicator, Scope};
 
-use crate::block::KvPacking;
+use crate::block::{KvBlock, Scratch};
 use crate::error::Result;
-use crate::local::Local;
+use crate::local::{kv_dims, lse_dims, q_dims, Local};
 use crate::report::StepReport;
+use crate::transfer::{bytes, bytes_mut, BackendCopy};
 
-/// Message tags of the two streams.
-const TAG_KV: u32 = 0x4b56;
+/// Message tags: K, V and the document ids of a travelling block, and the dK/dV accumulator.
+const TAG_K: u32 = 0x4b56;
+const TAG_V: u32 = 0x4b57;
+const TAG_DOCS: u32 = 0x4b58;
 const TAG_DKV: u32 = 0x644b;
 
 /// The ring's buffers, kept by the plan between calls so a steady loop allocates nothing: the block in hand and
 /// the one arriving, the travelling `f32` dK/dV accumulators (the one passed on, the one arriving) and `part`,
 /// which is the forward's partial `O` and the backward's own dK/dV contribution: the two phases never overlap,
-/// so one buffer serves both and the plan holds no more than a call needs at its peak. Each is sized when a call
-/// starts; one that a failed call left behind in a request is simply allocated again.
+/// so one buffer serves both and the plan holds no more than a call needs at its peak. All are backend buffers,
+/// sized when a call first needs them.
 #[derive(Debug, Default)]
 pub(crate) struct RingBuffers {
-    cur: Vec<u32>,
-    nxt: Vec<u32>,
-    part: Vec<f32>,
-    lse_part: Vec<f32>,
-    acc_out: Vec<f32>,
-    acc_in: Vec<f32>,
+    cur: KvBlock,
+    nxt: KvBlock,
+    part: Scratch,
+    lse_part: Scratch,
+    acc_out: Scratch,
+    acc_in: Scratch,
 }
 
-/// `v` with `len` elements, keeping its allocation; what it holds is left as it was (for buffers that are
-/// written whole before they are read: receives and outputs).
-fn sized<T: Copy + Default>(v: &mut Vec<T>, len: usize) {
-    v.resize(len, T::default());
+/// Posts the sends of a block (`k`, `v` and its document ids) to `to` and the receives of the next one into
+/// `nxt` from `from`.
+fn post_block<'s>(
+    sc: &'s Scope<'s, '_>,
+    (to, from): (usize, usize),
+    (k, v, docs): (View<'s>, View<'s>, Option<&'s [u32]>),
+    nxt: &'s mut KvBlock,
+    kd: &[usize],
+    copy: &'s BackendCopy<'_>,
+) -> Result<Vec<BytesRequest<'s>>> {
+    let mut reqs = Vec::with_capacity(6);
+    reqs.push(sc.isend_bytes(to, TAG_K, bytes(k, copy))?);
+    reqs.push(sc.isend_bytes(to, TAG_V, bytes(v, copy))?);
+    let KvBlock { kv, docs: nxt_docs } = nxt;
+    let (nk, nv) = kv.halves_mut(kd)?;
+    reqs.push(sc.irecv_bytes(from, TAG_K, bytes_mut(nk, copy))?);
+    reqs.push(sc.irecv_bytes(from, TAG_V, bytes_mut(nv, copy))?);
+    if let Some(d) = docs {
+        reqs.push(sc.isend_bytes(to, TAG_DOCS, longctx_p2p::Bytes::Host(bytemuck::cast_slice(d)))?);
+        let nd: &mut [u8] = bytemuck::cast_slice_mut(&mut nxt_docs[..]);
+        reqs.push(sc.irecv_bytes(from, TAG_DOCS, longctx_p2p::BytesMut::Host(nd))?);
+    }
+    Ok(reqs)
 }
 
-/// Ring forward: `o` (`f32`, `[B, Hq, L, D]`) and `lse` receive this rank's rows of full attention.
+/// Finishes every request, returning the first error (the others are still finished).
+fn wait_all(reqs: Vec<BytesRequest<'_>>) -> Result<()> {
+    let mut first = Ok(());
+    for r in reqs {
+        let done = r.wait();
+        if first.is_ok() {
+            first = done;
+        }
+    }
+    Ok(first?)
+}
+
+/// Ring forward: `out.o` (`f32`, `[B, Hq, L, D]`) and `out.lse` receive this rank's rows of full attention.
 pub(crate) fn ring_forward(
     comm: &Communicator,
     pb: &Local<'_>,
-    [q, k, v]: [HostSlice<'_>; 3],
-    o: &mut [f32],
-    lse: &mut [f32],
+    qkv: Qkv<'_>,
+    out: AttnOut<'_>,
     bufs: &mut RingBuffers,
     rep: &mut StepReport,
 ) -> Result<()> {
     let (n, r) = (comm.world_size(), comm.rank());
     if n == 1 {
-        return single_forward(pb, [q, k, v], o, lse, rep);
+        return single_forward(pb, qkv, out, rep);
     }
-    let packing = KvPacking::for_block(k.dtype(), pb.shape.kv_elems(), pb.docs);
+    let (b, s) = (pb.backend, pb.shape);
+    let (qd, kd, ld) = (q_dims(&s), kv_dims(&s), lse_dims(&s));
+    let doc_len = pb.docs.map_or(0, |d| d.len());
     let RingBuffers { cur, nxt, part: o_part, lse_part, .. } = bufs;
-    packing.pack_into(cur, k, v, pb.docs);
-    sized(nxt, cur.len());
-    sized(o_part, o.len());
-    sized(lse_part, lse.len());
+    for blk in [&mut *cur, &mut *nxt] {
+        blk.ensure(b, qkv.k.dtype(), s.kv_elems(), doc_len)?;
+    }
+    o_part.ensure(b, DType::F32, s.q_elems())?;
+    lse_part.ensure(b, DType::F32, s.lse_elems())?;
+    let copy = BackendCopy(b);
+    let AttnOut { mut o, mut lse } = out;
     let mut have = false;
     for step in 0..n {
         let src = (r + n - step) % n;
-        // One scope per step: the transfers borrow `cur` and `nxt` until they finish, which the scope ensures
-        // before the swap.
-        comm.scope(|s| -> Result<()> {
-            // Post the next block's transfer before computing on this one.
-            let reqs = if step + 1 < n {
-                let t = Instant::now();
-                let send = s.isend((r + 1) % n, TAG_KV, &cur[..])?;
-                let recv = s.irecv((r + n - 1) % n, TAG_KV, &mut nxt[..])?;
-                rep.comm_wait += t.elapsed();
-                Some((send, recv))
+        // One scope per step: the transfers borrow the blocks until they finish, which the scope ensures before
+        // the swap.
+        comm.scope(|sc| -> Result<()> {
+            // The block in hand: this rank's own K and V at the first step, read where the caller keeps them,
+            // then the one received.
+            let (k, v, k_doc) = if step == 0 {
+                (qkv.k, qkv.v, pb.docs)
             } else {
-                None
+                let (k, v) = cur.kv.halves(&kd)?;
+                (k, v, pb.docs.map(|_| &cur.docs[..]))
             };
+            // Post the next block's transfer before computing on this one.
             let t = Instant::now();
-            let (kb, vb, k_doc) = packing.view(cur);
+            let reqs = if step + 1 < n {
+                post_block(sc, ((r + 1) % n, (r + n - 1) % n), (k, v, k_doc), &mut *nxt, &kd, &copy)?
+            } else {
+                Vec::new()
+            };
+            rep.comm_wait += t.elapsed();
+            let t = Instant::now();
             let p = pb.params(&pb.positions[src], k_doc);
-            if p.mask.may_see_any(pb.shape.q_len, pb.shape.kv_len) {
+            if p.mask.may_see_any(s.q_len, s.kv_len) {
                 // The first visible block writes the result directly; later ones a partial, merged in.
-                let (o_dst, lse_dst) = if have { (&mut o_part[..], &mut lse_part[..]) } else { (&mut *o, &mut *lse) };
-                pb.attn_forward(&p, [q, kb, vb], o_dst, lse_dst)?;
+                let qkv = Qkv::new(qkv.q, k, v);
                 if have {
-                    pb.merge(o, lse, o_part, lse_part)?;
+                    let part = AttnOut { o: o_part.view_mut(&qd)?, lse: lse_part.view_mut(&ld)? };
+                    pb.attn_forward(&p, qkv, part)?;
+                    let part = AttnPartial { o: o_part.view(&qd)?, lse: lse_part.view(&ld)? };
+                    pb.merge(AttnOut { o: o.reborrow(), lse: lse.reborrow() }, part)?;
+                } else {
+                    pb.attn_forward(&p, qkv, AttnOut { o: o.reborrow(), lse: lse.reborrow() })?;
                 }
                 have = true;
                 rep.blocks_computed += 1;
@@ -98,12 +145,9 @@ pub(crate) fn ring_forward(
                 rep.blocks_skipped += 1;
             }
             rep.compute += t.elapsed();
-            if let Some((send, recv)) = reqs {
-                let t = Instant::now();
-                send.wait()?;
-                recv.wait()?;
-                rep.comm_wait += t.elapsed();
-            }
+            let t = Instant::now();
+            wait_all(reqs)?;
+            rep.comm_wait += t.elapsed();
             Ok(())
         })?;
         if step + 1 < n {
@@ -111,113 +155,124 @@ pub(crate) fn ring_forward(
         }
     }
     if !have {
-        o.fill(0.0);
-        lse.fill(f32::NEG_INFINITY);
+        b.fill(o, 0.0)?;
+        b.fill(lse, f32::NEG_INFINITY)?;
     }
     Ok(())
 }
 
-/// Ring backward: `dq` (`[B, Hq, L, D]`), `dk`, `dv` (`[B, Hkv, L, D]`), all `f32`, receive this rank's
-/// gradients (overwritten).
+/// Ring backward: `grads.dq` (`[B, Hq, L, D]`), `grads.dk`, `grads.dv` (`[B, Hkv, L, D]`), all `f32`, receive
+/// this rank's gradients (overwritten).
+///
+/// Each step posts the next block's transfer and the accumulator of the block computed at the step before
+/// (with this rank's contribution added), computes this rank's contribution to the block in hand, and waits:
+/// both transfers overlap the compute. After the last step the accumulator goes once more, and the one that
+/// arrives is this rank's own block's, complete.
 pub(crate) fn ring_backward(
     comm: &Communicator,
     pb: &Local<'_>,
-    [q, k, v, o, d_o]: [HostSlice<'_>; 5],
-    lse: &[f32],
-    [dq, dk, dv]: [&mut [f32]; 3],
+    saved: AttnSaved<'_>,
+    d_o: View<'_>,
+    grads: AttnGrads<'_>,
     bufs: &mut RingBuffers,
     rep: &mut StepReport,
 ) -> Result<()> {
     let (n, r) = (comm.world_size(), comm.rank());
     if n == 1 {
-        return single_backward(pb, [q, k, v, o, d_o], lse, [dq, dk, dv], rep);
+        return single_backward(pb, saved, d_o, grads, rep);
     }
     let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
-    let packing = KvPacking::for_block(k.dtype(), pb.shape.kv_elems(), pb.docs);
-    let kv_elems = pb.shape.kv_elems();
-    // The buffers travel by value: each moves into a request and comes back from its `wait` (and then to
-    // `bufs`, for the next call).
+    let (b, s) = (pb.backend, pb.shape);
+    let kd = kv_dims(&s);
+    let acc_dims = [2, s.batch * s.kv_heads, s.kv_len, s.head_dim];
+    let doc_len = pb.docs.map_or(0, |d| d.len());
+    let qkv = saved.qkv;
     let RingBuffers { cur, nxt, part: local, acc_out, acc_in, .. } = bufs;
-    packing.pack_into(cur, k, v, pb.docs);
-    sized(nxt, cur.len());
-    // `local`: this step's contribution (zeroed at each step); `acc_out`: the accumulator to pass on (starts at
-    // zero); `acc_in`: where the next arrives.
-    sized(local, 2 * kv_elems);
-    acc_out.clear();
-    acc_out.resize(2 * kv_elems, 0.0);
-    sized(acc_in, 2 * kv_elems);
-    dq.fill(0.0);
-    let mut acc_reqs = None;
+    for blk in [&mut *cur, &mut *nxt] {
+        blk.ensure(b, qkv.k.dtype(), s.kv_elems(), doc_len)?;
+    }
+    for acc in [&mut *local, &mut *acc_out, &mut *acc_in] {
+        acc.ensure(b, DType::F32, 2 * s.kv_elems())?;
+    }
+    let copy = BackendCopy(b);
+    let AttnGrads { mut dq, dk, dv } = grads;
+    b.fill(dq.reborrow(), 0.0)?;
     for step in 0..n {
         let src = (r + n - step) % n;
-        let t = Instant::now();
-        // Pass the block in hand on (we keep reading it in the send) and receive the next one.
-        let kv_reqs = if step + 1 < n {
-            let send = comm.isend(next, TAG_KV, std::mem::take(cur)).map_err(CommError::from)?;
-            Some((send, comm.irecv(prev, TAG_KV, std::mem::take(nxt)).map_err(CommError::from)?))
-        } else {
-            None
-        };
-        rep.comm_wait += t.elapsed();
+        comm.scope(|sc| -> Result<()> {
+            let (k, v, k_doc) = if step == 0 {
+                (qkv.k, qkv.v, pb.docs)
+            } else {
+                let (k, v) = cur.kv.halves(&kd)?;
+                (k, v, pb.docs.map(|_| &cur.docs[..]))
+            };
+            let t = Instant::now();
+            let mut reqs = if step + 1 < n {
+                post_block(sc, (next, prev), (k, v, k_doc), &mut *nxt, &kd, &copy)?
+            } else {
+                Vec::new()
+            };
+            if step > 0 {
+                reqs.push(sc.isend_bytes(next, TAG_DKV, bytes(acc_out.view(&acc_dims)?, &copy))?);
+                reqs.push(sc.irecv_bytes(prev, TAG_DKV, bytes_mut(acc_in.view_mut(&acc_dims)?, &copy))?);
+            }
+            rep.comm_wait += t.elapsed();
 
-        // This rank's contribution to the block in hand, while the block's accumulator is still arriving.
-        let t = Instant::now();
-        let block = kv_reqs.as_ref().map_or(&cur[..], |(send, _)| send.buf());
-        let (kb, vb, k_doc) = packing.view(block);
-        let p = pb.params(&pb.positions[src], k_doc);
-        local.fill(0.0);
-        let (dk_loc, dv_loc) = local.split_at_mut(kv_elems);
-        if p.mask.may_see_any(pb.shape.q_len, pb.shape.kv_len) {
-            pb.attn_backward(&p, [q, kb, vb, o, d_o], lse, [dq, dk_loc, dv_loc], GradMode::Accumulate)?;
-            rep.blocks_computed += 1;
+            // This rank's contribution to the block in hand, while the transfers run.
+            let t = Instant::now();
+            let p = pb.params(&pb.positions[src], k_doc);
+            b.fill(local.view_mut(&acc_dims)?, 0.0)?;
+            if p.mask.may_see_any(s.q_len, s.kv_len) {
+                let (dk_loc, dv_loc) = local.halves_mut(&kd)?;
+                let block = AttnSaved { qkv: Qkv::new(qkv.q, k, v), ..saved };
+                let into = AttnGrads { dq: dq.reborrow(), dk: dk_loc, dv: dv_loc };
+                pb.attn_backward(&p, block, d_o, into, GradMode::Accumulate)?;
+                rep.blocks_computed += 1;
+            } else {
+                rep.blocks_skipped += 1;
+            }
+            rep.compute += t.elapsed();
+            let t = Instant::now();
+            wait_all(reqs)?;
+            rep.comm_wait += t.elapsed();
+            Ok(())
+        })?;
+        // The block's accumulator as it goes on at the next step: ours alone at the first step (the block is this
+        // rank's own), else the one that arrived plus ours.
+        if step == 0 {
+            std::mem::swap(local, acc_out);
         } else {
-            rep.blocks_skipped += 1;
+            b.add(acc_in.view_mut(&acc_dims)?, local.view(&acc_dims)?)?;
+            std::mem::swap(acc_in, acc_out);
         }
-        rep.compute += t.elapsed();
-
-        let t = Instant::now();
-        // The accumulator that arrived (zeros at the first step) plus ours goes on; the buffer that went out
-        // last comes back to receive the next one.
-        if let Some((s_req, r_req)) = acc_reqs.take() {
-            (*acc_in, *acc_out) = wait_pair(s_req, r_req)?;
+        if step + 1 < n {
+            std::mem::swap(cur, nxt);
         }
-        for (a, l) in acc_out.iter_mut().zip(local.iter()) {
-            *a += *l;
-        }
-        let send = comm.isend(next, TAG_DKV, std::mem::take(acc_out)).map_err(CommError::from)?;
-        acc_reqs = Some((send, comm.irecv(prev, TAG_DKV, std::mem::take(acc_in)).map_err(CommError::from)?));
-        if let Some((ks, kr)) = kv_reqs {
-            (*nxt, *cur) = wait_pair(ks, kr)?;
-        }
-        rep.comm_wait += t.elapsed();
     }
-    // After n hops the accumulator arriving last is this rank's own block's, complete.
-    if let Some((s_req, r_req)) = acc_reqs.take() {
-        let t = Instant::now();
-        (*acc_out, *acc_in) = wait_pair(s_req, r_req)?;
-        rep.comm_wait += t.elapsed();
-    }
-    dk.copy_from_slice(&acc_in[..kv_elems]);
-    dv.copy_from_slice(&acc_in[kv_elems..]);
+    // The last hop: the accumulator arriving is this rank's own block's, complete.
+    let t = Instant::now();
+    comm.scope(|sc| -> Result<()> {
+        let send = sc.isend_bytes(next, TAG_DKV, bytes(acc_out.view(&acc_dims)?, &copy))?;
+        let recv = sc.irecv_bytes(prev, TAG_DKV, bytes_mut(acc_in.view_mut(&acc_dims)?, &copy))?;
+        wait_all(vec![recv, send])
+    })?;
+    rep.comm_wait += t.elapsed();
+    let (dk_all, dv_all) = acc_in.halves(&kd)?;
+    b.copy(dk, dk_all)?;
+    b.copy(dv, dv_all)?;
     Ok(())
 }
 
-/// [`ring_forward`] on one rank: its own block, read where it lies (nothing travels, so nothing is packed).
-fn single_forward(
-    pb: &Local<'_>,
-    [q, k, v]: [HostSlice<'_>; 3],
-    o: &mut [f32],
-    lse: &mut [f32],
-    rep: &mut StepReport,
-) -> Result<()> {
+/// [`ring_forward`] on one rank: its own block, read where it lies (nothing travels).
+fn single_forward(pb: &Local<'_>, qkv: Qkv<'_>, out: AttnOut<'_>, rep: &mut StepReport) -> Result<()> {
     let t = Instant::now();
     let p = pb.params(pb.my_positions(), pb.docs);
     if p.mask.may_see_any(pb.shape.q_len, pb.shape.kv_len) {
-        pb.attn_forward(&p, [q, k, v], o, lse)?;
+        pb.attn_forward(&p, qkv, out)?;
         rep.blocks_computed += 1;
     } else {
-        o.fill(0.0);
-        lse.fill(f32::NEG_INFINITY);
+        pb.backend.fill(out.o, 0.0)?;
+        pb.backend.fill(out.lse, f32::NEG_INFINITY)?;
         rep.blocks_skipped += 1;
     }
     rep.compute += t.elapsed();
@@ -228,31 +283,24 @@ fn single_forward(
 /// pass on or copy out.
 fn single_backward(
     pb: &Local<'_>,
-    inputs: [HostSlice<'_>; 5],
-    lse: &[f32],
-    [dq, dk, dv]: [&mut [f32]; 3],
+    saved: AttnSaved<'_>,
+    d_o: View<'_>,
+    grads: AttnGrads<'_>,
     rep: &mut StepReport,
 ) -> Result<()> {
     let t = Instant::now();
     let p = pb.params(pb.my_positions(), pb.docs);
     if p.mask.may_see_any(pb.shape.q_len, pb.shape.kv_len) {
-        pb.attn_backward(&p, inputs, lse, [dq, dk, dv], GradMode::Overwrite)?;
+        pb.attn_backward(&p, saved, d_o, grads, GradMode::Overwrite)?;
         rep.blocks_computed += 1;
     } else {
-        for g in [dq, dk, dv] {
-            g.fill(0.0);
+        for g in [grads.dq, grads.dk, grads.dv] {
+            pb.backend.fill(g, 0.0)?;
         }
         rep.blocks_skipped += 1;
     }
     rep.compute += t.elapsed();
     Ok(())
-}
-
-/// Finishes a send and a receive, handing back (sent buffer, received buffer).
-fn wait_pair<S: longctx_p2p::OwnedBuf, R>(s: SendRequest<S>, r: OwnedRequest<R>) -> Result<(S, R)> {
-    let sent = s.wait().map_err(CommError::from);
-    let received = r.wait().map_err(CommError::from)?;
-    Ok((sent?, received))
 }
 
 /// 32-bit words of one travelling block: K and V of `kv_elems` elements of `elem` bytes, and `doc_len` ids.

@@ -189,6 +189,23 @@ impl<'a> HostSliceMut<'a> {
     pub fn into_sub(self, start: usize, len: usize) -> HostSliceMut<'a> {
         map!(HostSliceMut => HostSliceMut, self, s => &mut s[start..start + len])
     }
+    /// Elements `..at` and `at..` (panics past the end, like `split_at_mut`).
+    pub fn into_split(self, at: usize) -> (HostSliceMut<'a>, HostSliceMut<'a>) {
+        match self {
+            HostSliceMut::F32(s) => {
+                let (a, b) = s.split_at_mut(at);
+                (HostSliceMut::F32(a), HostSliceMut::F32(b))
+            }
+            HostSliceMut::Bf16(s) => {
+                let (a, b) = s.split_at_mut(at);
+                (HostSliceMut::Bf16(a), HostSliceMut::Bf16(b))
+            }
+            HostSliceMut::F16(s) => {
+                let (a, b) = s.split_at_mut(at);
+                (HostSliceMut::F16(a), HostSliceMut::F16(b))
+            }
+        }
+    }
     /// Splits into consecutive chunks of `chunk` elements (the last may be shorter).
     pub(crate) fn into_chunks(self, chunk: usize) -> Vec<HostSliceMut<'a>> {
         match self {

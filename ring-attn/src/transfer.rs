@@ -1,0 +1,88 @@
+//! Views handed to the communicator where their bytes lie: host views as host bytes, device views as device
+//! addresses with [`BackendCopy`], which moves them through the backend for transports that cannot reach the
+//! device themselves (see `longctx_p2p::memory`).
+
+use longctx_kernels::{Backend, DType, DeviceSlice, DeviceSliceMut, RawBytes, RawBytesMut, View, ViewMut};
+use longctx_p2p::{Bytes, BytesMut, DeviceBytes, DeviceCopy};
+
+/// The communicator's copier for the backend's device memory: its download and upload, on raw bytes.
+pub(crate) struct BackendCopy<'a>(pub &'a dyn Backend);
+
+/// Bytes as elements a backend copies bit for bit: 4-byte words when the length allows, else 2-byte ones (every
+/// message here is whole `f32`, `bf16` or `f16` elements).
+fn unit(len: usize) -> DType {
+    if len.is_multiple_of(4) {
+        DType::F32
+    } else {
+        DType::F16
+    }
+}
+
+impl DeviceCopy for BackendCopy<'_> {
+    fn download(&self, src: u64, dst: &mut [u8]) -> Result<(), String> {
+        let (dtype, len) = (unit(dst.len()), dst.len());
+        let n = len / dtype.size();
+        // SAFETY: `src` is the address of `len` bytes of a view of this backend's memory, borrowed by the transfer
+        // that asks for them (see `bytes`).
+        let src = unsafe { DeviceSlice::new(src, n, dtype, self.0.memory()) };
+        let src = View::device(src, [n]).map_err(|e| e.to_string())?;
+        let mut words = vec![0u32; len.div_ceil(4)];
+        let host: &mut [u8] = bytemuck::cast_slice_mut(&mut words);
+        let host = &mut host[..len];
+        let dst_view = match dtype {
+            DType::F32 => ViewMut::new(bytemuck::cast_slice_mut::<u8, f32>(host), [n]),
+            _ => ViewMut::new(bytemuck::cast_slice_mut::<u8, half::f16>(host), [n]),
+        }
+        .map_err(|e| e.to_string())?;
+        self.0.download(dst_view, src).map_err(|e| e.to_string())?;
+        dst.copy_from_slice(host);
+        Ok(())
+    }
+
+    fn upload(&self, dst: u64, src: &[u8]) -> Result<(), String> {
+        let (dtype, len) = (unit(src.len()), src.len());
+        let n = len / dtype.size();
+        // SAFETY: as in `download`; the receive that asks holds the view mutably.
+        let dst = unsafe { DeviceSliceMut::new(dst, n, dtype, self.0.memory()) };
+        let dst = ViewMut::device(dst, [n]).map_err(|e| e.to_string())?;
+        let mut words = vec![0u32; len.div_ceil(4)];
+        let host: &mut [u8] = bytemuck::cast_slice_mut(&mut words);
+        host[..len].copy_from_slice(src);
+        let host = &host[..len];
+        let src_view = match dtype {
+            DType::F32 => View::new(bytemuck::cast_slice::<u8, f32>(host), [n]),
+            _ => View::new(bytemuck::cast_slice::<u8, half::f16>(host), [n]),
+        }
+        .map_err(|e| e.to_string())?;
+        self.0.upload(dst, src_view).map_err(|e| e.to_string())?;
+        // Upload may be asynchronous; the message's bytes must be in place when the receive finishes.
+        self.0.synchronize().map_err(|e| e.to_string())
+    }
+}
+
+/// The bytes of `v` for a send.
+pub(crate) fn bytes<'a>(v: View<'a>, copy: &'a BackendCopy<'_>) -> Bytes<'a> {
+    match v.raw_bytes() {
+        RawBytes::Host(b) => Bytes::Host(b),
+        RawBytes::Device { ptr, len, memory } => {
+            Bytes::Device(DeviceBytes { ptr, len, ordinal: ordinal(memory), copy })
+        }
+    }
+}
+
+/// The bytes of `v` for a receive.
+pub(crate) fn bytes_mut<'a>(v: ViewMut<'a>, copy: &'a BackendCopy<'_>) -> BytesMut<'a> {
+    match v.into_raw_bytes() {
+        RawBytesMut::Host(b) => BytesMut::Host(b),
+        RawBytesMut::Device { ptr, len, memory } => {
+            BytesMut::Device(DeviceBytes { ptr, len, ordinal: ordinal(memory), copy })
+        }
+    }
+}
+
+fn ordinal(memory: longctx_kernels::Memory) -> u32 {
+    match memory {
+        longctx_kernels::Memory::Cuda { ordinal } => ordinal as u32,
+        _ => 0,
+    }
+}
