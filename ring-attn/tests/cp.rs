@@ -6,10 +6,10 @@ use longctx_kernels::attention::reference;
 use longctx_kernels::testing::{max_rel_err as rel_err, reference_f64, uniform_nonzero};
 use std::sync::Arc;
 
-use longctx_kernels::{AttnMask, AttnParams, AttnShape, Element, Positions};
+use longctx_kernels::{AttnMask, AttnParams, AttnShape, Buffer, CudaBackend, Dims, Element, Positions};
 use longctx_ring_attn::{
-    AttnGrads, AttnOut, AttnSaved, ContextParallel, CpConfig, CpMask, CpPlan, CpShape, CpuBackend, DType, Partition,
-    Qkv, RingError, Schedule, SeqLayout, ThreadWorld, View, ViewMut,
+    AttnGrads, AttnOut, AttnSaved, Backend, ContextParallel, CpConfig, CpMask, CpPlan, CpShape, CpuBackend, DType,
+    Partition, Qkv, RingError, Schedule, SeqLayout, ThreadWorld, View, ViewMut,
 };
 use proptest::prelude::*;
 
@@ -84,29 +84,56 @@ fn full(c: &Case, x: &Inputs) -> [Vec<f64>; 5] {
 /// Unsharded outputs and, per rank, (sent, expected) bytes of forward and backward.
 type CpRun = ([Vec<f32>; 5], Vec<[(u64, u64); 2]>);
 
-/// Forward and backward of one rank through its plan, in the element type `T`; outputs widened to f32.
-fn fwd_bwd<T: Element>(plan: &mut CpPlan, [q, k, v, d_o]: [&[f32]; 4]) -> RankOut {
-    let t = |x: &[f32]| x.iter().map(|&a| T::from_f32(a)).collect::<Vec<T>>();
-    let f = |x: &[T]| x.iter().map(|a| a.to_f32()).collect::<Vec<f32>>();
-    let (q, k, v, d_o) = (t(q), t(k), t(v), t(d_o));
+/// Makes one rank's backend.
+type MakeBackend = fn() -> Arc<dyn Backend>;
+
+fn cpu() -> Arc<dyn Backend> {
+    Arc::new(CpuBackend::new())
+}
+
+/// Forward and backward of one rank through its plan, in the element type `T`, on buffers of the backend `b`
+/// (inputs uploaded, outputs poisoned with NaN first and downloaded after); outputs widened to f32.
+fn fwd_bwd<T: Element>(b: &dyn Backend, plan: &mut CpPlan, [q, k, v, d_o]: [&[f32]; 4]) -> RankOut {
     let (qd, kd, ld) = (plan.q_dims(), plan.kv_dims(), plan.lse_dims());
-    let nan = T::from_f32(f32::NAN);
-    let (mut o, mut lse) = (vec![nan; q.len()], vec![f32::NAN; ld.iter().product()]);
-    let qkv = Qkv::new(View::new(&q, qd).unwrap(), View::new(&k, kd).unwrap(), View::new(&v, kd).unwrap());
-    let out = AttnOut { o: ViewMut::new(&mut o, qd).unwrap(), lse: ViewMut::new(&mut lse, ld).unwrap() };
-    let rf = plan.forward(out, qkv).unwrap();
-    let (mut dq, mut dk, mut dv) = (vec![nan; q.len()], vec![nan; k.len()], vec![nan; k.len()]);
-    let grads = AttnGrads {
-        dq: ViewMut::new(&mut dq, qd).unwrap(),
-        dk: ViewMut::new(&mut dk, kd).unwrap(),
-        dv: ViewMut::new(&mut dv, kd).unwrap(),
+    let up = |x: &[f32], dims: &[usize]| {
+        let host: Vec<T> = x.iter().map(|&a| T::from_f32(a)).collect();
+        let mut buf = b.empty(T::DTYPE, Dims::new(dims).unwrap()).unwrap();
+        b.upload(buf.view_mut(), View::new(&host, dims).unwrap()).unwrap();
+        buf
     };
-    let saved = AttnSaved { qkv, o: View::new(&o, qd).unwrap(), lse: View::new(&lse, ld).unwrap() };
-    let rb = plan.backward(grads, View::new(&d_o, qd).unwrap(), saved).unwrap();
-    ([f(&o), lse, f(&dq), f(&dk), f(&dv)], [(rf.bytes_sent, rf.expected_bytes), (rb.bytes_sent, rb.expected_bytes)])
+    let poisoned = |dtype: DType, dims: &[usize]| {
+        let mut buf = b.empty(dtype, Dims::new(dims).unwrap()).unwrap();
+        b.fill(buf.view_mut(), f32::NAN).unwrap();
+        buf
+    };
+    let down = |buf: &Buffer| {
+        if buf.dtype() == DType::F32 {
+            let mut host = vec![0f32; buf.len()];
+            b.download(ViewMut::new(&mut host, buf.dims()).unwrap(), buf.view()).unwrap();
+            return host;
+        }
+        let mut host = vec![T::from_f32(0.0); buf.len()];
+        b.download(ViewMut::new(&mut host, buf.dims()).unwrap(), buf.view()).unwrap();
+        host.iter().map(|a| a.to_f32()).collect()
+    };
+    let (q, k, v, d_o) = (up(q, &qd), up(k, &kd), up(v, &kd), up(d_o, &qd));
+    let (mut o, mut lse) = (poisoned(T::DTYPE, &qd), poisoned(DType::F32, &ld));
+    let qkv = Qkv::new(q.view(), k.view(), v.view());
+    let rf = plan.forward(AttnOut { o: o.view_mut(), lse: lse.view_mut() }, qkv).unwrap();
+    let (mut dq, mut dk, mut dv) = (poisoned(T::DTYPE, &qd), poisoned(T::DTYPE, &kd), poisoned(T::DTYPE, &kd));
+    let grads = AttnGrads { dq: dq.view_mut(), dk: dk.view_mut(), dv: dv.view_mut() };
+    let saved = AttnSaved { qkv, o: o.view(), lse: lse.view() };
+    let rb = plan.backward(grads, d_o.view(), saved).unwrap();
+    b.synchronize().unwrap();
+    let outs = [down(&o), down(&lse), down(&dq), down(&dk), down(&dv)];
+    (outs, [(rf.bytes_sent, rf.expected_bytes), (rb.bytes_sent, rb.expected_bytes)])
 }
 
 fn run_cp(c: &Case, x: &Inputs) -> CpRun {
+    run_cp_on(c, x, cpu)
+}
+
+fn run_cp_on(c: &Case, x: &Inputs, make: MakeBackend) -> CpRun {
     let s = c.shape;
     let layout = SeqLayout::new(c.partition, c.cp, s.seq_len).unwrap();
     let d = s.head_dim;
@@ -115,7 +142,8 @@ fn run_cp(c: &Case, x: &Inputs) -> CpRun {
         .run(c.cp, |comm| {
             let r = comm.rank();
             let cfg = CpConfig { partition: c.partition, schedule: c.schedule, scale: None };
-            let cpa = ContextParallel::new(comm, Arc::new(CpuBackend::new()), cfg).unwrap();
+            let backend = make();
+            let cpa = ContextParallel::new(comm, backend.clone(), cfg).unwrap();
             let sh = |full: &[f32], heads: usize| layout.shard(full, s.batch * heads, d, r).unwrap();
             let (q, k, v, d_o) =
                 (sh(&x.q, s.q_heads), sh(&x.k, s.kv_heads), sh(&x.v, s.kv_heads), sh(&x.d_o, s.q_heads));
@@ -125,9 +153,9 @@ fn run_cp(c: &Case, x: &Inputs) -> CpRun {
                 plan.set_documents(&layout.shard(dd, 1, 1, r).unwrap()).unwrap();
             }
             match c.shape.dtype {
-                DType::F32 => fwd_bwd::<f32>(&mut plan, [&q, &k, &v, &d_o]),
-                DType::Bf16 => fwd_bwd::<bf16>(&mut plan, [&q, &k, &v, &d_o]),
-                DType::F16 => fwd_bwd::<half::f16>(&mut plan, [&q, &k, &v, &d_o]),
+                DType::F32 => fwd_bwd::<f32>(&*backend, &mut plan, [&q, &k, &v, &d_o]),
+                DType::Bf16 => fwd_bwd::<bf16>(&*backend, &mut plan, [&q, &k, &v, &d_o]),
+                DType::F16 => fwd_bwd::<half::f16>(&*backend, &mut plan, [&q, &k, &v, &d_o]),
             }
         })
         .unwrap();
@@ -144,9 +172,14 @@ fn run_cp(c: &Case, x: &Inputs) -> CpRun {
 }
 
 fn check(c: &Case) -> Result<(), TestCaseError> {
+    check_on(c, cpu)
+}
+
+/// [`check`] with each rank on a backend from `make`.
+fn check_on(c: &Case, make: MakeBackend) -> Result<(), TestCaseError> {
     let x = inputs(c);
     let want = full(c, &x);
-    let (got, bytes) = run_cp(c, &x);
+    let (got, bytes) = run_cp_on(c, &x, make);
     let tol = match c.shape.dtype {
         DType::F32 => 1e-5,
         DType::Bf16 => 2e-2,
@@ -244,6 +277,49 @@ fn every_schedule_and_partition() {
                     check(&c).unwrap_or_else(|e| panic!("{e}"));
                 }
             }
+        }
+    }
+}
+
+/// The same exchange on device memory: every schedule, on the CUDA backend's host emulator (its buffers are
+/// device allocations, so every transfer goes through `BackendCopy` and every fill, sum and re-shard runs as a
+/// CUDA kernel), and on a GPU when one is present. Skipped, saying so, in a build without the `cuda` feature.
+#[test]
+fn device_memory_matches_full_attention() {
+    fn emulated() -> Arc<dyn Backend> {
+        Arc::new(CudaBackend::emulated().expect("the emulator opened once already"))
+    }
+    fn gpu() -> Arc<dyn Backend> {
+        Arc::new(CudaBackend::new(0).expect("the GPU opened once already"))
+    }
+    let mut backends: Vec<(&str, MakeBackend)> = Vec::new();
+    match CudaBackend::emulated() {
+        Ok(_) => backends.push(("cuda_emulated", emulated)),
+        Err(e) => eprintln!("device_memory_matches_full_attention: skipping the emulator: {e}"),
+    }
+    match CudaBackend::new(0) {
+        Ok(_) => backends.push(("cuda", gpu)),
+        Err(e) => eprintln!("device_memory_matches_full_attention: skipping the GPU: {e}"),
+    }
+    for (name, make) in backends {
+        for (schedule, dtype, head_dim) in [
+            (Schedule::Ring, DType::Bf16, 64),
+            (Schedule::Ring, DType::F32, 32),
+            (Schedule::AllGather { kv_heads_per_step: 1 }, DType::Bf16, 64),
+            (Schedule::Ulysses, DType::Bf16, 64),
+            (Schedule::Hybrid { group: 2 }, DType::F32, 32),
+        ] {
+            let c = Case {
+                cp: 4,
+                shape: CpShape { batch: 1, q_heads: 8, kv_heads: 4, seq_len: 64, head_dim, dtype },
+                partition: Partition::Zigzag,
+                schedule,
+                causal: true,
+                window: None,
+                doc_len: Some(21),
+                seed: 11,
+            };
+            check_on(&c, make).unwrap_or_else(|e| panic!("{name}: {e}"));
         }
     }
 }
@@ -378,8 +454,8 @@ fn a_model_owns_its_plan_and_reuses_it() {
         let n: usize = layer.plan.q_dims().iter().product();
         let nk: usize = layer.plan.kv_dims().iter().product();
         let x = [uniform_nonzero(n, 1), uniform_nonzero(nk, 2), uniform_nonzero(nk, 3), uniform_nonzero(n, 4)];
-        let a = fwd_bwd::<f32>(&mut layer.plan, [&x[0], &x[1], &x[2], &x[3]]).0;
-        let b = fwd_bwd::<f32>(&mut layer.plan, [&x[0], &x[1], &x[2], &x[3]]).0;
+        let a = fwd_bwd::<f32>(&CpuBackend::new(), &mut layer.plan, [&x[0], &x[1], &x[2], &x[3]]).0;
+        let b = fwd_bwd::<f32>(&CpuBackend::new(), &mut layer.plan, [&x[0], &x[1], &x[2], &x[3]]).0;
         let ws = layer.plan.workspace_bytes();
         (a == b, ws, layer.plan.saved_bytes(), layer.plan.positions().to_vec())
     })
