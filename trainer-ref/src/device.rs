@@ -72,7 +72,7 @@ pub fn backend(device: Device, threads: usize) -> Result<Arc<dyn Backend>> {
 /// `cuda` feature): what a command checks before any work, since the backend itself is built by each rank.
 pub fn check_compiled(device: Device) -> Result<()> {
     match device {
-        Device::Cuda(_) if !cfg!(feature = "cuda") => Err(TrainError::CudaNotCompiled { device }),
+        Device::Cuda(ordinal) if !cfg!(feature = "cuda") => Err(TrainError::CudaNotCompiled { ordinal }),
         _ => Ok(()),
     }
 }
@@ -86,7 +86,7 @@ fn cuda(ordinal: usize) -> Result<Arc<dyn Backend>> {
 /// A build without the `cuda` feature has no CUDA backend (the kernels' stub type computes nothing).
 #[cfg(not(feature = "cuda"))]
 fn cuda(ordinal: usize) -> Result<Arc<dyn Backend>> {
-    Err(TrainError::CudaNotCompiled { device: Device::Cuda(ordinal) })
+    Err(TrainError::CudaNotCompiled { ordinal })
 }
 
 #[cfg(test)]
@@ -110,7 +110,7 @@ mod tests {
         assert!(matches!(check_compiled(Device::Cuda(3)), Err(TrainError::CudaNotCompiled { .. })));
         check_compiled(Device::Cpu).unwrap();
         let e = backend(Device::Cuda(0), 0).unwrap_err();
-        assert!(matches!(e, TrainError::CudaNotCompiled { device: Device::Cuda(0) }), "{e}");
+        assert!(matches!(e, TrainError::CudaNotCompiled { ordinal: 0 }), "{e}");
         assert!(e.to_string().contains("--features cuda"), "{e}");
     }
 }

@@ -188,10 +188,10 @@ pub enum TrainError {
         why: String,
     },
     /// The run asks for a CUDA device and this build has no CUDA backend.
-    #[error("`{device}`: this build of longctx has no CUDA backend (build with `--features cuda`)")]
+    #[error("`cuda:{ordinal}`: this build of longctx has no CUDA backend (build with `--features cuda`)")]
     CudaNotCompiled {
-        /// The device asked for.
-        device: crate::device::Device,
+        /// The ordinal of the GPU asked for.
+        ordinal: usize,
     },
     /// A thread pool the trainer needs could not be started.
     #[error("{purpose}: {source}")]
