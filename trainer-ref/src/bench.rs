@@ -136,7 +136,10 @@ fn ours(exe: &Path, out: &Path, recipe: &str, sets: &[String], cp: usize) -> Res
     }
     let o = cmd.output().map_err(|e| TrainError::io(exe, e))?;
     if !o.status.success() {
-        return Err(TrainError::Config(format!("our run failed: {}", String::from_utf8_lossy(&o.stderr))));
+        return Err(TrainError::Child {
+            what: "our run failed".into(),
+            detail: String::from_utf8_lossy(&o.stderr).into_owned(),
+        });
     }
     let path = out.join("metrics.jsonl");
     let text = std::fs::read_to_string(&path).map_err(|e| TrainError::io(&path, e))?;
@@ -165,7 +168,10 @@ fn ours(exe: &Path, out: &Path, recipe: &str, sets: &[String], cp: usize) -> Res
 /// with the losses compared bit for bit. The two alternate within each round; medians are printed.
 fn offload_table(exe: &Path, opts: &BenchOptions, tier: &str) -> Result<()> {
     if !matches!(tier, "host" | "disk") {
-        return Err(TrainError::Config(format!("--offload `{tier}` (host or disk)")));
+        return Err(TrainError::InvalidOption {
+            option: "--offload".into(),
+            detail: format!("`{tier}` (host or disk)"),
+        });
     }
     println!(
         "| seq | step s, none | step s, offload {tier} | ratio | offload wait s per step | kept per rank, none | offload | peak RSS, none | offload | ratio | same losses |"
@@ -225,7 +231,10 @@ fn recompute_table(exe: &Path, opts: &BenchOptions) -> Result<()> {
     policies.extend(opts.recompute.iter().filter(|p| *p != "none").cloned());
     let parsed: Vec<longctx_recompute::Policy> = policies
         .iter()
-        .map(|p| p.parse().map_err(|e| TrainError::Config(format!("--recompute {p}: {e}"))))
+        .map(|p| {
+            p.parse()
+                .map_err(|e| TrainError::InvalidOption { option: "--recompute".into(), detail: format!("{p}: {e}") })
+        })
         .collect::<Result<_>>()?;
     let mut budget_lines = Vec::new();
     for &seq in &opts.seqs {
@@ -306,8 +315,8 @@ fn peer(python: &str, script: &Path, model: &[String], seq: usize, steps: u64, d
         eprintln!("# peer: {}", String::from_utf8_lossy(&o.stderr).lines().last().unwrap_or("no output"));
         return Ok(None);
     };
-    let v: serde_json::Value =
-        serde_json::from_str(line).map_err(|e| TrainError::Config(format!("peer output {line:?}: {e}")))?;
+    let v: serde_json::Value = serde_json::from_str(line)
+        .map_err(|e| TrainError::Child { what: format!("peer output {line:?}"), detail: e.to_string() })?;
     let f = |k: &str| v.get(k).and_then(|x| x.as_f64()).unwrap_or(0.0);
     Ok(Some(Side {
         tokens_per_s: f("tokens_per_s"),

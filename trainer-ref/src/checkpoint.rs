@@ -161,7 +161,7 @@ fn parse_dir_name(name: &str) -> Option<u64> {
 /// `Err` the previous checkpoints are as they were.
 ///
 /// Errors: `keep_last` of 0, a tensor whose dims do not match its data, a duplicate or empty
-/// tensor name (`TrainError::Config`, naming it), and any I/O failure (`TrainError::Io`, naming
+/// tensor name (`TrainError::InvalidArgument`, naming it), and any I/O failure (`TrainError::Io`, naming
 /// the path).
 pub fn save(
     out_dir: &Path,
@@ -176,7 +176,7 @@ pub fn save(
 
 /// [`save`], with the run's tokenizer written into the checkpoint as [`TOKENIZER_FILE`] (listed in
 /// the manifest and checked on load like the tensor files) when `tokenizer` is given. A tokenizer
-/// that cannot be serialised is a `TrainError::Config`, before anything is written.
+/// that cannot be serialised is a `TrainError::Tokenizer`, before anything is written.
 pub fn save_with_tokenizer(
     out_dir: &Path,
     step: u64,
@@ -187,18 +187,22 @@ pub fn save_with_tokenizer(
     tokenizer: Option<&SavedTokenizer>,
 ) -> Result<PathBuf> {
     if keep_last == 0 {
-        return Err(TrainError::Config(format!(
-            "checkpoint keep_last is 0: at least the checkpoint being written must be kept (saving step {step} under {})",
-            out_dir.display()
-        )));
+        return Err(TrainError::InvalidArgument {
+            name: "keep_last".into(),
+            detail: format!(
+                "0: at least the checkpoint being written must be kept (saving step {step} under {})",
+                out_dir.display()
+            ),
+        });
     }
     check_tensors(MODEL_FILE, model)?;
     check_tensors(OPTIM_FILE, optim)?;
     let tokenizer = tokenizer
         .map(|t| -> Result<(String, Value)> {
             // Pretty, as Hugging Face writes it: the file is read by people too.
-            let text = t.tokenizer.to_string(true).map_err(|e| {
-                TrainError::Config(format!("checkpoint {TOKENIZER_FILE}: the tokenizer cannot be serialised: {e}"))
+            let text = t.tokenizer.to_string(true).map_err(|e| TrainError::Tokenizer {
+                context: format!("checkpoint {TOKENIZER_FILE}: the tokenizer cannot be serialised"),
+                detail: e.to_string(),
             })?;
             Ok((text, json!({ "eos_token_id": t.eos_token_id, "bos_token_id": t.bos_token_id })))
         })
@@ -281,7 +285,7 @@ fn write_and_publish(
     }
     let state_path = tmp.join(STATE_FILE);
     let bytes = serde_json::to_vec_pretty(&doc)
-        .map_err(|e| TrainError::Config(format!("{}: cannot encode the state: {e}", state_path.display())))?;
+        .map_err(|e| TrainError::Internal(format!("{}: cannot encode the state: {e}", state_path.display())))?;
     write_synced(&state_path, &bytes)?;
     sync_dir(tmp)?;
     fault("before-publish")?;
@@ -589,18 +593,17 @@ fn check_tensors(file: &str, tensors: &[Tensor<'_>]) -> Result<()> {
     for t in tensors {
         let which = format!("checkpoint {file}: tensor `{}`", t.name);
         if t.name.is_empty() || t.name == "__metadata__" {
-            return Err(TrainError::Config(format!("{which}: not a usable tensor name")));
+            return Err(TrainError::InvalidArgument { name: which, detail: "not a usable tensor name".into() });
         }
         if !seen.insert(t.name.as_str()) {
-            return Err(TrainError::Config(format!("{which} is given twice")));
+            return Err(TrainError::InvalidArgument { name: which, detail: "given twice".into() });
         }
         let count = t.dims.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
         if count != Some(t.data.len()) {
-            return Err(TrainError::Config(format!(
-                "{which}: dims {:?} do not hold the {} values given",
-                t.dims,
-                t.data.len()
-            )));
+            return Err(TrainError::InvalidArgument {
+                name: which,
+                detail: format!("dims {:?} do not hold the {} values given", t.dims, t.data.len()),
+            });
         }
     }
     Ok(())
@@ -891,7 +894,7 @@ mod tests {
         assert_eq!(entries(&root), ["step-00000030", "step-00000050", "step-00000099", "step-30-good", "step-7"]);
 
         let e = save_step(tmp.path(), 60, 0).unwrap_err();
-        assert!(matches!(e, TrainError::Config(ref m) if m.contains("keep_last")), "{e}");
+        assert!(matches!(e, TrainError::InvalidArgument { ref name, .. } if name == "keep_last"), "{e}");
     }
 
     #[test]
@@ -1168,7 +1171,11 @@ mod tests {
             (vec![Tensor::new("", &[5], &data)], "not a usable tensor name"),
         ] {
             let e = save(tmp.path(), 1, &tensors, &[], &json!({}), 1).unwrap_err();
-            assert!(matches!(e, TrainError::Config(ref m) if m.contains(needle) && m.contains(MODEL_FILE)), "{e}");
+            let m = e.to_string();
+            assert!(
+                matches!(e, TrainError::InvalidArgument { .. }) && m.contains(needle) && m.contains(MODEL_FILE),
+                "{e}"
+            );
         }
         assert_eq!(latest(tmp.path()).unwrap(), None);
     }

@@ -43,10 +43,12 @@ impl TextTokenizer {
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         match self {
             TextTokenizer::Bytes => Ok(encode(text)),
-            TextTokenizer::Pretrained { tokenizer, .. } => tokenizer
-                .encode(text, false)
-                .map(|e| e.get_ids().to_vec())
-                .map_err(|e| TrainError::Config(format!("the tokenizer failed on the corpus: {e}"))),
+            TextTokenizer::Pretrained { tokenizer, .. } => {
+                tokenizer.encode(text, false).map(|e| e.get_ids().to_vec()).map_err(|e| TrainError::Tokenizer {
+                    context: "the tokenizer failed on the corpus".into(),
+                    detail: e.to_string(),
+                })
+            }
         }
     }
 
@@ -157,6 +159,17 @@ pub struct Sequence {
     pub docs: Vec<u32>,
 }
 
+impl Sequence {
+    /// A rank's share of the sequence: its tokens, targets and document ids at `positions` (the rank's global
+    /// positions under the context-parallel partition).
+    pub fn share(&self, positions: &[i64]) -> (Vec<u32>, Vec<i64>, Vec<u32>) {
+        let ids = positions.iter().map(|&p| self.inputs[p as usize]).collect();
+        let targets = positions.iter().map(|&p| self.targets[p as usize]).collect();
+        let docs = positions.iter().map(|&p| self.docs[p as usize]).collect();
+        (ids, targets, docs)
+    }
+}
+
 impl TokenStream {
     /// Packs `documents` as byte tokens, each closed by [`EOT`].
     pub fn pack(name: &str, documents: &[&str]) -> Result<TokenStream> {
@@ -173,7 +186,10 @@ impl TokenStream {
             tokens.push(tok.eot());
         }
         if tokens.len() < 2 {
-            return Err(TrainError::Config(format!("the {name} split of the corpus is empty")));
+            return Err(TrainError::InvalidArgument {
+                name: "documents".into(),
+                detail: format!("the {name} split of the corpus is empty"),
+            });
         }
         Ok(TokenStream { tokens, docs, documents: documents.len() })
     }

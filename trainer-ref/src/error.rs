@@ -70,9 +70,149 @@ pub enum TrainError {
         /// The model's vocabulary size (`model.vocab`).
         vocab: usize,
     },
-    /// Anything else a user has to fix before work starts, naming the value.
-    #[error("{0}")]
-    Config(String),
+    /// A recipe field whose value cannot be used (out of range, malformed, or at odds with another field or with
+    /// the corpus): the field by its dotted path (`train.seq_len`) and what is wrong with its value.
+    #[error("recipe field `{field}`: {detail}")]
+    InvalidField {
+        /// The field's dotted path, as `--set` spells it.
+        field: String,
+        /// What is wrong with its value.
+        detail: String,
+    },
+    /// A recipe that cannot be read: not TOML, an unknown or missing field, a value of the wrong type.
+    #[error("{origin}: {detail}")]
+    RecipeSyntax {
+        /// Where the recipe came from (`built-in recipe \`tiny-llama\``, a path, `checkpoint`).
+        origin: String,
+        /// What the TOML reader said, naming the field.
+        detail: String,
+    },
+    /// A recipe that is neither built in nor a file.
+    #[error("no recipe `{name}`: not a built-in ({builtins}) and no such file")]
+    UnknownRecipe {
+        /// The name or path asked for.
+        name: String,
+        /// The built-in recipes' names.
+        builtins: String,
+    },
+    /// A command-line option whose value cannot be used.
+    #[error("{option}: {detail}")]
+    InvalidOption {
+        /// The option as the command line spells it (`--dtype`, `--set`).
+        option: String,
+        /// What is wrong with its value.
+        detail: String,
+    },
+    /// An argument of a library call that cannot be used (the call's contract, not a recipe's value).
+    #[error("{name}: {detail}")]
+    InvalidArgument {
+        /// The argument, or the item of it at fault.
+        name: String,
+        /// What is wrong with it.
+        detail: String,
+    },
+    /// A file of token ids that cannot be read as such (a malformed `.npy`, or text without the tokenizer it needs).
+    #[error("{path}: {detail}")]
+    TokenFile {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong, naming the header field or the index at fault.
+        detail: String,
+    },
+    /// A tokenizer that failed on its input, or that cannot be written out.
+    #[error("{context}: {detail}")]
+    Tokenizer {
+        /// What it was doing (`the tokenizer failed on the corpus`).
+        context: String,
+        /// What the tokenizers library said.
+        detail: String,
+    },
+    /// A run's `metrics.jsonl` that cannot be plotted: a malformed line, or nothing to draw.
+    #[error("{path}: {detail}")]
+    Metrics {
+        /// The file (with `:LINE` where one line is at fault).
+        path: String,
+        /// What is wrong.
+        detail: String,
+    },
+    /// The offload tier failed (a full tier, a spill file's I/O, a corrupt round trip, a closed engine).
+    #[error("offload: {0}")]
+    Offload(#[from] longctx_offload::OffloadError),
+    /// The recompute planner or a policy failed.
+    #[error(transparent)]
+    Recompute(#[from] longctx_recompute::RecomputeError),
+    /// The training diverged: the summed gradient's norm is not finite.
+    #[error("step {step}: the gradient norm is {norm} (the loss diverged; lower train.lr)")]
+    Diverged {
+        /// The step (1-based) whose gradient it is.
+        step: u64,
+        /// The norm: NaN or infinite.
+        norm: f64,
+    },
+    /// `longctx-launch` started another number of ranks than the recipe's layout has.
+    #[error("the launcher started {launched} ranks; the recipe needs parallel.cp × parallel.dp = {needed}")]
+    WorldSize {
+        /// Ranks started.
+        launched: usize,
+        /// `parallel.cp × parallel.dp`.
+        needed: usize,
+    },
+    /// Another rank failed at a step every rank takes part in; that rank reports its own error.
+    #[error("rank {rank} failed to {what}")]
+    PeerFailed {
+        /// The rank that failed.
+        rank: usize,
+        /// What it failed to do.
+        what: String,
+    },
+    /// `--resume` with no checkpoint to resume from.
+    #[error("--resume: no checkpoint in {dir}")]
+    NoCheckpoint {
+        /// The folder searched (`OUT/checkpoints`).
+        dir: PathBuf,
+    },
+    /// A pretrained checkpoint (`--init-from`, `train.init_from`) that is not there.
+    #[error("no pretrained checkpoint at {path}{hint}")]
+    NoPretrained {
+        /// The path given.
+        path: PathBuf,
+        /// How to fetch it, where known (else empty).
+        hint: String,
+    },
+    /// An output directory that would be overwritten.
+    #[error("{path}: not empty; {why}")]
+    OutputNotEmpty {
+        /// The directory.
+        path: PathBuf,
+        /// What writes there and why it must not overwrite.
+        why: String,
+    },
+    /// The run asks for a CUDA device and this build has no CUDA backend.
+    #[error("`cuda:{ordinal}`: this build of longctx has no CUDA backend (build with `--features cuda`)")]
+    CudaNotCompiled {
+        /// The ordinal of the GPU asked for.
+        ordinal: usize,
+    },
+    /// A thread pool the trainer needs could not be started.
+    #[error("{purpose}: {source}")]
+    ThreadPool {
+        /// What the pool was for.
+        purpose: String,
+        /// What rayon said.
+        source: rayon::ThreadPoolBuildError,
+    },
+    /// A child process (our own trainer run, or the PyTorch peer of `longctx bench`) failed or said something
+    /// unreadable.
+    #[error("{what}: {detail}")]
+    Child {
+        /// Which child, and what of it (`our run failed`, `peer output "…"`).
+        what: String,
+        /// Its stderr, or why its output cannot be read.
+        detail: String,
+    },
+    /// A broken invariant of the trainer itself (a bug, not a setting to change): what did not hold.
+    #[error("internal error (a bug in longctx): {0}")]
+    Internal(String),
 }
 
 impl TrainError {

@@ -2,19 +2,18 @@
 //! context-parallel ranks (the loss does not depend on it).
 
 use std::path::Path;
-use std::sync::Arc;
 
-use longctx_kernels::{Backend, CpuBackend, DType, View};
+use longctx_kernels::{DType, View};
 use longctx_p2p::{ReduceOp, ThreadWorld};
 use longctx_ring_attn::{ContextParallel, CpConfig};
 
 use crate::checkpoint::{self, LoadedTensor};
 use crate::data::{encode, Sequence, EOT};
+use crate::device::Device;
 use crate::error::{Result, TrainError};
 use crate::hf::HfCheckpoint;
 use crate::model::{param_shapes, Model, Params};
 use crate::recipe::{ModelConfig, Recipe};
-use crate::train::{local_share, plan_for};
 
 /// What an evaluation measured.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -41,9 +40,10 @@ pub fn read_tokens_with(path: &Path, tokenizer: Option<&tokenizers::Tokenizer>) 
     }
     let text = std::fs::read_to_string(path).map_err(|e| TrainError::io(path, e))?;
     let Some(t) = tokenizer else { return Ok(encode(&text)) };
-    let enc = t
-        .encode(text, true)
-        .map_err(|e| TrainError::Config(format!("the checkpoint's tokenizer failed on {}: {e}", path.display())))?;
+    let enc = t.encode(text, true).map_err(|e| TrainError::Tokenizer {
+        context: format!("the checkpoint's tokenizer failed on {}", path.display()),
+        detail: e.to_string(),
+    })?;
     Ok(enc.get_ids().to_vec())
 }
 
@@ -67,7 +67,22 @@ pub fn evaluate(dir: &Path, tokens: &[u32], seq: usize, cp: usize) -> Result<Eva
 
 /// [`evaluate`] of a checkpoint already loaded (to read its tokenizer first, say).
 pub fn evaluate_checkpoint(ck: &checkpoint::Checkpoint, tokens: &[u32], seq: usize, cp: usize) -> Result<EvalResult> {
-    let recipe = checkpoint_recipe(ck)?;
+    evaluate_checkpoint_on(ck, tokens, seq, cp, None)
+}
+
+/// [`evaluate_checkpoint`] on `device` (`--device`); `None`: the device the checkpoint's recipe names
+/// (`parallel.backend`).
+pub fn evaluate_checkpoint_on(
+    ck: &checkpoint::Checkpoint,
+    tokens: &[u32],
+    seq: usize,
+    cp: usize,
+    device: Option<Device>,
+) -> Result<EvalResult> {
+    let mut recipe = checkpoint_recipe(ck)?;
+    if let Some(d) = device {
+        recipe.parallel.backend = d.to_string();
+    }
     let shapes = param_shapes(&recipe.model);
     checkpoint::expect_tensors(&ck.dir.join("model.safetensors"), &ck.model, &shapes)?;
     evaluate_tensors(&recipe, &ck.model, tokens, seq, cp)
@@ -76,14 +91,26 @@ pub fn evaluate_checkpoint(ck: &checkpoint::Checkpoint, tokens: &[u32], seq: usi
 /// The mean loss of the Hugging Face checkpoint `hf` over `tokens`, as [`evaluate`] cuts them (no document
 /// masking: transformers attends over the whole window).
 pub fn evaluate_hf(hf: &HfCheckpoint, tokens: &[u32], seq: usize, cp: usize) -> Result<EvalResult> {
+    evaluate_hf_on(hf, tokens, seq, cp, None)
+}
+
+/// [`evaluate_hf`] on `device` (`--device`; `None`: the CPU).
+pub fn evaluate_hf_on(
+    hf: &HfCheckpoint,
+    tokens: &[u32],
+    seq: usize,
+    cp: usize,
+    device: Option<Device>,
+) -> Result<EvalResult> {
     let mut recipe = Recipe::load("tiny-llama", &[])?;
+    recipe.parallel.backend = device.unwrap_or_default().to_string();
     recipe.model = ModelConfig { init_std: recipe.model.init_std, ..hf.model().clone() };
     recipe.data.document_masking = false;
     evaluate_tensors(&recipe, &hf.tensors, tokens, seq, cp)
 }
 
 /// The mean loss of the model `recipe.model` with weights `tensors` (in [`param_shapes`] order) over `tokens`,
-/// as [`evaluate`] computes it.
+/// as [`evaluate`] computes it, on the device the recipe names (`parallel.backend`).
 pub fn evaluate_tensors(
     recipe: &Recipe,
     tensors: &[LoadedTensor],
@@ -102,11 +129,14 @@ pub fn evaluate_tensors(
     recipe.validate_for_token_ids()?;
     let shapes = param_shapes(&recipe.model);
     if shapes.len() != tensors.len() || shapes.iter().zip(tensors).any(|((n, d), t)| *n != t.name || *d != t.dims) {
-        return Err(TrainError::Config(format!(
-            "the weights ({} tensors) are not the model's {} tensors in order",
-            tensors.len(),
-            shapes.len()
-        )));
+        return Err(TrainError::InvalidArgument {
+            name: "tensors".into(),
+            detail: format!(
+                "the weights ({} tensors) are not the model's {} tensors in order",
+                tensors.len(),
+                shapes.len()
+            ),
+        });
     }
     let vocab = recipe.model.vocab;
     if let Some((position, &id)) = tokens.iter().enumerate().find(|(_, &t)| t as usize >= vocab) {
@@ -114,29 +144,31 @@ pub fn evaluate_tensors(
     }
     let windows = tokens.len().saturating_sub(1) / seq;
     if windows == 0 {
-        return Err(TrainError::Config(format!(
-            "{} tokens are fewer than one window of --seq {seq} plus its last target",
-            tokens.len()
-        )));
+        return Err(TrainError::InvalidArgument {
+            name: "tokens".into(),
+            detail: format!("{} tokens are fewer than one window of --seq {seq} plus its last target", tokens.len()),
+        });
     }
+    let device = recipe.device()?;
+    crate::device::check_compiled(device)?;
     let threads = (std::thread::available_parallelism().map_or(1, |n| n.get()) / recipe.parallel.cp).max(1);
     let recipe = &recipe;
     let results = ThreadWorld::try_run(recipe.parallel.cp, |comm| -> Result<EvalResult> {
-        let backend: Arc<dyn Backend> = Arc::new(CpuBackend::with_threads(threads)?);
+        let backend = crate::device::backend(device, threads)?;
         let mut weights = Params::zeros(&*backend, &recipe.model, DType::F32)?;
         for (t, src) in weights.tensors.iter_mut().zip(tensors) {
-            backend.copy(t.view_mut(), View::new(&src.data, src.dims.as_slice())?)?;
+            backend.upload(t.view_mut(), View::new(&src.data, src.dims.as_slice())?)?;
         }
         let mut model = Model::new(recipe.model.clone(), weights, backend.clone())?;
         model.set_sequence_length(seq)?;
         let cfg = CpConfig { partition: recipe.partition()?, schedule: recipe.schedule()?, scale: None };
         let cp = ContextParallel::new(comm, backend, cfg)?;
-        let mut plan = plan_for(&cp, recipe, seq, DType::F32)?;
+        let mut plan = recipe.cp_plan(&cp, seq, DType::F32)?;
         let mut sums = [0.0f64, 0.0];
         for w in 0..windows {
             let seq_tokens = &tokens[w * seq..w * seq + seq + 1];
             let s = window(seq_tokens);
-            let (ids, targets, docs) = local_share(plan.positions(), &s);
+            let (ids, targets, docs) = s.share(plan.positions());
             if recipe.data.document_masking {
                 plan.set_documents(&docs)?;
             }
@@ -147,7 +179,7 @@ pub fn evaluate_tensors(
         cp.comm().all_reduce(&mut sums, ReduceOp::Sum)?;
         Ok(EvalResult { loss: sums[0] / sums[1].max(1.0), tokens: sums[1] as usize, windows })
     })?;
-    results.into_iter().next().ok_or_else(|| TrainError::Config("no ranks ran".into()))?
+    results.into_iter().next().ok_or_else(|| TrainError::Internal("no ranks ran".into()))?
 }
 
 /// A window of `n + 1` tokens as `n` inputs and targets; documents end after each end-of-document token.

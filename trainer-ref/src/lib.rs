@@ -3,7 +3,8 @@
 //! A Llama 3, Mixtral or Nemotron-4 style decoder ([`model`]) computed through the kernels' [`Backend`](longctx_kernels::Backend),
 //! its attention through `longctx-ring-attn`'s planned [`ContextParallel`](longctx_ring_attn::ContextParallel),
 //! trained over `cp × dp` ranks of `longctx-p2p` ([`train`]) on the packed documents of a real corpus
-//! ([`data`]), configured by TOML recipes ([`recipe`]), reporting to a progress bar and a metrics file
+//! ([`data`]), configured by TOML recipes ([`recipe`]) and computing on the device one of their fields names
+//! ([`device`]: `cpu` or `cuda:N`), reporting to a progress bar and a metrics file
 //! ([`metrics`]), and saving atomic, verified checkpoints ([`checkpoint`]); Hugging Face checkpoints are read
 //! (`--init-from`) and written (`longctx export --hf`) by [`hf`].
 //!
@@ -20,6 +21,7 @@ pub mod alloc;
 pub mod bench;
 pub mod checkpoint;
 pub mod data;
+pub mod device;
 pub mod error;
 pub mod eval;
 pub mod gguf;

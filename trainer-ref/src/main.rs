@@ -4,6 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use longctx_trainer::device::Device;
 use longctx_trainer::recipe::{Family, Recipe, RopeScalingConfig, BUILTIN};
 use longctx_trainer::train::{train_from, RunOptions};
 use longctx_trainer::{eval, hf, plot, Result, TrainError};
@@ -39,6 +40,9 @@ enum Command {
         /// Data-parallel groups (`parallel.dp`).
         #[arg(long)]
         dp: Option<usize>,
+        /// Where the ranks compute (`parallel.backend`): `cpu` or `cuda:N` (a build with `--features cuda`).
+        #[arg(long, value_name = "cpu|cuda:N")]
+        device: Option<Device>,
         /// Activation recomputation (`train.recompute`): `none`, `full`, `selective[:MODULES]`, `uniform:K`, `block:N`,
         /// `budget:BYTES`.
         #[arg(long)]
@@ -91,6 +95,10 @@ enum Command {
         /// Context-parallel ranks.
         #[arg(long, default_value_t = 1)]
         cp: usize,
+        /// Where the ranks compute: `cpu` or `cuda:N` (a build with `--features cuda`); the trainer checkpoint's
+        /// `parallel.backend` when absent (`cpu` for `--init-from`).
+        #[arg(long, value_name = "cpu|cuda:N")]
+        device: Option<Device>,
         /// Context extension of the pretrained checkpoint's RoPE (as `train --rope-scaling`).
         #[arg(long, value_name = "TYPE:F", requires = "init_from")]
         rope_scaling: Option<String>,
@@ -176,6 +184,7 @@ fn run(cli: Cli) -> Result<()> {
             mut set,
             cp,
             dp,
+            device,
             recompute,
             offload,
             offload_layers,
@@ -191,6 +200,9 @@ fn run(cli: Cli) -> Result<()> {
             }
             if let Some(dp) = dp {
                 set.push(format!("parallel.dp={dp}"));
+            }
+            if let Some(d) = device {
+                set.push(format!("parallel.backend=\"{d}\""));
             }
             if let Some(r) = recompute {
                 set.push(format!("train.recompute=\"{r}\""));
@@ -213,7 +225,7 @@ fn run(cli: Cli) -> Result<()> {
                 } else {
                     ""
                 };
-                return Err(TrainError::Config(format!("no pretrained checkpoint at {}{fetch}", p.display())));
+                return Err(TrainError::NoPretrained { path: p.to_path_buf(), hint: fetch.into() });
             }
             let init = init_path.as_deref().map(hf::load_any).transpose()?;
             if let Some(ck) = &init {
@@ -249,7 +261,7 @@ fn run(cli: Cli) -> Result<()> {
             }
             println!("output: {} (metrics.jsonl, checkpoints/, recipe.toml)", out.display());
         }
-        Command::Eval { checkpoint, init_from, tokens, seq, cp, rope_scaling } => {
+        Command::Eval { checkpoint, init_from, tokens, seq, cp, device, rope_scaling } => {
             let r = match (checkpoint, init_from) {
                 (_, Some(dir)) => {
                     let mut ck = hf::load_any(&dir)?;
@@ -263,22 +275,29 @@ fn run(cli: Cli) -> Result<()> {
                     let tokenizer = ck.tokenizer.as_ref();
                     let is_text = tokens.extension().is_none_or(|e| e != "npy");
                     if is_text && tokenizer.is_none() {
-                        return Err(TrainError::Config(format!(
-                            "{}: text needs the checkpoint's tokenizer.json, and {} has none (give a .npy of ids)",
-                            tokens.display(),
-                            dir.display()
-                        )));
+                        return Err(TrainError::TokenFile {
+                            path: tokens,
+                            detail: format!(
+                                "text needs the checkpoint's tokenizer.json, and {} has none (give a .npy of ids)",
+                                dir.display()
+                            ),
+                        });
                     }
                     let ids = eval::read_tokens_with(&tokens, tokenizer)?;
-                    eval::evaluate_hf(&ck, &ids, seq, cp)?
+                    eval::evaluate_hf_on(&ck, &ids, seq, cp, device)?
                 }
                 (Some(dir), None) => {
                     let ck = longctx_trainer::checkpoint::load(&dir)?;
                     // Text as the run read its corpus: its saved tokenizer, else bytes.
                     let tokenizer = ck.tokenizer.as_ref().map(|t| &t.tokenizer);
-                    eval::evaluate_checkpoint(&ck, &eval::read_tokens_with(&tokens, tokenizer)?, seq, cp)?
+                    eval::evaluate_checkpoint_on(&ck, &eval::read_tokens_with(&tokens, tokenizer)?, seq, cp, device)?
                 }
-                (None, None) => return Err(TrainError::Config("give --checkpoint or --init-from".into())),
+                (None, None) => {
+                    return Err(TrainError::InvalidOption {
+                        option: "--checkpoint".into(),
+                        detail: "give --checkpoint or --init-from".into(),
+                    })
+                }
             };
             println!(
                 "loss {:.6} nats/token over {} tokens ({} windows of {seq}, cp {cp})",
@@ -287,11 +306,11 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Export { hf: dir, checkpoint, max_shard_size, dtype, experts } => {
             let max_shard_bytes = longctx_recompute::parse_bytes(&max_shard_size)
-                .ok_or_else(|| TrainError::Config(format!("--max-shard-size `{max_shard_size}` is not a size")))?;
+                .ok_or_else(|| option("--max-shard-size", format!("`{max_shard_size}` is not a size")))?;
             let dtype = hf::export::WeightDtype::parse(&dtype)
-                .ok_or_else(|| TrainError::Config(format!("--dtype `{dtype}` (f32 or bf16)")))?;
+                .ok_or_else(|| option("--dtype", format!("`{dtype}` (f32 or bf16)")))?;
             let experts = hf::export::ExpertLayout::parse(&experts)
-                .ok_or_else(|| TrainError::Config(format!("--experts `{experts}` (per-expert or fused)")))?;
+                .ok_or_else(|| option("--experts", format!("`{experts}` (per-expert or fused)")))?;
             let opts = hf::export::ExportOptions { max_shard_bytes, dtype, experts };
             for f in hf::export::export_checkpoint(&checkpoint, &dir, &opts)? {
                 println!("wrote {}", f.display());
@@ -314,7 +333,7 @@ fn run(cli: Cli) -> Result<()> {
                 "mixtral" => Family::Mixtral,
                 "nemotron" => Family::Nemotron,
                 other => {
-                    return Err(TrainError::Config(format!("--family `{other}` (llama, mixtral or nemotron)")));
+                    return Err(option("--family", format!("`{other}` (llama, mixtral or nemotron)")));
                 }
             };
             let scratch = std::env::temp_dir().join(format!("longctx-bench-{}", std::process::id()));
@@ -351,6 +370,10 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+fn option(option: &str, detail: String) -> TrainError {
+    TrainError::InvalidOption { option: option.into(), detail }
 }
 
 /// A recipe's `train.init_from`: as given when it exists from here, else under the trainer crate (where the

@@ -2,13 +2,20 @@
 //! per step (`step`, `loss`, `lr`, `grad_norm`, `tokens_per_s`, `mfu`, `rss_mib`, `saved_mib_per_rank`) and one
 //! per evaluation (`step`, `val_loss`).
 //!
-//! MFU is the model's FLOPs per second over the run's `f32` arithmetic peak, measured when the run starts and
-//! again at each evaluation, keeping the best, each time while every rank waits at a barrier (a peak timed
-//! beside a busy rank is too low, and the MFU above it too high): independent FMA chains in registers on every
-//! core of the machine at the widest vector width the kernels use ([`fma_peak_flops`]; a large GEMM's rate on a
-//! machine without one), times the machines the ranks run on. A
-//! measured ceiling, not a datasheet figure, and not a GEMM's rate either: that is an attainable figure below
-//! the ceiling, and how far below depends on the GEMM library. The model's FLOPs per token are PaLM's count:
+//! MFU is the model's FLOPs per second over the run's arithmetic peak on the device it computes on
+//! ([`device_peak_flops`]), measured when the run starts and again at each evaluation, keeping the best, each
+//! time while every rank waits at a barrier (a peak timed beside a busy rank is too low, and the MFU above it too
+//! high), times the devices the ranks run on (machines for `cpu`, distinct GPUs for `cuda:N`):
+//! - `cpu`: independent `f32` FMA chains in registers on every core of the machine at the widest vector width the
+//!   kernels use ([`fma_peak_flops`]; a large GEMM's rate on a machine without one). A measured ceiling, not a
+//!   datasheet figure, and not a GEMM's rate either: that is an attainable figure below the ceiling, and how far
+//!   below depends on the GEMM library.
+//! - `cuda:N`: the kernels crate has no peak figure of a device, so it is measured as its own benchmarks measure
+//!   theirs (`kernels/examples/attn_bench.rs`): a 4096³ GEMM through the backend's linear layer (cuBLASLt) in the
+//!   run's number format, best of three after a warm-up. An attainable rate, somewhat below the datasheet's
+//!   dense peak (`longctx plan`'s device table lists those).
+//!
+//! The model's FLOPs per token are PaLM's count:
 //! `6·N` for the `N` weights of the matrix products (the output projection included, the embedding gather
 //! not) plus `6·layers·Hq·D·S` for causal attention (half of `12·…`, forward and backward).
 
@@ -18,8 +25,9 @@ use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressStyle};
 use longctx_kernels::cpu::{fma_peak_flops, SimdPath};
-use longctx_kernels::{Backend, CpuBackend, DType, Dims, View};
+use longctx_kernels::{Backend, DType, Dims, View};
 
+use crate::device::Device;
 use crate::error::{Result, TrainError};
 use crate::recipe::Recipe;
 
@@ -78,20 +86,60 @@ pub fn measure_machine_peak_flops() -> Result<f64> {
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(cores)
         .build()
-        .map_err(|e| TrainError::Config(format!("a pool to time the FMA peak on: {e}")))?;
+        .map_err(|source| TrainError::ThreadPool { purpose: "a pool to time the FMA peak on".into(), source })?;
     pool.install(measure_peak_flops)
 }
 
-/// FLOP/s of a 1024³ `f32` GEMM on every core, best of three.
+/// FLOP/s of a 1024³ `f32` GEMM on every core (the CPU backend on the current rayon pool), best of three.
 pub fn measure_gemm_flops() -> Result<f64> {
-    let n = 1024;
-    let cpu = CpuBackend::new();
-    let a: Vec<f32> = (0..n * n).map(|i| ((i % 7) as f32 - 3.0) * 0.1).collect();
-    let mut c = cpu.zeros(DType::F32, Dims::new(&[n, n])?)?;
+    let cpu = crate::device::backend(Device::Cpu, 0)?;
+    measure_gemm_flops_on(&*cpu, DType::F32, 1024, 0)
+}
+
+/// One device's share of the denominator of MFU for a run on `device` computing through `backend` in `dtype`
+/// (see the module docs for where each figure comes from). On the CPU it takes every core of the machine.
+pub fn device_peak_flops(device: Device, backend: &dyn Backend, dtype: DType) -> Result<f64> {
+    match device {
+        Device::Cpu => measure_machine_peak_flops(),
+        Device::Cuda(_) => measure_gemm_flops_on(backend, dtype, 4096, 1),
+    }
+}
+
+/// The GEMM rate `f32` work gets on `device` (what the recompute solver prices a rerun at): [`measure_gemm_flops`]
+/// on the CPU, a 4096³ `f32` GEMM through `backend` on a GPU.
+pub fn device_gemm_flops(device: Device, backend: &dyn Backend) -> Result<f64> {
+    match device {
+        Device::Cpu => measure_gemm_flops(),
+        Device::Cuda(_) => measure_gemm_flops_on(backend, DType::F32, 4096, 1),
+    }
+}
+
+/// FLOP/s of an `n³` GEMM `[n, n]·[n, n]ᵀ` through `backend`'s linear layer in `dtype`, best of three timed
+/// calls after `warmup` untimed ones. Each call is timed to the backend's `synchronize`, so a backend that
+/// enqueues its work is timed for the work, not its launch.
+pub fn measure_gemm_flops_on(backend: &dyn Backend, dtype: DType, n: usize, warmup: usize) -> Result<f64> {
+    let b = backend;
+    let dims = Dims::new(&[n, n])?;
+    let host: Vec<f32> = (0..n * n).map(|i| ((i % 7) as f32 - 3.0) * 0.1).collect();
+    let mut staged = b.empty(DType::F32, dims)?;
+    b.upload(staged.view_mut(), View::new(&host, [n, n])?)?;
+    let a = if dtype == DType::F32 {
+        staged
+    } else {
+        let mut a = b.empty(dtype, dims)?;
+        b.copy(a.view_mut(), staged.view())?;
+        a
+    };
+    let mut c = b.zeros(dtype, dims)?;
+    for _ in 0..warmup {
+        b.linear_forward(c.view_mut(), a.view(), a.view(), None)?;
+    }
+    b.synchronize()?;
     let mut best = f64::INFINITY;
     for _ in 0..3 {
         let t = Instant::now();
-        cpu.linear_forward(c.view_mut(), View::new(&a, [n, n])?, View::new(&a, [n, n])?, None)?;
+        b.linear_forward(c.view_mut(), a.view(), a.view(), None)?;
+        b.synchronize()?;
         best = best.min(t.elapsed().as_secs_f64());
     }
     Ok(2.0 * (n * n * n) as f64 / best)
@@ -119,6 +167,7 @@ impl Meter {
         weights: usize,
         peak_flops: f64,
     ) -> Result<Meter> {
+        let device = recipe.device()?;
         let path = out.join("metrics.jsonl");
         let kept: String = if start_step > 0 && path.exists() {
             let text = std::fs::read_to_string(&path).map_err(|e| TrainError::io(&path, e))?;
@@ -140,7 +189,7 @@ impl Meter {
         let bar = if quiet { ProgressBar::hidden() } else { ProgressBar::new(recipe.train.steps) };
         bar.set_style(
             ProgressStyle::with_template("{bar:30} step {pos}/{len} {msg}")
-                .map_err(|e| TrainError::Config(e.to_string()))?,
+                .map_err(|e| TrainError::Internal(format!("the progress bar's template: {e}")))?,
         );
         bar.set_position(start_step);
         let m = Meter {
@@ -153,13 +202,17 @@ impl Meter {
             tokens: 0.0,
         };
         m.note(&format!(
-            "{}: {} weights, {} ranks (cp {} × dp {}), {} tokens per step, FMA peak {:.1} GFLOP/s",
+            "{}: {} weights, {} ranks (cp {} × dp {}) on {device}, {} tokens per step, {} {:.1} GFLOP/s",
             recipe.name,
             weights,
             recipe.parallel.cp * recipe.parallel.dp,
             recipe.parallel.cp,
             recipe.parallel.dp,
             recipe.train.batch * recipe.train.seq_len,
+            match device {
+                Device::Cpu => "FMA peak",
+                Device::Cuda(_) => "GEMM peak",
+            },
             peak_flops / 1e9
         ));
         Ok(m)

@@ -319,19 +319,19 @@ impl KeptLayer {
             // The offload engine takes host tensors: a device buffer would need the backend's copy into its pool,
             // which this glue does not make yet.
             let (data, dims) = buf.into_host_vec().map_err(|b| {
-                TrainError::Config(format!("offload of layer {layer} `{name}`: a buffer in {} memory", b.memory()))
+                TrainError::Internal(format!("offload of layer {layer} `{name}`: a buffer in {} memory", b.memory()))
             })?;
             let t = match data {
                 HostVec::F32(v) => HostTensor::f32(v, dims.as_slice().to_vec()),
                 HostVec::Bf16(v) => HostTensor::bf16(v, dims.as_slice().to_vec()),
                 HostVec::F16(_) => {
-                    return Err(TrainError::Config(format!(
+                    return Err(TrainError::Internal(format!(
                         "offload of layer {layer} `{name}`: the model holds f32 or bf16 tensors, not f16"
                     )))
                 }
             }
-            .map_err(|e| TrainError::Config(format!("offload of layer {layer} `{name}`: {e}")))?;
-            let ticket = engine.offload(layer, name, t).map_err(|e| TrainError::Config(format!("offload: {e}")))?;
+            .map_err(|e| TrainError::Internal(format!("offload of layer {layer} `{name}`: {e}")))?;
+            let ticket = engine.offload(layer, name, t)?;
             self.away.push((name, ticket));
         }
         Ok(())
@@ -341,7 +341,7 @@ impl KeptLayer {
     fn restore(&mut self, engine: Option<&OffloadEngine>) -> Result<()> {
         let Some(engine) = engine else { return Ok(()) };
         for (name, ticket) in std::mem::take(&mut self.away) {
-            let t = engine.fetch(ticket).map_err(|e| TrainError::Config(format!("offload fetch: {e}")))?;
+            let t = engine.fetch(ticket)?;
             let dims = t.dims().to_vec();
             let data = match t.into_f32() {
                 Ok(v) => HostVec::F32(v),
@@ -394,9 +394,12 @@ impl LayerSaved {
                 Action::Keep => Ok(Some(b)),
                 Action::Recompute => Ok(None),
                 Action::Offload if offload_ok => Ok(Some(b)),
-                Action::Offload => Err(TrainError::Config(format!(
-                    "the recompute policy offloads `{name}`: give the run an offload tier (--offload host|disk)"
-                ))),
+                Action::Offload => Err(TrainError::InvalidField {
+                    field: "train.offload".into(),
+                    detail: format!(
+                        "the recompute policy offloads `{name}`: give the run an offload tier (--offload host|disk)"
+                    ),
+                }),
             }
         };
         let opt = |name: &'static str, b: Option<Buffer>| -> Result<Option<Buffer>> {
@@ -454,7 +457,7 @@ impl LayerSaved {
 }
 
 fn missing(layer: usize, name: &str) -> TrainError {
-    TrainError::Config(format!("layer {layer}: `{name}` was not rebuilt"))
+    TrainError::Internal(format!("layer {layer}: `{name}` was not rebuilt"))
 }
 
 /// What the whole forward keeps: each layer's, and the final norm's.
@@ -548,16 +551,22 @@ impl Model {
         let ix = Layout::new(&cfg);
         let want = &ix.shapes;
         if weights.tensors.len() != want.len() {
-            return Err(TrainError::Config(format!("{} tensors for a model of {}", weights.tensors.len(), want.len())));
+            return Err(TrainError::InvalidArgument {
+                name: "weights".into(),
+                detail: format!("{} tensors for a model of {}", weights.tensors.len(), want.len()),
+            });
         }
         for ((name, dims), t) in want.iter().zip(&weights.tensors) {
             if t.dims() != dims.as_slice() || t.dtype() != dtype {
-                return Err(TrainError::Config(format!(
-                    "tensor {name}: {:?} {} where the model needs {dims:?} {}",
-                    t.dims(),
-                    t.dtype().name(),
-                    dtype.name()
-                )));
+                return Err(TrainError::InvalidArgument {
+                    name: "weights".into(),
+                    detail: format!(
+                        "tensor {name}: {:?} {} where the model needs {dims:?} {}",
+                        t.dims(),
+                        t.dtype().name(),
+                        dtype.name()
+                    ),
+                });
             }
         }
         // Sequence length 0: the table of the original context (what transformers builds at start-up);
@@ -585,14 +594,16 @@ impl Model {
     /// [`longctx_recompute::Policy`]); the gradients do not change, only memory and time.
     pub fn set_recompute(&mut self, per_layer: Vec<LayerActions>) -> Result<()> {
         if !per_layer.is_empty() && per_layer.len() != self.cfg.layers {
-            return Err(TrainError::Config(format!(
-                "{} recompute entries for {} layers",
-                per_layer.len(),
-                self.cfg.layers
-            )));
+            return Err(TrainError::InvalidArgument {
+                name: "per_layer".into(),
+                detail: format!("{} recompute entries for {} layers", per_layer.len(), self.cfg.layers),
+            });
         }
         if per_layer.first().is_some_and(|a| a.of("x") == Action::Recompute) {
-            return Err(TrainError::Config("the first layer's input (the embedding) cannot be recomputed".into()));
+            return Err(TrainError::InvalidField {
+                field: "train.recompute".into(),
+                detail: "the first layer's input (the embedding) cannot be recomputed".into(),
+            });
         }
         self.recompute = per_layer;
         Ok(())
@@ -725,7 +736,7 @@ impl Model {
     /// `weight + 1`: a zero-centred LayerNorm weight's effective value (its gradient is the effective one's).
     fn one_plus(&self, weight: usize) -> Result<Buffer> {
         let ones =
-            self.ones.as_ref().ok_or_else(|| TrainError::Config("a LayerNorm in a non-Nemotron model".into()))?;
+            self.ones.as_ref().ok_or_else(|| TrainError::Internal("a LayerNorm in a non-Nemotron model".into()))?;
         let mut w = self.buf([self.cfg.d_model])?;
         self.backend.copy(w.view_mut(), self.t(weight).view())?;
         self.backend.add(w.view_mut(), ones.view())?;
@@ -756,7 +767,7 @@ impl Model {
                 let saved = LayerNormSaved { x: x.view(), mean: mean.view(), rstd: rstd.view() };
                 b.layernorm_backward(g, dh.view(), saved, w.view(), mode)?;
             }
-            (Some(_), None) => return Err(TrainError::Config("a LayerNorm's backward without its mean".into())),
+            (Some(_), None) => return Err(TrainError::Internal("a LayerNorm's backward without its mean".into())),
         }
         Ok(())
     }
@@ -873,7 +884,7 @@ impl Model {
             return Err(missing(layer, away[0].0));
         }
         let x =
-            x.ok_or_else(|| TrainError::Config(format!("layer {layer}: its input was neither kept nor rebuilt")))?;
+            x.ok_or_else(|| TrainError::Internal(format!("layer {layer}: its input was neither kept nor rebuilt")))?;
         if rstd1.is_none() || h1.is_none() || (ln && mean1.is_none()) {
             (mean1, rstd1, h1) = opt3(self.norm_forward(ix.attn_norm, &x)?);
         }

@@ -21,7 +21,7 @@ const MAGIC: &[u8; 6] = b"\x93NUMPY";
 
 /// Reads the token ids of a `.npy` file, flattened in C order.
 ///
-/// Errors (`TrainError::Config`, naming the file): an unreadable header, an unsupported version,
+/// Errors (`TrainError::TokenFile`, naming the file): an unreadable header, an unsupported version,
 /// a non-integer, big-endian or structured dtype, Fortran order (for arrays where it changes the
 /// layout), a data section of the wrong length, and a value that is negative or above
 /// `u32::MAX` (naming its index). I/O failures are `TrainError::Io`.
@@ -265,7 +265,7 @@ fn read_or_short(path: &Path, r: &mut impl Read, buf: &mut [u8], what: &str) -> 
 }
 
 fn bad(path: &Path, detail: impl std::fmt::Display) -> TrainError {
-    TrainError::Config(format!("{}: {detail}", path.display()))
+    TrainError::TokenFile { path: path.to_path_buf(), detail: detail.to_string() }
 }
 
 /// The Python literals a `.npy` header is made of.
@@ -438,8 +438,8 @@ mod tests {
     /// The error for `bytes`, which must name the file.
     fn error(bytes: &[u8]) -> String {
         let msg = match read_bytes(bytes) {
-            Err(TrainError::Config(msg)) => msg,
-            other => panic!("expected a config error, got {other:?}"),
+            Err(e @ TrainError::TokenFile { .. }) => e.to_string(),
+            other => panic!("expected a token file error, got {other:?}"),
         };
         assert!(msg.contains("tokens.npy"), "{msg}");
         msg

@@ -91,17 +91,16 @@ pub fn model_desc(name: &str, m: &ModelConfig) -> ModelDesc {
 
 /// What `--recipe` plans: the recipe's model, length, batch, policy and layout.
 fn recipe_input(a: &PlanArgs, name: &str) -> Result<PlanInput> {
-    let cfg = |e: longctx_recompute::RecomputeError| TrainError::Config(e.to_string());
     let r = Recipe::load(name, &[])?;
     let p = &r.parallel;
     let (tp, pp, cp, dp) = (p.tp as u64, p.pp as u64, p.cp as u64, p.dp as u64);
     let policy = match a.recompute.as_deref() {
-        Some(s) => s.parse::<Policy>().map_err(cfg)?,
-        None => r.train.recompute.parse::<Policy>().map_err(cfg)?,
+        Some(s) => s.parse::<Policy>()?,
+        None => r.train.recompute.parse::<Policy>()?,
     };
     Ok(PlanInput {
         model: model_desc(&r.name, &r.model),
-        device: device(&a.device).map_err(cfg)?,
+        device: device(&a.device)?,
         layout: Layout {
             gpus: tp * pp * cp * dp,
             tp,
@@ -121,12 +120,11 @@ fn recipe_input(a: &PlanArgs, name: &str) -> Result<PlanInput> {
 }
 
 fn input(a: &PlanArgs, seq: u64) -> Result<PlanInput> {
-    let cfg = |e: longctx_recompute::RecomputeError| TrainError::Config(e.to_string());
-    let policy = a.recompute.as_deref().map(|p| p.parse::<Policy>()).transpose().map_err(cfg)?;
+    let policy = a.recompute.as_deref().map(|p| p.parse::<Policy>()).transpose()?;
     let dp = (a.gpus / (a.tp * a.cp * a.pp).max(1)).max(1);
     Ok(PlanInput {
-        model: model(&a.model).map_err(cfg)?,
-        device: device(&a.device).map_err(cfg)?,
+        model: model(&a.model)?,
+        device: device(&a.device)?,
         layout: Layout {
             gpus: a.gpus,
             tp: a.tp,
@@ -205,37 +203,44 @@ fn print_report(r: &PlanReport) {
 
 /// Runs the command.
 pub fn run(a: &PlanArgs) -> Result<()> {
-    let cfg = |e: longctx_recompute::RecomputeError| TrainError::Config(e.to_string());
     if let Some(name) = &a.recipe {
-        let r = plan(&recipe_input(a, name)?).map_err(cfg)?;
+        let r = plan(&recipe_input(a, name)?)?;
         if a.json {
-            println!("{}", serde_json::to_string_pretty(&r).map_err(|e| TrainError::Config(e.to_string()))?);
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&r).map_err(|e| TrainError::Internal(format!("the plan as JSON: {e}")))?
+            );
         } else {
             print_report(&r);
         }
         return Ok(());
     }
+    let sweep = |detail: String| TrainError::InvalidOption { option: "--sweep".into(), detail };
     let seqs: Vec<u64> = match &a.sweep {
         Some(s) => {
             let range = s.strip_prefix("seq=").unwrap_or(s);
-            let (lo, hi) = range
-                .split_once("..")
-                .ok_or_else(|| TrainError::Config(format!("--sweep {s}: expected seq=16K..1M")))?;
+            let (lo, hi) = range.split_once("..").ok_or_else(|| sweep(format!("{s}: expected seq=16K..1M")))?;
             let (lo, hi) = (
-                parse_tokens(lo).ok_or_else(|| TrainError::Config(format!("--sweep: `{lo}` is not a length")))?,
-                parse_tokens(hi).ok_or_else(|| TrainError::Config(format!("--sweep: `{hi}` is not a length")))?,
+                parse_tokens(lo).ok_or_else(|| sweep(format!("`{lo}` is not a length")))?,
+                parse_tokens(hi).ok_or_else(|| sweep(format!("`{hi}` is not a length")))?,
             );
             std::iter::successors(Some(lo), |&s| (s * 2 <= hi).then_some(s * 2)).collect()
         }
-        None => vec![parse_tokens(&a.seq)
-            .ok_or_else(|| TrainError::Config(format!("--seq {}: not a length (8K, 1M, 131072)", a.seq)))?],
+        None => vec![parse_tokens(&a.seq).ok_or_else(|| TrainError::InvalidOption {
+            option: "--seq".into(),
+            detail: format!("{}: not a length (8K, 1M, 131072)", a.seq),
+        })?],
     };
     let mut reports = Vec::new();
     for &s in &seqs {
-        reports.push(plan(&input(a, s)?).map_err(cfg)?);
+        reports.push(plan(&input(a, s)?)?);
     }
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&reports).map_err(|e| TrainError::Config(e.to_string()))?);
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&reports)
+                .map_err(|e| TrainError::Internal(format!("the plans as JSON: {e}")))?
+        );
         return Ok(());
     }
     if seqs.len() == 1 {
@@ -261,8 +266,7 @@ pub fn run(a: &PlanArgs) -> Result<()> {
 
 /// `longctx plan --calibrate`: the planner against published figures.
 pub fn calibrate(efficiency: f64) -> Result<()> {
-    let cfg = |e: longctx_recompute::RecomputeError| TrainError::Config(e.to_string());
-    let m = model("llama3-8b").map_err(cfg)?;
+    let m = model("llama3-8b")?;
     println!("# Activation bytes per layer, Llama 3 8B, bf16, batch 1, no recompute");
     println!(
         "| seq | TP | longctx's saved tensors | Korthikanti eq. 2 | ratio | Korthikanti without the a·s² scores |"
@@ -314,7 +318,7 @@ pub fn calibrate(efficiency: f64) -> Result<()> {
             sweep: None,
             calibrate: false,
         };
-        let r = plan(&input(&a, seq)?).map_err(cfg)?;
+        let r = plan(&input(&a, seq)?)?;
         println!(
             "| {seq} | {cp} | {tp} | {gpus} | {nemo:.0} | {:.0} | {:.2} |",
             r.time.tflops_per_device,

@@ -37,8 +37,8 @@ struct Curves {
 /// The file is JSON lines: one object per line, blank lines ignored. A line with `loss` or
 /// `val_loss` must have a numeric `step`; a `null` loss (what serde_json writes for NaN or
 /// infinity, as a diverged run logs) is left out of the curve rather than failing the plot.
-/// Errors: a malformed line (`TrainError::Config`, naming the file and the line number), a file
-/// with nothing to plot, and failures reading or writing (`TrainError::Io`).
+/// Errors: a malformed line (`TrainError::Metrics`, naming the file and the line number), a file
+/// with nothing to plot (`TrainError::Metrics`), a size too small to draw (`TrainError::InvalidArgument`), and failures reading or writing (`TrainError::Io`).
 pub fn plot_metrics(metrics_jsonl: &Path, out_png: &Path) -> Result<()> {
     plot_metrics_sized(metrics_jsonl, out_png, DEFAULT_SIZE)
 }
@@ -46,20 +46,23 @@ pub fn plot_metrics(metrics_jsonl: &Path, out_png: &Path) -> Result<()> {
 /// [`plot_metrics`] at `size` pixels (width, height).
 pub fn plot_metrics_sized(metrics_jsonl: &Path, out_png: &Path, size: (u32, u32)) -> Result<()> {
     if size.0 < 200 || size.1 < 150 {
-        return Err(TrainError::Config(format!(
-            "{}: a {}x{} plot is too small to draw (at least 200x150)",
-            out_png.display(),
-            size.0,
-            size.1
-        )));
+        return Err(TrainError::InvalidArgument {
+            name: "size".into(),
+            detail: format!(
+                "{}: a {}x{} plot is too small to draw (at least 200x150)",
+                out_png.display(),
+                size.0,
+                size.1
+            ),
+        });
     }
     let text = fs::read_to_string(metrics_jsonl).map_err(|e| TrainError::io(metrics_jsonl, e))?;
     let curves = parse_metrics(metrics_jsonl, &text)?;
     if curves.train.is_empty() && curves.val.is_empty() {
-        return Err(TrainError::Config(format!(
-            "{}: no line has a finite `loss` or `val_loss`, so there is nothing to plot",
-            metrics_jsonl.display()
-        )));
+        return Err(TrainError::Metrics {
+            path: metrics_jsonl.display().to_string(),
+            detail: "no line has a finite `loss` or `val_loss`, so there is nothing to plot".into(),
+        });
     }
     register_bundled_font()?;
     if let Some(dir) = out_png.parent().filter(|d| !d.as_os_str().is_empty()) {
@@ -79,7 +82,7 @@ fn parse_metrics(path: &Path, text: &str) -> Result<Curves> {
     let mut curves = Curves::default();
     for (i, line) in text.lines().enumerate() {
         let line_no = i + 1;
-        let bad = |what: String| TrainError::Config(format!("{}:{line_no}: {what}", path.display()));
+        let bad = |what: String| TrainError::Metrics { path: format!("{}:{line_no}", path.display()), detail: what };
         if line.trim().is_empty() {
             continue;
         }
@@ -118,7 +121,9 @@ fn register_bundled_font() -> Result<()> {
     if ok {
         Ok(())
     } else {
-        Err(TrainError::Config("assets/DejaVuSans.ttf, built into this binary, is not a font plotters can read".into()))
+        Err(TrainError::Internal(
+            "assets/DejaVuSans.ttf, built into this binary, is not a font plotters can read".into(),
+        ))
     }
 }
 
@@ -242,8 +247,8 @@ mod tests {
         fs::write(&metrics, text).unwrap();
         let out = dir.path().join("loss.png");
         let msg = match plot_metrics(&metrics, &out) {
-            Err(TrainError::Config(msg)) => msg,
-            other => panic!("expected a config error, got {other:?}"),
+            Err(e @ TrainError::Metrics { .. }) => e.to_string(),
+            other => panic!("expected a metrics error, got {other:?}"),
         };
         assert!(msg.contains("metrics.jsonl"), "{msg}");
         assert!(!out.exists(), "no plot is drawn from a bad file");

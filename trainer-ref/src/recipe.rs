@@ -11,6 +11,7 @@ use longctx_kernels::{RopeConfig, RopeScaling};
 use serde::{Deserialize, Serialize};
 
 use crate::data::BYTE_VOCAB;
+use crate::device::Device;
 use crate::error::{Result, TrainError};
 pub use crate::rope_scaling::RopeScalingConfig;
 
@@ -260,6 +261,14 @@ pub struct ParallelConfig {
     /// Pipeline parallelism of a published layout, for `longctx plan --recipe`; as `tp`, 1 to train.
     #[serde(default = "one")]
     pub pp: usize,
+    /// Where every rank computes: `cpu` (default) or `cuda:N`, the GPU of ordinal N (a build with the `cuda`
+    /// feature). `--device` overrides it; [`Recipe::device`] reads it.
+    #[serde(default = "default_backend")]
+    pub backend: String,
+}
+
+fn default_backend() -> String {
+    "cpu".into()
 }
 
 fn one() -> usize {
@@ -268,12 +277,29 @@ fn one() -> usize {
 
 impl Default for ParallelConfig {
     fn default() -> Self {
-        ParallelConfig { cp: 1, dp: 1, partition: "zigzag".into(), schedule: "ring".into(), threads: 0, tp: 1, pp: 1 }
+        ParallelConfig {
+            cp: 1,
+            dp: 1,
+            partition: "zigzag".into(),
+            schedule: "ring".into(),
+            threads: 0,
+            tp: 1,
+            pp: 1,
+            backend: default_backend(),
+        }
     }
 }
 
 fn bad(field: &str, why: impl std::fmt::Display) -> TrainError {
-    TrainError::Config(format!("recipe field `{field}`: {why}"))
+    TrainError::InvalidField { field: field.to_string(), detail: why.to_string() }
+}
+
+fn syntax(origin: &str, e: &toml::de::Error) -> TrainError {
+    TrainError::RecipeSyntax { origin: origin.to_string(), detail: e.message().to_string() }
+}
+
+fn set_error(o: &str, why: impl std::fmt::Display) -> TrainError {
+    TrainError::InvalidOption { option: "--set".into(), detail: format!("{o}: {why}") }
 }
 
 impl ModelConfig {
@@ -368,10 +394,10 @@ impl Recipe {
                 let p = Path::new(name_or_path);
                 if !p.exists() {
                     let names: Vec<_> = BUILTIN.iter().map(|(n, _)| *n).collect();
-                    return Err(TrainError::Config(format!(
-                        "no recipe `{name_or_path}`: not a built-in ({}) and no such file",
-                        names.join(", ")
-                    )));
+                    return Err(TrainError::UnknownRecipe {
+                        name: name_or_path.to_string(),
+                        builtins: names.join(", "),
+                    });
                 }
                 (p.display().to_string(), std::fs::read_to_string(p).map_err(|e| TrainError::io(p, e))?)
             }
@@ -381,14 +407,11 @@ impl Recipe {
 
     /// Parses `text` (from `origin`, for messages) with `overrides` applied, then validates.
     pub fn parse(origin: &str, text: &str, overrides: &[String]) -> Result<Recipe> {
-        let mut value: toml::Table =
-            toml::from_str(text).map_err(|e| TrainError::Config(format!("{origin}: {}", e.message())))?;
+        let mut value: toml::Table = toml::from_str(text).map_err(|e| syntax(origin, &e))?;
         for o in overrides {
             apply_override(&mut value, o)?;
         }
-        let recipe: Recipe = toml::Value::Table(value)
-            .try_into()
-            .map_err(|e: toml::de::Error| TrainError::Config(format!("{origin}: {}", e.message())))?;
+        let recipe: Recipe = toml::Value::Table(value).try_into().map_err(|e: toml::de::Error| syntax(origin, &e))?;
         recipe.validate()?;
         Ok(recipe)
     }
@@ -506,6 +529,7 @@ impl Recipe {
         }
         self.partition()?;
         self.schedule()?;
+        self.device()?;
         self.recompute_policy()?;
         if !["none", "host", "disk"].contains(&self.train.offload.as_str()) {
             return Err(bad("train.offload", format!("`{}` (none, host or disk)", self.train.offload)));
@@ -579,6 +603,35 @@ impl Recipe {
         })
     }
 
+    /// The device the recipe computes on (`parallel.backend`).
+    pub fn device(&self) -> Result<Device> {
+        self.parallel.backend.parse().map_err(|e: crate::device::ParseDeviceError| bad("parallel.backend", e))
+    }
+
+    /// A context-parallel plan for sequences of `seq_len` in `dtype` with the recipe's model and mask (causal,
+    /// within documents with `data.document_masking`).
+    pub fn cp_plan(
+        &self,
+        cp: &longctx_ring_attn::ContextParallel,
+        seq_len: usize,
+        dtype: longctx_kernels::DType,
+    ) -> Result<longctx_ring_attn::CpPlan> {
+        let m = &self.model;
+        let shape = longctx_ring_attn::CpShape {
+            batch: 1,
+            q_heads: m.heads,
+            kv_heads: m.kv_heads,
+            seq_len,
+            head_dim: m.head_dim(),
+            dtype,
+        };
+        let mut mask = longctx_ring_attn::CpMask::causal();
+        if self.data.document_masking {
+            mask = mask.with_documents();
+        }
+        Ok(cp.plan(&shape, &mask)?)
+    }
+
     /// The schedule the recipe names.
     pub fn schedule(&self) -> Result<longctx_ring_attn::Schedule> {
         use longctx_ring_attn::Schedule;
@@ -594,21 +647,20 @@ impl Recipe {
 /// Applies `a.b.c=value` to the table: the value is parsed as TOML (`3`, `1e-3`, `true`, `"text"`), or taken as
 /// a string when it does not parse (`--set data.corpus=my.txt`).
 fn apply_override(table: &mut toml::Table, o: &str) -> Result<()> {
-    let (path, raw) =
-        o.split_once('=').ok_or_else(|| TrainError::Config(format!("--set {o}: expected `section.field=value`")))?;
+    let (path, raw) = o.split_once('=').ok_or_else(|| set_error(o, "expected `section.field=value`"))?;
     let value = match toml::from_str::<toml::Table>(&format!("v = {raw}")) {
         Ok(mut t) => t.remove("v").unwrap_or(toml::Value::String(raw.into())),
         Err(_) => toml::Value::String(raw.into()),
     };
     let keys: Vec<&str> = path.trim().split('.').collect();
-    let (last, parents) = keys.split_last().ok_or_else(|| TrainError::Config(format!("--set {o}: empty path")))?;
+    let (last, parents) = keys.split_last().ok_or_else(|| set_error(o, "empty path"))?;
     let mut t = table;
     for k in parents {
         t = t
             .entry(k.to_string())
             .or_insert_with(|| toml::Value::Table(toml::Table::new()))
             .as_table_mut()
-            .ok_or_else(|| TrainError::Config(format!("--set {o}: `{k}` is not a section")))?;
+            .ok_or_else(|| set_error(o, format!("`{k}` is not a section")))?;
     }
     t.insert(last.to_string(), value);
     Ok(())
@@ -632,6 +684,21 @@ mod tests {
         assert!(e.contains("seq_lne"), "{e}");
         let e = Recipe::load("tiny-llama", &["train.stpes=3".into()]).unwrap_err().to_string();
         assert!(e.contains("stpes"), "{e}");
+    }
+
+    #[test]
+    fn the_backend_is_a_device_and_a_bad_one_names_the_field() {
+        assert_eq!(Recipe::load("tiny-llama", &[]).unwrap().device().unwrap(), Device::Cpu);
+        let r = Recipe::load("tiny-llama", &["parallel.backend=cuda:1".into()]).unwrap();
+        assert_eq!(r.device().unwrap(), Device::Cuda(1));
+        // A recipe written before the field existed computes on the CPU.
+        let text = BUILTIN[0].1.replace("backend = \"cpu\"", "");
+        assert_eq!(Recipe::parse("test", &text, &[]).unwrap().device().unwrap(), Device::Cpu);
+        let e = Recipe::load("tiny-llama", &["parallel.backend=gpu0".into()]).unwrap_err();
+        assert!(
+            matches!(&e, TrainError::InvalidField { field, detail } if field == "parallel.backend" && detail.contains("gpu0")),
+            "{e}"
+        );
     }
 
     #[test]

@@ -315,7 +315,10 @@ impl RopeScalingConfig {
     ///
     /// Errors: an unknown type, a value that is not a number, or no original context to scale from.
     pub fn parse_cli(spec: &str, original: Option<usize>) -> Result<Option<RopeScalingConfig>> {
-        let bad = |why: String| TrainError::Config(format!("--rope-scaling {spec}: {why}"));
+        let bad = |why: String| TrainError::InvalidOption {
+            option: "--rope-scaling".into(),
+            detail: format!("{spec}: {why}"),
+        };
         if spec == "none" {
             return Ok(None);
         }

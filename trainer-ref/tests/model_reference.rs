@@ -397,7 +397,7 @@ fn what_each_layer_saves_is_what_bytes_for_states_from_the_shapes() {
             }
             let model = Llama::new(recipe.model.clone(), w, backend.clone()).unwrap();
             let cp = ContextParallel::new(comm, backend, CpConfig::default()).unwrap();
-            let mut plan = longctx_trainer::train::plan_for(&cp, &recipe, 24, dtype).unwrap();
+            let mut plan = recipe.cp_plan(&cp, 24, dtype).unwrap();
             let ids: Vec<u32> = (0..plan.local_len() as u32).collect();
             let saved = model.forward(&ids, &mut plan).unwrap();
             (
@@ -978,7 +978,7 @@ fn each_familys_saved_bytes_are_what_bytes_for_and_the_recompute_crate_state() {
                 }
                 let model = Model::new(recipe.model.clone(), w, backend.clone()).unwrap();
                 let cp = ContextParallel::new(comm, backend, CpConfig::default()).unwrap();
-                let mut plan = longctx_trainer::train::plan_for(&cp, &recipe, 24, dtype).unwrap();
+                let mut plan = recipe.cp_plan(&cp, 24, dtype).unwrap();
                 let ids: Vec<u32> = (0..plan.local_len() as u32).collect();
                 let saved = model.forward(&ids, &mut plan).unwrap();
                 saved.layers.iter().map(KeptLayer::bytes).collect::<Vec<_>>()

@@ -159,6 +159,14 @@ fn the_command_line_refuses_bad_recipes_before_any_work_and_lists_recipes() {
     assert!(!ok && text.contains("model.kv_heads"), "{text}");
     let (ok, text) = longctx(&["train", "--set", "data.corpus=/no/such/corpus.txt", "--out", "/nonexistent/never"]);
     assert!(!ok && text.contains("data.corpus"), "{text}");
+    let (ok, text) = longctx(&["train", "--device", "gpu0", "--out", "/nonexistent/never"]);
+    assert!(!ok && text.contains("gpu0") && text.contains("cuda:N"), "{text}");
+    let (ok, text) = longctx(&["train", "--set", "parallel.backend=tpu", "--out", "/nonexistent/never"]);
+    assert!(!ok && text.contains("parallel.backend") && text.contains("tpu"), "{text}");
+    if !cfg!(feature = "cuda") {
+        let (ok, text) = longctx(&["train", "--device", "cuda:0", "--out", "/nonexistent/never"]);
+        assert!(!ok && text.contains("`cuda:0`") && text.contains("--features cuda"), "{text}");
+    }
     // A held-out split shorter than a window would wrap round into text the window has just shown.
     let small = out_dir("small-corpus").join("corpus.txt");
     std::fs::create_dir_all(small.parent().unwrap()).unwrap();

@@ -170,7 +170,10 @@ impl ExpertLayout {
         let mut fused: HashMap<String, Vec<f32>> = HashMap::new();
         for (name, dims) in param_shapes(cfg) {
             let t = by_name.remove(name.as_str()).filter(|t| t.dims == dims).ok_or_else(|| {
-                TrainError::Config(format!("tensor `{name}`: missing or not of dims {dims:?}, which the model has"))
+                TrainError::InvalidArgument {
+                    name: format!("tensor `{name}`"),
+                    detail: format!("missing or not of dims {dims:?}, which the model has"),
+                }
             })?;
             match self.part(&name, cfg) {
                 None => {
@@ -182,21 +185,31 @@ impl ExpertLayout {
                 Some(Part::Slice { tensor, dims, values, .. }) => {
                     let all = fused.entry(tensor.clone()).or_insert_with(|| vec![0.0; dims.iter().product()]);
                     let block = all.get_mut(values).filter(|b| b.len() == t.data.len()).ok_or_else(|| {
-                        TrainError::Config(format!("tensor `{name}`: does not fit its block of `{tensor}` {dims:?}"))
+                        TrainError::InvalidArgument {
+                            name: format!("tensor `{name}`"),
+                            detail: format!("does not fit its block of `{tensor}` {dims:?}"),
+                        }
                     })?;
                     block.copy_from_slice(&t.data);
                 }
             }
         }
         if let Some(extra) = by_name.keys().min() {
-            return Err(TrainError::Config(format!("tensor `{extra}`: not one the model has")));
+            return Err(TrainError::InvalidArgument {
+                name: format!("tensor `{extra}`"),
+                detail: "not one the model has".into(),
+            });
         }
         let mut out = Vec::with_capacity(fused.len() + whole.len());
         for (name, dims) in self.file_shapes(cfg) {
             let data = match (fused.remove(&name), whole.get(name.as_str())) {
                 (Some(data), _) => Cow::Owned(data),
                 (None, Some(t)) => Cow::from(&t.data[..]),
-                (None, None) => return Err(TrainError::Config(format!("tensor `{name}`: nothing to write it from"))),
+                (None, None) => {
+                    return Err(TrainError::Internal(format!(
+                        "tensor `{name}` of the fused layout: no tensor of the model makes it"
+                    )))
+                }
             };
             out.push(FileTensor { name, dims, data });
         }

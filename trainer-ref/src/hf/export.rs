@@ -83,20 +83,18 @@ pub fn write_dir(
     if out.exists() {
         let mut entries = std::fs::read_dir(out).map_err(|e| TrainError::io(out, e))?;
         if entries.next().is_some() {
-            return Err(TrainError::Config(format!(
-                "{}: not empty; export writes into a new or empty directory (nothing is overwritten)",
-                out.display()
-            )));
+            return Err(TrainError::OutputNotEmpty {
+                path: out.to_path_buf(),
+                why: "export writes into a new or empty directory (nothing is overwritten)".into(),
+            });
         }
     }
     // Serialised before anything is written, so a tokenizer that cannot be leaves no half-written directory.
     let tokenizer_text = tokenizer
         .map(|t| {
-            t.tokenizer.to_string(true).map_err(|e| {
-                TrainError::Config(format!(
-                    "{}: the tokenizer cannot be serialised: {e}",
-                    out.join(TOKENIZER_FILE).display()
-                ))
+            t.tokenizer.to_string(true).map_err(|e| TrainError::Tokenizer {
+                context: format!("{}: the tokenizer cannot be serialised", out.join(TOKENIZER_FILE).display()),
+                detail: e.to_string(),
             })
         })
         .transpose()?;
@@ -136,7 +134,7 @@ fn tokenizer_config(t: &SavedTokenizer) -> Value {
 
 fn write_json(path: &Path, value: &Value) -> Result<PathBuf> {
     let text = serde_json::to_vec_pretty(value)
-        .map_err(|e| TrainError::Config(format!("{}: cannot encode: {e}", path.display())))?;
+        .map_err(|e| TrainError::Internal(format!("{}: cannot encode: {e}", path.display())))?;
     std::fs::write(path, text).map_err(|e| TrainError::io(path, e))?;
     Ok(path.to_path_buf())
 }

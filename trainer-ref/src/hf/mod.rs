@@ -192,19 +192,22 @@ fn shape_fields(m: &ModelConfig) -> [(&'static str, usize); 8] {
 /// Fails naming the field where `recipe`'s model has a shape other than the checkpoint's.
 pub fn check_model(recipe: &ModelConfig, hf: &HfConfig) -> Result<()> {
     if recipe.family != hf.model.family {
-        return Err(TrainError::Config(format!(
-            "recipe field `model.family` is {}, but {} gives the checkpoint {}",
-            recipe.family.name(),
-            hf.path.display(),
-            hf.model.family.name()
-        )));
+        return Err(TrainError::InvalidField {
+            field: "model.family".into(),
+            detail: format!(
+                "{}, but {} gives the checkpoint {}",
+                recipe.family.name(),
+                hf.path.display(),
+                hf.model.family.name()
+            ),
+        });
     }
     for ((field, mine), (_, theirs)) in shape_fields(recipe).into_iter().zip(shape_fields(&hf.model)) {
         if mine != theirs {
-            return Err(TrainError::Config(format!(
-                "recipe field `{field}` is {mine}, but {} gives the checkpoint {theirs}",
-                hf.path.display()
-            )));
+            return Err(TrainError::InvalidField {
+                field: field.to_string(),
+                detail: format!("{mine}, but {} gives the checkpoint {theirs}", hf.path.display()),
+            });
         }
     }
     Ok(())

@@ -1,0 +1,116 @@
+//! Where a run computes: `cpu` or `cuda:N`, named by the recipe (`parallel.backend`) or the command line
+//! (`--device`, which overrides it), and [`backend`], the one function that builds the kernels' backend for it.
+//! Everything else (the ranks, `longctx eval`, the MFU peak) takes the backend it makes.
+
+use std::fmt;
+use std::str::FromStr;
+use std::sync::Arc;
+
+use longctx_kernels::{Backend, CpuBackend};
+
+use crate::error::{Result, TrainError};
+
+/// A device to compute on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Device {
+    /// The host's cores ([`CpuBackend`]).
+    #[default]
+    Cpu,
+    /// The NVIDIA GPU of this ordinal ([`CudaBackend`](longctx_kernels::CudaBackend); the trainer's `cuda` feature).
+    Cuda(usize),
+}
+
+/// A device string that is neither `cpu` nor `cuda:N`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("`{value}` is not a device (cpu, or cuda:N for the GPU of ordinal N, e.g. cuda:0)")]
+pub struct ParseDeviceError {
+    /// The string given.
+    pub value: String,
+}
+
+impl FromStr for Device {
+    type Err = ParseDeviceError;
+
+    fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
+        let bad = || ParseDeviceError { value: s.to_string() };
+        match s {
+            "cpu" => Ok(Device::Cpu),
+            _ => {
+                let ordinal = s.strip_prefix("cuda:").ok_or_else(bad)?;
+                // Digits only: `usize::from_str` would also take `+0`.
+                if ordinal.is_empty() || !ordinal.bytes().all(|b| b.is_ascii_digit()) {
+                    return Err(bad());
+                }
+                ordinal.parse().map(Device::Cuda).map_err(|_| bad())
+            }
+        }
+    }
+}
+
+impl fmt::Display for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Device::Cpu => f.write_str("cpu"),
+            Device::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+/// The backend every rank of a run on `device` computes through. `threads` sizes the CPU backend's pool (0:
+/// rayon's global pool); a CUDA backend runs on its own stream of the device.
+///
+/// Errors: [`TrainError::CudaNotCompiled`] for `cuda:N` in a build without the `cuda` feature; the kernels'
+/// [`KernelError::NoDevice`](longctx_kernels::KernelError::NoDevice) when no driver or no device of that ordinal is found.
+pub fn backend(device: Device, threads: usize) -> Result<Arc<dyn Backend>> {
+    match device {
+        Device::Cpu => Ok(Arc::new(if threads > 0 { CpuBackend::with_threads(threads)? } else { CpuBackend::new() })),
+        Device::Cuda(ordinal) => cuda(ordinal),
+    }
+}
+
+/// Errors unless this build can compute on `device` ([`TrainError::CudaNotCompiled`] for `cuda:N` without the
+/// `cuda` feature): what a command checks before any work, since the backend itself is built by each rank.
+pub fn check_compiled(device: Device) -> Result<()> {
+    match device {
+        Device::Cuda(ordinal) if !cfg!(feature = "cuda") => Err(TrainError::CudaNotCompiled { ordinal }),
+        _ => Ok(()),
+    }
+}
+
+/// The CUDA backend on the GPU of `ordinal`.
+#[cfg(feature = "cuda")]
+fn cuda(ordinal: usize) -> Result<Arc<dyn Backend>> {
+    Ok(Arc::new(longctx_kernels::CudaBackend::new(ordinal)?))
+}
+
+/// A build without the `cuda` feature has no CUDA backend (the kernels' stub type computes nothing).
+#[cfg(not(feature = "cuda"))]
+fn cuda(ordinal: usize) -> Result<Arc<dyn Backend>> {
+    Err(TrainError::CudaNotCompiled { ordinal })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_and_prints() {
+        for (s, d) in [("cpu", Device::Cpu), ("cuda:0", Device::Cuda(0)), ("cuda:12", Device::Cuda(12))] {
+            assert_eq!(s.parse::<Device>(), Ok(d));
+            assert_eq!(d.to_string(), s);
+        }
+        for s in ["", "gpu", "cuda", "cuda:", "cuda:+1", "cuda:-1", "cuda:x", "CPU", " cpu"] {
+            assert_eq!(s.parse::<Device>(), Err(ParseDeviceError { value: s.into() }), "{s:?}");
+        }
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    #[test]
+    fn cuda_without_the_feature_is_a_typed_error() {
+        assert!(matches!(check_compiled(Device::Cuda(3)), Err(TrainError::CudaNotCompiled { .. })));
+        check_compiled(Device::Cpu).unwrap();
+        let e = backend(Device::Cuda(0), 0).unwrap_err();
+        assert!(matches!(e, TrainError::CudaNotCompiled { ordinal: 0 }), "{e}");
+        assert!(e.to_string().contains("--features cuda"), "{e}");
+    }
+}
