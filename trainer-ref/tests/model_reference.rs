@@ -401,7 +401,7 @@ fn what_each_layer_saves_is_what_bytes_for_states_from_the_shapes() {
             let ids: Vec<u32> = (0..plan.local_len() as u32).collect();
             let saved = model.forward(&ids, &mut plan).unwrap();
             (
-                saved.layers.iter().map(longctx_trainer::model::KeptLayer::bytes).collect::<Vec<_>>(),
+                saved.layers.iter().map(LayerSaved::bytes).collect::<Vec<_>>(),
                 saved.bytes(),
                 plan.local_len(),
             )
@@ -962,7 +962,7 @@ fn each_family_recomputes_and_offloads_with_bit_identical_gradients() {
 fn each_familys_saved_bytes_are_what_bytes_for_and_the_recompute_crate_state() {
     use longctx_p2p::ThreadWorld;
     use longctx_ring_attn::{ContextParallel, CpConfig};
-    use longctx_trainer::model::{KeptLayer, LayerSaved, Model};
+    use longctx_trainer::model::{LayerSaved, Model};
     use std::sync::Arc;
     for name in ["tiny-mixtral", "tiny-nemotron"] {
         for (precision, dtype) in [("f32", DType::F32), ("bf16", DType::Bf16)] {
@@ -981,7 +981,7 @@ fn each_familys_saved_bytes_are_what_bytes_for_and_the_recompute_crate_state() {
                 let mut plan = longctx_trainer::train::plan_for(&cp, &recipe, 24, dtype).unwrap();
                 let ids: Vec<u32> = (0..plan.local_len() as u32).collect();
                 let saved = model.forward(&ids, &mut plan).unwrap();
-                saved.layers.iter().map(KeptLayer::bytes).collect::<Vec<_>>()
+                saved.layers.iter().map(LayerSaved::bytes).collect::<Vec<_>>()
             })
             .unwrap();
             for b in sizes.into_iter().flatten() {
