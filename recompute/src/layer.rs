@@ -139,9 +139,9 @@ pub struct LlamaLayerShape {
     pub seq_shard: u64,
 }
 
-/// The saved tensors of a Llama layer as longctx's reference trainer keeps them (its `LayerSaved`, field for
-/// field: `x, rstd1, h1, q, k, v, o, lse, x2, rstd2, h2, gate, up, act`), with PaLM-style FLOP counts (causal
-/// attention counted at half of the full `4·L·S·H·D`).
+/// The saved tensors of a Llama layer as longctx's reference trainer keeps them (its `SavedId` table, tensor for
+/// tensor: `x, rstd1, h1, q, k, v, o, lse, x2, rstd2, h2, gate, up, act`; its replay reruns these segments by
+/// name), with PaLM-style FLOP counts (causal attention counted at half of the full `4·L·S·H·D`).
 pub fn llama_layer(s: &LlamaLayerShape) -> LayerSpec {
     let (l, e) = (s.tokens, s.elem_bytes);
     let c = s.d_model;

@@ -303,6 +303,29 @@ fn set_error(o: &str, why: impl std::fmt::Display) -> TrainError {
 }
 
 impl ModelConfig {
+    /// The recompute crate's description of one layer of this family over `tokens` of a `seq_len` sequence, with
+    /// activations of `elem_bytes` each.
+    pub fn layer_spec(&self, tokens: usize, seq_len: usize, elem_bytes: u64) -> longctx_recompute::LayerSpec {
+        let shape = longctx_recompute::LlamaLayerShape {
+            tokens: tokens as u64,
+            seq_len: seq_len as u64,
+            d_model: self.d_model as u64,
+            heads: self.heads as u64,
+            kv_heads: self.kv_heads as u64,
+            head_dim: self.head_dim() as u64,
+            ffn: self.ffn as u64,
+            elem_bytes,
+            seq_shard: 1,
+        };
+        match (self.family, self.experts()) {
+            (Family::Nemotron, _) => longctx_recompute::models::nemotron_layer(&shape),
+            (Family::Mixtral, Some(moe)) => {
+                longctx_recompute::models::mixtral_layer(&shape, moe.experts as u64, moe.top_k as u64)
+            }
+            _ => longctx_recompute::llama_layer(&shape),
+        }
+    }
+
     /// The kernel's RoPE parameters for sequences of `seq_len` tokens.
     pub fn rope_config(&self, seq_len: usize) -> RopeConfig {
         let scaling = self.rope_scaling.as_ref().map_or(RopeScaling::None, |s| s.to_kernel(seq_len));
@@ -571,25 +594,8 @@ impl Recipe {
 
     /// The recompute crate's description of one layer of this recipe's model on one rank (its family's).
     pub fn layer_spec(&self) -> longctx_recompute::LayerSpec {
-        let m = &self.model;
-        let shape = longctx_recompute::LlamaLayerShape {
-            tokens: (self.train.seq_len / self.parallel.cp) as u64,
-            seq_len: self.train.seq_len as u64,
-            d_model: m.d_model as u64,
-            heads: m.heads as u64,
-            kv_heads: m.kv_heads as u64,
-            head_dim: m.head_dim() as u64,
-            ffn: m.ffn as u64,
-            elem_bytes: if self.train.precision == Precision::Bf16 { 2 } else { 4 },
-            seq_shard: 1,
-        };
-        match (m.family, m.experts()) {
-            (Family::Nemotron, _) => longctx_recompute::models::nemotron_layer(&shape),
-            (Family::Mixtral, Some(moe)) => {
-                longctx_recompute::models::mixtral_layer(&shape, moe.experts as u64, moe.top_k as u64)
-            }
-            _ => longctx_recompute::llama_layer(&shape),
-        }
+        let elem_bytes = if self.train.precision == Precision::Bf16 { 2 } else { 4 };
+        self.model.layer_spec(self.train.seq_len / self.parallel.cp, self.train.seq_len, elem_bytes)
     }
 
     /// The partition the recipe names.

@@ -400,11 +400,7 @@ fn what_each_layer_saves_is_what_bytes_for_states_from_the_shapes() {
             let mut plan = recipe.cp_plan(&cp, 24, dtype).unwrap();
             let ids: Vec<u32> = (0..plan.local_len() as u32).collect();
             let saved = model.forward(&ids, &mut plan).unwrap();
-            (
-                saved.layers.iter().map(longctx_trainer::model::KeptLayer::bytes).collect::<Vec<_>>(),
-                saved.bytes(),
-                plan.local_len(),
-            )
+            (saved.layers.iter().map(LayerSaved::bytes).collect::<Vec<_>>(), saved.bytes(), plan.local_len())
         })
         .unwrap();
         for (layers, _, l) in sizes {
@@ -462,6 +458,45 @@ fn the_recompute_crate_describes_the_trainers_layer_exactly() {
         let r = tiny_recipe(&[&format!("train.precision=\"{precision}\""), cp]);
         let l = r.train.seq_len / r.parallel.cp;
         assert_eq!(r.layer_spec().saved_bytes() as usize, LayerSaved::bytes_for(&r.model, l, dtype), "{precision}");
+    }
+}
+
+/// The recompute crate's description of each family's layer and the model's saved-tensor table name the same
+/// tensors, made by the same segments, in the same order; each segment is a forward helper of the model, which a
+/// replay reruns by that name. A rename or an addition on either side fails here.
+#[test]
+fn the_recompute_crates_segment_and_tensor_names_are_the_models() {
+    use longctx_trainer::model::{SavedId, SegmentId};
+    let families = [
+        ("llama", tiny_recipe(&[])),
+        ("mixtral", family_recipe("tiny-mixtral", &[])),
+        ("nemotron", family_recipe("tiny-nemotron", &[])),
+    ];
+    for (family, r) in families {
+        let spec = r.layer_spec();
+        assert_eq!(SavedId::from_name(&spec.input.name), Some(SavedId::X), "{family}: the layer's input");
+        let mut named = vec![SavedId::X];
+        for seg in &spec.segments {
+            let Some(segment) = SegmentId::from_name(&seg.name) else {
+                panic!("{family}: the recompute crate's segment `{}` is no forward helper of the model", seg.name)
+            };
+            for t in &seg.outputs {
+                let Some(id) = SavedId::from_name(&t.name) else {
+                    panic!("{family}: `{}` (made by `{}`) is not in the model's saved-tensor table", t.name, seg.name)
+                };
+                assert!(
+                    id.made_by().contains(&segment),
+                    "{family}: the model's table has `{}` made by {:?}, the recompute crate by `{}`",
+                    t.name,
+                    id.made_by(),
+                    seg.name
+                );
+                named.push(id);
+            }
+        }
+        let l = r.train.seq_len / r.parallel.cp;
+        let saved: Vec<SavedId> = SavedId::all().filter(|id| id.bytes_for(&r.model, l, DType::F32).is_some()).collect();
+        assert_eq!(named, saved, "{family}: the recompute crate's tensors, then the model's");
     }
 }
 
@@ -962,7 +997,7 @@ fn each_family_recomputes_and_offloads_with_bit_identical_gradients() {
 fn each_familys_saved_bytes_are_what_bytes_for_and_the_recompute_crate_state() {
     use longctx_p2p::ThreadWorld;
     use longctx_ring_attn::{ContextParallel, CpConfig};
-    use longctx_trainer::model::{KeptLayer, LayerSaved, Model};
+    use longctx_trainer::model::{LayerSaved, Model};
     use std::sync::Arc;
     for name in ["tiny-mixtral", "tiny-nemotron"] {
         for (precision, dtype) in [("f32", DType::F32), ("bf16", DType::Bf16)] {
@@ -981,7 +1016,7 @@ fn each_familys_saved_bytes_are_what_bytes_for_and_the_recompute_crate_state() {
                 let mut plan = recipe.cp_plan(&cp, 24, dtype).unwrap();
                 let ids: Vec<u32> = (0..plan.local_len() as u32).collect();
                 let saved = model.forward(&ids, &mut plan).unwrap();
-                saved.layers.iter().map(KeptLayer::bytes).collect::<Vec<_>>()
+                saved.layers.iter().map(LayerSaved::bytes).collect::<Vec<_>>()
             })
             .unwrap();
             for b in sizes.into_iter().flatten() {
