@@ -4,34 +4,8 @@
 
 use half::{bf16, f16};
 
-/// The element types the kernels take.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum DType {
-    /// IEEE single precision.
-    F32,
-    /// bfloat16: 8 exponent bits, 7 mantissa bits.
-    Bf16,
-    /// IEEE half precision: 5 exponent bits, 10 mantissa bits.
-    F16,
-}
-
-impl DType {
-    /// The type's name as used in error messages.
-    pub fn name(self) -> &'static str {
-        match self {
-            DType::F32 => "f32",
-            DType::Bf16 => "bf16",
-            DType::F16 => "f16",
-        }
-    }
-    /// Bytes per element.
-    pub fn size(self) -> usize {
-        match self {
-            DType::F32 => 4,
-            DType::Bf16 | DType::F16 => 2,
-        }
-    }
-}
+/// The element types the kernels take: the tag shared with the offload engine (`longctx-dtype`).
+pub use longctx_dtype::DType;
 
 /// A storage element: `f32`, `bf16` or `f16`. Sealed; conversions are exact for `f32` and round-to-nearest-even
 /// for the 16-bit types on store.

@@ -119,13 +119,14 @@ fn touched(n: usize) -> Vec<u8> {
     v
 }
 
-/// Tensors of `n` bytes, every page touched.
+/// Tensors of `n` bytes (bf16, `n` even), every page touched.
 fn make_tensors(k: usize, n: usize) -> Vec<HostTensor> {
     (0..k)
         .map(|i| {
-            let mut v = fresh(n);
-            v.fill((i % 251) as u8 + 1);
-            HostTensor::u8(v, [n]).expect("dims match")
+            let mut v = vec![half::bf16::ZERO; n / 2];
+            advise_huge(bytemuck::cast_slice_mut(&mut v));
+            v.fill(half::bf16::from_bits((i % 251) as u16 + 1));
+            HostTensor::bf16(v, [n / 2]).expect("dims match")
         })
         .collect()
 }

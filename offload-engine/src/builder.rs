@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use crate::device::DeviceCopier;
 use crate::engine::OffloadEngine;
 use crate::error::{OffloadError, Result};
 use crate::page_lock::PageLocker;
@@ -30,6 +31,7 @@ pub struct OffloadEngineBuilder {
     max_pending_bytes: Option<u64>,
     direct_io: bool,
     page_lock: Option<Arc<dyn PageLocker>>,
+    copier: Option<Arc<dyn DeviceCopier>>,
 }
 
 impl OffloadEngine {
@@ -50,6 +52,7 @@ impl Default for OffloadEngineBuilder {
             max_pending_bytes: None,
             direct_io: true,
             page_lock: None,
+            copier: None,
         }
     }
 }
@@ -126,6 +129,15 @@ impl OffloadEngineBuilder {
         self
     }
 
+    /// Lets the engine take [`DeviceTensor`](crate::DeviceTensor)s: `copier` moves them between the device's
+    /// memory and the tiers, one copy each way through the host tier (see [`DeviceCopier`]). Pair it with a
+    /// [`page_lock`](OffloadEngineBuilder::page_lock) that registers the host tier with the same device, so those
+    /// copies run by DMA. Default: none, and a device tensor is [`OffloadError::NoDeviceCopier`].
+    pub fn device(mut self, copier: impl DeviceCopier + 'static) -> Self {
+        self.copier = Some(Arc::new(copier));
+        self
+    }
+
     /// Checks the options, prepares the tiers (the disk tier's directory: see [`OffloadError::SpillDir`] and
     /// [`OffloadError::DiskTooSmall`]) and starts the workers.
     pub fn build(self) -> Result<OffloadEngine> {
@@ -174,6 +186,6 @@ impl OffloadEngineBuilder {
             None => None,
         };
         let policy = Policy { prefetch_depth: self.prefetch_depth, resident_from, max_pending: self.max_pending_bytes };
-        OffloadEngine::start(host, disk, SparePool::new(self.spare_bytes), policy, self.workers)
+        OffloadEngine::start(host, disk, SparePool::new(self.spare_bytes), policy, self.copier, self.workers)
     }
 }

@@ -7,7 +7,9 @@ use std::sync::{mpsc, Arc, Condvar, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::Instant;
 
+use crate::device::DeviceCopier;
 use crate::error::{OffloadError, Result};
+use crate::memory::{Memory, Offloadable, Payload, Tensor};
 use crate::pool::HostPool;
 use crate::scheduler::{DiskTier, Scheduler};
 use crate::shared::{Policy, Shared};
@@ -37,6 +39,7 @@ impl OffloadEngine {
         disk: Option<DiskTier>,
         spare: SparePool,
         policy: Policy,
+        copier: Option<Arc<dyn DeviceCopier>>,
         workers: usize,
     ) -> Result<Self> {
         let spill_dir = disk.as_ref().map(|d| d.dir.path().to_owned());
@@ -48,6 +51,7 @@ impl OffloadEngine {
             policy,
             spill_dir,
             disk_io,
+            copier,
             reaper: Mutex::new(None),
         });
         let mut engine = Self { shared, workers: Vec::with_capacity(workers), reaper: None };
@@ -68,39 +72,53 @@ impl OffloadEngine {
     }
 
     /// Hands `tensor`, saved by layer `layer`'s forward, to the engine and returns at once: a worker copies it
-    /// into the first tier with room and then frees the caller's allocation (or keeps it as a spare, see
-    /// [`OffloadEngineBuilder::spare_bytes`](crate::OffloadEngineBuilder::spare_bytes)). Tensors of the resident layers, and empty ones, stay where they
-    /// are. Blocks only under [`OffloadEngineBuilder::max_pending_bytes`](crate::OffloadEngineBuilder::max_pending_bytes).
+    /// into the first tier with room and then frees the caller's allocation (a host tensor's may be kept as a
+    /// spare, see [`OffloadEngineBuilder::spare_bytes`](crate::OffloadEngineBuilder::spare_bytes)). Tensors of
+    /// the resident layers, and empty ones, stay where they are. Blocks only under
+    /// [`OffloadEngineBuilder::max_pending_bytes`](crate::OffloadEngineBuilder::max_pending_bytes).
     ///
-    /// Errors: [`OffloadError::TooLarge`] (handing the tensor back) when no tier's whole budget could hold it.
-    pub fn offload(
+    /// `tensor` is a [`HostTensor`] or a [`DeviceTensor`](crate::DeviceTensor) (copied by the engine's
+    /// [`DeviceCopier`](crate::DeviceCopier)); the ticket's type says which, and its fetch gives back the same.
+    ///
+    /// Errors, handing the tensor back: [`OffloadError::TooLarge`] when no tier's whole budget could hold it,
+    /// [`OffloadError::NoDeviceCopier`] for a device tensor when the engine has no copier.
+    pub fn offload<T: Offloadable>(
         &self,
         layer: usize,
         name: impl Into<Cow<'static, str>>,
-        tensor: HostTensor,
-    ) -> Result<Ticket<Activation>> {
-        self.offload_as(layer, name.into(), tensor)
+        tensor: T,
+    ) -> Result<Ticket<Activation, T::Memory>> {
+        self.offload_as(layer, name.into(), tensor.into())
     }
 
     /// [`OffloadEngine::offload`] for a layer's parameters, moved out after its forward and fetched back before
     /// its backward: the same tiers, budgets and prefetch, another kind of ticket.
-    pub fn offload_weights(
+    pub fn offload_weights<T: Offloadable>(
         &self,
         layer: usize,
         name: impl Into<Cow<'static, str>>,
-        tensor: HostTensor,
-    ) -> Result<Ticket<Weights>> {
-        self.offload_as(layer, name.into(), tensor)
+        tensor: T,
+    ) -> Result<Ticket<Weights, T::Memory>> {
+        self.offload_as(layer, name.into(), tensor.into())
     }
 
-    fn offload_as<K: Kind>(&self, layer: usize, name: Cow<'static, str>, tensor: HostTensor) -> Result<Ticket<K>> {
+    fn offload_as<K: Kind, M: Memory>(
+        &self,
+        layer: usize,
+        name: Cow<'static, str>,
+        tensor: Tensor,
+    ) -> Result<Ticket<K, M>> {
         let tag = TensorTag { layer, name, kind: K::KIND };
-        let (data, dims) = tensor.into_parts();
-        let (dtype, bytes) = (data.dtype(), data.as_bytes().len());
+        if matches!(tensor, Tensor::Device(_)) && self.shared.copier.is_none() {
+            return Err(OffloadError::NoDeviceCopier { tensor: tag, returned: Box::new(tensor) });
+        }
+        let (data, dtype, dims) = tensor.into_payload();
+        let bytes = data.bytes();
+        let device_dims = matches!(data, Payload::Device(_)).then(|| dims.clone());
         let resident = self.shared.policy.resident_from.is_some_and(|from| layer >= from) || bytes == 0;
         let mut sched = self.shared.lock();
         if !resident && !sched.could_hold(bytes) {
-            let returned = Box::new(HostTensor::from_parts(data, dims));
+            let returned = Box::new(Tensor::from_payload(data, dtype, dims));
             return Err(OffloadError::TooLarge { tensor: tag, bytes: bytes as u64, returned });
         }
         if let (Some(limit), false) = (self.shared.policy.max_pending, resident) {
@@ -114,7 +132,7 @@ impl OffloadEngine {
                 sched.counters.offload_wait += start.elapsed();
             }
         }
-        let slot = sched.insert(tag.clone(), data, resident);
+        let slot = sched.insert(tag.clone(), data, dtype, device_dims, resident);
         drop(sched);
         if !resident {
             self.shared.work.notify_one();
@@ -124,7 +142,7 @@ impl OffloadEngine {
 
     /// Starts bringing `ticket`'s tensor back, so that its `fetch` does not wait. A tensor whose copy out has
     /// not started is not copied at all. Errors: [`OffloadError::ForeignTicket`].
-    pub fn prefetch<K: Kind>(&self, ticket: &Ticket<K>) -> Result<()> {
+    pub fn prefetch<K: Kind, M: Memory>(&self, ticket: &Ticket<K, M>) -> Result<()> {
         self.check_owner(ticket)?;
         self.shared.lock().want(ticket.slot, false);
         self.shared.work.notify_all();
@@ -146,9 +164,13 @@ impl OffloadEngine {
     /// freed. The time spent waiting is [`OffloadStats::fetch_wait`]. Also the hint
     /// [`backward_started`](OffloadEngine::backward_started)`(ticket.layer())`.
     ///
+    /// A device tensor comes back in a new buffer from the engine's [`DeviceCopier`](crate::DeviceCopier), its
+    /// bytes in place for any work the caller orders after this call.
+    ///
     /// Errors: the copy's, if it failed ([`OffloadError::Corrupt`] when a spill file does not hold what was
-    /// written, [`OffloadError::DiskFull`], [`OffloadError::Io`]); [`OffloadError::ForeignTicket`].
-    pub fn fetch<K: Kind>(&self, mut ticket: Ticket<K>) -> Result<HostTensor> {
+    /// written, [`OffloadError::DiskFull`], [`OffloadError::Io`], [`OffloadError::DeviceCopy`]);
+    /// [`OffloadError::ForeignTicket`].
+    pub fn fetch<K: Kind, M: Memory>(&self, mut ticket: Ticket<K, M>) -> Result<M::Tensor> {
         self.check_owner(&ticket)?;
         let start = Instant::now();
         let mut sched = self.shared.lock();
@@ -175,7 +197,9 @@ impl OffloadEngine {
         self.shared.done.notify_all();
         // The slot is gone, so dropping the ticket now frees nothing twice.
         let dims = mem::take(&mut ticket.dims);
-        result.map(|data| HostTensor::from_parts(data, dims))
+        let tensor = Tensor::from_payload(result?, ticket.dtype, dims);
+        // A ticket of `M` is made only from a tensor in `M` (`offload_as`), and its data comes back to `M`.
+        Ok(M::from_tensor(tensor).unwrap_or_else(|_| unreachable!("a ticket's tensor came back in another memory")))
     }
 
     /// Gives a tensor the caller is done with (for instance one it fetched, after the layer's backward) to the
@@ -211,7 +235,7 @@ impl OffloadEngine {
         self.shared.disk_io
     }
 
-    fn check_owner<K: Kind>(&self, ticket: &Ticket<K>) -> Result<()> {
+    fn check_owner<K: Kind, M: Memory>(&self, ticket: &Ticket<K, M>) -> Result<()> {
         if Arc::ptr_eq(&ticket.engine, &self.shared) {
             Ok(())
         } else {

@@ -3,8 +3,9 @@
 use std::io;
 use std::path::PathBuf;
 
+use crate::memory::Tensor;
 use crate::tag::TensorTag;
-use crate::tensor::{HostTensor, ShapeMismatch};
+use crate::tensor::ShapeMismatch;
 
 /// Everything that can go wrong building an engine, offloading or fetching.
 #[derive(Debug, thiserror::Error)]
@@ -28,7 +29,27 @@ pub enum OffloadError {
         /// Its size in bytes.
         bytes: u64,
         /// The tensor itself, handed back.
-        returned: Box<HostTensor>,
+        returned: Box<Tensor>,
+    },
+    /// A device tensor was handed to an engine built without a
+    /// [`DeviceCopier`](crate::DeviceCopier) ([`OffloadEngineBuilder::device`](crate::OffloadEngineBuilder::device)).
+    /// The tensor is handed back untouched.
+    #[error("{tensor} is in device memory, but the offload engine was built without a device copier")]
+    NoDeviceCopier {
+        /// The tensor.
+        tensor: TensorTag,
+        /// The tensor itself, handed back.
+        returned: Box<Tensor>,
+    },
+    /// The [`DeviceCopier`](crate::DeviceCopier) failed to copy the tensor out of device memory (the tensor is
+    /// lost: its device buffer was handed over) or back into a new device buffer.
+    #[error("device copy of {tensor} failed: {source}")]
+    DeviceCopy {
+        /// The tensor.
+        tensor: TensorTag,
+        /// The copier's error.
+        #[source]
+        source: io::Error,
     },
     /// The spill directory cannot be created, written or locked.
     #[error("spill directory {path} is not usable: {source}")]

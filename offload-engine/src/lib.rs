@@ -11,9 +11,13 @@
 //!   [`Ticket`] at once, [`prefetch`](OffloadEngine::prefetch) starts the copy back,
 //!   [`fetch`](OffloadEngine::fetch) waits for it and returns the tensor bit-exact,
 //!   [`backward_started`](OffloadEngine::backward_started) is the LIFO prefetch hint.
-//! - [`HostTensor`]: what is handed over and given back, an owned `Vec` of `f32`, `bf16` or bytes with dims.
-//! - [`Ticket`]: [`ActivationTicket`] or [`WeightsTicket`], tagged with a layer and a name ([`TensorTag`]),
-//!   carrying dtype and dims; consumed by `fetch`, freed when dropped.
+//! - [`HostTensor`]: what is handed over and given back, an owned `Vec` of `f32`, `bf16` or `f16` with dims;
+//!   or a [`DeviceTensor`], a buffer in a device's memory that the engine's [`DeviceCopier`] moves straight
+//!   into a host tier buffer and back (one copy each way).
+//! - [`Ticket`]: tagged with a layer and a name ([`TensorTag`]), carrying dtype and dims, typed by what it holds
+//!   ([`Activation`] or [`Weights`]) and where it came from ([`Host`] or [`Device`], so a fetch gives back the
+//!   same kind of tensor); consumed by `fetch`, freed when dropped.
+//! - [`DType`]: the element type, the same one the kernels crate uses (`longctx-dtype`).
 //! - [`OffloadStats`]: bytes moved and peak use per tier, time waited in `fetch`.
 //! - [`OffloadError`]: typed errors; those about a tensor name it.
 //!
@@ -69,15 +73,11 @@
 //!   has not started cancels the copy.
 //! - **Memory handed over**: once a tensor's copy has landed in a tier its allocation is dropped (on a CPU-only
 //!   machine, where the host tier is the same memory, that is what the disk tier is for: the process's peak
-//!   memory falls by the bytes on disk, which `tests/memory.rs` measures). glibc returns an allocation above its
-//!   `mmap` threshold to the system at once; a smaller one goes back to its heap, which keeps it. That threshold
-//!   rises by default to each mapped block freed (up to 32 MiB), so after a first step most tensors come from
-//!   the heap and resident memory stays at the heap's high-water mark however much went to disk. A process
-//!   that wants its peak RSS to follow live memory maps its large buffers one by one: fixing the threshold
-//!   (`mallopt(M_MMAP_THRESHOLD, …)`) does it with 4 KiB pages, whose first-touch faults cost a step up to a
-//!   quarter of its time; the `longctx` trainer's global allocator does it with transparent huge pages, keeping
-//!   freed mappings for reuse within the high-water mark of those in use (`longctx_trainer::alloc`); the engine
-//!   leaves the process's allocator alone. With [`OffloadEngineBuilder::spare_bytes`] allocations are kept
+//!   memory falls by the bytes on disk, which `tests/memory.rs` measures). Whether freed memory goes back to the
+//!   system is the process allocator's choice: glibc keeps allocations below its `mmap` threshold in its heap,
+//!   so a process that wants its peak RSS to follow live memory maps its large buffers one by one (the
+//!   `longctx` trainer's global allocator does, `longctx_trainer::alloc`); the engine leaves the process's
+//!   allocator alone. With [`OffloadEngineBuilder::spare_bytes`] allocations are kept
 //!   instead, up to that bound, for fetches to reuse ([`OffloadEngine::recycle`] gives back fetched tensors the
 //!   same way); the default bound is zero.
 //! - **No allocation per step**: host-tier buffers and direct-I/O staging buffers come from pools that keep
@@ -100,26 +100,31 @@
 //!   On tmpfs the disk tier is memory itself.
 //! - **Host tier and devices**: the pool's buffers are page-aligned anonymous mappings, each page-locked once
 //!   when it is mapped by the [`PageLocker`] given to [`OffloadEngineBuilder::page_lock`] ([`Mlock`]: resident,
-//!   never swapped; a device backend registers them with its driver for DMA, which the CUDA backend, a later
-//!   part of this project, will do through the same call) and unlocked when it is unmapped. Copies into them
-//!   are `memcpy`s on the workers. Large pool buffers and freshly allocated fetch outputs get `MADV_HUGEPAGE`:
-//!   filling fresh memory in 4 KiB page faults ran at about 1 GiB/s on the VM this was measured on.
+//!   never swapped; a device backend registers them with its driver for DMA) and unlocked when it is unmapped.
+//!   A host tensor is copied into them with `memcpy` on the workers; a [`DeviceTensor`] by the
+//!   [`DeviceCopier`] given to [`OffloadEngineBuilder::device`], straight from device memory, and back into a
+//!   buffer the copier allocates (see [`DeviceCopier`] for the ordering and the disk tier's staging). Large pool
+//!   buffers and freshly allocated fetch outputs get `MADV_HUGEPAGE`, since filling fresh memory through 4 KiB
+//!   page faults is several times slower than the copy itself (`bench/log/` has the figures).
 //! - **Speed**: `examples/longctx-offload-bench.rs` sets each tier beside `memcpy` and plain sequential file
 //!   I/O on the same sizes and directory (see its docs for what each peer is).
 //!
 //! # Layout
 //!
-//! Modules depend downwards only: `tensor`, `tag`, `location`, `aligned`, `page_lock` ← `error` ← `pool`,
-//! `spare`, `spill/` (sys ← format ← file, dir) ← `slot` ← `scheduler` (placement and job order, under the lock)
-//! ← `shared` (the scheduler's lock and the condition variables) ← `worker` (the copies, outside the lock, and
-//! the reaper that removes spill files), `ticket` ← `engine` ← `builder`; `stats` reads the scheduler.
+//! Modules depend downwards only: `tensor` ← `device` ← `memory`, and `tag`, `location`, `aligned`,
+//! `page_lock`, all ← `error` ← `pool`, `spare`, `spill/` (sys ← format ← file, dir) ← `slot` ← `scheduler`
+//! (placement and job order, under the lock) ← `shared` (the scheduler's lock and the condition variables) ←
+//! `worker` (the copies, outside the lock, and the reaper that removes spill files), `ticket` ← `engine` ←
+//! `builder`; `stats` reads the scheduler.
 #![warn(missing_docs, unsafe_op_in_unsafe_fn)]
 
 mod aligned;
 mod builder;
+mod device;
 mod engine;
 mod error;
 mod location;
+mod memory;
 mod page_lock;
 mod pool;
 mod scheduler;
@@ -134,9 +139,11 @@ mod ticket;
 mod worker;
 
 pub use builder::OffloadEngineBuilder;
+pub use device::{DeviceBuffer, DeviceCopier, DeviceTensor};
 pub use engine::OffloadEngine;
 pub use error::{OffloadError, Result};
 pub use location::{Location, Tier};
+pub use memory::{Device, Host, Memory, Offloadable, Tensor};
 pub use page_lock::{Mlock, PageLocker};
 pub use spill::DiskIo;
 pub use stats::{OffloadStats, TierStats};

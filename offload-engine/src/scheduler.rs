@@ -20,6 +20,7 @@ use std::time::Duration;
 use crate::aligned::AlignedBuf;
 use crate::error::OffloadError;
 use crate::location::Tier;
+use crate::memory::Payload;
 use crate::pool::{HostPool, TakeError};
 use crate::slot::{Slot, SlotId, SlotState};
 use crate::spare::SparePool;
@@ -98,8 +99,24 @@ pub(crate) enum Source {
 
 /// What a worker is asked to do.
 pub(crate) enum Job {
-    Write { id: SlotId, tag: TensorTag, data: HostData, to: Dest },
-    Read { id: SlotId, tag: TensorTag, dtype: DType, len: usize, from: Source, out: Option<HostData> },
+    Write {
+        id: SlotId,
+        tag: TensorTag,
+        dtype: DType,
+        data: Payload,
+        to: Dest,
+    },
+    /// `device_dims`: the tensor goes back to device memory, in a buffer of these dims; `out`: a host tensor's
+    /// destination, if a spare was at hand.
+    Read {
+        id: SlotId,
+        tag: TensorTag,
+        dtype: DType,
+        len: usize,
+        from: Source,
+        out: Option<HostData>,
+        device_dims: Option<Vec<usize>>,
+    },
 }
 
 /// What a worker reports back.
@@ -109,12 +126,12 @@ pub(crate) enum Done {
     Wrote {
         id: SlotId,
         to: Result<Landed, (Tier, OffloadError)>,
-        data: HostData,
+        data: Payload,
         took: Duration,
     },
     Read {
         id: SlotId,
-        result: Result<HostData, OffloadError>,
+        result: Result<Payload, OffloadError>,
         from: Landed,
         took: Duration,
     },
@@ -139,7 +156,7 @@ pub(crate) enum Landed {
 #[derive(Default)]
 #[must_use]
 pub(crate) struct Cleanup {
-    pub(crate) data: Option<HostData>,
+    pub(crate) data: Option<Payload>,
     /// A spill file to remove, and the tensor bytes it held.
     pub(crate) file: Option<(PathBuf, usize)>,
     /// The job that finished: `Some(true)` a write, `Some(false)` a read.
@@ -191,11 +208,19 @@ impl Scheduler {
             || self.disk.as_ref().is_some_and(|d| d.could_hold(bytes))
     }
 
-    /// Adds a slot: kept in place (`resident`) or queued for offload.
-    pub(crate) fn insert(&mut self, tag: TensorTag, data: HostData, resident: bool) -> SlotId {
+    /// Adds a slot: kept in place (`resident`) or queued for offload. `device_dims`: see [`Slot::device_dims`].
+    pub(crate) fn insert(
+        &mut self,
+        tag: TensorTag,
+        data: Payload,
+        dtype: DType,
+        device_dims: Option<Vec<usize>>,
+        resident: bool,
+    ) -> SlotId {
         let id = self.next_id;
         self.next_id += 1;
-        let (dtype, len, bytes) = (data.dtype(), data.len(), data.as_bytes().len());
+        let bytes = data.bytes();
+        let len = bytes / dtype.size();
         let state = if resident || bytes == 0 {
             self.counters.resident += 1;
             SlotState::Resident(data)
@@ -205,7 +230,8 @@ impl Scheduler {
             self.counters.peak_unmoved = self.counters.peak_unmoved.max(self.unmoved);
             SlotState::Waiting(data)
         };
-        self.slots.insert(id, Slot { tag, dtype, len, bytes, state, wanted: false, urgent: false, abandoned: false });
+        let slot = Slot { tag, dtype, len, bytes, state, device_dims, wanted: false, urgent: false, abandoned: false };
+        self.slots.insert(id, slot);
         id
     }
 
@@ -314,7 +340,7 @@ impl Scheduler {
             let SlotState::Waiting(data) = mem::replace(&mut slot.state, SlotState::MovingOut(tier)) else {
                 unreachable!("checked above");
             };
-            return Some(Job::Write { id, tag: slot.tag.clone(), data, to });
+            return Some(Job::Write { id, tag: slot.tag.clone(), dtype: slot.dtype, data, to });
         }
     }
 
@@ -352,11 +378,13 @@ impl Scheduler {
             }
             _ => unreachable!("the queue was just filtered to stored slots"),
         };
-        let out = self.spare.take(slot.dtype, slot.len);
+        // A device tensor comes back into a buffer its copier allocates; a host one into a spare if one matches.
+        let out = if slot.device_dims.is_none() { self.spare.take(slot.dtype, slot.len) } else { None };
         if out.is_none() {
             self.counters.output_allocations += 1;
         }
-        Some(Job::Read { id, tag: slot.tag.clone(), dtype: slot.dtype, len: slot.len, from, out })
+        let (tag, dtype, len, device_dims) = (slot.tag.clone(), slot.dtype, slot.len, slot.device_dims.clone());
+        Some(Job::Read { id, tag, dtype, len, from, out, device_dims })
     }
 
     /// Asks for a slot's data back: restores it (ahead of time, or `urgent`ly for a waiting fetch), or cancels
@@ -404,7 +432,7 @@ impl Scheduler {
 
     /// Takes a fetched slot's contents if they are in memory: `Some(Ok)` data, `Some(Err)` the copy's error,
     /// `None` still in a tier or moving.
-    pub(crate) fn take_fetched(&mut self, id: SlotId) -> Option<Result<HostData, OffloadError>> {
+    pub(crate) fn take_fetched(&mut self, id: SlotId) -> Option<Result<Payload, OffloadError>> {
         let slot = self.slots.get_mut(&id)?;
         let result = match mem::replace(&mut slot.state, SlotState::Taken) {
             SlotState::Resident(data) | SlotState::Ready(data) => Ok(data),
@@ -519,7 +547,7 @@ impl Scheduler {
                 } else if wanted && !self.restore_queue.contains(&id) {
                     self.restore_queue.push(id);
                 }
-                cleanup.data = self.spare.put(data);
+                cleanup.data = self.keep_spare(data);
                 cleanup
             }
             Done::Read { id, result, from, took } => {
@@ -544,7 +572,7 @@ impl Scheduler {
                         c.tensors_in += 1;
                         c.time_in += took;
                         if slot.abandoned {
-                            cleanup.data = self.spare.put(data);
+                            cleanup.data = self.keep_spare(data);
                             self.slots.remove(&id);
                         } else {
                             slot.state = SlotState::Ready(data);
@@ -589,6 +617,17 @@ impl Scheduler {
     }
 }
 
+impl Scheduler {
+    /// Keeps a host allocation the caller is done with as a spare if there is room; what is not kept is
+    /// returned, to be freed outside the lock (a device buffer always is: its backend caches its own memory).
+    fn keep_spare(&mut self, data: Payload) -> Option<Payload> {
+        match data {
+            Payload::Host(d) => self.spare.put(d).map(Payload::Host),
+            device => Some(device),
+        }
+    }
+}
+
 fn is_stored(state: &SlotState) -> bool {
     matches!(state, SlotState::InHost(_) | SlotState::OnDisk(_))
 }
@@ -602,6 +641,10 @@ mod tests {
         TensorTag { layer, name: "x".into(), kind: TensorKind::Activation }
     }
 
+    fn host(len: usize) -> Payload {
+        Payload::Host(HostData::zeroed(DType::F32, len))
+    }
+
     /// Runs every job the scheduler hands out, in order, as a worker would; returns (slot, was a write).
     fn drain(s: &mut Scheduler) -> Vec<(SlotId, bool)> {
         let mut order = Vec::new();
@@ -613,7 +656,7 @@ mod tests {
                 }
                 Job::Read { id, dtype, len, from: Source::Host(buf), .. } => {
                     order.push((id, false));
-                    let data = HostData::zeroed(dtype, len);
+                    let data = Payload::Host(HostData::zeroed(dtype, len));
                     Done::Read { id, result: Ok(data), from: Landed::Host(buf), took: Duration::ZERO }
                 }
                 _ => unreachable!("host-only scheduler"),
@@ -632,14 +675,14 @@ mod tests {
     #[test]
     fn a_waiting_fetch_goes_first_then_offloads_then_prefetches_from_the_top_layer_down() {
         let mut s = Scheduler::new(Some(HostPool::new(64 << 20, None)), None, SparePool::new(0));
-        let ids: Vec<_> = (0..5).map(|l| s.insert(tag(l), HostData::zeroed(DType::F32, 1000), false)).collect();
+        let ids: Vec<_> = (0..5).map(|l| s.insert(tag(l), host(1000), DType::F32, None, false)).collect();
         assert_eq!(drain(&mut s), ids.iter().map(|&i| (i, true)).collect::<Vec<_>>(), "offloads in order");
         // Prefetches of layers 1, 3 and 2 (in that order), a fetch of layer 0 waiting, and a new offload.
         s.want(ids[1], false);
         s.want(ids[3], false);
         s.want(ids[2], false);
         s.want(ids[0], true);
-        let late = s.insert(tag(4), HostData::zeroed(DType::F32, 1000), false);
+        let late = s.insert(tag(4), host(1000), DType::F32, None, false);
         let order = drain(&mut s);
         assert_eq!(order, [(ids[0], false), (late, true), (ids[3], false), (ids[2], false), (ids[1], false)]);
         assert!(s.is_idle());
@@ -648,7 +691,7 @@ mod tests {
     #[test]
     fn within_a_layer_the_latest_offload_comes_back_first() {
         let mut s = Scheduler::new(Some(HostPool::new(64 << 20, None)), None, SparePool::new(0));
-        let ids: Vec<_> = (0..3).map(|_| s.insert(tag(2), HostData::zeroed(DType::U8, 10), false)).collect();
+        let ids: Vec<_> = (0..3).map(|_| s.insert(tag(2), host(10), DType::F32, None, false)).collect();
         drain(&mut s);
         s.hint_backward(3, 1);
         let order: Vec<_> = drain(&mut s).into_iter().map(|(id, _)| id).collect();

@@ -2,7 +2,9 @@
 //! that wake workers and waiting callers, and the policy the engine's calls apply.
 
 use std::path::PathBuf;
-use std::sync::{mpsc, Condvar, Mutex, MutexGuard};
+use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard};
+
+use crate::device::DeviceCopier;
 
 use crate::location::Location;
 use crate::scheduler::{Cleanup, Scheduler};
@@ -27,6 +29,8 @@ pub(crate) struct Shared {
     pub(crate) policy: Policy,
     pub(crate) spill_dir: Option<PathBuf>,
     pub(crate) disk_io: Option<DiskIo>,
+    /// Copies device tensors in and out (see [`crate::DeviceCopier`]).
+    pub(crate) copier: Option<Arc<dyn DeviceCopier>>,
     /// Files for the reaper thread; `None` once the engine is dropped.
     pub(crate) reaper: Mutex<Option<mpsc::Sender<(PathBuf, usize)>>>,
 }

@@ -14,24 +14,25 @@ use std::path::PathBuf;
 use crate::aligned::AlignedBuf;
 use crate::error::OffloadError;
 use crate::location::{Location, Tier};
+use crate::memory::Payload;
 use crate::tag::TensorTag;
-use crate::tensor::{DType, HostData};
+use crate::tensor::DType;
 
 /// Identifies a slot within its engine; increasing in offload order.
 pub(crate) type SlotId = u64;
 
 pub(crate) enum SlotState {
     /// Kept as handed over.
-    Resident(HostData),
+    Resident(Payload),
     /// In the offload queue, in the caller's memory.
-    Waiting(HostData),
+    Waiting(Payload),
     /// A worker is copying it into `Tier`.
     MovingOut(Tier),
     InHost(AlignedBuf),
     OnDisk(PathBuf),
     /// A worker is copying it back from `Tier`.
     MovingBack(Tier),
-    Ready(HostData),
+    Ready(Payload),
     Failed(OffloadError),
     /// Momentarily, while `fetch` moves the contents out.
     Taken,
@@ -45,6 +46,8 @@ pub(crate) struct Slot {
     /// Bytes of the elements.
     pub(crate) bytes: usize,
     pub(crate) state: SlotState,
+    /// The dims of a device tensor, to allocate its buffer when it comes back; `None` for a host tensor.
+    pub(crate) device_dims: Option<Vec<usize>>,
     /// Wanted back: a prefetch or a fetch asked for it.
     pub(crate) wanted: bool,
     /// A fetch is waiting for it.

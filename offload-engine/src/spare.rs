@@ -63,9 +63,9 @@ mod tests {
         assert!(spare.put(HostData::zeroed(DType::F32, 20)).is_none());
         assert!(spare.put(HostData::zeroed(DType::F32, 20)).is_some(), "over budget: handed back");
         assert!(spare.take(DType::F32, 19).is_none());
-        assert!(spare.take(DType::U8, 80).is_none());
+        assert!(spare.take(DType::Bf16, 40).is_none());
         assert_eq!(spare.take(DType::F32, 20).map(|d| d.len()), Some(20));
         assert_eq!((spare.bytes(), spare.peak()), (0, 80));
-        assert!(SparePool::new(0).put(HostData::zeroed(DType::U8, 1)).is_some());
+        assert!(SparePool::new(0).put(HostData::zeroed(DType::F16, 1)).is_some());
     }
 }

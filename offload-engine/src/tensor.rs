@@ -6,45 +6,18 @@
 use std::fmt;
 use std::mem::MaybeUninit;
 
-use half::bf16;
+use half::{bf16, f16};
 
-/// Element type of a [`HostTensor`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum DType {
-    /// `f32`.
-    F32,
-    /// `half::bf16`.
-    Bf16,
-    /// Raw bytes (anything the caller serialised itself).
-    U8,
-}
-
-impl DType {
-    /// Bytes per element.
-    pub fn size(self) -> usize {
-        match self {
-            DType::F32 => 4,
-            DType::Bf16 => 2,
-            DType::U8 => 1,
-        }
-    }
-
-    /// The code stored in a spill file's header.
-    pub(crate) fn code(self) -> u8 {
-        match self {
-            DType::F32 => 1,
-            DType::Bf16 => 2,
-            DType::U8 => 3,
-        }
-    }
-}
+/// Element type of a tensor: the tag the kernels use too (`longctx-dtype`), so a trainer hands a kernel buffer's
+/// type over as it is.
+pub use longctx_dtype::DType;
 
 /// The elements, typed. Private so that `len == dims.product()` always holds for a [`HostTensor`].
 #[derive(Clone)]
 pub(crate) enum HostData {
     F32(Vec<f32>),
     Bf16(Vec<bf16>),
-    U8(Vec<u8>),
+    F16(Vec<f16>),
 }
 
 impl HostData {
@@ -54,7 +27,7 @@ impl HostData {
         match dtype {
             DType::F32 => HostData::F32(vec![0.0; len]),
             DType::Bf16 => HostData::Bf16(vec![bf16::ZERO; len]),
-            DType::U8 => HostData::U8(vec![0; len]),
+            DType::F16 => HostData::F16(vec![f16::ZERO; len]),
         }
     }
 
@@ -65,7 +38,7 @@ impl HostData {
         match dtype {
             DType::F32 => HostData::F32(Vec::with_capacity(len)),
             DType::Bf16 => HostData::Bf16(Vec::with_capacity(len)),
-            DType::U8 => HostData::U8(Vec::with_capacity(len)),
+            DType::F16 => HostData::F16(Vec::with_capacity(len)),
         }
     }
 
@@ -80,7 +53,7 @@ impl HostData {
         match self {
             HostData::F32(v) => bytes(v, len),
             HostData::Bf16(v) => bytes(v, len),
-            HostData::U8(v) => bytes(v, len),
+            HostData::F16(v) => bytes(v, len),
         }
     }
 
@@ -88,14 +61,14 @@ impl HostData {
     ///
     /// # Safety
     /// Every byte of [`HostData::unfilled_bytes`]`(len)` must have been written (every bit pattern is a valid
-    /// `f32`, `bf16` and `u8`, so any bytes will do).
+    /// `f32`, `bf16` and `f16`, so any bytes will do).
     pub(crate) unsafe fn assume_filled(&mut self, len: usize) {
         // SAFETY: the caller's contract; `unfilled_bytes(len)` checked that the capacity holds them.
         unsafe {
             match self {
                 HostData::F32(v) => v.set_len(v.len() + len),
                 HostData::Bf16(v) => v.set_len(v.len() + len),
-                HostData::U8(v) => v.set_len(v.len() + len),
+                HostData::F16(v) => v.set_len(v.len() + len),
             }
         }
     }
@@ -104,7 +77,7 @@ impl HostData {
         match self {
             HostData::F32(_) => DType::F32,
             HostData::Bf16(_) => DType::Bf16,
-            HostData::U8(_) => DType::U8,
+            HostData::F16(_) => DType::F16,
         }
     }
 
@@ -113,7 +86,7 @@ impl HostData {
         match self {
             HostData::F32(v) => v.len(),
             HostData::Bf16(v) => v.len(),
-            HostData::U8(v) => v.len(),
+            HostData::F16(v) => v.len(),
         }
     }
 
@@ -122,7 +95,7 @@ impl HostData {
         match self {
             HostData::F32(v) => v.capacity() * 4,
             HostData::Bf16(v) => v.capacity() * 2,
-            HostData::U8(v) => v.capacity(),
+            HostData::F16(v) => v.capacity() * 2,
         }
     }
 
@@ -130,7 +103,7 @@ impl HostData {
         match self {
             HostData::F32(v) => bytemuck::cast_slice(v),
             HostData::Bf16(v) => bytemuck::cast_slice(v),
-            HostData::U8(v) => v,
+            HostData::F16(v) => bytemuck::cast_slice(v),
         }
     }
 
@@ -138,7 +111,7 @@ impl HostData {
         match self {
             HostData::F32(v) => bytemuck::cast_slice_mut(v),
             HostData::Bf16(v) => bytemuck::cast_slice_mut(v),
-            HostData::U8(v) => v,
+            HostData::F16(v) => bytemuck::cast_slice_mut(v),
         }
     }
 }
@@ -174,9 +147,9 @@ impl HostTensor {
         Self::new(HostData::Bf16(data), dims.into())
     }
 
-    /// Raw bytes; `data.len()` must equal the product of `dims`.
-    pub fn u8(data: Vec<u8>, dims: impl Into<Vec<usize>>) -> Result<Self, ShapeMismatch> {
-        Self::new(HostData::U8(data), dims.into())
+    /// An `f16` tensor; `data.len()` must equal the product of `dims`.
+    pub fn f16(data: Vec<f16>, dims: impl Into<Vec<usize>>) -> Result<Self, ShapeMismatch> {
+        Self::new(HostData::F16(data), dims.into())
     }
 
     fn new(data: HostData, dims: Vec<usize>) -> Result<Self, ShapeMismatch> {
@@ -243,6 +216,14 @@ impl HostTensor {
         }
     }
 
+    /// The elements, when this is an `f16` tensor.
+    pub fn as_f16(&self) -> Option<&[f16]> {
+        match &self.data {
+            HostData::F16(v) => Some(v),
+            _ => None,
+        }
+    }
+
     /// The `f32` elements, moved out; another dtype hands the tensor back.
     pub fn into_f32(self) -> Result<Vec<f32>, Self> {
         match self.data {
@@ -259,10 +240,10 @@ impl HostTensor {
         }
     }
 
-    /// The raw bytes, moved out; another dtype hands the tensor back.
-    pub fn into_u8(self) -> Result<Vec<u8>, Self> {
+    /// The `f16` elements, moved out; another dtype hands the tensor back.
+    pub fn into_f16(self) -> Result<Vec<f16>, Self> {
         match self.data {
-            HostData::U8(v) => Ok(v),
+            HostData::F16(v) => Ok(v),
             data => Err(Self { data, dims: self.dims }),
         }
     }
@@ -283,16 +264,16 @@ mod tests {
         assert!(HostTensor::f32(vec![0.0; 6], [2, 3]).is_ok());
         assert!(HostTensor::f32(vec![1.0], Vec::new()).is_ok(), "no dims is a scalar");
         assert!(HostTensor::bf16(vec![bf16::ZERO; 0], [4, 0]).is_ok());
-        let err = HostTensor::u8(vec![0; 5], [2, 3]).unwrap_err();
+        let err = HostTensor::f16(vec![f16::ZERO; 5], [2, 3]).unwrap_err();
         assert_eq!(err.len, 5, "{err}");
-        let overflow = HostTensor::u8(vec![], [usize::MAX, 2]).unwrap_err();
+        let overflow = HostTensor::f16(vec![], [usize::MAX, 2]).unwrap_err();
         assert_eq!(overflow.dims, [usize::MAX, 2]);
     }
 
     /// Unfilled storage exposes exactly the bytes of its elements, and once they are written holds them.
     #[test]
     fn unfilled_data_is_filled_through_its_bytes() {
-        for (dtype, size) in [(DType::F32, 4), (DType::Bf16, 2), (DType::U8, 1)] {
+        for (dtype, size) in [(DType::F32, 4), (DType::Bf16, 2), (DType::F16, 2)] {
             let mut d = HostData::unfilled(dtype, 5);
             assert_eq!(d.len(), 0);
             let bytes = d.unfilled_bytes(5);

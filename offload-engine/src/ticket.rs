@@ -10,12 +10,14 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 
 use crate::location::Location;
+use crate::memory::{Host, Memory};
 use crate::shared::Shared;
 use crate::slot::SlotId;
 use crate::tag::{Activation, Kind, TensorTag, Weights};
 use crate::tensor::DType;
 
-/// A claim on one offloaded tensor (see the module docs). `K` is [`Activation`] or [`Weights`].
+/// A claim on one offloaded tensor (see the module docs). `K` is [`Activation`] or [`Weights`]; `M` the memory
+/// it was handed over from and comes back to, [`Host`] or [`Device`](crate::Device).
 ///
 /// A ticket is consumed by `fetch`, so fetching twice does not compile:
 ///
@@ -28,24 +30,24 @@ use crate::tensor::DType;
 /// # Ok::<(), longctx_offload::OffloadError>(())
 /// ```
 #[must_use = "dropping a ticket frees the tensor it stands for"]
-pub struct Ticket<K: Kind> {
+pub struct Ticket<K: Kind, M: Memory = Host> {
     pub(crate) slot: SlotId,
     pub(crate) tag: TensorTag,
     pub(crate) dtype: DType,
     pub(crate) dims: Vec<usize>,
     pub(crate) bytes: usize,
     pub(crate) engine: Arc<Shared>,
-    // `fn() -> K`: the marker neither owns a `K` nor limits `Send`/`Sync`.
-    pub(crate) kind: PhantomData<fn() -> K>,
+    // `fn() -> (K, M)`: the markers neither own a value nor limit `Send`/`Sync`.
+    pub(crate) kind: PhantomData<fn() -> (K, M)>,
 }
 
-/// A ticket for a saved activation.
+/// A ticket for a saved activation in host memory.
 pub type ActivationTicket = Ticket<Activation>;
 
-/// A ticket for a layer's parameters.
+/// A ticket for a layer's parameters in host memory.
 pub type WeightsTicket = Ticket<Weights>;
 
-impl<K: Kind> Ticket<K> {
+impl<K: Kind, M: Memory> Ticket<K, M> {
     /// The tag given at offload.
     pub fn tag(&self) -> &TensorTag {
         &self.tag
@@ -82,7 +84,7 @@ impl<K: Kind> Ticket<K> {
     }
 }
 
-impl<K: Kind> fmt::Debug for Ticket<K> {
+impl<K: Kind, M: Memory> fmt::Debug for Ticket<K, M> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Ticket")
             .field("tag", &self.tag)
@@ -92,7 +94,7 @@ impl<K: Kind> fmt::Debug for Ticket<K> {
     }
 }
 
-impl<K: Kind> Drop for Ticket<K> {
+impl<K: Kind, M: Memory> Drop for Ticket<K, M> {
     fn drop(&mut self) {
         // A fetched ticket's slot is already gone; this is then a no-op.
         self.engine.release(self.slot);

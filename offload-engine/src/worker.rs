@@ -5,6 +5,7 @@
 //! Each worker keeps two page-aligned staging buffers for direct I/O ([`file::Staging`]), mapped on its first
 //! disk job and kept until the engine is dropped.
 
+use std::io;
 use std::panic::{self, AssertUnwindSafe};
 use std::path::PathBuf;
 use std::sync::mpsc::Receiver;
@@ -12,11 +13,15 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::aligned::{advise_hugepages, as_unfilled, fill};
+use crate::device::{DeviceBuffer, DeviceCopier};
+use crate::error::OffloadError;
 use crate::location::Tier;
+use crate::memory::Payload;
 use crate::scheduler::{Dest, Done, Job, Landed, Source};
 use crate::shared::Shared;
 use crate::spill::file;
-use crate::tensor::HostData;
+use crate::tag::TensorTag;
+use crate::tensor::{DType, HostData};
 
 pub(crate) fn run(shared: Arc<Shared>) {
     let mut staging = file::Staging::default();
@@ -38,11 +43,9 @@ pub(crate) fn run(shared: Arc<Shared>) {
         };
         drop(sched);
         let (id, tier, writing) = describe(&job);
-        let done = panic::catch_unwind(AssertUnwindSafe(|| execute(job, &mut staging))).unwrap_or(Done::Panicked {
-            id,
-            tier,
-            writing,
-        });
+        let copier = shared.copier.as_deref();
+        let done = panic::catch_unwind(AssertUnwindSafe(|| execute(job, &mut staging, copier)))
+            .unwrap_or(Done::Panicked { id, tier, writing });
         sched = shared.lock();
         let cleanup = sched.complete(done);
         // A fetch may be waiting for this one.
@@ -83,24 +86,45 @@ fn describe(job: &Job) -> (u64, Tier, bool) {
     }
 }
 
-fn execute(job: Job, staging: &mut file::Staging) -> Done {
+fn execute(job: Job, staging: &mut file::Staging, copier: Option<&dyn DeviceCopier>) -> Done {
     let start = Instant::now();
     match job {
-        Job::Write { id, tag, data, to } => {
-            let bytes = data.as_bytes();
+        Job::Write { id, tag, dtype, data, to } => {
             let to = match to {
                 Dest::Host(mut buf) => {
-                    buf.as_mut_slice()[..bytes.len()].copy_from_slice(bytes);
-                    Ok(Landed::Host(buf))
+                    let dst = &mut buf.as_mut_slice()[..data.bytes()];
+                    let copied = match &data {
+                        Payload::Host(h) => {
+                            dst.copy_from_slice(h.as_bytes());
+                            Ok(())
+                        }
+                        Payload::Device(d) => device(copier, &tag).and_then(|c| {
+                            c.download(&**d, dst)
+                                .map_err(|source| OffloadError::DeviceCopy { tensor: tag.clone(), source })
+                        }),
+                    };
+                    // On failure the buffer is unmapped here and booked as lost (`HostPool::forget`).
+                    copied.map(|()| Landed::Host(buf)).map_err(|e| (Tier::Host, e))
                 }
-                Dest::Disk { path, mode } => match file::write(&path, mode, &tag, data.dtype(), bytes, staging) {
-                    Ok(()) => Ok(Landed::Disk(path)),
-                    Err(e) => Err((Tier::Disk, e)),
-                },
+                Dest::Disk { path, mode } => {
+                    let written = match &data {
+                        Payload::Host(h) => file::write(&path, mode, &tag, dtype, h.as_bytes(), staging),
+                        Payload::Device(d) => match d.host_bytes() {
+                            Some(in_place) => file::write(&path, mode, &tag, dtype, in_place, staging),
+                            None => download_staged(copier, &tag, &**d)
+                                .and_then(|staged| file::write(&path, mode, &tag, dtype, &staged, staging)),
+                        },
+                    };
+                    written.map(|()| Landed::Disk(path)).map_err(|e| (Tier::Disk, e))
+                }
             };
             Done::Wrote { id, to, data, took: start.elapsed() }
         }
-        Job::Read { id, tag, dtype, len, from, out } => {
+        Job::Read { id, tag, dtype, len, from, out: _, device_dims: Some(dims) } => {
+            let result = read_to_device(copier, &tag, dtype, &dims, len * dtype.size(), &from, staging);
+            Done::Read { id, result: result.map(Payload::Device), from: landed(from), took: start.elapsed() }
+        }
+        Job::Read { id, tag, dtype, len, from, out, device_dims: None } => {
             // A destination the caller handed over holds data already; a fresh one is filled without being zeroed.
             let fresh = out.is_none();
             let mut out = out.unwrap_or_else(|| HostData::unfilled(dtype, len));
@@ -108,22 +132,75 @@ fn execute(job: Job, staging: &mut file::Staging) -> Done {
             if fresh {
                 advise_hugepages(dst);
             }
-            let (result, from) = match from {
+            let result = match &from {
                 Source::Host(buf) => {
                     let n = dst.len();
                     fill(dst, &buf.as_slice()[..n]);
-                    (Ok(()), Landed::Host(buf))
+                    Ok(())
                 }
-                Source::Disk { path, mode } => {
-                    let r = file::read(&path, mode, &tag, dtype, dst, staging);
-                    (r, Landed::Disk(path))
-                }
+                Source::Disk { path, mode } => file::read(path, *mode, &tag, dtype, dst, staging),
             };
             if fresh && result.is_ok() {
                 // SAFETY: the copy, or a read that returned `Ok`, wrote all of `unfilled_bytes(len)`.
                 unsafe { out.assume_filled(len) };
             }
-            Done::Read { id, result: result.map(|()| out), from, took: start.elapsed() }
+            Done::Read { id, result: result.map(|()| Payload::Host(out)), from: landed(from), took: start.elapsed() }
         }
     }
+}
+
+fn landed(from: Source) -> Landed {
+    match from {
+        Source::Host(buf) => Landed::Host(buf),
+        Source::Disk { path, .. } => Landed::Disk(path),
+    }
+}
+
+/// The engine's copier, which every device tensor's engine has (`offload` refuses one without it).
+fn device<'c>(copier: Option<&'c dyn DeviceCopier>, tag: &TensorTag) -> Result<&'c dyn DeviceCopier, OffloadError> {
+    copier.ok_or_else(|| OffloadError::DeviceCopy { tensor: tag.clone(), source: io::Error::other("no device copier") })
+}
+
+/// A device tensor's bytes in a host buffer of their own, for a spill file.
+fn download_staged(
+    copier: Option<&dyn DeviceCopier>,
+    tag: &TensorTag,
+    d: &dyn DeviceBuffer,
+) -> Result<Vec<u8>, OffloadError> {
+    let c = device(copier, tag)?;
+    let mut staged = vec![0u8; d.size_bytes()];
+    c.download(d, &mut staged).map_err(|source| OffloadError::DeviceCopy { tensor: tag.clone(), source })?;
+    Ok(staged)
+}
+
+/// A stored tensor back into a new device buffer of `dims`: one copy from the host tier; from the disk tier
+/// straight into the buffer when the CPU can write it, else through one staging buffer.
+fn read_to_device(
+    copier: Option<&dyn DeviceCopier>,
+    tag: &TensorTag,
+    dtype: DType,
+    dims: &[usize],
+    bytes: usize,
+    from: &Source,
+    staging: &mut file::Staging,
+) -> Result<Box<dyn DeviceBuffer>, OffloadError> {
+    let c = device(copier, tag)?;
+    let copy_err = |source| OffloadError::DeviceCopy { tensor: tag.clone(), source };
+    let mut dst = c.alloc(dtype, dims).map_err(copy_err)?;
+    if dst.size_bytes() != bytes {
+        let reason = format!("the copier allocated {} bytes for a tensor of {bytes}", dst.size_bytes());
+        return Err(copy_err(io::Error::other(reason)));
+    }
+    match from {
+        Source::Host(buf) => c.upload(&buf.as_slice()[..bytes], &mut *dst).map_err(copy_err)?,
+        Source::Disk { path, mode } => match dst.host_bytes_mut() {
+            Some(in_place) => file::read(path, *mode, tag, dtype, as_unfilled(in_place), staging)?,
+            None => {
+                let mut staged = vec![0u8; bytes];
+                file::read(path, *mode, tag, dtype, as_unfilled(&mut staged), staging)?;
+                c.upload(&staged, &mut *dst).map_err(copy_err)?;
+            }
+        },
+    }
+    Ok(dst)
 }

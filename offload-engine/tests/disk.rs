@@ -87,14 +87,14 @@ proptest! {
 fn a_file_swapped_for_another_tensors_is_detected() {
     let root = tempfile::tempdir().unwrap();
     let engine = disk_engine(root.path(), true);
-    let a = engine.offload(1, "a", tensor(DType::U8, &[5000], 1)).unwrap();
-    let b = engine.offload(2, "b", tensor(DType::U8, &[5000], 2)).unwrap();
+    let a = engine.offload(1, "a", tensor(DType::F16, &[2500], 1)).unwrap();
+    let b = engine.offload(2, "b", tensor(DType::F16, &[2500], 2)).unwrap();
     engine.sync();
     let files = spill_files(engine.spill_dir().unwrap());
     std::fs::copy(&files[1], &files[0]).unwrap();
     let err = engine.fetch(a).unwrap_err();
     assert!(matches!(&err, OffloadError::Corrupt { reason, .. } if reason.contains("another tensor")), "{err}");
-    assert_same(&engine.fetch(b).unwrap(), &tensor(DType::U8, &[5000], 2), "b");
+    assert_same(&engine.fetch(b).unwrap(), &tensor(DType::F16, &[2500], 2), "b");
 }
 
 #[test]
@@ -105,24 +105,25 @@ fn both_io_modes_round_trip_and_clean_up() {
         // Ext4 and XFS take O_DIRECT; the engine says what it uses.
         let mode = engine.disk_io().unwrap();
         assert!(direct || mode == DiskIo::Buffered);
-        let sizes = [1usize, 4095, 4096, 4097, (8 << 20) + 3, 3 << 20];
+        // Elements of f16: 2 bytes each, so a page and a direct-I/O piece (8 MiB) are crossed by one element.
+        let sizes = [1usize, 2047, 2048, 2049, (4 << 20) + 3, 3 << 19];
         let tickets: Vec<_> =
-            sizes.iter().map(|&n| engine.offload(n, "x", tensor(DType::U8, &[n], n as u64)).unwrap()).collect();
+            sizes.iter().map(|&n| engine.offload(n, "x", tensor(DType::F16, &[n], n as u64)).unwrap()).collect();
         engine.sync();
         let spill = engine.spill_dir().unwrap().to_owned();
         assert!(spill.starts_with(root.path()));
         assert_eq!(spill_files(&spill).len(), sizes.len(), "{mode:?}");
         let stats = engine.stats();
         let d = stats.disk.as_ref().unwrap();
-        assert_eq!(d.bytes_out, sizes.iter().sum::<usize>() as u64);
+        assert_eq!(d.bytes_out, 2 * sizes.iter().sum::<usize>() as u64);
         assert!(d.used_bytes <= d.budget_bytes);
         for (t, &n) in tickets.into_iter().zip(&sizes) {
-            assert_same(&engine.fetch(t).unwrap(), &tensor(DType::U8, &[n], n as u64), "fetched");
+            assert_same(&engine.fetch(t).unwrap(), &tensor(DType::F16, &[n], n as u64), "fetched");
         }
         engine.sync();
         assert!(spill_files(&spill).is_empty(), "files are removed after fetch");
         // A ticket still alive when the engine goes: its file goes with the directory.
-        let _alive = engine.offload(0, "late", tensor(DType::U8, &[1000], 0)).unwrap();
+        let _alive = engine.offload(0, "late", tensor(DType::F16, &[500], 0)).unwrap();
         engine.sync();
         drop(engine);
         assert!(!spill.exists(), "the spill directory is removed on drop");
@@ -164,7 +165,7 @@ fn crash_child() {
     let Some(root) = std::env::var_os(CRASH_DIR) else { return };
     let engine = disk_engine(Path::new(&root), true);
     let tickets: Vec<_> =
-        (0..3).map(|i| engine.offload(i, "x", tensor(DType::U8, &[10_000], i as u64)).unwrap()).collect();
+        (0..3).map(|i| engine.offload(i, "x", tensor(DType::F16, &[5_000], i as u64)).unwrap()).collect();
     engine.sync();
     assert_eq!(spill_files(engine.spill_dir().unwrap()).len(), 3);
     std::mem::forget(tickets);

@@ -61,7 +61,7 @@ fn every_host_buffer_is_locked_once_when_mapped_and_unlocked_before_it_is_unmapp
     let locker = Recorder { events: Arc::clone(&events), ..Default::default() };
     let engine = OffloadEngine::builder().host_tier(16 * MIB).workers(2).page_lock(locker).build().unwrap();
     let shapes: [(DType, &[usize]); 4] =
-        [(DType::F32, &[256, 1024]), (DType::Bf16, &[3, 1000, 7]), (DType::U8, &[5000]), (DType::F32, &[1 << 20])];
+        [(DType::F32, &[256, 1024]), (DType::Bf16, &[3, 1000, 7]), (DType::F16, &[2500]), (DType::F32, &[1 << 20])];
     let mut after_first = 0;
     for step in 0..3u64 {
         let want: Vec<_> =
@@ -147,7 +147,7 @@ fn mlock_keeps_the_host_tier_resident_and_releases_it_with_the_engine() {
         Err(e) => panic!("{e}"),
     };
     let before = vm_locked();
-    let want = [tensor(DType::F32, &[1 << 18], 7), tensor(DType::U8, &[1 << 20], 8)];
+    let want = [tensor(DType::F32, &[1 << 18], 7), tensor(DType::F16, &[1 << 19], 8)];
     let tickets: Vec<_> = want.iter().enumerate().map(|(i, t)| engine.offload(i, "t", t.clone()).unwrap()).collect();
     engine.sync();
     let held = engine.stats().host.unwrap().used_bytes;

@@ -385,9 +385,9 @@ mod tests {
         for (k, n) in [(0, 5000), (1, 2 * CHUNK), (2, 3 * CHUNK + 4097)] {
             let data = pattern(n, k as u8);
             let path = dir.path().join(format!("{k}.spill"));
-            write(&path, DiskIo::Direct, &tag, DType::U8, &data, &mut staging).unwrap();
+            write(&path, DiskIo::Direct, &tag, DType::Bf16, &data, &mut staging).unwrap();
             let mut out = vec![0u8; n];
-            read(&path, DiskIo::Direct, &tag, DType::U8, as_unfilled(&mut out), &mut staging).unwrap();
+            read(&path, DiskIo::Direct, &tag, DType::Bf16, as_unfilled(&mut out), &mut staging).unwrap();
             assert!(out == data, "{n} bytes differ");
             // A one-piece file needs one buffer; a longer one both.
             assert_eq!(staging.bufs.len(), if n <= CHUNK { 1 } else { DEPTH }, "every buffer back after {n} bytes");
@@ -395,7 +395,8 @@ mod tests {
                 // Cut in the middle of the third piece: an error naming truncation, and no buffer lost.
                 let f = OpenOptions::new().write(true).open(&path).unwrap();
                 f.set_len((format::HEADER_BYTES + 2 * CHUNK + 4096) as u64).unwrap();
-                let e = read(&path, DiskIo::Direct, &tag, DType::U8, as_unfilled(&mut out), &mut staging).unwrap_err();
+                let e =
+                    read(&path, DiskIo::Direct, &tag, DType::Bf16, as_unfilled(&mut out), &mut staging).unwrap_err();
                 assert!(e.to_string().contains("truncated"), "{e}");
                 assert_eq!(staging.bufs.len(), DEPTH);
             }

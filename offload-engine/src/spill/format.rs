@@ -46,6 +46,16 @@ fn header_crc(page: &[u8]) -> u32 {
     h.finalize()
 }
 
+/// The element type's code in a header (files live only as long as their engine, so the codes need not be
+/// stable across releases; they are only checked against the ticket's type).
+fn dtype_code(dtype: DType) -> u8 {
+    match dtype {
+        DType::F32 => 1,
+        DType::Bf16 => 2,
+        DType::F16 => 4,
+    }
+}
+
 /// Writes the header of `tag`'s tensor into `page` (at least [`HEADER_BYTES`] long).
 pub(crate) fn encode(page: &mut [u8], tag: &TensorTag, dtype: DType, data_len: u64, data_crc: u32) {
     let page = &mut page[..HEADER_BYTES];
@@ -53,7 +63,7 @@ pub(crate) fn encode(page: &mut [u8], tag: &TensorTag, dtype: DType, data_len: u
     let name = stored_name(tag);
     page[0..8].copy_from_slice(&MAGIC);
     page[8..12].copy_from_slice(&VERSION.to_le_bytes());
-    page[12] = dtype.code();
+    page[12] = dtype_code(dtype);
     page[13] = kind_code(tag.kind);
     page[14..16].copy_from_slice(&(name.len() as u16).to_le_bytes());
     page[16..24].copy_from_slice(&(tag.layer as u64).to_le_bytes());
@@ -93,7 +103,7 @@ pub(crate) fn check(page: &[u8], tag: &TensorTag, dtype: DType, data_len: u64) -
     }
     let name = stored_name(tag);
     let name_len = usize::from(u16::from_le_bytes([page[14], page[15]]));
-    let same = page[12] == dtype.code()
+    let same = page[12] == dtype_code(dtype)
         && page[13] == kind_code(tag.kind)
         && u64_at(page, 16) == tag.layer as u64
         && name_len == name.len()
@@ -136,7 +146,7 @@ mod tests {
     fn long_names_are_truncated_not_refused() {
         let long: &'static str = Box::leak("n".repeat(5000).into_boxed_str());
         let mut page = vec![0u8; HEADER_BYTES];
-        encode(&mut page, &tag(0, long), DType::U8, 1, 0);
-        assert!(check(&page, &tag(0, long), DType::U8, 1).is_ok());
+        encode(&mut page, &tag(0, long), DType::F16, 1, 0);
+        assert!(check(&page, &tag(0, long), DType::F16, 1).is_ok());
     }
 }

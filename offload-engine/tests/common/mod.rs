@@ -1,7 +1,7 @@
 //! Helpers shared by the integration tests: tensors with reproducible bit patterns, and their checks.
 #![allow(dead_code)] // each test binary uses its own share
 
-use half::bf16;
+use half::{bf16, f16};
 use longctx_offload::{DType, HostTensor};
 
 /// A tensor of `dtype` and `dims` whose bytes are a function of `seed` (every bit pattern, NaNs included).
@@ -18,9 +18,15 @@ pub fn tensor(dtype: DType, dims: &[usize], seed: u64) -> HostTensor {
     match dtype {
         DType::F32 => HostTensor::f32((0..n).map(|_| f32::from_bits(next() as u32)).collect(), dims),
         DType::Bf16 => HostTensor::bf16((0..n).map(|_| bf16::from_bits(next() as u16)).collect(), dims),
-        DType::U8 => HostTensor::u8((0..n).map(|_| next() as u8).collect(), dims),
+        DType::F16 => HostTensor::f16((0..n).map(|_| f16::from_bits(next() as u16)).collect(), dims),
     }
     .expect("dims match the length")
+}
+
+/// The host tensor an error handed back (a test offloads host tensors only).
+pub fn host(returned: Box<longctx_offload::Tensor>) -> HostTensor {
+    #![allow(clippy::boxed_local)] // the error's field is a box
+    returned.into_host().expect("a host tensor was handed over")
 }
 
 /// Panics unless `got` is `want` bit for bit, with the same dtype and dims.
