@@ -15,6 +15,7 @@
 use crate::communicator::Communicator;
 use crate::error::CommError;
 use crate::owned::{OwnedRequest, SendRequest};
+use crate::reduce::{Reduce, ReduceOp};
 use crate::request::{Request, Scope};
 
 /// Where a buffer's bytes lie.
@@ -273,6 +274,35 @@ impl Communicator {
                 let mut host = vec![0u8; d.len];
                 self.all_to_all(send, &mut host)?;
                 d.write_from(&host)
+            }
+        }
+    }
+
+    /// [`all_reduce`](Self::all_reduce) of `T` elements wherever their bytes lie (a host buffer must be aligned
+    /// for `T`). Device bytes are staged: read into host memory, reduced there, written back (the two copies of
+    /// the module docs), so every rank ends with bit-identical values as with host memory.
+    pub fn all_reduce_bytes<T: Reduce>(&self, buf: BytesMut<'_>, op: ReduceOp) -> Result<(), CommError> {
+        let size = std::mem::size_of::<T>();
+        let len = buf.len();
+        if !len.is_multiple_of(size) {
+            return Err(CommError::InvalidArgument(format!(
+                "all_reduce_bytes: {len} bytes are not whole elements of {size} bytes"
+            )));
+        }
+        match buf {
+            BytesMut::Host(b) => {
+                let elems = bytemuck::try_cast_slice_mut::<u8, T>(b).map_err(|e| {
+                    CommError::InvalidArgument(format!(
+                        "all_reduce_bytes: a host buffer not aligned for its elements: {e}"
+                    ))
+                })?;
+                self.all_reduce(elems, op)
+            }
+            BytesMut::Device(d) => {
+                let mut host = vec![T::zeroed(); len / size];
+                d.read_into(bytemuck::cast_slice_mut(&mut host))?;
+                self.all_reduce(&mut host, op)?;
+                d.write_from(bytemuck::cast_slice(&host))
             }
         }
     }

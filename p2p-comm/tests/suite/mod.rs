@@ -793,6 +793,23 @@ pub fn device_bytes(c: Communicator) -> Result<(), String> {
     for j in 0..n {
         expect(out.read(j * chunk, chunk) == bytes(21, j, len)[r * chunk..(r + 1) * chunk], "all_to_all_bytes")?;
     }
+    // All-reduce of f32 elements in device memory and in host bytes: the same values as the plain all-reduce.
+    let vals: Vec<f32> = (0..257).map(|i| ((i * 37 + r * 11) % 101) as f32 * 0.25 - 3.0).collect();
+    let mut want = vals.clone();
+    c.all_reduce(&mut want, longctx_p2p::ReduceOp::Sum).map_err(|e| e.to_string())?;
+    let sums = FakeDevice::new(4 * vals.len(), false);
+    sums.fill_at(0, bytemuck::cast_slice(&vals));
+    c.all_reduce_bytes::<f32>(BytesMut::Device(sums.bytes(0, 4 * vals.len())), longctx_p2p::ReduceOp::Sum)
+        .map_err(|e| e.to_string())?;
+    expect(sums.read(0, 4 * vals.len()) == bytemuck::cast_slice::<f32, u8>(&want), "all_reduce_bytes, device")?;
+    let mut host_vals = vals.clone();
+    c.all_reduce_bytes::<f32>(BytesMut::Host(bytemuck::cast_slice_mut(&mut host_vals)), longctx_p2p::ReduceOp::Sum)
+        .map_err(|e| e.to_string())?;
+    expect(host_vals == want, "all_reduce_bytes, host")?;
+    match c.all_reduce_bytes::<f32>(BytesMut::Host(&mut [0u8; 6]), longctx_p2p::ReduceOp::Sum) {
+        Err(CommError::InvalidArgument(m)) if m.contains("whole elements") => {}
+        other => return Err(format!("6 bytes of f32 gave {other:?}")),
+    }
     expect(dev.copies.load(std::sync::atomic::Ordering::Relaxed) > 0, "the copier was used")?;
     // A copier that fails: the send fails on this rank before anything is posted, naming the device.
     let broken = FakeDevice::new(len, true);
