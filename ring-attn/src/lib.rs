@@ -58,7 +58,7 @@ mod plan;
 mod report;
 mod reshard;
 mod ring;
-mod transfer;
+pub mod transfer;
 
 pub use config::{CpConfig, CpMask, CpShape, Schedule};
 pub use context::ContextParallel;

@@ -10,10 +10,19 @@
 //! each rank adds its queries' contribution and passes it on. After `n` hops the accumulator is back at its
 //! owner, complete. The KV transfer of step `s + 1` overlaps the compute of step `s`; the accumulator's
 //! transfer overlaps the compute of the next step.
+//!
+//! Ordering: the transfers run on a queue of their own (the backend's [`fork`](longctx_kernels::Backend::fork),
+//! kept by the plan), ordered against the compute by the backend's events: before a step's transfers are posted,
+//! the transfer queue waits for everything the compute queue has enqueued (the block about to be sent, the
+//! accumulator, and the last reads of the buffers about to be received into); after they finish, the compute
+//! queue waits for the transfer queue (the block and accumulator received). On a device that is what lets the
+//! copies of the next block run beside this block's attention; on the CPU events are complete at once and the
+//! order is the program's.
 
+use std::sync::Arc;
 use std::time::Instant;
 
-use longctx_kernels::{AttnGrads, AttnOut, AttnPartial, AttnSaved, DType, GradMode, Qkv, View};
+use longctx_kernels::{AttnGrads, AttnOut, AttnPartial, AttnSaved, Backend, DType, GradMode, Qkv, View};
 use longctx_p2p::{BytesRequest, Communicator, Scope};
 
 use crate::block::{KvBlock, Scratch};
@@ -32,9 +41,10 @@ const TAG_DKV: u32 = 0x644b;
 /// the one arriving, the travelling `f32` dK/dV accumulators (the one passed on, the one arriving) and `part`,
 /// which is the forward's partial `O` and the backward's own dK/dV contribution: the two phases never overlap,
 /// so one buffer serves both and the plan holds no more than a call needs at its peak. All are backend buffers,
-/// sized when a call first needs them.
+/// sized when a call first needs them. `xfer` is the transfers' queue (see the module docs), forked on first use.
 #[derive(Debug, Default)]
 pub(crate) struct RingBuffers {
+    xfer: Option<Arc<dyn Backend>>,
     cur: KvBlock,
     nxt: KvBlock,
     part: Scratch,
@@ -68,6 +78,21 @@ fn post_block<'s>(
     Ok(reqs)
 }
 
+/// The transfers' queue: forked from `compute` once and kept.
+fn transfer_queue(kept: &mut Option<Arc<dyn Backend>>, compute: &dyn Backend) -> Result<Arc<dyn Backend>> {
+    if let Some(q) = kept {
+        return Ok(q.clone());
+    }
+    let q = compute.fork()?;
+    *kept = Some(q.clone());
+    Ok(q)
+}
+
+/// Makes the ops enqueued on `later` from now on wait for those enqueued on `first` so far.
+fn order(first: &dyn Backend, later: &dyn Backend) -> Result<()> {
+    Ok(later.wait_event(&first.record_event()?)?)
+}
+
 /// Finishes every request, returning the first error (the others are still finished).
 fn wait_all(reqs: Vec<BytesRequest<'_>>) -> Result<()> {
     let mut first = Ok(());
@@ -96,13 +121,14 @@ pub(crate) fn ring_forward(
     let (b, s) = (pb.backend, pb.shape);
     let (qd, kd, ld) = (q_dims(&s), kv_dims(&s), lse_dims(&s));
     let doc_len = pb.docs.map_or(0, |d| d.len());
-    let RingBuffers { cur, nxt, part: o_part, lse_part, .. } = bufs;
+    let RingBuffers { xfer, cur, nxt, part: o_part, lse_part, .. } = bufs;
     for blk in [&mut *cur, &mut *nxt] {
         blk.ensure(b, qkv.k.dtype(), s.kv_elems(), doc_len)?;
     }
     o_part.ensure(b, DType::F32, s.q_elems())?;
     lse_part.ensure(b, DType::F32, s.lse_elems())?;
-    let copy = BackendCopy(b);
+    let xfer = transfer_queue(xfer, b)?;
+    let copy = BackendCopy(&*xfer);
     let AttnOut { mut o, mut lse } = out;
     let mut have = false;
     for step in 0..n {
@@ -121,6 +147,7 @@ pub(crate) fn ring_forward(
             // Post the next block's transfer before computing on this one.
             let t = Instant::now();
             let reqs = if step + 1 < n {
+                order(b, &*xfer)?;
                 post_block(sc, ((r + 1) % n, (r + n - 1) % n), (k, v, k_doc), &mut *nxt, &kd, &copy)?
             } else {
                 Vec::new()
@@ -147,6 +174,7 @@ pub(crate) fn ring_forward(
             rep.compute += t.elapsed();
             let t = Instant::now();
             wait_all(reqs)?;
+            order(&*xfer, b)?;
             rep.comm_wait += t.elapsed();
             Ok(())
         })?;
@@ -187,14 +215,15 @@ pub(crate) fn ring_backward(
     let acc_dims = [2, s.batch * s.kv_heads, s.kv_len, s.head_dim];
     let doc_len = pb.docs.map_or(0, |d| d.len());
     let qkv = saved.qkv;
-    let RingBuffers { cur, nxt, part: local, acc_out, acc_in, .. } = bufs;
+    let RingBuffers { xfer, cur, nxt, part: local, acc_out, acc_in, .. } = bufs;
     for blk in [&mut *cur, &mut *nxt] {
         blk.ensure(b, qkv.k.dtype(), s.kv_elems(), doc_len)?;
     }
     for acc in [&mut *local, &mut *acc_out, &mut *acc_in] {
         acc.ensure(b, DType::F32, 2 * s.kv_elems())?;
     }
-    let copy = BackendCopy(b);
+    let xfer = transfer_queue(xfer, b)?;
+    let copy = BackendCopy(&*xfer);
     let AttnGrads { mut dq, dk, dv } = grads;
     b.fill(dq.reborrow(), 0.0)?;
     for step in 0..n {
@@ -207,6 +236,7 @@ pub(crate) fn ring_backward(
                 (k, v, pb.docs.map(|_| &cur.docs[..]))
             };
             let t = Instant::now();
+            order(b, &*xfer)?;
             let mut reqs = if step + 1 < n {
                 post_block(sc, (next, prev), (k, v, k_doc), &mut *nxt, &kd, &copy)?
             } else {
@@ -234,6 +264,7 @@ pub(crate) fn ring_backward(
             rep.compute += t.elapsed();
             let t = Instant::now();
             wait_all(reqs)?;
+            order(&*xfer, b)?;
             rep.comm_wait += t.elapsed();
             Ok(())
         })?;
@@ -251,11 +282,13 @@ pub(crate) fn ring_backward(
     }
     // The last hop: the accumulator arriving is this rank's own block's, complete.
     let t = Instant::now();
+    order(b, &*xfer)?;
     comm.scope(|sc| -> Result<()> {
         let send = sc.isend_bytes(next, TAG_DKV, bytes(acc_out.view(&acc_dims)?, &copy))?;
         let recv = sc.irecv_bytes(prev, TAG_DKV, bytes_mut(acc_in.view_mut(&acc_dims)?, &copy))?;
         wait_all(vec![recv, send])
     })?;
+    order(&*xfer, b)?;
     rep.comm_wait += t.elapsed();
     let (dk_all, dv_all) = acc_in.halves(&kd)?;
     b.copy(dk, dk_all)?;

@@ -1,12 +1,30 @@
 //! Views handed to the communicator where their bytes lie: host views as host bytes, device views as device
 //! addresses with [`BackendCopy`], which moves them through the backend for transports that cannot reach the
-//! device themselves (see `longctx_p2p::memory`).
+//! device themselves (see `longctx_p2p::memory`). Public so that a caller holding backend buffers (the trainer's
+//! gradients) sends them the way ring attention does:
+//!
+//! ```
+//! use longctx_p2p::ReduceOp;
+//! use longctx_ring_attn::transfer::{bytes_mut, BackendCopy};
+//! use longctx_ring_attn::{CpuBackend, ThreadWorld, ViewMut};
+//!
+//! let sums = ThreadWorld::run(2, |c| {
+//!     let backend = CpuBackend::new();
+//!     let mut g = vec![1.5f32 + c.rank() as f32; 4];
+//!     let copy = BackendCopy(&backend);
+//!     let view = ViewMut::new(&mut g, [4]).expect("dims");
+//!     c.all_reduce_bytes::<f32>(bytes_mut(view, &copy), ReduceOp::Sum).map(|()| g)
+//! })?;
+//! assert!(sums.iter().all(|s| s.as_ref().is_ok_and(|g| g == &[4.0; 4])));
+//! # Ok::<(), longctx_p2p::CommError>(())
+//! ```
 
 use longctx_kernels::{Backend, DType, DeviceSlice, DeviceSliceMut, RawBytes, RawBytesMut, View, ViewMut};
 use longctx_p2p::{Bytes, BytesMut, DeviceBytes, DeviceCopy};
 
-/// The communicator's copier for the backend's device memory: its download and upload, on raw bytes.
-pub(crate) struct BackendCopy<'a>(pub &'a dyn Backend);
+/// The communicator's copier for a backend's device memory: its download and upload, on raw bytes. An upload
+/// waits for the backend (`synchronize`), so the bytes are in place when the receive that made it finishes.
+pub struct BackendCopy<'a>(pub &'a dyn Backend);
 
 /// Bytes as elements a backend copies bit for bit: 4-byte words when the length allows, else 2-byte ones (every
 /// message here is whole `f32`, `bf16` or `f16` elements).
@@ -60,8 +78,8 @@ impl DeviceCopy for BackendCopy<'_> {
     }
 }
 
-/// The bytes of `v` for a send.
-pub(crate) fn bytes<'a>(v: View<'a>, copy: &'a BackendCopy<'_>) -> Bytes<'a> {
+/// The bytes of `v` for a send: host bytes, or device bytes that `copy` reaches.
+pub fn bytes<'a>(v: View<'a>, copy: &'a BackendCopy<'_>) -> Bytes<'a> {
     match v.raw_bytes() {
         RawBytes::Host(b) => Bytes::Host(b),
         RawBytes::Device { ptr, len, memory } => {
@@ -70,8 +88,8 @@ pub(crate) fn bytes<'a>(v: View<'a>, copy: &'a BackendCopy<'_>) -> Bytes<'a> {
     }
 }
 
-/// The bytes of `v` for a receive.
-pub(crate) fn bytes_mut<'a>(v: ViewMut<'a>, copy: &'a BackendCopy<'_>) -> BytesMut<'a> {
+/// The bytes of `v` for a receive: host bytes, or device bytes that `copy` reaches.
+pub fn bytes_mut<'a>(v: ViewMut<'a>, copy: &'a BackendCopy<'_>) -> BytesMut<'a> {
     match v.into_raw_bytes() {
         RawBytesMut::Host(b) => BytesMut::Host(b),
         RawBytesMut::Device { ptr, len, memory } => {
