@@ -1,4 +1,4 @@
-//! Where a run computes: `cpu` or `cuda:N`, named by the recipe (`parallel.backend`) or the command line
+//! Where a run computes: `cpu`, `cuda:N` or `cuda-emulated`, named by the recipe (`parallel.backend`) or the command line
 //! (`--device`, which overrides it), and [`backend`], the one function that builds the kernels' backend for it.
 //! Everything else (the ranks, `longctx eval`, the MFU peak) takes the backend it makes.
 
@@ -18,11 +18,16 @@ pub enum Device {
     Cpu,
     /// The NVIDIA GPU of this ordinal ([`CudaBackend`](longctx_kernels::CudaBackend); the trainer's `cuda` feature).
     Cuda(usize),
+    /// The CUDA backend's kernels and device memory on its host emulator
+    /// ([`CudaBackend::emulated`](longctx_kernels::CudaBackend::emulated); the kernels' `cuda` feature and a host C++
+    /// compiler): the GPU path's code without a GPU, far slower than the CPU backend. For tests, and for checking
+    /// that a recipe runs on the GPU path before a GPU is at hand.
+    CudaEmulated,
 }
 
 /// A device string that is neither `cpu` nor `cuda:N`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("`{value}` is not a device (cpu, or cuda:N for the GPU of ordinal N, e.g. cuda:0)")]
+#[error("`{value}` is not a device (cpu; cuda:N for the GPU of ordinal N, e.g. cuda:0; cuda-emulated)")]
 pub struct ParseDeviceError {
     /// The string given.
     pub value: String,
@@ -35,6 +40,7 @@ impl FromStr for Device {
         let bad = || ParseDeviceError { value: s.to_string() };
         match s {
             "cpu" => Ok(Device::Cpu),
+            "cuda-emulated" => Ok(Device::CudaEmulated),
             _ => {
                 let ordinal = s.strip_prefix("cuda:").ok_or_else(bad)?;
                 // Digits only: `usize::from_str` would also take `+0`.
@@ -52,6 +58,7 @@ impl fmt::Display for Device {
         match self {
             Device::Cpu => f.write_str("cpu"),
             Device::Cuda(n) => write!(f, "cuda:{n}"),
+            Device::CudaEmulated => f.write_str("cuda-emulated"),
         }
     }
 }
@@ -60,11 +67,14 @@ impl fmt::Display for Device {
 /// rayon's global pool); a CUDA backend runs on its own stream of the device.
 ///
 /// Errors: [`TrainError::CudaNotCompiled`] for `cuda:N` in a build without the `cuda` feature; the kernels'
-/// [`KernelError::NoDevice`](longctx_kernels::KernelError::NoDevice) when no driver or no device of that ordinal is found.
+/// [`KernelError::NoDevice`](longctx_kernels::KernelError::NoDevice) when no driver or no device of that ordinal is
+/// found; for `cuda-emulated`, the kernels' `NotCompiled` without their `cuda` feature, `Compile` when the host
+/// compiler cannot build the kernels.
 pub fn backend(device: Device, threads: usize) -> Result<Arc<dyn Backend>> {
     match device {
         Device::Cpu => Ok(Arc::new(if threads > 0 { CpuBackend::with_threads(threads)? } else { CpuBackend::new() })),
         Device::Cuda(ordinal) => cuda(ordinal),
+        Device::CudaEmulated => Ok(longctx_kernels::CudaBackend::emulated()?.into_shared()),
     }
 }
 
@@ -95,7 +105,12 @@ mod tests {
 
     #[test]
     fn parses_and_prints() {
-        for (s, d) in [("cpu", Device::Cpu), ("cuda:0", Device::Cuda(0)), ("cuda:12", Device::Cuda(12))] {
+        for (s, d) in [
+            ("cpu", Device::Cpu),
+            ("cuda:0", Device::Cuda(0)),
+            ("cuda:12", Device::Cuda(12)),
+            ("cuda-emulated", Device::CudaEmulated),
+        ] {
             assert_eq!(s.parse::<Device>(), Ok(d));
             assert_eq!(d.to_string(), s);
         }

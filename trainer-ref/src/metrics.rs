@@ -102,6 +102,8 @@ pub fn device_peak_flops(device: Device, backend: &dyn Backend, dtype: DType) ->
     match device {
         Device::Cpu => measure_machine_peak_flops(),
         Device::Cuda(_) => measure_gemm_flops_on(backend, dtype, 4096, 1),
+        // The emulator's own rate, on a size it finishes quickly: MFU there says nothing about a GPU.
+        Device::CudaEmulated => measure_gemm_flops_on(backend, dtype, 128, 0),
     }
 }
 
@@ -111,6 +113,7 @@ pub fn device_gemm_flops(device: Device, backend: &dyn Backend) -> Result<f64> {
     match device {
         Device::Cpu => measure_gemm_flops(),
         Device::Cuda(_) => measure_gemm_flops_on(backend, DType::F32, 4096, 1),
+        Device::CudaEmulated => measure_gemm_flops_on(backend, DType::F32, 128, 0),
     }
 }
 
@@ -211,7 +214,7 @@ impl Meter {
             recipe.train.batch * recipe.train.seq_len,
             match device {
                 Device::Cpu => "FMA peak",
-                Device::Cuda(_) => "GEMM peak",
+                Device::Cuda(_) | Device::CudaEmulated => "GEMM peak",
             },
             peak_flops / 1e9
         ));

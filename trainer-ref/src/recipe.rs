@@ -261,8 +261,9 @@ pub struct ParallelConfig {
     /// Pipeline parallelism of a published layout, for `longctx plan --recipe`; as `tp`, 1 to train.
     #[serde(default = "one")]
     pub pp: usize,
-    /// Where every rank computes: `cpu` (default) or `cuda:N`, the GPU of ordinal N (a build with the `cuda`
-    /// feature). `--device` overrides it; [`Recipe::device`] reads it.
+    /// Where every rank computes: `cpu` (default), `cuda:N`, the GPU of ordinal N (a build with the `cuda`
+    /// feature), or `cuda-emulated`, the CUDA path on its host emulator (see [`Device`](crate::device::Device)).
+    /// `--device` overrides it; [`Recipe::device`] reads it.
     #[serde(default = "default_backend")]
     pub backend: String,
 }

@@ -539,6 +539,67 @@ fn offload_to_host_or_disk_gives_bit_identical_loss_and_gradients_with_and_witho
     assert!(e.unwrap_err().to_string().contains("--offload"));
 }
 
+/// The same training computation on the CUDA backend (device memory, the CUDA kernels, every saved tensor,
+/// ring-attention block and gradient moved through the backend's own copies) gives the CPU backend's loss and
+/// gradients: one rank; CP 2 with host offload and selective recompute; DP 2 (the gradient all-reduce from
+/// device buffers) with disk offload; Mixtral at CP 2 and Nemotron with full recompute. On the host emulator here, on a GPU in the GPU check; each skips, saying
+/// so, where its backend cannot open, except `cuda` under `LONGCTX_REQUIRE_GPU=1`.
+mod the_cuda_backend_computes_the_cpus_loss_and_gradients {
+    use super::*;
+
+    #[test]
+    fn cuda_emulated() {
+        match longctx_kernels::CudaBackend::emulated() {
+            Ok(_) => same_as_cpu("cuda-emulated"),
+            Err(e) => eprintln!("the_cuda_backend_computes_the_cpus_loss_and_gradients::cuda_emulated: skipped: {e}"),
+        }
+    }
+
+    #[test]
+    fn cuda() {
+        let opened = longctx_trainer::device::backend(longctx_trainer::device::Device::Cuda(0), 0);
+        match opened {
+            Ok(_) => same_as_cpu("cuda:0"),
+            Err(e) if std::env::var("LONGCTX_REQUIRE_GPU").as_deref() == Ok("1") => {
+                panic!("LONGCTX_REQUIRE_GPU=1 but: {e}")
+            }
+            Err(e) => eprintln!("the_cuda_backend_computes_the_cpus_loss_and_gradients::cuda: skipped: {e}"),
+        }
+    }
+
+    fn same_as_cpu(device: &str) {
+        let seqs = [random_sequence(41, 24, &[9]), random_sequence(42, 24, &[])];
+        for (family, extra) in [
+            ("llama", &["train.batch=1"][..]),
+            ("llama", &["train.batch=1", "parallel.cp=2", "train.offload=\"host\"", "train.recompute=\"selective\""]),
+            ("llama", &["train.batch=2", "parallel.dp=2", "train.offload=\"disk\"", "train.offload_budget=\"64MiB\""]),
+            ("tiny-mixtral", &["train.batch=1", "parallel.cp=2"]),
+            ("tiny-nemotron", &["train.batch=1", "train.recompute=\"full\""]),
+        ] {
+            let recipe =
+                |sets: &[&str]| if family == "llama" { tiny_recipe(sets) } else { family_recipe(family, sets) };
+            let mut sets = vec!["data.document_masking=true"];
+            sets.extend_from_slice(extra);
+            let batch = if sets.contains(&"train.batch=2") { 2 } else { 1 };
+            let (want_loss, want) = loss_and_gradients(&recipe(&sets), &seqs[..batch]).unwrap();
+            let backend = format!("parallel.backend=\"{device}\"");
+            sets.push(&backend);
+            let (loss, got) = loss_and_gradients(&recipe(&sets), &seqs[..batch]).unwrap();
+            assert!(
+                (loss - want_loss).abs() <= 1e-5 * want_loss.abs(),
+                "{device} {family} {extra:?}: loss {loss} vs {want_loss}"
+            );
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                let err = rel(g, w);
+                assert!(
+                    err < 1e-4,
+                    "{device} {family} {extra:?}: gradient {i} differs by {err:.2e} of its largest entry"
+                );
+            }
+        }
+    }
+}
+
 /// What the family reference needs beyond [`RefCfg`].
 struct FamilyRef {
     base: RefCfg,

@@ -51,6 +51,12 @@ impl CudaBackend {
         Ok(Self { stream: Stream { device } })
     }
 
+    /// The backend as a shared `dyn Backend` (what ranks and plans hold); also in the build without the `cuda`
+    /// feature, so code naming it builds either way.
+    pub fn into_shared(self) -> std::sync::Arc<dyn crate::Backend> {
+        std::sync::Arc::new(self)
+    }
+
     /// The device's name, compute capability, multiprocessors and memory.
     pub fn device_name(&self) -> String {
         let i = self.stream.device.info();

@@ -596,10 +596,16 @@ impl Ops<'_> {
         let r = &routing;
         let (l, c, e) = (r.tokens(), self.cfg.d_model, r.experts());
         let (mut dlogits, mut dh2_router) = (self.buf([l, e])?, self.buf([l, c])?);
-        let aux = match moe_aux {
-            Some(a) => Some(View::new(a, [a.len()])?),
+        // The load-balancing gradient is computed on the host from the step's routing statistics: one upload.
+        let aux_buf = match moe_aux {
+            Some(a) => {
+                let mut t = self.buf_f32([a.len()])?;
+                b.upload(t.view_mut(), View::new(a, [a.len()])?)?;
+                Some(t)
+            }
             None => None,
         };
+        let aux = aux_buf.as_ref().map(|t| t.view());
         b.moe_router_backward(
             dlogits.view_mut(),
             dtopk_w.view(),

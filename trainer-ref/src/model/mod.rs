@@ -17,20 +17,22 @@
 //! `gpt2_backward`).
 //!
 //! Files: `params` (the tensors and their initialisation), `layout` (where each sits), `saved` (the saved-tensor
-//! table and what the policies do to it), `layer` (one layer's forward and backward), `moe` (the load-balancing
-//! statistics); this one holds the whole model's forward and backward.
+//! table and what the policies do to it), `offload_copy` (the offload engine's copier over the backend), `layer`
+//! (one layer's forward and backward), `moe` (the load-balancing statistics); this one holds the whole model's
+//! forward and backward.
 //!
 //! Shapes: `L` tokens on this rank, `C` the model width, `V` the vocabulary.
 
 mod layer;
 mod layout;
 pub mod moe;
+pub mod offload_copy;
 mod params;
 mod saved;
 
 use std::sync::Arc;
 
-use longctx_kernels::{Backend, Buffer, CrossEntropyOptions, DType, Dims, GradMode, ProjectionGrads, RopeTable, View};
+use longctx_kernels::{Backend, Buffer, CrossEntropyOptions, DType, Dims, GradMode, ProjectionGrads, RopeTable};
 use longctx_offload::OffloadEngine;
 use longctx_recompute::{Action, LayerActions};
 use longctx_ring_attn::CpPlan;
@@ -153,8 +155,8 @@ impl Model {
         // `set_sequence_length` rebuilds it for the scalings that depend on the length.
         let rope = rope_table(&cfg, 0)?;
         let ones = if cfg.family == Family::Nemotron {
-            let mut o = backend.zeros(dtype, Dims::new(&[cfg.d_model])?)?;
-            backend.copy(o.view_mut(), View::new(&vec![1.0f32; cfg.d_model], [cfg.d_model])?)?;
+            let mut o = backend.empty(dtype, Dims::new(&[cfg.d_model])?)?;
+            backend.fill(o.view_mut(), 1.0)?;
             Some(o)
         } else {
             None

@@ -46,7 +46,7 @@ impl Params {
                 (0..t.len()).map(|_| rng.normal() * std).collect()
             };
             let dims = t.dims().to_vec();
-            backend.copy(t.view_mut(), View::new(&host, dims)?)?;
+            backend.upload(t.view_mut(), View::new(&host, dims)?)?;
         }
         Ok(p)
     }

@@ -11,12 +11,14 @@
 //! width (of one expert), `E` experts, `K` experts per token, `N` rows through the MLP (`L·K` with experts, else
 //! `L`). Activations are in the working dtype, the norms' statistics and the router's outputs in `f32`.
 
-use longctx_kernels::{Buffer, DType, HostVec, Routing};
-use longctx_offload::{Activation, HostTensor, OffloadEngine, Ticket};
+use longctx_kernels::{Buffer, DType, Routing};
+use longctx_offload::{Activation, Device, DeviceTensor, OffloadEngine, Ticket};
 use longctx_recompute::{Action, LayerActions, LayerSpec};
 
 use crate::error::{Result, TrainError};
 use crate::recipe::{Family, ModelConfig};
+
+use super::offload_copy::BackendBuffer;
 
 /// A tensor a decoder layer's forward saves for its backward. The layer's input is `x`; the others are named by
 /// the op that made them. Some belong to some families only: LayerNorm's means (Nemotron), the gate (Llama,
@@ -304,7 +306,7 @@ pub struct LayerSaved {
     buffers: [Option<Buffer>; SavedId::COUNT],
     routing: Option<Routing>,
     /// Tensors handed to the offload engine.
-    away: Vec<(SavedId, Ticket<Activation>)>,
+    away: Vec<(SavedId, Ticket<Activation, Device>)>,
 }
 
 impl LayerSaved {
@@ -406,45 +408,30 @@ impl LayerSaved {
         Ok(())
     }
 
-    /// Hands the buffers `which` selects to `engine` (they come back through [`LayerSaved::restore`]).
+    /// Hands the buffers `which` selects to `engine` (they come back through [`LayerSaved::restore`]): each
+    /// goes as it is, in the backend's memory, and the engine's copier moves it (see [`super::offload_copy`]).
     pub(crate) fn offload(&mut self, engine: &OffloadEngine, which: impl Fn(SavedId) -> bool) -> Result<()> {
         let layer = self.layer;
         for id in SavedId::all().filter(|&id| which(id)) {
             let Some(buf) = self.buffers[id as usize].take() else { continue };
-            let name = id.name();
-            // The offload engine takes host tensors: a device buffer would need the backend's copy into its pool,
-            // which this glue does not make yet.
-            let (data, dims) = buf.into_host_vec().map_err(|b| {
-                TrainError::Internal(format!("offload of layer {layer} `{name}`: a buffer in {} memory", b.memory()))
-            })?;
-            let t = match data {
-                HostVec::F32(v) => HostTensor::f32(v, dims.as_slice().to_vec()),
-                HostVec::Bf16(v) => HostTensor::bf16(v, dims.as_slice().to_vec()),
-                HostVec::F16(_) => {
-                    return Err(TrainError::Internal(format!(
-                        "offload of layer {layer} `{name}`: the model holds f32 or bf16 tensors, not f16"
-                    )))
-                }
-            }
-            .map_err(|e| TrainError::Internal(format!("offload of layer {layer} `{name}`: {e}")))?;
-            let ticket = engine.offload(layer, name, t)?;
+            let (dtype, dims) = (buf.dtype(), buf.dims().to_vec());
+            let t = DeviceTensor::new(Box::new(BackendBuffer(buf)), dtype, dims)
+                .map_err(|e| TrainError::Internal(format!("offload of layer {layer} `{}`: {e}", id.name())))?;
+            let ticket = engine.offload(layer, id.name(), t)?;
             self.away.push((id, ticket));
         }
         Ok(())
     }
 
-    /// Fetches back what was offloaded (bit-exact).
+    /// Fetches back what was offloaded (bit-exact), as buffers of the backend again.
     pub(crate) fn restore(&mut self, engine: Option<&OffloadEngine>) -> Result<()> {
         let Some(engine) = engine else { return Ok(()) };
         let layer = self.layer;
         for (id, ticket) in std::mem::take(&mut self.away) {
-            let t = engine.fetch(ticket)?;
-            let dims = t.dims().to_vec();
-            let data = match t.into_f32() {
-                Ok(v) => HostVec::F32(v),
-                Err(t) => HostVec::Bf16(t.into_bf16().map_err(|_| missing(layer, id.name()))?),
-            };
-            self.buffers[id as usize] = Some(Buffer::from_host_vec(data, dims)?);
+            let back = engine.fetch(ticket)?.downcast::<BackendBuffer>().map_err(|t| {
+                TrainError::Internal(format!("layer {layer} `{}` came back as another buffer: {t:?}", id.name()))
+            })?;
+            self.buffers[id as usize] = Some(back.0);
         }
         Ok(())
     }

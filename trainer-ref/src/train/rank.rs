@@ -96,7 +96,7 @@ impl<'a> Rank<'a> {
             // `budget:` probes the tier's rate on an engine of its own, gone (its spill files with it) before the
             // run's is built.
             let probe = match policy {
-                Policy::Budget(_) => offload_engine(recipe, world.rank(), spill_root, true)?,
+                Policy::Budget(_) => offload_engine(recipe, &backend, world.rank(), spill_root, true)?,
                 _ => None,
             };
             costs(&world, &policy, probe.as_deref(), device, &*backend)?
@@ -107,7 +107,7 @@ impl<'a> Rank<'a> {
         // A policy that names what to offload is followed layer by layer (the planner counts every layer's
         // offloaded bytes out); without one, everything kept goes out but the last layers' (`offload_layers`).
         let chosen = actions.iter().any(|a| a.actions.values().any(|&v| v == Action::Offload));
-        let offload = offload_engine(recipe, world.rank(), spill_root, !chosen)?;
+        let offload = offload_engine(recipe, &backend, world.rank(), spill_root, !chosen)?;
         let cost = longctx_recompute::plan_cost(&recipe.layer_spec(), &actions, &costs);
         let elem = if dtype == DType::Bf16 { 2 } else { 4 };
         let local = recipe.train.seq_len / recipe.parallel.cp;

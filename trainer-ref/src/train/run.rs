@@ -235,6 +235,8 @@ impl Rank<'_> {
         let key = match self.device {
             Device::Cpu => host.trim().to_string(),
             Device::Cuda(n) => format!("{}/cuda:{n}", host.trim()),
+            // The emulator runs on the host's cores, which every rank on it shares.
+            Device::CudaEmulated => format!("{}/cuda-emulated", host.trim()),
         };
         let mut keys = vec![0u64; self.world.world_size()];
         self.world.all_gather(&[fnv1a(key.as_bytes())], &mut keys)?;

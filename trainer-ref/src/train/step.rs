@@ -2,8 +2,9 @@
 //! backward into the gradients, the gradients summed over all ranks, clipped to `train.clip`, then AdamW.
 //! Also the held-out loss, which runs the same forwards without a backward.
 
-use longctx_kernels::{GradMode, KernelError};
+use longctx_kernels::{DType, GradMode, KernelError};
 use longctx_p2p::ReduceOp;
+use longctx_ring_attn::transfer::{bytes_mut, BackendCopy};
 
 use super::rank::Rank;
 use crate::data::{Sequence, TokenStream};
@@ -145,14 +146,17 @@ impl Rank<'_> {
         Ok(MoeStats::from_flat(&flat))
     }
 
-    /// Sums every gradient over all ranks, in place.
-    ///
-    /// Staged through host memory: the communicator sends host slices only (`longctx-p2p` has no buffer trait a
-    /// device buffer could implement yet), so a gradient is viewed as a host `f32` slice here, which a device
-    /// buffer refuses with a typed error. This is the one place that changes when the communicator takes buffers.
+    /// Sums every gradient over all ranks, in place, from the backend's buffers: host memory is reduced where
+    /// it is; device memory is handed to the communicator with the backend's copier (staged through host memory
+    /// until a transport reaches the device itself, the GPU-training work).
     fn all_reduce_grads(&mut self) -> Result<()> {
+        let backend = self.model.backend().clone();
+        let copy = BackendCopy(&*backend);
         for g in self.grads.tensors.iter_mut() {
-            self.world.all_reduce(g.view_mut().into_typed::<f32>("grad")?, ReduceOp::Sum)?;
+            if g.dtype() != DType::F32 {
+                return Err(TrainError::Internal(format!("a {} gradient: gradients are f32", g.dtype())));
+            }
+            self.world.all_reduce_bytes::<f32>(bytes_mut(g.view_mut(), &copy), ReduceOp::Sum)?;
         }
         Ok(())
     }

@@ -4,13 +4,14 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use longctx_kernels::Backend;
-use longctx_offload::{HostTensor, OffloadEngine};
+use longctx_kernels::{Backend, DType, Dims};
+use longctx_offload::{DeviceTensor, OffloadEngine};
 use longctx_p2p::{Communicator, ReduceOp};
 use longctx_recompute::{Costs, Policy};
 
 use crate::device::Device;
 use crate::error::{Result, TrainError};
+use crate::model::offload_copy::{BackendBuffer, BackendCopier};
 use crate::recipe::Recipe;
 
 /// The rates the recompute solver prices its choices at. Only `budget:` weighs them, and only against each
@@ -32,16 +33,18 @@ pub(super) fn costs(
     // Every rank of a run has a tier or none (one recipe), so either all reach this all-reduce or none does.
     let mut rates = [0.0f64; 2];
     if world.rank() == 0 {
-        rates = [crate::metrics::device_gemm_flops(device, backend)?, tier_bytes_per_s(engine)?];
+        rates = [crate::metrics::device_gemm_flops(device, backend)?, tier_bytes_per_s(engine, backend)?];
     }
     world.all_reduce(&mut rates, ReduceOp::Sum)?;
     Ok(Costs { flops_per_s: rates[0], offload_bytes_per_s: rates[1] })
 }
 
-/// Bytes per second each way through `engine`: a 16 MiB tensor offloaded and fetched back, timed.
-fn tier_bytes_per_s(engine: &OffloadEngine) -> Result<f64> {
+/// Bytes per second each way through `engine`: a 16 MiB buffer of the run's backend offloaded and fetched back,
+/// timed (so the backend's own copy is in the figure).
+fn tier_bytes_per_s(engine: &OffloadEngine, backend: &dyn Backend) -> Result<f64> {
     let n = 4 << 20;
-    let probe = HostTensor::f32(vec![1.0f32; n], vec![n])
+    let buf = backend.zeros(DType::F32, Dims::new(&[n])?)?;
+    let probe = DeviceTensor::new(Box::new(BackendBuffer(buf)), DType::F32, vec![n])
         .map_err(|e| TrainError::Internal(format!("the offload tier's rate probe: {e}")))?;
     let started = Instant::now();
     let ticket = engine.offload(0, "rate-probe", probe)?;
@@ -49,10 +52,12 @@ fn tier_bytes_per_s(engine: &OffloadEngine) -> Result<f64> {
     Ok(2.0 * (4 * n) as f64 / started.elapsed().as_secs_f64().max(1e-9))
 }
 
-/// The rank's offload engine for `train.offload` (`None` for `none`), spilling under `spill_root`. `keep_last`:
-/// the layers past `train.offload_layers` stay resident; otherwise every layer's handed tensors go out.
+/// The rank's offload engine for `train.offload` (`None` for `none`), spilling under `spill_root`, moving
+/// `backend`'s buffers with their own copies. `keep_last`: the layers past `train.offload_layers` stay resident;
+/// otherwise every layer's handed tensors go out.
 pub(super) fn offload_engine(
     recipe: &Recipe,
+    backend: &Arc<dyn Backend>,
     rank: usize,
     spill_root: &Path,
     keep_last: bool,
@@ -74,7 +79,11 @@ pub(super) fn offload_engine(
         (true, 0) => layers.saturating_sub(1),
         (true, n) => n,
     };
-    let b = OffloadEngine::builder().workers(1).prefetch_depth(1).resident_layers(layers - offloaded, layers);
+    let b = OffloadEngine::builder()
+        .workers(1)
+        .prefetch_depth(1)
+        .resident_layers(layers - offloaded, layers)
+        .device(BackendCopier::new(backend.clone()));
     let b = match t.offload.as_str() {
         "none" => return Ok(None),
         "host" => b.host_tier(budget),

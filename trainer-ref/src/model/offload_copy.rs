@@ -1,0 +1,175 @@
+//! The offload engine's view of the run's backend: a saved [`Buffer`] handed over as the engine's
+//! [`DeviceBuffer`], and [`BackendCopier`], its [`DeviceCopier`], which moves the buffer's bytes with the
+//! backend's own download and upload. So a saved tensor goes from wherever the backend keeps it straight into the
+//! engine's host tier and back, one copy each way, on any backend; a CPU backend's buffers, which the CPU reads
+//! in place, are also written to and read from spill files without a copy of their own.
+//!
+//! The copies run on the engine's worker threads. Each is ordered after the ops that made its source by the
+//! backend's contract: a download waits for the ops enqueued before it, and an upload lands before any op
+//! enqueued after it (the layer's backward, which fetches first).
+
+use std::io;
+use std::sync::Arc;
+
+use longctx_kernels::{Backend, Buffer, DType, Dims, RawBytes, RawBytesMut, View, ViewMut};
+use longctx_offload::{DeviceBuffer, DeviceCopier};
+
+/// A saved buffer, as the offload engine holds it.
+#[derive(Debug)]
+pub struct BackendBuffer(pub Buffer);
+
+impl DeviceBuffer for BackendBuffer {
+    fn size_bytes(&self) -> usize {
+        self.0.bytes()
+    }
+
+    fn host_bytes(&self) -> Option<&[u8]> {
+        match self.0.view().raw_bytes() {
+            RawBytes::Host(b) => Some(b),
+            RawBytes::Device { .. } => None,
+        }
+    }
+
+    fn host_bytes_mut(&mut self) -> Option<&mut [u8]> {
+        match self.0.view_mut().into_raw_bytes() {
+            RawBytesMut::Host(b) => Some(b),
+            RawBytesMut::Device { .. } => None,
+        }
+    }
+}
+
+/// Copies saved buffers between the run's backend and the offload engine's host tier (see the module docs).
+#[derive(Debug)]
+pub struct BackendCopier {
+    backend: Arc<dyn Backend>,
+}
+
+impl BackendCopier {
+    /// The copier of `backend`'s buffers.
+    pub fn new(backend: Arc<dyn Backend>) -> Self {
+        Self { backend }
+    }
+}
+
+impl DeviceCopier for BackendCopier {
+    fn download(&self, src: &dyn DeviceBuffer, dst: &mut [u8]) -> io::Result<()> {
+        let src = ours(src)?;
+        let dst = host_view_mut(dst, src.0.dtype(), src.0.dims())?;
+        self.backend.download(dst, src.0.view()).map_err(io::Error::other)
+    }
+
+    fn alloc(&self, dtype: DType, dims: &[usize]) -> io::Result<Box<dyn DeviceBuffer>> {
+        let dims = Dims::new(dims).map_err(io::Error::other)?;
+        let buf = self.backend.empty(dtype, dims).map_err(io::Error::other)?;
+        Ok(Box::new(BackendBuffer(buf)))
+    }
+
+    fn upload(&self, src: &[u8], dst: &mut dyn DeviceBuffer) -> io::Result<()> {
+        let dst = ours_mut(dst)?;
+        let src = host_view(src, dst.0.dtype(), dst.0.dims())?;
+        self.backend.upload(dst.0.view_mut(), src).map_err(io::Error::other)
+    }
+}
+
+fn ours(b: &dyn DeviceBuffer) -> io::Result<&BackendBuffer> {
+    (b as &dyn std::any::Any)
+        .downcast_ref::<BackendBuffer>()
+        .ok_or_else(|| io::Error::other(format!("not a buffer of this run's backend: {b:?}")))
+}
+
+fn ours_mut(b: &mut dyn DeviceBuffer) -> io::Result<&mut BackendBuffer> {
+    let what = format!("{b:?}");
+    (b as &mut dyn std::any::Any)
+        .downcast_mut::<BackendBuffer>()
+        .ok_or_else(|| io::Error::other(format!("not a buffer of this run's backend: {what}")))
+}
+
+/// `bytes` as a host view of `dtype` and `dims` (the engine's buffers are page- or 8-byte-aligned).
+fn host_view<'a>(bytes: &'a [u8], dtype: DType, dims: &[usize]) -> io::Result<View<'a>> {
+    let misaligned = |e| io::Error::other(format!("a host buffer for {dtype} elements: {e}"));
+    let view = match dtype {
+        DType::F32 => View::new(bytemuck::try_cast_slice::<u8, f32>(bytes).map_err(misaligned)?, dims),
+        DType::Bf16 => View::new(bytemuck::try_cast_slice::<u8, half::bf16>(bytes).map_err(misaligned)?, dims),
+        DType::F16 => View::new(bytemuck::try_cast_slice::<u8, half::f16>(bytes).map_err(misaligned)?, dims),
+    };
+    view.map_err(io::Error::other)
+}
+
+/// `bytes` as a writable host view of `dtype` and `dims`.
+fn host_view_mut<'a>(bytes: &'a mut [u8], dtype: DType, dims: &[usize]) -> io::Result<ViewMut<'a>> {
+    let misaligned = |e| io::Error::other(format!("a host buffer for {dtype} elements: {e}"));
+    let view = match dtype {
+        DType::F32 => ViewMut::new(bytemuck::try_cast_slice_mut::<u8, f32>(bytes).map_err(misaligned)?, dims),
+        DType::Bf16 => ViewMut::new(bytemuck::try_cast_slice_mut::<u8, half::bf16>(bytes).map_err(misaligned)?, dims),
+        DType::F16 => ViewMut::new(bytemuck::try_cast_slice_mut::<u8, half::f16>(bytes).map_err(misaligned)?, dims),
+    };
+    view.map_err(io::Error::other)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use longctx_kernels::{CpuBackend, CudaBackend};
+    use longctx_offload::{DeviceTensor, OffloadEngine};
+
+    /// Saved buffers of every dtype go out to each tier through the copier and come back bit-exact, as buffers
+    /// of the same backend: the CPU backend's (read in place for spill files), the CUDA backend's host emulator
+    /// and a GPU's (memory only their download and upload reach). The CUDA ones skip, saying so, where the backend
+    /// cannot open, except `cuda` under `LONGCTX_REQUIRE_GPU=1` (the GPU check).
+    mod saved_buffers_round_trip_through_both_tiers {
+        use super::*;
+
+        #[test]
+        fn cpu() {
+            round_trips(Arc::new(CpuBackend::new()));
+        }
+
+        #[test]
+        fn cuda_emulated() {
+            match CudaBackend::emulated() {
+                Ok(b) => round_trips(b.into_shared()),
+                Err(e) => eprintln!("saved_buffers_round_trip_through_both_tiers::cuda_emulated: skipped: {e}"),
+            }
+        }
+
+        #[test]
+        fn cuda() {
+            match CudaBackend::new(0) {
+                Ok(b) => round_trips(b.into_shared()),
+                Err(e) if std::env::var("LONGCTX_REQUIRE_GPU").as_deref() == Ok("1") => {
+                    panic!("LONGCTX_REQUIRE_GPU=1 but: {e}")
+                }
+                Err(e) => eprintln!("saved_buffers_round_trip_through_both_tiers::cuda: skipped, no GPU: {e}"),
+            }
+        }
+    }
+
+    fn round_trips(backend: Arc<dyn Backend>) {
+        for disk in [false, true] {
+            let dir = tempfile::tempdir().unwrap();
+            let b = OffloadEngine::builder().prefetch_depth(0).device(BackendCopier::new(backend.clone()));
+            let engine = if disk { b.disk_tier(dir.path(), 64 << 20) } else { b.host_tier(64 << 20) }.build().unwrap();
+            for (i, dtype) in DType::ALL.into_iter().enumerate() {
+                let what = format!("{}, disk {disk}, {dtype}", backend.name());
+                let dims = [3usize, 1001 + i];
+                // Every bit pattern the element can hold, NaN payloads included (in words: aligned for any type).
+                let n = 3 * (1001 + i) * dtype.size();
+                let mut bits = vec![0u64; n.div_ceil(8)];
+                for (k, b) in bytemuck::cast_slice_mut::<u64, u8>(&mut bits).iter_mut().enumerate() {
+                    *b = (k * 131 + i) as u8;
+                }
+                let bits = &bytemuck::cast_slice::<u64, u8>(&bits)[..n];
+                let mut buf = backend.empty(dtype, Dims::new(&dims).unwrap()).unwrap();
+                backend.upload(buf.view_mut(), host_view(bits, dtype, &dims).unwrap()).unwrap();
+                let t = DeviceTensor::new(Box::new(BackendBuffer(buf)), dtype, dims).unwrap();
+                let ticket = engine.offload(i, "x", t).unwrap();
+                let back = engine.fetch(ticket).unwrap().downcast::<BackendBuffer>().unwrap();
+                assert_eq!((back.0.dims(), back.0.memory()), (&dims[..], backend.memory()), "{what}");
+                let mut got = vec![0u64; n.div_ceil(8)];
+                let got = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut got)[..n];
+                backend.download(host_view_mut(got, dtype, &dims).unwrap(), back.0.view()).unwrap();
+                assert!(got == bits, "{what}");
+            }
+        }
+    }
+}
