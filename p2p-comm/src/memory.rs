@@ -131,6 +131,30 @@ impl BytesMut<'_> {
     }
 }
 
+/// Runs a host collective from `send` into `recv`, staging whichever of them is device memory through host memory.
+fn staged_collective(
+    send: Bytes<'_>,
+    recv: BytesMut<'_>,
+    collective: impl FnOnce(&[u8], &mut [u8]) -> Result<(), CommError>,
+) -> Result<(), CommError> {
+    let staged_send;
+    let send: &[u8] = match send {
+        Bytes::Host(b) => b,
+        Bytes::Device(d) => {
+            staged_send = staged(&d)?;
+            &staged_send
+        }
+    };
+    match recv {
+        BytesMut::Host(b) => collective(send, b),
+        BytesMut::Device(d) => {
+            let mut host = vec![0u8; d.len];
+            collective(send, &mut host)?;
+            d.write_from(&host)
+        }
+    }
+}
+
 /// Device bytes read into a new host buffer (the staging of a send).
 fn staged(d: &DeviceBytes<'_>) -> Result<Vec<u8>, CommError> {
     let mut v = vec![0u8; d.len];
@@ -239,43 +263,13 @@ impl Communicator {
     /// [`all_gather`](Self::all_gather) wherever the bytes lie: `recv` (world size × `send`'s length) receives
     /// every rank's `send`, in rank order.
     pub fn all_gather_bytes(&self, send: Bytes<'_>, recv: BytesMut<'_>) -> Result<(), CommError> {
-        let staged_send;
-        let send: &[u8] = match send {
-            Bytes::Host(b) => b,
-            Bytes::Device(d) => {
-                staged_send = staged(&d)?;
-                &staged_send
-            }
-        };
-        match recv {
-            BytesMut::Host(b) => self.all_gather(send, b),
-            BytesMut::Device(d) => {
-                let mut host = vec![0u8; d.len];
-                self.all_gather(send, &mut host)?;
-                d.write_from(&host)
-            }
-        }
+        staged_collective(send, recv, |s, r| self.all_gather(s, r))
     }
 
     /// [`all_to_all`](Self::all_to_all) wherever the bytes lie: chunk `j` of `send` goes to rank `j`, and chunk
     /// `i` of `recv` comes from rank `i`.
     pub fn all_to_all_bytes(&self, send: Bytes<'_>, recv: BytesMut<'_>) -> Result<(), CommError> {
-        let staged_send;
-        let send: &[u8] = match send {
-            Bytes::Host(b) => b,
-            Bytes::Device(d) => {
-                staged_send = staged(&d)?;
-                &staged_send
-            }
-        };
-        match recv {
-            BytesMut::Host(b) => self.all_to_all(send, b),
-            BytesMut::Device(d) => {
-                let mut host = vec![0u8; d.len];
-                self.all_to_all(send, &mut host)?;
-                d.write_from(&host)
-            }
-        }
+        staged_collective(send, recv, |s, r| self.all_to_all(s, r))
     }
 
     /// [`all_reduce`](Self::all_reduce) of `T` elements wherever their bytes lie (a host buffer must be aligned

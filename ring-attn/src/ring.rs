@@ -78,6 +78,23 @@ fn post_block<'s>(
     Ok(reqs)
 }
 
+/// The block in hand at `step`: this rank's own K, V and document ids at the first step, read where the caller
+/// keeps them, then the block received.
+#[allow(clippy::type_complexity)]
+fn in_hand<'a>(
+    step: usize,
+    qkv: &Qkv<'a>,
+    docs: Option<&'a [u32]>,
+    cur: &'a KvBlock,
+    kd: &[usize],
+) -> Result<(View<'a>, View<'a>, Option<&'a [u32]>)> {
+    if step == 0 {
+        return Ok((qkv.k, qkv.v, docs));
+    }
+    let (k, v) = cur.kv.halves(kd)?;
+    Ok((k, v, docs.map(|_| &cur.docs[..])))
+}
+
 /// The transfers' queue: forked from `compute` once and kept.
 fn transfer_queue(kept: &mut Option<Arc<dyn Backend>>, compute: &dyn Backend) -> Result<Arc<dyn Backend>> {
     if let Some(q) = kept {
@@ -136,14 +153,7 @@ pub(crate) fn ring_forward(
         // One scope per step: the transfers borrow the blocks until they finish, which the scope ensures before
         // the swap.
         comm.scope(|sc| -> Result<()> {
-            // The block in hand: this rank's own K and V at the first step, read where the caller keeps them,
-            // then the one received.
-            let (k, v, k_doc) = if step == 0 {
-                (qkv.k, qkv.v, pb.docs)
-            } else {
-                let (k, v) = cur.kv.halves(&kd)?;
-                (k, v, pb.docs.map(|_| &cur.docs[..]))
-            };
+            let (k, v, k_doc) = in_hand(step, &qkv, pb.docs, cur, &kd)?;
             // Post the next block's transfer before computing on this one.
             let t = Instant::now();
             let reqs = if step + 1 < n {
@@ -229,12 +239,7 @@ pub(crate) fn ring_backward(
     for step in 0..n {
         let src = (r + n - step) % n;
         comm.scope(|sc| -> Result<()> {
-            let (k, v, k_doc) = if step == 0 {
-                (qkv.k, qkv.v, pb.docs)
-            } else {
-                let (k, v) = cur.kv.halves(&kd)?;
-                (k, v, pb.docs.map(|_| &cur.docs[..]))
-            };
+            let (k, v, k_doc) = in_hand(step, &qkv, pb.docs, cur, &kd)?;
             let t = Instant::now();
             order(b, &*xfer)?;
             let mut reqs = if step + 1 < n {

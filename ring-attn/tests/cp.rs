@@ -291,7 +291,7 @@ mod device_memory_matches_full_attention {
     #[test]
     fn cuda_emulated() {
         fn make() -> Arc<dyn Backend> {
-            Arc::new(CudaBackend::emulated().expect("the emulator opened once already"))
+            CudaBackend::emulated().expect("the emulator opened once already").into_shared()
         }
         match CudaBackend::emulated() {
             Ok(_) => every_schedule("cuda_emulated", make),
@@ -302,7 +302,7 @@ mod device_memory_matches_full_attention {
     #[test]
     fn cuda() {
         fn make() -> Arc<dyn Backend> {
-            Arc::new(CudaBackend::new(0).expect("the GPU opened once already"))
+            CudaBackend::new(0).expect("the GPU opened once already").into_shared()
         }
         match CudaBackend::new(0) {
             Ok(_) => every_schedule("cuda", make),
