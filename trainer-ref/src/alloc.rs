@@ -5,27 +5,24 @@
 //!
 //! Why not the system allocator for everything: glibc's `malloc` serves an allocation from an `mmap` of its own
 //! only above a threshold, and by default raises that threshold to the size of each such block freed (up to 32
-//! MiB), and gives the top of its heaps back to the kernel. A step that frees and reallocates the same tensors
-//! then faults their pages in again every time: 43 thousand faults a step at 4K tokens, 300 thousand at 16K,
-//! 4 KiB each. One heap that is never trimmed reuses its pages, but not well: tensors of many sizes leave gaps
-//! that fit none of the next ones. Its resident size is the step's high-water mark plus those gaps: 5200
-//! instead of 5078 MiB for the bench model at 64K tokens, and in a run that offloads, whose live memory falls
-//! and rises within a step, 922 instead of 836 MiB at 16K and 3389 instead of 2897 MiB at 64K.
+//! MiB), and gives the top of its heaps back to the kernel, so a step that frees and reallocates the same
+//! tensors faults their pages in again every time. One heap that is never trimmed reuses its pages, but not
+//! well: tensors of many sizes leave gaps that fit none of the next ones, so its resident size is the step's
+//! high-water mark plus those gaps.
 //!
 //! Why freed mappings are kept, and resized to fit: a fresh mapping costs the kernel clearing its pages (and,
-//! with 4 KiB pages, a fault for each; fixing glibc's threshold, what this module did first, cost 13–27% of a
-//! step at 4K tokens, `bench/log/2026-12-01-offload.md`). Unmapping every freed buffer made the kernel clear
-//! several GiB a step at 16K tokens, 4–5% of its samples. So a freed mapping is kept (up to `SLOTS` of them)
-//! while the bytes of the mappings in use plus those kept stay within the most that was ever in use: peak RSS
-//! is what it would be without keeping any. A request takes the kept mapping closest in size and `mremap`s it
-//! to fit (shrinking returns the tail to the kernel; growing adds fresh pages only for the difference), so a
-//! kept mapping of any size serves the next tensor. An earlier version, without the resizing, still mapped
-//! 0.7–0.85 GiB fresh a step at 16K tokens (kept mappings of the wrong sizes were unmapped to make room for
-//! fresh ones); with it, a step at 16K takes under 400 page faults and 0.2 s of system time.
+//! with 4 KiB pages, a fault for each), which unmapping every freed buffer would pay for every tensor of every
+//! step. So a freed mapping is kept (up to `SLOTS` of them) while the bytes of the mappings in use plus those
+//! kept stay within the most that was ever in use: peak RSS is what it would be without keeping any. A request
+//! takes the kept mapping closest in size and `mremap`s it to fit (shrinking returns the tail to the kernel;
+//! growing adds fresh pages only for the difference), so a kept mapping of any size serves the next tensor
+//! instead of being unmapped to make room for a fresh one.
 //!
-//! The cost against the never-trimmed heap: a mapping of 2 MiB or more is rounded up to whole huge pages (10–15
-//! MiB more peak RSS at 4K tokens), and a buffer that must be zeroed is cleared on the calling thread when it
-//! is a kept one (as glibc's `calloc` clears a reused block).
+//! The cost against the never-trimmed heap: a mapping of 2 MiB or more is rounded up to whole huge pages, and a
+//! buffer that must be zeroed is cleared on the calling thread when it is a kept one (as glibc's `calloc` clears
+//! a reused block).
+//!
+//! The measurements behind these choices are in `bench/log/comment-history-2026-12-05.md`.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::{Mutex, MutexGuard, PoisonError};

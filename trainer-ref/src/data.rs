@@ -52,6 +52,26 @@ impl TextTokenizer {
         }
     }
 
+    /// Checks that a model of `vocab` tokens has an embedding for every id this tokenizer makes of text: the byte
+    /// tokenizer's [`BYTE_VOCAB`] (256 bytes and [`EOT`]). Called where text goes through it (the corpus of a
+    /// training run, a text file given to `longctx eval`), not for every recipe: ids read from a file, or made by
+    /// a pretrained model's tokenizer, are the model's own and are checked against its vocabulary where they are
+    /// used.
+    ///
+    /// Errors: [`TrainError::InvalidField`] naming `model.vocab`, for the byte tokenizer and a smaller vocabulary.
+    pub fn check_vocab(&self, vocab: usize) -> Result<()> {
+        match self {
+            TextTokenizer::Bytes if vocab < BYTE_VOCAB => Err(TrainError::InvalidField {
+                field: "model.vocab".into(),
+                detail: format!(
+                    "{vocab} is below the byte tokenizer's {BYTE_VOCAB} tokens, which read this text (no pretrained \
+                     tokenizer was given)"
+                ),
+            }),
+            _ => Ok(()),
+        }
+    }
+
     /// The end-of-document token.
     pub fn eot(&self) -> u32 {
         match self {
@@ -252,6 +272,17 @@ fn stride(windows: u64) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_byte_tokenizer_needs_its_257_tokens_in_the_model() {
+        let e = TextTokenizer::Bytes.check_vocab(BYTE_VOCAB - 1).unwrap_err();
+        assert!(
+            matches!(&e, TrainError::InvalidField { field, detail } if field == "model.vocab"
+                && detail.contains("256 is below the byte tokenizer's 257 tokens")),
+            "{e}"
+        );
+        TextTokenizer::Bytes.check_vocab(BYTE_VOCAB).unwrap();
+    }
 
     #[test]
     fn an_epoch_visits_every_window_once() {

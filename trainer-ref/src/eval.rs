@@ -8,7 +8,7 @@ use longctx_p2p::{ReduceOp, ThreadWorld};
 use longctx_ring_attn::{ContextParallel, CpConfig};
 
 use crate::checkpoint::{self, LoadedTensor};
-use crate::data::{encode, Sequence, EOT};
+use crate::data::{encode, Sequence, TextTokenizer, EOT};
 use crate::device::Device;
 use crate::error::{Result, TrainError};
 use crate::hf::HfCheckpoint;
@@ -45,6 +45,21 @@ pub fn read_tokens_with(path: &Path, tokenizer: Option<&tokenizers::Tokenizer>) 
         detail: e.to_string(),
     })?;
     Ok(enc.get_ids().to_vec())
+}
+
+/// Reads token ids for the trainer checkpoint `ck` as its run read text: a `.npy` of ids as they are, any other
+/// file through the tokenizer the run saved or, without one, the byte tokenizer, whose 257 tokens the model's
+/// vocabulary must then hold (the ids are checked against the vocabulary when evaluated).
+///
+/// Errors: the file cannot be read; [`TrainError::InvalidField`] naming `model.vocab` for text through bytes
+/// and a smaller vocabulary.
+pub fn read_checkpoint_tokens(ck: &checkpoint::Checkpoint, path: &Path) -> Result<Vec<u32>> {
+    let tokenizer = ck.tokenizer.as_ref().map(|t| &t.tokenizer);
+    let is_text = path.extension().is_none_or(|e| e != "npy");
+    if is_text && tokenizer.is_none() {
+        TextTokenizer::Bytes.check_vocab(checkpoint_recipe(ck)?.model.vocab)?;
+    }
+    read_tokens_with(path, tokenizer)
 }
 
 /// The recipe a checkpoint was trained with (from its `state.json`).
@@ -123,10 +138,9 @@ pub fn evaluate_tensors(
     recipe.parallel.dp = 1;
     recipe.train.seq_len = seq;
     recipe.train.batch = 1;
-    // Token ids, not text for the byte tokenizer: a vocabulary below its 257 tokens is fine (a pretrained
-    // model's, read with its own tokenizer or from a `.npy`); the ids are checked against it below. Text a
-    // trainer checkpoint reads through bytes met the byte rule when its recipe was read (`checkpoint_recipe`).
-    recipe.validate_for_token_ids()?;
+    // Token ids: whatever made them (a `.npy`, a tokenizer), they are checked against the model's vocabulary
+    // below, which may be smaller than the byte tokenizer's (checked where text goes through it).
+    recipe.validate()?;
     let shapes = param_shapes(&recipe.model);
     if shapes.len() != tensors.len() || shapes.iter().zip(tensors).any(|((n, d), t)| *n != t.name || *d != t.dims) {
         return Err(TrainError::InvalidArgument {
@@ -194,4 +208,40 @@ fn window(t: &[u32]) -> Sequence {
         }
     }
     Sequence { inputs: t[..n].to_vec(), targets: t[1..].iter().map(|&x| x as i64).collect(), docs }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A trainer checkpoint of a model whose vocabulary is below the byte tokenizer's (a pretrained model's,
+    /// say), without a saved tokenizer: its recipe reads, a `.npy` of ids needs no tokenizer, and text, which
+    /// would go through bytes, is refused naming the byte tokenizer.
+    #[test]
+    fn a_small_vocabulary_refuses_text_through_bytes_but_not_ids() {
+        let recipe = Recipe::load("tiny-llama", &["model.vocab=200".into()]).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let ck = checkpoint::Checkpoint {
+            dir: dir.path().to_path_buf(),
+            step: 1,
+            model: Vec::new(),
+            optim: Vec::new(),
+            state: serde_json::json!({ "recipe": recipe.to_toml() }),
+            tokenizer: None,
+        };
+        assert_eq!(checkpoint_recipe(&ck).unwrap().model.vocab, 200);
+
+        let npy = dir.path().join("ids.npy");
+        crate::npy::write_token_ids(&npy, &[1, 199, 0]).unwrap();
+        assert_eq!(read_checkpoint_tokens(&ck, &npy).unwrap(), vec![1, 199, 0]);
+
+        let txt = dir.path().join("text.txt");
+        std::fs::write(&txt, "plain ASCII, every byte below 200").unwrap();
+        let e = read_checkpoint_tokens(&ck, &txt).unwrap_err();
+        assert!(
+            matches!(&e, TrainError::InvalidField { field, detail } if field == "model.vocab"
+                && detail.contains("200 is below the byte tokenizer's 257 tokens")),
+            "{e}"
+        );
+    }
 }

@@ -289,8 +289,7 @@ fn run(cli: Cli) -> Result<()> {
                 (Some(dir), None) => {
                     let ck = longctx_trainer::checkpoint::load(&dir)?;
                     // Text as the run read its corpus: its saved tokenizer, else bytes.
-                    let tokenizer = ck.tokenizer.as_ref().map(|t| &t.tokenizer);
-                    eval::evaluate_checkpoint_on(&ck, &eval::read_tokens_with(&tokens, tokenizer)?, seq, cp, device)?
+                    eval::evaluate_checkpoint_on(&ck, &eval::read_checkpoint_tokens(&ck, &tokens)?, seq, cp, device)?
                 }
                 (None, None) => {
                     return Err(TrainError::InvalidOption {

@@ -10,7 +10,6 @@ use std::path::Path;
 use longctx_kernels::{RopeConfig, RopeScaling};
 use serde::{Deserialize, Serialize};
 
-use crate::data::BYTE_VOCAB;
 use crate::device::Device;
 use crate::error::{Result, TrainError};
 pub use crate::rope_scaling::RopeScalingConfig;
@@ -75,7 +74,7 @@ pub struct ModelConfig {
     pub head_dim: Option<usize>,
     /// SwiGLU hidden width `F`.
     pub ffn: usize,
-    /// Vocabulary (257 for the byte tokenizer: 256 bytes and the end-of-document token).
+    /// Vocabulary (at least 257 for text read by the byte tokenizer: 256 bytes and the end-of-document token).
     pub vocab: usize,
     /// RoPE base θ.
     pub rope_theta: f64,
@@ -445,22 +444,11 @@ impl Recipe {
         toml::to_string(self).unwrap_or_else(|e| format!("# cannot print the recipe: {e}"))
     }
 
-    /// Checks every value before any work starts; each error names the field. The vocabulary must hold the byte
-    /// tokenizer's 257 tokens, which read the corpus (and a trainer checkpoint's text) unless a pretrained
-    /// tokenizer does.
+    /// Checks every value before any work starts; each error names the field. The vocabulary needs one token:
+    /// which ids it must hold depends on where they come from, and is checked there (the byte tokenizer's 257
+    /// where text goes through it, [`TextTokenizer::check_vocab`](crate::data::TextTokenizer::check_vocab); ids
+    /// from a file against the vocabulary itself, in [`crate::eval`]).
     pub fn validate(&self) -> Result<()> {
-        self.check(true)
-    }
-
-    /// [`Recipe::validate`] for a model given token ids rather than text for the byte tokenizer (a `.npy` of ids,
-    /// or a pretrained checkpoint's text through its own tokenizer): any vocabulary of at least one token, the
-    /// ids being checked against it where they are read.
-    pub fn validate_for_token_ids(&self) -> Result<()> {
-        self.check(false)
-    }
-
-    /// The checks of [`Recipe::validate`], the byte tokenizer's vocabulary among them when `byte_tokens`.
-    fn check(&self, byte_tokens: bool) -> Result<()> {
         let m = &self.model;
         let t = &self.train;
         let p = &self.parallel;
@@ -484,9 +472,6 @@ impl Recipe {
             if v == 0 {
                 return Err(bad(f, "must be at least 1"));
             }
-        }
-        if byte_tokens && m.vocab < BYTE_VOCAB {
-            return Err(bad("model.vocab", format!("{} is below the byte tokenizer's {BYTE_VOCAB} tokens", m.vocab)));
         }
         if m.vocab == 0 {
             return Err(bad("model.vocab", "must be at least 1"));
@@ -713,6 +698,18 @@ mod tests {
         let r = Recipe::load("tiny-llama", &["train.steps=3".into(), "model.layers=1".into(), "parallel.cp=2".into()])
             .unwrap();
         assert_eq!((r.train.steps, r.model.layers, r.parallel.cp), (3, 1, 2));
+    }
+
+    /// The byte tokenizer's 257 tokens are checked where text goes through it, not here: a recipe (a trainer
+    /// checkpoint's, say) for a pretrained model of a smaller vocabulary, read with its own tokenizer or given
+    /// ids, is a recipe like any other.
+    #[test]
+    fn a_vocabulary_below_the_byte_tokenizers_is_a_valid_recipe() {
+        let r = Recipe::load("tiny-llama", &["model.vocab=200".into()]).unwrap();
+        assert_eq!(r.model.vocab, 200);
+        Recipe::parse("checkpoint", &r.to_toml(), &[]).unwrap();
+        let e = Recipe::load("tiny-llama", &["model.vocab=0".into()]).unwrap_err().to_string();
+        assert!(e.contains("model.vocab") && e.contains("at least 1"), "{e}");
     }
 
     #[test]

@@ -1049,7 +1049,7 @@ fn eval_command_prints_the_loss_at_any_cp() {
 /// `longctx eval --init-from DIR --tokens ids.npy` needs no tokenizer, so it takes a checkpoint whose vocabulary
 /// is below the byte tokenizer's 257 tokens (the Llama fixture cut to 200, without its tokenizer.json); the ids
 /// are checked against the model's vocabulary instead, the first out of range named with its position. The byte
-/// tokenizer's rule stays where text goes through it (a recipe for the byte-level corpus).
+/// tokenizer's rule is checked where text goes through it (a run on the byte-level corpus).
 #[test]
 fn eval_of_token_ids_checks_them_against_the_models_vocabulary() {
     let vocab = 200;
@@ -1097,8 +1097,18 @@ fn eval_of_token_ids_checks_them_against_the_models_vocabulary() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && stderr.contains(&e.to_string()), "{stderr}");
 
-    let e = Recipe::load("tiny-llama", &["model.vocab=200".into()]).unwrap_err().to_string();
-    assert!(e.contains("model.vocab") && e.contains("byte tokenizer's 257 tokens"), "{e}");
+    // The byte tokenizer's rule is where text goes through it: training on the byte-level corpus, refused before
+    // the run writes anything.
+    let recipe = Recipe::load("tiny-llama", &["model.vocab=200".into()]).unwrap();
+    let out = files.join("byte-run");
+    let opts = RunOptions { out: out.clone(), resume: false, quiet: true, stop_at: None };
+    let e = train(&recipe, &opts).unwrap_err();
+    assert!(
+        matches!(&e, TrainError::InvalidField { field, detail } if field == "model.vocab"
+            && detail.contains("byte tokenizer's 257 tokens")),
+        "{e}"
+    );
+    assert!(!out.exists(), "a refused run wrote {}", out.display());
 }
 
 /// `ids` as a one-dimensional little-endian int64 `.npy` (what `read_tokens` reads).

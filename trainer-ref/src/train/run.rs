@@ -100,6 +100,7 @@ pub fn train_from(recipe: &Recipe, opts: &RunOptions, init: Option<&HfCheckpoint
         None => None,
     };
     let tokenizer = saved.as_ref().map_or(TextTokenizer::Bytes, checkpoint::SavedTokenizer::text_tokenizer);
+    tokenizer.check_vocab(recipe.model.vocab)?;
     if init.is_some() && saved.is_none() {
         eprintln!("note: the checkpoint has no tokenizer (or no eos_token_id): the corpus is read as byte tokens");
     }

@@ -20,9 +20,8 @@ use super::{as_f32_mut, store, F32In, Scratch};
 use crate::dtype::Element;
 
 /// Rows of an output tile at most: each tile's `gemm` call packs its slice of `B` (a weight, for the linear
-/// layer) again, so taller tiles pack it less often; 512 rather than 128 took the bench model's forward products
-/// from 140–165 to 170–185 GFLOP/s at 4K–16K tokens on 2 cores (`linear_bench`), and a 2048 → 8192 layer from
-/// 125 to 140–170.
+/// layer) again, so taller tiles pack it less often (the `linear_bench` runs behind 512:
+/// `bench/log/comment-history-2026-12-05.md`).
 const TILE_M: usize = 512;
 const TILE_N: usize = 256;
 /// Fewer tiles than this leave a thread idle for most of a product (a `[128, 256]` weight gradient over
@@ -31,7 +30,7 @@ const TILE_N: usize = 256;
 const MIN_TILES: usize = 16;
 const MIN_TILE_M: usize = 32;
 /// Chunks of a split reduction ([`gemm_f32_split_k`]): enough to keep every thread of a small machine busy;
-/// more cost partials' memory and their summing (16 were slower than 8 at 16K tokens and took twice the memory).
+/// more cost partials' memory and their summing.
 const K_CHUNKS: usize = 8;
 /// The shortest chunk of a split reduction: long enough that a chunk's packing of its operands stays small
 /// against its multiply-adds.
@@ -140,10 +139,10 @@ pub(crate) fn gemm_f32(m: usize, n: usize, k: usize, c: &mut [f32], a: Strided, 
 /// `c[M,N] (+)= a[M,K] · b[K,N]` for a long reduction over a small output (a weight gradient, `K` the tokens):
 /// `K` cut into chunks (their count and length a function of the shape alone), each chunk's product of the
 /// whole output one single-threaded `gemm` call into a partial of its own, the chunks in parallel, then the
-/// partials summed in chunk order. Cut by output tiles instead ([`gemm_f32`]), every tile repacks its slice of
-/// `b` over the whole `K` (the layer's input, once per tile row), which cost weight gradients 10–35% of their
-/// speed against the forward's products. Falls back to [`gemm_f32`] when the reduction is too short to cut
-/// into [`K_CHUNKS`] chunks of [`K_CHUNK_MIN`] or the partials would outgrow [`SPLIT_K_MAX_BYTES`].
+/// partials summed in chunk order. Cut by output tiles instead ([`gemm_f32`]), every tile would repack its slice
+/// of `b` over the whole `K` (the layer's input, once per tile row). Falls back to [`gemm_f32`] when the
+/// reduction is too short to cut into [`K_CHUNKS`] chunks of [`K_CHUNK_MIN`] or the partials would outgrow
+/// [`SPLIT_K_MAX_BYTES`].
 pub(crate) fn gemm_f32_split_k(m: usize, n: usize, k: usize, c: &mut [f32], a: Strided, b: Strided, accumulate: bool) {
     if k < K_CHUNKS * K_CHUNK_MIN || K_CHUNKS.saturating_mul(4 * m).saturating_mul(n) > SPLIT_K_MAX_BYTES {
         return gemm_f32(m, n, k, c, a, b, accumulate);
