@@ -5,7 +5,7 @@
 //! same moment on every rank so the machine is equally loaded), the exposed communication (the difference),
 //! the work imbalance between ranks (those blocks timed one rank at a time on every core of the machine, block
 //! by block in turns, with the other ranks idle; their CPU time in the concurrent run; and visible (query, key)
-//! pairs), the bytes each rank sent and each rank's peak heap. Then it predicts,
+//! pairs), the bytes each rank sent and each rank's share of the process's peak heap. Then it predicts,
 //! from the measured compute rate and a stated link bandwidth, the exposed communication at 8 and 32 ranks.
 //!
 //! ```text
@@ -40,7 +40,6 @@
 //! ```
 
 use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::Cell;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -54,39 +53,29 @@ use longctx_ring_attn::{
     SeqLayout, View, ViewMut,
 };
 
-const MAX_RANKS: usize = 64;
+// Heap bytes of the whole process: the ranks are threads that share the CPU backend's cache of large buffers, which
+// hands a buffer one rank freed to the next that asks, so bytes cannot be told apart by rank; a rank's share of the
+// process's peak is the figure printed.
+static LIVE: AtomicUsize = AtomicUsize::new(0);
+static PEAK: AtomicUsize = AtomicUsize::new(0);
 
-thread_local! {
-    /// The rank a thread works for (its rank thread and its kernel pool's threads), for per-rank heap counts.
-    static RANK: Cell<usize> = const { Cell::new(MAX_RANKS) };
-}
-static LIVE: [AtomicUsize; MAX_RANKS + 1] = [const { AtomicUsize::new(0) }; MAX_RANKS + 1];
-static PEAK: [AtomicUsize; MAX_RANKS + 1] = [const { AtomicUsize::new(0) }; MAX_RANKS + 1];
-
-fn rank_slot() -> usize {
-    RANK.try_with(|r| r.get()).unwrap_or(MAX_RANKS)
-}
-
-/// Heap bytes by the rank of the allocating thread (memory freed by another rank's thread is credited back
-/// to that one; the ring passes no heap buffers between ranks, so the counts stay per rank).
-struct PerRank;
-unsafe impl GlobalAlloc for PerRank {
+struct Counting;
+unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, l: Layout) -> *mut u8 {
         let p = System.alloc(l);
         if !p.is_null() {
-            let s = rank_slot();
-            let now = LIVE[s].fetch_add(l.size(), Ordering::Relaxed) + l.size();
-            PEAK[s].fetch_max(now, Ordering::Relaxed);
+            let now = LIVE.fetch_add(l.size(), Ordering::Relaxed) + l.size();
+            PEAK.fetch_max(now, Ordering::Relaxed);
         }
         p
     }
     unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        LIVE[rank_slot()].fetch_sub(l.size(), Ordering::Relaxed);
+        LIVE.fetch_sub(l.size(), Ordering::Relaxed);
         System.dealloc(p, l)
     }
 }
 #[global_allocator]
-static ALLOC: PerRank = PerRank;
+static ALLOC: Counting = Counting;
 
 fn arg_list(args: &[String], name: &str, default: &[usize]) -> Vec<usize> {
     match args.iter().position(|a| a == name) {
@@ -274,14 +263,7 @@ fn run_rank(comm: &Arc<Communicator>, job: &Job) -> RankResult {
     let Job { s, cp, threads, alone_reps, alone_pool, compute_only, hq, hkv, d, ref layout } = *job;
     let shape = CpShape { batch: 1, q_heads: hq, kv_heads: hkv, seq_len: s, head_dim: d, dtype: DType::Bf16 };
     let r = comm.rank();
-    RANK.with(|c| c.set(r));
-    let pool = Arc::new(
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .start_handler(move |_| RANK.with(|c| c.set(r)))
-            .build()
-            .expect("thread pool"),
-    );
+    let pool = Arc::new(rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("thread pool"));
     let backend: Arc<dyn Backend> = Arc::new(CpuBackend::with_pool(pool.clone()));
     let cpa = ContextParallel::new(comm.clone(), backend, CpConfig::default()).expect("config");
     let mut plan = cpa.plan(&shape, &CpMask::causal()).expect("plan");
@@ -294,7 +276,8 @@ fn run_rank(comm: &Arc<Communicator>, job: &Job) -> RankResult {
     let mut o = vec![bf16::ZERO; q.len()];
     let mut lse = vec![0f32; hq * l];
     let (mut dq, mut dk, mut dv) = (vec![bf16::ZERO; q.len()], vec![bf16::ZERO; k.len()], vec![bf16::ZERO; k.len()]);
-    PEAK[r].store(LIVE[r].load(Ordering::Relaxed), Ordering::Relaxed);
+    // Every rank sets the same mark before the barrier: the timed region's peak starts from what is live then.
+    PEAK.store(LIVE.load(Ordering::Relaxed), Ordering::Relaxed);
     comm.barrier().expect("barrier");
     let t = Instant::now();
     let qkv = Qkv::new(view(&q, qd), view(&k, kd), view(&v, kd));
@@ -312,7 +295,7 @@ fn run_rank(comm: &Arc<Communicator>, job: &Job) -> RankResult {
     let saved = AttnSaved { qkv, o: view(&o, qd), lse: View::new(&lse, ld).expect("dims") };
     let rb = plan.backward(grads, view(&d_o, qd), saved).expect("backward");
     let bwd = t.elapsed();
-    let peak = PEAK[r].load(Ordering::Relaxed);
+    let peak = PEAK.load(Ordering::Relaxed) / cp;
     // The same blocks, no communication: every rank at once, so the load matches the real run.
     comm.barrier().expect("barrier");
     let positions: Vec<Vec<i64>> = layout.all_positions();
