@@ -261,7 +261,7 @@ pub struct ParallelConfig {
     #[serde(default = "one")]
     pub pp: usize,
     /// Where every rank computes: `cpu` (default), `cuda:N`, the GPU of ordinal N (a build with the `cuda`
-    /// feature), or `cuda-emulated`, the CUDA path on its host emulator (see [`Device`](crate::device::Device)).
+    /// feature), or `cuda-emulated`, the CUDA path on its host emulator (see [`crate::device::Device`]).
     /// `--device` overrides it; [`Recipe::device`] reads it.
     #[serde(default = "default_backend")]
     pub backend: String,
