@@ -55,7 +55,7 @@ use crate::sync::lock;
 pub(crate) const DEPTH: usize = 8;
 
 /// Low two bits of a post's `claim` word: who decided the message's fate. [`GONE`] is or-ed into a withdrawal by
-/// a rank that is going away (unwinding). The stamp of the message is above the three bits ([`CLAIM_SHIFT`]).
+/// a rank that is going away (unwinding, or cancelling the rest of an operation that failed). The stamp of the message is above the three bits ([`CLAIM_SHIFT`]).
 pub(super) const CLAIMED: u64 = 1;
 pub(super) const SENDER_CANCELLED: u64 = 2;
 pub(super) const RECEIVER_CANCELLED: u64 = 3;

@@ -325,8 +325,10 @@ impl ExchangeOp {
             return;
         }
         let ours = if self.is_send { SENDER_CANCELLED } else { RECEIVER_CANCELLED };
-        let gone = if std::thread::panicking() { GONE } else { 0 };
-        let found = match self.ch.withdraw(self.slot, self.stamp, ours | gone) {
+        // Only a rank giving up gets here: unwinding, or cancelling the rest of an operation that failed (one of
+        // its other messages met a failed peer). Either way it is on its way out with a reason, so the peer is told
+        // it went away and waits for that reason; a withdrawal without the mark reads as the peer's own timeout.
+        let found = match self.ch.withdraw(self.slot, self.stamp, ours | GONE) {
             Ok(()) => Found::Err(CommError::Timeout { op: self.op_name(), peer: self.peer, after: Duration::ZERO }),
             Err(CLAIMED) => self.wait_found(None),
             Err(w) => Found::Err(self.withdrawn_by_peer(w)),
