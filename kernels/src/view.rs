@@ -282,6 +282,18 @@ fn check_numel(len: usize, dims: &Dims) -> Result<()> {
     }
 }
 
+fn bytes_error(e: bytemuck::PodCastError) -> KernelError {
+    KernelError::InvalidArgument { name: "bytes", why: format!("not whole elements aligned for their type ({e:?})") }
+}
+
+fn cast_bytes<T: bytemuck::Pod>(bytes: &[u8]) -> Result<&[T]> {
+    bytemuck::try_cast_slice(bytes).map_err(bytes_error)
+}
+
+fn cast_bytes_mut<T: bytemuck::Pod>(bytes: &mut [u8]) -> Result<&mut [T]> {
+    bytemuck::try_cast_slice_mut(bytes).map_err(bytes_error)
+}
+
 impl<'a> View<'a> {
     /// Host elements of `f32`, `bf16` or `f16` with dims whose product is their length.
     pub fn new<T: Element>(data: &'a [T], dims: impl IntoDims) -> Result<Self> {
@@ -292,6 +304,16 @@ impl<'a> View<'a> {
         let dims = dims.into_dims()?;
         check_numel(data.len(), &dims)?;
         Ok(Self { data: Data::Host(data), dims })
+    }
+    /// Host bytes read as elements of `dtype` with dims (a message, a staging buffer): [`KernelError::InvalidArgument`]
+    /// naming `bytes` when they are not whole elements aligned for `dtype`.
+    pub fn from_host_bytes(bytes: &'a [u8], dtype: DType, dims: impl IntoDims) -> Result<Self> {
+        let data = match dtype {
+            DType::F32 => HostSlice::F32(cast_bytes(bytes)?),
+            DType::Bf16 => HostSlice::Bf16(cast_bytes(bytes)?),
+            DType::F16 => HostSlice::F16(cast_bytes(bytes)?),
+        };
+        Self::host(data, dims)
     }
     /// A device slice with dims.
     pub fn device(data: DeviceSlice<'a>, dims: impl IntoDims) -> Result<Self> {
@@ -399,6 +421,15 @@ impl<'a> ViewMut<'a> {
         let dims = dims.into_dims()?;
         check_numel(data.len(), &dims)?;
         Ok(Self { data: DataMut::Host(data), dims })
+    }
+    /// Writable host bytes as elements of `dtype` with dims (see [`View::from_host_bytes`]).
+    pub fn from_host_bytes(bytes: &'a mut [u8], dtype: DType, dims: impl IntoDims) -> Result<Self> {
+        let data = match dtype {
+            DType::F32 => HostSliceMut::F32(cast_bytes_mut(bytes)?),
+            DType::Bf16 => HostSliceMut::Bf16(cast_bytes_mut(bytes)?),
+            DType::F16 => HostSliceMut::F16(cast_bytes_mut(bytes)?),
+        };
+        Self::host(data, dims)
     }
     /// A writable device slice with dims.
     pub fn device(data: DeviceSliceMut<'a>, dims: impl IntoDims) -> Result<Self> {
@@ -602,3 +633,25 @@ macro_rules! from_slices {
     )*};
 }
 from_slices!(f32, bf16, f16);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_bytes_are_read_as_aligned_whole_elements() {
+        let words = [1.5f32, -2.0, 0.25, 8.0];
+        let bytes: &[u8] = bytemuck::cast_slice(&words);
+        let v = View::from_host_bytes(bytes, DType::F32, [2, 2]).unwrap();
+        assert!(matches!(v.raw_bytes(), RawBytes::Host(b) if b == bytes));
+        assert_eq!(View::from_host_bytes(bytes, DType::Bf16, [8]).unwrap().dims(), &[8]);
+        for (bad, dtype) in [(&bytes[1..5], DType::F32), (&bytes[..7], DType::F16)] {
+            let e = View::from_host_bytes(bad, dtype, [1]).unwrap_err();
+            assert!(matches!(e, KernelError::InvalidArgument { name: "bytes", .. }), "{e}");
+        }
+        assert!(matches!(View::from_host_bytes(bytes, DType::F32, [3]), Err(KernelError::Shape(_))));
+        let mut out = [0u16; 4];
+        let w = ViewMut::from_host_bytes(bytemuck::cast_slice_mut(&mut out), DType::F16, [4]).unwrap();
+        assert_eq!(w.dims(), &[4]);
+    }
+}

@@ -45,7 +45,8 @@ pub trait DeviceBuffer: Any + Send + fmt::Debug {
 /// Copies between one device's memory and host memory for the engine's workers (see the module docs).
 ///
 /// Called from the worker threads, several at once: an implementation must be `Sync` and order each copy
-/// after the work that produced its source.
+/// after the work that produced its source. The host bytes the engine hands it (a pool buffer, or a staging
+/// buffer for the disk tier) are aligned to 8 bytes at least, so they can be read as elements of any [`DType`].
 pub trait DeviceCopier: Send + Sync + fmt::Debug {
     /// Copies all of `src` into `dst` (`dst.len() == src.size_bytes()`) and returns once `dst` holds the bytes.
     fn download(&self, src: &dyn DeviceBuffer, dst: &mut [u8]) -> io::Result<()>;

@@ -112,7 +112,7 @@ fn execute(job: Job, staging: &mut file::Staging, copier: Option<&dyn DeviceCopi
                         Payload::Device(d) => match d.host_bytes() {
                             Some(in_place) => file::write(&path, mode, &tag, dtype, in_place, staging),
                             None => download_staged(copier, &tag, &**d)
-                                .and_then(|staged| file::write(&path, mode, &tag, dtype, &staged, staging)),
+                                .and_then(|staged| file::write(&path, mode, &tag, dtype, staged.bytes(), staging)),
                         },
                     };
                     written.map(|()| Landed::Disk(path)).map_err(|e| (Tier::Disk, e))
@@ -166,10 +166,10 @@ fn download_staged(
     copier: Option<&dyn DeviceCopier>,
     tag: &TensorTag,
     d: &dyn DeviceBuffer,
-) -> Result<Vec<u8>, OffloadError> {
+) -> Result<Staged, OffloadError> {
     let c = device(copier, tag)?;
-    let mut staged = vec![0u8; d.size_bytes()];
-    c.download(d, &mut staged).map_err(|source| OffloadError::DeviceCopy { tensor: tag.clone(), source })?;
+    let mut staged = Staged::new(d.size_bytes());
+    c.download(d, staged.bytes_mut()).map_err(|source| OffloadError::DeviceCopy { tensor: tag.clone(), source })?;
     Ok(staged)
 }
 
@@ -196,11 +196,32 @@ fn read_to_device(
         Source::Disk { path, mode } => match dst.host_bytes_mut() {
             Some(in_place) => file::read(path, *mode, tag, dtype, as_unfilled(in_place), staging)?,
             None => {
-                let mut staged = vec![0u8; bytes];
-                file::read(path, *mode, tag, dtype, as_unfilled(&mut staged), staging)?;
-                c.upload(&staged, &mut *dst).map_err(copy_err)?;
+                let mut staged = Staged::new(bytes);
+                file::read(path, *mode, tag, dtype, as_unfilled(staged.bytes_mut()), staging)?;
+                c.upload(staged.bytes(), &mut *dst).map_err(copy_err)?;
             }
         },
     }
     Ok(dst)
+}
+
+/// A host buffer for a device tensor on its way to or from a spill file, aligned for any element type (the
+/// [`DeviceCopier`] contract: every buffer the engine hands a copier is).
+struct Staged {
+    words: Vec<u64>,
+    len: usize,
+}
+
+impl Staged {
+    fn new(len: usize) -> Self {
+        Self { words: vec![0; len.div_ceil(8)], len }
+    }
+
+    fn bytes(&self) -> &[u8] {
+        &bytemuck::cast_slice(&self.words)[..self.len]
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut bytemuck::cast_slice_mut(&mut self.words)[..self.len]
+    }
 }

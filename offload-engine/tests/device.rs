@@ -82,6 +82,7 @@ impl DeviceCopier for FakeDevice {
             return Err(io::Error::other("device lost"));
         }
         let src = (src as &dyn std::any::Any).downcast_ref::<FakeBuf>().expect("one of this device's buffers");
+        assert_eq!(dst.as_ptr() as usize % 8, 0, "the engine hands a copier aligned host bytes");
         dst.copy_from_slice(&src.bytes);
         self.counts.downloads.fetch_add(1, Ordering::SeqCst);
         Ok(())
@@ -97,6 +98,7 @@ impl DeviceCopier for FakeDevice {
             return Err(io::Error::other("out of device memory"));
         }
         let dst = (dst as &mut dyn std::any::Any).downcast_mut::<FakeBuf>().expect("one of this device's buffers");
+        assert_eq!(src.as_ptr() as usize % 8, 0, "the engine hands a copier aligned host bytes");
         dst.bytes.copy_from_slice(src);
         self.counts.uploads.fetch_add(1, Ordering::SeqCst);
         Ok(())

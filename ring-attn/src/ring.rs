@@ -110,8 +110,9 @@ fn order(first: &dyn Backend, later: &dyn Backend) -> Result<()> {
     Ok(later.wait_event(&first.record_event()?)?)
 }
 
-/// Finishes every request, returning the first error (the others are still finished).
-fn wait_all(reqs: Vec<BytesRequest<'_>>) -> Result<()> {
+/// Finishes every request, returning the first error (the others are still finished); then the compute queue
+/// waits for what the transfer queue wrote.
+fn wait_all(reqs: Vec<BytesRequest<'_>>, xfer: &dyn Backend, compute: &dyn Backend) -> Result<()> {
     let mut first = Ok(());
     for r in reqs {
         let done = r.wait();
@@ -119,7 +120,8 @@ fn wait_all(reqs: Vec<BytesRequest<'_>>) -> Result<()> {
             first = done;
         }
     }
-    Ok(first?)
+    first?;
+    order(xfer, compute)
 }
 
 /// Ring forward: `out.o` (`f32`, `[B, Hq, L, D]`) and `out.lse` receive this rank's rows of full attention.
@@ -183,8 +185,7 @@ pub(crate) fn ring_forward(
             }
             rep.compute += t.elapsed();
             let t = Instant::now();
-            wait_all(reqs)?;
-            order(&*xfer, b)?;
+            wait_all(reqs, &*xfer, b)?;
             rep.comm_wait += t.elapsed();
             Ok(())
         })?;
@@ -268,8 +269,7 @@ pub(crate) fn ring_backward(
             }
             rep.compute += t.elapsed();
             let t = Instant::now();
-            wait_all(reqs)?;
-            order(&*xfer, b)?;
+            wait_all(reqs, &*xfer, b)?;
             rep.comm_wait += t.elapsed();
             Ok(())
         })?;
@@ -291,9 +291,8 @@ pub(crate) fn ring_backward(
     comm.scope(|sc| -> Result<()> {
         let send = sc.isend_bytes(next, TAG_DKV, bytes(acc_out.view(&acc_dims)?, &copy))?;
         let recv = sc.irecv_bytes(prev, TAG_DKV, bytes_mut(acc_in.view_mut(&acc_dims)?, &copy))?;
-        wait_all(vec![recv, send])
+        wait_all(vec![recv, send], &*xfer, b)
     })?;
-    order(&*xfer, b)?;
     rep.comm_wait += t.elapsed();
     let (dk_all, dv_all) = acc_in.halves(&kd)?;
     b.copy(dk, dk_all)?;

@@ -44,15 +44,15 @@ impl DeviceCopy for BackendCopy<'_> {
         // that asks for them (see `bytes`).
         let src = unsafe { DeviceSlice::new(src, n, dtype, self.0.memory()) };
         let src = View::device(src, [n]).map_err(|e| e.to_string())?;
-        let mut words = vec![0u32; len.div_ceil(4)];
-        let host: &mut [u8] = bytemuck::cast_slice_mut(&mut words);
-        let host = &mut host[..len];
-        let dst_view = match dtype {
-            DType::F32 => ViewMut::new(bytemuck::cast_slice_mut::<u8, f32>(host), [n]),
-            _ => ViewMut::new(bytemuck::cast_slice_mut::<u8, half::f16>(host), [n]),
+        // Straight into the communicator's buffer when it is aligned for the elements (the allocator's alignment
+        // makes it so in practice), else through an aligned one.
+        if let Ok(direct) = ViewMut::from_host_bytes(dst, dtype, [n]) {
+            return self.0.download(direct, src).map_err(|e| e.to_string());
         }
-        .map_err(|e| e.to_string())?;
-        self.0.download(dst_view, src).map_err(|e| e.to_string())?;
+        let mut words = vec![0u32; len.div_ceil(4)];
+        let host = &mut bytemuck::cast_slice_mut::<u32, u8>(&mut words)[..len];
+        let staged = ViewMut::from_host_bytes(host, dtype, [n]).map_err(|e| e.to_string())?;
+        self.0.download(staged, src).map_err(|e| e.to_string())?;
         dst.copy_from_slice(host);
         Ok(())
     }
@@ -63,16 +63,17 @@ impl DeviceCopy for BackendCopy<'_> {
         // SAFETY: as in `download`; the receive that asks holds the view mutably.
         let dst = unsafe { DeviceSliceMut::new(dst, n, dtype, self.0.memory()) };
         let dst = ViewMut::device(dst, [n]).map_err(|e| e.to_string())?;
-        let mut words = vec![0u32; len.div_ceil(4)];
-        let host: &mut [u8] = bytemuck::cast_slice_mut(&mut words);
-        host[..len].copy_from_slice(src);
-        let host = &host[..len];
-        let src_view = match dtype {
-            DType::F32 => View::new(bytemuck::cast_slice::<u8, f32>(host), [n]),
-            _ => View::new(bytemuck::cast_slice::<u8, half::f16>(host), [n]),
-        }
-        .map_err(|e| e.to_string())?;
-        self.0.upload(dst, src_view).map_err(|e| e.to_string())?;
+        let mut words = Vec::new();
+        let src = match View::from_host_bytes(src, dtype, [n]) {
+            Ok(direct) => direct,
+            Err(_) => {
+                words.resize(len.div_ceil(4), 0u32);
+                let host = &mut bytemuck::cast_slice_mut::<u32, u8>(&mut words)[..len];
+                host.copy_from_slice(src);
+                View::from_host_bytes(host, dtype, [n]).map_err(|e| e.to_string())?
+            }
+        };
+        self.0.upload(dst, src).map_err(|e| e.to_string())?;
         // Upload may be asynchronous; the message's bytes must be in place when the receive finishes.
         self.0.synchronize().map_err(|e| e.to_string())
     }

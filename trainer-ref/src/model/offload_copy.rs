@@ -54,7 +54,7 @@ impl BackendCopier {
 impl DeviceCopier for BackendCopier {
     fn download(&self, src: &dyn DeviceBuffer, dst: &mut [u8]) -> io::Result<()> {
         let src = ours(src)?;
-        let dst = host_view_mut(dst, src.0.dtype(), src.0.dims())?;
+        let dst = ViewMut::from_host_bytes(dst, src.0.dtype(), src.0.dims()).map_err(io::Error::other)?;
         self.backend.download(dst, src.0.view()).map_err(io::Error::other)
     }
 
@@ -66,7 +66,7 @@ impl DeviceCopier for BackendCopier {
 
     fn upload(&self, src: &[u8], dst: &mut dyn DeviceBuffer) -> io::Result<()> {
         let dst = ours_mut(dst)?;
-        let src = host_view(src, dst.0.dtype(), dst.0.dims())?;
+        let src = View::from_host_bytes(src, dst.0.dtype(), dst.0.dims()).map_err(io::Error::other)?;
         self.backend.upload(dst.0.view_mut(), src).map_err(io::Error::other)
     }
 }
@@ -82,28 +82,6 @@ fn ours_mut(b: &mut dyn DeviceBuffer) -> io::Result<&mut BackendBuffer> {
     (b as &mut dyn std::any::Any)
         .downcast_mut::<BackendBuffer>()
         .ok_or_else(|| io::Error::other(format!("not a buffer of this run's backend: {what}")))
-}
-
-/// `bytes` as a host view of `dtype` and `dims` (the engine's buffers are page- or 8-byte-aligned).
-fn host_view<'a>(bytes: &'a [u8], dtype: DType, dims: &[usize]) -> io::Result<View<'a>> {
-    let misaligned = |e| io::Error::other(format!("a host buffer for {dtype} elements: {e}"));
-    let view = match dtype {
-        DType::F32 => View::new(bytemuck::try_cast_slice::<u8, f32>(bytes).map_err(misaligned)?, dims),
-        DType::Bf16 => View::new(bytemuck::try_cast_slice::<u8, half::bf16>(bytes).map_err(misaligned)?, dims),
-        DType::F16 => View::new(bytemuck::try_cast_slice::<u8, half::f16>(bytes).map_err(misaligned)?, dims),
-    };
-    view.map_err(io::Error::other)
-}
-
-/// `bytes` as a writable host view of `dtype` and `dims`.
-fn host_view_mut<'a>(bytes: &'a mut [u8], dtype: DType, dims: &[usize]) -> io::Result<ViewMut<'a>> {
-    let misaligned = |e| io::Error::other(format!("a host buffer for {dtype} elements: {e}"));
-    let view = match dtype {
-        DType::F32 => ViewMut::new(bytemuck::try_cast_slice_mut::<u8, f32>(bytes).map_err(misaligned)?, dims),
-        DType::Bf16 => ViewMut::new(bytemuck::try_cast_slice_mut::<u8, half::bf16>(bytes).map_err(misaligned)?, dims),
-        DType::F16 => ViewMut::new(bytemuck::try_cast_slice_mut::<u8, half::f16>(bytes).map_err(misaligned)?, dims),
-    };
-    view.map_err(io::Error::other)
 }
 
 #[cfg(test)]
@@ -160,14 +138,14 @@ mod tests {
                 }
                 let bits = &bytemuck::cast_slice::<u64, u8>(&bits)[..n];
                 let mut buf = backend.empty(dtype, Dims::new(&dims).unwrap()).unwrap();
-                backend.upload(buf.view_mut(), host_view(bits, dtype, &dims).unwrap()).unwrap();
+                backend.upload(buf.view_mut(), View::from_host_bytes(bits, dtype, dims).unwrap()).unwrap();
                 let t = DeviceTensor::new(Box::new(BackendBuffer(buf)), dtype, dims).unwrap();
                 let ticket = engine.offload(i, "x", t).unwrap();
                 let back = engine.fetch(ticket).unwrap().downcast::<BackendBuffer>().unwrap();
                 assert_eq!((back.0.dims(), back.0.memory()), (&dims[..], backend.memory()), "{what}");
                 let mut got = vec![0u64; n.div_ceil(8)];
                 let got = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut got)[..n];
-                backend.download(host_view_mut(got, dtype, &dims).unwrap(), back.0.view()).unwrap();
+                backend.download(ViewMut::from_host_bytes(got, dtype, dims).unwrap(), back.0.view()).unwrap();
                 assert!(got == bits, "{what}");
             }
         }
