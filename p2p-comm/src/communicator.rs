@@ -196,6 +196,18 @@ impl Communicator {
         Ok(())
     }
 
+    /// Whether this communicator's transport reaches device memory of device `ordinal` itself (in one copy, or
+    /// with no copy of ours: see the [memory module](crate::memory)) rather than staging it through host memory.
+    #[cfg_attr(not(feature = "ucx"), allow(unused_variables))]
+    pub fn reaches_device(&self, ordinal: u32) -> bool {
+        match &self.transport {
+            // The ranks share the process, and with it every device's address space.
+            Transport::Threads(_) => true,
+            #[cfg(feature = "ucx")]
+            Transport::Ucx(ep) => ep.reaches_device(ordinal),
+        }
+    }
+
     /// Posts `op` on the transport.
     ///
     /// # Safety
@@ -221,7 +233,7 @@ impl Communicator {
     /// An [`Op`] with this communicator's timeout.
     pub(crate) fn op(&self, is_send: bool, peer: usize, key: u64, meta: u64, buf: (*mut u8, usize)) -> Op {
         let (ptr, len) = buf;
-        Op { is_send, peer, key, meta, ptr, len, later: false, exchange: false, timeout: self.timeout }
+        Op { is_send, peer, key, meta, ptr, len, device: None, later: false, exchange: false, timeout: self.timeout }
     }
 
     /// Posts a receive and a send (one exchange: both in flight at once) as the two parts of one request.

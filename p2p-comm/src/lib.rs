@@ -29,7 +29,7 @@
 //! # Transports and features
 //!
 //! - threads (always): ranks are threads of one process; each message is copied once, from the send buffer
-//!   straight into the receive buffer; waits honour [`Communicator::timeout`]; a rank whose communicator is
+//!   straight into the receive buffer (in device memory, by the buffer owner's [`DeviceCopy`]); waits honour [`Communicator::timeout`]; a rank whose communicator is
 //!   dropped (or whose thread panics) makes its peers' pending operations fail with [`CommError::PeerGone`]
 //!   (under [`ThreadWorld::run`] a panicking rank's peers get [`CommError::PeerFailed`] with the panic message,
 //!   and under [`ThreadWorld::try_run`] also a rank's returned error).
@@ -40,17 +40,19 @@
 //!   generated at build time from the installed UCX headers (`libucx-dev`, `pkg-config`, libclang). A
 //!   background thread of each process progresses UCX while non-blocking operations are in flight, so a
 //!   transfer posted with `isend`/`irecv`/`isendrecv` moves while the rank computes (`LONGCTX_UCX_PROGRESS=0`
-//!   turns it off; blocking calls progress UCX themselves). `LONGCTX_UCX_PEER_ERRORS=1` turns on UCX's peer
+//!   turns it off; blocking calls progress UCX themselves). A UCX built with CUDA support moves device memory
+//!   itself (the buffer's memory type goes with each message); any other stages it through host memory (see
+//!   [`memory`]). `LONGCTX_UCX_PEER_ERRORS=1` turns on UCX's peer
 //!   error handling: a rank then survives a peer that dies in the middle of a transfer over shared memory
 //!   (UCX 1.13 to 1.21 otherwise abort it; 1.22 does not), at a cost in shared-memory bandwidth.
 //!
 //! # Layout
 //!
-//! Modules depend downwards only: `sync`, `error`, `copy`, `stats`, `reduce`, `hostlist` ← `op` (what a
-//! transport is asked to do), `bootstrap`, `rendezvous` ← `threads/` (refs ← completion, channel ← mailbox ←
-//! world ← mailbox_op, exchange ← endpoint) and `ucx/` (sys ← result ← safe ← mod) ← `pending` ←
-//! `communicator` ← `request`, `owned`, `collectives`, `thread_world` ← `memory` (buffers in any memory, staged
-//! through the host with their owner's copier).
+//! Modules depend downwards only: `sync`, `error`, `copy`, `device_copy`, `stats`, `reduce`, `hostlist` ← `op`
+//! (what a transport is asked to do), `bootstrap`, `rendezvous` ← `threads/` (refs ← completion, channel ←
+//! mailbox ← world ← mailbox_op, exchange, device ← endpoint) and `ucx/` (sys ← result ← safe ← mod) ← `pending`
+//! ← `communicator` ← `request`, `owned`, `collectives`, `thread_world` ← `memory` (buffers in any memory, moved
+//! by the transport where it reaches them, else staged through the host with their owner's copier).
 #![warn(missing_docs, unsafe_op_in_unsafe_fn)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
@@ -58,6 +60,7 @@ mod bootstrap;
 mod collectives;
 mod communicator;
 mod copy;
+mod device_copy;
 mod error;
 mod hostlist;
 pub mod memory;

@@ -2,18 +2,30 @@
 //! memory with the [`DeviceCopy`] that reaches it), and [`BytesRequest`] is a non-blocking transfer of them.
 //!
 //! The communicator itself owns no device code: whoever owns the device memory (ring attention, over a kernels
-//! backend) hands a transfer its bytes with a copier. Host bytes move as every other message does (one copy,
-//! send buffer to receive buffer, under threads). Device bytes are staged through host memory with the copier
-//! (device → host on the sending side, host → device on the receiving side), so device memory works on every
-//! transport, at two more copies per message; transports that reach device memory themselves (CUDA-aware UCX,
-//! NCCL) remove the staging without changing this interface.
+//! backend) hands a transfer its bytes with a copier. How device bytes move depends on the transport
+//! ([`Communicator::reaches_device`]):
+//! - threads: the ranks share the process and so the device's address space; a message is copied once, at the
+//!   match, with the copier of the side in device memory (device to device: [`DeviceCopy::copy_within`]; host
+//!   to device: an upload; device to host: a download). Only between two different devices does it pass
+//!   through host memory.
+//! - UCX built with CUDA support: the transport is told the buffer's memory type and moves the bytes itself
+//!   (`cuda_ipc`, `cuda_copy`).
+//! - otherwise (UCX without it): device bytes are staged through host memory with the copier (device → host on
+//!   the sending side, host → device on the receiving side), two more copies per message.
 //!
-//! Ordering: a send reads its device bytes when it is posted ([`DeviceCopy::download`] returns once they are
-//! read), so the producer of those bytes must have finished by then (a backend's `synchronize`, or its event);
-//! a receive writes them during [`BytesRequest::wait`], after which they are ready for the consumer.
+//! The collectives ([`Communicator::all_gather_bytes`] and the others) stage device bytes through host memory on
+//! every transport.
+//!
+//! Ordering: a device buffer must be idle on its device from when its operation is posted until it finishes:
+//! the work that produced a send's bytes has finished (a backend's `synchronize`), and no work enqueued before
+//! the post reads or writes a receive's buffer. In between, the transport may read or write it from any thread,
+//! through the copier of either side, and every copier call is finished on the device when it returns. So once a
+//! receive finishes ([`BytesRequest::wait`]), its bytes are in place for work on any queue.
 
 use crate::communicator::Communicator;
+pub use crate::device_copy::DeviceCopy;
 use crate::error::CommError;
+use crate::op::{DeviceEnd, Op};
 use crate::owned::{OwnedRequest, SendRequest};
 use crate::reduce::{Reduce, ReduceOp};
 use crate::request::{Request, Scope};
@@ -28,15 +40,6 @@ pub enum MemoryKind {
         /// The device's ordinal.
         ordinal: u32,
     },
-}
-
-/// Copies between device memory and host memory, for a transport that cannot reach the device. Implemented by
-/// the owner of the device memory (ring attention implements it over its backend).
-pub trait DeviceCopy: Sync {
-    /// Copies `dst.len()` bytes at device address `src` into `dst`, finished when it returns.
-    fn download(&self, src: u64, dst: &mut [u8]) -> Result<(), String>;
-    /// Copies `src` to device address `dst`, finished when it returns.
-    fn upload(&self, dst: u64, src: &[u8]) -> Result<(), String>;
 }
 
 /// A run of device bytes and the copier that reaches them.
@@ -192,6 +195,27 @@ impl BytesRequest<'_> {
     }
 }
 
+impl<'scope> Scope<'scope, '_> {
+    /// Starts a send (or receive) of device bytes `d` on a transport that reaches them (see
+    /// [`Communicator::reaches_device`]).
+    fn post_device(
+        &'scope self,
+        is_send: bool,
+        peer: usize,
+        tag: u32,
+        d: &DeviceBytes<'scope>,
+    ) -> Result<Request<'scope>, CommError> {
+        let comm = self.comm();
+        // SAFETY: the copier is borrowed for `'scope`, which the request's op cannot outlive.
+        let end = unsafe { DeviceEnd::new(d.ordinal, d.copy) };
+        let op =
+            Op { later: true, device: Some(end), ..comm.op(is_send, peer, tag as u64, 0, (d.ptr as *mut u8, d.len)) };
+        // SAFETY: the device bytes are borrowed for `'scope` (the `DeviceBytes` says so: its maker holds the
+        // view), and the scope finishes the op before `'scope` ends.
+        unsafe { self.hold_op(op) }
+    }
+}
+
 impl std::fmt::Debug for BytesRequest<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let kind = match &self.0 {
@@ -204,8 +228,8 @@ impl std::fmt::Debug for BytesRequest<'_> {
 }
 
 impl<'scope> Scope<'scope, '_> {
-    /// Starts sending `buf` to `dst` with `tag`, wherever its bytes lie (device bytes are read to host memory
-    /// before this returns: see the [module docs](crate::memory)).
+    /// Starts sending `buf` to `dst` with `tag`, wherever its bytes lie (on a transport that stages device bytes,
+    /// they are read to host memory before this returns: see the [module docs](crate::memory)).
     pub fn isend_bytes(
         &'scope self,
         dst: usize,
@@ -214,6 +238,9 @@ impl<'scope> Scope<'scope, '_> {
     ) -> Result<BytesRequest<'scope>, CommError> {
         Ok(BytesRequest(match buf {
             Bytes::Host(b) => Flavor::Direct(self.isend(dst, tag, b)?),
+            Bytes::Device(d) if self.comm().reaches_device(d.ordinal) => {
+                Flavor::Direct(self.post_device(true, dst, tag, &d)?)
+            }
             Bytes::Device(d) => {
                 let host = staged(&d)?;
                 Flavor::StagedSend(self.comm().isend(dst, tag, host).map_err(|(e, _)| e)?)
@@ -231,6 +258,9 @@ impl<'scope> Scope<'scope, '_> {
     ) -> Result<BytesRequest<'scope>, CommError> {
         Ok(BytesRequest(match buf {
             BytesMut::Host(b) => Flavor::Direct(self.irecv(src, tag, b)?),
+            BytesMut::Device(d) if self.comm().reaches_device(d.ordinal) => {
+                Flavor::Direct(self.post_device(false, src, tag, &d)?)
+            }
             BytesMut::Device(d) => {
                 let host = vec![0u8; d.len];
                 Flavor::StagedRecv(self.comm().irecv(src, tag, host).map_err(|(e, _)| e)?, d)
@@ -244,6 +274,9 @@ impl Communicator {
     pub fn send_bytes_in(&self, dst: usize, tag: u32, buf: Bytes<'_>) -> Result<(), CommError> {
         match buf {
             Bytes::Host(b) => self.send(dst, tag, b),
+            Bytes::Device(d) if self.reaches_device(d.ordinal) => {
+                self.scope(|s| s.post_device(true, dst, tag, &d)?.wait())
+            }
             Bytes::Device(d) => self.send(dst, tag, &staged(&d)?),
         }
     }
@@ -252,6 +285,9 @@ impl Communicator {
     pub fn recv_bytes_in(&self, src: usize, tag: u32, buf: BytesMut<'_>) -> Result<(), CommError> {
         match buf {
             BytesMut::Host(b) => self.recv(src, tag, b),
+            BytesMut::Device(d) if self.reaches_device(d.ordinal) => {
+                self.scope(|s| s.post_device(false, src, tag, &d)?.wait())
+            }
             BytesMut::Device(d) => {
                 let mut host = vec![0u8; d.len];
                 self.recv(src, tag, &mut host)?;

@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use crate::device_copy::DeviceCopy;
 use crate::error::CommError;
 
 /// Timeout of a new communicator.
@@ -27,9 +28,13 @@ pub(crate) struct Op {
     /// The collective's descriptor ([`meta`]; 0 for point-to-point): matched messages must agree on it.
     pub(crate) meta: u64,
     /// The buffer: read by a send, written by a receive. Kept valid (and, for a receive, unaliased) by whoever
-    /// posts the op until it finishes: see [`Communicator::post`](crate::Communicator).
+    /// posts the op until it finishes: see [`Communicator::post`](crate::Communicator). For device memory
+    /// (`device` set), the device address.
     pub(crate) ptr: *mut u8,
     pub(crate) len: usize,
+    /// The device memory the buffer lies in, if it does not lie in host memory. Only a transport that reaches
+    /// device memory is handed one (see [`Communicator::reaches_device`](crate::Communicator::reaches_device)).
+    pub(crate) device: Option<DeviceEnd>,
     /// The caller will not wait at once (a non-blocking call), so the transport should move the message in the
     /// background meanwhile (UCX: its progress thread; the threads transport copies on a waiting rank's thread,
     /// so it has nothing to do with this).
@@ -40,6 +45,48 @@ pub(crate) struct Op {
     pub(crate) exchange: bool,
     /// How long a wait on it may take.
     pub(crate) timeout: Duration,
+}
+
+/// The device of an op's buffer and the copier that reaches it. The copier's borrow is erased: whoever posts the
+/// op keeps it alive until the op finishes, as it does the buffer.
+#[derive(Clone, Copy)]
+pub(crate) struct DeviceEnd {
+    pub(crate) ordinal: u32,
+    pub(crate) copy: *const (dyn DeviceCopy + 'static),
+}
+
+// SAFETY: the end is a borrow of a `DeviceCopy`, which is `Sync`, so sharing or sending the borrow is sound.
+unsafe impl Send for DeviceEnd {}
+// SAFETY: as for `Send`.
+unsafe impl Sync for DeviceEnd {}
+
+impl std::fmt::Debug for DeviceEnd {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceEnd").field("ordinal", &self.ordinal).finish_non_exhaustive()
+    }
+}
+
+impl DeviceEnd {
+    /// The end of `copy`'s device `ordinal`.
+    ///
+    /// # Safety
+    /// `copy` must outlive every op that carries the returned end.
+    pub(crate) unsafe fn new(ordinal: u32, copy: &dyn DeviceCopy) -> DeviceEnd {
+        let copy: *const (dyn DeviceCopy + '_) = copy;
+        // SAFETY: only the borrow's lifetime changes; the caller keeps the copier alive as long as the op.
+        let copy =
+            unsafe { std::mem::transmute::<*const (dyn DeviceCopy + '_), *const (dyn DeviceCopy + 'static)>(copy) };
+        DeviceEnd { ordinal, copy }
+    }
+
+    /// The copier.
+    ///
+    /// # Safety
+    /// Only while the op that carries this end is in flight (see [`DeviceEnd::new`]).
+    pub(crate) unsafe fn copier(&self) -> &dyn DeviceCopy {
+        // SAFETY: per our contract.
+        unsafe { &*self.copy }
+    }
 }
 
 // Collectives' codes, in the descriptor's top byte.

@@ -120,6 +120,16 @@ impl<'scope> Scope<'scope, '_> {
         Request { parts: Shared(slot), _buf: PhantomData }
     }
 
+    /// Posts `op` as a request of this scope.
+    ///
+    /// # Safety
+    /// `op`'s buffer (and device copier) must stay valid, and for a receive unaliased, for `'scope`.
+    pub(crate) unsafe fn hold_op(&'scope self, op: Op) -> Result<Request<'scope>, CommError> {
+        // SAFETY: per our contract; the scope finishes the op before `'scope` ends.
+        let p = unsafe { self.comm.post(op) }?;
+        Ok(self.hold(Parts::one(p)))
+    }
+
     /// Starts sending `buf` to `dst` with `tag`; the request borrows `buf` until it finishes.
     pub fn isend<T: Pod>(&'scope self, dst: usize, tag: u32, buf: &'scope [T]) -> Result<Request<'scope>, CommError> {
         let b: &[u8] = bytemuck::cast_slice(buf);

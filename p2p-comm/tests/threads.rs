@@ -85,6 +85,18 @@ proptest! {
         suite::all_ok(out.expect("no rank panicked"));
     }
 
+    /// Messages between host memory and two fake devices in every pairing, any sizes, either side first.
+    #[test]
+    fn device_messages_any_places(
+        n in 1usize..=4,
+        msgs in proptest::collection::vec((0usize..100_000, 0u8..3, 0u8..3), 1..8),
+        seed in any::<u64>(),
+    ) {
+        let place = |k: u8| [suite::Place::Host, suite::Place::Device7, suite::Place::Device8][k as usize];
+        let msgs: Vec<_> = msgs.into_iter().map(|(len, s, r)| (len, place(s), place(r))).collect();
+        suite::all_ok(Threads::run(n, Duration::from_secs(30), "prop", &|c| suite::device_messages(c, seed, &msgs)));
+    }
+
     #[test]
     fn send_recv_any_sizes(n in 1usize..=4, sizes in proptest::collection::vec(0usize..200_000, 1..6), seed in any::<u64>()) {
         suite::all_ok(Threads::run(n, Duration::from_secs(30), "prop", &|c| suite::send_recv_sizes(c, seed, &sizes)));

@@ -11,13 +11,14 @@
 //! owner, complete. The KV transfer of step `s + 1` overlaps the compute of step `s`; the accumulator's
 //! transfer overlaps the compute of the next step.
 //!
-//! Ordering: the transfers run on a queue of their own (the backend's [`fork`](longctx_kernels::Backend::fork),
-//! kept by the plan), ordered against the compute by the backend's events: before a step's transfers are posted,
-//! the transfer queue waits for everything the compute queue has enqueued (the block about to be sent, the
-//! accumulator, and the last reads of the buffers about to be received into); after they finish, the compute
-//! queue waits for the transfer queue (the block and accumulator received). On a device that is what lets the
-//! copies of the next block run beside this block's attention; on the CPU events are complete at once and the
-//! order is the program's.
+//! Ordering: the transfers' copies run on a queue of their own (the backend's
+//! [`fork`](longctx_kernels::Backend::fork), kept by the plan, wrapped in the communicator's copier). The
+//! communicator wants a device buffer idle from the post of its transfer until it finishes (see
+//! `longctx_p2p::memory`): so before a step's transfers are posted, the compute queue is synchronised (the block
+//! about to be sent and the accumulator are written, and the last reads of the buffers about to be received into
+//! are done); then this step's attention is enqueued, and runs on the device beside the copies of the next block;
+//! and a finished receive's bytes are in place for any queue (each copier call is finished when it returns). On
+//! the CPU, synchronising is nothing and the order is the program's.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -105,14 +106,8 @@ fn transfer_queue(kept: &mut Option<Arc<dyn Backend>>, compute: &dyn Backend) ->
     Ok(q)
 }
 
-/// Makes the ops enqueued on `later` from now on wait for those enqueued on `first` so far.
-fn order(first: &dyn Backend, later: &dyn Backend) -> Result<()> {
-    Ok(later.wait_event(&first.record_event()?)?)
-}
-
-/// Finishes every request, returning the first error (the others are still finished); then the compute queue
-/// waits for what the transfer queue wrote.
-fn wait_all(reqs: Vec<BytesRequest<'_>>, xfer: &dyn Backend, compute: &dyn Backend) -> Result<()> {
+/// Finishes every request, returning the first error (the others are still finished).
+fn wait_all(reqs: Vec<BytesRequest<'_>>) -> Result<()> {
     let mut first = Ok(());
     for r in reqs {
         let done = r.wait();
@@ -120,8 +115,7 @@ fn wait_all(reqs: Vec<BytesRequest<'_>>, xfer: &dyn Backend, compute: &dyn Backe
             first = done;
         }
     }
-    first?;
-    order(xfer, compute)
+    Ok(first?)
 }
 
 /// Ring forward: `out.o` (`f32`, `[B, Hq, L, D]`) and `out.lse` receive this rank's rows of full attention.
@@ -159,7 +153,7 @@ pub(crate) fn ring_forward(
             // Post the next block's transfer before computing on this one.
             let t = Instant::now();
             let reqs = if step + 1 < n {
-                order(b, &*xfer)?;
+                b.synchronize()?;
                 post_block(sc, ((r + 1) % n, (r + n - 1) % n), (k, v, k_doc), &mut *nxt, &kd, &copy)?
             } else {
                 Vec::new()
@@ -185,7 +179,7 @@ pub(crate) fn ring_forward(
             }
             rep.compute += t.elapsed();
             let t = Instant::now();
-            wait_all(reqs, &*xfer, b)?;
+            wait_all(reqs)?;
             rep.comm_wait += t.elapsed();
             Ok(())
         })?;
@@ -242,7 +236,7 @@ pub(crate) fn ring_backward(
         comm.scope(|sc| -> Result<()> {
             let (k, v, k_doc) = in_hand(step, &qkv, pb.docs, cur, &kd)?;
             let t = Instant::now();
-            order(b, &*xfer)?;
+            b.synchronize()?;
             let mut reqs = if step + 1 < n {
                 post_block(sc, (next, prev), (k, v, k_doc), &mut *nxt, &kd, &copy)?
             } else {
@@ -269,7 +263,7 @@ pub(crate) fn ring_backward(
             }
             rep.compute += t.elapsed();
             let t = Instant::now();
-            wait_all(reqs, &*xfer, b)?;
+            wait_all(reqs)?;
             rep.comm_wait += t.elapsed();
             Ok(())
         })?;
@@ -287,11 +281,11 @@ pub(crate) fn ring_backward(
     }
     // The last hop: the accumulator arriving is this rank's own block's, complete.
     let t = Instant::now();
-    order(b, &*xfer)?;
+    b.synchronize()?;
     comm.scope(|sc| -> Result<()> {
         let send = sc.isend_bytes(next, TAG_DKV, bytes(acc_out.view(&acc_dims)?, &copy))?;
         let recv = sc.irecv_bytes(prev, TAG_DKV, bytes_mut(acc_in.view_mut(&acc_dims)?, &copy))?;
-        wait_all(vec![recv, send], &*xfer, b)
+        wait_all(vec![recv, send])
     })?;
     rep.comm_wait += t.elapsed();
     let (dk_all, dv_all) = acc_in.halves(&kd)?;

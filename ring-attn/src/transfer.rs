@@ -22,8 +22,10 @@
 use longctx_kernels::{Backend, DType, DeviceSlice, DeviceSliceMut, RawBytes, RawBytesMut, View, ViewMut};
 use longctx_p2p::{Bytes, BytesMut, DeviceBytes, DeviceCopy};
 
-/// The communicator's copier for a backend's device memory: its download and upload, on raw bytes. An upload
-/// waits for the backend (`synchronize`), so the bytes are in place when the receive that made it finishes.
+/// The communicator's copier for a backend's device memory: its download, upload and copy, on raw bytes. An
+/// upload or a copy waits for the backend (`synchronize`), so the bytes are in place when the receive that made it
+/// finishes, for every queue. The communicator may call it from any rank's thread, with another rank's addresses on
+/// the same device (see `longctx_p2p::memory`).
 pub struct BackendCopy<'a>(pub &'a dyn Backend);
 
 /// Bytes as elements a backend copies bit for bit: 4-byte words when the length allows, else 2-byte ones (every
@@ -75,6 +77,20 @@ impl DeviceCopy for BackendCopy<'_> {
         };
         self.0.upload(dst, src).map_err(|e| e.to_string())?;
         // Upload may be asynchronous; the message's bytes must be in place when the receive finishes.
+        self.0.synchronize().map_err(|e| e.to_string())
+    }
+
+    fn copy_within(&self, dst: u64, src: u64, len: usize) -> Result<(), String> {
+        let dtype = unit(len);
+        let n = len / dtype.size();
+        // SAFETY: `src` and `dst` are the addresses of `len` bytes of views of this backend's device (maybe another
+        // rank's backend on it: the same address space), borrowed by the send and the receive that ask for them.
+        let (src, dst) = unsafe {
+            (DeviceSlice::new(src, n, dtype, self.0.memory()), DeviceSliceMut::new(dst, n, dtype, self.0.memory()))
+        };
+        let src = View::device(src, [n]).map_err(|e| e.to_string())?;
+        let dst = ViewMut::device(dst, [n]).map_err(|e| e.to_string())?;
+        self.0.copy(dst, src).map_err(|e| e.to_string())?;
         self.0.synchronize().map_err(|e| e.to_string())
     }
 }

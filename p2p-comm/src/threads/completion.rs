@@ -9,12 +9,23 @@ use super::refs::Ref;
 use crate::sync::lock;
 
 /// How a slot ended, seen from the slot's owner.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(super) enum Outcome {
     Ok,
-    LengthMismatch { message_bytes: usize, buffer_bytes: usize },
-    MetaMismatch { ours: u64, theirs: u64 },
+    LengthMismatch {
+        message_bytes: usize,
+        buffer_bytes: usize,
+    },
+    MetaMismatch {
+        ours: u64,
+        theirs: u64,
+    },
     PeerGone,
+    /// A message in device memory that its copier failed to move (see `device.rs`).
+    DeviceCopy {
+        ordinal: u32,
+        reason: std::sync::Arc<str>,
+    },
 }
 
 /// Messages of at least this many bytes are copied by the first side to wait/test after matching (normally the
@@ -198,7 +209,7 @@ pub(super) fn mismatch(sl: usize, sm: u64, rl: usize, rm: u64) -> Option<(Outcom
         Some((Outcome::MetaMismatch { ours: sm, theirs: rm }, Outcome::MetaMismatch { ours: rm, theirs: sm }))
     } else if sl != rl {
         let o = Outcome::LengthMismatch { message_bytes: sl, buffer_bytes: rl };
-        Some((o, o))
+        Some((o.clone(), o))
     } else {
         None
     }

@@ -5,7 +5,8 @@ use std::sync::{Arc, Mutex};
 
 use super::channel::ChannelRef;
 use super::completion::{mismatch, transfer};
-use super::completion::{Attachment, Pair, State, DEFER_MIN, MATCHED};
+use super::completion::{Attachment, Completion, Outcome, Pair, State, DEFER_MIN, MATCHED};
+use super::device::{self, is_device, Region, DEVICE};
 use super::exchange::ExchangeOp;
 use super::mailbox::Slot;
 use super::mailbox_op::MailboxOp;
@@ -53,10 +54,19 @@ impl Endpoint {
     /// `op`'s buffer must stay valid (and, for a receive, unaliased) until the returned op completes, is
     /// cancelled or dropped.
     pub(crate) unsafe fn post(&self, op: &Op, stats: &Arc<StatsCounters>) -> Result<ThreadOp, CommError> {
-        let Op { is_send, peer, key, meta, ptr, len, timeout, .. } = *op;
+        let Op { is_send, peer, key, meta, timeout, .. } = *op;
         let w = &self.world;
         let me = self.rank;
+        // An op in device memory: its slot points at its region, its length carries the flag (see `device.rs`).
+        let region = op.device.map(|end| Arc::new(Region { addr: op.ptr as u64, end }));
+        let (ptr, len) = match &region {
+            Some(r) => (Arc::as_ptr(r) as *mut u8, op.len | DEVICE),
+            None => (op.ptr, op.len),
+        };
         if op.exchange {
+            if region.is_some() {
+                return Err(CommError::InvalidArgument("a ring exchange of device memory (not supported)".into()));
+            }
             if !w.alive[peer].load(Ordering::SeqCst) {
                 return Err(w.gone_error(peer));
             }
@@ -77,7 +87,10 @@ impl Endpoint {
                 drop(q);
                 let (mine, theirs) = ((ptr, len, meta, &c), (other.ptr, other.len, other.meta, &other.done));
                 let ((sp, sl, sm, sc), (rp, rl, rm, rc)) = if is_send { (mine, theirs) } else { (theirs, mine) };
-                if sl < DEFER_MIN {
+                if is_device(sl) || is_device(rl) {
+                    // SAFETY: both ops are in flight until `device_transfer` completes them (see `device::copy`).
+                    unsafe { device_transfer((sp, sl, sm, sc), (rp, rl, rm, rc)) };
+                } else if sl < DEFER_MIN {
                     transfer((sp, sl, sm, sc), (rp, rl, rm, rc));
                 } else if let Some((so, ro)) = mismatch(sl, sm, rl, rm) {
                     sc.complete(so);
@@ -117,10 +130,11 @@ impl Endpoint {
             is_send,
             key,
             meta,
-            len,
+            len: op.len,
             timeout,
             stats: stats.clone(),
             done: Some(c),
+            _region: region,
         }))
     }
 
@@ -144,6 +158,29 @@ impl Drop for Endpoint {
     fn drop(&mut self) {
         self.world.endpoint_dropped(self.rank);
     }
+}
+
+/// Copies a matched message of which a side lies in device memory (or reports why not), and completes both sides.
+///
+/// # Safety
+/// As [`device::copy`].
+unsafe fn device_transfer(send: (*mut u8, usize, u64, &Completion), recv: (*mut u8, usize, u64, &Completion)) {
+    let (sp, sl, sm, sc) = send;
+    let (rp, rl, rm, rc) = recv;
+    let (so, ro) = if let Some(o) = mismatch(device::bytes(sl), sm, device::bytes(rl), rm) {
+        o
+    } else {
+        // SAFETY: per our contract.
+        match unsafe { device::copy(sp, sl, rp, rl) } {
+            Ok(()) => (Outcome::Ok, Outcome::Ok),
+            Err((ordinal, reason)) => {
+                let o = Outcome::DeviceCopy { ordinal, reason: reason.into() };
+                (o.clone(), o)
+            }
+        }
+    };
+    sc.complete(so);
+    rc.complete(ro);
 }
 
 /// An operation posted on the threads transport: a ring exchange's message, or any other.

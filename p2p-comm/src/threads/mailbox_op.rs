@@ -5,6 +5,7 @@ use std::sync::{Arc, PoisonError};
 use std::time::{Duration, Instant};
 
 use super::completion::{copy_chunks, CompletionRef, Outcome, State, COPY_SPIN, DEFER_MIN, DONE, MATCHED};
+use super::device::Region;
 use super::world::RankWorld;
 use crate::error::CommError;
 use crate::op::{mismatch as meta_mismatch, INTERNAL};
@@ -26,6 +27,8 @@ pub(crate) struct MailboxOp {
     pub(super) stats: Arc<StatsCounters>,
     /// `None` once the op has finished and its completion went back to the pool.
     pub(super) done: Option<CompletionRef>,
+    /// Where the bytes lie if in device memory: what the op's slot points at until it is matched.
+    pub(super) _region: Option<Arc<Region>>,
 }
 
 impl MailboxOp {
@@ -42,6 +45,9 @@ impl MailboxOp {
             }
             Outcome::MetaMismatch { ours, theirs } => Err(meta_mismatch(self.peer, ours, theirs)),
             Outcome::PeerGone => Err(self.world.gone_error(self.peer)),
+            Outcome::DeviceCopy { ordinal, reason } => {
+                Err(CommError::DeviceCopy { ordinal, reason: reason.to_string() })
+            }
         }
     }
 
@@ -83,7 +89,7 @@ impl MailboxOp {
         let mut st = lock(&c.state);
         loop {
             match &*st {
-                State::Done(o) => return Some(*o),
+                State::Done(o) => return Some(o.clone()),
                 State::Matched(_) | State::Attached(_) if !tried => {
                     tried = true;
                     drop(st);
@@ -158,7 +164,8 @@ impl MailboxOp {
         };
         self.progress(c, false);
         let st = lock(&c.state);
-        if let State::Done(o) = *st {
+        if let State::Done(o) = &*st {
+            let o = o.clone();
             drop(st);
             return self.finish(c, o).map(|()| true);
         }

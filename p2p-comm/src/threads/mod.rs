@@ -24,6 +24,9 @@
 //!   the receiver. A sender whose receiver has not claimed its half after a spin copies it too: the receiver
 //!   may be busy elsewhere, and a send must complete without it.
 //!
+//! Messages of which either side lies in device memory are copied at once by whoever arrives second, with the
+//! copiers of the sides in device memory (see [`device`]).
+//!
 //! A waiter whose chunks are all claimed spins while the peer copies the last ones instead of sleeping: the
 //! futex sleep and wake-up cost tens of µs and lie on the path of the next message.
 //!
@@ -31,9 +34,12 @@
 //! a given shape allocates nothing.
 //!
 //! When a rank's communicator is dropped (normally or while its thread unwinds from a panic) the rank is marked
+//! gone: its unmatched slots leave the mailboxes, and every operation waiting on it completes with its reason
+//! (see `World::depart`).
 
 mod channel;
 mod completion;
+mod device;
 mod endpoint;
 mod exchange;
 mod mailbox;

@@ -143,6 +143,8 @@ pub(crate) struct Shared {
     infos: Mutex<Vec<Box<sys::ucp_tag_recv_info_t>>>,
     /// Which peers this process gave up a send to, and which peers on this host gave up one to it.
     links: link_flags::LinkFlags,
+    /// Whether device memory is posted as it is (see [`UcxEndpoint::reaches_device`]).
+    cuda: bool,
 }
 
 impl Shared {
@@ -383,6 +385,7 @@ pub(crate) fn join(timeout: Duration) -> Result<UcxEndpoint, CommError> {
         links.attach(r, &String::from_utf8_lossy(published));
         eps.push(Some(worker.connect(addr)?));
     }
+    let cuda = worker.reaches_cuda() && std::env::var("LONGCTX_UCX_DEVICE").as_deref() != Ok("staged");
     let inner = Arc::new(Mutex::new(Inner { eps, broken: vec![false; b.world_size], worker }));
     let progress = match std::env::var("LONGCTX_UCX_PROGRESS").as_deref() {
         Ok("0") => None,
@@ -397,6 +400,7 @@ pub(crate) fn join(timeout: Duration) -> Result<UcxEndpoint, CommError> {
         efd,
         infos: Mutex::new(Vec::new()),
         links,
+        cuda,
     });
     let members: Arc<[usize]> = (0..b.world_size).collect();
     Ok(UcxEndpoint { shared, ctx: 0, members, rank: b.rank })
@@ -432,6 +436,13 @@ impl UcxEndpoint {
     pub(crate) fn abort(&self, reason: &str) {
         // Best effort: if the store is gone (rank 0 died), the peers learn only that this rank left.
         let _ = self.shared.store.set(&format!("failed/{}", self.members[self.rank]), reason.as_bytes());
+    }
+
+    /// Whether device memory (of any ordinal: UCX finds a CUDA pointer's device itself) is posted as it is, with
+    /// its memory type, rather than staged through host memory: when this UCX moves CUDA memory itself (built
+    /// with CUDA, e.g. the `libucx-cu13` wheel), and `LONGCTX_UCX_DEVICE=staged` does not ask for staging.
+    pub(crate) fn reaches_device(&self, _ordinal: u32) -> bool {
+        self.shared.cuda
     }
 
     /// Every rank has joined (a barrier over the new world passed): the link flags' file can go.
@@ -474,6 +485,8 @@ impl UcxEndpoint {
     /// dropped.
     pub(crate) unsafe fn post(&self, op: &Op, stats: &Arc<StatsCounters>) -> Result<UcxOp, CommError> {
         let Op { is_send, peer, key, meta, ptr, len, later, timeout, .. } = *op;
+        // Only a context that reaches CUDA memory is handed device memory (see `reaches_device`).
+        let cuda = op.device.is_some();
         let world_peer = self.members[peer];
         let mut info = (!is_send).then(|| self.shared.take_info());
         let inner = lock(&self.shared.inner);
@@ -490,11 +503,11 @@ impl UcxEndpoint {
         let tag = self.tag(if is_send { self.rank } else { peer }, key, meta);
         let started = match info.as_deref_mut() {
             // SAFETY: the caller keeps the buffer alive until the op finishes.
-            None => unsafe { inner.worker.tag_send(ep, ptr, len, tag) },
+            None => unsafe { inner.worker.tag_send(ep, ptr, len, tag, cuda) },
             Some(info) => {
                 let mask = if is_internal(key) { !DIGEST_FIELD } else { u64::MAX };
                 // SAFETY: as above; `info` is boxed and owned by the op (or leaked with an abandoned request).
-                unsafe { inner.worker.tag_recv(ptr, len, tag, mask, info) }
+                unsafe { inner.worker.tag_recv(ptr, len, tag, mask, info, cuda) }
             }
         };
         drop(inner);

@@ -69,6 +69,18 @@ impl Worker {
         Ok(Worker { h, _ctx: ctx })
     }
 
+    /// Whether this worker's context moves CUDA device memory itself (UCX built with CUDA support, its
+    /// `cuda_copy`/`cuda_ipc` transports loaded): the `UCS_MEMORY_TYPE_CUDA` bit of the context's memory types.
+    pub fn reaches_cuda(&self) -> bool {
+        let mut attr = sys::ucp_context_attr_t {
+            field_mask: sys::ucp_context_attr_field_UCP_ATTR_FIELD_MEMORY_TYPES as u64,
+            ..Default::default()
+        };
+        // SAFETY: the context is live (the worker holds it); the call only writes the fields the mask names.
+        let queried = check(unsafe { sys::ucp_context_query(self._ctx.0, &mut attr) }).is_ok();
+        queried && attr.memory_types & (1 << sys::ucs_memory_type_UCS_MEMORY_TYPE_CUDA) != 0
+    }
+
     /// The worker's address, to give to peers out of band.
     pub fn address(&self) -> Result<Vec<u8>, UcxError> {
         let mut a: *mut sys::ucp_address_t = ptr::null_mut();
@@ -134,7 +146,7 @@ impl Worker {
         Ok(Endpoint(ep))
     }
 
-    /// Starts a tagged send of `len` bytes at `buf`.
+    /// Starts a tagged send of `len` bytes at `buf`, in CUDA device memory if `cuda`.
     ///
     /// # Safety
     /// `buf..buf+len` must stay valid until the returned request completes (or `Done` is returned).
@@ -144,14 +156,19 @@ impl Worker {
         buf: *const u8,
         len: usize,
         tag: u64,
+        cuda: bool,
     ) -> Result<Started, UcxError> {
-        let param = sys::ucp_request_param_t::default();
-        // SAFETY: per the caller's contract; default params: contiguous bytes, no callback.
+        let mut param = sys::ucp_request_param_t::default();
+        if cuda {
+            param.op_attr_mask |= sys::ucp_op_attr_t_UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+            param.memory_type = sys::ucs_memory_type_UCS_MEMORY_TYPE_CUDA;
+        }
+        // SAFETY: per the caller's contract; contiguous bytes, no callback.
         started(unsafe { sys::ucp_tag_send_nbx(ep.0, buf as *const c_void, len, tag, &param) })
     }
 
-    /// Starts a tagged receive into `buf` of the first message whose tag equals `tag` on the bits set in `mask`;
-    /// `info` receives the message's length and full tag.
+    /// Starts a tagged receive into `buf` (in CUDA device memory if `cuda`) of the first message whose tag equals
+    /// `tag` on the bits set in `mask`; `info` receives the message's length and full tag.
     ///
     /// # Safety
     /// `buf..buf+len` and `info` must stay valid until the request completes (or `Done` is returned).
@@ -162,6 +179,7 @@ impl Worker {
         tag: u64,
         mask: u64,
         info: *mut sys::ucp_tag_recv_info_t,
+        cuda: bool,
     ) -> Result<Started, UcxError> {
         let mut param = sys::ucp_request_param_t {
             op_attr_mask: sys::ucp_op_attr_t_UCP_OP_ATTR_FIELD_RECV_INFO
@@ -172,6 +190,10 @@ impl Worker {
             user_data: info as *mut c_void,
             ..Default::default()
         };
+        if cuda {
+            param.op_attr_mask |= sys::ucp_op_attr_t_UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+            param.memory_type = sys::ucs_memory_type_UCS_MEMORY_TYPE_CUDA;
+        }
         // The callback fills `info` on completion.
         param.recv_info.tag_info = info;
         param.cb.recv = Some(recv_done);

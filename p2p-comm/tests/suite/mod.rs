@@ -699,67 +699,141 @@ pub fn bad_input<W: World>(n: usize) {
     every_rank_failed_naming(&out, "collective all_reduce");
 }
 
-/// A stand-in for device memory: bytes the transport must not touch itself, reached only through the copier,
-/// which counts its copies. Each fake device address is an offset into the arena plus `BASE`.
+/// A stand-in for device memory: bytes the transport must not touch itself, reached only through a copier. As
+/// on a real device, an address means the same to every copier of the device in this process (the ranks of a
+/// threads world share it): each fake device (by ordinal) is one arena of the process, addresses are `BASE` plus an
+/// offset into it, and each `FakeDevice` is one allocation in it with a copier that counts its calls by kind.
 struct FakeDevice {
-    arena: std::sync::Mutex<Vec<u8>>,
-    copies: std::sync::atomic::AtomicUsize,
+    ordinal: u32,
+    start: usize,
+    len: usize,
+    downloads: std::sync::atomic::AtomicUsize,
+    uploads: std::sync::atomic::AtomicUsize,
+    withins: std::sync::atomic::AtomicUsize,
     fail: bool,
+}
+
+/// Bytes of each fake device's arena.
+const ARENA: usize = 16 << 20;
+
+/// The arena of fake device `ordinal` (7 or 8), and the next free offset in it.
+fn arena(ordinal: u32) -> &'static (std::sync::Mutex<Vec<u8>>, std::sync::atomic::AtomicUsize) {
+    static ARENAS: [std::sync::OnceLock<(std::sync::Mutex<Vec<u8>>, std::sync::atomic::AtomicUsize)>; 2] =
+        [std::sync::OnceLock::new(), std::sync::OnceLock::new()];
+    ARENAS[(ordinal - 7) as usize].get_or_init(|| (std::sync::Mutex::new(vec![0; ARENA]), Default::default()))
 }
 
 impl FakeDevice {
     const BASE: u64 = 1 << 40;
+
     fn new(len: usize, fail: bool) -> Self {
-        Self { arena: std::sync::Mutex::new(vec![0; len]), copies: Default::default(), fail }
+        Self::on(7, len, fail)
     }
+
+    /// An allocation of `len` bytes on fake device `ordinal`, zeroed.
+    fn on(ordinal: u32, len: usize, fail: bool) -> Self {
+        use std::sync::atomic::Ordering::Relaxed;
+        let (bytes, next) = arena(ordinal);
+        // Allocations are never freed: the tests that use them take far less than the arena, and wrap if not.
+        let mut start = next.fetch_add(len.next_multiple_of(64), Relaxed);
+        if start + len > ARENA {
+            next.store(len.next_multiple_of(64), Relaxed);
+            start = 0;
+        }
+        bytes.lock().unwrap()[start..start + len].fill(0);
+        let zero = std::sync::atomic::AtomicUsize::new(0);
+        let (downloads, uploads) = (std::sync::atomic::AtomicUsize::new(0), std::sync::atomic::AtomicUsize::new(0));
+        Self { ordinal, start, len, downloads, uploads, withins: zero, fail }
+    }
+
     fn bytes(&self, off: usize, len: usize) -> longctx_p2p::DeviceBytes<'_> {
-        longctx_p2p::DeviceBytes { ptr: Self::BASE + off as u64, len, ordinal: 7, copy: self }
+        assert!(off + len <= self.len);
+        let ptr = Self::BASE + (self.start + off) as u64;
+        longctx_p2p::DeviceBytes { ptr, len, ordinal: self.ordinal, copy: self }
     }
+
     fn read(&self, off: usize, len: usize) -> Vec<u8> {
-        self.arena.lock().unwrap()[off..off + len].to_vec()
+        arena(self.ordinal).0.lock().unwrap()[self.start + off..self.start + off + len].to_vec()
+    }
+
+    fn fill_at(&self, off: usize, src: &[u8]) {
+        arena(self.ordinal).0.lock().unwrap()[self.start + off..self.start + off + src.len()].copy_from_slice(src);
+    }
+
+    /// The arena range of `len` bytes at device address `addr`, checked to lie in the arena.
+    fn range(&self, addr: u64, len: usize) -> Result<std::ops::Range<usize>, String> {
+        let off = addr.checked_sub(Self::BASE).ok_or("an address below the fake device's")? as usize;
+        if off + len > ARENA {
+            return Err(format!("{len} bytes at {addr:#x} are outside fake device {}", self.ordinal));
+        }
+        Ok(off..off + len)
+    }
+
+    fn refuse(&self) -> Result<(), String> {
+        if self.fail {
+            return Err("the fake device refuses".into());
+        }
+        Ok(())
+    }
+
+    /// (downloads, uploads, copies within the device) this allocation's copier made.
+    fn calls(&self) -> (usize, usize, usize) {
+        use std::sync::atomic::Ordering::Relaxed;
+        (self.downloads.load(Relaxed), self.uploads.load(Relaxed), self.withins.load(Relaxed))
     }
 }
 
 impl longctx_p2p::DeviceCopy for FakeDevice {
     fn download(&self, src: u64, dst: &mut [u8]) -> Result<(), String> {
-        if self.fail {
-            return Err("the fake device refuses".into());
-        }
-        self.copies.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let off = (src - Self::BASE) as usize;
-        dst.copy_from_slice(&self.arena.lock().unwrap()[off..off + dst.len()]);
+        self.refuse()?;
+        self.downloads.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        dst.copy_from_slice(&arena(self.ordinal).0.lock().unwrap()[self.range(src, dst.len())?]);
         Ok(())
     }
     fn upload(&self, dst: u64, src: &[u8]) -> Result<(), String> {
-        if self.fail {
-            return Err("the fake device refuses".into());
-        }
-        self.copies.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let off = (dst - Self::BASE) as usize;
-        self.arena.lock().unwrap()[off..off + src.len()].copy_from_slice(src);
+        self.refuse()?;
+        self.uploads.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let r = self.range(dst, src.len())?;
+        arena(self.ordinal).0.lock().unwrap()[r].copy_from_slice(src);
+        Ok(())
+    }
+    fn copy_within(&self, dst: u64, src: u64, len: usize) -> Result<(), String> {
+        self.refuse()?;
+        self.withins.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let (d, s) = (self.range(dst, len)?, self.range(src, len)?);
+        arena(self.ordinal).0.lock().unwrap().copy_within(s, d.start);
         Ok(())
     }
 }
 
-/// Messages between device and host memory in every combination (non-blocking in a scope and blocking),
-/// all-gather and all-to-all into and out of device memory, and a copier's failure as a typed error.
+/// Messages between device and host memory in every combination (non-blocking in a scope and blocking), between
+/// two devices, all-gather and all-to-all into and out of device memory, and a copier's failure as a typed error.
+/// Where the transport reaches device memory (threads), a message is one copy by the copier of the side in device
+/// memory; where it stages, a download and an upload.
 pub fn device_bytes(c: Communicator) -> Result<(), String> {
     use longctx_p2p::{Bytes, BytesMut};
     let (r, n) = (c.rank(), c.world_size());
     let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+    let direct = c.reaches_device(7);
     let len = 1000 + 8 * n;
-    let dev = FakeDevice::new(4 * len * n, false);
+    let dev = FakeDevice::new(4 * len, false);
     let mine = bytes(21, r, len);
     dev.fill_at(0, &mine);
-    // Device → device around the ring, then device → host and host → device.
+    // Device → device around the ring: one copy within the device by the receiver's copier, or staged.
+    let inbox = FakeDevice::new(len, false);
     c.scope(|s| -> Result<(), CommError> {
         let send = s.isend_bytes(next, 1, Bytes::Device(dev.bytes(0, len)))?;
-        let recv = s.irecv_bytes(prev, 1, BytesMut::Device(dev.bytes(len, len)))?;
+        let recv = s.irecv_bytes(prev, 1, BytesMut::Device(inbox.bytes(0, len)))?;
         recv.wait()?;
         send.wait()
     })
     .map_err(|e| e.to_string())?;
-    expect(dev.read(len, len) == bytes(21, prev, len), "device to device")?;
+    expect(inbox.read(0, len) == bytes(21, prev, len), "device to device")?;
+    let want = if direct { (0, 0, 1) } else { (0, 1, 0) };
+    if inbox.calls() != want {
+        return Err(format!("device to device: the receiver's copier made {:?} calls, not {want:?}", inbox.calls()));
+    }
+    // Device → host: one download by the sender's copier (the receiver has none).
     let mut host = vec![0u8; len];
     c.scope(|s| -> Result<(), CommError> {
         let send = s.isend_bytes(next, 2, Bytes::Device(dev.bytes(0, len)))?;
@@ -779,6 +853,32 @@ pub fn device_bytes(c: Communicator) -> Result<(), String> {
         c.send_bytes_in(next, 3, Bytes::Host(&tx)).map_err(|e| e.to_string())?;
     }
     expect(n == 1 || dev.read(rx, len) == bytes(21, prev, len), "host to device, blocking")?;
+    // Between two devices: through host memory (a download by the sender's copier, an upload by the receiver's).
+    let other = FakeDevice::on(8, len, false);
+    c.scope(|s| -> Result<(), CommError> {
+        let send = s.isend_bytes(next, 5, Bytes::Device(dev.bytes(0, len)))?;
+        let recv = s.irecv_bytes(prev, 5, BytesMut::Device(other.bytes(0, len)))?;
+        recv.wait()?;
+        send.wait()
+    })
+    .map_err(|e| e.to_string())?;
+    expect(other.read(0, len) == bytes(21, prev, len), "device 7 to device 8")?;
+    expect(other.calls() == (0, 1, 0), "device 7 to device 8: one upload into device 8")?;
+    // A device buffer of another length than the message: the length mismatch, as with host buffers.
+    let short = FakeDevice::new(len - 8, false);
+    if direct {
+        let got = c.scope(|s| -> Result<(), CommError> {
+            let send = s.isend_bytes(next, 6, Bytes::Device(dev.bytes(0, len)))?;
+            let recv = s.irecv_bytes(prev, 6, BytesMut::Device(short.bytes(0, len - 8)))?;
+            let (r, s) = (recv.wait(), send.wait());
+            r.and(s)
+        });
+        match got {
+            Err(CommError::LengthMismatch { message_bytes, buffer_bytes, .. })
+                if message_bytes == len && buffer_bytes == len - 8 => {}
+            other => return Err(format!("a device buffer 8 bytes short gave {other:?}")),
+        }
+    }
     // Collectives out of and into device memory.
     let gathered = FakeDevice::new(n * len, false);
     c.all_gather_bytes(Bytes::Device(dev.bytes(0, len)), BytesMut::Device(gathered.bytes(0, n * len)))
@@ -810,19 +910,96 @@ pub fn device_bytes(c: Communicator) -> Result<(), String> {
         Err(CommError::InvalidArgument(m)) if m.contains("whole elements") => {}
         other => return Err(format!("6 bytes of f32 gave {other:?}")),
     }
-    expect(dev.copies.load(std::sync::atomic::Ordering::Relaxed) > 0, "the copier was used")?;
-    // A copier that fails: the send fails on this rank before anything is posted, naming the device.
+    expect(dev.calls().0 > 0, "the copier was used")?;
+    // A copier that fails, as a typed error naming the device. Staged: the send fails on this rank before
+    // anything is posted. Direct: the copy fails at the match, and both sides learn it.
     let broken = FakeDevice::new(len, true);
-    match c.scope(|s| s.isend_bytes(next, 4, Bytes::Device(broken.bytes(0, len))).map(drop)) {
-        Err(CommError::DeviceCopy { ordinal: 7, reason }) if reason.contains("refuses") => Ok(()),
-        other => Err(format!("a failing copier gave {other:?}")),
+    if !direct {
+        return match c.scope(|s| s.isend_bytes(next, 4, Bytes::Device(broken.bytes(0, len))).map(drop)) {
+            Err(CommError::DeviceCopy { ordinal: 7, reason }) if reason.contains("refuses") => Ok(()),
+            other => Err(format!("a failing copier gave {other:?}")),
+        };
     }
+    let mut host = vec![0u8; len];
+    let (sent, received) = c
+        .scope(|s| -> Result<_, CommError> {
+            let send = s.isend_bytes(next, 4, Bytes::Device(broken.bytes(0, len)))?;
+            let recv = s.irecv_bytes(prev, 4, BytesMut::Host(&mut host))?;
+            Ok((send.wait(), recv.wait()))
+        })
+        .map_err(|e| e.to_string())?;
+    for (side, got) in [("send", sent), ("receive", received)] {
+        match got {
+            Err(CommError::DeviceCopy { ordinal: 7, reason }) if reason.contains("refuses") => {}
+            other => return Err(format!("the {side} of a failing copier's bytes gave {other:?}")),
+        }
+    }
+    Ok(())
 }
 
-impl FakeDevice {
-    fn fill_at(&self, off: usize, src: &[u8]) {
-        self.arena.lock().unwrap()[off..off + src.len()].copy_from_slice(src);
+/// Where a message's buffer lies in [`device_messages`]: host memory, or fake device 7 or 8.
+#[derive(Debug, Clone, Copy)]
+pub enum Place {
+    Host,
+    Device7,
+    Device8,
+}
+
+/// Messages of `(bytes, where the send lies, where the receive lies)` around the ring, all in flight at once:
+/// receives posted in reverse order, then the sends in a seeded shuffle, so either side may match first. Every
+/// message arrives intact whatever the pair of places.
+pub fn device_messages(c: Communicator, seed: u64, msgs: &[(usize, Place, Place)]) -> Result<(), String> {
+    use longctx_p2p::{Bytes, BytesMut};
+    let (r, n) = (c.rank(), c.world_size());
+    let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+    let alloc = |place: Place, len: usize| match place {
+        Place::Host => None,
+        Place::Device7 => Some(FakeDevice::on(7, len, false)),
+        Place::Device8 => Some(FakeDevice::on(8, len, false)),
+    };
+    let outs: Vec<Vec<u8>> = msgs.iter().enumerate().map(|(i, m)| bytes(seed + i as u64, r, m.0)).collect();
+    let send_dev: Vec<Option<FakeDevice>> = msgs.iter().map(|m| alloc(m.1, m.0)).collect();
+    let recv_dev: Vec<Option<FakeDevice>> = msgs.iter().map(|m| alloc(m.2, m.0)).collect();
+    for (d, out) in send_dev.iter().zip(&outs) {
+        if let Some(d) = d {
+            d.fill_at(0, out);
+        }
     }
+    let mut ins: Vec<Vec<u8>> = msgs.iter().map(|m| vec![0u8; m.0]).collect();
+    let mut order: Vec<usize> = (0..msgs.len()).collect();
+    let mut x = seed | 1;
+    for i in (1..order.len()).rev() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        order.swap(i, (x % (i as u64 + 1)) as usize);
+    }
+    c.scope(|s| {
+        let mut reqs = Vec::new();
+        for (i, (host, dev)) in ins.iter_mut().zip(&recv_dev).enumerate().rev() {
+            let buf = match dev {
+                Some(d) => BytesMut::Device(d.bytes(0, msgs[i].0)),
+                None => BytesMut::Host(host),
+            };
+            reqs.push(s.irecv_bytes(prev, i as u32, buf)?);
+        }
+        for &i in &order {
+            let buf = match &send_dev[i] {
+                Some(d) => Bytes::Device(d.bytes(0, msgs[i].0)),
+                None => Bytes::Host(&outs[i]),
+            };
+            reqs.push(s.isend_bytes(next, i as u32, buf)?);
+        }
+        reqs.into_iter().try_for_each(|q| q.wait())
+    })
+    .map_err(e2s)?;
+    for (i, (host, dev)) in ins.iter().zip(&recv_dev).enumerate() {
+        let got = dev.as_ref().map_or_else(|| host.clone(), |d| d.read(0, msgs[i].0));
+        if got != bytes(seed + i as u64, prev, msgs[i].0) {
+            return Err(format!("message {i} ({:?}) corrupted", msgs[i]));
+        }
+    }
+    Ok(())
 }
 
 fn expect(ok: bool, what: &str) -> Result<(), String> {
