@@ -129,6 +129,19 @@ pub struct AdamwState<'a> {
     pub v: ViewMut<'a>,
 }
 
+/// Bytes a device backend's memory pool holds ([`Backend::device_memory`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MemoryStats {
+    /// In use by live buffers.
+    pub used: usize,
+    /// The most `used` has been since the pool was made (or its marks were last reset).
+    pub used_high: usize,
+    /// Held by the pool: in use plus kept for reuse.
+    pub reserved: usize,
+    /// The most `reserved` has been.
+    pub reserved_high: usize,
+}
+
 /// The compute of longctx: attention and every other transformer op with its backward, on one kind of memory.
 /// See the module docs for why this is a trait object over views, and for the argument conventions.
 pub trait Backend: Send + Sync + fmt::Debug {
@@ -161,6 +174,11 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// The same device, memory and settings with a queue of its own, so that its work (a ring's transfers, an
     /// offload's copies) can overlap this backend's. Buffers of either may be used by both, ordered by events.
     fn fork(&self) -> Result<std::sync::Arc<dyn Backend>>;
+    /// What the memory pool of this backend's device holds now and at most (shared with its forks), for a backend
+    /// that computes on device memory; `None` for host memory (the process's peak RSS tells), the default.
+    fn device_memory(&self) -> Option<MemoryStats> {
+        None
+    }
 
     /// A zeroed buffer of `dtype` with `dims` in this backend's memory.
     fn zeros(&self, dtype: DType, dims: Dims) -> Result<Buffer>;

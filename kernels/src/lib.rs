@@ -78,7 +78,7 @@ pub use attention::{
     attention_work, AttnGrads, AttnMask, AttnOptions, AttnOut, AttnParams, AttnPartial, AttnSaved, AttnShape, AttnWork,
     Positions, Qkv,
 };
-pub use backend::{AdamwState, Backend, GradMode, LinearGrads, NormGrads, NormParams, ProjectionGrads};
+pub use backend::{AdamwState, Backend, GradMode, LinearGrads, MemoryStats, NormGrads, NormParams, ProjectionGrads};
 pub use buffer::{Buffer, HostVec};
 pub use cpu::CpuBackend;
 pub use cuda::CudaBackend;

@@ -87,6 +87,36 @@ pub fn check_compiled(device: Device) -> Result<()> {
     }
 }
 
+/// The backends of a run's thread ranks. On a GPU (or the emulator) they are streams of one device handle
+/// ([`Backend::fork`]): the ranks of a process then share the device's memory pool, so memory one rank frees
+/// another reuses, and the pool's high-water mark ([`Backend::device_memory`]) is the process's device peak. On the
+/// CPU each rank gets a backend of its own with `threads` kernel threads, so ranks do not contend for one pool.
+pub struct RankBackends {
+    device: Device,
+    threads: usize,
+    /// The device handle the ranks fork (none for the CPU).
+    shared: Option<Arc<dyn Backend>>,
+}
+
+impl RankBackends {
+    /// The ranks' backends on `device` (errors as [`backend`]).
+    pub fn new(device: Device, threads: usize) -> Result<Self> {
+        let shared = match device {
+            Device::Cpu => None,
+            _ => Some(backend(device, threads)?),
+        };
+        Ok(Self { device, threads, shared })
+    }
+
+    /// A backend for one more rank.
+    pub fn for_rank(&self) -> Result<Arc<dyn Backend>> {
+        match &self.shared {
+            Some(device) => Ok(device.fork()?),
+            None => backend(self.device, self.threads),
+        }
+    }
+}
+
 /// The CUDA backend on the GPU of `ordinal`.
 #[cfg(feature = "cuda")]
 fn cuda(ordinal: usize) -> Result<Arc<dyn Backend>> {
@@ -116,6 +146,51 @@ mod tests {
         }
         for s in ["", "gpu", "cuda", "cuda:", "cuda:+1", "cuda:-1", "cuda:x", "CPU", " cpu"] {
             assert_eq!(s.parse::<Device>(), Err(ParseDeviceError { value: s.into() }), "{s:?}");
+        }
+    }
+
+    /// Two ranks' backends on a device share its memory pool: what one allocates shows in the other's stats, and
+    /// the pool's high-water mark counts both. On the emulator (whose memory is one per process anyway) and on a
+    /// GPU, where each `CudaBackend::new` would make a pool of its own.
+    mod rank_backends_share_one_device_pool {
+        use super::*;
+        use longctx_kernels::DType;
+
+        fn check(device: Device) {
+            let backends = RankBackends::new(device, 1).expect("the device opened once already");
+            let (a, b) = (backends.for_rank().unwrap(), backends.for_rank().unwrap());
+            let before = b.device_memory().expect("a device backend reports its pool").used;
+            let x = a.zeros(DType::F32, longctx_kernels::Dims::new(&[1 << 18]).unwrap()).unwrap();
+            let during = b.device_memory().unwrap();
+            assert!(during.used >= before + (1 << 20), "{during:?} after 1 MiB on the other rank (from {before})");
+            assert!(during.used_high >= during.used);
+            drop(x);
+            a.synchronize().unwrap();
+        }
+
+        #[test]
+        fn cuda_emulated() {
+            match backend(Device::CudaEmulated, 1) {
+                Ok(_) => check(Device::CudaEmulated),
+                Err(e) => eprintln!("rank_backends_share_one_device_pool::cuda_emulated: skipped: {e}"),
+            }
+        }
+
+        #[test]
+        fn cuda() {
+            match backend(Device::Cuda(0), 1) {
+                Ok(_) => check(Device::Cuda(0)),
+                Err(e) if std::env::var("LONGCTX_REQUIRE_GPU").as_deref() == Ok("1") => {
+                    panic!("rank_backends_share_one_device_pool::cuda: LONGCTX_REQUIRE_GPU=1 but: {e}")
+                }
+                Err(e) => eprintln!("rank_backends_share_one_device_pool::cuda: skipped, no GPU: {e}"),
+            }
+        }
+
+        #[test]
+        fn cpu_has_no_device_pool() {
+            let backends = RankBackends::new(Device::Cpu, 1).unwrap();
+            assert!(backends.for_rank().unwrap().device_memory().is_none());
         }
     }
 

@@ -166,9 +166,10 @@ pub fn evaluate_tensors(
     let device = recipe.device()?;
     crate::device::check_compiled(device)?;
     let threads = (std::thread::available_parallelism().map_or(1, |n| n.get()) / recipe.parallel.cp).max(1);
+    let backends = &crate::device::RankBackends::new(device, threads)?;
     let recipe = &recipe;
     let results = ThreadWorld::try_run(recipe.parallel.cp, |comm| -> Result<EvalResult> {
-        let backend = crate::device::backend(device, threads)?;
+        let backend = backends.for_rank()?;
         let mut weights = Params::zeros(&*backend, &recipe.model, DType::F32)?;
         for (t, src) in weights.tensors.iter_mut().zip(tensors) {
             backend.upload(t.view_mut(), View::new(&src.data, src.dims.as_slice())?)?;

@@ -1,6 +1,7 @@
 //! What a run reports: a progress bar (step, loss, tokens/s, MFU, memory) and `metrics.jsonl`, one JSON object
-//! per step (`step`, `loss`, `lr`, `grad_norm`, `tokens_per_s`, `mfu`, `rss_mib`, `saved_mib_per_rank`) and one
-//! per evaluation (`step`, `val_loss`).
+//! per step (`step`, `loss`, `lr`, `grad_norm`, `tokens_per_s`, `mfu`, `rss_mib`, `saved_mib_per_rank`; on a device
+//! also `device_peak_mib` and `device_reserved_mib`, the high-water marks of the device memory pool the process's
+//! ranks share) and one per evaluation (`step`, `val_loss`).
 //!
 //! MFU is the model's FLOPs per second over the run's arithmetic peak on the device it computes on
 //! ([`device_peak_flops`]), measured when the run starts and again at each evaluation, keeping the best, each
@@ -25,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressStyle};
 use longctx_kernels::cpu::{fma_peak_flops, SimdPath};
-use longctx_kernels::{Backend, DType, Dims, View};
+use longctx_kernels::{Backend, DType, Dims, MemoryStats, View};
 
 use crate::device::Device;
 use crate::error::{Result, TrainError};
@@ -260,6 +261,7 @@ impl Meter {
         saved_bytes: usize,
         predicted: Predicted,
         offload_wait: Option<Duration>,
+        device: Option<MemoryStats>,
     ) -> Result<()> {
         self.tokens += tokens;
         let tps = tokens / took.as_secs_f64().max(1e-9);
@@ -277,6 +279,12 @@ impl Meter {
             "recompute_gflop_per_rank": predicted.recompute_flops / 1e9,
             "predicted_offload_mib_per_rank": predicted.offloaded_bytes as f64 / MIB,
         });
+        if let Some(d) = device {
+            // The device pool's high-water marks (every rank of this process on the device shares the pool):
+            // bytes in live buffers at most, and bytes the pool held at most.
+            line["device_peak_mib"] = serde_json::json!(d.used_high as f64 / MIB);
+            line["device_reserved_mib"] = serde_json::json!(d.reserved_high as f64 / MIB);
+        }
         if let Some(w) = offload_wait {
             // Seconds rank 0's backward waited for offloaded tensors: the part of offload a step pays for.
             line["offload_wait_s"] = serde_json::json!(w.as_secs_f64());
@@ -286,8 +294,11 @@ impl Meter {
             append_line(&self.path, &serde_json::json!({ "step": step, "val_loss": v }).to_string())?;
         }
         self.bar.set_position(step);
-        self.bar
-            .set_message(format!("loss {loss:.4} | {tps:.0} tok/s | MFU {:.1}% | peak RSS {rss:.0} MiB", 100.0 * mfu));
+        let peak = match device {
+            Some(d) => format!("peak device {:.0} MiB", d.used_high as f64 / MIB),
+            None => format!("peak RSS {rss:.0} MiB"),
+        };
+        self.bar.set_message(format!("loss {loss:.4} | {tps:.0} tok/s | MFU {:.1}% | {peak}", 100.0 * mfu));
         if self.bar.is_hidden() || val_loss.is_some() {
             let v = val_loss.map_or(String::new(), |v| format!(" held-out {v:.4}"));
             let w = offload_wait.map_or(String::new(), |w| format!(" | offload wait {:.2} s", w.as_secs_f64()));

@@ -411,3 +411,63 @@ fn a_budget_below_full_recomputation_offloads_with_the_same_losses() {
     assert_eq!(s.saved_bytes_per_rank, s.predicted_saved_bytes_per_rank);
     assert_eq!(plain.predicted_offloaded_bytes_per_rank, 0);
 }
+
+/// A run on a device with its two CP ranks on that one device (threads, a stream each, one memory pool), host
+/// offload on: the same first loss as the CPU's (f32, 1e-5 relative), the losses as the same run without offload
+/// bit for bit, the held-out loss falling, and every step's line in `metrics.jsonl` with the pool's high-water
+/// mark. On the CUDA backend's host emulator here, on a GPU under the GPU check.
+mod a_device_run_with_cp_on_one_device {
+    use super::*;
+
+    fn check(device: &str) {
+        let sets = |offload: &str| {
+            small(&[
+                &format!("parallel.backend=\"{device}\""),
+                "parallel.cp=2",
+                "train.batch=1",
+                &format!("train.offload=\"{offload}\""),
+            ])
+        };
+        let out = out_dir(&format!("device-{device}"));
+        let on = run(&sets("host"), &out, false, None).unwrap();
+        let off = run(&sets("none"), &out_dir(&format!("device-{device}-none")), false, None).unwrap();
+        assert_eq!(bits(&on.losses), bits(&off.losses), "offload changed the losses on {device}");
+        let cpu =
+            run(&small(&["parallel.cp=2", "train.batch=1", "train.steps=1"]), &out_dir("device-cpu"), false, None)
+                .unwrap();
+        let (a, b) = (on.losses[0].1, cpu.losses[0].1);
+        assert!((a - b).abs() <= 1e-5 * b.abs(), "first loss {a} on {device}, {b} on the CPU");
+        let v = &on.val_losses;
+        assert!(v.last().unwrap().1 < v.first().unwrap().1, "held-out losses {v:?}");
+        let text = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+        let steps: Vec<serde_json::Value> = text
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .filter(|r: &serde_json::Value| r.get("loss").is_some())
+            .collect();
+        assert_eq!(steps.len(), 6);
+        for r in &steps {
+            let peak = r.get("device_peak_mib").and_then(|v| v.as_f64()).unwrap_or(0.0);
+            assert!(peak > 0.0, "a step line without the device pool's peak: {r}");
+        }
+    }
+
+    #[test]
+    fn cuda_emulated() {
+        match longctx_kernels::CudaBackend::emulated() {
+            Ok(_) => check("cuda-emulated"),
+            Err(e) => eprintln!("a_device_run_with_cp_on_one_device::cuda_emulated: skipped: {e}"),
+        }
+    }
+
+    #[test]
+    fn cuda() {
+        match longctx_trainer::device::backend(longctx_trainer::device::Device::Cuda(0), 1) {
+            Ok(_) => check("cuda:0"),
+            Err(e) if std::env::var("LONGCTX_REQUIRE_GPU").as_deref() == Ok("1") => {
+                panic!("a_device_run_with_cp_on_one_device::cuda: LONGCTX_REQUIRE_GPU=1 but: {e}")
+            }
+            Err(e) => eprintln!("a_device_run_with_cp_on_one_device::cuda: skipped, no GPU: {e}"),
+        }
+    }
+}

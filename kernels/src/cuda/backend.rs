@@ -184,6 +184,9 @@ impl Backend for CudaBackend {
     fn fork(&self) -> Result<Arc<dyn Backend>> {
         Ok(Arc::new(CudaBackend { stream: Stream { device: self.stream.device.fork()? } }))
     }
+    fn device_memory(&self) -> Option<crate::MemoryStats> {
+        Some(self.memory_stats())
+    }
 
     fn zeros(&self, dtype: DType, dims: Dims) -> Result<Buffer> {
         let mut b = self.buffer(dtype, dims)?;

@@ -150,18 +150,7 @@ pub(crate) struct DeviceInfo {
     pub total_memory: usize,
 }
 
-/// Bytes the device's allocator holds.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct MemoryStats {
-    /// In use by live buffers.
-    pub used: usize,
-    /// The most `used` has been since the backend was made (or since [`MemoryStats`] was last reset).
-    pub used_high: usize,
-    /// Held by the pool: in use plus kept for reuse.
-    pub reserved: usize,
-    /// The most `reserved` has been.
-    pub reserved_high: usize,
-}
+pub use crate::backend::MemoryStats;
 
 /// A point in a device's stream: complete once everything enqueued before it has run.
 pub(crate) trait DeviceEvent: Send + Sync + fmt::Debug {

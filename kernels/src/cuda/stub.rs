@@ -11,18 +11,7 @@ pub struct CudaBackend {
     _never: std::convert::Infallible,
 }
 
-/// Bytes the device's allocator holds (see the `cuda` feature's backend).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct MemoryStats {
-    /// In use by live buffers.
-    pub used: usize,
-    /// The most `used` has been.
-    pub used_high: usize,
-    /// Held by the pool: in use plus kept for reuse.
-    pub reserved: usize,
-    /// The most `reserved` has been.
-    pub reserved_high: usize,
-}
+pub use crate::backend::MemoryStats;
 
 impl CudaBackend {
     /// The backend on device `ordinal`: [`KernelError::NotCompiled`] in this build.

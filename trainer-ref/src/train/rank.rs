@@ -12,7 +12,7 @@ use longctx_ring_attn::{ContextParallel, CpConfig, CpPlan};
 use super::tiers::{costs, offload_engine};
 use crate::checkpoint::{LoadedTensor, SavedTokenizer};
 use crate::data::Sequence;
-use crate::device::Device;
+use crate::device::{Device, RankBackends};
 use crate::error::{Result, TrainError};
 use crate::metrics::Predicted;
 use crate::model::{LayerSaved, Model, Params};
@@ -44,12 +44,12 @@ pub(super) struct Rank<'a> {
 }
 
 impl<'a> Rank<'a> {
-    /// A rank with fresh weights, or `init`'s (in [`crate::model::param_shapes`] order, f32), computing on the recipe's device
-    /// with `threads` kernel threads (0: rayon's global pool) where that is the CPU.
+    /// A rank with fresh weights, or `init`'s (in [`crate::model::param_shapes`] order, f32), computing on a backend
+    /// of `backends` (made for the recipe's device).
     pub(super) fn new(
         comm: Communicator,
         recipe: &'a Recipe,
-        threads: usize,
+        backends: &RankBackends,
         spill_root: &Path,
         init: Option<&[LoadedTensor]>,
     ) -> Result<Self> {
@@ -59,7 +59,7 @@ impl<'a> Rank<'a> {
         let (dp_index, cp_index) = (world.rank() / cp, world.rank() % cp);
         let cp_comm = world.split(dp_index as u32, cp_index as u32)?;
         let device = recipe.device()?;
-        let backend = crate::device::backend(device, threads)?;
+        let backend = backends.for_rank()?;
         let dtype = match recipe.train.precision {
             Precision::F32 => DType::F32,
             Precision::Bf16 => DType::Bf16,

@@ -15,7 +15,7 @@ use super::optim::lr_at;
 use super::rank::Rank;
 use crate::checkpoint::{self, LoadedTensor, SavedTokenizer};
 use crate::data::{Corpus, Sequence, TextTokenizer, TokenStream};
-use crate::device::Device;
+use crate::device::{Device, RankBackends};
 use crate::error::{Result, TrainError};
 use crate::hf::HfCheckpoint;
 use crate::metrics::Meter;
@@ -138,10 +138,12 @@ pub fn train_from(recipe: &Recipe, opts: &RunOptions, init: Option<&HfCheckpoint
             return Err(TrainError::WorldSize { launched: comm.world_size(), needed: world });
         }
         // One rank per process: `parallel.threads` kernel threads, or (0) rayon's global pool.
-        return run_rank(comm, recipe, opts, &data, recipe.parallel.threads, init, saved);
+        let backends = RankBackends::new(recipe.device()?, recipe.parallel.threads)?;
+        return run_rank(comm, recipe, opts, &data, &backends, init, saved);
     }
-    let threads = per_rank_threads(recipe.parallel.threads, world);
-    let results = ThreadWorld::try_run(world, |comm| run_rank(comm, recipe, opts, &data, threads, init, saved))?;
+    let backends = RankBackends::new(recipe.device()?, per_rank_threads(recipe.parallel.threads, world))?;
+    let backends = &backends;
+    let results = ThreadWorld::try_run(world, |comm| run_rank(comm, recipe, opts, &data, backends, init, saved))?;
     let mut first = None;
     for r in results {
         match r {
@@ -172,10 +174,11 @@ pub fn loss_gradients_and_saved(recipe: &Recipe, sequences: &[Sequence]) -> Resu
             detail: format!("{} sequences for train.batch = {}", sequences.len(), recipe.train.batch),
         });
     }
-    let threads = per_rank_threads(recipe.parallel.threads, cp * dp);
+    let backends = RankBackends::new(recipe.device()?, per_rank_threads(recipe.parallel.threads, cp * dp))?;
+    let backends = &backends;
     let out = ThreadWorld::try_run(cp * dp, |comm| -> Result<(f64, Vec<Vec<f32>>, usize)> {
         let spill = std::env::temp_dir().join(format!("longctx-offload-{}", std::process::id()));
-        let mut rank = Rank::new(comm, recipe, threads, &spill, None)?;
+        let mut rank = Rank::new(comm, recipe, backends, &spill, None)?;
         let g = rank.gradients(|micro, group| sequences[micro * dp + group].clone())?;
         let mut l = [g.loss_sum];
         rank.world.all_reduce(&mut l, ReduceOp::Sum)?;
@@ -215,11 +218,11 @@ fn run_rank(
     recipe: &Recipe,
     opts: &RunOptions,
     data: &Data,
-    threads: usize,
+    backends: &RankBackends,
     init: Option<&[LoadedTensor]>,
     tokenizer: Option<&SavedTokenizer>,
 ) -> Result<Summary> {
-    let mut rank = Rank::new(comm, recipe, threads, &opts.out.join("offload"), init)?;
+    let mut rank = Rank::new(comm, recipe, backends, &opts.out.join("offload"), init)?;
     rank.tokenizer = tokenizer;
     rank.pretrained = init.is_some();
     if opts.resume {
@@ -346,6 +349,7 @@ impl Rank<'_> {
                     summary.saved_bytes_per_rank,
                     self.predicted,
                     offload_wait,
+                    self.model.backend().device_memory(),
                 )?;
             }
             let ckpt_due = (t.checkpoint_every > 0 && self.step.is_multiple_of(t.checkpoint_every)) || last;
