@@ -174,6 +174,26 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// The same device, memory and settings with a queue of its own, so that its work (a ring's transfers, an
     /// offload's copies) can overlap this backend's. Buffers of either may be used by both, ordered by events.
     fn fork(&self) -> Result<std::sync::Arc<dyn Backend>>;
+    /// Registers `len` bytes of host memory at `ptr` with this backend's device, so that [`upload`](Backend::upload)
+    /// from it and [`download`](Backend::download) into it move by DMA with no staging of their own (the CUDA
+    /// backend: page-locked with `cuMemHostRegister`): what a host tier's buffers, reused for a whole run, are
+    /// registered with. The default, for a backend whose memory is the host's, does nothing.
+    ///
+    /// # Safety
+    /// The range is host memory of this process, not registered already, that stays mapped until
+    /// [`unregister_host`](Backend::unregister_host).
+    unsafe fn register_host(&self, ptr: *mut u8, len: usize) -> Result<()> {
+        let _ = (ptr, len);
+        Ok(())
+    }
+    /// Undoes [`register_host`](Backend::register_host) of the same range.
+    ///
+    /// # Safety
+    /// The range was registered by `register_host` of this backend (or a fork) and not unregistered since; no
+    /// copy uses it any more.
+    unsafe fn unregister_host(&self, ptr: *mut u8, len: usize) {
+        let _ = (ptr, len);
+    }
     /// What the memory pool of this backend's device holds now and at most (shared with its forks), for a backend
     /// that computes on device memory; `None` for host memory (the process's peak RSS tells), the default.
     fn device_memory(&self) -> Option<MemoryStats> {

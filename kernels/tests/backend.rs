@@ -31,7 +31,38 @@ fn errors(dev: &Device) {
     dev.conformance(&[Family::Errors]);
 }
 
-test_device!(memory, elementwise, errors);
+/// Host memory registered with the backend (what a host tier's pool buffers are): an upload from part of it and a
+/// download into another part round-trip every value, and unregistering leaves it ordinary memory (on the CUDA
+/// backend, the upload takes the registered path: one DMA copy, no staging).
+fn registered_host_memory(dev: &Device) {
+    let b = dev.backend();
+    let layout = std::alloc::Layout::from_size_align(1 << 16, 4096).unwrap();
+    // SAFETY: a non-zero size; freed below with the same layout.
+    let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+    assert!(!ptr.is_null());
+    // SAFETY: 64 KiB of this process's memory, mapped until the dealloc below, which follows the unregister.
+    unsafe { b.register_host(ptr, layout.size()) }.unwrap();
+    {
+        // SAFETY: the allocation holds 16384 f32, aligned to 4096; nothing else refers to it.
+        let all = unsafe { std::slice::from_raw_parts_mut(ptr.cast::<f32>(), 1 << 14) };
+        let (src, dst) = all.split_at_mut(1 << 13);
+        for (i, x) in src.iter_mut().enumerate() {
+            *x = (i as f32 * 0.37).sin() + 2.0;
+        }
+        let mut on = b.empty(DType::F32, Dims::new(&[64, 128]).unwrap()).unwrap();
+        b.upload(on.view_mut(), View::new(&*src, [64, 128]).unwrap()).unwrap();
+        dst.fill(f32::NAN);
+        b.download(ViewMut::new(&mut *dst, [64, 128]).unwrap(), on.view()).unwrap();
+        assert!(src.iter().zip(dst.iter()).all(|(a, c)| a.to_bits() == c.to_bits()), "{}", dev.name());
+    }
+    b.synchronize().unwrap();
+    // SAFETY: registered above, no copy in flight (synchronised).
+    unsafe { b.unregister_host(ptr, layout.size()) };
+    // SAFETY: allocated above with `layout`.
+    unsafe { std::alloc::dealloc(ptr, layout) };
+}
+
+test_device!(memory, elementwise, errors, registered_host_memory);
 
 #[test]
 fn simd_levels_are_listed_and_clamped() {

@@ -139,6 +139,9 @@ pub struct MoeConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Precision {
+    /// `bf16` (with `f32` master weights) on a device, where the tensor cores make it the fast format; `f32` on
+    /// the CPU, the trainer's reference format there. See [`Recipe::precision`].
+    Auto,
     /// Weights, activations and gradients in `f32`.
     F32,
     /// `bf16` weights and activations; `f32` master weights, gradients and AdamW moments.
@@ -580,7 +583,7 @@ impl Recipe {
 
     /// The recompute crate's description of one layer of this recipe's model on one rank (its family's).
     pub fn layer_spec(&self) -> longctx_recompute::LayerSpec {
-        let elem_bytes = if self.train.precision == Precision::Bf16 { 2 } else { 4 };
+        let elem_bytes = self.dtype().size() as u64;
         self.model.layer_spec(self.train.seq_len / self.parallel.cp, self.train.seq_len, elem_bytes)
     }
 
@@ -593,6 +596,25 @@ impl Recipe {
             "striped" => Partition::Striped,
             other => return Err(bad("parallel.partition", format!("`{other}` (zigzag, contiguous or striped)"))),
         })
+    }
+
+    /// The number format the run computes in: `train.precision`, with `auto` resolved for the recipe's device
+    /// (`bf16` on `cuda:N` and `cuda-emulated`, which runs the GPU path; `f32` on the CPU, and where
+    /// `parallel.backend` does not parse, which [`Recipe::validate`] reports).
+    pub fn precision(&self) -> Precision {
+        match (self.train.precision, self.device()) {
+            (Precision::Auto, Ok(Device::Cpu) | Err(_)) => Precision::F32,
+            (Precision::Auto, Ok(_)) => Precision::Bf16,
+            (p, _) => p,
+        }
+    }
+
+    /// The element type of the run's weights and activations ([`Recipe::precision`]).
+    pub fn dtype(&self) -> longctx_kernels::DType {
+        match self.precision() {
+            Precision::Bf16 => longctx_kernels::DType::Bf16,
+            _ => longctx_kernels::DType::F32,
+        }
     }
 
     /// The device the recipe computes on (`parallel.backend`).
@@ -667,6 +689,23 @@ mod tests {
         for (name, _) in BUILTIN {
             Recipe::load(name, &[]).unwrap_or_else(|e| panic!("{name}: {e}"));
         }
+    }
+
+    #[test]
+    fn auto_precision_is_bf16_on_a_device_and_f32_on_the_cpu() {
+        use longctx_kernels::DType;
+        for (backend, precision, want) in [
+            ("cpu", "auto", DType::F32),
+            ("cuda:0", "auto", DType::Bf16),
+            ("cuda-emulated", "auto", DType::Bf16),
+            ("cuda:0", "f32", DType::F32),
+            ("cpu", "bf16", DType::Bf16),
+        ] {
+            let sets = [format!("parallel.backend=\"{backend}\""), format!("train.precision=\"{precision}\"")];
+            let r = Recipe::load("tiny-llama", &sets).unwrap();
+            assert_eq!(r.dtype(), want, "{backend} {precision}");
+        }
+        assert_eq!(Recipe::load("tiny-llama", &[]).unwrap().train.precision, Precision::Auto);
     }
 
     #[test]

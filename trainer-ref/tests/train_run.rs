@@ -415,7 +415,8 @@ fn a_budget_below_full_recomputation_offloads_with_the_same_losses() {
 /// A run on a device with its two CP ranks on that one device (threads, a stream each, one memory pool), host
 /// offload on: the same first loss as the CPU's (f32, 1e-5 relative), the losses as the same run without offload
 /// bit for bit, the held-out loss falling, and every step's line in `metrics.jsonl` with the pool's high-water
-/// mark. On the CUDA backend's host emulator here, on a GPU under the GPU check.
+/// mark; and the recipe's `auto` precision, bf16 on the device, within 1e-3 of the CPU's bf16 first loss. On the
+/// CUDA backend's host emulator here, on a GPU under the GPU check.
 mod a_device_run_with_cp_on_one_device {
     use super::*;
 
@@ -425,6 +426,7 @@ mod a_device_run_with_cp_on_one_device {
                 &format!("parallel.backend=\"{device}\""),
                 "parallel.cp=2",
                 "train.batch=1",
+                "train.precision=\"f32\"",
                 &format!("train.offload=\"{offload}\""),
             ])
         };
@@ -439,6 +441,14 @@ mod a_device_run_with_cp_on_one_device {
         assert!((a - b).abs() <= 1e-5 * b.abs(), "first loss {a} on {device}, {b} on the CPU");
         let v = &on.val_losses;
         assert!(v.last().unwrap().1 < v.first().unwrap().1, "held-out losses {v:?}");
+        // The recipe's own `auto` precision on the device is bf16: its first loss within 1e-3 of the CPU's in bf16.
+        let one = |sets: &[&str], name: &str| run(&small(sets), &out_dir(name), false, None).unwrap().losses[0].1;
+        let backend = format!("parallel.backend=\"{device}\"");
+        let auto = one(&[&backend, "train.batch=1", "train.steps=1", "train.eval_every=0"], "device-auto");
+        let bf16 =
+            one(&["train.batch=1", "train.steps=1", "train.eval_every=0", "train.precision=\"bf16\""], "cpu-bf16");
+        assert!((auto - bf16).abs() <= 1e-3 * bf16.abs(), "bf16 first loss {auto} on {device}, {bf16} on the CPU");
+        assert!((auto - b).abs() > 0.0, "auto on {device} gave the f32 loss exactly: not bf16?");
         let text = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
         let steps: Vec<serde_json::Value> = text
             .lines()

@@ -187,6 +187,14 @@ impl Backend for CudaBackend {
     fn device_memory(&self) -> Option<crate::MemoryStats> {
         Some(self.memory_stats())
     }
+    unsafe fn register_host(&self, ptr: *mut u8, len: usize) -> Result<()> {
+        // SAFETY: the trait's contract is the device's.
+        unsafe { self.stream.device.register_host(ptr, len) }
+    }
+    unsafe fn unregister_host(&self, ptr: *mut u8, len: usize) {
+        // SAFETY: as above.
+        unsafe { self.stream.device.unregister_host(ptr, len) }
+    }
 
     fn zeros(&self, dtype: DType, dims: Dims) -> Result<Buffer> {
         let mut b = self.buffer(dtype, dims)?;

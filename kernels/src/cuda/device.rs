@@ -190,6 +190,20 @@ pub(crate) trait Device: Send + Sync + fmt::Debug {
     /// # Safety
     /// See the trait docs.
     unsafe fn download(&self, dst: &mut [u8], src: DevicePtr) -> Result<()>;
+    /// Page-locks `len` bytes of host memory at `ptr` and registers them with the driver for every context
+    /// (`cuMemHostRegister`, portable): copies to and from them then run by DMA, and an [`upload`](Device::upload)
+    /// from them is one copy with no staging of ours. The emulator accepts it and changes nothing.
+    ///
+    /// # Safety
+    /// The range is host memory of this process, not registered already, that stays mapped until
+    /// [`unregister_host`](Device::unregister_host).
+    unsafe fn register_host(&self, ptr: *mut u8, len: usize) -> Result<()>;
+    /// Undoes [`register_host`](Device::register_host) of the same range (errors cannot be acted on and are not
+    /// reported).
+    ///
+    /// # Safety
+    /// The range was registered by `register_host` and not unregistered since; no copy uses it any more.
+    unsafe fn unregister_host(&self, ptr: *mut u8, len: usize);
     /// Copies `bytes` from `src` to `dst` (device memory, not overlapping).
     ///
     /// # Safety

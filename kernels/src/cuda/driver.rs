@@ -628,11 +628,38 @@ impl Device for DriverDevice {
         }
     }
 
+    unsafe fn register_host(&self, ptr: *mut u8, len: usize) -> Result<()> {
+        self.shared.bind()?;
+        // SAFETY: the caller's contract: host memory of this process, mapped until unregistered.
+        unsafe { sys::cuMemHostRegister_v2(ptr.cast(), len, sys::CU_MEMHOSTREGISTER_PORTABLE) }
+            .result()
+            .map_err(|e| device_err(format!("cuMemHostRegister of {len} bytes"), e))?;
+        pinned::insert(ptr as usize, len);
+        Ok(())
+    }
+
+    unsafe fn unregister_host(&self, ptr: *mut u8, _len: usize) {
+        pinned::remove(ptr as usize);
+        if self.shared.bind().is_ok() {
+            // SAFETY: registered by `register_host` (the caller's contract), no copy uses it any more.
+            let _ = unsafe { sys::cuMemHostUnregister(ptr.cast()) };
+        }
+    }
+
     unsafe fn upload(&self, dst: DevicePtr, src: &[u8]) -> Result<()> {
         if src.is_empty() {
             return Ok(());
         }
         self.shared.bind()?;
+        if pinned::contains(src.as_ptr() as usize, src.len()) {
+            // Registered memory (a host tier's buffer): one copy by DMA, straight from it; done when the stream
+            // has run it, which is when `src` may change.
+            // SAFETY: `src` is page-locked and valid until the synchronise below; the caller guarantees `dst`.
+            unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src.as_ptr().cast::<c_void>(), src.len(), self.stream) }
+                .result()
+                .map_err(|e| device_err("upload from registered memory (cuMemcpyHtoDAsync)", e))?;
+            return self.synchronize_stream("upload from registered memory");
+        }
         let mut slot = self.staging.lock().unwrap_or_else(|e| e.into_inner());
         let staging = self.staging(&mut slot)?;
         for (i, chunk) in src.chunks(STAGING_BYTES).enumerate() {
@@ -967,6 +994,52 @@ pub(crate) fn elapsed_ms(start: &TimingEvent, end: &TimingEvent) -> Result<f32> 
     // SAFETY: both events are live timing events of this context, current since `synchronize`; `end` is
     // complete, and `start` was recorded before it on the stream.
     unsafe { cu::event::elapsed(start.0.event, end.0.event) }.map_err(|e| device_err("cuEventElapsedTime_v2", e))
+}
+
+/// The host ranges registered through [`Device::register_host`] in this process (by any device handle: a
+/// portable registration holds for every context), so that an upload knows when its source needs no staging.
+mod pinned {
+    use std::collections::BTreeMap;
+    use std::sync::Mutex;
+
+    static RANGES: Mutex<BTreeMap<usize, usize>> = Mutex::new(BTreeMap::new());
+
+    pub(super) fn insert(start: usize, len: usize) {
+        RANGES.lock().unwrap_or_else(|e| e.into_inner()).insert(start, len);
+    }
+
+    pub(super) fn remove(start: usize) {
+        RANGES.lock().unwrap_or_else(|e| e.into_inner()).remove(&start);
+    }
+
+    /// Whether `len` bytes from `start` lie within one registered range.
+    pub(super) fn contains(start: usize, len: usize) -> bool {
+        within(&RANGES.lock().unwrap_or_else(|e| e.into_inner()), start, len)
+    }
+
+    pub(super) fn within(ranges: &BTreeMap<usize, usize>, start: usize, len: usize) -> bool {
+        ranges.range(..=start).next_back().is_some_and(|(&s, &l)| start.checked_add(len).is_some_and(|e| e <= s + l))
+    }
+
+    #[cfg(test)]
+    mod tests {
+        #[test]
+        fn a_range_is_pinned_only_within_one_registration() {
+            let ranges = [(4096, 8192), (65536, 4096)].into_iter().collect();
+            for (start, len, want) in [
+                (4096, 8192, true),
+                (8192, 100, true),
+                (4095, 10, false),
+                (12000, 300, false),
+                (12288, 1, false),
+                (65536, 4096, true),
+                (0, 1, false),
+                (usize::MAX - 1, 8, false),
+            ] {
+                assert_eq!(super::within(&ranges, start, len), want, "{len} bytes at {start}");
+            }
+        }
+    }
 }
 
 #[cfg(test)]

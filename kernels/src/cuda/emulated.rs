@@ -124,6 +124,16 @@ impl Device for EmulatedDevice {
         Ok(())
     }
 
+    unsafe fn register_host(&self, ptr: *mut u8, len: usize) -> Result<()> {
+        // Host memory is all the emulator has: nothing to pin. The range is only checked as the driver would.
+        if ptr.is_null() || len == 0 {
+            return Err(KernelError::InvalidArgument { name: "ptr", why: format!("{len} bytes at {ptr:?}") });
+        }
+        Ok(())
+    }
+
+    unsafe fn unregister_host(&self, _ptr: *mut u8, _len: usize) {}
+
     unsafe fn copy(&self, dst: DevicePtr, src: DevicePtr, bytes: usize) -> Result<()> {
         self.emu().check_range(src, bytes, "copy (source)")?;
         self.emu().check_range(dst, bytes, "copy (destination)")?;

@@ -4,6 +4,9 @@
 //! engine's host tier and back, one copy each way, on any backend; a CPU backend's buffers, which the CPU reads
 //! in place, are also written to and read from spill files without a copy of their own.
 //!
+//! [`BackendPageLocker`] registers the host tier's buffers with the backend's device once, when the pool maps them,
+//! so those copies run by DMA (on a GPU: page-locked, at the link's rate, with no staging of the backend's own).
+//!
 //! The copies run on the engine's worker threads. Each is ordered after the ops that made its source by the
 //! backend's contract: a download waits for the ops enqueued before it, and an upload lands before any op
 //! enqueued after it (the layer's backward, which fetches first).
@@ -12,7 +15,7 @@ use std::io;
 use std::sync::Arc;
 
 use longctx_kernels::{Backend, Buffer, DType, Dims, RawBytes, RawBytesMut, View, ViewMut};
-use longctx_offload::{DeviceBuffer, DeviceCopier};
+use longctx_offload::{DeviceBuffer, DeviceCopier, PageLocker};
 
 /// A saved buffer, as the offload engine holds it.
 #[derive(Debug)]
@@ -71,6 +74,34 @@ impl DeviceCopier for BackendCopier {
     }
 }
 
+/// Registers the host tier's buffers with the run's backend ([`Backend::register_host`]; see the module docs).
+#[derive(Debug)]
+pub struct BackendPageLocker {
+    backend: Arc<dyn Backend>,
+}
+
+impl BackendPageLocker {
+    /// The locker of `backend`'s device.
+    pub fn new(backend: Arc<dyn Backend>) -> Self {
+        Self { backend }
+    }
+}
+
+// SAFETY: registering only pins the pages and tells the driver of them (the kernels' `register_host` contract); it
+// neither reads, writes nor unmaps them.
+unsafe impl PageLocker for BackendPageLocker {
+    unsafe fn lock(&self, ptr: *mut u8, len: usize) -> io::Result<()> {
+        // SAFETY: the engine's contract (a page-aligned mapping of its own, not locked, mapped until `unlock`) is
+        // what `register_host` asks.
+        unsafe { self.backend.register_host(ptr, len) }.map_err(io::Error::other)
+    }
+
+    unsafe fn unlock(&self, ptr: *mut u8, len: usize) {
+        // SAFETY: locked by `lock` above and not unlocked since; the engine unlocks only buffers no copy uses.
+        unsafe { self.backend.unregister_host(ptr, len) }
+    }
+}
+
 fn ours(b: &dyn DeviceBuffer) -> io::Result<&BackendBuffer> {
     (b as &dyn std::any::Any)
         .downcast_ref::<BackendBuffer>()
@@ -90,7 +121,8 @@ mod tests {
     use longctx_kernels::{CpuBackend, CudaBackend};
     use longctx_offload::{DeviceTensor, OffloadEngine};
 
-    /// Saved buffers of every dtype go out to each tier through the copier and come back bit-exact, as buffers
+    /// Saved buffers of every dtype go out to each tier through the copier (the host tier registered with the
+    /// backend, as a run on a device registers it) and come back bit-exact, as buffers
     /// of the same backend: the CPU backend's (read in place for spill files), the CUDA backend's host emulator
     /// and a GPU's (memory only their download and upload reach). The CUDA ones skip, saying so, where the backend
     /// cannot open, except `cuda` under `LONGCTX_REQUIRE_GPU=1` (the GPU check).
@@ -126,7 +158,12 @@ mod tests {
         for disk in [false, true] {
             let dir = tempfile::tempdir().unwrap();
             let b = OffloadEngine::builder().prefetch_depth(0).device(BackendCopier::new(backend.clone()));
-            let engine = if disk { b.disk_tier(dir.path(), 64 << 20) } else { b.host_tier(64 << 20) }.build().unwrap();
+            let b = if disk {
+                b.disk_tier(dir.path(), 64 << 20)
+            } else {
+                b.host_tier(64 << 20).page_lock(BackendPageLocker::new(backend.clone()))
+            };
+            let engine = b.build().unwrap();
             for (i, dtype) in DType::ALL.into_iter().enumerate() {
                 let what = format!("{}, disk {disk}, {dtype}", backend.name());
                 let dims = [3usize, 1001 + i];

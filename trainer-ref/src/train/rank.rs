@@ -16,7 +16,7 @@ use crate::device::{Device, RankBackends};
 use crate::error::{Result, TrainError};
 use crate::metrics::Predicted;
 use crate::model::{LayerSaved, Model, Params};
-use crate::recipe::{Precision, Recipe};
+use crate::recipe::Recipe;
 
 /// One rank's state: its communicators, model, gradients and optimizer.
 pub(super) struct Rank<'a> {
@@ -60,10 +60,7 @@ impl<'a> Rank<'a> {
         let cp_comm = world.split(dp_index as u32, cp_index as u32)?;
         let device = recipe.device()?;
         let backend = backends.for_rank()?;
-        let dtype = match recipe.train.precision {
-            Precision::F32 => DType::F32,
-            Precision::Bf16 => DType::Bf16,
-        };
+        let dtype = recipe.dtype();
         let init = match init {
             None => Params::init(&*backend, cfg, recipe.train.seed)?,
             Some(tensors) => {
@@ -158,6 +155,5 @@ impl<'a> Rank<'a> {
 /// Bytes of activations one layer saves per rank for a micro-batch of the recipe.
 pub fn layer_saved_bytes(recipe: &Recipe) -> usize {
     let l = recipe.train.seq_len / recipe.parallel.cp;
-    let dtype = if recipe.train.precision == Precision::Bf16 { DType::Bf16 } else { DType::F32 };
-    LayerSaved::bytes_for(&recipe.model, l, dtype)
+    LayerSaved::bytes_for(&recipe.model, l, recipe.dtype())
 }

@@ -7,7 +7,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Once;
 use std::time::Instant;
 
-use longctx_kernels::DType;
 use longctx_p2p::{Communicator, ReduceOp, ThreadWorld};
 
 use super::ckpt::download_f32;
@@ -19,7 +18,7 @@ use crate::device::{Device, RankBackends};
 use crate::error::{Result, TrainError};
 use crate::hf::HfCheckpoint;
 use crate::metrics::Meter;
-use crate::recipe::{Precision, Recipe};
+use crate::recipe::Recipe;
 
 /// How to run a recipe.
 #[derive(Debug, Clone, Default)]
@@ -253,10 +252,7 @@ impl Rank<'_> {
     /// every core) while all ranks wait at a barrier (so none of them competes for it), times the `devices` the
     /// ranks run on (alike, as a cluster's nodes are). Every rank calls it; rank 0's answer is the one that counts.
     fn run_peak_flops(&self, devices: usize) -> Result<f64> {
-        let dtype = match self.recipe.train.precision {
-            Precision::F32 => DType::F32,
-            Precision::Bf16 => DType::Bf16,
-        };
+        let dtype = self.recipe.dtype();
         let peak = if self.is_root() {
             crate::metrics::device_peak_flops(self.device, &**self.model.backend(), dtype)?
         } else {

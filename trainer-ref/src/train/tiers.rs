@@ -11,7 +11,7 @@ use longctx_recompute::{Costs, Policy};
 
 use crate::device::Device;
 use crate::error::{Result, TrainError};
-use crate::model::offload_copy::{BackendBuffer, BackendCopier};
+use crate::model::offload_copy::{BackendBuffer, BackendCopier, BackendPageLocker};
 use crate::recipe::Recipe;
 
 /// The rates the recompute solver prices its choices at. Only `budget:` weighs them, and only against each
@@ -86,6 +86,10 @@ pub(super) fn offload_engine(
         .device(BackendCopier::new(backend.clone()));
     let b = match t.offload.as_str() {
         "none" => return Ok(None),
+        // On a device, the pool's buffers are registered with it, so the copies run by DMA.
+        "host" if backend.device_memory().is_some() => {
+            b.host_tier(budget).page_lock(BackendPageLocker::new(backend.clone()))
+        }
         "host" => b.host_tier(budget),
         _ => {
             std::fs::create_dir_all(&root).map_err(|e| TrainError::io(&root, e))?;
