@@ -8,6 +8,27 @@ pub enum TrainError {
     /// A kernel rejected its input.
     #[error(transparent)]
     Kernel(#[from] longctx_kernels::KernelError),
+    /// The device ran out of memory during a step: where, what was asked and what was free, beside the planner's
+    /// prediction of the rank's activation peak.
+    #[error(
+        "step {step}, {phase}: out of memory on {memory}: {bytes} bytes asked, {free} free; the planner predicted \
+         a peak of {predicted_peak_mib:.0} MiB of activations per rank (a recompute policy such as `--recompute \
+         selective` or `budget:SIZE`, `--offload host`, or more CP ranks lowers it)"
+    )]
+    DeviceOutOfMemory {
+        /// The step (1-based).
+        step: u64,
+        /// What the step was doing (`forward of layer 3`, `backward of layer 0`, `the loss`, …).
+        phase: String,
+        /// The memory that ran out.
+        memory: longctx_kernels::Memory,
+        /// Bytes the failed allocation asked.
+        bytes: usize,
+        /// Bytes the device reported free.
+        free: usize,
+        /// The planner's peak of kept and rebuilt activations per rank, MiB.
+        predicted_peak_mib: f64,
+    },
     /// Context-parallel attention failed.
     #[error(transparent)]
     Ring(#[from] longctx_ring_attn::RingError),
@@ -224,3 +245,40 @@ impl TrainError {
 
 /// The trainer's result type.
 pub type Result<T, E = TrainError> = std::result::Result<T, E>;
+
+impl TrainError {
+    /// The failed allocation's memory, size and free bytes, if this error is a device running out of memory
+    /// (from a kernel, or from ring attention's own buffers).
+    fn out_of_memory(&self) -> Option<(longctx_kernels::Memory, usize, usize)> {
+        use longctx_kernels::KernelError::OutOfMemory;
+        match self {
+            TrainError::Kernel(OutOfMemory { memory, bytes, free })
+            | TrainError::Ring(longctx_ring_attn::RingError::Kernel(OutOfMemory { memory, bytes, free })) => {
+                Some((*memory, *bytes, *free))
+            }
+            _ => None,
+        }
+    }
+
+    /// This error with `phase` said, if it is a device running out of memory not placed yet (its step and the
+    /// planner's figure are filled in by [`TrainError::in_step`]); any other error as it is.
+    pub fn in_phase(self, phase: impl FnOnce() -> String) -> TrainError {
+        match self.out_of_memory() {
+            Some((memory, bytes, free)) => {
+                TrainError::DeviceOutOfMemory { step: 0, phase: phase(), memory, bytes, free, predicted_peak_mib: 0.0 }
+            }
+            None => self,
+        }
+    }
+
+    /// This error in step `step`, with the planner's predicted peak, if it is a device running out of memory (one
+    /// no phase was said for is placed in `the step`); any other error as it is.
+    pub fn in_step(self, step: u64, predicted_peak_mib: f64) -> TrainError {
+        match self.in_phase(|| "the step".into()) {
+            TrainError::DeviceOutOfMemory { phase, memory, bytes, free, .. } => {
+                TrainError::DeviceOutOfMemory { step, phase, memory, bytes, free, predicted_peak_mib }
+            }
+            other => other,
+        }
+    }
+}

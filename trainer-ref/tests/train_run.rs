@@ -481,3 +481,30 @@ mod a_device_run_with_cp_on_one_device {
         }
     }
 }
+
+/// A device too small for the step: the run fails with the typed error naming the step, what it was doing, the
+/// bytes asked and free, and the planner's prediction, and leaves no process behind (on the emulator, whose
+/// memory `LONGCTX_EMULATED_MEMORY` bounds; the binary runs in a process of its own, as that bound is the
+/// process's).
+#[test]
+fn a_step_that_runs_out_of_device_memory_names_the_step_the_phase_and_the_prediction() {
+    if let Err(e) = longctx_kernels::CudaBackend::emulated() {
+        eprintln!("a_step_that_runs_out_of_device_memory_...: skipped: {e}");
+        return;
+    }
+    let out = out_dir("oom");
+    let o = Command::new(env!("CARGO_BIN_EXE_longctx"))
+        .args(["train", "--recipe", "tiny-llama", "--device", "cuda-emulated", "--quiet", "--out"])
+        .arg(&out)
+        .args(["--set", "model.layers=2", "--set", "model.d_model=64", "--set", "model.heads=2"])
+        .args(["--set", "model.kv_heads=1", "--set", "model.ffn=160", "--set", "train.seq_len=1024"])
+        .args(["--set", "train.steps=1", "--set", "train.eval_every=0", "--set", "parallel.threads=1"])
+        .env("LONGCTX_EMULATED_MEMORY", "6M")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "a 6 MiB device ran the step: {text}");
+    assert!(text.contains("step 1, ") && text.contains("out of memory on cuda:0"), "{text}");
+    assert!(text.contains(" of layer ") || text.contains("the loss"), "no phase named: {text}");
+    assert!(text.contains("the planner predicted a peak of") && text.contains("--recompute"), "{text}");
+}

@@ -3,7 +3,8 @@
 //!
 //! - Kernels run on the [`Emulator`]: every launch is synchronous, so a fault is reported by the op that caused
 //!   it (as the driver device does with checked launches).
-//! - Memory is the emulator's (host memory with guard zones, poisoned when allocated); copies check that they
+//! - Memory is the emulator's (host memory with guard zones, poisoned when allocated; `$LONGCTX_EMULATED_MEMORY`,
+//!   e.g. `64M`, bounds it, so that running out of device memory can be tested); copies check that they
 //!   stay within one allocation, as the GPU's would fault. A guard zone found damaged when a buffer is freed is
 //!   kept and reported by the next [`Device::synchronize`] (a sticky error, as CUDA's).
 //! - Matrix products are computed on the host with cuBLAS's column-major semantics ([`Gemm`]): the `op(A)`/`op(B)`
@@ -62,7 +63,7 @@ impl EmulatedDevice {
                     // What the emulator runs: sm_80's instructions (mma.sync, ldmatrix, cp.async).
                     compute_capability: (8, 0),
                     multiprocessors: std::thread::available_parallelism().map_or(1, |n| n.get() as u32),
-                    total_memory: 1 << 34,
+                    total_memory: emulator.memory_capacity().unwrap_or(1 << 34),
                 };
                 let s = Arc::new(Shared { emulator, info, fault: Mutex::new(None), used_high: AtomicUsize::new(0) });
                 *slot = Some(s.clone());

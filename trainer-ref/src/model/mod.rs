@@ -242,7 +242,9 @@ impl Model {
         let marks_offload = self.recompute.iter().any(|a| a.actions.values().any(|&v| v == Action::Offload));
         let mut moe: Option<MoeStats> = None;
         for layer in 0..self.cfg.layers {
-            let (out, mut saved, stats) = ops.layer_forward(layer, x, plan, &pos)?;
+            let (out, mut saved, stats) = ops
+                .layer_forward(layer, x, plan, &pos)
+                .map_err(|e| e.in_phase(|| format!("forward of layer {layer}")))?;
             if let Some(s) = stats {
                 moe.get_or_insert_with(|| MoeStats::zeros(s.experts())).merge(&s);
             }
@@ -283,7 +285,8 @@ impl Model {
         let lm = {
             let dweight = grads.tensors[head].view_mut();
             let g = ProjectionGrads { dhidden: dh_final.view_mut(), dweight };
-            b.cross_entropy_fused(g, saved.h_final.view(), self.weights.tensors[head].view(), targets, &opts, mode)?
+            b.cross_entropy_fused(g, saved.h_final.view(), self.weights.tensors[head].view(), targets, &opts, mode)
+                .map_err(|e| TrainError::from(e).in_phase(|| "the loss (output projection and cross-entropy)".into()))?
         };
         let mut grads = WeightGrads { params: grads, mode };
         let final_saved = (&saved.x_final, saved.mean_final.as_ref(), &saved.rstd_final);
@@ -294,8 +297,9 @@ impl Model {
             if let Some(e) = &self.offload {
                 e.backward_started(layer);
             }
-            let s = self.saved_for_backward(layer, &mut layers, plan, &pos)?;
-            dx = ops.layer_backward(dx, s, &mut grads, plan, &pos, loss.moe_aux)?;
+            let phase = || format!("backward of layer {layer}");
+            let s = self.saved_for_backward(layer, &mut layers, plan, &pos).map_err(|e| e.in_phase(phase))?;
+            dx = ops.layer_backward(dx, s, &mut grads, plan, &pos, loss.moe_aux).map_err(|e| e.in_phase(phase))?;
         }
         // Tied embeddings: the output projection's gradient is already in the table's; add the lookup's.
         let emb_mode = if head == 0 { GradMode::Accumulate } else { mode };

@@ -51,11 +51,14 @@ impl Rank<'_> {
     ) -> Result<StepOut> {
         let t = &self.recipe.train;
         let denominator = (t.batch * t.seq_len) as f64;
-        let g = self.gradients(sequence)?;
+        // A device running out of memory is reported with the step, what it was doing, and the planner's figure.
+        let (step, predicted) = (self.step + 1, self.predicted.peak_bytes as f64 / (1 << 20) as f64);
+        let placed = |e: TrainError| e.in_step(step, predicted);
+        let g = self.gradients(sequence).map_err(placed)?;
         let mut reduced = [g.loss_sum, if stop { 1.0 } else { 0.0 }];
         self.world.all_reduce(&mut reduced, ReduceOp::Sum)?;
-        let grad_norm = self.clip()?;
-        self.adamw(lr)?;
+        let grad_norm = self.clip().map_err(|e| placed(e.in_phase(|| "gradient clipping".into())))?;
+        self.adamw(lr).map_err(|e| placed(e.in_phase(|| "the optimizer".into())))?;
         self.step += 1;
         Ok(StepOut {
             loss: reduced[0] / denominator + g.aux_loss,

@@ -56,19 +56,59 @@ impl Allocation {
     }
 }
 
-/// Live allocations by user pointer.
+/// Live allocations by user pointer, within an optional capacity.
 #[derive(Default)]
 pub(super) struct DeviceMemory {
     allocs: Mutex<BTreeMap<usize, Allocation>>,
+    /// The most bytes live at once (`None`: what the machine has), so that a device running out of memory can be
+    /// tested without a GPU: `$LONGCTX_EMULATED_MEMORY` (see [`capacity_from_env`]).
+    capacity: Option<usize>,
+}
+
+/// `$LONGCTX_EMULATED_MEMORY`: the emulated device's memory, in bytes or with a `K`, `M` or `G` suffix (binary:
+/// `64M` is 64 MiB); unset or unreadable, no limit but the machine's.
+pub(super) fn capacity_from_env() -> Option<usize> {
+    parse_capacity(&std::env::var("LONGCTX_EMULATED_MEMORY").ok()?)
+}
+
+fn parse_capacity(v: &str) -> Option<usize> {
+    let v = v.trim().trim_end_matches("iB").trim_end_matches('B');
+    let (digits, shift) = match v.char_indices().last()? {
+        (i, 'K' | 'k') => (&v[..i], 10),
+        (i, 'M' | 'm') => (&v[..i], 20),
+        (i, 'G' | 'g') => (&v[..i], 30),
+        _ => (v, 0),
+    };
+    digits.trim().parse::<usize>().ok()?.checked_mul(1 << shift)
 }
 
 impl DeviceMemory {
+    /// Memory of at most `capacity` live bytes (`None`: the machine's).
+    pub(super) fn with_capacity(capacity: Option<usize>) -> Self {
+        Self { allocs: Mutex::default(), capacity }
+    }
+
+    /// The capacity, if one was set.
+    pub(super) fn capacity(&self) -> Option<usize> {
+        self.capacity
+    }
+
     /// `bytes` of poisoned memory, 256-byte aligned, between guard zones.
     pub fn alloc(&self, bytes: usize) -> Result<DevicePtr> {
         let oom = || KernelError::OutOfMemory { memory: Memory::Cuda { ordinal: 0 }, bytes, free: physical_memory() };
         // More than the machine has would only be found out by the OOM killer while poisoning it.
         if bytes > physical_memory() {
             return Err(oom());
+        }
+        if let Some(cap) = self.capacity {
+            let used = self.used();
+            if used.saturating_add(bytes) > cap {
+                return Err(KernelError::OutOfMemory {
+                    memory: Memory::Cuda { ordinal: 0 },
+                    bytes,
+                    free: cap - used.min(cap),
+                });
+            }
         }
         let total = bytes.checked_next_multiple_of(ALIGN).and_then(|b| b.checked_add(2 * REDZONE)).ok_or_else(oom)?;
         let layout = Layout::from_size_align(total, ALIGN).map_err(|_| oom())?;
@@ -189,6 +229,31 @@ fn physical_memory() -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_capacity_is_bytes_or_binary_units_and_bounds_what_is_live() {
+        for (text, want) in [
+            ("4096", Some(4096)),
+            ("64M", Some(64 << 20)),
+            ("2GiB", Some(2 << 30)),
+            ("1k", Some(1024)),
+            ("x", None),
+            ("", None),
+        ] {
+            assert_eq!(super::parse_capacity(text), want, "{text:?}");
+        }
+        let m = DeviceMemory::with_capacity(Some(4096));
+        let a = m.alloc(3000).unwrap();
+        match m.alloc(2000) {
+            Err(KernelError::OutOfMemory { bytes: 2000, free: 1096, .. }) => {}
+            other => panic!("{other:?}"),
+        }
+        // SAFETY: allocated above, unused.
+        unsafe { m.free(a) }.unwrap();
+        let b = m.alloc(4096).unwrap();
+        // SAFETY: as above.
+        unsafe { m.free(b) }.unwrap();
+    }
 
     #[test]
     fn guard_zones_catch_writes_on_either_side() {

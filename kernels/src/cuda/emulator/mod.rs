@@ -91,7 +91,7 @@ impl Emulator {
         };
         Ok(Self {
             libraries: compile::build(sources)?,
-            memory: DeviceMemory::default(),
+            memory: DeviceMemory::with_capacity(memory::capacity_from_env()),
             threads,
             workers: Mutex::new(Vec::new()),
         })
@@ -117,6 +117,11 @@ impl Emulator {
     /// the GPU's would instead of writing outside a buffer. `op` names the copy in the error.
     pub fn check_range(&self, ptr: DevicePtr, bytes: usize, op: &str) -> Result<()> {
         self.memory.check_range(ptr, bytes, op)
+    }
+
+    /// The device memory's capacity, when `$LONGCTX_EMULATED_MEMORY` set one.
+    pub fn memory_capacity(&self) -> Option<usize> {
+        self.memory.capacity()
     }
 
     /// Bytes allocated and not freed.
