@@ -132,7 +132,9 @@ enum Command {
         #[arg(long)]
         show: Option<String>,
     },
-    /// The trainer beside PyTorch eager (bench/peer_train.py) on the same tiny Llama: tokens/s, MFU, peak RSS.
+    /// The trainer beside PyTorch eager (bench/peer_train.py) on the same tiny Llama: tokens/s, MFU, peak RSS; with
+    /// `--device cuda:N`, on the GPU beside transformers' LlamaForCausalLM (bench/peer_train_gpu.py): tokens/s, MFU,
+    /// peak device memory.
     Bench {
         /// Sequence lengths.
         #[arg(long, value_delimiter = ',', default_value = "4096,16384,65536")]
@@ -140,20 +142,24 @@ enum Command {
         /// Timed steps per run.
         #[arg(long, default_value_t = 2)]
         steps: u64,
-        /// Number formats.
+        /// Number formats (the CPU table; the GPU table trains bf16, as the peer's autocast does).
         #[arg(long, value_delimiter = ',', default_value = "f32,bf16")]
         dtypes: Vec<String>,
         /// The Python with torch for the peer column (`none` leaves it out).
         #[arg(long, default_value = "python3")]
         python: String,
-        /// Context-parallel ranks of the memory comparison at the longest length (0 skips it).
-        #[arg(long, default_value_t = 4)]
-        cp: usize,
-        /// Compare these recompute policies with `none` (our side only): `--recompute selective,full`.
+        /// Context-parallel ranks of the memory comparison at the longest length (0 skips it; default 4); with
+        /// `--device`, our side's CP size (its ranks share the one GPU) at every length `--layout` does not name
+        /// (default 1).
+        #[arg(long)]
+        cp: Option<usize>,
+        /// Compare these recompute policies with `none` (our side only): `--recompute selective,full`; with
+        /// `--device`, the one policy our side trains with at every length `--layout` does not name.
         #[arg(long, value_delimiter = ',')]
         recompute: Vec<String>,
         /// Compare training with this offload tier (`host` or `disk`) against training without (our side only):
-        /// step time, the backward's wait for offloaded tensors, activations kept and peak RSS.
+        /// step time, the backward's wait for offloaded tensors, activations kept and peak RSS; with `--device`,
+        /// the tier our side trains with at every length `--layout` does not name.
         #[arg(long)]
         offload: Option<String>,
         /// Alternating rounds per row (medians printed).
@@ -162,6 +168,23 @@ enum Command {
         /// The model family: `llama` (the bench model), `mixtral` or `nemotron` (their tiny recipes).
         #[arg(long, default_value = "llama")]
         family: String,
+        /// Bench the GPU: `cuda` or `cuda:N` (a build with `--features cuda`) beside bench/peer_train_gpu.py on the
+        /// same GPU; `cuda-emulated` runs our side on the kernels' host emulator and the peer on the CPU (for
+        /// testing the bench itself). `cpu` or absent: the CPU tables.
+        #[arg(long, value_name = "cpu|cuda[:N]|cuda-emulated")]
+        device: Option<String>,
+        /// The GPU table's model: `llama3-8b-4l` (the Llama 3 8B shape cut to 4 layers; the default on cuda) or
+        /// `tiny` (the CPU table's bench model; the default on cuda-emulated).
+        #[arg(long, value_name = "tiny|llama3-8b-4l")]
+        model: Option<String>,
+        /// The GPU table's MFU peak, in TFLOP/s (default 989, the H200's dense bf16 datasheet figure, on cuda; the
+        /// host's measured FMA peak on cuda-emulated).
+        #[arg(long, value_name = "F")]
+        peak_tflops: Option<f64>,
+        /// The GPU table's layout of our side per length, each field defaulting to `--cp`, `--recompute`,
+        /// `--offload`: `--layout "65536:cp=2,recompute=full,offload=host;131072:cp=4,recompute=full"`.
+        #[arg(long, value_name = "SEQ:cp=N,recompute=P,offload=T;…")]
+        layout: Option<String>,
     },
     /// Per-device memory and step time of a model at a length and layout, and the cheapest recompute policy
     /// that fits (longctx-recompute's planner).
@@ -325,7 +348,21 @@ fn run(cli: Cli) -> Result<()> {
                 println!("{name:<18} {}", r.description);
             }
         }
-        Command::Bench { seqs, steps, dtypes, python, cp, recompute, offload, rounds, family } => {
+        Command::Bench {
+            seqs,
+            steps,
+            dtypes,
+            python,
+            cp,
+            recompute,
+            offload,
+            rounds,
+            family,
+            device,
+            model,
+            peak_tflops,
+            layout,
+        } => {
             let python = (python != "none").then_some(python);
             let family = match family.as_str() {
                 "llama" => Family::Llama,
@@ -347,6 +384,10 @@ fn run(cli: Cli) -> Result<()> {
                 offload,
                 rounds,
                 family,
+                device,
+                model,
+                peak_tflops,
+                layout,
             })?;
         }
         Command::Plan(a) if a.calibrate => longctx_trainer::plan_cmd::calibrate(a.efficiency)?,
