@@ -185,7 +185,8 @@ pub struct TrainConfig {
     pub eval_seqs: usize,
     /// A checkpoint every this many steps (and after the last); 0 only after the last.
     pub checkpoint_every: u64,
-    /// Checkpoints kept (the newest).
+    /// Checkpoints kept (the newest); 0 writes none at all (a benchmark's run: the weights are not wanted back, and
+    /// a large model's checkpoint takes seconds and gigabytes).
     pub keep_checkpoints: usize,
     /// Tokens per chunk of the fused output projection and loss (its logits are `chunk × vocab`).
     pub loss_chunk: usize,
@@ -464,7 +465,6 @@ impl Recipe {
             ("train.seq_len", t.seq_len),
             ("train.batch", t.batch),
             ("train.eval_seqs", t.eval_seqs),
-            ("train.keep_checkpoints", t.keep_checkpoints),
             ("train.loss_chunk", t.loss_chunk),
             ("data.heldout_every", self.data.heldout_every),
             ("parallel.cp", p.cp),

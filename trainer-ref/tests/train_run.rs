@@ -508,3 +508,14 @@ fn a_step_that_runs_out_of_device_memory_names_the_step_the_phase_and_the_predic
     assert!(text.contains(" of layer ") || text.contains("the loss"), "no phase named: {text}");
     assert!(text.contains("the planner predicted a peak of") && text.contains("--recompute"), "{text}");
 }
+
+/// `train.keep_checkpoints = 0` (what the benchmarks set) trains and writes no checkpoint at all.
+#[test]
+fn keeping_no_checkpoints_writes_none() {
+    let out = out_dir("no-checkpoints");
+    let s =
+        run(&small(&["train.keep_checkpoints=0", "train.steps=2", "train.eval_every=0"]), &out, false, None).unwrap();
+    assert_eq!(s.last_step, 2);
+    let dir = out.join("checkpoints");
+    assert!(!dir.exists() || std::fs::read_dir(&dir).unwrap().next().is_none(), "{} has checkpoints", dir.display());
+}

@@ -348,7 +348,9 @@ impl Rank<'_> {
                     self.model.backend().device_memory(),
                 )?;
             }
-            let ckpt_due = (t.checkpoint_every > 0 && self.step.is_multiple_of(t.checkpoint_every)) || last;
+            // `train.keep_checkpoints = 0` keeps none: a benchmark's run, whose weights nobody wants back.
+            let ckpt_due = t.keep_checkpoints > 0
+                && ((t.checkpoint_every > 0 && self.step.is_multiple_of(t.checkpoint_every)) || last);
             if ckpt_due {
                 self.save(&opts.out, meter.as_mut())?;
             }
