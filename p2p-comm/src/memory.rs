@@ -13,8 +13,10 @@
 //! - otherwise (UCX without it): device bytes are staged through host memory with the copier (device → host on
 //!   the sending side, host → device on the receiving side), two more copies per message.
 //!
-//! The collectives ([`Communicator::all_gather_bytes`] and the others) stage device bytes through host memory on
-//! every transport.
+//! The collectives follow: [`Communicator::all_gather_bytes`] and [`Communicator::all_to_all_bytes`] move each
+//! part once, point to point, where the transport reaches device memory, and stage through host memory where it
+//! does not (every rank of the collective must pass the same kinds of memory, as ring attention's ranks do: the
+//! two ways do not meet). [`Communicator::all_reduce_bytes`] reduces on the host, so it stages on every transport.
 //!
 //! Ordering: a device buffer must be idle on its device from when its operation is posted until it finishes:
 //! the work that produced a send's bytes has finished (a backend's `synchronize`), and no work enqueued before
@@ -25,7 +27,7 @@
 use crate::communicator::Communicator;
 pub use crate::device_copy::DeviceCopy;
 use crate::error::CommError;
-use crate::op::{DeviceEnd, Op};
+use crate::op::{meta, DeviceEnd, Op, ALL_GATHER, ALL_TO_ALL, INTERNAL};
 use crate::owned::{OwnedRequest, SendRequest};
 use crate::reduce::{Reduce, ReduceOp};
 use crate::request::{Request, Scope};
@@ -196,7 +198,7 @@ impl BytesRequest<'_> {
 }
 
 impl<'scope> Scope<'scope, '_> {
-    /// Starts a send (or receive) of device bytes `d` on a transport that reaches them (see
+    /// Starts a send (or receive) of device bytes `d` with a user tag on a transport that reaches them (see
     /// [`Communicator::reaches_device`]).
     fn post_device(
         &'scope self,
@@ -205,14 +207,111 @@ impl<'scope> Scope<'scope, '_> {
         tag: u32,
         d: &DeviceBytes<'scope>,
     ) -> Result<Request<'scope>, CommError> {
-        let comm = self.comm();
+        self.post_in(is_send, peer, (tag as u64, 0), Raw::device(d))
+    }
+
+    /// Starts one message with `key` and descriptor `meta` (`(key, meta)`), from or into bytes wherever they lie
+    /// (device bytes only on a transport that reaches them).
+    fn post_in(
+        &'scope self,
+        is_send: bool,
+        peer: usize,
+        (key, meta): (u64, u64),
+        raw: Raw<'scope>,
+    ) -> Result<Request<'scope>, CommError> {
         // SAFETY: the copier is borrowed for `'scope`, which the request's op cannot outlive.
-        let end = unsafe { DeviceEnd::new(d.ordinal, d.copy) };
-        let op =
-            Op { later: true, device: Some(end), ..comm.op(is_send, peer, tag as u64, 0, (d.ptr as *mut u8, d.len)) };
-        // SAFETY: the device bytes are borrowed for `'scope` (the `DeviceBytes` says so: its maker holds the
-        // view), and the scope finishes the op before `'scope` ends.
+        let end = raw.device.map(|(ordinal, copy)| unsafe { DeviceEnd::new(ordinal, copy) });
+        let op = Op { later: true, device: end, ..self.comm().op(is_send, peer, key, meta, (raw.ptr, raw.len)) };
+        // SAFETY: the bytes are borrowed for `'scope` (host bytes by `Raw`'s maker, device bytes by the view their
+        // `DeviceBytes` came from), mutably for a receive, and the scope finishes the op before `'scope` ends.
         unsafe { self.hold_op(op) }
+    }
+}
+
+/// Bytes wherever they lie, as a transport's op takes them: an address (a host pointer, or a device address),
+/// a length, and for device memory its ordinal and copier. Made from a borrow that outlives `'a`.
+#[derive(Clone, Copy)]
+struct Raw<'a> {
+    ptr: *mut u8,
+    len: usize,
+    device: Option<(u32, &'a dyn DeviceCopy)>,
+}
+
+impl<'a> Raw<'a> {
+    /// Where the bytes lie, for a copy of them.
+    fn place(&self) -> crate::device_copy::Place<'a> {
+        crate::device_copy::Place { addr: self.ptr as u64, device: self.device }
+    }
+
+    fn device(d: &DeviceBytes<'a>) -> Raw<'a> {
+        Raw { ptr: d.ptr as *mut u8, len: d.len, device: Some((d.ordinal, d.copy)) }
+    }
+
+    /// The bytes of a send, cut into parts of `k` bytes (`n` of them).
+    fn send_parts(b: Bytes<'a>, k: usize, n: usize) -> Vec<Raw<'a>> {
+        match b {
+            // A send is only read: the pointer is made mutable for the op's sake only.
+            Bytes::Host(h) => {
+                (0..n).map(|i| Raw { ptr: h[i * k..].as_ptr() as *mut u8, len: k, device: None }).collect()
+            }
+            Bytes::Device(d) => {
+                (0..n).map(|i| Raw::device(&DeviceBytes { ptr: d.ptr + (i * k) as u64, len: k, ..d })).collect()
+            }
+        }
+    }
+
+    /// The bytes of a receive, cut into `n` disjoint parts of `k` bytes.
+    fn recv_parts(b: BytesMut<'a>, k: usize, n: usize) -> Vec<Raw<'a>> {
+        match b {
+            BytesMut::Host(h) => {
+                let base = h.as_mut_ptr();
+                // SAFETY: `i * k ≤ n * k = h.len()`; the parts are disjoint, and the receives that write them hold
+                // the whole buffer's borrow (`'a`).
+                (0..n).map(|i| Raw { ptr: unsafe { base.add(i * k) }, len: k, device: None }).collect()
+            }
+            BytesMut::Device(d) => {
+                (0..n).map(|i| Raw::device(&DeviceBytes { ptr: d.ptr + (i * k) as u64, len: k, ..d })).collect()
+            }
+        }
+    }
+}
+
+impl Communicator {
+    /// Whether a collective over `send` and `recv` moves them where they lie (a side is in device memory and the
+    /// transport reaches it) rather than staging them through host memory.
+    fn direct(&self, send: &Bytes<'_>, recv: &BytesMut<'_>) -> bool {
+        let device = match (send, recv) {
+            (Bytes::Device(d), _) | (_, BytesMut::Device(d)) => Some(d.ordinal),
+            _ => None,
+        };
+        device.is_some_and(|o| self.reaches_device(o))
+    }
+
+    /// A collective on a transport that reaches device memory: this rank sends `sends[j]` to rank `j` and
+    /// receives `recvs[j]` from it, every pair at once, each part one copy wherever it lies (its own part copied in
+    /// place, not sent). Every part goes on the point-to-point path with the collective's key and descriptor `m`, so
+    /// a rank calling another collective, or another size, fails with the collectives' mismatch error.
+    fn direct_collective(&self, code: u64, m: u64, sends: Vec<Raw<'_>>, recvs: Vec<Raw<'_>>) -> Result<(), CommError> {
+        let (r, n) = (self.rank(), self.world_size());
+        let key = (INTERNAL | code, m);
+        let (mine, into) = (sends[r], recvs[r]);
+        // SAFETY: `mine` is `len` readable bytes of the send, `into` as many writable bytes of the receive, which
+        // the caller's borrows keep; a send and a receive never overlap.
+        unsafe { crate::device_copy::copy(mine.place(), into.place(), mine.len) }
+            .map_err(|(ordinal, reason)| CommError::DeviceCopy { ordinal, reason })?;
+        self.scope(|s| {
+            let mut reqs = Vec::with_capacity(2 * n);
+            // Receives first, then the sends from the nearest peer on, so a send finds its receive posted.
+            for (j, raw) in recvs.into_iter().enumerate().filter(|&(j, _)| j != r) {
+                reqs.push(s.post_in(false, j, key, raw)?);
+            }
+            for step in 1..n {
+                let j = (r + step) % n;
+                reqs.push(s.post_in(true, j, key, sends[j])?);
+            }
+            // Every request is finished, the first error returned.
+            reqs.into_iter().map(Request::wait).fold(Ok(()), Result::and)
+        })
     }
 }
 
@@ -299,13 +398,37 @@ impl Communicator {
     /// [`all_gather`](Self::all_gather) wherever the bytes lie: `recv` (world size × `send`'s length) receives
     /// every rank's `send`, in rank order.
     pub fn all_gather_bytes(&self, send: Bytes<'_>, recv: BytesMut<'_>) -> Result<(), CommError> {
-        staged_collective(send, recv, |s, r| self.all_gather(s, r))
+        let n = self.world_size();
+        if !self.direct(&send, &recv) {
+            return staged_collective(send, recv, |s, r| self.all_gather(s, r));
+        }
+        let k = send.len();
+        if recv.len() != n * k {
+            return Err(CommError::InvalidArgument(format!(
+                "all_gather_bytes: recv has {} bytes for {n} ranks' {k}",
+                recv.len()
+            )));
+        }
+        let sends = vec![Raw::send_parts(send, k, 1)[0]; n];
+        self.direct_collective(ALL_GATHER, meta(ALL_GATHER, k, 0), sends, Raw::recv_parts(recv, k, n))
     }
 
     /// [`all_to_all`](Self::all_to_all) wherever the bytes lie: chunk `j` of `send` goes to rank `j`, and chunk
     /// `i` of `recv` comes from rank `i`.
     pub fn all_to_all_bytes(&self, send: Bytes<'_>, recv: BytesMut<'_>) -> Result<(), CommError> {
-        staged_collective(send, recv, |s, r| self.all_to_all(s, r))
+        let n = self.world_size();
+        if !self.direct(&send, &recv) {
+            return staged_collective(send, recv, |s, r| self.all_to_all(s, r));
+        }
+        if send.len() != recv.len() || !send.len().is_multiple_of(n) {
+            return Err(CommError::InvalidArgument(format!(
+                "all_to_all_bytes: send ({}) and recv ({}) must have the same length, a multiple of world_size {n}",
+                send.len(),
+                recv.len()
+            )));
+        }
+        let (k, m) = (send.len() / n, meta(ALL_TO_ALL, send.len(), 0));
+        self.direct_collective(ALL_TO_ALL, m, Raw::send_parts(send, k, n), Raw::recv_parts(recv, k, n))
     }
 
     /// [`all_reduce`](Self::all_reduce) of `T` elements wherever their bytes lie (a host buffer must be aligned

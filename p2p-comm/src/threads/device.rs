@@ -12,6 +12,7 @@
 //!
 //! [`DeviceCopy::copy_within`]: crate::DeviceCopy::copy_within
 
+use crate::device_copy::Place;
 use crate::op::DeviceEnd;
 
 /// Flag in a slot's length: its pointer is a [`Region`].
@@ -36,41 +37,25 @@ pub(super) fn is_device(len: usize) -> bool {
 }
 
 /// Copies a matched message of which at least one side lies in device memory, from the send's slot `(sp, sl)` to
-/// the receive's `(rp, rl)`, whose byte counts are equal. On failure, the ordinal of the device whose copier failed
-/// and its reason.
+/// the receive's `(rp, rl)`, whose byte counts are equal ([`crate::device_copy::copy`]). On failure, the ordinal of
+/// the device whose copier failed and its reason.
 ///
 /// # Safety
 /// Both slots belong to operations in flight that keep their buffers (and regions, and copiers) alive and
 /// borrowed until they are completed, after this returns; a send and a receive buffer never overlap.
 pub(super) unsafe fn copy(sp: *const u8, sl: usize, rp: *mut u8, rl: usize) -> Result<(), (u32, String)> {
-    let n = bytes(sl);
-    debug_assert_eq!(n, bytes(rl));
-    // SAFETY (all of the below): per our contract, a device slot's pointer is its live region, a host slot's the
-    // `n` bytes of its buffer, and the regions' copiers are alive.
+    debug_assert_eq!(bytes(sl), bytes(rl));
+    // SAFETY: per our contract, a device slot's pointer is its live region (whose copier is alive), a host slot's
+    // the bytes of its buffer.
     unsafe {
-        let src = is_device(sl).then(|| &*(sp as *const Region));
-        let dst = is_device(rl).then(|| &*(rp as *const Region));
-        match (src, dst) {
-            (Some(s), None) => {
-                let host = std::slice::from_raw_parts_mut(rp, n);
-                s.end.copier().download(s.addr, host).map_err(|e| (s.end.ordinal, e))
+        let place = |p: *const u8, len: usize| {
+            if is_device(len) {
+                let r = &*(p as *const Region);
+                Place { addr: r.addr, device: Some((r.end.ordinal, r.end.copier())) }
+            } else {
+                Place { addr: p as u64, device: None }
             }
-            (None, Some(r)) => {
-                let host = std::slice::from_raw_parts(sp, n);
-                r.end.copier().upload(r.addr, host).map_err(|e| (r.end.ordinal, e))
-            }
-            (Some(s), Some(r)) if s.end.ordinal == r.end.ordinal => {
-                r.end.copier().copy_within(r.addr, s.addr, n).map_err(|e| (r.end.ordinal, e))
-            }
-            (Some(s), Some(r)) => {
-                let mut host = vec![0u8; n];
-                s.end.copier().download(s.addr, &mut host).map_err(|e| (s.end.ordinal, e))?;
-                r.end.copier().upload(r.addr, &host).map_err(|e| (r.end.ordinal, e))
-            }
-            (None, None) => {
-                crate::copy::copy(sp, rp, n);
-                Ok(())
-            }
-        }
+        };
+        crate::device_copy::copy(place(sp, sl), place(rp, rl), bytes(sl))
     }
 }

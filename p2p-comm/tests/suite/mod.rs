@@ -886,6 +886,22 @@ pub fn device_bytes(c: Communicator) -> Result<(), String> {
     for j in 0..n {
         expect(gathered.read(j * len, len) == bytes(21, j, len), "all_gather_bytes")?;
     }
+    // Direct: each part one copy within the device by the receiver's copier; staged: one upload of the whole.
+    let want = if direct { (0, 0, n) } else { (0, 1, 0) };
+    if gathered.calls() != want {
+        return Err(format!("all_gather_bytes: the receiver's copier made {:?} calls, not {want:?}", gathered.calls()));
+    }
+    // From host memory into device memory: every rank's part arrives.
+    let into = FakeDevice::new(n * len, false);
+    c.all_gather_bytes(Bytes::Host(&mine), BytesMut::Device(into.bytes(0, n * len))).map_err(|e| e.to_string())?;
+    for j in 0..n {
+        expect(into.read(j * len, len) == bytes(21, j, len), "all_gather_bytes, host to device")?;
+    }
+    // A receive buffer of the wrong size is refused before anything moves.
+    match c.all_gather_bytes(Bytes::Device(dev.bytes(0, len)), BytesMut::Device(into.bytes(0, n * len - 1))) {
+        Err(CommError::InvalidArgument(_)) | Err(CommError::LengthMismatch { .. }) => {}
+        other => return Err(format!("all_gather_bytes into a buffer a byte short gave {other:?}")),
+    }
     let chunk = len / n;
     let out = FakeDevice::new(chunk * n, false);
     c.all_to_all_bytes(Bytes::Device(dev.bytes(0, chunk * n)), BytesMut::Device(out.bytes(0, chunk * n)))
