@@ -482,6 +482,53 @@ mod a_device_run_with_cp_on_one_device {
     }
 }
 
+/// On a device, in the recipe's own precision there (bf16) with CP 2 on the one device: the same seed gives
+/// bit-identical losses run to run, and a run stopped at step 2 and resumed gives the whole run's losses bit for
+/// bit (the training kernels have no order-dependent atomics). On the emulator here, on a GPU under the GPU check,
+/// where it is what tells a non-deterministic kernel.
+mod a_device_run_is_deterministic_and_resumes_bit_identically {
+    use super::*;
+
+    fn check(device: &str) {
+        let backend = format!("parallel.backend=\"{device}\"");
+        let recipe = small(&[&backend, "parallel.cp=2", "train.batch=1", "train.steps=4", "train.eval_every=0"]);
+        let whole = run(&recipe, &out_dir(&format!("det-{device}-a")), false, None).unwrap();
+        let again = run(&recipe, &out_dir(&format!("det-{device}-b")), false, None).unwrap();
+        assert_eq!(bits(&whole.losses), bits(&again.losses), "{device}: two runs of one seed");
+        let out = out_dir(&format!("det-{device}-split"));
+        let first = run(&recipe, &out, false, Some(2)).unwrap();
+        let rest = run(&recipe, &out, true, None).unwrap();
+        let mut joined = first.losses.clone();
+        joined.extend(rest.losses.iter().copied());
+        assert_eq!(bits(&joined), bits(&whole.losses), "{device}: resumed at step 2");
+    }
+
+    #[test]
+    fn cuda_emulated() {
+        match longctx_kernels::CudaBackend::emulated() {
+            Ok(_) => check("cuda-emulated"),
+            Err(e) => {
+                eprintln!("a_device_run_is_deterministic_and_resumes_bit_identically::cuda_emulated: skipped: {e}")
+            }
+        }
+    }
+
+    #[test]
+    fn cuda() {
+        match longctx_trainer::device::backend(longctx_trainer::device::Device::Cuda(0), 1) {
+            Ok(_) => check("cuda:0"),
+            Err(e) if std::env::var("LONGCTX_REQUIRE_GPU").as_deref() == Ok("1") => {
+                panic!(
+                    "a_device_run_is_deterministic_and_resumes_bit_identically::cuda: LONGCTX_REQUIRE_GPU=1 but: {e}"
+                )
+            }
+            Err(e) => {
+                eprintln!("a_device_run_is_deterministic_and_resumes_bit_identically::cuda: skipped, no GPU: {e}")
+            }
+        }
+    }
+}
+
 /// A device too small for the step: the run fails with the typed error naming the step, what it was doing, the
 /// bytes asked and free, and the planner's prediction, and leaves no process behind (on the emulator, whose
 /// memory `LONGCTX_EMULATED_MEMORY` bounds; the binary runs in a process of its own, as that bound is the
