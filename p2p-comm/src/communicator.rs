@@ -39,6 +39,9 @@ pub struct Communicator {
     split_seq: AtomicU64,
     /// Set by [`abort`](Self::abort): why this rank failed.
     aborted: OnceLock<String>,
+    /// Set by [`attach_nccl`](Self::attach_nccl): NCCL over one device.
+    #[cfg(feature = "nccl")]
+    nccl: OnceLock<Arc<crate::nccl::comm::NcclComm>>,
 }
 
 impl std::fmt::Debug for Communicator {
@@ -67,6 +70,8 @@ impl Communicator {
             scope_pool: Mutex::new(Default::default()),
             split_seq: AtomicU64::new(0),
             aborted: OnceLock::new(),
+            #[cfg(feature = "nccl")]
+            nccl: OnceLock::new(),
         }
     }
 
@@ -188,7 +193,7 @@ impl Communicator {
         }
     }
 
-    fn check_peer(&self, peer: usize) -> Result<(), CommError> {
+    pub(crate) fn check_peer(&self, peer: usize) -> Result<(), CommError> {
         let n = self.world_size();
         if peer >= n {
             return Err(CommError::InvalidRank { rank: peer, world_size: n });
@@ -200,12 +205,53 @@ impl Communicator {
     /// with no copy of ours: see the [memory module](crate::memory)) rather than staging it through host memory.
     #[cfg_attr(not(feature = "ucx"), allow(unused_variables))]
     pub fn reaches_device(&self, ordinal: u32) -> bool {
+        if self.nccl_ordinal() == Some(ordinal) {
+            return true;
+        }
         match &self.transport {
             // The ranks share the process, and with it every device's address space.
             Transport::Threads(_) => true,
             #[cfg(feature = "ucx")]
             Transport::Ucx(ep) => ep.reaches_device(ordinal),
         }
+    }
+
+    /// Gives this communicator NCCL over device `ordinal` (collective: every rank calls it, each with its own
+    /// device, which NCCL requires). From then on device memory of that device given to the byte-level operations
+    /// ([`memory`](crate::memory)) moves through NCCL; host memory still moves on this communicator's transport.
+    /// Sub-communicators made later by [`split`](Self::split) do not inherit it.
+    ///
+    /// Fails on every rank, with [`CommError::Nccl`], when any rank cannot load NCCL or the CUDA driver or open its
+    /// device, and with [`CommError::Timeout`] when a rank does not join within the timeout. Without the `nccl`
+    /// feature it returns [`CommError::NotCompiled`].
+    #[cfg_attr(not(feature = "nccl"), allow(unused_variables))]
+    pub fn attach_nccl(&self, ordinal: u32) -> Result<(), CommError> {
+        #[cfg(feature = "nccl")]
+        {
+            if self.nccl.get().is_some() {
+                return Err(CommError::InvalidArgument("attach_nccl: NCCL is already attached".into()));
+            }
+            let comm = crate::nccl::comm::NcclComm::new(self, ordinal, self.stats.clone())?;
+            let _ = self.nccl.set(comm);
+            Ok(())
+        }
+        #[cfg(not(feature = "nccl"))]
+        Err(CommError::NotCompiled("nccl"))
+    }
+
+    /// The device whose memory this communicator moves through NCCL ([`attach_nccl`](Self::attach_nccl)), if any.
+    pub fn nccl_ordinal(&self) -> Option<u32> {
+        #[cfg(feature = "nccl")]
+        if let Some(n) = self.nccl.get() {
+            return Some(n.ordinal());
+        }
+        None
+    }
+
+    /// NCCL, when it is attached over device `ordinal`.
+    #[cfg(feature = "nccl")]
+    pub(crate) fn nccl_for(&self, ordinal: u32) -> Option<&Arc<crate::nccl::comm::NcclComm>> {
+        self.nccl.get().filter(|n| n.ordinal() == ordinal)
     }
 
     /// Posts `op` on the transport.

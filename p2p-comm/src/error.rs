@@ -122,6 +122,10 @@ pub enum CommError {
     /// An error reported by UCX.
     #[error("UCX: {0}")]
     Ucx(String),
+    /// NCCL (or the CUDA driver under it) could not be loaded, or an NCCL call failed: the call, NCCL's result and
+    /// its last error.
+    #[error("NCCL: {0}")]
+    Nccl(String),
     /// The copier of a buffer in device memory failed to move its bytes.
     #[error("copying a message's bytes to or from device {ordinal}: {reason}")]
     DeviceCopy {

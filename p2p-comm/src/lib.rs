@@ -45,6 +45,9 @@
 //!   [`memory`]). `LONGCTX_UCX_PEER_ERRORS=1` turns on UCX's peer
 //!   error handling: a rank then survives a peer that dies in the middle of a transfer over shared memory
 //!   (UCX 1.13 to 1.21 otherwise abort it; 1.22 does not), at a cost in shared-memory bandwidth.
+//! - `nccl`: device memory through NCCL beside either transport ([`Communicator::attach_nccl`], one rank per
+//!   GPU): point-to-point transfers and the collectives of device bytes on NCCL's stream, host messages on the
+//!   host transport. NCCL and the CUDA driver are loaded at run time, so the feature builds anywhere.
 //!
 //! # Layout
 //!
@@ -52,7 +55,8 @@
 //! (what a transport is asked to do), `bootstrap`, `rendezvous` ← `threads/` (refs ← completion, channel ←
 //! mailbox ← world ← mailbox_op, exchange, device ← endpoint) and `ucx/` (sys ← result ← safe ← mod) ← `pending`
 //! ← `communicator` ← `request`, `owned`, `collectives`, `thread_world` ← `memory` (buffers in any memory, moved
-//! by the transport where it reaches them, else staged through the host with their owner's copier).
+//! by the transport where it reaches them, else staged through the host with their owner's copier); `nccl/`
+//! (library ← comm) beside the transports, used by `communicator` and `memory` for device memory.
 #![warn(missing_docs, unsafe_op_in_unsafe_fn)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
@@ -64,6 +68,9 @@ mod device_copy;
 mod error;
 mod hostlist;
 pub mod memory;
+#[cfg(feature = "nccl")]
+#[cfg_attr(docsrs, doc(cfg(feature = "nccl")))]
+mod nccl;
 mod op;
 mod owned;
 mod pending;
@@ -82,6 +89,8 @@ pub use bootstrap::Bootstrap;
 pub use communicator::Communicator;
 pub use error::CommError;
 pub use memory::{Bytes, BytesMut, BytesRequest, DeviceBytes, DeviceCopy, MemoryKind};
+#[cfg(feature = "nccl")]
+pub use nccl::nccl_version;
 pub use owned::{OwnedBuf, OwnedRequest, SendRequest};
 pub use reduce::{Reduce, ReduceOp};
 pub use request::{Request, Scope};

@@ -181,6 +181,9 @@ enum Flavor<'scope> {
     StagedSend(SendRequest<Vec<u8>>),
     /// Into host memory, then to the device at `wait`.
     StagedRecv(OwnedRequest<Vec<u8>>, DeviceBytes<'scope>),
+    /// Device bytes through NCCL (queued until the first wait of its group).
+    #[cfg(feature = "nccl")]
+    Nccl(crate::nccl::comm::NcclRequest, std::marker::PhantomData<&'scope ()>),
 }
 
 impl BytesRequest<'_> {
@@ -193,6 +196,8 @@ impl BytesRequest<'_> {
                 let host = r.wait().map_err(|(e, _)| e)?;
                 dst.write_from(&host)
             }
+            #[cfg(feature = "nccl")]
+            Flavor::Nccl(r, _) => r.wait(),
         }
     }
 }
@@ -321,6 +326,8 @@ impl std::fmt::Debug for BytesRequest<'_> {
             Flavor::Direct(_) => "direct",
             Flavor::StagedSend(_) => "staged send",
             Flavor::StagedRecv(..) => "staged receive",
+            #[cfg(feature = "nccl")]
+            Flavor::Nccl(..) => "NCCL",
         };
         f.debug_tuple("BytesRequest").field(&kind).finish()
     }
@@ -337,6 +344,10 @@ impl<'scope> Scope<'scope, '_> {
     ) -> Result<BytesRequest<'scope>, CommError> {
         Ok(BytesRequest(match buf {
             Bytes::Host(b) => Flavor::Direct(self.isend(dst, tag, b)?),
+            #[cfg(feature = "nccl")]
+            Bytes::Device(d) if self.comm().nccl_for(d.ordinal).is_some() => {
+                Flavor::Nccl(self.comm().nccl_post(true, dst, &d)?, std::marker::PhantomData)
+            }
             Bytes::Device(d) if self.comm().reaches_device(d.ordinal) => {
                 Flavor::Direct(self.post_device(true, dst, tag, &d)?)
             }
@@ -357,6 +368,10 @@ impl<'scope> Scope<'scope, '_> {
     ) -> Result<BytesRequest<'scope>, CommError> {
         Ok(BytesRequest(match buf {
             BytesMut::Host(b) => Flavor::Direct(self.irecv(src, tag, b)?),
+            #[cfg(feature = "nccl")]
+            BytesMut::Device(d) if self.comm().nccl_for(d.ordinal).is_some() => {
+                Flavor::Nccl(self.comm().nccl_post(false, src, &d)?, std::marker::PhantomData)
+            }
             BytesMut::Device(d) if self.comm().reaches_device(d.ordinal) => {
                 Flavor::Direct(self.post_device(false, src, tag, &d)?)
             }
@@ -369,10 +384,25 @@ impl<'scope> Scope<'scope, '_> {
 }
 
 impl Communicator {
+    /// Queues a transfer of device bytes on NCCL (attached over their device), after checking the peer.
+    #[cfg(feature = "nccl")]
+    fn nccl_post(
+        &self,
+        is_send: bool,
+        peer: usize,
+        d: &DeviceBytes<'_>,
+    ) -> Result<crate::nccl::comm::NcclRequest, CommError> {
+        self.check_peer(peer)?;
+        let nccl = self.nccl_for(d.ordinal).ok_or_else(|| CommError::Nccl("detached".into()))?;
+        nccl.post(is_send, peer, d.ptr, d.len)
+    }
+
     /// Blocking [`send`](Self::send) of bytes wherever they lie.
     pub fn send_bytes_in(&self, dst: usize, tag: u32, buf: Bytes<'_>) -> Result<(), CommError> {
         match buf {
             Bytes::Host(b) => self.send(dst, tag, b),
+            #[cfg(feature = "nccl")]
+            Bytes::Device(d) if self.nccl_for(d.ordinal).is_some() => self.nccl_post(true, dst, &d)?.wait(),
             Bytes::Device(d) if self.reaches_device(d.ordinal) => {
                 self.scope(|s| s.post_device(true, dst, tag, &d)?.wait())
             }
@@ -384,6 +414,8 @@ impl Communicator {
     pub fn recv_bytes_in(&self, src: usize, tag: u32, buf: BytesMut<'_>) -> Result<(), CommError> {
         match buf {
             BytesMut::Host(b) => self.recv(src, tag, b),
+            #[cfg(feature = "nccl")]
+            BytesMut::Device(d) if self.nccl_for(d.ordinal).is_some() => self.nccl_post(false, src, &d)?.wait(),
             BytesMut::Device(d) if self.reaches_device(d.ordinal) => {
                 self.scope(|s| s.post_device(false, src, tag, &d)?.wait())
             }
@@ -399,15 +431,21 @@ impl Communicator {
     /// every rank's `send`, in rank order.
     pub fn all_gather_bytes(&self, send: Bytes<'_>, recv: BytesMut<'_>) -> Result<(), CommError> {
         let n = self.world_size();
-        if !self.direct(&send, &recv) {
-            return staged_collective(send, recv, |s, r| self.all_gather(s, r));
-        }
         let k = send.len();
         if recv.len() != n * k {
             return Err(CommError::InvalidArgument(format!(
                 "all_gather_bytes: recv has {} bytes for {n} ranks' {k}",
                 recv.len()
             )));
+        }
+        #[cfg(feature = "nccl")]
+        if let (Bytes::Device(s), BytesMut::Device(r)) = (&send, &recv) {
+            if let Some(nccl) = self.nccl_for(s.ordinal).filter(|_| s.ordinal == r.ordinal) {
+                return nccl.all_gather(s.ptr, r.ptr, k);
+            }
+        }
+        if !self.direct(&send, &recv) {
+            return staged_collective(send, recv, |s, r| self.all_gather(s, r));
         }
         let sends = vec![Raw::send_parts(send, k, 1)[0]; n];
         self.direct_collective(ALL_GATHER, meta(ALL_GATHER, k, 0), sends, Raw::recv_parts(recv, k, n))
@@ -417,15 +455,21 @@ impl Communicator {
     /// `i` of `recv` comes from rank `i`.
     pub fn all_to_all_bytes(&self, send: Bytes<'_>, recv: BytesMut<'_>) -> Result<(), CommError> {
         let n = self.world_size();
-        if !self.direct(&send, &recv) {
-            return staged_collective(send, recv, |s, r| self.all_to_all(s, r));
-        }
         if send.len() != recv.len() || !send.len().is_multiple_of(n) {
             return Err(CommError::InvalidArgument(format!(
                 "all_to_all_bytes: send ({}) and recv ({}) must have the same length, a multiple of world_size {n}",
                 send.len(),
                 recv.len()
             )));
+        }
+        #[cfg(feature = "nccl")]
+        if let (Bytes::Device(s), BytesMut::Device(r)) = (&send, &recv) {
+            if let Some(nccl) = self.nccl_for(s.ordinal).filter(|_| s.ordinal == r.ordinal) {
+                return nccl.all_to_all(s.ptr, r.ptr, s.len / n, n);
+            }
+        }
+        if !self.direct(&send, &recv) {
+            return staged_collective(send, recv, |s, r| self.all_to_all(s, r));
         }
         let (k, m) = (send.len() / n, meta(ALL_TO_ALL, send.len(), 0));
         self.direct_collective(ALL_TO_ALL, m, Raw::send_parts(send, k, n), Raw::recv_parts(recv, k, n))
@@ -450,6 +494,14 @@ impl Communicator {
                     ))
                 })?;
                 self.all_reduce(elems, op)
+            }
+            #[cfg(feature = "nccl")]
+            BytesMut::Device(d) if self.nccl_for(d.ordinal).is_some() => {
+                let dtype = crate::nccl::dtype_of::<T>().ok_or_else(|| {
+                    CommError::InvalidArgument("all_reduce_bytes: NCCL has no type for these elements".into())
+                })?;
+                let nccl = self.nccl_for(d.ordinal).ok_or_else(|| CommError::Nccl("detached".into()))?;
+                nccl.all_reduce(d.ptr, len / size, dtype, crate::nccl::redop_of(op))
             }
             BytesMut::Device(d) => {
                 let mut host = vec![T::zeroed(); len / size];

@@ -137,7 +137,12 @@ impl CpPlan {
         })
     }
 
-    /// The problem planned.
+    /// The context-parallel group the plan runs on (its communicator, backend and configuration).
+    pub fn context(&self) -> &ContextParallel {
+        &self.cp
+    }
+
+    /// The problem's shape.
     pub fn shape(&self) -> &CpShape {
         &self.shape
     }

@@ -380,10 +380,9 @@ const LLAMA3_8B_4L: [&str; 7] = [
     "model.rope_theta=500000.0",
 ];
 
-/// `longctx bench --device`: `cpu`, `cuda` (the GPU of ordinal 0), `cuda:N` or `cuda-emulated`, through
-/// [`Device`]'s parser; [`TrainError::InvalidOption`] naming `--device` otherwise.
+/// `longctx bench --device`: `cpu`, `cuda` (the GPU of ordinal `LOCAL_RANK`, else 0), `cuda:N` or
+/// `cuda-emulated`, through [`Device`]'s parser; [`TrainError::InvalidOption`] naming `--device` otherwise.
 pub fn parse_device(s: &str) -> Result<Device> {
-    let s = if s == "cuda" { "cuda:0" } else { s };
     s.parse()
         .map_err(|e: ParseDeviceError| TrainError::InvalidOption { option: "--device".into(), detail: e.to_string() })
 }

@@ -27,7 +27,9 @@ pub enum Device {
 
 /// A device string that is neither `cpu` nor `cuda:N`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("`{value}` is not a device (cpu; cuda:N for the GPU of ordinal N, e.g. cuda:0; cuda-emulated)")]
+#[error(
+    "`{value}` is not a device (cpu; cuda:N for the GPU of ordinal N, e.g. cuda:0; cuda for cuda:LOCAL_RANK; cuda-emulated)"
+)]
 pub struct ParseDeviceError {
     /// The string given.
     pub value: String,
@@ -40,6 +42,7 @@ impl FromStr for Device {
         let bad = || ParseDeviceError { value: s.to_string() };
         match s {
             "cpu" => Ok(Device::Cpu),
+            "cuda" => Ok(Device::Cuda(local_rank())),
             "cuda-emulated" => Ok(Device::CudaEmulated),
             _ => {
                 let ordinal = s.strip_prefix("cuda:").ok_or_else(bad)?;
@@ -51,6 +54,13 @@ impl FromStr for Device {
             }
         }
     }
+}
+
+/// The process's rank on its machine, from `LOCAL_RANK` (set by `longctx-launch` and torchrun), else 0: `cuda`
+/// without an ordinal is the GPU of that ordinal, so that one recipe gives each process of a launch a GPU of its own
+/// (as torchrun users write `cuda:{LOCAL_RANK}`).
+fn local_rank() -> usize {
+    std::env::var("LOCAL_RANK").ok().and_then(|v| v.parse().ok()).unwrap_or(0)
 }
 
 impl fmt::Display for Device {
@@ -144,7 +154,10 @@ mod tests {
             assert_eq!(s.parse::<Device>(), Ok(d));
             assert_eq!(d.to_string(), s);
         }
-        for s in ["", "gpu", "cuda", "cuda:", "cuda:+1", "cuda:-1", "cuda:x", "CPU", " cpu"] {
+        // `cuda` is the GPU of this process's LOCAL_RANK (the test process has none unless launched).
+        let local = std::env::var("LOCAL_RANK").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
+        assert_eq!("cuda".parse::<Device>(), Ok(Device::Cuda(local)));
+        for s in ["", "gpu", "cuda:", "cuda:+1", "cuda:-1", "cuda:x", "CPU", " cpu", "cuda "] {
             assert_eq!(s.parse::<Device>(), Err(ParseDeviceError { value: s.into() }), "{s:?}");
         }
     }

@@ -265,7 +265,8 @@ pub struct ParallelConfig {
     #[serde(default = "one")]
     pub pp: usize,
     /// Where every rank computes: `cpu` (default), `cuda:N`, the GPU of ordinal N (a build with the `cuda`
-    /// feature), or `cuda-emulated`, the CUDA path on its host emulator (see [`crate::device::Device`]).
+    /// feature), `cuda`, the GPU of ordinal `LOCAL_RANK` (each process of a launch on a GPU of its own; 0 outside
+    /// a launch), or `cuda-emulated`, the CUDA path on its host emulator (see [`crate::device::Device`]).
     /// `--device` overrides it; [`Recipe::device`] reads it.
     #[serde(default = "default_backend")]
     pub backend: String,

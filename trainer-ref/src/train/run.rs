@@ -248,6 +248,35 @@ impl Rank<'_> {
         Ok(keys.len())
     }
 
+    /// Gives the ranks' communicators (all ranks', and the CP group's) NCCL for device memory when every rank has a
+    /// GPU of its own (NCCL refuses two ranks on one GPU, so CP ranks sharing one keep the threads transport's device
+    /// copies), so the gradients' all-reduce and the ring's transfers run on the GPUs rather than through host
+    /// memory. `LONGCTX_NCCL=0` keeps the host path. Where
+    /// NCCL cannot be loaded it is a note, not an error: the run reduces through host memory, as without it. Every
+    /// rank calls it; returns the note for the log.
+    fn attach_nccl(&self, devices: usize) -> Result<Option<String>> {
+        let n = self.world.world_size();
+        let Device::Cuda(ordinal) = self.device else { return Ok(None) };
+        if n < 2 || devices < n || std::env::var("LONGCTX_NCCL").is_ok_and(|v| v == "0") {
+            return Ok(None);
+        }
+        let cp = self.plan.context().comm();
+        let attached = self.world.attach_nccl(ordinal as u32).and_then(|()| {
+            if cp.world_size() > 1 {
+                cp.attach_nccl(ordinal as u32)
+            } else {
+                Ok(())
+            }
+        });
+        Ok(Some(match attached {
+            Ok(()) => format!("gradients (and the CP ranks' attention transfers) through NCCL across {n} GPUs"),
+            Err(e @ (longctx_p2p::CommError::Nccl(_) | longctx_p2p::CommError::NotCompiled(_))) => {
+                format!("gradients reduced through host memory: {e}")
+            }
+            Err(e) => return Err(e.into()),
+        }))
+    }
+
     /// The run's arithmetic peak, the denominator of MFU: rank 0 times its device (for the CPU, one machine's
     /// every core) while all ranks wait at a barrier (so none of them competes for it), times the `devices` the
     /// ranks run on (alike, as a cluster's nodes are). Every rank calls it; rank 0's answer is the one that counts.
@@ -268,12 +297,16 @@ impl Rank<'_> {
         let t = &self.recipe.train;
         let (dp, s) = (self.recipe.parallel.dp, t.seq_len);
         let devices = self.devices()?;
+        let nccl = self.attach_nccl(devices)?;
         let peak = self.run_peak_flops(devices)?;
         let mut meter = if self.is_root() {
             Some(Meter::open(&opts.out, self.recipe, self.step, opts.quiet, self.model.weights.numel(), peak)?)
         } else {
             None
         };
+        if let (Some(m), Some(note)) = (meter.as_ref(), nccl) {
+            m.note(&note);
+        }
         let mut summary = Summary::default();
         let started = Instant::now();
         let first_step = self.step;
