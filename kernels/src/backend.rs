@@ -174,6 +174,17 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// The same device, memory and settings with a queue of its own, so that its work (a ring's transfers, an
     /// offload's copies) can overlap this backend's. Buffers of either may be used by both, ordered by events.
     fn fork(&self) -> Result<std::sync::Arc<dyn Backend>>;
+    /// Makes `buf`, allocated by another queue of this device (a [`fork`](Backend::fork), e.g. one that copies),
+    /// this backend's: work enqueued here from now on follows the work enqueued so far on the queue that allocated
+    /// it (so what that queue wrote is in place), and its memory goes back to the pool on this backend's queue
+    /// when dropped, after this backend's work that uses it. What a buffer filled on a copy queue and then used
+    /// and dropped by the compute queue needs: freed on the copy queue, its memory could be handed out again while
+    /// compute still reads it. A buffer of this queue, a host buffer, and any buffer of a backend whose ops run
+    /// before they return (the default) are left as they are.
+    fn adopt(&self, buf: &mut Buffer) -> Result<()> {
+        let _ = buf;
+        Ok(())
+    }
     /// Registers `len` bytes of host memory at `ptr` with this backend's device, so that [`upload`](Backend::upload)
     /// from it and [`download`](Backend::download) into it move by DMA with no staging of their own (the CUDA
     /// backend: page-locked with `cuMemHostRegister`): what a host tier's buffers, reused for a whole run, are

@@ -28,6 +28,11 @@ pub unsafe trait DeviceAllocation: Send + Sync + fmt::Debug {
     fn bytes(&self) -> usize;
     /// Which device's memory.
     fn memory(&self) -> Memory;
+    /// For the backend that made the allocation to recognise it ([`Backend::adopt`](crate::Backend::adopt)); the
+    /// default, `None`, is an allocation that cannot change hands.
+    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+        None
+    }
 }
 
 enum Owned {
@@ -100,6 +105,13 @@ impl Buffer {
                 self.data = device;
                 HostVec::F32(Vec::new())
             }
+        }
+    }
+    /// A device buffer's allocation (`None` for a host buffer).
+    pub fn device_allocation_mut(&mut self) -> Option<&mut dyn DeviceAllocation> {
+        match &mut self.data {
+            Owned::Host(_) => None,
+            Owned::Device { alloc, .. } => Some(&mut **alloc),
         }
     }
     /// The dims.

@@ -62,7 +62,37 @@ fn registered_host_memory(dev: &Device) {
     unsafe { std::alloc::dealloc(ptr, layout) };
 }
 
-test_device!(memory, elementwise, errors, registered_host_memory);
+/// A buffer allocated and filled on a fork (a copy queue) and adopted by the backend: the backend's own work sees
+/// what the fork wrote, and the buffer, dropped after that work, goes back to the pool on the backend's queue
+/// (on a GPU, the memory is not handed out again while the backend still reads it: a loop of such hand-overs
+/// reading each buffer gives every value back). Adopting its own buffer, or a host buffer, changes nothing.
+fn adopted_buffers(dev: &Device) {
+    let b = dev.backend();
+    let copier = b.fork().unwrap();
+    let dims = Dims::new(&[32, 257]).unwrap();
+    let mut total = 0.0f64;
+    let mut want = 0.0f64;
+    for round in 0..8 {
+        let src: Vec<f32> = (0..32 * 257).map(|i| ((i + round * 7) % 97) as f32).collect();
+        want += src.iter().map(|&x| f64::from(x) * 2.0).sum::<f64>();
+        let mut on = copier.empty(DType::F32, dims).unwrap();
+        copier.upload(on.view_mut(), View::new(&src, [32, 257]).unwrap()).unwrap();
+        b.adopt(&mut on).unwrap();
+        b.scale(on.view_mut(), 2.0).unwrap();
+        let mut back = vec![0.0f32; src.len()];
+        b.download(ViewMut::new(&mut back, [32, 257]).unwrap(), on.view()).unwrap();
+        total += back.iter().map(|&x| f64::from(x)).sum::<f64>();
+        drop(on);
+    }
+    assert_eq!(total, want, "{}", dev.name());
+    let mut own = b.zeros(DType::F32, dims).unwrap();
+    b.adopt(&mut own).unwrap();
+    let mut host = longctx_kernels::Buffer::host_zeros(DType::F32, dims).unwrap();
+    b.adopt(&mut host).unwrap();
+    b.synchronize().unwrap();
+}
+
+test_device!(memory, elementwise, errors, registered_host_memory, adopted_buffers);
 
 #[test]
 fn simd_levels_are_listed_and_clamped() {

@@ -55,6 +55,8 @@ pub struct CpPlan {
     docs: Option<Vec<u32>>,
     /// Out of the plan only during a call (whose schedules borrow the plan meanwhile).
     ws: Option<Workspace>,
+    /// The calls' reports since [`CpPlan::take_totals`].
+    totals: StepReport,
 }
 
 /// What a plan keeps between calls, as buffers of its backend: one `f32` accumulator of `Q`'s size (the
@@ -134,6 +136,7 @@ impl CpPlan {
             scale,
             groups,
             docs: None,
+            totals: StepReport::default(),
         })
     }
 
@@ -316,7 +319,14 @@ impl CpPlan {
             Ok(rep)
         });
         self.ws = Some(ws);
-        stored
+        stored.inspect(|rep| self.totals.add(rep))
+    }
+
+    /// The reports of every [`forward`](Self::forward) and [`backward`](Self::backward) since the last call (or
+    /// since the plan was made), added up, and starts counting again: a trainer's attention time and exposed
+    /// communication per step.
+    pub fn take_totals(&mut self) -> StepReport {
+        std::mem::take(&mut self.totals)
     }
 
     fn forward_into(&self, qkv: Qkv<'_>, out: AttnOut<'_>, bufs: &mut RingBuffers) -> Result<StepReport> {
@@ -402,7 +412,7 @@ impl CpPlan {
             Ok(rep)
         });
         self.ws = Some(ws);
-        stored
+        stored.inspect(|rep| self.totals.add(rep))
     }
 
     fn backward_into(

@@ -19,3 +19,15 @@ pub struct StepReport {
     /// KV blocks skipped because the mask hides them entirely.
     pub blocks_skipped: usize,
 }
+
+impl StepReport {
+    /// Adds `other`'s counts and times to these (totals over calls: [`CpPlan::take_totals`](crate::CpPlan::take_totals)).
+    pub fn add(&mut self, other: &StepReport) {
+        self.bytes_sent += other.bytes_sent;
+        self.expected_bytes += other.expected_bytes;
+        self.compute += other.compute;
+        self.comm_wait += other.comm_wait;
+        self.blocks_computed += other.blocks_computed;
+        self.blocks_skipped += other.blocks_skipped;
+    }
+}

@@ -1,7 +1,8 @@
 //! What a run reports: a progress bar (step, loss, tokens/s, MFU, memory) and `metrics.jsonl`, one JSON object
 //! per step (`step`, `loss`, `lr`, `grad_norm`, `tokens_per_s`, `mfu`, `rss_mib`, `saved_mib_per_rank`; on a device
 //! also `device_peak_mib` and `device_reserved_mib`, the high-water marks of the device memory pool the process's
-//! ranks share) and one per evaluation (`step`, `val_loss`).
+//! ranks share; with CP, `cp_attention_s` and `cp_comm_wait_s`, rank 0's attention time and the communication it did
+//! not hide; with offload, `offload_wait_s`) and one per evaluation (`step`, `val_loss`).
 //!
 //! MFU is the model's FLOPs per second over the run's arithmetic peak on the device it computes on
 //! ([`device_peak_flops`]), measured when the run starts and again at each evaluation, keeping the best, each
@@ -262,6 +263,7 @@ impl Meter {
         predicted: Predicted,
         offload_wait: Option<Duration>,
         device: Option<MemoryStats>,
+        cp: Option<longctx_ring_attn::StepReport>,
     ) -> Result<()> {
         self.tokens += tokens;
         let tps = tokens / took.as_secs_f64().max(1e-9);
@@ -269,6 +271,7 @@ impl Meter {
         let rss = peak_rss_bytes() as f64 / MIB;
         let mut line = serde_json::json!({
             "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tps, "mfu": mfu,
+            "step_s": took.as_secs_f64(),
             "rss_mib": rss, "saved_mib_per_rank": saved_bytes as f64 / MIB,
             "predicted_mib_per_rank": predicted.saved_bytes as f64 / MIB,
             "predicted_peak_mib_per_rank": predicted.peak_bytes as f64 / MIB,
@@ -288,6 +291,12 @@ impl Meter {
         if let Some(w) = offload_wait {
             // Seconds rank 0's backward waited for offloaded tensors: the part of offload a step pays for.
             line["offload_wait_s"] = serde_json::json!(w.as_secs_f64());
+        }
+        if let Some(r) = cp {
+            // Rank 0's attention through the CP plan this step: seconds in its kernels and merges, and seconds
+            // blocked on communication they did not hide (the exposed communication, as the ring counts it).
+            line["cp_attention_s"] = serde_json::json!(r.compute.as_secs_f64());
+            line["cp_comm_wait_s"] = serde_json::json!(r.comm_wait.as_secs_f64());
         }
         append_line(&self.path, &line.to_string())?;
         if let Some(v) = val_loss {

@@ -459,6 +459,13 @@ mod a_device_run_with_cp_on_one_device {
         for r in &steps {
             let peak = r.get("device_peak_mib").and_then(|v| v.as_f64()).unwrap_or(0.0);
             assert!(peak > 0.0, "a step line without the device pool's peak: {r}");
+            // CP 2: rank 0's attention time and the communication it did not hide, within the step's time.
+            let g = |k: &str| r.get(k).and_then(|v| v.as_f64()).unwrap_or(-1.0);
+            let (attn, wait, step) = (g("cp_attention_s"), g("cp_comm_wait_s"), g("step_s"));
+            assert!(
+                attn > 0.0 && wait >= 0.0 && attn + wait <= step,
+                "CP times {attn} + {wait} of a {step} s step: {r}"
+            );
         }
     }
 

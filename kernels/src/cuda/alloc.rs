@@ -25,6 +25,18 @@ impl CudaAllocation {
     pub fn ptr(&self) -> DevicePtr {
         self.ptr
     }
+
+    /// Hands the allocation to `to`, another stream of its device ([`Backend::adopt`](crate::Backend::adopt)):
+    /// `to` waits for the work enqueued so far on the stream that holds it, and frees it when dropped.
+    pub fn move_to(&mut self, to: &Arc<dyn Device>) -> crate::Result<()> {
+        if Arc::ptr_eq(&self.device, to) {
+            return Ok(());
+        }
+        let event = self.device.record_event()?;
+        to.wait_event(event.as_ref())?;
+        self.device = to.clone();
+        Ok(())
+    }
 }
 
 impl fmt::Debug for CudaAllocation {
@@ -44,6 +56,9 @@ unsafe impl DeviceAllocation for CudaAllocation {
     }
     fn memory(&self) -> Memory {
         self.device.memory()
+    }
+    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+        Some(self)
     }
 }
 

@@ -184,6 +184,17 @@ impl Backend for CudaBackend {
     fn fork(&self) -> Result<Arc<dyn Backend>> {
         Ok(Arc::new(CudaBackend { stream: Stream { device: self.stream.device.fork()? } }))
     }
+    fn adopt(&self, buf: &mut Buffer) -> Result<()> {
+        let Some(alloc) = buf.device_allocation_mut() else { return Ok(()) };
+        let got = alloc.memory();
+        let wrong = || crate::KernelError::Memory { name: "buf", backend: "cuda", expected: self.memory(), got };
+        if got != self.memory() {
+            return Err(wrong());
+        }
+        // Memory of this device but not of this backend's pool (another implementation's) cannot change hands.
+        let ours = alloc.as_any_mut().and_then(|a| a.downcast_mut::<CudaAllocation>()).ok_or_else(wrong)?;
+        ours.move_to(&self.stream.device)
+    }
     fn device_memory(&self) -> Option<crate::MemoryStats> {
         Some(self.memory_stats())
     }

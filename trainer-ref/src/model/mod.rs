@@ -251,7 +251,8 @@ impl Model {
             let actions = self.recompute.get(layer).unwrap_or(&keep_all);
             saved.keep(actions, self.offload.is_some())?;
             if let Some(engine) = &self.offload {
-                saved.offload(engine, |id| !marks_offload || actions.of(id.name()) == Action::Offload)?;
+                let ready = self.backend.record_event()?;
+                saved.offload(engine, &ready, |id| !marks_offload || actions.of(id.name()) == Action::Offload)?;
             }
             layers.push(saved);
             x = out;

@@ -7,70 +7,101 @@
 //! [`BackendPageLocker`] registers the host tier's buffers with the backend's device once, when the pool maps them,
 //! so those copies run by DMA (on a GPU: page-locked, at the link's rate, with no staging of the backend's own).
 //!
-//! The copies run on the engine's worker threads. Each is ordered after the ops that made its source by the
-//! backend's contract: a download waits for the ops enqueued before it, and an upload lands before any op
-//! enqueued after it (the layer's backward, which fetches first).
+//! The copies run on the engine's worker threads, on a queue of their own where the backend has queues (a
+//! [`fork`](Backend::fork) of a device backend: on a GPU, a second stream, so a copy overlaps the compute):
+//! - out: the buffer carries an [`Event`] recorded on the compute queue when it was handed over
+//!   ([`BackendBuffer::new`]); the copy queue waits for it, then downloads. The buffer is then dropped, its memory
+//!   going back on the compute queue that allocated it, after the download (which the worker waited for).
+//! - back: the copy queue allocates and uploads, the worker waits for it, and the compute backend
+//!   [adopts](Backend::adopt) the buffer: compute follows the upload, and the buffer, dropped after the layer's
+//!   backward, goes back to the pool on the compute queue, after the work that reads it.
+//!
+//! A backend whose ops run before they return (the CPU) copies on its own queue, where every event is complete.
 
 use std::io;
 use std::sync::Arc;
 
-use longctx_kernels::{Backend, Buffer, DType, Dims, RawBytes, RawBytesMut, View, ViewMut};
+use longctx_kernels::{Backend, Buffer, DType, Dims, Event, RawBytes, RawBytesMut, View, ViewMut};
 use longctx_offload::{DeviceBuffer, DeviceCopier, PageLocker};
 
-/// A saved buffer, as the offload engine holds it.
+/// A saved buffer, as the offload engine holds it: the buffer, and the point in the compute queue after which
+/// its values are in place.
 #[derive(Debug)]
-pub struct BackendBuffer(pub Buffer);
+pub struct BackendBuffer {
+    buf: Buffer,
+    ready: Event,
+}
+
+impl BackendBuffer {
+    /// `buf`, whose values are in place once `ready` is complete (an event the compute backend recorded after the
+    /// ops that wrote it).
+    pub fn new(buf: Buffer, ready: Event) -> Self {
+        Self { buf, ready }
+    }
+
+    /// The buffer.
+    pub fn into_buffer(self) -> Buffer {
+        self.buf
+    }
+}
 
 impl DeviceBuffer for BackendBuffer {
     fn size_bytes(&self) -> usize {
-        self.0.bytes()
+        self.buf.bytes()
     }
 
     fn host_bytes(&self) -> Option<&[u8]> {
-        match self.0.view().raw_bytes() {
+        match self.buf.view().raw_bytes() {
             RawBytes::Host(b) => Some(b),
             RawBytes::Device { .. } => None,
         }
     }
 
     fn host_bytes_mut(&mut self) -> Option<&mut [u8]> {
-        match self.0.view_mut().into_raw_bytes() {
+        match self.buf.view_mut().into_raw_bytes() {
             RawBytesMut::Host(b) => Some(b),
             RawBytesMut::Device { .. } => None,
         }
     }
 }
 
-/// Copies saved buffers between the run's backend and the offload engine's host tier (see the module docs).
+/// Copies saved buffers between the run's backend and the offload engine's host tier, on a queue of their own
+/// (see the module docs).
 #[derive(Debug)]
 pub struct BackendCopier {
-    backend: Arc<dyn Backend>,
+    compute: Arc<dyn Backend>,
+    copy: Arc<dyn Backend>,
 }
 
 impl BackendCopier {
-    /// The copier of `backend`'s buffers.
-    pub fn new(backend: Arc<dyn Backend>) -> Self {
-        Self { backend }
+    /// The copier of `backend`'s buffers: on a fork of it where it computes on device memory, else on it.
+    pub fn new(backend: Arc<dyn Backend>) -> longctx_kernels::Result<Self> {
+        let copy = if backend.device_memory().is_some() { backend.fork()? } else { backend.clone() };
+        Ok(Self { compute: backend, copy })
     }
 }
 
 impl DeviceCopier for BackendCopier {
     fn download(&self, src: &dyn DeviceBuffer, dst: &mut [u8]) -> io::Result<()> {
         let src = ours(src)?;
-        let dst = ViewMut::from_host_bytes(dst, src.0.dtype(), src.0.dims()).map_err(io::Error::other)?;
-        self.backend.download(dst, src.0.view()).map_err(io::Error::other)
+        let dst = ViewMut::from_host_bytes(dst, src.buf.dtype(), src.buf.dims()).map_err(io::Error::other)?;
+        self.copy.wait_event(&src.ready).map_err(io::Error::other)?;
+        self.copy.download(dst, src.buf.view()).map_err(io::Error::other)
     }
 
     fn alloc(&self, dtype: DType, dims: &[usize]) -> io::Result<Box<dyn DeviceBuffer>> {
         let dims = Dims::new(dims).map_err(io::Error::other)?;
-        let buf = self.backend.empty(dtype, dims).map_err(io::Error::other)?;
-        Ok(Box::new(BackendBuffer(buf)))
+        let buf = self.copy.empty(dtype, dims).map_err(io::Error::other)?;
+        Ok(Box::new(BackendBuffer::new(buf, Event::complete())))
     }
 
     fn upload(&self, src: &[u8], dst: &mut dyn DeviceBuffer) -> io::Result<()> {
         let dst = ours_mut(dst)?;
-        let src = View::from_host_bytes(src, dst.0.dtype(), dst.0.dims()).map_err(io::Error::other)?;
-        self.backend.upload(dst.0.view_mut(), src).map_err(io::Error::other)
+        let src = View::from_host_bytes(src, dst.buf.dtype(), dst.buf.dims()).map_err(io::Error::other)?;
+        self.copy.upload(dst.buf.view_mut(), src).map_err(io::Error::other)?;
+        // The engine hands the buffer to compute as soon as this returns.
+        self.copy.synchronize().map_err(io::Error::other)?;
+        self.compute.adopt(&mut dst.buf).map_err(io::Error::other)
     }
 }
 
@@ -157,7 +188,8 @@ mod tests {
     fn round_trips(backend: Arc<dyn Backend>) {
         for disk in [false, true] {
             let dir = tempfile::tempdir().unwrap();
-            let b = OffloadEngine::builder().prefetch_depth(0).device(BackendCopier::new(backend.clone()));
+            let copier = BackendCopier::new(backend.clone()).unwrap();
+            let b = OffloadEngine::builder().prefetch_depth(0).device(copier);
             let b = if disk {
                 b.disk_tier(dir.path(), 64 << 20)
             } else {
@@ -176,13 +208,14 @@ mod tests {
                 let bits = &bytemuck::cast_slice::<u64, u8>(&bits)[..n];
                 let mut buf = backend.empty(dtype, Dims::new(&dims).unwrap()).unwrap();
                 backend.upload(buf.view_mut(), View::from_host_bytes(bits, dtype, dims).unwrap()).unwrap();
-                let t = DeviceTensor::new(Box::new(BackendBuffer(buf)), dtype, dims).unwrap();
+                let ready = backend.record_event().unwrap();
+                let t = DeviceTensor::new(Box::new(BackendBuffer::new(buf, ready)), dtype, dims).unwrap();
                 let ticket = engine.offload(i, "x", t).unwrap();
-                let back = engine.fetch(ticket).unwrap().downcast::<BackendBuffer>().unwrap();
-                assert_eq!((back.0.dims(), back.0.memory()), (&dims[..], backend.memory()), "{what}");
+                let back = engine.fetch(ticket).unwrap().downcast::<BackendBuffer>().unwrap().into_buffer();
+                assert_eq!((back.dims(), back.memory()), (&dims[..], backend.memory()), "{what}");
                 let mut got = vec![0u64; n.div_ceil(8)];
                 let got = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut got)[..n];
-                backend.download(ViewMut::from_host_bytes(got, dtype, dims).unwrap(), back.0.view()).unwrap();
+                backend.download(ViewMut::from_host_bytes(got, dtype, dims).unwrap(), back.view()).unwrap();
                 assert!(got == bits, "{what}");
             }
         }

@@ -11,7 +11,7 @@
 //! width (of one expert), `E` experts, `K` experts per token, `N` rows through the MLP (`L·K` with experts, else
 //! `L`). Activations are in the working dtype, the norms' statistics and the router's outputs in `f32`.
 
-use longctx_kernels::{Buffer, DType, Routing};
+use longctx_kernels::{Buffer, DType, Event, Routing};
 use longctx_offload::{Activation, Device, DeviceTensor, OffloadEngine, Ticket};
 use longctx_recompute::{Action, LayerActions, LayerSpec};
 
@@ -409,13 +409,19 @@ impl LayerSaved {
     }
 
     /// Hands the buffers `which` selects to `engine` (they come back through [`LayerSaved::restore`]): each
-    /// goes as it is, in the backend's memory, and the engine's copier moves it (see [`super::offload_copy`]).
-    pub(crate) fn offload(&mut self, engine: &OffloadEngine, which: impl Fn(SavedId) -> bool) -> Result<()> {
+    /// goes as it is, in the backend's memory, with `ready`, an event of the compute queue recorded after the
+    /// layer's forward, and the engine's copier moves it (see [`super::offload_copy`]).
+    pub(crate) fn offload(
+        &mut self,
+        engine: &OffloadEngine,
+        ready: &Event,
+        which: impl Fn(SavedId) -> bool,
+    ) -> Result<()> {
         let layer = self.layer;
         for id in SavedId::all().filter(|&id| which(id)) {
             let Some(buf) = self.buffers[id as usize].take() else { continue };
             let (dtype, dims) = (buf.dtype(), buf.dims().to_vec());
-            let t = DeviceTensor::new(Box::new(BackendBuffer(buf)), dtype, dims)
+            let t = DeviceTensor::new(Box::new(BackendBuffer::new(buf, ready.clone())), dtype, dims)
                 .map_err(|e| TrainError::Internal(format!("offload of layer {layer} `{}`: {e}", id.name())))?;
             let ticket = engine.offload(layer, id.name(), t)?;
             self.away.push((id, ticket));
@@ -431,7 +437,7 @@ impl LayerSaved {
             let back = engine.fetch(ticket)?.downcast::<BackendBuffer>().map_err(|t| {
                 TrainError::Internal(format!("layer {layer} `{}` came back as another buffer: {t:?}", id.name()))
             })?;
-            self.buffers[id as usize] = Some(back.0);
+            self.buffers[id as usize] = Some(back.into_buffer());
         }
         Ok(())
     }

@@ -320,6 +320,8 @@ impl Rank<'_> {
         while self.step < t.steps {
             let step_start = Instant::now();
             let fetch_wait_before = self.model.offload_engine().map(|e| e.stats().fetch_wait);
+            // Counted from here: not the held-out passes before.
+            self.plan.take_totals();
             let lr = lr_at(self.recipe, self.step);
             let step = self.step;
             let stop = STOP.load(Ordering::SeqCst) || opts.stop_at.is_some_and(|s| step + 1 >= s);
@@ -327,6 +329,9 @@ impl Rank<'_> {
                 data.train.sequence(step * t.batch as u64 + (micro * dp + group) as u64, s)
             })?;
             let (loss, saved_bytes, grad_norm) = (out.loss, out.saved_bytes, out.grad_norm);
+            // This step's attention calls (before the held-out loss adds its own): with CP, the ring's time blocked
+            // on communication its compute did not hide.
+            let cp_report = Some(self.plan.take_totals()).filter(|_| self.recipe.parallel.cp > 1);
             if summary.saved_bytes_per_rank == 0 {
                 if let Some(m) = meter.as_ref() {
                     let mib = |b: usize| b as f64 / (1024.0 * 1024.0);
@@ -379,6 +384,7 @@ impl Rank<'_> {
                     self.predicted,
                     offload_wait,
                     self.model.backend().device_memory(),
+                    cp_report,
                 )?;
             }
             // `train.keep_checkpoints = 0` keeps none: a benchmark's run, whose weights nobody wants back.

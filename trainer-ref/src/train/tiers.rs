@@ -44,7 +44,7 @@ pub(super) fn costs(
 fn tier_bytes_per_s(engine: &OffloadEngine, backend: &dyn Backend) -> Result<f64> {
     let n = 4 << 20;
     let buf = backend.zeros(DType::F32, Dims::new(&[n])?)?;
-    let probe = DeviceTensor::new(Box::new(BackendBuffer(buf)), DType::F32, vec![n])
+    let probe = DeviceTensor::new(Box::new(BackendBuffer::new(buf, backend.record_event()?)), DType::F32, vec![n])
         .map_err(|e| TrainError::Internal(format!("the offload tier's rate probe: {e}")))?;
     let started = Instant::now();
     let ticket = engine.offload(0, "rate-probe", probe)?;
@@ -83,7 +83,7 @@ pub(super) fn offload_engine(
         .workers(1)
         .prefetch_depth(1)
         .resident_layers(layers - offloaded, layers)
-        .device(BackendCopier::new(backend.clone()));
+        .device(BackendCopier::new(backend.clone())?);
     let b = match t.offload.as_str() {
         "none" => return Ok(None),
         // On a device, the pool's buffers are registered with it, so the copies run by DMA.
