@@ -185,14 +185,19 @@ impl World {
     /// [aborted](crate::Communicator::abort) its parent communicator leaves the reason there too. So peers
     /// waiting on it in a split world (the groups of ring attention's all-to-all schedules, say) learn why, as
     /// they would in the root. (UCX looks the reason up by the process's world rank, so it needs no such chain.)
-    /// A supervised rank that dropped a split communicator and runs on leaves that world's peers waiting here
-    /// until the deadline, then `None`, as an unwinding root rank that never says why does.
+    /// A member still in a split world (it withdrew its messages with the going-away mark, as a rank whose
+    /// operation failed does before it returns) is looked up in the parent at once. A supervised rank that dropped
+    /// a split communicator and runs on leaves that world's peers waiting here until the deadline, then `None`, as
+    /// an unwinding root rank that never says why does.
     fn verdict(&self, r: usize, deadline: Instant) -> Option<String> {
         let mut d = lock(&self.departures[r]);
         loop {
             match &d.left {
                 Some(Some(reason)) => return Some(reason.clone()),
                 Some(None) => break,
+                // A member of a split world that withdrew its messages on its way out (cancelling the rest of an
+                // operation that failed) before its endpoint left: its reason comes from the parent, as below.
+                None if !d.supervised && self.parent.is_some() => break,
                 None if !d.supervised => return None,
                 None => {}
             }
