@@ -46,13 +46,8 @@ pub struct Communicator {
 
 impl std::fmt::Debug for Communicator {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let kind = match &self.transport {
-            Transport::Threads(_) => "threads",
-            #[cfg(feature = "ucx")]
-            Transport::Ucx(_) => "ucx",
-        };
         f.debug_struct("Communicator")
-            .field("transport", &kind)
+            .field("transport", &self.transport())
             .field("rank", &self.rank())
             .field("world_size", &self.world_size())
             .field("timeout", &self.timeout)
@@ -213,6 +208,15 @@ impl Communicator {
             Transport::Threads(_) => true,
             #[cfg(feature = "ucx")]
             Transport::Ucx(ep) => ep.reaches_device(ordinal),
+        }
+    }
+
+    /// The transport's name: `threads` or `ucx`.
+    pub fn transport(&self) -> &'static str {
+        match &self.transport {
+            Transport::Threads(_) => "threads",
+            #[cfg(feature = "ucx")]
+            Transport::Ucx(_) => "ucx",
         }
     }
 

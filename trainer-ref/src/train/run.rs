@@ -248,16 +248,38 @@ impl Rank<'_> {
         Ok(keys.len())
     }
 
+    /// How device memory moves between the ranks of a run on a GPU, said once in the log: NCCL when every rank
+    /// has a GPU of its own and it attaches ([`Self::attach_nccl`]); else the transport itself (thread ranks on one
+    /// GPU: one device copy; UCX with CUDA support: `cuda_ipc`, `cuda_copy`) or staging through host memory.
+    fn device_transport(&self, devices: usize) -> Result<Option<String>> {
+        // The backend's memory: the GPU's, or the emulator's (whose device memory moves the same way).
+        let longctx_kernels::Memory::Cuda { ordinal } = self.model.backend().memory() else { return Ok(None) };
+        if self.world.world_size() < 2 {
+            return Ok(None);
+        }
+        if let Device::Cuda(_) = self.device {
+            if let Some(note) = self.attach_nccl(ordinal, devices)? {
+                return Ok(Some(note));
+            }
+        }
+        let cp = self.plan.context().comm();
+        let how = if cp.reaches_device(ordinal as u32) {
+            "moved by the transport itself"
+        } else {
+            "staged through host memory"
+        };
+        Ok(Some(format!("device memory between ranks ({} transport): {how}", cp.transport())))
+    }
+
     /// Gives the ranks' communicators (all ranks', and the CP group's) NCCL for device memory when every rank has a
     /// GPU of its own (NCCL refuses two ranks on one GPU, so CP ranks sharing one keep the threads transport's device
     /// copies), so the gradients' all-reduce and the ring's transfers run on the GPUs rather than through host
     /// memory. `LONGCTX_NCCL=0` keeps the host path. Where
     /// NCCL cannot be loaded it is a note, not an error: the run reduces through host memory, as without it. Every
-    /// rank calls it; returns the note for the log.
-    fn attach_nccl(&self, devices: usize) -> Result<Option<String>> {
+    /// rank calls it; returns the note for the log, `None` when NCCL does not apply.
+    fn attach_nccl(&self, ordinal: usize, devices: usize) -> Result<Option<String>> {
         let n = self.world.world_size();
-        let Device::Cuda(ordinal) = self.device else { return Ok(None) };
-        if n < 2 || devices < n || std::env::var("LONGCTX_NCCL").is_ok_and(|v| v == "0") {
+        if devices < n || std::env::var("LONGCTX_NCCL").is_ok_and(|v| v == "0") {
             return Ok(None);
         }
         let cp = self.plan.context().comm();
@@ -297,14 +319,14 @@ impl Rank<'_> {
         let t = &self.recipe.train;
         let (dp, s) = (self.recipe.parallel.dp, t.seq_len);
         let devices = self.devices()?;
-        let nccl = self.attach_nccl(devices)?;
+        let transport = self.device_transport(devices)?;
         let peak = self.run_peak_flops(devices)?;
         let mut meter = if self.is_root() {
             Some(Meter::open(&opts.out, self.recipe, self.step, opts.quiet, self.model.weights.numel(), peak)?)
         } else {
             None
         };
-        if let (Some(m), Some(note)) = (meter.as_ref(), nccl) {
+        if let (Some(m), Some(note)) = (meter.as_ref(), transport) {
             m.note(&note);
         }
         let mut summary = Summary::default();
