@@ -153,6 +153,8 @@ struct Side {
     /// With CP: the share of rank 0's step time its attention spent blocked on communication its compute did not
     /// hide (`cp_comm_wait_s` over `step_s`, timed steps); 0 without.
     cp_exposed: f64,
+    /// The planner's device memory for the run (`predicted_device_mib`, MiB; 0 on the CPU).
+    predicted_device_mib: f64,
 }
 
 fn ours(exe: &Path, out: &Path, recipe: &str, sets: &[String], cp: usize, device: Option<Device>) -> Result<Side> {
@@ -194,6 +196,7 @@ fn ours(exe: &Path, out: &Path, recipe: &str, sets: &[String], cp: usize, device
         offload_wait_s: timed.iter().map(|r| f(r, "offload_wait_s")).sum::<f64>() / timed.len().max(1) as f64,
         cp_exposed: timed.iter().map(|r| f(r, "cp_comm_wait_s")).sum::<f64>()
             / timed.iter().map(|r| f(r, "step_s")).sum::<f64>().max(1e-12),
+        predicted_device_mib: steps.iter().map(|r| f(r, "predicted_device_mib")).fold(0.0, f64::max),
     })
 }
 
@@ -877,7 +880,28 @@ fn gpu_table(exe: &Path, opts: &BenchOptions, device: Device) -> Result<()> {
     if let Some(line) = exposed_line(&rows) {
         println!("{line}");
     }
+    if let Some(line) = planner_line(&rows) {
+        println!("{line}");
+    }
     Ok(())
+}
+
+/// The line after the GPU table: the planner's device memory for each row ours ran beside the pool's measured
+/// peak (the goal: within 10%), which calibrates `longctx plan`.
+fn planner_line(rows: &[(usize, Layout, Outcome, Outcome)]) -> Option<String> {
+    let parts: Vec<String> = rows
+        .iter()
+        .filter_map(|(seq, layout, ours, _)| match ours {
+            Outcome::Ran(s) if s.predicted_device_mib > 0.0 && s.device_peak_mib > 0.0 => Some(format!(
+                "{seq} ({layout}) {:.0} / {:.0} MiB = {:.2}",
+                s.predicted_device_mib,
+                s.device_peak_mib,
+                s.predicted_device_mib / s.device_peak_mib
+            )),
+            _ => None,
+        })
+        .collect();
+    (!parts.is_empty()).then(|| format!("planner's device memory / measured peak: {}", parts.join("; ")))
 }
 
 /// The line after the GPU table on the rows run with CP: the share of rank 0's step its ring attention spent
@@ -1263,7 +1287,7 @@ mod tests {
             (16384, cp(1), Outcome::Ran(side(1.0, 1.0)), Outcome::Ran(side(1.0, 1.0))),
             (32768, cp(1), Outcome::Ran(side(1.0, 1.0)), Outcome::Ran(side(1.0, 1.0))),
             (65536, cp(2), Outcome::Ran(side(1.0, 1.0)), oom.clone()),
-            (131072, cp(4), Outcome::Failed("out of memory".into()), oom),
+            (131072, cp(4), Outcome::Failed("out of memory".into()), oom.clone()),
         ];
         assert_eq!(longest_line(&rows, true), "longest length each side ran: longctx 65536 (cp 2); PyTorch 32768");
         let none = vec![(128, cp(1), Outcome::Failed("x".into()), Outcome::Absent)];
@@ -1286,5 +1310,14 @@ mod tests {
             )
         );
         assert_eq!(exposed_line(&rows[..1]), None);
+        let planned = |p, m| Outcome::Ran(Side { predicted_device_mib: p, device_peak_mib: m, ..side(1.0, 1.0) });
+        let rows = vec![
+            (16384, cp(1), planned(1100.0, 1000.0), Outcome::Absent),
+            (32768, cp(1), planned(0.0, 5.0), oom.clone()),
+        ];
+        assert_eq!(
+            planner_line(&rows).as_deref(),
+            Some("planner's device memory / measured peak: 16384 (cp 1) 1100 / 1000 MiB = 1.10")
+        );
     }
 }

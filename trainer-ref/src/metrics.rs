@@ -58,6 +58,8 @@ pub struct Meter {
     peak_flops: f64,
     started: Instant,
     tokens: f64,
+    /// The planner's device memory for the ranks sharing rank 0's memory pool, MiB ([`Meter::predict_device`]).
+    predicted_device_mib: Option<f64>,
 }
 
 /// FLOPs of one token's forward and backward (see the module docs).
@@ -205,6 +207,7 @@ impl Meter {
             peak_flops,
             started: Instant::now(),
             tokens: 0.0,
+            predicted_device_mib: None,
         };
         m.note(&format!(
             "{}: {} weights, {} ranks (cp {} × dp {}) on {device}, {} tokens per step, {} {:.1} GFLOP/s",
@@ -221,6 +224,17 @@ impl Meter {
             peak_flops / 1e9
         ));
         Ok(m)
+    }
+
+    /// The planner's prediction of the device memory the pool's high-water mark will show (the ranks that share the
+    /// pool, each as [`crate::plan_cmd::run_memory`] plans it), recorded on every step line beside the measured
+    /// `device_peak_mib` as `predicted_device_mib`, and said once.
+    pub fn predict_device(&mut self, bytes: u64) {
+        let mib = bytes as f64 / MIB;
+        self.predicted_device_mib = Some(mib);
+        self.note(&format!(
+            "device memory predicted by the planner: {mib:.0} MiB (the pool's peak is recorded per step)"
+        ));
     }
 
     /// Takes a peak measured again (at an evaluation) if it is higher: one timed while something else ran is
@@ -287,6 +301,9 @@ impl Meter {
             // bytes in live buffers at most, and bytes the pool held at most.
             line["device_peak_mib"] = serde_json::json!(d.used_high as f64 / MIB);
             line["device_reserved_mib"] = serde_json::json!(d.reserved_high as f64 / MIB);
+            if let Some(p) = self.predicted_device_mib {
+                line["predicted_device_mib"] = serde_json::json!(p);
+            }
         }
         if let Some(w) = offload_wait {
             // Seconds rank 0's backward waited for offloaded tensors: the part of offload a step pays for.

@@ -119,6 +119,37 @@ fn recipe_input(a: &PlanArgs, name: &str) -> Result<PlanInput> {
     })
 }
 
+/// The planner's device memory for one rank of a run of `r` as the trainer runs it (its length, batch, CP and DP, its
+/// recompute policy and offload tier; no TP or PP; every rank holds the whole optimizer state): the figure a run on
+/// a device records beside the pool's measured high-water mark (`predicted_device_mib`), which calibrates the
+/// planner. The planner models bf16 training (bf16 weights and activations, f32 master weights, gradients and
+/// moments), the GPU's default; an f32 run holds less in weights and more in activations.
+pub fn run_memory(r: &Recipe) -> Result<longctx_recompute::MemoryBreakdown> {
+    let p = &r.parallel;
+    let (cp, dp) = (p.cp as u64, p.dp as u64);
+    let input = PlanInput {
+        model: model_desc(&r.name, &r.model),
+        // Only the memory is read: with the policy given, the device's figures change nothing in it.
+        device: device("h200-141g")?,
+        layout: Layout {
+            gpus: cp * dp,
+            tp: 1,
+            cp,
+            pp: 1,
+            sequence_parallel: false,
+            distributed_optimizer: false,
+            global_batch: r.train.batch as u64,
+        },
+        seq_len: r.train.seq_len as u64,
+        policy: Some(r.train.recompute.parse::<Policy>()?),
+        efficiency: 0.5,
+        fp8: false,
+        loss_chunk: r.train.loss_chunk as u64,
+        offload: r.train.offload == "host",
+    };
+    Ok(plan(&input)?.memory)
+}
+
 fn input(a: &PlanArgs, seq: u64) -> Result<PlanInput> {
     let policy = a.recompute.as_deref().map(|p| p.parse::<Policy>()).transpose()?;
     let dp = (a.gpus / (a.tp * a.cp * a.pp).max(1)).max(1);

@@ -466,6 +466,11 @@ mod a_device_run_with_cp_on_one_device {
                 attn > 0.0 && wait >= 0.0 && attn + wait <= step,
                 "CP times {attn} + {wait} of a {step} s step: {r}"
             );
+            // The planner's figure for the two ranks' pool beside the measured peak (how close is the GPU bench's
+            // question, at sizes where the weights and activations dominate the kernels' own workspaces).
+            let planned = g("predicted_device_mib");
+            assert!(planned > 0.0, "no planner's device memory: {r}");
+            eprintln!("{device}: planner {planned:.1} MiB, pool peak {peak:.1} MiB");
         }
     }
 

@@ -329,6 +329,12 @@ impl Rank<'_> {
         if let (Some(m), Some(note)) = (meter.as_ref(), transport) {
             m.note(&note);
         }
+        if let Some(m) = meter.as_mut().filter(|_| self.model.backend().device_memory().is_some()) {
+            // Thread ranks on one device share its pool; each process has a pool of its own.
+            let sharing =
+                if self.world.transport() == "threads" { self.world.world_size() / devices.max(1) } else { 1 };
+            m.predict_device(crate::plan_cmd::run_memory(self.recipe)?.total * sharing as u64);
+        }
         let mut summary = Summary::default();
         let started = Instant::now();
         let first_step = self.step;
