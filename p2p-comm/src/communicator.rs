@@ -235,7 +235,10 @@ impl Communicator {
             if self.nccl.get().is_some() {
                 return Err(CommError::InvalidArgument("attach_nccl: NCCL is already attached".into()));
             }
-            let comm = crate::nccl::comm::NcclComm::new(self, ordinal, self.stats.clone())?;
+            let me = (self.rank(), self.world_size(), self.timeout);
+            let comm = crate::nccl::comm::NcclComm::new(me, ordinal, self.stats.clone(), |mine, all| {
+                self.all_gather(mine, all)
+            })?;
             let _ = self.nccl.set(comm);
             Ok(())
         }

@@ -15,7 +15,6 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 
 use super::library::{nccl, Nccl, RawComm, UniqueId};
-use crate::communicator::Communicator;
 use crate::error::CommError;
 use crate::stats::StatsCounters;
 use crate::sync::lock;
@@ -75,12 +74,17 @@ pub(crate) struct NcclRequest {
 }
 
 impl NcclComm {
-    /// Creates the communicator of `host`'s ranks on device `ordinal` (collective over `host`: every rank calls it,
-    /// each with its own device; NCCL refuses two ranks on one device). Rank 0 makes the unique id and sends it to
-    /// the others over `host`; a rank that cannot load NCCL or the driver makes every rank fail, before any enters
-    /// NCCL's initialisation.
-    pub(crate) fn new(host: &Communicator, ordinal: u32, stats: Arc<StatsCounters>) -> Result<Arc<Self>, CommError> {
-        let (rank, world) = (host.rank(), host.world_size());
+    /// Creates rank `rank`'s communicator of `world` ranks on device `ordinal` (collective: every rank calls it,
+    /// each with its own device; NCCL refuses two ranks on one device). `all_gather` is the host communicator's
+    /// all-gather of equal byte strings, in rank order: it carries rank 0's unique id to the others, and whether
+    /// every rank is ready, so that a rank that cannot load NCCL or the driver makes every rank fail before any
+    /// enters NCCL's initialisation.
+    pub(crate) fn new(
+        (rank, world, timeout): (usize, usize, Duration),
+        ordinal: u32,
+        stats: Arc<StatsCounters>,
+        all_gather: impl FnOnce(&[u8], &mut [u8]) -> Result<(), CommError>,
+    ) -> Result<Arc<Self>, CommError> {
         let local = prepare(ordinal, rank == 0);
         // Every rank learns whether every rank is ready, and rank 0's id: [ok, id…] per rank.
         let mut mine = vec![0u8; 1 + 128];
@@ -93,7 +97,7 @@ impl NcclComm {
             }
         }
         let mut all = vec![0u8; world * mine.len()];
-        host.all_gather(&mine, &mut all)?;
+        all_gather(&mine, &mut all)?;
         let (lib, ctx, _) = local?;
         if let Some(r) = all.chunks(mine.len()).position(|c| c[0] == 0) {
             return Err(CommError::Nccl(format!(
@@ -105,7 +109,7 @@ impl NcclComm {
             *d = *s as std::ffi::c_char;
         }
         let stream = ctx.new_stream().map_err(|e| driver_err(ordinal, "creating the NCCL stream", e))?;
-        let raw = init_rank(lib, &ctx, ordinal, id, rank, world, host.timeout())?;
+        let raw = init_rank(lib, &ctx, ordinal, id, rank, world, timeout)?;
         Ok(Arc::new(NcclComm {
             lib,
             raw,
@@ -114,7 +118,7 @@ impl NcclComm {
             ordinal,
             rank,
             world,
-            timeout: host.timeout(),
+            timeout,
             open: Mutex::new(OpenGroup::default()),
             aborted: AtomicBool::new(false),
             stats,
