@@ -7,11 +7,12 @@
 // Format" (9.7.15.5.1.2.2); CUTLASS's cute/arch/mma_sm90_desc.hpp states the same canonical layouts.
 //
 // The instructions:
-// - wgmma.fence.sync.aligned (wgmma_fence): orders this thread's earlier register accesses (the accumulators, and
-//   for kernels that write shared memory through the generic proxy, see below) before the wgmma.mma_async that
-//   follow. Required before the first wgmma.mma_async, and again whenever the accumulators were read or written
-//   by other instructions since. The emulator requires one since the thread's last wgmma_wait_group (a missing fence
-//   is an error there).
+// - wgmma.fence.sync.aligned (wgmma_fence): orders this thread's earlier accesses to registers (the accumulators)
+//   before the wgmma.mma_async that follow (shared memory needs the proxy fence below instead). Required before the
+//   first wgmma.mma_async, and again whenever the accumulators were read or written by other instructions since
+//   (wgmma.mma_async of the same shape accumulating into the same registers are ordered without one). The emulator
+//   is stricter: it requires one since the thread's last wgmma_wait_group (a missing fence is an error there), as
+//   CUTLASS and FlashAttention-3 fence before every batch anyway.
 // - wgmma.mma_async.sync.aligned.m64nNk16.f32.{bf16,f16}.{bf16,f16} (wgmma_m64nNk16_*): D = A·B (+ D when scale_d),
 //   A 64×16 and B 16×N from shared memory through descriptors (below), D 64×N f32 in the accumulator registers of
 //   the 128 threads of one warpgroup (4 consecutive warps whose first is a multiple of 4, all converged: every
