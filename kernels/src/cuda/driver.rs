@@ -416,7 +416,8 @@ impl DriverDevice {
     }
 
     fn load_module(&self, src: &KernelSource) -> Result<Module> {
-        let compiled = nvrtc::compile(src, &self.shared.arch)?;
+        let arch = nvrtc::arch_for(src, &self.shared.arch)?;
+        let compiled = nvrtc::compile(src, &arch)?;
         // The image is parsed as ELF; give it the 8-byte alignment its headers have in a file.
         let mut image = vec![0u64; compiled.cubin.len().div_ceil(8)];
         // SAFETY: `image` has at least `cubin.len()` bytes; the two do not overlap.
@@ -433,7 +434,7 @@ impl DriverDevice {
             let nvrtc = nvrtc::nvrtc_version().map(|(a, b)| format!("{a}.{b}")).unwrap_or_else(|e| e);
             KernelError::Device {
                 backend: BACKEND,
-                op: format!("loading {} compiled for {}", src.file, self.shared.arch),
+                op: format!("loading {} compiled for {arch}", src.file),
                 why: format!(
                     "{} (the driver supports CUDA {}.{}; the module was compiled by NVRTC {nvrtc})",
                     describe(e),

@@ -72,6 +72,8 @@ pub(crate) mod sources;
 mod stream;
 #[cfg(not(feature = "cuda"))]
 mod stub;
+#[cfg(all(test, feature = "cuda"))]
+mod wgmma_probe;
 
 #[cfg(feature = "cuda")]
 pub use backend::CudaBackend;

@@ -82,6 +82,23 @@ pub(crate) fn check_arch(arch: &str) -> Result<()> {
     }
 }
 
+/// The architecture to compile `src` for on a device whose kernels are compiled for `device_arch`: that one, except
+/// for the sm_90a-only sources ([`super::sources::needs_sm90a`]), which get `sm_90a` on an sm_90 device (and an
+/// error naming the source on any other).
+pub(crate) fn arch_for(src: &KernelSource, device_arch: &str) -> Result<String> {
+    if !super::sources::needs_sm90a(src) {
+        return Ok(device_arch.to_string());
+    }
+    match device_arch {
+        "sm_90" | "sm_90a" => Ok("sm_90a".to_string()),
+        other => Err(KernelError::Compile {
+            file: src.file,
+            target: other.to_string(),
+            log: format!("{} uses wgmma (ptx_hopper.cuh), which only sm_90a has; this device is {other}", src.file),
+        }),
+    }
+}
+
 /// NVRTC's options for `arch` with the CUDA headers in `include`.
 pub(crate) fn options(arch: &str, include: &Path) -> Vec<String> {
     vec![
@@ -404,7 +421,7 @@ fn run_nvrtc(tu: &str, file: &'static str, arch: &str, options: &[String]) -> Re
 pub(crate) mod tests {
     use super::*;
     use crate::cuda::places::tests::TempDir;
-    use crate::cuda::sources::SOURCES;
+    use crate::cuda::sources::{SM90A_SOURCES, SOURCES};
 
     /// Whether NVRTC and the CUDA headers are here; when not, says why on stderr, or fails when
     /// `LONGCTX_REQUIRE_NVRTC=1` (CI sets it once it has installed the wheels).
@@ -435,7 +452,8 @@ extern "C" __global__ void longctx_headers_only(float* out, const __nv_bfloat16*
     };
 
     /// The architectures the compile tests cover: `$LONGCTX_NVRTC_ARCHS` (comma-separated), else sm_80 and sm_90.
-    /// sm_90a (for `wgmma`, which no kernel uses yet) costs as much again: `LONGCTX_NVRTC_ARCHS=sm_80,sm_90,sm_90a`.
+    /// The sm_90a-only sources ([`SM90A_SOURCES`]) are compiled for sm_90a whatever this list says; the others for
+    /// sm_90a too cost as much again: `LONGCTX_NVRTC_ARCHS=sm_80,sm_90,sm_90a`.
     pub(crate) fn test_archs() -> Vec<String> {
         match std::env::var("LONGCTX_NVRTC_ARCHS") {
             Ok(list) if !list.trim().is_empty() => {
@@ -466,6 +484,10 @@ extern "C" __global__ void longctx_headers_only(float* out, const __nv_bfloat16*
                 for src in SOURCES.iter().copied().chain([&HEADERS_ONLY]) {
                     jobs.push((arch.clone(), src));
                 }
+            }
+            // The sm_90a-only sources, for sm_90a whatever the list says (they compile for nothing else).
+            for src in SM90A_SOURCES.iter().copied() {
+                jobs.push(("sm_90a".to_string(), src));
             }
             // Longest first (by source size, a fair proxy), so that the two slow sources do not start last.
             jobs.sort_by_key(|(_, src)| std::cmp::Reverse(src.code.len()));
@@ -502,8 +524,8 @@ extern "C" __global__ void longctx_headers_only(float* out, const __nv_bfloat16*
         log.lines().filter(|l| !l.trim().is_empty() && !info(l)).collect::<Vec<_>>().join("\n")
     }
 
-    /// Every kernel source compiles for sm_80 and sm_90 (or `$LONGCTX_NVRTC_ARCHS`) with no error, no warning,
-    /// and every kernel it lists an entry of the module.
+    /// Every kernel source compiles for sm_80 and sm_90 (or `$LONGCTX_NVRTC_ARCHS`), and every sm_90a-only source
+    /// for sm_90a, with no error, no warning, and every kernel it lists an entry of the module.
     #[test]
     fn nvrtc_compiles_every_source() {
         if !nvrtc_or_skip("nvrtc_compiles_every_source") {
@@ -635,6 +657,18 @@ extern "C" __global__ void longctx_headers_only(float* out, const __nv_bfloat16*
         }
         for bad in ["compute_90", "sm_9", "sm_90aa", "sm_", "90", "sm_9x", "sm_1000"] {
             assert!(check_arch(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn sm90a_only_sources_get_sm90a_on_sm90_and_an_error_elsewhere() {
+        use crate::cuda::sources::WGMMA_PROBE;
+        assert_eq!(arch_for(&WGMMA_PROBE, "sm_90").unwrap(), "sm_90a");
+        assert_eq!(arch_for(&WGMMA_PROBE, "sm_90a").unwrap(), "sm_90a");
+        let err = arch_for(&WGMMA_PROBE, "sm_80").unwrap_err().to_string();
+        assert!(err.contains("wgmma_probe.cu") && err.contains("sm_90a"), "{err}");
+        for src in SOURCES {
+            assert_eq!(arch_for(src, "sm_80").unwrap(), "sm_80", "{}", src.file);
         }
     }
 

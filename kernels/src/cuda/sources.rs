@@ -26,6 +26,32 @@ pub(crate) static SOURCES: &[&KernelSource] = &[
     &super::ops::attention::MERGE,
 ];
 
+/// The header of the sm_90a-only wrappers (`wgmma`): not one of [`HEADERS`], but an include of the sources that use
+/// it, which makes them sm_90a-only ([`needs_sm90a`]).
+pub(crate) const PTX_HOPPER: (&str, &str) = ("ptx_hopper.cuh", include_str!("kernels/ptx_hopper.cuh"));
+
+/// Whether `src` can only be compiled for sm_90a (it includes [`PTX_HOPPER`]): NVRTC refuses `wgmma` for sm_90.
+pub(crate) fn needs_sm90a(src: &KernelSource) -> bool {
+    src.includes.iter().any(|(name, _)| *name == PTX_HOPPER.0)
+}
+
+/// The probe of `wgmma`'s layouts (kernels/wgmma_probe.cu; its tests are in `cuda::wgmma_probe`).
+pub(crate) static WGMMA_PROBE: KernelSource = KernelSource {
+    file: "wgmma_probe.cu",
+    code: include_str!("kernels/wgmma_probe.cu"),
+    kernels: &[
+        "longctx_wgmma_probe_bf16_n64",
+        "longctx_wgmma_probe_bf16_n128",
+        "longctx_wgmma_probe_f16_n64",
+        "longctx_wgmma_probe_f16_n128",
+        "longctx_wgmma_probe_mistakes",
+    ],
+    includes: &[PTX_HOPPER],
+};
+
+/// The sources compiled for sm_90a only (each [`needs_sm90a`]); not among [`SOURCES`], which every GPU compiles.
+pub(crate) static SM90A_SOURCES: &[&KernelSource] = &[&WGMMA_PROBE];
+
 /// The translation unit of `src`: the headers, then the source, with `#line` directives so that compiler
 /// messages name the file and line they come from.
 pub(crate) fn translation_unit(src: &KernelSource) -> String {

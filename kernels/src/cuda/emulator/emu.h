@@ -385,6 +385,8 @@ struct Fiber {
     Site wait_site;
     unsigned int cp_committed;  // cp.async groups committed so far
     unsigned int cp_count;      // copies in flight
+    unsigned int wg_committed;  // wgmma groups committed so far
+    bool wg_fenced;             // a wgmma.fence since the last wgmma.wait_group
     Context ctx;
     CpAsync cp[kMaxCpAsync];
 };
@@ -420,6 +422,12 @@ void cp_async_16(Site site, void* smem, const void* gmem, bool valid);
 void cp_async_commit();
 void cp_async_wait(Site site, int pending);
 float ex2_approx_ftz(float x);
+unsigned int smem_window_addr(Site site, const void* p);
+void wgmma_fence(Site site);
+void wgmma_commit_group(Site site);
+void wgmma_wait_group(Site site, int pending);
+void wgmma_mma_async(Site site, int type, int n, int trans_a, int trans_b, float* d, unsigned long long desc_a,
+                     unsigned long long desc_b, bool scale_d);
 [[noreturn]] void trap(Site site, const char* what);
 [[noreturn]] void assert_fail(const char* expr, Site site, const char* func);
 

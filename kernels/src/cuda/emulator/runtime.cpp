@@ -24,6 +24,9 @@ constexpr unsigned int kAbiVersion = 1;
 constexpr std::size_t kDynGuardBytes = 256;
 constexpr unsigned char kSmemPoison = 0xff;  // NaN as f32, bf16 and f16; -1 as an integer
 constexpr unsigned char kGuardByte = 0xfd;
+// The shared-state window (smem_window_addr): static shared memory from this address, dynamic shared memory from the
+// next 1024-byte boundary after it plus 16 (CUDA promises dynamic shared memory 16-byte alignment only).
+constexpr std::size_t kSmemWindowStatic = 1024;
 
 }  // namespace emu
 
@@ -198,6 +201,38 @@ struct Warp {
     LaneSlot slot[32];
 };
 
+// wgmma (ptx_hopper.cuh): a warpgroup collective (128 threads, warps 4g..4g+3). One issued wgmma.mma_async: its
+// result for each thread, written to the thread's accumulators only when a wgmma.wait_group of that thread covers
+// its group; the shared memory it read (for the check that nothing overwrote it before the wait).
+struct WgmmaOp {
+    unsigned int group;  // the issuing threads' committed-group count at issue: the group it will belong to
+    int n;
+    Site site;
+    float* dst[128];
+    bool pending[128];
+    unsigned int left;  // threads that have not retired it
+    bool checked;       // its operands were compared with shared memory at its first retirement
+    std::vector<float> result;  // 128 × n/2, thread-major
+    std::vector<std::pair<const unsigned char*, unsigned short>> reads;
+};
+
+struct WgmmaArrival {
+    float* d;
+    unsigned long long desc_a, desc_b;
+    bool scale_d;
+    unsigned int committed;
+};
+
+struct WarpGroup {
+    unsigned int arrived;
+    int op;  // type, n and transposes, so that threads meeting in different variants are caught
+    Site site;
+    unsigned int first_thread;
+    Fiber* waiting[128];
+    WgmmaArrival in[128];
+    std::vector<WgmmaOp> ops;  // issued and not retired by every thread, oldest first
+};
+
 struct Barrier {
     unsigned int arrived;
     int op;  // -1: __syncthreads; else a SyncOp
@@ -223,6 +258,8 @@ struct Block {
     Barrier bar;
     std::vector<Fiber*> bar_waiting;
     std::vector<Warp> warps;
+    std::vector<WarpGroup> wgs;
+    unsigned int dyn_window;  // the shared-window address of dynamic shared memory (smem_window_addr)
     std::vector<Fiber*> queue;  // runnable fibers, a ring
     std::size_t q_head = 0, q_len = 0;
     Context sched;
@@ -528,6 +565,18 @@ void complete_cp_async(Fiber* f, unsigned int below_group, bool all) {
 [[noreturn]] void thread_exit(Fiber* f) {
     Block& b = *f->block;
     complete_cp_async(f, 0, true);
+    if (f->warp / 4 < b.wgs.size()) {
+        WarpGroup& g = b.wgs[f->warp / 4];
+        if (g.arrived > 0)
+            fail(f, "exited while %u threads of its warpgroup wait in wgmma.mma_async at %s:%d", g.arrived,
+                 g.site.file, g.site.line);
+        for (const WgmmaOp& op : g.ops)
+            if (op.pending[f->linear % 128])
+                fail(f,
+                     "exited with the wgmma.mma_async issued at %s:%d still in flight (no wgmma.wait_group covered "
+                     "its group)",
+                     op.site.file, op.site.line);
+    }
     f->state = kDone;
     b.done++;
     b.live--;
@@ -641,6 +690,10 @@ bool run_block(Block& b, unsigned long long linear) {
         w.live = w.lanes;
         w.arrived = 0;
     }
+    for (WarpGroup& g : b.wgs) {
+        g.arrived = 0;
+        g.ops.clear();
+    }
     if (b.static_smem) std::memset(b.static_smem, kSmemPoison, b.static_bytes);
     std::memset(b.dyn_smem - kDynGuardBytes, kGuardByte, kDynGuardBytes);
     std::memset(b.dyn_smem, kSmemPoison, b.dyn_bytes);
@@ -658,6 +711,8 @@ bool run_block(Block& b, unsigned long long linear) {
         f->wait_site = Site{"", 0};
         f->cp_committed = 0;
         f->cp_count = 0;
+        f->wg_committed = 0;
+        f->wg_fenced = false;
         prepare(f);
         b.push(f);
     }
@@ -805,6 +860,237 @@ void cp_async_wait(Site site, int pending) {
     complete_cp_async(f, f->cp_committed > p ? f->cp_committed - p : 0, false);
 }
 
+// ---------------------------------------------------------------------------------------------------------------------
+// wgmma (ptx_hopper.cuh): the shared-state window, and wgmma.mma_async as a warpgroup collective whose results land
+// at the wgmma.wait_group that covers them.
+
+// The window address of a host pointer into the block's shared memory; 0 with `ok` false when it is not there.
+unsigned int window_of(const Block& b, const void* p, bool* ok) {
+    const unsigned char* c = static_cast<const unsigned char*>(p);
+    *ok = true;
+    if (b.static_smem && c >= b.static_smem && c < b.static_smem + b.static_bytes)
+        return static_cast<unsigned int>(kSmemWindowStatic + static_cast<std::size_t>(c - b.static_smem));
+    if (b.dyn_smem && c >= b.dyn_smem && c < b.dyn_smem + b.dyn_bytes)
+        return b.dyn_window + static_cast<unsigned int>(c - b.dyn_smem);
+    *ok = false;
+    return 0;
+}
+
+// The host address of `bytes` bytes at window address `a`, or nullptr when they are not all shared memory.
+const unsigned char* host_of(const Block& b, std::size_t a, std::size_t bytes) {
+    if (b.static_smem && a >= kSmemWindowStatic && a + bytes <= kSmemWindowStatic + b.static_bytes)
+        return b.static_smem + (a - kSmemWindowStatic);
+    if (a >= b.dyn_window && a + bytes <= b.dyn_window + b.dyn_bytes) return b.dyn_smem + (a - b.dyn_window);
+    return nullptr;
+}
+
+unsigned int smem_window_addr(Site site, const void* p) {
+    Fiber* f = self();
+    bool ok = false;
+    const unsigned int a = window_of(*f->block, p, &ok);
+    if (!ok)
+        fail(f, "%s:%d: %p is not in the block's shared memory (a wgmma operand must be)", site.file, site.line, p);
+    return a;
+}
+
+void wgmma_fence(Site) { self()->wg_fenced = true; }
+
+void wgmma_commit_group(Site) { self()->wg_committed++; }
+
+// Element (mn, k) of a 16-bit operand whose descriptor is `desc`: the PTX ISA's canonical layouts (ptx_hopper.cuh),
+// no swizzle or 128B swizzle, base offset 0. Fails on anything else, or when the element is not shared memory.
+const unsigned char* wgmma_element(Fiber* last, const WarpGroup& g, const char* which, unsigned long long desc,
+                                   bool mn_major, unsigned int mn, unsigned int k) {
+    const Block& b = *last->block;
+    const std::size_t start = (desc & 0x3fffull) << 4;
+    const std::size_t lbo = ((desc >> 16) & 0x3fffull) << 4;
+    const std::size_t sbo = ((desc >> 32) & 0x3fffull) << 4;
+    const unsigned int base = static_cast<unsigned int>((desc >> 49) & 7ull);
+    const unsigned int mode = static_cast<unsigned int>(desc >> 62);
+    if (mode == 2 || mode == 3)
+        fail(last, "wgmma.mma_async at %s:%d: %s's descriptor asks for the %s swizzle, which the emulator does not "
+                   "implement (only none and 128B)",
+             g.site.file, g.site.line, which, mode == 2 ? "64B" : "32B");
+    if (base != 0 && mode != 0)
+        fail(last, "wgmma.mma_async at %s:%d: %s's descriptor has base offset %u, which the emulator does not "
+                   "implement (start swizzled tiles on a 1024-byte boundary)",
+             g.site.file, g.site.line, which, base);
+    std::size_t off;
+    if (mode == 0) {
+        off = mn_major ? (mn % 8) * 2 + (mn / 8) * sbo + (k % 8) * 16 + (k / 8) * lbo
+                       : (mn % 8) * 16 + (mn / 8) * sbo + (k % 8) * 2 + (k / 8) * lbo;
+    } else {
+        off = mn_major ? (mn % 64) * 2 + (mn / 64) * lbo + (k % 8) * 128 + (k / 8) * sbo
+                       : (mn % 8) * 128 + (mn / 8) * sbo + k * 2;
+    }
+    std::size_t a = start + off;
+    if (mode == 1) a ^= ((a >> 7) & 7) << 4;
+    const unsigned char* p = host_of(b, a, 2);
+    if (!p)
+        fail(last, "wgmma.mma_async at %s:%d: %s's element (%s %u, k %u) is at shared address 0x%zx, outside the "
+                   "block's shared memory",
+             g.site.file, g.site.line, which, which[0] == 'A' ? "m" : "n", mn, k, a);
+    return p;
+}
+
+void compute_wgmma(WarpGroup& g, Fiber* last, int type, int n, bool ta, bool tb) {
+    const WgmmaArrival& first = g.in[0];
+    for (unsigned int t = 1; t < 128; t++) {
+        const WgmmaArrival& x = g.in[t];
+        if (x.desc_a != first.desc_a || x.desc_b != first.desc_b || x.scale_d != first.scale_d)
+            fail(last, "wgmma.mma_async at %s:%d: thread %u of the warpgroup passes other descriptors or scale-d "
+                       "than its first thread (they must be the same in all 128)",
+                 g.site.file, g.site.line, t);
+        if (x.committed != first.committed)
+            fail(last, "wgmma.mma_async at %s:%d: the warpgroup's threads have committed different numbers of "
+                       "wgmma groups",
+                 g.site.file, g.site.line);
+    }
+    WgmmaOp op;
+    op.group = first.committed;
+    op.n = n;
+    op.site = g.site;
+    op.left = 128;
+    op.checked = false;
+    // The operands, read now (and compared with shared memory again when the op retires).
+    float A[64][16];
+    std::vector<float> B(static_cast<std::size_t>(n) * 16);
+    op.reads.reserve((64 + static_cast<std::size_t>(n)) * 16);
+    auto load = [&](const char* which, unsigned long long desc, bool mn_major, unsigned int mn, unsigned int k) {
+        const unsigned char* p = wgmma_element(last, g, which, desc, mn_major, mn, k);
+        unsigned short h;
+        std::memcpy(&h, p, 2);
+        op.reads.emplace_back(p, h);
+        return half_bits_to_f32(type, h);
+    };
+    for (unsigned int m = 0; m < 64; m++)
+        for (unsigned int k = 0; k < 16; k++) A[m][k] = load("A", first.desc_a, ta, m, k);
+    for (unsigned int j = 0; j < static_cast<unsigned int>(n); j++)
+        for (unsigned int k = 0; k < 16; k++) B[j * 16 + k] = load("B", first.desc_b, tb, j, k);
+    const unsigned int regs = static_cast<unsigned int>(n) / 2;
+    op.result.resize(128 * static_cast<std::size_t>(regs));
+    for (unsigned int t = 0; t < 128; t++) {
+        float* d = g.in[t].d;
+        // The accumulator's input: the result of the latest op in flight into the same registers (a chain of
+        // wgmma into one accumulator), else the registers themselves.
+        const float* c = d;
+        for (auto it = g.ops.rbegin(); it != g.ops.rend(); ++it) {
+            if (it->pending[t] && it->dst[t] == d) {
+                if (it->n != n)
+                    fail(last, "wgmma.mma_async at %s:%d accumulates into the registers of the one at %s:%d, of "
+                               "another N, still in flight",
+                         g.site.file, g.site.line, it->site.file, it->site.line);
+                c = &it->result[t * regs];
+                break;
+            }
+        }
+        const unsigned int w = t / 32, lane = t % 32, gid = lane >> 2, tig = lane & 3;
+        for (unsigned int i = 0; i < regs; i++) {
+            const unsigned int row = 16 * w + gid + 8 * ((i >> 1) & 1), col = 8 * (i >> 2) + 2 * tig + (i & 1);
+            double acc = 0.0;
+            for (unsigned int k = 0; k < 16; k++)
+                acc += static_cast<double>(A[row][k]) * static_cast<double>(B[col * 16 + k]);
+            if (first.scale_d) acc += static_cast<double>(c[i]);
+            op.result[t * regs + i] = static_cast<float>(acc);
+        }
+    }
+    // The registers are NaN until a wgmma.wait_group covers the op: a kernel reading them early sees it.
+    for (unsigned int t = 0; t < 128; t++) {
+        op.dst[t] = g.in[t].d;
+        op.pending[t] = true;
+        for (unsigned int i = 0; i < regs; i++) g.in[t].d[i] = bits_f32(0x7fc00000u);
+    }
+    g.ops.push_back(std::move(op));
+}
+
+void wgmma_mma_async(Site site, int type, int n, int trans_a, int trans_b, float* d, unsigned long long desc_a,
+                     unsigned long long desc_b, bool scale_d) {
+    Fiber* f = self();
+    Block& b = *f->block;
+    const unsigned int gi = f->warp / 4;
+    if (gi >= b.wgs.size())
+        fail(f, "wgmma.mma_async at %s:%d in warp %u: the block's %u threads have no whole warpgroup (128 threads, "
+                "warps 4g..4g+3) there",
+             site.file, site.line, f->warp, b.nthreads);
+    for (unsigned int w = 4 * gi; w < 4 * gi + 4; w++)
+        if (b.warps[w].live != 32)
+            fail(f, "wgmma.mma_async at %s:%d: %u threads of warp %u of its warpgroup have exited (all 128 must "
+                    "execute it)",
+                 site.file, site.line, 32 - b.warps[w].live, w);
+    if (!f->wg_fenced)
+        fail(f, "wgmma.mma_async at %s:%d without a wgmma.fence since the thread's last wgmma.wait_group (the "
+                "accumulators' registers must be fenced before wgmma uses them)",
+             site.file, site.line);
+    WarpGroup& g = b.wgs[gi];
+    const int op = type * 1000 + n * 4 + trans_a * 2 + trans_b;
+    if (g.arrived == 0) {
+        g.op = op;
+        g.site = site;
+        g.first_thread = f->linear;
+    } else if (g.op != op || !same_site(g.site, site)) {
+        fail(f, "wgmma.mma_async at %s:%d while thread %u of its warpgroup waits in the one at %s:%d: the "
+                "warpgroup's threads diverged",
+             site.file, site.line, g.first_thread, g.site.file, g.site.line);
+    }
+    const unsigned int t = f->linear % 128;
+    g.in[t] = WgmmaArrival{d, desc_a, desc_b, scale_d, f->wg_committed};
+    if (++g.arrived < 128) {
+        f->state = kWaitWarp;
+        f->wait_what = "wgmma.mma_async";
+        f->wait_site = site;
+        g.waiting[g.arrived - 1] = f;
+        park(f);
+        return;
+    }
+    compute_wgmma(g, f, type, n, trans_a != 0, trans_b != 0);
+    g.arrived = 0;
+    for (int i = 0; i < 127; i++) b.push(g.waiting[i]);
+}
+
+void wgmma_wait_group(Site site, int pending) {
+    Fiber* f = self();
+    Block& b = *f->block;
+    f->wg_fenced = false;
+    const unsigned int gi = f->warp / 4;
+    if (gi >= b.wgs.size()) return;
+    WarpGroup& g = b.wgs[gi];
+    const unsigned int t = f->linear % 128;
+    const unsigned int p = static_cast<unsigned int>(pending);
+    const unsigned int below = f->wg_committed > p ? f->wg_committed - p : 0;
+    for (std::size_t i = 0; i < g.ops.size(); i++) {
+        WgmmaOp& op = g.ops[i];
+        if (!op.pending[t] || op.group >= below) continue;
+        if (!op.checked) {
+            op.checked = true;
+            for (const auto& r : op.reads) {
+                unsigned short now;
+                std::memcpy(&now, r.first, 2);
+                if (now != r.second)
+                    fail(f, "wgmma.wait_group at %s:%d: shared memory the wgmma.mma_async at %s:%d reads was "
+                            "overwritten before a wgmma.wait_group covered it",
+                         site.file, site.line, op.site.file, op.site.line);
+            }
+        }
+        // The result lands unless a later op in flight accumulates into the same registers (they stay NaN).
+        bool later = false;
+        for (std::size_t j = i + 1; j < g.ops.size(); j++)
+            if (g.ops[j].pending[t] && g.ops[j].dst[t] == op.dst[t]) later = true;
+        if (!later) {
+            const unsigned int regs = static_cast<unsigned int>(op.n) / 2;
+            std::memcpy(op.dst[t], &op.result[t * regs], 4 * static_cast<std::size_t>(regs));
+        }
+        op.pending[t] = false;
+        op.left--;
+    }
+    std::size_t kept = 0;
+    for (std::size_t i = 0; i < g.ops.size(); i++) {
+        if (g.ops[i].left == 0) continue;
+        if (kept != i) g.ops[kept] = std::move(g.ops[i]);
+        kept++;
+    }
+    g.ops.resize(kept);
+}
+
 float ex2_approx_ftz(float x) {
     if (std::fpclassify(x) == FP_SUBNORMAL) x = std::copysign(0.0f, x);
     float r = exp2f(x);
@@ -862,6 +1148,8 @@ extern "C" __attribute__((visibility("default"))) int longctx_emu_run(const Long
     }
     b.bar_waiting.reserve(b.nthreads);
     b.warps.resize((b.nthreads + 31) / 32);
+    b.wgs.resize(b.nthreads / 128);
+    b.dyn_window = static_cast<unsigned int>(((kSmemWindowStatic + b.static_bytes + 1023) & ~std::size_t(1023)) + 16);
     b.queue.resize(b.nthreads);
     for (;;) {
         if (__atomic_load_n(launch->abort, __ATOMIC_ACQUIRE)) return 0;

@@ -1,0 +1,317 @@
+//! Tests of the `wgmma` wrappers (kernels/ptx_hopper.cuh) through the probe kernel (kernels/wgmma_probe.cu): every
+//! case runs on the host emulator (`<case>::emulated`, everywhere) and on the GPU (`<case>::cuda`, skipped with a
+//! message without one; sm_90 only, as the probe is compiled for sm_90a), each against an f64 reference of the same
+//! bf16/f16 inputs. The emulator implements the PTX ISA's layouts as ptx_hopper.cuh states them; the GPU run is
+//! what confirms that reading is the hardware's. Also the mistakes the emulator must report (reading the
+//! accumulators before the wait, no fence, exiting with a wgmma in flight, overwriting an operand in flight).
+
+use std::sync::{Arc, OnceLock};
+
+use half::{bf16, f16};
+
+use super::device::{Device, DevicePtr, Kernel, KernelArgs, LaunchConfig};
+use super::driver::{DriverDevice, DriverOptions};
+use super::emulator::Emulator;
+use super::sources::WGMMA_PROBE;
+use crate::error::KernelError;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Elem {
+    Bf16,
+    F16,
+}
+
+/// One probe run: D (64×n) = A (64×k) · Bᵀ (B n×k), with A and B laid out K-major or MN-major in shared memory,
+/// both with no swizzle or both with the 128B swizzle.
+#[derive(Debug, Clone, Copy)]
+struct Case {
+    elem: Elem,
+    n: usize,
+    k: usize,
+    a_mn_major: bool,
+    b_mn_major: bool,
+    swizzle: bool,
+    /// One wgmma group per k-step, waited with `wgmma.wait_group 1`.
+    pipelined: bool,
+}
+
+impl Case {
+    fn kernel(&self) -> &'static str {
+        match (self.elem, self.n) {
+            (Elem::Bf16, 64) => "longctx_wgmma_probe_bf16_n64",
+            (Elem::Bf16, 128) => "longctx_wgmma_probe_bf16_n128",
+            (Elem::F16, 64) => "longctx_wgmma_probe_f16_n64",
+            (Elem::F16, 128) => "longctx_wgmma_probe_f16_n128",
+            _ => unreachable!("N is 64 or 128"),
+        }
+    }
+
+    fn shared_bytes(&self) -> u32 {
+        ((64 + self.n) * self.k * 2 + 1024) as u32
+    }
+
+    /// Random values in [-1, 1) rounded to the element type: the bytes and the values they hold.
+    fn operand(&self, len: usize, seed: u64) -> (Vec<u8>, Vec<f64>) {
+        let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        let mut bytes = Vec::with_capacity(2 * len);
+        let mut values = Vec::with_capacity(len);
+        for _ in 0..len {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            let x = (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0;
+            let (b, v) = match self.elem {
+                Elem::Bf16 => (bf16::from_f32(x).to_le_bytes(), bf16::from_f32(x).to_f64()),
+                Elem::F16 => (f16::from_f32(x).to_le_bytes(), f16::from_f32(x).to_f64()),
+            };
+            bytes.extend_from_slice(&b);
+            values.push(v);
+        }
+        (bytes, values)
+    }
+
+    fn args(&self, a: DevicePtr, b: DevicePtr, d: DevicePtr) -> KernelArgs {
+        let mut args = KernelArgs::new();
+        args.push(a).push(b).push(d).push(self.k as i32);
+        args.push(i32::from(self.a_mn_major)).push(i32::from(self.b_mn_major)).push(i32::from(self.swizzle));
+        args.push(i32::from(self.pipelined));
+        args
+    }
+
+    /// Runs the case through `launch` (inputs → D) and checks D against the f64 reference.
+    fn check(&self, launch: impl FnOnce(&Case, &[u8], &[u8]) -> Vec<f32>) {
+        let seed = (self.n * 131 + self.k * 7) as u64
+            + u64::from(self.a_mn_major) * 2
+            + u64::from(self.b_mn_major) * 3
+            + u64::from(self.swizzle) * 5
+            + u64::from(self.pipelined) * 7
+            + (self.elem == Elem::F16) as u64 * 11;
+        let (a_bytes, a) = self.operand(64 * self.k, seed);
+        let (b_bytes, b) = self.operand(self.n * self.k, seed + 1000);
+        let d = launch(self, &a_bytes, &b_bytes);
+        assert_eq!(d.len(), 64 * self.n);
+        let mut bad = Vec::new();
+        for m in 0..64 {
+            for j in 0..self.n {
+                let want: f64 = (0..self.k).map(|k| a[m * self.k + k] * b[j * self.k + k]).sum();
+                let got = f64::from(d[m * self.n + j]);
+                // NaN (an element never written) fails too.
+                let close = (got - want).abs() <= 1e-3 + 1e-4 * want.abs();
+                if !close {
+                    bad.push(format!("D[{m}][{j}] = {got}, want {want}"));
+                }
+            }
+        }
+        assert!(
+            bad.is_empty(),
+            "{self:?}: {} of {} wrong, the first: {}",
+            bad.len(),
+            64 * self.n,
+            bad[..8.min(bad.len())].join("; ")
+        );
+    }
+}
+
+/// One emulator with the probe, shared by the tests.
+fn emu() -> &'static Emulator {
+    static EMU: OnceLock<Result<Emulator, String>> = OnceLock::new();
+    EMU.get_or_init(|| Emulator::new(&[&WGMMA_PROBE]).map_err(|e| e.to_string()))
+        .as_ref()
+        .unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Emulator memory holding `bytes` (freed on drop).
+struct EmuBuf(DevicePtr, usize);
+
+impl EmuBuf {
+    fn new(bytes: &[u8]) -> Self {
+        let e = emu();
+        let p = e.alloc(bytes.len()).unwrap();
+        e.check_range(p, bytes.len(), "upload").unwrap();
+        // SAFETY: the allocation holds `bytes.len()` bytes (checked above).
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), p as *mut u8, bytes.len()) };
+        Self(p, bytes.len())
+    }
+    fn read_f32(&self) -> Vec<f32> {
+        let mut out = vec![0u8; self.1];
+        // SAFETY: the allocation holds `self.1` bytes.
+        unsafe { std::ptr::copy_nonoverlapping(self.0 as *const u8, out.as_mut_ptr(), self.1) };
+        out.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
+    }
+}
+
+impl Drop for EmuBuf {
+    fn drop(&mut self) {
+        // SAFETY: launches are synchronous: nothing uses the buffer any more.
+        let _ = unsafe { emu().free(self.0) };
+    }
+}
+
+fn run_emulated(case: &Case) {
+    case.check(|case, a, b| {
+        let (a, b) = (EmuBuf::new(a), EmuBuf::new(b));
+        let d = EmuBuf::new(&vec![0xffu8; 64 * case.n * 4]);
+        let cfg = LaunchConfig { grid: [1, 1, 1], block: [128, 1, 1], shared_bytes: case.shared_bytes() };
+        let kernel = Kernel { source: &WGMMA_PROBE, name: case.kernel() };
+        // SAFETY: A, B and D hold what the probe reads and writes for this case.
+        unsafe { emu().launch(&kernel, &cfg, &case.args(a.0, b.0, d.0)) }.unwrap_or_else(|e| panic!("{e}"));
+        d.read_f32()
+    });
+}
+
+/// The GPU (checked launches), or `None` with the reason on stderr: no device (unless `LONGCTX_REQUIRE_GPU=1`), or
+/// a device other than sm_90 (wgmma is sm_90a's).
+fn gpu(test: &str) -> Option<Arc<DriverDevice>> {
+    match DriverDevice::with_options(0, DriverOptions { checked: true }) {
+        Ok(d) if d.arch() == "sm_90" || d.arch() == "sm_90a" => Some(d),
+        Ok(d) => {
+            eprintln!("{test}: skipped, the device is {} and wgmma needs sm_90a", d.arch());
+            None
+        }
+        Err(KernelError::NoDevice { why, .. }) => {
+            if std::env::var("LONGCTX_REQUIRE_GPU").as_deref() == Ok("1") {
+                panic!("{test}: LONGCTX_REQUIRE_GPU=1 but there is no device: {why}");
+            }
+            eprintln!("{test}: skipped, no GPU: {why}");
+            None
+        }
+        Err(e) => panic!("{test}: {e}"),
+    }
+}
+
+fn run_cuda(test: &str, case: &Case) {
+    let Some(dev) = gpu(test) else { return };
+    case.check(|case, a, b| {
+        let upload = |bytes: &[u8]| {
+            let p = dev.alloc(bytes.len()).unwrap();
+            // SAFETY: `p` holds `bytes.len()` bytes.
+            unsafe { dev.upload(p, bytes) }.unwrap();
+            p
+        };
+        let (pa, pb) = (upload(a), upload(b));
+        let words = 64 * case.n;
+        let pd = dev.alloc(4 * words).unwrap();
+        // SAFETY: `pd` holds `words` words; NaN, so that an element the kernel does not write shows.
+        unsafe { dev.memset32(pd, 0x7fc0_0000, words) }.unwrap();
+        let cfg = LaunchConfig { grid: [1, 1, 1], block: [128, 1, 1], shared_bytes: case.shared_bytes() };
+        let kernel = Kernel { source: &WGMMA_PROBE, name: case.kernel() };
+        // SAFETY: A, B and D hold what the probe reads and writes for this case.
+        unsafe { dev.launch(&kernel, &cfg, &case.args(pa, pb, pd)) }.unwrap_or_else(|e| panic!("{e}"));
+        let mut out = vec![0u8; 4 * words];
+        // SAFETY: `pd` holds `out.len()` bytes.
+        unsafe { dev.download(&mut out, pd) }.unwrap();
+        dev.synchronize().unwrap();
+        // SAFETY: the work using them has run.
+        unsafe {
+            dev.free(pa);
+            dev.free(pb);
+            dev.free(pd);
+        }
+        out.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
+    });
+}
+
+/// `<name>::emulated` and `<name>::cuda` for each case.
+macro_rules! cases {
+    ($($name:ident: $elem:ident, n $n:literal, k $k:literal, a_mn $a:literal, b_mn $b:literal, swizzle $s:literal,
+       pipelined $p:literal;)+) => {
+        $(
+            mod $name {
+                use super::*;
+                const CASE: Case =
+                    Case { elem: Elem::$elem, n: $n, k: $k, a_mn_major: $a, b_mn_major: $b, swizzle: $s, pipelined: $p };
+
+                #[test]
+                fn emulated() {
+                    run_emulated(&CASE);
+                }
+
+                #[test]
+                fn cuda() {
+                    run_cuda(concat!(stringify!($name), "::cuda"), &CASE);
+                }
+            }
+        )+
+    };
+}
+
+cases! {
+    bf16_n64_k_k_none: Bf16, n 64, k 64, a_mn false, b_mn false, swizzle false, pipelined false;
+    bf16_n64_k_k_128b: Bf16, n 64, k 64, a_mn false, b_mn false, swizzle true, pipelined false;
+    bf16_n64_k_mn_none: Bf16, n 64, k 64, a_mn false, b_mn true, swizzle false, pipelined false;
+    bf16_n64_k_mn_128b: Bf16, n 64, k 64, a_mn false, b_mn true, swizzle true, pipelined false;
+    bf16_n128_k_k_none: Bf16, n 128, k 64, a_mn false, b_mn false, swizzle false, pipelined false;
+    bf16_n128_k_k_128b: Bf16, n 128, k 64, a_mn false, b_mn false, swizzle true, pipelined false;
+    bf16_n128_k_mn_none: Bf16, n 128, k 64, a_mn false, b_mn true, swizzle false, pipelined false;
+    bf16_n128_k_mn_128b: Bf16, n 128, k 64, a_mn false, b_mn true, swizzle true, pipelined false;
+    bf16_n64_mn_k_none: Bf16, n 64, k 64, a_mn true, b_mn false, swizzle false, pipelined false;
+    bf16_n64_mn_k_128b: Bf16, n 64, k 64, a_mn true, b_mn false, swizzle true, pipelined false;
+    bf16_n128_mn_mn_128b_k128: Bf16, n 128, k 128, a_mn true, b_mn true, swizzle true, pipelined false;
+    bf16_n64_k_k_128b_k128: Bf16, n 64, k 128, a_mn false, b_mn false, swizzle true, pipelined false;
+    f16_n64_k_k_none: F16, n 64, k 64, a_mn false, b_mn false, swizzle false, pipelined false;
+    f16_n64_k_k_128b: F16, n 64, k 64, a_mn false, b_mn false, swizzle true, pipelined false;
+    f16_n64_k_mn_none: F16, n 64, k 64, a_mn false, b_mn true, swizzle false, pipelined false;
+    f16_n64_k_mn_128b: F16, n 64, k 64, a_mn false, b_mn true, swizzle true, pipelined false;
+    f16_n128_k_k_none: F16, n 128, k 64, a_mn false, b_mn false, swizzle false, pipelined false;
+    f16_n128_k_k_128b: F16, n 128, k 64, a_mn false, b_mn false, swizzle true, pipelined false;
+    f16_n128_k_mn_none: F16, n 128, k 64, a_mn false, b_mn true, swizzle false, pipelined false;
+    f16_n128_k_mn_128b: F16, n 128, k 64, a_mn false, b_mn true, swizzle true, pipelined false;
+    bf16_n64_k_k_128b_pipelined: Bf16, n 64, k 64, a_mn false, b_mn false, swizzle true, pipelined true;
+    f16_n128_mn_mn_none_pipelined: F16, n 128, k 64, a_mn true, b_mn true, swizzle false, pipelined true;
+}
+
+/// The mistakes kernel in `mode`: its error (modes 1-3) or D (mode 0).
+fn mistake(mode: i32) -> Result<Vec<f32>, String> {
+    let case =
+        Case { elem: Elem::Bf16, n: 64, k: 16, a_mn_major: false, b_mn_major: false, swizzle: false, pipelined: false };
+    let (a, b) = (EmuBuf::new(&case.operand(64 * 16, 1).0), EmuBuf::new(&case.operand(64 * 16, 2).0));
+    let d = EmuBuf::new(&[0u8; 128 * 4]);
+    let mut args = KernelArgs::new();
+    args.push(a.0).push(b.0).push(d.0).push(mode);
+    let cfg = LaunchConfig { grid: [1, 1, 1], block: [128, 1, 1], shared_bytes: 2 * 64 * 16 * 2 + 1024 };
+    let kernel = Kernel { source: &WGMMA_PROBE, name: "longctx_wgmma_probe_mistakes" };
+    // SAFETY: A and B hold 64×16 elements, D 128 floats.
+    match unsafe { emu().launch(&kernel, &cfg, &args) } {
+        Ok(()) => Ok(d.read_f32()),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+#[test]
+fn emulated_accumulators_are_nan_until_the_wait() {
+    let early = mistake(0).unwrap();
+    assert!(early.iter().all(|x| x.is_nan()), "{early:?}");
+}
+
+#[test]
+fn emulated_wgmma_without_a_fence_is_an_error() {
+    let err = mistake(1).unwrap_err();
+    assert!(err.contains("without a wgmma.fence") && err.contains("ptx_hopper.cuh"), "{err}");
+}
+
+#[test]
+fn emulated_exit_with_a_wgmma_in_flight_is_an_error() {
+    let err = mistake(2).unwrap_err();
+    assert!(err.contains("still in flight"), "{err}");
+}
+
+#[test]
+fn emulated_overwriting_an_operand_in_flight_is_an_error() {
+    let err = mistake(3).unwrap_err();
+    assert!(err.contains("overwritten before a wgmma.wait_group"), "{err}");
+}
+
+#[test]
+fn emulated_wgmma_outside_a_whole_warpgroup_is_an_error() {
+    let case =
+        Case { elem: Elem::Bf16, n: 64, k: 16, a_mn_major: false, b_mn_major: false, swizzle: false, pipelined: false };
+    let (a, b) = (EmuBuf::new(&case.operand(64 * 16, 1).0), EmuBuf::new(&case.operand(64 * 16, 2).0));
+    let d = EmuBuf::new(&[0u8; 128 * 4]);
+    let mut args = KernelArgs::new();
+    args.push(a.0).push(b.0).push(d.0).push(0i32);
+    let cfg = LaunchConfig { grid: [1, 1, 1], block: [96, 1, 1], shared_bytes: 2 * 64 * 16 * 2 + 1024 };
+    let kernel = Kernel { source: &WGMMA_PROBE, name: "longctx_wgmma_probe_mistakes" };
+    // SAFETY: A and B hold 64×16 elements, D 128 floats (96 are written).
+    let err = unsafe { emu().launch(&kernel, &cfg, &args) }.unwrap_err().to_string();
+    assert!(err.contains("no whole warpgroup"), "{err}");
+}
