@@ -608,6 +608,52 @@ pub fn killed_peer<W: World>(n: usize, victim: usize) {
     }
 }
 
+/// Rank `victim` dies while the others wait on a transfer of device memory with it (a receive into a fake device's
+/// memory, and a send from it posted beside): the receive fails with an error naming it, well within the timeout,
+/// and leaves the device bytes as they were; so does the send where the transport tells a sender its receiver's
+/// fate (threads; UCX completes a small send once buffered).
+pub fn killed_peer_device<W: World>(n: usize, victim: usize) {
+    let timeout = Duration::from_secs(20);
+    let out = W::run(n, timeout, "killed_peer_device", &|c: Communicator| {
+        let r = c.rank();
+        c.barrier().map_err(e2s)?;
+        if r == victim {
+            std::thread::sleep(Duration::from_millis(200));
+            W::die();
+        }
+        let t0 = Instant::now();
+        let (inbox, outbox) = (FakeDevice::new(64, false), FakeDevice::new(64, false));
+        let before = inbox.read(0, 64);
+        let (sent, received) = c
+            .scope(|s| -> Result<_, CommError> {
+                let send = s.isend_bytes(victim, 5, longctx_p2p::Bytes::Device(outbox.bytes(0, 64)))?;
+                let recv = s.irecv_bytes(victim, 5, longctx_p2p::BytesMut::Device(inbox.bytes(0, 64)))?;
+                Ok((send.wait(), recv.wait()))
+            })
+            .map_err(e2s)?;
+        for (side, got) in [("send", sent), ("receive", received)] {
+            match got {
+                Err(CommError::PeerGone { rank }) if rank == victim => {}
+                // UCX completes a small (eager) send once it is buffered, whether the receiver lives or not.
+                Ok(()) if side == "send" && !W::SENDER_SEES_REJECTION => {}
+                other => return Err(format!("the {side} with a dead rank gave {other:?}")),
+            }
+        }
+        expect(inbox.read(0, 64) == before, "a failed receive wrote the device bytes")?;
+        if t0.elapsed() > timeout / 2 {
+            return Err(format!("noticed only after {:?}", t0.elapsed()));
+        }
+        Ok(())
+    });
+    for (r, o) in out.iter().enumerate() {
+        if r == victim {
+            assert!(o.is_err(), "the killed rank reported success");
+        } else {
+            assert!(o.is_ok(), "rank {r}: {o:?}");
+        }
+    }
+}
+
 /// Rank n-1 stalls past the timeout: the others' waits fail with a timeout naming it.
 pub fn stalled_peer<W: World>(n: usize) {
     let timeout = Duration::from_millis(400);
@@ -1159,6 +1205,10 @@ macro_rules! suite_tests {
         #[test]
         fn killed_peer() {
             suite::killed_peer::<$w>(3, 2);
+        }
+        #[test]
+        fn killed_peer_device() {
+            suite::killed_peer_device::<$w>(3, 2);
         }
         /// Rank 0 dies: with UCX it also hosts the rendezvous store, through which the others learn who left.
         #[test]
