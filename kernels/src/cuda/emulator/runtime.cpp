@@ -221,6 +221,7 @@ struct WgmmaArrival {
     unsigned long long desc_a, desc_b;
     bool scale_d;
     unsigned int committed;
+    unsigned int a[4];  // A's register fragment (wgmma_*_rs), copied at issue as the instruction reads it
 };
 
 struct WarpGroup {
@@ -933,11 +934,12 @@ const unsigned char* wgmma_element(Fiber* last, const WarpGroup& g, const char* 
     return p;
 }
 
-void compute_wgmma(WarpGroup& g, Fiber* last, int type, int n, bool ta, bool tb) {
+// `rs`: A comes from the threads' registers (g.in[t].a) rather than from shared memory through desc_a.
+void compute_wgmma(WarpGroup& g, Fiber* last, int type, int n, bool ta, bool tb, bool rs) {
     const WgmmaArrival& first = g.in[0];
     for (unsigned int t = 1; t < 128; t++) {
         const WgmmaArrival& x = g.in[t];
-        if (x.desc_a != first.desc_a || x.desc_b != first.desc_b || x.scale_d != first.scale_d)
+        if ((!rs && x.desc_a != first.desc_a) || x.desc_b != first.desc_b || x.scale_d != first.scale_d)
             fail(last, "wgmma.mma_async at %s:%d: thread %u of the warpgroup passes other descriptors or scale-d "
                        "than its first thread (they must be the same in all 128)",
                  g.site.file, g.site.line, t);
@@ -963,8 +965,22 @@ void compute_wgmma(WarpGroup& g, Fiber* last, int type, int n, bool ta, bool tb)
         op.reads.emplace_back(p, h);
         return half_bits_to_f32(type, h);
     };
-    for (unsigned int m = 0; m < 64; m++)
-        for (unsigned int k = 0; k < 16; k++) A[m][k] = load("A", first.desc_a, ta, m, k);
+    if (rs) {
+        // A's register fragment (PTX ISA 9.7.15.5.1.1, .m64nNk16 with 16-bit A): warp w of the warpgroup holds rows
+        // 16w..16w+15 as mma.m16n8k16's A: a[r] is row 16w + gid (+8 for r odd), columns 2·tig, 2·tig+1 (+8 for
+        // r ≥ 2), the lower column in the low half.
+        for (unsigned int t = 0; t < 128; t++) {
+            const unsigned int w = t / 32, lane = t % 32, gid = lane >> 2, tig = lane & 3;
+            for (unsigned int r = 0; r < 4; r++) {
+                const unsigned int row = 16 * w + gid + 8 * (r & 1), col = 2 * tig + 8 * (r >> 1);
+                A[row][col] = half_bits_to_f32(type, g.in[t].a[r]);
+                A[row][col + 1] = half_bits_to_f32(type, g.in[t].a[r] >> 16);
+            }
+        }
+    } else {
+        for (unsigned int m = 0; m < 64; m++)
+            for (unsigned int k = 0; k < 16; k++) A[m][k] = load("A", first.desc_a, ta, m, k);
+    }
     for (unsigned int j = 0; j < static_cast<unsigned int>(n); j++)
         for (unsigned int k = 0; k < 16; k++) B[j * 16 + k] = load("B", first.desc_b, tb, j, k);
     const unsigned int regs = static_cast<unsigned int>(n) / 2;
@@ -1003,8 +1019,9 @@ void compute_wgmma(WarpGroup& g, Fiber* last, int type, int n, bool ta, bool tb)
     g.ops.push_back(std::move(op));
 }
 
-void wgmma_mma_async(Site site, int type, int n, int trans_a, int trans_b, float* d, unsigned long long desc_a,
-                     unsigned long long desc_b, bool scale_d) {
+// Both forms of wgmma.mma_async: A from shared memory (`a` null, desc_a) or from registers (`a`: the thread's four).
+void wgmma_issue(Site site, int type, int n, int trans_a, int trans_b, float* d, const unsigned int* a,
+                 unsigned long long desc_a, unsigned long long desc_b, bool scale_d) {
     Fiber* f = self();
     Block& b = *f->block;
     const unsigned int gi = f->warp / 4;
@@ -1022,7 +1039,8 @@ void wgmma_mma_async(Site site, int type, int n, int trans_a, int trans_b, float
                 "accumulators' registers must be fenced before wgmma uses them)",
              site.file, site.line);
     WarpGroup& g = b.wgs[gi];
-    const int op = type * 1000 + n * 4 + trans_a * 2 + trans_b;
+    const bool rs = a != nullptr;
+    const int op = (rs ? 10000 : 0) + type * 1000 + n * 4 + trans_a * 2 + trans_b;
     if (g.arrived == 0) {
         g.op = op;
         g.site = site;
@@ -1033,7 +1051,8 @@ void wgmma_mma_async(Site site, int type, int n, int trans_a, int trans_b, float
              site.file, site.line, g.first_thread, g.site.file, g.site.line);
     }
     const unsigned int t = f->linear % 128;
-    g.in[t] = WgmmaArrival{d, desc_a, desc_b, scale_d, f->wg_committed};
+    g.in[t] = WgmmaArrival{d, desc_a, desc_b, scale_d, f->wg_committed, {0, 0, 0, 0}};
+    if (rs) std::memcpy(g.in[t].a, a, sizeof g.in[t].a);
     if (++g.arrived < 128) {
         f->state = kWaitWarp;
         f->wait_what = "wgmma.mma_async";
@@ -1042,9 +1061,19 @@ void wgmma_mma_async(Site site, int type, int n, int trans_a, int trans_b, float
         park(f);
         return;
     }
-    compute_wgmma(g, f, type, n, trans_a != 0, trans_b != 0);
+    compute_wgmma(g, f, type, n, trans_a != 0, trans_b != 0, rs);
     g.arrived = 0;
     for (int i = 0; i < 127; i++) b.push(g.waiting[i]);
+}
+
+void wgmma_mma_async(Site site, int type, int n, int trans_a, int trans_b, float* d, unsigned long long desc_a,
+                     unsigned long long desc_b, bool scale_d) {
+    wgmma_issue(site, type, n, trans_a, trans_b, d, nullptr, desc_a, desc_b, scale_d);
+}
+
+void wgmma_mma_async_rs(Site site, int type, int n, int trans_b, float* d, const unsigned int* a,
+                        unsigned long long desc_b, bool scale_d) {
+    wgmma_issue(site, type, n, 0, trans_b, d, a, 0, desc_b, scale_d);
 }
 
 void wgmma_wait_group(Site site, int pending) {
