@@ -1,25 +1,27 @@
-//! The wgmma attention forward (`attention_forward_wgmma.cu`, [`AttentionPath::Wgmma`]) on the CUDA backend: on the
-//! host emulator (`::cuda_emulated`, everywhere with a C++ compiler) and on an sm_90 GPU (`::cuda`, skipped with a
-//! message elsewhere). Checked three ways:
+//! The wgmma attention kernels (`attention_forward_wgmma.cu`, `attention_backward_wgmma.cu`,
+//! [`AttentionPath::Wgmma`]) on the CUDA backend: on the host emulator (`::cuda_emulated`, everywhere with a C++
+//! compiler) and on an sm_90 GPU (`::cuda`, skipped with a message elsewhere). Checked three ways:
 //! - the conformance suite's attention and non-finite families with the path forced (their 16-bit, head dim 64
 //!   cases are the ones that reach it: GQA, zigzag positions, windows across documents, rows that see no key,
-//!   poisoned outputs, a NaN or an infinity behind every kind of mask), against the f64 reference and the CPU;
-//! - shapes past one warpgroup's 64 rows and one 64-key tile (two warpgroups per block, a second query block and a
-//!   last key tile cut short, hidden and partial tiles skipped or masked), bf16 and f16, head dims 64 and 128,
-//!   output in the input type and in f32, each mask kind, against the CPU backend;
-//! - the same shapes against the mma.sync path on the same device (on the emulator, whose products sum exactly
-//!   and round once in both, to 1e-6; on a GPU to the 16-bit rounding of P).
+//!   poisoned outputs, accumulated gradients, a NaN or an infinity behind every kind of mask), against the f64
+//!   reference and the CPU;
+//! - shapes past one warpgroup's 64 rows and one 64-key tile (two warpgroups per forward block, a second query
+//!   block and a last key tile cut short, hidden and partial tiles skipped or masked), bf16 and f16, head dims 64
+//!   and 128, outputs and gradients in the input type and in f32, each mask kind: forward and backward against the
+//!   CPU backend;
+//! - the same against the mma.sync path on the same device (on the emulator, whose products sum exactly and round
+//!   once in both, to 1e-6; on a GPU to the 16-bit rounding of P and dS).
 
 #[allow(unused_macros)] // test_device!: this file's tests need the backend itself, to force the path
 mod common;
 
 #[cfg(feature = "cuda")]
 mod wgmma {
-    use longctx_kernels::attention::{AttnMask, AttnOut, AttnParams, AttnShape, Positions, Qkv};
+    use longctx_kernels::attention::{AttnGrads, AttnMask, AttnOut, AttnParams, AttnSaved, AttnShape, Positions, Qkv};
     use longctx_kernels::cuda::AttentionPath;
     use longctx_kernels::testing::conformance::{self, Config, Family};
     use longctx_kernels::testing::uniform_nonzero;
-    use longctx_kernels::{Backend, Buffer, CpuBackend, CudaBackend, DType, Dims, View, ViewMut};
+    use longctx_kernels::{Backend, Buffer, CpuBackend, CudaBackend, DType, Dims, GradMode, View, ViewMut};
 
     /// The device's backend with the wgmma path forced, or `None` (said on stderr) where it cannot run: no host
     /// compiler for the emulator; no GPU, or one other than sm_90, for `cuda`.
@@ -42,11 +44,13 @@ mod wgmma {
         q: Vec<f32>,
         k: Vec<f32>,
         v: Vec<f32>,
+        d_o: Vec<f32>,
     }
 
-    /// O (as f32, whatever type the kernel wrote) and LSE of a forward of `p` on `b`, the inputs rounded to `dt`
-    /// on the backend, the output in `ot`. Outputs start as NaN, so an element not written shows.
-    fn forward(b: &dyn Backend, p: &AttnParams<'_>, x: &Inputs, dt: DType, ot: DType) -> (Vec<f32>, Vec<f32>) {
+    /// `[O, LSE, dQ, dK, dV]` (as f32, whatever type the kernels wrote) of a forward and a backward of `p` on `b`:
+    /// the inputs and dO rounded to `dt` on the backend, O and the gradients in `ot`. Outputs start as NaN, so an
+    /// element not written shows.
+    fn run(b: &dyn Backend, p: &AttnParams<'_>, x: &Inputs, dt: DType, ot: DType) -> Vec<Vec<f32>> {
         let s = p.shape;
         let dims = |d: &[usize]| Dims::new(d).unwrap();
         let input = |vals: &[f32], d: &[usize]| -> Buffer {
@@ -56,13 +60,21 @@ mod wgmma {
             b.copy(t.view_mut(), f.view()).unwrap();
             t
         };
+        let poisoned = |t: DType, d: &[usize]| -> Buffer {
+            let mut buf = b.empty(t, dims(d)).unwrap();
+            b.fill(buf.view_mut(), f32::NAN).unwrap();
+            buf
+        };
         let (q, k, v) = (input(&x.q, &s.q_dims()), input(&x.k, &s.kv_dims()), input(&x.v, &s.kv_dims()));
-        let mut o = b.empty(ot, dims(&s.q_dims())).unwrap();
-        let mut lse = b.empty(DType::F32, dims(&s.lse_dims())).unwrap();
-        b.fill(o.view_mut(), f32::NAN).unwrap();
-        b.fill(lse.view_mut(), f32::NAN).unwrap();
+        let d_o = input(&x.d_o, &s.q_dims());
+        let (mut o, mut lse) = (poisoned(ot, &s.q_dims()), poisoned(DType::F32, &s.lse_dims()));
         let out = AttnOut { o: o.view_mut(), lse: lse.view_mut() };
         b.attention_forward(&p.options(), out, Qkv::new(q.view(), k.view(), v.view())).unwrap();
+        let (mut dq, mut dk, mut dv) =
+            (poisoned(ot, &s.q_dims()), poisoned(ot, &s.kv_dims()), poisoned(ot, &s.kv_dims()));
+        let saved = AttnSaved { qkv: Qkv::new(q.view(), k.view(), v.view()), o: o.view(), lse: lse.view() };
+        let grads = AttnGrads { dq: dq.view_mut(), dk: dk.view_mut(), dv: dv.view_mut() };
+        b.attention_backward(&p.options(), grads, d_o.view(), saved, GradMode::Overwrite).unwrap();
         let download = |buf: &Buffer, d: &[usize]| -> Vec<f32> {
             let mut f = b.empty(DType::F32, dims(d)).unwrap();
             b.copy(f.view_mut(), buf.view()).unwrap();
@@ -70,7 +82,13 @@ mod wgmma {
             b.download(ViewMut::new(&mut host, d).unwrap(), f.view()).unwrap();
             host
         };
-        (download(&o, &s.q_dims()), download(&lse, &s.lse_dims()))
+        vec![
+            download(&o, &s.q_dims()),
+            download(&lse, &s.lse_dims()),
+            download(&dq, &s.q_dims()),
+            download(&dk, &s.kv_dims()),
+            download(&dv, &s.kv_dims()),
+        ]
     }
 
     /// Every element of `got` within `abs + rel·|want|` of `want` (−inf LSEs equal), else a panic naming the first.
@@ -129,24 +147,28 @@ mod wgmma {
                 q: uniform_nonzero(shape.q_elems(), seed),
                 k: uniform_nonzero(shape.kv_elems(), seed + 1),
                 v: uniform_nonzero(shape.kv_elems(), seed + 2),
+                d_o: uniform_nonzero(shape.q_elems(), seed + 3),
             };
             for (mi, mask) in masks(sq, sk, &pos, &docs).into_iter().enumerate() {
                 let p = AttnParams::new(shape).with_mask(mask);
                 let what = format!("d {d}, {dt:?} in, {ot:?} out, mask {mi}");
-                let (o, lse) = forward(&wg, &p, &x, dt, ot);
-                // The CPU on the same 16-bit inputs (it keeps P in f32), its output in f32.
-                let (o_cpu, lse_cpu) = forward(&cpu, &p, &x, dt, DType::F32);
+                let got = run(&wg, &p, &x, dt, ot);
+                // The CPU on the same 16-bit inputs (it keeps P in f32), its outputs in f32.
+                let cpu_out = run(&cpu, &p, &x, dt, DType::F32);
                 let out_tol = match ot {
                     DType::Bf16 => 8e-3,
                     DType::F16 => 1e-3,
                     DType::F32 => 0.0,
                 };
-                // Outputs are averages of values in [-1, 1), mostly below 0.1: the 16-bit P costs up to 1e-3 here.
-                close(&format!("O against the CPU, {what}"), &o, &o_cpu, 3e-3, 1e-2 + out_tol);
-                close(&format!("LSE against the CPU, {what}"), &lse, &lse_cpu, 1e-3, 1e-3);
-                let (o_mma, lse_mma) = forward(&mma, &p, &x, dt, ot);
-                close(&format!("O against mma.sync, {what}"), &o, &o_mma, against_mma, against_mma);
-                close(&format!("LSE against mma.sync, {what}"), &lse, &lse_mma, against_mma, against_mma);
+                let mma_out = run(&mma, &p, &x, dt, ot);
+                for (n, name) in ["O", "LSE", "dQ", "dK", "dV"].into_iter().enumerate() {
+                    // O is an average of values in [-1, 1), mostly below 0.1, its error from the 16-bit P up to
+                    // 1e-3; the gradients sum more terms (dK, dV over the group's 260 queries) and are larger.
+                    let abs = [3e-3, 1e-3, 1e-2, 2e-2, 2e-2][n];
+                    let rel = if n == 1 { 1e-3 } else { 1e-2 + out_tol };
+                    close(&format!("{name} against the CPU, {what}"), &got[n], &cpu_out[n], abs, rel);
+                    close(&format!("{name} against mma.sync, {what}"), &got[n], &mma_out[n], against_mma, against_mma);
+                }
             }
         }
     }

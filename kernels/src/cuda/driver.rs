@@ -868,7 +868,7 @@ impl Device for DriverDevice {
         // the sm_90a-only kernels the ops launch too (the wgmma attention; not the probe, which only tests launch).
         let mut sources: Vec<&'static KernelSource> = SOURCES.to_vec();
         if nvrtc::arch_for(&super::ops::attention::FORWARD_WGMMA, &self.shared.arch).is_ok() {
-            sources.push(&super::ops::attention::FORWARD_WGMMA);
+            sources.extend([&super::ops::attention::FORWARD_WGMMA, &super::ops::attention::BACKWARD_WGMMA]);
         }
         sources.sort_by_key(|src| std::cmp::Reverse(src.code.len()));
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(sources.len());

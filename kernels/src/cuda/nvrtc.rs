@@ -776,7 +776,7 @@ extern "C" __global__ void longctx_headers_only(float* out, const __nv_bfloat16*
 
 /// The tensor-core attention kernels keep every fragment and accumulator in registers: ptxas (through NVRTC, no GPU
 /// needed) reports no stack frame and no spills for any of them, for every architecture the compile tests cover
-/// (sm_80 and sm_90; the wgmma forward for sm_90a, the only one it compiles for). An array indexed at run time, or a register budget the compiler cannot meet, shows here as
+/// (sm_80 and sm_90; the wgmma ones for sm_90a, the only one they compile for). An array indexed at run time, or a register budget the compiler cannot meet, shows here as
 /// local memory, which would cost those kernels most of their speed. Reads the compiles `nvrtc_compiles_every_source`
 /// makes (with ptxas's report), so each source is compiled once.
 #[cfg(test)]
@@ -788,8 +788,8 @@ mod register_budget {
         if !nvrtc_or_skip("tensor_core_attention_uses_no_local_memory") {
             return;
         }
-        use crate::cuda::ops::attention::{BACKWARD_TC, FORWARD_TC, FORWARD_WGMMA};
-        let tensor_core = [&FORWARD_TC, &BACKWARD_TC, &FORWARD_WGMMA];
+        use crate::cuda::ops::attention::{BACKWARD_TC, BACKWARD_WGMMA, FORWARD_TC, FORWARD_WGMMA};
+        let tensor_core = [&FORWARD_TC, &BACKWARD_TC, &FORWARD_WGMMA, &BACKWARD_WGMMA];
         let mut seen = 0;
         for TestCompile { arch, src, result } in every_source_compiled() {
             if !tensor_core.iter().any(|tc| std::ptr::eq(*tc, *src)) {
@@ -813,7 +813,7 @@ mod register_budget {
                 }
             }
         }
-        let want = 2 * super::tests::test_archs().len() + 1;
-        assert_eq!(seen, want, "the mma.sync sources for every architecture, the wgmma one for sm_90a");
+        let want = 2 * super::tests::test_archs().len() + 2;
+        assert_eq!(seen, want, "the mma.sync sources for every architecture, the wgmma ones for sm_90a");
     }
 }

@@ -7,10 +7,11 @@ use crate::error::{KernelError, Result};
 /// Which attention kernels the CUDA backend runs. A path applies where it supports the problem; elsewhere the
 /// backend takes the next one down (wgmma → mma → general), so forcing a path never refuses a problem another path
 /// runs:
-/// - `wgmma`: `attention_forward_wgmma.cu`, Hopper's warpgroup MMA (sm_90a; bf16 or f16 inputs, head dim 64 or 128,
-///   16-byte aligned inputs, output in the input type or f32). Forward only: the backward takes `mma`.
+/// - `wgmma`: `attention_forward_wgmma.cu` and `attention_backward_wgmma.cu`, Hopper's warpgroup MMA (sm_90a), for
+///   the problems `mma` runs.
 /// - `mma`: the `mma.sync` tensor-core kernels (`attention_forward_tc.cu`, `attention_backward_tc.cu`), on any GPU
-///   from sm_80, for the same problems; the reference of the wgmma path on the GPU.
+///   from sm_80 (bf16 or f16 inputs, head dim 64 or 128, 16-byte aligned inputs, outputs and gradients in the input
+///   type or f32); the reference of the wgmma path on the GPU.
 /// - `general`: the f32 kernels that run every problem (`attention_forward.cu`, `attention_backward.cu`).
 ///
 /// [`Auto`](AttentionPath::Auto), the default, takes `wgmma` on a compute capability 9.0 GPU and `mma` elsewhere
@@ -22,7 +23,7 @@ pub enum AttentionPath {
     /// `wgmma` on compute capability 9.0, else `mma`.
     #[default]
     Auto,
-    /// The wgmma forward where it applies.
+    /// The wgmma kernels where they apply.
     Wgmma,
     /// The mma.sync kernels where they apply.
     Mma,

@@ -43,65 +43,6 @@
 // Every loop over a register array (fragments, accumulators) is unrolled with constant bounds: an array indexed at
 // run time is placed in local memory.
 
-#define WG_BC 64
-
-// Byte offset of the 16-byte chunk `x` (elements 8x..8x+7) of row `r` in a tile of ROWS rows laid out as above.
-template <int ROWS>
-__device__ __forceinline__ u32 wg_swz(u32 r, u32 x) {
-    return (x / 8) * (ROWS * 128) + r * 128 + (((x % 8) ^ (r % 8)) << 4);
-}
-
-// Starts copying rows [row0, row0 + ROWS) of one head (`src` points at the head's row 0, `len` rows) into the tile at
-// `dst` (the layout above); rows past `len` become zeros. Every thread of the block takes its share.
-template <int D, int ROWS, typename T>
-__device__ __forceinline__ void wg_load_tile(unsigned char* dst, const T* src, u32 row0, u32 len) {
-    constexpr u32 CHUNKS = D / 8;
-    for (u32 x = threadIdx.x; x < ROWS * CHUNKS; x += blockDim.x) {
-        u32 r = x / CHUNKS, c = x % CHUNKS;
-        u32 row = row0 + r;
-        bool valid = row < len;
-        const T* g = src + (u64)(valid ? row : 0) * D + c * 8;
-        cp_async_16_zfill(dst + wg_swz<ROWS>(r, c), g, valid);
-    }
-}
-
-// The wgmma of T: S += Q·Kᵀ (both in shared memory, K-major) and O += P·V (P in registers, V N-major).
-template <typename T>
-__device__ __forceinline__ void wg_mma_qk(float (&s)[32], u64 dq, u64 dk, bool scale_d);
-template <>
-__device__ __forceinline__ void wg_mma_qk<bf16>(float (&s)[32], u64 dq, u64 dk, bool scale_d) {
-    wgmma_m64n64k16_bf16<0, 0>(s, dq, dk, scale_d);
-}
-template <>
-__device__ __forceinline__ void wg_mma_qk<f16>(float (&s)[32], u64 dq, u64 dk, bool scale_d) {
-    wgmma_m64n64k16_f16<0, 0>(s, dq, dk, scale_d);
-}
-
-template <typename T, int D>
-__device__ __forceinline__ void wg_mma_pv(float (&o)[D / 2], const u32 (&a)[4], u64 dv);
-template <>
-__device__ __forceinline__ void wg_mma_pv<bf16, 64>(float (&o)[32], const u32 (&a)[4], u64 dv) {
-    wgmma_m64n64k16_bf16_rs<1>(o, a, dv, true);
-}
-template <>
-__device__ __forceinline__ void wg_mma_pv<bf16, 128>(float (&o)[64], const u32 (&a)[4], u64 dv) {
-    wgmma_m64n128k16_bf16_rs<1>(o, a, dv, true);
-}
-template <>
-__device__ __forceinline__ void wg_mma_pv<f16, 64>(float (&o)[32], const u32 (&a)[4], u64 dv) {
-    wgmma_m64n64k16_f16_rs<1>(o, a, dv, true);
-}
-template <>
-__device__ __forceinline__ void wg_mma_pv<f16, 128>(float (&o)[64], const u32 (&a)[4], u64 dv) {
-    wgmma_m64n128k16_f16_rs<1>(o, a, dv, true);
-}
-
-// The block's dynamic shared memory, aligned up to 1024 bytes of the shared window (the host adds 1024 to the size).
-__device__ __forceinline__ unsigned char* wg_smem() {
-    DYNAMIC_SMEM(unsigned char, raw);
-    return raw + ((1024u - (wgmma_smem_addr(raw) & 1023u)) & 1023u);
-}
-
 template <int D, int NWG, typename T, typename OT>
 __device__ __forceinline__ void attn_fwd_wgmma(const AttnProblem& p, const T* __restrict__ q, const T* __restrict__ k,
                                                const T* __restrict__ v, OT* __restrict__ o, float* __restrict__ lse,
@@ -178,12 +119,7 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnProblem& p, const T* __
         unsigned char* vs_ = kv + (2 + buf) * TILE_BYTES;
         if (vb) {
             // Zero V's non-finite elements in the rows flagged (see the header).
-            for (u32 x = threadIdx.x; x < WG_BC * D; x += blockDim.x) {
-                u32 r = x / D, d = x % D;
-                if (!((vb >> r) & 1ull)) continue;
-                T* e = reinterpret_cast<T*>(vs_ + wg_swz<WG_BC>(r, d / 8)) + (d % 8);
-                if (!isfinite(to_f32(*e))) *e = from_f32<T>(0.0f);
-            }
+            wg_sanitize<D, T>(vs_, vb);
             wgmma_fence_proxy_async();
             __syncthreads();
         }
@@ -194,13 +130,8 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnProblem& p, const T* __
         for (u32 i = 0; i < 32; ++i) s[i] = 0.0f;
         wgmma_fence();
 #pragma unroll
-        for (u32 ks = 0; ks < D / 16; ++ks) {
-            // k-step ks is elements 16(ks % 4).. of block ks / 4: 32·(ks % 4) bytes into its 128-byte rows.
-            const u32 step = (ks % 4) * 32;
-            u64 dq = wgmma_desc(q_wg + (ks / 4) * (BR * 128) + step, 16, 1024, WGMMA_SWIZZLE_128B);
-            u64 dk = wgmma_desc(ks_ + (ks / 4) * (WG_BC * 128) + step, 16, 1024, WGMMA_SWIZZLE_128B);
-            wg_mma_qk<T>(s, dq, dk, ks > 0);
-        }
+        for (u32 ks = 0; ks < D / 16; ++ks)
+            wg_mma_qk<T>(s, wg_desc_kmajor<BR>(q_wg, ks), wg_desc_kmajor<WG_BC>(ks_, ks), ks > 0);
         wgmma_commit_group();
         wgmma_wait_group<0>();
 
@@ -262,10 +193,7 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnProblem& p, const T* __
         }
         wgmma_fence();
 #pragma unroll
-        for (u32 t = 0; t < WG_BC / 16; ++t) {
-            u64 dv = wgmma_desc(vs_ + t * 16 * 128, WG_BC * 128, 1024, WGMMA_SWIZZLE_128B);
-            wg_mma_pv<T, D>(acc, pa[t], dv);
-        }
+        for (u32 t = 0; t < WG_BC / 16; ++t) wg_mma_pv<T, D>(acc, pa[t], wg_desc_nmajor(vs_, t));
         wgmma_commit_group();
         wgmma_wait_group<0>();
 

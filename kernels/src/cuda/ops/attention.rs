@@ -1,6 +1,7 @@
 //! Attention forward, backward and merge (`attention_forward.cu`, `attention_backward.cu`, `attention_merge.cu`,
-//! their tensor-core versions `attention_forward_tc.cu` and `attention_backward_tc.cu` (mma.sync), the Hopper forward
-//! `attention_forward_wgmma.cu` (wgmma, sm_90a), all sharing `attention.cuh`; which one runs: [`AttentionPath`]). Per call the host uploads what the mask needs of host memory: explicit positions,
+//! their tensor-core versions `attention_forward_tc.cu` and `attention_backward_tc.cu` (mma.sync), and Hopper's
+//! `attention_forward_wgmma.cu` and `attention_backward_wgmma.cu` (wgmma, sm_90a, sharing `attention_wgmma.cuh`),
+//! all sharing `attention.cuh`; which ones run: [`AttentionPath`]). Per call the host uploads what the mask needs of host memory: explicit positions,
 //! document ids, and the position and document range of every tile of rows (`O(Sq + Sk)`), from which the
 //! kernels classify each (query tile, key tile) pair.
 
@@ -18,6 +19,8 @@ use crate::error::Result;
 use crate::view::View;
 
 const HEADER: (&str, &str) = ("attention.cuh", include_str!("../kernels/attention.cuh"));
+/// The wgmma kernels' tiles and products (after `attention.cuh` and `ptx_hopper.cuh`).
+const WGMMA_HEADER: (&str, &str) = ("attention_wgmma.cuh", include_str!("../kernels/attention_wgmma.cuh"));
 
 pub(crate) static FORWARD: KernelSource = KernelSource {
     file: "attention_forward.cu",
@@ -68,7 +71,32 @@ pub(crate) static FORWARD_WGMMA: KernelSource = KernelSource {
         "attn_fwd_wgmma_f16_d128_w2_f16",
         "attn_fwd_wgmma_f16_d128_w2_f32",
     ],
-    includes: &[HEADER, PTX_HOPPER],
+    includes: &[HEADER, PTX_HOPPER, WGMMA_HEADER],
+};
+
+/// The wgmma backward (sm_90a only, as [`FORWARD_WGMMA`]): `BACKWARD_TC`'s two kernels and arguments.
+pub(crate) static BACKWARD_WGMMA: KernelSource = KernelSource {
+    file: "attention_backward_wgmma.cu",
+    code: include_str!("../kernels/attention_backward_wgmma.cu"),
+    kernels: &[
+        "attn_bwd_wgmma_dkdv_bf16_d64_bf16",
+        "attn_bwd_wgmma_dq_bf16_d64_bf16",
+        "attn_bwd_wgmma_dkdv_bf16_d64_f32",
+        "attn_bwd_wgmma_dq_bf16_d64_f32",
+        "attn_bwd_wgmma_dkdv_bf16_d128_bf16",
+        "attn_bwd_wgmma_dq_bf16_d128_bf16",
+        "attn_bwd_wgmma_dkdv_bf16_d128_f32",
+        "attn_bwd_wgmma_dq_bf16_d128_f32",
+        "attn_bwd_wgmma_dkdv_f16_d64_f16",
+        "attn_bwd_wgmma_dq_f16_d64_f16",
+        "attn_bwd_wgmma_dkdv_f16_d64_f32",
+        "attn_bwd_wgmma_dq_f16_d64_f32",
+        "attn_bwd_wgmma_dkdv_f16_d128_f16",
+        "attn_bwd_wgmma_dq_f16_d128_f16",
+        "attn_bwd_wgmma_dkdv_f16_d128_f32",
+        "attn_bwd_wgmma_dq_f16_d128_f32",
+    ],
+    includes: &[HEADER, PTX_HOPPER, WGMMA_HEADER],
 };
 
 pub(crate) static FLAGS: KernelSource = KernelSource {
@@ -142,13 +170,20 @@ enum Path {
 fn path(b: &Stream, p: &AttnParams<'_>, qkv: &Qkv<'_>, ot: DType) -> Path {
     let qt = qkv.q.dtype();
     let tc = tensor_cores(p, qt, &[&qkv.q, &qkv.k, &qkv.v]) && (ot == qt || ot == DType::F32);
-    let hopper = b.device.info().compute_capability == (9, 0);
     match b.attn_path {
         AttentionPath::General => Path::General,
         _ if !tc => Path::General,
-        AttentionPath::Wgmma => Path::Wgmma,
-        AttentionPath::Auto if hopper => Path::Wgmma,
-        AttentionPath::Auto | AttentionPath::Mma => Path::Mma,
+        _ if wgmma_chosen(b) => Path::Wgmma,
+        _ => Path::Mma,
+    }
+}
+
+/// Whether this stream takes the wgmma kernels where they apply: forced, or `Auto` on compute capability 9.0.
+fn wgmma_chosen(b: &Stream) -> bool {
+    match b.attn_path {
+        AttentionPath::Wgmma => true,
+        AttentionPath::Auto => b.device.info().compute_capability == (9, 0),
+        AttentionPath::Mma | AttentionPath::General => false,
     }
 }
 
@@ -406,6 +441,10 @@ pub(crate) fn backward(
     // SAFETY: `o` and `dout` hold `rows·D` elements of their types, `delta` `rows` floats.
     unsafe { b.launch(&kd, LaunchConfig::linear(blocks, THREADS), &args)? };
 
+    // The wgmma kernels where the forward would take them (the same path), else mma.sync's.
+    let wgmma = tc && wgmma_chosen(b);
+    let (src, prefix, align) =
+        if wgmma { (&BACKWARD_WGMMA, "attn_bwd_wgmma", 1024) } else { (&BACKWARD_TC, "attn_bwd_tc", 0) };
     if tc {
         let pr = problem(b, p, (TC_TILE, TC_TILE))?;
         let (qh, kh) = (s.batch * s.q_heads, s.batch * s.kv_heads);
@@ -413,27 +452,30 @@ pub(crate) fn backward(
         let do_bad = nonfinite_masks(b, &dout, qh, s.q_len, s.head_dim)?;
         let k_bad = nonfinite_masks(b, &saved.qkv.k, kh, s.kv_len, s.head_dim)?;
         let tile_bytes = TC_TILE * s.head_dim * 2;
+        let scr_cols = if wgmma { 64 } else { 32 };
         let d = s.head_dim;
-        let kk = kernel(&BACKWARD_TC, &format!("attn_bwd_tc_dkdv_{}_d{d}_{}", super::suffix(qt), super::suffix(dkt)))?;
+        let kk = kernel(src, &format!("{prefix}_dkdv_{}_d{d}_{}", super::suffix(qt), super::suffix(dkt)))?;
         let mut args = KernelArgs::new();
         args.push(pr.args).push(dk).push(dv).push(q).push(k).push(v).push(dop).push(lse).push(delta.ptr());
         args.push(q_bad.ptr()).push(do_bad.ptr()).push(acc);
         let cfg = LaunchConfig {
             grid: [s.kv_len.div_ceil(TC_TILE) as u32, s.kv_heads as u32, s.batch as u32],
             block: [128, 1, 1],
-            shared_bytes: (4 * tile_bytes + 2 * TC_TILE * 4 + 4 * 2 * 16 * 32 * 4) as u32,
+            // K, V, Q, dO tiles, the tile's LSE and Δ, Pᵀ and dSᵀ for the correction (tc: per warp 16 × 32 each,
+            // wgmma: 16 × 64), and the wgmma kernels' alignment of their tiles.
+            shared_bytes: (4 * tile_bytes + 2 * TC_TILE * 4 + 4 * 2 * 16 * scr_cols * 4 + align) as u32,
         };
         // SAFETY: as the forward; `dk`/`dv` have `k`'s dims and one type; the masks one word per 64 rows of each
         // head.
         unsafe { b.launch(&kk, cfg, &args)? };
-        let kq = kernel(&BACKWARD_TC, &format!("attn_bwd_tc_dq_{}_d{d}_{}", super::suffix(qt), super::suffix(dqt)))?;
+        let kq = kernel(src, &format!("{prefix}_dq_{}_d{d}_{}", super::suffix(qt), super::suffix(dqt)))?;
         let mut args = KernelArgs::new();
         args.push(pr.args).push(dq).push(q).push(k).push(v).push(dop).push(lse).push(delta.ptr());
         args.push(k_bad.ptr()).push(acc);
         let cfg = LaunchConfig {
             grid: [s.q_len.div_ceil(TC_TILE) as u32, s.q_heads as u32, s.batch as u32],
             block: [128, 1, 1],
-            shared_bytes: (4 * tile_bytes + 4 * 16 * 32 * 4) as u32,
+            shared_bytes: (4 * tile_bytes + 4 * 16 * scr_cols * 4 + align) as u32,
         };
         // SAFETY: as above; `dq` has `q`'s dims.
         return unsafe { b.launch(&kq, cfg, &args) };
