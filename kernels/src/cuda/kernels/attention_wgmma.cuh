@@ -96,3 +96,9 @@ __device__ __forceinline__ u64 wg_desc_kmajor(const unsigned char* tile, u32 ks)
 __device__ __forceinline__ u64 wg_desc_nmajor(const unsigned char* tile, u32 t) {
     return wgmma_desc(tile + t * 16 * 128, WG_BC * 128, 1024, WGMMA_SWIZZLE_128B);
 }
+
+// The first key tile at or after `kt` that the mask does not hide for query tile `qt` (k_tiles: none).
+__device__ __forceinline__ u32 next_tile(const AttnProblem& p, u32 qt, u32 kt, u32 k_tiles) {
+    while (kt < k_tiles && classify(p, qt, kt) == TILE_HIDDEN) ++kt;
+    return kt;
+}
