@@ -1,8 +1,9 @@
 //! Tests of the `wgmma` wrappers (kernels/ptx_hopper.cuh) through the probe kernel (kernels/wgmma_probe.cu): every
 //! case runs on the host emulator (`<case>::emulated`, everywhere) and on the GPU (`<case>::cuda`, skipped with a
 //! message without one; sm_90 only, as the probe is compiled for sm_90a), each against an f64 reference of the same
-//! bf16/f16 inputs. The emulator implements the PTX ISA's layouts as ptx_hopper.cuh states them; the GPU run is
-//! what confirms that reading is the hardware's. Also the mistakes the emulator must report (reading the
+//! bf16/f16 inputs: both operands from shared memory in every canonical layout, and A from registers (the `rs_`
+//! cases: its register fragment, with B in each layout). The emulator implements the PTX ISA's layouts as
+//! ptx_hopper.cuh states them; the GPU run is what confirms that reading is the hardware's. Also the mistakes the emulator must report (reading the
 //! accumulators before the wait, no fence, exiting with a wgmma in flight, overwriting an operand in flight).
 
 use std::sync::{Arc, OnceLock};

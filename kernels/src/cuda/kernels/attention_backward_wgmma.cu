@@ -5,8 +5,8 @@
 // attention_backward.cu's attn_bwd_delta.
 //
 // Warps: a block is one warpgroup (128 threads, warp w owning rows 16w..16w+15 of the block's 64, the accumulator
-// fragment's rows); every thread also takes its share of the tile copies (wg_load_tile, attention_wgmma.cuh), which
-// complete before the products (a first version: no double buffering yet).
+// fragment's rows); every thread also takes its share of the tile copies (wg_load_tile, attention_wgmma.cuh): the
+// tiles a kernel loops over are double-buffered, the next one's copies running while this one computes.
 //
 // dkdv: a block for a tile of 64 key rows of one (batch, key/value head), dK and dV accumulators in registers; K and
 // V stay in shared memory. For every query head of the group and every query tile of 64 rows that the mask does not
@@ -40,11 +40,10 @@ __device__ __forceinline__ void attn_bwd_wgmma_dkdv(const AttnProblem& p, G* __r
     constexpr u32 TB = WG_BC * D * 2;
     unsigned char* ks_ = smem;
     unsigned char* vs_ = smem + TB;
-    unsigned char* qs = smem + 2 * TB;
-    unsigned char* dos = smem + 3 * TB;
-    float* ls = reinterpret_cast<float*>(smem + 4 * TB);
-    float* dls = ls + WG_BC;
-    float* scr = dls + WG_BC;  // [4 warps][2][16][64]: Pᵀ and dSᵀ, for the correction
+    // Q's buffer c at smem + (2 + c)·TB, dO's at smem + (4 + c)·TB; their LSE (base 2) and Δ at lsd + 128c and
+    // lsd + 128c + 64 (computed: an array indexed at run time would live in local memory).
+    float* lsd = reinterpret_cast<float*>(smem + 6 * TB);
+    float* scr = lsd + 4 * WG_BC;  // [4 warps][2][16][64]: Pᵀ and dSᵀ, for the correction
 
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 gid = lane >> 2, tig = lane & 3;
@@ -63,28 +62,50 @@ __device__ __forceinline__ void attn_bwd_wgmma_dkdv(const AttnProblem& p, G* __r
 #pragma unroll
     for (u32 i = 0; i < D / 2; ++i) dka[i] = dva[i] = 0.0f;
 
-    for (u32 g = 0; g < group; ++g) {
-        const u32 h = hk * group + g;
-        const u64 q_head = ((u64)b * p.q_heads + h) * p.q_len;
-        const T* qg = q + q_head * D;
-        const T* dog = dout + q_head * D;
-        for (u32 qt = 0; qt < q_tiles; ++qt) {
-            int cls = classify(p, qt, kt);
-            if (cls == TILE_HIDDEN) continue;
+    // The (query head of the group, query tile) pairs the mask does not hide, in order (pair x: head
+    // hk·group + x / q_tiles, tile x % q_tiles), Q and dO double-buffered: the next pair's copies run while this one
+    // computes.
+    const u32 pairs = group * q_tiles;
+    auto next_pair = [&](u32 x) {
+        while (x < pairs && classify(p, x % q_tiles, kt) == TILE_HIDDEN) ++x;
+        return x;
+    };
+    // Starts the copies of pair x's Q and dO into buffer c and writes its LSE and Δ.
+    auto load_pair = [&](u32 x, u32 c) {
+        const u32 i0 = (x % q_tiles) * WG_BC;
+        const u64 qh = ((u64)b * p.q_heads + hk * group + x / q_tiles) * p.q_len;
+        wg_load_tile<D, WG_BC, T>(smem + (2 + c) * TB, q + qh * D, i0, p.q_len);
+        wg_load_tile<D, WG_BC, T>(smem + (4 + c) * TB, dout + qh * D, i0, p.q_len);
+        for (u32 r = threadIdx.x; r < WG_BC; r += blockDim.x) {
+            u32 i = i0 + r;
+            // LSE in base 2, for P = 2^(S·scale·log2 e − LSE·log2 e) by one ex2.approx.
+            lsd[c * 2 * WG_BC + r] = i < p.q_len ? lse[qh + i] * 1.4426950408889634f : 0.0f;
+            lsd[c * 2 * WG_BC + WG_BC + r] = i < p.q_len ? delta[qh + i] : 0.0f;
+        }
+    };
+    u32 x = next_pair(0);
+    if (x < pairs) load_pair(x, 0);
+    cp_async_commit();
+    u32 buf = 0;
+    while (x < pairs) {
+        const u32 xn = next_pair(x + 1);
+        if (xn < pairs) load_pair(xn, buf ^ 1);
+        cp_async_commit();
+        cp_async_wait<1>();
+        wgmma_fence_proxy_async();
+        __syncthreads();
+        {
+            const u32 qt = x % q_tiles;
+            const u32 h = hk * group + x / q_tiles;
+            const u64 q_head = ((u64)b * p.q_heads + h) * p.q_len;
+            const T* qg = q + q_head * D;
+            const T* dog = dout + q_head * D;
+            const int cls = classify(p, qt, kt);
             const u32 i0 = qt * WG_BC;
-            __syncthreads();  // every warp is done with the previous Q and dO
-            wg_load_tile<D, WG_BC, T>(qs, qg, i0, p.q_len);
-            wg_load_tile<D, WG_BC, T>(dos, dog, i0, p.q_len);
-            cp_async_commit();
-            for (u32 x = threadIdx.x; x < WG_BC; x += blockDim.x) {
-                u32 i = i0 + x;
-                // LSE in base 2, for P = 2^(S·scale·log2 e − LSE·log2 e) by one ex2.approx.
-                ls[x] = i < p.q_len ? lse[q_head + i] * 1.4426950408889634f : 0.0f;
-                dls[x] = i < p.q_len ? delta[q_head + i] : 0.0f;
-            }
-            cp_async_wait_all();
-            wgmma_fence_proxy_async();
-            __syncthreads();
+            unsigned char* qs = smem + (2 + buf) * TB;
+            unsigned char* dos = smem + (4 + buf) * TB;
+            const float* ls = lsd + buf * 2 * WG_BC;
+            const float* dls = ls + WG_BC;
             const bool masked = cls == TILE_PARTIAL || i0 + WG_BC > p.q_len || (kt + 1) * WG_BC > p.kv_len;
             unsigned long long qb = 0, db = 0;
             if (cls == TILE_PARTIAL && q_bad) {
@@ -183,6 +204,9 @@ __device__ __forceinline__ void attn_bwd_wgmma_dkdv(const AttnProblem& p, G* __r
                 __syncwarp();
             }
         }
+        __syncthreads();  // every warp is done with this buffer before the next prefetch overwrites it
+        buf ^= 1;
+        x = xn;
     }
     cp_async_wait_all();
 
@@ -212,9 +236,9 @@ __device__ __forceinline__ void attn_bwd_wgmma_dq(const AttnProblem& p, G* __res
     constexpr u32 TB = WG_BC * D * 2;
     unsigned char* qs = smem;
     unsigned char* dos = smem + TB;
-    unsigned char* ks_ = smem + 2 * TB;
-    unsigned char* vs_ = smem + 3 * TB;
-    float* scr = reinterpret_cast<float*>(smem + 4 * TB);  // [4 warps][16][64]: dS, for the correction
+    // K's buffer c at smem + (2 + c)·TB, V's at smem + (4 + c)·TB (computed: an array indexed at run time would
+    // live in local memory).
+    float* scr = reinterpret_cast<float*>(smem + 6 * TB);  // [4 warps][16][64]: dS, for the correction
 
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 gid = lane >> 2, tig = lane & 3;
@@ -242,17 +266,29 @@ __device__ __forceinline__ void attn_bwd_wgmma_dq(const AttnProblem& p, G* __res
 #pragma unroll
     for (u32 i = 0; i < D / 2; ++i) dqa[i] = 0.0f;
 
-    for (u32 kt = 0; kt < k_tiles; ++kt) {
+    // Key tiles that the mask does not hide, K and V double-buffered: the next one's copies run while this one
+    // computes.
+    u32 kt = next_tile(p, qt, 0, k_tiles);
+    if (kt < k_tiles) {
+        wg_load_tile<D, WG_BC, T>(smem + 2 * TB, kg, kt * WG_BC, p.kv_len);
+        wg_load_tile<D, WG_BC, T>(smem + 4 * TB, v + k_head * D, kt * WG_BC, p.kv_len);
+    }
+    cp_async_commit();
+    u32 buf = 0;
+    while (kt < k_tiles) {
         int cls = classify(p, qt, kt);
-        if (cls == TILE_HIDDEN) continue;
-        const u32 j0 = kt * WG_BC;
-        __syncthreads();  // every warp is done with the previous K and V
-        wg_load_tile<D, WG_BC, T>(ks_, kg, j0, p.kv_len);
-        wg_load_tile<D, WG_BC, T>(vs_, v + k_head * D, j0, p.kv_len);
+        const u32 next = next_tile(p, qt, kt + 1, k_tiles);
+        if (next < k_tiles) {
+            wg_load_tile<D, WG_BC, T>(smem + (3 - buf) * TB, kg, next * WG_BC, p.kv_len);
+            wg_load_tile<D, WG_BC, T>(smem + (5 - buf) * TB, v + k_head * D, next * WG_BC, p.kv_len);
+        }
         cp_async_commit();
-        cp_async_wait_all();
+        cp_async_wait<1>();
         wgmma_fence_proxy_async();
         __syncthreads();
+        unsigned char* ks_ = smem + (2 + buf) * TB;
+        unsigned char* vs_ = smem + (4 + buf) * TB;
+        const u32 j0 = kt * WG_BC;
         const bool masked = cls == TILE_PARTIAL || j0 + WG_BC > p.kv_len || (qt + 1) * WG_BC > p.q_len;
         unsigned long long kb =
             (cls == TILE_PARTIAL && k_bad) ? k_bad[((u64)b * p.kv_heads + hk) * k_tiles + kt] : 0ull;
@@ -323,6 +359,9 @@ __device__ __forceinline__ void attn_bwd_wgmma_dq(const AttnProblem& p, G* __res
             }
             __syncwarp();
         }
+        __syncthreads();  // every warp is done with this buffer before the next prefetch overwrites it
+        buf ^= 1;
+        kt = next;
     }
     cp_async_wait_all();
 

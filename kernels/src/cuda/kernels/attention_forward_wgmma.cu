@@ -218,11 +218,12 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnProblem& p, const T* __
             }
 
             // Two groups: S of the next tile, then O += P·V of this one; the softmax of the next tile runs while
-            // the tensor cores do P·V.
+            // the tensor cores do P·V. Every register a wgmma reads or writes is written before the fence (the PTX
+            // ISA requires one between an ordinary access and the wgmma; the emulator cannot check this order).
+#pragma unroll
+            for (u32 i = 0; i < 32; ++i) s[i] = 0.0f;
             wgmma_fence();
             if (has_next) {
-#pragma unroll
-                for (u32 i = 0; i < 32; ++i) s[i] = 0.0f;
 #pragma unroll
                 for (u32 ks = 0; ks < D / 16; ++ks)
                     wg_mma_qk<T>(s, wg_desc_kmajor<BR>(q_wg, ks), wg_desc_kmajor<WG_BC>(kn, ks), ks > 0);

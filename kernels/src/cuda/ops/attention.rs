@@ -452,7 +452,9 @@ pub(crate) fn backward(
         let do_bad = nonfinite_masks(b, &dout, qh, s.q_len, s.head_dim)?;
         let k_bad = nonfinite_masks(b, &saved.qkv.k, kh, s.kv_len, s.head_dim)?;
         let tile_bytes = TC_TILE * s.head_dim * 2;
-        let scr_cols = if wgmma { 64 } else { 32 };
+        // The wgmma kernels double-buffer the tiles they loop over (dkdv: Q and dO with their LSE and Δ; dq: K and
+        // V), and their correction scratch holds 64 columns per warp where the tc kernels' holds 32.
+        let (tiles, stats, scr_cols) = if wgmma { (6, 4, 64) } else { (4, 2, 32) };
         let d = s.head_dim;
         let kk = kernel(src, &format!("{prefix}_dkdv_{}_d{d}_{}", super::suffix(qt), super::suffix(dkt)))?;
         let mut args = KernelArgs::new();
@@ -461,9 +463,9 @@ pub(crate) fn backward(
         let cfg = LaunchConfig {
             grid: [s.kv_len.div_ceil(TC_TILE) as u32, s.kv_heads as u32, s.batch as u32],
             block: [128, 1, 1],
-            // K, V, Q, dO tiles, the tile's LSE and Δ, Pᵀ and dSᵀ for the correction (tc: per warp 16 × 32 each,
-            // wgmma: 16 × 64), and the wgmma kernels' alignment of their tiles.
-            shared_bytes: (4 * tile_bytes + 2 * TC_TILE * 4 + 4 * 2 * 16 * scr_cols * 4 + align) as u32,
+            // K, V, Q, dO tiles, the tile's LSE and Δ, Pᵀ and dSᵀ for the correction (per warp 16 rows each), and
+            // the wgmma kernels' alignment of their tiles.
+            shared_bytes: (tiles * tile_bytes + stats * TC_TILE * 4 + 4 * 2 * 16 * scr_cols * 4 + align) as u32,
         };
         // SAFETY: as the forward; `dk`/`dv` have `k`'s dims and one type; the masks one word per 64 rows of each
         // head.
@@ -475,7 +477,7 @@ pub(crate) fn backward(
         let cfg = LaunchConfig {
             grid: [s.q_len.div_ceil(TC_TILE) as u32, s.q_heads as u32, s.batch as u32],
             block: [128, 1, 1],
-            shared_bytes: (4 * tile_bytes + 4 * 16 * scr_cols * 4 + align) as u32,
+            shared_bytes: (tiles * tile_bytes + 4 * 16 * scr_cols * 4 + align) as u32,
         };
         // SAFETY: as above; `dq` has `q`'s dims.
         return unsafe { b.launch(&kq, cfg, &args) };
