@@ -3,8 +3,9 @@
 //! message without one; sm_90 only, as the probe is compiled for sm_90a), each against an f64 reference of the same
 //! bf16/f16 inputs: both operands from shared memory in every canonical layout, and A from registers (the `rs_`
 //! cases: its register fragment, with B in each layout). The emulator implements the PTX ISA's layouts as
-//! ptx_hopper.cuh states them; the GPU run is what confirms that reading is the hardware's. Also the mistakes the emulator must report (reading the
-//! accumulators before the wait, no fence, exiting with a wgmma in flight, overwriting an operand in flight).
+//! ptx_hopper.cuh states them; the GPU run is what confirms that reading is the hardware's. Also the mistakes the
+//! emulator must report (reading the accumulators before the wait, no fence, exiting with a wgmma in flight,
+//! overwriting an operand or the A registers in flight).
 
 use std::sync::{Arc, OnceLock};
 
@@ -335,6 +336,12 @@ fn emulated_exit_with_a_wgmma_in_flight_is_an_error() {
 fn emulated_overwriting_an_operand_in_flight_is_an_error() {
     let err = mistake(3).unwrap_err();
     assert!(err.contains("overwritten before a wgmma.wait_group"), "{err}");
+}
+
+#[test]
+fn emulated_overwriting_the_a_registers_in_flight_is_an_error() {
+    let err = mistake(4).unwrap_err();
+    assert!(err.contains("A registers") && err.contains("overwritten before a wgmma.wait_group"), "{err}");
 }
 
 #[test]

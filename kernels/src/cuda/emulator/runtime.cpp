@@ -214,6 +214,11 @@ struct WgmmaOp {
     bool checked;       // its operands were compared with shared memory at its first retirement
     std::vector<float> result;  // 128 × n/2, thread-major
     std::vector<std::pair<const unsigned char*, unsigned short>> reads;
+    // The RS form: each thread's A registers (where the kernel keeps them, and their values at issue), which must
+    // not change until the wait that covers the op (the instruction reads them asynchronously).
+    bool rs;
+    const unsigned int* a_src[128];
+    unsigned int a_val[128][4];
 };
 
 struct WgmmaArrival {
@@ -222,6 +227,7 @@ struct WgmmaArrival {
     bool scale_d;
     unsigned int committed;
     unsigned int a[4];  // A's register fragment (wgmma_*_rs), copied at issue as the instruction reads it
+    const unsigned int* a_src;  // where the kernel keeps it (null: A from shared memory)
 };
 
 struct WarpGroup {
@@ -954,6 +960,11 @@ void compute_wgmma(WarpGroup& g, Fiber* last, int type, int n, bool ta, bool tb,
     op.site = g.site;
     op.left = 128;
     op.checked = false;
+    op.rs = rs;
+    for (unsigned int t = 0; t < 128; t++) {
+        op.a_src[t] = g.in[t].a_src;
+        std::memcpy(op.a_val[t], g.in[t].a, sizeof op.a_val[t]);
+    }
     // The operands, read now (and compared with shared memory again when the op retires).
     float A[64][16];
     std::vector<float> B(static_cast<std::size_t>(n) * 16);
@@ -1051,7 +1062,7 @@ void wgmma_issue(Site site, int type, int n, int trans_a, int trans_b, float* d,
              site.file, site.line, g.first_thread, g.site.file, g.site.line);
     }
     const unsigned int t = f->linear % 128;
-    g.in[t] = WgmmaArrival{d, desc_a, desc_b, scale_d, f->wg_committed, {0, 0, 0, 0}};
+    g.in[t] = WgmmaArrival{d, desc_a, desc_b, scale_d, f->wg_committed, {0, 0, 0, 0}, a};
     if (rs) std::memcpy(g.in[t].a, a, sizeof g.in[t].a);
     if (++g.arrived < 128) {
         f->state = kWaitWarp;
@@ -1100,6 +1111,10 @@ void wgmma_wait_group(Site site, int pending) {
                          site.file, site.line, op.site.file, op.site.line);
             }
         }
+        if (op.rs && std::memcmp(op.a_src[t], op.a_val[t], sizeof op.a_val[t]) != 0)
+            fail(f, "wgmma.wait_group at %s:%d: the A registers of the wgmma.mma_async at %s:%d (A from registers) "
+                    "were overwritten before a wgmma.wait_group covered it",
+                 site.file, site.line, op.site.file, op.site.line);
         // The result lands unless a later op in flight accumulates into the same registers (they stay NaN).
         bool later = false;
         for (std::size_t j = i + 1; j < g.ops.size(); j++)

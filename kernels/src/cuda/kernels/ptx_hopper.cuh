@@ -241,7 +241,8 @@ __device__ __forceinline__ void wgmma_m64n128k16_f16(float (&d)[64], u64 desc_a,
 // movement: for the k-step of columns 16t..16t+15, a0 = pack(d[8t+0], d[8t+1]), a1 = pack(d[8t+2], d[8t+3]),
 // a2 = pack(d[8t+4], d[8t+5]), a3 = pack(d[8t+6], d[8t+7]) (flash attention's P of P·V).
 // The registers are read asynchronously like the shared-memory operands: they must not be written until a
-// wgmma_wait_group covers the op (the emulator copies them at issue and does not check this).
+// wgmma_wait_group covers the op (the emulator copies them at issue, and checks at the wait that the kernel's
+// registers still hold what was issued).
 
 template <int TRANS_B>
 __device__ __forceinline__ void wgmma_m64n64k16_bf16_rs(float (&d)[32], const u32 (&a)[4], u64 desc_b,

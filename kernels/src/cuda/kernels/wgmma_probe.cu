@@ -199,7 +199,8 @@ LONGCTX_PROBE_RS_KERNEL(f16, 128, longctx_wgmma_probe_rs_f16_n128)
 
 // The mistakes the emulator must catch (its tests only; they never run on a GPU): reading the accumulators before
 // the wait (`mode` 0: NaN is stored), no wgmma.fence before the first wgmma (1), exiting with the wgmma in flight (2),
-// overwriting an operand before the wait (3). A 64×64×16 bf16 product, K-major, no swizzle.
+// overwriting an operand before the wait (3), overwriting the A registers of the RS form before the wait (4). A
+// 64×64×16 bf16 product, K-major, no swizzle.
 extern "C" __global__ void __launch_bounds__(128) longctx_wgmma_probe_mistakes(const bf16* a, const bf16* b,
                                                                                float* d, int mode) {
     unsigned char* raw = probe_smem();
@@ -216,7 +217,16 @@ extern "C" __global__ void __launch_bounds__(128) longctx_wgmma_probe_mistakes(c
     float acc[32];
 #pragma unroll
     for (int i = 0; i < 32; i++) acc[i] = 0.0f;
+    u32 frag[4] = {tid, tid + 1, tid + 2, tid + 3};
     if (mode != 1) wgmma_fence();
+    if (mode == 4) {
+        wgmma_m64n64k16_bf16_rs<0>(acc, frag, probe_desc(sb, 0, false, false, 64, 16), false);
+        wgmma_commit_group();
+        frag[0] = 0;
+        wgmma_wait_group<0>();
+        d[tid] = acc[0] + static_cast<float>(frag[0]);
+        return;
+    }
     wgmma_m64n64k16_bf16<0, 0>(acc, probe_desc(sa, 0, false, false, 64, 16), probe_desc(sb, 0, false, false, 64, 16),
                                false);
     wgmma_commit_group();
