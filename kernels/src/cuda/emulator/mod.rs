@@ -12,14 +12,13 @@
 //!   `__syncwarp`, `mma.sync`, `ldmatrix`) gather all 32 lanes and compute at one instant with the PTX ISA's fragment
 //!   layouts; `wgmma.mma_async` (ptx_hopper.cuh) gathers its warpgroup's 128 threads, decodes the shared-memory
 //!   descriptors (no swizzle or 128B; others refused) or takes A from the threads' registers (the RS form, read at
-//!   issue) and computes at once, but writes each thread's accumulators
-//!   (NaN until then) only at the `wgmma.wait_group` that covers the op, after checking that the shared memory it
-//!   read was not overwritten; a wgmma without a `wgmma.fence` since the thread's last wait, or a thread exiting with
-//!   one in flight, is an error. Descriptors hold addresses of an emulated shared-state window (static shared memory
-//!   from 1024, dynamic from a 1024-byte boundary + 16). A barrier that
-//!   can never complete (divergent `__syncthreads`, a collective some lanes never reach or reach in another
-//!   collective, a lane that exited) is an error naming the threads and source lines, never a hang. Masks other than
-//!   the full warp are refused rather than guessed at.
+//!   issue) and computes at once, but writes each thread's accumulators (NaN until then) only at the
+//!   `wgmma.wait_group` that covers the op, after checking that the shared memory (and the A registers) it read were
+//!   not overwritten; a wgmma without a `wgmma.fence` since the thread's last wait, or a thread exiting with one in
+//!   flight, is an error. Descriptors hold addresses of an emulated shared-state window (static shared memory from
+//!   1024, dynamic from a 1024-byte boundary + 16). A barrier that can never complete (divergent `__syncthreads`, a
+//!   collective some lanes never reach or reach in another collective, a lane that exited) is an error naming the
+//!   threads and source lines, never a hang. Masks other than the full warp are refused rather than guessed at.
 //! - **Memory** ([`memory`]): device memory is host memory with guard zones around each allocation, checked after
 //!   every launch ("wrote outside a buffer", naming the kernel); contents, `__shared__` variables and dynamic shared
 //!   memory start poisoned (0xFF bytes: NaN as floats), and cp.async copies land only at the wait that covers them,
