@@ -1,9 +1,9 @@
 //! Attention forward, backward and merge (`attention_forward.cu`, `attention_backward.cu`, `attention_merge.cu`,
 //! their tensor-core versions `attention_forward_tc.cu` and `attention_backward_tc.cu` (mma.sync), and Hopper's
 //! `attention_forward_wgmma.cu` and `attention_backward_wgmma.cu` (wgmma, sm_90a, sharing `attention_wgmma.cuh`),
-//! all sharing `attention.cuh`; which ones run: [`AttentionPath`]). Per call the host uploads what the mask needs of host memory: explicit positions,
-//! document ids, and the position and document range of every tile of rows (`O(Sq + Sk)`), from which the
-//! kernels classify each (query tile, key tile) pair.
+//! all sharing `attention.cuh`; which ones run: [`AttentionPath`]). Per call the host uploads what the mask needs
+//! of host memory: explicit positions, document ids, and the position and document range of every tile of rows
+//! (`O(Sq + Sk)`), from which the kernels classify each (query tile, key tile) pair.
 
 use super::{kernel, ptr, ptr_mut, THREADS};
 use crate::attention::mask::{tile_summaries, RangeSummary};
