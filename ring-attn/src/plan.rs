@@ -326,9 +326,12 @@ impl CpPlan {
 
     /// The reports of every [`forward`](Self::forward) and [`backward`](Self::backward) since the last call (or
     /// since the plan was made), added up, and starts counting again: a trainer's attention time and exposed
-    /// communication per step.
+    /// communication per step. On a GPU it also resolves [`StepReport::device_idle`], which waits for the device
+    /// to reach the end of the last call's ring: call it after the step's work has been waited for.
     pub fn take_totals(&mut self) -> StepReport {
-        std::mem::take(&mut self.totals)
+        let mut totals = std::mem::take(&mut self.totals);
+        totals.device_idle = self.ws.as_mut().and_then(|ws| ws.ring.take_idle());
+        totals
     }
 
     fn forward_into(&self, qkv: Qkv<'_>, out: AttnOut<'_>, bufs: &mut RingBuffers) -> Result<StepReport> {

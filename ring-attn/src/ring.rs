@@ -31,7 +31,7 @@
 //! suffice and the order is the program's.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use longctx_kernels::{
     AttnGrads, AttnOut, AttnPartial, AttnSaved, Backend, DType, Event, GradMode, Memory, Qkv, View, ViewMut,
@@ -55,7 +55,7 @@ const TAG_DKV: u32 = 0x644b;
 /// which is the forward's partial `O` and the backward's own dK/dV contribution: the two phases never overlap,
 /// so one buffer serves both and the plan holds no more than a call needs at its peak. All are backend buffers,
 /// sized when a call first needs them. `xfer` is the transfers' queue (see the module docs), forked on first use.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct RingBuffers {
     xfer: Option<Arc<dyn Backend>>,
     cur: KvBlock,
@@ -65,21 +65,103 @@ pub(crate) struct RingBuffers {
     lse_part: Scratch,
     acc_out: Scratch,
     acc_in: Scratch,
+    /// On a device: the compute queue's idle spans in the calls since [`RingBuffers::take_idle`] (each from the
+    /// end of one piece of the ring's work to the start of the next, as timed events), see [`Pipeline`].
+    idle: Vec<(Event, Event)>,
+    /// What the spans resolved early (to bound `idle`) added up to: `None` once one carried no time.
+    idle_resolved: Option<Duration>,
+}
+
+/// Idle spans kept unresolved at most; past it the oldest half is resolved (their events are long complete).
+const MAX_IDLE_SPANS: usize = 4096;
+
+/// The device time the spans add up to: `None` if one carries no time (the emulator) or cannot be timed.
+fn idle_time(spans: impl Iterator<Item = (Event, Event)>) -> Option<Duration> {
+    let mut sum = Duration::ZERO;
+    for (from, until) in spans {
+        sum += until.elapsed_since(&from).ok().flatten()?;
+    }
+    Some(sum)
+}
+
+impl Default for RingBuffers {
+    fn default() -> Self {
+        Self {
+            xfer: None,
+            cur: KvBlock::default(),
+            nxt: KvBlock::default(),
+            spare: KvBlock::default(),
+            part: Scratch::default(),
+            lse_part: Scratch::default(),
+            acc_out: Scratch::default(),
+            acc_in: Scratch::default(),
+            idle: Vec::new(),
+            idle_resolved: Some(Duration::ZERO),
+        }
+    }
+}
+
+impl RingBuffers {
+    /// The compute queue's idle time in the ring calls since the last take, on the device's clock (waits for the
+    /// last span's end: call it after a step's work has been waited for anyway), and starts again. `None` off a
+    /// device, or where the device's events carry no time (the emulator).
+    pub(crate) fn take_idle(&mut self) -> Option<Duration> {
+        let spans = std::mem::take(&mut self.idle);
+        let early = self.idle_resolved.replace(Duration::ZERO);
+        if spans.is_empty() && early == Some(Duration::ZERO) {
+            return None;
+        }
+        Some(early? + idle_time(spans.into_iter())?)
+    }
+
+    /// Keeps the unresolved spans bounded for a caller that never takes them.
+    fn bound_idle(&mut self) {
+        if self.idle.len() > MAX_IDLE_SPANS {
+            let old: Vec<_> = self.idle.drain(..MAX_IDLE_SPANS / 2).collect();
+            self.idle_resolved = self.idle_resolved.and_then(|d| Some(d + idle_time(old.into_iter())?));
+        }
+    }
 }
 
 /// How the steps of one call order their buffers against the compute queue (see the module docs): on a device,
 /// three KV blocks in rotation and the event after each step's attention (and, backward, after each step's
 /// accumulator), so that a step waits for the step before last rather than draining the queue; on the CPU, two
 /// blocks and nothing to wait for.
+///
+/// It also measures what overlap is for, on the device's clock: the compute queue's idle time in the ring (the
+/// communication it exposes, per rank). A timed event is recorded at the start of the call and after each piece
+/// of work, and another just before the next piece is enqueued; the device time between the two is how long the
+/// queue ran dry waiting for the host (posting, or waiting for transfers). When the host is ahead, the second is
+/// enqueued before the device reaches the first and the span is nothing.
 pub(crate) struct Pipeline {
     on_device: bool,
     /// Indexed by step modulo 3: complete once that step's attention has read its block.
     read: [Event; 3],
+    /// On a device: the timed event after the last work enqueued.
+    idle_from: Option<Event>,
 }
 
 impl Pipeline {
-    fn new(b: &dyn Backend) -> Self {
-        Self { on_device: b.memory() != Memory::Host, read: Default::default() }
+    fn new(b: &dyn Backend) -> Result<Self> {
+        let on_device = b.memory() != Memory::Host;
+        let idle_from = if on_device { Some(b.record_timed_event()?) } else { None };
+        Ok(Self { on_device, read: Default::default(), idle_from })
+    }
+
+    /// Before enqueueing work: closes the idle span that began after the last work (a no-op off a device).
+    fn work_starts(&mut self, b: &dyn Backend, idle: &mut Vec<(Event, Event)>) -> Result<()> {
+        if let Some(from) = self.idle_from.take() {
+            idle.push((from, b.record_timed_event()?));
+        }
+        Ok(())
+    }
+
+    /// After enqueueing work: an idle span may begin (a no-op off a device).
+    fn work_ends(&mut self, b: &dyn Backend) -> Result<()> {
+        if self.on_device {
+            self.idle_from = Some(b.record_timed_event()?);
+        }
+        Ok(())
     }
 
     /// Makes the buffers about to be posted at `step` idle: at the first step (the rank's own block, written by
@@ -212,8 +294,9 @@ pub(crate) fn ring_forward(
     let (b, s) = (pb.backend, pb.shape);
     let (qd, kd, ld) = (q_dims(&s), kv_dims(&s), lse_dims(&s));
     let doc_len = pb.docs.map_or(0, |d| d.len());
-    let RingBuffers { xfer, cur, nxt, spare, part: o_part, lse_part, .. } = bufs;
-    let mut pipe = Pipeline::new(b);
+    bufs.bound_idle();
+    let RingBuffers { xfer, cur, nxt, spare, part: o_part, lse_part, idle, .. } = bufs;
+    let mut pipe = Pipeline::new(b)?;
     for blk in [&mut *cur, &mut *nxt, &mut *spare].into_iter().take(Pipeline::blocks(pipe.on_device)) {
         blk.ensure(b, qkv.k.dtype(), s.kv_elems(), doc_len)?;
     }
@@ -243,6 +326,7 @@ pub(crate) fn ring_forward(
             if p.mask.may_see_any(s.q_len, s.kv_len) {
                 // The first visible block writes the result directly; later ones a partial, merged in.
                 let qkv = Qkv::new(qkv.q, k, v);
+                pipe.work_starts(b, idle)?;
                 if have {
                     let part = AttnOut { o: o_part.view_mut(&qd)?, lse: lse_part.view_mut(&ld)? };
                     pb.attn_forward(&p, qkv, part)?;
@@ -253,6 +337,7 @@ pub(crate) fn ring_forward(
                     pb.attn_forward(&p, qkv, AttnOut { o: o.reborrow(), lse: lse.reborrow() })?;
                     pipe.after_attention(b, step)?;
                 }
+                pipe.work_ends(b)?;
                 have = true;
                 rep.blocks_computed += 1;
             } else {
@@ -269,6 +354,7 @@ pub(crate) fn ring_forward(
         }
     }
     if !have {
+        pipe.work_starts(b, idle)?;
         b.fill(o, 0.0)?;
         b.fill(lse, f32::NEG_INFINITY)?;
     }
@@ -301,8 +387,9 @@ pub(crate) fn ring_backward(
     let acc_dims = [2, s.batch * s.kv_heads, s.kv_len, s.head_dim];
     let doc_len = pb.docs.map_or(0, |d| d.len());
     let qkv = saved.qkv;
-    let RingBuffers { xfer, cur, nxt, spare, part: local, acc_out, acc_in, .. } = bufs;
-    let mut pipe = Pipeline::new(b);
+    bufs.bound_idle();
+    let RingBuffers { xfer, cur, nxt, spare, part: local, acc_out, acc_in, idle, .. } = bufs;
+    let mut pipe = Pipeline::new(b)?;
     for blk in [&mut *cur, &mut *nxt, &mut *spare].into_iter().take(Pipeline::blocks(pipe.on_device)) {
         blk.ensure(b, qkv.k.dtype(), s.kv_elems(), doc_len)?;
     }
@@ -314,7 +401,9 @@ pub(crate) fn ring_backward(
     let xfer = transfer_queue(xfer, b)?;
     let copy = BackendCopy(&*xfer);
     let AttnGrads { mut dq, dk, dv } = grads;
+    pipe.work_starts(b, idle)?;
     b.fill(dq.reborrow(), 0.0)?;
+    pipe.work_ends(b)?;
     for step in 0..n {
         let src = (r + n - step) % n;
         comm.scope(|sc| -> Result<()> {
@@ -340,6 +429,7 @@ pub(crate) fn ring_backward(
             // This rank's contribution to the block in hand, while the transfers run.
             let t = Instant::now();
             let p = pb.params(&pb.positions[src], k_doc);
+            pipe.work_starts(b, idle)?;
             b.fill(local.view_mut(&acc_dims)?, 0.0)?;
             if p.mask.may_see_any(s.q_len, s.kv_len) {
                 let (dk_loc, dv_loc) = local.halves_mut(&kd)?;
@@ -351,6 +441,7 @@ pub(crate) fn ring_backward(
             } else {
                 rep.blocks_skipped += 1;
             }
+            pipe.work_ends(b)?;
             rep.compute += t.elapsed();
             let t = Instant::now();
             if let Some(a) = acc.take() {
@@ -366,7 +457,9 @@ pub(crate) fn ring_backward(
         if step == 0 {
             std::mem::swap(local, acc_out);
         } else {
+            pipe.work_starts(b, idle)?;
             b.add(acc_in.view_mut(&acc_dims)?, local.view(&acc_dims)?)?;
+            pipe.work_ends(b)?;
             std::mem::swap(acc_in, acc_out);
         }
         if pipe.on_device {
@@ -385,6 +478,7 @@ pub(crate) fn ring_backward(
     })?;
     rep.comm_wait += t.elapsed();
     let (dk_all, dv_all) = acc_in.halves(&kd)?;
+    pipe.work_starts(b, idle)?;
     b.copy(dk, dk_all)?;
     b.copy(dv, dv_all)?;
     Ok(())
@@ -459,7 +553,7 @@ mod tests {
     #[test]
     fn a_receive_never_overwrites_a_block_the_device_may_still_read() {
         for on_device in [true, false] {
-            let pipe = Pipeline { on_device, read: Default::default() };
+            let pipe = Pipeline { on_device, read: Default::default(), idle_from: None };
             let mut blocks: [KvBlock; 3] = Default::default();
             for (i, b) in blocks.iter_mut().enumerate() {
                 b.docs = vec![i as u32];

@@ -158,6 +158,9 @@ pub(crate) trait DeviceEvent: Send + Sync + fmt::Debug {
     fn synchronize(&self) -> Result<()>;
     /// For a device to recognise its own events.
     fn as_any(&self) -> &dyn Any;
+    /// The device time from `earlier` to this event when both were recorded with timing
+    /// ([`Device::record_timed_event`]); waits for this one. `None` where they carry no time.
+    fn elapsed_since(&self, earlier: &dyn DeviceEvent) -> Result<Option<Duration>>;
 }
 
 /// What runs the CUDA backend's work (see the module docs). Every `unsafe` method takes device addresses that
@@ -233,6 +236,8 @@ pub(crate) trait Device: Send + Sync + fmt::Debug {
     fn synchronize(&self) -> Result<()>;
     /// An event complete once the work enqueued so far has run.
     fn record_event(&self) -> Result<Arc<dyn DeviceEvent>>;
+    /// As [`Device::record_event`], with timing (see [`DeviceEvent::elapsed_since`]).
+    fn record_timed_event(&self) -> Result<Arc<dyn DeviceEvent>>;
     /// Work enqueued after this call waits for `event` (recorded on this device or a fork of it).
     fn wait_event(&self, event: &dyn DeviceEvent) -> Result<()>;
     /// The same device, pool and compiled kernels on a new stream.

@@ -88,6 +88,10 @@ impl DeviceEvent for EmulatedEvent {
     fn as_any(&self) -> &dyn Any {
         self
     }
+    fn elapsed_since(&self, _earlier: &dyn DeviceEvent) -> Result<Option<Duration>> {
+        // Every op has run when its call returns: there is no device clock apart from the host's.
+        Ok(None)
+    }
 }
 
 impl Device for EmulatedDevice {
@@ -169,6 +173,9 @@ impl Device for EmulatedDevice {
         }
     }
     fn record_event(&self) -> Result<Arc<dyn DeviceEvent>> {
+        Ok(Arc::new(EmulatedEvent))
+    }
+    fn record_timed_event(&self) -> Result<Arc<dyn DeviceEvent>> {
         Ok(Arc::new(EmulatedEvent))
     }
     fn wait_event(&self, _event: &dyn DeviceEvent) -> Result<()> {
