@@ -355,7 +355,7 @@ struct Site {
 
 struct Block;
 
-enum FiberState { kRunnable, kWaitBlock, kWaitWarp, kDone };
+enum FiberState { kRunnable, kWaitBlock, kWaitWarp, kWaitMbar, kDone };
 
 struct CpAsync {
     void* dst;
@@ -428,6 +428,11 @@ void wgmma_commit_group(Site site);
 void wgmma_wait_group(Site site, int pending);
 void wgmma_mma_async(Site site, int type, int n, int trans_a, int trans_b, float* d, unsigned long long desc_a,
                      unsigned long long desc_b, bool scale_d);
+void setmaxnreg(Site site, bool inc, unsigned int regs);
+void mbar_init(Site site, void* bar, unsigned int count);
+unsigned long long mbar_arrive(Site site, void* bar, unsigned int tx_bytes);
+bool mbar_try_wait(Site site, void* bar, unsigned int parity);
+void tma_load(Site site, void* dst, const void* map, void* bar, int rank, const int* coords);
 [[noreturn]] void trap(Site site, const char* what);
 [[noreturn]] void assert_fail(const char* expr, Site site, const char* func);
 

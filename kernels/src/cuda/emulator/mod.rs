@@ -15,14 +15,24 @@
 //!   (NaN until then) only at the `wgmma.wait_group` that covers the op, after checking that the shared memory it
 //!   read was not overwritten; a wgmma without a `wgmma.fence` since the thread's last wait, or a thread exiting with
 //!   one in flight, is an error. Descriptors hold addresses of an emulated shared-state window (static shared memory
-//!   from 1024, dynamic from a 1024-byte boundary + 16). A barrier that
+//!   from 1024, dynamic from a 1024-byte boundary + 16). `setmaxnreg` (ptx_hopper.cuh) is a warpgroup collective that
+//!   checks convergence and does nothing else. mbarriers (ptx_tma.cuh) live in a table of the block keyed by their
+//!   shared address, with the PTX ISA's phase, pending and expected arrivals and tx-count exactly; `mbarrier.try_wait`
+//!   (and the `mbarrier_wait` loop) is a scheduling point: a thread whose phase has not completed sleeps until the
+//!   barrier changes (an arrive, a copy issued on it), so spinning on an mbarrier works as on the GPU. TMA loads
+//!   (`cp.async.bulk.tensor`, with the emulator's own tensor-map format, tensor_map.rs) are checked when issued (the
+//!   map, the destination's alignment, 128 bytes or 1024 for the 128B swizzle, and range, an initialised barrier) and
+//!   land, reading global memory then (zeros out of bounds, the swizzle applied to the shared address), when a thread
+//!   polls the barrier they complete on, which then gets their bytes' complete-tx. A barrier that
 //!   can never complete (divergent `__syncthreads`, a collective some lanes never reach or reach in another
-//!   collective, a lane that exited) is an error naming the threads and source lines, never a hang. Masks other than
-//!   the full warp are refused rather than guessed at.
+//!   collective, a lane that exited, an mbarrier phase whose arrivals or transaction bytes never come) is an error
+//!   naming the threads and source lines (and each waited-on mbarrier's state), never a hang. Masks other than the
+//!   full warp are refused rather than guessed at.
 //! - **Memory** ([`memory`]): device memory is host memory with guard zones around each allocation, checked after
 //!   every launch ("wrote outside a buffer", naming the kernel); contents, `__shared__` variables and dynamic shared
-//!   memory start poisoned (0xFF bytes: NaN as floats), and cp.async copies land only at the wait that covers them,
-//!   so a kernel reading what it did not write, or did not wait for, gets NaNs in tests rather than luck.
+//!   memory start poisoned (0xFF bytes: NaN as floats), cp.async copies land only at the wait that covers them and
+//!   TMA loads only when their mbarrier is polled, so a kernel reading what it did not write, or did not wait for,
+//!   gets NaNs in tests rather than luck.
 //! - **Errors**: a `__trap()`, a failed `assert`, a refused collective or a deadlock ends the launch with
 //!   [`KernelError::Device`] naming the kernel, block, thread and line; a bad configuration or arguments of the wrong
 //!   sizes are refused before anything runs; a compile error is [`KernelError::Compile`] naming the file.
@@ -30,8 +40,13 @@
 //! What is approximate: `mma.sync` sums exactly (double) and rounds once, where tensor cores have their own order
 //! and truncation; `ex2.approx`, `__expf` and the other fast intrinsics are exact; there is no FMA contraction
 //! (nvcc contracts by default); atomics are sequentially consistent; within a block, threads only interleave at
-//! barriers and collectives (so a spin-wait on another thread of the block hangs, where the GPU's independent thread
-//! scheduling would let it finish); blocks of a grid cannot wait for each other. Out-of-bounds reads and writes that
+//! barriers, collectives and mbarrier waits (so a spin-wait on a plain shared variable written by another thread of
+//! the block hangs, where the GPU's independent thread scheduling would let it finish; spin on an mbarrier instead);
+//! blocks of a grid cannot wait for each other. TMA: one proxy (the proxy fences are no-ops, so a missing
+//! `fence.proxy.async` is not caught), a copy lands whole at a poll (never partly, never without a poll), and its
+//! global reads are not checked against the allocations (a tensor map describing more than its buffer reads past it);
+//! no TMA stores, multicast, clusters or im2col; the emulator's maps are its own format (a driver-encoded map is
+//! refused). `setmaxnreg` changes nothing (there is no register file to resize). Out-of-bounds reads and writes that
 //! miss every guard zone are not caught (a wild one can crash the process, as can a fiber overflowing its stack).
 //!
 //! Costs, measured on the 2-core dev machine (the `emulator_figures` test): building the 8 test sources from nothing
