@@ -76,6 +76,8 @@ mod stub;
 #[allow(dead_code)] // used by the TMA probe's tests until a kernel uses the TMA
 pub(crate) mod tensor_map;
 #[cfg(all(test, feature = "cuda"))]
+mod tma_probe;
+#[cfg(all(test, feature = "cuda"))]
 mod wgmma_probe;
 
 #[cfg(feature = "cuda")]

@@ -62,8 +62,17 @@ pub(crate) static WGMMA_PROBE: KernelSource = KernelSource {
     includes: &[PTX_HOPPER],
 };
 
+/// The probe of the TMA and mbarriers in a warp-specialised pipeline (kernels/tma_probe.cu; its tests are in
+/// `cuda::tma_probe`): sm_90a-only, as it also uses `setmaxnreg`.
+pub(crate) static TMA_PROBE: KernelSource = KernelSource {
+    file: "tma_probe.cu",
+    code: include_str!("kernels/tma_probe.cu"),
+    kernels: &["longctx_tma_probe"],
+    includes: &[PTX_TMA, PTX_HOPPER],
+};
+
 /// The sources compiled for sm_90a only (each [`needs_sm90a`]); not among [`SOURCES`], which every GPU compiles.
-pub(crate) static SM90A_SOURCES: &[&KernelSource] = &[&WGMMA_PROBE];
+pub(crate) static SM90A_SOURCES: &[&KernelSource] = &[&WGMMA_PROBE, &TMA_PROBE];
 
 /// The translation unit of `src`: the headers, then the source, with `#line` directives so that compiler
 /// messages name the file and line they come from.

@@ -1,0 +1,108 @@
+// A probe of the TMA and mbarrier wrappers (ptx_tma.cuh) in the warp-specialised pipeline a FlashAttention-3-style
+// kernel is built on, sm_90a only (setmaxnreg, ptx_hopper.cuh). A block of 384 threads: warpgroup 0 is the producer
+// (its registers lowered with setmaxnreg.dec; one thread issues every copy, the others exit), warpgroups 1-2 are the
+// consumers (registers raised with setmaxnreg.inc). The producer loads boxes (tiles) of a bf16 tensor of rank 2-4
+// through the tensor map into a ring of `stages` shared-memory buffers, each guarded by a "full" mbarrier (1 arrival,
+// the producer's arrive.expect_tx, plus the copy's bytes) and an "empty" one (256 arrivals, one per consumer thread).
+// The consumers wait on "full", read the tile (undoing the map's swizzle) and write it as f32 into `out`, the tensor
+// padded up to whole boxes (so the zeros the TMA writes out of bounds land there too), then arrive on "empty".
+// Tiles are dealt round-robin to the blocks of the grid. Its tests run it on the emulator and on an sm_90 GPU against
+// a host reference: the GPU run is what confirms that the emulator's TMA (layout, swizzle, zero fill) is the
+// hardware's.
+//
+// Dynamic shared memory: stages · stage_bytes + 1024 (stage_bytes: the box's bytes rounded up to 1024; the 1024 for
+// the alignment of the ring).
+//
+// `mode` (the emulator tests of the mistakes it must report; 0 everywhere else): 1 the producer waits on "empty" with
+// the wrong parity (a deadlock), 2 the producer announces 16 bytes more than the box (the phase never completes:
+// a deadlock), 3 the consumers read a stage before waiting on it (the emulator's poison, NaN, shows), 4 the copy's
+// destination is 16 bytes past the stage (misaligned: an error).
+
+#define TMA_PROBE_MAX_STAGES 4
+
+// The block's dynamic shared memory (one DYNAMIC_SMEM for the unit).
+__device__ __forceinline__ unsigned char* tma_probe_smem() {
+    DYNAMIC_SMEM(unsigned char, raw);
+    return raw;
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1)
+    longctx_tma_probe(const __grid_constant__ CUtensorMap map, float* out, int rank, int4 box, int4 tiles,
+                      int swizzle, int stages, int mode) {
+    __shared__ __align__(8) u64 full[TMA_PROBE_MAX_STAGES];
+    __shared__ __align__(8) u64 empty[TMA_PROBE_MAX_STAGES];
+    const u32 tid = threadIdx.x;
+    const int bx[4] = {box.x, box.y, box.z, box.w};
+    const int nt[4] = {tiles.x, tiles.y, tiles.z, tiles.w};
+    u32 box_elems = 1, ntiles = 1;
+    for (int d = 0; d < rank; d++) {
+        box_elems *= static_cast<u32>(bx[d]);
+        ntiles *= static_cast<u32>(nt[d]);
+    }
+    const u32 box_bytes = box_elems * 2;
+    const u32 stage_bytes = (box_bytes + 1023u) & ~1023u;
+    unsigned char* raw = tma_probe_smem();
+    unsigned char* ring = raw + ((1024u - (tma_smem_addr(raw) & 1023u)) & 1023u);
+
+    if (tid == 0) {
+        for (int s = 0; s < stages; s++) {
+            mbarrier_init(&full[s], 1);
+            mbarrier_init(&empty[s], 256);
+        }
+        mbarrier_fence_init();
+    }
+    __syncthreads();
+
+    if (tid < 128) {
+        // The producer warpgroup: one thread issues, the others leave once the warpgroup has lowered its registers.
+        setmaxnreg_dec<40>();
+        if (tid != 0) return;
+        tma_prefetch_map(&map);
+        u32 k = 0;
+        for (u32 t = blockIdx.x; t < ntiles; t += gridDim.x, k++) {
+            const u32 s = k % static_cast<u32>(stages), use = k / static_cast<u32>(stages);
+            // The first use of a stage waits for parity 1, the phase "before" the first: it passes at once.
+            mbarrier_wait(&empty[s], mode == 1 ? (use & 1) : ((use & 1) ^ 1));
+            mbarrier_arrive_expect_tx(&full[s], box_bytes + (mode == 2 ? 16u : 0u));
+            int c[4] = {0, 0, 0, 0};
+            u32 rest = t;
+            for (int d = 0; d < rank; d++) {
+                c[d] = static_cast<int>(rest % static_cast<u32>(nt[d])) * bx[d];
+                rest /= static_cast<u32>(nt[d]);
+            }
+            unsigned char* dst = ring + s * stage_bytes + (mode == 4 ? 16 : 0);
+            if (rank == 2) tma_load_2d(dst, &map, &full[s], c[0], c[1]);
+            else if (rank == 3) tma_load_3d(dst, &map, &full[s], c[0], c[1], c[2]);
+            else tma_load_4d(dst, &map, &full[s], c[0], c[1], c[2], c[3]);
+        }
+        return;
+    }
+
+    // The consumers: 256 threads, each a share of every tile's elements.
+    setmaxnreg_inc<232>();
+    const u32 ct = tid - 128;
+    u32 padded[4] = {1, 1, 1, 1};
+    for (int d = 0; d < rank; d++) padded[d] = static_cast<u32>(nt[d] * bx[d]);
+    u32 k = 0;
+    for (u32 t = blockIdx.x; t < ntiles; t += gridDim.x, k++) {
+        const u32 s = k % static_cast<u32>(stages), use = k / static_cast<u32>(stages);
+        if (mode != 3) mbarrier_wait(&full[s], use & 1);
+        const unsigned char* stage = ring + s * stage_bytes;
+        for (u32 e = ct; e < box_elems; e += 256) {
+            // Element e of the box (innermost fastest) and its place in the padded output.
+            u32 rest_e = e, rest_t = t, o = 0, scale = 1;
+            for (int d = 0; d < rank; d++) {
+                const u32 i = rest_e % static_cast<u32>(bx[d]);
+                rest_e /= static_cast<u32>(bx[d]);
+                const u32 g = (rest_t % static_cast<u32>(nt[d])) * static_cast<u32>(bx[d]) + i;
+                rest_t /= static_cast<u32>(nt[d]);
+                o += g * scale;
+                scale *= padded[d];
+            }
+            const bf16 v = *reinterpret_cast<const bf16*>(stage + tma_swizzle(e * 2, static_cast<u32>(swizzle)));
+            out[o] = to_f32(v);
+        }
+        if (mode == 3) mbarrier_wait(&full[s], use & 1);
+        mbarrier_arrive(&empty[s]);
+    }
+}
