@@ -124,7 +124,7 @@ impl TensorMapDesc {
         if !(2..=5).contains(&rank) {
             return Err(invalid("tensor_map.dims", format!("rank {rank}: a tensor map here has 2 to 5 dimensions")));
         }
-        if self.address % 16 != 0 {
+        if !self.address.is_multiple_of(16) {
             return Err(invalid("tensor_map.address", format!("0x{:x} is not 16-byte aligned", self.address)));
         }
         for (i, &d) in self.dims.iter().enumerate() {
@@ -140,7 +140,7 @@ impl TensorMapDesc {
         }
         let mut extent = self.dims[0] * self.elem.bytes();
         for (i, &s) in self.strides.iter().enumerate() {
-            if s % 16 != 0 || s >= 1 << 40 {
+            if !s.is_multiple_of(16) || s >= 1 << 40 {
                 return Err(invalid(
                     "tensor_map.strides",
                     format!("strides[{i}] = {s} bytes: each must be a multiple of 16 below 2^40"),
@@ -169,7 +169,7 @@ impl TensorMapDesc {
             }
         }
         let inner = u64::from(self.box_dims[0]) * self.elem.bytes();
-        if inner % 16 != 0 {
+        if !inner.is_multiple_of(16) {
             return Err(invalid(
                 "tensor_map.box_dims",
                 format!("box_dims[0] = {} elements is {inner} bytes, not a multiple of 16", self.box_dims[0]),
