@@ -277,10 +277,7 @@ const MISTAKES: Case = Case { dims: &[80, 50], box_dims: &[32, 16], swizzle: Tma
 #[test]
 fn emulated_a_wait_on_the_wrong_parity_is_a_deadlock() {
     let err = launch_emulated(&MISTAKES, 1).unwrap_err();
-    assert!(
-        err.contains("deadlock") && err.contains("mbarrier.try_wait.parity 0") && err.contains("tma_probe.cu"),
-        "{err}"
-    );
+    assert!(err.contains("deadlock") && err.contains("mbarrier_wait parity 0 at tma_probe.cu"), "{err}");
 }
 
 #[test]
@@ -312,4 +309,28 @@ fn emulated_a_map_from_elsewhere_is_an_error() {
         unsafe { emu().launch(&kernel, &MISTAKES.config(), &MISTAKES.args(map, out.0, 0)) }.unwrap_err().to_string();
     drop(input);
     assert!(err.contains("not one the emulator's encoder wrote"), "{err}");
+}
+
+/// The try_wait kernel in `mode`: its three answers, or the error.
+fn try_wait(mode: i32) -> Result<Vec<i32>, String> {
+    let out = EmuBuf::new(&[0xffu8; 16]);
+    let mut args = KernelArgs::new();
+    args.push(out.0).push(mode);
+    let kernel = Kernel { source: &TMA_PROBE, name: "longctx_tma_probe_try_wait" };
+    // SAFETY: `out` holds the 4 ints the kernel may write.
+    match unsafe { emu().launch(&kernel, &LaunchConfig::linear(1, 32), &args) } {
+        Ok(()) => Ok(out.read_f32()[..3].iter().map(|x| x.to_bits() as i32).collect()),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+#[test]
+fn emulated_try_wait_answers_for_the_phase_of_its_parity() {
+    assert_eq!(try_wait(0).unwrap(), [0, 1, 0]);
+}
+
+#[test]
+fn emulated_a_try_wait_loop_that_nothing_ends_is_a_deadlock() {
+    let err = try_wait(1).unwrap_err();
+    assert!(err.contains("deadlock") && err.contains("mbarrier.try_wait.parity 0 at tma_probe.cu"), "{err}");
 }

@@ -387,6 +387,7 @@ struct Fiber {
     unsigned int cp_count;      // copies in flight
     unsigned int wg_committed;  // wgmma groups committed so far
     bool wg_fenced;             // a wgmma.fence since the last wgmma.wait_group
+    bool mbar_poll;             // waits in a single mbarrier.try_wait (not the mbarrier_wait loop)
     Context ctx;
     CpAsync cp[kMaxCpAsync];
 };
@@ -431,7 +432,7 @@ void wgmma_mma_async(Site site, int type, int n, int trans_a, int trans_b, float
 void setmaxnreg(Site site, bool inc, unsigned int regs);
 void mbar_init(Site site, void* bar, unsigned int count);
 unsigned long long mbar_arrive(Site site, void* bar, unsigned int tx_bytes);
-bool mbar_try_wait(Site site, void* bar, unsigned int parity);
+bool mbar_try_wait(Site site, void* bar, unsigned int parity, bool wait);
 void tma_load(Site site, void* dst, const void* map, void* bar, int rank, const int* coords);
 [[noreturn]] void trap(Site site, const char* what);
 [[noreturn]] void assert_fail(const char* expr, Site site, const char* func);

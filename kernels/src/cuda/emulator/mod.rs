@@ -19,7 +19,9 @@
 //!   checks convergence and does nothing else. mbarriers (ptx_tma.cuh) live in a table of the block keyed by their
 //!   shared address, with the PTX ISA's phase, pending and expected arrivals and tx-count exactly; `mbarrier.try_wait`
 //!   (and the `mbarrier_wait` loop) is a scheduling point: a thread whose phase has not completed sleeps until the
-//!   barrier changes (an arrive, a copy issued on it), so spinning on an mbarrier works as on the GPU. TMA loads
+//!   barrier changes (an arrive, a copy issued on it), so spinning on an mbarrier works as on the GPU; a single
+//!   try_wait answers false once every live thread of the block waits (its time limit, on the GPU), and a try_wait
+//!   loop with nothing else happening in between is a deadlock. TMA loads
 //!   (`cp.async.bulk.tensor`, with the emulator's own tensor-map format, tensor_map.rs) are checked when issued (the
 //!   map, the destination's alignment, 128 bytes or 1024 for the 128B swizzle, and range, an initialised barrier) and
 //!   land, reading global memory then (zeros out of bounds, the swizzle applied to the shared address), when a thread
@@ -46,7 +48,8 @@
 //! `fence.proxy.async` is not caught), a copy lands whole at a poll (never partly, never without a poll), and its
 //! global reads are not checked against the allocations (a tensor map describing more than its buffer reads past it);
 //! no TMA stores, multicast, clusters or im2col; the emulator's maps are its own format (a driver-encoded map is
-//! refused). `setmaxnreg` changes nothing (there is no register file to resize). Out-of-bounds reads and writes that
+//! refused). A swizzled box is laid out densely with the swizzle applied to the shared address; the probe's GPU cases
+//! (not yet run on a GPU) check that reading only for boxes whose inner dimension is the swizzle's whole span. `setmaxnreg` changes nothing (there is no register file to resize). Out-of-bounds reads and writes that
 //! miss every guard zone are not caught (a wild one can crash the process, as can a fiber overflowing its stack).
 //!
 //! Costs, measured on the 2-core dev machine (the `emulator_figures` test): building the 8 test sources from nothing

@@ -293,7 +293,16 @@ struct Block {
     Fiber* fiber(unsigned int i) const {
         return fiber_at(reinterpret_cast<std::uintptr_t>(regions) + std::size_t(i) * kFiberRegionBytes);
     }
+    // Fibers made runnable so far: what tells a block that waits on try_wait pollers only whether anything happened
+    // since it last woke them (the stall handling in run_block).
+    unsigned long long progress = 0;
+    unsigned long long stall_progress = ~0ull;
     void push(Fiber* f) {
+        progress++;
+        push_quiet(f);
+    }
+    // Runnable without counting as progress: a try_wait poller woken to answer false.
+    void push_quiet(Fiber* f) {
         f->state = kRunnable;
         std::size_t i = q_head + q_len;
         if (i >= queue.size()) i -= queue.size();
@@ -748,12 +757,30 @@ bool run_block(Block& b, unsigned long long linear) {
         f->cp_count = 0;
         f->wg_committed = 0;
         f->wg_fenced = false;
+        f->mbar_poll = false;
         prepare(f);
         b.push(f);
     }
-    Fiber* first = b.pop();
-    switch_to(&b.sched, &first->ctx);
-    // Back here when no fiber is runnable: all exited, deadlock, or a failure.
+    b.stall_progress = ~0ull;
+    for (Fiber* next = b.pop(); next;) {
+        switch_to(&b.sched, &next->ctx);
+        // Back here when no fiber is runnable: all exited, a failure, or every live thread waits. Threads in a single
+        // mbarrier.try_wait (not the mbarrier_wait loop) then answer false, as the GPU's would once its time limit
+        // passes; if that happens twice with nothing made runnable in between, the block is deadlocked (a poller
+        // looping on try_wait with nothing else going on).
+        next = nullptr;
+        if (b.failed || b.done == b.nthreads || b.progress == b.stall_progress) break;
+        b.stall_progress = b.progress;
+        for (Mbar& m : b.mbars) {
+            std::size_t kept = 0;
+            for (Fiber* w : m.waiting) {
+                if (w->mbar_poll) b.push_quiet(w);
+                else m.waiting[kept++] = w;
+            }
+            m.waiting.resize(kept);
+        }
+        next = b.pop();
+    }
     if (b.failed) return false;
     if (b.done < b.nthreads) {
         b.error = format("block (%u,%u,%u): ", b.block_idx.x, b.block_idx.y, b.block_idx.z) + deadlock_report(b);
@@ -1301,7 +1328,7 @@ unsigned long long mbar_arrive(Site site, void* bar, unsigned int tx_bytes) {
     return token;
 }
 
-bool mbar_try_wait(Site site, void* bar, unsigned int parity) {
+bool mbar_try_wait(Site site, void* bar, unsigned int parity, bool wait) {
     Fiber* f = self();
     Block& b = *f->block;
     if (parity > 1)
@@ -1319,10 +1346,14 @@ bool mbar_try_wait(Site site, void* bar, unsigned int parity) {
         }
         Mbar& now = mbar_of(f, site, bar, "mbarrier.try_wait.parity");
         if ((now.phase & 1) != parity) return true;
-        // try_wait may suspend the thread for a while: here until the barrier changes (then it answers again, once).
-        if (pass > 0) return false;
+        // try_wait may suspend the thread for a while: here until the barrier changes (then it answers again, once),
+        // or until the whole block waits (run_block: it answers false). mbarrier_wait sleeps until the phase
+        // completes.
+        if (pass > 0 && !wait) return false;
         f->state = kWaitMbar;
-        f->wait_what = parity ? "mbarrier.try_wait.parity 1" : "mbarrier.try_wait.parity 0";
+        f->mbar_poll = !wait;
+        f->wait_what = wait ? (parity ? "mbarrier_wait parity 1" : "mbarrier_wait parity 0")
+                            : (parity ? "mbarrier.try_wait.parity 1" : "mbarrier.try_wait.parity 0");
         f->wait_site = site;
         now.waiting.push_back(f);
         park(f);

@@ -57,8 +57,9 @@
 // count out of range); a copy is checked when issued (the map's format, the destination's alignment and range, the
 // barrier) and lands, reading global memory then, when a thread polls the barrier it completes on (try_wait), so a
 // kernel reading a stage before waiting sees the poison (0xFF bytes, NaN). try_wait and mbarrier_wait are
-// scheduling points: a waiting thread sleeps until the barrier changes, and a block whose live threads all wait on
-// something that cannot come is a deadlock error naming threads and lines. The emulator's tensor map is its own
+// scheduling points: a waiting thread sleeps until the barrier changes (a lone try_wait answers false once the whole
+// block waits), and a block whose live threads all wait on something that cannot come is a deadlock error naming
+// threads, lines and the barriers' state. The emulator's tensor map is its own
 // 128-byte format (tensor_map.rs encodes it), not the driver's.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 #error "ptx_tma.cuh: mbarrier try_wait, cp.async.bulk.tensor and fence.proxy.async need sm_90 or later"
@@ -140,7 +141,7 @@ __device__ __forceinline__ u64 mbarrier_arrive_expect_tx(u64* bar, u32 tx_bytes 
 // Whether the phase of parity `parity` (0 or 1) has completed; may suspend the thread a while first.
 __device__ __forceinline__ bool mbarrier_try_wait(u64* bar, u32 parity LONGCTX_TMA_CALLER) {
 #ifdef LONGCTX_EMU
-    return ::emu::mbar_try_wait(LONGCTX_TMA_SITE, bar, parity);
+    return ::emu::mbar_try_wait(LONGCTX_TMA_SITE, bar, parity, false);
 #else
     u32 done;
     asm volatile(
@@ -155,8 +156,8 @@ __device__ __forceinline__ bool mbarrier_try_wait(u64* bar, u32 parity LONGCTX_T
 // Waits until the phase of parity `parity` has completed.
 __device__ __forceinline__ void mbarrier_wait(u64* bar, u32 parity LONGCTX_TMA_CALLER) {
 #ifdef LONGCTX_EMU
-    while (!mbarrier_try_wait(bar, parity, caller_file, caller_line)) {
-    }
+    // One call that sleeps until the phase completes: the loop below, without waking at every stall of the block.
+    ::emu::mbar_try_wait(LONGCTX_TMA_SITE, bar, parity, true);
 #else
     while (!mbarrier_try_wait(bar, parity)) {
     }

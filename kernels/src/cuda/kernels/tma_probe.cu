@@ -106,3 +106,31 @@ extern "C" __global__ void __launch_bounds__(384, 1)
         mbarrier_arrive(&empty[s]);
     }
 }
+
+// mbarrier.try_wait on its own (the emulator's tests): one block of 32 threads, an mbarrier expecting 2 arrivals
+// (threads 0 and 1). Thread 0 stores try_wait(parity 0) before its arrival (0: the phase is not complete), after
+// waiting for the phase (1), and try_wait(parity 1) then (0: the phase after it is not complete; nothing will change
+// the barrier, so the emulator answers once the whole block waits). `mode` 1: thread 0 loops on try_wait for a phase
+// nobody arrives at (a deadlock).
+extern "C" __global__ void longctx_tma_probe_try_wait(int* out, int mode) {
+    __shared__ __align__(8) u64 bar;
+    const u32 tid = threadIdx.x;
+    if (tid == 0) {
+        mbarrier_init(&bar, 2);
+        mbarrier_fence_init();
+    }
+    __syncthreads();
+    if (mode == 1) {
+        if (tid == 0)
+            while (!mbarrier_try_wait(&bar, 0)) {
+            }
+        return;
+    }
+    if (tid == 1) mbarrier_arrive(&bar);
+    if (tid != 0) return;
+    out[0] = mbarrier_try_wait(&bar, 0) ? 1 : 0;
+    mbarrier_arrive(&bar);
+    mbarrier_wait(&bar, 0);
+    out[1] = mbarrier_try_wait(&bar, 0) ? 1 : 0;
+    out[2] = mbarrier_try_wait(&bar, 1) ? 1 : 0;
+}
