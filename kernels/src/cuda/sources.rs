@@ -67,7 +67,7 @@ pub(crate) static WGMMA_PROBE: KernelSource = KernelSource {
 pub(crate) static TMA_PROBE: KernelSource = KernelSource {
     file: "tma_probe.cu",
     code: include_str!("kernels/tma_probe.cu"),
-    kernels: &["longctx_tma_probe", "longctx_tma_probe_try_wait"],
+    kernels: &["longctx_tma_probe", "longctx_tma_probe_try_wait", "longctx_tma_probe_wgmma"],
     includes: &[PTX_TMA, PTX_HOPPER],
 };
 

@@ -5,8 +5,10 @@
 //! (`<case>::cuda`, skipped with a message without one; sm_90 only, as the probe is compiled for sm_90a), each
 //! against a host reference: the tensor padded up to whole boxes with zeros. Tensors whose sizes are not multiples of
 //! the box (the zero fill), every swizzle (the consumers undo it), ranks 2, 3 and 4 (an attention input
-//! [batch, seq, heads, dim]). Also the mistakes the emulator must report (a wait on the wrong parity, transaction
-//! bytes that never come, reading a stage before its wait, a misaligned destination).
+//! [batch, seq, heads, dim]); and wgmma reading tiles the TMA loaded with the 128B swizzle (`wgmma_on_tma_tiles`,
+//! the pattern of a FlashAttention-3 consumer). Also the mistakes the emulator must report (a wait on the wrong
+//! parity, transaction bytes that never come, reading a stage before its wait, a misaligned destination) and
+//! try_wait's answers on its own.
 
 use std::sync::{Arc, OnceLock};
 
@@ -333,4 +335,112 @@ fn emulated_try_wait_answers_for_the_phase_of_its_parity() {
 fn emulated_a_try_wait_loop_that_nothing_ends_is_a_deadlock() {
     let err = try_wait(1).unwrap_err();
     assert!(err.contains("deadlock") && err.contains("mbarrier.try_wait.parity 0 at tma_probe.cu"), "{err}");
+}
+
+/// wgmma on 64 × 64 bf16 tiles of A and B the TMA loaded with the 128B swizzle (tma_probe.cu's
+/// `longctx_tma_probe_wgmma`): D = A·Bᵀ against an f64 reference. `encode` makes the tensor maps for the device,
+/// `launch` runs the kernel (A, B, D addresses) and returns D.
+fn wgmma_on_tma_tiles(
+    alloc: &dyn Fn(&[u8]) -> DevicePtr,
+    encode: &dyn Fn(&TensorMapDesc) -> TensorMap,
+    launch: &dyn Fn(KernelArgs, DevicePtr) -> Vec<f32>,
+) {
+    let mut s = 0x2545_f491_4f6c_dd1du64;
+    let mut operand = || -> (Vec<u8>, Vec<f64>) {
+        let mut bytes = Vec::with_capacity(2 * 64 * 64);
+        let mut values = Vec::with_capacity(64 * 64);
+        for _ in 0..64 * 64 {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            let x = bf16::from_f32((s >> 40) as f32 / (1u64 << 23) as f32 - 1.0);
+            bytes.extend_from_slice(&x.to_le_bytes());
+            values.push(x.to_f64());
+        }
+        (bytes, values)
+    };
+    let ((a_bytes, a), (b_bytes, b)) = (operand(), operand());
+    let (pa, pb, pd) = (alloc(&a_bytes), alloc(&b_bytes), alloc(&[0xffu8; 64 * 64 * 4]));
+    let desc = |address| TensorMapDesc {
+        elem: TmaElem::Bf16,
+        address,
+        dims: vec![64, 64],
+        strides: vec![128],
+        box_dims: vec![64, 64],
+        swizzle: TmaSwizzle::B128,
+    };
+    let mut args = KernelArgs::new();
+    args.push(encode(&desc(pa))).push(encode(&desc(pb))).push(pd);
+    let d = launch(args, pd);
+    let mut bad = Vec::new();
+    for m in 0..64 {
+        for n in 0..64 {
+            let want: f64 = (0..64).map(|k| a[m * 64 + k] * b[n * 64 + k]).sum();
+            let got = f64::from(d[m * 64 + n]);
+            // NaN (an element never written) fails too.
+            let close = (got - want).abs() <= 1e-3 + 1e-4 * want.abs();
+            if !close {
+                bad.push(format!("D[{m}][{n}] = {got}, want {want}"));
+            }
+        }
+    }
+    assert!(bad.is_empty(), "{} of 4096 wrong, the first: {}", bad.len(), bad[..8.min(bad.len())].join("; "));
+}
+
+const WGMMA_CONFIG: LaunchConfig = LaunchConfig { grid: [1, 1, 1], block: [128, 1, 1], shared_bytes: 2 * 8192 + 1024 };
+
+mod wgmma_on_tma_tiles {
+    use super::*;
+
+    #[test]
+    fn emulated() {
+        let bufs = std::cell::RefCell::new(Vec::new());
+        wgmma_on_tma_tiles(
+            &|bytes| {
+                let b = EmuBuf::new(bytes);
+                let p = b.0;
+                bufs.borrow_mut().push(b);
+                p
+            },
+            &|desc| desc.encode_emulated().unwrap(),
+            &|args, pd| {
+                let kernel = Kernel { source: &TMA_PROBE, name: "longctx_tma_probe_wgmma" };
+                // SAFETY: the maps describe A and B (64 × 64 bf16 each); D holds 64 × 64 floats.
+                unsafe { emu().launch(&kernel, &WGMMA_CONFIG, &args) }.unwrap_or_else(|e| panic!("{e}"));
+                let bufs = bufs.borrow();
+                let d = bufs.iter().find(|b| b.0 == pd).expect("D is one of the buffers");
+                d.read_f32()
+            },
+        );
+    }
+
+    #[test]
+    fn cuda() {
+        let Some(dev) = gpu("wgmma_on_tma_tiles::cuda") else { return };
+        let ptrs = std::cell::RefCell::new(Vec::new());
+        wgmma_on_tma_tiles(
+            &|bytes| {
+                let p = dev.alloc(bytes.len()).unwrap();
+                // SAFETY: `p` holds `bytes.len()` bytes.
+                unsafe { dev.upload(p, bytes) }.unwrap();
+                ptrs.borrow_mut().push(p);
+                p
+            },
+            &|desc| dev.encode_tensor_map(desc).unwrap_or_else(|e| panic!("{e}")),
+            &|args, pd| {
+                let kernel = Kernel { source: &TMA_PROBE, name: "longctx_tma_probe_wgmma" };
+                // SAFETY: the maps describe A and B (64 × 64 bf16 each); D holds 64 × 64 floats.
+                unsafe { dev.launch(&kernel, &WGMMA_CONFIG, &args) }.unwrap_or_else(|e| panic!("{e}"));
+                let mut out = vec![0u8; 64 * 64 * 4];
+                // SAFETY: `pd` holds `out.len()` bytes.
+                unsafe { dev.download(&mut out, pd) }.unwrap();
+                dev.synchronize().unwrap();
+                out.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
+            },
+        );
+        for p in ptrs.into_inner() {
+            // SAFETY: the work using them has run.
+            unsafe { dev.free(p) };
+        }
+    }
 }

@@ -134,3 +134,48 @@ extern "C" __global__ void longctx_tma_probe_try_wait(int* out, int mode) {
     out[1] = mbarrier_try_wait(&bar, 0) ? 1 : 0;
     out[2] = mbarrier_try_wait(&bar, 1) ? 1 : 0;
 }
+
+// wgmma on tiles the TMA loaded (the pattern of a FlashAttention-3 consumer): D (64×64 f32, row-major) = A·Bᵀ for A
+// and B 64×64 bf16, row-major in global memory (K contiguous), each loaded as one 64 × 64 box with the 128B swizzle.
+// A box row (64 k, 128 bytes) lands as one 128-byte row, rows one after another, swizzled on the address: wgmma's
+// K-major 128B canonical layout (ptx_hopper.cuh) with SBO = 1024, the k-step s starting 32·s bytes in. No proxy fence
+// between the two: the TMA writes through the async proxy, which wgmma reads. One warpgroup; dynamic shared memory
+// 2 · 8192 + 1024 bytes.
+extern "C" __global__ void __launch_bounds__(128, 1)
+    longctx_tma_probe_wgmma(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+                            float* d) {
+    __shared__ __align__(8) u64 full;
+    unsigned char* raw = tma_probe_smem();
+    unsigned char* sa = raw + ((1024u - (tma_smem_addr(raw) & 1023u)) & 1023u);
+    unsigned char* sb = sa + 64 * 64 * 2;
+    const u32 tid = threadIdx.x;
+    if (tid == 0) {
+        mbarrier_init(&full, 1);
+        mbarrier_fence_init();
+    }
+    __syncthreads();
+    if (tid == 0) {
+        mbarrier_arrive_expect_tx(&full, 2 * 64 * 64 * 2);
+        tma_load_2d(sa, &map_a, &full, 0, 0);
+        tma_load_2d(sb, &map_b, &full, 0, 0);
+    }
+    mbarrier_wait(&full, 0);
+
+    float acc[32];
+#pragma unroll
+    for (int i = 0; i < 32; i++) acc[i] = 0.0f;
+    wgmma_fence();
+#pragma unroll
+    for (u32 s = 0; s < 4; s++)
+        wgmma_m64n64k16_bf16<0, 0>(acc, wgmma_desc(sa + 32 * s, 16, 1024, WGMMA_SWIZZLE_128B),
+                                   wgmma_desc(sb + 32 * s, 16, 1024, WGMMA_SWIZZLE_128B), s > 0);
+    wgmma_commit_group();
+    wgmma_wait_group<0>();
+
+    const u32 w = tid / 32, lane = tid % 32, gid = lane >> 2, tig = lane & 3;
+#pragma unroll
+    for (int i = 0; i < 32; i++) {
+        const u32 row = 16 * w + gid + 8 * ((i >> 1) & 1), col = 8 * (i >> 2) + 2 * tig + (i & 1);
+        d[row * 64 + col] = acc[i];
+    }
+}
