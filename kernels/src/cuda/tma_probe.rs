@@ -337,6 +337,18 @@ fn emulated_a_try_wait_loop_that_nothing_ends_is_a_deadlock() {
     assert!(err.contains("deadlock") && err.contains("mbarrier.try_wait.parity 0 at tma_probe.cu"), "{err}");
 }
 
+#[test]
+fn emulated_more_arrivals_than_the_count_is_an_error() {
+    let err = try_wait(2).unwrap_err();
+    assert!(err.contains("more arrivals than its count") && err.contains("tma_probe.cu"), "{err}");
+}
+
+#[test]
+fn emulated_an_uninitialised_mbarrier_is_an_error() {
+    let err = try_wait(3).unwrap_err();
+    assert!(err.contains("not an initialised mbarrier") && err.contains("tma_probe.cu"), "{err}");
+}
+
 /// wgmma on 64 × 64 bf16 tiles of A and B the TMA loaded with the 128B swizzle (tma_probe.cu's
 /// `longctx_tma_probe_wgmma`): D = A·Bᵀ against an f64 reference. `encode` makes the tensor maps for the device,
 /// `launch` runs the kernel (A, B, D addresses) and returns D.

@@ -111,15 +111,26 @@ extern "C" __global__ void __launch_bounds__(384, 1)
 // (threads 0 and 1). Thread 0 stores try_wait(parity 0) before its arrival (0: the phase is not complete), after
 // waiting for the phase (1), and try_wait(parity 1) then (0: the phase after it is not complete; nothing will change
 // the barrier, so the emulator answers once the whole block waits). `mode` 1: thread 0 loops on try_wait for a phase
-// nobody arrives at (a deadlock).
+// nobody arrives at (a deadlock); 2: threads 0-2 arrive, thread 0 announcing 16 bytes that never come, so the third
+// arrival is one more than the phase expects (an error); 3: an arrive on a barrier nobody initialised (an error).
 extern "C" __global__ void longctx_tma_probe_try_wait(int* out, int mode) {
     __shared__ __align__(8) u64 bar;
+    __shared__ __align__(8) u64 never;
     const u32 tid = threadIdx.x;
     if (tid == 0) {
         mbarrier_init(&bar, 2);
         mbarrier_fence_init();
     }
     __syncthreads();
+    if (mode == 2) {
+        if (tid == 0) mbarrier_arrive_expect_tx(&bar, 16);
+        if (tid == 1 || tid == 2) mbarrier_arrive(&bar);
+        return;
+    }
+    if (mode == 3) {
+        if (tid == 0) mbarrier_arrive(&never);
+        return;
+    }
     if (mode == 1) {
         if (tid == 0)
             while (!mbarrier_try_wait(&bar, 0)) {
