@@ -5,7 +5,8 @@
 //! (`<case>::cuda`, skipped with a message without one; sm_90 only, as the probe is compiled for sm_90a), each
 //! against a host reference: the tensor padded up to whole boxes with zeros. Tensors whose sizes are not multiples of
 //! the box (the zero fill), every swizzle (the consumers undo it), ranks 2, 3 and 4 (an attention input
-//! [batch, seq, heads, dim]); and wgmma reading tiles the TMA loaded with the 128B swizzle (`wgmma_on_tma_tiles`,
+//! [batch, seq, heads, dim]); TMA stores writing each tile back from its stage (`*_store`: the coordinates and the
+//! clipping out of bounds; the swizzle cancels out, the store reading with the pattern the load wrote with); and wgmma reading tiles the TMA loaded with the 128B swizzle (`wgmma_on_tma_tiles`,
 //! the pattern of a FlashAttention-3 consumer). Also the mistakes the emulator must report (a wait on the wrong
 //! parity, transaction bytes that never come, reading a stage before its wait, a misaligned destination) and
 //! try_wait's answers on its own.
@@ -29,6 +30,8 @@ struct Case {
     swizzle: TmaSwizzle,
     stages: i32,
     blocks: u32,
+    /// The consumers write each tile back through a TMA store (into a copy of the tensor) rather than as f32.
+    store: bool,
 }
 
 impl Case {
@@ -101,7 +104,7 @@ impl Case {
         LaunchConfig { grid: [self.blocks, 1, 1], block: [384, 1, 1], shared_bytes: self.stages as u32 * stage + 1024 }
     }
 
-    fn args(&self, map: TensorMap, out: DevicePtr, mode: i32) -> KernelArgs {
+    fn args(&self, map: TensorMap, store_map: TensorMap, out: DevicePtr, mode: i32) -> KernelArgs {
         let mut bx = [1i32; 4];
         let mut nt = [1i32; 4];
         for (d, (&b, t)) in self.box_dims.iter().zip(self.tiles()).enumerate() {
@@ -109,9 +112,17 @@ impl Case {
             nt[d] = t as i32;
         }
         let mut args = KernelArgs::new();
-        args.push(map).push(out).push(self.rank() as i32).push(bx).push(nt);
-        args.push(i32::from(self.swizzle.code())).push(self.stages).push(mode);
+        args.push(map).push(store_map).push(out).push(self.rank() as i32).push(bx).push(nt);
+        args.push(i32::from(self.swizzle.code())).push(self.stages).push(i32::from(self.store)).push(mode);
         args
+    }
+
+    /// With `store`: the copy the TMA stores wrote must be the input, byte for byte (poison where nothing was written).
+    fn check_store(&self, copy: &[u8]) {
+        let input = self.input();
+        let bad = copy.chunks_exact(2).zip(input.chunks_exact(2)).filter(|(g, w)| g != w).count();
+        let first = copy.chunks_exact(2).zip(input.chunks_exact(2)).position(|(g, w)| g != w);
+        assert!(bad == 0, "{self:?}: {bad} of {} elements wrong, the first at {first:?}", self.elements());
     }
 
     fn check(&self, out: &[f32]) {
@@ -171,20 +182,37 @@ impl Drop for EmuBuf {
 
 /// The probe on the emulator in `mode` (0: the pipeline; others: tma_probe.cu's mistakes): the output or the error.
 fn launch_emulated(case: &Case, mode: i32) -> Result<Vec<f32>, String> {
+    launch_emulated_with_copy(case, mode).map(|(out, _)| out)
+}
+
+/// [`launch_emulated`], with the bytes of the copy the TMA stores write (`case.store`).
+fn launch_emulated_with_copy(case: &Case, mode: i32) -> Result<(Vec<f32>, Vec<u8>), String> {
     let input = EmuBuf::new(&case.input());
+    let copy = EmuBuf::new(&vec![0xffu8; 2 * case.elements()]);
     let words = case.padded().iter().product::<u64>() as usize;
     let out = EmuBuf::new(&vec![0xffu8; 4 * words]);
     let map = case.desc(input.0).encode_emulated().unwrap();
+    let store_map = case.desc(copy.0).encode_emulated().unwrap();
     let kernel = Kernel { source: &TMA_PROBE, name: "longctx_tma_probe" };
-    // SAFETY: the map describes `input`, and `out` holds the padded tensor the probe writes.
-    match unsafe { emu().launch(&kernel, &case.config(), &case.args(map, out.0, mode)) } {
-        Ok(()) => Ok(out.read_f32()),
+    // SAFETY: the maps describe `input` and `copy`, and `out` holds the padded tensor the probe writes.
+    match unsafe { emu().launch(&kernel, &case.config(), &case.args(map, store_map, out.0, mode)) } {
+        Ok(()) => {
+            let mut bytes = vec![0u8; copy.1];
+            // SAFETY: the allocation holds `copy.1` bytes.
+            unsafe { std::ptr::copy_nonoverlapping(copy.0 as *const u8, bytes.as_mut_ptr(), copy.1) };
+            Ok((out.read_f32(), bytes))
+        }
         Err(e) => Err(e.to_string()),
     }
 }
 
 fn run_emulated(case: &Case) {
-    case.check(&launch_emulated(case, 0).unwrap_or_else(|e| panic!("{e}")));
+    let (out, copy) = launch_emulated_with_copy(case, 0).unwrap_or_else(|e| panic!("{e}"));
+    if case.store {
+        case.check_store(&copy);
+    } else {
+        case.check(&out);
+    }
 }
 
 /// The GPU (checked launches), or `None` with the reason on stderr: no device (unless `LONGCTX_REQUIRE_GPU=1`), or
@@ -217,25 +245,40 @@ fn run_cuda(test: &str, case: &Case) {
     let pout = dev.alloc(4 * words).unwrap();
     // SAFETY: `pout` holds `words` words; NaN, so that an element the kernel does not write shows.
     unsafe { dev.memset32(pout, 0x7fc0_0000, words) }.unwrap();
+    let pcopy = dev.alloc(input.len()).unwrap();
+    // SAFETY: `pcopy` holds `input.len()` bytes: poison (bf16 NaN), so that an element no store writes shows.
+    unsafe { dev.memset32(pcopy, 0xffff_ffff, input.len() / 4) }.unwrap();
     let map = dev.encode_tensor_map(&case.desc(pin)).unwrap_or_else(|e| panic!("{e}"));
+    let store_map = dev.encode_tensor_map(&case.desc(pcopy)).unwrap_or_else(|e| panic!("{e}"));
     let kernel = Kernel { source: &TMA_PROBE, name: "longctx_tma_probe" };
-    // SAFETY: the map describes the input, and `pout` holds the padded tensor the probe writes.
-    unsafe { dev.launch(&kernel, &case.config(), &case.args(map, pout, 0)) }.unwrap_or_else(|e| panic!("{e}"));
+    // SAFETY: the maps describe the input and its copy, and `pout` holds the padded tensor the probe writes.
+    unsafe { dev.launch(&kernel, &case.config(), &case.args(map, store_map, pout, 0)) }
+        .unwrap_or_else(|e| panic!("{e}"));
     let mut out = vec![0u8; 4 * words];
-    // SAFETY: `pout` holds `out.len()` bytes.
-    unsafe { dev.download(&mut out, pout) }.unwrap();
+    let mut copy = vec![0u8; input.len()];
+    // SAFETY: `pout` and `pcopy` hold `out.len()` and `copy.len()` bytes.
+    unsafe {
+        dev.download(&mut out, pout).unwrap();
+        dev.download(&mut copy, pcopy).unwrap();
+    }
     dev.synchronize().unwrap();
     // SAFETY: the work using them has run.
     unsafe {
         dev.free(pin);
         dev.free(pout);
+        dev.free(pcopy);
     }
-    case.check(&out.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect::<Vec<_>>());
+    if case.store {
+        case.check_store(&copy);
+    } else {
+        case.check(&out.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect::<Vec<_>>());
+    }
 }
 
 /// `<name>::emulated` and `<name>::cuda` for each case.
 macro_rules! cases {
-    ($($name:ident: dims $dims:expr, box $box:expr, $swizzle:ident, stages $stages:literal, blocks $blocks:literal;)+) => {
+    ($($name:ident: dims $dims:expr, box $box:expr, $swizzle:ident, stages $stages:literal, blocks $blocks:literal,
+       store $store:literal;)+) => {
         $(
             mod $name {
                 use super::*;
@@ -245,6 +288,7 @@ macro_rules! cases {
                     swizzle: TmaSwizzle::$swizzle,
                     stages: $stages,
                     blocks: $blocks,
+                    store: $store,
                 };
 
                 #[test]
@@ -263,18 +307,23 @@ macro_rules! cases {
 
 cases! {
     // 80 × 50 in 32 × 16 boxes: the last column and row of boxes partly out of bounds.
-    rank2_none: dims [80, 50], box [32, 16], None, stages 2, blocks 1;
-    rank2_none_3_stages_2_blocks: dims [80, 50], box [32, 16], None, stages 3, blocks 2;
+    rank2_none: dims [80, 50], box [32, 16], None, stages 2, blocks 1, store false;
+    rank2_none_3_stages_2_blocks: dims [80, 50], box [32, 16], None, stages 3, blocks 2, store false;
     // 136 × 40 in 64 × 16 boxes of 128-byte rows: the layout wgmma's 128B swizzle reads.
-    rank2_128b: dims [136, 40], box [64, 16], B128, stages 2, blocks 1;
-    rank3_64b: dims [32, 20, 3], box [32, 8, 1], B64, stages 2, blocks 1;
-    rank3_32b: dims [16, 24, 2], box [16, 8, 1], B32, stages 3, blocks 1;
+    rank2_128b: dims [136, 40], box [64, 16], B128, stages 2, blocks 1, store false;
+    rank3_64b: dims [32, 20, 3], box [32, 8, 1], B64, stages 2, blocks 1, store false;
+    rank3_32b: dims [16, 24, 2], box [16, 8, 1], B32, stages 3, blocks 1, store false;
     // An attention input [batch 2, seq 40, heads 3, dim 64] (innermost first): 16-row boxes of one head, 128B.
-    rank4_attention_128b: dims [64, 3, 40, 2], box [64, 1, 16, 1], B128, stages 2, blocks 2;
+    rank4_attention_128b: dims [64, 3, 40, 2], box [64, 1, 16, 1], B128, stages 2, blocks 2, store false;
+    // The same through TMA stores: every box back where it came from, its out-of-bounds part not written.
+    rank2_none_store: dims [80, 50], box [32, 16], None, stages 2, blocks 1, store true;
+    rank3_64b_store: dims [32, 20, 3], box [32, 8, 1], B64, stages 2, blocks 2, store true;
+    rank4_attention_128b_store: dims [64, 3, 40, 2], box [64, 1, 16, 1], B128, stages 3, blocks 2, store true;
 }
 
 /// The small case the mistakes run on.
-const MISTAKES: Case = Case { dims: &[80, 50], box_dims: &[32, 16], swizzle: TmaSwizzle::None, stages: 2, blocks: 1 };
+const MISTAKES: Case =
+    Case { dims: &[80, 50], box_dims: &[32, 16], swizzle: TmaSwizzle::None, stages: 2, blocks: 1, store: false };
 
 #[test]
 fn emulated_a_wait_on_the_wrong_parity_is_a_deadlock() {
@@ -307,8 +356,9 @@ fn emulated_a_map_from_elsewhere_is_an_error() {
     let kernel = Kernel { source: &TMA_PROBE, name: "longctx_tma_probe" };
     let map = TensorMap([0u8; 128]);
     // SAFETY: the probe fails at the first copy, before it reads or writes anything through the map.
-    let err =
-        unsafe { emu().launch(&kernel, &MISTAKES.config(), &MISTAKES.args(map, out.0, 0)) }.unwrap_err().to_string();
+    let err = unsafe { emu().launch(&kernel, &MISTAKES.config(), &MISTAKES.args(map, map, out.0, 0)) }
+        .unwrap_err()
+        .to_string();
     drop(input);
     assert!(err.contains("not one the emulator's encoder wrote"), "{err}");
 }

@@ -47,7 +47,9 @@
 //! blocks of a grid cannot wait for each other. TMA: one proxy (the proxy fences are no-ops, so a missing
 //! `fence.proxy.async` is not caught), a copy lands whole at a poll (never partly, never without a poll), and its
 //! global reads are not checked against the allocations (a tensor map describing more than its buffer reads past it);
-//! no TMA stores, multicast, clusters or im2col; the emulator's maps are its own format (a driver-encoded map is
+//! TMA stores (`cp.async.bulk.tensor` shared → global, bulk async-groups) are performed whole, reading shared memory
+//! then, at the `cp.async.bulk.wait_group` that covers them or when their thread exits (so reusing their source
+//! before `wait_group.read` shows in the output); no multicast, clusters, reductions or im2col; the emulator's maps are its own format (a driver-encoded map is
 //! refused). A swizzled box is laid out densely with the swizzle applied to the shared address; the probe's GPU cases
 //! (not yet run on a GPU) check that reading only for boxes whose inner dimension is the swizzle's whole span. `setmaxnreg` changes nothing (there is no register file to resize). Out-of-bounds reads and writes that
 //! miss every guard zone are not caught (a wild one can crash the process, as can a fiber overflowing its stack).

@@ -236,7 +236,8 @@ struct WarpGroup {
 // TMA and mbarriers (ptx_tma.cuh). A tensor copy waiting to land: checked at issue, performed (reading global memory
 // then) when a thread polls the mbarrier it completes on.
 struct TmaCopy {
-    unsigned int dst;  // shared-window address of the box's start
+    unsigned int dst;  // shared-window address of the box's start (a store's source)
+    unsigned int thread, group;  // a store's issuing thread and bulk async-group
     unsigned char map[128];
     int coords[5];
     unsigned int bytes;
@@ -284,6 +285,7 @@ struct Block {
     std::vector<WarpGroup> wgs;
     unsigned int dyn_window;  // the shared-window address of dynamic shared memory (smem_window_addr)
     std::vector<Mbar> mbars;  // initialised mbarriers, in order of initialisation
+    std::vector<TmaCopy> stores;  // TMA stores issued and not yet performed (TmaCopy::thread, ::group)
     std::vector<Fiber*> queue;  // runnable fibers, a ring
     std::size_t q_head = 0, q_len = 0;
     Context sched;
@@ -595,9 +597,12 @@ void complete_cp_async(Fiber* f, unsigned int below_group, bool all) {
     f->cp_count = kept;
 }
 
+void perform_stores(Fiber* f, unsigned int below, bool all);
+
 [[noreturn]] void thread_exit(Fiber* f) {
     Block& b = *f->block;
     complete_cp_async(f, 0, true);
+    perform_stores(f, 0, true);
     if (f->warp / 4 < b.wgs.size()) {
         WarpGroup& g = b.wgs[f->warp / 4];
         if (g.arrived > 0)
@@ -738,6 +743,7 @@ bool run_block(Block& b, unsigned long long linear) {
         g.ops.clear();
     }
     b.mbars.clear();
+    b.stores.clear();
     if (b.static_smem) std::memset(b.static_smem, kSmemPoison, b.static_bytes);
     std::memset(b.dyn_smem - kDynGuardBytes, kGuardByte, kDynGuardBytes);
     std::memset(b.dyn_smem, kSmemPoison, b.dyn_bytes);
@@ -758,6 +764,7 @@ bool run_block(Block& b, unsigned long long linear) {
         f->wg_committed = 0;
         f->wg_fenced = false;
         f->mbar_poll = false;
+        f->bulk_committed = 0;
         prepare(f);
         b.push(f);
     }
@@ -1250,7 +1257,7 @@ void mbar_maybe_complete(Block& b, Mbar& m) {
 
 // Performs copy `c`: each element of the box read from global memory (zero out of bounds) and written at its
 // swizzled shared address.
-void land_copy(Fiber* f, const TmaCopy& c) {
+void land_copy(Fiber* f, const TmaCopy& c, bool store = false) {
     Block& b = *f->block;
     TmaMap t;
     decode_map(c.map, &t);  // checked at issue
@@ -1270,10 +1277,16 @@ void land_copy(Fiber* f, const TmaCopy& c) {
         a ^= ((a >> 7) & mask) << 4;
         unsigned char* p = const_cast<unsigned char*>(host_of(b, a, t.elem));
         if (!p)
-            fail(f, "the TMA copy issued at %s:%d writes shared address 0x%zx, outside the block's shared memory",
+            fail(f, "the TMA copy issued at %s:%d touches shared address 0x%zx, outside the block's shared memory",
                  c.site.file, c.site.line, a);
-        if (inside) std::memcpy(p, reinterpret_cast<const void*>(static_cast<std::uintptr_t>(src)), t.elem);
-        else std::memset(p, 0, t.elem);
+        void* g = reinterpret_cast<void*>(static_cast<std::uintptr_t>(src));
+        if (store) {
+            if (inside) std::memcpy(g, p, t.elem);  // out of bounds: not written
+        } else if (inside) {
+            std::memcpy(p, g, t.elem);
+        } else {
+            std::memset(p, 0, t.elem);
+        }
         for (unsigned int d = 0; d < t.rank; d++) {
             if (++idx[d] < t.box[d]) break;
             idx[d] = 0;
@@ -1360,8 +1373,9 @@ bool mbar_try_wait(Site site, void* bar, unsigned int parity, bool wait) {
     }
 }
 
-void tma_load(Site site, void* dst, const void* map, void* bar, int rank, const int* coords) {
-    Fiber* f = self();
+// A tensor copy of `rank` at `coords` between `smem` (what = "destination" or "source") and `map`'s tensor, checked.
+TmaCopy tma_copy(Fiber* f, Site site, const void* smem, const char* what, const void* map, int rank,
+                 const int* coords) {
     Block& b = *f->block;
     TmaCopy c;
     std::memcpy(c.map, map, 128);
@@ -1373,25 +1387,61 @@ void tma_load(Site site, void* dst, const void* map, void* bar, int rank, const 
     if (t.rank != static_cast<unsigned int>(rank))
         fail(f, "cp.async.bulk.tensor.%dd at %s:%d with a tensor map of rank %u", rank, site.file, site.line, t.rank);
     bool ok = false;
-    const unsigned int w = window_of(b, dst, &ok);
+    const unsigned int w = window_of(b, smem, &ok);
     if (!ok)
-        fail(f, "cp.async.bulk.tensor at %s:%d: the destination %p is not in the block's shared memory", site.file,
-             site.line, dst);
+        fail(f, "cp.async.bulk.tensor at %s:%d: the %s %p is not in the block's shared memory", site.file, site.line,
+             what, smem);
     const unsigned int align = t.swizzle == 3 ? 1024 : 128;
     if (w % align != 0)
-        fail(f, "cp.async.bulk.tensor at %s:%d: the destination (shared address 0x%x) is not %u-byte aligned (%s)",
-             site.file, site.line, w, align, t.swizzle == 3 ? "the 128B swizzle's pattern" : "the TMA's requirement");
+        fail(f, "cp.async.bulk.tensor at %s:%d: the %s (shared address 0x%x) is not %u-byte aligned (%s)", site.file,
+             site.line, what, w, align, t.swizzle == 3 ? "the 128B swizzle's pattern" : "the TMA's requirement");
     std::size_t bytes = t.elem;
     for (unsigned int d = 0; d < t.rank; d++) bytes *= t.box[d];
     if (!host_of(b, w, bytes))
         fail(f, "cp.async.bulk.tensor at %s:%d: the box's %zu bytes at shared address 0x%x run past the block's shared "
                 "memory",
              site.file, site.line, bytes, w);
-    Mbar& m = mbar_of(f, site, bar, "cp.async.bulk.tensor");
     c.dst = w;
     for (int d = 0; d < 5; d++) c.coords[d] = d < rank ? coords[d] : 0;
     c.bytes = static_cast<unsigned int>(bytes);
     c.site = site;
+    c.thread = f->linear;
+    c.group = f->bulk_committed;
+    return c;
+}
+
+// Performs the TMA stores of thread `f` in groups below `below` (all when `all`), in issue order.
+void perform_stores(Fiber* f, unsigned int below, bool all) {
+    Block& b = *f->block;
+    std::vector<TmaCopy> now;
+    std::size_t kept = 0;
+    for (std::size_t i = 0; i < b.stores.size(); i++) {
+        TmaCopy& c = b.stores[i];
+        if (c.thread == f->linear && (all || c.group < below)) now.push_back(c);
+        else b.stores[kept++] = c;
+    }
+    b.stores.resize(kept);
+    for (const TmaCopy& c : now) land_copy(f, c, true);
+}
+
+void tma_store(Site site, const void* src, const void* map, int rank, const int* coords) {
+    Fiber* f = self();
+    f->block->stores.push_back(tma_copy(f, site, src, "source", map, rank, coords));
+}
+
+void tma_store_commit() { self()->bulk_committed++; }
+
+void tma_store_wait(int pending) {
+    Fiber* f = self();
+    const unsigned int p = static_cast<unsigned int>(pending);
+    perform_stores(f, f->bulk_committed > p ? f->bulk_committed - p : 0, false);
+}
+
+void tma_load(Site site, void* dst, const void* map, void* bar, int rank, const int* coords) {
+    Fiber* f = self();
+    Block& b = *f->block;
+    const TmaCopy c = tma_copy(f, site, dst, "destination", map, rank, coords);
+    Mbar& m = mbar_of(f, site, bar, "cp.async.bulk.tensor");
     m.copies.push_back(c);
     // Threads sleeping on the barrier poll it again (which lands the copy).
     for (Fiber* x : m.waiting) b.push(x);

@@ -216,6 +216,82 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, u
 #endif
 }
 
+// The stores (cp.async.bulk.tensor.{2,3,4}d.global.shared::cta.bulk_group, tma_store_*d): the box at coordinates
+// (c0 innermost, ...) of `map`'s tensor written from `src` (shared memory, laid out and aligned as a load's
+// destination, the swizzle applied to its address); elements out of bounds are not written. Issued by one thread,
+// asynchronous: tma_store_commit (cp.async.bulk.commit_group) closes the thread's stores since the last commit into a
+// bulk async-group; tma_store_wait_read<N> (cp.async.bulk.wait_group.read N) waits until at most N of its groups
+// still read their shared memory (which may then be reused), tma_store_wait<N> (cp.async.bulk.wait_group N) until at
+// most N are incomplete (their global writes done). Shared memory written by ordinary stores must be made visible to
+// the async proxy first (tma_fence_proxy_async, then a barrier among the writers). The emulator performs a store
+// (reading shared memory then) at the wait that covers its group, or when its thread exits.
+__device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, const void* src, i32 c0,
+                                             i32 c1 LONGCTX_TMA_CALLER) {
+#ifdef LONGCTX_EMU
+    const int c[5] = {c0, c1, 0, 0, 0};
+    ::emu::tma_store(LONGCTX_TMA_SITE, src, map, 2, c);
+#else
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];\n" ::"l"(
+                     reinterpret_cast<u64>(map)),
+                 "r"(tma_smem_addr(src)), "r"(c0), "r"(c1)
+                 : "memory");
+#endif
+}
+
+__device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, const void* src, i32 c0, i32 c1,
+                                             i32 c2 LONGCTX_TMA_CALLER) {
+#ifdef LONGCTX_EMU
+    const int c[5] = {c0, c1, c2, 0, 0};
+    ::emu::tma_store(LONGCTX_TMA_SITE, src, map, 3, c);
+#else
+    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
+                     reinterpret_cast<u64>(map)),
+                 "r"(tma_smem_addr(src)), "r"(c0), "r"(c1), "r"(c2)
+                 : "memory");
+#endif
+}
+
+__device__ __forceinline__ void tma_store_4d(const CUtensorMap* map, const void* src, i32 c0, i32 c1, i32 c2,
+                                             i32 c3 LONGCTX_TMA_CALLER) {
+#ifdef LONGCTX_EMU
+    const int c[5] = {c0, c1, c2, c3, 0};
+    ::emu::tma_store(LONGCTX_TMA_SITE, src, map, 4, c);
+#else
+    asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
+                     reinterpret_cast<u64>(map)),
+                 "r"(tma_smem_addr(src)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+                 : "memory");
+#endif
+}
+
+__device__ __forceinline__ void tma_store_commit() {
+#ifdef LONGCTX_EMU
+    ::emu::tma_store_commit();
+#else
+    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+#endif
+}
+
+template <int N>
+__device__ __forceinline__ void tma_store_wait_read() {
+    static_assert(N >= 0 && N <= 7, "cp.async.bulk.wait_group.read N: 0..7");
+#ifdef LONGCTX_EMU
+    ::emu::tma_store_wait(N);
+#else
+    asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+template <int N>
+__device__ __forceinline__ void tma_store_wait() {
+    static_assert(N >= 0 && N <= 7, "cp.async.bulk.wait_group N: 0..7");
+#ifdef LONGCTX_EMU
+    ::emu::tma_store_wait(N);
+#else
+    asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
 // The swizzled shared-memory offset of byte `off` of a box that starts on its swizzle pattern's boundary (what the
 // consumer of a swizzled box reads): swizzle 0 none, 1 32B, 2 64B, 3 128B (the map's order, tensor_map.rs).
 __device__ __forceinline__ u32 tma_swizzle(u32 off, u32 swizzle) {

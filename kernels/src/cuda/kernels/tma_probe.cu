@@ -5,7 +5,9 @@
 // through the tensor map into a ring of `stages` shared-memory buffers, each guarded by a "full" mbarrier (1 arrival,
 // the producer's arrive.expect_tx, plus the copy's bytes) and an "empty" one (256 arrivals, one per consumer thread).
 // The consumers wait on "full", read the tile (undoing the map's swizzle) and write it as f32 into `out`, the tensor
-// padded up to whole boxes (so the zeros the TMA writes out of bounds land there too), then arrive on "empty".
+// padded up to whole boxes (so the zeros the TMA writes out of bounds land there too), then arrive on "empty"; or,
+// with `store`, one consumer thread writes the tile back through `store_map` (a TMA store, which writes nothing out
+// of bounds), so that store_map's tensor becomes a copy of map's.
 // Tiles are dealt round-robin to the blocks of the grid. Its tests run it on the emulator and on an sm_90 GPU against
 // a host reference: the GPU run is what confirms that the emulator's TMA (layout, swizzle, zero fill) is the
 // hardware's.
@@ -26,9 +28,17 @@ __device__ __forceinline__ unsigned char* tma_probe_smem() {
     return raw;
 }
 
+// The coordinates of tile t's first element (tiles numbered innermost dimension fastest).
+__device__ __forceinline__ void tma_probe_coords(u32 t, int rank, const int* nt, const int* bx, int* c) {
+    for (int d = 0; d < rank; d++) {
+        c[d] = static_cast<int>(t % static_cast<u32>(nt[d])) * bx[d];
+        t /= static_cast<u32>(nt[d]);
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(384, 1)
-    longctx_tma_probe(const __grid_constant__ CUtensorMap map, float* out, int rank, int4 box, int4 tiles,
-                      int swizzle, int stages, int mode) {
+    longctx_tma_probe(const __grid_constant__ CUtensorMap map, const __grid_constant__ CUtensorMap store_map,
+                      float* out, int rank, int4 box, int4 tiles, int swizzle, int stages, int store, int mode) {
     __shared__ __align__(8) u64 full[TMA_PROBE_MAX_STAGES];
     __shared__ __align__(8) u64 empty[TMA_PROBE_MAX_STAGES];
     const u32 tid = threadIdx.x;
@@ -65,11 +75,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
             mbarrier_wait(&empty[s], mode == 1 ? (use & 1) : ((use & 1) ^ 1));
             mbarrier_arrive_expect_tx(&full[s], box_bytes + (mode == 2 ? 16u : 0u));
             int c[4] = {0, 0, 0, 0};
-            u32 rest = t;
-            for (int d = 0; d < rank; d++) {
-                c[d] = static_cast<int>(rest % static_cast<u32>(nt[d])) * bx[d];
-                rest /= static_cast<u32>(nt[d]);
-            }
+            tma_probe_coords(t, rank, nt, bx, c);
             unsigned char* dst = ring + s * stage_bytes + (mode == 4 ? 16 : 0);
             if (rank == 2) tma_load_2d(dst, &map, &full[s], c[0], c[1]);
             else if (rank == 3) tma_load_3d(dst, &map, &full[s], c[0], c[1], c[2]);
@@ -88,6 +94,21 @@ extern "C" __global__ void __launch_bounds__(384, 1)
         const u32 s = k % static_cast<u32>(stages), use = k / static_cast<u32>(stages);
         if (mode != 3) mbarrier_wait(&full[s], use & 1);
         const unsigned char* stage = ring + s * stage_bytes;
+        if (store) {
+            // The tile back to global memory through the TMA, from the stage as it landed (swizzle and all); the
+            // stage is released only once the store has read it.
+            if (ct == 0) {
+                int c[4] = {0, 0, 0, 0};
+                tma_probe_coords(t, rank, nt, bx, c);
+                if (rank == 2) tma_store_2d(&store_map, stage, c[0], c[1]);
+                else if (rank == 3) tma_store_3d(&store_map, stage, c[0], c[1], c[2]);
+                else tma_store_4d(&store_map, stage, c[0], c[1], c[2], c[3]);
+                tma_store_commit();
+                tma_store_wait_read<0>();
+            }
+            mbarrier_arrive(&empty[s]);
+            continue;
+        }
         for (u32 e = ct; e < box_elems; e += 256) {
             // Element e of the box (innermost fastest) and its place in the padded output.
             u32 rest_e = e, rest_t = t, o = 0, scale = 1;
@@ -105,6 +126,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
         if (mode == 3) mbarrier_wait(&full[s], use & 1);
         mbarrier_arrive(&empty[s]);
     }
+    if (store && ct == 0) tma_store_wait<0>();
 }
 
 // mbarrier.try_wait on its own (the emulator's tests): one block of 32 threads, an mbarrier expecting 2 arrivals
