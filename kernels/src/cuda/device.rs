@@ -18,6 +18,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::tensor_map::{TensorMap, TensorMapDesc};
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::view::Memory;
@@ -243,6 +244,11 @@ pub(crate) trait Device: Send + Sync + fmt::Debug {
     fn wait_event(&self, event: &dyn DeviceEvent) -> Result<()>;
     /// The same device, pool and compiled kernels on a new stream.
     fn fork(&self) -> Result<Arc<dyn Device>>;
+
+    /// The tensor map of `desc` for this device's kernels (a `const __grid_constant__ CUtensorMap` parameter of
+    /// those using the TMA, ptx_tma.cuh): encoded by the driver on a GPU, in the emulator's own format on the
+    /// emulator. A typed error naming the field when `desc` breaks `cuTensorMapEncodeTiled`'s documented rules.
+    fn tensor_map(&self, desc: &TensorMapDesc) -> Result<TensorMap>;
 
     /// Compiles every kernel source for this device now, in parallel, rather than each at the first launch of one
     /// of its kernels (NVRTC takes about a minute of one core for each tensor-core attention source): what a

@@ -880,6 +880,10 @@ impl Device for DriverDevice {
         Ok(self.fork_driver()?)
     }
 
+    fn tensor_map(&self, desc: &TensorMapDesc) -> Result<TensorMap> {
+        self.encode_tensor_map(desc)
+    }
+
     fn compile_kernels(&self) -> Result<()> {
         // Largest sources first (a fair proxy for NVRTC's time), so that the slow ones do not start last.
         let mut sources: Vec<&'static KernelSource> = SOURCES.to_vec();

@@ -25,6 +25,7 @@ use rayon::prelude::*;
 use super::device::{Device, DeviceEvent, DeviceInfo, DevicePtr, Gemm, Kernel, KernelArgs, LaunchConfig, MemoryStats};
 use super::emulator::Emulator;
 use super::sources::SOURCES;
+use super::tensor_map::{TensorMap, TensorMapDesc};
 use crate::dtype::DType;
 use crate::error::{KernelError, Result};
 use crate::view::Memory;
@@ -177,6 +178,10 @@ impl Device for EmulatedDevice {
     fn fork(&self) -> Result<Arc<dyn Device>> {
         Ok(Arc::new(self.clone()))
     }
+    fn tensor_map(&self, desc: &TensorMapDesc) -> Result<TensorMap> {
+        desc.encode_emulated()
+    }
+
     fn compile_kernels(&self) -> Result<()> {
         // Every source was built (or loaded from the cache) when the emulator was made.
         Ok(())

@@ -302,6 +302,17 @@ mod tests {
     }
 
     #[test]
+    fn the_emulated_device_encodes_in_the_emulators_format() {
+        let dev = crate::cuda::emulated::EmulatedDevice::open().unwrap();
+        let d = attention_like();
+        assert_eq!(dev.tensor_map(&d).unwrap(), d.encode_emulated().unwrap());
+        let mut bad = d;
+        bad.box_dims[1] = 0;
+        let err = dev.tensor_map(&bad).unwrap_err().to_string();
+        assert!(err.contains("tensor_map.box_dims"), "{err}");
+    }
+
+    #[test]
     fn each_rule_names_its_field() {
         let mut d = attention_like();
         d.address = 0x1008;
