@@ -179,7 +179,12 @@ impl Device for EmulatedDevice {
         Ok(Arc::new(self.clone()))
     }
     fn tensor_map(&self, desc: &TensorMapDesc) -> Result<TensorMap> {
-        desc.encode_emulated()
+        let map = desc.encode_emulated()?;
+        // The emulator's TMA reads and writes host memory wherever the map says: a map reaching past its buffer is
+        // refused here (the driver does not check; a GPU would fault or read another buffer).
+        let span = desc.span_bytes();
+        self.shared.emulator.check_range(desc.address, usize::try_from(span).unwrap_or(usize::MAX), "tensor map")?;
+        Ok(map)
     }
 
     fn compile_kernels(&self) -> Result<()> {

@@ -117,6 +117,21 @@ impl TensorMapDesc {
         self.box_dims.iter().map(|&b| u64::from(b)).product::<u64>() * self.elem.bytes()
     }
 
+    /// The bytes from `address` to the end of the tensor's last element (after [`TensorMapDesc::validate`]).
+    pub fn span_bytes(&self) -> u64 {
+        let elem = self.elem.bytes();
+        let last: u64 = self
+            .dims
+            .iter()
+            .enumerate()
+            .map(|(i, &d)| {
+                let stride = if i == 0 { elem } else { self.strides.get(i - 1).copied().unwrap_or(0) };
+                d.saturating_sub(1).saturating_mul(stride)
+            })
+            .fold(0u64, |a, b| a.saturating_add(b));
+        last.saturating_add(elem)
+    }
+
     /// Checks the rules `cuTensorMapEncodeTiled` documents; each error names the field
     /// (`KernelError::InvalidArgument` with `tensor_map.<field>`).
     pub fn validate(&self) -> Result<()> {
@@ -304,12 +319,22 @@ mod tests {
     #[test]
     fn the_emulated_device_encodes_in_the_emulators_format() {
         let dev = crate::cuda::emulated::EmulatedDevice::open().unwrap();
-        let d = attention_like();
+        let mut d = attention_like();
+        assert_eq!(d.span_bytes(), 2 * 64 * 3 * 40 * 2);
+        let buf = dev.alloc(d.span_bytes() as usize).unwrap();
+        d.address = buf;
         assert_eq!(dev.tensor_map(&d).unwrap(), d.encode_emulated().unwrap());
-        let mut bad = d;
+        let mut bad = d.clone();
         bad.box_dims[1] = 0;
         let err = dev.tensor_map(&bad).unwrap_err().to_string();
         assert!(err.contains("tensor_map.box_dims"), "{err}");
+        // One more batch than the buffer holds: refused.
+        let mut past = d.clone();
+        past.dims[3] = 3;
+        let err = dev.tensor_map(&past).unwrap_err().to_string();
+        assert!(err.contains("tensor map"), "{err}");
+        // SAFETY: nothing uses the buffer.
+        unsafe { dev.free(buf) };
     }
 
     #[test]

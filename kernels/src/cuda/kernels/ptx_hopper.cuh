@@ -1,5 +1,6 @@
-// Inline-PTX wrappers for Hopper's warpgroup MMA (wgmma), sm_90a only: prepended (after common.cuh and ptx.cuh) to
-// the sources that list it among their includes, which are compiled for sm_90a alone (sources.rs, nvrtc.rs). As in
+// Inline-PTX wrappers for Hopper's warpgroup MMA (wgmma) and register reallocation (setmaxnreg), sm_90a only:
+// prepended (after common.cuh, ptx.cuh and ptx_tma.cuh when listed) to the sources that list it among their
+// includes, which are compiled for sm_90a alone (sources.rs, nvrtc.rs). As in
 // ptx.cuh, every wrapper has its GPU side (inline PTX) and its emulator side (LONGCTX_EMU: runtime.cpp's warpgroup
 // collective), with the same semantics and layouts. Sources: NVIDIA's PTX ISA, "Asynchronous Warpgroup Level Matrix
 // Multiply-Accumulate Instructions" (9.7.15): "Register Fragments" (9.7.15.5.1.1), "Shared Memory Matrix Layout"

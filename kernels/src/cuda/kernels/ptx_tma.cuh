@@ -1,7 +1,7 @@
-// Inline-PTX wrappers for Hopper's tensor memory accelerator (TMA: cp.async.bulk.tensor) and the shared-memory
-// barriers (mbarrier) its copies complete on. Prepended (after common.cuh and ptx.cuh, before ptx_hopper.cuh when a
-// source lists both) to the sources that list it among their includes. As in ptx.cuh, every wrapper has its GPU side
-// (inline PTX) and its emulator side (LONGCTX_EMU: runtime.cpp), with the same semantics.
+// Inline-PTX wrappers for Hopper's tensor memory accelerator (TMA: cp.async.bulk.tensor loads and stores) and the
+// shared-memory barriers (mbarrier) its loads complete on. Prepended (after common.cuh and ptx.cuh, before
+// ptx_hopper.cuh when a source lists both) to the sources that list it among their includes. As in ptx.cuh, every
+// wrapper has its GPU side (inline PTX) and its emulator side (LONGCTX_EMU: runtime.cpp), with the same semantics.
 //
 // Architecture: everything here is plain sm_90 PTX (PTX ISA 8.0), not sm_90a: NVRTC compiles it for sm_90 and
 // sm_90a and refuses it for sm_80 (the #error below says so first). sources.rs records the rule: a source including
