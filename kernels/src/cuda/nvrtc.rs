@@ -84,7 +84,8 @@ pub(crate) fn check_arch(arch: &str) -> Result<()> {
 
 /// The architecture to compile `src` for on a device whose kernels are compiled for `device_arch`: that one, except
 /// for the sm_90a-only sources ([`super::sources::needs_sm90a`]), which get `sm_90a` on an sm_90 device (and an
-/// error naming the source on any other).
+/// error naming the source on any other), and the sources of plain sm_90 PTX ([`super::sources::needs_sm90`]), an
+/// error below sm_90.
 pub(crate) fn arch_for(src: &KernelSource, device_arch: &str) -> Result<String> {
     if !super::sources::needs_sm90a(src) {
         // A source of sm_90 PTX (ptx_tma.cuh) on an older device: refused here, with the reason, rather than by
