@@ -350,6 +350,13 @@ fn emulated_a_misaligned_destination_is_an_error() {
 }
 
 #[test]
+fn emulated_releasing_a_stage_before_its_store_read_it_shows() {
+    let case = Case { store: true, ..MISTAKES };
+    let (_, copy) = launch_emulated_with_copy(&case, 5).unwrap_or_else(|e| panic!("{e}"));
+    assert_ne!(copy, case.input(), "the stores read their stages after the next tiles landed there");
+}
+
+#[test]
 fn emulated_a_map_from_elsewhere_is_an_error() {
     let input = EmuBuf::new(&MISTAKES.input());
     let out = EmuBuf::new(&[0xffu8; 4 * 96 * 64]);

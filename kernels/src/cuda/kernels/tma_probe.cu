@@ -18,7 +18,8 @@
 // `mode` (the emulator tests of the mistakes it must report; 0 everywhere else): 1 the producer waits on "empty" with
 // the wrong parity (a deadlock), 2 the producer announces 16 bytes more than the box (the phase never completes:
 // a deadlock), 3 the consumers read a stage before waiting on it (the emulator's poison, NaN, shows), 4 the copy's
-// destination is 16 bytes past the stage (misaligned: an error).
+// destination is 16 bytes past the stage (misaligned: an error), 5 (with `store`) the stage is released without
+// waiting for the store to have read it (the emulator's store reads it at the final wait: the copy is wrong).
 
 #define TMA_PROBE_MAX_STAGES 4
 
@@ -104,7 +105,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
                 else if (rank == 3) tma_store_3d(&store_map, stage, c[0], c[1], c[2]);
                 else tma_store_4d(&store_map, stage, c[0], c[1], c[2], c[3]);
                 tma_store_commit();
-                tma_store_wait_read<0>();
+                if (mode != 5) tma_store_wait_read<0>();
             }
             mbarrier_arrive(&empty[s]);
             continue;
