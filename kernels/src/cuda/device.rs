@@ -18,6 +18,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::tensor_map::{TensorMap, TensorMapDesc};
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::view::Memory;
@@ -62,13 +63,19 @@ impl LaunchConfig {
     }
 }
 
-/// A kernel's parameters in declaration order, each stored at its own 16-byte aligned address, as
+/// One parameter's storage unit: 64 bytes, 64-byte aligned, so that a parameter of any alignment up to 64 (a tensor
+/// map, `CUtensorMap`) is read in place by the emulator's launch, which dereferences it as its C++ type.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct ArgWord([u8; 64]);
+
+/// A kernel's parameters in declaration order, each stored at its own 64-byte aligned address, as
 /// `cuLaunchKernel`'s `kernelParams` takes them; with each parameter's size, which a device checks against the
 /// kernel's declaration where it can (the emulator always does).
 #[derive(Clone, Default)]
 pub(crate) struct KernelArgs {
-    /// One boxed run of 16-byte words per parameter (boxed so their addresses stay put as more are pushed).
-    slots: Vec<Box<[u128]>>,
+    /// One boxed run of 64-byte words per parameter (boxed so their addresses stay put as more are pushed).
+    slots: Vec<Box<[ArgWord]>>,
     sizes: Vec<usize>,
 }
 
@@ -80,9 +87,9 @@ impl KernelArgs {
     /// (`u64` for a pointer, `i32` for an `int`, `f32` for a `float`, a `#[repr(C)]` struct for a struct).
     pub fn push<T: Copy + 'static>(&mut self, v: T) -> &mut Self {
         let size = std::mem::size_of::<T>();
-        assert!(std::mem::align_of::<T>() <= 16, "a kernel parameter aligned past 16 bytes");
-        let mut slot = vec![0u128; size.div_ceil(16).max(1)].into_boxed_slice();
-        // SAFETY: `slot` is 16-byte aligned and holds at least `size` bytes; `T: Copy` has no drop glue.
+        assert!(std::mem::align_of::<T>() <= 64, "a kernel parameter aligned past 64 bytes");
+        let mut slot = vec![ArgWord([0; 64]); size.div_ceil(64).max(1)].into_boxed_slice();
+        // SAFETY: `slot` is 64-byte aligned and holds at least `size` bytes; `T: Copy` has no drop glue.
         unsafe { std::ptr::write(slot.as_mut_ptr().cast::<T>(), v) };
         self.slots.push(slot);
         self.sizes.push(size);
@@ -242,6 +249,11 @@ pub(crate) trait Device: Send + Sync + fmt::Debug {
     fn wait_event(&self, event: &dyn DeviceEvent) -> Result<()>;
     /// The same device, pool and compiled kernels on a new stream.
     fn fork(&self) -> Result<Arc<dyn Device>>;
+
+    /// The tensor map of `desc` for this device's kernels (a `const __grid_constant__ CUtensorMap` parameter of
+    /// those using the TMA, ptx_tma.cuh): encoded by the driver on a GPU, in the emulator's own format on the
+    /// emulator. A typed error naming the field when `desc` breaks `cuTensorMapEncodeTiled`'s documented rules.
+    fn tensor_map(&self, desc: &TensorMapDesc) -> Result<TensorMap>;
 
     /// Compiles every kernel source for this device now, in parallel, rather than each at the first launch of one
     /// of its kernels (NVRTC takes about a minute of one core for each tensor-core attention source): what a

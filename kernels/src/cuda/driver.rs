@@ -56,6 +56,8 @@ use cudarc::driver::result::{self as cu, DriverError};
 use cudarc::driver::sys;
 use cudarc::driver::CudaContext;
 
+use super::tensor_map::{TensorMap, TensorMapDesc};
+
 use super::device::{
     Device, DeviceEvent, DeviceInfo, DevicePtr, Gemm, Kernel, KernelArgs, KernelSource, LaunchConfig, MemoryStats,
 };
@@ -318,6 +320,21 @@ impl DriverDevice {
     /// The same device on a new stream (what [`Device::fork`] returns, typed).
     pub fn fork_driver(&self) -> Result<Arc<Self>> {
         Ok(Arc::new(Self::on_new_stream(self.shared.clone())?))
+    }
+
+    /// `desc` encoded by the driver (`cuTensorMapEncodeTiled`) for this device's kernels to take as a
+    /// `const __grid_constant__ CUtensorMap` parameter; a typed error naming the field when `desc` breaks the driver's
+    /// documented rules (checked first), an error when the driver has no TMA (before CUDA 12).
+    pub(crate) fn encode_tensor_map(&self, desc: &TensorMapDesc) -> Result<TensorMap> {
+        self.shared.bind()?;
+        if !driver_has("cuTensorMapEncodeTiled") {
+            return Err(KernelError::Device {
+                backend: BACKEND,
+                op: "cuTensorMapEncodeTiled".to_string(),
+                why: "the loaded CUDA driver does not export it (tensor maps need CUDA 12 or later)".to_string(),
+            });
+        }
+        desc.encode_driver()
     }
 
     /// What kernels are compiled for (`sm_90`).
@@ -866,6 +883,10 @@ impl Device for DriverDevice {
 
     fn fork(&self) -> Result<Arc<dyn Device>> {
         Ok(self.fork_driver()?)
+    }
+
+    fn tensor_map(&self, desc: &TensorMapDesc) -> Result<TensorMap> {
+        self.encode_tensor_map(desc)
     }
 
     fn compile_kernels(&self) -> Result<()> {

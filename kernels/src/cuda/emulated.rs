@@ -25,6 +25,7 @@ use rayon::prelude::*;
 use super::device::{Device, DeviceEvent, DeviceInfo, DevicePtr, Gemm, Kernel, KernelArgs, LaunchConfig, MemoryStats};
 use super::emulator::Emulator;
 use super::sources::SOURCES;
+use super::tensor_map::{TensorMap, TensorMapDesc};
 use crate::dtype::DType;
 use crate::error::{KernelError, Result};
 use crate::view::Memory;
@@ -184,6 +185,15 @@ impl Device for EmulatedDevice {
     fn fork(&self) -> Result<Arc<dyn Device>> {
         Ok(Arc::new(self.clone()))
     }
+    fn tensor_map(&self, desc: &TensorMapDesc) -> Result<TensorMap> {
+        let map = desc.encode_emulated()?;
+        // The emulator's TMA reads and writes host memory wherever the map says: a map reaching past its buffer is
+        // refused here (the driver does not check; a GPU would fault or read another buffer).
+        let span = desc.span_bytes();
+        self.shared.emulator.check_range(desc.address, usize::try_from(span).unwrap_or(usize::MAX), "tensor map")?;
+        Ok(map)
+    }
+
     fn compile_kernels(&self) -> Result<()> {
         // Every source was built (or loaded from the cache) when the emulator was made.
         Ok(())

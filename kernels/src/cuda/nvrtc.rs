@@ -84,9 +84,24 @@ pub(crate) fn check_arch(arch: &str) -> Result<()> {
 
 /// The architecture to compile `src` for on a device whose kernels are compiled for `device_arch`: that one, except
 /// for the sm_90a-only sources ([`super::sources::needs_sm90a`]), which get `sm_90a` on an sm_90 device (and an
-/// error naming the source on any other).
+/// error naming the source on any other), and the sources of plain sm_90 PTX ([`super::sources::needs_sm90`]), an
+/// error below sm_90.
 pub(crate) fn arch_for(src: &KernelSource, device_arch: &str) -> Result<String> {
     if !super::sources::needs_sm90a(src) {
+        // A source of sm_90 PTX (ptx_tma.cuh) on an older device: refused here, with the reason, rather than by
+        // NVRTC's #error.
+        let digits: String = device_arch.trim_start_matches("sm_").chars().take_while(|c| c.is_ascii_digit()).collect();
+        let old = digits.parse::<u32>().is_ok_and(|cc| cc < 90);
+        if super::sources::needs_sm90(src) && old {
+            return Err(KernelError::Compile {
+                file: src.file,
+                target: device_arch.to_string(),
+                log: format!(
+                    "{} uses the TMA and mbarriers (ptx_tma.cuh), which need sm_90; this device is {device_arch}",
+                    src.file
+                ),
+            });
+        }
         return Ok(device_arch.to_string());
     }
     match device_arch {
@@ -670,6 +685,17 @@ extern "C" __global__ void longctx_headers_only(float* out, const __nv_bfloat16*
         for src in SOURCES {
             assert_eq!(arch_for(src, "sm_80").unwrap(), "sm_80", "{}", src.file);
         }
+    }
+
+    #[test]
+    fn sm90_sources_are_refused_below_sm90() {
+        use crate::cuda::sources::PTX_TMA;
+        static TMA_ONLY: KernelSource =
+            KernelSource { file: "tma_only.cu", code: "", kernels: &[], includes: &[PTX_TMA] };
+        assert_eq!(arch_for(&TMA_ONLY, "sm_90").unwrap(), "sm_90");
+        assert_eq!(arch_for(&TMA_ONLY, "sm_100a").unwrap(), "sm_100a");
+        let err = arch_for(&TMA_ONLY, "sm_80").unwrap_err().to_string();
+        assert!(err.contains("tma_only.cu") && err.contains("sm_90"), "{err}");
     }
 
     #[test]
