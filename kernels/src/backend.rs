@@ -166,6 +166,13 @@ pub trait Backend: Send + Sync + fmt::Debug {
     fn record_event(&self) -> Result<Event> {
         Ok(Event::complete())
     }
+    /// As [`record_event`](Backend::record_event), with the device's clock: [`Event::elapsed_since`] between two
+    /// such events is the device time between them (for measuring a queue's idle gaps without stopping it).
+    /// Costs a little more than an ordering event on a GPU. The default records an ordinary event, which carries
+    /// no time.
+    fn record_timed_event(&self) -> Result<Event> {
+        self.record_event()
+    }
     /// Ops enqueued on this backend from now on wait for `event` (recorded on this backend or another one of
     /// the same device). The default, for a backend whose ops run before they return, waits on the host.
     fn wait_event(&self, event: &Event) -> Result<()> {

@@ -4,6 +4,7 @@
 use std::any::Any;
 use std::fmt;
 use std::sync::Arc;
+use std::time::Duration;
 
 use crate::error::Result;
 
@@ -14,6 +15,13 @@ pub trait BackendEvent: Send + Sync + fmt::Debug {
     fn synchronize(&self) -> Result<()>;
     /// For a backend to recognise its own events (and wait on them on the device, without the host).
     fn as_any(&self) -> &dyn Any;
+    /// The device time from `earlier` to this marker, both recorded with timing
+    /// ([`Backend::record_timed_event`](crate::Backend::record_timed_event)) on this backend's device; waits for
+    /// this one. `None` where the markers carry no time (the default).
+    fn elapsed_since(&self, earlier: &dyn BackendEvent) -> Result<Option<Duration>> {
+        let _ = earlier;
+        Ok(None)
+    }
 }
 
 /// A point in a backend's queue of work: complete once every op enqueued on that backend before
@@ -37,6 +45,16 @@ impl Event {
         match &self.0 {
             Some(e) => e.synchronize(),
             None => Ok(()),
+        }
+    }
+    /// The device time from `earlier` to this event, both recorded by
+    /// [`Backend::record_timed_event`](crate::Backend::record_timed_event) on one device (waits for this one):
+    /// how long the device took between them, idle time included. `None` where the events carry no time (a
+    /// backend that runs each op before returning, the emulator): the host clock is the measure there.
+    pub fn elapsed_since(&self, earlier: &Event) -> Result<Option<Duration>> {
+        match (&self.0, &earlier.0) {
+            (Some(end), Some(start)) => end.elapsed_since(start.as_ref()),
+            _ => Ok(None),
         }
     }
     /// The backend's marker, or `None` for an event that was complete when recorded.

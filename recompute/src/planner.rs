@@ -10,7 +10,8 @@
 //!   tensors also by TP with sequence parallelism; times `layers/PP`; the first pipeline stage holds `PP`
 //!   micro-batches in flight under 1F1B. The policy decides what stays ([`crate::plan_cost`]).
 //! - The loss's working set: chunked cross-entropy's `chunk × V/TP` f32 logits and their gradient.
-//! - Communication buffers: the ring's two KV blocks in flight and its dK/dV accumulators (f32).
+//! - Communication buffers: the ring's three KV blocks on a device (in hand, arriving, and the one the step before
+//!   computed on, so the compute queue never drains) and its dK/dV accumulators (f32).
 //! - With `offload`, the solver may also move saved tensors to host memory over the device's host link
 //!   ([`Device::host_bytes_per_s`]); what is out at the end of the forward (every layer's offloaded tensors,
 //!   times the micro-batches in flight) must fit the device's share of host memory
@@ -243,7 +244,7 @@ pub fn plan(input: &PlanInput) -> Result<PlanReport> {
     let loss = 2 * input.loss_chunk * (m.vocab / l.tp) * 4 + input.loss_chunk * m.d_model * 2;
     let tokens = input.seq_len / l.cp;
     let kv_block = 2 * tokens * (m.kv_heads / l.tp).max(1) * m.head_dim * 2;
-    let comm = if l.cp > 1 { 2 * kv_block + kv_block * 2 } else { 0 };
+    let comm = if l.cp > 1 { 3 * kv_block + kv_block * 2 } else { 0 };
     let spec = layer_for(m, l, input.seq_len);
     let stage_layers = (m.layers / l.pp) as usize;
     let peak = if input.fp8 && d.fp8_flops > 0.0 { d.fp8_flops } else { d.bf16_flops };

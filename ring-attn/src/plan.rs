@@ -1,7 +1,7 @@
 //! [`CpPlan`]: one context-parallel attention problem, checked, agreed between the ranks and sized once; its
 //! forward and backward take only the data.
 
-use longctx_kernels::{AttnGrads, AttnOut, AttnSaved, AttnShape, Buffer, DType, Dims, Qkv, View};
+use longctx_kernels::{AttnGrads, AttnOut, AttnSaved, AttnShape, Buffer, DType, Dims, Memory, Qkv, View};
 
 use crate::agree::agree;
 use longctx_p2p::Communicator;
@@ -200,9 +200,9 @@ impl CpPlan {
     }
 
     /// Bytes this rank needs beyond the caller's views during a forward and a backward, and what the plan keeps
-    /// between calls. For the ring everything is kept (the `f32` accumulators, two travelling KV blocks, the
-    /// partial result and the travelling dK/dV accumulators), so a steady loop allocates nothing; all-gather,
-    /// Ulysses and hybrid allocate their gathered or re-sharded copies per call.
+    /// between calls. For the ring everything is kept (the `f32` accumulators, the travelling KV blocks — two on the
+    /// CPU, three on a device —, the partial result and the travelling dK/dV accumulators), so a steady loop
+    /// allocates nothing; all-gather, Ulysses and hybrid allocate their gathered or re-sharded copies per call.
     pub fn workspace_bytes(&self) -> WorkspaceBytes {
         let s = &self.local;
         let (qe, kve, le) = (s.q_elems(), s.kv_elems(), s.lse_elems());
@@ -210,12 +210,14 @@ impl CpPlan {
         let doc_len = if self.mask.documents { s.q_len } else { 0 };
         let (plan_fwd, plan_bwd) = (qe * 4, (qe + 2 * kve) * 4);
         let block = |kv: usize, docs: usize| (2 * kv * elem).div_ceil(4) * 4 + docs * 4;
+        // Travelling KV blocks: three on a device (so the compute queue never drains between steps), two on the CPU.
+        let blocks = ring::Pipeline::blocks(self.cp.backend.memory() != Memory::Host);
         let ring_fwd =
-            |sh: &AttnShape, docs: usize| 2 * block(sh.kv_elems(), docs) + (sh.q_elems() + sh.lse_elems()) * 4;
-        let ring_bwd = |sh: &AttnShape, docs: usize| 2 * block(sh.kv_elems(), docs) + 3 * 2 * sh.kv_elems() * 4;
-        // What `RingBuffers` keeps: two blocks, the shared partial (`O` or this step's dK/dV), LSE, two accumulators.
+            |sh: &AttnShape, docs: usize| blocks * block(sh.kv_elems(), docs) + (sh.q_elems() + sh.lse_elems()) * 4;
+        let ring_bwd = |sh: &AttnShape, docs: usize| blocks * block(sh.kv_elems(), docs) + 3 * 2 * sh.kv_elems() * 4;
+        // What `RingBuffers` keeps: the blocks, the shared partial (`O` or this step's dK/dV), LSE, two accumulators.
         let ring_held = |sh: &AttnShape, docs: usize| {
-            2 * block(sh.kv_elems(), docs)
+            blocks * block(sh.kv_elems(), docs)
                 + (sh.q_elems().max(2 * sh.kv_elems()) + sh.lse_elems() + 4 * sh.kv_elems()) * 4
         };
         let plan_held = (qe + 2 * kve) * 4;
@@ -324,9 +326,12 @@ impl CpPlan {
 
     /// The reports of every [`forward`](Self::forward) and [`backward`](Self::backward) since the last call (or
     /// since the plan was made), added up, and starts counting again: a trainer's attention time and exposed
-    /// communication per step.
+    /// communication per step. On a GPU it also resolves [`StepReport::device_idle`], which waits for the device
+    /// to reach the end of the last call's ring: call it after the step's work has been waited for.
     pub fn take_totals(&mut self) -> StepReport {
-        std::mem::take(&mut self.totals)
+        let mut totals = std::mem::take(&mut self.totals);
+        totals.device_idle = self.ws.as_mut().and_then(|ws| ws.ring.take_idle());
+        totals
     }
 
     fn forward_into(&self, qkv: Qkv<'_>, out: AttnOut<'_>, bufs: &mut RingBuffers) -> Result<StepReport> {

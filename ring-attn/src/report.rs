@@ -18,6 +18,11 @@ pub struct StepReport {
     pub blocks_computed: usize,
     /// KV blocks skipped because the mask hides them entirely.
     pub blocks_skipped: usize,
+    /// On a GPU: how long this rank's compute queue stood idle inside ring attention waiting for the host
+    /// (posting or waiting for transfers), on the device's clock: the communication the overlap did not hide.
+    /// Only in [`CpPlan::take_totals`](crate::CpPlan::take_totals)'s report (resolving it waits for the device);
+    /// `None` on the CPU and the emulator, where `comm_wait` is the measure, and for schedules other than the ring.
+    pub device_idle: Option<Duration>,
 }
 
 impl StepReport {
@@ -29,5 +34,9 @@ impl StepReport {
         self.comm_wait += other.comm_wait;
         self.blocks_computed += other.blocks_computed;
         self.blocks_skipped += other.blocks_skipped;
+        self.device_idle = match (self.device_idle, other.device_idle) {
+            (Some(a), Some(b)) => Some(a + b),
+            (a, b) => a.or(b),
+        };
     }
 }

@@ -6,7 +6,7 @@ use longctx_kernels::attention::reference;
 use longctx_kernels::testing::{max_rel_err as rel_err, reference_f64, uniform_nonzero};
 use std::sync::Arc;
 
-use longctx_kernels::{AttnMask, AttnParams, AttnShape, Buffer, CudaBackend, Dims, Element, Positions};
+use longctx_kernels::{AttnMask, AttnParams, AttnShape, Buffer, CudaBackend, Dims, Element, Memory, Positions};
 use longctx_ring_attn::{
     AttnGrads, AttnOut, AttnSaved, Backend, ContextParallel, CpConfig, CpMask, CpPlan, CpShape, CpuBackend, DType,
     Partition, Qkv, RingError, Schedule, SeqLayout, ThreadWorld, View, ViewMut,
@@ -125,6 +125,11 @@ fn fwd_bwd<T: Element>(b: &dyn Backend, plan: &mut CpPlan, [q, k, v, d_o]: [&[f3
     let saved = AttnSaved { qkv, o: o.view(), lse: lse.view() };
     let rb = plan.backward(grads, d_o.view(), saved).unwrap();
     b.synchronize().unwrap();
+    // The compute queue's idle time in the ring is measured on a GPU's clock only; never on host memory, and
+    // never more than the calls took.
+    let idle = plan.take_totals().device_idle;
+    assert!(b.memory() != Memory::Host || idle.is_none(), "device_idle {idle:?} on the CPU");
+    assert!(idle.is_none_or(|d| d < std::time::Duration::from_secs(60)), "device_idle {idle:?}");
     let outs = [down(&o), down(&lse), down(&dq), down(&dk), down(&dv)];
     (outs, [(rf.bytes_sent, rf.expected_bytes), (rb.bytes_sent, rb.expected_bytes)])
 }

@@ -2,7 +2,8 @@
 //! per step (`step`, `loss`, `lr`, `grad_norm`, `tokens_per_s`, `mfu`, `rss_mib`, `saved_mib_per_rank`; on a device
 //! also `device_peak_mib` and `device_reserved_mib`, the high-water marks of the device memory pool the process's
 //! ranks share; with CP, `cp_attention_s` and `cp_comm_wait_s`, rank 0's attention time and the communication it did
-//! not hide; with offload, `offload_wait_s`) and one per evaluation (`step`, `val_loss`).
+//! not hide, and on a GPU `cp_device_idle_s`, its compute queue's idle time in the ring on the device's clock; with
+//! offload, `offload_wait_s`) and one per evaluation (`step`, `val_loss`).
 //!
 //! MFU is the model's FLOPs per second over the run's arithmetic peak on the device it computes on
 //! ([`device_peak_flops`]), measured when the run starts and again at each evaluation, keeping the best, each
@@ -314,6 +315,11 @@ impl Meter {
             // blocked on communication they did not hide (the exposed communication, as the ring counts it).
             line["cp_attention_s"] = serde_json::json!(r.compute.as_secs_f64());
             line["cp_comm_wait_s"] = serde_json::json!(r.comm_wait.as_secs_f64());
+            if let Some(idle) = r.device_idle {
+                // On a GPU the host's waiting is not the device's: seconds rank 0's compute queue stood idle in
+                // the ring, on the device's clock (what the overlap did not hide there).
+                line["cp_device_idle_s"] = serde_json::json!(idle.as_secs_f64());
+            }
         }
         append_line(&self.path, &line.to_string())?;
         if let Some(v) = val_loss {

@@ -157,6 +157,12 @@ impl BackendEvent for CudaEvent {
     fn as_any(&self) -> &dyn std::any::Any {
         self
     }
+    fn elapsed_since(&self, earlier: &dyn BackendEvent) -> Result<Option<std::time::Duration>> {
+        match earlier.as_any().downcast_ref::<CudaEvent>() {
+            Some(e) => self.0.elapsed_since(e.0.as_ref()),
+            None => Ok(None),
+        }
+    }
 }
 
 impl Backend for CudaBackend {
@@ -188,6 +194,10 @@ impl Backend for CudaBackend {
 
     fn record_event(&self) -> Result<Event> {
         Ok(Event::new(Arc::new(CudaEvent(self.stream.device.record_event()?))))
+    }
+
+    fn record_timed_event(&self) -> Result<Event> {
+        Ok(Event::new(Arc::new(CudaEvent(self.stream.device.record_timed_event()?))))
     }
 
     fn wait_event(&self, event: &Event) -> Result<()> {

@@ -18,6 +18,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::tensor_map::{TensorMap, TensorMapDesc};
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::view::Memory;
@@ -62,13 +63,19 @@ impl LaunchConfig {
     }
 }
 
-/// A kernel's parameters in declaration order, each stored at its own 16-byte aligned address, as
+/// One parameter's storage unit: 64 bytes, 64-byte aligned, so that a parameter of any alignment up to 64 (a tensor
+/// map, `CUtensorMap`) is read in place by the emulator's launch, which dereferences it as its C++ type.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct ArgWord([u8; 64]);
+
+/// A kernel's parameters in declaration order, each stored at its own 64-byte aligned address, as
 /// `cuLaunchKernel`'s `kernelParams` takes them; with each parameter's size, which a device checks against the
 /// kernel's declaration where it can (the emulator always does).
 #[derive(Clone, Default)]
 pub(crate) struct KernelArgs {
-    /// One boxed run of 16-byte words per parameter (boxed so their addresses stay put as more are pushed).
-    slots: Vec<Box<[u128]>>,
+    /// One boxed run of 64-byte words per parameter (boxed so their addresses stay put as more are pushed).
+    slots: Vec<Box<[ArgWord]>>,
     sizes: Vec<usize>,
 }
 
@@ -80,9 +87,9 @@ impl KernelArgs {
     /// (`u64` for a pointer, `i32` for an `int`, `f32` for a `float`, a `#[repr(C)]` struct for a struct).
     pub fn push<T: Copy + 'static>(&mut self, v: T) -> &mut Self {
         let size = std::mem::size_of::<T>();
-        assert!(std::mem::align_of::<T>() <= 16, "a kernel parameter aligned past 16 bytes");
-        let mut slot = vec![0u128; size.div_ceil(16).max(1)].into_boxed_slice();
-        // SAFETY: `slot` is 16-byte aligned and holds at least `size` bytes; `T: Copy` has no drop glue.
+        assert!(std::mem::align_of::<T>() <= 64, "a kernel parameter aligned past 64 bytes");
+        let mut slot = vec![ArgWord([0; 64]); size.div_ceil(64).max(1)].into_boxed_slice();
+        // SAFETY: `slot` is 64-byte aligned and holds at least `size` bytes; `T: Copy` has no drop glue.
         unsafe { std::ptr::write(slot.as_mut_ptr().cast::<T>(), v) };
         self.slots.push(slot);
         self.sizes.push(size);
@@ -158,6 +165,9 @@ pub(crate) trait DeviceEvent: Send + Sync + fmt::Debug {
     fn synchronize(&self) -> Result<()>;
     /// For a device to recognise its own events.
     fn as_any(&self) -> &dyn Any;
+    /// The device time from `earlier` to this event when both were recorded with timing
+    /// ([`Device::record_timed_event`]); waits for this one. `None` where they carry no time.
+    fn elapsed_since(&self, earlier: &dyn DeviceEvent) -> Result<Option<Duration>>;
 }
 
 /// What runs the CUDA backend's work (see the module docs). Every `unsafe` method takes device addresses that
@@ -233,10 +243,17 @@ pub(crate) trait Device: Send + Sync + fmt::Debug {
     fn synchronize(&self) -> Result<()>;
     /// An event complete once the work enqueued so far has run.
     fn record_event(&self) -> Result<Arc<dyn DeviceEvent>>;
+    /// As [`Device::record_event`], with timing (see [`DeviceEvent::elapsed_since`]).
+    fn record_timed_event(&self) -> Result<Arc<dyn DeviceEvent>>;
     /// Work enqueued after this call waits for `event` (recorded on this device or a fork of it).
     fn wait_event(&self, event: &dyn DeviceEvent) -> Result<()>;
     /// The same device, pool and compiled kernels on a new stream.
     fn fork(&self) -> Result<Arc<dyn Device>>;
+
+    /// The tensor map of `desc` for this device's kernels (a `const __grid_constant__ CUtensorMap` parameter of
+    /// those using the TMA, ptx_tma.cuh): encoded by the driver on a GPU, in the emulator's own format on the
+    /// emulator. A typed error naming the field when `desc` breaks `cuTensorMapEncodeTiled`'s documented rules.
+    fn tensor_map(&self, desc: &TensorMapDesc) -> Result<TensorMap>;
 
     /// Compiles every kernel source for this device now, in parallel, rather than each at the first launch of one
     /// of its kernels (NVRTC takes about a minute of one core for each tensor-core attention source): what a

@@ -56,6 +56,8 @@ use cudarc::driver::result::{self as cu, DriverError};
 use cudarc::driver::sys;
 use cudarc::driver::CudaContext;
 
+use super::tensor_map::{TensorMap, TensorMapDesc};
+
 use super::device::{
     Device, DeviceEvent, DeviceInfo, DevicePtr, Gemm, Kernel, KernelArgs, KernelSource, LaunchConfig, MemoryStats,
 };
@@ -320,6 +322,21 @@ impl DriverDevice {
         Ok(Arc::new(Self::on_new_stream(self.shared.clone())?))
     }
 
+    /// `desc` encoded by the driver (`cuTensorMapEncodeTiled`) for this device's kernels to take as a
+    /// `const __grid_constant__ CUtensorMap` parameter; a typed error naming the field when `desc` breaks the driver's
+    /// documented rules (checked first), an error when the driver has no TMA (before CUDA 12).
+    pub(crate) fn encode_tensor_map(&self, desc: &TensorMapDesc) -> Result<TensorMap> {
+        self.shared.bind()?;
+        if !driver_has("cuTensorMapEncodeTiled") {
+            return Err(KernelError::Device {
+                backend: BACKEND,
+                op: "cuTensorMapEncodeTiled".to_string(),
+                why: "the loaded CUDA driver does not export it (tensor maps need CUDA 12 or later)".to_string(),
+            });
+        }
+        desc.encode_driver()
+    }
+
     /// What kernels are compiled for (`sm_90`).
     pub fn arch(&self) -> &str {
         &self.shared.arch
@@ -349,12 +366,19 @@ impl DriverDevice {
     /// An event that records when the work enqueued so far has run, with timing (`CU_EVENT_DEFAULT`), for
     /// [`elapsed_ms`].
     pub fn timing_event(&self) -> Result<TimingEvent> {
+        Ok(TimingEvent(self.recorded_event(true)?))
+    }
+
+    /// An event recorded on this stream now: with timing (`CU_EVENT_DEFAULT`) when `timed`, else without
+    /// (`CU_EVENT_DISABLE_TIMING`, cheaper to record and wait for; the driver refuses to time it).
+    fn recorded_event(&self, timed: bool) -> Result<DriverEvent> {
         self.shared.bind()?;
-        let event =
-            cu::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).map_err(|e| device_err("cuEventCreate", e))?;
-        let event = TimingEvent(DriverEvent { event, shared: self.shared.clone() });
+        let flags =
+            if timed { sys::CUevent_flags::CU_EVENT_DEFAULT } else { sys::CUevent_flags::CU_EVENT_DISABLE_TIMING };
+        let event = cu::event::create(flags).map_err(|e| device_err("cuEventCreate", e))?;
+        let event = DriverEvent { event, shared: self.shared.clone(), timed };
         // SAFETY: a live event and stream of the current context.
-        unsafe { cu::event::record(event.0.event, self.stream) }.map_err(|e| device_err("cuEventRecord", e))?;
+        unsafe { cu::event::record(event.event, self.stream) }.map_err(|e| device_err("cuEventRecord", e))?;
         Ok(event)
     }
 
@@ -831,13 +855,11 @@ impl Device for DriverDevice {
     }
 
     fn record_event(&self) -> Result<Arc<dyn DeviceEvent>> {
-        self.shared.bind()?;
-        let event = cu::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
-            .map_err(|e| device_err("cuEventCreate", e))?;
-        let event = DriverEvent { event, shared: self.shared.clone() };
-        // SAFETY: a live event and stream of the current context.
-        unsafe { cu::event::record(event.event, self.stream) }.map_err(|e| device_err("cuEventRecord", e))?;
-        Ok(Arc::new(event))
+        Ok(Arc::new(self.recorded_event(false)?))
+    }
+
+    fn record_timed_event(&self) -> Result<Arc<dyn DeviceEvent>> {
+        Ok(Arc::new(self.recorded_event(true)?))
     }
 
     fn wait_event(&self, event: &dyn DeviceEvent) -> Result<()> {
@@ -861,6 +883,10 @@ impl Device for DriverDevice {
 
     fn fork(&self) -> Result<Arc<dyn Device>> {
         Ok(self.fork_driver()?)
+    }
+
+    fn tensor_map(&self, desc: &TensorMapDesc) -> Result<TensorMap> {
+        self.encode_tensor_map(desc)
     }
 
     fn compile_kernels(&self) -> Result<()> {
@@ -941,6 +967,8 @@ impl Device for DriverDevice {
 pub(crate) struct DriverEvent {
     event: sys::CUevent,
     shared: Arc<Shared>,
+    /// Made with timing (`CU_EVENT_DEFAULT`).
+    timed: bool,
 }
 
 // SAFETY: an event handle is usable from any thread once its context is current, which every use ensures.
@@ -962,6 +990,15 @@ impl DeviceEvent for DriverEvent {
     }
     fn as_any(&self) -> &dyn Any {
         self
+    }
+    fn elapsed_since(&self, earlier: &dyn DeviceEvent) -> Result<Option<Duration>> {
+        match earlier.as_any().downcast_ref::<DriverEvent>() {
+            Some(start) if start.timed && self.timed => {
+                let ms = elapsed_between(start, self)?;
+                Ok(Duration::try_from_secs_f64(f64::from(ms) / 1e3).ok())
+            }
+            _ => Ok(None),
+        }
     }
 }
 
@@ -987,6 +1024,11 @@ impl TimingEvent {
 
 /// Milliseconds between `start` and `end` (both recorded, `end` after `start`); waits for `end`.
 pub(crate) fn elapsed_ms(start: &TimingEvent, end: &TimingEvent) -> Result<f32> {
+    elapsed_between(&start.0, &end.0)
+}
+
+/// Milliseconds between two timed events of one context, `end` recorded after `start`; waits for `end`.
+fn elapsed_between(start: &DriverEvent, end: &DriverEvent) -> Result<f32> {
     end.synchronize()?;
     // CUDA 13's name for it (12.8 added it); a driver without it is older than the CUDA 13 modules this backend
     // compiles need, so there is no fallback to the first version.
@@ -999,7 +1041,7 @@ pub(crate) fn elapsed_ms(start: &TimingEvent, end: &TimingEvent) -> Result<f32> 
     }
     // SAFETY: both events are live timing events of this context, current since `synchronize`; `end` is
     // complete, and `start` was recorded before it on the stream.
-    unsafe { cu::event::elapsed(start.0.event, end.0.event) }.map_err(|e| device_err("cuEventElapsedTime_v2", e))
+    unsafe { cu::event::elapsed(start.event, end.event) }.map_err(|e| device_err("cuEventElapsedTime_v2", e))
 }
 
 /// The host ranges registered through [`Device::register_host`] in this process (by any device handle: a

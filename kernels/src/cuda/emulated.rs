@@ -27,6 +27,7 @@ use super::device::{
 };
 use super::emulator::Emulator;
 use super::sources::{SM90A_SOURCES, SOURCES};
+use super::tensor_map::{TensorMap, TensorMapDesc};
 use crate::dtype::DType;
 use crate::error::{KernelError, Result};
 use crate::view::Memory;
@@ -92,6 +93,10 @@ impl DeviceEvent for EmulatedEvent {
     }
     fn as_any(&self) -> &dyn Any {
         self
+    }
+    fn elapsed_since(&self, _earlier: &dyn DeviceEvent) -> Result<Option<Duration>> {
+        // Every op has run when its call returns: there is no device clock apart from the host's.
+        Ok(None)
     }
 }
 
@@ -176,12 +181,24 @@ impl Device for EmulatedDevice {
     fn record_event(&self) -> Result<Arc<dyn DeviceEvent>> {
         Ok(Arc::new(EmulatedEvent))
     }
+    fn record_timed_event(&self) -> Result<Arc<dyn DeviceEvent>> {
+        Ok(Arc::new(EmulatedEvent))
+    }
     fn wait_event(&self, _event: &dyn DeviceEvent) -> Result<()> {
         Ok(())
     }
     fn fork(&self) -> Result<Arc<dyn Device>> {
         Ok(Arc::new(self.clone()))
     }
+    fn tensor_map(&self, desc: &TensorMapDesc) -> Result<TensorMap> {
+        let map = desc.encode_emulated()?;
+        // The emulator's TMA reads and writes host memory wherever the map says: a map reaching past its buffer is
+        // refused here (the driver does not check; a GPU would fault or read another buffer).
+        let span = desc.span_bytes();
+        self.shared.emulator.check_range(desc.address, usize::try_from(span).unwrap_or(usize::MAX), "tensor map")?;
+        Ok(map)
+    }
+
     fn compile_kernels(&self) -> Result<()> {
         // Every source was built (or loaded from the cache) when the emulator was made.
         Ok(())

@@ -75,6 +75,11 @@ pub(crate) mod sources;
 mod stream;
 #[cfg(not(feature = "cuda"))]
 mod stub;
+#[cfg(feature = "cuda")]
+#[allow(dead_code)] // used by the TMA probe's tests until a kernel uses the TMA
+pub(crate) mod tensor_map;
+#[cfg(all(test, feature = "cuda"))]
+mod tma_probe;
 #[cfg(all(test, feature = "cuda"))]
 mod wgmma_probe;
 

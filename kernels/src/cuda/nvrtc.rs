@@ -84,9 +84,24 @@ pub(crate) fn check_arch(arch: &str) -> Result<()> {
 
 /// The architecture to compile `src` for on a device whose kernels are compiled for `device_arch`: that one, except
 /// for the sm_90a-only sources ([`super::sources::needs_sm90a`]), which get `sm_90a` on an sm_90 device (and an
-/// error naming the source on any other).
+/// error naming the source on any other), and the sources of plain sm_90 PTX ([`super::sources::needs_sm90`]), an
+/// error below sm_90.
 pub(crate) fn arch_for(src: &KernelSource, device_arch: &str) -> Result<String> {
     if !super::sources::needs_sm90a(src) {
+        // A source of sm_90 PTX (ptx_tma.cuh) on an older device: refused here, with the reason, rather than by
+        // NVRTC's #error.
+        let digits: String = device_arch.trim_start_matches("sm_").chars().take_while(|c| c.is_ascii_digit()).collect();
+        let old = digits.parse::<u32>().is_ok_and(|cc| cc < 90);
+        if super::sources::needs_sm90(src) && old {
+            return Err(KernelError::Compile {
+                file: src.file,
+                target: device_arch.to_string(),
+                log: format!(
+                    "{} uses the TMA and mbarriers (ptx_tma.cuh), which need sm_90; this device is {device_arch}",
+                    src.file
+                ),
+            });
+        }
         return Ok(device_arch.to_string());
     }
     match device_arch {
@@ -673,6 +688,17 @@ extern "C" __global__ void longctx_headers_only(float* out, const __nv_bfloat16*
     }
 
     #[test]
+    fn sm90_sources_are_refused_below_sm90() {
+        use crate::cuda::sources::PTX_TMA;
+        static TMA_ONLY: KernelSource =
+            KernelSource { file: "tma_only.cu", code: "", kernels: &[], includes: &[PTX_TMA] };
+        assert_eq!(arch_for(&TMA_ONLY, "sm_90").unwrap(), "sm_90");
+        assert_eq!(arch_for(&TMA_ONLY, "sm_100a").unwrap(), "sm_100a");
+        let err = arch_for(&TMA_ONLY, "sm_80").unwrap_err().to_string();
+        assert!(err.contains("tma_only.cu") && err.contains("sm_90"), "{err}");
+    }
+
+    #[test]
     fn ptx_entries_are_parsed() {
         let ptx =
             "//\n.version 9.0\n.visible .entry longctx_a(\n\t.param .u64 p\n)\n.entry longctx_b (\n)\n.func f()\n";
@@ -815,5 +841,126 @@ mod register_budget {
         }
         let want = 2 * super::tests::test_archs().len() + 2;
         assert_eq!(seen, want, "the mma.sync sources for every architecture, the wgmma ones for sm_90a");
+    }
+}
+
+/// The Hopper kernels do on the machine what their PTX asks: every kernel of an sm_90a source whose PTX issues
+/// `wgmma.mma_async` has `HGMMA` in its machine code (ptxas may otherwise lower or serialise what a kernel meant
+/// for the tensor cores' asynchronous path), and no sm_90a kernel spills registers (ptxas's report). The machine
+/// code is read with NVIDIA's `cuobjdump` and `nvdisasm` (scripts/cuda-wheels fetches them beside NVRTC, no GPU
+/// needed): found as `$LONGCTX_CUOBJDUMP`, else in the `bin` folder beside each of `$LONGCTX_CUDA_LIB_DIRS`, else
+/// on the `PATH`. Without them the machine-code half is skipped, saying so (failed under `LONGCTX_REQUIRE_NVRTC=1`,
+/// as CI has them). Reads the compiles `nvrtc_compiles_every_source` makes.
+#[cfg(test)]
+mod hopper_machine_code {
+    use std::path::PathBuf;
+    use std::process::Command;
+
+    use super::tests::{every_source_compiled, nvrtc_or_skip, TestCompile};
+    use crate::cuda::places::tests::TempDir;
+    use crate::cuda::sources::needs_sm90a;
+
+    /// `cuobjdump` and the folder it should find `nvdisasm` in, or why not.
+    fn disassembler() -> Result<(PathBuf, Option<PathBuf>), String> {
+        if let Some(p) = std::env::var_os("LONGCTX_CUOBJDUMP") {
+            let p = PathBuf::from(p);
+            let dir = p.parent().map(PathBuf::from);
+            return Ok((p, dir));
+        }
+        let libs = std::env::var("LONGCTX_CUDA_LIB_DIRS").unwrap_or_default();
+        for lib in libs.split(':').filter(|d| !d.is_empty()) {
+            let bin = PathBuf::from(lib).join("../bin");
+            if bin.join("cuobjdump").is_file() && bin.join("nvdisasm").is_file() {
+                return Ok((bin.join("cuobjdump"), Some(bin)));
+            }
+        }
+        match Command::new("cuobjdump").arg("--version").output() {
+            Ok(o) if o.status.success() => Ok((PathBuf::from("cuobjdump"), None)),
+            _ => Err(format!(
+                "no cuobjdump: not $LONGCTX_CUOBJDUMP, not in the bin folder beside $LONGCTX_CUDA_LIB_DIRS ({libs:?}), \
+                 not on the PATH"
+            )),
+        }
+    }
+
+    /// The machine code of `cubin`, by function name.
+    fn sass(cubin: &[u8], tool: &(PathBuf, Option<PathBuf>)) -> Vec<(String, String)> {
+        let dir = TempDir::new("sass");
+        let file = dir.file("k.cubin", cubin);
+        let mut cmd = Command::new(&tool.0);
+        cmd.arg("--dump-sass").arg(&file);
+        if let Some(bin) = &tool.1 {
+            let path = std::env::var("PATH").unwrap_or_default();
+            cmd.env("PATH", format!("{}:{path}", bin.display()));
+        }
+        let out = cmd.output().unwrap_or_else(|e| panic!("running {}: {e}", tool.0.display()));
+        assert!(out.status.success(), "cuobjdump failed: {}", String::from_utf8_lossy(&out.stderr));
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        text.split("Function : ")
+            .skip(1)
+            .map(|f| {
+                let (name, body) = f.split_once('\n').unwrap_or((f, ""));
+                (name.trim().to_string(), body.to_string())
+            })
+            .collect()
+    }
+
+    /// The names of the PTX entries whose bodies issue `wgmma.mma_async`.
+    fn wgmma_entries(ptx: &str) -> Vec<String> {
+        ptx.split(".entry ")
+            .skip(1)
+            .filter(|body| body.contains("wgmma.mma_async"))
+            .filter_map(|body| body.split('(').next().map(|n| n.trim().to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn wgmma_kernels_issue_hgmma_and_nothing_spills() {
+        if !nvrtc_or_skip("wgmma_kernels_issue_hgmma_and_nothing_spills") {
+            return;
+        }
+        let tool = match disassembler() {
+            Ok(t) => Some(t),
+            Err(e) if std::env::var("LONGCTX_REQUIRE_NVRTC").as_deref() == Ok("1") => {
+                panic!("wgmma_kernels_issue_hgmma_and_nothing_spills: LONGCTX_REQUIRE_NVRTC=1 but {e}")
+            }
+            Err(e) => {
+                eprintln!("wgmma_kernels_issue_hgmma_and_nothing_spills: machine code not checked: {e}");
+                None
+            }
+        };
+        let mut checked = 0;
+        for TestCompile { arch, src, result } in every_source_compiled() {
+            if !needs_sm90a(src) {
+                continue;
+            }
+            let c = result.as_ref().unwrap_or_else(|e| panic!("{e}"));
+            let mut entry = "";
+            for line in c.log.lines() {
+                if let Some(at) = line.find("Compiling entry function '") {
+                    entry = line[at + 26..].split('\'').next().unwrap_or("");
+                }
+                if line.contains("spill stores") {
+                    assert!(line.contains("0 bytes spill stores, 0 bytes spill loads"), "{arch} {entry}: {line}");
+                }
+            }
+            let Some(tool) = &tool else { continue };
+            let functions = sass(&c.cubin, tool);
+            for name in wgmma_entries(&c.ptx) {
+                let code = functions.iter().find(|(f, _)| *f == name).map(|(_, body)| body.as_str());
+                let code = code.unwrap_or_else(|| panic!("{} {arch}: no machine code for {name}", src.file));
+                let hgmma = code.lines().filter(|l| l.contains("HGMMA")).count();
+                eprintln!("{} {arch} {name}: {hgmma} HGMMA", src.file);
+                assert!(
+                    hgmma > 0,
+                    "{} {arch}: {name} issues wgmma in its PTX but no HGMMA in its machine code",
+                    src.file
+                );
+                checked += 1;
+            }
+        }
+        if tool.is_some() {
+            assert!(checked > 0, "no sm_90a kernel issues wgmma (the wgmma probe does)");
+        }
     }
 }

@@ -35,6 +35,19 @@ pub(crate) fn needs_sm90a(src: &KernelSource) -> bool {
     src.includes.iter().any(|(name, _)| *name == PTX_HOPPER.0)
 }
 
+/// The header of the TMA and mbarrier wrappers (`cp.async.bulk.tensor`, `mbarrier.try_wait`): not one of [`HEADERS`],
+/// but an include of the sources that use it. Its instructions are plain sm_90 PTX, not sm_90a, so a source including
+/// it alone compiles for sm_90 and sm_90a but not for sm_80 ([`needs_sm90`]); one that also includes [`PTX_HOPPER`]
+/// (as the TMA probe does, for `setmaxnreg`) is sm_90a-only like any source including that.
+pub(crate) const PTX_TMA: (&str, &str) = ("ptx_tma.cuh", include_str!("kernels/ptx_tma.cuh"));
+
+/// Whether `src` needs sm_90 or later (it includes [`PTX_TMA`] or [`PTX_HOPPER`]). No source in [`SOURCES`] does:
+/// they compile for sm_80 too; one that did would belong in a list of sm_90-and-later sources, which does not exist
+/// yet (the only such source, the TMA probe, is sm_90a-only).
+pub(crate) fn needs_sm90(src: &KernelSource) -> bool {
+    needs_sm90a(src) || src.includes.iter().any(|(name, _)| *name == PTX_TMA.0)
+}
+
 /// The probe of `wgmma`'s layouts (kernels/wgmma_probe.cu; its tests are in `cuda::wgmma_probe`).
 pub(crate) static WGMMA_PROBE: KernelSource = KernelSource {
     file: "wgmma_probe.cu",
@@ -53,9 +66,22 @@ pub(crate) static WGMMA_PROBE: KernelSource = KernelSource {
     includes: &[PTX_HOPPER],
 };
 
+/// The probe of the TMA and mbarriers in a warp-specialised pipeline (kernels/tma_probe.cu; its tests are in
+/// `cuda::tma_probe`): sm_90a-only, as it also uses `setmaxnreg`.
+pub(crate) static TMA_PROBE: KernelSource = KernelSource {
+    file: "tma_probe.cu",
+    code: include_str!("kernels/tma_probe.cu"),
+    kernels: &["longctx_tma_probe", "longctx_tma_probe_try_wait", "longctx_tma_probe_wgmma"],
+    includes: &[PTX_TMA, PTX_HOPPER],
+};
+
 /// The sources compiled for sm_90a only (each [`needs_sm90a`]); not among [`SOURCES`], which every GPU compiles.
-pub(crate) static SM90A_SOURCES: &[&KernelSource] =
-    &[&WGMMA_PROBE, &super::ops::attention::FORWARD_WGMMA, &super::ops::attention::BACKWARD_WGMMA];
+pub(crate) static SM90A_SOURCES: &[&KernelSource] = &[
+    &WGMMA_PROBE,
+    &TMA_PROBE,
+    &super::ops::attention::FORWARD_WGMMA,
+    &super::ops::attention::BACKWARD_WGMMA,
+];
 
 /// The translation unit of `src`: the headers, then the source, with `#line` directives so that compiler
 /// messages name the file and line they come from.

@@ -355,7 +355,7 @@ struct Site {
 
 struct Block;
 
-enum FiberState { kRunnable, kWaitBlock, kWaitWarp, kDone };
+enum FiberState { kRunnable, kWaitBlock, kWaitWarp, kWaitMbar, kDone };
 
 struct CpAsync {
     void* dst;
@@ -387,6 +387,8 @@ struct Fiber {
     unsigned int cp_count;      // copies in flight
     unsigned int wg_committed;  // wgmma groups committed so far
     bool wg_fenced;             // a wgmma.fence since the last wgmma.wait_group
+    bool mbar_poll;             // waits in a single mbarrier.try_wait (not the mbarrier_wait loop)
+    unsigned int bulk_committed;  // TMA store (bulk async) groups committed so far
     Context ctx;
     CpAsync cp[kMaxCpAsync];
 };
@@ -430,6 +432,14 @@ void wgmma_mma_async(Site site, int type, int n, int trans_a, int trans_b, float
                      unsigned long long desc_b, bool scale_d);
 void wgmma_mma_async_rs(Site site, int type, int n, int trans_b, float* d, const unsigned int* a,
                         unsigned long long desc_b, bool scale_d);
+void setmaxnreg(Site site, bool inc, unsigned int regs);
+void mbar_init(Site site, void* bar, unsigned int count);
+unsigned long long mbar_arrive(Site site, void* bar, unsigned int tx_bytes);
+bool mbar_try_wait(Site site, void* bar, unsigned int parity, bool wait);
+void tma_load(Site site, void* dst, const void* map, void* bar, int rank, const int* coords);
+void tma_store(Site site, const void* src, const void* map, int rank, const int* coords);
+void tma_store_commit();
+void tma_store_wait(int pending);
 [[noreturn]] void trap(Site site, const char* what);
 [[noreturn]] void assert_fail(const char* expr, Site site, const char* func);
 

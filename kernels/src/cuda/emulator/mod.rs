@@ -8,31 +8,53 @@
 //! - **Execution**: a launch's blocks run on a few OS threads (`LONGCTX_EMU_THREADS`, default: the machine's cores),
 //!   one block at a time per thread; every CUDA thread of a block is a fiber with its own stack (over 170 KiB, a guard
 //!   page below it), scheduled cooperatively: a fiber runs until it waits at a barrier or a warp collective.
-//!   `__syncthreads` waits for every thread that has not exited; warp collectives (`__shfl*_sync`, votes,
-//!   `__syncwarp`, `mma.sync`, `ldmatrix`) gather all 32 lanes and compute at one instant with the PTX ISA's fragment
-//!   layouts; `wgmma.mma_async` (ptx_hopper.cuh) gathers its warpgroup's 128 threads, decodes the shared-memory
-//!   descriptors (no swizzle or 128B; others refused) or takes A from the threads' registers (the RS form, read at
-//!   issue) and computes at once, but writes each thread's accumulators (NaN until then) only at the
-//!   `wgmma.wait_group` that covers the op, after checking that the shared memory (and the A registers) it read were
-//!   not overwritten; a wgmma without a `wgmma.fence` since the thread's last wait, or a thread exiting with one in
-//!   flight, is an error. Descriptors hold addresses of an emulated shared-state window (static shared memory from
-//!   1024, dynamic from a 1024-byte boundary + 16). A barrier that can never complete (divergent `__syncthreads`, a
-//!   collective some lanes never reach or reach in another collective, a lane that exited) is an error naming the
-//!   threads and source lines, never a hang. Masks other than the full warp are refused rather than guessed at.
+//!   `__syncthreads` waits for every thread that has not exited; warp collectives (`__shfl*_sync`, votes, `__syncwarp`,
+//!   `mma.sync`, `ldmatrix`) gather all 32 lanes and compute at one instant with the PTX ISA's fragment layouts;
+//!   `wgmma.mma_async` (ptx_hopper.cuh) gathers its warpgroup's 128 threads, decodes the shared-memory descriptors (no
+//!   swizzle or 128B; others refused) or takes A from the threads' registers (the RS form, read at issue) and
+//!   computes at once, but writes each thread's accumulators (NaN until then) only at the `wgmma.wait_group` that
+//!   covers the op, after checking that the shared memory (and the A registers) it read were not overwritten; a
+//!   wgmma without a `wgmma.fence` since the thread's last wait, or a thread exiting with one in flight, is an error.
+//!   Descriptors hold addresses of an emulated shared-state window (static shared memory from 1024, dynamic from a
+//!   1024-byte boundary + 16). `setmaxnreg` (ptx_hopper.cuh) is a warpgroup collective that checks convergence and does
+//!   nothing else. mbarriers (ptx_tma.cuh) live in a table of the block keyed by their shared address, with the PTX
+//!   ISA's phase, pending and expected arrivals and tx-count exactly; `mbarrier.try_wait` (and the `mbarrier_wait`
+//!   loop) is a scheduling point: a thread whose phase has not completed sleeps until the barrier changes (an arrive, a
+//!   copy issued on it), so spinning on an mbarrier works as on the GPU; a single try_wait answers false once every
+//!   live thread of the block waits (its time limit, on the GPU), and a try_wait loop with nothing else happening in
+//!   between is a deadlock. TMA loads (`cp.async.bulk.tensor`, with the emulator's own tensor-map format,
+//!   tensor_map.rs) are checked when issued (the map, the destination's alignment, 128 bytes or 1024 for the 128B
+//!   swizzle, and range, an initialised barrier) and land, reading global memory then (zeros out of bounds, the swizzle
+//!   applied to the shared address), when a thread polls the barrier they complete on, which then gets their bytes'
+//!   complete-tx. A barrier that can never complete (divergent `__syncthreads`, a collective some lanes never reach or
+//!   reach in another collective, a lane that exited, an mbarrier phase whose arrivals or transaction bytes never come)
+//!   is an error naming the threads and source lines (and each waited-on mbarrier's state), never a hang. Masks other
+//!   than the full warp are refused rather than guessed at.
 //! - **Memory** ([`memory`]): device memory is host memory with guard zones around each allocation, checked after
 //!   every launch ("wrote outside a buffer", naming the kernel); contents, `__shared__` variables and dynamic shared
-//!   memory start poisoned (0xFF bytes: NaN as floats), and cp.async copies land only at the wait that covers them,
-//!   so a kernel reading what it did not write, or did not wait for, gets NaNs in tests rather than luck.
+//!   memory start poisoned (0xFF bytes: NaN as floats), cp.async copies land only at the wait that covers them and
+//!   TMA loads only when their mbarrier is polled, so a kernel reading what it did not write, or did not wait for,
+//!   gets NaNs in tests rather than luck.
 //! - **Errors**: a `__trap()`, a failed `assert`, a refused collective or a deadlock ends the launch with
 //!   [`KernelError::Device`] naming the kernel, block, thread and line; a bad configuration or arguments of the wrong
 //!   sizes are refused before anything runs; a compile error is [`KernelError::Compile`] naming the file.
 //!
-//! What is approximate: `mma.sync` sums exactly (double) and rounds once, where tensor cores have their own order
-//! and truncation; `ex2.approx`, `__expf` and the other fast intrinsics are exact; there is no FMA contraction
-//! (nvcc contracts by default); atomics are sequentially consistent; within a block, threads only interleave at
-//! barriers and collectives (so a spin-wait on another thread of the block hangs, where the GPU's independent thread
-//! scheduling would let it finish); blocks of a grid cannot wait for each other. Out-of-bounds reads and writes that
-//! miss every guard zone are not caught (a wild one can crash the process, as can a fiber overflowing its stack).
+//! What is approximate: `mma.sync` sums exactly (double) and rounds once, where tensor cores have their own order and
+//! truncation; `ex2.approx`, `__expf` and the other fast intrinsics are exact; there is no FMA contraction (nvcc
+//! contracts by default); atomics are sequentially consistent; within a block, threads only interleave at barriers,
+//! collectives and mbarrier waits (so a spin-wait on a plain shared variable written by another thread of the block
+//! hangs, where the GPU's independent thread scheduling would let it finish; spin on an mbarrier instead); blocks of a
+//! grid cannot wait for each other. TMA: one proxy (the proxy fences are no-ops, so a missing `fence.proxy.async` is
+//! not caught), a copy lands whole at a poll (never partly, never without a poll), and its global reads are not checked
+//! against the allocations (`EmulatedDevice::tensor_map` refuses a map reaching past its buffer; a map encoded
+//! otherwise may read past it); TMA stores (`cp.async.bulk.tensor` shared → global, bulk async-groups) are performed
+//! whole, reading shared memory then, at the `cp.async.bulk.wait_group` that covers them or when their thread exits (so
+//! reusing their source before `wait_group.read` shows in the output); no multicast, clusters, reductions or im2col;
+//! the emulator's maps are its own format (a driver-encoded map is refused). A swizzled box is laid out densely with
+//! the swizzle applied to the shared address; the probe's GPU cases (not yet run on a GPU) check that reading only for
+//! boxes whose inner dimension is the swizzle's whole span. `setmaxnreg` changes nothing (there is no register file to
+//! resize). Out-of-bounds reads and writes that miss every guard zone are not caught (a wild one can crash the process,
+//! as can a fiber overflowing its stack).
 //!
 //! Costs, measured on the 2-core dev machine (the `emulator_figures` test): building the 8 test sources from nothing
 //! 2.7-4.4 s (once per change; finding them in the cache 3 ms); a launch of one small block 2.6 us, of 64 blocks

@@ -240,6 +240,30 @@ struct WarpGroup {
     std::vector<WgmmaOp> ops;  // issued and not retired by every thread, oldest first
 };
 
+// TMA and mbarriers (ptx_tma.cuh). A tensor copy waiting to land: checked at issue, performed (reading global memory
+// then) when a thread polls the mbarrier it completes on.
+struct TmaCopy {
+    unsigned int dst;  // shared-window address of the box's start (a store's source)
+    unsigned int thread, group;  // a store's issuing thread and bulk async-group
+    unsigned char map[128];
+    int coords[5];
+    unsigned int bytes;
+    Site site;
+};
+
+// An mbarrier object, by its shared address: the PTX ISA's state (phase, pending arrivals, expected arrivals,
+// tx-count), the copies that will complete bytes on it, and the threads sleeping in try_wait until it changes.
+struct Mbar {
+    const void* addr;
+    unsigned int expected;
+    unsigned int pending;
+    long long tx;
+    unsigned int phase;  // phases completed so far: the current phase's parity is phase & 1
+    Site init_site;
+    std::vector<TmaCopy> copies;
+    std::vector<Fiber*> waiting;
+};
+
 struct Barrier {
     unsigned int arrived;
     int op;  // -1: __syncthreads; else a SyncOp
@@ -267,6 +291,8 @@ struct Block {
     std::vector<Warp> warps;
     std::vector<WarpGroup> wgs;
     unsigned int dyn_window;  // the shared-window address of dynamic shared memory (smem_window_addr)
+    std::vector<Mbar> mbars;  // initialised mbarriers, in order of initialisation
+    std::vector<TmaCopy> stores;  // TMA stores issued and not yet performed (TmaCopy::thread, ::group)
     std::vector<Fiber*> queue;  // runnable fibers, a ring
     std::size_t q_head = 0, q_len = 0;
     Context sched;
@@ -276,7 +302,16 @@ struct Block {
     Fiber* fiber(unsigned int i) const {
         return fiber_at(reinterpret_cast<std::uintptr_t>(regions) + std::size_t(i) * kFiberRegionBytes);
     }
+    // Fibers made runnable so far: what tells a block that waits on try_wait pollers only whether anything happened
+    // since it last woke them (the stall handling in run_block).
+    unsigned long long progress = 0;
+    unsigned long long stall_progress = ~0ull;
     void push(Fiber* f) {
+        progress++;
+        push_quiet(f);
+    }
+    // Runnable without counting as progress: a try_wait poller woken to answer false.
+    void push_quiet(Fiber* f) {
         f->state = kRunnable;
         std::size_t i = q_head + q_len;
         if (i >= queue.size()) i -= queue.size();
@@ -569,9 +604,12 @@ void complete_cp_async(Fiber* f, unsigned int below_group, bool all) {
     f->cp_count = kept;
 }
 
+void perform_stores(Fiber* f, unsigned int below, bool all);
+
 [[noreturn]] void thread_exit(Fiber* f) {
     Block& b = *f->block;
     complete_cp_async(f, 0, true);
+    perform_stores(f, 0, true);
     if (f->warp / 4 < b.wgs.size()) {
         WarpGroup& g = b.wgs[f->warp / 4];
         if (g.arrived > 0)
@@ -650,9 +688,11 @@ bool check_guard(const unsigned char* p, std::size_t n, std::size_t* bad) {
     return true;
 }
 
+unsigned int window_of(const Block& b, const void* p, bool* ok);
+
 std::string deadlock_report(Block& b) {
     std::string s = "deadlock: no thread of the block can go on (a barrier or warp collective some threads never "
-                    "reach); waiting:";
+                    "reach, or an mbarrier phase that cannot complete); waiting:";
     struct Group {
         const char* what;
         Site site;
@@ -675,6 +715,14 @@ std::string deadlock_report(Block& b) {
     for (const Group& g : groups)
         s += format(" %u threads (the first: %u) at %s at %s:%d;", g.count, g.first, g.what, g.site.file, g.site.line);
     s += format(" %u threads exited", b.done);
+    for (const Mbar& m : b.mbars) {
+        if (m.waiting.empty()) continue;
+        bool ok = false;
+        s += format("; the mbarrier at shared 0x%x (initialised at %s:%d) is in its phase of parity %u with %u of "
+                    "%u arrivals and %lld transaction bytes to come",
+                    window_of(b, m.addr, &ok), m.init_site.file, m.init_site.line, m.phase & 1, m.pending, m.expected,
+                    m.tx);
+    }
     return s;
 }
 
@@ -701,6 +749,8 @@ bool run_block(Block& b, unsigned long long linear) {
         g.arrived = 0;
         g.ops.clear();
     }
+    b.mbars.clear();
+    b.stores.clear();
     if (b.static_smem) std::memset(b.static_smem, kSmemPoison, b.static_bytes);
     std::memset(b.dyn_smem - kDynGuardBytes, kGuardByte, kDynGuardBytes);
     std::memset(b.dyn_smem, kSmemPoison, b.dyn_bytes);
@@ -720,12 +770,31 @@ bool run_block(Block& b, unsigned long long linear) {
         f->cp_count = 0;
         f->wg_committed = 0;
         f->wg_fenced = false;
+        f->mbar_poll = false;
+        f->bulk_committed = 0;
         prepare(f);
         b.push(f);
     }
-    Fiber* first = b.pop();
-    switch_to(&b.sched, &first->ctx);
-    // Back here when no fiber is runnable: all exited, deadlock, or a failure.
+    b.stall_progress = ~0ull;
+    for (Fiber* next = b.pop(); next;) {
+        switch_to(&b.sched, &next->ctx);
+        // Back here when no fiber is runnable: all exited, a failure, or every live thread waits. Threads in a single
+        // mbarrier.try_wait (not the mbarrier_wait loop) then answer false, as the GPU's would once its time limit
+        // passes; if that happens twice with nothing made runnable in between, the block is deadlocked (a poller
+        // looping on try_wait with nothing else going on).
+        next = nullptr;
+        if (b.failed || b.done == b.nthreads || b.progress == b.stall_progress) break;
+        b.stall_progress = b.progress;
+        for (Mbar& m : b.mbars) {
+            std::size_t kept = 0;
+            for (Fiber* w : m.waiting) {
+                if (w->mbar_poll) b.push_quiet(w);
+                else m.waiting[kept++] = w;
+            }
+            m.waiting.resize(kept);
+        }
+        next = b.pop();
+    }
     if (b.failed) return false;
     if (b.done < b.nthreads) {
         b.error = format("block (%u,%u,%u): ", b.block_idx.x, b.block_idx.y, b.block_idx.z) + deadlock_report(b);
@@ -1133,6 +1202,294 @@ void wgmma_wait_group(Site site, int pending) {
         kept++;
     }
     g.ops.resize(kept);
+}
+
+// setmaxnreg.{inc,dec}.sync.aligned.u32 (ptx_hopper.cuh): the emulator has no register file, so it only checks
+// what the PTX ISA requires: every thread of a whole warpgroup executes the same instruction (.sync.aligned).
+void setmaxnreg(Site site, bool inc, unsigned int regs) {
+    Fiber* f = self();
+    Block& b = *f->block;
+    const char* what = inc ? "setmaxnreg.inc" : "setmaxnreg.dec";
+    if (regs < 24 || regs > 256 || regs % 8 != 0)
+        fail(f, "%s at %s:%d with %u registers: the count must be a multiple of 8 in 24..256", what, site.file,
+             site.line, regs);
+    const unsigned int gi = f->warp / 4;
+    if (gi >= b.wgs.size())
+        fail(f, "%s at %s:%d in warp %u: the block's %u threads have no whole warpgroup (128 threads, warps "
+                "4g..4g+3) there",
+             what, site.file, site.line, f->warp, b.nthreads);
+    for (unsigned int w = 4 * gi; w < 4 * gi + 4; w++)
+        if (b.warps[w].live != 32)
+            fail(f, "%s at %s:%d: %u threads of warp %u of its warpgroup have exited (all 128 must execute it)", what,
+                 site.file, site.line, 32 - b.warps[w].live, w);
+    WarpGroup& g = b.wgs[gi];
+    const int op = 100000 + (inc ? 1000 : 0) + static_cast<int>(regs);
+    if (g.arrived == 0) {
+        g.op = op;
+        g.site = site;
+        g.first_thread = f->linear;
+    } else if (g.op != op || !same_site(g.site, site)) {
+        fail(f, "%s at %s:%d while thread %u of its warpgroup waits in another warpgroup instruction at %s:%d: the "
+                "warpgroup's threads diverged",
+             what, site.file, site.line, g.first_thread, g.site.file, g.site.line);
+    }
+    if (++g.arrived < 128) {
+        f->state = kWaitWarp;
+        f->wait_what = what;
+        f->wait_site = site;
+        g.waiting[g.arrived - 1] = f;
+        park(f);
+        return;
+    }
+    g.arrived = 0;
+    for (int i = 0; i < 127; i++) b.push(g.waiting[i]);
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
+// mbarriers and TMA loads (ptx_tma.cuh states the PTX ISA's semantics these follow).
+
+// The emulator's tensor map (tensor_map.rs writes it): little-endian fields at fixed offsets.
+constexpr unsigned int kTmaMagic = 0x4d54434cu;  // "LCTM"
+struct TmaMap {
+    unsigned int rank, elem, swizzle;
+    unsigned long long addr;
+    unsigned long long dims[5], strides[5];
+    unsigned int box[5];
+};
+
+bool decode_map(const unsigned char* m, TmaMap* out) {
+    unsigned int magic;
+    std::memcpy(&magic, m, 4);
+    if (magic != kTmaMagic) return false;
+    out->rank = m[4];
+    out->elem = m[5];
+    out->swizzle = m[6];
+    std::memcpy(&out->addr, m + 8, 8);
+    std::memcpy(out->dims, m + 16, 40);
+    std::memcpy(out->strides, m + 56, 40);
+    std::memcpy(out->box, m + 96, 20);
+    return out->rank >= 1 && out->rank <= 5 && (out->elem == 2 || out->elem == 4) && out->swizzle <= 3;
+}
+
+constexpr long long kMaxTx = (1ll << 20) - 1;
+
+Mbar* find_mbar(Block& b, const void* bar) {
+    for (Mbar& m : b.mbars)
+        if (m.addr == bar) return &m;
+    return nullptr;
+}
+
+Mbar& mbar_of(Fiber* f, Site site, const void* bar, const char* what) {
+    Mbar* m = find_mbar(*f->block, bar);
+    if (!m)
+        fail(f, "%s at %s:%d on %p, which is not an initialised mbarrier (mbarrier.init it first, then "
+                "fence.mbarrier_init and a barrier)",
+             what, site.file, site.line, bar);
+    return *m;
+}
+
+// Completes the current phase when nothing is pending: the parity flips, the expected arrivals are due again, and the
+// threads sleeping on the barrier wake to poll it.
+void mbar_maybe_complete(Block& b, Mbar& m) {
+    if (m.pending == 0 && m.tx == 0) {
+        m.phase++;
+        m.pending = m.expected;
+    }
+    for (Fiber* w : m.waiting) b.push(w);
+    m.waiting.clear();
+}
+
+// Performs copy `c`: each element of the box read from global memory (zero out of bounds) and written at its
+// swizzled shared address.
+void land_copy(Fiber* f, const TmaCopy& c, bool store = false) {
+    Block& b = *f->block;
+    TmaMap t;
+    decode_map(c.map, &t);  // checked at issue
+    const unsigned int mask = t.swizzle == 3 ? 7u : (t.swizzle == 2 ? 3u : (t.swizzle == 1 ? 1u : 0u));
+    unsigned int idx[5] = {0, 0, 0, 0, 0};
+    std::size_t count = 1;
+    for (unsigned int d = 0; d < t.rank; d++) count *= t.box[d];
+    for (std::size_t e = 0; e < count; e++) {
+        bool inside = true;
+        unsigned long long src = t.addr;
+        for (unsigned int d = 0; d < t.rank; d++) {
+            const long long g = static_cast<long long>(c.coords[d]) + idx[d];
+            if (g < 0 || static_cast<unsigned long long>(g) >= t.dims[d]) inside = false;
+            else src += static_cast<unsigned long long>(g) * t.strides[d];
+        }
+        std::size_t a = c.dst + e * t.elem;
+        a ^= ((a >> 7) & mask) << 4;
+        unsigned char* p = const_cast<unsigned char*>(host_of(b, a, t.elem));
+        if (!p)
+            fail(f, "the TMA copy issued at %s:%d touches shared address 0x%zx, outside the block's shared memory",
+                 c.site.file, c.site.line, a);
+        void* g = reinterpret_cast<void*>(static_cast<std::uintptr_t>(src));
+        if (store) {
+            if (inside) std::memcpy(g, p, t.elem);  // out of bounds: not written
+        } else if (inside) {
+            std::memcpy(p, g, t.elem);
+        } else {
+            std::memset(p, 0, t.elem);
+        }
+        for (unsigned int d = 0; d < t.rank; d++) {
+            if (++idx[d] < t.box[d]) break;
+            idx[d] = 0;
+        }
+    }
+}
+
+void mbar_init(Site site, void* bar, unsigned int count) {
+    Fiber* f = self();
+    Block& b = *f->block;
+    if (reinterpret_cast<std::uintptr_t>(bar) % 8 != 0 || !in_smem(b, bar, 8))
+        fail(f, "mbarrier.init at %s:%d: %p is not 8 bytes of the block's shared memory, 8-byte aligned", site.file,
+             site.line, bar);
+    if (count < 1 || count > static_cast<unsigned int>(kMaxTx))
+        fail(f, "mbarrier.init at %s:%d with count %u: the expected arrival count must be in 1..2^20-1", site.file,
+             site.line, count);
+    Mbar* m = find_mbar(b, bar);
+    if (m && (!m->copies.empty() || !m->waiting.empty()))
+        fail(f, "mbarrier.init at %s:%d re-initialises the mbarrier initialised at %s:%d while %s", site.file,
+             site.line, m->init_site.file, m->init_site.line,
+             m->copies.empty() ? "threads wait on it" : "TMA copies are to complete on it");
+    if (!m) {
+        b.mbars.push_back(Mbar{});
+        m = &b.mbars.back();
+    }
+    m->addr = bar;
+    m->expected = count;
+    m->pending = count;
+    m->tx = 0;
+    m->phase = 0;
+    m->init_site = site;
+    // The object's bytes: what an mbarrier.init leaves is opaque; zero rather than the poison.
+    std::memset(bar, 0, 8);
+}
+
+unsigned long long mbar_arrive(Site site, void* bar, unsigned int tx_bytes) {
+    Fiber* f = self();
+    Block& b = *f->block;
+    const char* what = tx_bytes ? "mbarrier.arrive.expect_tx" : "mbarrier.arrive";
+    Mbar& m = mbar_of(f, site, bar, what);
+    if (m.tx + tx_bytes > kMaxTx)
+        fail(f, "%s at %s:%d: the tx-count would reach %lld bytes, above the PTX ISA's 2^20-1", what, site.file,
+             site.line, m.tx + tx_bytes);
+    const unsigned long long token = static_cast<unsigned long long>(m.phase & 1) << 63;
+    if (m.pending == 0)
+        fail(f, "%s at %s:%d: all %u expected arrivals of the mbarrier's current phase (initialised at %s:%d) have "
+                "arrived already (it waits for %lld transaction bytes): more arrivals than its count",
+             what, site.file, site.line, m.expected, m.init_site.file, m.init_site.line, m.tx);
+    m.tx += tx_bytes;
+    m.pending--;
+    mbar_maybe_complete(b, m);
+    return token;
+}
+
+bool mbar_try_wait(Site site, void* bar, unsigned int parity, bool wait) {
+    Fiber* f = self();
+    Block& b = *f->block;
+    if (parity > 1)
+        fail(f, "mbarrier.try_wait.parity at %s:%d with parity %u: 0 or 1", site.file, site.line, parity);
+    for (int pass = 0;; pass++) {
+        Mbar& m = mbar_of(f, site, bar, "mbarrier.try_wait.parity");
+        // The copies completing on it land now (this poll is when the emulator lets them finish).
+        if (!m.copies.empty()) {
+            std::vector<TmaCopy> copies;
+            copies.swap(m.copies);
+            for (const TmaCopy& c : copies) land_copy(f, c);
+            Mbar& again = mbar_of(f, site, bar, "mbarrier.try_wait.parity");
+            for (const TmaCopy& c : copies) again.tx -= c.bytes;
+            mbar_maybe_complete(b, again);
+        }
+        Mbar& now = mbar_of(f, site, bar, "mbarrier.try_wait.parity");
+        if ((now.phase & 1) != parity) return true;
+        // try_wait may suspend the thread for a while: here until the barrier changes (then it answers again, once),
+        // or until the whole block waits (run_block: it answers false). mbarrier_wait sleeps until the phase
+        // completes.
+        if (pass > 0 && !wait) return false;
+        f->state = kWaitMbar;
+        f->mbar_poll = !wait;
+        f->wait_what = wait ? (parity ? "mbarrier_wait parity 1" : "mbarrier_wait parity 0")
+                            : (parity ? "mbarrier.try_wait.parity 1" : "mbarrier.try_wait.parity 0");
+        f->wait_site = site;
+        now.waiting.push_back(f);
+        park(f);
+    }
+}
+
+// A tensor copy of `rank` at `coords` between `smem` (what = "destination" or "source") and `map`'s tensor, checked.
+TmaCopy tma_copy(Fiber* f, Site site, const void* smem, const char* what, const void* map, int rank,
+                 const int* coords) {
+    Block& b = *f->block;
+    TmaCopy c;
+    std::memcpy(c.map, map, 128);
+    TmaMap t;
+    if (!decode_map(c.map, &t))
+        fail(f, "cp.async.bulk.tensor at %s:%d: the tensor map is not one the emulator's encoder wrote (encode it with "
+                "tensor_map.rs for the device the kernel runs on)",
+             site.file, site.line);
+    if (t.rank != static_cast<unsigned int>(rank))
+        fail(f, "cp.async.bulk.tensor.%dd at %s:%d with a tensor map of rank %u", rank, site.file, site.line, t.rank);
+    bool ok = false;
+    const unsigned int w = window_of(b, smem, &ok);
+    if (!ok)
+        fail(f, "cp.async.bulk.tensor at %s:%d: the %s %p is not in the block's shared memory", site.file, site.line,
+             what, smem);
+    const unsigned int align = t.swizzle == 3 ? 1024 : 128;
+    if (w % align != 0)
+        fail(f, "cp.async.bulk.tensor at %s:%d: the %s (shared address 0x%x) is not %u-byte aligned (%s)", site.file,
+             site.line, what, w, align, t.swizzle == 3 ? "the 128B swizzle's pattern" : "the TMA's requirement");
+    std::size_t bytes = t.elem;
+    for (unsigned int d = 0; d < t.rank; d++) bytes *= t.box[d];
+    if (!host_of(b, w, bytes))
+        fail(f, "cp.async.bulk.tensor at %s:%d: the box's %zu bytes at shared address 0x%x run past the block's shared "
+                "memory",
+             site.file, site.line, bytes, w);
+    c.dst = w;
+    for (int d = 0; d < 5; d++) c.coords[d] = d < rank ? coords[d] : 0;
+    c.bytes = static_cast<unsigned int>(bytes);
+    c.site = site;
+    c.thread = f->linear;
+    c.group = f->bulk_committed;
+    return c;
+}
+
+// Performs the TMA stores of thread `f` in groups below `below` (all when `all`), in issue order.
+void perform_stores(Fiber* f, unsigned int below, bool all) {
+    Block& b = *f->block;
+    std::vector<TmaCopy> now;
+    std::size_t kept = 0;
+    for (std::size_t i = 0; i < b.stores.size(); i++) {
+        TmaCopy& c = b.stores[i];
+        if (c.thread == f->linear && (all || c.group < below)) now.push_back(c);
+        else b.stores[kept++] = c;
+    }
+    b.stores.resize(kept);
+    for (const TmaCopy& c : now) land_copy(f, c, true);
+}
+
+void tma_store(Site site, const void* src, const void* map, int rank, const int* coords) {
+    Fiber* f = self();
+    f->block->stores.push_back(tma_copy(f, site, src, "source", map, rank, coords));
+}
+
+void tma_store_commit() { self()->bulk_committed++; }
+
+void tma_store_wait(int pending) {
+    Fiber* f = self();
+    const unsigned int p = static_cast<unsigned int>(pending);
+    perform_stores(f, f->bulk_committed > p ? f->bulk_committed - p : 0, false);
+}
+
+void tma_load(Site site, void* dst, const void* map, void* bar, int rank, const int* coords) {
+    Fiber* f = self();
+    Block& b = *f->block;
+    const TmaCopy c = tma_copy(f, site, dst, "destination", map, rank, coords);
+    Mbar& m = mbar_of(f, site, bar, "cp.async.bulk.tensor");
+    m.copies.push_back(c);
+    // Threads sleeping on the barrier poll it again (which lands the copy).
+    for (Fiber* x : m.waiting) b.push(x);
+    m.waiting.clear();
 }
 
 float ex2_approx_ftz(float x) {

@@ -1,5 +1,6 @@
-// Inline-PTX wrappers for Hopper's warpgroup MMA (wgmma), sm_90a only: prepended (after common.cuh and ptx.cuh) to
-// the sources that list it among their includes, which are compiled for sm_90a alone (sources.rs, nvrtc.rs). As in
+// Inline-PTX wrappers for Hopper's warpgroup MMA (wgmma) and register reallocation (setmaxnreg), sm_90a only:
+// prepended (after common.cuh, ptx.cuh and ptx_tma.cuh when listed) to the sources that list it among their
+// includes, which are compiled for sm_90a alone (sources.rs, nvrtc.rs). As in
 // ptx.cuh, every wrapper has its GPU side (inline PTX) and its emulator side (LONGCTX_EMU: runtime.cpp's warpgroup
 // collective), with the same semantics and layouts. Sources: NVIDIA's PTX ISA, "Asynchronous Warpgroup Level Matrix
 // Multiply-Accumulate Instructions" (9.7.15): "Register Fragments" (9.7.15.5.1.1), "Shared Memory Matrix Layout"
@@ -66,6 +67,33 @@
 // a ^ (((a >> 7) & 7) << 4), on the shared-memory address itself, so a swizzled tile must start on a 1024-byte
 // boundary of the shared window (align with wgmma_smem_addr) for base offset 0. 64B and 32B swizzles and non-zero
 // base offsets are not used by our kernels, and the emulator refuses them.
+
+// setmaxnreg.{inc,dec}.sync.aligned.u32 N (setmaxnreg_inc<N>, setmaxnreg_dec<N>; PTX ISA 9.7.17.1, "setmaxnreg"):
+// asks for the executing warpgroup's per-thread register count to be raised (inc: waits until the registers are free)
+// or lowered (dec: releases them) to N, a multiple of 8 in 24..256. Every thread of the warpgroup executes the same
+// instruction (.sync.aligned); it takes effect only in a kernel with a register cap at entry (__launch_bounds__ with
+// a minimum of 1 block, or -maxrregcount), else ptxas ignores it with warning C7508. Warp-specialised kernels lower
+// the producer warpgroup's count and raise the consumers'. The emulator has no register file: it checks that a whole
+// warpgroup executes it converged, and does nothing else.
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() {
+    static_assert(N >= 24 && N <= 256 && N % 8 == 0, "setmaxnreg: a multiple of 8 in 24..256");
+#ifdef LONGCTX_EMU
+    ::emu::setmaxnreg(LONGCTX_EMU_SITE, true, N);
+#else
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+#endif
+}
+
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() {
+    static_assert(N >= 24 && N <= 256 && N % 8 == 0, "setmaxnreg: a multiple of 8 in 24..256");
+#ifdef LONGCTX_EMU
+    ::emu::setmaxnreg(LONGCTX_EMU_SITE, false, N);
+#else
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+#endif
+}
 
 #define WGMMA_SWIZZLE_NONE 0
 #define WGMMA_SWIZZLE_128B 1
