@@ -81,6 +81,8 @@ pub(crate) mod tensor_map;
 #[cfg(all(test, feature = "cuda"))]
 mod tma_probe;
 #[cfg(all(test, feature = "cuda"))]
+mod wgmma_attention;
+#[cfg(all(test, feature = "cuda"))]
 mod wgmma_probe;
 
 #[cfg(feature = "cuda")]
