@@ -530,6 +530,20 @@ extern "C" __global__ void longctx_headers_only(float* out, const __nv_bfloat16*
         })
     }
 
+    /// ptxas's `-v` report in an NVRTC log, as (entry function, line) for each line after the entry's name.
+    pub(crate) fn ptxas_report(log: &str) -> Vec<(&str, &str)> {
+        let mut entry = "";
+        let mut out = Vec::new();
+        for line in log.lines() {
+            if let Some(at) = line.find("Compiling entry function '") {
+                entry = line[at + 26..].split('\'').next().unwrap_or("");
+            } else if !entry.is_empty() {
+                out.push((entry, line));
+            }
+        }
+        out
+    }
+
     /// The lines of an NVRTC log that are not ptxas's `-v` report (`ptxas info …` and its indented `ptxas .`
     /// continuation lines): its warnings.
     pub(crate) fn warnings(log: &str) -> String {
@@ -807,7 +821,7 @@ extern "C" __global__ void longctx_headers_only(float* out, const __nv_bfloat16*
 /// makes (with ptxas's report), so each source is compiled once.
 #[cfg(test)]
 mod register_budget {
-    use super::tests::{every_source_compiled, nvrtc_or_skip, TestCompile};
+    use super::tests::{every_source_compiled, nvrtc_or_skip, ptxas_report, TestCompile};
 
     #[test]
     fn tensor_core_attention_uses_no_local_memory() {
@@ -823,11 +837,7 @@ mod register_budget {
             }
             seen += 1;
             let c = result.as_ref().unwrap_or_else(|e| panic!("{e}"));
-            let mut entry = "";
-            for line in c.log.lines() {
-                if let Some(at) = line.find("Compiling entry function '") {
-                    entry = line[at + 26..].split('\'').next().unwrap_or("");
-                }
+            for (entry, line) in ptxas_report(&c.log) {
                 if line.contains("stack frame") {
                     assert!(
                         line.contains("0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads"),
@@ -856,7 +866,7 @@ mod hopper_machine_code {
     use std::path::PathBuf;
     use std::process::Command;
 
-    use super::tests::{every_source_compiled, nvrtc_or_skip, TestCompile};
+    use super::tests::{every_source_compiled, nvrtc_or_skip, ptxas_report, TestCompile};
     use crate::cuda::places::tests::TempDir;
     use crate::cuda::sources::needs_sm90a;
 
@@ -935,11 +945,7 @@ mod hopper_machine_code {
                 continue;
             }
             let c = result.as_ref().unwrap_or_else(|e| panic!("{e}"));
-            let mut entry = "";
-            for line in c.log.lines() {
-                if let Some(at) = line.find("Compiling entry function '") {
-                    entry = line[at + 26..].split('\'').next().unwrap_or("");
-                }
+            for (entry, line) in ptxas_report(&c.log) {
                 if line.contains("spill stores") {
                     assert!(line.contains("0 bytes spill stores, 0 bytes spill loads"), "{arch} {entry}: {line}");
                 }

@@ -14,7 +14,6 @@
 //! dimensions (u64, unused ones 1), 56-95 the byte stride of each dimension (u64; dimension 0's is the element
 //! size), 96-115 the box dimensions (u32, unused ones 1).
 
-use crate::cuda::device::DevicePtr;
 use crate::error::{KernelError, Result};
 
 /// The element type of a tensor map: what the driver is told (the copy itself only moves bytes; the type decides
@@ -79,8 +78,9 @@ impl TmaSwizzle {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct TensorMapDesc {
     pub elem: TmaElem,
-    /// The tensor's device address: 16-byte aligned.
-    pub address: DevicePtr,
+    /// The tensor's device address (a `device::DevicePtr`, which the `Device` trait's `tensor_map` takes this
+    /// description for: a plain `u64` here so that this module stands below that trait): 16-byte aligned.
+    pub address: u64,
     /// Each dimension's size, innermost first: 2 to 5 of them, each 1..=2^32.
     pub dims: Vec<u64>,
     /// The byte stride of dimensions 1.. (one fewer than `dims`): multiples of 16, below 2^40, each at least the
