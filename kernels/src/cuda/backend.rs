@@ -8,6 +8,7 @@ use std::time::Duration;
 use super::alloc::CudaAllocation;
 use super::device::{DeviceEvent, MemoryStats};
 use super::ops;
+use super::path::AttentionPath;
 use super::stream::Stream;
 use crate::attention::{AttnGrads, AttnOptions, AttnOut, AttnPartial, AttnSaved, Qkv};
 use crate::backend::{AdamwState, Backend, GradMode, LinearGrads, NormGrads, NormParams, ProjectionGrads};
@@ -38,7 +39,7 @@ impl CudaBackend {
     /// Errors: [`KernelError::NoDevice`](crate::KernelError::NoDevice) when no CUDA driver can be loaded or no device has that ordinal.
     pub fn new(ordinal: usize) -> Result<Self> {
         let device = super::driver::DriverDevice::new(ordinal)?;
-        Ok(Self { stream: Stream { device } })
+        Ok(Self { stream: Stream { device, attn_path: AttentionPath::from_env()? } })
     }
 
     /// The backend on the host emulator: the same kernels compiled for this CPU by the system's C++ compiler
@@ -48,7 +49,27 @@ impl CudaBackend {
     /// Errors: [`KernelError::Compile`](crate::KernelError::Compile) when the kernels do not build with the host compiler.
     pub fn emulated() -> Result<Self> {
         let device = super::emulated::EmulatedDevice::open()?;
-        Ok(Self { stream: Stream { device } })
+        Ok(Self { stream: Stream { device, attn_path: AttentionPath::from_env()? } })
+    }
+
+    /// This backend running the attention kernels of `path` (see [`AttentionPath`]; the default is
+    /// `LONGCTX_CUDA_ATTN_PATH`'s, else [`AttentionPath::Auto`]); its forks inherit it:
+    ///
+    /// ```no_run
+    /// # use longctx_kernels::{cuda::AttentionPath, CudaBackend};
+    /// // The wgmma forward on the emulator (whose compute capability alone would pick the mma.sync one).
+    /// let emu = CudaBackend::emulated()?.with_attention_path(AttentionPath::Wgmma);
+    /// assert_eq!(emu.attention_path(), AttentionPath::Wgmma);
+    /// # Ok::<(), longctx_kernels::KernelError>(())
+    /// ```
+    pub fn with_attention_path(mut self, path: AttentionPath) -> Self {
+        self.stream.attn_path = path;
+        self
+    }
+
+    /// Which attention kernels this backend runs ([`CudaBackend::with_attention_path`]).
+    pub fn attention_path(&self) -> AttentionPath {
+        self.stream.attn_path
     }
 
     /// The backend as a shared `dyn Backend` (what ranks and plans hold); also in the build without the `cuda`
@@ -192,7 +213,8 @@ impl Backend for CudaBackend {
     }
 
     fn fork(&self) -> Result<Arc<dyn Backend>> {
-        Ok(Arc::new(CudaBackend { stream: Stream { device: self.stream.device.fork()? } }))
+        let stream = Stream { device: self.stream.device.fork()?, attn_path: self.stream.attn_path };
+        Ok(Arc::new(CudaBackend { stream }))
     }
     fn adopt(&self, buf: &mut Buffer) -> Result<()> {
         let Some(alloc) = buf.device_allocation_mut() else { return Ok(()) };

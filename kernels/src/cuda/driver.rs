@@ -890,8 +890,12 @@ impl Device for DriverDevice {
     }
 
     fn compile_kernels(&self) -> Result<()> {
-        // Largest sources first (a fair proxy for NVRTC's time), so that the slow ones do not start last.
+        // Largest sources first (a fair proxy for NVRTC's time), so that the slow ones do not start last. On sm_90
+        // the sm_90a-only kernels the ops launch too (the wgmma attention; not the probe, which only tests launch).
         let mut sources: Vec<&'static KernelSource> = SOURCES.to_vec();
+        if nvrtc::arch_for(&super::ops::attention::FORWARD_WGMMA, &self.shared.arch).is_ok() {
+            sources.extend([&super::ops::attention::FORWARD_WGMMA, &super::ops::attention::BACKWARD_WGMMA]);
+        }
         sources.sort_by_key(|src| std::cmp::Reverse(src.code.len()));
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(sources.len());
         let next = AtomicUsize::new(0);
@@ -901,7 +905,8 @@ impl Device for DriverDevice {
                 s.spawn(|| {
                     while let Some(src) = sources.get(next.fetch_add(1, Ordering::Relaxed)) {
                         // Fills the process's cache (and the disk's), where the first launch will find it.
-                        if let Err(e) = nvrtc::compile(src, &self.shared.arch) {
+                        let compiled = nvrtc::arch_for(src, &self.shared.arch).and_then(|a| nvrtc::compile(src, &a));
+                        if let Err(e) = compiled {
                             failed.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(e);
                         }
                     }

@@ -22,9 +22,11 @@ use std::time::{Duration, Instant};
 use half::{bf16, f16};
 use rayon::prelude::*;
 
-use super::device::{Device, DeviceEvent, DeviceInfo, DevicePtr, Gemm, Kernel, KernelArgs, LaunchConfig, MemoryStats};
+use super::device::{
+    Device, DeviceEvent, DeviceInfo, DevicePtr, Gemm, Kernel, KernelArgs, KernelSource, LaunchConfig, MemoryStats,
+};
 use super::emulator::Emulator;
-use super::sources::SOURCES;
+use super::sources::{SM90A_SOURCES, SOURCES};
 use super::tensor_map::{TensorMap, TensorMapDesc};
 use crate::dtype::DType;
 use crate::error::{KernelError, Result};
@@ -57,7 +59,10 @@ impl EmulatedDevice {
         let shared = match slot.as_ref() {
             Some(s) => s.clone(),
             None => {
-                let emulator = Emulator::new(SOURCES)?;
+                // Every source, the sm_90a-only ones too: the emulator runs wgmma, and a backend that asks for
+                // the wgmma kernels (AttentionPath::Wgmma) gets them here.
+                let sources: Vec<&'static KernelSource> = SOURCES.iter().chain(SM90A_SOURCES).copied().collect();
+                let emulator = Emulator::new(&sources)?;
                 let info = DeviceInfo {
                     name: "host emulator".into(),
                     emulated: true,

@@ -30,6 +30,8 @@
 //! - `LONGCTX_CUDA_SYNC=1`: every launch and product is checked at once, so a failing kernel is reported by the op
 //!   that launched it (slow; for debugging and for the GPU check's tests).
 //! - `LONGCTX_CUDA_ATTN_ROWS=64|128`: the tensor-core forward's query rows per block at head dim 64.
+//! - `LONGCTX_CUDA_ATTN_PATH=auto|wgmma|mma|general`: which attention kernels run ([`AttentionPath`]; a backend's
+//!   own choice, [`CudaBackend::with_attention_path`], overrides it).
 //! - `LONGCTX_EMU_THREADS`, `LONGCTX_EMU_CACHE`: the emulator's worker threads and its compiled-kernel cache.
 //! - `LONGCTX_NVRTC_ARCHS` (tests): the architectures the NVRTC compile tests cover (default `sm_80,sm_90`).
 //!
@@ -63,6 +65,7 @@ mod libraries;
 pub(crate) mod nvrtc;
 #[cfg(feature = "cuda")]
 mod ops;
+mod path;
 #[cfg(feature = "cuda")]
 mod places;
 #[cfg(feature = "cuda")]
@@ -78,11 +81,14 @@ pub(crate) mod tensor_map;
 #[cfg(all(test, feature = "cuda"))]
 mod tma_probe;
 #[cfg(all(test, feature = "cuda"))]
+mod wgmma_attention;
+#[cfg(all(test, feature = "cuda"))]
 mod wgmma_probe;
 
 #[cfg(feature = "cuda")]
 pub use backend::CudaBackend;
 #[cfg(feature = "cuda")]
 pub use device::MemoryStats;
+pub use path::AttentionPath;
 #[cfg(not(feature = "cuda"))]
 pub use stub::{CudaBackend, MemoryStats};

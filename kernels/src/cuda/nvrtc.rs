@@ -816,7 +816,7 @@ extern "C" __global__ void longctx_headers_only(float* out, const __nv_bfloat16*
 
 /// The tensor-core attention kernels keep every fragment and accumulator in registers: ptxas (through NVRTC, no GPU
 /// needed) reports no stack frame and no spills for any of them, for every architecture the compile tests cover
-/// (sm_80 and sm_90). An array indexed at run time, or a register budget the compiler cannot meet, shows here as
+/// (sm_80 and sm_90; the wgmma ones for sm_90a, the only one they compile for). An array indexed at run time, or a register budget the compiler cannot meet, shows here as
 /// local memory, which would cost those kernels most of their speed. Reads the compiles `nvrtc_compiles_every_source`
 /// makes (with ptxas's report), so each source is compiled once.
 #[cfg(test)]
@@ -828,7 +828,8 @@ mod register_budget {
         if !nvrtc_or_skip("tensor_core_attention_uses_no_local_memory") {
             return;
         }
-        let tensor_core = [&crate::cuda::ops::attention::FORWARD_TC, &crate::cuda::ops::attention::BACKWARD_TC];
+        use crate::cuda::ops::attention::{BACKWARD_TC, BACKWARD_WGMMA, FORWARD_TC, FORWARD_WGMMA};
+        let tensor_core = [&FORWARD_TC, &BACKWARD_TC, &FORWARD_WGMMA, &BACKWARD_WGMMA];
         let mut seen = 0;
         for TestCompile { arch, src, result } in every_source_compiled() {
             if !tensor_core.iter().any(|tc| std::ptr::eq(*tc, *src)) {
@@ -848,7 +849,8 @@ mod register_budget {
                 }
             }
         }
-        assert_eq!(seen, 2 * super::tests::test_archs().len(), "both sources for every architecture");
+        let want = 2 * super::tests::test_archs().len() + 2;
+        assert_eq!(seen, want, "the mma.sync sources for every architecture, the wgmma ones for sm_90a");
     }
 }
 

@@ -57,6 +57,10 @@ pub(crate) static WGMMA_PROBE: KernelSource = KernelSource {
         "longctx_wgmma_probe_bf16_n128",
         "longctx_wgmma_probe_f16_n64",
         "longctx_wgmma_probe_f16_n128",
+        "longctx_wgmma_probe_rs_bf16_n64",
+        "longctx_wgmma_probe_rs_bf16_n128",
+        "longctx_wgmma_probe_rs_f16_n64",
+        "longctx_wgmma_probe_rs_f16_n128",
         "longctx_wgmma_probe_mistakes",
     ],
     includes: &[PTX_HOPPER],
@@ -72,7 +76,8 @@ pub(crate) static TMA_PROBE: KernelSource = KernelSource {
 };
 
 /// The sources compiled for sm_90a only (each [`needs_sm90a`]); not among [`SOURCES`], which every GPU compiles.
-pub(crate) static SM90A_SOURCES: &[&KernelSource] = &[&WGMMA_PROBE, &TMA_PROBE];
+pub(crate) static SM90A_SOURCES: &[&KernelSource] =
+    &[&WGMMA_PROBE, &TMA_PROBE, &super::ops::attention::FORWARD_WGMMA, &super::ops::attention::BACKWARD_WGMMA];
 
 /// The translation unit of `src`: the headers, then the source, with `#line` directives so that compiler
 /// messages name the file and line they come from.

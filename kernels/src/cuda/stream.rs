@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use super::alloc::CudaAllocation;
 use super::device::{Device, DevicePtr, Gemm, Kernel, KernelArgs, LaunchConfig};
+use super::path::AttentionPath;
 use crate::checks::On;
 use crate::error::Result;
 
@@ -13,6 +14,8 @@ use crate::error::Result;
 #[derive(Debug, Clone)]
 pub(crate) struct Stream {
     pub(crate) device: Arc<dyn Device>,
+    /// Which attention kernels run (forks keep it).
+    pub(crate) attn_path: AttentionPath,
 }
 
 impl Stream {

@@ -28,6 +28,15 @@ impl CudaBackend {
     pub fn emulated() -> Result<Self> {
         Err(KernelError::NotCompiled { backend: "cuda", feature: "cuda" })
     }
+    /// This backend running the attention kernels of `path` (no value of this type exists in this build).
+    pub fn with_attention_path(self, path: super::AttentionPath) -> Self {
+        let _ = path;
+        match self._never {}
+    }
+    /// Which attention kernels this backend runs (no value of this type exists in this build).
+    pub fn attention_path(&self) -> super::AttentionPath {
+        match self._never {}
+    }
     /// The device's name (no value of this type exists in this build).
     pub fn device_name(&self) -> String {
         match self._never {}

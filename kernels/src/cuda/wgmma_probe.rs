@@ -1,9 +1,11 @@
 //! Tests of the `wgmma` wrappers (kernels/ptx_hopper.cuh) through the probe kernel (kernels/wgmma_probe.cu): every
 //! case runs on the host emulator (`<case>::emulated`, everywhere) and on the GPU (`<case>::cuda`, skipped with a
 //! message without one; sm_90 only, as the probe is compiled for sm_90a), each against an f64 reference of the same
-//! bf16/f16 inputs. The emulator implements the PTX ISA's layouts as ptx_hopper.cuh states them; the GPU run is
-//! what confirms that reading is the hardware's. Also the mistakes the emulator must report (reading the
-//! accumulators before the wait, no fence, exiting with a wgmma in flight, overwriting an operand in flight).
+//! bf16/f16 inputs: both operands from shared memory in every canonical layout, and A from registers (the `rs_`
+//! cases: its register fragment, with B in each layout). The emulator implements the PTX ISA's layouts as
+//! ptx_hopper.cuh states them; the GPU run is what confirms that reading is the hardware's. Also the mistakes the
+//! emulator must report (reading the accumulators before the wait, no fence, exiting with a wgmma in flight,
+//! overwriting an operand or the A registers in flight).
 
 use std::sync::{Arc, OnceLock};
 
@@ -33,15 +35,21 @@ struct Case {
     swizzle: bool,
     /// One wgmma group per k-step, waited with `wgmma.wait_group 1`.
     pipelined: bool,
+    /// A from registers (the RS form: `a_mn_major` and `swizzle` then describe B alone).
+    rs: bool,
 }
 
 impl Case {
     fn kernel(&self) -> &'static str {
-        match (self.elem, self.n) {
-            (Elem::Bf16, 64) => "longctx_wgmma_probe_bf16_n64",
-            (Elem::Bf16, 128) => "longctx_wgmma_probe_bf16_n128",
-            (Elem::F16, 64) => "longctx_wgmma_probe_f16_n64",
-            (Elem::F16, 128) => "longctx_wgmma_probe_f16_n128",
+        match (self.elem, self.n, self.rs) {
+            (Elem::Bf16, 64, false) => "longctx_wgmma_probe_bf16_n64",
+            (Elem::Bf16, 128, false) => "longctx_wgmma_probe_bf16_n128",
+            (Elem::F16, 64, false) => "longctx_wgmma_probe_f16_n64",
+            (Elem::F16, 128, false) => "longctx_wgmma_probe_f16_n128",
+            (Elem::Bf16, 64, true) => "longctx_wgmma_probe_rs_bf16_n64",
+            (Elem::Bf16, 128, true) => "longctx_wgmma_probe_rs_bf16_n128",
+            (Elem::F16, 64, true) => "longctx_wgmma_probe_rs_f16_n64",
+            (Elem::F16, 128, true) => "longctx_wgmma_probe_rs_f16_n128",
             _ => unreachable!("N is 64 or 128"),
         }
     }
@@ -73,7 +81,10 @@ impl Case {
     fn args(&self, a: DevicePtr, b: DevicePtr, d: DevicePtr) -> KernelArgs {
         let mut args = KernelArgs::new();
         args.push(a).push(b).push(d).push(self.k as i32);
-        args.push(i32::from(self.a_mn_major)).push(i32::from(self.b_mn_major)).push(i32::from(self.swizzle));
+        if !self.rs {
+            args.push(i32::from(self.a_mn_major));
+        }
+        args.push(i32::from(self.b_mn_major)).push(i32::from(self.swizzle));
         args.push(i32::from(self.pipelined));
         args
     }
@@ -85,7 +96,8 @@ impl Case {
             + u64::from(self.b_mn_major) * 3
             + u64::from(self.swizzle) * 5
             + u64::from(self.pipelined) * 7
-            + (self.elem == Elem::F16) as u64 * 11;
+            + (self.elem == Elem::F16) as u64 * 11
+            + u64::from(self.rs) * 13;
         let (a_bytes, a) = self.operand(64 * self.k, seed);
         let (b_bytes, b) = self.operand(self.n * self.k, seed + 1000);
         let d = launch(self, &a_bytes, &b_bytes);
@@ -214,12 +226,20 @@ fn run_cuda(test: &str, case: &Case) {
 /// `<name>::emulated` and `<name>::cuda` for each case.
 macro_rules! cases {
     ($($name:ident: $elem:ident, n $n:literal, k $k:literal, a_mn $a:literal, b_mn $b:literal, swizzle $s:literal,
-       pipelined $p:literal;)+) => {
+       pipelined $p:literal $(, rs $rs:literal)?;)+) => {
         $(
             mod $name {
                 use super::*;
-                const CASE: Case =
-                    Case { elem: Elem::$elem, n: $n, k: $k, a_mn_major: $a, b_mn_major: $b, swizzle: $s, pipelined: $p };
+                const CASE: Case = Case {
+                    elem: Elem::$elem,
+                    n: $n,
+                    k: $k,
+                    a_mn_major: $a,
+                    b_mn_major: $b,
+                    swizzle: $s,
+                    pipelined: $p,
+                    rs: false $(|| $rs)?,
+                };
 
                 #[test]
                 fn emulated() {
@@ -258,12 +278,29 @@ cases! {
     f16_n128_k_mn_128b: F16, n 128, k 64, a_mn false, b_mn true, swizzle true, pipelined false;
     bf16_n64_k_k_128b_pipelined: Bf16, n 64, k 64, a_mn false, b_mn false, swizzle true, pipelined true;
     f16_n128_mn_mn_none_pipelined: F16, n 128, k 64, a_mn true, b_mn true, swizzle false, pipelined true;
+    // A from registers: B in each layout, both types and widths, K 64 and 128, one group or pipelined.
+    rs_bf16_n64_k_128b: Bf16, n 64, k 64, a_mn false, b_mn false, swizzle true, pipelined false, rs true;
+    rs_bf16_n64_mn_128b: Bf16, n 64, k 64, a_mn false, b_mn true, swizzle true, pipelined false, rs true;
+    rs_bf16_n128_k_none: Bf16, n 128, k 64, a_mn false, b_mn false, swizzle false, pipelined false, rs true;
+    rs_bf16_n128_mn_128b_k128: Bf16, n 128, k 128, a_mn false, b_mn true, swizzle true, pipelined false, rs true;
+    rs_f16_n64_mn_none: F16, n 64, k 64, a_mn false, b_mn true, swizzle false, pipelined false, rs true;
+    rs_f16_n64_k_128b_k128: F16, n 64, k 128, a_mn false, b_mn false, swizzle true, pipelined false, rs true;
+    rs_f16_n128_mn_128b: F16, n 128, k 64, a_mn false, b_mn true, swizzle true, pipelined false, rs true;
+    rs_f16_n128_k_128b_pipelined: F16, n 128, k 64, a_mn false, b_mn false, swizzle true, pipelined true, rs true;
 }
 
 /// The mistakes kernel in `mode`: its error (modes 1-3) or D (mode 0).
 fn mistake(mode: i32) -> Result<Vec<f32>, String> {
-    let case =
-        Case { elem: Elem::Bf16, n: 64, k: 16, a_mn_major: false, b_mn_major: false, swizzle: false, pipelined: false };
+    let case = Case {
+        elem: Elem::Bf16,
+        n: 64,
+        k: 16,
+        a_mn_major: false,
+        b_mn_major: false,
+        swizzle: false,
+        pipelined: false,
+        rs: false,
+    };
     let (a, b) = (EmuBuf::new(&case.operand(64 * 16, 1).0), EmuBuf::new(&case.operand(64 * 16, 2).0));
     let d = EmuBuf::new(&[0u8; 128 * 4]);
     let mut args = KernelArgs::new();
@@ -302,9 +339,23 @@ fn emulated_overwriting_an_operand_in_flight_is_an_error() {
 }
 
 #[test]
+fn emulated_overwriting_the_a_registers_in_flight_is_an_error() {
+    let err = mistake(4).unwrap_err();
+    assert!(err.contains("A registers") && err.contains("overwritten before a wgmma.wait_group"), "{err}");
+}
+
+#[test]
 fn emulated_wgmma_outside_a_whole_warpgroup_is_an_error() {
-    let case =
-        Case { elem: Elem::Bf16, n: 64, k: 16, a_mn_major: false, b_mn_major: false, swizzle: false, pipelined: false };
+    let case = Case {
+        elem: Elem::Bf16,
+        n: 64,
+        k: 16,
+        a_mn_major: false,
+        b_mn_major: false,
+        swizzle: false,
+        pipelined: false,
+        rs: false,
+    };
     let (a, b) = (EmuBuf::new(&case.operand(64 * 16, 1).0), EmuBuf::new(&case.operand(64 * 16, 2).0));
     let d = EmuBuf::new(&[0u8; 128 * 4]);
     let mut args = KernelArgs::new();

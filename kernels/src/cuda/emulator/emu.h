@@ -430,6 +430,8 @@ void wgmma_commit_group(Site site);
 void wgmma_wait_group(Site site, int pending);
 void wgmma_mma_async(Site site, int type, int n, int trans_a, int trans_b, float* d, unsigned long long desc_a,
                      unsigned long long desc_b, bool scale_d);
+void wgmma_mma_async_rs(Site site, int type, int n, int trans_b, float* d, const unsigned int* a,
+                        unsigned long long desc_b, bool scale_d);
 void setmaxnreg(Site site, bool inc, unsigned int regs);
 void mbar_init(Site site, void* bar, unsigned int count);
 unsigned long long mbar_arrive(Site site, void* bar, unsigned int tx_bytes);

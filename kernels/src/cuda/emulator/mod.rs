@@ -11,8 +11,9 @@
 //!   `__syncthreads` waits for every thread that has not exited; warp collectives (`__shfl*_sync`, votes, `__syncwarp`,
 //!   `mma.sync`, `ldmatrix`) gather all 32 lanes and compute at one instant with the PTX ISA's fragment layouts;
 //!   `wgmma.mma_async` (ptx_hopper.cuh) gathers its warpgroup's 128 threads, decodes the shared-memory descriptors (no
-//!   swizzle or 128B; others refused) and computes at once, but writes each thread's accumulators (NaN until then) only
-//!   at the `wgmma.wait_group` that covers the op, after checking that the shared memory it read was not overwritten; a
+//!   swizzle or 128B; others refused) or takes A from the threads' registers (the RS form, read at issue) and
+//!   computes at once, but writes each thread's accumulators (NaN until then) only at the `wgmma.wait_group` that
+//!   covers the op, after checking that the shared memory (and the A registers) it read were not overwritten; a
 //!   wgmma without a `wgmma.fence` since the thread's last wait, or a thread exiting with one in flight, is an error.
 //!   Descriptors hold addresses of an emulated shared-state window (static shared memory from 1024, dynamic from a
 //!   1024-byte boundary + 16). `setmaxnreg` (ptx_hopper.cuh) is a warpgroup collective that checks convergence and does

@@ -214,6 +214,11 @@ struct WgmmaOp {
     bool checked;       // its operands were compared with shared memory at its first retirement
     std::vector<float> result;  // 128 × n/2, thread-major
     std::vector<std::pair<const unsigned char*, unsigned short>> reads;
+    // The RS form: each thread's A registers (where the kernel keeps them, and their values at issue), which must
+    // not change until the wait that covers the op (the instruction reads them asynchronously).
+    bool rs;
+    const unsigned int* a_src[128];
+    unsigned int a_val[128][4];
 };
 
 struct WgmmaArrival {
@@ -221,6 +226,8 @@ struct WgmmaArrival {
     unsigned long long desc_a, desc_b;
     bool scale_d;
     unsigned int committed;
+    unsigned int a[4];  // A's register fragment (wgmma_*_rs), copied at issue as the instruction reads it
+    const unsigned int* a_src;  // where the kernel keeps it (null: A from shared memory)
 };
 
 struct WarpGroup {
@@ -1002,11 +1009,12 @@ const unsigned char* wgmma_element(Fiber* last, const WarpGroup& g, const char* 
     return p;
 }
 
-void compute_wgmma(WarpGroup& g, Fiber* last, int type, int n, bool ta, bool tb) {
+// `rs`: A comes from the threads' registers (g.in[t].a) rather than from shared memory through desc_a.
+void compute_wgmma(WarpGroup& g, Fiber* last, int type, int n, bool ta, bool tb, bool rs) {
     const WgmmaArrival& first = g.in[0];
     for (unsigned int t = 1; t < 128; t++) {
         const WgmmaArrival& x = g.in[t];
-        if (x.desc_a != first.desc_a || x.desc_b != first.desc_b || x.scale_d != first.scale_d)
+        if ((!rs && x.desc_a != first.desc_a) || x.desc_b != first.desc_b || x.scale_d != first.scale_d)
             fail(last, "wgmma.mma_async at %s:%d: thread %u of the warpgroup passes other descriptors or scale-d "
                        "than its first thread (they must be the same in all 128)",
                  g.site.file, g.site.line, t);
@@ -1021,6 +1029,11 @@ void compute_wgmma(WarpGroup& g, Fiber* last, int type, int n, bool ta, bool tb)
     op.site = g.site;
     op.left = 128;
     op.checked = false;
+    op.rs = rs;
+    for (unsigned int t = 0; t < 128; t++) {
+        op.a_src[t] = g.in[t].a_src;
+        std::memcpy(op.a_val[t], g.in[t].a, sizeof op.a_val[t]);
+    }
     // The operands, read now (and compared with shared memory again when the op retires).
     float A[64][16];
     std::vector<float> B(static_cast<std::size_t>(n) * 16);
@@ -1032,8 +1045,22 @@ void compute_wgmma(WarpGroup& g, Fiber* last, int type, int n, bool ta, bool tb)
         op.reads.emplace_back(p, h);
         return half_bits_to_f32(type, h);
     };
-    for (unsigned int m = 0; m < 64; m++)
-        for (unsigned int k = 0; k < 16; k++) A[m][k] = load("A", first.desc_a, ta, m, k);
+    if (rs) {
+        // A's register fragment (PTX ISA 9.7.15.5.1.1, .m64nNk16 with 16-bit A): warp w of the warpgroup holds rows
+        // 16w..16w+15 as mma.m16n8k16's A: a[r] is row 16w + gid (+8 for r odd), columns 2·tig, 2·tig+1 (+8 for
+        // r ≥ 2), the lower column in the low half.
+        for (unsigned int t = 0; t < 128; t++) {
+            const unsigned int w = t / 32, lane = t % 32, gid = lane >> 2, tig = lane & 3;
+            for (unsigned int r = 0; r < 4; r++) {
+                const unsigned int row = 16 * w + gid + 8 * (r & 1), col = 2 * tig + 8 * (r >> 1);
+                A[row][col] = half_bits_to_f32(type, g.in[t].a[r]);
+                A[row][col + 1] = half_bits_to_f32(type, g.in[t].a[r] >> 16);
+            }
+        }
+    } else {
+        for (unsigned int m = 0; m < 64; m++)
+            for (unsigned int k = 0; k < 16; k++) A[m][k] = load("A", first.desc_a, ta, m, k);
+    }
     for (unsigned int j = 0; j < static_cast<unsigned int>(n); j++)
         for (unsigned int k = 0; k < 16; k++) B[j * 16 + k] = load("B", first.desc_b, tb, j, k);
     const unsigned int regs = static_cast<unsigned int>(n) / 2;
@@ -1072,8 +1099,9 @@ void compute_wgmma(WarpGroup& g, Fiber* last, int type, int n, bool ta, bool tb)
     g.ops.push_back(std::move(op));
 }
 
-void wgmma_mma_async(Site site, int type, int n, int trans_a, int trans_b, float* d, unsigned long long desc_a,
-                     unsigned long long desc_b, bool scale_d) {
+// Both forms of wgmma.mma_async: A from shared memory (`a` null, desc_a) or from registers (`a`: the thread's four).
+void wgmma_issue(Site site, int type, int n, int trans_a, int trans_b, float* d, const unsigned int* a,
+                 unsigned long long desc_a, unsigned long long desc_b, bool scale_d) {
     Fiber* f = self();
     Block& b = *f->block;
     const unsigned int gi = f->warp / 4;
@@ -1091,7 +1119,8 @@ void wgmma_mma_async(Site site, int type, int n, int trans_a, int trans_b, float
                 "accumulators' registers must be fenced before wgmma uses them)",
              site.file, site.line);
     WarpGroup& g = b.wgs[gi];
-    const int op = type * 1000 + n * 4 + trans_a * 2 + trans_b;
+    const bool rs = a != nullptr;
+    const int op = (rs ? 10000 : 0) + type * 1000 + n * 4 + trans_a * 2 + trans_b;
     if (g.arrived == 0) {
         g.op = op;
         g.site = site;
@@ -1102,7 +1131,8 @@ void wgmma_mma_async(Site site, int type, int n, int trans_a, int trans_b, float
              site.file, site.line, g.first_thread, g.site.file, g.site.line);
     }
     const unsigned int t = f->linear % 128;
-    g.in[t] = WgmmaArrival{d, desc_a, desc_b, scale_d, f->wg_committed};
+    g.in[t] = WgmmaArrival{d, desc_a, desc_b, scale_d, f->wg_committed, {0, 0, 0, 0}, a};
+    if (rs) std::memcpy(g.in[t].a, a, sizeof g.in[t].a);
     if (++g.arrived < 128) {
         f->state = kWaitWarp;
         f->wait_what = "wgmma.mma_async";
@@ -1111,9 +1141,19 @@ void wgmma_mma_async(Site site, int type, int n, int trans_a, int trans_b, float
         park(f);
         return;
     }
-    compute_wgmma(g, f, type, n, trans_a != 0, trans_b != 0);
+    compute_wgmma(g, f, type, n, trans_a != 0, trans_b != 0, rs);
     g.arrived = 0;
     for (int i = 0; i < 127; i++) b.push(g.waiting[i]);
+}
+
+void wgmma_mma_async(Site site, int type, int n, int trans_a, int trans_b, float* d, unsigned long long desc_a,
+                     unsigned long long desc_b, bool scale_d) {
+    wgmma_issue(site, type, n, trans_a, trans_b, d, nullptr, desc_a, desc_b, scale_d);
+}
+
+void wgmma_mma_async_rs(Site site, int type, int n, int trans_b, float* d, const unsigned int* a,
+                        unsigned long long desc_b, bool scale_d) {
+    wgmma_issue(site, type, n, 0, trans_b, d, a, 0, desc_b, scale_d);
 }
 
 void wgmma_wait_group(Site site, int pending) {
@@ -1140,6 +1180,10 @@ void wgmma_wait_group(Site site, int pending) {
                          site.file, site.line, op.site.file, op.site.line);
             }
         }
+        if (op.rs && std::memcmp(op.a_src[t], op.a_val[t], sizeof op.a_val[t]) != 0)
+            fail(f, "wgmma.wait_group at %s:%d: the A registers of the wgmma.mma_async at %s:%d (A from registers) "
+                    "were overwritten before a wgmma.wait_group covered it",
+                 site.file, site.line, op.site.file, op.site.line);
         // The result lands unless a later op in flight accumulates into the same registers (they stay NaN).
         bool later = false;
         for (std::size_t j = i + 1; j < g.ops.size(); j++)

@@ -93,6 +93,12 @@ __device__ __forceinline__ void store_any(void* base, u64 i, u32 dt, float v, bo
     }
 }
 
+// A gradient element written (or added to, GradMode::Accumulate) in its type G.
+template <typename G>
+__device__ __forceinline__ void store_grad(G* dst, float v, bool accumulate) {
+    *dst = from_f32<G>(accumulate ? to_f32(*dst) + v : v);
+}
+
 // The tensor-core kernels' element type T (bf16 or f16): its mma and its packing of two f32 into an operand register.
 template <typename T>
 __device__ __forceinline__ void mma_16816(float (&d)[4], const u32 (&a)[4], const u32 (&b)[2], const float (&c)[4]);

@@ -58,11 +58,6 @@ __device__ __forceinline__ void sanitize(unsigned char* tile, unsigned long long
     }
 }
 
-template <typename G>
-__device__ __forceinline__ void store_grad(G* dst, float v, bool accumulate) {
-    *dst = from_f32<G>(accumulate ? to_f32(*dst) + v : v);
-}
-
 template <int D, typename T, typename G>
 __device__ __forceinline__ void attn_bwd_tc_dkdv(const AttnProblem& p, G* __restrict__ dk, G* __restrict__ dv,
                                                  const T* __restrict__ q, const T* __restrict__ k,

@@ -252,3 +252,122 @@ __device__ __forceinline__ void wgmma_m64n128k16_f16(float (&d)[64], u64 desc_a,
 #endif
 }
 
+
+// ---------------------------------------------------------------------------------------------------------------------
+// wgmma with A from registers (the "RS" form): wgmma.mma_async.sync.aligned.m64nNk16.f32.{bf16,f16}.{bf16,f16}
+// {d...}, {a0, a1, a2, a3}, b-desc, scale-d, 1, 1, imm-trans-b. D = A·B (+ D when scale_d) as above, B 16×N from
+// shared memory through its descriptor (any canonical layout above; TRANS_B 0 = K-major, 1 = N-major), A 64×16
+// from the four 32-bit registers of each of the warpgroup's 128 threads (two 16-bit elements each, the lower column
+// in the low half). There is no transpose for A: registers hold it as this fragment.
+//
+// A fragment (PTX ISA 9.7.15.5.1.1, "Register fragments", wgmma .m64nNk16 with .f16/.bf16 A): warp w of the
+// warpgroup holds rows 16w..16w+15, laid out as mma.m16n8k16's A within the warp (lane, gid = lane >> 2,
+// tig = lane % 4):
+//   a0 = (row 16w + gid,     cols 2·tig, 2·tig + 1)      a2 = (row 16w + gid,     cols 2·tig + 8, 2·tig + 9)
+//   a1 = (row 16w + gid + 8, cols 2·tig, 2·tig + 1)      a3 = (row 16w + gid + 8, cols 2·tig + 8, 2·tig + 9)
+// So an accumulator fragment of a previous wgmma (D, 64×N f32, layout above) becomes the A of the next with no data
+// movement: for the k-step of columns 16t..16t+15, a0 = pack(d[8t+0], d[8t+1]), a1 = pack(d[8t+2], d[8t+3]),
+// a2 = pack(d[8t+4], d[8t+5]), a3 = pack(d[8t+6], d[8t+7]) (flash attention's P of P·V).
+// The registers are read asynchronously like the shared-memory operands: they must not be written until a
+// wgmma_wait_group covers the op (the emulator copies them at issue, and checks at the wait that the kernel's
+// registers still hold what was issued).
+
+template <int TRANS_B>
+__device__ __forceinline__ void wgmma_m64n64k16_bf16_rs(float (&d)[32], const u32 (&a)[4], u64 desc_b,
+                                                        bool scale_d) {
+    static_assert(TRANS_B == 0 || TRANS_B == 1, "transpose: 0 or 1");
+#ifdef LONGCTX_EMU
+    ::emu::wgmma_mma_async_rs(LONGCTX_EMU_SITE, ::emu::kMmaBf16, 64, TRANS_B, d, a, desc_b, scale_d);
+#else
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "{%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<u32>(scale_d)), "n"(TRANS_B)
+        : "memory");
+#endif
+}
+
+template <int TRANS_B>
+__device__ __forceinline__ void wgmma_m64n64k16_f16_rs(float (&d)[32], const u32 (&a)[4], u64 desc_b,
+                                                        bool scale_d) {
+    static_assert(TRANS_B == 0 || TRANS_B == 1, "transpose: 0 or 1");
+#ifdef LONGCTX_EMU
+    ::emu::wgmma_mma_async_rs(LONGCTX_EMU_SITE, ::emu::kMmaF16, 64, TRANS_B, d, a, desc_b, scale_d);
+#else
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "{%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<u32>(scale_d)), "n"(TRANS_B)
+        : "memory");
+#endif
+}
+
+template <int TRANS_B>
+__device__ __forceinline__ void wgmma_m64n128k16_bf16_rs(float (&d)[64], const u32 (&a)[4], u64 desc_b,
+                                                        bool scale_d) {
+    static_assert(TRANS_B == 0 || TRANS_B == 1, "transpose: 0 or 1");
+#ifdef LONGCTX_EMU
+    ::emu::wgmma_mma_async_rs(LONGCTX_EMU_SITE, ::emu::kMmaBf16, 128, TRANS_B, d, a, desc_b, scale_d);
+#else
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "{%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<u32>(scale_d)), "n"(TRANS_B)
+        : "memory");
+#endif
+}
+
+template <int TRANS_B>
+__device__ __forceinline__ void wgmma_m64n128k16_f16_rs(float (&d)[64], const u32 (&a)[4], u64 desc_b,
+                                                        bool scale_d) {
+    static_assert(TRANS_B == 0 || TRANS_B == 1, "transpose: 0 or 1");
+#ifdef LONGCTX_EMU
+    ::emu::wgmma_mma_async_rs(LONGCTX_EMU_SITE, ::emu::kMmaF16, 128, TRANS_B, d, a, desc_b, scale_d);
+#else
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "{%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<u32>(scale_d)), "n"(TRANS_B)
+        : "memory");
+#endif
+}

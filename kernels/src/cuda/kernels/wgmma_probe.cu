@@ -113,9 +113,94 @@ LONGCTX_PROBE_KERNEL(f16, 64, longctx_wgmma_probe_f16_n64)
 LONGCTX_PROBE_KERNEL(f16, 128, longctx_wgmma_probe_f16_n128)
 #undef LONGCTX_PROBE_KERNEL
 
+// The RS form (A from registers, ptx_hopper.cuh's second part): the same product with A read from global memory
+// straight into each thread's A fragment for each k-step (warp w, rows 16w..16w+15), B staged in shared memory as
+// above (only B's layout and swizzle vary), then D stored as above.
+template <class T, int N>
+__device__ __forceinline__ void probe_mma_rs(float (&acc)[N / 2], const u32 (&a)[4], u64 db, bool scale_d, bool tb);
+
+#define LONGCTX_PROBE_MMA_RS(T, N, NAME)                                                                               \
+    template <>                                                                                                        \
+    __device__ __forceinline__ void probe_mma_rs<T, N>(float (&acc)[N / 2], const u32 (&a)[4], u64 db, bool scale_d, \
+                                                       bool tb) {                                                      \
+        if (!tb) NAME<0>(acc, a, db, scale_d);                                                                         \
+        else NAME<1>(acc, a, db, scale_d);                                                                             \
+    }
+LONGCTX_PROBE_MMA_RS(bf16, 64, wgmma_m64n64k16_bf16_rs)
+LONGCTX_PROBE_MMA_RS(bf16, 128, wgmma_m64n128k16_bf16_rs)
+LONGCTX_PROBE_MMA_RS(f16, 64, wgmma_m64n64k16_f16_rs)
+LONGCTX_PROBE_MMA_RS(f16, 128, wgmma_m64n128k16_f16_rs)
+#undef LONGCTX_PROBE_MMA_RS
+
+// Two 16-bit elements as one register, `lo` in the low half (the fragment's lower column).
+template <class T>
+__device__ __forceinline__ u32 probe_pair(const T* lo) {
+    const unsigned short* h = reinterpret_cast<const unsigned short*>(lo);
+    return static_cast<u32>(h[0]) | (static_cast<u32>(h[1]) << 16);
+}
+
+template <class T, int N>
+__device__ __forceinline__ void probe_rs(const T* a, const T* b, float* d, int kdim, int b_mn_major, int swizzle,
+                                         int pipelined) {
+    unsigned char* raw = probe_smem();
+    const u32 pad = (1024u - (wgmma_smem_addr(raw) & 1023u)) & 1023u;
+    unsigned char* sb = raw + pad;
+    const u32 tid = threadIdx.x, k = static_cast<u32>(kdim);
+    const bool tb = b_mn_major != 0, sw = swizzle != 0;
+    for (u32 i = tid; i < N * k; i += 128)
+        *reinterpret_cast<T*>(sb + probe_offset(i / k, i % k, tb, sw, N, k)) = b[i];
+    wgmma_fence_proxy_async();
+    __syncthreads();
+
+    const u32 w = tid / 32, lane = tid % 32, gid = lane >> 2, tig = lane & 3;
+    float acc[N / 2];
+#pragma unroll
+    for (int i = 0; i < N / 2; i++) acc[i] = 1000.0f;
+    // One fragment per k-step, all loaded before the first issue: registers an op in flight reads stay untouched.
+    u32 frag[8][4];
+    for (u32 s = 0; s < k / 16 && s < 8; s++) {
+        const T* r0 = a + (16 * w + gid) * k + 16 * s + 2 * tig;
+        const T* r1 = r0 + 8 * k;
+        frag[s][0] = probe_pair(r0);
+        frag[s][1] = probe_pair(r1);
+        frag[s][2] = probe_pair(r0 + 8);
+        frag[s][3] = probe_pair(r1 + 8);
+    }
+    wgmma_fence();
+    for (u32 s = 0; s < k / 16 && s < 8; s++) {
+        if (pipelined && s > 0) wgmma_fence();
+        probe_mma_rs<T, N>(acc, frag[s], probe_desc(sb, s, tb, sw, N, k), s > 0, tb);
+        if (pipelined) {
+            wgmma_commit_group();
+            wgmma_wait_group<1>();
+        }
+    }
+    wgmma_commit_group();
+    wgmma_wait_group<0>();
+
+#pragma unroll
+    for (int i = 0; i < N / 2; i++) {
+        const u32 row = 16 * w + gid + 8 * ((i >> 1) & 1), col = 8 * (i >> 2) + 2 * tig + (i & 1);
+        d[row * N + col] = acc[i];
+    }
+}
+
+// K at most 128 (eight k-steps of registers).
+#define LONGCTX_PROBE_RS_KERNEL(T, N, NAME)                                                                            \
+    extern "C" __global__ void __launch_bounds__(128) NAME(const T* a, const T* b, float* d, int k, int b_mn_major,  \
+                                                           int swizzle, int pipelined) {                               \
+        probe_rs<T, N>(a, b, d, k, b_mn_major, swizzle, pipelined);                                                    \
+    }
+LONGCTX_PROBE_RS_KERNEL(bf16, 64, longctx_wgmma_probe_rs_bf16_n64)
+LONGCTX_PROBE_RS_KERNEL(bf16, 128, longctx_wgmma_probe_rs_bf16_n128)
+LONGCTX_PROBE_RS_KERNEL(f16, 64, longctx_wgmma_probe_rs_f16_n64)
+LONGCTX_PROBE_RS_KERNEL(f16, 128, longctx_wgmma_probe_rs_f16_n128)
+#undef LONGCTX_PROBE_RS_KERNEL
+
 // The mistakes the emulator must catch (its tests only; they never run on a GPU): reading the accumulators before
 // the wait (`mode` 0: NaN is stored), no wgmma.fence before the first wgmma (1), exiting with the wgmma in flight (2),
-// overwriting an operand before the wait (3). A 64×64×16 bf16 product, K-major, no swizzle.
+// overwriting an operand before the wait (3), overwriting the A registers of the RS form before the wait (4). A
+// 64×64×16 bf16 product, K-major, no swizzle.
 extern "C" __global__ void __launch_bounds__(128) longctx_wgmma_probe_mistakes(const bf16* a, const bf16* b,
                                                                                float* d, int mode) {
     unsigned char* raw = probe_smem();
@@ -132,7 +217,16 @@ extern "C" __global__ void __launch_bounds__(128) longctx_wgmma_probe_mistakes(c
     float acc[32];
 #pragma unroll
     for (int i = 0; i < 32; i++) acc[i] = 0.0f;
+    u32 frag[4] = {tid, tid + 1, tid + 2, tid + 3};
     if (mode != 1) wgmma_fence();
+    if (mode == 4) {
+        wgmma_m64n64k16_bf16_rs<0>(acc, frag, probe_desc(sb, 0, false, false, 64, 16), false);
+        wgmma_commit_group();
+        frag[0] = 0;
+        wgmma_wait_group<0>();
+        d[tid] = acc[0] + static_cast<float>(frag[0]);
+        return;
+    }
     wgmma_m64n64k16_bf16<0, 0>(acc, probe_desc(sa, 0, false, false, 64, 16), probe_desc(sb, 0, false, false, 64, 16),
                                false);
     wgmma_commit_group();

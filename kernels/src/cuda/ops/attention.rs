@@ -1,7 +1,9 @@
 //! Attention forward, backward and merge (`attention_forward.cu`, `attention_backward.cu`, `attention_merge.cu`,
-//! sharing `attention.cuh`). Per call the host uploads what the mask needs of host memory: explicit positions,
-//! document ids, and the position and document range of every tile of rows (`O(Sq + Sk)`), from which the
-//! kernels classify each (query tile, key tile) pair.
+//! their tensor-core versions `attention_forward_tc.cu` and `attention_backward_tc.cu` (mma.sync), and Hopper's
+//! `attention_forward_wgmma.cu` and `attention_backward_wgmma.cu` (wgmma, sm_90a, sharing `attention_wgmma.cuh`),
+//! all sharing `attention.cuh`; which ones run: [`AttentionPath`]). Per call the host uploads what the mask needs
+//! of host memory: explicit positions, document ids, and the position and document range of every tile of rows
+//! (`O(Sq + Sk)`), from which the kernels classify each (query tile, key tile) pair.
 
 use super::{kernel, ptr, ptr_mut, THREADS};
 use crate::attention::mask::{tile_summaries, RangeSummary};
@@ -9,12 +11,16 @@ use crate::attention::{AttnGrads, AttnOut, AttnParams, AttnPartial, AttnSaved, P
 use crate::backend::GradMode;
 use crate::cuda::alloc::CudaAllocation;
 use crate::cuda::device::{KernelArgs, KernelSource, LaunchConfig};
+use crate::cuda::path::AttentionPath;
+use crate::cuda::sources::PTX_HOPPER;
 use crate::cuda::stream::Stream;
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::view::View;
 
 const HEADER: (&str, &str) = ("attention.cuh", include_str!("../kernels/attention.cuh"));
+/// The wgmma kernels' tiles and products (after `attention.cuh` and `ptx_hopper.cuh`).
+const WGMMA_HEADER: (&str, &str) = ("attention_wgmma.cuh", include_str!("../kernels/attention_wgmma.cuh"));
 
 pub(crate) static FORWARD: KernelSource = KernelSource {
     file: "attention_forward.cu",
@@ -41,6 +47,56 @@ pub(crate) static FORWARD_TC: KernelSource = KernelSource {
         "attn_fwd_tc_f16_d64_m2_f32",
     ],
     includes: &[HEADER],
+};
+
+/// The wgmma forward (sm_90a only: [`crate::cuda::sources::SM90A_SOURCES`]), taken on sm_90 ([`path`]).
+pub(crate) static FORWARD_WGMMA: KernelSource = KernelSource {
+    file: "attention_forward_wgmma.cu",
+    code: include_str!("../kernels/attention_forward_wgmma.cu"),
+    kernels: &[
+        "attn_fwd_wgmma_bf16_d64_w1_bf16",
+        "attn_fwd_wgmma_bf16_d64_w1_f32",
+        "attn_fwd_wgmma_bf16_d64_w2_bf16",
+        "attn_fwd_wgmma_bf16_d64_w2_f32",
+        "attn_fwd_wgmma_bf16_d128_w1_bf16",
+        "attn_fwd_wgmma_bf16_d128_w1_f32",
+        "attn_fwd_wgmma_bf16_d128_w2_bf16",
+        "attn_fwd_wgmma_bf16_d128_w2_f32",
+        "attn_fwd_wgmma_f16_d64_w1_f16",
+        "attn_fwd_wgmma_f16_d64_w1_f32",
+        "attn_fwd_wgmma_f16_d64_w2_f16",
+        "attn_fwd_wgmma_f16_d64_w2_f32",
+        "attn_fwd_wgmma_f16_d128_w1_f16",
+        "attn_fwd_wgmma_f16_d128_w1_f32",
+        "attn_fwd_wgmma_f16_d128_w2_f16",
+        "attn_fwd_wgmma_f16_d128_w2_f32",
+    ],
+    includes: &[HEADER, PTX_HOPPER, WGMMA_HEADER],
+};
+
+/// The wgmma backward (sm_90a only, as [`FORWARD_WGMMA`]): `BACKWARD_TC`'s two kernels and arguments.
+pub(crate) static BACKWARD_WGMMA: KernelSource = KernelSource {
+    file: "attention_backward_wgmma.cu",
+    code: include_str!("../kernels/attention_backward_wgmma.cu"),
+    kernels: &[
+        "attn_bwd_wgmma_dkdv_bf16_d64_bf16",
+        "attn_bwd_wgmma_dq_bf16_d64_bf16",
+        "attn_bwd_wgmma_dkdv_bf16_d64_f32",
+        "attn_bwd_wgmma_dq_bf16_d64_f32",
+        "attn_bwd_wgmma_dkdv_bf16_d128_bf16",
+        "attn_bwd_wgmma_dq_bf16_d128_bf16",
+        "attn_bwd_wgmma_dkdv_bf16_d128_f32",
+        "attn_bwd_wgmma_dq_bf16_d128_f32",
+        "attn_bwd_wgmma_dkdv_f16_d64_f16",
+        "attn_bwd_wgmma_dq_f16_d64_f16",
+        "attn_bwd_wgmma_dkdv_f16_d64_f32",
+        "attn_bwd_wgmma_dq_f16_d64_f32",
+        "attn_bwd_wgmma_dkdv_f16_d128_f16",
+        "attn_bwd_wgmma_dq_f16_d128_f16",
+        "attn_bwd_wgmma_dkdv_f16_d128_f32",
+        "attn_bwd_wgmma_dq_f16_d128_f32",
+    ],
+    includes: &[HEADER, PTX_HOPPER, WGMMA_HEADER],
 };
 
 pub(crate) static FLAGS: KernelSource = KernelSource {
@@ -98,6 +154,37 @@ fn tensor_cores(p: &AttnParams<'_>, qkv_dtype: DType, inputs: &[&View<'_>]) -> b
     matches!(qkv_dtype, DType::Bf16 | DType::F16)
         && matches!(p.shape.head_dim, 64 | 128)
         && inputs.iter().all(|v| v.as_device("input", v.memory()).is_ok_and(|d| d.ptr() % 16 == 0))
+}
+
+/// The forward kernels, fastest first: which one a call takes ([`path`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Path {
+    Wgmma,
+    Mma,
+    General,
+}
+
+/// The forward's kernels for this problem on this stream: the backend's [`AttentionPath`] where it applies, else
+/// the next one down; `Auto` is `Wgmma` on compute capability 9.0 (the wgmma kernels are sm_90a code). Wgmma and
+/// mma need what [`tensor_cores`] checks and an output in the input type or f32.
+fn path(b: &Stream, p: &AttnParams<'_>, qkv: &Qkv<'_>, ot: DType) -> Path {
+    let qt = qkv.q.dtype();
+    let tc = tensor_cores(p, qt, &[&qkv.q, &qkv.k, &qkv.v]) && (ot == qt || ot == DType::F32);
+    match b.attn_path {
+        AttentionPath::General => Path::General,
+        _ if !tc => Path::General,
+        _ if wgmma_chosen(b) => Path::Wgmma,
+        _ => Path::Mma,
+    }
+}
+
+/// Whether this stream takes the wgmma kernels where they apply: forced, or `Auto` on compute capability 9.0.
+fn wgmma_chosen(b: &Stream) -> bool {
+    match b.attn_path {
+        AttentionPath::Wgmma => true,
+        AttentionPath::Auto => b.device.info().compute_capability == (9, 0),
+        AttentionPath::Mma | AttentionPath::General => false,
+    }
 }
 
 /// Row tiles of 16 per warp in the tensor-core forward (`MT` in `attention_forward_tc.cu`): 2 loads each K and
@@ -258,7 +345,32 @@ fn general_smem(d: usize) -> u32 {
 pub(crate) fn forward(b: &Stream, p: &AttnParams<'_>, out: AttnOut<'_>, qkv: Qkv<'_>) -> Result<()> {
     let s = p.shape;
     let (qt, ot) = (qkv.q.dtype(), out.o.dtype());
-    if tensor_cores(p, qt, &[&qkv.q, &qkv.k, &qkv.v]) && (ot == qt || ot == DType::F32) {
+    let path = path(b, p, &qkv, ot);
+    if path == Path::Wgmma {
+        // One warpgroup per 64 query rows; two per block (128 rows, K and V loaded once for both) unless the
+        // queries fit one (decoding and short shards).
+        let nwg = if s.q_len > 64 { 2 } else { 1 };
+        let rows = 64 * nwg;
+        let pr = problem(b, p, (rows, TC_TILE))?;
+        let v_bad = nonfinite_masks(b, &qkv.v, s.batch * s.kv_heads, s.kv_len, s.head_dim)?;
+        let (q, k, v) = (ptr(b, "q", &qkv.q)?, ptr(b, "k", &qkv.k)?, ptr(b, "v", &qkv.v)?);
+        let o = ptr_mut(b, "o", out.o)?;
+        let lse = ptr_mut(b, "lse", out.lse)?;
+        let mut args = KernelArgs::new();
+        args.push(pr.args).push(q).push(k).push(v).push(o).push(lse).push(v_bad.ptr());
+        let cfg = LaunchConfig {
+            grid: [s.q_len.div_ceil(rows) as u32, s.q_heads as u32, s.batch as u32],
+            block: [128 * nwg as u32, 1, 1],
+            // Q, two K and two V buffers, P's correction scratch (16 rows × 64 keys of f32 per warp), and 1024 for
+            // the kernel's alignment of its tiles (the 128B swizzle is on the address).
+            shared_bytes: ((rows + 4 * TC_TILE) * s.head_dim * 2 + 4 * nwg * 16 * TC_TILE * 4 + 1024) as u32,
+        };
+        let name = format!("attn_fwd_wgmma_{}_d{}_w{nwg}_{}", super::suffix(qt), s.head_dim, super::suffix(ot));
+        let kf = kernel(&FORWARD_WGMMA, &name)?;
+        // SAFETY: as the general path; `v_bad` holds one mask per 64 key rows of each head.
+        return unsafe { b.launch(&kf, cfg, &args) };
+    }
+    if path == Path::Mma {
         let mt = forward_row_tiles(s.head_dim);
         let rows = 64 * mt;
         let pr = problem(b, p, (rows, TC_TILE))?;
@@ -314,7 +426,8 @@ pub(crate) fn backward(
     let acc = i32::from(mode == GradMode::Accumulate);
     let rows = s.lse_elems() as u64;
     let delta = b.scratch(4 * rows as usize)?;
-    let tc = tensor_cores(p, qt, &[&saved.qkv.q, &saved.qkv.k, &saved.qkv.v, &dout])
+    let tc = b.attn_path != AttentionPath::General
+        && tensor_cores(p, qt, &[&saved.qkv.q, &saved.qkv.k, &saved.qkv.v, &dout])
         && dot == qt
         && dkt == dvt
         && (dkt == qt || dkt == DType::F32)
@@ -328,6 +441,10 @@ pub(crate) fn backward(
     // SAFETY: `o` and `dout` hold `rows·D` elements of their types, `delta` `rows` floats.
     unsafe { b.launch(&kd, LaunchConfig::linear(blocks, THREADS), &args)? };
 
+    // The wgmma kernels where the forward would take them (the same path), else mma.sync's.
+    let wgmma = tc && wgmma_chosen(b);
+    let (src, prefix, align) =
+        if wgmma { (&BACKWARD_WGMMA, "attn_bwd_wgmma", 1024) } else { (&BACKWARD_TC, "attn_bwd_tc", 0) };
     if tc {
         let pr = problem(b, p, (TC_TILE, TC_TILE))?;
         let (qh, kh) = (s.batch * s.q_heads, s.batch * s.kv_heads);
@@ -335,27 +452,32 @@ pub(crate) fn backward(
         let do_bad = nonfinite_masks(b, &dout, qh, s.q_len, s.head_dim)?;
         let k_bad = nonfinite_masks(b, &saved.qkv.k, kh, s.kv_len, s.head_dim)?;
         let tile_bytes = TC_TILE * s.head_dim * 2;
+        // The wgmma kernels double-buffer the tiles they loop over (dkdv: Q and dO with their LSE and Δ; dq: K and
+        // V), and their correction scratch holds 64 columns per warp where the tc kernels' holds 32.
+        let (tiles, stats, scr_cols) = if wgmma { (6, 4, 64) } else { (4, 2, 32) };
         let d = s.head_dim;
-        let kk = kernel(&BACKWARD_TC, &format!("attn_bwd_tc_dkdv_{}_d{d}_{}", super::suffix(qt), super::suffix(dkt)))?;
+        let kk = kernel(src, &format!("{prefix}_dkdv_{}_d{d}_{}", super::suffix(qt), super::suffix(dkt)))?;
         let mut args = KernelArgs::new();
         args.push(pr.args).push(dk).push(dv).push(q).push(k).push(v).push(dop).push(lse).push(delta.ptr());
         args.push(q_bad.ptr()).push(do_bad.ptr()).push(acc);
         let cfg = LaunchConfig {
             grid: [s.kv_len.div_ceil(TC_TILE) as u32, s.kv_heads as u32, s.batch as u32],
             block: [128, 1, 1],
-            shared_bytes: (4 * tile_bytes + 2 * TC_TILE * 4 + 4 * 2 * 16 * 32 * 4) as u32,
+            // K, V, Q, dO tiles, the tile's LSE and Δ, Pᵀ and dSᵀ for the correction (per warp 16 rows each), and
+            // the wgmma kernels' alignment of their tiles.
+            shared_bytes: (tiles * tile_bytes + stats * TC_TILE * 4 + 4 * 2 * 16 * scr_cols * 4 + align) as u32,
         };
         // SAFETY: as the forward; `dk`/`dv` have `k`'s dims and one type; the masks one word per 64 rows of each
         // head.
         unsafe { b.launch(&kk, cfg, &args)? };
-        let kq = kernel(&BACKWARD_TC, &format!("attn_bwd_tc_dq_{}_d{d}_{}", super::suffix(qt), super::suffix(dqt)))?;
+        let kq = kernel(src, &format!("{prefix}_dq_{}_d{d}_{}", super::suffix(qt), super::suffix(dqt)))?;
         let mut args = KernelArgs::new();
         args.push(pr.args).push(dq).push(q).push(k).push(v).push(dop).push(lse).push(delta.ptr());
         args.push(k_bad.ptr()).push(acc);
         let cfg = LaunchConfig {
             grid: [s.q_len.div_ceil(TC_TILE) as u32, s.q_heads as u32, s.batch as u32],
             block: [128, 1, 1],
-            shared_bytes: (4 * tile_bytes + 4 * 16 * 32 * 4) as u32,
+            shared_bytes: (tiles * tile_bytes + 4 * 16 * scr_cols * 4 + align) as u32,
         };
         // SAFETY: as above; `dq` has `q`'s dims.
         return unsafe { b.launch(&kq, cfg, &args) };

@@ -1,0 +1,399 @@
+// Attention backward on Hopper's warpgroup MMA (wgmma, ptx_hopper.cuh; sm_90a only): bf16 or f16 Q, K, V, dO (T),
+// head dim 64 or 128, f32 accumulation; attention_backward_tc.cu's two kernels with their products on wgmma, and
+// their semantics exactly (it stays the reference on the GPU). Deterministic: no atomics; every gradient element is
+// accumulated by one thread in a fixed order (dQ by its own kernel, as there). Δ = rowsum(dO∘O) comes first from
+// attention_backward.cu's attn_bwd_delta.
+//
+// Warps: a block is one warpgroup (128 threads, warp w owning rows 16w..16w+15 of the block's 64, the accumulator
+// fragment's rows); every thread also takes its share of the tile copies (wg_load_tile, attention_wgmma.cuh): the
+// tiles a kernel loops over are double-buffered, the next one's copies running while this one computes.
+//
+// dkdv: a block for a tile of 64 key rows of one (batch, key/value head), dK and dV accumulators in registers; K and
+// V stay in shared memory. For every query head of the group and every query tile of 64 rows that the mask does not
+// hide: Q, dO (and their LSE, Δ) go global → shared; then
+//   Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (64×64 each: wgmma with both operands K-major in shared memory),
+//   Pᵀ = exp(Sᵀ·scale − LSE), dSᵀ = Pᵀ∘(dPᵀ − Δ) on the accumulator fragments (hidden pairs selected to 0),
+//   dV += Pᵀ·dO and dK += dSᵀ·Q (wgmma with A from registers: Pᵀ and dSᵀ packed to T in the A fragment; dO and Q
+//   read N-major from the same tiles).
+// At the end dK·scale and dV are written (or added, GradMode::Accumulate).
+//
+// dq: a block for a tile of 64 query rows of one (batch, query head); Q and dO stay in shared memory, dQ's
+// accumulator in registers. For every key tile the mask does not hide: K and V go global → shared; S = Q·Kᵀ,
+// dP = dO·Vᵀ (both operands from shared memory), P and dS as above, dQ += dS·K (dS from registers, K N-major).
+// At the end dQ·scale is written (or added).
+//
+// Shared memory: attention_wgmma.cuh's 128B-swizzled tiles (1024-byte aligned here); cp.async writes through the
+// generic proxy, so every tile is followed by fence.proxy.async and a barrier before a wgmma reads it.
+//
+// Non-finite values behind the mask: as attention_backward_tc.cu. On a partial tile pair whose tiles hold non-finite
+// rows, the non-finite elements of the operand a hidden 0 multiplies are set to 0 in shared memory first (Q and dO in
+// dkdv, K in dq), and each visible pair then adds back, from global memory, what those elements contribute.
+
+template <int D, typename T, typename G>
+__device__ __forceinline__ void attn_bwd_wgmma_dkdv(const AttnProblem& p, G* __restrict__ dk, G* __restrict__ dv,
+                                                    const T* __restrict__ q, const T* __restrict__ k,
+                                                    const T* __restrict__ v, const T* __restrict__ dout,
+                                                    const float* __restrict__ lse, const float* __restrict__ delta,
+                                                    const unsigned long long* __restrict__ q_bad,
+                                                    const unsigned long long* __restrict__ do_bad, int accumulate) {
+    unsigned char* smem = wg_smem();
+    constexpr u32 TB = WG_BC * D * 2;
+    unsigned char* ks_ = smem;
+    unsigned char* vs_ = smem + TB;
+    // Q's buffer c at smem + (2 + c)·TB, dO's at smem + (4 + c)·TB; their LSE (base 2) and Δ at lsd + 128c and
+    // lsd + 128c + 64 (computed: an array indexed at run time would live in local memory).
+    float* lsd = reinterpret_cast<float*>(smem + 6 * TB);
+    float* scr = lsd + 4 * WG_BC;  // [4 warps][2][16][64]: Pᵀ and dSᵀ, for the correction
+
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u32 gid = lane >> 2, tig = lane & 3;
+    const u32 kt = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+    const u32 group = p.q_heads / p.kv_heads;
+    const u64 k_head = ((u64)b * p.kv_heads + hk) * p.kv_len;
+    const u32 q_tiles = (p.q_len + WG_BC - 1) / WG_BC;
+    const u32 j_lo = kt * WG_BC + warp * 16 + gid;  // this thread's keys: j_lo and j_lo + 8
+    const float scale2 = p.scale * 1.4426950408889634f;
+
+    wg_load_tile<D, WG_BC, T>(ks_, k + k_head * D, kt * WG_BC, p.kv_len);
+    wg_load_tile<D, WG_BC, T>(vs_, v + k_head * D, kt * WG_BC, p.kv_len);
+    cp_async_commit();
+
+    float dka[D / 2], dva[D / 2];
+#pragma unroll
+    for (u32 i = 0; i < D / 2; ++i) dka[i] = dva[i] = 0.0f;
+
+    // The (query head of the group, query tile) pairs the mask does not hide, in order (pair x: head
+    // hk·group + x / q_tiles, tile x % q_tiles), Q and dO double-buffered: the next pair's copies run while this one
+    // computes.
+    const u32 pairs = group * q_tiles;
+    auto next_pair = [&](u32 x) {
+        while (x < pairs && classify(p, x % q_tiles, kt) == TILE_HIDDEN) ++x;
+        return x;
+    };
+    // Starts the copies of pair x's Q and dO into buffer c and writes its LSE and Δ.
+    auto load_pair = [&](u32 x, u32 c) {
+        const u32 i0 = (x % q_tiles) * WG_BC;
+        const u64 qh = ((u64)b * p.q_heads + hk * group + x / q_tiles) * p.q_len;
+        wg_load_tile<D, WG_BC, T>(smem + (2 + c) * TB, q + qh * D, i0, p.q_len);
+        wg_load_tile<D, WG_BC, T>(smem + (4 + c) * TB, dout + qh * D, i0, p.q_len);
+        for (u32 r = threadIdx.x; r < WG_BC; r += blockDim.x) {
+            u32 i = i0 + r;
+            // LSE in base 2, for P = 2^(S·scale·log2 e − LSE·log2 e) by one ex2.approx.
+            lsd[c * 2 * WG_BC + r] = i < p.q_len ? lse[qh + i] * 1.4426950408889634f : 0.0f;
+            lsd[c * 2 * WG_BC + WG_BC + r] = i < p.q_len ? delta[qh + i] : 0.0f;
+        }
+    };
+    u32 x = next_pair(0);
+    if (x < pairs) load_pair(x, 0);
+    cp_async_commit();
+    u32 buf = 0;
+    while (x < pairs) {
+        const u32 xn = next_pair(x + 1);
+        if (xn < pairs) load_pair(xn, buf ^ 1);
+        cp_async_commit();
+        cp_async_wait<1>();
+        wgmma_fence_proxy_async();
+        __syncthreads();
+        {
+            const u32 qt = x % q_tiles;
+            const u32 h = hk * group + x / q_tiles;
+            const u64 q_head = ((u64)b * p.q_heads + h) * p.q_len;
+            const T* qg = q + q_head * D;
+            const T* dog = dout + q_head * D;
+            const int cls = classify(p, qt, kt);
+            const u32 i0 = qt * WG_BC;
+            unsigned char* qs = smem + (2 + buf) * TB;
+            unsigned char* dos = smem + (4 + buf) * TB;
+            const float* ls = lsd + buf * 2 * WG_BC;
+            const float* dls = ls + WG_BC;
+            const bool masked = cls == TILE_PARTIAL || i0 + WG_BC > p.q_len || (kt + 1) * WG_BC > p.kv_len;
+            unsigned long long qb = 0, db = 0;
+            if (cls == TILE_PARTIAL && q_bad) {
+                qb = q_bad[((u64)b * p.q_heads + h) * q_tiles + qt];
+                db = do_bad[((u64)b * p.q_heads + h) * q_tiles + qt];
+                if (qb | db) {
+                    wg_sanitize<D, T>(qs, qb);
+                    wg_sanitize<D, T>(dos, db);
+                    wgmma_fence_proxy_async();
+                    __syncthreads();
+                }
+            }
+
+            // Sᵀ and dPᵀ: 64 keys × 64 queries; st[4n + e]: key j_lo + 8·(e / 2), query i0 + 8n + 2·tig + (e % 2).
+            float st[32], dpt[32];
+#pragma unroll
+            for (u32 i = 0; i < 32; ++i) st[i] = dpt[i] = 0.0f;
+            wgmma_fence();
+#pragma unroll
+            for (u32 ks = 0; ks < D / 16; ++ks) {
+                wg_mma_qk<T>(st, wg_desc_kmajor<WG_BC>(ks_, ks), wg_desc_kmajor<WG_BC>(qs, ks), ks > 0);
+                wg_mma_qk<T>(dpt, wg_desc_kmajor<WG_BC>(vs_, ks), wg_desc_kmajor<WG_BC>(dos, ks), ks > 0);
+            }
+            wgmma_commit_group();
+            wgmma_wait_group<0>();
+            // Pᵀ and dSᵀ.
+#pragma unroll
+            for (u32 n = 0; n < 8; ++n) {
+#pragma unroll
+                for (u32 e = 0; e < 4; ++e) {
+                    u32 j = j_lo + 8 * (e >> 1);
+                    u32 il = n * 8 + 2 * tig + (e & 1);
+                    u32 i = i0 + il;
+                    bool hidden = masked && (i >= p.q_len || j >= p.kv_len || !visible(p, i, j));
+                    float pv = hidden ? 0.0f : ex2_approx(st[4 * n + e] * scale2 - ls[il]);
+                    float dsv = hidden ? 0.0f : pv * (dpt[4 * n + e] - dls[il]);
+                    st[4 * n + e] = pv;
+                    dpt[4 * n + e] = dsv;
+                }
+            }
+            // dV += Pᵀ·dO and dK += dSᵀ·Q over the tile's 64 queries (4 k-steps of 16).
+            u32 pa[4][4], sa[4][4];
+#pragma unroll
+            for (u32 t = 0; t < 4; ++t) {
+#pragma unroll
+                for (u32 r = 0; r < 4; ++r) {
+                    pa[t][r] = pack2<T>(st[8 * t + 2 * r], st[8 * t + 2 * r + 1]);
+                    sa[t][r] = pack2<T>(dpt[8 * t + 2 * r], dpt[8 * t + 2 * r + 1]);
+                }
+            }
+            wgmma_fence();
+#pragma unroll
+            for (u32 t = 0; t < 4; ++t) {
+                wg_mma_pv<T, D>(dva, pa[t], wg_desc_nmajor(dos, t));
+                wg_mma_pv<T, D>(dka, sa[t], wg_desc_nmajor(qs, t));
+            }
+            wgmma_commit_group();
+            wgmma_wait_group<0>();
+            if (qb | db) {
+                // Add back what the zeroed elements contribute to visible pairs (see the header). Pᵀ and dSᵀ go
+                // through shared memory (this warp's 16 × 64 each), so that no register array is indexed at run time.
+                float* ps = scr + warp * 2 * 16 * 64;
+                float* ss = ps + 16 * 64;
+#pragma unroll
+                for (u32 n = 0; n < 8; ++n)
+#pragma unroll
+                    for (u32 e = 0; e < 4; ++e) {
+                        u32 at = (gid + 8 * (e >> 1)) * 64 + n * 8 + 2 * tig + (e & 1);
+                        ps[at] = st[4 * n + e];
+                        ss[at] = dpt[4 * n + e];
+                    }
+                __syncwarp();
+                for (u32 il = 0; il < WG_BC; ++il) {
+                    bool qf = (qb >> il) & 1ull, df = (db >> il) & 1ull;
+                    if (!(qf || df)) continue;
+                    u32 i = i0 + il;
+#pragma unroll
+                    for (u32 hf = 0; hf < 2; ++hf) {
+                        float pv = ps[(gid + 8 * hf) * 64 + il];
+                        float dsv = ss[(gid + 8 * hf) * 64 + il];
+                        u32 j = j_lo + 8 * hf;
+                        bool seen = i < p.q_len && j < p.kv_len && visible(p, i, j);
+#pragma unroll
+                        for (u32 n = 0; n < D / 8; ++n) {
+#pragma unroll
+                            for (u32 e = 0; e < 2; ++e) {
+                                u32 d = n * 8 + 2 * tig + e;
+                                float qx = seen ? to_f32(qg[(u64)i * D + d]) : 0.0f;
+                                float dx = seen ? to_f32(dog[(u64)i * D + d]) : 0.0f;
+                                if (seen && qf && !isfinite(qx)) dka[4 * n + 2 * hf + e] += dsv * qx;
+                                if (seen && df && !isfinite(dx)) dva[4 * n + 2 * hf + e] += pv * dx;
+                            }
+                        }
+                    }
+                }
+                __syncwarp();
+            }
+        }
+        __syncthreads();  // every warp is done with this buffer before the next prefetch overwrites it
+        buf ^= 1;
+        x = xn;
+    }
+    cp_async_wait_all();
+
+#pragma unroll
+    for (u32 hf = 0; hf < 2; ++hf) {
+        u32 j = j_lo + 8 * hf;
+        if (j >= p.kv_len) continue;
+#pragma unroll
+        for (u32 n = 0; n < D / 8; ++n) {
+#pragma unroll
+            for (u32 e = 0; e < 2; ++e) {
+                u64 at = (k_head + j) * D + n * 8 + 2 * tig + e;
+                store_grad(dk + at, dka[4 * n + 2 * hf + e] * p.scale, accumulate != 0);
+                store_grad(dv + at, dva[4 * n + 2 * hf + e], accumulate != 0);
+            }
+        }
+    }
+}
+
+template <int D, typename T, typename G>
+__device__ __forceinline__ void attn_bwd_wgmma_dq(const AttnProblem& p, G* __restrict__ dq, const T* __restrict__ q,
+                                                  const T* __restrict__ k, const T* __restrict__ v,
+                                                  const T* __restrict__ dout, const float* __restrict__ lse,
+                                                  const float* __restrict__ delta,
+                                                  const unsigned long long* __restrict__ k_bad, int accumulate) {
+    unsigned char* smem = wg_smem();
+    constexpr u32 TB = WG_BC * D * 2;
+    unsigned char* qs = smem;
+    unsigned char* dos = smem + TB;
+    // K's buffer c at smem + (2 + c)·TB, V's at smem + (4 + c)·TB (computed: an array indexed at run time would
+    // live in local memory).
+    float* scr = reinterpret_cast<float*>(smem + 6 * TB);  // [4 warps][16][64]: dS, for the correction
+
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u32 gid = lane >> 2, tig = lane & 3;
+    const u32 qt = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    const u32 hk = h / (p.q_heads / p.kv_heads);
+    const u64 q_head = ((u64)b * p.q_heads + h) * p.q_len;
+    const u64 k_head = ((u64)b * p.kv_heads + hk) * p.kv_len;
+    const T* kg = k + k_head * D;
+    const u32 k_tiles = (p.kv_len + WG_BC - 1) / WG_BC;
+    const u32 i_lo = qt * WG_BC + warp * 16 + gid;  // this thread's rows: i_lo and i_lo + 8
+    const float scale2 = p.scale * 1.4426950408889634f;
+
+    wg_load_tile<D, WG_BC, T>(qs, q + q_head * D, qt * WG_BC, p.q_len);
+    wg_load_tile<D, WG_BC, T>(dos, dout + q_head * D, qt * WG_BC, p.q_len);
+    cp_async_commit();
+    float lr[2], dl[2];
+#pragma unroll
+    for (u32 hf = 0; hf < 2; ++hf) {
+        u32 i = i_lo + 8 * hf;
+        lr[hf] = i < p.q_len ? lse[q_head + i] * 1.4426950408889634f : 0.0f;
+        dl[hf] = i < p.q_len ? delta[q_head + i] : 0.0f;
+    }
+
+    float dqa[D / 2];
+#pragma unroll
+    for (u32 i = 0; i < D / 2; ++i) dqa[i] = 0.0f;
+
+    // Key tiles that the mask does not hide, K and V double-buffered: the next one's copies run while this one
+    // computes.
+    u32 kt = next_tile(p, qt, 0, k_tiles);
+    if (kt < k_tiles) {
+        wg_load_tile<D, WG_BC, T>(smem + 2 * TB, kg, kt * WG_BC, p.kv_len);
+        wg_load_tile<D, WG_BC, T>(smem + 4 * TB, v + k_head * D, kt * WG_BC, p.kv_len);
+    }
+    cp_async_commit();
+    u32 buf = 0;
+    while (kt < k_tiles) {
+        int cls = classify(p, qt, kt);
+        const u32 next = next_tile(p, qt, kt + 1, k_tiles);
+        if (next < k_tiles) {
+            wg_load_tile<D, WG_BC, T>(smem + (3 - buf) * TB, kg, next * WG_BC, p.kv_len);
+            wg_load_tile<D, WG_BC, T>(smem + (5 - buf) * TB, v + k_head * D, next * WG_BC, p.kv_len);
+        }
+        cp_async_commit();
+        cp_async_wait<1>();
+        wgmma_fence_proxy_async();
+        __syncthreads();
+        unsigned char* ks_ = smem + (2 + buf) * TB;
+        unsigned char* vs_ = smem + (4 + buf) * TB;
+        const u32 j0 = kt * WG_BC;
+        const bool masked = cls == TILE_PARTIAL || j0 + WG_BC > p.kv_len || (qt + 1) * WG_BC > p.q_len;
+        unsigned long long kb =
+            (cls == TILE_PARTIAL && k_bad) ? k_bad[((u64)b * p.kv_heads + hk) * k_tiles + kt] : 0ull;
+        if (kb) {
+            wg_sanitize<D, T>(ks_, kb);
+            wgmma_fence_proxy_async();
+            __syncthreads();
+        }
+        // S and dP: 64 queries × 64 keys; s[4n + e]: row i_lo + 8·(e / 2), key j0 + 8n + 2·tig + (e % 2).
+        float s[32], dp[32];
+#pragma unroll
+        for (u32 i = 0; i < 32; ++i) s[i] = dp[i] = 0.0f;
+        wgmma_fence();
+#pragma unroll
+        for (u32 ks = 0; ks < D / 16; ++ks) {
+            wg_mma_qk<T>(s, wg_desc_kmajor<WG_BC>(qs, ks), wg_desc_kmajor<WG_BC>(ks_, ks), ks > 0);
+            wg_mma_qk<T>(dp, wg_desc_kmajor<WG_BC>(dos, ks), wg_desc_kmajor<WG_BC>(vs_, ks), ks > 0);
+        }
+        wgmma_commit_group();
+        wgmma_wait_group<0>();
+#pragma unroll
+        for (u32 n = 0; n < 8; ++n) {
+#pragma unroll
+            for (u32 e = 0; e < 4; ++e) {
+                u32 hf = e >> 1;
+                u32 i = i_lo + 8 * hf;
+                u32 j = j0 + n * 8 + 2 * tig + (e & 1);
+                bool hidden = masked && (i >= p.q_len || j >= p.kv_len || !visible(p, i, j));
+                float pv = hidden ? 0.0f : ex2_approx(s[4 * n + e] * scale2 - lr[hf]);
+                dp[4 * n + e] = hidden ? 0.0f : pv * (dp[4 * n + e] - dl[hf]);
+            }
+        }
+        // dQ += dS·K over the tile's 64 keys.
+        u32 sa[4][4];
+#pragma unroll
+        for (u32 t = 0; t < 4; ++t)
+#pragma unroll
+            for (u32 r = 0; r < 4; ++r) sa[t][r] = pack2<T>(dp[8 * t + 2 * r], dp[8 * t + 2 * r + 1]);
+        wgmma_fence();
+#pragma unroll
+        for (u32 t = 0; t < 4; ++t) wg_mma_pv<T, D>(dqa, sa[t], wg_desc_nmajor(ks_, t));
+        wgmma_commit_group();
+        wgmma_wait_group<0>();
+        if (kb) {
+            float* ss = scr + warp * 16 * 64;
+#pragma unroll
+            for (u32 n = 0; n < 8; ++n)
+#pragma unroll
+                for (u32 e = 0; e < 4; ++e) ss[(gid + 8 * (e >> 1)) * 64 + n * 8 + 2 * tig + (e & 1)] = dp[4 * n + e];
+            __syncwarp();
+            for (u32 jl = 0; jl < WG_BC; ++jl) {
+                if (!((kb >> jl) & 1ull)) continue;
+                u32 j = j0 + jl;
+#pragma unroll
+                for (u32 hf = 0; hf < 2; ++hf) {
+                    float dsv = ss[(gid + 8 * hf) * 64 + jl];
+                    u32 i = i_lo + 8 * hf;
+                    bool seen = i < p.q_len && j < p.kv_len && visible(p, i, j);
+#pragma unroll
+                    for (u32 n = 0; n < D / 8; ++n) {
+#pragma unroll
+                        for (u32 e = 0; e < 2; ++e) {
+                            float x = seen ? to_f32(kg[(u64)j * D + n * 8 + 2 * tig + e]) : 0.0f;
+                            if (seen && !isfinite(x)) dqa[4 * n + 2 * hf + e] += dsv * x;
+                        }
+                    }
+                }
+            }
+            __syncwarp();
+        }
+        __syncthreads();  // every warp is done with this buffer before the next prefetch overwrites it
+        buf ^= 1;
+        kt = next;
+    }
+    cp_async_wait_all();
+
+#pragma unroll
+    for (u32 hf = 0; hf < 2; ++hf) {
+        u32 i = i_lo + 8 * hf;
+        if (i >= p.q_len) continue;
+#pragma unroll
+        for (u32 n = 0; n < D / 8; ++n) {
+#pragma unroll
+            for (u32 e = 0; e < 2; ++e) {
+                store_grad(dq + (q_head + i) * D + n * 8 + 2 * tig + e, dqa[4 * n + 2 * hf + e] * p.scale,
+                           accumulate != 0);
+            }
+        }
+    }
+}
+
+// attn_bwd_wgmma_{dkdv,dq}_<inputs>_d<D>_<gradients>: the arguments of attention_backward_tc.cu's kernels.
+#define BWD_WGMMA(tn, tt, dd, gn, gt)                                                                               \
+    extern "C" __global__ void __launch_bounds__(128, 1) attn_bwd_wgmma_dkdv_##tn##_d##dd##_##gn(                  \
+        AttnProblem p, gt* dk, gt* dv, const tt* q, const tt* k, const tt* v, const tt* dout, const float* lse,      \
+        const float* delta, const unsigned long long* q_bad, const unsigned long long* do_bad, int accumulate) {     \
+        attn_bwd_wgmma_dkdv<dd, tt, gt>(p, dk, dv, q, k, v, dout, lse, delta, q_bad, do_bad, accumulate);           \
+    }                                                                                                               \
+    extern "C" __global__ void __launch_bounds__(128, 1) attn_bwd_wgmma_dq_##tn##_d##dd##_##gn(                    \
+        AttnProblem p, gt* dq, const tt* q, const tt* k, const tt* v, const tt* dout, const float* lse,              \
+        const float* delta, const unsigned long long* k_bad, int accumulate) {                                      \
+        attn_bwd_wgmma_dq<dd, tt, gt>(p, dq, q, k, v, dout, lse, delta, k_bad, accumulate);                         \
+    }
+#define BWD_WGMMA_TYPES(tn, tt)                                                                                    \
+    BWD_WGMMA(tn, tt, 64, tn, tt) BWD_WGMMA(tn, tt, 64, f32, float) BWD_WGMMA(tn, tt, 128, tn, tt)                  \
+    BWD_WGMMA(tn, tt, 128, f32, float)
+BWD_WGMMA_TYPES(bf16, bf16)
+BWD_WGMMA_TYPES(f16, f16)

@@ -1,0 +1,326 @@
+// Attention forward on Hopper's warpgroup MMA (wgmma, ptx_hopper.cuh; sm_90a only): bf16 or f16 Q, K, V (T), head
+// dim 64 or 128, f32 accumulation, with exactly the semantics of attention_forward_tc.cu (its mma.sync sibling and
+// reference on the GPU): GQA by head index, masks by global positions through the same tile summaries, tails,
+// LSE, output in T or f32, and the same confinement of non-finite values behind the mask.
+//
+// Warps. A block is NWG consumer warpgroups (NWG = 1 or 2; 128 threads each, warpgroup g = warps 4g..4g+3) for a
+// tile of BR = 64·NWG query rows of one (batch, head); warpgroup g owns rows 64g..64g+63 of the tile, and warp w of
+// it rows 16w..16w+15 of those (the accumulator fragment's rows). There is no producer warp yet: every thread issues
+// its share of the tile copies (wg_load_tile, attention_wgmma.cuh), which complete while the tensor cores work on
+// the tile before. The copies are one call per tile so that a TMA producer warp (cp.async.bulk.tensor completing on
+// an mbarrier) can replace them without touching the consumers.
+//
+// Pipeline, per block:
+// 1. Q's tile goes global → shared (cp.async, 16 bytes per copy, rows past Sq zero-filled); it stays in shared
+//    memory as wgmma's A operand.
+// 2. Key tiles of BC = 64 rows, in order, skipping those the mask's tile summaries classify as hidden: K and V go
+//    global → shared by cp.async into one of two buffers while the tile before computes (double buffering; one
+//    commit group per tile; cp_async_wait then fence.proxy.async and __syncthreads before the tensor cores read the
+//    tile, since cp.async writes through the generic proxy and wgmma reads through the async proxy).
+// 3. Per tile, per warpgroup: S = Q·Kᵀ (64×64, D/16 wgmma m64n64k16 with both operands in shared memory); scaled
+//    to base 2; on a partial tile, or the last one past Sk, every hidden pair's score is selected to −inf (never
+//    multiplied); the online softmax per row on the accumulator fragment (wg_softmax: running max m and sum l,
+//    reduced across the four lanes of a quad by shuffles; each exponential one ex2.approx); O rescaled by
+//    exp(m_old − m); P = exp(S − m) rounded to T, packed in registers straight into wgmma's A fragment (the
+//    accumulator fragment's layout is the A fragment's, ptx_hopper.cuh); O += P·V (4 wgmma m64nDk16 with A from
+//    registers, V from shared memory N-major).
+//    The products of consecutive tiles overlap the softmax (FlashAttention-3's intra-warpgroup pipelining): with
+//    tile i's P in registers, the warpgroup issues S(i+1) = Q·K(i+1)ᵀ and O += P(i)·V(i) as two commit groups,
+//    waits for the first (wgmma.wait_group 1), runs the softmax of tile i+1 (into a second set of P registers:
+//    those of P(i) are the product's operand until it completes) while the tensor cores compute P(i)·V(i), then
+//    waits for that and rescales O. The result is the same arithmetic in the same order as one tile at a time.
+// 4. O / l is written (T or f32), and LSE = m + ln l (−inf and O = 0 for a row that saw no key).
+//
+// Shared memory (dynamic, aligned here to 1024 bytes: the 128B swizzle is on the address): every tile is rows of
+// D 16-bit elements stored as D/64 blocks of ROWS × 128 bytes (64 elements of each row per block, the block of
+// elements 64c..64c+63 after the one of 64(c−1)..), the 16-byte chunk x of a row r of a block stored at chunk
+// x ^ (r % 8) (Swizzle<3,4,3>: the 128B swizzle of wgmma's canonical layouts). For Q and K this is the K-major
+// 128B layout (rows = M or N, 64 elements of K per row: LBO unused, SBO = 1024 from one 8-row group to the next);
+// for V, read as the B of P·V (B = V's transpose viewed as N×K = D×keys), it is the N-major 128B layout (128-byte
+// rows of 64 n = d, one per k = key: SBO = 1024 from keys 0-7 to keys 8-15, LBO = 64·128 from one 64-wide d block
+// to the next). Q: BR×D; K and V: two buffers of 64×D each; then 16 KiB per warpgroup for P on the rare tile that
+// needs a non-finite correction (below). 129 KiB at D = 128, NWG = 2.
+//
+// Non-finite values behind the mask: as attention_forward_tc.cu. On a partial tile that holds a non-finite V row
+// (the host's per-tile row masks), V's non-finite elements are set to 0 in shared memory before the product, and
+// each row that sees such a key then adds P·V[j, d] for those elements from global memory.
+//
+// Every loop over a register array (fragments, accumulators) is unrolled with constant bounds: an array indexed at
+// run time is placed in local memory.
+
+// The online softmax of one key tile (keys j0..j0+63) on its score fragment `s` (s[4n + e]: row row_base + 8·(e / 2),
+// key j0 + 8n + 2·tig + (e % 2)): scaled to base 2; hidden pairs (when `masked`: a partial tile, or the last one past
+// Sk) selected to −inf; the running max m and sum l of the thread's two rows updated (across the quad by
+// shuffles); alpha = exp(m_old − m), by which the caller rescales O; P = exp(S − m) left in `s` (f32) and packed to
+// T in `pa` as the A fragments of P·V's four k-steps.
+template <typename T>
+__device__ __forceinline__ void wg_softmax(const AttnProblem& p, float (&s)[32], float (&m)[2], float (&l)[2],
+                                           float (&alpha)[2], u32 (&pa)[WG_BC / 16][4], u32 row_base, u32 j0,
+                                           bool masked, u32 tig, float scale2) {
+#pragma unroll
+    for (u32 hf = 0; hf < 2; ++hf) {
+        u32 i = row_base + 8 * hf;
+        float mx = m[hf];
+#pragma unroll
+        for (u32 n = 0; n < WG_BC / 8; ++n) {
+#pragma unroll
+            for (u32 e = 0; e < 2; ++e) {
+                u32 j = j0 + n * 8 + 2 * tig + e;
+                float x = s[4 * n + 2 * hf + e] * scale2;
+                if (masked && (j >= p.kv_len || i >= p.q_len || !visible(p, i, j))) x = NEG_INF;
+                s[4 * n + 2 * hf + e] = x;
+                mx = fmaxf(mx, x);
+            }
+        }
+        mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 2));
+        // A row that has seen no key yet keeps m = −inf: exponents are taken against 0 then, giving 0.
+        float base = mx == NEG_INF ? 0.0f : mx;
+        alpha[hf] = m[hf] == mx ? 1.0f : ex2_approx(m[hf] - base);
+        float sum = 0.0f;
+#pragma unroll
+        for (u32 n = 0; n < WG_BC / 8; ++n) {
+#pragma unroll
+            for (u32 e = 0; e < 2; ++e) {
+                float x = s[4 * n + 2 * hf + e];
+                float pv = x == NEG_INF ? 0.0f : ex2_approx(x - base);
+                s[4 * n + 2 * hf + e] = pv;
+                sum += pv;
+            }
+        }
+        sum += __shfl_xor_sync(FULL_MASK, sum, 1);
+        sum += __shfl_xor_sync(FULL_MASK, sum, 2);
+        l[hf] = l[hf] * alpha[hf] + sum;
+        m[hf] = mx;
+    }
+    // The accumulator fragment of S is the A fragment of P·V: keys 16t..16t+15 are s[8t..8t+7].
+#pragma unroll
+    for (u32 t = 0; t < WG_BC / 16; ++t)
+#pragma unroll
+        for (u32 r = 0; r < 4; ++r) pa[t][r] = pack2<T>(s[8 * t + 2 * r], s[8 * t + 2 * r + 1]);
+}
+
+template <int D, int NWG, typename T, typename OT>
+__device__ __forceinline__ void attn_fwd_wgmma(const AttnProblem& p, const T* __restrict__ q, const T* __restrict__ k,
+                                               const T* __restrict__ v, OT* __restrict__ o, float* __restrict__ lse,
+                                               const unsigned long long* __restrict__ v_bad) {
+    constexpr u32 BR = 64 * NWG;
+    constexpr u32 TILE_BYTES = WG_BC * D * 2;
+    constexpr u32 Q_BYTES = BR * D * 2;
+    unsigned char* smem = wg_smem();
+    unsigned char* qs = smem;
+    // K's buffer b at smem + Q_BYTES + b·TILE_BYTES, V's at smem + Q_BYTES + (2 + b)·TILE_BYTES (computed, not an
+    // array: an array indexed at run time would live in local memory).
+    unsigned char* kv = smem + Q_BYTES;
+    float* pscr = reinterpret_cast<float*>(kv + 4 * TILE_BYTES);  // [4·NWG warps][16][64]: P, for the correction
+
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u32 wg = warp / 4, wwarp = warp % 4;
+    const u32 gid = lane >> 2, tig = lane & 3;
+    const u32 qt = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    const u32 hk = h / (p.q_heads / p.kv_heads);
+    const u64 q_head = ((u64)b * p.q_heads + h) * p.q_len;
+    const u64 k_head = ((u64)b * p.kv_heads + hk) * p.kv_len;
+    const T* qg = q + q_head * D;
+    const T* kg = k + k_head * D;
+    const T* vg = v + k_head * D;
+    const u32 k_tiles = (p.kv_len + WG_BC - 1) / WG_BC;
+    // Scores are kept in base-2 units (scale·log2 e folded into one multiply), so each exponential is one
+    // ex2.approx; m is in those units too.
+    const float scale2 = p.scale * 1.4426950408889634f;
+    // This thread's rows: row_base and row_base + 8.
+    const u32 row_base = qt * BR + wg * 64 + wwarp * 16 + gid;
+
+    // 1. Q, and the first key tile that is not hidden (into buffer 0).
+    wg_load_tile<D, BR, T>(qs, qg, qt * BR, p.q_len);
+    cp_async_commit();
+    u32 kt = next_tile(p, qt, 0, k_tiles);
+    if (kt < k_tiles) {
+        wg_load_tile<D, WG_BC, T>(kv, kg, kt * WG_BC, p.kv_len);
+        wg_load_tile<D, WG_BC, T>(kv + 2 * TILE_BYTES, vg, kt * WG_BC, p.kv_len);
+    }
+    cp_async_commit();
+
+    float acc[D / 2];
+#pragma unroll
+    for (u32 i = 0; i < D / 2; ++i) acc[i] = 0.0f;
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
+    if (kt >= k_tiles) {
+        // Every key tile hidden: O = 0 and LSE = −inf below.
+        cp_async_wait_all();
+    } else {
+        // This warpgroup's 64 rows of Q (a multiple of 1024 bytes into each block of the tile).
+        const unsigned char* q_wg = qs + wg * 64 * 128;
+        const u64 bad_base = ((u64)b * p.kv_heads + hk) * k_tiles;
+        cp_async_wait<0>();
+        wgmma_fence_proxy_async();
+        __syncthreads();
+        u32 next = next_tile(p, qt, kt + 1, k_tiles);
+        if (next < k_tiles) {
+            // Prefetch the second tile into buffer 1 while the first one's S and softmax run.
+            wg_load_tile<D, WG_BC, T>(kv + TILE_BYTES, kg, next * WG_BC, p.kv_len);
+            wg_load_tile<D, WG_BC, T>(kv + 3 * TILE_BYTES, vg, next * WG_BC, p.kv_len);
+        }
+        cp_async_commit();
+        int cls = classify(p, qt, kt);
+        unsigned long long vb = (cls == TILE_PARTIAL && v_bad) ? v_bad[bad_base + kt] : 0ull;
+        if (vb) {
+            // Zero V's non-finite elements in the rows flagged (see the header).
+            wg_sanitize<D, T>(kv + 2 * TILE_BYTES, vb);
+            wgmma_fence_proxy_async();
+            __syncthreads();
+        }
+
+        // S of the first tile, its softmax, its P in the A fragment.
+        float s[32];
+#pragma unroll
+        for (u32 i = 0; i < 32; ++i) s[i] = 0.0f;
+        wgmma_fence();
+#pragma unroll
+        for (u32 ks = 0; ks < D / 16; ++ks)
+            wg_mma_qk<T>(s, wg_desc_kmajor<BR>(q_wg, ks), wg_desc_kmajor<WG_BC>(kv, ks), ks > 0);
+        wgmma_commit_group();
+        wgmma_wait_group<0>();
+        float alpha[2];
+        u32 pa[WG_BC / 16][4];
+        wg_softmax<T>(p, s, m, l, alpha, pa, row_base, kt * WG_BC, cls == TILE_PARTIAL || (kt + 1) * WG_BC > p.kv_len,
+                      tig, scale2);
+
+        u32 buf = 0;
+        while (kt < k_tiles) {
+            // Tile kt is in buffer buf, its P in pa (its alpha applied: O holds the tiles before it); tile `next`
+            // is on its way into buffer buf ^ 1.
+            const bool has_next = next < k_tiles;
+            unsigned long long vb_next = 0;
+            int cls_next = TILE_HIDDEN;
+            unsigned char* kn = kv + (buf ^ 1) * TILE_BYTES;
+            if (has_next) {
+                cp_async_wait<0>();
+                wgmma_fence_proxy_async();
+                __syncthreads();
+                cls_next = classify(p, qt, next);
+                vb_next = (cls_next == TILE_PARTIAL && v_bad) ? v_bad[bad_base + next] : 0ull;
+                if (vb_next) {
+                    wg_sanitize<D, T>(kn + 2 * TILE_BYTES, vb_next);
+                    wgmma_fence_proxy_async();
+                    __syncthreads();
+                }
+            }
+            // This warp's P of tile kt for the correction, before S of the next tile takes its registers.
+            float* ps = pscr + warp * 16 * WG_BC;
+            if (vb) {
+#pragma unroll
+                for (u32 n = 0; n < WG_BC / 8; ++n)
+#pragma unroll
+                    for (u32 e = 0; e < 4; ++e)
+                        ps[(gid + 8 * (e >> 1)) * WG_BC + n * 8 + 2 * tig + (e & 1)] = s[4 * n + e];
+                __syncwarp();
+            }
+
+            // Two groups: S of the next tile, then O += P·V of this one; the softmax of the next tile runs while
+            // the tensor cores do P·V. Every register a wgmma reads or writes is written before the fence (the PTX
+            // ISA requires one between an ordinary access and the wgmma; the emulator cannot check this order).
+#pragma unroll
+            for (u32 i = 0; i < 32; ++i) s[i] = 0.0f;
+            wgmma_fence();
+            if (has_next) {
+#pragma unroll
+                for (u32 ks = 0; ks < D / 16; ++ks)
+                    wg_mma_qk<T>(s, wg_desc_kmajor<BR>(q_wg, ks), wg_desc_kmajor<WG_BC>(kn, ks), ks > 0);
+                wgmma_commit_group();
+            }
+            unsigned char* vs_ = kv + (2 + buf) * TILE_BYTES;
+#pragma unroll
+            for (u32 t = 0; t < WG_BC / 16; ++t) wg_mma_pv<T, D>(acc, pa[t], wg_desc_nmajor(vs_, t));
+            wgmma_commit_group();
+            u32 pa_next[WG_BC / 16][4];
+            if (has_next) {
+                wgmma_wait_group<1>();  // S of the next tile (the older group)
+                wg_softmax<T>(p, s, m, l, alpha, pa_next, row_base, next * WG_BC,
+                              cls_next == TILE_PARTIAL || (next + 1) * WG_BC > p.kv_len, tig, scale2);
+            }
+            wgmma_wait_group<0>();  // O += P·V of this tile
+
+            if (vb) {
+                // Each row that sees a flagged key adds what the zeroed elements held, times its P (from shared
+                // memory, so that no register array is indexed at run time).
+                const u32 j0 = kt * WG_BC;
+                for (u32 jj = 0; jj < WG_BC; ++jj) {
+                    if (!((vb >> jj) & 1ull)) continue;
+                    u32 j = j0 + jj;
+#pragma unroll
+                    for (u32 hf = 0; hf < 2; ++hf) {
+                        u32 i = row_base + 8 * hf;
+                        float pv = ps[(gid + 8 * hf) * WG_BC + jj];
+                        bool seen = i < p.q_len && j < p.kv_len && visible(p, i, j);
+#pragma unroll
+                        for (u32 n = 0; n < D / 8; ++n) {
+#pragma unroll
+                            for (u32 e = 0; e < 2; ++e) {
+                                float x = seen ? to_f32(vg[(u64)j * D + n * 8 + 2 * tig + e]) : 0.0f;
+                                if (seen && !isfinite(x)) acc[4 * n + 2 * hf + e] += pv * x;
+                            }
+                        }
+                    }
+                }
+                __syncwarp();
+            }
+            if (has_next) {
+#pragma unroll
+                for (u32 n = 0; n < D / 8; ++n) {
+                    acc[4 * n + 0] *= alpha[0];
+                    acc[4 * n + 1] *= alpha[0];
+                    acc[4 * n + 2] *= alpha[1];
+                    acc[4 * n + 3] *= alpha[1];
+                }
+#pragma unroll
+                for (u32 t = 0; t < WG_BC / 16; ++t)
+#pragma unroll
+                    for (u32 r = 0; r < 4; ++r) pa[t][r] = pa_next[t][r];
+            }
+
+            __syncthreads();  // every warpgroup is done with buffer buf before the prefetch overwrites it
+            u32 after = has_next ? next_tile(p, qt, next + 1, k_tiles) : k_tiles;
+            if (after < k_tiles) {
+                wg_load_tile<D, WG_BC, T>(kv + buf * TILE_BYTES, kg, after * WG_BC, p.kv_len);
+                wg_load_tile<D, WG_BC, T>(kv + (2 + buf) * TILE_BYTES, vg, after * WG_BC, p.kv_len);
+            }
+            cp_async_commit();
+            buf ^= 1;
+            kt = next;
+            next = after;
+            vb = vb_next;
+        }
+        cp_async_wait_all();
+    }
+
+    // 4. O / l and LSE.
+#pragma unroll
+    for (u32 hf = 0; hf < 2; ++hf) {
+        u32 i = row_base + 8 * hf;
+        if (i >= p.q_len) continue;
+        bool none = l[hf] == 0.0f;
+        float inv = none ? 0.0f : 1.0f / l[hf];
+#pragma unroll
+        for (u32 n = 0; n < D / 8; ++n) {
+            u32 d = n * 8 + 2 * tig;
+            OT* out = o + (q_head + i) * D + d;
+            out[0] = from_f32<OT>(none ? 0.0f : acc[4 * n + 2 * hf] * inv);
+            out[1] = from_f32<OT>(none ? 0.0f : acc[4 * n + 2 * hf + 1] * inv);
+        }
+        if (tig == 0) lse[q_head + i] = none ? NEG_INF : m[hf] * 0.6931471805599453f + logf(l[hf]);
+    }
+}
+
+// attn_fwd_wgmma_<inputs>_d<D>_w<NWG>_<output>: 128·NWG threads.
+#define FWD_WGMMA(tn, tt, dd, nwg, on, ot)                                                                          \
+    extern "C" __global__ void __launch_bounds__(128 * nwg, 1) attn_fwd_wgmma_##tn##_d##dd##_w##nwg##_##on(      \
+        AttnProblem p, const tt* q, const tt* k, const tt* v, ot* o, float* lse, const unsigned long long* v_bad) { \
+        attn_fwd_wgmma<dd, nwg, tt, ot>(p, q, k, v, o, lse, v_bad);                                                \
+    }
+#define FWD_WGMMA_TYPES(tn, tt)                                                                                     \
+    FWD_WGMMA(tn, tt, 64, 1, tn, tt) FWD_WGMMA(tn, tt, 64, 1, f32, float) FWD_WGMMA(tn, tt, 64, 2, tn, tt)          \
+    FWD_WGMMA(tn, tt, 64, 2, f32, float) FWD_WGMMA(tn, tt, 128, 1, tn, tt) FWD_WGMMA(tn, tt, 128, 1, f32, float)    \
+    FWD_WGMMA(tn, tt, 128, 2, tn, tt) FWD_WGMMA(tn, tt, 128, 2, f32, float)
+FWD_WGMMA_TYPES(bf16, bf16)
+FWD_WGMMA_TYPES(f16, f16)

@@ -1,0 +1,111 @@
+//! Small cases of the wgmma attention kernels (`attention_forward_wgmma.cu`, `attention_backward_wgmma.cu`) in the
+//! library's tests, so that the GPU check's compute-sanitizer step (`scripts/gpu-run --only hopper`, which runs the
+//! library's tests matching `wgmma_attention` beside the wgmma and TMA probes) covers them: one forward and backward
+//! per head dim (bf16, grouped queries, causal with the queries at the end of the keys, lengths off the tiles) on the
+//! emulator (`::emulated`) and on an sm_90 GPU (`::cuda`, skipped with a message elsewhere), against the mma.sync
+//! kernels on the same device and the CPU backend. tests/attention_wgmma.rs has the wider cases.
+
+use crate::attention::{AttnGrads, AttnMask, AttnOut, AttnParams, AttnSaved, AttnShape, Positions, Qkv};
+use crate::backend::{Backend, GradMode};
+use crate::cuda::{AttentionPath, CudaBackend};
+use crate::testing::uniform_nonzero;
+use crate::{Buffer, CpuBackend, DType, Dims, KernelError, View, ViewMut};
+
+/// `[O, LSE, dQ, dK, dV]` as f32 of a forward and a backward of `p` on `b`, inputs (q, k, v, dO) rounded to bf16 on
+/// the backend, outputs and gradients in `ot`, each poisoned with NaN first.
+fn run(b: &dyn Backend, p: &AttnParams<'_>, x: &[Vec<f32>; 4], ot: DType) -> Vec<Vec<f32>> {
+    let s = p.shape;
+    let dims = |d: &[usize]| Dims::new(d).unwrap();
+    let input = |vals: &[f32], d: &[usize]| -> Buffer {
+        let mut f = b.empty(DType::F32, dims(d)).unwrap();
+        b.upload(f.view_mut(), View::new(vals, d).unwrap()).unwrap();
+        let mut t = b.empty(DType::Bf16, dims(d)).unwrap();
+        b.copy(t.view_mut(), f.view()).unwrap();
+        t
+    };
+    let poisoned = |t: DType, d: &[usize]| -> Buffer {
+        let mut buf = b.empty(t, dims(d)).unwrap();
+        b.fill(buf.view_mut(), f32::NAN).unwrap();
+        buf
+    };
+    let (q, k, v) = (input(&x[0], &s.q_dims()), input(&x[1], &s.kv_dims()), input(&x[2], &s.kv_dims()));
+    let d_o = input(&x[3], &s.q_dims());
+    let (mut o, mut lse) = (poisoned(ot, &s.q_dims()), poisoned(DType::F32, &s.lse_dims()));
+    let out = AttnOut { o: o.view_mut(), lse: lse.view_mut() };
+    b.attention_forward(&p.options(), out, Qkv::new(q.view(), k.view(), v.view())).unwrap();
+    let (mut dq, mut dk, mut dv) = (poisoned(ot, &s.q_dims()), poisoned(ot, &s.kv_dims()), poisoned(ot, &s.kv_dims()));
+    let saved = AttnSaved { qkv: Qkv::new(q.view(), k.view(), v.view()), o: o.view(), lse: lse.view() };
+    let grads = AttnGrads { dq: dq.view_mut(), dk: dk.view_mut(), dv: dv.view_mut() };
+    b.attention_backward(&p.options(), grads, d_o.view(), saved, GradMode::Overwrite).unwrap();
+    let download = |buf: &Buffer, d: &[usize]| -> Vec<f32> {
+        let mut f = b.empty(DType::F32, dims(d)).unwrap();
+        b.copy(f.view_mut(), buf.view()).unwrap();
+        let mut host = vec![f32::NAN; d.iter().product()];
+        b.download(ViewMut::new(&mut host, d).unwrap(), f.view()).unwrap();
+        host
+    };
+    vec![
+        download(&o, &s.q_dims()),
+        download(&lse, &s.lse_dims()),
+        download(&dq, &s.q_dims()),
+        download(&dk, &s.kv_dims()),
+        download(&dv, &s.kv_dims()),
+    ]
+}
+
+fn check(b: CudaBackend) {
+    let emulated = b.is_emulated();
+    let wg = b.with_attention_path(AttentionPath::Wgmma);
+    let mma = wg.clone().with_attention_path(AttentionPath::Mma);
+    let cpu = CpuBackend::new();
+    // The emulator's wgmma and mma.sync both sum exactly and round once; a GPU's differ in their order.
+    let against_mma = if emulated { 1e-6 } else { 1e-2 };
+    for d in [64, 128] {
+        let shape = AttnShape { batch: 1, q_heads: 2, kv_heads: 1, q_len: 70, kv_len: 130, head_dim: d };
+        let p = AttnParams::new(shape)
+            .with_mask(AttnMask::causal().with_positions(Positions::Offset(60), Positions::Offset(0)));
+        let seed = d as u64;
+        let x = [
+            uniform_nonzero(shape.q_elems(), seed),
+            uniform_nonzero(shape.kv_elems(), seed + 1),
+            uniform_nonzero(shape.kv_elems(), seed + 2),
+            uniform_nonzero(shape.q_elems(), seed + 3),
+        ];
+        let got = run(&wg, &p, &x, DType::F32);
+        let want_mma = run(&mma, &p, &x, DType::F32);
+        let want_cpu = run(&cpu, &p, &x, DType::F32);
+        for (n, name) in ["O", "LSE", "dQ", "dK", "dV"].into_iter().enumerate() {
+            // Against the CPU (which keeps P and dS in f32): the 16-bit rounding of P and dS.
+            let abs = [3e-3, 1e-3, 1e-2, 2e-2, 2e-2][n];
+            for (i, ((g, m), c)) in got[n].iter().zip(&want_mma[n]).zip(&want_cpu[n]).enumerate() {
+                let near = |w: f32, abs: f32, rel: f32| *g == w || (g - w).abs() <= abs + rel * w.abs();
+                assert!(near(*m, against_mma, against_mma), "d {d}, {name}[{i}]: {g} against mma.sync's {m}");
+                assert!(near(*c, abs, 1e-2), "d {d}, {name}[{i}]: {g} against the CPU's {c}");
+            }
+        }
+    }
+}
+
+mod forward_backward {
+    use super::*;
+
+    #[test]
+    fn emulated() {
+        check(CudaBackend::emulated().unwrap_or_else(|e| panic!("{e}")));
+    }
+
+    #[test]
+    fn cuda() {
+        match CudaBackend::new(0) {
+            Ok(b) if b.device_name().contains("sm_90") => check(b),
+            Ok(b) => eprintln!("wgmma_attention: skipped, the device is {} and wgmma needs sm_90", b.device_name()),
+            Err(KernelError::NoDevice { why, .. }) => {
+                if std::env::var("LONGCTX_REQUIRE_GPU").as_deref() == Ok("1") {
+                    panic!("LONGCTX_REQUIRE_GPU=1 but there is no device: {why}");
+                }
+                eprintln!("wgmma_attention: skipped, no GPU: {why}");
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+}
