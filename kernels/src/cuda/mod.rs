@@ -68,6 +68,8 @@ mod ops;
 mod path;
 #[cfg(feature = "cuda")]
 mod places;
+#[cfg(all(test, feature = "cuda"))]
+mod probe;
 #[cfg(feature = "cuda")]
 #[allow(dead_code)]
 pub(crate) mod sources;

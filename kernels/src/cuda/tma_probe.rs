@@ -16,11 +16,11 @@ use std::sync::{Arc, OnceLock};
 use half::bf16;
 
 use super::device::{Device, DevicePtr, Kernel, KernelArgs, LaunchConfig};
-use super::driver::{DriverDevice, DriverOptions};
+use super::driver::DriverDevice;
 use super::emulator::Emulator;
+use super::probe::{self, EmuBuf};
 use super::sources::TMA_PROBE;
 use super::tensor_map::{TensorMap, TensorMapDesc, TmaElem, TmaSwizzle};
-use crate::error::KernelError;
 
 /// One probe run: a contiguous bf16 tensor of `dims` (innermost first) copied tile by tile through the pipeline.
 #[derive(Debug, Clone, Copy)]
@@ -148,36 +148,7 @@ impl Case {
 /// One emulator with the probe, shared by the tests.
 fn emu() -> &'static Emulator {
     static EMU: OnceLock<Result<Emulator, String>> = OnceLock::new();
-    EMU.get_or_init(|| Emulator::new(&[&TMA_PROBE]).map_err(|e| e.to_string()))
-        .as_ref()
-        .unwrap_or_else(|e| panic!("{e}"))
-}
-
-/// Emulator memory holding `bytes` (freed on drop).
-struct EmuBuf(DevicePtr, usize);
-
-impl EmuBuf {
-    fn new(bytes: &[u8]) -> Self {
-        let e = emu();
-        let p = e.alloc(bytes.len()).unwrap();
-        e.check_range(p, bytes.len(), "upload").unwrap();
-        // SAFETY: the allocation holds `bytes.len()` bytes (checked above).
-        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), p as *mut u8, bytes.len()) };
-        Self(p, bytes.len())
-    }
-    fn read_f32(&self) -> Vec<f32> {
-        let mut out = vec![0u8; self.1];
-        // SAFETY: the allocation holds `self.1` bytes.
-        unsafe { std::ptr::copy_nonoverlapping(self.0 as *const u8, out.as_mut_ptr(), self.1) };
-        out.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
-    }
-}
-
-impl Drop for EmuBuf {
-    fn drop(&mut self) {
-        // SAFETY: launches are synchronous: nothing uses the buffer any more.
-        let _ = unsafe { emu().free(self.0) };
-    }
+    probe::emulator(&EMU, &TMA_PROBE)
 }
 
 /// The probe on the emulator in `mode` (0: the pipeline; others: tma_probe.cu's mistakes): the output or the error.
@@ -187,19 +158,17 @@ fn launch_emulated(case: &Case, mode: i32) -> Result<Vec<f32>, String> {
 
 /// [`launch_emulated`], with the bytes of the copy the TMA stores write (`case.store`).
 fn launch_emulated_with_copy(case: &Case, mode: i32) -> Result<(Vec<f32>, Vec<u8>), String> {
-    let input = EmuBuf::new(&case.input());
-    let copy = EmuBuf::new(&vec![0xffu8; 2 * case.elements()]);
+    let input = EmuBuf::new(emu(), &case.input());
+    let copy = EmuBuf::new(emu(), &vec![0xffu8; 2 * case.elements()]);
     let words = case.padded().iter().product::<u64>() as usize;
-    let out = EmuBuf::new(&vec![0xffu8; 4 * words]);
-    let map = case.desc(input.0).encode_emulated().unwrap();
-    let store_map = case.desc(copy.0).encode_emulated().unwrap();
+    let out = EmuBuf::new(emu(), &vec![0xffu8; 4 * words]);
+    let map = case.desc(input.ptr).encode_emulated().unwrap();
+    let store_map = case.desc(copy.ptr).encode_emulated().unwrap();
     let kernel = Kernel { source: &TMA_PROBE, name: "longctx_tma_probe" };
     // SAFETY: the maps describe `input` and `copy`, and `out` holds the padded tensor the probe writes.
-    match unsafe { emu().launch(&kernel, &case.config(), &case.args(map, store_map, out.0, mode)) } {
+    match unsafe { emu().launch(&kernel, &case.config(), &case.args(map, store_map, out.ptr, mode)) } {
         Ok(()) => {
-            let mut bytes = vec![0u8; copy.1];
-            // SAFETY: the allocation holds `copy.1` bytes.
-            unsafe { std::ptr::copy_nonoverlapping(copy.0 as *const u8, bytes.as_mut_ptr(), copy.1) };
+            let bytes = copy.bytes();
             Ok((out.read_f32(), bytes))
         }
         Err(e) => Err(e.to_string()),
@@ -215,24 +184,9 @@ fn run_emulated(case: &Case) {
     }
 }
 
-/// The GPU (checked launches), or `None` with the reason on stderr: no device (unless `LONGCTX_REQUIRE_GPU=1`), or
-/// a device other than sm_90 (the probe is sm_90a's).
+/// The sm_90 GPU (checked launches), or `None` with the reason on stderr.
 fn gpu(test: &str) -> Option<Arc<DriverDevice>> {
-    match DriverDevice::with_options(0, DriverOptions { checked: true }) {
-        Ok(d) if d.arch() == "sm_90" || d.arch() == "sm_90a" => Some(d),
-        Ok(d) => {
-            eprintln!("{test}: skipped, the device is {} and the probe needs sm_90a", d.arch());
-            None
-        }
-        Err(KernelError::NoDevice { why, .. }) => {
-            if std::env::var("LONGCTX_REQUIRE_GPU").as_deref() == Ok("1") {
-                panic!("{test}: LONGCTX_REQUIRE_GPU=1 but there is no device: {why}");
-            }
-            eprintln!("{test}: skipped, no GPU: {why}");
-            None
-        }
-        Err(e) => panic!("{test}: {e}"),
-    }
+    probe::sm90_gpu(test, "the probe")
 }
 
 fn run_cuda(test: &str, case: &Case) {
@@ -271,7 +225,7 @@ fn run_cuda(test: &str, case: &Case) {
     if case.store {
         case.check_store(&copy);
     } else {
-        case.check(&out.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect::<Vec<_>>());
+        case.check(&probe::f32s(&out));
     }
 }
 
@@ -358,12 +312,12 @@ fn emulated_releasing_a_stage_before_its_store_read_it_shows() {
 
 #[test]
 fn emulated_a_map_from_elsewhere_is_an_error() {
-    let input = EmuBuf::new(&MISTAKES.input());
-    let out = EmuBuf::new(&[0xffu8; 4 * 96 * 64]);
+    let input = EmuBuf::new(emu(), &MISTAKES.input());
+    let out = EmuBuf::new(emu(), &[0xffu8; 4 * 96 * 64]);
     let kernel = Kernel { source: &TMA_PROBE, name: "longctx_tma_probe" };
     let map = TensorMap([0u8; 128]);
     // SAFETY: the probe fails at the first copy, before it reads or writes anything through the map.
-    let err = unsafe { emu().launch(&kernel, &MISTAKES.config(), &MISTAKES.args(map, map, out.0, 0)) }
+    let err = unsafe { emu().launch(&kernel, &MISTAKES.config(), &MISTAKES.args(map, map, out.ptr, 0)) }
         .unwrap_err()
         .to_string();
     drop(input);
@@ -372,9 +326,9 @@ fn emulated_a_map_from_elsewhere_is_an_error() {
 
 /// The try_wait kernel in `mode`: its three answers, or the error.
 fn try_wait(mode: i32) -> Result<Vec<i32>, String> {
-    let out = EmuBuf::new(&[0xffu8; 16]);
+    let out = EmuBuf::new(emu(), &[0xffu8; 16]);
     let mut args = KernelArgs::new();
-    args.push(out.0).push(mode);
+    args.push(out.ptr).push(mode);
     let kernel = Kernel { source: &TMA_PROBE, name: "longctx_tma_probe_try_wait" };
     // SAFETY: `out` holds the 4 ints the kernel may write.
     match unsafe { emu().launch(&kernel, &LaunchConfig::linear(1, 32), &args) } {
@@ -466,8 +420,8 @@ mod wgmma_on_tma_tiles {
         let bufs = std::cell::RefCell::new(Vec::new());
         wgmma_on_tma_tiles(
             &|bytes| {
-                let b = EmuBuf::new(bytes);
-                let p = b.0;
+                let b = EmuBuf::new(emu(), bytes);
+                let p = b.ptr;
                 bufs.borrow_mut().push(b);
                 p
             },
@@ -477,7 +431,7 @@ mod wgmma_on_tma_tiles {
                 // SAFETY: the maps describe A and B (64 × 64 bf16 each); D holds 64 × 64 floats.
                 unsafe { emu().launch(&kernel, &WGMMA_CONFIG, &args) }.unwrap_or_else(|e| panic!("{e}"));
                 let bufs = bufs.borrow();
-                let d = bufs.iter().find(|b| b.0 == pd).expect("D is one of the buffers");
+                let d = bufs.iter().find(|b| b.ptr == pd).expect("D is one of the buffers");
                 d.read_f32()
             },
         );
@@ -504,7 +458,7 @@ mod wgmma_on_tma_tiles {
                 // SAFETY: `pd` holds `out.len()` bytes.
                 unsafe { dev.download(&mut out, pd) }.unwrap();
                 dev.synchronize().unwrap();
-                out.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
+                probe::f32s(&out)
             },
         );
         for p in ptrs.into_inner() {

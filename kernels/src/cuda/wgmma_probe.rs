@@ -12,10 +12,10 @@ use std::sync::{Arc, OnceLock};
 use half::{bf16, f16};
 
 use super::device::{Device, DevicePtr, Kernel, KernelArgs, LaunchConfig};
-use super::driver::{DriverDevice, DriverOptions};
+use super::driver::DriverDevice;
 use super::emulator::Emulator;
+use super::probe::{self, EmuBuf};
 use super::sources::WGMMA_PROBE;
-use crate::error::KernelError;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Elem {
@@ -127,68 +127,24 @@ impl Case {
 /// One emulator with the probe, shared by the tests.
 fn emu() -> &'static Emulator {
     static EMU: OnceLock<Result<Emulator, String>> = OnceLock::new();
-    EMU.get_or_init(|| Emulator::new(&[&WGMMA_PROBE]).map_err(|e| e.to_string()))
-        .as_ref()
-        .unwrap_or_else(|e| panic!("{e}"))
-}
-
-/// Emulator memory holding `bytes` (freed on drop).
-struct EmuBuf(DevicePtr, usize);
-
-impl EmuBuf {
-    fn new(bytes: &[u8]) -> Self {
-        let e = emu();
-        let p = e.alloc(bytes.len()).unwrap();
-        e.check_range(p, bytes.len(), "upload").unwrap();
-        // SAFETY: the allocation holds `bytes.len()` bytes (checked above).
-        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), p as *mut u8, bytes.len()) };
-        Self(p, bytes.len())
-    }
-    fn read_f32(&self) -> Vec<f32> {
-        let mut out = vec![0u8; self.1];
-        // SAFETY: the allocation holds `self.1` bytes.
-        unsafe { std::ptr::copy_nonoverlapping(self.0 as *const u8, out.as_mut_ptr(), self.1) };
-        out.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
-    }
-}
-
-impl Drop for EmuBuf {
-    fn drop(&mut self) {
-        // SAFETY: launches are synchronous: nothing uses the buffer any more.
-        let _ = unsafe { emu().free(self.0) };
-    }
+    probe::emulator(&EMU, &WGMMA_PROBE)
 }
 
 fn run_emulated(case: &Case) {
     case.check(|case, a, b| {
-        let (a, b) = (EmuBuf::new(a), EmuBuf::new(b));
-        let d = EmuBuf::new(&vec![0xffu8; 64 * case.n * 4]);
+        let (a, b) = (EmuBuf::new(emu(), a), EmuBuf::new(emu(), b));
+        let d = EmuBuf::new(emu(), &vec![0xffu8; 64 * case.n * 4]);
         let cfg = LaunchConfig { grid: [1, 1, 1], block: [128, 1, 1], shared_bytes: case.shared_bytes() };
         let kernel = Kernel { source: &WGMMA_PROBE, name: case.kernel() };
         // SAFETY: A, B and D hold what the probe reads and writes for this case.
-        unsafe { emu().launch(&kernel, &cfg, &case.args(a.0, b.0, d.0)) }.unwrap_or_else(|e| panic!("{e}"));
+        unsafe { emu().launch(&kernel, &cfg, &case.args(a.ptr, b.ptr, d.ptr)) }.unwrap_or_else(|e| panic!("{e}"));
         d.read_f32()
     });
 }
 
-/// The GPU (checked launches), or `None` with the reason on stderr: no device (unless `LONGCTX_REQUIRE_GPU=1`), or
-/// a device other than sm_90 (wgmma is sm_90a's).
+/// The sm_90 GPU (checked launches), or `None` with the reason on stderr.
 fn gpu(test: &str) -> Option<Arc<DriverDevice>> {
-    match DriverDevice::with_options(0, DriverOptions { checked: true }) {
-        Ok(d) if d.arch() == "sm_90" || d.arch() == "sm_90a" => Some(d),
-        Ok(d) => {
-            eprintln!("{test}: skipped, the device is {} and wgmma needs sm_90a", d.arch());
-            None
-        }
-        Err(KernelError::NoDevice { why, .. }) => {
-            if std::env::var("LONGCTX_REQUIRE_GPU").as_deref() == Ok("1") {
-                panic!("{test}: LONGCTX_REQUIRE_GPU=1 but there is no device: {why}");
-            }
-            eprintln!("{test}: skipped, no GPU: {why}");
-            None
-        }
-        Err(e) => panic!("{test}: {e}"),
-    }
+    probe::sm90_gpu(test, "wgmma")
 }
 
 fn run_cuda(test: &str, case: &Case) {
@@ -219,7 +175,7 @@ fn run_cuda(test: &str, case: &Case) {
             dev.free(pb);
             dev.free(pd);
         }
-        out.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
+        probe::f32s(&out)
     });
 }
 
@@ -301,10 +257,10 @@ fn mistake(mode: i32) -> Result<Vec<f32>, String> {
         pipelined: false,
         rs: false,
     };
-    let (a, b) = (EmuBuf::new(&case.operand(64 * 16, 1).0), EmuBuf::new(&case.operand(64 * 16, 2).0));
-    let d = EmuBuf::new(&[0u8; 128 * 4]);
+    let (a, b) = (EmuBuf::new(emu(), &case.operand(64 * 16, 1).0), EmuBuf::new(emu(), &case.operand(64 * 16, 2).0));
+    let d = EmuBuf::new(emu(), &[0u8; 128 * 4]);
     let mut args = KernelArgs::new();
-    args.push(a.0).push(b.0).push(d.0).push(mode);
+    args.push(a.ptr).push(b.ptr).push(d.ptr).push(mode);
     let cfg = LaunchConfig { grid: [1, 1, 1], block: [128, 1, 1], shared_bytes: 2 * 64 * 16 * 2 + 1024 };
     let kernel = Kernel { source: &WGMMA_PROBE, name: "longctx_wgmma_probe_mistakes" };
     // SAFETY: A and B hold 64×16 elements, D 128 floats.
@@ -356,10 +312,10 @@ fn emulated_wgmma_outside_a_whole_warpgroup_is_an_error() {
         pipelined: false,
         rs: false,
     };
-    let (a, b) = (EmuBuf::new(&case.operand(64 * 16, 1).0), EmuBuf::new(&case.operand(64 * 16, 2).0));
-    let d = EmuBuf::new(&[0u8; 128 * 4]);
+    let (a, b) = (EmuBuf::new(emu(), &case.operand(64 * 16, 1).0), EmuBuf::new(emu(), &case.operand(64 * 16, 2).0));
+    let d = EmuBuf::new(emu(), &[0u8; 128 * 4]);
     let mut args = KernelArgs::new();
-    args.push(a.0).push(b.0).push(d.0).push(0i32);
+    args.push(a.ptr).push(b.ptr).push(d.ptr).push(0i32);
     let cfg = LaunchConfig { grid: [1, 1, 1], block: [96, 1, 1], shared_bytes: 2 * 64 * 16 * 2 + 1024 };
     let kernel = Kernel { source: &WGMMA_PROBE, name: "longctx_wgmma_probe_mistakes" };
     // SAFETY: A and B hold 64×16 elements, D 128 floats (96 are written).

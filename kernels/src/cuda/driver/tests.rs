@@ -20,17 +20,7 @@ use crate::dtype::DType;
 
 /// Device 0 with `options`, or `None` (and why, on stderr) when there is no GPU.
 fn gpu_with(test: &str, options: DriverOptions) -> Option<Arc<DriverDevice>> {
-    match DriverDevice::with_options(0, options) {
-        Ok(d) => Some(d),
-        Err(KernelError::NoDevice { why, .. }) => {
-            if std::env::var("LONGCTX_REQUIRE_GPU").as_deref() == Ok("1") {
-                panic!("{test}: LONGCTX_REQUIRE_GPU=1 but there is no device: {why}");
-            }
-            eprintln!("{test}: skipped, no GPU: {why}");
-            None
-        }
-        Err(e) => panic!("{test}: {e}"),
-    }
+    crate::cuda::probe::gpu_or_skip(test, options)
 }
 
 /// Device 0 with checked launches.
