@@ -5,18 +5,32 @@
 //
 // Warps. A block is NWG consumer warpgroups (NWG = 1 or 2; 128 threads each, warpgroup g = warps 4g..4g+3) for a
 // tile of BR = 64·NWG query rows of one (batch, head); warpgroup g owns rows 64g..64g+63 of the tile, and warp w of
-// it rows 16w..16w+15 of those (the accumulator fragment's rows). There is no producer warp yet: every thread issues
-// its share of the tile copies (wg_load_tile, attention_wgmma.cuh), which complete while the tensor cores work on
-// the tile before. The copies are one call per tile so that a TMA producer warp (cp.async.bulk.tensor completing on
-// an mbarrier) can replace them without touching the consumers.
+// it rows 16w..16w+15 of those (the accumulator fragment's rows). There is no producer warp yet: thread 0 issues
+// the tiles' copies by the TMA (cp.async.bulk.tensor, ptx_tma.cuh; fwd_tma_tile below), which complete on an
+// mbarrier while the tensor cores work on the tile before, and every thread waits on that mbarrier before reading
+// the tile. (The next step, FlashAttention-3's, moves the issuing to a producer warp of its own warpgroup with
+// "empty" barriers beside the "full" ones, and setmaxnreg between the roles.)
+//
+// Tensor maps (built by the host, ops/attention.rs: fwd_tma_maps): Q, K and V each as a 3-D tensor, innermost
+// first (D, rows of a head, batch·heads), strides 2D and 2D·len bytes; a box is 64 elements (128 bytes, the 128B
+// swizzle's span) × ROWS rows × 1 head, landing as ROWS 128-byte rows with the 128B swizzle on the address, which is
+// exactly one 64-element block of the tile layout below (wg_swz, attention_wgmma.cuh): a tile at D = 128 is two
+// boxes, at element columns 0 and 64. Rows past the head's length (Sq or Sk) lie outside the map's second
+// dimension, so the TMA writes them as zeros (never the next head's rows).
+//
+// Barriers (mbarriers in dynamic shared memory after the scratch): full[b] for K/V buffer b, 1 arrival (thread 0's
+// arrive.expect_tx of the tile's bytes, out-of-bounds zeros included) plus the copies' bytes; Q's box rides on
+// full[0] with the first key tile. Buffer b's n-th fill completes phase n, so each thread keeps one parity bit per
+// buffer, flipped after each wait. A buffer is refilled only after the __syncthreads that ends the tile using it
+// (every wgmma on it waited for), so there is no "empty" barrier; a tile hidden by the mask is never loaded.
 //
 // Pipeline, per block:
-// 1. Q's tile goes global → shared (cp.async, 16 bytes per copy, rows past Sq zero-filled); it stays in shared
-//    memory as wgmma's A operand.
+// 1. Q's tile goes global → shared by the TMA (rows past Sq zero-filled), with the first key tile that is not
+//    hidden; it stays in shared memory as wgmma's A operand. When every key tile is hidden nothing is loaded.
 // 2. Key tiles of BC = 64 rows, in order, skipping those the mask's tile summaries classify as hidden: K and V go
-//    global → shared by cp.async into one of two buffers while the tile before computes (double buffering; one
-//    commit group per tile; cp_async_wait then fence.proxy.async and __syncthreads before the tensor cores read the
-//    tile, since cp.async writes through the generic proxy and wgmma reads through the async proxy).
+//    global → shared by the TMA into one of two buffers while the tile before computes (double buffering; each
+//    thread waits on the buffer's full barrier before the tensor cores read the tile: the TMA writes through the
+//    async proxy, which wgmma reads, so no proxy fence is needed).
 // 3. Per tile, per warpgroup: S = Q·Kᵀ (64×64, D/16 wgmma m64n64k16 with both operands in shared memory); scaled
 //    to base 2; on a partial tile, or the last one past Sk, every hidden pair's score is selected to −inf (never
 //    multiplied); the online softmax per row on the accumulator fragment (wg_softmax: running max m and sum l,
@@ -39,7 +53,7 @@
 // for V, read as the B of P·V (B = V's transpose viewed as N×K = D×keys), it is the N-major 128B layout (128-byte
 // rows of 64 n = d, one per k = key: SBO = 1024 from keys 0-7 to keys 8-15, LBO = 64·128 from one 64-wide d block
 // to the next). Q: BR×D; K and V: two buffers of 64×D each; then 16 KiB per warpgroup for P on the rare tile that
-// needs a non-finite correction (below). 129 KiB at D = 128, NWG = 2.
+// needs a non-finite correction (below); then the two full barriers (16 bytes). 129 KiB at D = 128, NWG = 2.
 //
 // Non-finite values behind the mask: as attention_forward_tc.cu. On a partial tile that holds a non-finite V row
 // (the host's per-tile row masks), V's non-finite elements are set to 0 in shared memory before the product, and
@@ -100,9 +114,21 @@ __device__ __forceinline__ void wg_softmax(const AttnProblem& p, float (&s)[32],
         for (u32 r = 0; r < 4; ++r) pa[t][r] = pack2<T>(s[8 * t + 2 * r], s[8 * t + 2 * r + 1]);
 }
 
+// Issues the TMA copies of rows [row0, row0 + ROWS) of head `head` (of batch·heads) of the tensor `map` describes
+// into the tile at `dst`, completing on `bar`: D/64 boxes of 64 elements × ROWS rows, box c (elements 64c..64c+63)
+// at dst + c·ROWS·128 (the tile layout of the header). The caller announces the bytes (ROWS·D·2) on `bar`.
+template <int D, int ROWS>
+__device__ __forceinline__ void fwd_tma_tile(unsigned char* dst, const CUtensorMap* map, u64* bar, u32 row0,
+                                             u32 head) {
+#pragma unroll
+    for (int c = 0; c < D / 64; ++c)
+        tma_load_3d(dst + c * (ROWS * 128), map, bar, c * 64, static_cast<i32>(row0), static_cast<i32>(head));
+}
+
 template <int D, int NWG, typename T, typename OT>
-__device__ __forceinline__ void attn_fwd_wgmma(const AttnProblem& p, const T* __restrict__ q, const T* __restrict__ k,
-                                               const T* __restrict__ v, OT* __restrict__ o, float* __restrict__ lse,
+__device__ __forceinline__ void attn_fwd_wgmma(const AttnProblem& p, const CUtensorMap* qmap, const CUtensorMap* kmap,
+                                               const CUtensorMap* vmap, const T* __restrict__ v, OT* __restrict__ o,
+                                               float* __restrict__ lse,
                                                const unsigned long long* __restrict__ v_bad) {
     constexpr u32 BR = 64 * NWG;
     constexpr u32 TILE_BYTES = WG_BC * D * 2;
@@ -113,6 +139,7 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnProblem& p, const T* __
     // array: an array indexed at run time would live in local memory).
     unsigned char* kv = smem + Q_BYTES;
     float* pscr = reinterpret_cast<float*>(kv + 4 * TILE_BYTES);  // [4·NWG warps][16][64]: P, for the correction
+    u64* full = reinterpret_cast<u64*>(pscr + 4 * NWG * 16 * WG_BC);  // [2]: K/V buffer b's copies landed
 
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 wg = warp / 4, wwarp = warp % 4;
@@ -121,9 +148,8 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnProblem& p, const T* __
     const u32 hk = h / (p.q_heads / p.kv_heads);
     const u64 q_head = ((u64)b * p.q_heads + h) * p.q_len;
     const u64 k_head = ((u64)b * p.kv_heads + hk) * p.kv_len;
-    const T* qg = q + q_head * D;
-    const T* kg = k + k_head * D;
     const T* vg = v + k_head * D;
+    const u32 kv_head = b * p.kv_heads + hk;  // the maps' third coordinate
     const u32 k_tiles = (p.kv_len + WG_BC - 1) / WG_BC;
     // Scores are kept in base-2 units (scale·log2 e folded into one multiply), so each exponential is one
     // ex2.approx; m is in those units too.
@@ -131,37 +157,43 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnProblem& p, const T* __
     // This thread's rows: row_base and row_base + 8.
     const u32 row_base = qt * BR + wg * 64 + wwarp * 16 + gid;
 
-    // 1. Q, and the first key tile that is not hidden (into buffer 0).
-    wg_load_tile<D, BR, T>(qs, qg, qt * BR, p.q_len);
-    cp_async_commit();
-    u32 kt = next_tile(p, qt, 0, k_tiles);
-    if (kt < k_tiles) {
-        wg_load_tile<D, WG_BC, T>(kv, kg, kt * WG_BC, p.kv_len);
-        wg_load_tile<D, WG_BC, T>(kv + 2 * TILE_BYTES, vg, kt * WG_BC, p.kv_len);
+    const bool issuer = threadIdx.x == 0;  // the thread that issues every copy
+    if (issuer) {
+        mbarrier_init(&full[0], 1);
+        mbarrier_init(&full[1], 1);
+        mbarrier_fence_init();
     }
-    cp_async_commit();
+    __syncthreads();
+    // Bit b: the parity of buffer b's next fill (the phase a wait on full[b] waits for).
+    u32 parity = 0;
+
+    // 1. Q, and the first key tile that is not hidden (into buffer 0), on full[0]; nothing when every tile is hidden.
+    u32 kt = next_tile(p, qt, 0, k_tiles);
+    if (kt < k_tiles && issuer) {
+        mbarrier_arrive_expect_tx(&full[0], Q_BYTES + 2 * TILE_BYTES);
+        fwd_tma_tile<D, BR>(qs, qmap, &full[0], qt * BR, b * p.q_heads + h);
+        fwd_tma_tile<D, WG_BC>(kv, kmap, &full[0], kt * WG_BC, kv_head);
+        fwd_tma_tile<D, WG_BC>(kv + 2 * TILE_BYTES, vmap, &full[0], kt * WG_BC, kv_head);
+    }
 
     float acc[D / 2];
 #pragma unroll
     for (u32 i = 0; i < D / 2; ++i) acc[i] = 0.0f;
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
-    if (kt >= k_tiles) {
-        // Every key tile hidden: O = 0 and LSE = −inf below.
-        cp_async_wait_all();
-    } else {
+    if (kt < k_tiles) {
+        // (Every key tile hidden: O = 0 and LSE = −inf below.)
         // This warpgroup's 64 rows of Q (a multiple of 1024 bytes into each block of the tile).
         const unsigned char* q_wg = qs + wg * 64 * 128;
         const u64 bad_base = ((u64)b * p.kv_heads + hk) * k_tiles;
-        cp_async_wait<0>();
-        wgmma_fence_proxy_async();
-        __syncthreads();
+        mbarrier_wait(&full[0], 0);
+        parity ^= 1u;
         u32 next = next_tile(p, qt, kt + 1, k_tiles);
-        if (next < k_tiles) {
+        if (next < k_tiles && issuer) {
             // Prefetch the second tile into buffer 1 while the first one's S and softmax run.
-            wg_load_tile<D, WG_BC, T>(kv + TILE_BYTES, kg, next * WG_BC, p.kv_len);
-            wg_load_tile<D, WG_BC, T>(kv + 3 * TILE_BYTES, vg, next * WG_BC, p.kv_len);
+            mbarrier_arrive_expect_tx(&full[1], 2 * TILE_BYTES);
+            fwd_tma_tile<D, WG_BC>(kv + TILE_BYTES, kmap, &full[1], next * WG_BC, kv_head);
+            fwd_tma_tile<D, WG_BC>(kv + 3 * TILE_BYTES, vmap, &full[1], next * WG_BC, kv_head);
         }
-        cp_async_commit();
         int cls = classify(p, qt, kt);
         unsigned long long vb = (cls == TILE_PARTIAL && v_bad) ? v_bad[bad_base + kt] : 0ull;
         if (vb) {
@@ -195,9 +227,8 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnProblem& p, const T* __
             int cls_next = TILE_HIDDEN;
             unsigned char* kn = kv + (buf ^ 1) * TILE_BYTES;
             if (has_next) {
-                cp_async_wait<0>();
-                wgmma_fence_proxy_async();
-                __syncthreads();
+                mbarrier_wait(&full[buf ^ 1], (parity >> (buf ^ 1)) & 1u);
+                parity ^= 1u << (buf ^ 1);
                 cls_next = classify(p, qt, next);
                 vb_next = (cls_next == TILE_PARTIAL && v_bad) ? v_bad[bad_base + next] : 0ull;
                 if (vb_next) {
@@ -281,17 +312,16 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnProblem& p, const T* __
 
             __syncthreads();  // every warpgroup is done with buffer buf before the prefetch overwrites it
             u32 after = has_next ? next_tile(p, qt, next + 1, k_tiles) : k_tiles;
-            if (after < k_tiles) {
-                wg_load_tile<D, WG_BC, T>(kv + buf * TILE_BYTES, kg, after * WG_BC, p.kv_len);
-                wg_load_tile<D, WG_BC, T>(kv + (2 + buf) * TILE_BYTES, vg, after * WG_BC, p.kv_len);
+            if (after < k_tiles && issuer) {
+                mbarrier_arrive_expect_tx(&full[buf], 2 * TILE_BYTES);
+                fwd_tma_tile<D, WG_BC>(kv + buf * TILE_BYTES, kmap, &full[buf], after * WG_BC, kv_head);
+                fwd_tma_tile<D, WG_BC>(kv + (2 + buf) * TILE_BYTES, vmap, &full[buf], after * WG_BC, kv_head);
             }
-            cp_async_commit();
             buf ^= 1;
             kt = next;
             next = after;
             vb = vb_next;
         }
-        cp_async_wait_all();
     }
 
     // 4. O / l and LSE.
@@ -312,11 +342,14 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnProblem& p, const T* __
     }
 }
 
-// attn_fwd_wgmma_<inputs>_d<D>_w<NWG>_<output>: 128·NWG threads.
+// attn_fwd_wgmma_<inputs>_d<D>_w<NWG>_<output>: 128·NWG threads. q_map, k_map, v_map: the header's tensor maps;
+// v: V itself (the non-finite correction reads it from global memory).
 #define FWD_WGMMA(tn, tt, dd, nwg, on, ot)                                                                          \
     extern "C" __global__ void __launch_bounds__(128 * nwg, 1) attn_fwd_wgmma_##tn##_d##dd##_w##nwg##_##on(      \
-        AttnProblem p, const tt* q, const tt* k, const tt* v, ot* o, float* lse, const unsigned long long* v_bad) { \
-        attn_fwd_wgmma<dd, nwg, tt, ot>(p, q, k, v, o, lse, v_bad);                                                \
+        AttnProblem p, const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,       \
+        const __grid_constant__ CUtensorMap v_map, const tt* v, ot* o, float* lse,                                 \
+        const unsigned long long* v_bad) {                                                                          \
+        attn_fwd_wgmma<dd, nwg, tt, ot>(p, &q_map, &k_map, &v_map, v, o, lse, v_bad);                             \
     }
 #define FWD_WGMMA_TYPES(tn, tt)                                                                                     \
     FWD_WGMMA(tn, tt, 64, 1, tn, tt) FWD_WGMMA(tn, tt, 64, 1, f32, float) FWD_WGMMA(tn, tt, 64, 2, tn, tt)          \
