@@ -3,13 +3,17 @@
 // reference on the GPU): GQA by head index, masks by global positions through the same tile summaries, tails,
 // LSE, output in T or f32, and the same confinement of non-finite values behind the mask.
 //
-// Warps. A block is NWG consumer warpgroups (NWG = 1 or 2; 128 threads each, warpgroup g = warps 4g..4g+3) for a
-// tile of BR = 64·NWG query rows of one (batch, head); warpgroup g owns rows 64g..64g+63 of the tile, and warp w of
-// it rows 16w..16w+15 of those (the accumulator fragment's rows). There is no producer warp yet: thread 0 issues
-// the tiles' copies by the TMA (cp.async.bulk.tensor, ptx_tma.cuh; fwd_tma_tile below), which complete on an
-// mbarrier while the tensor cores work on the tile before, and every thread waits on that mbarrier before reading
-// the tile. (The next step, FlashAttention-3's, moves the issuing to a producer warp of its own warpgroup with
-// "empty" barriers beside the "full" ones, and setmaxnreg between the roles.)
+// Warps (FlashAttention-3's warp specialisation). A block is 128·(NWG + 1) threads (NWG = 1 or 2) for a tile of
+// BR = 64·NWG query rows of one (batch, head):
+// - warpgroup 0 is the producer: it lowers its registers to FWD_PRODUCER_REGS (setmaxnreg.dec, ptx_hopper.cuh),
+//   then its thread 0 issues every copy by the TMA (cp.async.bulk.tensor, ptx_tma.cuh; fwd_produce, fwd_tma_tile)
+//   and the other 127 threads leave;
+// - warpgroups 1..NWG are the consumers: they raise their registers (setmaxnreg.inc, to FWD_CONSUMER_REGS_1 or _2:
+//   the 64·NWG accumulators, two score fragments and P's) and only compute; consumer warpgroup g (warps
+//   4(g + 1)..4(g + 1) + 3) owns rows 64g..64g+63 of the tile, and its warp w rows 16w..16w+15 of those (the
+//   accumulator fragment's rows). The register split fits the 64K registers: 128·40 + 128·256 (NWG = 1) and
+//   128·40 + 256·232 (NWG = 2); setmaxnreg takes effect because the kernel has a cap at entry
+//   (__launch_bounds__(threads, 1)).
 //
 // Tensor maps (built by the host, ops/attention.rs: fwd_tma_maps): Q, K and V each as a 3-D tensor, innermost
 // first (D, rows of a head, batch·heads), strides 2D and 2D·len bytes; a box is 64 elements (128 bytes, the 128B
@@ -18,19 +22,24 @@
 // boxes, at element columns 0 and 64. Rows past the head's length (Sq or Sk) lie outside the map's second
 // dimension, so the TMA writes them as zeros (never the next head's rows).
 //
-// Barriers (mbarriers in dynamic shared memory after the scratch): full[b] for K/V buffer b, 1 arrival (thread 0's
-// arrive.expect_tx of the tile's bytes, out-of-bounds zeros included) plus the copies' bytes; Q's box rides on
-// full[0] with the first key tile. Buffer b's n-th fill completes phase n, so each thread keeps one parity bit per
-// buffer, flipped after each wait. A buffer is refilled only after the __syncthreads that ends the tile using it
-// (every wgmma on it waited for), so there is no "empty" barrier; a tile hidden by the mask is never loaded.
+// Stages and barriers (mbarriers in dynamic shared memory after the scratch): K/V tiles go through a ring of
+// FWD_STAGES stages (K and V of 64 rows each). full[st]: 1 arrival (the producer's arrive.expect_tx of the stage's
+// bytes, out-of-bounds zeros included) plus the copies' bytes; empty[st]: 128·NWG arrivals, one per consumer
+// thread, each after its last wgmma on the stage (P·V of the tile) has been waited for. The producer's n-th tile
+// goes into stage n % FWD_STAGES: it waits on empty with parity ((n / FWD_STAGES) & 1) ^ 1 (the first use passes at
+// once), the consumers on full with parity (n / FWD_STAGES) & 1. qbar: Q's box, once. csync (128·NWG arrivals):
+// the consumers' own barrier (a __syncthreads would wait for the producer, which has left or waits on "empty"),
+// used after the rare non-finite sanitising of a V tile (below). Producer and consumers walk the same key tiles in
+// the same order (next_tile over the mask's tile summaries), so a hidden tile is never loaded, and nothing is
+// loaded (Q included) when every tile is hidden.
 //
 // Pipeline, per block:
-// 1. Q's tile goes global → shared by the TMA (rows past Sq zero-filled), with the first key tile that is not
-//    hidden; it stays in shared memory as wgmma's A operand. When every key tile is hidden nothing is loaded.
+// 1. Q's tile goes global → shared by the TMA (rows past Sq zero-filled); it stays in shared memory as wgmma's A
+//    operand.
 // 2. Key tiles of BC = 64 rows, in order, skipping those the mask's tile summaries classify as hidden: K and V go
-//    global → shared by the TMA into one of two buffers while the tile before computes (double buffering; each
-//    thread waits on the buffer's full barrier before the tensor cores read the tile: the TMA writes through the
-//    async proxy, which wgmma reads, so no proxy fence is needed).
+//    global → shared by the TMA into the ring while the consumers compute on the tiles before; the consumers wait
+//    on the stage's full barrier before the tensor cores read it (the TMA writes through the async proxy, which
+//    wgmma reads: no proxy fence).
 // 3. Per tile, per warpgroup: S = Q·Kᵀ (64×64, D/16 wgmma m64n64k16 with both operands in shared memory); scaled
 //    to base 2; on a partial tile, or the last one past Sk, every hidden pair's score is selected to −inf (never
 //    multiplied); the online softmax per row on the accumulator fragment (wg_softmax: running max m and sum l,
@@ -52,15 +61,21 @@
 // 128B layout (rows = M or N, 64 elements of K per row: LBO unused, SBO = 1024 from one 8-row group to the next);
 // for V, read as the B of P·V (B = V's transpose viewed as N×K = D×keys), it is the N-major 128B layout (128-byte
 // rows of 64 n = d, one per k = key: SBO = 1024 from keys 0-7 to keys 8-15, LBO = 64·128 from one 64-wide d block
-// to the next). Q: BR×D; K and V: two buffers of 64×D each; then 16 KiB per warpgroup for P on the rare tile that
-// needs a non-finite correction (below); then the two full barriers (16 bytes). 129 KiB at D = 128, NWG = 2.
+// to the next). Q: BR×D; K and V: FWD_STAGES (2) stages of 64×D each; then 16 KiB per warpgroup for P on the rare tile that
+// needs a non-finite correction (below); then the barriers (48 bytes). 129 KiB at D = 128, NWG = 2.
 //
 // Non-finite values behind the mask: as attention_forward_tc.cu. On a partial tile that holds a non-finite V row
-// (the host's per-tile row masks), V's non-finite elements are set to 0 in shared memory before the product, and
-// each row that sees such a key then adds P·V[j, d] for those elements from global memory.
+// (the host's per-tile row masks), V's non-finite elements are set to 0 in shared memory by the consumers before
+// the product (then fence.proxy.async and csync), and each row that sees such a key then adds P·V[j, d] for those elements from global memory.
 //
 // Every loop over a register array (fragments, accumulators) is unrolled with constant bounds: an array indexed at
 // run time is placed in local memory.
+
+// The ring's depth, and the register split of the producer and consumer warpgroups (the header's Warps).
+#define FWD_STAGES 2
+#define FWD_PRODUCER_REGS 40
+#define FWD_CONSUMER_REGS_1 256
+#define FWD_CONSUMER_REGS_2 232
 
 // The online softmax of one key tile (keys j0..j0+63) on its score fragment `s` (s[4n + e]: row row_base + 8·(e / 2),
 // key j0 + 8n + 2·tig + (e % 2)): scaled to base 2; hidden pairs (when `masked`: a partial tile, or the last one past
@@ -125,6 +140,47 @@ __device__ __forceinline__ void fwd_tma_tile(unsigned char* dst, const CUtensorM
         tma_load_3d(dst + c * (ROWS * 128), map, bar, c * 64, static_cast<i32>(row0), static_cast<i32>(head));
 }
 
+// Sets the non-finite elements of the rows of a WG_BC-row tile flagged in `bad` to 0, by the consumers (thread `ct`
+// of `n`): wg_sanitize's loop over the consumer threads only (the producer warpgroup has left).
+template <int D, typename T>
+__device__ __forceinline__ void fwd_sanitize(unsigned char* tile, unsigned long long bad, u32 ct, u32 n) {
+    for (u32 x = ct; x < WG_BC * D; x += n) {
+        u32 r = x / D, d = x % D;
+        if (!((bad >> r) & 1ull)) continue;
+        T* e = reinterpret_cast<T*>(tile + wg_swz<WG_BC>(r, d / 8)) + (d % 8);
+        if (!isfinite(to_f32(*e))) *e = from_f32<T>(0.0f);
+    }
+}
+
+// The consumers' barrier (every consumer thread, on the mbarrier `bar` of as many arrivals; `parity` is the
+// thread's count of its uses, mod 2): a barrier that does not wait for the producer warpgroup, which has left.
+__device__ __forceinline__ void fwd_consumer_sync(u64* bar, u32& parity) {
+    mbarrier_arrive(bar);
+    mbarrier_wait(bar, parity);
+    parity ^= 1u;
+}
+
+// The producer (thread 0 of warpgroup 0): Q once on `qbar`, then the key tiles that are not hidden, in the consumers'
+// order (next_tile), the n-th into stage n % FWD_STAGES once the consumers have released it (its empty barrier's
+// phase before the (n / FWD_STAGES)-th: the first use of a stage passes at once).
+template <int D, int BR>
+__device__ __forceinline__ void fwd_produce(const AttnProblem& p, const CUtensorMap* qmap, const CUtensorMap* kmap,
+                                            const CUtensorMap* vmap, unsigned char* qs, unsigned char* kv, u64* qbar,
+                                            u64* full, u64* empty, u32 qt, u32 q_head, u32 kv_head, u32 k_tiles) {
+    constexpr u32 TILE_BYTES = WG_BC * D * 2;
+    u32 kt = next_tile(p, qt, 0, k_tiles);
+    if (kt >= k_tiles) return;  // every key tile hidden: nothing to load
+    mbarrier_arrive_expect_tx(qbar, BR * D * 2);
+    fwd_tma_tile<D, BR>(qs, qmap, qbar, qt * BR, q_head);
+    for (u32 n = 0; kt < k_tiles; ++n, kt = next_tile(p, qt, kt + 1, k_tiles)) {
+        const u32 st = n % FWD_STAGES, use = n / FWD_STAGES;
+        mbarrier_wait(&empty[st], (use & 1u) ^ 1u);
+        mbarrier_arrive_expect_tx(&full[st], 2 * TILE_BYTES);
+        fwd_tma_tile<D, WG_BC>(kv + st * TILE_BYTES, kmap, &full[st], kt * WG_BC, kv_head);
+        fwd_tma_tile<D, WG_BC>(kv + (FWD_STAGES + st) * TILE_BYTES, vmap, &full[st], kt * WG_BC, kv_head);
+    }
+}
+
 template <int D, int NWG, typename T, typename OT>
 __device__ __forceinline__ void attn_fwd_wgmma(const AttnProblem& p, const CUtensorMap* qmap, const CUtensorMap* kmap,
                                                const CUtensorMap* vmap, const T* __restrict__ v, OT* __restrict__ o,
@@ -135,46 +191,57 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnProblem& p, const CUten
     constexpr u32 Q_BYTES = BR * D * 2;
     unsigned char* smem = wg_smem();
     unsigned char* qs = smem;
-    // K's buffer b at smem + Q_BYTES + b·TILE_BYTES, V's at smem + Q_BYTES + (2 + b)·TILE_BYTES (computed, not an
-    // array: an array indexed at run time would live in local memory).
+    constexpr u32 CONSUMERS = 128 * NWG;
+    // K of stage st at smem + Q_BYTES + st·TILE_BYTES, V's at smem + Q_BYTES + (FWD_STAGES + st)·TILE_BYTES
+    // (computed, not an array: an array indexed at run time would live in local memory).
     unsigned char* kv = smem + Q_BYTES;
-    float* pscr = reinterpret_cast<float*>(kv + 4 * TILE_BYTES);  // [4·NWG warps][16][64]: P, for the correction
-    u64* full = reinterpret_cast<u64*>(pscr + 4 * NWG * 16 * WG_BC);  // [2]: K/V buffer b's copies landed
+    float* pscr = reinterpret_cast<float*>(kv + 2 * FWD_STAGES * TILE_BYTES);  // [4·NWG warps][16][64]: P
+    u64* qbar = reinterpret_cast<u64*>(pscr + 4 * NWG * 16 * WG_BC);            // Q landed
+    u64* full = qbar + 1;                                                         // [FWD_STAGES]: the stage landed
+    u64* empty = full + FWD_STAGES;                                               // [FWD_STAGES]: the stage is free
+    u64* csync = empty + FWD_STAGES;                                              // the consumers' barrier
 
-    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const u32 wg = warp / 4, wwarp = warp % 4;
-    const u32 gid = lane >> 2, tig = lane & 3;
     const u32 qt = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
     const u32 hk = h / (p.q_heads / p.kv_heads);
+    const u32 kv_head = b * p.kv_heads + hk;  // the maps' third coordinate
+    const u32 k_tiles = (p.kv_len + WG_BC - 1) / WG_BC;
+    if (threadIdx.x == 0) {
+        mbarrier_init(qbar, 1);
+        for (u32 st = 0; st < FWD_STAGES; ++st) {
+            mbarrier_init(&full[st], 1);
+            mbarrier_init(&empty[st], CONSUMERS);
+        }
+        mbarrier_init(csync, CONSUMERS);
+        mbarrier_fence_init();
+    }
+    __syncthreads();
+    if (threadIdx.x < 128) {
+        // The producer warpgroup: its registers lowered, one thread issues every copy, the others leave.
+        setmaxnreg_dec<FWD_PRODUCER_REGS>();
+        if (threadIdx.x == 0)
+            fwd_produce<D, BR>(p, qmap, kmap, vmap, qs, kv, qbar, full, empty, qt, b * p.q_heads + h, kv_head,
+                               k_tiles);
+        return;
+    }
+    setmaxnreg_inc<(NWG == 1 ? FWD_CONSUMER_REGS_1 : FWD_CONSUMER_REGS_2)>();
+    // The consumers: thread ct of 128·NWG.
+    const u32 ct = threadIdx.x - 128;
+    const u32 lane = ct & 31, warp = ct >> 5;
+    const u32 wg = warp / 4, wwarp = warp % 4;
+    const u32 gid = lane >> 2, tig = lane & 3;
     const u64 q_head = ((u64)b * p.q_heads + h) * p.q_len;
     const u64 k_head = ((u64)b * p.kv_heads + hk) * p.kv_len;
     const T* vg = v + k_head * D;
-    const u32 kv_head = b * p.kv_heads + hk;  // the maps' third coordinate
-    const u32 k_tiles = (p.kv_len + WG_BC - 1) / WG_BC;
     // Scores are kept in base-2 units (scale·log2 e folded into one multiply), so each exponential is one
     // ex2.approx; m is in those units too.
     const float scale2 = p.scale * 1.4426950408889634f;
     // This thread's rows: row_base and row_base + 8.
     const u32 row_base = qt * BR + wg * 64 + wwarp * 16 + gid;
 
-    const bool issuer = threadIdx.x == 0;  // the thread that issues every copy
-    if (issuer) {
-        mbarrier_init(&full[0], 1);
-        mbarrier_init(&full[1], 1);
-        mbarrier_fence_init();
-    }
-    __syncthreads();
-    // Bit b: the parity of buffer b's next fill (the phase a wait on full[b] waits for).
-    u32 parity = 0;
+    u32 cpar = 0;  // the parity of the consumers' next barrier
 
-    // 1. Q, and the first key tile that is not hidden (into buffer 0), on full[0]; nothing when every tile is hidden.
+    // 1. The first key tile that is not hidden (the producer's tile 0, in stage 0), and Q.
     u32 kt = next_tile(p, qt, 0, k_tiles);
-    if (kt < k_tiles && issuer) {
-        mbarrier_arrive_expect_tx(&full[0], Q_BYTES + 2 * TILE_BYTES);
-        fwd_tma_tile<D, BR>(qs, qmap, &full[0], qt * BR, b * p.q_heads + h);
-        fwd_tma_tile<D, WG_BC>(kv, kmap, &full[0], kt * WG_BC, kv_head);
-        fwd_tma_tile<D, WG_BC>(kv + 2 * TILE_BYTES, vmap, &full[0], kt * WG_BC, kv_head);
-    }
 
     float acc[D / 2];
 #pragma unroll
@@ -185,22 +252,16 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnProblem& p, const CUten
         // This warpgroup's 64 rows of Q (a multiple of 1024 bytes into each block of the tile).
         const unsigned char* q_wg = qs + wg * 64 * 128;
         const u64 bad_base = ((u64)b * p.kv_heads + hk) * k_tiles;
+        mbarrier_wait(qbar, 0);
         mbarrier_wait(&full[0], 0);
-        parity ^= 1u;
         u32 next = next_tile(p, qt, kt + 1, k_tiles);
-        if (next < k_tiles && issuer) {
-            // Prefetch the second tile into buffer 1 while the first one's S and softmax run.
-            mbarrier_arrive_expect_tx(&full[1], 2 * TILE_BYTES);
-            fwd_tma_tile<D, WG_BC>(kv + TILE_BYTES, kmap, &full[1], next * WG_BC, kv_head);
-            fwd_tma_tile<D, WG_BC>(kv + 3 * TILE_BYTES, vmap, &full[1], next * WG_BC, kv_head);
-        }
         int cls = classify(p, qt, kt);
         unsigned long long vb = (cls == TILE_PARTIAL && v_bad) ? v_bad[bad_base + kt] : 0ull;
         if (vb) {
             // Zero V's non-finite elements in the rows flagged (see the header).
-            wg_sanitize<D, T>(kv + 2 * TILE_BYTES, vb);
+            fwd_sanitize<D, T>(kv + FWD_STAGES * TILE_BYTES, vb, ct, CONSUMERS);
             wgmma_fence_proxy_async();
-            __syncthreads();
+            fwd_consumer_sync(csync, cpar);
         }
 
         // S of the first tile, its softmax, its P in the A fragment.
@@ -218,23 +279,23 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnProblem& p, const CUten
         wg_softmax<T>(p, s, m, l, alpha, pa, row_base, kt * WG_BC, cls == TILE_PARTIAL || (kt + 1) * WG_BC > p.kv_len,
                       tig, scale2);
 
-        u32 buf = 0;
+        u32 n = 0;  // tile kt is the producer's n-th: in stage n % FWD_STAGES, its (n / FWD_STAGES)-th fill
         while (kt < k_tiles) {
-            // Tile kt is in buffer buf, its P in pa (its alpha applied: O holds the tiles before it); tile `next`
-            // is on its way into buffer buf ^ 1.
+            // Tile kt is in stage st, its P in pa (its alpha applied: O holds the tiles before it); tile `next` is
+            // the producer's (n + 1)-th.
+            const u32 st = n % FWD_STAGES, st_next = (n + 1) % FWD_STAGES;
             const bool has_next = next < k_tiles;
             unsigned long long vb_next = 0;
             int cls_next = TILE_HIDDEN;
-            unsigned char* kn = kv + (buf ^ 1) * TILE_BYTES;
+            unsigned char* kn = kv + st_next * TILE_BYTES;
             if (has_next) {
-                mbarrier_wait(&full[buf ^ 1], (parity >> (buf ^ 1)) & 1u);
-                parity ^= 1u << (buf ^ 1);
+                mbarrier_wait(&full[st_next], ((n + 1) / FWD_STAGES) & 1u);
                 cls_next = classify(p, qt, next);
                 vb_next = (cls_next == TILE_PARTIAL && v_bad) ? v_bad[bad_base + next] : 0ull;
                 if (vb_next) {
-                    wg_sanitize<D, T>(kn + 2 * TILE_BYTES, vb_next);
+                    fwd_sanitize<D, T>(kn + FWD_STAGES * TILE_BYTES, vb_next, ct, CONSUMERS);
                     wgmma_fence_proxy_async();
-                    __syncthreads();
+                    fwd_consumer_sync(csync, cpar);
                 }
             }
             // This warp's P of tile kt for the correction, before S of the next tile takes its registers.
@@ -260,7 +321,7 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnProblem& p, const CUten
                     wg_mma_qk<T>(s, wg_desc_kmajor<BR>(q_wg, ks), wg_desc_kmajor<WG_BC>(kn, ks), ks > 0);
                 wgmma_commit_group();
             }
-            unsigned char* vs_ = kv + (2 + buf) * TILE_BYTES;
+            unsigned char* vs_ = kv + (FWD_STAGES + st) * TILE_BYTES;
 #pragma unroll
             for (u32 t = 0; t < WG_BC / 16; ++t) wg_mma_pv<T, D>(acc, pa[t], wg_desc_nmajor(vs_, t));
             wgmma_commit_group();
@@ -271,6 +332,8 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnProblem& p, const CUten
                               cls_next == TILE_PARTIAL || (next + 1) * WG_BC > p.kv_len, tig, scale2);
             }
             wgmma_wait_group<0>();  // O += P·V of this tile
+            // Every wgmma on stage st has been waited for (S of tile kt at the iteration before): release it.
+            mbarrier_arrive(&empty[st]);
 
             if (vb) {
                 // Each row that sees a flagged key adds what the zeroed elements held, times its P (from shared
@@ -310,16 +373,9 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnProblem& p, const CUten
                     for (u32 r = 0; r < 4; ++r) pa[t][r] = pa_next[t][r];
             }
 
-            __syncthreads();  // every warpgroup is done with buffer buf before the prefetch overwrites it
-            u32 after = has_next ? next_tile(p, qt, next + 1, k_tiles) : k_tiles;
-            if (after < k_tiles && issuer) {
-                mbarrier_arrive_expect_tx(&full[buf], 2 * TILE_BYTES);
-                fwd_tma_tile<D, WG_BC>(kv + buf * TILE_BYTES, kmap, &full[buf], after * WG_BC, kv_head);
-                fwd_tma_tile<D, WG_BC>(kv + (2 + buf) * TILE_BYTES, vmap, &full[buf], after * WG_BC, kv_head);
-            }
-            buf ^= 1;
+            ++n;
             kt = next;
-            next = after;
+            next = has_next ? next_tile(p, qt, next + 1, k_tiles) : k_tiles;
             vb = vb_next;
         }
     }
@@ -342,10 +398,10 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnProblem& p, const CUten
     }
 }
 
-// attn_fwd_wgmma_<inputs>_d<D>_w<NWG>_<output>: 128·NWG threads. q_map, k_map, v_map: the header's tensor maps;
+// attn_fwd_wgmma_<inputs>_d<D>_w<NWG>_<output>: 128·(NWG + 1) threads. q_map, k_map, v_map: the header's tensor maps;
 // v: V itself (the non-finite correction reads it from global memory).
 #define FWD_WGMMA(tn, tt, dd, nwg, on, ot)                                                                          \
-    extern "C" __global__ void __launch_bounds__(128 * nwg, 1) attn_fwd_wgmma_##tn##_d##dd##_w##nwg##_##on(      \
+    extern "C" __global__ void __launch_bounds__(128 * (nwg + 1), 1) attn_fwd_wgmma_##tn##_d##dd##_w##nwg##_##on(      \
         AttnProblem p, const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,       \
         const __grid_constant__ CUtensorMap v_map, const tt* v, ot* o, float* lse,                                 \
         const unsigned long long* v_bad) {                                                                          \

@@ -218,6 +218,9 @@ fn fwd_tma_maps(b: &Stream, p: &AttnParams<'_>, qkv: &Qkv<'_>, rows: usize) -> O
     ])
 }
 
+/// The wgmma forward's ring of K/V stages (`FWD_STAGES` in `attention_forward_wgmma.cu`).
+const FWD_STAGES: usize = 2;
+
 /// How many wgmma forwards have run with their tensor maps (the tests' proof that the TMA path ran).
 #[cfg(test)]
 pub(crate) static FWD_TMA_LAUNCHES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
@@ -399,10 +402,15 @@ pub(crate) fn forward(b: &Stream, p: &AttnParams<'_>, out: AttnOut<'_>, qkv: Qkv
         args.push(pr.args).push(q_map).push(k_map).push(v_map).push(v).push(o).push(lse).push(v_bad.ptr());
         let cfg = LaunchConfig {
             grid: [s.q_len.div_ceil(rows) as u32, s.q_heads as u32, s.batch as u32],
-            block: [128 * nwg as u32, 1, 1],
-            // Q, two K and two V buffers, P's correction scratch (16 rows × 64 keys of f32 per warp), the two full
-            // barriers, and 1024 for the kernel's alignment of its tiles (the 128B swizzle is on the address).
-            shared_bytes: ((rows + 4 * TC_TILE) * s.head_dim * 2 + 4 * nwg * 16 * TC_TILE * 4 + 16 + 1024) as u32,
+            // A producer warpgroup and `nwg` consumer warpgroups.
+            block: [128 * (nwg as u32 + 1), 1, 1],
+            // Q, K and V in each of the ring's stages, P's correction scratch (16 rows × 64 keys of f32 per consumer
+            // warp), the barriers (Q's, full and empty per stage, the consumers'), and 1024 for the kernel's
+            // alignment of its tiles (the 128B swizzle is on the address).
+            shared_bytes: ((rows + 2 * FWD_STAGES * TC_TILE) * s.head_dim * 2
+                + 4 * nwg * 16 * TC_TILE * 4
+                + 8 * (2 + 2 * FWD_STAGES)
+                + 1024) as u32,
         };
         let name = format!("attn_fwd_wgmma_{}_d{}_w{nwg}_{}", super::suffix(qt), s.head_dim, super::suffix(ot));
         let kf = kernel(&FORWARD_WGMMA, &name)?;
