@@ -9,11 +9,14 @@
 //   then its thread 0 issues every copy by the TMA (cp.async.bulk.tensor, ptx_tma.cuh; fwd_produce, fwd_tma_tile)
 //   and the other 127 threads leave;
 // - warpgroups 1..NWG are the consumers: they raise their registers (setmaxnreg.inc, to FWD_CONSUMER_REGS_1 or _2:
-//   the 64·NWG accumulators, two score fragments and P's) and only compute; consumer warpgroup g (warps
+//   O's D/2 accumulators, two score fragments, two sets of P's A fragments) and only compute; consumer warpgroup g (warps
 //   4(g + 1)..4(g + 1) + 3) owns rows 64g..64g+63 of the tile, and its warp w rows 16w..16w+15 of those (the
 //   accumulator fragment's rows). The register split fits the 64K registers: 128·40 + 128·256 (NWG = 1) and
 //   128·40 + 256·232 (NWG = 2); setmaxnreg takes effect because the kernel has a cap at entry
-//   (__launch_bounds__(threads, 1)).
+//   (__launch_bounds__(threads, 1)): ptxas reports that cap (168 registers at NWG = 2, 255 at NWG = 1) and no spill
+//   or stack frame (nvrtc.rs's tests), where the single-role kernel before this one used 197 at D = 128.
+//   Checked on the emulator (which models the TMA, the mbarriers and their deadlocks, not the register file nor
+//   the proxies) and by ptxas; not yet run on a GPU.
 //
 // Tensor maps (built by the host, ops/attention.rs: fwd_tma_maps): Q, K and V each as a 3-D tensor, innermost
 // first (D, rows of a head, batch·heads), strides 2D and 2D·len bytes; a box is 64 elements (128 bytes, the 128B
