@@ -109,3 +109,87 @@ mod forward_backward {
         }
     }
 }
+
+/// The forward's TMA loads (`attention_forward_wgmma.cu`: per-head tensor maps whose rows past the sequence are
+/// zeros): two heads of K and V, the second all NaN, lengths off the tiles (70 queries, 70 keys: the last key
+/// tile's rows 70..127 of the first head lie where the second head's rows start in memory). The first head's O and
+/// LSE must be the CPU's (a map that let the tile run on into the next head would put NaN·0 into them), and the
+/// launch counter shows the TMA path ran.
+fn tails_do_not_leak(b: CudaBackend) {
+    use std::sync::atomic::Ordering;
+    let wg = b.with_attention_path(AttentionPath::Wgmma);
+    let cpu = CpuBackend::new();
+    for d in [64, 128] {
+        let shape = AttnShape { batch: 1, q_heads: 2, kv_heads: 2, q_len: 70, kv_len: 70, head_dim: d };
+        let p = AttnParams::new(shape);
+        let (q, mut k, mut v) = (
+            uniform_nonzero(shape.q_elems(), 7),
+            uniform_nonzero(shape.kv_elems(), 8),
+            uniform_nonzero(shape.kv_elems(), 9),
+        );
+        let head = shape.kv_len * d;
+        k[head..].fill(f32::NAN);
+        v[head..].fill(f32::NAN);
+        let before = super::ops::attention::FWD_TMA_LAUNCHES.load(Ordering::Relaxed);
+        let got = run_forward(&wg, &p, [&q, &k, &v]);
+        assert!(super::ops::attention::FWD_TMA_LAUNCHES.load(Ordering::Relaxed) > before, "d {d}: no TMA forward ran");
+        let want = run_forward(&cpu, &p, [&q, &k, &v]);
+        let rows = shape.q_len;
+        for (n, (name, per_row)) in [("O", d), ("LSE", 1)].into_iter().enumerate() {
+            for i in 0..rows * per_row {
+                let (g, w) = (got[n][i], want[n][i]);
+                assert!(g.is_finite() && (g - w).abs() <= 3e-3 + 1e-2 * w.abs(), "d {d}: {name}[{i}] = {g}, want {w}");
+            }
+        }
+    }
+}
+
+/// `[O, LSE]` as f32 of a forward of `p` on `b`, inputs rounded to bf16 on the backend, O in f32.
+fn run_forward(b: &dyn Backend, p: &AttnParams<'_>, x: [&[f32]; 3]) -> [Vec<f32>; 2] {
+    let s = p.shape;
+    let dims = |d: &[usize]| Dims::new(d).unwrap();
+    let input = |vals: &[f32], d: &[usize]| -> Buffer {
+        let mut f = b.empty(DType::F32, dims(d)).unwrap();
+        b.upload(f.view_mut(), View::new(vals, d).unwrap()).unwrap();
+        let mut t = b.empty(DType::Bf16, dims(d)).unwrap();
+        b.copy(t.view_mut(), f.view()).unwrap();
+        t
+    };
+    let (q, k, v) = (input(x[0], &s.q_dims()), input(x[1], &s.kv_dims()), input(x[2], &s.kv_dims()));
+    let mut o = b.empty(DType::F32, dims(&s.q_dims())).unwrap();
+    let mut lse = b.empty(DType::F32, dims(&s.lse_dims())).unwrap();
+    b.fill(o.view_mut(), f32::NAN).unwrap();
+    b.fill(lse.view_mut(), f32::NAN).unwrap();
+    let out = AttnOut { o: o.view_mut(), lse: lse.view_mut() };
+    b.attention_forward(&p.options(), out, Qkv::new(q.view(), k.view(), v.view())).unwrap();
+    let download = |buf: &Buffer, d: &[usize]| -> Vec<f32> {
+        let mut host = vec![f32::NAN; d.iter().product()];
+        b.download(ViewMut::new(&mut host, d).unwrap(), buf.view()).unwrap();
+        host
+    };
+    [download(&o, &s.q_dims()), download(&lse, &s.lse_dims())]
+}
+
+mod tma_forward {
+    use super::*;
+
+    #[test]
+    fn emulated() {
+        tails_do_not_leak(CudaBackend::emulated().unwrap_or_else(|e| panic!("{e}")));
+    }
+
+    #[test]
+    fn cuda() {
+        match CudaBackend::new(0) {
+            Ok(b) if b.device_name().contains("sm_90") => tails_do_not_leak(b),
+            Ok(b) => eprintln!("wgmma_attention: skipped, the device is {} and wgmma needs sm_90", b.device_name()),
+            Err(KernelError::NoDevice { why, .. }) => {
+                if std::env::var("LONGCTX_REQUIRE_GPU").as_deref() == Ok("1") {
+                    panic!("LONGCTX_REQUIRE_GPU=1 but there is no device: {why}");
+                }
+                eprintln!("wgmma_attention: skipped, no GPU: {why}");
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+}

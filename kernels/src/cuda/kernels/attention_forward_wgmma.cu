@@ -3,20 +3,46 @@
 // reference on the GPU): GQA by head index, masks by global positions through the same tile summaries, tails,
 // LSE, output in T or f32, and the same confinement of non-finite values behind the mask.
 //
-// Warps. A block is NWG consumer warpgroups (NWG = 1 or 2; 128 threads each, warpgroup g = warps 4g..4g+3) for a
-// tile of BR = 64·NWG query rows of one (batch, head); warpgroup g owns rows 64g..64g+63 of the tile, and warp w of
-// it rows 16w..16w+15 of those (the accumulator fragment's rows). There is no producer warp yet: every thread issues
-// its share of the tile copies (wg_load_tile, attention_wgmma.cuh), which complete while the tensor cores work on
-// the tile before. The copies are one call per tile so that a TMA producer warp (cp.async.bulk.tensor completing on
-// an mbarrier) can replace them without touching the consumers.
+// Warps (FlashAttention-3's warp specialisation). A block is 128·(NWG + 1) threads (NWG = 1 or 2) for a tile of
+// BR = 64·NWG query rows of one (batch, head):
+// - warpgroup 0 is the producer: it lowers its registers to FWD_PRODUCER_REGS (setmaxnreg.dec, ptx_hopper.cuh),
+//   then its thread 0 issues every copy by the TMA (cp.async.bulk.tensor, ptx_tma.cuh; fwd_produce, fwd_tma_tile)
+//   and the other 127 threads leave;
+// - warpgroups 1..NWG are the consumers: they raise their registers (setmaxnreg.inc, to FWD_CONSUMER_REGS_1 or _2:
+//   O's D/2 accumulators, two score fragments, two sets of P's A fragments) and only compute; consumer warpgroup g (warps
+//   4(g + 1)..4(g + 1) + 3) owns rows 64g..64g+63 of the tile, and its warp w rows 16w..16w+15 of those (the
+//   accumulator fragment's rows). The register split fits the 64K registers: 128·40 + 128·256 (NWG = 1) and
+//   128·40 + 256·232 (NWG = 2); setmaxnreg takes effect because the kernel has a cap at entry
+//   (__launch_bounds__(threads, 1)): ptxas reports that cap (168 registers at NWG = 2, 255 at NWG = 1) and no spill
+//   or stack frame (nvrtc.rs's tests), where the single-role kernel before this one used 197 at D = 128.
+//   Checked on the emulator (which models the TMA, the mbarriers and their deadlocks, not the register file nor
+//   the proxies) and by ptxas; not yet run on a GPU.
+//
+// Tensor maps (built by the host, ops/attention.rs: fwd_tma_maps): Q, K and V each as a 3-D tensor, innermost
+// first (D, rows of a head, batch·heads), strides 2D and 2D·len bytes; a box is 64 elements (128 bytes, the 128B
+// swizzle's span) × ROWS rows × 1 head, landing as ROWS 128-byte rows with the 128B swizzle on the address, which is
+// exactly one 64-element block of the tile layout below (wg_swz, attention_wgmma.cuh): a tile at D = 128 is two
+// boxes, at element columns 0 and 64. Rows past the head's length (Sq or Sk) lie outside the map's second
+// dimension, so the TMA writes them as zeros (never the next head's rows).
+//
+// Stages and barriers (mbarriers in dynamic shared memory after the scratch): K/V tiles go through a ring of
+// FWD_STAGES stages (K and V of 64 rows each). full[st]: 1 arrival (the producer's arrive.expect_tx of the stage's
+// bytes, out-of-bounds zeros included) plus the copies' bytes; empty[st]: 128·NWG arrivals, one per consumer
+// thread, each after its last wgmma on the stage (P·V of the tile) has been waited for. The producer's n-th tile
+// goes into stage n % FWD_STAGES: it waits on empty with parity ((n / FWD_STAGES) & 1) ^ 1 (the first use passes at
+// once), the consumers on full with parity (n / FWD_STAGES) & 1. qbar: Q's box, once. csync (128·NWG arrivals):
+// the consumers' own barrier (a __syncthreads would wait for the producer, which has left or waits on "empty"),
+// used after the rare non-finite sanitising of a V tile (below). Producer and consumers walk the same key tiles in
+// the same order (next_tile over the mask's tile summaries), so a hidden tile is never loaded, and nothing is
+// loaded (Q included) when every tile is hidden.
 //
 // Pipeline, per block:
-// 1. Q's tile goes global → shared (cp.async, 16 bytes per copy, rows past Sq zero-filled); it stays in shared
-//    memory as wgmma's A operand.
+// 1. Q's tile goes global → shared by the TMA (rows past Sq zero-filled); it stays in shared memory as wgmma's A
+//    operand.
 // 2. Key tiles of BC = 64 rows, in order, skipping those the mask's tile summaries classify as hidden: K and V go
-//    global → shared by cp.async into one of two buffers while the tile before computes (double buffering; one
-//    commit group per tile; cp_async_wait then fence.proxy.async and __syncthreads before the tensor cores read the
-//    tile, since cp.async writes through the generic proxy and wgmma reads through the async proxy).
+//    global → shared by the TMA into the ring while the consumers compute on the tiles before; the consumers wait
+//    on the stage's full barrier before the tensor cores read it (the TMA writes through the async proxy, which
+//    wgmma reads: no proxy fence).
 // 3. Per tile, per warpgroup: S = Q·Kᵀ (64×64, D/16 wgmma m64n64k16 with both operands in shared memory); scaled
 //    to base 2; on a partial tile, or the last one past Sk, every hidden pair's score is selected to −inf (never
 //    multiplied); the online softmax per row on the accumulator fragment (wg_softmax: running max m and sum l,
@@ -38,15 +64,21 @@
 // 128B layout (rows = M or N, 64 elements of K per row: LBO unused, SBO = 1024 from one 8-row group to the next);
 // for V, read as the B of P·V (B = V's transpose viewed as N×K = D×keys), it is the N-major 128B layout (128-byte
 // rows of 64 n = d, one per k = key: SBO = 1024 from keys 0-7 to keys 8-15, LBO = 64·128 from one 64-wide d block
-// to the next). Q: BR×D; K and V: two buffers of 64×D each; then 16 KiB per warpgroup for P on the rare tile that
-// needs a non-finite correction (below). 129 KiB at D = 128, NWG = 2.
+// to the next). Q: BR×D; K and V: FWD_STAGES (2) stages of 64×D each; then 16 KiB per warpgroup for P on the rare tile that
+// needs a non-finite correction (below); then the barriers (48 bytes). 129 KiB at D = 128, NWG = 2.
 //
 // Non-finite values behind the mask: as attention_forward_tc.cu. On a partial tile that holds a non-finite V row
-// (the host's per-tile row masks), V's non-finite elements are set to 0 in shared memory before the product, and
-// each row that sees such a key then adds P·V[j, d] for those elements from global memory.
+// (the host's per-tile row masks), V's non-finite elements are set to 0 in shared memory by the consumers before
+// the product (then fence.proxy.async and csync), and each row that sees such a key then adds P·V[j, d] for those elements from global memory.
 //
 // Every loop over a register array (fragments, accumulators) is unrolled with constant bounds: an array indexed at
 // run time is placed in local memory.
+
+// The ring's depth, and the register split of the producer and consumer warpgroups (the header's Warps).
+#define FWD_STAGES 2
+#define FWD_PRODUCER_REGS 40
+#define FWD_CONSUMER_REGS_1 256
+#define FWD_CONSUMER_REGS_2 232
 
 // The online softmax of one key tile (keys j0..j0+63) on its score fragment `s` (s[4n + e]: row row_base + 8·(e / 2),
 // key j0 + 8n + 2·tig + (e % 2)): scaled to base 2; hidden pairs (when `masked`: a partial tile, or the last one past
@@ -100,75 +132,139 @@ __device__ __forceinline__ void wg_softmax(const AttnProblem& p, float (&s)[32],
         for (u32 r = 0; r < 4; ++r) pa[t][r] = pack2<T>(s[8 * t + 2 * r], s[8 * t + 2 * r + 1]);
 }
 
+// Issues the TMA copies of rows [row0, row0 + ROWS) of head `head` (of batch·heads) of the tensor `map` describes
+// into the tile at `dst`, completing on `bar`: D/64 boxes of 64 elements × ROWS rows, box c (elements 64c..64c+63)
+// at dst + c·ROWS·128 (the tile layout of the header). The caller announces the bytes (ROWS·D·2) on `bar`.
+template <int D, int ROWS>
+__device__ __forceinline__ void fwd_tma_tile(unsigned char* dst, const CUtensorMap* map, u64* bar, u32 row0,
+                                             u32 head) {
+#pragma unroll
+    for (int c = 0; c < D / 64; ++c)
+        tma_load_3d(dst + c * (ROWS * 128), map, bar, c * 64, static_cast<i32>(row0), static_cast<i32>(head));
+}
+
+// Sets the non-finite elements of the rows of a WG_BC-row tile flagged in `bad` to 0, by the consumers (thread `ct`
+// of `n`): wg_sanitize's loop over the consumer threads only (the producer warpgroup has left).
+template <int D, typename T>
+__device__ __forceinline__ void fwd_sanitize(unsigned char* tile, unsigned long long bad, u32 ct, u32 n) {
+    for (u32 x = ct; x < WG_BC * D; x += n) {
+        u32 r = x / D, d = x % D;
+        if (!((bad >> r) & 1ull)) continue;
+        T* e = reinterpret_cast<T*>(tile + wg_swz<WG_BC>(r, d / 8)) + (d % 8);
+        if (!isfinite(to_f32(*e))) *e = from_f32<T>(0.0f);
+    }
+}
+
+// The consumers' barrier (every consumer thread, on the mbarrier `bar` of as many arrivals; `parity` is the
+// thread's count of its uses, mod 2): a barrier that does not wait for the producer warpgroup, which has left.
+__device__ __forceinline__ void fwd_consumer_sync(u64* bar, u32& parity) {
+    mbarrier_arrive(bar);
+    mbarrier_wait(bar, parity);
+    parity ^= 1u;
+}
+
+// The producer (thread 0 of warpgroup 0): Q once on `qbar`, then the key tiles that are not hidden, in the consumers'
+// order (next_tile), the n-th into stage n % FWD_STAGES once the consumers have released it (its empty barrier's
+// phase before the (n / FWD_STAGES)-th: the first use of a stage passes at once).
+template <int D, int BR>
+__device__ __forceinline__ void fwd_produce(const AttnProblem& p, const CUtensorMap* qmap, const CUtensorMap* kmap,
+                                            const CUtensorMap* vmap, unsigned char* qs, unsigned char* kv, u64* qbar,
+                                            u64* full, u64* empty, u32 qt, u32 q_head, u32 kv_head, u32 k_tiles) {
+    constexpr u32 TILE_BYTES = WG_BC * D * 2;
+    u32 kt = next_tile(p, qt, 0, k_tiles);
+    if (kt >= k_tiles) return;  // every key tile hidden: nothing to load
+    mbarrier_arrive_expect_tx(qbar, BR * D * 2);
+    fwd_tma_tile<D, BR>(qs, qmap, qbar, qt * BR, q_head);
+    for (u32 n = 0; kt < k_tiles; ++n, kt = next_tile(p, qt, kt + 1, k_tiles)) {
+        const u32 st = n % FWD_STAGES, use = n / FWD_STAGES;
+        mbarrier_wait(&empty[st], (use & 1u) ^ 1u);
+        mbarrier_arrive_expect_tx(&full[st], 2 * TILE_BYTES);
+        fwd_tma_tile<D, WG_BC>(kv + st * TILE_BYTES, kmap, &full[st], kt * WG_BC, kv_head);
+        fwd_tma_tile<D, WG_BC>(kv + (FWD_STAGES + st) * TILE_BYTES, vmap, &full[st], kt * WG_BC, kv_head);
+    }
+}
+
 template <int D, int NWG, typename T, typename OT>
-__device__ __forceinline__ void attn_fwd_wgmma(const AttnProblem& p, const T* __restrict__ q, const T* __restrict__ k,
-                                               const T* __restrict__ v, OT* __restrict__ o, float* __restrict__ lse,
+__device__ __forceinline__ void attn_fwd_wgmma(const AttnProblem& p, const CUtensorMap* qmap, const CUtensorMap* kmap,
+                                               const CUtensorMap* vmap, const T* __restrict__ v, OT* __restrict__ o,
+                                               float* __restrict__ lse,
                                                const unsigned long long* __restrict__ v_bad) {
     constexpr u32 BR = 64 * NWG;
     constexpr u32 TILE_BYTES = WG_BC * D * 2;
     constexpr u32 Q_BYTES = BR * D * 2;
     unsigned char* smem = wg_smem();
     unsigned char* qs = smem;
-    // K's buffer b at smem + Q_BYTES + b·TILE_BYTES, V's at smem + Q_BYTES + (2 + b)·TILE_BYTES (computed, not an
-    // array: an array indexed at run time would live in local memory).
+    constexpr u32 CONSUMERS = 128 * NWG;
+    // K of stage st at smem + Q_BYTES + st·TILE_BYTES, V's at smem + Q_BYTES + (FWD_STAGES + st)·TILE_BYTES
+    // (computed, not an array: an array indexed at run time would live in local memory).
     unsigned char* kv = smem + Q_BYTES;
-    float* pscr = reinterpret_cast<float*>(kv + 4 * TILE_BYTES);  // [4·NWG warps][16][64]: P, for the correction
+    float* pscr = reinterpret_cast<float*>(kv + 2 * FWD_STAGES * TILE_BYTES);  // [4·NWG warps][16][64]: P
+    u64* qbar = reinterpret_cast<u64*>(pscr + 4 * NWG * 16 * WG_BC);            // Q landed
+    u64* full = qbar + 1;                                                         // [FWD_STAGES]: the stage landed
+    u64* empty = full + FWD_STAGES;                                               // [FWD_STAGES]: the stage is free
+    u64* csync = empty + FWD_STAGES;                                              // the consumers' barrier
 
-    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const u32 wg = warp / 4, wwarp = warp % 4;
-    const u32 gid = lane >> 2, tig = lane & 3;
     const u32 qt = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
     const u32 hk = h / (p.q_heads / p.kv_heads);
+    const u32 kv_head = b * p.kv_heads + hk;  // the maps' third coordinate
+    const u32 k_tiles = (p.kv_len + WG_BC - 1) / WG_BC;
+    if (threadIdx.x == 0) {
+        mbarrier_init(qbar, 1);
+        for (u32 st = 0; st < FWD_STAGES; ++st) {
+            mbarrier_init(&full[st], 1);
+            mbarrier_init(&empty[st], CONSUMERS);
+        }
+        mbarrier_init(csync, CONSUMERS);
+        mbarrier_fence_init();
+    }
+    __syncthreads();
+    if (threadIdx.x < 128) {
+        // The producer warpgroup: its registers lowered, one thread issues every copy, the others leave.
+        setmaxnreg_dec<FWD_PRODUCER_REGS>();
+        if (threadIdx.x == 0)
+            fwd_produce<D, BR>(p, qmap, kmap, vmap, qs, kv, qbar, full, empty, qt, b * p.q_heads + h, kv_head,
+                               k_tiles);
+        return;
+    }
+    setmaxnreg_inc<(NWG == 1 ? FWD_CONSUMER_REGS_1 : FWD_CONSUMER_REGS_2)>();
+    // The consumers: thread ct of 128·NWG.
+    const u32 ct = threadIdx.x - 128;
+    const u32 lane = ct & 31, warp = ct >> 5;
+    const u32 wg = warp / 4, wwarp = warp % 4;
+    const u32 gid = lane >> 2, tig = lane & 3;
     const u64 q_head = ((u64)b * p.q_heads + h) * p.q_len;
     const u64 k_head = ((u64)b * p.kv_heads + hk) * p.kv_len;
-    const T* qg = q + q_head * D;
-    const T* kg = k + k_head * D;
     const T* vg = v + k_head * D;
-    const u32 k_tiles = (p.kv_len + WG_BC - 1) / WG_BC;
     // Scores are kept in base-2 units (scale·log2 e folded into one multiply), so each exponential is one
     // ex2.approx; m is in those units too.
     const float scale2 = p.scale * 1.4426950408889634f;
     // This thread's rows: row_base and row_base + 8.
     const u32 row_base = qt * BR + wg * 64 + wwarp * 16 + gid;
 
-    // 1. Q, and the first key tile that is not hidden (into buffer 0).
-    wg_load_tile<D, BR, T>(qs, qg, qt * BR, p.q_len);
-    cp_async_commit();
+    u32 cpar = 0;  // the parity of the consumers' next barrier
+
+    // 1. The first key tile that is not hidden (the producer's tile 0, in stage 0), and Q.
     u32 kt = next_tile(p, qt, 0, k_tiles);
-    if (kt < k_tiles) {
-        wg_load_tile<D, WG_BC, T>(kv, kg, kt * WG_BC, p.kv_len);
-        wg_load_tile<D, WG_BC, T>(kv + 2 * TILE_BYTES, vg, kt * WG_BC, p.kv_len);
-    }
-    cp_async_commit();
 
     float acc[D / 2];
 #pragma unroll
     for (u32 i = 0; i < D / 2; ++i) acc[i] = 0.0f;
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
-    if (kt >= k_tiles) {
-        // Every key tile hidden: O = 0 and LSE = −inf below.
-        cp_async_wait_all();
-    } else {
+    if (kt < k_tiles) {
+        // (Every key tile hidden: O = 0 and LSE = −inf below.)
         // This warpgroup's 64 rows of Q (a multiple of 1024 bytes into each block of the tile).
         const unsigned char* q_wg = qs + wg * 64 * 128;
         const u64 bad_base = ((u64)b * p.kv_heads + hk) * k_tiles;
-        cp_async_wait<0>();
-        wgmma_fence_proxy_async();
-        __syncthreads();
+        mbarrier_wait(qbar, 0);
+        mbarrier_wait(&full[0], 0);
         u32 next = next_tile(p, qt, kt + 1, k_tiles);
-        if (next < k_tiles) {
-            // Prefetch the second tile into buffer 1 while the first one's S and softmax run.
-            wg_load_tile<D, WG_BC, T>(kv + TILE_BYTES, kg, next * WG_BC, p.kv_len);
-            wg_load_tile<D, WG_BC, T>(kv + 3 * TILE_BYTES, vg, next * WG_BC, p.kv_len);
-        }
-        cp_async_commit();
         int cls = classify(p, qt, kt);
         unsigned long long vb = (cls == TILE_PARTIAL && v_bad) ? v_bad[bad_base + kt] : 0ull;
         if (vb) {
             // Zero V's non-finite elements in the rows flagged (see the header).
-            wg_sanitize<D, T>(kv + 2 * TILE_BYTES, vb);
+            fwd_sanitize<D, T>(kv + FWD_STAGES * TILE_BYTES, vb, ct, CONSUMERS);
             wgmma_fence_proxy_async();
-            __syncthreads();
+            fwd_consumer_sync(csync, cpar);
         }
 
         // S of the first tile, its softmax, its P in the A fragment.
@@ -186,24 +282,23 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnProblem& p, const T* __
         wg_softmax<T>(p, s, m, l, alpha, pa, row_base, kt * WG_BC, cls == TILE_PARTIAL || (kt + 1) * WG_BC > p.kv_len,
                       tig, scale2);
 
-        u32 buf = 0;
+        u32 n = 0;  // tile kt is the producer's n-th: in stage n % FWD_STAGES, its (n / FWD_STAGES)-th fill
         while (kt < k_tiles) {
-            // Tile kt is in buffer buf, its P in pa (its alpha applied: O holds the tiles before it); tile `next`
-            // is on its way into buffer buf ^ 1.
+            // Tile kt is in stage st, its P in pa (its alpha applied: O holds the tiles before it); tile `next` is
+            // the producer's (n + 1)-th.
+            const u32 st = n % FWD_STAGES, st_next = (n + 1) % FWD_STAGES;
             const bool has_next = next < k_tiles;
             unsigned long long vb_next = 0;
             int cls_next = TILE_HIDDEN;
-            unsigned char* kn = kv + (buf ^ 1) * TILE_BYTES;
+            unsigned char* kn = kv + st_next * TILE_BYTES;
             if (has_next) {
-                cp_async_wait<0>();
-                wgmma_fence_proxy_async();
-                __syncthreads();
+                mbarrier_wait(&full[st_next], ((n + 1) / FWD_STAGES) & 1u);
                 cls_next = classify(p, qt, next);
                 vb_next = (cls_next == TILE_PARTIAL && v_bad) ? v_bad[bad_base + next] : 0ull;
                 if (vb_next) {
-                    wg_sanitize<D, T>(kn + 2 * TILE_BYTES, vb_next);
+                    fwd_sanitize<D, T>(kn + FWD_STAGES * TILE_BYTES, vb_next, ct, CONSUMERS);
                     wgmma_fence_proxy_async();
-                    __syncthreads();
+                    fwd_consumer_sync(csync, cpar);
                 }
             }
             // This warp's P of tile kt for the correction, before S of the next tile takes its registers.
@@ -229,7 +324,7 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnProblem& p, const T* __
                     wg_mma_qk<T>(s, wg_desc_kmajor<BR>(q_wg, ks), wg_desc_kmajor<WG_BC>(kn, ks), ks > 0);
                 wgmma_commit_group();
             }
-            unsigned char* vs_ = kv + (2 + buf) * TILE_BYTES;
+            unsigned char* vs_ = kv + (FWD_STAGES + st) * TILE_BYTES;
 #pragma unroll
             for (u32 t = 0; t < WG_BC / 16; ++t) wg_mma_pv<T, D>(acc, pa[t], wg_desc_nmajor(vs_, t));
             wgmma_commit_group();
@@ -240,6 +335,8 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnProblem& p, const T* __
                               cls_next == TILE_PARTIAL || (next + 1) * WG_BC > p.kv_len, tig, scale2);
             }
             wgmma_wait_group<0>();  // O += P·V of this tile
+            // Every wgmma on stage st has been waited for (S of tile kt at the iteration before): release it.
+            mbarrier_arrive(&empty[st]);
 
             if (vb) {
                 // Each row that sees a flagged key adds what the zeroed elements held, times its P (from shared
@@ -279,19 +376,11 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnProblem& p, const T* __
                     for (u32 r = 0; r < 4; ++r) pa[t][r] = pa_next[t][r];
             }
 
-            __syncthreads();  // every warpgroup is done with buffer buf before the prefetch overwrites it
-            u32 after = has_next ? next_tile(p, qt, next + 1, k_tiles) : k_tiles;
-            if (after < k_tiles) {
-                wg_load_tile<D, WG_BC, T>(kv + buf * TILE_BYTES, kg, after * WG_BC, p.kv_len);
-                wg_load_tile<D, WG_BC, T>(kv + (2 + buf) * TILE_BYTES, vg, after * WG_BC, p.kv_len);
-            }
-            cp_async_commit();
-            buf ^= 1;
+            ++n;
             kt = next;
-            next = after;
+            next = has_next ? next_tile(p, qt, next + 1, k_tiles) : k_tiles;
             vb = vb_next;
         }
-        cp_async_wait_all();
     }
 
     // 4. O / l and LSE.
@@ -312,11 +401,14 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnProblem& p, const T* __
     }
 }
 
-// attn_fwd_wgmma_<inputs>_d<D>_w<NWG>_<output>: 128·NWG threads.
+// attn_fwd_wgmma_<inputs>_d<D>_w<NWG>_<output>: 128·(NWG + 1) threads. q_map, k_map, v_map: the header's tensor maps;
+// v: V itself (the non-finite correction reads it from global memory).
 #define FWD_WGMMA(tn, tt, dd, nwg, on, ot)                                                                          \
-    extern "C" __global__ void __launch_bounds__(128 * nwg, 1) attn_fwd_wgmma_##tn##_d##dd##_w##nwg##_##on(      \
-        AttnProblem p, const tt* q, const tt* k, const tt* v, ot* o, float* lse, const unsigned long long* v_bad) { \
-        attn_fwd_wgmma<dd, nwg, tt, ot>(p, q, k, v, o, lse, v_bad);                                                \
+    extern "C" __global__ void __launch_bounds__(128 * (nwg + 1), 1) attn_fwd_wgmma_##tn##_d##dd##_w##nwg##_##on(      \
+        AttnProblem p, const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,       \
+        const __grid_constant__ CUtensorMap v_map, const tt* v, ot* o, float* lse,                                 \
+        const unsigned long long* v_bad) {                                                                          \
+        attn_fwd_wgmma<dd, nwg, tt, ot>(p, &q_map, &k_map, &v_map, v, o, lse, v_bad);                             \
     }
 #define FWD_WGMMA_TYPES(tn, tt)                                                                                     \
     FWD_WGMMA(tn, tt, 64, 1, tn, tt) FWD_WGMMA(tn, tt, 64, 1, f32, float) FWD_WGMMA(tn, tt, 64, 2, tn, tt)          \

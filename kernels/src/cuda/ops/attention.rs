@@ -12,8 +12,9 @@ use crate::backend::GradMode;
 use crate::cuda::alloc::CudaAllocation;
 use crate::cuda::device::{KernelArgs, KernelSource, LaunchConfig};
 use crate::cuda::path::AttentionPath;
-use crate::cuda::sources::PTX_HOPPER;
+use crate::cuda::sources::{PTX_HOPPER, PTX_TMA};
 use crate::cuda::stream::Stream;
+use crate::cuda::tensor_map::{TensorMap, TensorMapDesc, TmaElem, TmaSwizzle};
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::view::View;
@@ -71,7 +72,7 @@ pub(crate) static FORWARD_WGMMA: KernelSource = KernelSource {
         "attn_fwd_wgmma_f16_d128_w2_f16",
         "attn_fwd_wgmma_f16_d128_w2_f32",
     ],
-    includes: &[HEADER, PTX_HOPPER, WGMMA_HEADER],
+    includes: &[HEADER, PTX_TMA, PTX_HOPPER, WGMMA_HEADER],
 };
 
 /// The wgmma backward (sm_90a only, as [`FORWARD_WGMMA`]): `BACKWARD_TC`'s two kernels and arguments.
@@ -186,6 +187,43 @@ fn wgmma_chosen(b: &Stream) -> bool {
         AttentionPath::Mma | AttentionPath::General => false,
     }
 }
+
+/// The wgmma forward's tensor maps for Q, K and V (`attention_forward_wgmma.cu`'s header): each view as a 3-D
+/// tensor `(D, len, batch·heads)`, innermost first, a box of 64 elements × `rows` (Q) or 64 (K, V) rows × 1 head
+/// with the 128B swizzle. `None` where a map cannot describe a view (its address not 16-byte aligned, a stride not
+/// a multiple of 16 bytes, an empty dimension: the device refuses it), and the caller takes the mma.sync kernels.
+fn fwd_tma_maps(b: &Stream, p: &AttnParams<'_>, qkv: &Qkv<'_>, rows: usize) -> Option<[TensorMap; 3]> {
+    let s = p.shape;
+    let elem = match qkv.q.dtype() {
+        DType::Bf16 => TmaElem::Bf16,
+        DType::F16 => TmaElem::F16,
+        DType::F32 => return None,
+    };
+    let d = s.head_dim as u64;
+    let map = |name: &'static str, x: &View<'_>, heads: usize, len: usize, box_rows: usize| -> Option<TensorMap> {
+        let desc = TensorMapDesc {
+            elem,
+            address: ptr(b, name, x).ok()?,
+            dims: vec![d, len as u64, (s.batch * heads) as u64],
+            strides: vec![2 * d, 2 * d * len as u64],
+            box_dims: vec![64, box_rows as u32, 1],
+            swizzle: TmaSwizzle::B128,
+        };
+        b.device.tensor_map(&desc).ok()
+    };
+    Some([
+        map("q", &qkv.q, s.q_heads, s.q_len, rows)?,
+        map("k", &qkv.k, s.kv_heads, s.kv_len, TC_TILE)?,
+        map("v", &qkv.v, s.kv_heads, s.kv_len, TC_TILE)?,
+    ])
+}
+
+/// The wgmma forward's ring of K/V stages (`FWD_STAGES` in `attention_forward_wgmma.cu`).
+const FWD_STAGES: usize = 2;
+
+/// How many wgmma forwards have run with their tensor maps (the tests' proof that the TMA path ran).
+#[cfg(test)]
+pub(crate) static FWD_TMA_LAUNCHES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 /// Row tiles of 16 per warp in the tensor-core forward (`MT` in `attention_forward_tc.cu`): 2 loads each K and
 /// V fragment once for 32 rows (half the shared-memory traffic per product) but reads Q's fragments from shared
@@ -345,29 +383,41 @@ fn general_smem(d: usize) -> u32 {
 pub(crate) fn forward(b: &Stream, p: &AttnParams<'_>, out: AttnOut<'_>, qkv: Qkv<'_>) -> Result<()> {
     let s = p.shape;
     let (qt, ot) = (qkv.q.dtype(), out.o.dtype());
-    let path = path(b, p, &qkv, ot);
-    if path == Path::Wgmma {
-        // One warpgroup per 64 query rows; two per block (128 rows, K and V loaded once for both) unless the
-        // queries fit one (decoding and short shards).
-        let nwg = if s.q_len > 64 { 2 } else { 1 };
+    let mut path = path(b, p, &qkv, ot);
+    // One warpgroup per 64 query rows; two per block (128 rows, K and V loaded once for both) unless the queries
+    // fit one (decoding and short shards).
+    let nwg = if s.q_len > 64 { 2 } else { 1 };
+    let maps = if path == Path::Wgmma { fwd_tma_maps(b, p, &qkv, 64 * nwg) } else { None };
+    if path == Path::Wgmma && maps.is_none() {
+        path = Path::Mma;
+    }
+    if let (Path::Wgmma, Some([q_map, k_map, v_map])) = (path, maps) {
         let rows = 64 * nwg;
         let pr = problem(b, p, (rows, TC_TILE))?;
         let v_bad = nonfinite_masks(b, &qkv.v, s.batch * s.kv_heads, s.kv_len, s.head_dim)?;
-        let (q, k, v) = (ptr(b, "q", &qkv.q)?, ptr(b, "k", &qkv.k)?, ptr(b, "v", &qkv.v)?);
+        let v = ptr(b, "v", &qkv.v)?;
         let o = ptr_mut(b, "o", out.o)?;
         let lse = ptr_mut(b, "lse", out.lse)?;
         let mut args = KernelArgs::new();
-        args.push(pr.args).push(q).push(k).push(v).push(o).push(lse).push(v_bad.ptr());
+        args.push(pr.args).push(q_map).push(k_map).push(v_map).push(v).push(o).push(lse).push(v_bad.ptr());
         let cfg = LaunchConfig {
             grid: [s.q_len.div_ceil(rows) as u32, s.q_heads as u32, s.batch as u32],
-            block: [128 * nwg as u32, 1, 1],
-            // Q, two K and two V buffers, P's correction scratch (16 rows × 64 keys of f32 per warp), and 1024 for
-            // the kernel's alignment of its tiles (the 128B swizzle is on the address).
-            shared_bytes: ((rows + 4 * TC_TILE) * s.head_dim * 2 + 4 * nwg * 16 * TC_TILE * 4 + 1024) as u32,
+            // A producer warpgroup and `nwg` consumer warpgroups.
+            block: [128 * (nwg as u32 + 1), 1, 1],
+            // Q, K and V in each of the ring's stages, P's correction scratch (16 rows × 64 keys of f32 per consumer
+            // warp), the barriers (Q's, full and empty per stage, the consumers'), and 1024 for the kernel's
+            // alignment of its tiles (the 128B swizzle is on the address).
+            shared_bytes: ((rows + 2 * FWD_STAGES * TC_TILE) * s.head_dim * 2
+                + 4 * nwg * 16 * TC_TILE * 4
+                + 8 * (2 + 2 * FWD_STAGES)
+                + 1024) as u32,
         };
         let name = format!("attn_fwd_wgmma_{}_d{}_w{nwg}_{}", super::suffix(qt), s.head_dim, super::suffix(ot));
         let kf = kernel(&FORWARD_WGMMA, &name)?;
-        // SAFETY: as the general path; `v_bad` holds one mask per 64 key rows of each head.
+        #[cfg(test)]
+        FWD_TMA_LAUNCHES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        // SAFETY: as the general path; the maps describe the views q, k, v (their dims, strides and addresses);
+        // `v_bad` holds one mask per 64 key rows of each head.
         return unsafe { b.launch(&kf, cfg, &args) };
     }
     if path == Path::Mma {
