@@ -25,6 +25,9 @@
 // Shared memory: attention_wgmma.cuh's 128B-swizzled tiles (1024-byte aligned here); cp.async writes through the
 // generic proxy, so every tile is followed by fence.proxy.async and a barrier before a wgmma reads it.
 //
+// fused (further down, in its own section): the non-deterministic variant, dkdv with dQ added by atomics; chosen
+// explicitly only (CudaBackend::with_deterministic_backward(false)).
+//
 // Non-finite values behind the mask: as attention_backward_tc.cu. On a partial tile pair whose tiles hold non-finite
 // rows, the non-finite elements of the operand a hidden 0 multiplies are set to 0 in shared memory first (Q and dO in
 // dkdv, K in dq), and each visible pair then adds back, from global memory, what those elements contribute.
@@ -415,16 +418,27 @@ __device__ __forceinline__ void attn_bwd_wgmma_fused(const AttnProblem& p, G* __
     const u32 kt = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
     const u32 group = p.q_heads / p.kv_heads;
     const u64 k_head = ((u64)b * p.kv_heads + hk) * p.kv_len;
-    const T* kg = k + k_head * D;
     const u32 q_tiles = (p.q_len + WG_BC - 1) / WG_BC;
-    const u32 k_tiles = (p.kv_len + WG_BC - 1) / WG_BC;
     const u32 j_lo = kt * WG_BC + warp * 16 + gid;  // this thread's keys: j_lo and j_lo + 8
     const float scale2 = p.scale * 1.4426950408889634f;
-    const unsigned long long kbad = k_bad ? k_bad[((u64)b * p.kv_heads + hk) * k_tiles + kt] : 0ull;
+    // K's non-finite rows (read again where needed, so that no register holds them through the loop).
+    auto kbad = [&]() {
+        const u32 k_tiles = (p.kv_len + WG_BC - 1) / WG_BC;
+        return k_bad ? k_bad[((u64)b * p.kv_heads + hk) * k_tiles + kt] : 0ull;
+    };
 
-    wg_load_tile<D, WG_BC, T>(ks_, kg, kt * WG_BC, p.kv_len);
+    wg_load_tile<D, WG_BC, T>(ks_, k + k_head * D, kt * WG_BC, p.kv_len);
     wg_load_tile<D, WG_BC, T>(vs_, v + k_head * D, kt * WG_BC, p.kv_len);
-    if (kbad) wg_load_tile<D, WG_BC, T>(kc_, kg, kt * WG_BC, p.kv_len);
+    if (kbad()) {
+        // The sanitized copy of K, made before the loop (its copies waited for at once: only tiles with a
+        // non-finite K row pay for it).
+        wg_load_tile<D, WG_BC, T>(kc_, k + k_head * D, kt * WG_BC, p.kv_len);
+        cp_async_wait_all();
+        __syncthreads();
+        wg_sanitize<D, T>(kc_, kbad());
+        wgmma_fence_proxy_async();
+        __syncthreads();
+    }
     cp_async_commit();
 
     float dka[D / 2], dva[D / 2];
@@ -451,7 +465,6 @@ __device__ __forceinline__ void attn_bwd_wgmma_fused(const AttnProblem& p, G* __
     if (x < pairs) load_pair(x, 0);
     cp_async_commit();
     u32 buf = 0;
-    bool kc_ready = false;
     while (x < pairs) {
         const u32 xn = next_pair(x + 1);
         if (xn < pairs) load_pair(xn, buf ^ 1);
@@ -459,12 +472,6 @@ __device__ __forceinline__ void attn_bwd_wgmma_fused(const AttnProblem& p, G* __
         cp_async_wait<1>();
         wgmma_fence_proxy_async();
         __syncthreads();
-        if (kbad && !kc_ready) {
-            wg_sanitize<D, T>(kc_, kbad);
-            kc_ready = true;
-            wgmma_fence_proxy_async();
-            __syncthreads();
-        }
         {
             const u32 qt = x % q_tiles;
             const u32 h = hk * group + x / q_tiles;
@@ -489,7 +496,6 @@ __device__ __forceinline__ void attn_bwd_wgmma_fused(const AttnProblem& p, G* __
                     __syncthreads();
                 }
             }
-            const unsigned long long kb = cls == TILE_PARTIAL ? kbad : 0ull;
 
             // Sᵀ and dPᵀ, Pᵀ and dSᵀ, dV and dK: as dkdv.
             float st[32], dpt[32];
@@ -517,6 +523,18 @@ __device__ __forceinline__ void attn_bwd_wgmma_fused(const AttnProblem& p, G* __
                     dpt[4 * n + e] = dsv;
                 }
             }
+            // dSᵀ always (dQ's A operand), Pᵀ for the correction: written before the products, so that the
+            // fragments are dead during them.
+            float* ps = scr + warp * 2 * 16 * 64;
+            float* ss = ps + 16 * 64;
+#pragma unroll
+            for (u32 n = 0; n < 8; ++n)
+#pragma unroll
+                for (u32 e = 0; e < 4; ++e) {
+                    u32 at = (gid + 8 * (e >> 1)) * 64 + n * 8 + 2 * tig + (e & 1);
+                    if (qb | db) ps[at] = st[4 * n + e];
+                    ss[at] = dpt[4 * n + e];
+                }
             u32 pa[4][4], sa[4][4];
 #pragma unroll
             for (u32 t = 0; t < 4; ++t) {
@@ -534,17 +552,6 @@ __device__ __forceinline__ void attn_bwd_wgmma_fused(const AttnProblem& p, G* __
             }
             wgmma_commit_group();
             wgmma_wait_group<0>();
-            // dSᵀ always (dQ's A operand), Pᵀ for the correction.
-            float* ps = scr + warp * 2 * 16 * 64;
-            float* ss = ps + 16 * 64;
-#pragma unroll
-            for (u32 n = 0; n < 8; ++n)
-#pragma unroll
-                for (u32 e = 0; e < 4; ++e) {
-                    u32 at = (gid + 8 * (e >> 1)) * 64 + n * 8 + 2 * tig + (e & 1);
-                    if (qb | db) ps[at] = st[4 * n + e];
-                    ss[at] = dpt[4 * n + e];
-                }
             __syncwarp();
             if (qb | db) {
                 for (u32 il = 0; il < WG_BC; ++il) {
@@ -585,6 +592,7 @@ __device__ __forceinline__ void attn_bwd_wgmma_fused(const AttnProblem& p, G* __
                     sa[t][r] = pack2<T>(col[0], col[64]);
                 }
             }
+            const unsigned long long kb = cls == TILE_PARTIAL ? kbad() : 0ull;
             const unsigned char* kq = kb ? kc_ : ks_;
             const u32 i_lo = i0 + warp * 16 + gid;  // this thread's dQ rows: i_lo and i_lo + 8
 #pragma unroll
@@ -611,7 +619,7 @@ __device__ __forceinline__ void attn_bwd_wgmma_fused(const AttnProblem& p, G* __
                             for (u32 n = 0; n < 8; ++n) {
 #pragma unroll
                                 for (u32 e = 0; e < 2; ++e) {
-                                    float kx = seen ? to_f32(kg[(u64)j * D + c * 64 + n * 8 + 2 * tig + e]) : 0.0f;
+                                    float kx = seen ? to_f32(k[(k_head + j) * D + c * 64 + n * 8 + 2 * tig + e]) : 0.0f;
                                     if (seen && !isfinite(kx)) dqc[4 * n + 2 * hf + e] += dsv * kx;
                                 }
                             }
