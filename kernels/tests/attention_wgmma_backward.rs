@@ -303,14 +303,16 @@ fn atomic_nan_confined(be: &CudaBackend) {
     nan_confined_dq(&atomic(be), false)
 }
 
-/// The emulated backend, or None (saying why) without a host compiler.
+/// The emulated backend (deterministic backward, whatever the environment says), or None (saying why) without a
+/// host compiler.
 fn emulated(test: &str) -> Option<CudaBackend> {
-    common::cuda_emulated_backend(test).map(|b| b.with_attention_path(AttentionPath::Wgmma))
+    common::cuda_emulated_backend(test)
+        .map(|b| b.with_attention_path(AttentionPath::Wgmma).with_deterministic_backward(true))
 }
 
 /// The GPU backend when it is an sm_90 device (the only one wgmma runs on), else None, saying why.
 fn gpu(test: &str) -> Option<CudaBackend> {
-    let be = common::cuda_backend(test)?.with_attention_path(AttentionPath::Wgmma);
+    let be = common::cuda_backend(test)?.with_attention_path(AttentionPath::Wgmma).with_deterministic_backward(true);
     if !be.device_name().contains("sm_90") {
         eprintln!("{test}: skipped, wgmma needs an sm_90 device, not {}", be.device_name());
         return None;

@@ -94,8 +94,10 @@ impl CudaBackend {
     /// tile that also adds each pair's dQ contribution to an f32 workspace with atomic additions (5 products per
     /// pair), then converts it into dQ: about 2/7 fewer tensor-core FLOPs, but dQ's bits vary with the order of the
     /// additions, and it takes a workspace of 4 bytes per dQ element (`batch·q_heads·q_len·head_dim·4` bytes) for
-    /// the call. The trainer keeps the deterministic backward; choose this one explicitly, where reproducible
-    /// gradients do not matter and it measures faster.
+    /// the call. The trainer keeps the deterministic backward (it builds its backends with [`CudaBackend::new`]
+    /// and never calls this; only `LONGCTX_CUDA_ATTN_DETERMINISTIC=0` in its environment would change it); choose
+    /// this one explicitly, where reproducible gradients do not matter and it measures faster (not yet measured on
+    /// a GPU).
     ///
     /// ```no_run
     /// # use longctx_kernels::{cuda::AttentionPath, CudaBackend};
