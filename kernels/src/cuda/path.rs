@@ -67,6 +67,7 @@ impl std::str::FromStr for AttentionPath {
 /// ([`CudaBackend::with_deterministic_backward`](crate::CudaBackend::with_deterministic_backward) explains the trade).
 ///
 /// Errors: [`KernelError::InvalidArgument`] for any other value.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // read by the backend, which the build without CUDA stubs
 pub(crate) fn deterministic_backward_from_env() -> Result<bool> {
     match std::env::var("LONGCTX_CUDA_ATTN_DETERMINISTIC") {
         Ok(s) => parse_deterministic(&s),
@@ -74,6 +75,7 @@ pub(crate) fn deterministic_backward_from_env() -> Result<bool> {
     }
 }
 
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 fn parse_deterministic(s: &str) -> Result<bool> {
     match s.trim() {
         "" | "1" => Ok(true),
