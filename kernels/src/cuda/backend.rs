@@ -39,7 +39,13 @@ impl CudaBackend {
     /// Errors: [`KernelError::NoDevice`](crate::KernelError::NoDevice) when no CUDA driver can be loaded or no device has that ordinal.
     pub fn new(ordinal: usize) -> Result<Self> {
         let device = super::driver::DriverDevice::new(ordinal)?;
-        Ok(Self { stream: Stream { device, attn_path: AttentionPath::from_env()? } })
+        Ok(Self {
+            stream: Stream {
+                device,
+                attn_path: AttentionPath::from_env()?,
+                attn_deterministic: super::path::deterministic_backward_from_env()?,
+            },
+        })
     }
 
     /// The backend on the host emulator: the same kernels compiled for this CPU by the system's C++ compiler
@@ -49,7 +55,13 @@ impl CudaBackend {
     /// Errors: [`KernelError::Compile`](crate::KernelError::Compile) when the kernels do not build with the host compiler.
     pub fn emulated() -> Result<Self> {
         let device = super::emulated::EmulatedDevice::open()?;
-        Ok(Self { stream: Stream { device, attn_path: AttentionPath::from_env()? } })
+        Ok(Self {
+            stream: Stream {
+                device,
+                attn_path: AttentionPath::from_env()?,
+                attn_deterministic: super::path::deterministic_backward_from_env()?,
+            },
+        })
     }
 
     /// This backend running the attention kernels of `path` (see [`AttentionPath`]; the default is
@@ -70,6 +82,37 @@ impl CudaBackend {
     /// Which attention kernels this backend runs ([`CudaBackend::with_attention_path`]).
     pub fn attention_path(&self) -> AttentionPath {
         self.stream.attn_path
+    }
+
+    /// This backend with the wgmma attention backward deterministic (`true`, the default unless
+    /// `LONGCTX_CUDA_ATTN_DETERMINISTIC=0`) or not; its forks inherit it. Only the wgmma path has the
+    /// non-deterministic variant; the others ignore this.
+    ///
+    /// The trade: the deterministic backward runs two kernels, dK/dV per key tile and dQ per query tile, each
+    /// computing S and dP for every visible tile pair (7 tile products per pair), every gradient element summed by
+    /// one thread in a fixed order, so two runs give the same bits. The non-deterministic one runs one kernel per key
+    /// tile that also adds each pair's dQ contribution to an f32 workspace with atomic additions (5 products per
+    /// pair), then converts it into dQ: about 2/7 fewer tensor-core FLOPs, but dQ's bits vary with the order of the
+    /// additions, and it takes a workspace of 4 bytes per dQ element (`batch·q_heads·q_len·head_dim·4` bytes) for
+    /// the call. The trainer keeps the deterministic backward (it builds its backends with [`CudaBackend::new`]
+    /// and never calls this; only `LONGCTX_CUDA_ATTN_DETERMINISTIC=0` in its environment would change it); choose
+    /// this one explicitly, where reproducible gradients do not matter and it measures faster (not yet measured on
+    /// a GPU).
+    ///
+    /// ```no_run
+    /// # use longctx_kernels::{cuda::AttentionPath, CudaBackend};
+    /// let emu = CudaBackend::emulated()?.with_attention_path(AttentionPath::Wgmma).with_deterministic_backward(false);
+    /// assert!(!emu.deterministic_backward());
+    /// # Ok::<(), longctx_kernels::KernelError>(())
+    /// ```
+    pub fn with_deterministic_backward(mut self, deterministic: bool) -> Self {
+        self.stream.attn_deterministic = deterministic;
+        self
+    }
+
+    /// Whether the wgmma attention backward is deterministic ([`CudaBackend::with_deterministic_backward`]).
+    pub fn deterministic_backward(&self) -> bool {
+        self.stream.attn_deterministic
     }
 
     /// The backend as a shared `dyn Backend` (what ranks and plans hold); also in the build without the `cuda`
@@ -213,7 +256,11 @@ impl Backend for CudaBackend {
     }
 
     fn fork(&self) -> Result<Arc<dyn Backend>> {
-        let stream = Stream { device: self.stream.device.fork()?, attn_path: self.stream.attn_path };
+        let stream = Stream {
+            device: self.stream.device.fork()?,
+            attn_path: self.stream.attn_path,
+            attn_deterministic: self.stream.attn_deterministic,
+        };
         Ok(Arc::new(CudaBackend { stream }))
     }
     fn adopt(&self, buf: &mut Buffer) -> Result<()> {

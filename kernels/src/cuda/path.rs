@@ -1,6 +1,8 @@
 //! [`AttentionPath`]: which attention kernels the CUDA backend runs, chosen per backend
 //! ([`CudaBackend::with_attention_path`](crate::CudaBackend::with_attention_path)) or for the process
-//! (`LONGCTX_CUDA_ATTN_PATH`). In every build, so that code naming it compiles without the `cuda` feature.
+//! (`LONGCTX_CUDA_ATTN_PATH`). In every build, so that code naming it compiles without the `cuda` feature. Also
+//! whether the wgmma backward stays deterministic ([`deterministic_backward_from_env`],
+//! `LONGCTX_CUDA_ATTN_DETERMINISTIC`).
 
 use crate::error::{KernelError, Result};
 
@@ -60,9 +62,43 @@ impl std::str::FromStr for AttentionPath {
     }
 }
 
+/// Whether the wgmma attention backward stays deterministic, as `LONGCTX_CUDA_ATTN_DETERMINISTIC` says: unset,
+/// empty or `1`: yes (the default, and what the trainer runs); `0`: the atomic variant
+/// ([`CudaBackend::with_deterministic_backward`](crate::CudaBackend::with_deterministic_backward) explains the trade).
+///
+/// Errors: [`KernelError::InvalidArgument`] for any other value.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // read by the backend, which the build without CUDA stubs
+pub(crate) fn deterministic_backward_from_env() -> Result<bool> {
+    match std::env::var("LONGCTX_CUDA_ATTN_DETERMINISTIC") {
+        Ok(s) => parse_deterministic(&s),
+        Err(_) => Ok(true),
+    }
+}
+
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn parse_deterministic(s: &str) -> Result<bool> {
+    match s.trim() {
+        "" | "1" => Ok(true),
+        "0" => Ok(false),
+        other => Err(KernelError::InvalidArgument {
+            name: "LONGCTX_CUDA_ATTN_DETERMINISTIC",
+            why: format!("`{other}` is neither 0 nor 1"),
+        }),
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use super::AttentionPath;
+    use super::{parse_deterministic, AttentionPath};
+
+    #[test]
+    fn deterministic_is_the_default_and_0_turns_it_off() {
+        assert!(matches!(parse_deterministic(""), Ok(true)));
+        assert!(matches!(parse_deterministic(" 1"), Ok(true)));
+        assert!(matches!(parse_deterministic("0"), Ok(false)));
+        let err = parse_deterministic("no").err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(err.contains("LONGCTX_CUDA_ATTN_DETERMINISTIC") && err.contains("`no`"), "{err}");
+    }
 
     #[test]
     fn parses_the_four_names_and_refuses_others() {

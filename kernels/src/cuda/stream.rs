@@ -16,6 +16,9 @@ pub(crate) struct Stream {
     pub(crate) device: Arc<dyn Device>,
     /// Which attention kernels run (forks keep it).
     pub(crate) attn_path: AttentionPath,
+    /// Whether the wgmma attention backward is the deterministic pair of kernels (true, the default) or the atomic
+    /// variant (forks keep it).
+    pub(crate) attn_deterministic: bool,
 }
 
 impl Stream {

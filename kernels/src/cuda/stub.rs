@@ -37,6 +37,15 @@ impl CudaBackend {
     pub fn attention_path(&self) -> super::AttentionPath {
         match self._never {}
     }
+    /// This backend with a deterministic attention backward or not (no value of this type exists in this build).
+    pub fn with_deterministic_backward(self, deterministic: bool) -> Self {
+        let _ = deterministic;
+        match self._never {}
+    }
+    /// Whether the attention backward is deterministic (no value of this type exists in this build).
+    pub fn deterministic_backward(&self) -> bool {
+        match self._never {}
+    }
     /// The device's name (no value of this type exists in this build).
     pub fn device_name(&self) -> String {
         match self._never {}

@@ -3,7 +3,8 @@
 //! library's tests matching `wgmma_attention` beside the wgmma and TMA probes) covers them: one forward and backward
 //! per head dim (bf16, grouped queries, causal with the queries at the end of the keys, lengths off the tiles) on the
 //! emulator (`::emulated`) and on an sm_90 GPU (`::cuda`, skipped with a message elsewhere), against the mma.sync
-//! kernels on the same device and the CPU backend. tests/attention_wgmma.rs has the wider cases.
+//! kernels on the same device and the CPU backend, and the backward's non-deterministic variant against the
+//! deterministic one. tests/attention_wgmma.rs and tests/attention_wgmma_backward.rs have the wider cases.
 
 use crate::attention::{AttnGrads, AttnMask, AttnOut, AttnParams, AttnSaved, AttnShape, Positions, Qkv};
 use crate::backend::{Backend, GradMode};
@@ -55,8 +56,9 @@ fn run(b: &dyn Backend, p: &AttnParams<'_>, x: &[Vec<f32>; 4], ot: DType) -> Vec
 
 fn check(b: CudaBackend) {
     let emulated = b.is_emulated();
-    let wg = b.with_attention_path(AttentionPath::Wgmma);
+    let wg = b.with_attention_path(AttentionPath::Wgmma).with_deterministic_backward(true);
     let mma = wg.clone().with_attention_path(AttentionPath::Mma);
+    let atomic = wg.clone().with_deterministic_backward(false);
     let cpu = CpuBackend::new();
     // The emulator's wgmma and mma.sync both sum exactly and round once; a GPU's differ in their order.
     let against_mma = if emulated { 1e-6 } else { 1e-2 };
@@ -74,6 +76,13 @@ fn check(b: CudaBackend) {
         let got = run(&wg, &p, &x, DType::F32);
         let want_mma = run(&mma, &p, &x, DType::F32);
         let want_cpu = run(&cpu, &p, &x, DType::F32);
+        // The non-deterministic backward: dK and dV as the deterministic one's, dQ's f32 sums in another order.
+        let got_atomic = run(&atomic, &p, &x, DType::F32);
+        for (n, name) in [(2, "dQ"), (3, "dK"), (4, "dV")] {
+            for (i, (a, g)) in got_atomic[n].iter().zip(&got[n]).enumerate() {
+                assert!((a - g).abs() <= 1e-5 * (1.0 + g.abs()), "d {d}, atomic {name}[{i}]: {a} against {g}");
+            }
+        }
         for (n, name) in ["O", "LSE", "dQ", "dK", "dV"].into_iter().enumerate() {
             // Against the CPU (which keeps P and dS in f32): the 16-bit rounding of P and dS.
             let abs = [3e-3, 1e-3, 1e-2, 2e-2, 2e-2][n];

@@ -7,7 +7,7 @@
 
 use super::{kernel, ptr, ptr_mut, THREADS};
 use crate::attention::mask::{tile_summaries, RangeSummary};
-use crate::attention::{AttnGrads, AttnOut, AttnParams, AttnPartial, AttnSaved, Positions, Qkv};
+use crate::attention::{AttnGrads, AttnOut, AttnParams, AttnPartial, AttnSaved, AttnShape, Positions, Qkv};
 use crate::backend::GradMode;
 use crate::cuda::alloc::CudaAllocation;
 use crate::cuda::device::{KernelArgs, KernelSource, LaunchConfig};
@@ -96,6 +96,17 @@ pub(crate) static BACKWARD_WGMMA: KernelSource = KernelSource {
         "attn_bwd_wgmma_dq_f16_d128_f16",
         "attn_bwd_wgmma_dkdv_f16_d128_f32",
         "attn_bwd_wgmma_dq_f16_d128_f32",
+        "attn_bwd_wgmma_fused_bf16_d64_bf16",
+        "attn_bwd_wgmma_fused_bf16_d64_f32",
+        "attn_bwd_wgmma_fused_bf16_d128_bf16",
+        "attn_bwd_wgmma_fused_bf16_d128_f32",
+        "attn_bwd_wgmma_fused_f16_d64_f16",
+        "attn_bwd_wgmma_fused_f16_d64_f32",
+        "attn_bwd_wgmma_fused_f16_d128_f16",
+        "attn_bwd_wgmma_fused_f16_d128_f32",
+        "attn_bwd_dq_convert_bf16",
+        "attn_bwd_dq_convert_f16",
+        "attn_bwd_dq_convert_f32",
     ],
     includes: &[HEADER, PTX_HOPPER, WGMMA_HEADER],
 };
@@ -502,6 +513,11 @@ pub(crate) fn backward(
         let do_bad = nonfinite_masks(b, &dout, qh, s.q_len, s.head_dim)?;
         let k_bad = nonfinite_masks(b, &saved.qkv.k, kh, s.kv_len, s.head_dim)?;
         let tile_bytes = TC_TILE * s.head_dim * 2;
+        if wgmma && !b.attn_deterministic {
+            let inputs = [q, k, v, dop, lse, delta.ptr()];
+            let masks = [q_bad.ptr(), do_bad.ptr(), k_bad.ptr()];
+            return backward_atomic(b, &pr, s, [dq, dk, dv], inputs, masks, [qt, dqt, dkt], acc);
+        }
         // The wgmma kernels double-buffer the tiles they loop over (dkdv: Q and dO with their LSE and Δ; dq: K and
         // V), and their correction scratch holds 64 columns per warp where the tc kernels' holds 32.
         let (tiles, stats, scr_cols) = if wgmma { (6, 4, 64) } else { (4, 2, 32) };
@@ -558,6 +574,48 @@ pub(crate) fn backward(
     };
     // SAFETY: as the forward; `dk` and `dv` have `k`'s dims.
     unsafe { b.launch(&kk, cfg, &args) }
+}
+
+/// The wgmma backward's non-deterministic variant ([`CudaBackend::with_deterministic_backward`]): the fused kernel
+/// per key tile (dK, dV, and dQ's contributions added to an f32 workspace), then dQ from the workspace.
+///
+/// [`CudaBackend::with_deterministic_backward`]: crate::CudaBackend::with_deterministic_backward
+#[allow(clippy::too_many_arguments)]
+fn backward_atomic(
+    b: &Stream,
+    pr: &Problem,
+    s: AttnShape,
+    [dq, dk, dv]: [u64; 3],
+    [q, k, v, dop, lse, delta]: [u64; 6],
+    [q_bad, do_bad, k_bad]: [u64; 3],
+    [qt, dqt, dkt]: [DType; 3],
+    acc: i32,
+) -> Result<()> {
+    let d = s.head_dim;
+    let n = s.q_elems();
+    let ws = b.scratch(4 * n)?;
+    // SAFETY: `ws` holds `n` f32, just allocated.
+    unsafe { b.memset32(ws.ptr(), 0, n)? };
+    let tile_bytes = TC_TILE * d * 2;
+    let kf =
+        kernel(&BACKWARD_WGMMA, &format!("attn_bwd_wgmma_fused_{}_d{d}_{}", super::suffix(qt), super::suffix(dkt)))?;
+    let mut args = KernelArgs::new();
+    args.push(pr.args).push(dk).push(dv).push(ws.ptr()).push(q).push(k).push(v).push(dop).push(lse).push(delta);
+    args.push(q_bad).push(do_bad).push(k_bad).push(acc);
+    let cfg = LaunchConfig {
+        grid: [s.kv_len.div_ceil(TC_TILE) as u32, s.kv_heads as u32, s.batch as u32],
+        block: [128, 1, 1],
+        // K, V, Q and dO twice, K sanitized; LSE and Δ twice; Pᵀ and dSᵀ (16 rows of 64 per warp each); alignment.
+        shared_bytes: (7 * tile_bytes + 4 * TC_TILE * 4 + 4 * 2 * 16 * 64 * 4 + 1024) as u32,
+    };
+    // SAFETY: as the deterministic kernels; `ws` holds one f32 per element of dQ.
+    unsafe { b.launch(&kf, cfg, &args)? };
+    let kc = kernel(&BACKWARD_WGMMA, &format!("attn_bwd_dq_convert_{}", super::suffix(dqt)))?;
+    let mut args = KernelArgs::new();
+    args.push(dq).push(ws.ptr()).push(n as u64).push(pr.args.scale).push(acc);
+    let blocks = (n as u64).div_ceil(THREADS as u64).clamp(1, super::MAX_BLOCKS) as u32;
+    // SAFETY: `dq` and `ws` hold `n` elements of their types.
+    unsafe { b.launch(&kc, LaunchConfig::linear(blocks, THREADS), &args) }
 }
 
 pub(crate) fn merge(b: &Stream, acc: AttnOut<'_>, part: AttnPartial<'_>, rows: usize, d: usize) -> Result<()> {
