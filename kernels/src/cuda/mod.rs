@@ -62,6 +62,8 @@ mod gemm;
 #[cfg(feature = "cuda")]
 mod headers;
 #[cfg(feature = "cuda")]
+mod includes;
+#[cfg(feature = "cuda")]
 mod libraries;
 #[cfg(feature = "cuda")]
 #[allow(dead_code)]

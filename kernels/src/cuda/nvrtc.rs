@@ -703,7 +703,7 @@ extern "C" __global__ void longctx_headers_only(float* out, const __nv_bfloat16*
 
     #[test]
     fn sm90_sources_are_refused_below_sm90() {
-        use crate::cuda::sources::PTX_TMA;
+        use crate::cuda::includes::PTX_TMA;
         static TMA_ONLY: KernelSource =
             KernelSource { file: "tma_only.cu", code: "", kernels: &[], includes: &[PTX_TMA] };
         assert_eq!(arch_for(&TMA_ONLY, "sm_90").unwrap(), "sm_90");

@@ -4,6 +4,7 @@
 //! for a GPU and to the host C++ compiler for the emulator, so what the emulator tests is what the GPU runs.
 
 use super::device::KernelSource;
+pub(crate) use super::includes::{PTX_HOPPER, PTX_TMA};
 
 /// The shared headers, in the order they are prepended.
 pub(crate) const HEADERS: &[(&str, &str)] =
@@ -26,20 +27,10 @@ pub(crate) static SOURCES: &[&KernelSource] = &[
     &super::ops::attention::MERGE,
 ];
 
-/// The header of the sm_90a-only wrappers (`wgmma`): not one of [`HEADERS`], but an include of the sources that use
-/// it, which makes them sm_90a-only ([`needs_sm90a`]).
-pub(crate) const PTX_HOPPER: (&str, &str) = ("ptx_hopper.cuh", include_str!("kernels/ptx_hopper.cuh"));
-
 /// Whether `src` can only be compiled for sm_90a (it includes [`PTX_HOPPER`]): NVRTC refuses `wgmma` for sm_90.
 pub(crate) fn needs_sm90a(src: &KernelSource) -> bool {
     src.includes.iter().any(|(name, _)| *name == PTX_HOPPER.0)
 }
-
-/// The header of the TMA and mbarrier wrappers (`cp.async.bulk.tensor`, `mbarrier.try_wait`): not one of [`HEADERS`],
-/// but an include of the sources that use it. Its instructions are plain sm_90 PTX, not sm_90a, so a source including
-/// it alone compiles for sm_90 and sm_90a but not for sm_80 ([`needs_sm90`]); one that also includes [`PTX_HOPPER`]
-/// (as the TMA probe does, for `setmaxnreg`) is sm_90a-only like any source including that.
-pub(crate) const PTX_TMA: (&str, &str) = ("ptx_tma.cuh", include_str!("kernels/ptx_tma.cuh"));
 
 /// Whether `src` needs sm_90 or later (it includes [`PTX_TMA`] or [`PTX_HOPPER`]). No source in [`SOURCES`] does:
 /// they compile for sm_80 too; one that did would belong in a list of sm_90-and-later sources, which does not exist

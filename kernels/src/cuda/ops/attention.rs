@@ -11,8 +11,8 @@ use crate::attention::{AttnGrads, AttnOut, AttnParams, AttnPartial, AttnSaved, A
 use crate::backend::GradMode;
 use crate::cuda::alloc::CudaAllocation;
 use crate::cuda::device::{KernelArgs, KernelSource, LaunchConfig};
+use crate::cuda::includes::{PTX_HOPPER, PTX_TMA};
 use crate::cuda::path::AttentionPath;
-use crate::cuda::sources::{PTX_HOPPER, PTX_TMA};
 use crate::cuda::stream::Stream;
 use crate::cuda::tensor_map::{TensorMap, TensorMapDesc, TmaElem, TmaSwizzle};
 use crate::dtype::DType;
