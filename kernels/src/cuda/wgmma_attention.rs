@@ -95,6 +95,26 @@ fn check(b: CudaBackend) {
     }
 }
 
+/// The GPU's backend when it is an sm_90 device (the only one wgmma runs on), else `None`, saying why on stderr (a
+/// panic without a device under `LONGCTX_REQUIRE_GPU=1`).
+fn sm90_backend() -> Option<CudaBackend> {
+    match CudaBackend::new(0) {
+        Ok(b) if b.device_name().contains("sm_90") => Some(b),
+        Ok(b) => {
+            eprintln!("wgmma_attention: skipped, the device is {} and wgmma needs sm_90", b.device_name());
+            None
+        }
+        Err(KernelError::NoDevice { why, .. }) => {
+            if std::env::var("LONGCTX_REQUIRE_GPU").as_deref() == Ok("1") {
+                panic!("LONGCTX_REQUIRE_GPU=1 but there is no device: {why}");
+            }
+            eprintln!("wgmma_attention: skipped, no GPU: {why}");
+            None
+        }
+        Err(e) => panic!("{e}"),
+    }
+}
+
 mod forward_backward {
     use super::*;
 
@@ -105,16 +125,8 @@ mod forward_backward {
 
     #[test]
     fn cuda() {
-        match CudaBackend::new(0) {
-            Ok(b) if b.device_name().contains("sm_90") => check(b),
-            Ok(b) => eprintln!("wgmma_attention: skipped, the device is {} and wgmma needs sm_90", b.device_name()),
-            Err(KernelError::NoDevice { why, .. }) => {
-                if std::env::var("LONGCTX_REQUIRE_GPU").as_deref() == Ok("1") {
-                    panic!("LONGCTX_REQUIRE_GPU=1 but there is no device: {why}");
-                }
-                eprintln!("wgmma_attention: skipped, no GPU: {why}");
-            }
-            Err(e) => panic!("{e}"),
+        if let Some(b) = sm90_backend() {
+            check(b);
         }
     }
 }
@@ -189,16 +201,8 @@ mod tma_forward {
 
     #[test]
     fn cuda() {
-        match CudaBackend::new(0) {
-            Ok(b) if b.device_name().contains("sm_90") => tails_do_not_leak(b),
-            Ok(b) => eprintln!("wgmma_attention: skipped, the device is {} and wgmma needs sm_90", b.device_name()),
-            Err(KernelError::NoDevice { why, .. }) => {
-                if std::env::var("LONGCTX_REQUIRE_GPU").as_deref() == Ok("1") {
-                    panic!("LONGCTX_REQUIRE_GPU=1 but there is no device: {why}");
-                }
-                eprintln!("wgmma_attention: skipped, no GPU: {why}");
-            }
-            Err(e) => panic!("{e}"),
+        if let Some(b) = sm90_backend() {
+            tails_do_not_leak(b);
         }
     }
 }
