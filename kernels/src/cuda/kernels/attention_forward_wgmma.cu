@@ -64,8 +64,9 @@
 // 128B layout (rows = M or N, 64 elements of K per row: LBO unused, SBO = 1024 from one 8-row group to the next);
 // for V, read as the B of P·V (B = V's transpose viewed as N×K = D×keys), it is the N-major 128B layout (128-byte
 // rows of 64 n = d, one per k = key: SBO = 1024 from keys 0-7 to keys 8-15, LBO = 64·128 from one 64-wide d block
-// to the next). Q: BR×D; K and V: FWD_STAGES (2) stages of 64×D each; then 16 KiB per warpgroup for P on the rare tile that
-// needs a non-finite correction (below); then the barriers (48 bytes). 129 KiB at D = 128, NWG = 2.
+// to the next). Q: BR×D; K and V: FWD_STAGES (3) stages of 64×D each; then 16 KiB per warpgroup for P on the rare tile that
+// needs a non-finite correction (below); then the barriers (64 bytes). 161 KiB at D = 128, NWG = 2 (of the 227 KiB
+// an sm_90 block may opt into; the host raises the kernel's limit to it).
 //
 // Non-finite values behind the mask: as attention_forward_tc.cu. On a partial tile that holds a non-finite V row
 // (the host's per-tile row masks), V's non-finite elements are set to 0 in shared memory by the consumers before
@@ -74,8 +75,9 @@
 // Every loop over a register array (fragments, accumulators) is unrolled with constant bounds: an array indexed at
 // run time is placed in local memory.
 
-// The ring's depth, and the register split of the producer and consumer warpgroups (the header's Warps).
-#define FWD_STAGES 2
+// The ring's depth (the host reads this line for its shared-memory size: ops/attention.rs), and the register split
+// of the producer and consumer warpgroups (the header's Warps).
+#define FWD_STAGES 3
 #define FWD_PRODUCER_REGS 40
 #define FWD_CONSUMER_REGS_1 256
 #define FWD_CONSUMER_REGS_2 232

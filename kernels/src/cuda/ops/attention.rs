@@ -50,10 +50,12 @@ pub(crate) static FORWARD_TC: KernelSource = KernelSource {
     includes: &[HEADER],
 };
 
+const FORWARD_WGMMA_CODE: &str = include_str!("../kernels/attention_forward_wgmma.cu");
+
 /// The wgmma forward (sm_90a only: [`crate::cuda::sources::SM90A_SOURCES`]), taken on sm_90 ([`path`]).
 pub(crate) static FORWARD_WGMMA: KernelSource = KernelSource {
     file: "attention_forward_wgmma.cu",
-    code: include_str!("../kernels/attention_forward_wgmma.cu"),
+    code: FORWARD_WGMMA_CODE,
     kernels: &[
         "attn_fwd_wgmma_bf16_d64_w1_bf16",
         "attn_fwd_wgmma_bf16_d64_w1_f32",
@@ -229,8 +231,49 @@ fn fwd_tma_maps(b: &Stream, p: &AttnParams<'_>, qkv: &Qkv<'_>, rows: usize) -> O
     ])
 }
 
-/// The wgmma forward's ring of K/V stages (`FWD_STAGES` in `attention_forward_wgmma.cu`).
-const FWD_STAGES: usize = 2;
+/// The wgmma forward's ring of K/V stages: `attention_forward_wgmma.cu`'s `#define FWD_STAGES`, read from the kernel's
+/// text when the crate builds, so that the shared memory the host gives the kernel is the size the kernel lays out.
+const FWD_STAGES: usize = c_define(FORWARD_WGMMA_CODE, "FWD_STAGES");
+
+/// The value of a kernel source's `#define NAME <decimal>` (a line of its own), at compile time: a define missing or
+/// not a plain number fails the build.
+const fn c_define(code: &str, name: &str) -> usize {
+    const PREFIX: &[u8] = b"#define ";
+    let (c, n) = (code.as_bytes(), name.as_bytes());
+    let mut i = 0;
+    while i < c.len() {
+        if (i == 0 || c[i - 1] == b'\n') && bytes_at(c, i, PREFIX) && bytes_at(c, i + PREFIX.len(), n) {
+            let mut j = i + PREFIX.len() + n.len();
+            if j < c.len() && c[j] == b' ' {
+                j += 1;
+                let (mut v, start) = (0usize, j);
+                while j < c.len() && c[j].is_ascii_digit() {
+                    v = v * 10 + (c[j] - b'0') as usize;
+                    j += 1;
+                }
+                assert!(j > start && (j == c.len() || c[j] == b'\n'), "the #define is not a plain decimal number");
+                return v;
+            }
+        }
+        i += 1;
+    }
+    panic!("no #define of that name in the kernel source")
+}
+
+/// Whether `c` holds `pat` at `at`.
+const fn bytes_at(c: &[u8], at: usize, pat: &[u8]) -> bool {
+    if at + pat.len() > c.len() {
+        return false;
+    }
+    let mut k = 0;
+    while k < pat.len() {
+        if c[at + k] != pat[k] {
+            return false;
+        }
+        k += 1;
+    }
+    true
+}
 
 /// How many wgmma forwards have run with their tensor maps (the tests' proof that the TMA path ran).
 #[cfg(test)]
