@@ -81,6 +81,11 @@
 #define FWD_PRODUCER_REGS 40
 #define FWD_CONSUMER_REGS_1 256
 #define FWD_CONSUMER_REGS_2 232
+// The consumer warpgroups' turns at the tensor cores (NWG = 2; the header's Ping-pong): warpgroup g waits for its turn
+// on named barrier FWD_BAR_TURN + g and passes it by arriving on the other's, each phase counting both warpgroups'
+// 256 threads. Ids 1 and 2: 0 is __syncthreads'.
+#define FWD_BAR_TURN 1
+#define FWD_TURN_THREADS 256
 
 // The online softmax of one key tile (keys j0..j0+63) on its score fragment `s` (s[4n + e]: row row_base + 8·(e / 2),
 // key j0 + 8n + 2·tig + (e % 2)): scaled to base 2; hidden pairs (when `masked`: a partial tile, or the last one past
@@ -163,6 +168,28 @@ __device__ __forceinline__ void fwd_consumer_sync(u64* bar, u32& parity) {
     mbarrier_arrive(bar);
     mbarrier_wait(bar, parity);
     parity ^= 1u;
+}
+
+// The consumers' turns (NWG = 2; nothing with one warpgroup). fwd_turn_first: warpgroup 1 gives warpgroup 0 its
+// first turn, once, before either takes one. fwd_turn_wait: waits for warpgroup wg's turn (the other warpgroup's
+// arrival, with this one's 128 threads: a phase of 256). fwd_turn_pass: after warpgroup wg has issued its GEMMs of the
+// turn, gives the turn to the other; not after warpgroup 1's last turn (`last`), which warpgroup 0, having no turn
+// left, would never take: every phase of both barriers then completes (the header's Ping-pong).
+template <int NWG>
+__device__ __forceinline__ void fwd_turn_first(u32 wg) {
+    if constexpr (NWG == 2) {
+        if (wg == 1) named_barrier_arrive(FWD_BAR_TURN, FWD_TURN_THREADS);
+    }
+}
+template <int NWG>
+__device__ __forceinline__ void fwd_turn_wait(u32 wg) {
+    if constexpr (NWG == 2) named_barrier_sync(FWD_BAR_TURN + wg, FWD_TURN_THREADS);
+}
+template <int NWG>
+__device__ __forceinline__ void fwd_turn_pass(u32 wg, bool last) {
+    if constexpr (NWG == 2) {
+        if (wg == 0 || !last) named_barrier_arrive(FWD_BAR_TURN + (wg ^ 1u), FWD_TURN_THREADS);
+    }
 }
 
 // The producer (thread 0 of warpgroup 0): Q once on `qbar`, then the key tiles that are not hidden, in the consumers'
@@ -257,6 +284,9 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnProblem& p, const CUten
         // This warpgroup's 64 rows of Q (a multiple of 1024 bytes into each block of the tile).
         const unsigned char* q_wg = qs + wg * 64 * 128;
         const u64 bad_base = ((u64)b * p.kv_heads + hk) * k_tiles;
+        // Both warpgroups walk the same tiles (the block's, by next_tile), so they take as many turns each: one for
+        // the first S, one per tile after.
+        fwd_turn_first<NWG>(wg);
         mbarrier_wait(qbar, 0);
         mbarrier_wait(&full[0], 0);
         u32 next = next_tile(p, qt, kt + 1, k_tiles);
@@ -273,11 +303,13 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnProblem& p, const CUten
         float s[32];
 #pragma unroll
         for (u32 i = 0; i < 32; ++i) s[i] = 0.0f;
+        fwd_turn_wait<NWG>(wg);
         wgmma_fence();
 #pragma unroll
         for (u32 ks = 0; ks < D / 16; ++ks)
             wg_mma_qk<T>(s, wg_desc_kmajor<BR>(q_wg, ks), wg_desc_kmajor<WG_BC>(kv, ks), ks > 0);
         wgmma_commit_group();
+        fwd_turn_pass<NWG>(wg, false);  // (not the last turn: one per tile follows)
         wgmma_wait_group<0>();
         float alpha[2];
         u32 pa[WG_BC / 16][4];
@@ -319,6 +351,7 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnProblem& p, const CUten
             // ISA requires one between an ordinary access and the wgmma; the emulator cannot check this order).
 #pragma unroll
             for (u32 i = 0; i < 32; ++i) s[i] = 0.0f;
+            fwd_turn_wait<NWG>(wg);
             wgmma_fence();
             if (has_next) {
 #pragma unroll
@@ -330,6 +363,8 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnProblem& p, const CUten
 #pragma unroll
             for (u32 t = 0; t < WG_BC / 16; ++t) wg_mma_pv<T, D>(acc, pa[t], wg_desc_nmajor(vs_, t));
             wgmma_commit_group();
+            // Issued: the other warpgroup's GEMMs go next, while this one runs the softmax below.
+            fwd_turn_pass<NWG>(wg, !has_next);
             u32 pa_next[WG_BC / 16][4];
             if (has_next) {
                 wgmma_wait_group<1>();  // S of the next tile (the older group)
