@@ -235,6 +235,17 @@ fn fwd_tma_maps(b: &Stream, p: &AttnParams<'_>, qkv: &Qkv<'_>, rows: usize) -> O
 /// text when the crate builds, so that the shared memory the host gives the kernel is the size the kernel lays out.
 const FWD_STAGES: usize = c_define(FORWARD_WGMMA_CODE, "FWD_STAGES");
 
+/// Dynamic shared memory of the wgmma forward at head dim `d` with `nwg` consumer warpgroups: Q (64·`nwg` rows), K
+/// and V in each of the ring's stages, P's correction scratch (16 rows × 64 keys of f32 per consumer warp), the
+/// barriers (Q's, full and empty per stage, the consumers'), and 1024 for the kernel's alignment of its tiles (the
+/// 128B swizzle is on the address). Above 48 KiB, so the launch raises the kernel's limit (driver.rs).
+const fn fwd_wgmma_smem(d: usize, nwg: usize) -> usize {
+    (64 * nwg + 2 * FWD_STAGES * TC_TILE) * d * 2 + 4 * nwg * 16 * TC_TILE * 4 + 8 * (2 + 2 * FWD_STAGES) + 1024
+}
+
+// The largest case fits what an sm_90 block may opt into (227 KiB): 161 KiB with three stages.
+const _: () = assert!(fwd_wgmma_smem(128, 2) <= 227 * 1024, "the wgmma forward's ring does not fit shared memory");
+
 /// The value of a kernel source's `#define NAME <decimal>` (a line of its own), at compile time: a define missing or
 /// not a plain number fails the build.
 const fn c_define(code: &str, name: &str) -> usize {
@@ -458,13 +469,7 @@ pub(crate) fn forward(b: &Stream, p: &AttnParams<'_>, out: AttnOut<'_>, qkv: Qkv
             grid: [s.q_len.div_ceil(rows) as u32, s.q_heads as u32, s.batch as u32],
             // A producer warpgroup and `nwg` consumer warpgroups.
             block: [128 * (nwg as u32 + 1), 1, 1],
-            // Q, K and V in each of the ring's stages, P's correction scratch (16 rows × 64 keys of f32 per consumer
-            // warp), the barriers (Q's, full and empty per stage, the consumers'), and 1024 for the kernel's
-            // alignment of its tiles (the 128B swizzle is on the address).
-            shared_bytes: ((rows + 2 * FWD_STAGES * TC_TILE) * s.head_dim * 2
-                + 4 * nwg * 16 * TC_TILE * 4
-                + 8 * (2 + 2 * FWD_STAGES)
-                + 1024) as u32,
+            shared_bytes: fwd_wgmma_smem(s.head_dim, nwg) as u32,
         };
         let name = format!("attn_fwd_wgmma_{}_d{}_w{nwg}_{}", super::suffix(qt), s.head_dim, super::suffix(ot));
         let kf = kernel(&FORWARD_WGMMA, &name)?;
