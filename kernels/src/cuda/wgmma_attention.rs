@@ -206,3 +206,66 @@ mod tma_forward {
         }
     }
 }
+
+/// The forward's K/V ring and its consumer warpgroups' turns (`attention_forward_wgmma.cu`'s header) over many key
+/// tiles: 130 queries (two consumer warpgroups a block, and a second block of 2 rows) and 50 (one warpgroup), 586
+/// keys (ten tiles, so that each stage of the ring is refilled and its barriers' parities go both ways), grouped
+/// queries, bf16, head dims 64 and 128, with no mask; with a window (hidden tiles skipped at both ends of the walk);
+/// and causal with the keys placed after the first block's queries (every tile of that block hidden: nothing loaded,
+/// no turn taken, while the second block's warpgroups take theirs). Against the mma.sync kernel on the same device
+/// (on the emulator, where both sum exactly and round once, to 1e-6) and the CPU.
+fn long_ring(b: CudaBackend) {
+    let wg = b.with_attention_path(AttentionPath::Wgmma);
+    let mma = wg.clone().with_attention_path(AttentionPath::Mma);
+    let cpu = CpuBackend::new();
+    let against_mma = if wg.is_emulated() { 1e-6 } else { 1e-2 };
+    for (d, sq) in [(64, 130), (128, 130), (128, 50)] {
+        let shape = AttnShape { batch: 1, q_heads: 2, kv_heads: 1, q_len: sq, kv_len: 586, head_dim: d };
+        let masks = [
+            AttnMask::default(),
+            AttnMask::default().with_positions(Positions::Offset(300), Positions::Offset(0)).with_window(100),
+            AttnMask::causal().with_positions(Positions::Offset(0), Positions::Offset(128)),
+        ];
+        let seed = 40 + d as u64;
+        let (q, k, v) = (
+            uniform_nonzero(shape.q_elems(), seed),
+            uniform_nonzero(shape.kv_elems(), seed + 1),
+            uniform_nonzero(shape.kv_elems(), seed + 2),
+        );
+        for (mi, mask) in masks.into_iter().enumerate() {
+            let p = AttnParams::new(shape).with_mask(mask);
+            let got = run_forward(&wg, &p, [&q, &k, &v]);
+            let want_mma = run_forward(&mma, &p, [&q, &k, &v]);
+            let want_cpu = run_forward(&cpu, &p, [&q, &k, &v]);
+            for (n, name) in ["O", "LSE"].into_iter().enumerate() {
+                for (i, ((g, m), c)) in got[n].iter().zip(&want_mma[n]).zip(&want_cpu[n]).enumerate() {
+                    let near = |w: f32, abs: f32, rel: f32| *g == w || (g - w).abs() <= abs + rel * w.abs();
+                    assert!(
+                        near(*m, against_mma, against_mma),
+                        "d {d}, {sq} queries, mask {mi}, {name}[{i}]: {g} against mma.sync's {m}"
+                    );
+                    assert!(
+                        near(*c, 3e-3, 1e-2),
+                        "d {d}, {sq} queries, mask {mi}, {name}[{i}]: {g} against the CPU's {c}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+mod ring_and_turns {
+    use super::*;
+
+    #[test]
+    fn emulated() {
+        long_ring(CudaBackend::emulated().unwrap_or_else(|e| panic!("{e}")));
+    }
+
+    #[test]
+    fn cuda() {
+        if let Some(b) = sm90_backend() {
+            long_ring(b);
+        }
+    }
+}

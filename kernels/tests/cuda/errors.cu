@@ -64,3 +64,28 @@ extern "C" __global__ void ldmatrix_from_global(const u16* g, u32* out) {
     ldmatrix_x1(r, g + (threadIdx.x % 8) * 8);
     out[threadIdx.x] = r;
 }
+
+// Two warps of four wait on named barrier 1 for 96 threads: only they ever arrive, the other two exit.
+extern "C" __global__ void named_barrier_never_completes(int* out) {
+    if (threadIdx.x < 64) named_barrier_sync(1, 96);
+    out[threadIdx.x] = 1;
+}
+
+// Warp 0 arrives on named barrier 2 counting 64 threads, warp 1 syncs on it counting 96.
+extern "C" __global__ void named_barrier_count_mismatch(int* out) {
+    if (threadIdx.x < 32) named_barrier_arrive(2, 64);
+    else named_barrier_sync(2, 96);
+    out[threadIdx.x] = 1;
+}
+
+// Warp 0 arrives on named barrier 3 and nothing syncs on it: the phase is still open when the block ends.
+extern "C" __global__ void named_barrier_left_open(int* out) {
+    if (threadIdx.x < 32) named_barrier_arrive(3, 64);
+    out[threadIdx.x] = 1;
+}
+
+// Barrier 0 is __syncthreads'.
+extern "C" __global__ void named_barrier_zero(int* out) {
+    named_barrier_sync(0, 64);
+    out[threadIdx.x] = 1;
+}

@@ -355,7 +355,7 @@ struct Site {
 
 struct Block;
 
-enum FiberState { kRunnable, kWaitBlock, kWaitWarp, kWaitMbar, kDone };
+enum FiberState { kRunnable, kWaitBlock, kWaitWarp, kWaitMbar, kWaitNamed, kDone };
 
 struct CpAsync {
     void* dst;
@@ -440,6 +440,7 @@ void tma_load(Site site, void* dst, const void* map, void* bar, int rank, const 
 void tma_store(Site site, const void* src, const void* map, int rank, const int* coords);
 void tma_store_commit();
 void tma_store_wait(int pending);
+void named_barrier(Site site, unsigned int id, unsigned int count, bool wait);
 [[noreturn]] void trap(Site site, const char* what);
 [[noreturn]] void assert_fail(const char* expr, Site site, const char* func);
 

@@ -26,9 +26,14 @@
 //!   tensor_map.rs) are checked when issued (the map, the destination's alignment, 128 bytes or 1024 for the 128B
 //!   swizzle, and range, an initialised barrier) and land, reading global memory then (zeros out of bounds, the swizzle
 //!   applied to the shared address), when a thread polls the barrier they complete on, which then gets their bytes'
-//!   complete-tx. A barrier that can never complete (divergent `__syncthreads`, a collective some lanes never reach or
-//!   reach in another collective, a lane that exited, an mbarrier phase whose arrivals or transaction bytes never come)
-//!   is an error naming the threads and source lines (and each waited-on mbarrier's state), never a hang. Masks other
+//!   complete-tx. Named barriers (`bar.sync` / `bar.arrive` with an id 1..15 and a thread count, ptx.cuh) complete a
+//!   phase when that many threads have arrived (exited threads do not count); `bar.sync` is a scheduling point,
+//!   `bar.arrive` is not; arrivals of one phase with different counts are an error, and so is a phase still open when
+//!   every thread has exited (arrivals no sync matched: counts that do not balance, which the GPU would let pass).
+//!   A barrier that can never complete (divergent `__syncthreads`, a collective some lanes never reach or reach in
+//!   another collective, a lane that exited, an mbarrier phase whose arrivals or transaction bytes never come, a named
+//!   barrier's phase short of its count) is an error naming the threads and source lines (and each waited-on mbarrier's
+//!   and open named barrier's state), never a hang. Masks other
 //!   than the full warp are refused rather than guessed at.
 //! - **Memory** ([`memory`]): device memory is host memory with guard zones around each allocation, checked after
 //!   every launch ("wrote outside a buffer", naming the kernel); contents, `__shared__` variables and dynamic shared

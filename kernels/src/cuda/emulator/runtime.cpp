@@ -273,6 +273,18 @@ struct Barrier {
     unsigned int first_thread;
 };
 
+// A named barrier (bar.sync / bar.arrive with an id and a thread count, ptx.cuh): the phase being gathered. The GPU
+// counts arrivals per warp (a warp adds its size); here each thread adds one, which is the same for converged warps
+// (what bar's .aligned form requires). Exited threads do not count: the thread count is explicit.
+constexpr unsigned int kNamedBarriers = 16;  // ids 1..15; 0 is __syncthreads'
+struct NamedBar {
+    unsigned int count;    // the current phase's thread count (set by its first arrival)
+    unsigned int arrived;  // 0: no phase open
+    Site first_site;       // where the phase's first arrival came from, for messages
+    unsigned int first_thread;
+    std::vector<Fiber*> waiting;  // threads in bar.sync
+};
+
 struct Block {
     const LongctxEmuLaunch* launch;
     uint3 block_idx;
@@ -293,6 +305,7 @@ struct Block {
     unsigned int dyn_window;  // the shared-window address of dynamic shared memory (smem_window_addr)
     std::vector<Mbar> mbars;  // initialised mbarriers, in order of initialisation
     std::vector<TmaCopy> stores;  // TMA stores issued and not yet performed (TmaCopy::thread, ::group)
+    NamedBar nbars[kNamedBarriers];
     std::vector<Fiber*> queue;  // runnable fibers, a ring
     std::size_t q_head = 0, q_len = 0;
     Context sched;
@@ -411,6 +424,50 @@ int block_barrier(Fiber* f, Site site, int op, int pred) {
     for (Fiber* w : b.bar_waiting) b.push(w);
     b.bar_waiting.clear();
     return bar.result;
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Named barriers (bar.sync / bar.arrive a, b; ptx.cuh): barrier `id` completes a phase when `count` threads have
+// arrived, by either instruction; bar.sync waits for that (a scheduling point), bar.arrive does not. Every arrival of
+// a phase must give the same count (the PTX ISA leaves a mismatch undefined: reported here).
+const char* const kBarSyncNames[kNamedBarriers] = {
+    "bar.sync 0",  "bar.sync 1",  "bar.sync 2",  "bar.sync 3",  "bar.sync 4",  "bar.sync 5",
+    "bar.sync 6",  "bar.sync 7",  "bar.sync 8",  "bar.sync 9",  "bar.sync 10", "bar.sync 11",
+    "bar.sync 12", "bar.sync 13", "bar.sync 14", "bar.sync 15"};
+
+void named_barrier_at(Fiber* f, Site site, unsigned int id, unsigned int count, bool wait) {
+    Block& b = *f->block;
+    const char* what = wait ? "bar.sync" : "bar.arrive";
+    if (id == 0 || id >= kNamedBarriers)
+        fail(f, "%s %u at %s:%d: the named barriers are 1..%u (0 is __syncthreads')", what, id, site.file, site.line,
+             kNamedBarriers - 1);
+    if (count == 0 || count % 32 != 0 || count > b.nthreads)
+        fail(f, "%s %u, %u at %s:%d: the thread count must be a multiple of the warp size, from 32 to the block's %u "
+                "threads",
+             what, id, count, site.file, site.line, b.nthreads);
+    NamedBar& n = b.nbars[id];
+    if (n.arrived == 0) {
+        n.count = count;
+        n.first_site = site;
+        n.first_thread = f->linear;
+    } else if (n.count != count) {
+        fail(f,
+             "%s %u, %u at %s:%d while the barrier's phase, opened by thread %u at %s:%d, counts %u threads: every "
+             "arrival of a phase must give the same count",
+             what, id, count, site.file, site.line, n.first_thread, n.first_site.file, n.first_site.line, n.count);
+    }
+    if (++n.arrived == n.count) {
+        n.arrived = 0;
+        for (Fiber* w : n.waiting) b.push(w);
+        n.waiting.clear();
+        return;
+    }
+    if (!wait) return;
+    f->state = kWaitNamed;
+    f->wait_what = kBarSyncNames[id];
+    f->wait_site = site;
+    n.waiting.push_back(f);
+    park(f);
 }
 
 // ---------------------------------------------------------------------------------------------------------------------
@@ -715,6 +772,13 @@ std::string deadlock_report(Block& b) {
     for (const Group& g : groups)
         s += format(" %u threads (the first: %u) at %s at %s:%d;", g.count, g.first, g.what, g.site.file, g.site.line);
     s += format(" %u threads exited", b.done);
+    for (unsigned int id = 1; id < kNamedBarriers; id++) {
+        const NamedBar& n = b.nbars[id];
+        if (n.arrived == 0) continue;
+        s += format("; named barrier %u has %u of its %u threads (the first: thread %u at %s:%d), %zu of them waiting "
+                    "in bar.sync",
+                    id, n.arrived, n.count, n.first_thread, n.first_site.file, n.first_site.line, n.waiting.size());
+    }
     for (const Mbar& m : b.mbars) {
         if (m.waiting.empty()) continue;
         bool ok = false;
@@ -751,6 +815,10 @@ bool run_block(Block& b, unsigned long long linear) {
     }
     b.mbars.clear();
     b.stores.clear();
+    for (NamedBar& n : b.nbars) {
+        n.arrived = 0;
+        n.waiting.clear();
+    }
     if (b.static_smem) std::memset(b.static_smem, kSmemPoison, b.static_bytes);
     std::memset(b.dyn_smem - kDynGuardBytes, kGuardByte, kDynGuardBytes);
     std::memset(b.dyn_smem, kSmemPoison, b.dyn_bytes);
@@ -800,6 +868,19 @@ bool run_block(Block& b, unsigned long long linear) {
         b.error = format("block (%u,%u,%u): ", b.block_idx.x, b.block_idx.y, b.block_idx.z) + deadlock_report(b);
         return false;
     }
+    // Every thread exited with a named barrier's phase still open: arrivals no bar.sync ever matched. The GPU drops
+    // them at exit, but they mean the protocol's counts do not balance (in a loop, the next phase would pair the
+    // wrong arrivals), so they are reported.
+    for (unsigned int id = 1; id < kNamedBarriers; id++) {
+        const NamedBar& n = b.nbars[id];
+        if (n.arrived == 0) continue;
+        b.error = format("block (%u,%u,%u): every thread exited with named barrier %u's phase open: %u of its %u "
+                         "threads arrived (the first: thread %u at %s:%d) and nothing completed it (arrivals that "
+                         "no bar.sync matched; the counts do not balance)",
+                         b.block_idx.x, b.block_idx.y, b.block_idx.z, id, n.arrived, n.count, n.first_thread,
+                         n.first_site.file, n.first_site.line);
+        return false;
+    }
     std::size_t bad = 0;
     if (!check_guard(b.dyn_smem - kDynGuardBytes, kDynGuardBytes, &bad)) {
         b.error = format("block (%u,%u,%u) wrote %zu bytes before the start of its %zu bytes of dynamic shared memory",
@@ -835,6 +916,10 @@ unsigned char* dynamic_smem() { return self()->block->dyn_smem; }
 
 void syncthreads(Site site) { block_barrier(self(), site, -1, 0); }
 int syncthreads_reduce(Site site, int op, int pred) { return block_barrier(self(), site, op, pred); }
+
+void named_barrier(Site site, unsigned int id, unsigned int count, bool wait) {
+    named_barrier_at(self(), site, id, count, wait);
+}
 
 void syncwarp(Site site, unsigned int mask) {
     warp_collective(self(), site, kOpSyncwarp, "__syncwarp", mask, 32, false, [](Warp&, Fiber*) {});

@@ -46,11 +46,17 @@ static ERRORS: KernelSource = source!(
         "stale_shared",
         "dynamic_smem_overflow",
         "ldmatrix_from_global",
+        "named_barrier_never_completes",
+        "named_barrier_count_mismatch",
+        "named_barrier_left_open",
+        "named_barrier_zero",
     ]
 );
 static MATH: KernelSource = source!("math.cu", ["math_builtins"]);
 static FIGURES: KernelSource = source!("figures.cu", ["many_barriers", "many_mma"]);
-static ALL: [&KernelSource; 8] = [&REDUCE, &MMA, &CP_ASYNC, &ATOMICS, &CONVERT, &MATH, &ERRORS, &FIGURES];
+static NAMED_BARRIERS: KernelSource = source!("named_barriers.cu", ["ping_pong", "hand_over"]);
+static ALL: [&KernelSource; 9] =
+    [&REDUCE, &MMA, &CP_ASYNC, &ATOMICS, &CONVERT, &MATH, &ERRORS, &FIGURES, &NAMED_BARRIERS];
 
 /// One emulator with every test source, shared by the tests (built once per process; cached on disk after). A build
 /// that fails is reported by every test, built once.
@@ -573,6 +579,65 @@ fn collectives_that_cannot_complete_are_errors() {
     let (o, d) = (Buf::new(emu(), 48 * 16 * 4), Buf::new(emu(), 48 * 8));
     let e = device_error(run(emu(), &REDUCE, "shuffles", LaunchConfig::linear(1, 48), &args(&[&o, &d])), "shuffles");
     assert!(e.contains("not whole warps"), "{e}");
+}
+
+#[test]
+fn named_barriers_order_two_groups_turn_by_turn() {
+    let e = emu();
+    let rounds = 5;
+    let log = Buf::from(e, &vec![-1i32; 2 * rounds]);
+    let mut a = KernelArgs::new();
+    a.push(log.ptr).push(rounds as i32).push(1i32);
+    run(e, &NAMED_BARRIERS, "ping_pong", LaunchConfig::linear(2, 160), &a).unwrap();
+    // Both blocks wrote the same log (in turn order within each): group 0, group 1, group 0, ...
+    let want: Vec<i32> = (0..rounds as i32).flat_map(|r| [r, 1000 + r]).collect();
+    assert_eq!(log.read::<i32>(), want);
+
+    let out = Buf::from(e, &[0i32; 64]);
+    run(e, &NAMED_BARRIERS, "hand_over", LaunchConfig::linear(1, 64), &args(&[&out])).unwrap();
+    let want: Vec<i32> = (0..2).flat_map(|r| (0..32).map(move |l| ((l + 1) % 32) * 3 + 100 * r)).collect();
+    assert_eq!(out.read::<i32>(), want);
+}
+
+#[test]
+fn named_barriers_that_cannot_complete_or_do_not_balance_are_errors() {
+    let e = emu();
+    // The ping-pong without group 0's first turn: each group waits for the other.
+    let log = Buf::new(e, 2 * 4 * 4);
+    let mut a = KernelArgs::new();
+    a.push(log.ptr).push(4i32).push(0i32);
+    let err = device_error(run(e, &NAMED_BARRIERS, "ping_pong", LaunchConfig::linear(1, 160), &a), "ping_pong");
+    assert!(
+        err.contains("deadlock")
+            && err.contains("64 threads (the first: 64) at bar.sync 1 at named_barriers.cu:")
+            && err.contains("64 threads (the first: 0) at bar.sync 2 at named_barriers.cu:")
+            && err.contains("named barrier 1 has 64 of its 128 threads")
+            && err.contains("32 threads exited"),
+        "{err}"
+    );
+    let out = Buf::new(e, 128 * 4);
+    let err = device_error(
+        run(e, &ERRORS, "named_barrier_never_completes", LaunchConfig::linear(1, 128), &args(&[&out])),
+        "named_barrier_never_completes",
+    );
+    assert!(
+        err.contains("deadlock")
+            && err.contains("64 threads (the first: 0) at bar.sync 1 at errors.cu:")
+            && err.contains("64 threads exited")
+            && err.contains("named barrier 1 has 64 of its 96 threads"),
+        "{err}"
+    );
+    let run1 =
+        |name: &'static str| device_error(run(e, &ERRORS, name, LaunchConfig::linear(1, 128), &args(&[&out])), name);
+    let err = run1("named_barrier_count_mismatch");
+    assert!(
+        err.contains("thread (32,0,0): bar.sync 2, 96 at errors.cu:") && err.contains("counts 64 threads"),
+        "{err}"
+    );
+    let err = run1("named_barrier_left_open");
+    assert!(err.contains("named barrier 3's phase open: 32 of its 64 threads arrived"), "{err}");
+    let err = run1("named_barrier_zero");
+    assert!(err.contains("bar.sync 0 at errors.cu:") && err.contains("0 is __syncthreads'"), "{err}");
 }
 
 #[test]

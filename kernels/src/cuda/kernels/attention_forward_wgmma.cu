@@ -9,14 +9,17 @@
 //   then its thread 0 issues every copy by the TMA (cp.async.bulk.tensor, ptx_tma.cuh; fwd_produce, fwd_tma_tile)
 //   and the other 127 threads leave;
 // - warpgroups 1..NWG are the consumers: they raise their registers (setmaxnreg.inc, to FWD_CONSUMER_REGS_1 or _2:
-//   O's D/2 accumulators, two score fragments, two sets of P's A fragments) and only compute; consumer warpgroup g (warps
-//   4(g + 1)..4(g + 1) + 3) owns rows 64g..64g+63 of the tile, and its warp w rows 16w..16w+15 of those (the
-//   accumulator fragment's rows). The register split fits the 64K registers: 128·40 + 128·256 (NWG = 1) and
-//   128·40 + 256·232 (NWG = 2); setmaxnreg takes effect because the kernel has a cap at entry
-//   (__launch_bounds__(threads, 1)): ptxas reports that cap (168 registers at NWG = 2, 255 at NWG = 1) and no spill
-//   or stack frame (nvrtc.rs's tests), where the single-role kernel before this one used 197 at D = 128.
-//   Checked on the emulator (which models the TMA, the mbarriers and their deadlocks, not the register file nor
-//   the proxies) and by ptxas; not yet run on a GPU.
+//   O's D/2 accumulators, two score fragments, two sets of P's A fragments) and only compute; consumer warpgroup g
+//   (warps 4(g + 1)..4(g + 1) + 3) owns rows 64g..64g+63 of the tile, and its warp w rows 16w..16w+15 of those (the
+//   accumulator fragment's rows). With NWG = 2 the two take turns at issuing their products (Ping-pong, below).
+//   The register split fits the 64K registers: 128·40 + 128·256 (NWG = 1) and 128·40 + 256·232 (NWG = 2);
+//   setmaxnreg takes effect because the kernel has a cap at entry (__launch_bounds__(threads, 1)): ptxas reports
+//   that cap (168 registers at NWG = 2, 255 at NWG = 1; the same with the ping-pong and the third stage) and no
+//   spill or stack frame (nvrtc.rs's tests), where the single-role kernel before this one used 197 at D = 128. At
+//   NWG = 2 it also reports 16 named barriers: the turns' ids are in registers (FWD_BAR_TURN + g), so ptxas reserves
+//   them all; harmless at one block per SM, which the shared memory imposes anyway.
+//   Checked on the emulator (which models the TMA, the mbarriers, the named barriers and their deadlocks, not the
+//   register file, the proxies nor timing) and by ptxas; not yet run on a GPU.
 //
 // Tensor maps (built by the host, ops/attention.rs: fwd_tma_maps): Q, K and V each as a 3-D tensor, innermost
 // first (D, rows of a head, batch·heads), strides 2D and 2D·len bytes; a box is 64 elements (128 bytes, the 128B
@@ -34,7 +37,29 @@
 // the consumers' own barrier (a __syncthreads would wait for the producer, which has left or waits on "empty"),
 // used after the rare non-finite sanitising of a V tile (below). Producer and consumers walk the same key tiles in
 // the same order (next_tile over the mask's tile summaries), so a hidden tile is never loaded, and nothing is
-// loaded (Q included) when every tile is hidden.
+// loaded (Q included) when every tile is hidden. Named barriers (ptx.cuh; NWG = 2 only): FWD_BAR_TURN + g (ids 1
+// and 2; 0 is __syncthreads') is consumer warpgroup g's turn at the tensor cores, a phase of FWD_TURN_THREADS (256)
+// arrivals: g's 128 threads in bar.sync and the other warpgroup's 128 in bar.arrive.
+//
+// Ping-pong (NWG = 2; FlashAttention-3's warp scheduler barriers). The two consumer warpgroups take turns at issuing
+// their products, so that one's softmax (exponentials, shuffles) runs while the other's products run on the tensor
+// cores, rather than both warpgroups issuing, and then waiting on, their products at the same moments. A turn is the
+// issue of one batch of wgmma: the first tile's S, then per tile S of the next tile (if any) with O += P·V of this
+// one. Before issuing, warpgroup g waits on barrier FWD_BAR_TURN + g (bar.sync); once its batch is committed it
+// arrives on the other's (bar.arrive) and goes on to its waits and softmax (fwd_turn_wait, fwd_turn_pass). Warpgroup
+// 1 gives warpgroup 0 its first turn with one arrival before either starts (fwd_turn_first): the turns go 0, 1, 0,
+// 1, ... Balance: both warpgroups walk the block's tiles (next_tile over the summaries of the block's BR rows, the
+// same for both), so each takes T = 1 + (tiles not hidden) turns. Barrier 1 (warpgroup 0's) gets warpgroup 0's T
+// syncs and warpgroup 1's T arrivals: the first-turn one and one after each of its turns but the last (an arrival
+// after it would open a phase that warpgroup 0, with no turn left, never completes); barrier 2 gets warpgroup 1's T
+// syncs and warpgroup 0's T arrivals. Every phase completes with 128 + 128 threads and none is left open at exit (the
+// emulator reports an open phase as an error, and a phase that cannot complete as a deadlock). No phase can take an
+// arrival meant for the next one: the turns strictly alternate, and a warpgroup arrives on the other's barrier for
+// the other's turn k+1 only after its own turn that came after the other's turn k (after that phase completed, for
+// all 128 threads of both). When every tile is hidden neither warpgroup takes a turn nor gives the first one. The
+// consumers' csync (after the rare sanitising of a V tile) comes before the turn's wait of the same iteration in both
+// warpgroups, so it cannot cross the turns' order. The turns change when products are issued, not what a warpgroup
+// computes nor in what order: the result is bit for bit the one without them.
 //
 // Pipeline, per block:
 // 1. Q's tile goes global → shared by the TMA (rows past Sq zero-filled); it stays in shared memory as wgmma's A
@@ -55,6 +80,9 @@
 //    waits for the first (wgmma.wait_group 1), runs the softmax of tile i+1 (into a second set of P registers:
 //    those of P(i) are the product's operand until it completes) while the tensor cores compute P(i)·V(i), then
 //    waits for that and rescales O. The result is the same arithmetic in the same order as one tile at a time.
+//    With two warpgroups each issues its batches in its turn (Ping-pong, above): while one runs the softmax of tile
+//    i+1, the other's S(i+1) and P(i)·V(i) run on the tensor cores. The ring's FWD_STAGES (3) stages let the TMA
+//    run up to two tiles ahead of the tile being multiplied.
 // 4. O / l is written (T or f32), and LSE = m + ln l (−inf and O = 0 for a row that saw no key).
 //
 // Shared memory (dynamic, aligned here to 1024 bytes: the 128B swizzle is on the address): every tile is rows of
@@ -64,8 +92,9 @@
 // 128B layout (rows = M or N, 64 elements of K per row: LBO unused, SBO = 1024 from one 8-row group to the next);
 // for V, read as the B of P·V (B = V's transpose viewed as N×K = D×keys), it is the N-major 128B layout (128-byte
 // rows of 64 n = d, one per k = key: SBO = 1024 from keys 0-7 to keys 8-15, LBO = 64·128 from one 64-wide d block
-// to the next). Q: BR×D; K and V: FWD_STAGES (2) stages of 64×D each; then 16 KiB per warpgroup for P on the rare tile that
-// needs a non-finite correction (below); then the barriers (48 bytes). 129 KiB at D = 128, NWG = 2.
+// to the next). Q: BR×D; K and V: FWD_STAGES (3) stages of 64×D each; then 16 KiB per warpgroup for P on the rare
+// tile that needs a non-finite correction (below); then the barriers (64 bytes). 161 KiB at D = 128, NWG = 2 (of the
+// 227 KiB an sm_90 block may opt into: the host asks for it, and the driver wrapper raises the kernel's limit).
 //
 // Non-finite values behind the mask: as attention_forward_tc.cu. On a partial tile that holds a non-finite V row
 // (the host's per-tile row masks), V's non-finite elements are set to 0 in shared memory by the consumers before
@@ -74,11 +103,17 @@
 // Every loop over a register array (fragments, accumulators) is unrolled with constant bounds: an array indexed at
 // run time is placed in local memory.
 
-// The ring's depth, and the register split of the producer and consumer warpgroups (the header's Warps).
-#define FWD_STAGES 2
+// The ring's depth (the host reads this line for its shared-memory size: ops/attention.rs), and the register split
+// of the producer and consumer warpgroups (the header's Warps).
+#define FWD_STAGES 3
 #define FWD_PRODUCER_REGS 40
 #define FWD_CONSUMER_REGS_1 256
 #define FWD_CONSUMER_REGS_2 232
+// The consumer warpgroups' turns at the tensor cores (NWG = 2; the header's Ping-pong): warpgroup g waits for its turn
+// on named barrier FWD_BAR_TURN + g and passes it by arriving on the other's, each phase counting both warpgroups'
+// 256 threads. Ids 1 and 2: 0 is __syncthreads'.
+#define FWD_BAR_TURN 1
+#define FWD_TURN_THREADS 256
 
 // The online softmax of one key tile (keys j0..j0+63) on its score fragment `s` (s[4n + e]: row row_base + 8·(e / 2),
 // key j0 + 8n + 2·tig + (e % 2)): scaled to base 2; hidden pairs (when `masked`: a partial tile, or the last one past
@@ -161,6 +196,28 @@ __device__ __forceinline__ void fwd_consumer_sync(u64* bar, u32& parity) {
     mbarrier_arrive(bar);
     mbarrier_wait(bar, parity);
     parity ^= 1u;
+}
+
+// The consumers' turns (NWG = 2; nothing with one warpgroup). fwd_turn_first: warpgroup 1 gives warpgroup 0 its
+// first turn, once, before either takes one. fwd_turn_wait: waits for warpgroup wg's turn (the other warpgroup's
+// arrival, with this one's 128 threads: a phase of 256). fwd_turn_pass: after warpgroup wg has issued its GEMMs of the
+// turn, gives the turn to the other; not after warpgroup 1's last turn (`last`), which warpgroup 0, having no turn
+// left, would never take: every phase of both barriers then completes (the header's Ping-pong).
+template <int NWG>
+__device__ __forceinline__ void fwd_turn_first(u32 wg) {
+    if constexpr (NWG == 2) {
+        if (wg == 1) named_barrier_arrive(FWD_BAR_TURN, FWD_TURN_THREADS);
+    }
+}
+template <int NWG>
+__device__ __forceinline__ void fwd_turn_wait(u32 wg) {
+    if constexpr (NWG == 2) named_barrier_sync(FWD_BAR_TURN + wg, FWD_TURN_THREADS);
+}
+template <int NWG>
+__device__ __forceinline__ void fwd_turn_pass(u32 wg, bool last) {
+    if constexpr (NWG == 2) {
+        if (wg == 0 || !last) named_barrier_arrive(FWD_BAR_TURN + (wg ^ 1u), FWD_TURN_THREADS);
+    }
 }
 
 // The producer (thread 0 of warpgroup 0): Q once on `qbar`, then the key tiles that are not hidden, in the consumers'
@@ -255,6 +312,9 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnProblem& p, const CUten
         // This warpgroup's 64 rows of Q (a multiple of 1024 bytes into each block of the tile).
         const unsigned char* q_wg = qs + wg * 64 * 128;
         const u64 bad_base = ((u64)b * p.kv_heads + hk) * k_tiles;
+        // Both warpgroups walk the same tiles (the block's, by next_tile), so they take as many turns each: one for
+        // the first S, one per tile after.
+        fwd_turn_first<NWG>(wg);
         mbarrier_wait(qbar, 0);
         mbarrier_wait(&full[0], 0);
         u32 next = next_tile(p, qt, kt + 1, k_tiles);
@@ -271,11 +331,13 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnProblem& p, const CUten
         float s[32];
 #pragma unroll
         for (u32 i = 0; i < 32; ++i) s[i] = 0.0f;
+        fwd_turn_wait<NWG>(wg);
         wgmma_fence();
 #pragma unroll
         for (u32 ks = 0; ks < D / 16; ++ks)
             wg_mma_qk<T>(s, wg_desc_kmajor<BR>(q_wg, ks), wg_desc_kmajor<WG_BC>(kv, ks), ks > 0);
         wgmma_commit_group();
+        fwd_turn_pass<NWG>(wg, false);  // (not the last turn: one per tile follows)
         wgmma_wait_group<0>();
         float alpha[2];
         u32 pa[WG_BC / 16][4];
@@ -317,6 +379,7 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnProblem& p, const CUten
             // ISA requires one between an ordinary access and the wgmma; the emulator cannot check this order).
 #pragma unroll
             for (u32 i = 0; i < 32; ++i) s[i] = 0.0f;
+            fwd_turn_wait<NWG>(wg);
             wgmma_fence();
             if (has_next) {
 #pragma unroll
@@ -328,6 +391,8 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnProblem& p, const CUten
 #pragma unroll
             for (u32 t = 0; t < WG_BC / 16; ++t) wg_mma_pv<T, D>(acc, pa[t], wg_desc_nmajor(vs_, t));
             wgmma_commit_group();
+            // Issued: the other warpgroup's GEMMs go next, while this one runs the softmax below.
+            fwd_turn_pass<NWG>(wg, !has_next);
             u32 pa_next[WG_BC / 16][4];
             if (has_next) {
                 wgmma_wait_group<1>();  // S of the next tile (the older group)

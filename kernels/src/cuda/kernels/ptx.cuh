@@ -188,3 +188,40 @@ __device__ __forceinline__ float ex2_approx(float x) {
     return r;
 #endif
 }
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Named barriers (bar.sync / bar.arrive a, b; sm_70 and later; per warp, and every lane of the warp must execute the
+// same one: bar is barrier.aligned). Barrier `id` (1..15: 0 is the one __syncthreads uses, with every thread of the
+// block) completes a phase when `threads` threads (a multiple of 32) have arrived by either instruction; every
+// arrival of a phase gives the same count. They let a subset of the block synchronise (the consumer warpgroups of a
+// warp-specialised kernel, while the producer's warps wait elsewhere or have exited), or one subset signal another
+// without waiting (producer/consumer, and turn-taking: see attention_forward_wgmma.cu's ping-pong). Memory: what a
+// thread wrote before its arrive is visible to the threads that pass the sync of that phase.
+// In the emulator each wrapper takes its caller's file and line (as ptx_tma.cuh's), so that a deadlock report names
+// the kernel's line; a phase that can never complete is a deadlock error, a phase still open when the block ends an
+// error too (arrivals no sync matched: counts that do not balance).
+#ifdef LONGCTX_EMU
+#define LONGCTX_PTX_CALLER , const char* caller_file = __builtin_FILE(), int caller_line = __builtin_LINE()
+#define LONGCTX_PTX_SITE (::emu::Site{caller_file, caller_line})
+#else
+#define LONGCTX_PTX_CALLER
+#endif
+
+// bar.sync id, threads: arrives at barrier `id` and waits until its phase completes (`threads` arrivals).
+__device__ __forceinline__ void named_barrier_sync(u32 id, u32 threads LONGCTX_PTX_CALLER) {
+#ifdef LONGCTX_EMU
+    ::emu::named_barrier(LONGCTX_PTX_SITE, id, threads, true);
+#else
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+#endif
+}
+
+// bar.arrive id, threads: arrives at barrier `id` (of `threads` arrivals a phase) and goes on without waiting; the
+// signalling half of a producer/consumer pair whose other half calls named_barrier_sync.
+__device__ __forceinline__ void named_barrier_arrive(u32 id, u32 threads LONGCTX_PTX_CALLER) {
+#ifdef LONGCTX_EMU
+    ::emu::named_barrier(LONGCTX_PTX_SITE, id, threads, false);
+#else
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+#endif
+}

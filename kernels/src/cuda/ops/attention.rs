@@ -50,10 +50,12 @@ pub(crate) static FORWARD_TC: KernelSource = KernelSource {
     includes: &[HEADER],
 };
 
+const FORWARD_WGMMA_CODE: &str = include_str!("../kernels/attention_forward_wgmma.cu");
+
 /// The wgmma forward (sm_90a only: [`crate::cuda::sources::SM90A_SOURCES`]), taken on sm_90 ([`path`]).
 pub(crate) static FORWARD_WGMMA: KernelSource = KernelSource {
     file: "attention_forward_wgmma.cu",
-    code: include_str!("../kernels/attention_forward_wgmma.cu"),
+    code: FORWARD_WGMMA_CODE,
     kernels: &[
         "attn_fwd_wgmma_bf16_d64_w1_bf16",
         "attn_fwd_wgmma_bf16_d64_w1_f32",
@@ -229,8 +231,60 @@ fn fwd_tma_maps(b: &Stream, p: &AttnParams<'_>, qkv: &Qkv<'_>, rows: usize) -> O
     ])
 }
 
-/// The wgmma forward's ring of K/V stages (`FWD_STAGES` in `attention_forward_wgmma.cu`).
-const FWD_STAGES: usize = 2;
+/// The wgmma forward's ring of K/V stages: `attention_forward_wgmma.cu`'s `#define FWD_STAGES`, read from the kernel's
+/// text when the crate builds, so that the shared memory the host gives the kernel is the size the kernel lays out.
+const FWD_STAGES: usize = c_define(FORWARD_WGMMA_CODE, "FWD_STAGES");
+
+/// Dynamic shared memory of the wgmma forward at head dim `d` with `nwg` consumer warpgroups: Q (64·`nwg` rows), K
+/// and V in each of the ring's stages, P's correction scratch (16 rows × 64 keys of f32 per consumer warp), the
+/// barriers (Q's, full and empty per stage, the consumers'), and 1024 for the kernel's alignment of its tiles (the
+/// 128B swizzle is on the address). Above 48 KiB, so the launch raises the kernel's limit (driver.rs).
+const fn fwd_wgmma_smem(d: usize, nwg: usize) -> usize {
+    (64 * nwg + 2 * FWD_STAGES * TC_TILE) * d * 2 + 4 * nwg * 16 * TC_TILE * 4 + 8 * (2 + 2 * FWD_STAGES) + 1024
+}
+
+// The largest case fits what an sm_90 block may opt into (227 KiB): 161 KiB with three stages.
+const _: () = assert!(fwd_wgmma_smem(128, 2) <= 227 * 1024, "the wgmma forward's ring does not fit shared memory");
+
+/// The value of a kernel source's `#define NAME <decimal>` (a line of its own), at compile time: a define missing or
+/// not a plain number fails the build.
+const fn c_define(code: &str, name: &str) -> usize {
+    const PREFIX: &[u8] = b"#define ";
+    let (c, n) = (code.as_bytes(), name.as_bytes());
+    let mut i = 0;
+    while i < c.len() {
+        if (i == 0 || c[i - 1] == b'\n') && bytes_at(c, i, PREFIX) && bytes_at(c, i + PREFIX.len(), n) {
+            let mut j = i + PREFIX.len() + n.len();
+            if j < c.len() && c[j] == b' ' {
+                j += 1;
+                let (mut v, start) = (0usize, j);
+                while j < c.len() && c[j].is_ascii_digit() {
+                    v = v * 10 + (c[j] - b'0') as usize;
+                    j += 1;
+                }
+                assert!(j > start && (j == c.len() || c[j] == b'\n'), "the #define is not a plain decimal number");
+                return v;
+            }
+        }
+        i += 1;
+    }
+    panic!("no #define of that name in the kernel source")
+}
+
+/// Whether `c` holds `pat` at `at`.
+const fn bytes_at(c: &[u8], at: usize, pat: &[u8]) -> bool {
+    if at + pat.len() > c.len() {
+        return false;
+    }
+    let mut k = 0;
+    while k < pat.len() {
+        if c[at + k] != pat[k] {
+            return false;
+        }
+        k += 1;
+    }
+    true
+}
 
 /// How many wgmma forwards have run with their tensor maps (the tests' proof that the TMA path ran).
 #[cfg(test)]
@@ -415,13 +469,7 @@ pub(crate) fn forward(b: &Stream, p: &AttnParams<'_>, out: AttnOut<'_>, qkv: Qkv
             grid: [s.q_len.div_ceil(rows) as u32, s.q_heads as u32, s.batch as u32],
             // A producer warpgroup and `nwg` consumer warpgroups.
             block: [128 * (nwg as u32 + 1), 1, 1],
-            // Q, K and V in each of the ring's stages, P's correction scratch (16 rows × 64 keys of f32 per consumer
-            // warp), the barriers (Q's, full and empty per stage, the consumers'), and 1024 for the kernel's
-            // alignment of its tiles (the 128B swizzle is on the address).
-            shared_bytes: ((rows + 2 * FWD_STAGES * TC_TILE) * s.head_dim * 2
-                + 4 * nwg * 16 * TC_TILE * 4
-                + 8 * (2 + 2 * FWD_STAGES)
-                + 1024) as u32,
+            shared_bytes: fwd_wgmma_smem(s.head_dim, nwg) as u32,
         };
         let name = format!("attn_fwd_wgmma_{}_d{}_w{nwg}_{}", super::suffix(qt), s.head_dim, super::suffix(ot));
         let kf = kernel(&FORWARD_WGMMA, &name)?;
