@@ -4,7 +4,9 @@
 //! per head dim (bf16, grouped queries, causal with the queries at the end of the keys, lengths off the tiles) on the
 //! emulator (`::emulated`) and on an sm_90 GPU (`::cuda`, skipped with a message elsewhere), against the mma.sync
 //! kernels on the same device and the CPU backend, and the backward's non-deterministic variant against the
-//! deterministic one. tests/attention_wgmma.rs and tests/attention_wgmma_backward.rs have the wider cases.
+//! deterministic one; the forward's and the backward's TMA loads (zero fill past a head's rows; the backward's
+//! cp.async fallback, forced, bit for bit against them). tests/attention_wgmma.rs and
+//! tests/attention_wgmma_backward.rs have the wider cases.
 
 use crate::attention::{AttnGrads, AttnMask, AttnOut, AttnParams, AttnSaved, AttnShape, Positions, Qkv};
 use crate::backend::{Backend, GradMode};

@@ -164,7 +164,7 @@ __device__ __forceinline__ void attn_bwd_wgmma_dkdv(const AttnProblem& p, BwdMap
         wgmma_fence_proxy_async();
         __syncthreads();
     }
-    cp_async_commit();
+    if (!TMA) cp_async_commit();  // K and V's copies (waited for with the first pair's)
 
     float dka[D / 2], dva[D / 2];
 #pragma unroll
