@@ -4,7 +4,9 @@
 //! per head dim (bf16, grouped queries, causal with the queries at the end of the keys, lengths off the tiles) on the
 //! emulator (`::emulated`) and on an sm_90 GPU (`::cuda`, skipped with a message elsewhere), against the mma.sync
 //! kernels on the same device and the CPU backend, and the backward's non-deterministic variant against the
-//! deterministic one. tests/attention_wgmma.rs and tests/attention_wgmma_backward.rs have the wider cases.
+//! deterministic one; the forward's and the backward's TMA loads (zero fill past a head's rows; the backward's
+//! cp.async fallback, forced, bit for bit against them). tests/attention_wgmma.rs and
+//! tests/attention_wgmma_backward.rs have the wider cases.
 
 use crate::attention::{AttnGrads, AttnMask, AttnOut, AttnParams, AttnSaved, AttnShape, Positions, Qkv};
 use crate::backend::{Backend, GradMode};
@@ -266,6 +268,88 @@ mod ring_and_turns {
     fn cuda() {
         if let Some(b) = sm90_backend() {
             long_ring(b);
+        }
+    }
+}
+
+/// The backward's loads (`attention_backward_wgmma.cu`'s header, Loads): the TMA-fed kernels, and the cp.async ones
+/// that run where the device refuses a tensor map (forced here by refusing them), on grouped queries under a causal
+/// mask (queries at the end of the keys: 4 tile pairs per dK/dV block and up to 3 key tiles per dQ block, so both
+/// buffers of each ring are filled twice), lengths off the tiles, and the second half of the heads of every input
+/// NaN: the rows past a head's length must land as zeros, never as the next head's NaN rows. Both loads give the
+/// same gradients, bit for bit where the sums' order is fixed (all but the non-deterministic variant's dQ); the first
+/// half's are finite and the CPU's; the per-thread counters show which kernels ran.
+fn backward_loads(b: CudaBackend) {
+    use super::ops::attention::BWD_LOADS;
+    let wg = b.with_attention_path(AttentionPath::Wgmma).with_deterministic_backward(true);
+    let atomic = wg.clone().with_deterministic_backward(false);
+    let cpu = CpuBackend::new();
+    let refuse_maps = |on: bool| {
+        BWD_LOADS.with(|l| {
+            let mut n = l.get();
+            n.refuse_maps = on;
+            l.set(n);
+        })
+    };
+    for d in [64, 128] {
+        let shape = AttnShape { batch: 1, q_heads: 4, kv_heads: 2, q_len: 70, kv_len: 130, head_dim: d };
+        let p = AttnParams::new(shape)
+            .with_mask(AttnMask::causal().with_positions(Positions::Offset(60), Positions::Offset(0)));
+        let seed = 10 * d as u64;
+        let mut x = [
+            uniform_nonzero(shape.q_elems(), seed),
+            uniform_nonzero(shape.kv_elems(), seed + 1),
+            uniform_nonzero(shape.kv_elems(), seed + 2),
+            uniform_nonzero(shape.q_elems(), seed + 3),
+        ];
+        for v in &mut x {
+            let half = v.len() / 2;
+            v[half..].fill(f32::NAN);
+        }
+        let want = run(&cpu, &p, &x, DType::F32);
+        for (variant, be) in [("deterministic", &wg), ("atomic", &atomic)] {
+            let before = BWD_LOADS.with(|l| l.get());
+            let tma = run(be, &p, &x, DType::F32);
+            let after = BWD_LOADS.with(|l| l.get());
+            assert_eq!((after.tma, after.cp_async), (before.tma + 1, before.cp_async), "d {d} {variant}: TMA");
+            refuse_maps(true);
+            let cp = run(be, &p, &x, DType::F32);
+            refuse_maps(false);
+            let last = BWD_LOADS.with(|l| l.get());
+            assert_eq!((last.tma, last.cp_async), (after.tma, after.cp_async + 1), "d {d} {variant}: cp.async");
+            for (n, name) in [(2, "dQ"), (3, "dK"), (4, "dV")] {
+                let exact = !(variant == "atomic" && name == "dQ");
+                for (i, (t, c)) in tma[n].iter().zip(&cp[n]).enumerate() {
+                    let same = (t.is_nan() && c.is_nan())
+                        || if exact { t.to_bits() == c.to_bits() } else { (t - c).abs() <= 1e-5 * (1.0 + c.abs()) };
+                    assert!(same, "d {d} {variant}: {name}[{i}] {t} by the TMA, {c} by cp.async");
+                }
+                // The first half of the heads (the second's inputs are NaN, and so are its gradients).
+                let half = tma[n].len() / 2;
+                let abs = [1e-2, 2e-2, 2e-2][n - 2];
+                for (i, (g, w)) in tma[n][..half].iter().zip(&want[n][..half]).enumerate() {
+                    assert!(
+                        g.is_finite() && (g - w).abs() <= abs + 1e-2 * w.abs(),
+                        "d {d} {variant}: {name}[{i}] = {g}, the CPU's {w}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+mod tma_backward {
+    use super::*;
+
+    #[test]
+    fn emulated() {
+        backward_loads(CudaBackend::emulated().unwrap_or_else(|e| panic!("{e}")));
+    }
+
+    #[test]
+    fn cuda() {
+        if let Some(b) = sm90_backend() {
+            backward_loads(b);
         }
     }
 }

@@ -5,8 +5,7 @@
 // attention_backward.cu's attn_bwd_delta.
 //
 // Warps: a block is one warpgroup (128 threads, warp w owning rows 16w..16w+15 of the block's 64, the accumulator
-// fragment's rows); every thread also takes its share of the tile copies (wg_load_tile, attention_wgmma.cuh): the
-// tiles a kernel loops over are double-buffered, the next one's copies running while this one computes.
+// fragment's rows); every thread computes, and the tiles are loaded as Loads (below) says.
 //
 // dkdv: a block for a tile of 64 key rows of one (batch, key/value head), dK and dV accumulators in registers; K and
 // V stay in shared memory. For every query head of the group and every query tile of 64 rows that the mask does not
@@ -22,31 +21,117 @@
 // dP = dO·Vᵀ (both operands from shared memory), P and dS as above, dQ += dS·K (dS from registers, K N-major).
 // At the end dQ·scale is written (or added).
 //
-// Shared memory: attention_wgmma.cuh's 128B-swizzled tiles (1024-byte aligned here); cp.async writes through the
-// generic proxy, so every tile is followed by fence.proxy.async and a barrier before a wgmma reads it.
+// Loads. Each kernel keeps one pair of 64-row tiles (K and V in dkdv, Q and dO in dq) and streams another (Q and
+// dO of each visible (query head, query tile) pair in dkdv, K and V of each visible key tile in dq) through two
+// buffers: the loop's n-th tile pair is in buffer n % 2, and at the top of iteration n the loads of the (n + 1)-th
+// go into the other buffer, which every thread is done with (the __syncthreads ending iteration n − 1, after its
+// wgmmas were waited for), so they land while iteration n computes. The walk skips what the mask hides
+// (next_pair, next_tile): a hidden tile is never loaded. LSE and Δ stay ordinary loads: dkdv's threads write the
+// next pair's rows into the buffer's slots beside its tiles (a __syncthreads after the wait publishes them), dq's
+// keep their two rows' in registers. Two kinds of kernels, one body (template flag TMA):
+// - TMA (attn_bwd_wgmma_*_tma_*, what the host launches; ptx_tma.cuh): the host passes tensor maps of Q, K, V and
+//   dO (ops/attention.rs: bwd_tma_maps), each a 3-D tensor, innermost first (D, rows of a head, batch·heads),
+//   strides 2D and 2D·len bytes, a box 64 elements (128 bytes, the 128B swizzle's span) × 64 rows × 1 head, landing
+//   as 64 128-byte rows with the 128B swizzle on the address: exactly one 64-element block of the tile layout
+//   (attention_wgmma.cuh), so a tile at D = 128 is two boxes (bwd_tma_pair). Rows past the head's length lie
+//   outside the map's second dimension: the TMA writes them as zeros (never the next head's rows). Three mbarriers
+//   in shared memory after the scratch, 1 arrival each: bars[0] the kept pair (filled once, waited with parity 0),
+//   bars[1 + c] buffer c (the n-th tile pair's wait: bars[1 + n % 2] with parity (n / 2) % 2, its (n / 2)-th fill).
+//   Thread 0 issues every load: it announces both tiles' bytes (zero-filled rows included) with arrive.expect_tx
+//   and issues the boxes, which complete on the barrier; every thread waits on the barrier itself. No producer
+//   warp: the loop's __syncthreads (after a sanitising, between pairs, fused's dSᵀ exchange) would wait for it, so
+//   it needs barriers the consumers alone take (named barriers, or mbarriers as the forward's csync) for the little
+//   work it saves here: thread 0 issues 2·D/64 boxes per tile pair, a few instructions, and the loads already run
+//   ahead of the products by one tile pair, as far as two buffers allow. The TMA writes through the async proxy,
+//   which wgmma reads: no proxy fence between a load's wait and the wgmma reading the tile.
+// - cp.async (the same names without _tma_; the host's fallback where the device refuses a tensor map, and the
+//   tests'): every thread takes its share of each tile's 16-byte copies (wg_load_tile: rows past the head's length
+//   zero-filled), cp.async groups in place of the barriers. cp.async writes through the generic proxy, so every
+//   tile is followed by fence.proxy.async and a barrier before a wgmma reads it.
+// Either way, what the threads write to a tile or hand to wgmma through shared memory with ordinary stores (the
+// non-finite sanitising below, the sanitized copy of K in fused, which cp.async makes in both kinds) is generic-proxy
+// traffic: fence.proxy.async and a barrier follow it before a wgmma reads it (and before a TMA overwrites the tile,
+// which the barrier ending each iteration orders).
 //
-// fused (further down, in its own section): the non-deterministic variant, dkdv with dQ added by atomics; chosen
-// explicitly only (CudaBackend::with_deterministic_backward(false)).
+// Shared memory (dynamic, aligned up to 1024 bytes of the shared window: the 128B swizzle is on the address), in
+// TB = 64·D·2-byte tiles: dkdv: K, V, Q of buffers 0 and 1, dO of buffers 0 and 1 (6 TB; fused adds K sanitized,
+// 7 TB), LSE and Δ of buffers 0 and 1 (1 KiB), the correction scratch (per warp 16 × 64 f32 for Pᵀ and for dSᵀ:
+// 32 KiB), the TMA kernels' 3 barriers (24 bytes); dq: Q, dO, K and V of buffers 0 and 1 (6 TB), the scratch (per
+// warp 16 × 64 f32 for dS: 16 KiB), the barriers. At D = 128: dkdv 129 KiB, fused 145 KiB, dq 112 KiB; at D = 64:
+// 81, 89 and 64 KiB; each + 24 bytes of barriers (TMA) + the 1024 bytes of alignment slack the host adds.
+//
+// fused: the non-deterministic variant (AttentionBackward::Atomic, chosen explicitly only:
+// CudaBackend::with_deterministic_backward(false); the trainer keeps the kernels above). dkdv's kernel body
+// instantiated with ATOMIC: each visible tile pair also adds its dQ contribution, dS·K, to an f32 workspace with
+// atomicAdd, so S and dP are computed once per pair (5 products where dkdv and dq take 7). The order of the atomic
+// additions varies from run to run on a GPU: dQ is not bit-reproducible (dK and dV are, as in dkdv).
+// attn_bwd_dq_convert then writes dq = workspace·scale in its type (or adds it, GradMode::Accumulate).
+// dS (queries × keys, the A operand of dQ += dS·K) is dSᵀ's fragment transposed: every warp writes its dSᵀ rows to
+// the correction scratch (f32), a barrier, and each thread reads its rows of dS as the A fragment. The product runs
+// in chunks of 64 columns of D (a 32-float accumulator, added to the workspace after each), K read N-major. When K's
+// tile holds non-finite rows (k_bad), a sanitized copy of it serves the partial pairs' dQ products (as dq's
+// sanitizing), each visible pair adding back, from global memory, what the zeroed elements contribute.
 //
 // Non-finite values behind the mask: as attention_backward_tc.cu. On a partial tile pair whose tiles hold non-finite
 // rows, the non-finite elements of the operand a hidden 0 multiplies are set to 0 in shared memory first (Q and dO in
 // dkdv, K in dq), and each visible pair then adds back, from global memory, what those elements contribute.
 
-template <int D, typename T, typename G>
-__device__ __forceinline__ void attn_bwd_wgmma_dkdv(const AttnProblem& p, G* __restrict__ dk, G* __restrict__ dv,
-                                                    const T* __restrict__ q, const T* __restrict__ k,
-                                                    const T* __restrict__ v, const T* __restrict__ dout,
-                                                    const float* __restrict__ lse, const float* __restrict__ delta,
+// The tensor maps of the TMA-fed kernels (the header's Loads; null in the cp.async ones): the kernels' parameters.
+struct BwdMaps {
+    const CUtensorMap* q;
+    const CUtensorMap* k;
+    const CUtensorMap* v;
+    const CUtensorMap* dout;
+};
+
+// Issues the TMA loads of rows [row0, row0 + 64) of head `head` (of batch·heads) of the tensors `ma` and `mb`
+// describe into the tiles at `a` and `b`, completing on `bar`, after announcing both tiles' bytes on it (rows past
+// the head's length included: the TMA writes them as zeros and counts them). D/64 boxes per tile, box c (elements
+// 64c..64c+63 of every row) at tile + c·64·128: attention_wgmma.cuh's tile layout. One thread.
+template <int D>
+__device__ __forceinline__ void bwd_tma_pair(unsigned char* a, const CUtensorMap* ma, unsigned char* b,
+                                             const CUtensorMap* mb, u64* bar, u32 row0, u32 head) {
+    mbarrier_arrive_expect_tx(bar, 2 * WG_BC * D * 2);
+#pragma unroll
+    for (int c = 0; c < D / 64; ++c) {
+        tma_load_3d(a + c * (WG_BC * 128), ma, bar, c * 64, static_cast<i32>(row0), static_cast<i32>(head));
+        tma_load_3d(b + c * (WG_BC * 128), mb, bar, c * 64, static_cast<i32>(row0), static_cast<i32>(head));
+    }
+}
+
+// Initialises the block's three mbarriers (1 arrival each: the issuing thread's arrive.expect_tx), visible to every
+// thread and to the TMA after the barrier.
+__device__ __forceinline__ void bwd_tma_init(u64* bars) {
+    if (threadIdx.x == 0) {
+        for (u32 i = 0; i < 3; ++i) mbarrier_init(&bars[i], 1);
+        mbarrier_fence_init();
+    }
+    __syncthreads();
+}
+
+// dkdv, and with ATOMIC the non-deterministic variant's fused kernel (the header's "fused"): one body, so that the
+// two cannot drift apart; ATOMIC adds the sanitized copy of K, the dSᵀ scratch written every pair, and dQ's atomics.
+template <int D, typename T, typename G, bool ATOMIC, bool TMA>
+__device__ __forceinline__ void attn_bwd_wgmma_dkdv(const AttnProblem& p, BwdMaps maps, G* __restrict__ dk,
+                                                    G* __restrict__ dv,
+                                                    float* __restrict__ dq_ws, const T* __restrict__ q,
+                                                    const T* __restrict__ k, const T* __restrict__ v,
+                                                    const T* __restrict__ dout, const float* __restrict__ lse,
+                                                    const float* __restrict__ delta,
                                                     const unsigned long long* __restrict__ q_bad,
-                                                    const unsigned long long* __restrict__ do_bad, int accumulate) {
+                                                    const unsigned long long* __restrict__ do_bad,
+                                                    const unsigned long long* __restrict__ k_bad, int accumulate) {
     unsigned char* smem = wg_smem();
     constexpr u32 TB = WG_BC * D * 2;
     unsigned char* ks_ = smem;
     unsigned char* vs_ = smem + TB;
-    // Q's buffer c at smem + (2 + c)·TB, dO's at smem + (4 + c)·TB; their LSE (base 2) and Δ at lsd + 128c and
-    // lsd + 128c + 64 (computed: an array indexed at run time would live in local memory).
-    float* lsd = reinterpret_cast<float*>(smem + 6 * TB);
-    float* scr = lsd + 4 * WG_BC;  // [4 warps][2][16][64]: Pᵀ and dSᵀ, for the correction
+    // Q's buffer c at smem + (2 + c)·TB, dO's at smem + (4 + c)·TB; with ATOMIC, K sanitized at 6·TB. Then the LSE
+    // (base 2) and Δ of buffer c at lsd + 128c and lsd + 128c + 64 (computed: an array indexed at run time would live
+    // in local memory).
+    unsigned char* kc_ = smem + 6 * TB;
+    float* lsd = reinterpret_cast<float*>(smem + (ATOMIC ? 7 : 6) * TB);
+    float* scr = lsd + 4 * WG_BC;  // [4 warps][2][16][64]: Pᵀ (for the correction) and dSᵀ (correction; dQ)
+    u64* bars = reinterpret_cast<u64*>(scr + 4 * 2 * 16 * 64);  // TMA: [0] K and V; [1 + c] buffer c's Q and dO
 
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 gid = lane >> 2, tig = lane & 3;
@@ -56,29 +141,56 @@ __device__ __forceinline__ void attn_bwd_wgmma_dkdv(const AttnProblem& p, G* __r
     const u32 q_tiles = (p.q_len + WG_BC - 1) / WG_BC;
     const u32 j_lo = kt * WG_BC + warp * 16 + gid;  // this thread's keys: j_lo and j_lo + 8
     const float scale2 = p.scale * 1.4426950408889634f;
+    // K's non-finite rows (ATOMIC only; read again where needed, so that no register holds them through the loop).
+    auto kbad = [&]() {
+        const u32 k_tiles = (p.kv_len + WG_BC - 1) / WG_BC;
+        return (ATOMIC && k_bad) ? k_bad[((u64)b * p.kv_heads + hk) * k_tiles + kt] : 0ull;
+    };
 
-    wg_load_tile<D, WG_BC, T>(ks_, k + k_head * D, kt * WG_BC, p.kv_len);
-    wg_load_tile<D, WG_BC, T>(vs_, v + k_head * D, kt * WG_BC, p.kv_len);
-    cp_async_commit();
+    if (TMA) {
+        bwd_tma_init(bars);
+        if (threadIdx.x == 0) bwd_tma_pair<D>(ks_, maps.k, vs_, maps.v, &bars[0], kt * WG_BC, b * p.kv_heads + hk);
+    } else {
+        wg_load_tile<D, WG_BC, T>(ks_, k + k_head * D, kt * WG_BC, p.kv_len);
+        wg_load_tile<D, WG_BC, T>(vs_, v + k_head * D, kt * WG_BC, p.kv_len);
+    }
+    if (ATOMIC && kbad()) {
+        // The sanitized copy of K for dQ's products, made before the loop by cp.async whatever feeds the other
+        // tiles (its copies waited for at once: only tiles with a non-finite K row pay for it).
+        wg_load_tile<D, WG_BC, T>(kc_, k + k_head * D, kt * WG_BC, p.kv_len);
+        cp_async_wait_all();
+        __syncthreads();
+        wg_sanitize<D, T>(kc_, kbad());
+        wgmma_fence_proxy_async();
+        __syncthreads();
+    }
+    if (!TMA) cp_async_commit();  // K and V's copies (waited for with the first pair's)
 
     float dka[D / 2], dva[D / 2];
 #pragma unroll
     for (u32 i = 0; i < D / 2; ++i) dka[i] = dva[i] = 0.0f;
 
     // The (query head of the group, query tile) pairs the mask does not hide, in order (pair x: head
-    // hk·group + x / q_tiles, tile x % q_tiles), Q and dO double-buffered: the next pair's copies run while this one
-    // computes.
+    // hk·group + x / q_tiles, tile x % q_tiles), Q and dO double-buffered: the next pair's loads run while this one
+    // computes (the header's Loads).
     const u32 pairs = group * q_tiles;
     auto next_pair = [&](u32 x) {
         while (x < pairs && classify(p, x % q_tiles, kt) == TILE_HIDDEN) ++x;
         return x;
     };
-    // Starts the copies of pair x's Q and dO into buffer c and writes its LSE and Δ.
+    // Starts the loads of pair x's Q and dO into buffer c and writes its LSE and Δ (ordinary loads and stores by
+    // every thread).
     auto load_pair = [&](u32 x, u32 c) {
         const u32 i0 = (x % q_tiles) * WG_BC;
-        const u64 qh = ((u64)b * p.q_heads + hk * group + x / q_tiles) * p.q_len;
-        wg_load_tile<D, WG_BC, T>(smem + (2 + c) * TB, q + qh * D, i0, p.q_len);
-        wg_load_tile<D, WG_BC, T>(smem + (4 + c) * TB, dout + qh * D, i0, p.q_len);
+        const u32 h = b * p.q_heads + hk * group + x / q_tiles;
+        const u64 qh = (u64)h * p.q_len;
+        if (TMA) {
+            if (threadIdx.x == 0)
+                bwd_tma_pair<D>(smem + (2 + c) * TB, maps.q, smem + (4 + c) * TB, maps.dout, &bars[1 + c], i0, h);
+        } else {
+            wg_load_tile<D, WG_BC, T>(smem + (2 + c) * TB, q + qh * D, i0, p.q_len);
+            wg_load_tile<D, WG_BC, T>(smem + (4 + c) * TB, dout + qh * D, i0, p.q_len);
+        }
         for (u32 r = threadIdx.x; r < WG_BC; r += blockDim.x) {
             u32 i = i0 + r;
             // LSE in base 2, for P = 2^(S·scale·log2 e − LSE·log2 e) by one ex2.approx.
@@ -88,15 +200,26 @@ __device__ __forceinline__ void attn_bwd_wgmma_dkdv(const AttnProblem& p, G* __r
     };
     u32 x = next_pair(0);
     if (x < pairs) load_pair(x, 0);
-    cp_async_commit();
+    if (TMA)
+        mbarrier_wait(&bars[0], 0);  // K and V
+    else
+        cp_async_commit();
     u32 buf = 0;
-    while (x < pairs) {
+    for (u32 n = 0; x < pairs; ++n) {
+        // Pair x is the loop's n-th, in buffer buf = n % 2: that buffer's (n / 2)-th fill.
         const u32 xn = next_pair(x + 1);
         if (xn < pairs) load_pair(xn, buf ^ 1);
-        cp_async_commit();
-        cp_async_wait<1>();
-        wgmma_fence_proxy_async();
-        __syncthreads();
+        if (TMA) {
+            // The TMA wrote through the async proxy, which wgmma reads: no proxy fence.
+            mbarrier_wait(&bars[1 + buf], (n >> 1) & 1u);
+        } else {
+            // K and V (the first time), this pair's Q and dO: cp.async wrote them through the generic proxy, so
+            // a proxy fence (and the barrier below) before wgmma reads them.
+            cp_async_commit();
+            cp_async_wait<1>();
+            wgmma_fence_proxy_async();
+        }
+        __syncthreads();  // this pair's LSE and Δ, written by every thread (with cp.async, its tiles too)
         {
             const u32 qt = x % q_tiles;
             const u32 h = hk * group + x / q_tiles;
@@ -149,6 +272,23 @@ __device__ __forceinline__ void attn_bwd_wgmma_dkdv(const AttnProblem& p, G* __r
                     dpt[4 * n + e] = dsv;
                 }
             }
+            // This warp's Pᵀ and dSᵀ (16 × 64 each) go to shared memory for the correction (so that no register
+            // array is indexed at run time) and, with ATOMIC, dSᵀ always (dQ's A operand, transposed). ATOMIC writes
+            // them before the products, so that the fragments are dead during them; dkdv only on the rare pair that
+            // needs the correction, after.
+            float* ps = scr + warp * 2 * 16 * 64;
+            float* ss = ps + 16 * 64;
+            auto keep_fragments = [&](bool p_too) {
+#pragma unroll
+                for (u32 n = 0; n < 8; ++n)
+#pragma unroll
+                    for (u32 e = 0; e < 4; ++e) {
+                        u32 at = (gid + 8 * (e >> 1)) * 64 + n * 8 + 2 * tig + (e & 1);
+                        if (p_too) ps[at] = st[4 * n + e];
+                        ss[at] = dpt[4 * n + e];
+                    }
+            };
+            if (ATOMIC) keep_fragments((qb | db) != 0);
             // dV += Pᵀ·dO and dK += dSᵀ·Q over the tile's 64 queries (4 k-steps of 16).
             u32 pa[4][4], sa[4][4];
 #pragma unroll
@@ -168,18 +308,8 @@ __device__ __forceinline__ void attn_bwd_wgmma_dkdv(const AttnProblem& p, G* __r
             wgmma_commit_group();
             wgmma_wait_group<0>();
             if (qb | db) {
-                // Add back what the zeroed elements contribute to visible pairs (see the header). Pᵀ and dSᵀ go
-                // through shared memory (this warp's 16 × 64 each), so that no register array is indexed at run time.
-                float* ps = scr + warp * 2 * 16 * 64;
-                float* ss = ps + 16 * 64;
-#pragma unroll
-                for (u32 n = 0; n < 8; ++n)
-#pragma unroll
-                    for (u32 e = 0; e < 4; ++e) {
-                        u32 at = (gid + 8 * (e >> 1)) * 64 + n * 8 + 2 * tig + (e & 1);
-                        ps[at] = st[4 * n + e];
-                        ss[at] = dpt[4 * n + e];
-                    }
+                // Add back what the zeroed elements contribute to visible pairs (see the header).
+                if (!ATOMIC) keep_fragments(true);
                 __syncwarp();
                 for (u32 il = 0; il < WG_BC; ++il) {
                     bool qf = (qb >> il) & 1ull, df = (db >> il) & 1ull;
@@ -206,12 +336,76 @@ __device__ __forceinline__ void attn_bwd_wgmma_dkdv(const AttnProblem& p, G* __r
                 }
                 __syncwarp();
             }
+            if (ATOMIC) {
+                __syncthreads();  // every warp's dSᵀ is in the scratch
+                // dQ += dS·K: this thread's rows of dS (queries il = 16·warp + gid + 8·(r % 2)), keys
+                // 16t + 8·(r / 2) + 2·tig and the next, read from the warps' dSᵀ rows (key jl at
+                // scr[(jl / 16)·2048 + 1024 + (jl % 16)·64]).
+#pragma unroll
+                for (u32 t = 0; t < 4; ++t) {
+#pragma unroll
+                    for (u32 r = 0; r < 4; ++r) {
+                        u32 il = warp * 16 + gid + 8 * (r & 1);
+                        u32 jl = 16 * t + 8 * (r >> 1) + 2 * tig;
+                        const float* col = scr + (jl >> 4) * 2048 + 1024 + (jl & 15) * 64 + il;
+                        sa[t][r] = pack2<T>(col[0], col[64]);
+                    }
+                }
+                const unsigned long long kb = cls == TILE_PARTIAL ? kbad() : 0ull;
+                const unsigned char* kq = kb ? kc_ : ks_;
+                const u32 i_lo = i0 + warp * 16 + gid;  // this thread's dQ rows: i_lo and i_lo + 8
+#pragma unroll
+                for (u32 c = 0; c < D / 64; ++c) {
+                    float dqc[32];
+#pragma unroll
+                    for (u32 i = 0; i < 32; ++i) dqc[i] = 0.0f;
+                    wgmma_fence();
+#pragma unroll
+                    for (u32 t = 0; t < 4; ++t)
+                        wg_mma_pv<T, 64>(dqc, sa[t], wg_desc_nmajor(kq + c * WG_BC * 128, t));
+                    wgmma_commit_group();
+                    wgmma_wait_group<0>();
+                    if (kb) {
+                        for (u32 jl = 0; jl < WG_BC; ++jl) {
+                            if (!((kb >> jl) & 1ull)) continue;
+                            u32 j = kt * WG_BC + jl;
+#pragma unroll
+                            for (u32 hf = 0; hf < 2; ++hf) {
+                                u32 il = warp * 16 + gid + 8 * hf;
+                                float dsv = scr[(jl >> 4) * 2048 + 1024 + (jl & 15) * 64 + il];
+                                u32 i = i0 + il;
+                                bool seen = i < p.q_len && j < p.kv_len && visible(p, i, j);
+#pragma unroll
+                                for (u32 n = 0; n < 8; ++n) {
+#pragma unroll
+                                    for (u32 e = 0; e < 2; ++e) {
+                                        float kx =
+                                            seen ? to_f32(k[(k_head + j) * D + c * 64 + n * 8 + 2 * tig + e]) : 0.0f;
+                                        if (seen && !isfinite(kx)) dqc[4 * n + 2 * hf + e] += dsv * kx;
+                                    }
+                                }
+                            }
+                        }
+                    }
+#pragma unroll
+                    for (u32 hf = 0; hf < 2; ++hf) {
+                        u32 i = i_lo + 8 * hf;
+                        if (i >= p.q_len) continue;
+#pragma unroll
+                        for (u32 n = 0; n < 8; ++n)
+#pragma unroll
+                            for (u32 e = 0; e < 2; ++e)
+                                atomicAdd(dq_ws + (q_head + i) * D + c * 64 + n * 8 + 2 * tig + e,
+                                          dqc[4 * n + 2 * hf + e]);
+                    }
+                }
+            }
         }
-        __syncthreads();  // every warp is done with this buffer before the next prefetch overwrites it
+        __syncthreads();  // every warp is done with this buffer (and the scratch) before the next loads into it
         buf ^= 1;
         x = xn;
     }
-    cp_async_wait_all();
+    if (!TMA) cp_async_wait_all();
 
 #pragma unroll
     for (u32 hf = 0; hf < 2; ++hf) {
@@ -229,8 +423,9 @@ __device__ __forceinline__ void attn_bwd_wgmma_dkdv(const AttnProblem& p, G* __r
     }
 }
 
-template <int D, typename T, typename G>
-__device__ __forceinline__ void attn_bwd_wgmma_dq(const AttnProblem& p, G* __restrict__ dq, const T* __restrict__ q,
+template <int D, typename T, typename G, bool TMA>
+__device__ __forceinline__ void attn_bwd_wgmma_dq(const AttnProblem& p, BwdMaps maps, G* __restrict__ dq,
+                                                  const T* __restrict__ q,
                                                   const T* __restrict__ k, const T* __restrict__ v,
                                                   const T* __restrict__ dout, const float* __restrict__ lse,
                                                   const float* __restrict__ delta,
@@ -242,6 +437,7 @@ __device__ __forceinline__ void attn_bwd_wgmma_dq(const AttnProblem& p, G* __res
     // K's buffer c at smem + (2 + c)·TB, V's at smem + (4 + c)·TB (computed: an array indexed at run time would
     // live in local memory).
     float* scr = reinterpret_cast<float*>(smem + 6 * TB);  // [4 warps][16][64]: dS, for the correction
+    u64* bars = reinterpret_cast<u64*>(scr + 4 * 16 * 64);   // TMA: [0] Q and dO; [1 + c] buffer c's K and V
 
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 gid = lane >> 2, tig = lane & 3;
@@ -254,9 +450,15 @@ __device__ __forceinline__ void attn_bwd_wgmma_dq(const AttnProblem& p, G* __res
     const u32 i_lo = qt * WG_BC + warp * 16 + gid;  // this thread's rows: i_lo and i_lo + 8
     const float scale2 = p.scale * 1.4426950408889634f;
 
-    wg_load_tile<D, WG_BC, T>(qs, q + q_head * D, qt * WG_BC, p.q_len);
-    wg_load_tile<D, WG_BC, T>(dos, dout + q_head * D, qt * WG_BC, p.q_len);
-    cp_async_commit();
+    const u32 kv_head = b * p.kv_heads + hk;  // the maps' third coordinate for K and V
+    if (TMA) {
+        bwd_tma_init(bars);
+        if (threadIdx.x == 0) bwd_tma_pair<D>(qs, maps.q, dos, maps.dout, &bars[0], qt * WG_BC, b * p.q_heads + h);
+    } else {
+        wg_load_tile<D, WG_BC, T>(qs, q + q_head * D, qt * WG_BC, p.q_len);
+        wg_load_tile<D, WG_BC, T>(dos, dout + q_head * D, qt * WG_BC, p.q_len);
+        cp_async_commit();
+    }
     float lr[2], dl[2];
 #pragma unroll
     for (u32 hf = 0; hf < 2; ++hf) {
@@ -269,26 +471,42 @@ __device__ __forceinline__ void attn_bwd_wgmma_dq(const AttnProblem& p, G* __res
 #pragma unroll
     for (u32 i = 0; i < D / 2; ++i) dqa[i] = 0.0f;
 
-    // Key tiles that the mask does not hide, K and V double-buffered: the next one's copies run while this one
-    // computes.
+    // Key tiles that the mask does not hide, K and V double-buffered: the next one's loads run while this one
+    // computes (the header's Loads). Starts the loads of key tile `t` into buffer c.
+    auto load_kv = [&](u32 t, u32 c) {
+        if (TMA) {
+            if (threadIdx.x == 0)
+                bwd_tma_pair<D>(smem + (2 + c) * TB, maps.k, smem + (4 + c) * TB, maps.v, &bars[1 + c], t * WG_BC,
+                                kv_head);
+        } else {
+            wg_load_tile<D, WG_BC, T>(smem + (2 + c) * TB, kg, t * WG_BC, p.kv_len);
+            wg_load_tile<D, WG_BC, T>(smem + (4 + c) * TB, v + k_head * D, t * WG_BC, p.kv_len);
+        }
+    };
     u32 kt = next_tile(p, qt, 0, k_tiles);
-    if (kt < k_tiles) {
-        wg_load_tile<D, WG_BC, T>(smem + 2 * TB, kg, kt * WG_BC, p.kv_len);
-        wg_load_tile<D, WG_BC, T>(smem + 4 * TB, v + k_head * D, kt * WG_BC, p.kv_len);
-    }
-    cp_async_commit();
+    if (kt < k_tiles) load_kv(kt, 0);
+    if (TMA)
+        mbarrier_wait(&bars[0], 0);  // Q and dO
+    else
+        cp_async_commit();
     u32 buf = 0;
-    while (kt < k_tiles) {
+    for (u32 n = 0; kt < k_tiles; ++n) {
+        // Tile kt is the loop's n-th, in buffer buf = n % 2: that buffer's (n / 2)-th fill.
         int cls = classify(p, qt, kt);
         const u32 next = next_tile(p, qt, kt + 1, k_tiles);
-        if (next < k_tiles) {
-            wg_load_tile<D, WG_BC, T>(smem + (3 - buf) * TB, kg, next * WG_BC, p.kv_len);
-            wg_load_tile<D, WG_BC, T>(smem + (5 - buf) * TB, v + k_head * D, next * WG_BC, p.kv_len);
+        if (next < k_tiles) load_kv(next, buf ^ 1);
+        if (TMA) {
+            // The TMA wrote through the async proxy, which wgmma reads: no proxy fence, and no barrier (each thread
+            // has waited itself).
+            mbarrier_wait(&bars[1 + buf], (n >> 1) & 1u);
+        } else {
+            // Q and dO (the first time), this tile's K and V: cp.async wrote them through the generic proxy, so a
+            // proxy fence and a barrier before wgmma reads them.
+            cp_async_commit();
+            cp_async_wait<1>();
+            wgmma_fence_proxy_async();
+            __syncthreads();
         }
-        cp_async_commit();
-        cp_async_wait<1>();
-        wgmma_fence_proxy_async();
-        __syncthreads();
         unsigned char* ks_ = smem + (2 + buf) * TB;
         unsigned char* vs_ = smem + (4 + buf) * TB;
         const u32 j0 = kt * WG_BC;
@@ -362,11 +580,11 @@ __device__ __forceinline__ void attn_bwd_wgmma_dq(const AttnProblem& p, G* __res
             }
             __syncwarp();
         }
-        __syncthreads();  // every warp is done with this buffer before the next prefetch overwrites it
+        __syncthreads();  // every warp is done with this buffer before the next loads into it
         buf ^= 1;
         kt = next;
     }
-    cp_async_wait_all();
+    if (!TMA) cp_async_wait_all();
 
 #pragma unroll
     for (u32 hf = 0; hf < 2; ++hf) {
@@ -383,282 +601,7 @@ __device__ __forceinline__ void attn_bwd_wgmma_dq(const AttnProblem& p, G* __res
     }
 }
 
-// ---- Non-deterministic variant (AttentionBackward::Atomic, chosen explicitly; the trainer keeps the kernels above).
-//
-// fused: dkdv's block and loop, and each visible tile pair also adds its dQ contribution, dS·K, to an f32 workspace
-// with atomicAdd, so S and dP are computed once per pair (5 products where dkdv and dq take 7). The order of the
-// atomic additions varies from run to run on a GPU: dQ is not bit-reproducible (dK and dV are, as in dkdv).
-// attn_bwd_dq_convert then writes dq = workspace·scale in its type (or adds it, GradMode::Accumulate).
-//
-// dS (queries × keys, the A operand of dQ += dS·K) is dSᵀ's fragment transposed: every warp writes its dSᵀ rows to
-// the correction scratch (f32), a barrier, and each thread reads its rows of dS as the A fragment. The product runs
-// in chunks of 64 columns of D (a 32-float accumulator, added to the workspace after each), K read N-major. When K's
-// tile holds non-finite rows (k_bad), a sanitized copy of it serves the partial pairs' dQ products (as dq's
-// sanitizing), each visible pair adding back, from global memory, what the zeroed elements contribute.
-template <int D, typename T, typename G>
-__device__ __forceinline__ void attn_bwd_wgmma_fused(const AttnProblem& p, G* __restrict__ dk, G* __restrict__ dv,
-                                                     float* __restrict__ dq_ws, const T* __restrict__ q,
-                                                     const T* __restrict__ k, const T* __restrict__ v,
-                                                     const T* __restrict__ dout, const float* __restrict__ lse,
-                                                     const float* __restrict__ delta,
-                                                     const unsigned long long* __restrict__ q_bad,
-                                                     const unsigned long long* __restrict__ do_bad,
-                                                     const unsigned long long* __restrict__ k_bad, int accumulate) {
-    unsigned char* smem = wg_smem();
-    constexpr u32 TB = WG_BC * D * 2;
-    unsigned char* ks_ = smem;
-    unsigned char* vs_ = smem + TB;
-    // Q's buffer c at smem + (2 + c)·TB, dO's at smem + (4 + c)·TB, K sanitized at 6·TB; LSE and Δ as in dkdv.
-    unsigned char* kc_ = smem + 6 * TB;
-    float* lsd = reinterpret_cast<float*>(smem + 7 * TB);
-    float* scr = lsd + 4 * WG_BC;  // [4 warps][2][16][64]: Pᵀ (for the correction) and dSᵀ (for dQ)
-
-    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const u32 gid = lane >> 2, tig = lane & 3;
-    const u32 kt = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
-    const u32 group = p.q_heads / p.kv_heads;
-    const u64 k_head = ((u64)b * p.kv_heads + hk) * p.kv_len;
-    const u32 q_tiles = (p.q_len + WG_BC - 1) / WG_BC;
-    const u32 j_lo = kt * WG_BC + warp * 16 + gid;  // this thread's keys: j_lo and j_lo + 8
-    const float scale2 = p.scale * 1.4426950408889634f;
-    // K's non-finite rows (read again where needed, so that no register holds them through the loop).
-    auto kbad = [&]() {
-        const u32 k_tiles = (p.kv_len + WG_BC - 1) / WG_BC;
-        return k_bad ? k_bad[((u64)b * p.kv_heads + hk) * k_tiles + kt] : 0ull;
-    };
-
-    wg_load_tile<D, WG_BC, T>(ks_, k + k_head * D, kt * WG_BC, p.kv_len);
-    wg_load_tile<D, WG_BC, T>(vs_, v + k_head * D, kt * WG_BC, p.kv_len);
-    if (kbad()) {
-        // The sanitized copy of K, made before the loop (its copies waited for at once: only tiles with a
-        // non-finite K row pay for it).
-        wg_load_tile<D, WG_BC, T>(kc_, k + k_head * D, kt * WG_BC, p.kv_len);
-        cp_async_wait_all();
-        __syncthreads();
-        wg_sanitize<D, T>(kc_, kbad());
-        wgmma_fence_proxy_async();
-        __syncthreads();
-    }
-    cp_async_commit();
-
-    float dka[D / 2], dva[D / 2];
-#pragma unroll
-    for (u32 i = 0; i < D / 2; ++i) dka[i] = dva[i] = 0.0f;
-
-    const u32 pairs = group * q_tiles;
-    auto next_pair = [&](u32 x) {
-        while (x < pairs && classify(p, x % q_tiles, kt) == TILE_HIDDEN) ++x;
-        return x;
-    };
-    auto load_pair = [&](u32 x, u32 c) {
-        const u32 i0 = (x % q_tiles) * WG_BC;
-        const u64 qh = ((u64)b * p.q_heads + hk * group + x / q_tiles) * p.q_len;
-        wg_load_tile<D, WG_BC, T>(smem + (2 + c) * TB, q + qh * D, i0, p.q_len);
-        wg_load_tile<D, WG_BC, T>(smem + (4 + c) * TB, dout + qh * D, i0, p.q_len);
-        for (u32 r = threadIdx.x; r < WG_BC; r += blockDim.x) {
-            u32 i = i0 + r;
-            lsd[c * 2 * WG_BC + r] = i < p.q_len ? lse[qh + i] * 1.4426950408889634f : 0.0f;
-            lsd[c * 2 * WG_BC + WG_BC + r] = i < p.q_len ? delta[qh + i] : 0.0f;
-        }
-    };
-    u32 x = next_pair(0);
-    if (x < pairs) load_pair(x, 0);
-    cp_async_commit();
-    u32 buf = 0;
-    while (x < pairs) {
-        const u32 xn = next_pair(x + 1);
-        if (xn < pairs) load_pair(xn, buf ^ 1);
-        cp_async_commit();
-        cp_async_wait<1>();
-        wgmma_fence_proxy_async();
-        __syncthreads();
-        {
-            const u32 qt = x % q_tiles;
-            const u32 h = hk * group + x / q_tiles;
-            const u64 q_head = ((u64)b * p.q_heads + h) * p.q_len;
-            const T* qg = q + q_head * D;
-            const T* dog = dout + q_head * D;
-            const int cls = classify(p, qt, kt);
-            const u32 i0 = qt * WG_BC;
-            unsigned char* qs = smem + (2 + buf) * TB;
-            unsigned char* dos = smem + (4 + buf) * TB;
-            const float* ls = lsd + buf * 2 * WG_BC;
-            const float* dls = ls + WG_BC;
-            const bool masked = cls == TILE_PARTIAL || i0 + WG_BC > p.q_len || (kt + 1) * WG_BC > p.kv_len;
-            unsigned long long qb = 0, db = 0;
-            if (cls == TILE_PARTIAL && q_bad) {
-                qb = q_bad[((u64)b * p.q_heads + h) * q_tiles + qt];
-                db = do_bad[((u64)b * p.q_heads + h) * q_tiles + qt];
-                if (qb | db) {
-                    wg_sanitize<D, T>(qs, qb);
-                    wg_sanitize<D, T>(dos, db);
-                    wgmma_fence_proxy_async();
-                    __syncthreads();
-                }
-            }
-
-            // Sᵀ and dPᵀ, Pᵀ and dSᵀ, dV and dK: as dkdv.
-            float st[32], dpt[32];
-#pragma unroll
-            for (u32 i = 0; i < 32; ++i) st[i] = dpt[i] = 0.0f;
-            wgmma_fence();
-#pragma unroll
-            for (u32 ks = 0; ks < D / 16; ++ks) {
-                wg_mma_qk<T>(st, wg_desc_kmajor<WG_BC>(ks_, ks), wg_desc_kmajor<WG_BC>(qs, ks), ks > 0);
-                wg_mma_qk<T>(dpt, wg_desc_kmajor<WG_BC>(vs_, ks), wg_desc_kmajor<WG_BC>(dos, ks), ks > 0);
-            }
-            wgmma_commit_group();
-            wgmma_wait_group<0>();
-#pragma unroll
-            for (u32 n = 0; n < 8; ++n) {
-#pragma unroll
-                for (u32 e = 0; e < 4; ++e) {
-                    u32 j = j_lo + 8 * (e >> 1);
-                    u32 il = n * 8 + 2 * tig + (e & 1);
-                    u32 i = i0 + il;
-                    bool hidden = masked && (i >= p.q_len || j >= p.kv_len || !visible(p, i, j));
-                    float pv = hidden ? 0.0f : ex2_approx(st[4 * n + e] * scale2 - ls[il]);
-                    float dsv = hidden ? 0.0f : pv * (dpt[4 * n + e] - dls[il]);
-                    st[4 * n + e] = pv;
-                    dpt[4 * n + e] = dsv;
-                }
-            }
-            // dSᵀ always (dQ's A operand), Pᵀ for the correction: written before the products, so that the
-            // fragments are dead during them.
-            float* ps = scr + warp * 2 * 16 * 64;
-            float* ss = ps + 16 * 64;
-#pragma unroll
-            for (u32 n = 0; n < 8; ++n)
-#pragma unroll
-                for (u32 e = 0; e < 4; ++e) {
-                    u32 at = (gid + 8 * (e >> 1)) * 64 + n * 8 + 2 * tig + (e & 1);
-                    if (qb | db) ps[at] = st[4 * n + e];
-                    ss[at] = dpt[4 * n + e];
-                }
-            u32 pa[4][4], sa[4][4];
-#pragma unroll
-            for (u32 t = 0; t < 4; ++t) {
-#pragma unroll
-                for (u32 r = 0; r < 4; ++r) {
-                    pa[t][r] = pack2<T>(st[8 * t + 2 * r], st[8 * t + 2 * r + 1]);
-                    sa[t][r] = pack2<T>(dpt[8 * t + 2 * r], dpt[8 * t + 2 * r + 1]);
-                }
-            }
-            wgmma_fence();
-#pragma unroll
-            for (u32 t = 0; t < 4; ++t) {
-                wg_mma_pv<T, D>(dva, pa[t], wg_desc_nmajor(dos, t));
-                wg_mma_pv<T, D>(dka, sa[t], wg_desc_nmajor(qs, t));
-            }
-            wgmma_commit_group();
-            wgmma_wait_group<0>();
-            __syncwarp();
-            if (qb | db) {
-                for (u32 il = 0; il < WG_BC; ++il) {
-                    bool qf = (qb >> il) & 1ull, df = (db >> il) & 1ull;
-                    if (!(qf || df)) continue;
-                    u32 i = i0 + il;
-#pragma unroll
-                    for (u32 hf = 0; hf < 2; ++hf) {
-                        float pv = ps[(gid + 8 * hf) * 64 + il];
-                        float dsv = ss[(gid + 8 * hf) * 64 + il];
-                        u32 j = j_lo + 8 * hf;
-                        bool seen = i < p.q_len && j < p.kv_len && visible(p, i, j);
-#pragma unroll
-                        for (u32 n = 0; n < D / 8; ++n) {
-#pragma unroll
-                            for (u32 e = 0; e < 2; ++e) {
-                                u32 d = n * 8 + 2 * tig + e;
-                                float qx = seen ? to_f32(qg[(u64)i * D + d]) : 0.0f;
-                                float dx = seen ? to_f32(dog[(u64)i * D + d]) : 0.0f;
-                                if (seen && qf && !isfinite(qx)) dka[4 * n + 2 * hf + e] += dsv * qx;
-                                if (seen && df && !isfinite(dx)) dva[4 * n + 2 * hf + e] += pv * dx;
-                            }
-                        }
-                    }
-                }
-            }
-            __syncthreads();  // every warp's dSᵀ is in the scratch
-
-            // dQ += dS·K: this thread's rows of dS (queries il = 16·warp + gid + 8·(r % 2)), keys 16t + 8·(r / 2) +
-            // 2·tig and the next, read from the warps' dSᵀ rows (key jl at scr[(jl / 16)·2048 + 1024 + (jl % 16)·64]).
-#pragma unroll
-            for (u32 t = 0; t < 4; ++t) {
-#pragma unroll
-                for (u32 r = 0; r < 4; ++r) {
-                    u32 il = warp * 16 + gid + 8 * (r & 1);
-                    u32 jl = 16 * t + 8 * (r >> 1) + 2 * tig;
-                    const float* col = scr + (jl >> 4) * 2048 + 1024 + (jl & 15) * 64 + il;
-                    sa[t][r] = pack2<T>(col[0], col[64]);
-                }
-            }
-            const unsigned long long kb = cls == TILE_PARTIAL ? kbad() : 0ull;
-            const unsigned char* kq = kb ? kc_ : ks_;
-            const u32 i_lo = i0 + warp * 16 + gid;  // this thread's dQ rows: i_lo and i_lo + 8
-#pragma unroll
-            for (u32 c = 0; c < D / 64; ++c) {
-                float dqc[32];
-#pragma unroll
-                for (u32 i = 0; i < 32; ++i) dqc[i] = 0.0f;
-                wgmma_fence();
-#pragma unroll
-                for (u32 t = 0; t < 4; ++t) wg_mma_pv<T, 64>(dqc, sa[t], wg_desc_nmajor(kq + c * WG_BC * 128, t));
-                wgmma_commit_group();
-                wgmma_wait_group<0>();
-                if (kb) {
-                    for (u32 jl = 0; jl < WG_BC; ++jl) {
-                        if (!((kb >> jl) & 1ull)) continue;
-                        u32 j = kt * WG_BC + jl;
-#pragma unroll
-                        for (u32 hf = 0; hf < 2; ++hf) {
-                            u32 il = warp * 16 + gid + 8 * hf;
-                            float dsv = scr[(jl >> 4) * 2048 + 1024 + (jl & 15) * 64 + il];
-                            u32 i = i0 + il;
-                            bool seen = i < p.q_len && j < p.kv_len && visible(p, i, j);
-#pragma unroll
-                            for (u32 n = 0; n < 8; ++n) {
-#pragma unroll
-                                for (u32 e = 0; e < 2; ++e) {
-                                    float kx = seen ? to_f32(k[(k_head + j) * D + c * 64 + n * 8 + 2 * tig + e]) : 0.0f;
-                                    if (seen && !isfinite(kx)) dqc[4 * n + 2 * hf + e] += dsv * kx;
-                                }
-                            }
-                        }
-                    }
-                }
-#pragma unroll
-                for (u32 hf = 0; hf < 2; ++hf) {
-                    u32 i = i_lo + 8 * hf;
-                    if (i >= p.q_len) continue;
-#pragma unroll
-                    for (u32 n = 0; n < 8; ++n)
-#pragma unroll
-                        for (u32 e = 0; e < 2; ++e)
-                            atomicAdd(dq_ws + (q_head + i) * D + c * 64 + n * 8 + 2 * tig + e, dqc[4 * n + 2 * hf + e]);
-                }
-            }
-        }
-        __syncthreads();  // every warp is done with this buffer and the scratch before the next pair
-        buf ^= 1;
-        x = xn;
-    }
-    cp_async_wait_all();
-
-#pragma unroll
-    for (u32 hf = 0; hf < 2; ++hf) {
-        u32 j = j_lo + 8 * hf;
-        if (j >= p.kv_len) continue;
-#pragma unroll
-        for (u32 n = 0; n < D / 8; ++n) {
-#pragma unroll
-            for (u32 e = 0; e < 2; ++e) {
-                u64 at = (k_head + j) * D + n * 8 + 2 * tig + e;
-                store_grad(dk + at, dka[4 * n + 2 * hf + e] * p.scale, accumulate != 0);
-                store_grad(dv + at, dva[4 * n + 2 * hf + e], accumulate != 0);
-            }
-        }
-    }
-}
+// ---- The non-deterministic variant's dQ (the header's "fused").
 
 // dq = ws·scale in G (or added, accumulate), `n` elements, grid-stride.
 template <typename G>
@@ -669,24 +612,51 @@ __device__ __forceinline__ void attn_bwd_dq_convert(G* __restrict__ dq, const fl
 }
 // ---- End of the non-deterministic variant.
 
-// attn_bwd_wgmma_{dkdv,dq}_<inputs>_d<D>_<gradients>: the arguments of attention_backward_tc.cu's kernels.
+// attn_bwd_wgmma_{dkdv,dq,fused}_<inputs>_d<D>_<gradients>: the cp.async kernels (dkdv and dq with the arguments of
+// attention_backward_tc.cu's kernels); attn_bwd_wgmma_{dkdv,dq,fused}_tma_..: the TMA-fed ones, the same arguments
+// after the problem's tensor maps of Q, K, V and dO (the header's Loads; the pointers stay: the non-finite
+// corrections read global memory).
+#define BWD_TMA_MAPS                                                                                               \
+    const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,                          \
+        const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap do_map
 #define BWD_WGMMA(tn, tt, dd, gn, gt)                                                                               \
     extern "C" __global__ void __launch_bounds__(128, 1) attn_bwd_wgmma_dkdv_##tn##_d##dd##_##gn(                  \
         AttnProblem p, gt* dk, gt* dv, const tt* q, const tt* k, const tt* v, const tt* dout, const float* lse,      \
         const float* delta, const unsigned long long* q_bad, const unsigned long long* do_bad, int accumulate) {     \
-        attn_bwd_wgmma_dkdv<dd, tt, gt>(p, dk, dv, q, k, v, dout, lse, delta, q_bad, do_bad, accumulate);           \
+        attn_bwd_wgmma_dkdv<dd, tt, gt, false, false>(p, BwdMaps{}, dk, dv, nullptr, q, k, v, dout, lse, delta,    \
+                                                      q_bad, do_bad, nullptr, accumulate);                          \
     }                                                                                                               \
     extern "C" __global__ void __launch_bounds__(128, 1) attn_bwd_wgmma_dq_##tn##_d##dd##_##gn(                    \
         AttnProblem p, gt* dq, const tt* q, const tt* k, const tt* v, const tt* dout, const float* lse,              \
         const float* delta, const unsigned long long* k_bad, int accumulate) {                                      \
-        attn_bwd_wgmma_dq<dd, tt, gt>(p, dq, q, k, v, dout, lse, delta, k_bad, accumulate);                         \
+        attn_bwd_wgmma_dq<dd, tt, gt, false>(p, BwdMaps{}, dq, q, k, v, dout, lse, delta, k_bad, accumulate);       \
     }                                                                                                               \
     extern "C" __global__ void __launch_bounds__(128, 1) attn_bwd_wgmma_fused_##tn##_d##dd##_##gn(                 \
         AttnProblem p, gt* dk, gt* dv, float* dq_ws, const tt* q, const tt* k, const tt* v, const tt* dout,          \
         const float* lse, const float* delta, const unsigned long long* q_bad, const unsigned long long* do_bad,     \
         const unsigned long long* k_bad, int accumulate) {                                                          \
-        attn_bwd_wgmma_fused<dd, tt, gt>(p, dk, dv, dq_ws, q, k, v, dout, lse, delta, q_bad, do_bad, k_bad,         \
-                                         accumulate);                                                               \
+        attn_bwd_wgmma_dkdv<dd, tt, gt, true, false>(p, BwdMaps{}, dk, dv, dq_ws, q, k, v, dout, lse, delta, q_bad, \
+                                                     do_bad, k_bad, accumulate);                                    \
+    }                                                                                                               \
+    extern "C" __global__ void __launch_bounds__(128, 1) attn_bwd_wgmma_dkdv_tma_##tn##_d##dd##_##gn(              \
+        AttnProblem p, BWD_TMA_MAPS, gt* dk, gt* dv, const tt* q, const tt* k, const tt* v, const tt* dout,          \
+        const float* lse, const float* delta, const unsigned long long* q_bad, const unsigned long long* do_bad,     \
+        int accumulate) {                                                                                           \
+        attn_bwd_wgmma_dkdv<dd, tt, gt, false, true>(p, BwdMaps{&q_map, &k_map, &v_map, &do_map}, dk, dv, nullptr,  \
+                                                     q, k, v, dout, lse, delta, q_bad, do_bad, nullptr, accumulate); \
+    }                                                                                                               \
+    extern "C" __global__ void __launch_bounds__(128, 1) attn_bwd_wgmma_dq_tma_##tn##_d##dd##_##gn(                \
+        AttnProblem p, BWD_TMA_MAPS, gt* dq, const tt* q, const tt* k, const tt* v, const tt* dout,                  \
+        const float* lse, const float* delta, const unsigned long long* k_bad, int accumulate) {                     \
+        attn_bwd_wgmma_dq<dd, tt, gt, true>(p, BwdMaps{&q_map, &k_map, &v_map, &do_map}, dq, q, k, v, dout, lse,    \
+                                            delta, k_bad, accumulate);                                              \
+    }                                                                                                               \
+    extern "C" __global__ void __launch_bounds__(128, 1) attn_bwd_wgmma_fused_tma_##tn##_d##dd##_##gn(             \
+        AttnProblem p, BWD_TMA_MAPS, gt* dk, gt* dv, float* dq_ws, const tt* q, const tt* k, const tt* v,            \
+        const tt* dout, const float* lse, const float* delta, const unsigned long long* q_bad,                       \
+        const unsigned long long* do_bad, const unsigned long long* k_bad, int accumulate) {                        \
+        attn_bwd_wgmma_dkdv<dd, tt, gt, true, true>(p, BwdMaps{&q_map, &k_map, &v_map, &do_map}, dk, dv, dq_ws, q,  \
+                                                    k, v, dout, lse, delta, q_bad, do_bad, k_bad, accumulate);      \
     }
 #define BWD_WGMMA_TYPES(tn, tt)                                                                                    \
     BWD_WGMMA(tn, tt, 64, tn, tt) BWD_WGMMA(tn, tt, 64, f32, float) BWD_WGMMA(tn, tt, 128, tn, tt)                  \

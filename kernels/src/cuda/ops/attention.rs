@@ -77,7 +77,8 @@ pub(crate) static FORWARD_WGMMA: KernelSource = KernelSource {
     includes: &[HEADER, PTX_TMA, PTX_HOPPER, WGMMA_HEADER],
 };
 
-/// The wgmma backward (sm_90a only, as [`FORWARD_WGMMA`]): `BACKWARD_TC`'s two kernels and arguments.
+/// The wgmma backward (sm_90a only, as [`FORWARD_WGMMA`]): `BACKWARD_TC`'s two kernels and arguments, the
+/// non-deterministic variant (`fused`), and each of them fed by the TMA (`_tma_`, [`bwd_tma_maps`]).
 pub(crate) static BACKWARD_WGMMA: KernelSource = KernelSource {
     file: "attention_backward_wgmma.cu",
     code: include_str!("../kernels/attention_backward_wgmma.cu"),
@@ -106,11 +107,35 @@ pub(crate) static BACKWARD_WGMMA: KernelSource = KernelSource {
         "attn_bwd_wgmma_fused_f16_d64_f32",
         "attn_bwd_wgmma_fused_f16_d128_f16",
         "attn_bwd_wgmma_fused_f16_d128_f32",
+        "attn_bwd_wgmma_dkdv_tma_bf16_d64_bf16",
+        "attn_bwd_wgmma_dq_tma_bf16_d64_bf16",
+        "attn_bwd_wgmma_fused_tma_bf16_d64_bf16",
+        "attn_bwd_wgmma_dkdv_tma_bf16_d64_f32",
+        "attn_bwd_wgmma_dq_tma_bf16_d64_f32",
+        "attn_bwd_wgmma_fused_tma_bf16_d64_f32",
+        "attn_bwd_wgmma_dkdv_tma_bf16_d128_bf16",
+        "attn_bwd_wgmma_dq_tma_bf16_d128_bf16",
+        "attn_bwd_wgmma_fused_tma_bf16_d128_bf16",
+        "attn_bwd_wgmma_dkdv_tma_bf16_d128_f32",
+        "attn_bwd_wgmma_dq_tma_bf16_d128_f32",
+        "attn_bwd_wgmma_fused_tma_bf16_d128_f32",
+        "attn_bwd_wgmma_dkdv_tma_f16_d64_f16",
+        "attn_bwd_wgmma_dq_tma_f16_d64_f16",
+        "attn_bwd_wgmma_fused_tma_f16_d64_f16",
+        "attn_bwd_wgmma_dkdv_tma_f16_d64_f32",
+        "attn_bwd_wgmma_dq_tma_f16_d64_f32",
+        "attn_bwd_wgmma_fused_tma_f16_d64_f32",
+        "attn_bwd_wgmma_dkdv_tma_f16_d128_f16",
+        "attn_bwd_wgmma_dq_tma_f16_d128_f16",
+        "attn_bwd_wgmma_fused_tma_f16_d128_f16",
+        "attn_bwd_wgmma_dkdv_tma_f16_d128_f32",
+        "attn_bwd_wgmma_dq_tma_f16_d128_f32",
+        "attn_bwd_wgmma_fused_tma_f16_d128_f32",
         "attn_bwd_dq_convert_bf16",
         "attn_bwd_dq_convert_f16",
         "attn_bwd_dq_convert_f32",
     ],
-    includes: &[HEADER, PTX_HOPPER, WGMMA_HEADER],
+    includes: &[HEADER, PTX_TMA, PTX_HOPPER, WGMMA_HEADER],
 };
 
 pub(crate) static FLAGS: KernelSource = KernelSource {
@@ -289,6 +314,57 @@ const fn bytes_at(c: &[u8], at: usize, pat: &[u8]) -> bool {
 /// How many wgmma forwards have run with their tensor maps (the tests' proof that the TMA path ran).
 #[cfg(test)]
 pub(crate) static FWD_TMA_LAUNCHES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// The wgmma backward's tensor maps for Q, K, V and dO (`attention_backward_wgmma.cu`'s header, Loads): each view
+/// as a 3-D tensor `(D, len, batch·heads)`, innermost first, a box of 64 elements × 64 rows × 1 head with the 128B
+/// swizzle. `None` where the device refuses one (as [`fwd_tma_maps`]): the caller takes the cp.async kernels.
+fn bwd_tma_maps(b: &Stream, p: &AttnParams<'_>, [q, k, v, dout]: [&View<'_>; 4]) -> Option<[TensorMap; 4]> {
+    #[cfg(test)]
+    if BWD_LOADS.with(|l| l.get().refuse_maps) {
+        return None;
+    }
+    let s = p.shape;
+    let elem = match q.dtype() {
+        DType::Bf16 => TmaElem::Bf16,
+        DType::F16 => TmaElem::F16,
+        DType::F32 => return None,
+    };
+    let d = s.head_dim as u64;
+    let map = |name: &'static str, x: &View<'_>, heads: usize, len: usize| -> Option<TensorMap> {
+        let desc = TensorMapDesc {
+            elem,
+            address: ptr(b, name, x).ok()?,
+            dims: vec![d, len as u64, (s.batch * heads) as u64],
+            strides: vec![2 * d, 2 * d * len as u64],
+            box_dims: vec![64, TC_TILE as u32, 1],
+            swizzle: TmaSwizzle::B128,
+        };
+        b.device.tensor_map(&desc).ok()
+    };
+    Some([
+        map("q", q, s.q_heads, s.q_len)?,
+        map("k", k, s.kv_heads, s.kv_len)?,
+        map("v", v, s.kv_heads, s.kv_len)?,
+        map("dout", dout, s.q_heads, s.q_len)?,
+    ])
+}
+
+/// The wgmma backward's loads in the tests, per thread (each test's calls run on its thread): `refuse_maps` makes
+/// [`bwd_tma_maps`] answer `None`, as a device refusing a map would (the cp.async kernels then run); `tma` and
+/// `cp_async` count the backward calls that took each (the tests' proof of which ran).
+#[cfg(test)]
+#[derive(Clone, Copy, Default)]
+pub(crate) struct BwdLoads {
+    pub refuse_maps: bool,
+    pub tma: usize,
+    pub cp_async: usize,
+}
+
+#[cfg(test)]
+thread_local! {
+    pub(crate) static BWD_LOADS: std::cell::Cell<BwdLoads> =
+        const { std::cell::Cell::new(BwdLoads { refuse_maps: false, tma: 0, cp_async: 0 }) };
+}
 
 /// Row tiles of 16 per warp in the tensor-core forward (`MT` in `attention_forward_tc.cu`): 2 loads each K and
 /// V fragment once for 32 rows (half the shared-memory traffic per product) but reads Q's fragments from shared
@@ -561,37 +637,61 @@ pub(crate) fn backward(
         let do_bad = nonfinite_masks(b, &dout, qh, s.q_len, s.head_dim)?;
         let k_bad = nonfinite_masks(b, &saved.qkv.k, kh, s.kv_len, s.head_dim)?;
         let tile_bytes = TC_TILE * s.head_dim * 2;
+        // The wgmma kernels' loads: the TMA where the device takes the maps, else cp.async.
+        let maps = if wgmma { bwd_tma_maps(b, p, [&saved.qkv.q, &saved.qkv.k, &saved.qkv.v, &dout]) } else { None };
+        #[cfg(test)]
+        if wgmma {
+            BWD_LOADS.with(|l| {
+                let mut n = l.get();
+                if maps.is_some() {
+                    n.tma += 1;
+                } else {
+                    n.cp_async += 1;
+                }
+                l.set(n);
+            });
+        }
+        // The TMA kernels' names (`_tma_`), the maps first among their arguments, and their three mbarriers.
+        let (tma, bars) = if maps.is_some() { ("_tma", 3 * 8) } else { ("", 0) };
         if wgmma && !b.attn_deterministic {
             let inputs = [q, k, v, dop, lse, delta.ptr()];
             let masks = [q_bad.ptr(), do_bad.ptr(), k_bad.ptr()];
-            return backward_atomic(b, &pr, s, [dq, dk, dv], inputs, masks, [qt, dqt, dkt], acc);
+            return backward_atomic(b, &pr, s, [dq, dk, dv], inputs, masks, [qt, dqt, dkt], acc, maps);
         }
         // The wgmma kernels double-buffer the tiles they loop over (dkdv: Q and dO with their LSE and Δ; dq: K and
         // V), and their correction scratch holds 64 columns per warp where the tc kernels' holds 32.
         let (tiles, stats, scr_cols) = if wgmma { (6, 4, 64) } else { (4, 2, 32) };
         let d = s.head_dim;
-        let kk = kernel(src, &format!("{prefix}_dkdv_{}_d{d}_{}", super::suffix(qt), super::suffix(dkt)))?;
+        let kk = kernel(src, &format!("{prefix}_dkdv{tma}_{}_d{d}_{}", super::suffix(qt), super::suffix(dkt)))?;
         let mut args = KernelArgs::new();
-        args.push(pr.args).push(dk).push(dv).push(q).push(k).push(v).push(dop).push(lse).push(delta.ptr());
+        args.push(pr.args);
+        if let Some(m) = &maps {
+            args.push(m[0]).push(m[1]).push(m[2]).push(m[3]);
+        }
+        args.push(dk).push(dv).push(q).push(k).push(v).push(dop).push(lse).push(delta.ptr());
         args.push(q_bad.ptr()).push(do_bad.ptr()).push(acc);
         let cfg = LaunchConfig {
             grid: [s.kv_len.div_ceil(TC_TILE) as u32, s.kv_heads as u32, s.batch as u32],
             block: [128, 1, 1],
             // K, V, Q, dO tiles, the tile's LSE and Δ, Pᵀ and dSᵀ for the correction (per warp 16 rows each), and
-            // the wgmma kernels' alignment of their tiles.
-            shared_bytes: (tiles * tile_bytes + stats * TC_TILE * 4 + 4 * 2 * 16 * scr_cols * 4 + align) as u32,
+            // the wgmma kernels' alignment of their tiles and the TMA's barriers.
+            shared_bytes: (tiles * tile_bytes + stats * TC_TILE * 4 + 4 * 2 * 16 * scr_cols * 4 + align + bars) as u32,
         };
         // SAFETY: as the forward; `dk`/`dv` have `k`'s dims and one type; the masks one word per 64 rows of each
-        // head.
+        // head; the maps describe the views q, k, v, dout (their dims, strides and addresses).
         unsafe { b.launch(&kk, cfg, &args)? };
-        let kq = kernel(src, &format!("{prefix}_dq_{}_d{d}_{}", super::suffix(qt), super::suffix(dqt)))?;
+        let kq = kernel(src, &format!("{prefix}_dq{tma}_{}_d{d}_{}", super::suffix(qt), super::suffix(dqt)))?;
         let mut args = KernelArgs::new();
-        args.push(pr.args).push(dq).push(q).push(k).push(v).push(dop).push(lse).push(delta.ptr());
+        args.push(pr.args);
+        if let Some(m) = &maps {
+            args.push(m[0]).push(m[1]).push(m[2]).push(m[3]);
+        }
+        args.push(dq).push(q).push(k).push(v).push(dop).push(lse).push(delta.ptr());
         args.push(k_bad.ptr()).push(acc);
         let cfg = LaunchConfig {
             grid: [s.q_len.div_ceil(TC_TILE) as u32, s.q_heads as u32, s.batch as u32],
             block: [128, 1, 1],
-            shared_bytes: (tiles * tile_bytes + 4 * 16 * scr_cols * 4 + align) as u32,
+            shared_bytes: (tiles * tile_bytes + 4 * 16 * scr_cols * 4 + align + bars) as u32,
         };
         // SAFETY: as above; `dq` has `q`'s dims.
         return unsafe { b.launch(&kq, cfg, &args) };
@@ -625,7 +725,8 @@ pub(crate) fn backward(
 }
 
 /// The wgmma backward's non-deterministic variant ([`CudaBackend::with_deterministic_backward`]): the fused kernel
-/// per key tile (dK, dV, and dQ's contributions added to an f32 workspace), then dQ from the workspace.
+/// per key tile (dK, dV, and dQ's contributions added to an f32 workspace; fed by the TMA with `maps`, else by
+/// cp.async), then dQ from the workspace.
 ///
 /// [`CudaBackend::with_deterministic_backward`]: crate::CudaBackend::with_deterministic_backward
 #[allow(clippy::too_many_arguments)]
@@ -638,6 +739,7 @@ fn backward_atomic(
     [q_bad, do_bad, k_bad]: [u64; 3],
     [qt, dqt, dkt]: [DType; 3],
     acc: i32,
+    maps: Option<[TensorMap; 4]>,
 ) -> Result<()> {
     let d = s.head_dim;
     let n = s.q_elems();
@@ -645,18 +747,24 @@ fn backward_atomic(
     // SAFETY: `ws` holds `n` f32, just allocated.
     unsafe { b.memset32(ws.ptr(), 0, n)? };
     let tile_bytes = TC_TILE * d * 2;
-    let kf =
-        kernel(&BACKWARD_WGMMA, &format!("attn_bwd_wgmma_fused_{}_d{d}_{}", super::suffix(qt), super::suffix(dkt)))?;
+    let (tma, bars) = if maps.is_some() { ("_tma", 3 * 8) } else { ("", 0) };
+    let name = format!("attn_bwd_wgmma_fused{tma}_{}_d{d}_{}", super::suffix(qt), super::suffix(dkt));
+    let kf = kernel(&BACKWARD_WGMMA, &name)?;
     let mut args = KernelArgs::new();
-    args.push(pr.args).push(dk).push(dv).push(ws.ptr()).push(q).push(k).push(v).push(dop).push(lse).push(delta);
+    args.push(pr.args);
+    if let Some(m) = &maps {
+        args.push(m[0]).push(m[1]).push(m[2]).push(m[3]);
+    }
+    args.push(dk).push(dv).push(ws.ptr()).push(q).push(k).push(v).push(dop).push(lse).push(delta);
     args.push(q_bad).push(do_bad).push(k_bad).push(acc);
     let cfg = LaunchConfig {
         grid: [s.kv_len.div_ceil(TC_TILE) as u32, s.kv_heads as u32, s.batch as u32],
         block: [128, 1, 1],
-        // K, V, Q and dO twice, K sanitized; LSE and Δ twice; Pᵀ and dSᵀ (16 rows of 64 per warp each); alignment.
-        shared_bytes: (7 * tile_bytes + 4 * TC_TILE * 4 + 4 * 2 * 16 * 64 * 4 + 1024) as u32,
+        // K, V, Q and dO twice, K sanitized; LSE and Δ twice; Pᵀ and dSᵀ (16 rows of 64 per warp each); alignment;
+        // the TMA's barriers.
+        shared_bytes: (7 * tile_bytes + 4 * TC_TILE * 4 + 4 * 2 * 16 * 64 * 4 + 1024 + bars) as u32,
     };
-    // SAFETY: as the deterministic kernels; `ws` holds one f32 per element of dQ.
+    // SAFETY: as the deterministic kernels (the maps too); `ws` holds one f32 per element of dQ.
     unsafe { b.launch(&kf, cfg, &args)? };
     let kc = kernel(&BACKWARD_WGMMA, &format!("attn_bwd_dq_convert_{}", super::suffix(dqt)))?;
     let mut args = KernelArgs::new();
