@@ -47,7 +47,8 @@
 //! `--dims`, `--hq`, `--hkv`, `--causal`, `--full`, `--no-backward`, `--no-torch` as above. `--device cuda-emulated`
 //! runs the same code on the host emulator with tiny sizes (S 128 and 256, 2 heads, one timed call: `--quick`), a
 //! smoke test of this path without a GPU. `--compile-only` compiles every kernel for the device (NVRTC, in parallel,
-//! into the disk cache: `$LONGCTX_CUDA_CACHE`) and exits.
+//! into the disk cache: `$LONGCTX_CUDA_CACHE`) and exits; `--compile-for sm_90` does the same for a GPU of that
+//! architecture with no GPU (`scripts/gpu-check --pack` ships the cache it fills).
 //!
 //! ```text
 //! cargo run --release -p longctx-kernels --features cuda --example attn_bench -- --device cuda
@@ -321,6 +322,21 @@ fn main() {
             .map(|l| format!("{}\n", l.trim_start_matches("//!").strip_prefix(' ').unwrap_or("")))
             .collect();
         print!("{doc}");
+        return;
+    }
+    if let Some(i) = args.iter().position(|a| a == "--compile-for") {
+        // No device: NVRTC compiles for the named architecture into the disk cache.
+        let Some(arch) = args.get(i + 1) else {
+            eprintln!("attn_bench: --compile-for needs an architecture, e.g. sm_90");
+            std::process::exit(2);
+        };
+        match longctx_kernels::CudaBackend::precompile(arch) {
+            Ok(n) => println!("# {n} kernel sources compiled for {arch} (or found) in the disk cache"),
+            Err(e) => {
+                eprintln!("attn_bench: --compile-for {arch}: {e}");
+                std::process::exit(1);
+            }
+        }
         return;
     }
     match common::DeviceKind::from_args(&args) {

@@ -149,6 +149,20 @@ impl CudaBackend {
         self.stream.device.compile_kernels()
     }
 
+    /// Compiles every kernel a GPU of architecture `arch` (`sm_90` for an H100 or H200) runs into the disk cache
+    /// ([`crate::cuda`]: `LONGCTX_CUDA_CACHE`), with no GPU and no backend: NVRTC and the CUDA headers are all it
+    /// needs. A process on that GPU with the same NVRTC release and headers then finds every kernel compiled (the
+    /// key holds the headers' content, not their folder): `scripts/gpu-check --pack` ships such a cache so the
+    /// lent machine's minutes go to tests and benchmarks. Returns how many sources were compiled or found.
+    ///
+    /// Errors: `arch` not an architecture ([`KernelError::InvalidArgument`](crate::KernelError::InvalidArgument)),
+    /// NVRTC or the headers missing ([`KernelError::NoDevice`](crate::KernelError::NoDevice) or
+    /// [`KernelError::Compile`](crate::KernelError::Compile), naming where they were looked for), a source that does
+    /// not compile.
+    pub fn precompile(arch: &str) -> Result<usize> {
+        super::nvrtc::compile_all(arch)
+    }
+
     /// How long the device took to run the ops `work` enqueues on this backend: the time between a stamp
     /// enqueued before `work` is called and one enqueued after it returns, waiting for the second (ops are
     /// asynchronous, so the host clock around `work` would time their launches, not their work). Ops enqueued

@@ -48,7 +48,6 @@ use std::any::Any;
 use std::collections::HashMap;
 use std::ffi::{c_void, CString};
 use std::fmt;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -64,7 +63,6 @@ use super::device::{
 use super::gemm::{Blas, WORKSPACE_BYTES};
 use super::libraries::{self, CudaLib};
 use super::nvrtc;
-use super::sources::SOURCES;
 use crate::error::{KernelError, Result};
 use crate::view::Memory;
 
@@ -890,33 +888,7 @@ impl Device for DriverDevice {
     }
 
     fn compile_kernels(&self) -> Result<()> {
-        // Largest sources first (a fair proxy for NVRTC's time), so that the slow ones do not start last. On sm_90
-        // the sm_90a-only kernels the ops launch too (the wgmma attention; not the probe, which only tests launch).
-        let mut sources: Vec<&'static KernelSource> = SOURCES.to_vec();
-        if nvrtc::arch_for(&super::ops::attention::FORWARD_WGMMA, &self.shared.arch).is_ok() {
-            sources.extend([&super::ops::attention::FORWARD_WGMMA, &super::ops::attention::BACKWARD_WGMMA]);
-        }
-        sources.sort_by_key(|src| std::cmp::Reverse(src.code.len()));
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(sources.len());
-        let next = AtomicUsize::new(0);
-        let failed = Mutex::new(None);
-        std::thread::scope(|s| {
-            for _ in 0..threads {
-                s.spawn(|| {
-                    while let Some(src) = sources.get(next.fetch_add(1, Ordering::Relaxed)) {
-                        // Fills the process's cache (and the disk's), where the first launch will find it.
-                        let compiled = nvrtc::arch_for(src, &self.shared.arch).and_then(|a| nvrtc::compile(src, &a));
-                        if let Err(e) = compiled {
-                            failed.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(e);
-                        }
-                    }
-                });
-            }
-        });
-        match failed.into_inner().unwrap_or_else(|e| e.into_inner()) {
-            Some(e) => Err(e),
-            None => Ok(()),
-        }
+        nvrtc::compile_all(&self.shared.arch).map(|_| ())
     }
 
     fn time(&self, work: &mut dyn FnMut() -> Result<()>) -> Result<Duration> {

@@ -9,11 +9,39 @@
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
+use super::hash::Fnv128;
 use super::places::{Places, Search};
 use crate::error::KernelError;
 
 /// The headers a folder must have.
 pub(crate) const REQUIRED: &[&str] = &["cuda_bf16.h", "cuda_fp16.h"];
+
+/// The headers whose text a compile depends on: the [`REQUIRED`] ones and the definitions they include (the
+/// conversions and operators the kernels use), each where present.
+const FINGERPRINTED: &[&str] = &["cuda_bf16.h", "cuda_bf16.hpp", "cuda_fp16.h", "cuda_fp16.hpp"];
+
+/// A hash of the names, sizes and bytes of the [`FINGERPRINTED`] headers in `dir`, for the compile cache's key
+/// (nvrtc.rs): the headers' content, not the folder's path, so that a cache filled on one machine serves another
+/// with the same headers (the GPU check's pack fills one here for the H200 machine, whose folder differs). Read once
+/// per folder and process. A header that cannot be read hashes as absent (the compile then says what is wrong).
+pub(crate) fn fingerprint(dir: &Path) -> u128 {
+    static SEEN: OnceLock<std::sync::Mutex<Vec<(PathBuf, u128)>>> = OnceLock::new();
+    let seen = SEEN.get_or_init(Default::default);
+    if let Some((_, f)) = seen.lock().unwrap_or_else(|e| e.into_inner()).iter().find(|(d, _)| d == dir) {
+        return *f;
+    }
+    let mut h = Fnv128::new();
+    for name in FINGERPRINTED {
+        h.part(name.as_bytes());
+        match std::fs::read(dir.join(name)) {
+            Ok(text) => h.part(&text),
+            Err(_) => h.part(b"(absent)"),
+        }
+    }
+    let f = h.finish();
+    seen.lock().unwrap_or_else(|e| e.into_inner()).push((dir.to_path_buf(), f));
+    f
+}
 
 /// No folder with the [`REQUIRED`] headers.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -88,6 +116,25 @@ mod tests {
         t.file("usr/lib/python3.12/site-packages/nvidia/cu13/include/cuda_fp16.h", b"");
         let places = Places::for_test(&[("LONGCTX_CUDA_INCLUDE", only_bf16.as_os_str())], &t.0);
         assert_eq!(find(&places.include_dirs()).unwrap(), t.0.join("usr/local/cuda/include"));
+    }
+
+    #[test]
+    fn the_fingerprint_is_of_the_headers_not_their_folder() {
+        let t = TempDir::new("headers-fingerprint");
+        for dir in ["a", "b", "c"] {
+            t.file(&format!("{dir}/cuda_bf16.h"), b"bf16");
+            t.file(&format!("{dir}/cuda_bf16.hpp"), b"bf16 definitions");
+            t.file(&format!("{dir}/cuda_fp16.h"), b"fp16");
+            t.file(&format!("{dir}/unrelated.h"), dir.as_bytes());
+        }
+        t.file("c/cuda_fp16.h", b"fp16 of another release");
+        let (a, b, c) = (fingerprint(&t.0.join("a")), fingerprint(&t.0.join("b")), fingerprint(&t.0.join("c")));
+        assert_eq!(a, b, "the same headers in two folders (another header differing)");
+        assert_ne!(a, c, "one header differs");
+        // A header present in one folder and absent from another.
+        t.file("d/cuda_bf16.h", b"bf16");
+        t.file("d/cuda_fp16.h", b"fp16");
+        assert_ne!(a, fingerprint(&t.0.join("d")));
     }
 
     #[test]

@@ -60,6 +60,8 @@ pub(crate) mod emulator;
 #[allow(dead_code)]
 mod gemm;
 #[cfg(feature = "cuda")]
+mod hash;
+#[cfg(feature = "cuda")]
 mod headers;
 #[cfg(feature = "cuda")]
 mod includes;

@@ -17,8 +17,10 @@
 //!
 //! The cache: in memory per key, and on disk under `$LONGCTX_CUDA_CACHE` (`off` or empty: no disk cache), else
 //! `$XDG_CACHE_HOME/longctx/cuda`, else `~/.cache/longctx/cuda`. The key is a 128-bit hash of the translation
-//! unit, the options (the include folder among them), the architecture and NVRTC's version, so a changed source,
-//! header folder or NVRTC misses. Files are written to a temporary name and renamed into place (atomic on one file
+//! unit, the options but the include folder's path, the CUDA headers' content ([`headers::fingerprint`]), the
+//! architecture and NVRTC's version, so a changed source, header or NVRTC misses, and a cache filled on one machine
+//! serves another with the same NVRTC release and headers wherever they lie: `scripts/gpu-check --pack` fills one
+//! with NVIDIA's wheels here and ships it with those headers, so the GPU machine compiles nothing. Files are written to a temporary name and renamed into place (atomic on one file
 //! system), so a reader sees a whole entry or none; each carries its key and a checksum, and an entry that cannot
 //! be read or does not check out is compiled again and overwritten, never an error.
 
@@ -31,6 +33,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use cudarc::nvrtc::sys;
 
 use super::device::KernelSource;
+use super::hash::Fnv128;
 use super::headers;
 use super::libraries::{self, CudaLib};
 use super::sources::translation_unit;
@@ -114,6 +117,38 @@ pub(crate) fn arch_for(src: &KernelSource, device_arch: &str) -> Result<String> 
     }
 }
 
+/// Compiles every source a device compiling for `device_arch` launches (the sm_90a-only attention kernels too on
+/// sm_90; not the probes, which only their tests launch) through the process's cache, on as many threads as the
+/// machine has, and returns how many. Needs no GPU: [`CudaBackend::precompile`](crate::CudaBackend::precompile).
+pub(crate) fn compile_all(device_arch: &str) -> Result<usize> {
+    check_arch(device_arch)?;
+    // Largest sources first (a fair proxy for NVRTC's time), so that the slow ones do not start last.
+    let mut sources: Vec<&'static KernelSource> = super::sources::SOURCES.to_vec();
+    if arch_for(&super::ops::attention::FORWARD_WGMMA, device_arch).is_ok() {
+        sources.extend([&super::ops::attention::FORWARD_WGMMA, &super::ops::attention::BACKWARD_WGMMA]);
+    }
+    sources.sort_by_key(|src| std::cmp::Reverse(src.code.len()));
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(sources.len());
+    let next = AtomicUsize::new(0);
+    let failed = Mutex::new(None);
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| {
+                while let Some(src) = sources.get(next.fetch_add(1, Ordering::Relaxed)) {
+                    // Fills the process's cache (and the disk's), where the first launch will find it.
+                    if let Err(e) = arch_for(src, device_arch).and_then(|a| compile(src, &a)) {
+                        failed.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(e);
+                    }
+                }
+            });
+        }
+    });
+    match failed.into_inner().unwrap_or_else(|e| e.into_inner()) {
+        Some(e) => Err(e),
+        None => Ok(sources.len()),
+    }
+}
+
 /// NVRTC's options for `arch` with the CUDA headers in `include`.
 pub(crate) fn options(arch: &str, include: &Path) -> Vec<String> {
     vec![
@@ -191,7 +226,7 @@ impl Compiler {
         let include = headers::include_dir().map_err(|e| e.into_compile_error(src.file, arch))?;
         let options = options(arch, &include);
         let tu = translation_unit(src);
-        let key = cache_key(&tu, &options, arch, version);
+        let key = cache_key(&tu, &options, arch, version, headers::fingerprint(&include));
 
         if let Some(hit) = self.memory.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
             return Ok(hit.clone());
@@ -218,49 +253,25 @@ impl Compiler {
 }
 
 /// Bumped when the key's recipe or the file layout changes, so old entries miss.
-const CACHE_FORMAT: u32 = 1;
+const CACHE_FORMAT: u32 = 2;
 const MAGIC: &[u8; 8] = b"LCXCUBIN";
 
-/// The cache key of one compile.
-pub(crate) fn cache_key(tu: &str, options: &[String], arch: &str, nvrtc: (i32, i32)) -> u128 {
+/// The cache key of one compile: the include folder enters by its headers' content (`headers`, from
+/// [`headers::fingerprint`]), not by the path among the options.
+pub(crate) fn cache_key(tu: &str, options: &[String], arch: &str, nvrtc: (i32, i32), headers: u128) -> u128 {
     let mut h = Fnv128::new();
     h.part(&CACHE_FORMAT.to_le_bytes());
     h.part(&nvrtc.0.to_le_bytes());
     h.part(&nvrtc.1.to_le_bytes());
     h.part(arch.as_bytes());
+    h.part(&headers.to_le_bytes());
+    let options: Vec<&String> = options.iter().filter(|o| !o.starts_with("--include-path=")).collect();
     h.part(&(options.len() as u64).to_le_bytes());
     for o in options {
         h.part(o.as_bytes());
     }
     h.part(tu.as_bytes());
     h.finish()
-}
-
-/// FNV-1a, 128 bits: a cache key and checksum, not a defence against crafted collisions (the cache folder is the
-/// user's own).
-pub(crate) struct Fnv128(u128);
-
-impl Fnv128 {
-    const OFFSET: u128 = 0x6c62272e07bb014262b821756295c58d;
-    const PRIME: u128 = 0x0000000001000000000000000000013b;
-
-    pub fn new() -> Self {
-        Self(Self::OFFSET)
-    }
-    pub fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 ^= u128::from(b);
-            self.0 = self.0.wrapping_mul(Self::PRIME);
-        }
-    }
-    /// Writes `bytes` with its length first, so that different splits of the same bytes hash differently.
-    pub fn part(&mut self, bytes: &[u8]) {
-        self.write(&(bytes.len() as u64).to_le_bytes());
-        self.write(bytes);
-    }
-    pub fn finish(&self) -> u128 {
-        self.0
-    }
 }
 
 /// Compiled modules on disk, one file per key: `MAGIC | format | key | (len, bytes) × {arch, cubin, ptx, log} |
@@ -725,13 +736,16 @@ extern "C" __global__ void longctx_headers_only(float* out, const __nv_bfloat16*
     #[test]
     fn the_key_covers_every_input() {
         let opts = options("sm_90", Path::new("/inc"));
-        let base = cache_key("tu", &opts, "sm_90", (13, 0));
-        assert_eq!(base, cache_key("tu", &opts, "sm_90", (13, 0)));
-        assert_ne!(base, cache_key("tu ", &opts, "sm_90", (13, 0)));
-        assert_ne!(base, cache_key("tu", &options("sm_90", Path::new("/inc2")), "sm_90", (13, 0)));
-        assert_ne!(base, cache_key("tu", &opts, "sm_80", (13, 0)));
-        assert_ne!(base, cache_key("tu", &opts, "sm_90", (13, 1)));
-        assert_ne!(cache_key("ab", &[], "", (0, 0)), cache_key("b", &["a".into()], "", (0, 0)));
+        let base = cache_key("tu", &opts, "sm_90", (13, 0), 7);
+        assert_eq!(base, cache_key("tu", &opts, "sm_90", (13, 0), 7));
+        assert_ne!(base, cache_key("tu ", &opts, "sm_90", (13, 0), 7));
+        assert_ne!(base, cache_key("tu", &opts, "sm_80", (13, 0), 7));
+        assert_ne!(base, cache_key("tu", &opts, "sm_90", (13, 1), 7));
+        assert_ne!(base, cache_key("tu", &opts, "sm_90", (13, 0), 8), "other headers");
+        assert_ne!(base, cache_key("tu", &[], "sm_90", (13, 0), 7), "other options");
+        assert_ne!(cache_key("ab", &[], "", (0, 0), 0), cache_key("b", &["a".into()], "", (0, 0), 0));
+        // The headers' folder enters by their content only: the same headers elsewhere hit.
+        assert_eq!(base, cache_key("tu", &options("sm_90", Path::new("/elsewhere")), "sm_90", (13, 0), 7));
     }
 
     fn sample(tag: u8) -> Compiled {

@@ -58,6 +58,12 @@ impl CudaBackend {
     pub fn compile_kernels(&self) -> Result<()> {
         match self._never {}
     }
+    /// Compiles every kernel for a GPU of architecture `arch` into the disk cache: [`KernelError::NotCompiled`]
+    /// in this build.
+    pub fn precompile(arch: &str) -> Result<usize> {
+        let _ = arch;
+        Err(KernelError::NotCompiled { backend: "cuda", feature: "cuda" })
+    }
     /// How long the device took to run `work`'s ops (no value of this type exists in this build).
     pub fn time(&self, work: impl FnOnce() -> Result<()>) -> Result<Duration> {
         let _ = work;
