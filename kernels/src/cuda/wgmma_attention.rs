@@ -353,3 +353,91 @@ mod tma_backward {
         }
     }
 }
+
+/// The warp-specialised dK/dV kernels' ring (`attention_backward_wgmma.cu`'s header, Warps and Loads): a long query
+/// length against a short key length (640 queries, grouped by 2: 20 visible pairs per dK/dV block, so the producer
+/// runs ahead of the consumers and every stage of the ring is refilled six or seven times, its barriers' parities
+/// going both ways), at head dims 64 and 128; and causal with more keys than queries (300 queries, 400 keys: the
+/// blocks of key tiles 5 and 6 see no query, so the mask hides every pair of theirs: nothing is loaded, and their
+/// dK and dV must be exactly 0, with no deadlock), both variants. Against the mma.sync kernels on the same device
+/// (on the emulator to 1e-4 of the gradient's largest magnitude, 1e-2 on a GPU), the CPU (1e-2), and the cp.async
+/// kernels bit for bit where the sums' order is fixed.
+fn backward_ring(b: CudaBackend) {
+    use super::ops::attention::BWD_LOADS;
+    let wg = b.with_attention_path(AttentionPath::Wgmma).with_deterministic_backward(true);
+    let atomic = wg.clone().with_deterministic_backward(false);
+    let mma = wg.clone().with_attention_path(AttentionPath::Mma);
+    let cpu = CpuBackend::new();
+    let against_mma = if wg.is_emulated() { 1e-4 } else { 1e-2 };
+    let refuse_maps = |on: bool| {
+        BWD_LOADS.with(|l| {
+            let mut n = l.get();
+            n.refuse_maps = on;
+            l.set(n);
+        })
+    };
+    let cases = [
+        (64, 640, 70, AttnMask::default()),
+        (128, 640, 70, AttnMask::default()),
+        (128, 300, 400, AttnMask::causal().with_positions(Positions::Offset(0), Positions::Offset(0))),
+    ];
+    for (d, sq, sk, mask) in cases {
+        let shape = AttnShape { batch: 1, q_heads: 2, kv_heads: 1, q_len: sq, kv_len: sk, head_dim: d };
+        let p = AttnParams::new(shape).with_mask(mask);
+        let seed = 70 + d as u64 + sq as u64;
+        let x = [
+            uniform_nonzero(shape.q_elems(), seed),
+            uniform_nonzero(shape.kv_elems(), seed + 1),
+            uniform_nonzero(shape.kv_elems(), seed + 2),
+            uniform_nonzero(shape.q_elems(), seed + 3),
+        ];
+        let want_cpu = run(&cpu, &p, &x, DType::F32);
+        let want_mma = run(&mma, &p, &x, DType::F32);
+        for (variant, be) in [("deterministic", &wg), ("atomic", &atomic)] {
+            let before = BWD_LOADS.with(|l| l.get());
+            let tma = run(be, &p, &x, DType::F32);
+            assert_eq!(BWD_LOADS.with(|l| l.get()).tma, before.tma + 1, "d {d}, {sq} queries, {variant}: TMA");
+            refuse_maps(true);
+            let cp = run(be, &p, &x, DType::F32);
+            refuse_maps(false);
+            for (n, name) in [(2, "dQ"), (3, "dK"), (4, "dV")] {
+                let exact = !(variant == "atomic" && name == "dQ");
+                let at = |i: usize| format!("d {d}, {sq} queries, {variant}: {name}[{i}]");
+                // Errors against the gradient's largest magnitude (the CPU's).
+                let scale = want_cpu[n].iter().fold(1e-6f32, |m, w| m.max(w.abs()));
+                for (i, (((t, c), m), w)) in tma[n].iter().zip(&cp[n]).zip(&want_mma[n]).zip(&want_cpu[n]).enumerate() {
+                    assert!(t.is_finite(), "{} = {t}", at(i));
+                    assert!(
+                        if exact { t.to_bits() == c.to_bits() } else { (t - c).abs() <= 1e-5 * scale },
+                        "{}: {t} by the TMA, {c} by cp.async",
+                        at(i)
+                    );
+                    assert!((t - m).abs() <= against_mma * scale, "{}: {t}, mma.sync's {m}", at(i));
+                    assert!((t - w).abs() <= 1e-2 * scale, "{}: {t}, the CPU's {w}", at(i));
+                }
+            }
+            if sk > sq {
+                // Keys 320.. (key tiles 5 and 6) come after every query: their blocks load and add nothing.
+                for n in [3, 4] {
+                    assert!(tma[n][320 * d..].iter().all(|g| *g == 0.0), "d {d} {variant}: hidden blocks' gradients");
+                }
+            }
+        }
+    }
+}
+
+mod ws_backward {
+    use super::*;
+
+    #[test]
+    fn emulated() {
+        backward_ring(CudaBackend::emulated().unwrap_or_else(|e| panic!("{e}")));
+    }
+
+    #[test]
+    fn cuda() {
+        if let Some(b) = sm90_backend() {
+            backward_ring(b);
+        }
+    }
+}
