@@ -4,17 +4,19 @@
 // accumulated by one thread in a fixed order (dQ by its own kernel, as there). Δ = rowsum(dO∘O) comes first from
 // attention_backward.cu's attn_bwd_delta.
 //
-// Warps. The TMA-fed dK/dV kernels (dkdv and fused: attn_bwd_wgmma_{dkdv,fused}_tma_*) are warp-specialised as
+// Warps. The TMA-fed kernels (dkdv, fused and dq: attn_bwd_wgmma_{dkdv,fused,dq}_tma_*) are warp-specialised as
 // FlashAttention-3's backward (and this library's forward): a block is 256 threads, two warpgroups.
 // - Warpgroup 0 (threads 0..127) is the producer: after the block's one __syncthreads (the barriers' initialisation)
 //   it lowers its registers to BWD_PRODUCER_REGS (setmaxnreg.dec, ptx_hopper.cuh), its thread 0 issues every TMA copy
-//   (bwd_dkdv_produce) and the other 127 threads leave.
+//   (bwd_dkdv_produce, bwd_dq_produce) and the other 127 threads leave.
 // - Warpgroup 1 (threads 128..255, consumer thread ct = threadIdx.x − 128, its warp w = ct / 32 owning rows
 //   16w..16w+15 of the block's 64, the accumulator fragment's rows) is the consumer: it raises its registers to
-//   BWD_CONSUMER_REGS (setmaxnreg.inc) and only computes (and makes the rare sanitised tiles, and writes the pairs'
-//   LSE and Δ to shared memory). It synchronises with itself by named barrier BWD_BAR_CONSUMERS (id 1, 128 threads;
-//   bwd_consumer_sync), never __syncthreads, which would wait for the producer warpgroup (gone, or waiting on an
-//   empty barrier) and deadlock.
+//   BWD_CONSUMER_REGS (setmaxnreg.inc) and only computes (and makes the rare sanitised tiles, and, in dkdv, writes
+//   the pairs' LSE and Δ to shared memory). It synchronises with itself by named barrier BWD_BAR_CONSUMERS (id 1,
+//   128 threads; bwd_consumer_sync), never __syncthreads, which would wait for the producer warpgroup (gone, or
+//   waiting on an empty barrier) and deadlock.
+//   Checked on the emulator (which models the TMA, the mbarriers, the named barriers and their deadlocks, not the
+//   register file, the proxies nor timing) and by ptxas; not yet run on a GPU.
 //   The register split: 128·40 + 128·256 of the 64K registers. The kernel's cap at entry is 255
 //   (__launch_bounds__(256, 1)), which ptxas reports (as the forward's); at one consumer warpgroup setmaxnreg.inc
 //   adds nothing to what ptxas may use, what it buys is the producer's registers given back. Why one consumer
@@ -22,9 +24,9 @@
 //   cap at entry at 168 (384 threads) and the consumers at most at 240 (128·24 + 256·240), where the body (dK and
 //   dV's D accumulators, Sᵀ and dPᵀ's 64, their packed A fragments' 32, live at once) takes 253 at D = 128 by
 //   ptxas's report of the cp.async kernel, the same body without the producer (232 at D = 64, which would fit, and
-//   is not built; BENCHMARKS.md has the figures).
-// The other kernels (the dQ kernel, TMA-fed or not, and the cp.async dK/dV kernels, the fallback where the device
-// refuses a tensor map) are one warpgroup: 128 threads that all load and compute, as Loads (below) says.
+//   is not built; BENCHMARKS.md has the figures). The dq kernel's body takes 182 at D = 128 (its cp.async kernel).
+// The cp.async kernels (the fallback where the device refuses a tensor map) are one warpgroup: 128 threads that all
+// load and compute, as Loads (below) says.
 //
 // dkdv: a block for a tile of 64 key rows of one (batch, key/value head), dK and dV accumulators in registers; K and
 // V stay in shared memory. For every query head of the group and every query tile of 64 rows that the mask does not
@@ -61,17 +63,18 @@
 //   opens iteration n (every consumer is past iteration n − 1, the slot's last reader); the barrier opening
 //   iteration n + 1 publishes it. That barrier also orders the correction scratch (fused's dSᵀ exchange) from one
 //   pair to the next, so no barrier ends an iteration.
-// - The dq kernel fed by the TMA: one warpgroup, thread 0 issues every load (bwd_tma_pair), into two buffers, on
-//   three mbarriers of 1 arrival each: bars[0] the kept pair (filled once, waited with parity 0), bars[1 + c]
-//   buffer c (the n-th tile pair's wait: bars[1 + n % 2] with parity (n / 2) % 2, its (n / 2)-th fill); at the top
-//   of iteration n thread 0 issues the (n + 1)-th tile pair's loads into the other buffer, which every thread is
-//   done with (the __syncthreads ending iteration n − 1, after its wgmmas were waited for), so they land while
-//   iteration n computes; every thread waits on the barrier itself. Its LSE and Δ: each thread keeps its two rows'
-//   in registers. (Not yet warp-specialised: the dK/dV kernels' pattern applies as is.)
+// - dq fed by the TMA: the same ring with K and V in place of Q and dO. The producer loads Q and dO once on
+//   bars[0] (nothing at all when the mask hides every key tile of the block), then the visible key tiles' K and V
+//   (next_tile, the consumers' walk), the n-th into stage n % BWD_STAGES, with full and empty barriers, waits and
+//   parities as above; the consumers release a stage once dQ += dS·K, the last wgmma reading it, has been waited
+//   for. LSE and Δ: each consumer thread keeps its two rows' in registers. The consumers' only barrier is the one
+//   after the rare sanitising of a K tile (the correction's scratch is per warp).
 // - cp.async (the same names without _tma_; the host's fallback where the device refuses a tensor map, and the
 //   tests'): one warpgroup, every thread takes its share of each tile's 16-byte copies (wg_load_tile: rows past the
-//   head's length zero-filled) into two buffers as the dq kernel's above, cp.async groups in place of the
-//   barriers, a __syncthreads ending each iteration. cp.async writes through the generic proxy, so every tile is
+//   head's length zero-filled) into two buffers: the loop's n-th streamed tile pair is in buffer n % 2, and at the
+//   top of iteration n the loads of the (n + 1)-th go into the other buffer, which every thread is done with (the
+//   __syncthreads ending iteration n − 1, after its wgmmas were waited for), so they land while iteration n
+//   computes; cp.async groups in place of the barriers. cp.async writes through the generic proxy, so every tile is
 //   followed by fence.proxy.async and a barrier before a wgmma reads it.
 // The TMA tiles: the host passes tensor maps of Q, K, V and dO (ops/attention.rs: bwd_tma_maps), each a 3-D tensor,
 // innermost first (D, rows of a head, batch·heads), strides 2D and 2D·len bytes, a box 64 elements (128 bytes, the
@@ -90,11 +93,12 @@
 // TB = 64·D·2-byte tiles: dkdv: K, V, Q of each stage, dO of each stage (2 + 2·BWD_STAGES = 8 TB with the TMA ring,
 // 6 TB with cp.async's two buffers; fused adds K sanitized), LSE and Δ of slots 0 and 1 (1 KiB), the correction
 // scratch (per warp 16 × 64 f32 for Pᵀ and for dSᵀ: 32 KiB), the TMA kernels' 1 + 2·BWD_STAGES barriers (56 bytes;
-// ops/attention.rs: bwd_dkdv_smem); dq: Q, dO, K and V of buffers 0 and 1 (6 TB), the scratch (per warp 16 × 64 f32
-// for dS: 16 KiB), the TMA kernel's 3 barriers (24 bytes). At D = 128: dkdv 161 KiB with the TMA ring (129 KiB with
-// cp.async), fused 177 KiB (145), dq 112 KiB; at D = 64: 97 (81), 105 (89) and 64 KiB; each + the barriers + the
-// 1024 bytes of alignment slack the host adds. The largest, fused at D = 128, is within the 227 KiB an sm_90 block
-// may opt into (a compile-time check in ops/attention.rs); a fourth stage would make it 209 KiB.
+// ops/attention.rs: bwd_dkdv_smem); dq: Q, dO, K and V of each stage (8 TB with the ring, 6 with cp.async), the
+// scratch (per warp 16 × 64 f32 for dS: 16 KiB), the TMA kernel's barriers (56 bytes; bwd_dq_smem). At D = 128: dkdv
+// 161 KiB with the TMA ring (129 KiB with cp.async), fused 177 KiB (145), dq 144 KiB (112); at D = 64: 97 (81), 105
+// (89) and 80 (64) KiB; each + the barriers + the 1024 bytes of alignment slack the host adds. The largest, fused
+// at D = 128, is within the 227 KiB an sm_90 block may opt into (a compile-time check in ops/attention.rs); a fourth
+// stage would make it 209 KiB.
 //
 // fused: the non-deterministic variant (AttentionBackward::Atomic, chosen explicitly only:
 // CudaBackend::with_deterministic_backward(false); the trainer keeps the kernels above). dkdv's kernel body
@@ -135,19 +139,9 @@ __device__ __forceinline__ void bwd_tma_pair(unsigned char* a, const CUtensorMap
     }
 }
 
-// Initialises the block's three mbarriers (1 arrival each: the issuing thread's arrive.expect_tx), visible to every
-// thread and to the TMA after the barrier.
-__device__ __forceinline__ void bwd_tma_init(u64* bars) {
-    if (threadIdx.x == 0) {
-        for (u32 i = 0; i < 3; ++i) mbarrier_init(&bars[i], 1);
-        mbarrier_fence_init();
-    }
-    __syncthreads();
-}
-
-// The warp-specialised dK/dV kernels (TMA; the header's Warps): the ring's depth, the register split of the producer
-// and consumer warpgroups, and the consumers' named barrier (id 1: 0 is __syncthreads', which would wait for the
-// producer) with its 128 threads. The host reads BWD_STAGES for the shared-memory size (ops/attention.rs).
+// The warp-specialised kernels (the TMA-fed ones; the header's Warps): the ring's depth, the register split of the
+// producer and consumer warpgroups, and the consumers' named barrier (id 1: 0 is __syncthreads', which would wait
+// for the producer) with its 128 threads. The host reads BWD_STAGES for the shared-memory sizes (ops/attention.rs).
 #define BWD_STAGES 3
 #define BWD_PRODUCER_REGS 40
 #define BWD_CONSUMER_REGS 256
@@ -183,9 +177,9 @@ __device__ __forceinline__ void bwd_sanitize(unsigned char* tile, unsigned long 
     }
 }
 
-// The consumers' barrier in the dK/dV body: named barrier BWD_BAR_CONSUMERS of the consumer warpgroup's 128 threads
-// in the TMA kernels (the producer warpgroup has left or waits on an "empty" barrier: __syncthreads would deadlock);
-// __syncthreads in the cp.async ones, whose 128 threads are all consumers.
+// The consumers' barrier in the kernel bodies: named barrier BWD_BAR_CONSUMERS of the consumer warpgroup's 128
+// threads in the TMA kernels (the producer warpgroup has left or waits on an "empty" barrier: __syncthreads would
+// deadlock); __syncthreads in the cp.async ones, whose 128 threads are all consumers.
 template <bool TMA>
 __device__ __forceinline__ void bwd_consumer_sync() {
     if constexpr (TMA)
@@ -194,10 +188,11 @@ __device__ __forceinline__ void bwd_consumer_sync() {
         __syncthreads();
 }
 
-// The dK/dV producer (thread 0 of warpgroup 0 in the TMA kernels): nothing when the mask hides every pair; else K
-// and V once on kvbar, then the visible pairs' Q and dO in the consumers' order, the n-th into stage n % BWD_STAGES
-// once the consumers have released it (its empty barrier's phase before the (n / BWD_STAGES)-th: the first use of a
-// stage passes at once). Runs up to BWD_STAGES pairs ahead of the pair the consumers compute.
+// The dK/dV producer (thread 0 of warpgroup 0 in the TMA-fed dkdv and fused kernels): nothing when the mask hides
+// every pair; else K and V once on kvbar, then the visible pairs' Q and dO in the consumers' order, the n-th into
+// stage n % BWD_STAGES once the consumers have released it (its empty barrier's phase before the (n /
+// BWD_STAGES)-th: the first use of a stage passes at once). Runs up to BWD_STAGES pairs ahead of the pair the
+// consumers compute.
 template <int D>
 __device__ __forceinline__ void bwd_dkdv_produce(const AttnProblem& p, BwdMaps maps, unsigned char* smem, u64* kvbar,
                                                  u64* full, u64* empty, u32 kt, u32 hk, u32 b) {
@@ -558,6 +553,28 @@ __device__ __forceinline__ void attn_bwd_wgmma_dkdv(const AttnProblem& p, BwdMap
     }
 }
 
+// The dQ producer (thread 0 of warpgroup 0 in the TMA kernel): nothing when the mask hides every key tile; else Q
+// and dO once on qbar, then the visible key tiles' K and V in the consumers' order (next_tile), the n-th into stage
+// n % BWD_STAGES once the consumers have released it (as bwd_dkdv_produce).
+template <int D>
+__device__ __forceinline__ void bwd_dq_produce(const AttnProblem& p, BwdMaps maps, unsigned char* smem, u64* qbar,
+                                               u64* full, u64* empty, u32 qt, u32 h, u32 b) {
+    constexpr u32 TB = WG_BC * D * 2;
+    const u32 k_tiles = (p.kv_len + WG_BC - 1) / WG_BC;
+    const u32 kv_head = b * p.kv_heads + h / (p.q_heads / p.kv_heads);
+    u32 kt = next_tile(p, qt, 0, k_tiles);
+    if (kt >= k_tiles) return;  // every key tile hidden: nothing to load
+    bwd_tma_pair<D>(smem, maps.q, smem + TB, maps.dout, qbar, qt * WG_BC, b * p.q_heads + h);
+    for (u32 n = 0; kt < k_tiles; ++n, kt = next_tile(p, qt, kt + 1, k_tiles)) {
+        const u32 st = n % BWD_STAGES, use = n / BWD_STAGES;
+        mbarrier_wait(&empty[st], (use & 1u) ^ 1u);
+        bwd_tma_pair<D>(smem + (2 + st) * TB, maps.k, smem + (2 + BWD_STAGES + st) * TB, maps.v, &full[st],
+                        kt * WG_BC, kv_head);
+    }
+}
+
+// dq: with TMA the block is the producer warpgroup and one consumer warpgroup (the header's Warps); without, one
+// warpgroup that loads and computes.
 template <int D, typename T, typename G, bool TMA>
 __device__ __forceinline__ void attn_bwd_wgmma_dq(const AttnProblem& p, BwdMaps maps, G* __restrict__ dq,
                                                   const T* __restrict__ q,
@@ -567,16 +584,41 @@ __device__ __forceinline__ void attn_bwd_wgmma_dq(const AttnProblem& p, BwdMaps 
                                                   const unsigned long long* __restrict__ k_bad, int accumulate) {
     unsigned char* smem = wg_smem();
     constexpr u32 TB = WG_BC * D * 2;
+    // Stages of K and V: the TMA ring's BWD_STAGES, cp.async's two buffers.
+    constexpr u32 S = TMA ? BWD_STAGES : 2;
     unsigned char* qs = smem;
     unsigned char* dos = smem + TB;
-    // K's buffer c at smem + (2 + c)·TB, V's at smem + (4 + c)·TB (computed: an array indexed at run time would
-    // live in local memory).
-    float* scr = reinterpret_cast<float*>(smem + 6 * TB);  // [4 warps][16][64]: dS, for the correction
-    u64* bars = reinterpret_cast<u64*>(scr + 4 * 16 * 64);   // TMA: [0] Q and dO; [1 + c] buffer c's K and V
+    // K's stage st at smem + (2 + st)·TB, V's at smem + (2 + S + st)·TB (computed: an array indexed at run time
+    // would live in local memory).
+    float* scr = reinterpret_cast<float*>(smem + (2 + 2 * S) * TB);  // [4 warps][16][64]: dS, for the correction
+    // TMA: [0] Q and dO landed; full[st] = bars[1 + st]: stage st's K and V landed; empty[st] = bars[1 + S + st]:
+    // every consumer thread is done with stage st.
+    u64* bars = reinterpret_cast<u64*>(scr + 4 * 16 * 64);
+    u64* full = bars + 1;
+    u64* empty = bars + 1 + S;
 
-    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const u32 gid = lane >> 2, tig = lane & 3;
     const u32 qt = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    if constexpr (TMA) {
+        if (threadIdx.x == 0) {
+            mbarrier_init(&bars[0], 1);
+            for (u32 st = 0; st < S; ++st) {
+                mbarrier_init(&full[st], 1);
+                mbarrier_init(&empty[st], BWD_CONSUMERS);
+            }
+            mbarrier_fence_init();
+        }
+        __syncthreads();  // the last barrier of the whole block: the producer leaves after it
+        if (threadIdx.x < 128) {
+            setmaxnreg_dec<BWD_PRODUCER_REGS>();
+            if (threadIdx.x == 0) bwd_dq_produce<D>(p, maps, smem, &bars[0], full, empty, qt, h, b);
+            return;
+        }
+        setmaxnreg_inc<BWD_CONSUMER_REGS>();
+    }
+    // The consumers (every thread without TMA): thread ct of 128.
+    const u32 ct = TMA ? threadIdx.x - 128 : threadIdx.x;
+    const u32 lane = ct & 31, warp = ct >> 5;
+    const u32 gid = lane >> 2, tig = lane & 3;
     const u32 hk = h / (p.q_heads / p.kv_heads);
     const u64 q_head = ((u64)b * p.q_heads + h) * p.q_len;
     const u64 k_head = ((u64)b * p.kv_heads + hk) * p.kv_len;
@@ -585,11 +627,7 @@ __device__ __forceinline__ void attn_bwd_wgmma_dq(const AttnProblem& p, BwdMaps 
     const u32 i_lo = qt * WG_BC + warp * 16 + gid;  // this thread's rows: i_lo and i_lo + 8
     const float scale2 = p.scale * 1.4426950408889634f;
 
-    const u32 kv_head = b * p.kv_heads + hk;  // the maps' third coordinate for K and V
-    if (TMA) {
-        bwd_tma_init(bars);
-        if (threadIdx.x == 0) bwd_tma_pair<D>(qs, maps.q, dos, maps.dout, &bars[0], qt * WG_BC, b * p.q_heads + h);
-    } else {
+    if (!TMA) {
         wg_load_tile<D, WG_BC, T>(qs, q + q_head * D, qt * WG_BC, p.q_len);
         wg_load_tile<D, WG_BC, T>(dos, dout + q_head * D, qt * WG_BC, p.q_len);
         cp_async_commit();
@@ -606,52 +644,49 @@ __device__ __forceinline__ void attn_bwd_wgmma_dq(const AttnProblem& p, BwdMaps 
 #pragma unroll
     for (u32 i = 0; i < D / 2; ++i) dqa[i] = 0.0f;
 
-    // Key tiles that the mask does not hide, K and V double-buffered: the next one's loads run while this one
-    // computes (the header's Loads). Starts the loads of key tile `t` into buffer c.
+    // Key tiles that the mask does not hide (the producer's walk). cp.async only: every thread's share of key tile
+    // `t`'s K and V into buffer c.
     auto load_kv = [&](u32 t, u32 c) {
-        if (TMA) {
-            if (threadIdx.x == 0)
-                bwd_tma_pair<D>(smem + (2 + c) * TB, maps.k, smem + (4 + c) * TB, maps.v, &bars[1 + c], t * WG_BC,
-                                kv_head);
-        } else {
-            wg_load_tile<D, WG_BC, T>(smem + (2 + c) * TB, kg, t * WG_BC, p.kv_len);
-            wg_load_tile<D, WG_BC, T>(smem + (4 + c) * TB, v + k_head * D, t * WG_BC, p.kv_len);
-        }
+        wg_load_tile<D, WG_BC, T>(smem + (2 + c) * TB, kg, t * WG_BC, p.kv_len);
+        wg_load_tile<D, WG_BC, T>(smem + (2 + S + c) * TB, v + k_head * D, t * WG_BC, p.kv_len);
     };
     u32 kt = next_tile(p, qt, 0, k_tiles);
-    if (kt < k_tiles) load_kv(kt, 0);
-    if (TMA)
-        mbarrier_wait(&bars[0], 0);  // Q and dO
-    else
-        cp_async_commit();
-    u32 buf = 0;
+    if (kt < k_tiles) {
+        if (TMA)
+            mbarrier_wait(&bars[0], 0);  // Q and dO (loaded only when a key tile is visible)
+        else
+            load_kv(kt, 0);
+    }
+    if (!TMA) cp_async_commit();
     for (u32 n = 0; kt < k_tiles; ++n) {
-        // Tile kt is the loop's n-th, in buffer buf = n % 2: that buffer's (n / 2)-th fill.
+        // Tile kt is the loop's n-th: in stage stg = n % S, that stage's (n / S)-th fill.
+        const u32 stg = n % S;
         int cls = classify(p, qt, kt);
         const u32 next = next_tile(p, qt, kt + 1, k_tiles);
-        if (next < k_tiles) load_kv(next, buf ^ 1);
         if (TMA) {
             // The TMA wrote through the async proxy, which wgmma reads: no proxy fence, and no barrier (each thread
             // has waited itself).
-            mbarrier_wait(&bars[1 + buf], (n >> 1) & 1u);
+            mbarrier_wait(&full[stg], (n / S) & 1u);
         } else {
-            // Q and dO (the first time), this tile's K and V: cp.async wrote them through the generic proxy, so a
-            // proxy fence and a barrier before wgmma reads them.
+            // The next tile's loads go into the other buffer (every thread is done with it: the barrier ending the
+            // iteration before). Q and dO (the first time), this tile's K and V: cp.async wrote them through the
+            // generic proxy, so a proxy fence and a barrier before wgmma reads them.
+            if (next < k_tiles) load_kv(next, stg ^ 1);
             cp_async_commit();
             cp_async_wait<1>();
             wgmma_fence_proxy_async();
             __syncthreads();
         }
-        unsigned char* ks_ = smem + (2 + buf) * TB;
-        unsigned char* vs_ = smem + (4 + buf) * TB;
+        unsigned char* ks_ = smem + (2 + stg) * TB;
+        unsigned char* vs_ = smem + (2 + S + stg) * TB;
         const u32 j0 = kt * WG_BC;
         const bool masked = cls == TILE_PARTIAL || j0 + WG_BC > p.kv_len || (qt + 1) * WG_BC > p.q_len;
         unsigned long long kb =
             (cls == TILE_PARTIAL && k_bad) ? k_bad[((u64)b * p.kv_heads + hk) * k_tiles + kt] : 0ull;
         if (kb) {
-            wg_sanitize<D, T>(ks_, kb);
+            bwd_sanitize<D, T>(ks_, kb, ct, BWD_CONSUMERS);
             wgmma_fence_proxy_async();
-            __syncthreads();
+            bwd_consumer_sync<TMA>();
         }
         // S and dP: 64 queries × 64 keys; s[4n + e]: row i_lo + 8·(e / 2), key j0 + 8n + 2·tig + (e % 2).
         float s[32], dp[32];
@@ -688,6 +723,8 @@ __device__ __forceinline__ void attn_bwd_wgmma_dq(const AttnProblem& p, BwdMaps 
         for (u32 t = 0; t < 4; ++t) wg_mma_pv<T, D>(dqa, sa[t], wg_desc_nmajor(ks_, t));
         wgmma_commit_group();
         wgmma_wait_group<0>();
+        // Every wgmma reading this stage has been waited for: release it to the producer.
+        if (TMA) mbarrier_arrive(&empty[stg]);
         if (kb) {
             float* ss = scr + warp * 16 * 64;
 #pragma unroll
@@ -715,8 +752,9 @@ __device__ __forceinline__ void attn_bwd_wgmma_dq(const AttnProblem& p, BwdMaps 
             }
             __syncwarp();
         }
-        __syncthreads();  // every warp is done with this buffer before the next loads into it
-        buf ^= 1;
+        // cp.async: every warp is done with this buffer before the next iteration's loads into it. (The TMA ring
+        // needs no such barrier: the empty barrier releases the stage, and the correction's scratch is per warp.)
+        if (!TMA) __syncthreads();
         kt = next;
     }
     if (!TMA) cp_async_wait_all();
@@ -780,7 +818,7 @@ __device__ __forceinline__ void attn_bwd_dq_convert(G* __restrict__ dq, const fl
         attn_bwd_wgmma_dkdv<dd, tt, gt, false, true>(p, BwdMaps{&q_map, &k_map, &v_map, &do_map}, dk, dv, nullptr,  \
                                                      q, k, v, dout, lse, delta, q_bad, do_bad, nullptr, accumulate); \
     }                                                                                                               \
-    extern "C" __global__ void __launch_bounds__(128, 1) attn_bwd_wgmma_dq_tma_##tn##_d##dd##_##gn(                \
+    extern "C" __global__ void __launch_bounds__(256, 1) attn_bwd_wgmma_dq_tma_##tn##_d##dd##_##gn(                \
         AttnProblem p, BWD_TMA_MAPS, gt* dq, const tt* q, const tt* k, const tt* v, const tt* dout,                  \
         const float* lse, const float* delta, const unsigned long long* k_bad, int accumulate) {                     \
         attn_bwd_wgmma_dq<dd, tt, gt, true>(p, BwdMaps{&q_map, &k_map, &v_map, &do_map}, dq, q, k, v, dout, lse,    \

@@ -293,6 +293,16 @@ const fn bwd_dkdv_smem(d: usize, atomic: bool, tma: bool) -> usize {
 // 177 KiB.
 const _: () = assert!(bwd_dkdv_smem(128, true, true) <= 227 * 1024, "the wgmma backward's ring does not fit");
 
+/// Dynamic shared memory of the wgmma backward's dQ kernel at head dim `d`, fed by the TMA (`tma`: the
+/// warp-specialised kernel, its ring of [`BWD_STAGES`] K/V stages and 1 + 2·stages mbarriers) or by cp.async (two
+/// buffers): Q and dO, K and V per stage, dS for the correction (16 rows × 64 of f32 per warp), the barriers, and
+/// 1024 for the kernel's alignment of its tiles.
+const fn bwd_dq_smem(d: usize, tma: bool) -> usize {
+    let stages = if tma { BWD_STAGES } else { 2 };
+    let bars = if tma { 8 * (1 + 2 * stages) } else { 0 };
+    (2 + 2 * stages) * TC_TILE * d * 2 + 4 * 16 * TC_TILE * 4 + bars + 1024
+}
+
 /// The value of a kernel source's `#define NAME <decimal>` (a line of its own), at compile time: a define missing or
 /// not a plain number fails the build.
 const fn c_define(code: &str, name: &str) -> usize {
@@ -650,8 +660,7 @@ pub(crate) fn backward(
 
     // The wgmma kernels where the forward would take them (the same path), else mma.sync's.
     let wgmma = tc && wgmma_chosen(b);
-    let (src, prefix, align) =
-        if wgmma { (&BACKWARD_WGMMA, "attn_bwd_wgmma", 1024) } else { (&BACKWARD_TC, "attn_bwd_tc", 0) };
+    let (src, prefix) = if wgmma { (&BACKWARD_WGMMA, "attn_bwd_wgmma") } else { (&BACKWARD_TC, "attn_bwd_tc") };
     if tc {
         let pr = problem(b, p, (TC_TILE, TC_TILE))?;
         let (qh, kh) = (s.batch * s.q_heads, s.batch * s.kv_heads);
@@ -673,17 +682,17 @@ pub(crate) fn backward(
                 l.set(n);
             });
         }
-        // The TMA kernels' names (`_tma_`), the maps first among their arguments, and the dQ kernel's three
-        // mbarriers (the dK/dV kernels' shared memory: bwd_dkdv_smem).
-        let (tma, bars) = if maps.is_some() { ("_tma", 3 * 8) } else { ("", 0) };
+        // The TMA kernels' names (`_tma_`), the maps first among their arguments (their shared memory:
+        // bwd_dkdv_smem, bwd_dq_smem).
+        let tma = if maps.is_some() { "_tma" } else { "" };
         if wgmma && !b.attn_deterministic {
             let inputs = [q, k, v, dop, lse, delta.ptr()];
             let masks = [q_bad.ptr(), do_bad.ptr(), k_bad.ptr()];
             return backward_atomic(b, &pr, s, [dq, dk, dv], inputs, masks, [qt, dqt, dkt], acc, maps);
         }
-        // The wgmma dQ kernel double-buffers the tiles it loops over (K and V), and its correction scratch holds 64
-        // columns per warp where the tc kernels' holds 32 (the wgmma dK/dV kernels: bwd_dkdv_smem).
-        let (tiles, stats, scr_cols) = if wgmma { (6, 4, 64) } else { (4, 2, 32) };
+        // The mma.sync kernels' tiles, LSE and Δ, and correction scratch (the wgmma kernels': bwd_dkdv_smem,
+        // bwd_dq_smem).
+        let (tiles, stats, scr_cols) = (4, 2, 32);
         let d = s.head_dim;
         let kk = kernel(src, &format!("{prefix}_dkdv{tma}_{}_d{d}_{}", super::suffix(qt), super::suffix(dkt)))?;
         let mut args = KernelArgs::new();
@@ -693,20 +702,16 @@ pub(crate) fn backward(
         }
         args.push(dk).push(dv).push(q).push(k).push(v).push(dop).push(lse).push(delta.ptr());
         args.push(q_bad.ptr()).push(do_bad.ptr()).push(acc);
-        let cfg = if wgmma {
-            LaunchConfig {
-                grid: [s.kv_len.div_ceil(TC_TILE) as u32, s.kv_heads as u32, s.batch as u32],
-                // The TMA kernel: a producer warpgroup and a consumer warpgroup (the kernel's header, Warps).
-                block: [if maps.is_some() { 256 } else { 128 }, 1, 1],
-                shared_bytes: bwd_dkdv_smem(d, false, maps.is_some()) as u32,
-            }
-        } else {
-            LaunchConfig {
-                grid: [s.kv_len.div_ceil(TC_TILE) as u32, s.kv_heads as u32, s.batch as u32],
-                block: [128, 1, 1],
+        let cfg = LaunchConfig {
+            grid: [s.kv_len.div_ceil(TC_TILE) as u32, s.kv_heads as u32, s.batch as u32],
+            // The TMA kernel: a producer warpgroup and a consumer warpgroup (the kernel's header, Warps).
+            block: [if maps.is_some() { 256 } else { 128 }, 1, 1],
+            shared_bytes: if wgmma {
+                bwd_dkdv_smem(d, false, maps.is_some()) as u32
+            } else {
                 // K, V, Q, dO tiles, the tile's LSE and Δ, Pᵀ and dSᵀ for the correction (per warp 16 rows each).
-                shared_bytes: (tiles * tile_bytes + stats * TC_TILE * 4 + 4 * 2 * 16 * scr_cols * 4) as u32,
-            }
+                (tiles * tile_bytes + stats * TC_TILE * 4 + 4 * 2 * 16 * scr_cols * 4) as u32
+            },
         };
         // SAFETY: as the forward; `dk`/`dv` have `k`'s dims and one type; the masks one word per 64 rows of each
         // head; the maps describe the views q, k, v, dout (their dims, strides and addresses).
@@ -721,8 +726,13 @@ pub(crate) fn backward(
         args.push(k_bad.ptr()).push(acc);
         let cfg = LaunchConfig {
             grid: [s.q_len.div_ceil(TC_TILE) as u32, s.q_heads as u32, s.batch as u32],
-            block: [128, 1, 1],
-            shared_bytes: (tiles * tile_bytes + 4 * 16 * scr_cols * 4 + align + bars) as u32,
+            // The TMA kernel: a producer warpgroup and a consumer warpgroup (the kernel's header, Warps).
+            block: [if maps.is_some() { 256 } else { 128 }, 1, 1],
+            shared_bytes: if wgmma {
+                bwd_dq_smem(d, maps.is_some()) as u32
+            } else {
+                (tiles * tile_bytes + 4 * 16 * scr_cols * 4) as u32
+            },
         };
         // SAFETY: as above; `dq` has `q`'s dims.
         return unsafe { b.launch(&kq, cfg, &args) };
