@@ -5,8 +5,9 @@
 //! emulator (`::emulated`) and on an sm_90 GPU (`::cuda`, skipped with a message elsewhere), against the mma.sync
 //! kernels on the same device and the CPU backend, and the backward's non-deterministic variant against the
 //! deterministic one; the forward's and the backward's TMA loads (zero fill past a head's rows; the backward's
-//! cp.async fallback, forced, bit for bit against them). tests/attention_wgmma.rs and
-//! tests/attention_wgmma_backward.rs have the wider cases.
+//! cp.async fallback, forced, bit for bit against them); the backward's warp-specialised rings (`ws_backward`: many
+//! tiles per block, and blocks the mask hides whole). tests/attention_wgmma.rs and tests/attention_wgmma_backward.rs
+//! have the wider cases.
 
 use crate::attention::{AttnGrads, AttnMask, AttnOut, AttnParams, AttnSaved, AttnShape, Positions, Qkv};
 use crate::backend::{Backend, GradMode};
@@ -354,14 +355,16 @@ mod tma_backward {
     }
 }
 
-/// The warp-specialised dK/dV kernels' ring (`attention_backward_wgmma.cu`'s header, Warps and Loads): a long query
-/// length against a short key length (640 queries, grouped by 2: 20 visible pairs per dK/dV block, so the producer
-/// runs ahead of the consumers and every stage of the ring is refilled six or seven times, its barriers' parities
-/// going both ways), at head dims 64 and 128; and causal with more keys than queries (300 queries, 400 keys: the
-/// blocks of key tiles 5 and 6 see no query, so the mask hides every pair of theirs: nothing is loaded, and their
-/// dK and dV must be exactly 0, with no deadlock), both variants. Against the mma.sync kernels on the same device
-/// (on the emulator to 1e-4 of the gradient's largest magnitude, 1e-2 on a GPU), the CPU (1e-2), and the cp.async
-/// kernels bit for bit where the sums' order is fixed.
+/// The warp-specialised backward kernels' rings (`attention_backward_wgmma.cu`'s header, Warps and Loads): a long
+/// query length against a short key length (640 queries grouped by 2, 70 keys: 20 visible pairs per dK/dV block, so
+/// its producer runs ahead of the consumers and every stage of the ring is refilled six or seven times, its
+/// barriers' parities going both ways), and the reverse (70 queries, 640 keys: 10 key tiles per dQ block); causal
+/// with more keys than queries (300 queries, 400 keys: the mask hides every pair of the blocks of key tiles 5 and 6)
+/// and with the keys placed after the first 128 queries (200 queries, 300 keys: every key tile of dQ blocks 0 and 1
+/// hidden, and dK/dV blocks 2 to 4): nothing loaded there, no deadlock, and the gradients of what the mask hides
+/// exactly 0. Both variants, bf16, head dims 64 and 128. Against the mma.sync kernels on the same device (on the
+/// emulator to 1e-4 of the gradient's largest magnitude, 1e-2 on a GPU), the CPU (1e-2), and the cp.async kernels
+/// bit for bit where the sums' order is fixed.
 fn backward_ring(b: CudaBackend) {
     use super::ops::attention::BWD_LOADS;
     let wg = b.with_attention_path(AttentionPath::Wgmma).with_deterministic_backward(true);
@@ -376,12 +379,16 @@ fn backward_ring(b: CudaBackend) {
             l.set(n);
         })
     };
+    // (head dim, queries, keys, mask, keys from which on no query sees, queries before which no key is seen).
+    let causal = |k0| AttnMask::causal().with_positions(Positions::Offset(0), Positions::Offset(k0));
     let cases = [
-        (64, 640, 70, AttnMask::default()),
-        (128, 640, 70, AttnMask::default()),
-        (128, 300, 400, AttnMask::causal().with_positions(Positions::Offset(0), Positions::Offset(0))),
+        (64, 640, 70, AttnMask::default(), 70, 0),
+        (128, 640, 70, AttnMask::default(), 70, 0),
+        (64, 70, 640, AttnMask::default(), 640, 0),
+        (128, 300, 400, causal(0), 300, 0),
+        (128, 200, 300, causal(128), 72, 128),
     ];
-    for (d, sq, sk, mask) in cases {
+    for (d, sq, sk, mask, unseen_keys, unseeing_queries) in cases {
         let shape = AttnShape { batch: 1, q_heads: 2, kv_heads: 1, q_len: sq, kv_len: sk, head_dim: d };
         let p = AttnParams::new(shape).with_mask(mask);
         let seed = 70 + d as u64 + sq as u64;
@@ -416,12 +423,15 @@ fn backward_ring(b: CudaBackend) {
                     assert!((t - w).abs() <= 1e-2 * scale, "{}: {t}, the CPU's {w}", at(i));
                 }
             }
-            if sk > sq {
-                // Keys 320.. (key tiles 5 and 6) come after every query: their blocks load and add nothing.
-                for n in [3, 4] {
-                    assert!(tma[n][320 * d..].iter().all(|g| *g == 0.0), "d {d} {variant}: hidden blocks' gradients");
-                }
+            // What no query sees (whole dK/dV blocks among them: nothing loaded) and the queries that see no key
+            // (whole dQ blocks): exactly 0.
+            for n in [3, 4] {
+                assert!(
+                    tma[n][unseen_keys * d..].iter().all(|g| *g == 0.0),
+                    "d {d}, {sq} queries {variant}: unseen keys"
+                );
             }
+            assert!(tma[2][..unseeing_queries * d].iter().all(|g| *g == 0.0), "d {d}, {sq} queries {variant}: dQ");
         }
     }
 }
