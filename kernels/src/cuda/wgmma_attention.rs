@@ -275,8 +275,9 @@ mod ring_and_turns {
 
 /// The backward's loads (`attention_backward_wgmma.cu`'s header, Loads): the TMA-fed kernels, and the cp.async ones
 /// that run where the device refuses a tensor map (forced here by refusing them), on grouped queries under a causal
-/// mask (queries at the end of the keys: 4 tile pairs per dK/dV block and up to 3 key tiles per dQ block, so both
-/// buffers of each ring are filled twice), lengths off the tiles, and the second half of the heads of every input
+/// mask (queries at the end of the keys: 4 tile pairs per dK/dV block and up to 3 key tiles per dQ block, so the
+/// cp.async kernels fill both their buffers twice and the TMA's 3-stage ring is refilled once in dK/dV; ws_backward
+/// drives the rings further), lengths off the tiles, and the second half of the heads of every input
 /// NaN: the rows past a head's length must land as zeros, never as the next head's NaN rows. Both loads give the
 /// same gradients, bit for bit where the sums' order is fixed (all but the non-deterministic variant's dQ); the first
 /// half's are finite and the CPU's; the per-thread counters show which kernels ran.
