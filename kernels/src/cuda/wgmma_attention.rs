@@ -5,8 +5,9 @@
 //! emulator (`::emulated`) and on an sm_90 GPU (`::cuda`, skipped with a message elsewhere), against the mma.sync
 //! kernels on the same device and the CPU backend, and the backward's non-deterministic variant against the
 //! deterministic one; the forward's and the backward's TMA loads (zero fill past a head's rows; the backward's
-//! cp.async fallback, forced, bit for bit against them). tests/attention_wgmma.rs and
-//! tests/attention_wgmma_backward.rs have the wider cases.
+//! cp.async fallback, forced, bit for bit against them); the backward's warp-specialised rings (`ws_backward`: many
+//! tiles per block, and blocks the mask hides whole). tests/attention_wgmma.rs and tests/attention_wgmma_backward.rs
+//! have the wider cases.
 
 use crate::attention::{AttnGrads, AttnMask, AttnOut, AttnParams, AttnSaved, AttnShape, Positions, Qkv};
 use crate::backend::{Backend, GradMode};
@@ -274,8 +275,9 @@ mod ring_and_turns {
 
 /// The backward's loads (`attention_backward_wgmma.cu`'s header, Loads): the TMA-fed kernels, and the cp.async ones
 /// that run where the device refuses a tensor map (forced here by refusing them), on grouped queries under a causal
-/// mask (queries at the end of the keys: 4 tile pairs per dK/dV block and up to 3 key tiles per dQ block, so both
-/// buffers of each ring are filled twice), lengths off the tiles, and the second half of the heads of every input
+/// mask (queries at the end of the keys: 4 tile pairs per dK/dV block and up to 3 key tiles per dQ block, so the
+/// cp.async kernels fill both their buffers twice and the TMA's 3-stage ring is refilled once in dK/dV; ws_backward
+/// drives the rings further), lengths off the tiles, and the second half of the heads of every input
 /// NaN: the rows past a head's length must land as zeros, never as the next head's NaN rows. Both loads give the
 /// same gradients, bit for bit where the sums' order is fixed (all but the non-deterministic variant's dQ); the first
 /// half's are finite and the CPU's; the per-thread counters show which kernels ran.
@@ -350,6 +352,103 @@ mod tma_backward {
     fn cuda() {
         if let Some(b) = sm90_backend() {
             backward_loads(b);
+        }
+    }
+}
+
+/// The warp-specialised backward kernels' rings (`attention_backward_wgmma.cu`'s header, Warps and Loads): a long
+/// query length against a short key length (640 queries grouped by 2, 70 keys: 20 visible pairs per dK/dV block, so
+/// its producer runs ahead of the consumers and every stage of the ring is refilled six or seven times, its
+/// barriers' parities going both ways), and the reverse (70 queries, 640 keys: 10 key tiles per dQ block); causal
+/// with more keys than queries (300 queries, 400 keys: the mask hides every pair of the blocks of key tiles 5 and 6)
+/// and with the keys placed after the first 128 queries (200 queries, 300 keys: every key tile of dQ blocks 0 and 1
+/// hidden, and dK/dV blocks 2 to 4): nothing loaded there, no deadlock, and the gradients of what the mask hides
+/// exactly 0. Both variants, bf16, head dims 64 and 128. Against the mma.sync kernels on the same device (on the
+/// emulator to 1e-4 of the gradient's largest magnitude, 1e-2 on a GPU), the CPU (1e-2), and the cp.async kernels
+/// bit for bit where the sums' order is fixed.
+fn backward_ring(b: CudaBackend) {
+    use super::ops::attention::BWD_LOADS;
+    let wg = b.with_attention_path(AttentionPath::Wgmma).with_deterministic_backward(true);
+    let atomic = wg.clone().with_deterministic_backward(false);
+    let mma = wg.clone().with_attention_path(AttentionPath::Mma);
+    let cpu = CpuBackend::new();
+    let against_mma = if wg.is_emulated() { 1e-4 } else { 1e-2 };
+    let refuse_maps = |on: bool| {
+        BWD_LOADS.with(|l| {
+            let mut n = l.get();
+            n.refuse_maps = on;
+            l.set(n);
+        })
+    };
+    // (head dim, queries, keys, mask, keys from which on no query sees, queries before which no key is seen).
+    let causal = |k0| AttnMask::causal().with_positions(Positions::Offset(0), Positions::Offset(k0));
+    let cases = [
+        (64, 640, 70, AttnMask::default(), 70, 0),
+        (128, 640, 70, AttnMask::default(), 70, 0),
+        (64, 70, 640, AttnMask::default(), 640, 0),
+        (128, 300, 400, causal(0), 300, 0),
+        (128, 200, 300, causal(128), 72, 128),
+    ];
+    for (d, sq, sk, mask, unseen_keys, unseeing_queries) in cases {
+        let shape = AttnShape { batch: 1, q_heads: 2, kv_heads: 1, q_len: sq, kv_len: sk, head_dim: d };
+        let p = AttnParams::new(shape).with_mask(mask);
+        let seed = 70 + d as u64 + sq as u64;
+        let x = [
+            uniform_nonzero(shape.q_elems(), seed),
+            uniform_nonzero(shape.kv_elems(), seed + 1),
+            uniform_nonzero(shape.kv_elems(), seed + 2),
+            uniform_nonzero(shape.q_elems(), seed + 3),
+        ];
+        let want_cpu = run(&cpu, &p, &x, DType::F32);
+        let want_mma = run(&mma, &p, &x, DType::F32);
+        for (variant, be) in [("deterministic", &wg), ("atomic", &atomic)] {
+            let before = BWD_LOADS.with(|l| l.get());
+            let tma = run(be, &p, &x, DType::F32);
+            assert_eq!(BWD_LOADS.with(|l| l.get()).tma, before.tma + 1, "d {d}, {sq} queries, {variant}: TMA");
+            refuse_maps(true);
+            let cp = run(be, &p, &x, DType::F32);
+            refuse_maps(false);
+            for (n, name) in [(2, "dQ"), (3, "dK"), (4, "dV")] {
+                let exact = !(variant == "atomic" && name == "dQ");
+                let at = |i: usize| format!("d {d}, {sq} queries, {variant}: {name}[{i}]");
+                // Errors against the gradient's largest magnitude (the CPU's).
+                let scale = want_cpu[n].iter().fold(1e-6f32, |m, w| m.max(w.abs()));
+                for (i, (((t, c), m), w)) in tma[n].iter().zip(&cp[n]).zip(&want_mma[n]).zip(&want_cpu[n]).enumerate() {
+                    assert!(t.is_finite(), "{} = {t}", at(i));
+                    assert!(
+                        if exact { t.to_bits() == c.to_bits() } else { (t - c).abs() <= 1e-5 * scale },
+                        "{}: {t} by the TMA, {c} by cp.async",
+                        at(i)
+                    );
+                    assert!((t - m).abs() <= against_mma * scale, "{}: {t}, mma.sync's {m}", at(i));
+                    assert!((t - w).abs() <= 1e-2 * scale, "{}: {t}, the CPU's {w}", at(i));
+                }
+            }
+            // What no query sees (whole dK/dV blocks among them: nothing loaded) and the queries that see no key
+            // (whole dQ blocks): exactly 0.
+            for n in [3, 4] {
+                assert!(
+                    tma[n][unseen_keys * d..].iter().all(|g| *g == 0.0),
+                    "d {d}, {sq} queries {variant}: unseen keys"
+                );
+            }
+            assert!(tma[2][..unseeing_queries * d].iter().all(|g| *g == 0.0), "d {d}, {sq} queries {variant}: dQ");
+        }
+    }
+}
+
+mod ws_backward {
+    use super::*;
+
+    #[test]
+    fn emulated() {
+        backward_ring(CudaBackend::emulated().unwrap_or_else(|e| panic!("{e}")));
+    }
+
+    #[test]
+    fn cuda() {
+        if let Some(b) = sm90_backend() {
+            backward_ring(b);
         }
     }
 }

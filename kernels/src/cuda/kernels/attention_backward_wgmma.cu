@@ -4,8 +4,29 @@
 // accumulated by one thread in a fixed order (dQ by its own kernel, as there). Δ = rowsum(dO∘O) comes first from
 // attention_backward.cu's attn_bwd_delta.
 //
-// Warps: a block is one warpgroup (128 threads, warp w owning rows 16w..16w+15 of the block's 64, the accumulator
-// fragment's rows); every thread computes, and the tiles are loaded as Loads (below) says.
+// Warps. The TMA-fed kernels (dkdv, fused and dq: attn_bwd_wgmma_{dkdv,fused,dq}_tma_*) are warp-specialised as
+// FlashAttention-3's backward (and this library's forward): a block is 256 threads, two warpgroups.
+// - Warpgroup 0 (threads 0..127) is the producer: after the block's one __syncthreads (the barriers' initialisation)
+//   it lowers its registers to BWD_PRODUCER_REGS (setmaxnreg.dec, ptx_hopper.cuh), its thread 0 issues every TMA copy
+//   (bwd_dkdv_produce, bwd_dq_produce) and the other 127 threads leave.
+// - Warpgroup 1 (threads 128..255, consumer thread ct = threadIdx.x − 128, its warp w = ct / 32 owning rows
+//   16w..16w+15 of the block's 64, the accumulator fragment's rows) is the consumer: it raises its registers to
+//   BWD_CONSUMER_REGS (setmaxnreg.inc) and only computes (and makes the rare sanitised tiles, and, in dkdv, writes
+//   the pairs' LSE and Δ to shared memory). It synchronises with itself by named barrier BWD_BAR_CONSUMERS (id 1,
+//   128 threads; bwd_consumer_sync), never __syncthreads, which would wait for the producer warpgroup (gone, or
+//   waiting on an empty barrier) and deadlock.
+//   Checked on the emulator (which models the TMA, the mbarriers, the named barriers and their deadlocks, not the
+//   register file, the proxies nor timing) and by ptxas; not yet run on a GPU.
+//   The register split: 128·40 + 128·256 of the 64K registers. The kernel's cap at entry is 255
+//   (__launch_bounds__(256, 1)), which ptxas reports (as the forward's); at one consumer warpgroup setmaxnreg.inc
+//   adds nothing to what ptxas may use, what it buys is the producer's registers given back. Why one consumer
+//   warpgroup: two (128 keys a block, each Q/dO load shared by both, as FlashAttention-3 at D = 128) would put the
+//   cap at entry at 168 (384 threads) and the consumers at most at 240 (128·24 + 256·240), where the body (dK and
+//   dV's D accumulators, Sᵀ and dPᵀ's 64, their packed A fragments' 32, live at once) takes 253 at D = 128 by
+//   ptxas's report of the cp.async kernel, the same body without the producer (232 at D = 64, which would fit, and
+//   is not built; BENCHMARKS.md has the figures). The dq kernel's body takes 182 at D = 128 (its cp.async kernel).
+// The cp.async kernels (the fallback where the device refuses a tensor map) are one warpgroup: 128 threads that all
+// load and compute, as Loads (below) says.
 //
 // dkdv: a block for a tile of 64 key rows of one (batch, key/value head), dK and dV accumulators in registers; K and
 // V stay in shared memory. For every query head of the group and every query tile of 64 rows that the mask does not
@@ -22,43 +43,62 @@
 // At the end dQ·scale is written (or added).
 //
 // Loads. Each kernel keeps one pair of 64-row tiles (K and V in dkdv, Q and dO in dq) and streams another (Q and
-// dO of each visible (query head, query tile) pair in dkdv, K and V of each visible key tile in dq) through two
-// buffers: the loop's n-th tile pair is in buffer n % 2, and at the top of iteration n the loads of the (n + 1)-th
-// go into the other buffer, which every thread is done with (the __syncthreads ending iteration n − 1, after its
-// wgmmas were waited for), so they land while iteration n computes. The walk skips what the mask hides
-// (next_pair, next_tile): a hidden tile is never loaded. LSE and Δ stay ordinary loads: dkdv's threads write the
-// next pair's rows into the buffer's slots beside its tiles (a __syncthreads after the wait publishes them), dq's
-// keep their two rows' in registers. Two kinds of kernels, one body (template flag TMA):
-// - TMA (attn_bwd_wgmma_*_tma_*, what the host launches; ptx_tma.cuh): the host passes tensor maps of Q, K, V and
-//   dO (ops/attention.rs: bwd_tma_maps), each a 3-D tensor, innermost first (D, rows of a head, batch·heads),
-//   strides 2D and 2D·len bytes, a box 64 elements (128 bytes, the 128B swizzle's span) × 64 rows × 1 head, landing
-//   as 64 128-byte rows with the 128B swizzle on the address: exactly one 64-element block of the tile layout
-//   (attention_wgmma.cuh), so a tile at D = 128 is two boxes (bwd_tma_pair). Rows past the head's length lie
-//   outside the map's second dimension: the TMA writes them as zeros (never the next head's rows). Three mbarriers
-//   in shared memory after the scratch, 1 arrival each: bars[0] the kept pair (filled once, waited with parity 0),
-//   bars[1 + c] buffer c (the n-th tile pair's wait: bars[1 + n % 2] with parity (n / 2) % 2, its (n / 2)-th fill).
-//   Thread 0 issues every load: it announces both tiles' bytes (zero-filled rows included) with arrive.expect_tx
-//   and issues the boxes, which complete on the barrier; every thread waits on the barrier itself. No producer
-//   warp: the loop's __syncthreads (after a sanitising, between pairs, fused's dSᵀ exchange) would wait for it, so
-//   it needs barriers the consumers alone take (named barriers, or mbarriers as the forward's csync) for the little
-//   work it saves here: thread 0 issues 2·D/64 boxes per tile pair, a few instructions, and the loads already run
-//   ahead of the products by one tile pair, as far as two buffers allow. The TMA writes through the async proxy,
-//   which wgmma reads: no proxy fence between a load's wait and the wgmma reading the tile.
+// dO of each visible (query head, query tile) pair in dkdv, K and V of each visible key tile in dq). The walk skips
+// what the mask hides (bwd_next_pair, next_tile): a hidden tile is never loaded.
+// - dkdv and fused fed by the TMA (what the host launches where the device takes the tensor maps; ptx_tma.cuh): the
+//   producer thread loads K and V once, on kvbar = bars[0] (1 arrival: its arrive.expect_tx of both tiles' bytes,
+//   plus the bytes; the consumers wait with parity 0), then walks the visible pairs in the consumers' order, the
+//   n-th pair's Q and dO into stage n % BWD_STAGES of a ring of BWD_STAGES (3) stages. full[s] = bars[1 + s]:
+//   1 arrival (the producer's arrive.expect_tx of the stage's 2·64·D·2 bytes, zero-filled rows included) plus the
+//   bytes; the consumers wait on it with parity (n / BWD_STAGES) % 2 (the stage's (n / BWD_STAGES)-th fill).
+//   empty[s] = bars[1 + BWD_STAGES + s]: 128 arrivals, one per consumer thread once its last wgmma reading the stage
+//   (dV += Pᵀ·dO and dK += dSᵀ·Q of the pair) has been waited for; before filling stage s for the n-th pair the
+//   producer waits on it with parity ((n / BWD_STAGES) % 2) ^ 1, so a stage's first fill passes at once (the phase
+//   before an mbarrier's first counts as complete) and each later fill waits for the release of the fill before.
+//   The producer so runs up to BWD_STAGES pairs ahead of the pair being computed, bounded only by the releases.
+//   When the mask hides every pair of the block nothing is loaded (K and V neither) and the consumers wait on
+//   nothing: they write zero gradients. LSE and Δ stay ordinary loads by the consumers: consumer thread ct loads
+//   the next pair's LSE (ct < 64) or Δ (ct ≥ 64) of row ct % 64 into a register before waiting on the current
+//   pair's full barrier, and stores it into slot (n + 1) % 2 beside the scratch after the consumers' barrier that
+//   opens iteration n (every consumer is past iteration n − 1, the slot's last reader); the barrier opening
+//   iteration n + 1 publishes it. That barrier also orders the correction scratch (fused's dSᵀ exchange) from one
+//   pair to the next, so no barrier ends an iteration.
+// - dq fed by the TMA: the same ring with K and V in place of Q and dO. The producer loads Q and dO once on
+//   bars[0] (nothing at all when the mask hides every key tile of the block), then the visible key tiles' K and V
+//   (next_tile, the consumers' walk), the n-th into stage n % BWD_STAGES, with full and empty barriers, waits and
+//   parities as above; the consumers release a stage once dQ += dS·K, the last wgmma reading it, has been waited
+//   for. LSE and Δ: each consumer thread keeps its two rows' in registers. The consumers' only barrier is the one
+//   after the rare sanitising of a K tile (the correction's scratch is per warp).
 // - cp.async (the same names without _tma_; the host's fallback where the device refuses a tensor map, and the
-//   tests'): every thread takes its share of each tile's 16-byte copies (wg_load_tile: rows past the head's length
-//   zero-filled), cp.async groups in place of the barriers. cp.async writes through the generic proxy, so every
-//   tile is followed by fence.proxy.async and a barrier before a wgmma reads it.
+//   tests'): one warpgroup, every thread takes its share of each tile's 16-byte copies (wg_load_tile: rows past the
+//   head's length zero-filled) into two buffers: the loop's n-th streamed tile pair is in buffer n % 2, and at the
+//   top of iteration n the loads of the (n + 1)-th go into the other buffer, which every thread is done with (the
+//   __syncthreads ending iteration n − 1, after its wgmmas were waited for), so they land while iteration n
+//   computes; cp.async groups in place of the barriers. cp.async writes through the generic proxy, so every tile is
+//   followed by fence.proxy.async and a barrier before a wgmma reads it.
+// The TMA tiles: the host passes tensor maps of Q, K, V and dO (ops/attention.rs: bwd_tma_maps), each a 3-D tensor,
+// innermost first (D, rows of a head, batch·heads), strides 2D and 2D·len bytes, a box 64 elements (128 bytes, the
+// 128B swizzle's span) × 64 rows × 1 head, landing as 64 128-byte rows with the 128B swizzle on the address:
+// exactly one 64-element block of the tile layout (attention_wgmma.cuh), so a tile at D = 128 is two boxes
+// (bwd_tma_pair). Rows past the head's length lie outside the map's second dimension: the TMA writes them as zeros
+// (never the next head's rows). The TMA writes through the async proxy, which wgmma reads: no proxy fence between
+// a load's wait and the wgmma reading the tile.
 // Either way, what the threads write to a tile or hand to wgmma through shared memory with ordinary stores (the
-// non-finite sanitising below, the sanitized copy of K in fused, which cp.async makes in both kinds) is generic-proxy
-// traffic: fence.proxy.async and a barrier follow it before a wgmma reads it (and before a TMA overwrites the tile,
-// which the barrier ending each iteration orders).
+// non-finite sanitising below, the sanitized copy of K in fused, which the consumers' cp.async makes in every kind)
+// is generic-proxy traffic: fence.proxy.async and a barrier follow it before a wgmma reads it (and before a TMA
+// overwrites the tile: in the ring, the writers' fence comes before their arrival on the stage's empty barrier,
+// which the producer waits for before refilling it; in the two-buffer kernels the barrier ending each iteration).
 //
 // Shared memory (dynamic, aligned up to 1024 bytes of the shared window: the 128B swizzle is on the address), in
-// TB = 64·D·2-byte tiles: dkdv: K, V, Q of buffers 0 and 1, dO of buffers 0 and 1 (6 TB; fused adds K sanitized,
-// 7 TB), LSE and Δ of buffers 0 and 1 (1 KiB), the correction scratch (per warp 16 × 64 f32 for Pᵀ and for dSᵀ:
-// 32 KiB), the TMA kernels' 3 barriers (24 bytes); dq: Q, dO, K and V of buffers 0 and 1 (6 TB), the scratch (per
-// warp 16 × 64 f32 for dS: 16 KiB), the barriers. At D = 128: dkdv 129 KiB, fused 145 KiB, dq 112 KiB; at D = 64:
-// 81, 89 and 64 KiB; each + 24 bytes of barriers (TMA) + the 1024 bytes of alignment slack the host adds.
+// TB = 64·D·2-byte tiles: dkdv: K, V, Q of each stage, dO of each stage (2 + 2·BWD_STAGES = 8 TB with the TMA ring,
+// 6 TB with cp.async's two buffers; fused adds K sanitized), LSE and Δ of slots 0 and 1 (1 KiB), the correction
+// scratch (per warp 16 × 64 f32 for Pᵀ and for dSᵀ: 32 KiB), the TMA kernels' 1 + 2·BWD_STAGES barriers (56 bytes;
+// ops/attention.rs: bwd_dkdv_smem); dq: Q, dO, K and V of each stage (8 TB with the ring, 6 with cp.async), the
+// scratch (per warp 16 × 64 f32 for dS: 16 KiB), the TMA kernel's barriers (56 bytes; bwd_dq_smem). At D = 128: dkdv
+// 161 KiB with the TMA ring (129 KiB with cp.async), fused 177 KiB (145), dq 144 KiB (112); at D = 64: 97 (81), 105
+// (89) and 80 (64) KiB; each + the barriers + the 1024 bytes of alignment slack the host adds. The largest, fused
+// at D = 128, is within the 227 KiB an sm_90 block may opt into (a compile-time check in ops/attention.rs); a fourth
+// stage would make it 209 KiB.
 //
 // fused: the non-deterministic variant (AttentionBackward::Atomic, chosen explicitly only:
 // CudaBackend::with_deterministic_backward(false); the trainer keeps the kernels above). dkdv's kernel body
@@ -99,18 +139,82 @@ __device__ __forceinline__ void bwd_tma_pair(unsigned char* a, const CUtensorMap
     }
 }
 
-// Initialises the block's three mbarriers (1 arrival each: the issuing thread's arrive.expect_tx), visible to every
-// thread and to the TMA after the barrier.
-__device__ __forceinline__ void bwd_tma_init(u64* bars) {
-    if (threadIdx.x == 0) {
-        for (u32 i = 0; i < 3; ++i) mbarrier_init(&bars[i], 1);
-        mbarrier_fence_init();
+// The warp-specialised kernels (the TMA-fed ones; the header's Warps): the ring's depth, the register split of the
+// producer and consumer warpgroups, and the consumers' named barrier (id 1: 0 is __syncthreads', which would wait
+// for the producer) with its 128 threads. The host reads BWD_STAGES for the shared-memory sizes (ops/attention.rs).
+#define BWD_STAGES 3
+#define BWD_PRODUCER_REGS 40
+#define BWD_CONSUMER_REGS 256
+#define BWD_BAR_CONSUMERS 1
+#define BWD_CONSUMERS 128
+
+// The first (query head of the group, query tile) pair at or after x that the mask does not hide for key tile kt
+// (pair x: head hk·group + x / q_tiles, tile x % q_tiles; `pairs`: none). Producer and consumers walk the same.
+__device__ __forceinline__ u32 bwd_next_pair(const AttnProblem& p, u32 x, u32 pairs, u32 q_tiles, u32 kt) {
+    while (x < pairs && classify(p, x % q_tiles, kt) == TILE_HIDDEN) ++x;
+    return x;
+}
+
+// wg_load_tile and wg_sanitize over the consumer threads only (thread ct of n): in the warp-specialised kernels
+// the producer warpgroup has left, and threadIdx.x / blockDim.x count it.
+template <int D, typename T>
+__device__ __forceinline__ void bwd_load_tile(unsigned char* dst, const T* src, u32 row0, u32 len, u32 ct, u32 n) {
+    constexpr u32 CHUNKS = D / 8;
+    for (u32 x = ct; x < WG_BC * CHUNKS; x += n) {
+        u32 r = x / CHUNKS, c = x % CHUNKS;
+        u32 row = row0 + r;
+        bool valid = row < len;
+        cp_async_16_zfill(dst + wg_swz<WG_BC>(r, c), src + (u64)(valid ? row : 0) * D + c * 8, valid);
     }
-    __syncthreads();
+}
+template <int D, typename T>
+__device__ __forceinline__ void bwd_sanitize(unsigned char* tile, unsigned long long bad, u32 ct, u32 n) {
+    for (u32 x = ct; x < WG_BC * D; x += n) {
+        u32 r = x / D, d = x % D;
+        if (!((bad >> r) & 1ull)) continue;
+        T* e = reinterpret_cast<T*>(tile + wg_swz<WG_BC>(r, d / 8)) + (d % 8);
+        if (!isfinite(to_f32(*e))) *e = from_f32<T>(0.0f);
+    }
+}
+
+// The consumers' barrier in the kernel bodies: named barrier BWD_BAR_CONSUMERS of the consumer warpgroup's 128
+// threads in the TMA kernels (the producer warpgroup has left or waits on an "empty" barrier: __syncthreads would
+// deadlock); __syncthreads in the cp.async ones, whose 128 threads are all consumers.
+template <bool TMA>
+__device__ __forceinline__ void bwd_consumer_sync() {
+    if constexpr (TMA)
+        named_barrier_sync(BWD_BAR_CONSUMERS, BWD_CONSUMERS);
+    else
+        __syncthreads();
+}
+
+// The dK/dV producer (thread 0 of warpgroup 0 in the TMA-fed dkdv and fused kernels): nothing when the mask hides
+// every pair; else K and V once on kvbar, then the visible pairs' Q and dO in the consumers' order, the n-th into
+// stage n % BWD_STAGES once the consumers have released it (its empty barrier's phase before the (n /
+// BWD_STAGES)-th: the first use of a stage passes at once). Runs up to BWD_STAGES pairs ahead of the pair the
+// consumers compute.
+template <int D>
+__device__ __forceinline__ void bwd_dkdv_produce(const AttnProblem& p, BwdMaps maps, unsigned char* smem, u64* kvbar,
+                                                 u64* full, u64* empty, u32 kt, u32 hk, u32 b) {
+    constexpr u32 TB = WG_BC * D * 2;
+    const u32 group = p.q_heads / p.kv_heads;
+    const u32 q_tiles = (p.q_len + WG_BC - 1) / WG_BC;
+    const u32 pairs = group * q_tiles;
+    u32 x = bwd_next_pair(p, 0, pairs, q_tiles, kt);
+    if (x >= pairs) return;  // every pair hidden: nothing to load
+    bwd_tma_pair<D>(smem, maps.k, smem + TB, maps.v, kvbar, kt * WG_BC, b * p.kv_heads + hk);
+    for (u32 n = 0; x < pairs; ++n, x = bwd_next_pair(p, x + 1, pairs, q_tiles, kt)) {
+        const u32 st = n % BWD_STAGES, use = n / BWD_STAGES;
+        mbarrier_wait(&empty[st], (use & 1u) ^ 1u);
+        bwd_tma_pair<D>(smem + (2 + st) * TB, maps.q, smem + (2 + BWD_STAGES + st) * TB, maps.dout, &full[st],
+                        (x % q_tiles) * WG_BC, b * p.q_heads + hk * group + x / q_tiles);
+    }
 }
 
 // dkdv, and with ATOMIC the non-deterministic variant's fused kernel (the header's "fused"): one body, so that the
 // two cannot drift apart; ATOMIC adds the sanitized copy of K, the dSᵀ scratch written every pair, and dQ's atomics.
+// With TMA the block is the producer warpgroup and one consumer warpgroup (the header's Warps); without, one
+// warpgroup that loads and computes.
 template <int D, typename T, typename G, bool ATOMIC, bool TMA>
 __device__ __forceinline__ void attn_bwd_wgmma_dkdv(const AttnProblem& p, BwdMaps maps, G* __restrict__ dk,
                                                     G* __restrict__ dv,
@@ -123,19 +227,45 @@ __device__ __forceinline__ void attn_bwd_wgmma_dkdv(const AttnProblem& p, BwdMap
                                                     const unsigned long long* __restrict__ k_bad, int accumulate) {
     unsigned char* smem = wg_smem();
     constexpr u32 TB = WG_BC * D * 2;
+    // Stages of Q and dO: the TMA ring's BWD_STAGES, cp.async's two buffers.
+    constexpr u32 S = TMA ? BWD_STAGES : 2;
     unsigned char* ks_ = smem;
     unsigned char* vs_ = smem + TB;
-    // Q's buffer c at smem + (2 + c)·TB, dO's at smem + (4 + c)·TB; with ATOMIC, K sanitized at 6·TB. Then the LSE
-    // (base 2) and Δ of buffer c at lsd + 128c and lsd + 128c + 64 (computed: an array indexed at run time would live
-    // in local memory).
-    unsigned char* kc_ = smem + 6 * TB;
-    float* lsd = reinterpret_cast<float*>(smem + (ATOMIC ? 7 : 6) * TB);
+    // Q's stage st at smem + (2 + st)·TB, dO's at smem + (2 + S + st)·TB; with ATOMIC, K sanitized at (2 + 2S)·TB.
+    // Then the LSE (base 2) and Δ of slot c (the n-th pair's in slot n % 2, whatever the stages) at lsd + 128c and
+    // lsd + 128c + 64 (computed: an array indexed at run time would live in local memory).
+    unsigned char* kc_ = smem + (2 + 2 * S) * TB;
+    float* lsd = reinterpret_cast<float*>(smem + (2 + 2 * S + (ATOMIC ? 1 : 0)) * TB);
     float* scr = lsd + 4 * WG_BC;  // [4 warps][2][16][64]: Pᵀ (for the correction) and dSᵀ (correction; dQ)
-    u64* bars = reinterpret_cast<u64*>(scr + 4 * 2 * 16 * 64);  // TMA: [0] K and V; [1 + c] buffer c's Q and dO
+    // TMA: [0] K and V landed; full[st] = bars[1 + st]: stage st's Q and dO landed; empty[st] = bars[1 + S + st]:
+    // every consumer thread is done with stage st.
+    u64* bars = reinterpret_cast<u64*>(scr + 4 * 2 * 16 * 64);
+    u64* full = bars + 1;
+    u64* empty = bars + 1 + S;
 
-    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const u32 gid = lane >> 2, tig = lane & 3;
     const u32 kt = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+    if constexpr (TMA) {
+        if (threadIdx.x == 0) {
+            mbarrier_init(&bars[0], 1);
+            for (u32 st = 0; st < S; ++st) {
+                mbarrier_init(&full[st], 1);
+                mbarrier_init(&empty[st], BWD_CONSUMERS);
+            }
+            mbarrier_fence_init();
+        }
+        __syncthreads();  // the last barrier of the whole block: the producer leaves after it
+        if (threadIdx.x < 128) {
+            // The producer warpgroup: its registers lowered, one thread issues every copy, the others leave.
+            setmaxnreg_dec<BWD_PRODUCER_REGS>();
+            if (threadIdx.x == 0) bwd_dkdv_produce<D>(p, maps, smem, &bars[0], full, empty, kt, hk, b);
+            return;
+        }
+        setmaxnreg_inc<BWD_CONSUMER_REGS>();
+    }
+    // The consumers (every thread without TMA): thread ct of 128.
+    const u32 ct = TMA ? threadIdx.x - 128 : threadIdx.x;
+    const u32 lane = ct & 31, warp = ct >> 5;
+    const u32 gid = lane >> 2, tig = lane & 3;
     const u32 group = p.q_heads / p.kv_heads;
     const u64 k_head = ((u64)b * p.kv_heads + hk) * p.kv_len;
     const u32 q_tiles = (p.q_len + WG_BC - 1) / WG_BC;
@@ -147,22 +277,19 @@ __device__ __forceinline__ void attn_bwd_wgmma_dkdv(const AttnProblem& p, BwdMap
         return (ATOMIC && k_bad) ? k_bad[((u64)b * p.kv_heads + hk) * k_tiles + kt] : 0ull;
     };
 
-    if (TMA) {
-        bwd_tma_init(bars);
-        if (threadIdx.x == 0) bwd_tma_pair<D>(ks_, maps.k, vs_, maps.v, &bars[0], kt * WG_BC, b * p.kv_heads + hk);
-    } else {
+    if (!TMA) {
         wg_load_tile<D, WG_BC, T>(ks_, k + k_head * D, kt * WG_BC, p.kv_len);
         wg_load_tile<D, WG_BC, T>(vs_, v + k_head * D, kt * WG_BC, p.kv_len);
     }
     if (ATOMIC && kbad()) {
-        // The sanitized copy of K for dQ's products, made before the loop by cp.async whatever feeds the other
-        // tiles (its copies waited for at once: only tiles with a non-finite K row pay for it).
-        wg_load_tile<D, WG_BC, T>(kc_, k + k_head * D, kt * WG_BC, p.kv_len);
+        // The sanitized copy of K for dQ's products, made before the loop by the consumers' cp.async whatever feeds
+        // the other tiles (its copies waited for at once: only tiles with a non-finite K row pay for it).
+        bwd_load_tile<D, T>(kc_, k + k_head * D, kt * WG_BC, p.kv_len, ct, BWD_CONSUMERS);
         cp_async_wait_all();
-        __syncthreads();
-        wg_sanitize<D, T>(kc_, kbad());
+        bwd_consumer_sync<TMA>();
+        bwd_sanitize<D, T>(kc_, kbad(), ct, BWD_CONSUMERS);
         wgmma_fence_proxy_async();
-        __syncthreads();
+        bwd_consumer_sync<TMA>();
     }
     if (!TMA) cp_async_commit();  // K and V's copies (waited for with the first pair's)
 
@@ -170,56 +297,53 @@ __device__ __forceinline__ void attn_bwd_wgmma_dkdv(const AttnProblem& p, BwdMap
 #pragma unroll
     for (u32 i = 0; i < D / 2; ++i) dka[i] = dva[i] = 0.0f;
 
-    // The (query head of the group, query tile) pairs the mask does not hide, in order (pair x: head
-    // hk·group + x / q_tiles, tile x % q_tiles), Q and dO double-buffered: the next pair's loads run while this one
-    // computes (the header's Loads).
+    // The (query head of the group, query tile) pairs the mask does not hide, in order (the producer's walk).
     const u32 pairs = group * q_tiles;
-    auto next_pair = [&](u32 x) {
-        while (x < pairs && classify(p, x % q_tiles, kt) == TILE_HIDDEN) ++x;
-        return x;
+    // This thread's share of pair x's LSE and Δ (thread ct: the LSE of row ct for ct < 64, else the Δ of row
+    // ct − 64; LSE in base 2, for P = 2^(S·scale·log2 e − LSE·log2 e) by one ex2.approx), stored at slot + ct.
+    auto stat = [&](u32 x) {
+        const u32 i = (x % q_tiles) * WG_BC + (ct & (WG_BC - 1));
+        const u64 qh = (u64)(b * p.q_heads + hk * group + x / q_tiles) * p.q_len;
+        if (i >= p.q_len) return 0.0f;
+        return ct < WG_BC ? lse[qh + i] * 1.4426950408889634f : delta[qh + i];
     };
-    // Starts the loads of pair x's Q and dO into buffer c and writes its LSE and Δ (ordinary loads and stores by
-    // every thread).
+    // cp.async only: every thread's share of pair x's Q and dO into buffer c.
     auto load_pair = [&](u32 x, u32 c) {
         const u32 i0 = (x % q_tiles) * WG_BC;
-        const u32 h = b * p.q_heads + hk * group + x / q_tiles;
-        const u64 qh = (u64)h * p.q_len;
-        if (TMA) {
-            if (threadIdx.x == 0)
-                bwd_tma_pair<D>(smem + (2 + c) * TB, maps.q, smem + (4 + c) * TB, maps.dout, &bars[1 + c], i0, h);
-        } else {
-            wg_load_tile<D, WG_BC, T>(smem + (2 + c) * TB, q + qh * D, i0, p.q_len);
-            wg_load_tile<D, WG_BC, T>(smem + (4 + c) * TB, dout + qh * D, i0, p.q_len);
-        }
-        for (u32 r = threadIdx.x; r < WG_BC; r += blockDim.x) {
-            u32 i = i0 + r;
-            // LSE in base 2, for P = 2^(S·scale·log2 e − LSE·log2 e) by one ex2.approx.
-            lsd[c * 2 * WG_BC + r] = i < p.q_len ? lse[qh + i] * 1.4426950408889634f : 0.0f;
-            lsd[c * 2 * WG_BC + WG_BC + r] = i < p.q_len ? delta[qh + i] : 0.0f;
-        }
+        const u64 qh = (u64)(b * p.q_heads + hk * group + x / q_tiles) * p.q_len;
+        wg_load_tile<D, WG_BC, T>(smem + (2 + c) * TB, q + qh * D, i0, p.q_len);
+        wg_load_tile<D, WG_BC, T>(smem + (2 + S + c) * TB, dout + qh * D, i0, p.q_len);
     };
-    u32 x = next_pair(0);
-    if (x < pairs) load_pair(x, 0);
-    if (TMA)
-        mbarrier_wait(&bars[0], 0);  // K and V
-    else
-        cp_async_commit();
-    u32 buf = 0;
+    u32 x = bwd_next_pair(p, 0, pairs, q_tiles, kt);
+    if (x < pairs) {
+        lsd[ct] = stat(x);  // slot 0, published by the first iteration's barrier
+        if (!TMA) load_pair(x, 0);
+        if (TMA) mbarrier_wait(&bars[0], 0);  // K and V (loaded only when a pair is visible)
+    }
+    if (!TMA) cp_async_commit();
     for (u32 n = 0; x < pairs; ++n) {
-        // Pair x is the loop's n-th, in buffer buf = n % 2: that buffer's (n / 2)-th fill.
-        const u32 xn = next_pair(x + 1);
-        if (xn < pairs) load_pair(xn, buf ^ 1);
+        // Pair x is the loop's n-th: in stage stg = n % S (that stage's (n / S)-th fill), its LSE and Δ in slot n % 2.
+        const u32 stg = n % S;
+        const u32 xn = bwd_next_pair(p, x + 1, pairs, q_tiles, kt);
+        // The next pair's LSE or Δ, loaded now and stored after the barrier below (its latency under the wait).
+        const float stat_next = xn < pairs ? stat(xn) : 0.0f;
         if (TMA) {
             // The TMA wrote through the async proxy, which wgmma reads: no proxy fence.
-            mbarrier_wait(&bars[1 + buf], (n >> 1) & 1u);
+            mbarrier_wait(&full[stg], (n / S) & 1u);
         } else {
-            // K and V (the first time), this pair's Q and dO: cp.async wrote them through the generic proxy, so
-            // a proxy fence (and the barrier below) before wgmma reads them.
+            // The next pair's loads go into the other buffer (every thread is done with it: the barrier ending the
+            // iteration before). K and V (the first time), this pair's Q and dO: cp.async wrote them through the
+            // generic proxy, so a proxy fence (and the barrier below) before wgmma reads them.
+            if (xn < pairs) load_pair(xn, stg ^ 1);
             cp_async_commit();
             cp_async_wait<1>();
             wgmma_fence_proxy_async();
         }
-        __syncthreads();  // this pair's LSE and Δ, written by every thread (with cp.async, its tiles too)
+        // This pair's LSE and Δ (slot n % 2), written by every consumer thread before it (with cp.async, its tiles
+        // too); and every consumer is past the iteration before: its reads of slot (n + 1) % 2 and of the scratch
+        // are done.
+        bwd_consumer_sync<TMA>();
+        if (xn < pairs) lsd[((n + 1) & 1u) * 2 * WG_BC + ct] = stat_next;
         {
             const u32 qt = x % q_tiles;
             const u32 h = hk * group + x / q_tiles;
@@ -228,9 +352,9 @@ __device__ __forceinline__ void attn_bwd_wgmma_dkdv(const AttnProblem& p, BwdMap
             const T* dog = dout + q_head * D;
             const int cls = classify(p, qt, kt);
             const u32 i0 = qt * WG_BC;
-            unsigned char* qs = smem + (2 + buf) * TB;
-            unsigned char* dos = smem + (4 + buf) * TB;
-            const float* ls = lsd + buf * 2 * WG_BC;
+            unsigned char* qs = smem + (2 + stg) * TB;
+            unsigned char* dos = smem + (2 + S + stg) * TB;
+            const float* ls = lsd + (n & 1u) * 2 * WG_BC;
             const float* dls = ls + WG_BC;
             const bool masked = cls == TILE_PARTIAL || i0 + WG_BC > p.q_len || (kt + 1) * WG_BC > p.kv_len;
             unsigned long long qb = 0, db = 0;
@@ -238,13 +362,12 @@ __device__ __forceinline__ void attn_bwd_wgmma_dkdv(const AttnProblem& p, BwdMap
                 qb = q_bad[((u64)b * p.q_heads + h) * q_tiles + qt];
                 db = do_bad[((u64)b * p.q_heads + h) * q_tiles + qt];
                 if (qb | db) {
-                    wg_sanitize<D, T>(qs, qb);
-                    wg_sanitize<D, T>(dos, db);
+                    bwd_sanitize<D, T>(qs, qb, ct, BWD_CONSUMERS);
+                    bwd_sanitize<D, T>(dos, db, ct, BWD_CONSUMERS);
                     wgmma_fence_proxy_async();
-                    __syncthreads();
+                    bwd_consumer_sync<TMA>();
                 }
             }
-
             // Sᵀ and dPᵀ: 64 keys × 64 queries; st[4n + e]: key j_lo + 8·(e / 2), query i0 + 8n + 2·tig + (e % 2).
             float st[32], dpt[32];
 #pragma unroll
@@ -273,9 +396,10 @@ __device__ __forceinline__ void attn_bwd_wgmma_dkdv(const AttnProblem& p, BwdMap
                 }
             }
             // This warp's Pᵀ and dSᵀ (16 × 64 each) go to shared memory for the correction (so that no register
-            // array is indexed at run time) and, with ATOMIC, dSᵀ always (dQ's A operand, transposed). ATOMIC writes
-            // them before the products, so that the fragments are dead during them; dkdv only on the rare pair that
-            // needs the correction, after.
+            // array is indexed at run time) and, with ATOMIC, dSᵀ always (dQ's A operand, transposed). Both variants
+            // write them before the products, so that the fragments are dead during them (kept live through the
+            // products for the rare correction, they left the warp-specialised dkdv kernel at ptxas's cap with a
+            // spill; and ptxas then had to insert a warpgroup.arrive to let the wgmmas use their registers).
             float* ps = scr + warp * 2 * 16 * 64;
             float* ss = ps + 16 * 64;
             auto keep_fragments = [&](bool p_too) {
@@ -288,7 +412,10 @@ __device__ __forceinline__ void attn_bwd_wgmma_dkdv(const AttnProblem& p, BwdMap
                         ss[at] = dpt[4 * n + e];
                     }
             };
-            if (ATOMIC) keep_fragments((qb | db) != 0);
+            if (ATOMIC)
+                keep_fragments((qb | db) != 0);
+            else if (qb | db)
+                keep_fragments(true);
             // dV += Pᵀ·dO and dK += dSᵀ·Q over the tile's 64 queries (4 k-steps of 16).
             u32 pa[4][4], sa[4][4];
 #pragma unroll
@@ -307,9 +434,10 @@ __device__ __forceinline__ void attn_bwd_wgmma_dkdv(const AttnProblem& p, BwdMap
             }
             wgmma_commit_group();
             wgmma_wait_group<0>();
+            // Every wgmma reading this stage has been waited for (the dQ products read K): release it to the producer.
+            if (TMA) mbarrier_arrive(&empty[stg]);
             if (qb | db) {
                 // Add back what the zeroed elements contribute to visible pairs (see the header).
-                if (!ATOMIC) keep_fragments(true);
                 __syncwarp();
                 for (u32 il = 0; il < WG_BC; ++il) {
                     bool qf = (qb >> il) & 1ull, df = (db >> il) & 1ull;
@@ -337,7 +465,7 @@ __device__ __forceinline__ void attn_bwd_wgmma_dkdv(const AttnProblem& p, BwdMap
                 __syncwarp();
             }
             if (ATOMIC) {
-                __syncthreads();  // every warp's dSᵀ is in the scratch
+                bwd_consumer_sync<TMA>();  // every warp's dSᵀ is in the scratch
                 // dQ += dS·K: this thread's rows of dS (queries il = 16·warp + gid + 8·(r % 2)), keys
                 // 16t + 8·(r / 2) + 2·tig and the next, read from the warps' dSᵀ rows (key jl at
                 // scr[(jl / 16)·2048 + 1024 + (jl % 16)·64]).
@@ -401,8 +529,10 @@ __device__ __forceinline__ void attn_bwd_wgmma_dkdv(const AttnProblem& p, BwdMap
                 }
             }
         }
-        __syncthreads();  // every warp is done with this buffer (and the scratch) before the next loads into it
-        buf ^= 1;
+        // cp.async: every thread is done with this buffer before the next iteration's loads into it. (The TMA ring
+        // needs no such barrier: the empty barrier releases the stage, and the next iteration's barrier orders the
+        // LSE/Δ slot and the scratch.)
+        if (!TMA) __syncthreads();
         x = xn;
     }
     if (!TMA) cp_async_wait_all();
@@ -423,6 +553,28 @@ __device__ __forceinline__ void attn_bwd_wgmma_dkdv(const AttnProblem& p, BwdMap
     }
 }
 
+// The dQ producer (thread 0 of warpgroup 0 in the TMA kernel): nothing when the mask hides every key tile; else Q
+// and dO once on qbar, then the visible key tiles' K and V in the consumers' order (next_tile), the n-th into stage
+// n % BWD_STAGES once the consumers have released it (as bwd_dkdv_produce).
+template <int D>
+__device__ __forceinline__ void bwd_dq_produce(const AttnProblem& p, BwdMaps maps, unsigned char* smem, u64* qbar,
+                                               u64* full, u64* empty, u32 qt, u32 h, u32 b) {
+    constexpr u32 TB = WG_BC * D * 2;
+    const u32 k_tiles = (p.kv_len + WG_BC - 1) / WG_BC;
+    const u32 kv_head = b * p.kv_heads + h / (p.q_heads / p.kv_heads);
+    u32 kt = next_tile(p, qt, 0, k_tiles);
+    if (kt >= k_tiles) return;  // every key tile hidden: nothing to load
+    bwd_tma_pair<D>(smem, maps.q, smem + TB, maps.dout, qbar, qt * WG_BC, b * p.q_heads + h);
+    for (u32 n = 0; kt < k_tiles; ++n, kt = next_tile(p, qt, kt + 1, k_tiles)) {
+        const u32 st = n % BWD_STAGES, use = n / BWD_STAGES;
+        mbarrier_wait(&empty[st], (use & 1u) ^ 1u);
+        bwd_tma_pair<D>(smem + (2 + st) * TB, maps.k, smem + (2 + BWD_STAGES + st) * TB, maps.v, &full[st],
+                        kt * WG_BC, kv_head);
+    }
+}
+
+// dq: with TMA the block is the producer warpgroup and one consumer warpgroup (the header's Warps); without, one
+// warpgroup that loads and computes.
 template <int D, typename T, typename G, bool TMA>
 __device__ __forceinline__ void attn_bwd_wgmma_dq(const AttnProblem& p, BwdMaps maps, G* __restrict__ dq,
                                                   const T* __restrict__ q,
@@ -432,16 +584,41 @@ __device__ __forceinline__ void attn_bwd_wgmma_dq(const AttnProblem& p, BwdMaps 
                                                   const unsigned long long* __restrict__ k_bad, int accumulate) {
     unsigned char* smem = wg_smem();
     constexpr u32 TB = WG_BC * D * 2;
+    // Stages of K and V: the TMA ring's BWD_STAGES, cp.async's two buffers.
+    constexpr u32 S = TMA ? BWD_STAGES : 2;
     unsigned char* qs = smem;
     unsigned char* dos = smem + TB;
-    // K's buffer c at smem + (2 + c)·TB, V's at smem + (4 + c)·TB (computed: an array indexed at run time would
-    // live in local memory).
-    float* scr = reinterpret_cast<float*>(smem + 6 * TB);  // [4 warps][16][64]: dS, for the correction
-    u64* bars = reinterpret_cast<u64*>(scr + 4 * 16 * 64);   // TMA: [0] Q and dO; [1 + c] buffer c's K and V
+    // K's stage st at smem + (2 + st)·TB, V's at smem + (2 + S + st)·TB (computed: an array indexed at run time
+    // would live in local memory).
+    float* scr = reinterpret_cast<float*>(smem + (2 + 2 * S) * TB);  // [4 warps][16][64]: dS, for the correction
+    // TMA: [0] Q and dO landed; full[st] = bars[1 + st]: stage st's K and V landed; empty[st] = bars[1 + S + st]:
+    // every consumer thread is done with stage st.
+    u64* bars = reinterpret_cast<u64*>(scr + 4 * 16 * 64);
+    u64* full = bars + 1;
+    u64* empty = bars + 1 + S;
 
-    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const u32 gid = lane >> 2, tig = lane & 3;
     const u32 qt = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    if constexpr (TMA) {
+        if (threadIdx.x == 0) {
+            mbarrier_init(&bars[0], 1);
+            for (u32 st = 0; st < S; ++st) {
+                mbarrier_init(&full[st], 1);
+                mbarrier_init(&empty[st], BWD_CONSUMERS);
+            }
+            mbarrier_fence_init();
+        }
+        __syncthreads();  // the last barrier of the whole block: the producer leaves after it
+        if (threadIdx.x < 128) {
+            setmaxnreg_dec<BWD_PRODUCER_REGS>();
+            if (threadIdx.x == 0) bwd_dq_produce<D>(p, maps, smem, &bars[0], full, empty, qt, h, b);
+            return;
+        }
+        setmaxnreg_inc<BWD_CONSUMER_REGS>();
+    }
+    // The consumers (every thread without TMA): thread ct of 128.
+    const u32 ct = TMA ? threadIdx.x - 128 : threadIdx.x;
+    const u32 lane = ct & 31, warp = ct >> 5;
+    const u32 gid = lane >> 2, tig = lane & 3;
     const u32 hk = h / (p.q_heads / p.kv_heads);
     const u64 q_head = ((u64)b * p.q_heads + h) * p.q_len;
     const u64 k_head = ((u64)b * p.kv_heads + hk) * p.kv_len;
@@ -450,11 +627,7 @@ __device__ __forceinline__ void attn_bwd_wgmma_dq(const AttnProblem& p, BwdMaps 
     const u32 i_lo = qt * WG_BC + warp * 16 + gid;  // this thread's rows: i_lo and i_lo + 8
     const float scale2 = p.scale * 1.4426950408889634f;
 
-    const u32 kv_head = b * p.kv_heads + hk;  // the maps' third coordinate for K and V
-    if (TMA) {
-        bwd_tma_init(bars);
-        if (threadIdx.x == 0) bwd_tma_pair<D>(qs, maps.q, dos, maps.dout, &bars[0], qt * WG_BC, b * p.q_heads + h);
-    } else {
+    if (!TMA) {
         wg_load_tile<D, WG_BC, T>(qs, q + q_head * D, qt * WG_BC, p.q_len);
         wg_load_tile<D, WG_BC, T>(dos, dout + q_head * D, qt * WG_BC, p.q_len);
         cp_async_commit();
@@ -471,52 +644,49 @@ __device__ __forceinline__ void attn_bwd_wgmma_dq(const AttnProblem& p, BwdMaps 
 #pragma unroll
     for (u32 i = 0; i < D / 2; ++i) dqa[i] = 0.0f;
 
-    // Key tiles that the mask does not hide, K and V double-buffered: the next one's loads run while this one
-    // computes (the header's Loads). Starts the loads of key tile `t` into buffer c.
+    // Key tiles that the mask does not hide (the producer's walk). cp.async only: every thread's share of key tile
+    // `t`'s K and V into buffer c.
     auto load_kv = [&](u32 t, u32 c) {
-        if (TMA) {
-            if (threadIdx.x == 0)
-                bwd_tma_pair<D>(smem + (2 + c) * TB, maps.k, smem + (4 + c) * TB, maps.v, &bars[1 + c], t * WG_BC,
-                                kv_head);
-        } else {
-            wg_load_tile<D, WG_BC, T>(smem + (2 + c) * TB, kg, t * WG_BC, p.kv_len);
-            wg_load_tile<D, WG_BC, T>(smem + (4 + c) * TB, v + k_head * D, t * WG_BC, p.kv_len);
-        }
+        wg_load_tile<D, WG_BC, T>(smem + (2 + c) * TB, kg, t * WG_BC, p.kv_len);
+        wg_load_tile<D, WG_BC, T>(smem + (2 + S + c) * TB, v + k_head * D, t * WG_BC, p.kv_len);
     };
     u32 kt = next_tile(p, qt, 0, k_tiles);
-    if (kt < k_tiles) load_kv(kt, 0);
-    if (TMA)
-        mbarrier_wait(&bars[0], 0);  // Q and dO
-    else
-        cp_async_commit();
-    u32 buf = 0;
+    if (kt < k_tiles) {
+        if (TMA)
+            mbarrier_wait(&bars[0], 0);  // Q and dO (loaded only when a key tile is visible)
+        else
+            load_kv(kt, 0);
+    }
+    if (!TMA) cp_async_commit();
     for (u32 n = 0; kt < k_tiles; ++n) {
-        // Tile kt is the loop's n-th, in buffer buf = n % 2: that buffer's (n / 2)-th fill.
+        // Tile kt is the loop's n-th: in stage stg = n % S, that stage's (n / S)-th fill.
+        const u32 stg = n % S;
         int cls = classify(p, qt, kt);
         const u32 next = next_tile(p, qt, kt + 1, k_tiles);
-        if (next < k_tiles) load_kv(next, buf ^ 1);
         if (TMA) {
             // The TMA wrote through the async proxy, which wgmma reads: no proxy fence, and no barrier (each thread
             // has waited itself).
-            mbarrier_wait(&bars[1 + buf], (n >> 1) & 1u);
+            mbarrier_wait(&full[stg], (n / S) & 1u);
         } else {
-            // Q and dO (the first time), this tile's K and V: cp.async wrote them through the generic proxy, so a
-            // proxy fence and a barrier before wgmma reads them.
+            // The next tile's loads go into the other buffer (every thread is done with it: the barrier ending the
+            // iteration before). Q and dO (the first time), this tile's K and V: cp.async wrote them through the
+            // generic proxy, so a proxy fence and a barrier before wgmma reads them.
+            if (next < k_tiles) load_kv(next, stg ^ 1);
             cp_async_commit();
             cp_async_wait<1>();
             wgmma_fence_proxy_async();
             __syncthreads();
         }
-        unsigned char* ks_ = smem + (2 + buf) * TB;
-        unsigned char* vs_ = smem + (4 + buf) * TB;
+        unsigned char* ks_ = smem + (2 + stg) * TB;
+        unsigned char* vs_ = smem + (2 + S + stg) * TB;
         const u32 j0 = kt * WG_BC;
         const bool masked = cls == TILE_PARTIAL || j0 + WG_BC > p.kv_len || (qt + 1) * WG_BC > p.q_len;
         unsigned long long kb =
             (cls == TILE_PARTIAL && k_bad) ? k_bad[((u64)b * p.kv_heads + hk) * k_tiles + kt] : 0ull;
         if (kb) {
-            wg_sanitize<D, T>(ks_, kb);
+            bwd_sanitize<D, T>(ks_, kb, ct, BWD_CONSUMERS);
             wgmma_fence_proxy_async();
-            __syncthreads();
+            bwd_consumer_sync<TMA>();
         }
         // S and dP: 64 queries × 64 keys; s[4n + e]: row i_lo + 8·(e / 2), key j0 + 8n + 2·tig + (e % 2).
         float s[32], dp[32];
@@ -553,6 +723,8 @@ __device__ __forceinline__ void attn_bwd_wgmma_dq(const AttnProblem& p, BwdMaps 
         for (u32 t = 0; t < 4; ++t) wg_mma_pv<T, D>(dqa, sa[t], wg_desc_nmajor(ks_, t));
         wgmma_commit_group();
         wgmma_wait_group<0>();
+        // Every wgmma reading this stage has been waited for: release it to the producer.
+        if (TMA) mbarrier_arrive(&empty[stg]);
         if (kb) {
             float* ss = scr + warp * 16 * 64;
 #pragma unroll
@@ -580,8 +752,9 @@ __device__ __forceinline__ void attn_bwd_wgmma_dq(const AttnProblem& p, BwdMaps 
             }
             __syncwarp();
         }
-        __syncthreads();  // every warp is done with this buffer before the next loads into it
-        buf ^= 1;
+        // cp.async: every warp is done with this buffer before the next iteration's loads into it. (The TMA ring
+        // needs no such barrier: the empty barrier releases the stage, and the correction's scratch is per warp.)
+        if (!TMA) __syncthreads();
         kt = next;
     }
     if (!TMA) cp_async_wait_all();
@@ -638,20 +811,20 @@ __device__ __forceinline__ void attn_bwd_dq_convert(G* __restrict__ dq, const fl
         attn_bwd_wgmma_dkdv<dd, tt, gt, true, false>(p, BwdMaps{}, dk, dv, dq_ws, q, k, v, dout, lse, delta, q_bad, \
                                                      do_bad, k_bad, accumulate);                                    \
     }                                                                                                               \
-    extern "C" __global__ void __launch_bounds__(128, 1) attn_bwd_wgmma_dkdv_tma_##tn##_d##dd##_##gn(              \
+    extern "C" __global__ void __launch_bounds__(256, 1) attn_bwd_wgmma_dkdv_tma_##tn##_d##dd##_##gn(              \
         AttnProblem p, BWD_TMA_MAPS, gt* dk, gt* dv, const tt* q, const tt* k, const tt* v, const tt* dout,          \
         const float* lse, const float* delta, const unsigned long long* q_bad, const unsigned long long* do_bad,     \
         int accumulate) {                                                                                           \
         attn_bwd_wgmma_dkdv<dd, tt, gt, false, true>(p, BwdMaps{&q_map, &k_map, &v_map, &do_map}, dk, dv, nullptr,  \
                                                      q, k, v, dout, lse, delta, q_bad, do_bad, nullptr, accumulate); \
     }                                                                                                               \
-    extern "C" __global__ void __launch_bounds__(128, 1) attn_bwd_wgmma_dq_tma_##tn##_d##dd##_##gn(                \
+    extern "C" __global__ void __launch_bounds__(256, 1) attn_bwd_wgmma_dq_tma_##tn##_d##dd##_##gn(                \
         AttnProblem p, BWD_TMA_MAPS, gt* dq, const tt* q, const tt* k, const tt* v, const tt* dout,                  \
         const float* lse, const float* delta, const unsigned long long* k_bad, int accumulate) {                     \
         attn_bwd_wgmma_dq<dd, tt, gt, true>(p, BwdMaps{&q_map, &k_map, &v_map, &do_map}, dq, q, k, v, dout, lse,    \
                                             delta, k_bad, accumulate);                                              \
     }                                                                                                               \
-    extern "C" __global__ void __launch_bounds__(128, 1) attn_bwd_wgmma_fused_tma_##tn##_d##dd##_##gn(             \
+    extern "C" __global__ void __launch_bounds__(256, 1) attn_bwd_wgmma_fused_tma_##tn##_d##dd##_##gn(             \
         AttnProblem p, BWD_TMA_MAPS, gt* dk, gt* dv, float* dq_ws, const tt* q, const tt* k, const tt* v,            \
         const tt* dout, const float* lse, const float* delta, const unsigned long long* q_bad,                       \
         const unsigned long long* do_bad, const unsigned long long* k_bad, int accumulate) {                        \

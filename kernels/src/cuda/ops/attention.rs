@@ -77,11 +77,13 @@ pub(crate) static FORWARD_WGMMA: KernelSource = KernelSource {
     includes: &[HEADER, PTX_TMA, PTX_HOPPER, WGMMA_HEADER],
 };
 
+const BACKWARD_WGMMA_CODE: &str = include_str!("../kernels/attention_backward_wgmma.cu");
+
 /// The wgmma backward (sm_90a only, as [`FORWARD_WGMMA`]): `BACKWARD_TC`'s two kernels and arguments, the
 /// non-deterministic variant (`fused`), and each of them fed by the TMA (`_tma_`, [`bwd_tma_maps`]).
 pub(crate) static BACKWARD_WGMMA: KernelSource = KernelSource {
     file: "attention_backward_wgmma.cu",
-    code: include_str!("../kernels/attention_backward_wgmma.cu"),
+    code: BACKWARD_WGMMA_CODE,
     kernels: &[
         "attn_bwd_wgmma_dkdv_bf16_d64_bf16",
         "attn_bwd_wgmma_dq_bf16_d64_bf16",
@@ -270,6 +272,36 @@ const fn fwd_wgmma_smem(d: usize, nwg: usize) -> usize {
 
 // The largest case fits what an sm_90 block may opt into (227 KiB): 161 KiB with three stages.
 const _: () = assert!(fwd_wgmma_smem(128, 2) <= 227 * 1024, "the wgmma forward's ring does not fit shared memory");
+
+/// The warp-specialised wgmma backward's ring of Q/dO stages (the TMA-fed dK/dV and fused kernels):
+/// `attention_backward_wgmma.cu`'s `#define BWD_STAGES`, read from the kernel's text as [`FWD_STAGES`].
+const BWD_STAGES: usize = c_define(BACKWARD_WGMMA_CODE, "BWD_STAGES");
+
+/// Dynamic shared memory of the wgmma backward's dK/dV kernel at head dim `d` (`atomic`: the fused kernel, which adds
+/// the sanitized copy of K), fed by the TMA (`tma`: the warp-specialised kernel, its ring of [`BWD_STAGES`] Q/dO
+/// stages and 1 + 2·stages mbarriers) or by cp.async (two buffers, no barriers): K and V, Q and dO per stage, two
+/// slots of the pairs' LSE and Δ, Pᵀ and dSᵀ for the correction (16 rows × 64 of f32 each per warp), the barriers,
+/// and 1024 for the kernel's alignment of its tiles (the 128B swizzle is on the address).
+const fn bwd_dkdv_smem(d: usize, atomic: bool, tma: bool) -> usize {
+    let stages = if tma { BWD_STAGES } else { 2 };
+    let tiles = 2 + 2 * stages + if atomic { 1 } else { 0 };
+    let bars = if tma { 8 * (1 + 2 * stages) } else { 0 };
+    tiles * TC_TILE * d * 2 + 2 * 2 * TC_TILE * 4 + 4 * 2 * 16 * TC_TILE * 4 + bars + 1024
+}
+
+// The largest case fits what an sm_90 block may opt into (227 KiB): the fused kernel at D = 128 with three stages,
+// 177 KiB.
+const _: () = assert!(bwd_dkdv_smem(128, true, true) <= 227 * 1024, "the wgmma backward's ring does not fit");
+
+/// Dynamic shared memory of the wgmma backward's dQ kernel at head dim `d`, fed by the TMA (`tma`: the
+/// warp-specialised kernel, its ring of [`BWD_STAGES`] K/V stages and 1 + 2·stages mbarriers) or by cp.async (two
+/// buffers): Q and dO, K and V per stage, dS for the correction (16 rows × 64 of f32 per warp), the barriers, and
+/// 1024 for the kernel's alignment of its tiles.
+const fn bwd_dq_smem(d: usize, tma: bool) -> usize {
+    let stages = if tma { BWD_STAGES } else { 2 };
+    let bars = if tma { 8 * (1 + 2 * stages) } else { 0 };
+    (2 + 2 * stages) * TC_TILE * d * 2 + 4 * 16 * TC_TILE * 4 + bars + 1024
+}
 
 /// The value of a kernel source's `#define NAME <decimal>` (a line of its own), at compile time: a define missing or
 /// not a plain number fails the build.
@@ -628,8 +660,7 @@ pub(crate) fn backward(
 
     // The wgmma kernels where the forward would take them (the same path), else mma.sync's.
     let wgmma = tc && wgmma_chosen(b);
-    let (src, prefix, align) =
-        if wgmma { (&BACKWARD_WGMMA, "attn_bwd_wgmma", 1024) } else { (&BACKWARD_TC, "attn_bwd_tc", 0) };
+    let (src, prefix) = if wgmma { (&BACKWARD_WGMMA, "attn_bwd_wgmma") } else { (&BACKWARD_TC, "attn_bwd_tc") };
     if tc {
         let pr = problem(b, p, (TC_TILE, TC_TILE))?;
         let (qh, kh) = (s.batch * s.q_heads, s.batch * s.kv_heads);
@@ -651,16 +682,17 @@ pub(crate) fn backward(
                 l.set(n);
             });
         }
-        // The TMA kernels' names (`_tma_`), the maps first among their arguments, and their three mbarriers.
-        let (tma, bars) = if maps.is_some() { ("_tma", 3 * 8) } else { ("", 0) };
+        // The TMA kernels' names (`_tma_`), the maps first among their arguments (their shared memory:
+        // bwd_dkdv_smem, bwd_dq_smem).
+        let tma = if maps.is_some() { "_tma" } else { "" };
         if wgmma && !b.attn_deterministic {
             let inputs = [q, k, v, dop, lse, delta.ptr()];
             let masks = [q_bad.ptr(), do_bad.ptr(), k_bad.ptr()];
             return backward_atomic(b, &pr, s, [dq, dk, dv], inputs, masks, [qt, dqt, dkt], acc, maps);
         }
-        // The wgmma kernels double-buffer the tiles they loop over (dkdv: Q and dO with their LSE and Δ; dq: K and
-        // V), and their correction scratch holds 64 columns per warp where the tc kernels' holds 32.
-        let (tiles, stats, scr_cols) = if wgmma { (6, 4, 64) } else { (4, 2, 32) };
+        // The mma.sync kernels' tiles, LSE and Δ, and correction scratch (the wgmma kernels': bwd_dkdv_smem,
+        // bwd_dq_smem).
+        let (tiles, stats, scr_cols) = (4, 2, 32);
         let d = s.head_dim;
         let kk = kernel(src, &format!("{prefix}_dkdv{tma}_{}_d{d}_{}", super::suffix(qt), super::suffix(dkt)))?;
         let mut args = KernelArgs::new();
@@ -672,10 +704,14 @@ pub(crate) fn backward(
         args.push(q_bad.ptr()).push(do_bad.ptr()).push(acc);
         let cfg = LaunchConfig {
             grid: [s.kv_len.div_ceil(TC_TILE) as u32, s.kv_heads as u32, s.batch as u32],
-            block: [128, 1, 1],
-            // K, V, Q, dO tiles, the tile's LSE and Δ, Pᵀ and dSᵀ for the correction (per warp 16 rows each), and
-            // the wgmma kernels' alignment of their tiles and the TMA's barriers.
-            shared_bytes: (tiles * tile_bytes + stats * TC_TILE * 4 + 4 * 2 * 16 * scr_cols * 4 + align + bars) as u32,
+            // The TMA kernel: a producer warpgroup and a consumer warpgroup (the kernel's header, Warps).
+            block: [if maps.is_some() { 256 } else { 128 }, 1, 1],
+            shared_bytes: if wgmma {
+                bwd_dkdv_smem(d, false, maps.is_some()) as u32
+            } else {
+                // K, V, Q, dO tiles, the tile's LSE and Δ, Pᵀ and dSᵀ for the correction (per warp 16 rows each).
+                (tiles * tile_bytes + stats * TC_TILE * 4 + 4 * 2 * 16 * scr_cols * 4) as u32
+            },
         };
         // SAFETY: as the forward; `dk`/`dv` have `k`'s dims and one type; the masks one word per 64 rows of each
         // head; the maps describe the views q, k, v, dout (their dims, strides and addresses).
@@ -690,8 +726,13 @@ pub(crate) fn backward(
         args.push(k_bad.ptr()).push(acc);
         let cfg = LaunchConfig {
             grid: [s.q_len.div_ceil(TC_TILE) as u32, s.q_heads as u32, s.batch as u32],
-            block: [128, 1, 1],
-            shared_bytes: (tiles * tile_bytes + 4 * 16 * scr_cols * 4 + align + bars) as u32,
+            // The TMA kernel: a producer warpgroup and a consumer warpgroup (the kernel's header, Warps).
+            block: [if maps.is_some() { 256 } else { 128 }, 1, 1],
+            shared_bytes: if wgmma {
+                bwd_dq_smem(d, maps.is_some()) as u32
+            } else {
+                (tiles * tile_bytes + 4 * 16 * scr_cols * 4) as u32
+            },
         };
         // SAFETY: as above; `dq` has `q`'s dims.
         return unsafe { b.launch(&kq, cfg, &args) };
@@ -746,8 +787,7 @@ fn backward_atomic(
     let ws = b.scratch(4 * n)?;
     // SAFETY: `ws` holds `n` f32, just allocated.
     unsafe { b.memset32(ws.ptr(), 0, n)? };
-    let tile_bytes = TC_TILE * d * 2;
-    let (tma, bars) = if maps.is_some() { ("_tma", 3 * 8) } else { ("", 0) };
+    let tma = if maps.is_some() { "_tma" } else { "" };
     let name = format!("attn_bwd_wgmma_fused{tma}_{}_d{d}_{}", super::suffix(qt), super::suffix(dkt));
     let kf = kernel(&BACKWARD_WGMMA, &name)?;
     let mut args = KernelArgs::new();
@@ -759,10 +799,9 @@ fn backward_atomic(
     args.push(q_bad).push(do_bad).push(k_bad).push(acc);
     let cfg = LaunchConfig {
         grid: [s.kv_len.div_ceil(TC_TILE) as u32, s.kv_heads as u32, s.batch as u32],
-        block: [128, 1, 1],
-        // K, V, Q and dO twice, K sanitized; LSE and Δ twice; Pᵀ and dSᵀ (16 rows of 64 per warp each); alignment;
-        // the TMA's barriers.
-        shared_bytes: (7 * tile_bytes + 4 * TC_TILE * 4 + 4 * 2 * 16 * 64 * 4 + 1024 + bars) as u32,
+        // With the TMA: a producer warpgroup and a consumer warpgroup (the kernel's header, Warps).
+        block: [if maps.is_some() { 256 } else { 128 }, 1, 1],
+        shared_bytes: bwd_dkdv_smem(d, true, maps.is_some()) as u32,
     };
     // SAFETY: as the deterministic kernels (the maps too); `ws` holds one f32 per element of dQ.
     unsafe { b.launch(&kf, cfg, &args)? };
