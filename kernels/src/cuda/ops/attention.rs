@@ -228,33 +228,46 @@ fn wgmma_chosen(b: &Stream) -> bool {
     }
 }
 
-/// The wgmma forward's tensor maps for Q, K and V (`attention_forward_wgmma.cu`'s header): each view as a 3-D
-/// tensor `(D, len, batch·heads)`, innermost first, a box of 64 elements × `rows` (Q) or 64 (K, V) rows × 1 head
-/// with the 128B swizzle. `None` where a map cannot describe a view (its address not 16-byte aligned, a stride not
-/// a multiple of 16 bytes, an empty dimension: the device refuses it), and the caller takes the mma.sync kernels.
-fn fwd_tma_maps(b: &Stream, p: &AttnParams<'_>, qkv: &Qkv<'_>, rows: usize) -> Option<[TensorMap; 3]> {
-    let s = p.shape;
-    let elem = match qkv.q.dtype() {
+/// The tensor map of one of attention's inputs for the wgmma kernels' TMA loads: the view `x` (`name` in errors) of
+/// `heads` heads of `len` rows of D 16-bit elements as a 3-D tensor `(D, len, batch·heads)`, innermost first, a box
+/// of 64 elements × `box_rows` rows × 1 head with the 128B swizzle (the kernels' tile layout: attention_wgmma.cuh),
+/// so rows past a head's length land as zeros, never the next head's. `None` where a map cannot describe the view
+/// (its address not 16-byte aligned, a stride not a multiple of 16 bytes, an empty dimension: the device refuses
+/// it), and the caller takes the kernels without the TMA.
+fn head_map(
+    b: &Stream,
+    p: &AttnParams<'_>,
+    name: &'static str,
+    x: &View<'_>,
+    heads: usize,
+    len: usize,
+    box_rows: usize,
+) -> Option<TensorMap> {
+    let elem = match x.dtype() {
         DType::Bf16 => TmaElem::Bf16,
         DType::F16 => TmaElem::F16,
         DType::F32 => return None,
     };
-    let d = s.head_dim as u64;
-    let map = |name: &'static str, x: &View<'_>, heads: usize, len: usize, box_rows: usize| -> Option<TensorMap> {
-        let desc = TensorMapDesc {
-            elem,
-            address: ptr(b, name, x).ok()?,
-            dims: vec![d, len as u64, (s.batch * heads) as u64],
-            strides: vec![2 * d, 2 * d * len as u64],
-            box_dims: vec![64, box_rows as u32, 1],
-            swizzle: TmaSwizzle::B128,
-        };
-        b.device.tensor_map(&desc).ok()
+    let d = p.shape.head_dim as u64;
+    let desc = TensorMapDesc {
+        elem,
+        address: ptr(b, name, x).ok()?,
+        dims: vec![d, len as u64, (p.shape.batch * heads) as u64],
+        strides: vec![2 * d, 2 * d * len as u64],
+        box_dims: vec![64, box_rows as u32, 1],
+        swizzle: TmaSwizzle::B128,
     };
+    b.device.tensor_map(&desc).ok()
+}
+
+/// The wgmma forward's tensor maps for Q, K and V (`attention_forward_wgmma.cu`'s header; [`head_map`]): boxes of
+/// `rows` (Q) or 64 (K, V) rows. `None` where the device refuses one: the caller takes the mma.sync kernels.
+fn fwd_tma_maps(b: &Stream, p: &AttnParams<'_>, qkv: &Qkv<'_>, rows: usize) -> Option<[TensorMap; 3]> {
+    let s = p.shape;
     Some([
-        map("q", &qkv.q, s.q_heads, s.q_len, rows)?,
-        map("k", &qkv.k, s.kv_heads, s.kv_len, TC_TILE)?,
-        map("v", &qkv.v, s.kv_heads, s.kv_len, TC_TILE)?,
+        head_map(b, p, "q", &qkv.q, s.q_heads, s.q_len, rows)?,
+        head_map(b, p, "k", &qkv.k, s.kv_heads, s.kv_len, TC_TILE)?,
+        head_map(b, p, "v", &qkv.v, s.kv_heads, s.kv_len, TC_TILE)?,
     ])
 }
 
@@ -347,37 +360,19 @@ const fn bytes_at(c: &[u8], at: usize, pat: &[u8]) -> bool {
 #[cfg(test)]
 pub(crate) static FWD_TMA_LAUNCHES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
-/// The wgmma backward's tensor maps for Q, K, V and dO (`attention_backward_wgmma.cu`'s header, Loads): each view
-/// as a 3-D tensor `(D, len, batch·heads)`, innermost first, a box of 64 elements × 64 rows × 1 head with the 128B
-/// swizzle. `None` where the device refuses one (as [`fwd_tma_maps`]): the caller takes the cp.async kernels.
+/// The wgmma backward's tensor maps for Q, K, V and dO (`attention_backward_wgmma.cu`'s header, Loads;
+/// [`head_map`]): boxes of 64 rows. `None` where the device refuses one: the caller takes the cp.async kernels.
 fn bwd_tma_maps(b: &Stream, p: &AttnParams<'_>, [q, k, v, dout]: [&View<'_>; 4]) -> Option<[TensorMap; 4]> {
     #[cfg(test)]
     if BWD_LOADS.with(|l| l.get().refuse_maps) {
         return None;
     }
     let s = p.shape;
-    let elem = match q.dtype() {
-        DType::Bf16 => TmaElem::Bf16,
-        DType::F16 => TmaElem::F16,
-        DType::F32 => return None,
-    };
-    let d = s.head_dim as u64;
-    let map = |name: &'static str, x: &View<'_>, heads: usize, len: usize| -> Option<TensorMap> {
-        let desc = TensorMapDesc {
-            elem,
-            address: ptr(b, name, x).ok()?,
-            dims: vec![d, len as u64, (s.batch * heads) as u64],
-            strides: vec![2 * d, 2 * d * len as u64],
-            box_dims: vec![64, TC_TILE as u32, 1],
-            swizzle: TmaSwizzle::B128,
-        };
-        b.device.tensor_map(&desc).ok()
-    };
     Some([
-        map("q", q, s.q_heads, s.q_len)?,
-        map("k", k, s.kv_heads, s.kv_len)?,
-        map("v", v, s.kv_heads, s.kv_len)?,
-        map("dout", dout, s.q_heads, s.q_len)?,
+        head_map(b, p, "q", q, s.q_heads, s.q_len, TC_TILE)?,
+        head_map(b, p, "k", k, s.kv_heads, s.kv_len, TC_TILE)?,
+        head_map(b, p, "v", v, s.kv_heads, s.kv_len, TC_TILE)?,
+        head_map(b, p, "dout", dout, s.q_heads, s.q_len, TC_TILE)?,
     ])
 }
 
