@@ -155,28 +155,6 @@ __device__ __forceinline__ u32 bwd_next_pair(const AttnProblem& p, u32 x, u32 pa
     return x;
 }
 
-// wg_load_tile and wg_sanitize over the consumer threads only (thread ct of n): in the warp-specialised kernels
-// the producer warpgroup has left, and threadIdx.x / blockDim.x count it.
-template <int D, typename T>
-__device__ __forceinline__ void bwd_load_tile(unsigned char* dst, const T* src, u32 row0, u32 len, u32 ct, u32 n) {
-    constexpr u32 CHUNKS = D / 8;
-    for (u32 x = ct; x < WG_BC * CHUNKS; x += n) {
-        u32 r = x / CHUNKS, c = x % CHUNKS;
-        u32 row = row0 + r;
-        bool valid = row < len;
-        cp_async_16_zfill(dst + wg_swz<WG_BC>(r, c), src + (u64)(valid ? row : 0) * D + c * 8, valid);
-    }
-}
-template <int D, typename T>
-__device__ __forceinline__ void bwd_sanitize(unsigned char* tile, unsigned long long bad, u32 ct, u32 n) {
-    for (u32 x = ct; x < WG_BC * D; x += n) {
-        u32 r = x / D, d = x % D;
-        if (!((bad >> r) & 1ull)) continue;
-        T* e = reinterpret_cast<T*>(tile + wg_swz<WG_BC>(r, d / 8)) + (d % 8);
-        if (!isfinite(to_f32(*e))) *e = from_f32<T>(0.0f);
-    }
-}
-
 // The consumers' barrier in the kernel bodies: named barrier BWD_BAR_CONSUMERS of the consumer warpgroup's 128
 // threads in the TMA kernels (the producer warpgroup has left or waits on an "empty" barrier: __syncthreads would
 // deadlock); __syncthreads in the cp.async ones, whose 128 threads are all consumers.
@@ -278,16 +256,16 @@ __device__ __forceinline__ void attn_bwd_wgmma_dkdv(const AttnProblem& p, BwdMap
     };
 
     if (!TMA) {
-        wg_load_tile<D, WG_BC, T>(ks_, k + k_head * D, kt * WG_BC, p.kv_len);
-        wg_load_tile<D, WG_BC, T>(vs_, v + k_head * D, kt * WG_BC, p.kv_len);
+        wg_load_tile<D, WG_BC, T>(ks_, k + k_head * D, kt * WG_BC, p.kv_len, threadIdx.x, blockDim.x);
+        wg_load_tile<D, WG_BC, T>(vs_, v + k_head * D, kt * WG_BC, p.kv_len, threadIdx.x, blockDim.x);
     }
     if (ATOMIC && kbad()) {
         // The sanitized copy of K for dQ's products, made before the loop by the consumers' cp.async whatever feeds
         // the other tiles (its copies waited for at once: only tiles with a non-finite K row pay for it).
-        bwd_load_tile<D, T>(kc_, k + k_head * D, kt * WG_BC, p.kv_len, ct, BWD_CONSUMERS);
+        wg_load_tile<D, WG_BC, T>(kc_, k + k_head * D, kt * WG_BC, p.kv_len, ct, BWD_CONSUMERS);
         cp_async_wait_all();
         bwd_consumer_sync<TMA>();
-        bwd_sanitize<D, T>(kc_, kbad(), ct, BWD_CONSUMERS);
+        wg_sanitize<D, T>(kc_, kbad(), ct, BWD_CONSUMERS);
         wgmma_fence_proxy_async();
         bwd_consumer_sync<TMA>();
     }
@@ -311,8 +289,8 @@ __device__ __forceinline__ void attn_bwd_wgmma_dkdv(const AttnProblem& p, BwdMap
     auto load_pair = [&](u32 x, u32 c) {
         const u32 i0 = (x % q_tiles) * WG_BC;
         const u64 qh = (u64)(b * p.q_heads + hk * group + x / q_tiles) * p.q_len;
-        wg_load_tile<D, WG_BC, T>(smem + (2 + c) * TB, q + qh * D, i0, p.q_len);
-        wg_load_tile<D, WG_BC, T>(smem + (2 + S + c) * TB, dout + qh * D, i0, p.q_len);
+        wg_load_tile<D, WG_BC, T>(smem + (2 + c) * TB, q + qh * D, i0, p.q_len, threadIdx.x, blockDim.x);
+        wg_load_tile<D, WG_BC, T>(smem + (2 + S + c) * TB, dout + qh * D, i0, p.q_len, threadIdx.x, blockDim.x);
     };
     u32 x = bwd_next_pair(p, 0, pairs, q_tiles, kt);
     if (x < pairs) {
@@ -362,8 +340,8 @@ __device__ __forceinline__ void attn_bwd_wgmma_dkdv(const AttnProblem& p, BwdMap
                 qb = q_bad[((u64)b * p.q_heads + h) * q_tiles + qt];
                 db = do_bad[((u64)b * p.q_heads + h) * q_tiles + qt];
                 if (qb | db) {
-                    bwd_sanitize<D, T>(qs, qb, ct, BWD_CONSUMERS);
-                    bwd_sanitize<D, T>(dos, db, ct, BWD_CONSUMERS);
+                    wg_sanitize<D, T>(qs, qb, ct, BWD_CONSUMERS);
+                    wg_sanitize<D, T>(dos, db, ct, BWD_CONSUMERS);
                     wgmma_fence_proxy_async();
                     bwd_consumer_sync<TMA>();
                 }
@@ -628,8 +606,8 @@ __device__ __forceinline__ void attn_bwd_wgmma_dq(const AttnProblem& p, BwdMaps 
     const float scale2 = p.scale * 1.4426950408889634f;
 
     if (!TMA) {
-        wg_load_tile<D, WG_BC, T>(qs, q + q_head * D, qt * WG_BC, p.q_len);
-        wg_load_tile<D, WG_BC, T>(dos, dout + q_head * D, qt * WG_BC, p.q_len);
+        wg_load_tile<D, WG_BC, T>(qs, q + q_head * D, qt * WG_BC, p.q_len, threadIdx.x, blockDim.x);
+        wg_load_tile<D, WG_BC, T>(dos, dout + q_head * D, qt * WG_BC, p.q_len, threadIdx.x, blockDim.x);
         cp_async_commit();
     }
     float lr[2], dl[2];
@@ -647,8 +625,9 @@ __device__ __forceinline__ void attn_bwd_wgmma_dq(const AttnProblem& p, BwdMaps 
     // Key tiles that the mask does not hide (the producer's walk). cp.async only: every thread's share of key tile
     // `t`'s K and V into buffer c.
     auto load_kv = [&](u32 t, u32 c) {
-        wg_load_tile<D, WG_BC, T>(smem + (2 + c) * TB, kg, t * WG_BC, p.kv_len);
-        wg_load_tile<D, WG_BC, T>(smem + (2 + S + c) * TB, v + k_head * D, t * WG_BC, p.kv_len);
+        wg_load_tile<D, WG_BC, T>(smem + (2 + c) * TB, kg, t * WG_BC, p.kv_len, threadIdx.x, blockDim.x);
+        wg_load_tile<D, WG_BC, T>(smem + (2 + S + c) * TB, v + k_head * D, t * WG_BC, p.kv_len, threadIdx.x,
+                                  blockDim.x);
     };
     u32 kt = next_tile(p, qt, 0, k_tiles);
     if (kt < k_tiles) {
@@ -684,7 +663,7 @@ __device__ __forceinline__ void attn_bwd_wgmma_dq(const AttnProblem& p, BwdMaps 
         unsigned long long kb =
             (cls == TILE_PARTIAL && k_bad) ? k_bad[((u64)b * p.kv_heads + hk) * k_tiles + kt] : 0ull;
         if (kb) {
-            bwd_sanitize<D, T>(ks_, kb, ct, BWD_CONSUMERS);
+            wg_sanitize<D, T>(ks_, kb, ct, BWD_CONSUMERS);
             wgmma_fence_proxy_async();
             bwd_consumer_sync<TMA>();
         }

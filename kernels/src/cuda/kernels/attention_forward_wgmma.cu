@@ -178,18 +178,6 @@ __device__ __forceinline__ void fwd_tma_tile(unsigned char* dst, const CUtensorM
         tma_load_3d(dst + c * (ROWS * 128), map, bar, c * 64, static_cast<i32>(row0), static_cast<i32>(head));
 }
 
-// Sets the non-finite elements of the rows of a WG_BC-row tile flagged in `bad` to 0, by the consumers (thread `ct`
-// of `n`): wg_sanitize's loop over the consumer threads only (the producer warpgroup has left).
-template <int D, typename T>
-__device__ __forceinline__ void fwd_sanitize(unsigned char* tile, unsigned long long bad, u32 ct, u32 n) {
-    for (u32 x = ct; x < WG_BC * D; x += n) {
-        u32 r = x / D, d = x % D;
-        if (!((bad >> r) & 1ull)) continue;
-        T* e = reinterpret_cast<T*>(tile + wg_swz<WG_BC>(r, d / 8)) + (d % 8);
-        if (!isfinite(to_f32(*e))) *e = from_f32<T>(0.0f);
-    }
-}
-
 // The consumers' barrier (every consumer thread, on the mbarrier `bar` of as many arrivals; `parity` is the
 // thread's count of its uses, mod 2): a barrier that does not wait for the producer warpgroup, which has left.
 __device__ __forceinline__ void fwd_consumer_sync(u64* bar, u32& parity) {
@@ -322,7 +310,7 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnProblem& p, const CUten
         unsigned long long vb = (cls == TILE_PARTIAL && v_bad) ? v_bad[bad_base + kt] : 0ull;
         if (vb) {
             // Zero V's non-finite elements in the rows flagged (see the header).
-            fwd_sanitize<D, T>(kv + FWD_STAGES * TILE_BYTES, vb, ct, CONSUMERS);
+            wg_sanitize<D, T>(kv + FWD_STAGES * TILE_BYTES, vb, ct, CONSUMERS);
             wgmma_fence_proxy_async();
             fwd_consumer_sync(csync, cpar);
         }
@@ -358,7 +346,7 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnProblem& p, const CUten
                 cls_next = classify(p, qt, next);
                 vb_next = (cls_next == TILE_PARTIAL && v_bad) ? v_bad[bad_base + next] : 0ull;
                 if (vb_next) {
-                    fwd_sanitize<D, T>(kn + FWD_STAGES * TILE_BYTES, vb_next, ct, CONSUMERS);
+                    wg_sanitize<D, T>(kn + FWD_STAGES * TILE_BYTES, vb_next, ct, CONSUMERS);
                     wgmma_fence_proxy_async();
                     fwd_consumer_sync(csync, cpar);
                 }

@@ -21,12 +21,13 @@ __device__ __forceinline__ u32 wg_swz(u32 r, u32 x) {
 }
 
 // Starts copying rows [row0, row0 + ROWS) of one head (`src` points at the head's row 0, `len` rows) into the tile at
-// `dst`; rows past `len` become zeros. Every thread of the block takes its share (one cp.async of 16 bytes each):
-// the one place a TMA producer would replace.
+// `dst`; rows past `len` become zeros. Thread t of the n that share the copies (the block's, or the consumer
+// warpgroups' alone in a warp-specialised kernel, whose producer has left) takes its share, one cp.async of 16
+// bytes each.
 template <int D, int ROWS, typename T>
-__device__ __forceinline__ void wg_load_tile(unsigned char* dst, const T* src, u32 row0, u32 len) {
+__device__ __forceinline__ void wg_load_tile(unsigned char* dst, const T* src, u32 row0, u32 len, u32 t, u32 n) {
     constexpr u32 CHUNKS = D / 8;
-    for (u32 x = threadIdx.x; x < ROWS * CHUNKS; x += blockDim.x) {
+    for (u32 x = t; x < ROWS * CHUNKS; x += n) {
         u32 r = x / CHUNKS, c = x % CHUNKS;
         u32 row = row0 + r;
         bool valid = row < len;
@@ -73,11 +74,12 @@ __device__ __forceinline__ unsigned char* wg_smem() {
     return raw + ((1024u - (wgmma_smem_addr(raw) & 1023u)) & 1023u);
 }
 
-// Sets the non-finite elements of the rows of a WG_BC-row tile flagged in `bad` to 0 (every thread of the block; a
-// wgmma_fence_proxy_async and a barrier must follow before a wgmma reads the tile).
+// Sets the non-finite elements of the rows of a WG_BC-row tile flagged in `bad` to 0, thread t of the n sharing
+// the work (as wg_load_tile's); a wgmma_fence_proxy_async and a barrier of those threads must follow before a wgmma
+// reads the tile.
 template <int D, typename T>
-__device__ __forceinline__ void wg_sanitize(unsigned char* tile, unsigned long long bad) {
-    for (u32 x = threadIdx.x; x < WG_BC * D; x += blockDim.x) {
+__device__ __forceinline__ void wg_sanitize(unsigned char* tile, unsigned long long bad, u32 t, u32 n) {
+    for (u32 x = t; x < WG_BC * D; x += n) {
         u32 r = x / D, d = x % D;
         if (!((bad >> r) & 1ull)) continue;
         T* e = reinterpret_cast<T*>(tile + wg_swz<WG_BC>(r, d / 8)) + (d % 8);
