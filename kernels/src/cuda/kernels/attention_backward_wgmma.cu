@@ -155,6 +155,33 @@ __device__ __forceinline__ u32 bwd_next_pair(const AttnProblem& p, u32 x, u32 pa
     return x;
 }
 
+// The start of a kernel's roles (the header's Warps). With the TMA: thread 0 initialises the barriers (bars[0], the
+// kept tiles; full[st] = bars[1 + st], 1 arrival; empty[st] = bars[1 + S + st], one per consumer thread), then after
+// the block's only __syncthreads the producer warpgroup lowers its registers, its thread 0 runs `produce` (every
+// copy), and all 128 leave (false); the consumer warpgroup raises its registers (true). Without the TMA every thread
+// is a consumer and nothing happens here.
+template <bool TMA, u32 S, typename Produce>
+__device__ __forceinline__ bool bwd_roles(u64* bars, Produce produce) {
+    if constexpr (TMA) {
+        if (threadIdx.x == 0) {
+            mbarrier_init(&bars[0], 1);
+            for (u32 st = 0; st < S; ++st) {
+                mbarrier_init(&bars[1 + st], 1);
+                mbarrier_init(&bars[1 + S + st], BWD_CONSUMERS);
+            }
+            mbarrier_fence_init();
+        }
+        __syncthreads();  // the last barrier of the whole block: the producer leaves after it
+        if (threadIdx.x < 128) {
+            setmaxnreg_dec<BWD_PRODUCER_REGS>();
+            if (threadIdx.x == 0) produce();
+            return false;
+        }
+        setmaxnreg_inc<BWD_CONSUMER_REGS>();
+    }
+    return true;
+}
+
 // The consumers' barrier in the kernel bodies: named barrier BWD_BAR_CONSUMERS of the consumer warpgroup's 128
 // threads in the TMA kernels (the producer warpgroup has left or waits on an "empty" barrier: __syncthreads would
 // deadlock); __syncthreads in the cp.async ones, whose 128 threads are all consumers.
@@ -222,24 +249,8 @@ __device__ __forceinline__ void attn_bwd_wgmma_dkdv(const AttnProblem& p, BwdMap
     u64* empty = bars + 1 + S;
 
     const u32 kt = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
-    if constexpr (TMA) {
-        if (threadIdx.x == 0) {
-            mbarrier_init(&bars[0], 1);
-            for (u32 st = 0; st < S; ++st) {
-                mbarrier_init(&full[st], 1);
-                mbarrier_init(&empty[st], BWD_CONSUMERS);
-            }
-            mbarrier_fence_init();
-        }
-        __syncthreads();  // the last barrier of the whole block: the producer leaves after it
-        if (threadIdx.x < 128) {
-            // The producer warpgroup: its registers lowered, one thread issues every copy, the others leave.
-            setmaxnreg_dec<BWD_PRODUCER_REGS>();
-            if (threadIdx.x == 0) bwd_dkdv_produce<D>(p, maps, smem, &bars[0], full, empty, kt, hk, b);
-            return;
-        }
-        setmaxnreg_inc<BWD_CONSUMER_REGS>();
-    }
+    if (!bwd_roles<TMA, S>(bars, [&] { bwd_dkdv_produce<D>(p, maps, smem, &bars[0], full, empty, kt, hk, b); }))
+        return;
     // The consumers (every thread without TMA): thread ct of 128.
     const u32 ct = TMA ? threadIdx.x - 128 : threadIdx.x;
     const u32 lane = ct & 31, warp = ct >> 5;
@@ -576,23 +587,8 @@ __device__ __forceinline__ void attn_bwd_wgmma_dq(const AttnProblem& p, BwdMaps 
     u64* empty = bars + 1 + S;
 
     const u32 qt = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-    if constexpr (TMA) {
-        if (threadIdx.x == 0) {
-            mbarrier_init(&bars[0], 1);
-            for (u32 st = 0; st < S; ++st) {
-                mbarrier_init(&full[st], 1);
-                mbarrier_init(&empty[st], BWD_CONSUMERS);
-            }
-            mbarrier_fence_init();
-        }
-        __syncthreads();  // the last barrier of the whole block: the producer leaves after it
-        if (threadIdx.x < 128) {
-            setmaxnreg_dec<BWD_PRODUCER_REGS>();
-            if (threadIdx.x == 0) bwd_dq_produce<D>(p, maps, smem, &bars[0], full, empty, qt, h, b);
-            return;
-        }
-        setmaxnreg_inc<BWD_CONSUMER_REGS>();
-    }
+    if (!bwd_roles<TMA, S>(bars, [&] { bwd_dq_produce<D>(p, maps, smem, &bars[0], full, empty, qt, h, b); }))
+        return;
     // The consumers (every thread without TMA): thread ct of 128.
     const u32 ct = TMA ? threadIdx.x - 128 : threadIdx.x;
     const u32 lane = ct & 31, warp = ct >> 5;
