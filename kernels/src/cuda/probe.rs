@@ -1,5 +1,6 @@
 //! What the probes' tests share (`wgmma_probe.rs`, `tma_probe.rs`): one emulator of a probe source for the test
-//! binary, emulator memory that frees itself, and the sm_90 GPU or the reason there is none.
+//! binary, emulator memory that frees itself, and the sm_90 GPU or the reason there is none (which
+//! `wgmma_attention.rs` uses too).
 
 use std::sync::{Arc, OnceLock};
 
@@ -61,7 +62,13 @@ pub(crate) fn f32s(bytes: &[u8]) -> Vec<f32> {
 /// Device 0 with `options`, or `None` with the reason on stderr when there is no GPU (a panic under
 /// `LONGCTX_REQUIRE_GPU=1`).
 pub(crate) fn gpu_or_skip(test: &str, options: DriverOptions) -> Option<Arc<DriverDevice>> {
-    match DriverDevice::with_options(0, options) {
+    or_skip(test, DriverDevice::with_options(0, options))
+}
+
+/// What opening a GPU gave, or `None` with the reason on stderr when there is none (a panic under
+/// `LONGCTX_REQUIRE_GPU=1`, and on any other error).
+pub(crate) fn or_skip<T>(test: &str, opened: Result<T, KernelError>) -> Option<T> {
+    match opened {
         Ok(d) => Some(d),
         Err(KernelError::NoDevice { why, .. }) => {
             if std::env::var("LONGCTX_REQUIRE_GPU").as_deref() == Ok("1") {

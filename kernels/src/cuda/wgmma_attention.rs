@@ -13,25 +13,45 @@ use crate::attention::{AttnGrads, AttnMask, AttnOut, AttnParams, AttnSaved, Attn
 use crate::backend::{Backend, GradMode};
 use crate::cuda::{AttentionPath, CudaBackend};
 use crate::testing::uniform_nonzero;
-use crate::{Buffer, CpuBackend, DType, Dims, KernelError, View, ViewMut};
+use crate::{Buffer, CpuBackend, DType, Dims, View, ViewMut};
+
+use super::ops::attention::{tma_loads, TmaLoads, TMA_LOADS};
+
+fn dims(d: &[usize]) -> Dims {
+    Dims::new(d).unwrap()
+}
+
+/// `vals` on `b` as bf16 (uploaded as f32, rounded on the backend).
+fn bf16_input(b: &dyn Backend, vals: &[f32], d: &[usize]) -> Buffer {
+    let mut f = b.empty(DType::F32, dims(d)).unwrap();
+    b.upload(f.view_mut(), View::new(vals, d).unwrap()).unwrap();
+    let mut t = b.empty(DType::Bf16, dims(d)).unwrap();
+    b.copy(t.view_mut(), f.view()).unwrap();
+    t
+}
+
+/// A buffer of `t` on `b` filled with NaN, so that an element a kernel does not write fails the comparisons.
+fn poisoned(b: &dyn Backend, t: DType, d: &[usize]) -> Buffer {
+    let mut buf = b.empty(t, dims(d)).unwrap();
+    b.fill(buf.view_mut(), f32::NAN).unwrap();
+    buf
+}
+
+/// `buf` (of any type) as f32 on the host.
+fn download(b: &dyn Backend, buf: &Buffer, d: &[usize]) -> Vec<f32> {
+    let mut f = b.empty(DType::F32, dims(d)).unwrap();
+    b.copy(f.view_mut(), buf.view()).unwrap();
+    let mut host = vec![f32::NAN; d.iter().product()];
+    b.download(ViewMut::new(&mut host, d).unwrap(), f.view()).unwrap();
+    host
+}
 
 /// `[O, LSE, dQ, dK, dV]` as f32 of a forward and a backward of `p` on `b`, inputs (q, k, v, dO) rounded to bf16 on
 /// the backend, outputs and gradients in `ot`, each poisoned with NaN first.
 fn run(b: &dyn Backend, p: &AttnParams<'_>, x: &[Vec<f32>; 4], ot: DType) -> Vec<Vec<f32>> {
     let s = p.shape;
-    let dims = |d: &[usize]| Dims::new(d).unwrap();
-    let input = |vals: &[f32], d: &[usize]| -> Buffer {
-        let mut f = b.empty(DType::F32, dims(d)).unwrap();
-        b.upload(f.view_mut(), View::new(vals, d).unwrap()).unwrap();
-        let mut t = b.empty(DType::Bf16, dims(d)).unwrap();
-        b.copy(t.view_mut(), f.view()).unwrap();
-        t
-    };
-    let poisoned = |t: DType, d: &[usize]| -> Buffer {
-        let mut buf = b.empty(t, dims(d)).unwrap();
-        b.fill(buf.view_mut(), f32::NAN).unwrap();
-        buf
-    };
+    let input = |vals: &[f32], d: &[usize]| bf16_input(b, vals, d);
+    let poisoned = |t: DType, d: &[usize]| poisoned(b, t, d);
     let (q, k, v) = (input(&x[0], &s.q_dims()), input(&x[1], &s.kv_dims()), input(&x[2], &s.kv_dims()));
     let d_o = input(&x[3], &s.q_dims());
     let (mut o, mut lse) = (poisoned(ot, &s.q_dims()), poisoned(DType::F32, &s.lse_dims()));
@@ -41,13 +61,7 @@ fn run(b: &dyn Backend, p: &AttnParams<'_>, x: &[Vec<f32>; 4], ot: DType) -> Vec
     let saved = AttnSaved { qkv: Qkv::new(q.view(), k.view(), v.view()), o: o.view(), lse: lse.view() };
     let grads = AttnGrads { dq: dq.view_mut(), dk: dk.view_mut(), dv: dv.view_mut() };
     b.attention_backward(&p.options(), grads, d_o.view(), saved, GradMode::Overwrite).unwrap();
-    let download = |buf: &Buffer, d: &[usize]| -> Vec<f32> {
-        let mut f = b.empty(DType::F32, dims(d)).unwrap();
-        b.copy(f.view_mut(), buf.view()).unwrap();
-        let mut host = vec![f32::NAN; d.iter().product()];
-        b.download(ViewMut::new(&mut host, d).unwrap(), f.view()).unwrap();
-        host
-    };
+    let download = |buf: &Buffer, d: &[usize]| download(b, buf, d);
     vec![
         download(&o, &s.q_dims()),
         download(&lse, &s.lse_dims()),
@@ -98,49 +112,57 @@ fn check(b: CudaBackend) {
     }
 }
 
+/// This thread's record of the wgmma kernels' loads (`ops/attention.rs`'s `TMA_LOADS`).
+fn loads() -> TmaLoads {
+    TMA_LOADS.with(|l| l.get())
+}
+
+/// Makes this thread's tensor maps refused (`on`), as by a device that does not take them, or taken again.
+fn refuse_maps(on: bool) {
+    tma_loads(|n| n.refuse_maps = on);
+}
+
 /// The GPU's backend when it is an sm_90 device (the only one wgmma runs on), else `None`, saying why on stderr (a
 /// panic without a device under `LONGCTX_REQUIRE_GPU=1`).
 fn sm90_backend() -> Option<CudaBackend> {
-    match CudaBackend::new(0) {
-        Ok(b) if b.device_name().contains("sm_90") => Some(b),
-        Ok(b) => {
-            eprintln!("wgmma_attention: skipped, the device is {} and wgmma needs sm_90", b.device_name());
-            None
-        }
-        Err(KernelError::NoDevice { why, .. }) => {
-            if std::env::var("LONGCTX_REQUIRE_GPU").as_deref() == Ok("1") {
-                panic!("LONGCTX_REQUIRE_GPU=1 but there is no device: {why}");
+    let b = super::probe::or_skip("wgmma_attention", CudaBackend::new(0))?;
+    if b.device_name().contains("sm_90") {
+        return Some(b);
+    }
+    eprintln!("wgmma_attention: skipped, the device is {} and wgmma needs sm_90", b.device_name());
+    None
+}
+
+/// `mod $name` with the tests `emulated` and `cuda` (the GPU check's filters select `::cuda`) running `$body` on the
+/// emulator and on an sm_90 GPU.
+macro_rules! on_emulator_and_sm90 {
+    ($name:ident => $body:ident) => {
+        mod $name {
+            use super::*;
+
+            #[test]
+            fn emulated() {
+                $body(CudaBackend::emulated().unwrap_or_else(|e| panic!("{e}")));
             }
-            eprintln!("wgmma_attention: skipped, no GPU: {why}");
-            None
+
+            #[test]
+            fn cuda() {
+                if let Some(b) = sm90_backend() {
+                    $body(b);
+                }
+            }
         }
-        Err(e) => panic!("{e}"),
-    }
+    };
 }
 
-mod forward_backward {
-    use super::*;
-
-    #[test]
-    fn emulated() {
-        check(CudaBackend::emulated().unwrap_or_else(|e| panic!("{e}")));
-    }
-
-    #[test]
-    fn cuda() {
-        if let Some(b) = sm90_backend() {
-            check(b);
-        }
-    }
-}
+on_emulator_and_sm90!(forward_backward => check);
 
 /// The forward's TMA loads (`attention_forward_wgmma.cu`: per-head tensor maps whose rows past the sequence are
 /// zeros): two heads of K and V, the second all NaN, lengths off the tiles (70 queries, 70 keys: the last key
 /// tile's rows 70..127 of the first head lie where the second head's rows start in memory). The first head's O and
-/// LSE must be the CPU's (a map that let the tile run on into the next head would put NaN·0 into them), and the
-/// launch counter shows the TMA path ran.
+/// LSE must be the CPU's (a map that let the tile run on into the next head would put NaN·0 into them), and this
+/// thread's count of TMA forwards shows that path ran; with the maps refused, the mma.sync kernels give the same.
 fn tails_do_not_leak(b: CudaBackend) {
-    use std::sync::atomic::Ordering;
     let wg = b.with_attention_path(AttentionPath::Wgmma);
     let cpu = CpuBackend::new();
     for d in [64, 128] {
@@ -154,15 +176,25 @@ fn tails_do_not_leak(b: CudaBackend) {
         let head = shape.kv_len * d;
         k[head..].fill(f32::NAN);
         v[head..].fill(f32::NAN);
-        let before = super::ops::attention::FWD_TMA_LAUNCHES.load(Ordering::Relaxed);
+        let before = loads().fwd_tma;
         let got = run_forward(&wg, &p, [&q, &k, &v]);
-        assert!(super::ops::attention::FWD_TMA_LAUNCHES.load(Ordering::Relaxed) > before, "d {d}: no TMA forward ran");
+        assert_eq!(loads().fwd_tma, before + 1, "d {d}: no TMA forward ran");
+        // Where the device refuses the maps, the mma.sync kernels run instead, to the same result.
+        refuse_maps(true);
+        let fallback = run_forward(&wg, &p, [&q, &k, &v]);
+        refuse_maps(false);
+        assert_eq!(loads().fwd_tma, before + 1, "d {d}: a TMA forward ran with its maps refused");
         let want = run_forward(&cpu, &p, [&q, &k, &v]);
         let rows = shape.q_len;
-        for (n, (name, per_row)) in [("O", d), ("LSE", 1)].into_iter().enumerate() {
-            for i in 0..rows * per_row {
-                let (g, w) = (got[n][i], want[n][i]);
-                assert!(g.is_finite() && (g - w).abs() <= 3e-3 + 1e-2 * w.abs(), "d {d}: {name}[{i}] = {g}, want {w}");
+        for (run, got) in [("TMA", &got), ("refused maps", &fallback)] {
+            for (n, (name, per_row)) in [("O", d), ("LSE", 1)].into_iter().enumerate() {
+                for i in 0..rows * per_row {
+                    let (g, w) = (got[n][i], want[n][i]);
+                    assert!(
+                        g.is_finite() && (g - w).abs() <= 3e-3 + 1e-2 * w.abs(),
+                        "d {d}, {run}: {name}[{i}] = {g}, want {w}"
+                    );
+                }
             }
         }
     }
@@ -171,44 +203,15 @@ fn tails_do_not_leak(b: CudaBackend) {
 /// `[O, LSE]` as f32 of a forward of `p` on `b`, inputs rounded to bf16 on the backend, O in f32.
 fn run_forward(b: &dyn Backend, p: &AttnParams<'_>, x: [&[f32]; 3]) -> [Vec<f32>; 2] {
     let s = p.shape;
-    let dims = |d: &[usize]| Dims::new(d).unwrap();
-    let input = |vals: &[f32], d: &[usize]| -> Buffer {
-        let mut f = b.empty(DType::F32, dims(d)).unwrap();
-        b.upload(f.view_mut(), View::new(vals, d).unwrap()).unwrap();
-        let mut t = b.empty(DType::Bf16, dims(d)).unwrap();
-        b.copy(t.view_mut(), f.view()).unwrap();
-        t
-    };
-    let (q, k, v) = (input(x[0], &s.q_dims()), input(x[1], &s.kv_dims()), input(x[2], &s.kv_dims()));
-    let mut o = b.empty(DType::F32, dims(&s.q_dims())).unwrap();
-    let mut lse = b.empty(DType::F32, dims(&s.lse_dims())).unwrap();
-    b.fill(o.view_mut(), f32::NAN).unwrap();
-    b.fill(lse.view_mut(), f32::NAN).unwrap();
+    let (q, k, v) =
+        (bf16_input(b, x[0], &s.q_dims()), bf16_input(b, x[1], &s.kv_dims()), bf16_input(b, x[2], &s.kv_dims()));
+    let (mut o, mut lse) = (poisoned(b, DType::F32, &s.q_dims()), poisoned(b, DType::F32, &s.lse_dims()));
     let out = AttnOut { o: o.view_mut(), lse: lse.view_mut() };
     b.attention_forward(&p.options(), out, Qkv::new(q.view(), k.view(), v.view())).unwrap();
-    let download = |buf: &Buffer, d: &[usize]| -> Vec<f32> {
-        let mut host = vec![f32::NAN; d.iter().product()];
-        b.download(ViewMut::new(&mut host, d).unwrap(), buf.view()).unwrap();
-        host
-    };
-    [download(&o, &s.q_dims()), download(&lse, &s.lse_dims())]
+    [download(b, &o, &s.q_dims()), download(b, &lse, &s.lse_dims())]
 }
 
-mod tma_forward {
-    use super::*;
-
-    #[test]
-    fn emulated() {
-        tails_do_not_leak(CudaBackend::emulated().unwrap_or_else(|e| panic!("{e}")));
-    }
-
-    #[test]
-    fn cuda() {
-        if let Some(b) = sm90_backend() {
-            tails_do_not_leak(b);
-        }
-    }
-}
+on_emulator_and_sm90!(tma_forward => tails_do_not_leak);
 
 /// The forward's K/V ring and its consumer warpgroups' turns (`attention_forward_wgmma.cu`'s header) over many key
 /// tiles: 130 queries (two consumer warpgroups a block, and a second block of 2 rows) and 50 (one warpgroup), 586
@@ -257,21 +260,7 @@ fn long_ring(b: CudaBackend) {
     }
 }
 
-mod ring_and_turns {
-    use super::*;
-
-    #[test]
-    fn emulated() {
-        long_ring(CudaBackend::emulated().unwrap_or_else(|e| panic!("{e}")));
-    }
-
-    #[test]
-    fn cuda() {
-        if let Some(b) = sm90_backend() {
-            long_ring(b);
-        }
-    }
-}
+on_emulator_and_sm90!(ring_and_turns => long_ring);
 
 /// The backward's loads (`attention_backward_wgmma.cu`'s header, Loads): the TMA-fed kernels, and the cp.async ones
 /// that run where the device refuses a tensor map (forced here by refusing them), on grouped queries under a causal
@@ -282,17 +271,9 @@ mod ring_and_turns {
 /// same gradients, bit for bit where the sums' order is fixed (all but the non-deterministic variant's dQ); the first
 /// half's are finite and the CPU's; the per-thread counters show which kernels ran.
 fn backward_loads(b: CudaBackend) {
-    use super::ops::attention::BWD_LOADS;
     let wg = b.with_attention_path(AttentionPath::Wgmma).with_deterministic_backward(true);
     let atomic = wg.clone().with_deterministic_backward(false);
     let cpu = CpuBackend::new();
-    let refuse_maps = |on: bool| {
-        BWD_LOADS.with(|l| {
-            let mut n = l.get();
-            n.refuse_maps = on;
-            l.set(n);
-        })
-    };
     for d in [64, 128] {
         let shape = AttnShape { batch: 1, q_heads: 4, kv_heads: 2, q_len: 70, kv_len: 130, head_dim: d };
         let p = AttnParams::new(shape)
@@ -310,15 +291,23 @@ fn backward_loads(b: CudaBackend) {
         }
         let want = run(&cpu, &p, &x, DType::F32);
         for (variant, be) in [("deterministic", &wg), ("atomic", &atomic)] {
-            let before = BWD_LOADS.with(|l| l.get());
+            let before = loads();
             let tma = run(be, &p, &x, DType::F32);
-            let after = BWD_LOADS.with(|l| l.get());
-            assert_eq!((after.tma, after.cp_async), (before.tma + 1, before.cp_async), "d {d} {variant}: TMA");
+            let after = loads();
+            assert_eq!(
+                (after.bwd_tma, after.bwd_cp_async),
+                (before.bwd_tma + 1, before.bwd_cp_async),
+                "d {d} {variant}: TMA"
+            );
             refuse_maps(true);
             let cp = run(be, &p, &x, DType::F32);
             refuse_maps(false);
-            let last = BWD_LOADS.with(|l| l.get());
-            assert_eq!((last.tma, last.cp_async), (after.tma, after.cp_async + 1), "d {d} {variant}: cp.async");
+            let last = loads();
+            assert_eq!(
+                (last.bwd_tma, last.bwd_cp_async),
+                (after.bwd_tma, after.bwd_cp_async + 1),
+                "d {d} {variant}: cp.async"
+            );
             for (n, name) in [(2, "dQ"), (3, "dK"), (4, "dV")] {
                 let exact = !(variant == "atomic" && name == "dQ");
                 for (i, (t, c)) in tma[n].iter().zip(&cp[n]).enumerate() {
@@ -340,21 +329,7 @@ fn backward_loads(b: CudaBackend) {
     }
 }
 
-mod tma_backward {
-    use super::*;
-
-    #[test]
-    fn emulated() {
-        backward_loads(CudaBackend::emulated().unwrap_or_else(|e| panic!("{e}")));
-    }
-
-    #[test]
-    fn cuda() {
-        if let Some(b) = sm90_backend() {
-            backward_loads(b);
-        }
-    }
-}
+on_emulator_and_sm90!(tma_backward => backward_loads);
 
 /// The warp-specialised backward kernels' rings (`attention_backward_wgmma.cu`'s header, Warps and Loads): a long
 /// query length against a short key length (640 queries grouped by 2, 70 keys: 20 visible pairs per dK/dV block, so
@@ -367,19 +342,11 @@ mod tma_backward {
 /// emulator to 1e-4 of the gradient's largest magnitude, 1e-2 on a GPU), the CPU (1e-2), and the cp.async kernels
 /// bit for bit where the sums' order is fixed.
 fn backward_ring(b: CudaBackend) {
-    use super::ops::attention::BWD_LOADS;
     let wg = b.with_attention_path(AttentionPath::Wgmma).with_deterministic_backward(true);
     let atomic = wg.clone().with_deterministic_backward(false);
     let mma = wg.clone().with_attention_path(AttentionPath::Mma);
     let cpu = CpuBackend::new();
     let against_mma = if wg.is_emulated() { 1e-4 } else { 1e-2 };
-    let refuse_maps = |on: bool| {
-        BWD_LOADS.with(|l| {
-            let mut n = l.get();
-            n.refuse_maps = on;
-            l.set(n);
-        })
-    };
     // (head dim, queries, keys, mask, keys from which on no query sees, queries before which no key is seen).
     let causal = |k0| AttnMask::causal().with_positions(Positions::Offset(0), Positions::Offset(k0));
     let cases = [
@@ -402,9 +369,9 @@ fn backward_ring(b: CudaBackend) {
         let want_cpu = run(&cpu, &p, &x, DType::F32);
         let want_mma = run(&mma, &p, &x, DType::F32);
         for (variant, be) in [("deterministic", &wg), ("atomic", &atomic)] {
-            let before = BWD_LOADS.with(|l| l.get());
+            let before = loads().bwd_tma;
             let tma = run(be, &p, &x, DType::F32);
-            assert_eq!(BWD_LOADS.with(|l| l.get()).tma, before.tma + 1, "d {d}, {sq} queries, {variant}: TMA");
+            assert_eq!(loads().bwd_tma, before + 1, "d {d}, {sq} queries, {variant}: TMA");
             refuse_maps(true);
             let cp = run(be, &p, &x, DType::F32);
             refuse_maps(false);
@@ -437,18 +404,4 @@ fn backward_ring(b: CudaBackend) {
     }
 }
 
-mod ws_backward {
-    use super::*;
-
-    #[test]
-    fn emulated() {
-        backward_ring(CudaBackend::emulated().unwrap_or_else(|e| panic!("{e}")));
-    }
-
-    #[test]
-    fn cuda() {
-        if let Some(b) = sm90_backend() {
-            backward_ring(b);
-        }
-    }
-}
+on_emulator_and_sm90!(ws_backward => backward_ring);

@@ -243,6 +243,10 @@ fn head_map(
     len: usize,
     box_rows: usize,
 ) -> Option<TensorMap> {
+    #[cfg(test)]
+    if TMA_LOADS.with(|l| l.get().refuse_maps) {
+        return None;
+    }
     let elem = match x.dtype() {
         DType::Bf16 => TmaElem::Bf16,
         DType::F16 => TmaElem::F16,
@@ -356,17 +360,9 @@ const fn bytes_at(c: &[u8], at: usize, pat: &[u8]) -> bool {
     true
 }
 
-/// How many wgmma forwards have run with their tensor maps (the tests' proof that the TMA path ran).
-#[cfg(test)]
-pub(crate) static FWD_TMA_LAUNCHES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-
 /// The wgmma backward's tensor maps for Q, K, V and dO (`attention_backward_wgmma.cu`'s header, Loads;
 /// [`head_map`]): boxes of 64 rows. `None` where the device refuses one: the caller takes the cp.async kernels.
 fn bwd_tma_maps(b: &Stream, p: &AttnParams<'_>, [q, k, v, dout]: [&View<'_>; 4]) -> Option<[TensorMap; 4]> {
-    #[cfg(test)]
-    if BWD_LOADS.with(|l| l.get().refuse_maps) {
-        return None;
-    }
     let s = p.shape;
     Some([
         head_map(b, p, "q", q, s.q_heads, s.q_len, TC_TILE)?,
@@ -376,21 +372,34 @@ fn bwd_tma_maps(b: &Stream, p: &AttnParams<'_>, [q, k, v, dout]: [&View<'_>; 4])
     ])
 }
 
-/// The wgmma backward's loads in the tests, per thread (each test's calls run on its thread): `refuse_maps` makes
-/// [`bwd_tma_maps`] answer `None`, as a device refusing a map would (the cp.async kernels then run); `tma` and
-/// `cp_async` count the backward calls that took each (the tests' proof of which ran).
+/// The wgmma kernels' loads in the tests, per thread (each test's calls run on its own thread, so what other tests
+/// run at the same time does not count): `refuse_maps` makes [`head_map`] answer `None`, as a device refusing a map
+/// would (the forward then takes the mma.sync kernels, the backward its cp.async ones); the counts are the calls
+/// that took each load (the tests' proof of which ran).
 #[cfg(test)]
 #[derive(Clone, Copy, Default)]
-pub(crate) struct BwdLoads {
+pub(crate) struct TmaLoads {
     pub refuse_maps: bool,
-    pub tma: usize,
-    pub cp_async: usize,
+    pub fwd_tma: usize,
+    pub bwd_tma: usize,
+    pub bwd_cp_async: usize,
 }
 
 #[cfg(test)]
 thread_local! {
-    pub(crate) static BWD_LOADS: std::cell::Cell<BwdLoads> =
-        const { std::cell::Cell::new(BwdLoads { refuse_maps: false, tma: 0, cp_async: 0 }) };
+    pub(crate) static TMA_LOADS: std::cell::Cell<TmaLoads> = const {
+        std::cell::Cell::new(TmaLoads { refuse_maps: false, fwd_tma: 0, bwd_tma: 0, bwd_cp_async: 0 })
+    };
+}
+
+/// Changes this thread's [`TMA_LOADS`] record.
+#[cfg(test)]
+pub(crate) fn tma_loads(change: impl FnOnce(&mut TmaLoads)) {
+    TMA_LOADS.with(|l| {
+        let mut n = l.get();
+        change(&mut n);
+        l.set(n);
+    });
 }
 
 /// Row tiles of 16 per warp in the tensor-core forward (`MT` in `attention_forward_tc.cu`): 2 loads each K and
@@ -551,15 +560,12 @@ fn general_smem(d: usize) -> u32 {
 pub(crate) fn forward(b: &Stream, p: &AttnParams<'_>, out: AttnOut<'_>, qkv: Qkv<'_>) -> Result<()> {
     let s = p.shape;
     let (qt, ot) = (qkv.q.dtype(), out.o.dtype());
-    let mut path = path(b, p, &qkv, ot);
+    let path = path(b, p, &qkv, ot);
     // One warpgroup per 64 query rows; two per block (128 rows, K and V loaded once for both) unless the queries
     // fit one (decoding and short shards).
     let nwg = if s.q_len > 64 { 2 } else { 1 };
     let maps = if path == Path::Wgmma { fwd_tma_maps(b, p, &qkv, 64 * nwg) } else { None };
-    if path == Path::Wgmma && maps.is_none() {
-        path = Path::Mma;
-    }
-    if let (Path::Wgmma, Some([q_map, k_map, v_map])) = (path, maps) {
+    if let Some([q_map, k_map, v_map]) = maps {
         let rows = 64 * nwg;
         let pr = problem(b, p, (rows, TC_TILE))?;
         let v_bad = nonfinite_masks(b, &qkv.v, s.batch * s.kv_heads, s.kv_len, s.head_dim)?;
@@ -577,12 +583,13 @@ pub(crate) fn forward(b: &Stream, p: &AttnParams<'_>, out: AttnOut<'_>, qkv: Qkv
         let name = format!("attn_fwd_wgmma_{}_d{}_w{nwg}_{}", super::suffix(qt), s.head_dim, super::suffix(ot));
         let kf = kernel(&FORWARD_WGMMA, &name)?;
         #[cfg(test)]
-        FWD_TMA_LAUNCHES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        tma_loads(|n| n.fwd_tma += 1);
         // SAFETY: as the general path; the maps describe the views q, k, v (their dims, strides and addresses);
         // `v_bad` holds one mask per 64 key rows of each head.
         return unsafe { b.launch(&kf, cfg, &args) };
     }
-    if path == Path::Mma {
+    // The mma.sync kernels, also where the wgmma ones were chosen but the device refused a tensor map.
+    if matches!(path, Path::Mma | Path::Wgmma) {
         let mt = forward_row_tiles(s.head_dim);
         let rows = 64 * mt;
         let pr = problem(b, p, (rows, TC_TILE))?;
@@ -667,15 +674,7 @@ pub(crate) fn backward(
         let maps = if wgmma { bwd_tma_maps(b, p, [&saved.qkv.q, &saved.qkv.k, &saved.qkv.v, &dout]) } else { None };
         #[cfg(test)]
         if wgmma {
-            BWD_LOADS.with(|l| {
-                let mut n = l.get();
-                if maps.is_some() {
-                    n.tma += 1;
-                } else {
-                    n.cp_async += 1;
-                }
-                l.set(n);
-            });
+            tma_loads(|n| if maps.is_some() { n.bwd_tma += 1 } else { n.bwd_cp_async += 1 });
         }
         // The TMA kernels' names (`_tma_`), the maps first among their arguments (their shared memory:
         // bwd_dkdv_smem, bwd_dq_smem).
@@ -690,17 +689,12 @@ pub(crate) fn backward(
         let (tiles, stats, scr_cols) = (4, 2, 32);
         let d = s.head_dim;
         let kk = kernel(src, &format!("{prefix}_dkdv{tma}_{}_d{d}_{}", super::suffix(qt), super::suffix(dkt)))?;
-        let mut args = KernelArgs::new();
-        args.push(pr.args);
-        if let Some(m) = &maps {
-            args.push(m[0]).push(m[1]).push(m[2]).push(m[3]);
-        }
+        let mut args = bwd_args(&pr, maps.as_ref());
         args.push(dk).push(dv).push(q).push(k).push(v).push(dop).push(lse).push(delta.ptr());
         args.push(q_bad.ptr()).push(do_bad.ptr()).push(acc);
         let cfg = LaunchConfig {
             grid: [s.kv_len.div_ceil(TC_TILE) as u32, s.kv_heads as u32, s.batch as u32],
-            // The TMA kernel: a producer warpgroup and a consumer warpgroup (the kernel's header, Warps).
-            block: [if maps.is_some() { 256 } else { 128 }, 1, 1],
+            block: bwd_block(maps.is_some()),
             shared_bytes: if wgmma {
                 bwd_dkdv_smem(d, false, maps.is_some()) as u32
             } else {
@@ -712,17 +706,12 @@ pub(crate) fn backward(
         // head; the maps describe the views q, k, v, dout (their dims, strides and addresses).
         unsafe { b.launch(&kk, cfg, &args)? };
         let kq = kernel(src, &format!("{prefix}_dq{tma}_{}_d{d}_{}", super::suffix(qt), super::suffix(dqt)))?;
-        let mut args = KernelArgs::new();
-        args.push(pr.args);
-        if let Some(m) = &maps {
-            args.push(m[0]).push(m[1]).push(m[2]).push(m[3]);
-        }
+        let mut args = bwd_args(&pr, maps.as_ref());
         args.push(dq).push(q).push(k).push(v).push(dop).push(lse).push(delta.ptr());
         args.push(k_bad.ptr()).push(acc);
         let cfg = LaunchConfig {
             grid: [s.q_len.div_ceil(TC_TILE) as u32, s.q_heads as u32, s.batch as u32],
-            // The TMA kernel: a producer warpgroup and a consumer warpgroup (the kernel's header, Warps).
-            block: [if maps.is_some() { 256 } else { 128 }, 1, 1],
+            block: bwd_block(maps.is_some()),
             shared_bytes: if wgmma {
                 bwd_dq_smem(d, maps.is_some()) as u32
             } else {
@@ -760,6 +749,22 @@ pub(crate) fn backward(
     unsafe { b.launch(&kk, cfg, &args) }
 }
 
+/// A backward kernel's first arguments: the problem, then a TMA-fed wgmma kernel's tensor maps (Q, K, V, dO).
+fn bwd_args(pr: &Problem, maps: Option<&[TensorMap; 4]>) -> KernelArgs {
+    let mut args = KernelArgs::new();
+    args.push(pr.args);
+    for m in maps.into_iter().flatten() {
+        args.push(*m);
+    }
+    args
+}
+
+/// A backward kernel's block: a TMA-fed wgmma kernel's producer and consumer warpgroups (its header, Warps), else
+/// one warpgroup.
+fn bwd_block(tma: bool) -> [u32; 3] {
+    [if tma { 256 } else { 128 }, 1, 1]
+}
+
 /// The wgmma backward's non-deterministic variant ([`CudaBackend::with_deterministic_backward`]): the fused kernel
 /// per key tile (dK, dV, and dQ's contributions added to an f32 workspace; fed by the TMA with `maps`, else by
 /// cp.async), then dQ from the workspace.
@@ -785,17 +790,12 @@ fn backward_atomic(
     let tma = if maps.is_some() { "_tma" } else { "" };
     let name = format!("attn_bwd_wgmma_fused{tma}_{}_d{d}_{}", super::suffix(qt), super::suffix(dkt));
     let kf = kernel(&BACKWARD_WGMMA, &name)?;
-    let mut args = KernelArgs::new();
-    args.push(pr.args);
-    if let Some(m) = &maps {
-        args.push(m[0]).push(m[1]).push(m[2]).push(m[3]);
-    }
+    let mut args = bwd_args(pr, maps.as_ref());
     args.push(dk).push(dv).push(ws.ptr()).push(q).push(k).push(v).push(dop).push(lse).push(delta);
     args.push(q_bad).push(do_bad).push(k_bad).push(acc);
     let cfg = LaunchConfig {
         grid: [s.kv_len.div_ceil(TC_TILE) as u32, s.kv_heads as u32, s.batch as u32],
-        // With the TMA: a producer warpgroup and a consumer warpgroup (the kernel's header, Warps).
-        block: [if maps.is_some() { 256 } else { 128 }, 1, 1],
+        block: bwd_block(maps.is_some()),
         shared_bytes: bwd_dkdv_smem(d, true, maps.is_some()) as u32,
     };
     // SAFETY: as the deterministic kernels (the maps too); `ws` holds one f32 per element of dQ.
