@@ -165,17 +165,22 @@ fn cases() -> Vec<Case> {
 fn matches_reference(be: &dyn Backend) {
     for case in cases() {
         let (got, want) = run(be, &case, Poison::None);
-        // bf16 keeps 8 bits, f16 11: P and dS are rounded to the input type before their products, and T-typed
-        // gradients once more at the end (measured on the emulator: at most 3.8e-3 and 4.7e-4).
-        let tol = match case.dtype {
-            DType::Bf16 => 1e-2,
-            _ => 1.5e-3,
-        };
-        for (name, g, w) in [("dQ", &got[0], &want[0]), ("dK", &got[1], &want[1]), ("dV", &got[2], &want[2])] {
-            let e = rel_err(g, w);
-            eprintln!("{case:?}: {name} relative error {e:.2e}");
-            assert!(e <= tol, "{case:?}: {name} relative error {e:.3e} over {tol:.0e}");
-        }
+        assert_near_reference(&case, "", &got, &want);
+    }
+}
+
+/// dQ, dK and dV (`got`) against the f64 reference (`want`): relative errors within what the inputs' type keeps.
+/// bf16 keeps 8 bits, f16 11: P and dS are rounded to the input type before their products, and T-typed gradients
+/// once more at the end (measured on the emulator: at most 3.8e-3 and 4.7e-4).
+fn assert_near_reference(case: &Case, label: &str, got: &[Vec<f32>; 3], want: &[Vec<f64>; 3]) {
+    let tol = match case.dtype {
+        DType::Bf16 => 1e-2,
+        _ => 1.5e-3,
+    };
+    for (name, g, w) in [("dQ", &got[0], &want[0]), ("dK", &got[1], &want[1]), ("dV", &got[2], &want[2])] {
+        let e = rel_err(g, w);
+        eprintln!("{case:?}: {label}{name} relative error {e:.2e}");
+        assert!(e <= tol, "{case:?}: {label}{name} relative error {e:.3e} over {tol:.0e}");
     }
 }
 
@@ -273,15 +278,7 @@ fn atomic_matches_reference(be: &CudaBackend) {
     for case in cases() {
         let (got, want) = run(&ab, &case, Poison::None);
         let (det, _) = run(be, &case, Poison::None);
-        let tol = match case.dtype {
-            DType::Bf16 => 1e-2,
-            _ => 1.5e-3,
-        };
-        for (name, g, w) in [("dQ", &got[0], &want[0]), ("dK", &got[1], &want[1]), ("dV", &got[2], &want[2])] {
-            let e = rel_err(g, w);
-            eprintln!("{case:?}: atomic {name} relative error {e:.2e}");
-            assert!(e <= tol, "{case:?}: atomic {name} relative error {e:.3e} over {tol:.0e}");
-        }
+        assert_near_reference(&case, "atomic ", &got, &want);
         for (name, g, d) in [("dK", &got[1], &det[1]), ("dV", &got[2], &det[2])] {
             let same = g.iter().zip(d.iter()).all(|(x, y)| x.to_bits() == y.to_bits());
             assert!(same, "{case:?}: atomic {name} differs from the deterministic one");

@@ -38,14 +38,7 @@ impl CudaBackend {
     ///
     /// Errors: [`KernelError::NoDevice`](crate::KernelError::NoDevice) when no CUDA driver can be loaded or no device has that ordinal.
     pub fn new(ordinal: usize) -> Result<Self> {
-        let device = super::driver::DriverDevice::new(ordinal)?;
-        Ok(Self {
-            stream: Stream {
-                device,
-                attn_path: AttentionPath::from_env()?,
-                attn_deterministic: super::path::deterministic_backward_from_env()?,
-            },
-        })
+        Ok(Self { stream: Stream::from_env(super::driver::DriverDevice::new(ordinal)?)? })
     }
 
     /// The backend on the host emulator: the same kernels compiled for this CPU by the system's C++ compiler
@@ -54,14 +47,7 @@ impl CudaBackend {
     ///
     /// Errors: [`KernelError::Compile`](crate::KernelError::Compile) when the kernels do not build with the host compiler.
     pub fn emulated() -> Result<Self> {
-        let device = super::emulated::EmulatedDevice::open()?;
-        Ok(Self {
-            stream: Stream {
-                device,
-                attn_path: AttentionPath::from_env()?,
-                attn_deterministic: super::path::deterministic_backward_from_env()?,
-            },
-        })
+        Ok(Self { stream: Stream::from_env(super::emulated::EmulatedDevice::open()?)? })
     }
 
     /// This backend running the attention kernels of `path` (see [`AttentionPath`]; the default is
@@ -270,11 +256,8 @@ impl Backend for CudaBackend {
     }
 
     fn fork(&self) -> Result<Arc<dyn Backend>> {
-        let stream = Stream {
-            device: self.stream.device.fork()?,
-            attn_path: self.stream.attn_path,
-            attn_deterministic: self.stream.attn_deterministic,
-        };
+        // The fork keeps this backend's attention choices.
+        let stream = Stream { device: self.stream.device.fork()?, ..self.stream.clone() };
         Ok(Arc::new(CudaBackend { stream }))
     }
     fn adopt(&self, buf: &mut Buffer) -> Result<()> {

@@ -22,6 +22,16 @@ pub(crate) struct Stream {
 }
 
 impl Stream {
+    /// A stream on `device` with the attention choices the environment makes (`LONGCTX_CUDA_ATTN_PATH`,
+    /// `LONGCTX_CUDA_ATTN_DETERMINISTIC`); an unreadable value is an error naming the variable.
+    pub(crate) fn from_env(device: Arc<dyn Device>) -> Result<Self> {
+        Ok(Self {
+            device,
+            attn_path: AttentionPath::from_env()?,
+            attn_deterministic: super::path::deterministic_backward_from_env()?,
+        })
+    }
+
     pub(crate) fn on(&self) -> On {
         On { memory: self.device.memory() }
     }

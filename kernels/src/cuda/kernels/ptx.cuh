@@ -197,9 +197,9 @@ __device__ __forceinline__ float ex2_approx(float x) {
 // warp-specialised kernel, while the producer's warps wait elsewhere or have exited), or one subset signal another
 // without waiting (producer/consumer, and turn-taking: see attention_forward_wgmma.cu's ping-pong). Memory: what a
 // thread wrote before its arrive is visible to the threads that pass the sync of that phase.
-// In the emulator each wrapper takes its caller's file and line (as ptx_tma.cuh's), so that a deadlock report names
-// the kernel's line; a phase that can never complete is a deadlock error, a phase still open when the block ends an
-// error too (arrivals no sync matched: counts that do not balance).
+// In the emulator each wrapper takes its caller's file and line (LONGCTX_PTX_CALLER, below; ptx_tma.cuh's wrappers
+// too), so that a deadlock report names the kernel's line; a phase that can never complete is a deadlock error, a
+// phase still open when the block ends an error too (arrivals no sync matched: counts that do not balance).
 #ifdef LONGCTX_EMU
 #define LONGCTX_PTX_CALLER , const char* caller_file = __builtin_FILE(), int caller_line = __builtin_LINE()
 #define LONGCTX_PTX_SITE (::emu::Site{caller_file, caller_line})

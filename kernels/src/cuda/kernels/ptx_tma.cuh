@@ -65,14 +65,9 @@
 #error "ptx_tma.cuh: mbarrier try_wait, cp.async.bulk.tensor and fence.proxy.async need sm_90 or later"
 #endif
 
-// In the emulator each wrapper takes its caller's file and line as a defaulted last parameter (what
-// std::source_location does), so that errors and deadlock reports name the kernel's line rather than this header's.
-#ifdef LONGCTX_EMU
-#define LONGCTX_TMA_CALLER , const char* caller_file = __builtin_FILE(), int caller_line = __builtin_LINE()
-#define LONGCTX_TMA_SITE (::emu::Site{caller_file, caller_line})
-#else
-#define LONGCTX_TMA_CALLER
-#endif
+// In the emulator each wrapper takes its caller's file and line as a defaulted last parameter (ptx.cuh's
+// LONGCTX_PTX_CALLER, what std::source_location does), so that errors and deadlock reports name the kernel's line
+// rather than this header's.
 
 // The tensor map: 128 opaque bytes, 64-byte aligned (cuda.h's CUtensorMap; NVRTC has no cuda.h). Filled on the host
 // (tensor_map.rs) and passed by value as a `const __grid_constant__ CUtensorMap` kernel parameter.
@@ -91,9 +86,9 @@ __device__ __forceinline__ u32 tma_smem_addr(const void* p) {
 #endif
 }
 
-__device__ __forceinline__ void mbarrier_init(u64* bar, u32 count LONGCTX_TMA_CALLER) {
+__device__ __forceinline__ void mbarrier_init(u64* bar, u32 count LONGCTX_PTX_CALLER) {
 #ifdef LONGCTX_EMU
-    ::emu::mbar_init(LONGCTX_TMA_SITE, bar, count);
+    ::emu::mbar_init(LONGCTX_PTX_SITE, bar, count);
 #else
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(tma_smem_addr(bar)), "r"(count) : "memory");
 #endif
@@ -115,9 +110,9 @@ __device__ __forceinline__ void tma_fence_proxy_async() {
 #endif
 }
 
-__device__ __forceinline__ u64 mbarrier_arrive(u64* bar LONGCTX_TMA_CALLER) {
+__device__ __forceinline__ u64 mbarrier_arrive(u64* bar LONGCTX_PTX_CALLER) {
 #ifdef LONGCTX_EMU
-    return ::emu::mbar_arrive(LONGCTX_TMA_SITE, bar, 0);
+    return ::emu::mbar_arrive(LONGCTX_PTX_SITE, bar, 0);
 #else
     u64 state;
     asm volatile("mbarrier.arrive.shared::cta.b64 %0, [%1];\n" : "=l"(state) : "r"(tma_smem_addr(bar)) : "memory");
@@ -125,9 +120,9 @@ __device__ __forceinline__ u64 mbarrier_arrive(u64* bar LONGCTX_TMA_CALLER) {
 #endif
 }
 
-__device__ __forceinline__ u64 mbarrier_arrive_expect_tx(u64* bar, u32 tx_bytes LONGCTX_TMA_CALLER) {
+__device__ __forceinline__ u64 mbarrier_arrive_expect_tx(u64* bar, u32 tx_bytes LONGCTX_PTX_CALLER) {
 #ifdef LONGCTX_EMU
-    return ::emu::mbar_arrive(LONGCTX_TMA_SITE, bar, tx_bytes);
+    return ::emu::mbar_arrive(LONGCTX_PTX_SITE, bar, tx_bytes);
 #else
     u64 state;
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 %0, [%1], %2;\n"
@@ -139,9 +134,9 @@ __device__ __forceinline__ u64 mbarrier_arrive_expect_tx(u64* bar, u32 tx_bytes 
 }
 
 // Whether the phase of parity `parity` (0 or 1) has completed; may suspend the thread a while first.
-__device__ __forceinline__ bool mbarrier_try_wait(u64* bar, u32 parity LONGCTX_TMA_CALLER) {
+__device__ __forceinline__ bool mbarrier_try_wait(u64* bar, u32 parity LONGCTX_PTX_CALLER) {
 #ifdef LONGCTX_EMU
-    return ::emu::mbar_try_wait(LONGCTX_TMA_SITE, bar, parity, false);
+    return ::emu::mbar_try_wait(LONGCTX_PTX_SITE, bar, parity, false);
 #else
     u32 done;
     asm volatile(
@@ -154,10 +149,10 @@ __device__ __forceinline__ bool mbarrier_try_wait(u64* bar, u32 parity LONGCTX_T
 }
 
 // Waits until the phase of parity `parity` has completed.
-__device__ __forceinline__ void mbarrier_wait(u64* bar, u32 parity LONGCTX_TMA_CALLER) {
+__device__ __forceinline__ void mbarrier_wait(u64* bar, u32 parity LONGCTX_PTX_CALLER) {
 #ifdef LONGCTX_EMU
     // One call that sleeps until the phase completes: the loop below, without waking at every stall of the block.
-    ::emu::mbar_try_wait(LONGCTX_TMA_SITE, bar, parity, true);
+    ::emu::mbar_try_wait(LONGCTX_PTX_SITE, bar, parity, true);
 #else
     while (!mbarrier_try_wait(bar, parity)) {
     }
@@ -175,10 +170,10 @@ __device__ __forceinline__ void tma_prefetch_map(const CUtensorMap* map) {
 // The loads: the box at coordinates (c0 innermost, ...) of `map`'s tensor into `dst` (shared memory), completing
 // the box's bytes on `bar`. Issued by one thread.
 __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, u64* bar, i32 c0,
-                                            i32 c1 LONGCTX_TMA_CALLER) {
+                                            i32 c1 LONGCTX_PTX_CALLER) {
 #ifdef LONGCTX_EMU
     const int c[5] = {c0, c1, 0, 0, 0};
-    ::emu::tma_load(LONGCTX_TMA_SITE, dst, map, bar, 2, c);
+    ::emu::tma_load(LONGCTX_PTX_SITE, dst, map, bar, 2, c);
 #else
     asm volatile(
         "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n" ::
@@ -189,10 +184,10 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, u
 }
 
 __device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, u64* bar, i32 c0, i32 c1,
-                                            i32 c2 LONGCTX_TMA_CALLER) {
+                                            i32 c2 LONGCTX_PTX_CALLER) {
 #ifdef LONGCTX_EMU
     const int c[5] = {c0, c1, c2, 0, 0};
-    ::emu::tma_load(LONGCTX_TMA_SITE, dst, map, bar, 3, c);
+    ::emu::tma_load(LONGCTX_PTX_SITE, dst, map, bar, 3, c);
 #else
     asm volatile(
         "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], "
@@ -203,10 +198,10 @@ __device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, u
 }
 
 __device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, u64* bar, i32 c0, i32 c1, i32 c2,
-                                            i32 c3 LONGCTX_TMA_CALLER) {
+                                            i32 c3 LONGCTX_PTX_CALLER) {
 #ifdef LONGCTX_EMU
     const int c[5] = {c0, c1, c2, c3, 0};
-    ::emu::tma_load(LONGCTX_TMA_SITE, dst, map, bar, 4, c);
+    ::emu::tma_load(LONGCTX_PTX_SITE, dst, map, bar, 4, c);
 #else
     asm volatile(
         "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], "
@@ -226,10 +221,10 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, u
 // the async proxy first (tma_fence_proxy_async, then a barrier among the writers). The emulator performs a store
 // (reading shared memory then) at the wait that covers its group, or when its thread exits.
 __device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, const void* src, i32 c0,
-                                             i32 c1 LONGCTX_TMA_CALLER) {
+                                             i32 c1 LONGCTX_PTX_CALLER) {
 #ifdef LONGCTX_EMU
     const int c[5] = {c0, c1, 0, 0, 0};
-    ::emu::tma_store(LONGCTX_TMA_SITE, src, map, 2, c);
+    ::emu::tma_store(LONGCTX_PTX_SITE, src, map, 2, c);
 #else
     asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];\n" ::"l"(
                      reinterpret_cast<u64>(map)),
@@ -239,10 +234,10 @@ __device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, const void*
 }
 
 __device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, const void* src, i32 c0, i32 c1,
-                                             i32 c2 LONGCTX_TMA_CALLER) {
+                                             i32 c2 LONGCTX_PTX_CALLER) {
 #ifdef LONGCTX_EMU
     const int c[5] = {c0, c1, c2, 0, 0};
-    ::emu::tma_store(LONGCTX_TMA_SITE, src, map, 3, c);
+    ::emu::tma_store(LONGCTX_PTX_SITE, src, map, 3, c);
 #else
     asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
                      reinterpret_cast<u64>(map)),
@@ -252,10 +247,10 @@ __device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, const void*
 }
 
 __device__ __forceinline__ void tma_store_4d(const CUtensorMap* map, const void* src, i32 c0, i32 c1, i32 c2,
-                                             i32 c3 LONGCTX_TMA_CALLER) {
+                                             i32 c3 LONGCTX_PTX_CALLER) {
 #ifdef LONGCTX_EMU
     const int c[5] = {c0, c1, c2, c3, 0};
-    ::emu::tma_store(LONGCTX_TMA_SITE, src, map, 4, c);
+    ::emu::tma_store(LONGCTX_PTX_SITE, src, map, 4, c);
 #else
     asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
                      reinterpret_cast<u64>(map)),
