@@ -338,7 +338,10 @@ on_emulator_and_sm90!(tma_backward => backward_loads);
 /// with more keys than queries (300 queries, 400 keys: the mask hides every pair of the blocks of key tiles 5 and 6)
 /// and with the keys placed after the first 128 queries (200 queries, 300 keys: every key tile of dQ blocks 0 and 1
 /// hidden, and dK/dV blocks 2 to 4): nothing loaded there, no deadlock, and the gradients of what the mask hides
-/// exactly 0. Both variants, bf16, head dims 64 and 128. Against the mma.sync kernels on the same device (on the
+/// exactly 0. At head dim 64 the dK/dV blocks are two consumer warpgroups with a key tile each: causal with more keys
+/// than queries (300 queries, 400 keys: the second warpgroup's tile hidden from every pair of block 2 while the
+/// first's is not, and block 3 with one key tile, all of it hidden), and a sliding window (100 positions) that hides
+/// the first warpgroup's tile from pairs that the second's sees. Both variants, bf16, head dims 64 and 128. Against the mma.sync kernels on the same device (on the
 /// emulator to 1e-4 of the gradient's largest magnitude, 1e-2 on a GPU), the CPU (1e-2), and the cp.async kernels
 /// bit for bit where the sums' order is fixed.
 fn backward_ring(b: CudaBackend) {
@@ -350,6 +353,8 @@ fn backward_ring(b: CudaBackend) {
     // (head dim, queries, keys, mask, keys from which on no query sees, queries before which no key is seen).
     let causal = |k0| AttnMask::causal().with_positions(Positions::Offset(0), Positions::Offset(k0));
     let cases = [
+        (64, 300, 400, causal(0), 300, 0),
+        (64, 256, 320, causal(0).with_window(100), 256, 0),
         (64, 640, 70, AttnMask::default(), 70, 0),
         (128, 640, 70, AttnMask::default(), 70, 0),
         (64, 70, 640, AttnMask::default(), 640, 0),

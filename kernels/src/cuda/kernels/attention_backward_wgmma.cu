@@ -5,31 +5,42 @@
 // attention_backward.cu's attn_bwd_delta.
 //
 // Warps. The TMA-fed kernels (dkdv, fused and dq: attn_bwd_wgmma_{dkdv,fused,dq}_tma_*) are warp-specialised as
-// FlashAttention-3's backward (and this library's forward): a block is 256 threads, two warpgroups.
+// FlashAttention-3's backward (and this library's forward): a block is 128·(1 + NWG) threads, a producer warpgroup
+// and NWG consumer warpgroups. NWG is 1 in dq, and in dkdv and fused BWD_DKDV_WGS_D<D>: 2 at D = 64, 1 at D = 128.
 // - Warpgroup 0 (threads 0..127) is the producer: after the block's one __syncthreads (the barriers' initialisation)
 //   it lowers its registers to BWD_PRODUCER_REGS (setmaxnreg.dec, ptx_hopper.cuh), its thread 0 issues every TMA copy
 //   (bwd_dkdv_produce, bwd_dq_produce) and the other 127 threads leave.
-// - Warpgroup 1 (threads 128..255, consumer thread ct = threadIdx.x − 128, its warp w = ct / 32 owning rows
-//   16w..16w+15 of the block's 64, the accumulator fragment's rows) is the consumer: it raises its registers to
-//   BWD_CONSUMER_REGS (setmaxnreg.inc) and only computes (and makes the rare sanitised tiles, and, in dkdv, writes
-//   the pairs' LSE and Δ to shared memory). It synchronises with itself by named barrier BWD_BAR_CONSUMERS (id 1,
-//   128 threads; bwd_consumer_sync), never __syncthreads, which would wait for the producer warpgroup (gone, or
-//   waiting on an empty barrier) and deadlock.
+// - Warpgroups 1..NWG (consumer thread ct = threadIdx.x − 128, of consumer warpgroup g = ct / 128, its warp w =
+//   (ct / 32) % 4 owning rows 16w..16w+15 of the warpgroup's 64, the accumulator fragment's rows) are the consumers:
+//   they raise their registers to BWD_CONSUMER_REGS_1 or _2 (setmaxnreg.inc) and only compute (and make the rare
+//   sanitised tiles, and, in dkdv, write the pairs' LSE and Δ to shared memory). They synchronise with each other by
+//   named barrier BWD_BAR_CONSUMERS (id 1, 128·NWG threads; bwd_consumer_sync), never __syncthreads, which would wait
+//   for the producer warpgroup (gone, or waiting on an empty barrier) and deadlock.
+// - Two consumer warpgroups in dkdv (D = 64): a block is 128 keys, key tile kt0 + g of the block's kt0 = 2·blockIdx.x
+//   being warpgroup g's (its own K, V, dK and dV), as FlashAttention-3's backward: both read the same Q and dO stage
+//   of each pair, so each pair's tiles are loaded once for 128 keys rather than 64, and while one warpgroup works
+//   out Pᵀ and dSᵀ the other's products can run. The pairs are those the mask does not hide for one of the block's
+//   tiles at least (bwd_next_pair); a warpgroup whose own tile the pair hides (or that has none: the last block of
+//   an odd number of key tiles) computes nothing for it but keeps every barrier: it waits on the stage, arrives on
+//   its empty barrier and on the consumers' named barriers. The shared tiles are sanitised (the non-finite rows below)
+//   when the pair is partial for either warpgroup's tile; each warpgroup's correction adds back what the zeroed
+//   elements contribute to its visible pairs, whatever its own tile's class. The sums of every dK and dV element
+//   are those of one consumer warpgroup, in the same order: the results are bit for bit those of the cp.async kernel.
 //   Checked on the emulator (which models the TMA, the mbarriers, the named barriers and their deadlocks, not the
 //   register file, the proxies nor timing) and by ptxas; not yet run on a GPU.
-//   The register split: 128·40 + 128·256 of the 64K registers. The kernel's cap at entry is 255
-//   (__launch_bounds__(256, 1)), which ptxas reports (as the forward's); at one consumer warpgroup setmaxnreg.inc
-//   adds nothing to what ptxas may use, what it buys is the producer's registers given back. Why one consumer
-//   warpgroup: two (128 keys a block, each Q/dO load shared by both, as FlashAttention-3 at D = 128) would put the
-//   cap at entry at 168 (384 threads) and the consumers at most at 240 (128·24 + 256·240), where the body (dK and
-//   dV's D accumulators, Sᵀ and dPᵀ's 64, their packed A fragments' 32, live at once) takes 253 at D = 128 by
-//   ptxas's report of the cp.async kernel, the same body without the producer (232 at D = 64, which would fit, and
-//   is not built; BENCHMARKS.md has the figures). The dq kernel's body takes 182 at D = 128 (its cp.async kernel).
+//   The register split: 128·40 + 128·256 of the 64K registers with one consumer warpgroup, 128·40 + 256·232 with two
+//   (as the forward). The kernel's cap at entry, which ptxas reports, is 255 with one (__launch_bounds__(256, 1)),
+//   where setmaxnreg.inc adds nothing to what ptxas may use (what it buys is the producer's registers given back), and
+//   168 with two (384 threads), where it raises the consumers to 232. Why not two at D = 128: the consumers could
+//   have at most 240 (128·24 + 256·240), where the body (dK and dV's D accumulators, Sᵀ and dPᵀ's 64, their packed
+//   A fragments' 32, live at once) takes 253 by ptxas's report of the cp.async kernel, the same body without the
+//   producer; at D = 64 it takes 232 (BENCHMARKS.md has the figures). The dq kernel's body takes 182 at D = 128 (its
+//   cp.async kernel): its blocks are 64 queries, one consumer warpgroup.
 // The cp.async kernels (the fallback where the device refuses a tensor map) are one warpgroup: 128 threads that all
 // load and compute, as Loads (below) says.
 //
-// dkdv: a block for a tile of 64 key rows of one (batch, key/value head), dK and dV accumulators in registers; K and
-// V stay in shared memory. For every query head of the group and every query tile of 64 rows that the mask does not
+// dkdv: a block for a tile of 64 key rows of one (batch, key/value head) per consumer warpgroup, dK and dV
+// accumulators in registers; K and V stay in shared memory. For every query head of the group and every query tile of 64 rows that the mask does not
 // hide: Q, dO (and their LSE, Δ) go global → shared; then
 //   Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (64×64 each: wgmma with both operands K-major in shared memory),
 //   Pᵀ = exp(Sᵀ·scale − LSE), dSᵀ = Pᵀ∘(dPᵀ − Δ) on the accumulator fragments (hidden pairs selected to 0),
@@ -46,13 +57,15 @@
 // dO of each visible (query head, query tile) pair in dkdv, K and V of each visible key tile in dq). The walk skips
 // what the mask hides (bwd_next_pair, next_tile): a hidden tile is never loaded.
 // - dkdv and fused fed by the TMA (what the host launches where the device takes the tensor maps; ptx_tma.cuh): the
-//   producer thread loads K and V once, on kvbar = bars[0] (1 arrival: its arrive.expect_tx of both tiles' bytes,
-//   plus the bytes; the consumers wait with parity 0), then walks the visible pairs in the consumers' order, the
+//   producer thread loads K and V once (the tiles of every consumer warpgroup's key tile within the keys), on kvbar =
+//   bars[0] (1 arrival: its arrive.expect_tx of all those tiles' bytes, plus the bytes; the consumers wait with
+//   parity 0), then walks the visible pairs in the consumers' order, the
 //   n-th pair's Q and dO into stage n % BWD_STAGES of a ring of BWD_STAGES (3) stages. full[s] = bars[1 + s]:
 //   1 arrival (the producer's arrive.expect_tx of the stage's 2·64·D·2 bytes, zero-filled rows included) plus the
 //   bytes; the consumers wait on it with parity (n / BWD_STAGES) % 2 (the stage's (n / BWD_STAGES)-th fill).
-//   empty[s] = bars[1 + BWD_STAGES + s]: 128 arrivals, one per consumer thread once its last wgmma reading the stage
-//   (dV += Pᵀ·dO and dK += dSᵀ·Q of the pair) has been waited for; before filling stage s for the n-th pair the
+//   empty[s] = bars[1 + BWD_STAGES + s]: 128·NWG arrivals, one per consumer thread once its last wgmma reading the
+//   stage (dV += Pᵀ·dO and dK += dSᵀ·Q of the pair) has been waited for (at once where its warpgroup's tile is
+//   hidden); before filling stage s for the n-th pair the
 //   producer waits on it with parity ((n / BWD_STAGES) % 2) ^ 1, so a stage's first fill passes at once (the phase
 //   before an mbarrier's first counts as complete) and each later fill waits for the release of the fill before.
 //   The producer so runs up to BWD_STAGES pairs ahead of the pair being computed, bounded only by the releases.
@@ -90,13 +103,15 @@
 // which the producer waits for before refilling it; in the two-buffer kernels the barrier ending each iteration).
 //
 // Shared memory (dynamic, aligned up to 1024 bytes of the shared window: the 128B swizzle is on the address), in
-// TB = 64·D·2-byte tiles: dkdv: K, V, Q of each stage, dO of each stage (2 + 2·BWD_STAGES = 8 TB with the TMA ring,
-// 6 TB with cp.async's two buffers; fused adds K sanitized), LSE and Δ of slots 0 and 1 (1 KiB), the correction
-// scratch (per warp 16 × 64 f32 for Pᵀ and for dSᵀ: 32 KiB), the TMA kernels' 1 + 2·BWD_STAGES barriers (56 bytes;
+// TB = 64·D·2-byte tiles: dkdv: K and V of each consumer warpgroup, Q of each stage, dO of each stage (2·NWG +
+// 2·BWD_STAGES TB with the TMA ring, 8 at D = 128 and 10 at D = 64; 6 TB with cp.async's two buffers; fused adds K
+// sanitized, per consumer warpgroup), LSE and Δ of slots 0 and 1 (1 KiB), the correction scratch (per consumer warp
+// 16 × 64 f32 for Pᵀ and for dSᵀ: 32 KiB a warpgroup), the TMA kernels' 1 + 2·BWD_STAGES barriers (56 bytes;
 // ops/attention.rs: bwd_dkdv_smem); dq: Q, dO, K and V of each stage (8 TB with the ring, 6 with cp.async), the
 // scratch (per warp 16 × 64 f32 for dS: 16 KiB), the TMA kernel's barriers (56 bytes; bwd_dq_smem). At D = 128: dkdv
-// 161 KiB with the TMA ring (129 KiB with cp.async), fused 177 KiB (145), dq 144 KiB (112); at D = 64: 97 (81), 105
-// (89) and 80 (64) KiB; each + the barriers + the 1024 bytes of alignment slack the host adds. The largest, fused
+// 161 KiB with the TMA ring (129 KiB with cp.async), fused 177 KiB (145), dq 144 KiB (112); at D = 64 (two consumer
+// warpgroups with the ring): 145 (81), 161 (89) and 80 (64) KiB; each + the barriers + the 1024 bytes of alignment
+// slack the host adds. The largest, fused
 // at D = 128, is within the 227 KiB an sm_90 block may opt into (a compile-time check in ops/attention.rs); a fourth
 // stage would make it 209 KiB.
 //
@@ -124,19 +139,25 @@ struct BwdMaps {
     const CUtensorMap* dout;
 };
 
+// Issues the TMA loads of rows [row0, row0 + 64) of head `head` (of batch·heads) of the tensor `m` into the tile at
+// `t`, completing on `bar` (whose expected bytes the caller has announced): D/64 boxes, box c (elements 64c..64c+63
+// of every row) at t + c·64·128, attention_wgmma.cuh's tile layout. One thread.
+template <int D>
+__device__ __forceinline__ void bwd_tma_tile(unsigned char* t, const CUtensorMap* m, u64* bar, u32 row0, u32 head) {
+#pragma unroll
+    for (int c = 0; c < D / 64; ++c)
+        tma_load_3d(t + c * (WG_BC * 128), m, bar, c * 64, static_cast<i32>(row0), static_cast<i32>(head));
+}
+
 // Issues the TMA loads of rows [row0, row0 + 64) of head `head` (of batch·heads) of the tensors `ma` and `mb`
 // describe into the tiles at `a` and `b`, completing on `bar`, after announcing both tiles' bytes on it (rows past
-// the head's length included: the TMA writes them as zeros and counts them). D/64 boxes per tile, box c (elements
-// 64c..64c+63 of every row) at tile + c·64·128: attention_wgmma.cuh's tile layout. One thread.
+// the head's length included: the TMA writes them as zeros and counts them). One thread.
 template <int D>
 __device__ __forceinline__ void bwd_tma_pair(unsigned char* a, const CUtensorMap* ma, unsigned char* b,
                                              const CUtensorMap* mb, u64* bar, u32 row0, u32 head) {
     mbarrier_arrive_expect_tx(bar, 2 * WG_BC * D * 2);
-#pragma unroll
-    for (int c = 0; c < D / 64; ++c) {
-        tma_load_3d(a + c * (WG_BC * 128), ma, bar, c * 64, static_cast<i32>(row0), static_cast<i32>(head));
-        tma_load_3d(b + c * (WG_BC * 128), mb, bar, c * 64, static_cast<i32>(row0), static_cast<i32>(head));
-    }
+    bwd_tma_tile<D>(a, ma, bar, row0, head);
+    bwd_tma_tile<D>(b, mb, bar, row0, head);
 }
 
 // The warp-specialised kernels (the TMA-fed ones; the header's Warps): the ring's depth, the register split of the
@@ -144,30 +165,38 @@ __device__ __forceinline__ void bwd_tma_pair(unsigned char* a, const CUtensorMap
 // for the producer) with its 128 threads. The host reads BWD_STAGES for the shared-memory sizes (ops/attention.rs).
 #define BWD_STAGES 3
 #define BWD_PRODUCER_REGS 40
-#define BWD_CONSUMER_REGS 256
+#define BWD_CONSUMER_REGS_1 256
+#define BWD_CONSUMER_REGS_2 232
 #define BWD_BAR_CONSUMERS 1
-#define BWD_CONSUMERS 128
+// Consumer warpgroups of the TMA-fed dK/dV and fused kernels at each head dim (the header's Warps: two at D = 64, 128
+// keys a block; one at D = 128, whose body needs more registers than two consumers may have). The host reads them.
+#define BWD_DKDV_WGS_D64 2
+#define BWD_DKDV_WGS_D128 1
 
-// The first (query head of the group, query tile) pair at or after x that the mask does not hide for key tile kt
-// (pair x: head hk·group + x / q_tiles, tile x % q_tiles; `pairs`: none). Producer and consumers walk the same.
-__device__ __forceinline__ u32 bwd_next_pair(const AttnProblem& p, u32 x, u32 pairs, u32 q_tiles, u32 kt) {
-    while (x < pairs && classify(p, x % q_tiles, kt) == TILE_HIDDEN) ++x;
+// The first (query head of the group, query tile) pair at or after x that the mask does not hide for every one of
+// key tiles kt0..kt0 + tiles − 1, a dK/dV block's (pair x: head hk·group + x / q_tiles, tile x % q_tiles; `pairs`:
+// none). Producer and consumers walk the same.
+__device__ __forceinline__ u32 bwd_next_pair(const AttnProblem& p, u32 x, u32 pairs, u32 q_tiles, u32 kt0,
+                                             u32 tiles) {
+    for (; x < pairs; ++x)
+        for (u32 t = 0; t < tiles; ++t)
+            if (classify(p, x % q_tiles, kt0 + t) != TILE_HIDDEN) return x;
     return x;
 }
 
-// The start of a kernel's roles (the header's Warps). With the TMA: thread 0 initialises the barriers (bars[0], the
-// kept tiles; full[st] = bars[1 + st], 1 arrival; empty[st] = bars[1 + S + st], one per consumer thread), then after
-// the block's only __syncthreads the producer warpgroup lowers its registers, its thread 0 runs `produce` (every
-// copy), and all 128 leave (false); the consumer warpgroup raises its registers (true). Without the TMA every thread
-// is a consumer and nothing happens here.
-template <bool TMA, u32 S, typename Produce>
+// The start of a kernel's roles (the header's Warps), with NWG consumer warpgroups. With the TMA: thread 0
+// initialises the barriers (bars[0], the kept tiles, 1 arrival; full[st] = bars[1 + st], 1 arrival; empty[st] =
+// bars[1 + S + st], one per consumer thread, 128·NWG), then after the block's only __syncthreads the producer
+// warpgroup lowers its registers, its thread 0 runs `produce` (every copy), and all 128 leave (false); the consumer
+// warpgroups raise theirs (true). Without the TMA every thread is a consumer and nothing happens here.
+template <bool TMA, u32 S, u32 NWG, typename Produce>
 __device__ __forceinline__ bool bwd_roles(u64* bars, Produce produce) {
     if constexpr (TMA) {
         if (threadIdx.x == 0) {
             mbarrier_init(&bars[0], 1);
             for (u32 st = 0; st < S; ++st) {
                 mbarrier_init(&bars[1 + st], 1);
-                mbarrier_init(&bars[1 + S + st], BWD_CONSUMERS);
+                mbarrier_init(&bars[1 + S + st], 128 * NWG);
             }
             mbarrier_fence_init();
         }
@@ -177,50 +206,56 @@ __device__ __forceinline__ bool bwd_roles(u64* bars, Produce produce) {
             if (threadIdx.x == 0) produce();
             return false;
         }
-        setmaxnreg_inc<BWD_CONSUMER_REGS>();
+        setmaxnreg_inc<(NWG == 1 ? BWD_CONSUMER_REGS_1 : BWD_CONSUMER_REGS_2)>();
     }
     return true;
 }
 
-// The consumers' barrier in the kernel bodies: named barrier BWD_BAR_CONSUMERS of the consumer warpgroup's 128
-// threads in the TMA kernels (the producer warpgroup has left or waits on an "empty" barrier: __syncthreads would
-// deadlock); __syncthreads in the cp.async ones, whose 128 threads are all consumers.
-template <bool TMA>
+// The consumers' barrier in the kernel bodies: named barrier BWD_BAR_CONSUMERS of the NWG consumer warpgroups'
+// 128·NWG threads in the TMA kernels (the producer warpgroup has left or waits on an "empty" barrier: __syncthreads
+// would deadlock); __syncthreads in the cp.async ones, whose 128 threads are all consumers.
+template <bool TMA, u32 NWG = 1>
 __device__ __forceinline__ void bwd_consumer_sync() {
     if constexpr (TMA)
-        named_barrier_sync(BWD_BAR_CONSUMERS, BWD_CONSUMERS);
+        named_barrier_sync(BWD_BAR_CONSUMERS, 128 * NWG);
     else
         __syncthreads();
 }
 
-// The dK/dV producer (thread 0 of warpgroup 0 in the TMA-fed dkdv and fused kernels): nothing when the mask hides
-// every pair; else K and V once on kvbar, then the visible pairs' Q and dO in the consumers' order, the n-th into
-// stage n % BWD_STAGES once the consumers have released it (its empty barrier's phase before the (n /
-// BWD_STAGES)-th: the first use of a stage passes at once). Runs up to BWD_STAGES pairs ahead of the pair the
-// consumers compute.
-template <int D>
+// The dK/dV producer (thread 0 of warpgroup 0 in the TMA-fed dkdv and fused kernels), for the block's `tiles` key
+// tiles from kt0 (NWG, fewer at the end of the keys): nothing when the mask hides every pair; else their K and V
+// once on kvbar (tile g's at smem + g·TB and smem + (NWG + g)·TB), then the visible pairs' Q and dO in the
+// consumers' order, the n-th into stage n % BWD_STAGES once the consumers have released it (its empty barrier's
+// phase before the (n / BWD_STAGES)-th: the first use of a stage passes at once). Runs up to BWD_STAGES pairs ahead
+// of the pair the consumers compute.
+template <int D, u32 NWG>
 __device__ __forceinline__ void bwd_dkdv_produce(const AttnProblem& p, BwdMaps maps, unsigned char* smem, u64* kvbar,
-                                                 u64* full, u64* empty, u32 kt, u32 hk, u32 b) {
+                                                 u64* full, u64* empty, u32 kt0, u32 tiles, u32 hk, u32 b) {
     constexpr u32 TB = WG_BC * D * 2;
     const u32 group = p.q_heads / p.kv_heads;
     const u32 q_tiles = (p.q_len + WG_BC - 1) / WG_BC;
     const u32 pairs = group * q_tiles;
-    u32 x = bwd_next_pair(p, 0, pairs, q_tiles, kt);
+    u32 x = bwd_next_pair(p, 0, pairs, q_tiles, kt0, tiles);
     if (x >= pairs) return;  // every pair hidden: nothing to load
-    bwd_tma_pair<D>(smem, maps.k, smem + TB, maps.v, kvbar, kt * WG_BC, b * p.kv_heads + hk);
-    for (u32 n = 0; x < pairs; ++n, x = bwd_next_pair(p, x + 1, pairs, q_tiles, kt)) {
+    mbarrier_arrive_expect_tx(kvbar, tiles * 2 * TB);
+    for (u32 g = 0; g < tiles; ++g) {
+        bwd_tma_tile<D>(smem + g * TB, maps.k, kvbar, (kt0 + g) * WG_BC, b * p.kv_heads + hk);
+        bwd_tma_tile<D>(smem + (NWG + g) * TB, maps.v, kvbar, (kt0 + g) * WG_BC, b * p.kv_heads + hk);
+    }
+    unsigned char* qs = smem + 2 * NWG * TB;  // stage st's Q at qs + st·TB, its dO at qs + (BWD_STAGES + st)·TB
+    for (u32 n = 0; x < pairs; ++n, x = bwd_next_pair(p, x + 1, pairs, q_tiles, kt0, tiles)) {
         const u32 st = n % BWD_STAGES, use = n / BWD_STAGES;
         mbarrier_wait(&empty[st], (use & 1u) ^ 1u);
-        bwd_tma_pair<D>(smem + (2 + st) * TB, maps.q, smem + (2 + BWD_STAGES + st) * TB, maps.dout, &full[st],
+        bwd_tma_pair<D>(qs + st * TB, maps.q, qs + (BWD_STAGES + st) * TB, maps.dout, &full[st],
                         (x % q_tiles) * WG_BC, b * p.q_heads + hk * group + x / q_tiles);
     }
 }
 
 // dkdv, and with ATOMIC the non-deterministic variant's fused kernel (the header's "fused"): one body, so that the
 // two cannot drift apart; ATOMIC adds the sanitized copy of K, the dSᵀ scratch written every pair, and dQ's atomics.
-// With TMA the block is the producer warpgroup and one consumer warpgroup (the header's Warps); without, one
-// warpgroup that loads and computes.
-template <int D, typename T, typename G, bool ATOMIC, bool TMA>
+// With TMA the block is the producer warpgroup and NWG consumer warpgroups, each with a key tile of its own (the
+// header's Warps); without, one warpgroup that loads and computes (NWG = 1).
+template <int D, typename T, typename G, bool ATOMIC, bool TMA, u32 NWG>
 __device__ __forceinline__ void attn_bwd_wgmma_dkdv(const AttnProblem& p, BwdMaps maps, G* __restrict__ dk,
                                                     G* __restrict__ dv,
                                                     float* __restrict__ dq_ws, const T* __restrict__ q,
@@ -230,55 +265,74 @@ __device__ __forceinline__ void attn_bwd_wgmma_dkdv(const AttnProblem& p, BwdMap
                                                     const unsigned long long* __restrict__ q_bad,
                                                     const unsigned long long* __restrict__ do_bad,
                                                     const unsigned long long* __restrict__ k_bad, int accumulate) {
+    static_assert(NWG == 1 || (TMA && NWG == 2), "two consumer warpgroups need the producer's TMA loads");
     unsigned char* smem = wg_smem();
     constexpr u32 TB = WG_BC * D * 2;
+    constexpr u32 NC = 128 * NWG;  // consumer threads
     // Stages of Q and dO: the TMA ring's BWD_STAGES, cp.async's two buffers.
     constexpr u32 S = TMA ? BWD_STAGES : 2;
-    unsigned char* ks_ = smem;
-    unsigned char* vs_ = smem + TB;
-    // Q's stage st at smem + (2 + st)·TB, dO's at smem + (2 + S + st)·TB; with ATOMIC, K sanitized at (2 + 2S)·TB.
-    // Then the LSE (base 2) and Δ of slot c (the n-th pair's in slot n % 2, whatever the stages) at lsd + 128c and
-    // lsd + 128c + 64 (computed: an array indexed at run time would live in local memory).
-    unsigned char* kc_ = smem + (2 + 2 * S) * TB;
-    float* lsd = reinterpret_cast<float*>(smem + (2 + 2 * S + (ATOMIC ? 1 : 0)) * TB);
-    float* scr = lsd + 4 * WG_BC;  // [4 warps][2][16][64]: Pᵀ (for the correction) and dSᵀ (correction; dQ)
+    // Consumer warpgroup g's K at smem + g·TB, its V at smem + (NWG + g)·TB; Q's stage st at smem + (2·NWG + st)·TB,
+    // dO's at smem + (2·NWG + S + st)·TB; with ATOMIC, g's K sanitized at (2·NWG + 2S + g)·TB. Then the LSE (base 2)
+    // and Δ of slot c (the n-th pair's in slot n % 2, whatever the stages) at lsd + 128c and lsd + 128c + 64
+    // (computed: an array indexed at run time would live in local memory).
+    unsigned char* qs0 = smem + 2 * NWG * TB;
+    float* lsd = reinterpret_cast<float*>(smem + (2 * NWG + 2 * S + (ATOMIC ? NWG : 0)) * TB);
+    float* scr = lsd + 4 * WG_BC;  // [4·NWG warps][2][16][64]: Pᵀ (for the correction) and dSᵀ (correction; dQ)
     // TMA: [0] K and V landed; full[st] = bars[1 + st]: stage st's Q and dO landed; empty[st] = bars[1 + S + st]:
     // every consumer thread is done with stage st.
-    u64* bars = reinterpret_cast<u64*>(scr + 4 * 2 * 16 * 64);
+    u64* bars = reinterpret_cast<u64*>(scr + NWG * 4 * 2 * 16 * 64);
     u64* full = bars + 1;
     u64* empty = bars + 1 + S;
 
-    const u32 kt = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
-    if (!bwd_roles<TMA, S>(bars, [&] { bwd_dkdv_produce<D>(p, maps, smem, &bars[0], full, empty, kt, hk, b); }))
+    const u32 hk = blockIdx.y, b = blockIdx.z;
+    const u32 k_tiles = (p.kv_len + WG_BC - 1) / WG_BC;
+    const u32 kt0 = blockIdx.x * NWG;  // the block's first key tile
+    const u32 tiles = k_tiles - kt0 < NWG ? k_tiles - kt0 : NWG;  // its key tiles (fewer at the end of the keys)
+    if (!bwd_roles<TMA, S, NWG>(bars, [&] {
+            bwd_dkdv_produce<D, NWG>(p, maps, smem, &bars[0], full, empty, kt0, tiles, hk, b);
+        }))
         return;
-    // The consumers (every thread without TMA): thread ct of 128.
+    // The consumers (every thread without TMA): thread ct of 128·NWG; warpgroup g = ct / 128 computes key tile kt0 + g
+    // (none when g ≥ tiles: it keeps the barriers' counts and writes nothing), its warp w rows 16w..16w+15 of it.
+    // (With one, written so that nothing is left to compute: ct < 128 and the block's one tile is within the keys.)
     const u32 ct = TMA ? threadIdx.x - 128 : threadIdx.x;
-    const u32 lane = ct & 31, warp = ct >> 5;
+    const u32 g = NWG == 1 ? 0 : ct >> 7;
+    const u32 lane = ct & 31, warp = NWG == 1 ? ct >> 5 : (ct >> 5) & 3;
     const u32 gid = lane >> 2, tig = lane & 3;
+    const u32 kt = kt0 + g;
+    const bool own = NWG == 1 || g < tiles;
+    unsigned char* ks_ = smem + g * TB;
+    unsigned char* vs_ = smem + (NWG + g) * TB;
+    unsigned char* kc_ = smem + (2 * NWG + 2 * S + g) * TB;
     const u32 group = p.q_heads / p.kv_heads;
     const u64 k_head = ((u64)b * p.kv_heads + hk) * p.kv_len;
     const u32 q_tiles = (p.q_len + WG_BC - 1) / WG_BC;
     const u32 j_lo = kt * WG_BC + warp * 16 + gid;  // this thread's keys: j_lo and j_lo + 8
     const float scale2 = p.scale * 1.4426950408889634f;
-    // K's non-finite rows (ATOMIC only; read again where needed, so that no register holds them through the loop).
-    auto kbad = [&]() {
-        const u32 k_tiles = (p.kv_len + WG_BC - 1) / WG_BC;
-        return (ATOMIC && k_bad) ? k_bad[((u64)b * p.kv_heads + hk) * k_tiles + kt] : 0ull;
+    // Key tile t's non-finite rows (ATOMIC only; read again where needed, so that no register holds them through the
+    // loop).
+    auto kbad = [&](u32 t) {
+        return (ATOMIC && k_bad && t < k_tiles) ? k_bad[((u64)b * p.kv_heads + hk) * k_tiles + t] : 0ull;
     };
 
     if (!TMA) {
         wg_load_tile<D, WG_BC, T>(ks_, k + k_head * D, kt * WG_BC, p.kv_len, threadIdx.x, blockDim.x);
         wg_load_tile<D, WG_BC, T>(vs_, v + k_head * D, kt * WG_BC, p.kv_len, threadIdx.x, blockDim.x);
     }
-    if (ATOMIC && kbad()) {
-        // The sanitized copy of K for dQ's products, made before the loop by the consumers' cp.async whatever feeds
-        // the other tiles (its copies waited for at once: only tiles with a non-finite K row pay for it).
-        wg_load_tile<D, WG_BC, T>(kc_, k + k_head * D, kt * WG_BC, p.kv_len, ct, BWD_CONSUMERS);
+    bool any_kbad = false;
+#pragma unroll
+    for (u32 t = 0; t < NWG; ++t) any_kbad |= kbad(kt0 + t) != 0;
+    if (ATOMIC && any_kbad) {
+        // The sanitized copy of each K tile with non-finite rows for dQ's products, made before the loop by its
+        // warpgroup's cp.async whatever feeds the other tiles (its copies waited for at once: only tiles with a
+        // non-finite K row pay for it); the barriers are every consumer's.
+        const u32 wct = ct & 127;
+        if (kbad(kt)) wg_load_tile<D, WG_BC, T>(kc_, k + k_head * D, kt * WG_BC, p.kv_len, wct, 128);
         cp_async_wait_all();
-        bwd_consumer_sync<TMA>();
-        wg_sanitize<D, T>(kc_, kbad(), ct, BWD_CONSUMERS);
+        bwd_consumer_sync<TMA, NWG>();
+        if (kbad(kt)) wg_sanitize<D, T>(kc_, kbad(kt), wct, 128);
         wgmma_fence_proxy_async();
-        bwd_consumer_sync<TMA>();
+        bwd_consumer_sync<TMA, NWG>();
     }
     if (!TMA) cp_async_commit();  // K and V's copies (waited for with the first pair's)
 
@@ -286,26 +340,27 @@ __device__ __forceinline__ void attn_bwd_wgmma_dkdv(const AttnProblem& p, BwdMap
 #pragma unroll
     for (u32 i = 0; i < D / 2; ++i) dka[i] = dva[i] = 0.0f;
 
-    // The (query head of the group, query tile) pairs the mask does not hide, in order (the producer's walk).
+    // The (query head of the group, query tile) pairs the mask does not hide for every tile of the block, in order
+    // (the producer's walk).
     const u32 pairs = group * q_tiles;
-    // This thread's share of pair x's LSE and Δ (thread ct: the LSE of row ct for ct < 64, else the Δ of row
+    // The share of pair x's LSE and Δ of consumer thread ct < 128 (the LSE of row ct for ct < 64, else the Δ of row
     // ct − 64; LSE in base 2, for P = 2^(S·scale·log2 e − LSE·log2 e) by one ex2.approx), stored at slot + ct.
     auto stat = [&](u32 x) {
         const u32 i = (x % q_tiles) * WG_BC + (ct & (WG_BC - 1));
         const u64 qh = (u64)(b * p.q_heads + hk * group + x / q_tiles) * p.q_len;
-        if (i >= p.q_len) return 0.0f;
+        if (i >= p.q_len || (NWG > 1 && ct >= 2 * WG_BC)) return 0.0f;
         return ct < WG_BC ? lse[qh + i] * 1.4426950408889634f : delta[qh + i];
     };
     // cp.async only: every thread's share of pair x's Q and dO into buffer c.
     auto load_pair = [&](u32 x, u32 c) {
         const u32 i0 = (x % q_tiles) * WG_BC;
         const u64 qh = (u64)(b * p.q_heads + hk * group + x / q_tiles) * p.q_len;
-        wg_load_tile<D, WG_BC, T>(smem + (2 + c) * TB, q + qh * D, i0, p.q_len, threadIdx.x, blockDim.x);
-        wg_load_tile<D, WG_BC, T>(smem + (2 + S + c) * TB, dout + qh * D, i0, p.q_len, threadIdx.x, blockDim.x);
+        wg_load_tile<D, WG_BC, T>(qs0 + c * TB, q + qh * D, i0, p.q_len, threadIdx.x, blockDim.x);
+        wg_load_tile<D, WG_BC, T>(qs0 + (S + c) * TB, dout + qh * D, i0, p.q_len, threadIdx.x, blockDim.x);
     };
-    u32 x = bwd_next_pair(p, 0, pairs, q_tiles, kt);
+    u32 x = bwd_next_pair(p, 0, pairs, q_tiles, kt0, tiles);
     if (x < pairs) {
-        lsd[ct] = stat(x);  // slot 0, published by the first iteration's barrier
+        if (NWG == 1 || ct < 2 * WG_BC) lsd[ct] = stat(x);  // slot 0, published by the first iteration's barrier
         if (!TMA) load_pair(x, 0);
         if (TMA) mbarrier_wait(&bars[0], 0);  // K and V (loaded only when a pair is visible)
     }
@@ -313,7 +368,7 @@ __device__ __forceinline__ void attn_bwd_wgmma_dkdv(const AttnProblem& p, BwdMap
     for (u32 n = 0; x < pairs; ++n) {
         // Pair x is the loop's n-th: in stage stg = n % S (that stage's (n / S)-th fill), its LSE and Δ in slot n % 2.
         const u32 stg = n % S;
-        const u32 xn = bwd_next_pair(p, x + 1, pairs, q_tiles, kt);
+        const u32 xn = bwd_next_pair(p, x + 1, pairs, q_tiles, kt0, tiles);
         // The next pair's LSE or Δ, loaded now and stored after the barrier below (its latency under the wait).
         const float stat_next = xn < pairs ? stat(xn) : 0.0f;
         if (TMA) {
@@ -331,101 +386,112 @@ __device__ __forceinline__ void attn_bwd_wgmma_dkdv(const AttnProblem& p, BwdMap
         // This pair's LSE and Δ (slot n % 2), written by every consumer thread before it (with cp.async, its tiles
         // too); and every consumer is past the iteration before: its reads of slot (n + 1) % 2 and of the scratch
         // are done.
-        bwd_consumer_sync<TMA>();
-        if (xn < pairs) lsd[((n + 1) & 1u) * 2 * WG_BC + ct] = stat_next;
+        bwd_consumer_sync<TMA, NWG>();
+        if (xn < pairs && (NWG == 1 || ct < 2 * WG_BC)) lsd[((n + 1) & 1u) * 2 * WG_BC + ct] = stat_next;
         {
             const u32 qt = x % q_tiles;
             const u32 h = hk * group + x / q_tiles;
             const u64 q_head = ((u64)b * p.q_heads + h) * p.q_len;
             const T* qg = q + q_head * D;
             const T* dog = dout + q_head * D;
-            const int cls = classify(p, qt, kt);
+            // This warpgroup's tile against the pair (hidden: it computes nothing, and only keeps the barriers), and
+            // whether any of the block's is partial (the sanitising of the shared Q and dO tiles is everyone's).
+            // (With one warpgroup the walk visits no pair its tile hides.)
+            const int cls = own ? classify(p, qt, kt) : TILE_HIDDEN;
+            bool partial = cls == TILE_PARTIAL;
+#pragma unroll
+            for (u32 t = 0; t < NWG; ++t) partial |= t != g && t < tiles && classify(p, qt, kt0 + t) == TILE_PARTIAL;
+            const bool mine = NWG == 1 || cls != TILE_HIDDEN;
             const u32 i0 = qt * WG_BC;
-            unsigned char* qs = smem + (2 + stg) * TB;
-            unsigned char* dos = smem + (2 + S + stg) * TB;
+            unsigned char* qs = qs0 + stg * TB;
+            unsigned char* dos = qs0 + (S + stg) * TB;
             const float* ls = lsd + (n & 1u) * 2 * WG_BC;
             const float* dls = ls + WG_BC;
             const bool masked = cls == TILE_PARTIAL || i0 + WG_BC > p.q_len || (kt + 1) * WG_BC > p.kv_len;
             unsigned long long qb = 0, db = 0;
-            if (cls == TILE_PARTIAL && q_bad) {
+            if (partial && q_bad) {
                 qb = q_bad[((u64)b * p.q_heads + h) * q_tiles + qt];
                 db = do_bad[((u64)b * p.q_heads + h) * q_tiles + qt];
                 if (qb | db) {
-                    wg_sanitize<D, T>(qs, qb, ct, BWD_CONSUMERS);
-                    wg_sanitize<D, T>(dos, db, ct, BWD_CONSUMERS);
+                    wg_sanitize<D, T>(qs, qb, ct, NC);
+                    wg_sanitize<D, T>(dos, db, ct, NC);
                     wgmma_fence_proxy_async();
-                    bwd_consumer_sync<TMA>();
+                    bwd_consumer_sync<TMA, NWG>();
                 }
             }
-            // Sᵀ and dPᵀ: 64 keys × 64 queries; st[4n + e]: key j_lo + 8·(e / 2), query i0 + 8n + 2·tig + (e % 2).
-            float st[32], dpt[32];
-#pragma unroll
-            for (u32 i = 0; i < 32; ++i) st[i] = dpt[i] = 0.0f;
-            wgmma_fence();
-#pragma unroll
-            for (u32 ks = 0; ks < D / 16; ++ks) {
-                wg_mma_qk<T>(st, wg_desc_kmajor<WG_BC>(ks_, ks), wg_desc_kmajor<WG_BC>(qs, ks), ks > 0);
-                wg_mma_qk<T>(dpt, wg_desc_kmajor<WG_BC>(vs_, ks), wg_desc_kmajor<WG_BC>(dos, ks), ks > 0);
-            }
-            wgmma_commit_group();
-            wgmma_wait_group<0>();
-            // Pᵀ and dSᵀ.
-#pragma unroll
-            for (u32 n = 0; n < 8; ++n) {
-#pragma unroll
-                for (u32 e = 0; e < 4; ++e) {
-                    u32 j = j_lo + 8 * (e >> 1);
-                    u32 il = n * 8 + 2 * tig + (e & 1);
-                    u32 i = i0 + il;
-                    bool hidden = masked && (i >= p.q_len || j >= p.kv_len || !visible(p, i, j));
-                    float pv = hidden ? 0.0f : ex2_approx(st[4 * n + e] * scale2 - ls[il]);
-                    float dsv = hidden ? 0.0f : pv * (dpt[4 * n + e] - dls[il]);
-                    st[4 * n + e] = pv;
-                    dpt[4 * n + e] = dsv;
-                }
-            }
-            // This warp's Pᵀ and dSᵀ (16 × 64 each) go to shared memory for the correction (so that no register
-            // array is indexed at run time) and, with ATOMIC, dSᵀ always (dQ's A operand, transposed). Both variants
-            // write them before the products, so that the fragments are dead during them (kept live through the
-            // products for the rare correction, they left the warp-specialised dkdv kernel at ptxas's cap with a
-            // spill; and ptxas then had to insert a warpgroup.arrive to let the wgmmas use their registers).
-            float* ps = scr + warp * 2 * 16 * 64;
+            // This warp's Pᵀ and dSᵀ scratch (16 × 64 each; warpgroup g's four warps at scr + g·8192).
+            float* ps = scr + (g * 4 + warp) * 2 * 16 * 64;
             float* ss = ps + 16 * 64;
-            auto keep_fragments = [&](bool p_too) {
+            if (mine) {
+                // Sᵀ and dPᵀ: 64 keys × 64 queries; st[4n + e]: key j_lo + 8·(e / 2), query i0 + 8n + 2·tig + (e % 2).
+                float st[32], dpt[32];
 #pragma unroll
-                for (u32 n = 0; n < 8; ++n)
+                for (u32 i = 0; i < 32; ++i) st[i] = dpt[i] = 0.0f;
+                wgmma_fence();
+#pragma unroll
+                for (u32 ks = 0; ks < D / 16; ++ks) {
+                    wg_mma_qk<T>(st, wg_desc_kmajor<WG_BC>(ks_, ks), wg_desc_kmajor<WG_BC>(qs, ks), ks > 0);
+                    wg_mma_qk<T>(dpt, wg_desc_kmajor<WG_BC>(vs_, ks), wg_desc_kmajor<WG_BC>(dos, ks), ks > 0);
+                }
+                wgmma_commit_group();
+                wgmma_wait_group<0>();
+                // Pᵀ and dSᵀ.
+#pragma unroll
+                for (u32 n = 0; n < 8; ++n) {
 #pragma unroll
                     for (u32 e = 0; e < 4; ++e) {
-                        u32 at = (gid + 8 * (e >> 1)) * 64 + n * 8 + 2 * tig + (e & 1);
-                        if (p_too) ps[at] = st[4 * n + e];
-                        ss[at] = dpt[4 * n + e];
+                        u32 j = j_lo + 8 * (e >> 1);
+                        u32 il = n * 8 + 2 * tig + (e & 1);
+                        u32 i = i0 + il;
+                        bool hidden = masked && (i >= p.q_len || j >= p.kv_len || !visible(p, i, j));
+                        float pv = hidden ? 0.0f : ex2_approx(st[4 * n + e] * scale2 - ls[il]);
+                        float dsv = hidden ? 0.0f : pv * (dpt[4 * n + e] - dls[il]);
+                        st[4 * n + e] = pv;
+                        dpt[4 * n + e] = dsv;
                     }
-            };
-            if (ATOMIC)
-                keep_fragments((qb | db) != 0);
-            else if (qb | db)
-                keep_fragments(true);
-            // dV += Pᵀ·dO and dK += dSᵀ·Q over the tile's 64 queries (4 k-steps of 16).
-            u32 pa[4][4], sa[4][4];
-#pragma unroll
-            for (u32 t = 0; t < 4; ++t) {
-#pragma unroll
-                for (u32 r = 0; r < 4; ++r) {
-                    pa[t][r] = pack2<T>(st[8 * t + 2 * r], st[8 * t + 2 * r + 1]);
-                    sa[t][r] = pack2<T>(dpt[8 * t + 2 * r], dpt[8 * t + 2 * r + 1]);
                 }
-            }
-            wgmma_fence();
+                // This warp's Pᵀ and dSᵀ go to shared memory for the correction (so that no register array is
+                // indexed at run time) and, with ATOMIC, dSᵀ always (dQ's A operand, transposed). Both variants write
+                // them before the products, so that the fragments are dead during them (kept live through the
+                // products for the rare correction, they left the warp-specialised dkdv kernel at ptxas's cap with a
+                // spill; and ptxas then had to insert a warpgroup.arrive to let the wgmmas use their registers).
+                auto keep_fragments = [&](bool p_too) {
 #pragma unroll
-            for (u32 t = 0; t < 4; ++t) {
-                wg_mma_pv<T, D>(dva, pa[t], wg_desc_nmajor(dos, t));
-                wg_mma_pv<T, D>(dka, sa[t], wg_desc_nmajor(qs, t));
+                    for (u32 n = 0; n < 8; ++n)
+#pragma unroll
+                        for (u32 e = 0; e < 4; ++e) {
+                            u32 at = (gid + 8 * (e >> 1)) * 64 + n * 8 + 2 * tig + (e & 1);
+                            if (p_too) ps[at] = st[4 * n + e];
+                            ss[at] = dpt[4 * n + e];
+                        }
+                };
+                if (ATOMIC)
+                    keep_fragments((qb | db) != 0);
+                else if (qb | db)
+                    keep_fragments(true);
+                // dV += Pᵀ·dO and dK += dSᵀ·Q over the tile's 64 queries (4 k-steps of 16).
+                u32 pa[4][4], sa[4][4];
+#pragma unroll
+                for (u32 t = 0; t < 4; ++t) {
+#pragma unroll
+                    for (u32 r = 0; r < 4; ++r) {
+                        pa[t][r] = pack2<T>(st[8 * t + 2 * r], st[8 * t + 2 * r + 1]);
+                        sa[t][r] = pack2<T>(dpt[8 * t + 2 * r], dpt[8 * t + 2 * r + 1]);
+                    }
+                }
+                wgmma_fence();
+#pragma unroll
+                for (u32 t = 0; t < 4; ++t) {
+                    wg_mma_pv<T, D>(dva, pa[t], wg_desc_nmajor(dos, t));
+                    wg_mma_pv<T, D>(dka, sa[t], wg_desc_nmajor(qs, t));
+                }
+                wgmma_commit_group();
+                wgmma_wait_group<0>();
             }
-            wgmma_commit_group();
-            wgmma_wait_group<0>();
-            // Every wgmma reading this stage has been waited for (the dQ products read K): release it to the producer.
+            // Every wgmma of this thread reading this stage has been waited for (the dQ products read K): release it
+            // to the producer.
             if (TMA) mbarrier_arrive(&empty[stg]);
-            if (qb | db) {
+            if (mine && (qb | db)) {
                 // Add back what the zeroed elements contribute to visible pairs (see the header).
                 __syncwarp();
                 for (u32 il = 0; il < WG_BC; ++il) {
@@ -454,66 +520,70 @@ __device__ __forceinline__ void attn_bwd_wgmma_dkdv(const AttnProblem& p, BwdMap
                 __syncwarp();
             }
             if (ATOMIC) {
-                bwd_consumer_sync<TMA>();  // every warp's dSᵀ is in the scratch
-                // dQ += dS·K: this thread's rows of dS (queries il = 16·warp + gid + 8·(r % 2)), keys
-                // 16t + 8·(r / 2) + 2·tig and the next, read from the warps' dSᵀ rows (key jl at
-                // scr[(jl / 16)·2048 + 1024 + (jl % 16)·64]).
+                bwd_consumer_sync<TMA, NWG>();  // every warp's dSᵀ is in the scratch
+                if (mine) {
+                    // dQ += dS·K over this warpgroup's keys: this thread's rows of dS (queries il = 16·warp + gid +
+                    // 8·(r % 2)), keys 16t + 8·(r / 2) + 2·tig and the next, read from its warps' dSᵀ rows (key jl at
+                    // sg[(jl / 16)·2048 + 1024 + (jl % 16)·64]).
+                    const float* sg = scr + g * 4 * 2048;
+                    u32 sa[4][4];
 #pragma unroll
-                for (u32 t = 0; t < 4; ++t) {
+                    for (u32 t = 0; t < 4; ++t) {
 #pragma unroll
-                    for (u32 r = 0; r < 4; ++r) {
-                        u32 il = warp * 16 + gid + 8 * (r & 1);
-                        u32 jl = 16 * t + 8 * (r >> 1) + 2 * tig;
-                        const float* col = scr + (jl >> 4) * 2048 + 1024 + (jl & 15) * 64 + il;
-                        sa[t][r] = pack2<T>(col[0], col[64]);
+                        for (u32 r = 0; r < 4; ++r) {
+                            u32 il = warp * 16 + gid + 8 * (r & 1);
+                            u32 jl = 16 * t + 8 * (r >> 1) + 2 * tig;
+                            const float* col = sg + (jl >> 4) * 2048 + 1024 + (jl & 15) * 64 + il;
+                            sa[t][r] = pack2<T>(col[0], col[64]);
+                        }
                     }
-                }
-                const unsigned long long kb = cls == TILE_PARTIAL ? kbad() : 0ull;
-                const unsigned char* kq = kb ? kc_ : ks_;
-                const u32 i_lo = i0 + warp * 16 + gid;  // this thread's dQ rows: i_lo and i_lo + 8
+                    const unsigned long long kb = cls == TILE_PARTIAL ? kbad(kt) : 0ull;
+                    const unsigned char* kq = kb ? kc_ : ks_;
+                    const u32 i_lo = i0 + warp * 16 + gid;  // this thread's dQ rows: i_lo and i_lo + 8
 #pragma unroll
-                for (u32 c = 0; c < D / 64; ++c) {
-                    float dqc[32];
+                    for (u32 c = 0; c < D / 64; ++c) {
+                        float dqc[32];
 #pragma unroll
-                    for (u32 i = 0; i < 32; ++i) dqc[i] = 0.0f;
-                    wgmma_fence();
+                        for (u32 i = 0; i < 32; ++i) dqc[i] = 0.0f;
+                        wgmma_fence();
 #pragma unroll
-                    for (u32 t = 0; t < 4; ++t)
-                        wg_mma_pv<T, 64>(dqc, sa[t], wg_desc_nmajor(kq + c * WG_BC * 128, t));
-                    wgmma_commit_group();
-                    wgmma_wait_group<0>();
-                    if (kb) {
-                        for (u32 jl = 0; jl < WG_BC; ++jl) {
-                            if (!((kb >> jl) & 1ull)) continue;
-                            u32 j = kt * WG_BC + jl;
+                        for (u32 t = 0; t < 4; ++t)
+                            wg_mma_pv<T, 64>(dqc, sa[t], wg_desc_nmajor(kq + c * WG_BC * 128, t));
+                        wgmma_commit_group();
+                        wgmma_wait_group<0>();
+                        if (kb) {
+                            for (u32 jl = 0; jl < WG_BC; ++jl) {
+                                if (!((kb >> jl) & 1ull)) continue;
+                                u32 j = kt * WG_BC + jl;
 #pragma unroll
-                            for (u32 hf = 0; hf < 2; ++hf) {
-                                u32 il = warp * 16 + gid + 8 * hf;
-                                float dsv = scr[(jl >> 4) * 2048 + 1024 + (jl & 15) * 64 + il];
-                                u32 i = i0 + il;
-                                bool seen = i < p.q_len && j < p.kv_len && visible(p, i, j);
+                                for (u32 hf = 0; hf < 2; ++hf) {
+                                    u32 il = warp * 16 + gid + 8 * hf;
+                                    float dsv = sg[(jl >> 4) * 2048 + 1024 + (jl & 15) * 64 + il];
+                                    u32 i = i0 + il;
+                                    bool seen = i < p.q_len && j < p.kv_len && visible(p, i, j);
 #pragma unroll
-                                for (u32 n = 0; n < 8; ++n) {
+                                    for (u32 n = 0; n < 8; ++n) {
 #pragma unroll
-                                    for (u32 e = 0; e < 2; ++e) {
-                                        float kx =
-                                            seen ? to_f32(k[(k_head + j) * D + c * 64 + n * 8 + 2 * tig + e]) : 0.0f;
-                                        if (seen && !isfinite(kx)) dqc[4 * n + 2 * hf + e] += dsv * kx;
+                                        for (u32 e = 0; e < 2; ++e) {
+                                            float kx = seen ? to_f32(k[(k_head + j) * D + c * 64 + n * 8 + 2 * tig + e])
+                                                            : 0.0f;
+                                            if (seen && !isfinite(kx)) dqc[4 * n + 2 * hf + e] += dsv * kx;
+                                        }
                                     }
                                 }
                             }
                         }
-                    }
 #pragma unroll
-                    for (u32 hf = 0; hf < 2; ++hf) {
-                        u32 i = i_lo + 8 * hf;
-                        if (i >= p.q_len) continue;
+                        for (u32 hf = 0; hf < 2; ++hf) {
+                            u32 i = i_lo + 8 * hf;
+                            if (i >= p.q_len) continue;
 #pragma unroll
-                        for (u32 n = 0; n < 8; ++n)
+                            for (u32 n = 0; n < 8; ++n)
 #pragma unroll
-                            for (u32 e = 0; e < 2; ++e)
-                                atomicAdd(dq_ws + (q_head + i) * D + c * 64 + n * 8 + 2 * tig + e,
-                                          dqc[4 * n + 2 * hf + e]);
+                                for (u32 e = 0; e < 2; ++e)
+                                    atomicAdd(dq_ws + (q_head + i) * D + c * 64 + n * 8 + 2 * tig + e,
+                                              dqc[4 * n + 2 * hf + e]);
+                        }
                     }
                 }
             }
@@ -529,7 +599,7 @@ __device__ __forceinline__ void attn_bwd_wgmma_dkdv(const AttnProblem& p, BwdMap
 #pragma unroll
     for (u32 hf = 0; hf < 2; ++hf) {
         u32 j = j_lo + 8 * hf;
-        if (j >= p.kv_len) continue;
+        if (!own || j >= p.kv_len) continue;
 #pragma unroll
         for (u32 n = 0; n < D / 8; ++n) {
 #pragma unroll
@@ -587,7 +657,7 @@ __device__ __forceinline__ void attn_bwd_wgmma_dq(const AttnProblem& p, BwdMaps 
     u64* empty = bars + 1 + S;
 
     const u32 qt = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-    if (!bwd_roles<TMA, S>(bars, [&] { bwd_dq_produce<D>(p, maps, smem, &bars[0], full, empty, qt, h, b); }))
+    if (!bwd_roles<TMA, S, 1>(bars, [&] { bwd_dq_produce<D>(p, maps, smem, &bars[0], full, empty, qt, h, b); }))
         return;
     // The consumers (every thread without TMA): thread ct of 128.
     const u32 ct = TMA ? threadIdx.x - 128 : threadIdx.x;
@@ -659,7 +729,7 @@ __device__ __forceinline__ void attn_bwd_wgmma_dq(const AttnProblem& p, BwdMaps 
         unsigned long long kb =
             (cls == TILE_PARTIAL && k_bad) ? k_bad[((u64)b * p.kv_heads + hk) * k_tiles + kt] : 0ull;
         if (kb) {
-            wg_sanitize<D, T>(ks_, kb, ct, BWD_CONSUMERS);
+            wg_sanitize<D, T>(ks_, kb, ct, 128);
             wgmma_fence_proxy_async();
             bwd_consumer_sync<TMA>();
         }
@@ -771,8 +841,8 @@ __device__ __forceinline__ void attn_bwd_dq_convert(G* __restrict__ dq, const fl
     extern "C" __global__ void __launch_bounds__(128, 1) attn_bwd_wgmma_dkdv_##tn##_d##dd##_##gn(                  \
         AttnProblem p, gt* dk, gt* dv, const tt* q, const tt* k, const tt* v, const tt* dout, const float* lse,      \
         const float* delta, const unsigned long long* q_bad, const unsigned long long* do_bad, int accumulate) {     \
-        attn_bwd_wgmma_dkdv<dd, tt, gt, false, false>(p, BwdMaps{}, dk, dv, nullptr, q, k, v, dout, lse, delta,    \
-                                                      q_bad, do_bad, nullptr, accumulate);                          \
+        attn_bwd_wgmma_dkdv<dd, tt, gt, false, false, 1>(p, BwdMaps{}, dk, dv, nullptr, q, k, v, dout, lse, delta, \
+                                                         q_bad, do_bad, nullptr, accumulate);                       \
     }                                                                                                               \
     extern "C" __global__ void __launch_bounds__(128, 1) attn_bwd_wgmma_dq_##tn##_d##dd##_##gn(                    \
         AttnProblem p, gt* dq, const tt* q, const tt* k, const tt* v, const tt* dout, const float* lse,              \
@@ -783,15 +853,17 @@ __device__ __forceinline__ void attn_bwd_dq_convert(G* __restrict__ dq, const fl
         AttnProblem p, gt* dk, gt* dv, float* dq_ws, const tt* q, const tt* k, const tt* v, const tt* dout,          \
         const float* lse, const float* delta, const unsigned long long* q_bad, const unsigned long long* do_bad,     \
         const unsigned long long* k_bad, int accumulate) {                                                          \
-        attn_bwd_wgmma_dkdv<dd, tt, gt, true, false>(p, BwdMaps{}, dk, dv, dq_ws, q, k, v, dout, lse, delta, q_bad, \
-                                                     do_bad, k_bad, accumulate);                                    \
+        attn_bwd_wgmma_dkdv<dd, tt, gt, true, false, 1>(p, BwdMaps{}, dk, dv, dq_ws, q, k, v, dout, lse, delta,     \
+                                                        q_bad, do_bad, k_bad, accumulate);                          \
     }                                                                                                               \
-    extern "C" __global__ void __launch_bounds__(256, 1) attn_bwd_wgmma_dkdv_tma_##tn##_d##dd##_##gn(              \
-        AttnProblem p, BWD_TMA_MAPS, gt* dk, gt* dv, const tt* q, const tt* k, const tt* v, const tt* dout,          \
-        const float* lse, const float* delta, const unsigned long long* q_bad, const unsigned long long* do_bad,     \
-        int accumulate) {                                                                                           \
-        attn_bwd_wgmma_dkdv<dd, tt, gt, false, true>(p, BwdMaps{&q_map, &k_map, &v_map, &do_map}, dk, dv, nullptr,  \
-                                                     q, k, v, dout, lse, delta, q_bad, do_bad, nullptr, accumulate); \
+    extern "C" __global__ void __launch_bounds__(128 * (1 + BWD_DKDV_WGS_D##dd), 1)                              \
+        attn_bwd_wgmma_dkdv_tma_##tn##_d##dd##_##gn(AttnProblem p, BWD_TMA_MAPS, gt* dk, gt* dv, const tt* q,         \
+                                                    const tt* k, const tt* v, const tt* dout, const float* lse,       \
+                                                    const float* delta, const unsigned long long* q_bad,              \
+                                                    const unsigned long long* do_bad, int accumulate) {               \
+        attn_bwd_wgmma_dkdv<dd, tt, gt, false, true, BWD_DKDV_WGS_D##dd>(p, BwdMaps{&q_map, &k_map, &v_map, &do_map}, \
+                                                                         dk, dv, nullptr, q, k, v, dout, lse, delta, \
+                                                                         q_bad, do_bad, nullptr, accumulate);         \
     }                                                                                                               \
     extern "C" __global__ void __launch_bounds__(256, 1) attn_bwd_wgmma_dq_tma_##tn##_d##dd##_##gn(                \
         AttnProblem p, BWD_TMA_MAPS, gt* dq, const tt* q, const tt* k, const tt* v, const tt* dout,                  \
@@ -799,12 +871,14 @@ __device__ __forceinline__ void attn_bwd_dq_convert(G* __restrict__ dq, const fl
         attn_bwd_wgmma_dq<dd, tt, gt, true>(p, BwdMaps{&q_map, &k_map, &v_map, &do_map}, dq, q, k, v, dout, lse,    \
                                             delta, k_bad, accumulate);                                              \
     }                                                                                                               \
-    extern "C" __global__ void __launch_bounds__(256, 1) attn_bwd_wgmma_fused_tma_##tn##_d##dd##_##gn(             \
-        AttnProblem p, BWD_TMA_MAPS, gt* dk, gt* dv, float* dq_ws, const tt* q, const tt* k, const tt* v,            \
-        const tt* dout, const float* lse, const float* delta, const unsigned long long* q_bad,                       \
-        const unsigned long long* do_bad, const unsigned long long* k_bad, int accumulate) {                        \
-        attn_bwd_wgmma_dkdv<dd, tt, gt, true, true>(p, BwdMaps{&q_map, &k_map, &v_map, &do_map}, dk, dv, dq_ws, q,  \
-                                                    k, v, dout, lse, delta, q_bad, do_bad, k_bad, accumulate);      \
+    extern "C" __global__ void __launch_bounds__(128 * (1 + BWD_DKDV_WGS_D##dd), 1)                              \
+        attn_bwd_wgmma_fused_tma_##tn##_d##dd##_##gn(                                                               \
+            AttnProblem p, BWD_TMA_MAPS, gt* dk, gt* dv, float* dq_ws, const tt* q, const tt* k, const tt* v,        \
+            const tt* dout, const float* lse, const float* delta, const unsigned long long* q_bad,                   \
+            const unsigned long long* do_bad, const unsigned long long* k_bad, int accumulate) {                    \
+        attn_bwd_wgmma_dkdv<dd, tt, gt, true, true, BWD_DKDV_WGS_D##dd>(p, BwdMaps{&q_map, &k_map, &v_map, &do_map},  \
+                                                                        dk, dv, dq_ws, q, k, v, dout, lse, delta,    \
+                                                                        q_bad, do_bad, k_bad, accumulate);           \
     }
 #define BWD_WGMMA_TYPES(tn, tt)                                                                                    \
     BWD_WGMMA(tn, tt, 64, tn, tt) BWD_WGMMA(tn, tt, 64, f32, float) BWD_WGMMA(tn, tt, 128, tn, tt)                  \

@@ -294,21 +294,47 @@ const _: () = assert!(fwd_wgmma_smem(128, 2) <= 227 * 1024, "the wgmma forward's
 /// `attention_backward_wgmma.cu`'s `#define BWD_STAGES`, read from the kernel's text as [`FWD_STAGES`].
 const BWD_STAGES: usize = c_define(BACKWARD_WGMMA_CODE, "BWD_STAGES");
 
-/// Dynamic shared memory of the wgmma backward's dK/dV kernel at head dim `d` (`atomic`: the fused kernel, which adds
-/// the sanitized copy of K), fed by the TMA (`tma`: the warp-specialised kernel, its ring of [`BWD_STAGES`] Q/dO
-/// stages and 1 + 2·stages mbarriers) or by cp.async (two buffers, no barriers): K and V, Q and dO per stage, two
-/// slots of the pairs' LSE and Δ, Pᵀ and dSᵀ for the correction (16 rows × 64 of f32 each per warp), the barriers,
-/// and 1024 for the kernel's alignment of its tiles (the 128B swizzle is on the address).
-const fn bwd_dkdv_smem(d: usize, atomic: bool, tma: bool) -> usize {
-    let stages = if tma { BWD_STAGES } else { 2 };
-    let tiles = 2 + 2 * stages + if atomic { 1 } else { 0 };
-    let bars = if tma { 8 * (1 + 2 * stages) } else { 0 };
-    tiles * TC_TILE * d * 2 + 2 * 2 * TC_TILE * 4 + 4 * 2 * 16 * TC_TILE * 4 + bars + 1024
+/// Consumer warpgroups of the warp-specialised wgmma backward's dK/dV and fused kernels at head dim `d` (each with a
+/// key tile of its own, all sharing the block's Q/dO ring): `attention_backward_wgmma.cu`'s `BWD_DKDV_WGS_D64` and
+/// `BWD_DKDV_WGS_D128`, read from the kernel's text; the cp.async kernels have one.
+const fn bwd_dkdv_wgs(d: usize, tma: bool) -> usize {
+    match (tma, d) {
+        (false, _) => 1,
+        (true, 64) => c_define(BACKWARD_WGMMA_CODE, "BWD_DKDV_WGS_D64"),
+        _ => c_define(BACKWARD_WGMMA_CODE, "BWD_DKDV_WGS_D128"),
+    }
 }
 
-// The largest case fits what an sm_90 block may opt into (227 KiB): the fused kernel at D = 128 with three stages,
-// 177 KiB.
+/// Dynamic shared memory of the wgmma backward's dK/dV kernel at head dim `d` (`atomic`: the fused kernel, which adds
+/// the sanitized copy of K), fed by the TMA (`tma`: the warp-specialised kernel with [`bwd_dkdv_wgs`] consumer
+/// warpgroups, its ring of [`BWD_STAGES`] Q/dO stages and 1 + 2·stages mbarriers) or by cp.async (one warpgroup, two
+/// buffers, no barriers): K and V per consumer warpgroup, Q and dO per stage, two slots of the pairs' LSE and Δ, Pᵀ
+/// and dSᵀ for the correction (16 rows × 64 of f32 each per consumer warp), the barriers, and 1024 for the kernel's
+/// alignment of its tiles (the 128B swizzle is on the address).
+const fn bwd_dkdv_smem(d: usize, atomic: bool, tma: bool) -> usize {
+    let stages = if tma { BWD_STAGES } else { 2 };
+    let wgs = bwd_dkdv_wgs(d, tma);
+    let tiles = 2 * wgs + 2 * stages + if atomic { wgs } else { 0 };
+    let bars = if tma { 8 * (1 + 2 * stages) } else { 0 };
+    tiles * TC_TILE * d * 2 + 2 * 2 * TC_TILE * 4 + wgs * 4 * 2 * 16 * TC_TILE * 4 + bars + 1024
+}
+
+// The largest cases fit what an sm_90 block may opt into (227 KiB): the fused kernel at D = 128 with three stages
+// and one consumer warpgroup, 177 KiB; at D = 64 with two, 161 KiB.
 const _: () = assert!(bwd_dkdv_smem(128, true, true) <= 227 * 1024, "the wgmma backward's ring does not fit");
+const _: () = assert!(bwd_dkdv_smem(64, true, true) <= 227 * 1024, "the wgmma backward's ring does not fit");
+
+/// The launch of the wgmma backward's dK/dV or fused kernel (`atomic`) at head dim `d`, fed by the TMA or not: a
+/// block per [`bwd_dkdv_wgs`] key tiles of one (batch, key/value head), the producer warpgroup and the consumers
+/// with the TMA (the kernel's header, Warps), else one warpgroup.
+fn bwd_dkdv_launch(s: AttnShape, atomic: bool, tma: bool) -> LaunchConfig {
+    let wgs = bwd_dkdv_wgs(s.head_dim, tma);
+    LaunchConfig {
+        grid: [s.kv_len.div_ceil(TC_TILE * wgs) as u32, s.kv_heads as u32, s.batch as u32],
+        block: [if tma { 128 * (1 + wgs as u32) } else { 128 }, 1, 1],
+        shared_bytes: bwd_dkdv_smem(s.head_dim, atomic, tma) as u32,
+    }
+}
 
 /// Dynamic shared memory of the wgmma backward's dQ kernel at head dim `d`, fed by the TMA (`tma`: the
 /// warp-specialised kernel, its ring of [`BWD_STAGES`] K/V stages and 1 + 2·stages mbarriers) or by cp.async (two
@@ -692,15 +718,15 @@ pub(crate) fn backward(
         let mut args = bwd_args(&pr, maps.as_ref());
         args.push(dk).push(dv).push(q).push(k).push(v).push(dop).push(lse).push(delta.ptr());
         args.push(q_bad.ptr()).push(do_bad.ptr()).push(acc);
-        let cfg = LaunchConfig {
-            grid: [s.kv_len.div_ceil(TC_TILE) as u32, s.kv_heads as u32, s.batch as u32],
-            block: bwd_block(maps.is_some()),
-            shared_bytes: if wgmma {
-                bwd_dkdv_smem(d, false, maps.is_some()) as u32
-            } else {
+        let cfg = if wgmma {
+            bwd_dkdv_launch(s, false, maps.is_some())
+        } else {
+            LaunchConfig {
+                grid: [s.kv_len.div_ceil(TC_TILE) as u32, s.kv_heads as u32, s.batch as u32],
+                block: [128, 1, 1],
                 // K, V, Q, dO tiles, the tile's LSE and Δ, Pᵀ and dSᵀ for the correction (per warp 16 rows each).
-                (tiles * tile_bytes + stats * TC_TILE * 4 + 4 * 2 * 16 * scr_cols * 4) as u32
-            },
+                shared_bytes: (tiles * tile_bytes + stats * TC_TILE * 4 + 4 * 2 * 16 * scr_cols * 4) as u32,
+            }
         };
         // SAFETY: as the forward; `dk`/`dv` have `k`'s dims and one type; the masks one word per 64 rows of each
         // head; the maps describe the views q, k, v, dout (their dims, strides and addresses).
@@ -711,7 +737,7 @@ pub(crate) fn backward(
         args.push(k_bad.ptr()).push(acc);
         let cfg = LaunchConfig {
             grid: [s.q_len.div_ceil(TC_TILE) as u32, s.q_heads as u32, s.batch as u32],
-            block: bwd_block(maps.is_some()),
+            block: bwd_dq_block(maps.is_some()),
             shared_bytes: if wgmma {
                 bwd_dq_smem(d, maps.is_some()) as u32
             } else {
@@ -759,9 +785,9 @@ fn bwd_args(pr: &Problem, maps: Option<&[TensorMap; 4]>) -> KernelArgs {
     args
 }
 
-/// A backward kernel's block: a TMA-fed wgmma kernel's producer and consumer warpgroups (its header, Warps), else
-/// one warpgroup.
-fn bwd_block(tma: bool) -> [u32; 3] {
+/// The backward dQ kernel's block: the TMA-fed wgmma kernel's producer and consumer warpgroups (its header, Warps),
+/// else one warpgroup ([`bwd_dkdv_launch`] has the dK/dV kernels').
+fn bwd_dq_block(tma: bool) -> [u32; 3] {
     [if tma { 256 } else { 128 }, 1, 1]
 }
 
@@ -793,11 +819,7 @@ fn backward_atomic(
     let mut args = bwd_args(pr, maps.as_ref());
     args.push(dk).push(dv).push(ws.ptr()).push(q).push(k).push(v).push(dop).push(lse).push(delta);
     args.push(q_bad).push(do_bad).push(k_bad).push(acc);
-    let cfg = LaunchConfig {
-        grid: [s.kv_len.div_ceil(TC_TILE) as u32, s.kv_heads as u32, s.batch as u32],
-        block: bwd_block(maps.is_some()),
-        shared_bytes: bwd_dkdv_smem(d, true, maps.is_some()) as u32,
-    };
+    let cfg = bwd_dkdv_launch(s, true, maps.is_some());
     // SAFETY: as the deterministic kernels (the maps too); `ws` holds one f32 per element of dQ.
     unsafe { b.launch(&kf, cfg, &args)? };
     let kc = kernel(&BACKWARD_WGMMA, &format!("attn_bwd_dq_convert_{}", super::suffix(dqt)))?;
