@@ -6,7 +6,8 @@
 //! kernels on the same device and the CPU backend, and the backward's non-deterministic variant against the
 //! deterministic one; the forward's and the backward's TMA loads (zero fill past a head's rows; the backward's
 //! cp.async fallback, forced, bit for bit against them); the backward's warp-specialised rings (`ws_backward`: many
-//! tiles per block, and blocks the mask hides whole). tests/attention_wgmma.rs and tests/attention_wgmma_backward.rs
+//! tiles per block, and blocks the mask hides whole); the two consumer warpgroups' shared tiles sanitised for one of
+//! them (`shared_nonfinite`). tests/attention_wgmma.rs and tests/attention_wgmma_backward.rs
 //! have the wider cases.
 
 use crate::attention::{AttnGrads, AttnMask, AttnOut, AttnParams, AttnSaved, AttnShape, Positions, Qkv};
@@ -410,3 +411,59 @@ fn backward_ring(b: CudaBackend) {
 }
 
 on_emulator_and_sm90!(ws_backward => backward_ring);
+
+/// The two consumer warpgroups of the D = 64 dK/dV kernels share each pair's Q and dO tiles (the kernel's header,
+/// Warps): a pair that one warpgroup's key tile sees whole and the other's only in part (64 queries at positions
+/// 100.., 128 keys from 0, causal: key tile 0 wholly visible, key tile 1 partial) has its shared tiles sanitised for
+/// the second, so the first computes on tiles whose non-finite elements were zeroed and must add back what they
+/// contribute. A NaN in query row 5 of head 0, then one in dO row 20 of head 1 (which only the correction carries
+/// into dV: its LSE is finite): the TMA-fed kernels (two warpgroups) against the cp.async ones (one warpgroup, which
+/// never sanitises a tile its pair shows whole): NaN where they have NaN (the keys the poisoned row sees), bit for bit
+/// elsewhere (dQ within 1e-5 in the non-deterministic variant).
+fn shared_tiles_nonfinite(b: CudaBackend) {
+    let wg = b.with_attention_path(AttentionPath::Wgmma).with_deterministic_backward(true);
+    let atomic = wg.clone().with_deterministic_backward(false);
+    let shape = AttnShape { batch: 1, q_heads: 2, kv_heads: 1, q_len: 64, kv_len: 128, head_dim: 64 };
+    let p = AttnParams::new(shape)
+        .with_mask(AttnMask::causal().with_positions(Positions::Offset(100), Positions::Offset(0)));
+    let clean = [
+        uniform_nonzero(shape.q_elems(), 41),
+        uniform_nonzero(shape.kv_elems(), 42),
+        uniform_nonzero(shape.kv_elems(), 43),
+        uniform_nonzero(shape.q_elems(), 44),
+    ];
+    // (what is poisoned, its input, its element, the dV element of a key it reaches).
+    for (poison, input, at, dv_at) in [("Q row 5", 0, 5 * 64 + 7, 0), ("dO row 20", 3, (64 + 20) * 64 + 3, 3)] {
+        let mut x = clean.clone();
+        x[input][at] = f32::NAN;
+        for (variant, be) in [("deterministic", &wg), ("atomic", &atomic)] {
+            let before = loads();
+            let tma = run(be, &p, &x, DType::F32);
+            refuse_maps(true);
+            let cp = run(be, &p, &x, DType::F32);
+            refuse_maps(false);
+            let after = loads();
+            assert_eq!(
+                (after.bwd_tma, after.bwd_cp_async),
+                (before.bwd_tma + 1, before.bwd_cp_async + 1),
+                "{poison}, {variant}: TMA, then cp.async"
+            );
+            for (n, name) in [(2, "dQ"), (3, "dK"), (4, "dV")] {
+                let exact = !(variant == "atomic" && name == "dQ");
+                for (i, (t, c)) in tma[n].iter().zip(&cp[n]).enumerate() {
+                    let same = (t.is_nan() && c.is_nan())
+                        || if exact { t.to_bits() == c.to_bits() } else { (t - c).abs() <= 1e-5 * (1.0 + c.abs()) };
+                    assert!(same, "{poison}, {variant}: {name}[{i}] {t} by the TMA, {c} by cp.async");
+                }
+            }
+            // Not vacuous: the keys of tile 0 (which the poisoned row sees) have NaN in dV, the last keys
+            // (positions 121..127, which no query sees) finite gradients.
+            assert!((0..64).all(|j| tma[4][j * 64 + dv_at].is_nan()), "{poison}, {variant}: dV of key tile 0");
+            for n in [3, 4] {
+                assert!(tma[n][121 * 64..].iter().all(|g| g.is_finite()), "{poison}, {variant}: keys 121..");
+            }
+        }
+    }
+}
+
+on_emulator_and_sm90!(shared_nonfinite => shared_tiles_nonfinite);
