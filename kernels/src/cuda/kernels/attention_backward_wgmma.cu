@@ -34,7 +34,7 @@
 //   168 with two (384 threads), where it raises the consumers to 232. Why not two at D = 128: the consumers could
 //   have at most 240 (128·24 + 256·240), where the body (dK and dV's D accumulators, Sᵀ and dPᵀ's 64, their packed
 //   A fragments' 32, live at once) takes 253 by ptxas's report of the cp.async kernel, the same body without the
-//   producer; at D = 64 it takes 232 (BENCHMARKS.md has the figures). The dq kernel's body takes 182 at D = 128 (its
+//   producer (built with two at 232, it spilled 692 bytes); at D = 64 it takes 232 (BENCHMARKS.md has the figures). The dq kernel's body takes 182 at D = 128 (its
 //   cp.async kernel): its blocks are 64 queries, one consumer warpgroup.
 // The cp.async kernels (the fallback where the device refuses a tensor map) are one warpgroup: 128 threads that all
 // load and compute, as Loads (below) says.
