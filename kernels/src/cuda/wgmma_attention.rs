@@ -123,6 +123,39 @@ fn refuse_maps(on: bool) {
     tma_loads(|n| n.refuse_maps = on);
 }
 
+/// The backward on `be` fed by the TMA, then by cp.async (the maps refused), the per-thread counters showing that
+/// each ran once (`what` names the case): `[O, LSE, dQ, dK, dV]` of each.
+fn tma_then_cp_async(
+    be: &CudaBackend,
+    p: &AttnParams<'_>,
+    x: &[Vec<f32>; 4],
+    what: &str,
+) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
+    let before = loads();
+    let tma = run(be, p, x, DType::F32);
+    let mid = loads();
+    assert_eq!((mid.bwd_tma, mid.bwd_cp_async), (before.bwd_tma + 1, before.bwd_cp_async), "{what}: TMA");
+    refuse_maps(true);
+    let cp = run(be, p, x, DType::F32);
+    refuse_maps(false);
+    let after = loads();
+    assert_eq!((after.bwd_tma, after.bwd_cp_async), (mid.bwd_tma, mid.bwd_cp_async + 1), "{what}: cp.async");
+    (tma, cp)
+}
+
+/// The gradients of [`tma_then_cp_async`]'s two runs agree: NaN where the other has NaN, else bit for bit where the
+/// sums' order is fixed (all but the non-deterministic variant's dQ, `atomic`: within 1e-5·(1 + |x|) there).
+fn assert_tma_as_cp_async(tma: &[Vec<f32>], cp: &[Vec<f32>], atomic: bool, what: &str) {
+    for (n, name) in [(2, "dQ"), (3, "dK"), (4, "dV")] {
+        let exact = !(atomic && name == "dQ");
+        for (i, (t, c)) in tma[n].iter().zip(&cp[n]).enumerate() {
+            let same = (t.is_nan() && c.is_nan())
+                || if exact { t.to_bits() == c.to_bits() } else { (t - c).abs() <= 1e-5 * (1.0 + c.abs()) };
+            assert!(same, "{what}: {name}[{i}] {t} by the TMA, {c} by cp.async");
+        }
+    }
+}
+
 /// The GPU's backend when it is an sm_90 device (the only one wgmma runs on), else `None`, saying why on stderr (a
 /// panic without a device under `LONGCTX_REQUIRE_GPU=1`).
 fn sm90_backend() -> Option<CudaBackend> {
@@ -292,30 +325,10 @@ fn backward_loads(b: CudaBackend) {
         }
         let want = run(&cpu, &p, &x, DType::F32);
         for (variant, be) in [("deterministic", &wg), ("atomic", &atomic)] {
-            let before = loads();
-            let tma = run(be, &p, &x, DType::F32);
-            let after = loads();
-            assert_eq!(
-                (after.bwd_tma, after.bwd_cp_async),
-                (before.bwd_tma + 1, before.bwd_cp_async),
-                "d {d} {variant}: TMA"
-            );
-            refuse_maps(true);
-            let cp = run(be, &p, &x, DType::F32);
-            refuse_maps(false);
-            let last = loads();
-            assert_eq!(
-                (last.bwd_tma, last.bwd_cp_async),
-                (after.bwd_tma, after.bwd_cp_async + 1),
-                "d {d} {variant}: cp.async"
-            );
+            let what = format!("d {d} {variant}");
+            let (tma, cp) = tma_then_cp_async(be, &p, &x, &what);
+            assert_tma_as_cp_async(&tma, &cp, variant == "atomic", &what);
             for (n, name) in [(2, "dQ"), (3, "dK"), (4, "dV")] {
-                let exact = !(variant == "atomic" && name == "dQ");
-                for (i, (t, c)) in tma[n].iter().zip(&cp[n]).enumerate() {
-                    let same = (t.is_nan() && c.is_nan())
-                        || if exact { t.to_bits() == c.to_bits() } else { (t - c).abs() <= 1e-5 * (1.0 + c.abs()) };
-                    assert!(same, "d {d} {variant}: {name}[{i}] {t} by the TMA, {c} by cp.async");
-                }
                 // The first half of the heads (the second's inputs are NaN, and so are its gradients).
                 let half = tma[n].len() / 2;
                 let abs = [1e-2, 2e-2, 2e-2][n - 2];
@@ -375,12 +388,7 @@ fn backward_ring(b: CudaBackend) {
         let want_cpu = run(&cpu, &p, &x, DType::F32);
         let want_mma = run(&mma, &p, &x, DType::F32);
         for (variant, be) in [("deterministic", &wg), ("atomic", &atomic)] {
-            let before = loads().bwd_tma;
-            let tma = run(be, &p, &x, DType::F32);
-            assert_eq!(loads().bwd_tma, before + 1, "d {d}, {sq} queries, {variant}: TMA");
-            refuse_maps(true);
-            let cp = run(be, &p, &x, DType::F32);
-            refuse_maps(false);
+            let (tma, cp) = tma_then_cp_async(be, &p, &x, &format!("d {d}, {sq} queries, {variant}"));
             for (n, name) in [(2, "dQ"), (3, "dK"), (4, "dV")] {
                 let exact = !(variant == "atomic" && name == "dQ");
                 let at = |i: usize| format!("d {d}, {sq} queries, {variant}: {name}[{i}]");
@@ -437,25 +445,9 @@ fn shared_tiles_nonfinite(b: CudaBackend) {
         let mut x = clean.clone();
         x[input][at] = f32::NAN;
         for (variant, be) in [("deterministic", &wg), ("atomic", &atomic)] {
-            let before = loads();
-            let tma = run(be, &p, &x, DType::F32);
-            refuse_maps(true);
-            let cp = run(be, &p, &x, DType::F32);
-            refuse_maps(false);
-            let after = loads();
-            assert_eq!(
-                (after.bwd_tma, after.bwd_cp_async),
-                (before.bwd_tma + 1, before.bwd_cp_async + 1),
-                "{poison}, {variant}: TMA, then cp.async"
-            );
-            for (n, name) in [(2, "dQ"), (3, "dK"), (4, "dV")] {
-                let exact = !(variant == "atomic" && name == "dQ");
-                for (i, (t, c)) in tma[n].iter().zip(&cp[n]).enumerate() {
-                    let same = (t.is_nan() && c.is_nan())
-                        || if exact { t.to_bits() == c.to_bits() } else { (t - c).abs() <= 1e-5 * (1.0 + c.abs()) };
-                    assert!(same, "{poison}, {variant}: {name}[{i}] {t} by the TMA, {c} by cp.async");
-                }
-            }
+            let what = format!("{poison}, {variant}");
+            let (tma, cp) = tma_then_cp_async(be, &p, &x, &what);
+            assert_tma_as_cp_async(&tma, &cp, variant == "atomic", &what);
             // Not vacuous: the keys of tile 0 (which the poisoned row sees) have NaN in dV, the last keys
             // (positions 121..127, which no query sees) finite gradients.
             assert!((0..64).all(|j| tma[4][j * 64 + dv_at].is_nan()), "{poison}, {variant}: dV of key tile 0");
