@@ -31,17 +31,17 @@
 //   The register split: 128·40 + 128·256 of the 64K registers with one consumer warpgroup, 128·40 + 256·232 with two
 //   (as the forward). The kernel's cap at entry, which ptxas reports, is 255 with one (__launch_bounds__(256, 1)),
 //   where setmaxnreg.inc adds nothing to what ptxas may use (what it buys is the producer's registers given back), and
-//   168 with two (384 threads), where it raises the consumers to 232. Why not two at D = 128: the consumers could
-//   have at most 240 (128·24 + 256·240), where the body (dK and dV's D accumulators, Sᵀ and dPᵀ's 64, their packed
-//   A fragments' 32, live at once) takes 253 by ptxas's report of the cp.async kernel, the same body without the
-//   producer (built with two at 232, it spilled 692 bytes); at D = 64 it takes 232 (BENCHMARKS.md has the figures). The dq kernel's body takes 182 at D = 128 (its
-//   cp.async kernel): its blocks are 64 queries, one consumer warpgroup.
+//   168 with two (384 threads), where it raises the consumers to 232. Why not two at D = 128: the consumers could have
+//   at most 240 (128·24 + 256·240), where the body (dK and dV's D accumulators, Sᵀ and dPᵀ's 64, their packed A
+//   fragments' 32, live at once) takes 253 by ptxas's report of the cp.async kernel, the same body without the producer
+//   (built with two at 232, it spilled 692 bytes); at D = 64 it takes 232 (BENCHMARKS.md has the figures). The dq
+//   kernel's body takes 182 at D = 128 (its cp.async kernel): its blocks are 64 queries, one consumer warpgroup.
 // The cp.async kernels (the fallback where the device refuses a tensor map) are one warpgroup: 128 threads that all
 // load and compute, as Loads (below) says.
 //
-// dkdv: a block for a tile of 64 key rows of one (batch, key/value head) per consumer warpgroup, dK and dV
-// accumulators in registers; K and V stay in shared memory. For every query head of the group and every query tile of 64 rows that the mask does not
-// hide: Q, dO (and their LSE, Δ) go global → shared; then
+// dkdv: a block for a tile of 64 key rows of one (batch, key/value head) per consumer warpgroup, dK and dV accumulators
+// in registers; K and V stay in shared memory. For every query head of the group and every query tile of 64 rows that
+// the mask does not hide: Q, dO (and their LSE, Δ) go global → shared; then
 //   Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (64×64 each: wgmma with both operands K-major in shared memory),
 //   Pᵀ = exp(Sᵀ·scale − LSE), dSᵀ = Pᵀ∘(dPᵀ − Δ) on the accumulator fragments (hidden pairs selected to 0),
 //   dV += Pᵀ·dO and dK += dSᵀ·Q (wgmma with A from registers: Pᵀ and dSᵀ packed to T in the A fragment; dO and Q
@@ -58,16 +58,16 @@
 // what the mask hides (bwd_next_pair, next_tile): a hidden tile is never loaded.
 // - dkdv and fused fed by the TMA (what the host launches where the device takes the tensor maps; ptx_tma.cuh): the
 //   producer thread loads K and V once (the tiles of every consumer warpgroup's key tile within the keys), on kvbar =
-//   bars[0] (1 arrival: its arrive.expect_tx of all those tiles' bytes, plus the bytes; the consumers wait with
-//   parity 0), then walks the visible pairs in the consumers' order, the
-//   n-th pair's Q and dO into stage n % BWD_STAGES of a ring of BWD_STAGES (3) stages. full[s] = bars[1 + s]:
-//   1 arrival (the producer's arrive.expect_tx of the stage's 2·64·D·2 bytes, zero-filled rows included) plus the
-//   bytes; the consumers wait on it with parity (n / BWD_STAGES) % 2 (the stage's (n / BWD_STAGES)-th fill).
+//   bars[0] (1 arrival: its arrive.expect_tx of all those tiles' bytes, plus the bytes; the consumers wait with parity
+//   0), then walks the visible pairs in the consumers' order, the n-th pair's Q and dO into stage n % BWD_STAGES of a
+//   ring of BWD_STAGES (3) stages. full[s] = bars[1 + s]: 1 arrival (the producer's arrive.expect_tx of the stage's
+//   2·64·D·2 bytes, zero-filled rows included) plus the bytes; the consumers wait on it with parity
+//   (n / BWD_STAGES) % 2 (the stage's (n / BWD_STAGES)-th fill).
 //   empty[s] = bars[1 + BWD_STAGES + s]: 128·NWG arrivals, one per consumer thread once its last wgmma reading the
-//   stage (dV += Pᵀ·dO and dK += dSᵀ·Q of the pair) has been waited for (at once where its warpgroup's tile is
-//   hidden); before filling stage s for the n-th pair the
-//   producer waits on it with parity ((n / BWD_STAGES) % 2) ^ 1, so a stage's first fill passes at once (the phase
-//   before an mbarrier's first counts as complete) and each later fill waits for the release of the fill before.
+//   stage (dV += Pᵀ·dO and dK += dSᵀ·Q of the pair) has been waited for (at once where its warpgroup's tile is hidden);
+//   before filling stage s for the n-th pair the producer waits on it with parity ((n / BWD_STAGES) % 2) ^ 1, so a
+//   stage's first fill passes at once (the phase before an mbarrier's first counts as complete) and each later fill
+//   waits for the release of the fill before.
 //   The producer so runs up to BWD_STAGES pairs ahead of the pair being computed, bounded only by the releases.
 //   When the mask hides every pair of the block nothing is loaded (K and V neither) and the consumers wait on
 //   nothing: they write zero gradients. LSE and Δ stay ordinary loads by the consumers: consumer thread ct loads
