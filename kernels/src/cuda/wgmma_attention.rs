@@ -47,6 +47,16 @@ fn download(b: &dyn Backend, buf: &Buffer, d: &[usize]) -> Vec<f32> {
     host
 }
 
+/// Q, K, V and dO of `shape` (uniform, nonzero), drawn from `seed` to `seed + 3`.
+fn inputs(shape: AttnShape, seed: u64) -> [Vec<f32>; 4] {
+    [
+        uniform_nonzero(shape.q_elems(), seed),
+        uniform_nonzero(shape.kv_elems(), seed + 1),
+        uniform_nonzero(shape.kv_elems(), seed + 2),
+        uniform_nonzero(shape.q_elems(), seed + 3),
+    ]
+}
+
 /// `[O, LSE, dQ, dK, dV]` as f32 of a forward and a backward of `p` on `b`, inputs (q, k, v, dO) rounded to bf16 on
 /// the backend, outputs and gradients in `ot`, each poisoned with NaN first.
 fn run(b: &dyn Backend, p: &AttnParams<'_>, x: &[Vec<f32>; 4], ot: DType) -> Vec<Vec<f32>> {
@@ -85,12 +95,7 @@ fn check(b: CudaBackend) {
         let p = AttnParams::new(shape)
             .with_mask(AttnMask::causal().with_positions(Positions::Offset(60), Positions::Offset(0)));
         let seed = d as u64;
-        let x = [
-            uniform_nonzero(shape.q_elems(), seed),
-            uniform_nonzero(shape.kv_elems(), seed + 1),
-            uniform_nonzero(shape.kv_elems(), seed + 2),
-            uniform_nonzero(shape.q_elems(), seed + 3),
-        ];
+        let x = inputs(shape, seed);
         let got = run(&wg, &p, &x, DType::F32);
         let want_mma = run(&mma, &p, &x, DType::F32);
         let want_cpu = run(&cpu, &p, &x, DType::F32);
@@ -313,12 +318,7 @@ fn backward_loads(b: CudaBackend) {
         let p = AttnParams::new(shape)
             .with_mask(AttnMask::causal().with_positions(Positions::Offset(60), Positions::Offset(0)));
         let seed = 10 * d as u64;
-        let mut x = [
-            uniform_nonzero(shape.q_elems(), seed),
-            uniform_nonzero(shape.kv_elems(), seed + 1),
-            uniform_nonzero(shape.kv_elems(), seed + 2),
-            uniform_nonzero(shape.q_elems(), seed + 3),
-        ];
+        let mut x = inputs(shape, seed);
         for v in &mut x {
             let half = v.len() / 2;
             v[half..].fill(f32::NAN);
@@ -379,12 +379,7 @@ fn backward_ring(b: CudaBackend) {
         let shape = AttnShape { batch: 1, q_heads: 2, kv_heads: 1, q_len: sq, kv_len: sk, head_dim: d };
         let p = AttnParams::new(shape).with_mask(mask);
         let seed = 70 + d as u64 + sq as u64;
-        let x = [
-            uniform_nonzero(shape.q_elems(), seed),
-            uniform_nonzero(shape.kv_elems(), seed + 1),
-            uniform_nonzero(shape.kv_elems(), seed + 2),
-            uniform_nonzero(shape.q_elems(), seed + 3),
-        ];
+        let x = inputs(shape, seed);
         let want_cpu = run(&cpu, &p, &x, DType::F32);
         let want_mma = run(&mma, &p, &x, DType::F32);
         for (variant, be) in [("deterministic", &wg), ("atomic", &atomic)] {
@@ -434,12 +429,7 @@ fn shared_tiles_nonfinite(b: CudaBackend) {
     let shape = AttnShape { batch: 1, q_heads: 2, kv_heads: 1, q_len: 64, kv_len: 128, head_dim: 64 };
     let p = AttnParams::new(shape)
         .with_mask(AttnMask::causal().with_positions(Positions::Offset(100), Positions::Offset(0)));
-    let clean = [
-        uniform_nonzero(shape.q_elems(), 41),
-        uniform_nonzero(shape.kv_elems(), 42),
-        uniform_nonzero(shape.kv_elems(), 43),
-        uniform_nonzero(shape.q_elems(), 44),
-    ];
+    let clean = inputs(shape, 41);
     // (what is poisoned, its input, its element, the dV element of a key it reaches).
     for (poison, input, at, dv_at) in [("Q row 5", 0, 5 * 64 + 7, 0), ("dO row 20", 3, (64 + 20) * 64 + 3, 3)] {
         let mut x = clean.clone();
