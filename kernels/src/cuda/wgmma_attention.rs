@@ -352,12 +352,12 @@ on_emulator_and_sm90!(tma_backward => backward_loads);
 /// with more keys than queries (300 queries, 400 keys: the mask hides every pair of the blocks of key tiles 5 and 6)
 /// and with the keys placed after the first 128 queries (200 queries, 300 keys: every key tile of dQ blocks 0 and 1
 /// hidden, and dK/dV blocks 2 to 4): nothing loaded there, no deadlock, and the gradients of what the mask hides
-/// exactly 0. At head dim 64 the dK/dV blocks are two consumer warpgroups with a key tile each: causal with more keys
-/// than queries (300 queries, 400 keys: the second warpgroup's tile hidden from every pair of block 2 while the
-/// first's is not, and block 3 with one key tile, all of it hidden), and a sliding window (100 positions) that hides
-/// the first warpgroup's tile from pairs that the second's sees. Both variants, bf16, head dims 64 and 128. Against the mma.sync kernels on the same device (on the
-/// emulator to 1e-4 of the gradient's largest magnitude, 1e-2 on a GPU), the CPU (1e-2), and the cp.async kernels
-/// bit for bit where the sums' order is fixed.
+/// exactly 0. The TMA-fed dK/dV blocks are two consumer warpgroups with a key tile each (the fused ones at head dim
+/// 64): causal with more keys than queries (300 queries, 400 keys: the second warpgroup's tile hidden from every pair
+/// of block 2 while the first's is not, and block 3 with one key tile, all of it hidden), and a sliding window (100
+/// positions) that hides the first warpgroup's tile from pairs that the second's sees, at both head dims. Both
+/// variants, bf16. Against the mma.sync kernels on the same device (on the emulator to 1e-4 of the gradient's largest
+/// magnitude, 1e-2 on a GPU), the CPU (1e-2), and the cp.async kernels bit for bit where the sums' order is fixed.
 fn backward_ring(b: CudaBackend) {
     let wg = b.with_attention_path(AttentionPath::Wgmma).with_deterministic_backward(true);
     let atomic = wg.clone().with_deterministic_backward(false);
@@ -373,6 +373,7 @@ fn backward_ring(b: CudaBackend) {
         (128, 640, 70, AttnMask::default(), 70, 0),
         (64, 70, 640, AttnMask::default(), 640, 0),
         (128, 300, 400, causal(0), 300, 0),
+        (128, 256, 320, causal(0).with_window(100), 256, 0),
         (128, 200, 300, causal(128), 72, 128),
     ];
     for (d, sq, sk, mask, unseen_keys, unseeing_queries) in cases {
@@ -415,34 +416,36 @@ fn backward_ring(b: CudaBackend) {
 
 on_emulator_and_sm90!(ws_backward => backward_ring);
 
-/// The two consumer warpgroups of the D = 64 dK/dV kernels share each pair's Q and dO tiles (the kernel's header,
+/// The two consumer warpgroups of the TMA-fed dK/dV kernels (and the fused ones at D = 64) share each pair's Q and dO tiles (the kernel's header,
 /// Warps): a pair that one warpgroup's key tile sees whole and the other's only in part (64 queries at positions
 /// 100.., 128 keys from 0, causal: key tile 0 wholly visible, key tile 1 partial) has its shared tiles sanitised for
 /// the second, so the first computes on tiles whose non-finite elements were zeroed and must add back what they
 /// contribute. A NaN in query row 5 of head 0, then one in dO row 20 of head 1 (which only the correction carries
 /// into dV: its LSE is finite): the TMA-fed kernels (two warpgroups) against the cp.async ones (one warpgroup, which
 /// never sanitises a tile its pair shows whole): NaN where they have NaN (the keys the poisoned row sees), bit for bit
-/// elsewhere (dQ within 1e-5 in the non-deterministic variant).
+/// elsewhere (dQ within 1e-5 in the non-deterministic variant). Head dims 64 and 128.
 fn shared_tiles_nonfinite(b: CudaBackend) {
     let wg = b.with_attention_path(AttentionPath::Wgmma).with_deterministic_backward(true);
     let atomic = wg.clone().with_deterministic_backward(false);
-    let shape = AttnShape { batch: 1, q_heads: 2, kv_heads: 1, q_len: 64, kv_len: 128, head_dim: 64 };
-    let p = AttnParams::new(shape)
-        .with_mask(AttnMask::causal().with_positions(Positions::Offset(100), Positions::Offset(0)));
-    let clean = inputs(shape, 41);
-    // (what is poisoned, its input, its element, the dV element of a key it reaches).
-    for (poison, input, at, dv_at) in [("Q row 5", 0, 5 * 64 + 7, 0), ("dO row 20", 3, (64 + 20) * 64 + 3, 3)] {
-        let mut x = clean.clone();
-        x[input][at] = f32::NAN;
-        for (variant, be) in [("deterministic", &wg), ("atomic", &atomic)] {
-            let what = format!("{poison}, {variant}");
-            let (tma, cp) = tma_then_cp_async(be, &p, &x, &what);
-            assert_tma_as_cp_async(&tma, &cp, variant == "atomic", &what);
-            // Not vacuous: the keys of tile 0 (which the poisoned row sees) have NaN in dV, the last keys
-            // (positions 121..127, which no query sees) finite gradients.
-            assert!((0..64).all(|j| tma[4][j * 64 + dv_at].is_nan()), "{poison}, {variant}: dV of key tile 0");
-            for n in [3, 4] {
-                assert!(tma[n][121 * 64..].iter().all(|g| g.is_finite()), "{poison}, {variant}: keys 121..");
+    for d in [64, 128] {
+        let shape = AttnShape { batch: 1, q_heads: 2, kv_heads: 1, q_len: 64, kv_len: 128, head_dim: d };
+        let p = AttnParams::new(shape)
+            .with_mask(AttnMask::causal().with_positions(Positions::Offset(100), Positions::Offset(0)));
+        let clean = inputs(shape, 41);
+        // (what is poisoned, its input, its element, the dV element of a key it reaches).
+        for (poison, input, at, dv_at) in [("Q row 5", 0, 5 * d + 7, 0), ("dO row 20", 3, (64 + 20) * d + 3, 3)] {
+            let mut x = clean.clone();
+            x[input][at] = f32::NAN;
+            for (variant, be) in [("deterministic", &wg), ("atomic", &atomic)] {
+                let what = format!("d {d}, {poison}, {variant}");
+                let (tma, cp) = tma_then_cp_async(be, &p, &x, &what);
+                assert_tma_as_cp_async(&tma, &cp, variant == "atomic", &what);
+                // Not vacuous: the keys of tile 0 (which the poisoned row sees) have NaN in dV, the last keys
+                // (positions 121..127, which no query sees) finite gradients.
+                assert!((0..64).all(|j| tma[4][j * d + dv_at].is_nan()), "{what}: dV of key tile 0");
+                for n in [3, 4] {
+                    assert!(tma[n][121 * d..].iter().all(|g| g.is_finite()), "{what}: keys 121..");
+                }
             }
         }
     }

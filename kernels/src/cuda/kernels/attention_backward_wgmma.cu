@@ -6,7 +6,8 @@
 //
 // Warps. The TMA-fed kernels (dkdv, fused and dq: attn_bwd_wgmma_{dkdv,fused,dq}_tma_*) are warp-specialised as
 // FlashAttention-3's backward (and this library's forward): a block is 128·(1 + NWG) threads, a producer warpgroup
-// and NWG consumer warpgroups. NWG is 1 in dq, and in dkdv and fused BWD_DKDV_WGS_D<D>: 2 at D = 64, 1 at D = 128.
+// and NWG consumer warpgroups. NWG is 1 in dq, BWD_DKDV_WGS_D<D> in dkdv (2 at D = 64 and 128) and BWD_FUSED_WGS_D<D>
+// in fused (2 at D = 64, 1 at D = 128: two would need 257 KiB of shared memory, Shared memory below).
 // - Warpgroup 0 (threads 0..127) is the producer: after the block's one __syncthreads (the barriers' initialisation)
 //   it lowers its registers to BWD_PRODUCER_REGS (setmaxnreg.dec, ptx_hopper.cuh), its thread 0 issues every TMA copy
 //   (bwd_dkdv_produce, bwd_dq_produce) and the other 127 threads leave.
@@ -16,7 +17,7 @@
 //   sanitised tiles, and, in dkdv, write the pairs' LSE and Δ to shared memory). They synchronise with each other by
 //   named barrier BWD_BAR_CONSUMERS (id 1, 128·NWG threads; bwd_consumer_sync), never __syncthreads, which would wait
 //   for the producer warpgroup (gone, or waiting on an empty barrier) and deadlock.
-// - Two consumer warpgroups in dkdv (D = 64): a block is 128 keys, key tile kt0 + g of the block's kt0 = 2·blockIdx.x
+// - Two consumer warpgroups: a block is 128 keys, key tile kt0 + g of the block's kt0 = 2·blockIdx.x
 //   being warpgroup g's (its own K, V, dK and dV), as FlashAttention-3's backward: both read the same Q and dO stage
 //   of each pair, so each pair's tiles are loaded once for 128 keys rather than 64, and while one warpgroup works
 //   out Pᵀ and dSᵀ the other's products can run. The pairs are those the mask does not hide for one of the block's
@@ -28,14 +29,15 @@
 //   are those of one consumer warpgroup, in the same order: the results are bit for bit those of the cp.async kernel.
 //   Checked on the emulator (which models the TMA, the mbarriers, the named barriers and their deadlocks, not the
 //   register file, the proxies nor timing) and by ptxas; not yet run on a GPU.
-//   The register split: 128·40 + 128·256 of the 64K registers with one consumer warpgroup, 128·40 + 256·232 with two
-//   (as the forward). The kernel's cap at entry, which ptxas reports, is 255 with one (__launch_bounds__(256, 1)),
-//   where setmaxnreg.inc adds nothing to what ptxas may use (what it buys is the producer's registers given back), and
-//   168 with two (384 threads), where it raises the consumers to 232. Why not two at D = 128: the consumers could have
-//   at most 240 (128·24 + 256·240), where the body (dK and dV's D accumulators, Sᵀ and dPᵀ's 64, their packed A
-//   fragments' 32, live at once) takes 253 by ptxas's report of the cp.async kernel, the same body without the producer
-//   (built with two at 232, it spilled 692 bytes); at D = 64 it takes 232 (BENCHMARKS.md has the figures). The dq
-//   kernel's body takes 182 at D = 128 (its cp.async kernel): its blocks are 64 queries, one consumer warpgroup.
+//   The register split: 128·32 + 128·256 of the 64K registers with one consumer warpgroup, 128·32 + 256·240 with two
+//   (all 64K; FlashAttention-3's split). The kernel's cap at entry, which ptxas reports, is 255 with one
+//   (__launch_bounds__(256, 1)), where setmaxnreg.inc adds nothing to what ptxas may use (what it buys is the
+//   producer's registers given back), and 168 with two (384 threads), where it raises the consumers to 240. At
+//   D = 128 the body keeps dK and dV's accumulators (128 registers) beside Sᵀ and dPᵀ's fragments (64) through the
+//   elementwise phase: it fits 240 because the mask is worked out before the products (bwd_hidden_bits), while only
+//   the accumulators are live; with the general masks' position and document arithmetic done per element beside the
+//   fragments it spilled 692 bytes at 232 and 384 at 240 (BENCHMARKS.md has the figures). The dq kernel's body takes
+//   182 at D = 128 (its cp.async kernel): its blocks are 64 queries, one consumer warpgroup.
 // The cp.async kernels (the fallback where the device refuses a tensor map) are one warpgroup: 128 threads that all
 // load and compute, as Loads (below) says.
 //
@@ -104,16 +106,16 @@
 //
 // Shared memory (dynamic, aligned up to 1024 bytes of the shared window: the 128B swizzle is on the address), in
 // TB = 64·D·2-byte tiles: dkdv: K and V of each consumer warpgroup, Q of each stage, dO of each stage (2·NWG +
-// 2·BWD_STAGES TB with the TMA ring, 8 at D = 128 and 10 at D = 64; 6 TB with cp.async's two buffers; fused adds K
+// 2·BWD_STAGES TB with the TMA ring, 10 with two consumer warpgroups; 6 TB with cp.async's two buffers; fused adds K
 // sanitized, per consumer warpgroup), LSE and Δ of slots 0 and 1 (1 KiB), the correction scratch (per consumer warp
 // 16 × 64 f32 for Pᵀ and for dSᵀ: 32 KiB a warpgroup), the TMA kernels' 1 + 2·BWD_STAGES barriers (56 bytes;
 // ops/attention.rs: bwd_dkdv_smem); dq: Q, dO, K and V of each stage (8 TB with the ring, 6 with cp.async), the
 // scratch (per warp 16 × 64 f32 for dS: 16 KiB), the TMA kernel's barriers (56 bytes; bwd_dq_smem). At D = 128: dkdv
-// 161 KiB with the TMA ring (129 KiB with cp.async), fused 177 KiB (145), dq 144 KiB (112); at D = 64 (two consumer
-// warpgroups with the ring): 145 (81), 161 (89) and 80 (64) KiB; each + the barriers + the 1024 bytes of alignment
-// slack the host adds. The largest, fused
-// at D = 128, is within the 227 KiB an sm_90 block may opt into (a compile-time check in ops/attention.rs); a fourth
-// stage would make it 209 KiB.
+// 225 KiB with the TMA ring and two consumer warpgroups (129 KiB with cp.async), fused 177 KiB with one (145), dq
+// 144 KiB (112); at D = 64 (two consumer warpgroups with the ring): 145 (81), 161 (89) and 80 (64) KiB; each + the
+// barriers + the 1024 bytes of alignment slack the host adds. The largest, dkdv at D = 128, is within the 227 KiB
+// an sm_90 block may opt into, by 968 bytes (a compile-time check in ops/attention.rs); fused there with two
+// consumer warpgroups would take 257 KiB (a ring of two stages, 225 KiB, is the way to it, not taken).
 //
 // fused: the non-deterministic variant (AttentionBackward::Atomic, chosen explicitly only:
 // CudaBackend::with_deterministic_backward(false); the trainer keeps the kernels above). dkdv's kernel body
@@ -164,14 +166,17 @@ __device__ __forceinline__ void bwd_tma_pair(unsigned char* a, const CUtensorMap
 // producer and consumer warpgroups, and the consumers' named barrier (id 1: 0 is __syncthreads', which would wait
 // for the producer) with its 128 threads. The host reads BWD_STAGES for the shared-memory sizes (ops/attention.rs).
 #define BWD_STAGES 3
-#define BWD_PRODUCER_REGS 40
+#define BWD_PRODUCER_REGS 32
 #define BWD_CONSUMER_REGS_1 256
-#define BWD_CONSUMER_REGS_2 232
+#define BWD_CONSUMER_REGS_2 240
 #define BWD_BAR_CONSUMERS 1
-// Consumer warpgroups of the TMA-fed dK/dV and fused kernels at each head dim (the header's Warps: two at D = 64, 128
-// keys a block; one at D = 128, whose body needs more registers than two consumers may have). The host reads them.
+// Consumer warpgroups of the TMA-fed dK/dV and fused kernels at each head dim (the header's Warps: two, 128 keys a
+// block, but for fused at D = 128, whose K sanitized copies and third stage would not fit shared memory with two).
+// The host reads them.
 #define BWD_DKDV_WGS_D64 2
-#define BWD_DKDV_WGS_D128 1
+#define BWD_DKDV_WGS_D128 2
+#define BWD_FUSED_WGS_D64 2
+#define BWD_FUSED_WGS_D128 1
 
 // The first (query head of the group, query tile) pair at or after x that the mask does not hide for every one of
 // key tiles kt0..kt0 + tiles − 1, a dK/dV block's (pair x: head hk·group + x / q_tiles, tile x % q_tiles; `pairs`:
@@ -182,6 +187,22 @@ __device__ __forceinline__ u32 bwd_next_pair(const AttnProblem& p, u32 x, u32 pa
         for (u32 t = 0; t < tiles; ++t)
             if (classify(p, x % q_tiles, kt0 + t) != TILE_HIDDEN) return x;
     return x;
+}
+
+// The elements of a dK/dV thread's Sᵀ fragment that the mask hides, or that lie past the queries or keys, as bits:
+// bit 4n + e for key j_lo + 8·(e / 2) and query i0 + 8n + 2·tig + (e % 2) (the fragment's st[4n + e]). The body
+// works them out before its products, while only dK and dV's accumulators are live: done per element between the
+// products and the packing, the general masks' position and document arithmetic sat beside Sᵀ and dPᵀ's fragments,
+// the registers that kept D = 128 at one consumer warpgroup. A loop, not unrolled: the bits are one register.
+__device__ __forceinline__ u32 bwd_hidden_bits(const AttnProblem& p, u32 i0, u32 j_lo, u32 tig) {
+    u32 bits = 0;
+#pragma unroll 1
+    for (u32 x = 0; x < 32; ++x) {
+        const u32 j = j_lo + 8 * ((x >> 1) & 1u);
+        const u32 i = i0 + (x >> 2) * 8 + 2 * tig + (x & 1u);
+        if (i >= p.q_len || j >= p.kv_len || !visible(p, i, j)) bits |= 1u << x;
+    }
+    return bits;
 }
 
 // The start of a kernel's roles (the header's Warps), with NWG consumer warpgroups. With the TMA: thread 0
@@ -423,6 +444,9 @@ __device__ __forceinline__ void attn_bwd_wgmma_dkdv(const AttnProblem& p, BwdMap
             float* ps = scr + (g * 4 + warp) * 2 * 16 * 64;
             float* ss = ps + 16 * 64;
             if (mine) {
+                // The pair's hidden elements of this thread (bwd_hidden_bits), worked out before the products while
+                // only dK and dV's accumulators are live.
+                const u32 hid = masked ? bwd_hidden_bits(p, i0, j_lo, tig) : 0u;
                 // Sᵀ and dPᵀ: 64 keys × 64 queries; st[4n + e]: key j_lo + 8·(e / 2), query i0 + 8n + 2·tig + (e % 2).
                 float st[32], dpt[32];
 #pragma unroll
@@ -440,10 +464,8 @@ __device__ __forceinline__ void attn_bwd_wgmma_dkdv(const AttnProblem& p, BwdMap
                 for (u32 n = 0; n < 8; ++n) {
 #pragma unroll
                     for (u32 e = 0; e < 4; ++e) {
-                        u32 j = j_lo + 8 * (e >> 1);
                         u32 il = n * 8 + 2 * tig + (e & 1);
-                        u32 i = i0 + il;
-                        bool hidden = masked && (i >= p.q_len || j >= p.kv_len || !visible(p, i, j));
+                        bool hidden = (hid >> (4 * n + e)) & 1u;
                         float pv = hidden ? 0.0f : ex2_approx(st[4 * n + e] * scale2 - ls[il]);
                         float dsv = hidden ? 0.0f : pv * (dpt[4 * n + e] - dls[il]);
                         st[4 * n + e] = pv;
@@ -871,12 +893,12 @@ __device__ __forceinline__ void attn_bwd_dq_convert(G* __restrict__ dq, const fl
         attn_bwd_wgmma_dq<dd, tt, gt, true>(p, BwdMaps{&q_map, &k_map, &v_map, &do_map}, dq, q, k, v, dout, lse,    \
                                             delta, k_bad, accumulate);                                              \
     }                                                                                                               \
-    extern "C" __global__ void __launch_bounds__(128 * (1 + BWD_DKDV_WGS_D##dd), 1)                              \
+    extern "C" __global__ void __launch_bounds__(128 * (1 + BWD_FUSED_WGS_D##dd), 1)                             \
         attn_bwd_wgmma_fused_tma_##tn##_d##dd##_##gn(                                                               \
             AttnProblem p, BWD_TMA_MAPS, gt* dk, gt* dv, float* dq_ws, const tt* q, const tt* k, const tt* v,        \
             const tt* dout, const float* lse, const float* delta, const unsigned long long* q_bad,                   \
             const unsigned long long* do_bad, const unsigned long long* k_bad, int accumulate) {                    \
-        attn_bwd_wgmma_dkdv<dd, tt, gt, true, true, BWD_DKDV_WGS_D##dd>(p, BwdMaps{&q_map, &k_map, &v_map, &do_map},  \
+        attn_bwd_wgmma_dkdv<dd, tt, gt, true, true, BWD_FUSED_WGS_D##dd>(p, BwdMaps{&q_map, &k_map, &v_map, &do_map}, \
                                                                         dk, dv, dq_ws, q, k, v, dout, lse, delta,    \
                                                                         q_bad, do_bad, k_bad, accumulate);           \
     }

@@ -294,14 +294,16 @@ const _: () = assert!(fwd_wgmma_smem(128, 2) <= 227 * 1024, "the wgmma forward's
 /// `attention_backward_wgmma.cu`'s `#define BWD_STAGES`, read from the kernel's text as [`FWD_STAGES`].
 const BWD_STAGES: usize = c_define(BACKWARD_WGMMA_CODE, "BWD_STAGES");
 
-/// Consumer warpgroups of the warp-specialised wgmma backward's dK/dV and fused kernels at head dim `d` (each with a
-/// key tile of its own, all sharing the block's Q/dO ring): `attention_backward_wgmma.cu`'s `BWD_DKDV_WGS_D64` and
-/// `BWD_DKDV_WGS_D128`, read from the kernel's text; the cp.async kernels have one.
-const fn bwd_dkdv_wgs(d: usize, tma: bool) -> usize {
-    match (tma, d) {
-        (false, _) => 1,
-        (true, 64) => c_define(BACKWARD_WGMMA_CODE, "BWD_DKDV_WGS_D64"),
-        _ => c_define(BACKWARD_WGMMA_CODE, "BWD_DKDV_WGS_D128"),
+/// Consumer warpgroups of the warp-specialised wgmma backward's dK/dV kernel, or its fused one (`atomic`), at head dim
+/// `d` (each with a key tile of its own, all sharing the block's Q/dO ring): `attention_backward_wgmma.cu`'s
+/// `BWD_DKDV_WGS_D<d>` and `BWD_FUSED_WGS_D<d>`, read from the kernel's text; the cp.async kernels have one.
+const fn bwd_dkdv_wgs(d: usize, atomic: bool, tma: bool) -> usize {
+    match (tma, atomic, d) {
+        (false, _, _) => 1,
+        (true, false, 64) => c_define(BACKWARD_WGMMA_CODE, "BWD_DKDV_WGS_D64"),
+        (true, false, _) => c_define(BACKWARD_WGMMA_CODE, "BWD_DKDV_WGS_D128"),
+        (true, true, 64) => c_define(BACKWARD_WGMMA_CODE, "BWD_FUSED_WGS_D64"),
+        (true, true, _) => c_define(BACKWARD_WGMMA_CODE, "BWD_FUSED_WGS_D128"),
     }
 }
 
@@ -313,22 +315,28 @@ const fn bwd_dkdv_wgs(d: usize, tma: bool) -> usize {
 /// alignment of its tiles (the 128B swizzle is on the address).
 const fn bwd_dkdv_smem(d: usize, atomic: bool, tma: bool) -> usize {
     let stages = if tma { BWD_STAGES } else { 2 };
-    let wgs = bwd_dkdv_wgs(d, tma);
+    let wgs = bwd_dkdv_wgs(d, atomic, tma);
     let tiles = 2 * wgs + 2 * stages + if atomic { wgs } else { 0 };
     let bars = if tma { 8 * (1 + 2 * stages) } else { 0 };
     tiles * TC_TILE * d * 2 + 2 * 2 * TC_TILE * 4 + wgs * 4 * 2 * 16 * TC_TILE * 4 + bars + 1024
 }
 
-// The largest cases fit what an sm_90 block may opt into (227 KiB): the fused kernel at D = 128 with three stages
-// and one consumer warpgroup, 177 KiB; at D = 64 with two, 161 KiB.
-const _: () = assert!(bwd_dkdv_smem(128, true, true) <= 227 * 1024, "the wgmma backward's ring does not fit");
-const _: () = assert!(bwd_dkdv_smem(64, true, true) <= 227 * 1024, "the wgmma backward's ring does not fit");
+// Every case fits what an sm_90 block may opt into (227 KiB): the largest, the dK/dV kernel at D = 128 with three
+// stages and two consumer warpgroups, by 968 bytes (the fused one there has one: 177 KiB).
+const _: () = {
+    let mut i = 0;
+    while i < 4 {
+        let (d, atomic) = ([64, 128][i / 2], i % 2 == 1);
+        assert!(bwd_dkdv_smem(d, atomic, true) <= 227 * 1024, "the wgmma backward's ring does not fit");
+        i += 1;
+    }
+};
 
 /// The launch of the wgmma backward's dK/dV or fused kernel (`atomic`) at head dim `d`, fed by the TMA or not: a
 /// block per [`bwd_dkdv_wgs`] key tiles of one (batch, key/value head), the producer warpgroup and the consumers
 /// with the TMA (the kernel's header, Warps), else one warpgroup.
 fn bwd_dkdv_launch(s: AttnShape, atomic: bool, tma: bool) -> LaunchConfig {
-    let wgs = bwd_dkdv_wgs(s.head_dim, tma);
+    let wgs = bwd_dkdv_wgs(s.head_dim, atomic, tma);
     LaunchConfig {
         grid: [s.kv_len.div_ceil(TC_TILE * wgs) as u32, s.kv_heads as u32, s.batch as u32],
         block: [if tma { 128 * (1 + wgs as u32) } else { 128 }, 1, 1],
