@@ -416,35 +416,51 @@ fn backward_ring(b: CudaBackend) {
 
 on_emulator_and_sm90!(ws_backward => backward_ring);
 
-/// The two consumer warpgroups of the TMA-fed dK/dV kernels (and the fused ones at D = 64) share each pair's Q and dO tiles (the kernel's header,
-/// Warps): a pair that one warpgroup's key tile sees whole and the other's only in part (64 queries at positions
-/// 100.., 128 keys from 0, causal: key tile 0 wholly visible, key tile 1 partial) has its shared tiles sanitised for
-/// the second, so the first computes on tiles whose non-finite elements were zeroed and must add back what they
-/// contribute. A NaN in query row 5 of head 0, then one in dO row 20 of head 1 (which only the correction carries
-/// into dV: its LSE is finite): the TMA-fed kernels (two warpgroups) against the cp.async ones (one warpgroup, which
-/// never sanitises a tile its pair shows whole): NaN where they have NaN (the keys the poisoned row sees), bit for bit
+/// The two consumer warpgroups of the TMA-fed kernels share their blocks' streamed tiles (the kernel's header, Warps):
+/// Q and dO in dK/dV (and in the non-deterministic kernel at D = 64), K in dQ. 128 queries at positions 100.., 128
+/// keys from 0, causal: key tile 0 is seen whole by both query tiles, key tile 1 in part by query tile 0 and whole by
+/// query tile 1. So a pair that one dK/dV warpgroup's key tile sees whole and the other's only in part has its
+/// shared Q and dO sanitised for the second, and a key tile that one dQ warpgroup's query tile sees whole and the
+/// other's in part has its shared K sanitised: the warpgroup that sees the pair whole computes on tiles whose
+/// non-finite elements were zeroed and must add back what they contribute. A NaN in query row 5 of head 0, one in dO
+/// row 20 of head 1 (which only the correction carries into dV: its LSE is finite), and one in key row 120 (queries
+/// 120.. see it): the TMA-fed kernels (two warpgroups) against the cp.async ones (one warpgroup, which never
+/// sanitises a tile its pair shows whole): NaN where they have NaN (what the poisoned row reaches), bit for bit
 /// elsewhere (dQ within 1e-5 in the non-deterministic variant). Head dims 64 and 128.
 fn shared_tiles_nonfinite(b: CudaBackend) {
     let wg = b.with_attention_path(AttentionPath::Wgmma).with_deterministic_backward(true);
     let atomic = wg.clone().with_deterministic_backward(false);
     for d in [64, 128] {
-        let shape = AttnShape { batch: 1, q_heads: 2, kv_heads: 1, q_len: 64, kv_len: 128, head_dim: d };
+        let shape = AttnShape { batch: 1, q_heads: 2, kv_heads: 1, q_len: 128, kv_len: 128, head_dim: d };
         let p = AttnParams::new(shape)
             .with_mask(AttnMask::causal().with_positions(Positions::Offset(100), Positions::Offset(0)));
         let clean = inputs(shape, 41);
-        // (what is poisoned, its input, its element, the dV element of a key it reaches).
-        for (poison, input, at, dv_at) in [("Q row 5", 0, 5 * d + 7, 0), ("dO row 20", 3, (64 + 20) * d + 3, 3)] {
+        // (what is poisoned, its input, its element).
+        for (poison, input, at) in
+            [("Q row 5", 0, 5 * d + 7), ("dO row 20", 3, (128 + 20) * d + 3), ("K row 120", 1, 120 * d + 9)]
+        {
             let mut x = clean.clone();
             x[input][at] = f32::NAN;
             for (variant, be) in [("deterministic", &wg), ("atomic", &atomic)] {
                 let what = format!("d {d}, {poison}, {variant}");
                 let (tma, cp) = tma_then_cp_async(be, &p, &x, &what);
                 assert_tma_as_cp_async(&tma, &cp, variant == "atomic", &what);
-                // Not vacuous: the keys of tile 0 (which the poisoned row sees) have NaN in dV, the last keys
-                // (positions 121..127, which no query sees) finite gradients.
-                assert!((0..64).all(|j| tma[4][j * d + dv_at].is_nan()), "{what}: dV of key tile 0");
-                for n in [3, 4] {
-                    assert!(tma[n][121 * d..].iter().all(|g| g.is_finite()), "{what}: keys 121..");
+                // Not vacuous: NaN reaches what the poisoned row sees, and not what it does not.
+                if input == 1 {
+                    // The queries before position 120 (rows 0..19 of each head) have finite dQ, query 120 not.
+                    for h in 0..2 {
+                        let rows = &tma[2][h * 128 * d..];
+                        assert!(rows[..20 * d].iter().all(|g| g.is_finite()), "{what}: dQ of queries 100..119");
+                        assert!(rows[20 * d..21 * d].iter().any(|g| g.is_nan()), "{what}: dQ of query 120");
+                    }
+                } else {
+                    // The keys of tile 0 (which the poisoned row sees) have NaN in dV, the keys past the poisoned
+                    // row's position (121..127) finite gradients.
+                    let dv_at = if input == 0 { 0 } else { 3 };
+                    assert!((0..64).all(|j| tma[4][j * d + dv_at].is_nan()), "{what}: dV of key tile 0");
+                    for n in [3, 4] {
+                        assert!(tma[n][121 * d..].iter().all(|g| g.is_finite()), "{what}: keys 121..");
+                    }
                 }
             }
         }

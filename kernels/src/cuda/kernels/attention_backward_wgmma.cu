@@ -177,6 +177,9 @@ __device__ __forceinline__ void bwd_tma_pair(unsigned char* a, const CUtensorMap
 #define BWD_DKDV_WGS_D128 2
 #define BWD_FUSED_WGS_D64 2
 #define BWD_FUSED_WGS_D128 1
+// Consumer warpgroups of the TMA-fed dQ kernel, at both head dims: a query tile each, 128 queries a block, sharing
+// every K/V stage. The host reads it.
+#define BWD_DQ_WGS 2
 
 // The first (query head of the group, query tile) pair at or after x that the mask does not hide for every one of
 // key tiles kt0..kt0 + tiles − 1, a dK/dV block's (pair x: head hk·group + x / q_tiles, tile x % q_tiles; `pairs`:
@@ -189,17 +192,20 @@ __device__ __forceinline__ u32 bwd_next_pair(const AttnProblem& p, u32 x, u32 pa
     return x;
 }
 
-// The elements of a dK/dV thread's Sᵀ fragment that the mask hides, or that lie past the queries or keys, as bits:
-// bit 4n + e for key j_lo + 8·(e / 2) and query i0 + 8n + 2·tig + (e % 2) (the fragment's st[4n + e]). The body
-// works them out before its products, while only dK and dV's accumulators are live: done per element between the
-// products and the packing, the general masks' position and document arithmetic sat beside Sᵀ and dPᵀ's fragments,
-// the registers that kept D = 128 at one consumer warpgroup. A loop, not unrolled: the bits are one register.
-__device__ __forceinline__ u32 bwd_hidden_bits(const AttnProblem& p, u32 i0, u32 j_lo, u32 tig) {
+// The elements of a thread's score fragment that the mask hides, or that lie past the queries or keys, as bits: bit
+// 4n + e for the fragment's element [4n + e], at row row_lo + 8·(e / 2) and column col0 + 8n + 2·tig + (e % 2) (rows
+// are keys in dkdv's Sᵀ, KEY_ROWS, and queries in dq's S). The bodies work them out before their products, while
+// only the gradients' accumulators are live: done per element between the products and the packing, the general
+// masks' position and document arithmetic sat beside the two score fragments, the registers that kept dkdv at D = 128
+// to one consumer warpgroup. A loop, not unrolled: the bits are one register.
+template <bool KEY_ROWS>
+__device__ __forceinline__ u32 bwd_hidden_bits(const AttnProblem& p, u32 row_lo, u32 col0, u32 tig) {
     u32 bits = 0;
 #pragma unroll 1
     for (u32 x = 0; x < 32; ++x) {
-        const u32 j = j_lo + 8 * ((x >> 1) & 1u);
-        const u32 i = i0 + (x >> 2) * 8 + 2 * tig + (x & 1u);
+        const u32 row = row_lo + 8 * ((x >> 1) & 1u);
+        const u32 col = col0 + (x >> 2) * 8 + 2 * tig + (x & 1u);
+        const u32 i = KEY_ROWS ? col : row, j = KEY_ROWS ? row : col;
         if (i >= p.q_len || j >= p.kv_len || !visible(p, i, j)) bits |= 1u << x;
     }
     return bits;
@@ -446,7 +452,7 @@ __device__ __forceinline__ void attn_bwd_wgmma_dkdv(const AttnProblem& p, BwdMap
             if (mine) {
                 // The pair's hidden elements of this thread (bwd_hidden_bits), worked out before the products while
                 // only dK and dV's accumulators are live.
-                const u32 hid = masked ? bwd_hidden_bits(p, i0, j_lo, tig) : 0u;
+                const u32 hid = masked ? bwd_hidden_bits<true>(p, j_lo, i0, tig) : 0u;
                 // Sᵀ and dPᵀ: 64 keys × 64 queries; st[4n + e]: key j_lo + 8·(e / 2), query i0 + 8n + 2·tig + (e % 2).
                 float st[32], dpt[32];
 #pragma unroll
@@ -634,57 +640,84 @@ __device__ __forceinline__ void attn_bwd_wgmma_dkdv(const AttnProblem& p, BwdMap
     }
 }
 
-// The dQ producer (thread 0 of warpgroup 0 in the TMA kernel): nothing when the mask hides every key tile; else Q
-// and dO once on qbar, then the visible key tiles' K and V in the consumers' order (next_tile), the n-th into stage
-// n % BWD_STAGES once the consumers have released it (as bwd_dkdv_produce).
-template <int D>
+// The first key tile at or after kt that the mask does not hide for one of query tiles qt0..qt0 + tiles − 1, a dQ
+// block's (k_tiles: none). Producer and consumers walk the same.
+__device__ __forceinline__ u32 bwd_next_key_tile(const AttnProblem& p, u32 qt0, u32 tiles, u32 kt, u32 k_tiles) {
+    for (; kt < k_tiles; ++kt)
+        for (u32 t = 0; t < tiles; ++t)
+            if (classify(p, qt0 + t, kt) != TILE_HIDDEN) return kt;
+    return kt;
+}
+
+// The dQ producer (thread 0 of warpgroup 0 in the TMA kernel), for the block's `tiles` query tiles from qt0 (NWG,
+// fewer at the end of the queries): nothing when the mask hides every key tile from all of them; else their Q and
+// dO once on qbar (tile g's at smem + g·TB and smem + (NWG + g)·TB), then the key tiles that one of them sees, in
+// the consumers' order (bwd_next_key_tile), K and V of the n-th into stage n % BWD_STAGES once the consumers have
+// released it (as bwd_dkdv_produce).
+template <int D, u32 NWG>
 __device__ __forceinline__ void bwd_dq_produce(const AttnProblem& p, BwdMaps maps, unsigned char* smem, u64* qbar,
-                                               u64* full, u64* empty, u32 qt, u32 h, u32 b) {
+                                               u64* full, u64* empty, u32 qt0, u32 tiles, u32 h, u32 b) {
     constexpr u32 TB = WG_BC * D * 2;
     const u32 k_tiles = (p.kv_len + WG_BC - 1) / WG_BC;
     const u32 kv_head = b * p.kv_heads + h / (p.q_heads / p.kv_heads);
-    u32 kt = next_tile(p, qt, 0, k_tiles);
+    u32 kt = bwd_next_key_tile(p, qt0, tiles, 0, k_tiles);
     if (kt >= k_tiles) return;  // every key tile hidden: nothing to load
-    bwd_tma_pair<D>(smem, maps.q, smem + TB, maps.dout, qbar, qt * WG_BC, b * p.q_heads + h);
-    for (u32 n = 0; kt < k_tiles; ++n, kt = next_tile(p, qt, kt + 1, k_tiles)) {
+    mbarrier_arrive_expect_tx(qbar, tiles * 2 * TB);
+    for (u32 g = 0; g < tiles; ++g) {
+        bwd_tma_tile<D>(smem + g * TB, maps.q, qbar, (qt0 + g) * WG_BC, b * p.q_heads + h);
+        bwd_tma_tile<D>(smem + (NWG + g) * TB, maps.dout, qbar, (qt0 + g) * WG_BC, b * p.q_heads + h);
+    }
+    unsigned char* ks = smem + 2 * NWG * TB;  // stage st's K at ks + st·TB, its V at ks + (BWD_STAGES + st)·TB
+    for (u32 n = 0; kt < k_tiles; ++n, kt = bwd_next_key_tile(p, qt0, tiles, kt + 1, k_tiles)) {
         const u32 st = n % BWD_STAGES, use = n / BWD_STAGES;
         mbarrier_wait(&empty[st], (use & 1u) ^ 1u);
-        bwd_tma_pair<D>(smem + (2 + st) * TB, maps.k, smem + (2 + BWD_STAGES + st) * TB, maps.v, &full[st],
-                        kt * WG_BC, kv_head);
+        bwd_tma_pair<D>(ks + st * TB, maps.k, ks + (BWD_STAGES + st) * TB, maps.v, &full[st], kt * WG_BC, kv_head);
     }
 }
 
-// dq: with TMA the block is the producer warpgroup and one consumer warpgroup (the header's Warps); without, one
-// warpgroup that loads and computes.
-template <int D, typename T, typename G, bool TMA>
+// dq: with TMA the block is the producer warpgroup and NWG consumer warpgroups, each with a query tile of its own
+// (the header's Warps); without, one warpgroup that loads and computes (NWG = 1).
+template <int D, typename T, typename G, bool TMA, u32 NWG>
 __device__ __forceinline__ void attn_bwd_wgmma_dq(const AttnProblem& p, BwdMaps maps, G* __restrict__ dq,
                                                   const T* __restrict__ q,
                                                   const T* __restrict__ k, const T* __restrict__ v,
                                                   const T* __restrict__ dout, const float* __restrict__ lse,
                                                   const float* __restrict__ delta,
                                                   const unsigned long long* __restrict__ k_bad, int accumulate) {
+    static_assert(NWG == 1 || (TMA && NWG == 2), "two consumer warpgroups need the producer's TMA loads");
     unsigned char* smem = wg_smem();
     constexpr u32 TB = WG_BC * D * 2;
+    constexpr u32 NC = 128 * NWG;  // consumer threads
     // Stages of K and V: the TMA ring's BWD_STAGES, cp.async's two buffers.
     constexpr u32 S = TMA ? BWD_STAGES : 2;
-    unsigned char* qs = smem;
-    unsigned char* dos = smem + TB;
-    // K's stage st at smem + (2 + st)·TB, V's at smem + (2 + S + st)·TB (computed: an array indexed at run time
-    // would live in local memory).
-    float* scr = reinterpret_cast<float*>(smem + (2 + 2 * S) * TB);  // [4 warps][16][64]: dS, for the correction
+    // Consumer warpgroup g's Q at smem + g·TB, its dO at smem + (NWG + g)·TB; K's stage st at smem + (2·NWG + st)·TB,
+    // V's at smem + (2·NWG + S + st)·TB (computed: an array indexed at run time would live in local memory).
+    unsigned char* ks0 = smem + 2 * NWG * TB;
+    float* scr = reinterpret_cast<float*>(smem + (2 * NWG + 2 * S) * TB);  // [4·NWG warps][16][64]: dS (correction)
     // TMA: [0] Q and dO landed; full[st] = bars[1 + st]: stage st's K and V landed; empty[st] = bars[1 + S + st]:
     // every consumer thread is done with stage st.
-    u64* bars = reinterpret_cast<u64*>(scr + 4 * 16 * 64);
+    u64* bars = reinterpret_cast<u64*>(scr + NWG * 4 * 16 * 64);
     u64* full = bars + 1;
     u64* empty = bars + 1 + S;
 
-    const u32 qt = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-    if (!bwd_roles<TMA, S, 1>(bars, [&] { bwd_dq_produce<D>(p, maps, smem, &bars[0], full, empty, qt, h, b); }))
+    const u32 h = blockIdx.y, b = blockIdx.z;
+    const u32 q_tiles = (p.q_len + WG_BC - 1) / WG_BC;
+    const u32 qt0 = blockIdx.x * NWG;  // the block's first query tile
+    const u32 tiles = q_tiles - qt0 < NWG ? q_tiles - qt0 : NWG;  // its query tiles (fewer at the end)
+    if (!bwd_roles<TMA, S, NWG>(bars, [&] {
+            bwd_dq_produce<D, NWG>(p, maps, smem, &bars[0], full, empty, qt0, tiles, h, b);
+        }))
         return;
-    // The consumers (every thread without TMA): thread ct of 128.
+    // The consumers (every thread without TMA): thread ct of 128·NWG; warpgroup g = ct / 128 computes query tile
+    // qt0 + g (none when g ≥ tiles: it keeps the barriers' counts and writes nothing), its warp w rows 16w..16w+15.
     const u32 ct = TMA ? threadIdx.x - 128 : threadIdx.x;
-    const u32 lane = ct & 31, warp = ct >> 5;
+    const u32 g = NWG == 1 ? 0 : ct >> 7;
+    const u32 lane = ct & 31, warp = NWG == 1 ? ct >> 5 : (ct >> 5) & 3;
     const u32 gid = lane >> 2, tig = lane & 3;
+    const u32 qt = qt0 + g;
+    const bool own = NWG == 1 || g < tiles;
+    unsigned char* qs = smem + g * TB;
+    unsigned char* dos = smem + (NWG + g) * TB;
     const u32 hk = h / (p.q_heads / p.kv_heads);
     const u64 q_head = ((u64)b * p.q_heads + h) * p.q_len;
     const u64 k_head = ((u64)b * p.kv_heads + hk) * p.kv_len;
@@ -710,14 +743,14 @@ __device__ __forceinline__ void attn_bwd_wgmma_dq(const AttnProblem& p, BwdMaps 
 #pragma unroll
     for (u32 i = 0; i < D / 2; ++i) dqa[i] = 0.0f;
 
-    // Key tiles that the mask does not hide (the producer's walk). cp.async only: every thread's share of key tile
-    // `t`'s K and V into buffer c.
+    // Key tiles that the mask does not hide for one of the block's query tiles (the producer's walk). cp.async
+    // only: every thread's share of key tile `t`'s K and V into buffer c.
     auto load_kv = [&](u32 t, u32 c) {
-        wg_load_tile<D, WG_BC, T>(smem + (2 + c) * TB, kg, t * WG_BC, p.kv_len, threadIdx.x, blockDim.x);
-        wg_load_tile<D, WG_BC, T>(smem + (2 + S + c) * TB, v + k_head * D, t * WG_BC, p.kv_len, threadIdx.x,
+        wg_load_tile<D, WG_BC, T>(ks0 + c * TB, kg, t * WG_BC, p.kv_len, threadIdx.x, blockDim.x);
+        wg_load_tile<D, WG_BC, T>(ks0 + (S + c) * TB, v + k_head * D, t * WG_BC, p.kv_len, threadIdx.x,
                                   blockDim.x);
     };
-    u32 kt = next_tile(p, qt, 0, k_tiles);
+    u32 kt = bwd_next_key_tile(p, qt0, tiles, 0, k_tiles);
     if (kt < k_tiles) {
         if (TMA)
             mbarrier_wait(&bars[0], 0);  // Q and dO (loaded only when a key tile is visible)
@@ -728,8 +761,7 @@ __device__ __forceinline__ void attn_bwd_wgmma_dq(const AttnProblem& p, BwdMaps 
     for (u32 n = 0; kt < k_tiles; ++n) {
         // Tile kt is the loop's n-th: in stage stg = n % S, that stage's (n / S)-th fill.
         const u32 stg = n % S;
-        int cls = classify(p, qt, kt);
-        const u32 next = next_tile(p, qt, kt + 1, k_tiles);
+        const u32 next = bwd_next_key_tile(p, qt0, tiles, kt + 1, k_tiles);
         if (TMA) {
             // The TMA wrote through the async proxy, which wgmma reads: no proxy fence, and no barrier (each thread
             // has waited itself).
@@ -744,56 +776,68 @@ __device__ __forceinline__ void attn_bwd_wgmma_dq(const AttnProblem& p, BwdMaps 
             wgmma_fence_proxy_async();
             __syncthreads();
         }
-        unsigned char* ks_ = smem + (2 + stg) * TB;
-        unsigned char* vs_ = smem + (2 + S + stg) * TB;
+        unsigned char* ks_ = ks0 + stg * TB;
+        unsigned char* vs_ = ks0 + (S + stg) * TB;
         const u32 j0 = kt * WG_BC;
+        // This warpgroup's tile against the key tile (hidden: it computes nothing, and only keeps the barriers), and
+        // whether any of the block's is partial (the sanitising of the shared K tile is everyone's). (With one
+        // warpgroup the walk visits no key tile its query tile does not see.)
+        const int cls = own ? classify(p, qt, kt) : TILE_HIDDEN;
+        bool partial = cls == TILE_PARTIAL;
+#pragma unroll
+        for (u32 t = 0; t < NWG; ++t) partial |= t != g && t < tiles && classify(p, qt0 + t, kt) == TILE_PARTIAL;
+        const bool mine = NWG == 1 || cls != TILE_HIDDEN;
         const bool masked = cls == TILE_PARTIAL || j0 + WG_BC > p.kv_len || (qt + 1) * WG_BC > p.q_len;
-        unsigned long long kb =
-            (cls == TILE_PARTIAL && k_bad) ? k_bad[((u64)b * p.kv_heads + hk) * k_tiles + kt] : 0ull;
+        const unsigned long long kb = (partial && k_bad) ? k_bad[((u64)b * p.kv_heads + hk) * k_tiles + kt] : 0ull;
         if (kb) {
-            wg_sanitize<D, T>(ks_, kb, ct, 128);
+            wg_sanitize<D, T>(ks_, kb, ct, NC);
             wgmma_fence_proxy_async();
-            bwd_consumer_sync<TMA>();
+            bwd_consumer_sync<TMA, NWG>();
         }
-        // S and dP: 64 queries × 64 keys; s[4n + e]: row i_lo + 8·(e / 2), key j0 + 8n + 2·tig + (e % 2).
         float s[32], dp[32];
+        if (mine) {
+            // The hidden elements of this thread's S fragment, worked out before the products (bwd_hidden_bits).
+            const u32 hid = masked ? bwd_hidden_bits<false>(p, i_lo, j0, tig) : 0u;
+            // S and dP: 64 queries × 64 keys; s[4n + e]: row i_lo + 8·(e / 2), key j0 + 8n + 2·tig + (e % 2).
 #pragma unroll
-        for (u32 i = 0; i < 32; ++i) s[i] = dp[i] = 0.0f;
-        wgmma_fence();
+            for (u32 i = 0; i < 32; ++i) s[i] = dp[i] = 0.0f;
+            wgmma_fence();
 #pragma unroll
-        for (u32 ks = 0; ks < D / 16; ++ks) {
-            wg_mma_qk<T>(s, wg_desc_kmajor<WG_BC>(qs, ks), wg_desc_kmajor<WG_BC>(ks_, ks), ks > 0);
-            wg_mma_qk<T>(dp, wg_desc_kmajor<WG_BC>(dos, ks), wg_desc_kmajor<WG_BC>(vs_, ks), ks > 0);
-        }
-        wgmma_commit_group();
-        wgmma_wait_group<0>();
-#pragma unroll
-        for (u32 n = 0; n < 8; ++n) {
-#pragma unroll
-            for (u32 e = 0; e < 4; ++e) {
-                u32 hf = e >> 1;
-                u32 i = i_lo + 8 * hf;
-                u32 j = j0 + n * 8 + 2 * tig + (e & 1);
-                bool hidden = masked && (i >= p.q_len || j >= p.kv_len || !visible(p, i, j));
-                float pv = hidden ? 0.0f : ex2_approx(s[4 * n + e] * scale2 - lr[hf]);
-                dp[4 * n + e] = hidden ? 0.0f : pv * (dp[4 * n + e] - dl[hf]);
+            for (u32 ks = 0; ks < D / 16; ++ks) {
+                wg_mma_qk<T>(s, wg_desc_kmajor<WG_BC>(qs, ks), wg_desc_kmajor<WG_BC>(ks_, ks), ks > 0);
+                wg_mma_qk<T>(dp, wg_desc_kmajor<WG_BC>(dos, ks), wg_desc_kmajor<WG_BC>(vs_, ks), ks > 0);
             }
+            wgmma_commit_group();
+            wgmma_wait_group<0>();
+#pragma unroll
+            for (u32 n = 0; n < 8; ++n) {
+#pragma unroll
+                for (u32 e = 0; e < 4; ++e) {
+                    u32 hf = e >> 1;
+                    bool hidden = (hid >> (4 * n + e)) & 1u;
+                    float pv = hidden ? 0.0f : ex2_approx(s[4 * n + e] * scale2 - lr[hf]);
+                    dp[4 * n + e] = hidden ? 0.0f : pv * (dp[4 * n + e] - dl[hf]);
+                }
+            }
+            // dQ += dS·K over the tile's 64 keys.
+            u32 sa[4][4];
+#pragma unroll
+            for (u32 t = 0; t < 4; ++t)
+#pragma unroll
+                for (u32 r = 0; r < 4; ++r) sa[t][r] = pack2<T>(dp[8 * t + 2 * r], dp[8 * t + 2 * r + 1]);
+            wgmma_fence();
+#pragma unroll
+            for (u32 t = 0; t < 4; ++t) wg_mma_pv<T, D>(dqa, sa[t], wg_desc_nmajor(ks_, t));
+            wgmma_commit_group();
+            wgmma_wait_group<0>();
         }
-        // dQ += dS·K over the tile's 64 keys.
-        u32 sa[4][4];
-#pragma unroll
-        for (u32 t = 0; t < 4; ++t)
-#pragma unroll
-            for (u32 r = 0; r < 4; ++r) sa[t][r] = pack2<T>(dp[8 * t + 2 * r], dp[8 * t + 2 * r + 1]);
-        wgmma_fence();
-#pragma unroll
-        for (u32 t = 0; t < 4; ++t) wg_mma_pv<T, D>(dqa, sa[t], wg_desc_nmajor(ks_, t));
-        wgmma_commit_group();
-        wgmma_wait_group<0>();
-        // Every wgmma reading this stage has been waited for: release it to the producer.
+        // Every wgmma of this thread reading this stage has been waited for (at once where its tile is hidden):
+        // release it to the producer.
         if (TMA) mbarrier_arrive(&empty[stg]);
-        if (kb) {
-            float* ss = scr + warp * 16 * 64;
+        if (mine && kb) {
+            // Add back what the zeroed elements contribute to visible pairs (see the header), whatever this
+            // warpgroup's own tile's class: K was sanitised for the block.
+            float* ss = scr + (g * 4 + warp) * 16 * 64;
 #pragma unroll
             for (u32 n = 0; n < 8; ++n)
 #pragma unroll
@@ -821,6 +865,8 @@ __device__ __forceinline__ void attn_bwd_wgmma_dq(const AttnProblem& p, BwdMaps 
         }
         // cp.async: every warp is done with this buffer before the next iteration's loads into it. (The TMA ring
         // needs no such barrier: the empty barrier releases the stage, and the correction's scratch is per warp.)
+        // With two warpgroups, a sanitising of the next key tile's K waits behind the barrier above it, which every
+        // consumer reaches only after its products on this one.
         if (!TMA) __syncthreads();
         kt = next;
     }
@@ -829,7 +875,7 @@ __device__ __forceinline__ void attn_bwd_wgmma_dq(const AttnProblem& p, BwdMaps 
 #pragma unroll
     for (u32 hf = 0; hf < 2; ++hf) {
         u32 i = i_lo + 8 * hf;
-        if (i >= p.q_len) continue;
+        if (!own || i >= p.q_len) continue;
 #pragma unroll
         for (u32 n = 0; n < D / 8; ++n) {
 #pragma unroll
@@ -869,7 +915,7 @@ __device__ __forceinline__ void attn_bwd_dq_convert(G* __restrict__ dq, const fl
     extern "C" __global__ void __launch_bounds__(128, 1) attn_bwd_wgmma_dq_##tn##_d##dd##_##gn(                    \
         AttnProblem p, gt* dq, const tt* q, const tt* k, const tt* v, const tt* dout, const float* lse,              \
         const float* delta, const unsigned long long* k_bad, int accumulate) {                                      \
-        attn_bwd_wgmma_dq<dd, tt, gt, false>(p, BwdMaps{}, dq, q, k, v, dout, lse, delta, k_bad, accumulate);       \
+        attn_bwd_wgmma_dq<dd, tt, gt, false, 1>(p, BwdMaps{}, dq, q, k, v, dout, lse, delta, k_bad, accumulate);    \
     }                                                                                                               \
     extern "C" __global__ void __launch_bounds__(128, 1) attn_bwd_wgmma_fused_##tn##_d##dd##_##gn(                 \
         AttnProblem p, gt* dk, gt* dv, float* dq_ws, const tt* q, const tt* k, const tt* v, const tt* dout,          \
@@ -887,11 +933,12 @@ __device__ __forceinline__ void attn_bwd_dq_convert(G* __restrict__ dq, const fl
                                                                          dk, dv, nullptr, q, k, v, dout, lse, delta, \
                                                                          q_bad, do_bad, nullptr, accumulate);         \
     }                                                                                                               \
-    extern "C" __global__ void __launch_bounds__(256, 1) attn_bwd_wgmma_dq_tma_##tn##_d##dd##_##gn(                \
-        AttnProblem p, BWD_TMA_MAPS, gt* dq, const tt* q, const tt* k, const tt* v, const tt* dout,                  \
-        const float* lse, const float* delta, const unsigned long long* k_bad, int accumulate) {                     \
-        attn_bwd_wgmma_dq<dd, tt, gt, true>(p, BwdMaps{&q_map, &k_map, &v_map, &do_map}, dq, q, k, v, dout, lse,    \
-                                            delta, k_bad, accumulate);                                              \
+    extern "C" __global__ void __launch_bounds__(128 * (1 + BWD_DQ_WGS), 1)                                       \
+        attn_bwd_wgmma_dq_tma_##tn##_d##dd##_##gn(AttnProblem p, BWD_TMA_MAPS, gt* dq, const tt* q, const tt* k,     \
+                                                  const tt* v, const tt* dout, const float* lse, const float* delta, \
+                                                  const unsigned long long* k_bad, int accumulate) {                \
+        attn_bwd_wgmma_dq<dd, tt, gt, true, BWD_DQ_WGS>(p, BwdMaps{&q_map, &k_map, &v_map, &do_map}, dq, q, k, v,    \
+                                                        dout, lse, delta, k_bad, accumulate);                       \
     }                                                                                                               \
     extern "C" __global__ void __launch_bounds__(128 * (1 + BWD_FUSED_WGS_D##dd), 1)                             \
         attn_bwd_wgmma_fused_tma_##tn##_d##dd##_##gn(                                                               \

@@ -344,14 +344,41 @@ fn bwd_dkdv_launch(s: AttnShape, atomic: bool, tma: bool) -> LaunchConfig {
     }
 }
 
+/// Consumer warpgroups of the warp-specialised wgmma backward's dQ kernel (each with a query tile of its own, all
+/// sharing the block's K/V ring): `attention_backward_wgmma.cu`'s `BWD_DQ_WGS`, read from the kernel's text; the
+/// cp.async kernel has one.
+const fn bwd_dq_wgs(tma: bool) -> usize {
+    if tma {
+        c_define(BACKWARD_WGMMA_CODE, "BWD_DQ_WGS")
+    } else {
+        1
+    }
+}
+
 /// Dynamic shared memory of the wgmma backward's dQ kernel at head dim `d`, fed by the TMA (`tma`: the
-/// warp-specialised kernel, its ring of [`BWD_STAGES`] K/V stages and 1 + 2·stages mbarriers) or by cp.async (two
-/// buffers): Q and dO, K and V per stage, dS for the correction (16 rows × 64 of f32 per warp), the barriers, and
-/// 1024 for the kernel's alignment of its tiles.
+/// warp-specialised kernel with [`bwd_dq_wgs`] consumer warpgroups, its ring of [`BWD_STAGES`] K/V stages and 1 +
+/// 2·stages mbarriers) or by cp.async (one warpgroup, two buffers): Q and dO per consumer warpgroup, K and V per
+/// stage, dS for the correction (16 rows × 64 of f32 per consumer warp), the barriers, and 1024 for the kernel's
+/// alignment of its tiles.
 const fn bwd_dq_smem(d: usize, tma: bool) -> usize {
     let stages = if tma { BWD_STAGES } else { 2 };
+    let wgs = bwd_dq_wgs(tma);
     let bars = if tma { 8 * (1 + 2 * stages) } else { 0 };
-    (2 + 2 * stages) * TC_TILE * d * 2 + 4 * 16 * TC_TILE * 4 + bars + 1024
+    (2 * wgs + 2 * stages) * TC_TILE * d * 2 + wgs * 4 * 16 * TC_TILE * 4 + bars + 1024
+}
+
+const _: () = assert!(bwd_dq_smem(128, true) <= 227 * 1024, "the wgmma backward's dQ ring does not fit");
+
+/// The launch of the wgmma backward's dQ kernel at head dim `d`, fed by the TMA or not: a block per [`bwd_dq_wgs`]
+/// query tiles of one (batch, query head), the producer warpgroup and the consumers with the TMA (the kernel's
+/// header, Warps), else one warpgroup.
+fn bwd_dq_launch(s: AttnShape, tma: bool) -> LaunchConfig {
+    let wgs = bwd_dq_wgs(tma);
+    LaunchConfig {
+        grid: [s.q_len.div_ceil(TC_TILE * wgs) as u32, s.q_heads as u32, s.batch as u32],
+        block: [if tma { 128 * (1 + wgs as u32) } else { 128 }, 1, 1],
+        shared_bytes: bwd_dq_smem(s.head_dim, tma) as u32,
+    }
 }
 
 /// The value of a kernel source's `#define NAME <decimal>` (a line of its own), at compile time: a define missing or
@@ -743,14 +770,15 @@ pub(crate) fn backward(
         let mut args = bwd_args(&pr, maps.as_ref());
         args.push(dq).push(q).push(k).push(v).push(dop).push(lse).push(delta.ptr());
         args.push(k_bad.ptr()).push(acc);
-        let cfg = LaunchConfig {
-            grid: [s.q_len.div_ceil(TC_TILE) as u32, s.q_heads as u32, s.batch as u32],
-            block: bwd_dq_block(maps.is_some()),
-            shared_bytes: if wgmma {
-                bwd_dq_smem(d, maps.is_some()) as u32
-            } else {
-                (tiles * tile_bytes + 4 * 16 * scr_cols * 4) as u32
-            },
+        let cfg = if wgmma {
+            bwd_dq_launch(s, maps.is_some())
+        } else {
+            LaunchConfig {
+                grid: [s.q_len.div_ceil(TC_TILE) as u32, s.q_heads as u32, s.batch as u32],
+                block: [128, 1, 1],
+                // Q, dO, K, V tiles, dS for the correction (per warp 16 rows).
+                shared_bytes: (tiles * tile_bytes + 4 * 16 * scr_cols * 4) as u32,
+            }
         };
         // SAFETY: as above; `dq` has `q`'s dims.
         return unsafe { b.launch(&kq, cfg, &args) };
@@ -791,12 +819,6 @@ fn bwd_args(pr: &Problem, maps: Option<&[TensorMap; 4]>) -> KernelArgs {
         args.push(*m);
     }
     args
-}
-
-/// The backward dQ kernel's block: the TMA-fed wgmma kernel's producer and consumer warpgroups (its header, Warps),
-/// else one warpgroup ([`bwd_dkdv_launch`] has the dK/dV kernels').
-fn bwd_dq_block(tma: bool) -> [u32; 3] {
-    [if tma { 256 } else { 128 }, 1, 1]
 }
 
 /// The wgmma backward's non-deterministic variant ([`CudaBackend::with_deterministic_backward`]): the fused kernel
