@@ -6,8 +6,9 @@
 //
 // Warps. The TMA-fed kernels (dkdv, fused and dq: attn_bwd_wgmma_{dkdv,fused,dq}_tma_*) are warp-specialised as
 // FlashAttention-3's backward (and this library's forward): a block is 128·(1 + NWG) threads, a producer warpgroup
-// and NWG consumer warpgroups. NWG is 1 in dq, BWD_DKDV_WGS_D<D> in dkdv (2 at D = 64 and 128) and BWD_FUSED_WGS_D<D>
-// in fused (2 at D = 64, 1 at D = 128: two would need 257 KiB of shared memory, Shared memory below).
+// and NWG consumer warpgroups. NWG is BWD_DKDV_WGS_D<D> in dkdv (2 at D = 64 and 128), BWD_DQ_WGS in dq (2) and
+// BWD_FUSED_WGS_D<D> in fused (2 at D = 64, 1 at D = 128: two would need 257 KiB of shared memory, Shared memory
+// below).
 // - Warpgroup 0 (threads 0..127) is the producer: after the block's one __syncthreads (the barriers' initialisation)
 //   it lowers its registers to BWD_PRODUCER_REGS (setmaxnreg.dec, ptx_hopper.cuh), its thread 0 issues every TMA copy
 //   (bwd_dkdv_produce, bwd_dq_produce) and the other 127 threads leave.
@@ -17,7 +18,7 @@
 //   sanitised tiles, and, in dkdv, write the pairs' LSE and Δ to shared memory). They synchronise with each other by
 //   named barrier BWD_BAR_CONSUMERS (id 1, 128·NWG threads; bwd_consumer_sync), never __syncthreads, which would wait
 //   for the producer warpgroup (gone, or waiting on an empty barrier) and deadlock.
-// - Two consumer warpgroups: a block is 128 keys, key tile kt0 + g of the block's kt0 = 2·blockIdx.x
+// - Two consumer warpgroups in dkdv and fused: a block is 128 keys, key tile kt0 + g of the block's kt0 = 2·blockIdx.x
 //   being warpgroup g's (its own K, V, dK and dV), as FlashAttention-3's backward: both read the same Q and dO stage
 //   of each pair, so each pair's tiles are loaded once for 128 keys rather than 64, and while one warpgroup works
 //   out Pᵀ and dSᵀ the other's products can run. The pairs are those the mask does not hide for one of the block's
@@ -27,6 +28,14 @@
 //   when the pair is partial for either warpgroup's tile; each warpgroup's correction adds back what the zeroed
 //   elements contribute to its visible pairs, whatever its own tile's class. The sums of every dK and dV element
 //   are those of one consumer warpgroup, in the same order: the results are bit for bit those of the cp.async kernel.
+// - Two consumer warpgroups in dq, the same way round: a block is 128 queries, query tile qt0 + g of the block's
+//   qt0 = 2·blockIdx.x being warpgroup g's (its own Q, dO, LSE, Δ and dQ), both reading the same K and V stage of
+//   each key tile, which is loaded once for 128 queries. The key tiles are those the mask does not hide from one of
+//   the block's query tiles at least (bwd_next_key_tile); a warpgroup whose own tile the key tile hides computes
+//   nothing for it but waits on the stage and arrives on its empty barrier; the shared K tile is sanitised when
+//   the key tile is partial for either query tile (both warpgroups then meet at the consumers' named barrier), and
+//   each warpgroup adds back what the zeroed elements contribute to its visible pairs. Every dQ element is summed
+//   as with one warpgroup, in the same order.
 //   Checked on the emulator (which models the TMA, the mbarriers, the named barriers and their deadlocks, not the
 //   register file, the proxies nor timing) and by ptxas; not yet run on a GPU.
 //   The register split: 128·32 + 128·256 of the 64K registers with one consumer warpgroup, 128·32 + 256·240 with two
@@ -36,8 +45,8 @@
 //   D = 128 the body keeps dK and dV's accumulators (128 registers) beside Sᵀ and dPᵀ's fragments (64) through the
 //   elementwise phase: it fits 240 because the mask is worked out before the products (bwd_hidden_bits), while only
 //   the accumulators are live; with the general masks' position and document arithmetic done per element beside the
-//   fragments it spilled 692 bytes at 232 and 384 at 240 (BENCHMARKS.md has the figures). The dq kernel's body takes
-//   182 at D = 128 (its cp.async kernel): its blocks are 64 queries, one consumer warpgroup.
+//   fragments it spilled 692 bytes at 232 and 384 at 240 (BENCHMARKS.md has the figures). The dq body takes 156 at
+//   D = 128 (its cp.async kernel; 182 with the mask worked out per element).
 // The cp.async kernels (the fallback where the device refuses a tensor map) are one warpgroup: 128 threads that all
 // load and compute, as Loads (below) says.
 //
@@ -50,14 +59,14 @@
 //   read N-major from the same tiles).
 // At the end dK·scale and dV are written (or added, GradMode::Accumulate).
 //
-// dq: a block for a tile of 64 query rows of one (batch, query head); Q and dO stay in shared memory, dQ's
-// accumulator in registers. For every key tile the mask does not hide: K and V go global → shared; S = Q·Kᵀ,
-// dP = dO·Vᵀ (both operands from shared memory), P and dS as above, dQ += dS·K (dS from registers, K N-major).
-// At the end dQ·scale is written (or added).
+// dq: a block for a tile of 64 query rows of one (batch, query head) per consumer warpgroup; Q and dO stay in shared
+// memory, dQ's accumulator in registers. For every key tile the mask does not hide: K and V go global → shared;
+// S = Q·Kᵀ, dP = dO·Vᵀ (both operands from shared memory), P and dS as above, dQ += dS·K (dS from registers, K
+// N-major). At the end dQ·scale is written (or added).
 //
-// Loads. Each kernel keeps one pair of 64-row tiles (K and V in dkdv, Q and dO in dq) and streams another (Q and
-// dO of each visible (query head, query tile) pair in dkdv, K and V of each visible key tile in dq). The walk skips
-// what the mask hides (bwd_next_pair, next_tile): a hidden tile is never loaded.
+// Loads. Each kernel keeps a pair of 64-row tiles per consumer warpgroup (K and V in dkdv, Q and dO in dq) and
+// streams another (Q and dO of each visible (query head, query tile) pair in dkdv, K and V of each visible key tile
+// in dq). The walk skips what the mask hides (bwd_next_pair, bwd_next_key_tile): a hidden tile is never loaded.
 // - dkdv and fused fed by the TMA (what the host launches where the device takes the tensor maps; ptx_tma.cuh): the
 //   producer thread loads K and V once (the tiles of every consumer warpgroup's key tile within the keys), on kvbar =
 //   bars[0] (1 arrival: its arrive.expect_tx of all those tiles' bytes, plus the bytes; the consumers wait with parity
@@ -78,9 +87,10 @@
 //   opens iteration n (every consumer is past iteration n − 1, the slot's last reader); the barrier opening
 //   iteration n + 1 publishes it. That barrier also orders the correction scratch (fused's dSᵀ exchange) from one
 //   pair to the next, so no barrier ends an iteration.
-// - dq fed by the TMA: the same ring with K and V in place of Q and dO. The producer loads Q and dO once on
-//   bars[0] (nothing at all when the mask hides every key tile of the block), then the visible key tiles' K and V
-//   (next_tile, the consumers' walk), the n-th into stage n % BWD_STAGES, with full and empty barriers, waits and
+// - dq fed by the TMA: the same ring with K and V in place of Q and dO. The producer loads every consumer
+//   warpgroup's Q and dO once on bars[0] (nothing at all when the mask hides every key tile of the block), then the
+//   visible key tiles' K and V (bwd_next_key_tile, the consumers' walk), the n-th into stage n % BWD_STAGES, with
+//   full and empty barriers (128·NWG arrivals), waits and
 //   parities as above; the consumers release a stage once dQ += dS·K, the last wgmma reading it, has been waited
 //   for. LSE and Δ: each consumer thread keeps its two rows' in registers. The consumers' only barrier is the one
 //   after the rare sanitising of a K tile (the correction's scratch is per warp).
@@ -109,10 +119,11 @@
 // 2·BWD_STAGES TB with the TMA ring, 10 with two consumer warpgroups; 6 TB with cp.async's two buffers; fused adds K
 // sanitized, per consumer warpgroup), LSE and Δ of slots 0 and 1 (1 KiB), the correction scratch (per consumer warp
 // 16 × 64 f32 for Pᵀ and for dSᵀ: 32 KiB a warpgroup), the TMA kernels' 1 + 2·BWD_STAGES barriers (56 bytes;
-// ops/attention.rs: bwd_dkdv_smem); dq: Q, dO, K and V of each stage (8 TB with the ring, 6 with cp.async), the
-// scratch (per warp 16 × 64 f32 for dS: 16 KiB), the TMA kernel's barriers (56 bytes; bwd_dq_smem). At D = 128: dkdv
-// 225 KiB with the TMA ring and two consumer warpgroups (129 KiB with cp.async), fused 177 KiB with one (145), dq
-// 144 KiB (112); at D = 64 (two consumer warpgroups with the ring): 145 (81), 161 (89) and 80 (64) KiB; each + the
+// ops/attention.rs: bwd_dkdv_smem); dq: Q and dO of each consumer warpgroup, K and V of each stage (10 TB with the
+// ring and two consumer warpgroups, 6 with cp.async), the scratch (per consumer warp 16 × 64 f32 for dS: 16 KiB a
+// warpgroup), the TMA kernel's barriers (56 bytes; bwd_dq_smem). At D = 128: dkdv 225 KiB with the TMA ring and two
+// consumer warpgroups (129 KiB with cp.async), fused 177 KiB with one (145), dq 192 KiB with two (112); at D = 64
+// (two consumer warpgroups with the ring): 145 (81), 161 (89) and 112 (64) KiB; each + the
 // barriers + the 1024 bytes of alignment slack the host adds. The largest, dkdv at D = 128, is within the 227 KiB
 // an sm_90 block may opt into, by 968 bytes (a compile-time check in ops/attention.rs); fused there with two
 // consumer warpgroups would take 257 KiB (a ring of two stages, 225 KiB, is the way to it, not taken).
