@@ -6,9 +6,7 @@
 //
 // Warps. The TMA-fed kernels (dkdv, fused and dq: attn_bwd_wgmma_{dkdv,fused,dq}_tma_*) are warp-specialised as
 // FlashAttention-3's backward (and this library's forward): a block is 128·(1 + NWG) threads, a producer warpgroup
-// and NWG consumer warpgroups. NWG is BWD_DKDV_WGS_D<D> in dkdv (2 at D = 64 and 128), BWD_DQ_WGS in dq (2) and
-// BWD_FUSED_WGS_D<D> in fused (2 at D = 64, 1 at D = 128: two would need 257 KiB of shared memory, Shared memory
-// below).
+// and NWG consumer warpgroups: 2 in every one (BWD_DKDV_WGS_D<D>, BWD_DQ_WGS, BWD_FUSED_WGS_D<D>).
 // - Warpgroup 0 (threads 0..127) is the producer: after the block's one __syncthreads (the barriers' initialisation)
 //   it lowers its registers to BWD_PRODUCER_REGS (setmaxnreg.dec, ptx_hopper.cuh), its thread 0 issues every TMA copy
 //   (bwd_dkdv_produce, bwd_dq_produce) and the other 127 threads leave.
@@ -38,10 +36,10 @@
 //   as with one warpgroup, in the same order.
 //   Checked on the emulator (which models the TMA, the mbarriers, the named barriers and their deadlocks, not the
 //   register file, the proxies nor timing) and by ptxas; not yet run on a GPU.
-//   The register split: 128·32 + 128·256 of the 64K registers with one consumer warpgroup, 128·32 + 256·240 with two
-//   (all 64K; FlashAttention-3's split). The kernel's cap at entry, which ptxas reports, is 255 with one
-//   (__launch_bounds__(256, 1)), where setmaxnreg.inc adds nothing to what ptxas may use (what it buys is the
-//   producer's registers given back), and 168 with two (384 threads), where it raises the consumers to 240. At
+//   The register split: 128·32 + 256·240 of the 64K registers (all of them; FlashAttention-3's split; with one
+//   consumer warpgroup, which the template allows and no kernel now uses, 128·32 + 128·256). The kernel's cap at
+//   entry, which ptxas reports, is 168 (384 threads, __launch_bounds__(384, 1)); setmaxnreg.inc raises the consumers
+//   to 240 and ptxas holds their code to that. At
 //   D = 128 the body keeps dK and dV's accumulators (128 registers) beside Sᵀ and dPᵀ's fragments (64) through the
 //   elementwise phase: it fits 240 because the mask is worked out before the products (bwd_hidden_bits), while only
 //   the accumulators are live; with the general masks' position and document arithmetic done per element beside the
@@ -71,7 +69,8 @@
 //   producer thread loads K and V once (the tiles of every consumer warpgroup's key tile within the keys), on kvbar =
 //   bars[0] (1 arrival: its arrive.expect_tx of all those tiles' bytes, plus the bytes; the consumers wait with parity
 //   0), then walks the visible pairs in the consumers' order, the n-th pair's Q and dO into stage n % BWD_STAGES of a
-//   ring of BWD_STAGES (3) stages. full[s] = bars[1 + s]: 1 arrival (the producer's arrive.expect_tx of the stage's
+//   ring of BWD_STAGES (3) stages (read BWD_FUSED_STAGES_D<D> for BWD_STAGES in fused: 2 at D = 128, where a third
+//   would not fit shared memory beside its two warpgroups' sanitized K). full[s] = bars[1 + s]: 1 arrival (the producer's arrive.expect_tx of the stage's
 //   2·64·D·2 bytes, zero-filled rows included) plus the bytes; the consumers wait on it with parity
 //   (n / BWD_STAGES) % 2 (the stage's (n / BWD_STAGES)-th fill).
 //   empty[s] = bars[1 + BWD_STAGES + s]: 128·NWG arrivals, one per consumer thread once its last wgmma reading the
@@ -122,11 +121,10 @@
 // ops/attention.rs: bwd_dkdv_smem); dq: Q and dO of each consumer warpgroup, K and V of each stage (10 TB with the
 // ring and two consumer warpgroups, 6 with cp.async), the scratch (per consumer warp 16 × 64 f32 for dS: 16 KiB a
 // warpgroup), the TMA kernel's barriers (56 bytes; bwd_dq_smem). At D = 128: dkdv 225 KiB with the TMA ring and two
-// consumer warpgroups (129 KiB with cp.async), fused 177 KiB with one (145), dq 192 KiB with two (112); at D = 64
-// (two consumer warpgroups with the ring): 145 (81), 161 (89) and 112 (64) KiB; each + the
-// barriers + the 1024 bytes of alignment slack the host adds. The largest, dkdv at D = 128, is within the 227 KiB
-// an sm_90 block may opt into, by 968 bytes (a compile-time check in ops/attention.rs); fused there with two
-// consumer warpgroups would take 257 KiB (a ring of two stages, 225 KiB, is the way to it, not taken).
+// consumer warpgroups (129 KiB with cp.async), fused 225 KiB with two stages (145), dq 192 KiB (112); at D = 64:
+// 145 (81), 161 (89) and 112 (64) KiB; each + the barriers + the 1024 bytes of alignment slack the host adds. The
+// largest, dkdv and fused at D = 128, are within the 227 KiB an sm_90 block may opt into, by 968 and 984 bytes (a
+// compile-time check in ops/attention.rs); fused there with a third stage would take 257 KiB.
 //
 // fused: the non-deterministic variant (AttentionBackward::Atomic, chosen explicitly only:
 // CudaBackend::with_deterministic_backward(false); the trainer keeps the kernels above). dkdv's kernel body
@@ -182,12 +180,16 @@ __device__ __forceinline__ void bwd_tma_pair(unsigned char* a, const CUtensorMap
 #define BWD_CONSUMER_REGS_2 240
 #define BWD_BAR_CONSUMERS 1
 // Consumer warpgroups of the TMA-fed dK/dV and fused kernels at each head dim (the header's Warps: two, 128 keys a
-// block, but for fused at D = 128, whose K sanitized copies and third stage would not fit shared memory with two).
-// The host reads them.
+// block). The host reads them.
 #define BWD_DKDV_WGS_D64 2
 #define BWD_DKDV_WGS_D128 2
 #define BWD_FUSED_WGS_D64 2
-#define BWD_FUSED_WGS_D128 1
+#define BWD_FUSED_WGS_D128 2
+// The fused kernel's ring at each head dim: BWD_STAGES, but two stages at D = 128, where its two consumer warpgroups'
+// K, V and sanitized K, three stages and the correction scratch would need 257 KiB of shared memory (the header's
+// Shared memory). The host reads them.
+#define BWD_FUSED_STAGES_D64 3
+#define BWD_FUSED_STAGES_D128 2
 // Consumer warpgroups of the TMA-fed dQ kernel, at both head dims: a query tile each, 128 queries a block, sharing
 // every K/V stage. The host reads it.
 #define BWD_DQ_WGS 2
@@ -263,10 +265,10 @@ __device__ __forceinline__ void bwd_consumer_sync() {
 // The dK/dV producer (thread 0 of warpgroup 0 in the TMA-fed dkdv and fused kernels), for the block's `tiles` key
 // tiles from kt0 (NWG, fewer at the end of the keys): nothing when the mask hides every pair; else their K and V
 // once on kvbar (tile g's at smem + g·TB and smem + (NWG + g)·TB), then the visible pairs' Q and dO in the
-// consumers' order, the n-th into stage n % BWD_STAGES once the consumers have released it (its empty barrier's
-// phase before the (n / BWD_STAGES)-th: the first use of a stage passes at once). Runs up to BWD_STAGES pairs ahead
-// of the pair the consumers compute.
-template <int D, u32 NWG>
+// consumers' order, the n-th into stage n % STAGES (the ring's depth: BWD_STAGES, or the fused kernel's
+// BWD_FUSED_STAGES_D<D>) once the consumers have released it (its empty barrier's phase before the (n / STAGES)-th:
+// the first use of a stage passes at once). Runs up to STAGES pairs ahead of the pair the consumers compute.
+template <int D, u32 NWG, u32 STAGES>
 __device__ __forceinline__ void bwd_dkdv_produce(const AttnProblem& p, BwdMaps maps, unsigned char* smem, u64* kvbar,
                                                  u64* full, u64* empty, u32 kt0, u32 tiles, u32 hk, u32 b) {
     constexpr u32 TB = WG_BC * D * 2;
@@ -280,11 +282,11 @@ __device__ __forceinline__ void bwd_dkdv_produce(const AttnProblem& p, BwdMaps m
         bwd_tma_tile<D>(smem + g * TB, maps.k, kvbar, (kt0 + g) * WG_BC, b * p.kv_heads + hk);
         bwd_tma_tile<D>(smem + (NWG + g) * TB, maps.v, kvbar, (kt0 + g) * WG_BC, b * p.kv_heads + hk);
     }
-    unsigned char* qs = smem + 2 * NWG * TB;  // stage st's Q at qs + st·TB, its dO at qs + (BWD_STAGES + st)·TB
+    unsigned char* qs = smem + 2 * NWG * TB;  // stage st's Q at qs + st·TB, its dO at qs + (STAGES + st)·TB
     for (u32 n = 0; x < pairs; ++n, x = bwd_next_pair(p, x + 1, pairs, q_tiles, kt0, tiles)) {
-        const u32 st = n % BWD_STAGES, use = n / BWD_STAGES;
+        const u32 st = n % STAGES, use = n / STAGES;
         mbarrier_wait(&empty[st], (use & 1u) ^ 1u);
-        bwd_tma_pair<D>(qs + st * TB, maps.q, qs + (BWD_STAGES + st) * TB, maps.dout, &full[st],
+        bwd_tma_pair<D>(qs + st * TB, maps.q, qs + (STAGES + st) * TB, maps.dout, &full[st],
                         (x % q_tiles) * WG_BC, b * p.q_heads + hk * group + x / q_tiles);
     }
 }
@@ -293,7 +295,7 @@ __device__ __forceinline__ void bwd_dkdv_produce(const AttnProblem& p, BwdMaps m
 // two cannot drift apart; ATOMIC adds the sanitized copy of K, the dSᵀ scratch written every pair, and dQ's atomics.
 // With TMA the block is the producer warpgroup and NWG consumer warpgroups, each with a key tile of its own (the
 // header's Warps); without, one warpgroup that loads and computes (NWG = 1).
-template <int D, typename T, typename G, bool ATOMIC, bool TMA, u32 NWG>
+template <int D, typename T, typename G, bool ATOMIC, bool TMA, u32 NWG, u32 STAGES = BWD_STAGES>
 __device__ __forceinline__ void attn_bwd_wgmma_dkdv(const AttnProblem& p, BwdMaps maps, G* __restrict__ dk,
                                                     G* __restrict__ dv,
                                                     float* __restrict__ dq_ws, const T* __restrict__ q,
@@ -307,8 +309,8 @@ __device__ __forceinline__ void attn_bwd_wgmma_dkdv(const AttnProblem& p, BwdMap
     unsigned char* smem = wg_smem();
     constexpr u32 TB = WG_BC * D * 2;
     constexpr u32 NC = 128 * NWG;  // consumer threads
-    // Stages of Q and dO: the TMA ring's BWD_STAGES, cp.async's two buffers.
-    constexpr u32 S = TMA ? BWD_STAGES : 2;
+    // Stages of Q and dO: the TMA ring's STAGES, cp.async's two buffers.
+    constexpr u32 S = TMA ? STAGES : 2;
     // Consumer warpgroup g's K at smem + g·TB, its V at smem + (NWG + g)·TB; Q's stage st at smem + (2·NWG + st)·TB,
     // dO's at smem + (2·NWG + S + st)·TB; with ATOMIC, g's K sanitized at (2·NWG + 2S + g)·TB. Then the LSE (base 2)
     // and Δ of slot c (the n-th pair's in slot n % 2, whatever the stages) at lsd + 128c and lsd + 128c + 64
@@ -327,7 +329,7 @@ __device__ __forceinline__ void attn_bwd_wgmma_dkdv(const AttnProblem& p, BwdMap
     const u32 kt0 = blockIdx.x * NWG;  // the block's first key tile
     const u32 tiles = k_tiles - kt0 < NWG ? k_tiles - kt0 : NWG;  // its key tiles (fewer at the end of the keys)
     if (!bwd_roles<TMA, S, NWG>(bars, [&] {
-            bwd_dkdv_produce<D, NWG>(p, maps, smem, &bars[0], full, empty, kt0, tiles, hk, b);
+            bwd_dkdv_produce<D, NWG, S>(p, maps, smem, &bars[0], full, empty, kt0, tiles, hk, b);
         }))
         return;
     // The consumers (every thread without TMA): thread ct of 128·NWG; warpgroup g = ct / 128 computes key tile kt0 + g
@@ -956,9 +958,9 @@ __device__ __forceinline__ void attn_bwd_dq_convert(G* __restrict__ dq, const fl
             AttnProblem p, BWD_TMA_MAPS, gt* dk, gt* dv, float* dq_ws, const tt* q, const tt* k, const tt* v,        \
             const tt* dout, const float* lse, const float* delta, const unsigned long long* q_bad,                   \
             const unsigned long long* do_bad, const unsigned long long* k_bad, int accumulate) {                    \
-        attn_bwd_wgmma_dkdv<dd, tt, gt, true, true, BWD_FUSED_WGS_D##dd>(p, BwdMaps{&q_map, &k_map, &v_map, &do_map}, \
-                                                                        dk, dv, dq_ws, q, k, v, dout, lse, delta,    \
-                                                                        q_bad, do_bad, k_bad, accumulate);           \
+        attn_bwd_wgmma_dkdv<dd, tt, gt, true, true, BWD_FUSED_WGS_D##dd, BWD_FUSED_STAGES_D##dd>(                    \
+            p, BwdMaps{&q_map, &k_map, &v_map, &do_map}, dk, dv, dq_ws, q, k, v, dout, lse, delta, q_bad, do_bad,     \
+            k_bad, accumulate);                                                                                     \
     }
 #define BWD_WGMMA_TYPES(tn, tt)                                                                                    \
     BWD_WGMMA(tn, tt, 64, tn, tt) BWD_WGMMA(tn, tt, 64, f32, float) BWD_WGMMA(tn, tt, 128, tn, tt)                  \

@@ -307,14 +307,24 @@ const fn bwd_dkdv_wgs(d: usize, atomic: bool, tma: bool) -> usize {
     }
 }
 
+/// The ring's depth of the warp-specialised wgmma backward's dK/dV kernel, or its fused one (`atomic`), at head dim
+/// `d`: [`BWD_STAGES`], or `attention_backward_wgmma.cu`'s `BWD_FUSED_STAGES_D<d>`, read from the kernel's text.
+const fn bwd_dkdv_stages(d: usize, atomic: bool) -> usize {
+    match (atomic, d) {
+        (false, _) => BWD_STAGES,
+        (true, 64) => c_define(BACKWARD_WGMMA_CODE, "BWD_FUSED_STAGES_D64"),
+        (true, _) => c_define(BACKWARD_WGMMA_CODE, "BWD_FUSED_STAGES_D128"),
+    }
+}
+
 /// Dynamic shared memory of the wgmma backward's dK/dV kernel at head dim `d` (`atomic`: the fused kernel, which adds
 /// the sanitized copy of K), fed by the TMA (`tma`: the warp-specialised kernel with [`bwd_dkdv_wgs`] consumer
-/// warpgroups, its ring of [`BWD_STAGES`] Q/dO stages and 1 + 2·stages mbarriers) or by cp.async (one warpgroup, two
-/// buffers, no barriers): K and V per consumer warpgroup, Q and dO per stage, two slots of the pairs' LSE and Δ, Pᵀ
-/// and dSᵀ for the correction (16 rows × 64 of f32 each per consumer warp), the barriers, and 1024 for the kernel's
-/// alignment of its tiles (the 128B swizzle is on the address).
+/// warpgroups, its ring of [`bwd_dkdv_stages`] Q/dO stages and 1 + 2·stages mbarriers) or by cp.async (one
+/// warpgroup, two buffers, no barriers): K and V per consumer warpgroup, Q and dO per stage, two slots of the pairs'
+/// LSE and Δ, Pᵀ and dSᵀ for the correction (16 rows × 64 of f32 each per consumer warp), the barriers, and 1024 for
+/// the kernel's alignment of its tiles (the 128B swizzle is on the address).
 const fn bwd_dkdv_smem(d: usize, atomic: bool, tma: bool) -> usize {
-    let stages = if tma { BWD_STAGES } else { 2 };
+    let stages = if tma { bwd_dkdv_stages(d, atomic) } else { 2 };
     let wgs = bwd_dkdv_wgs(d, atomic, tma);
     let tiles = 2 * wgs + 2 * stages + if atomic { wgs } else { 0 };
     let bars = if tma { 8 * (1 + 2 * stages) } else { 0 };
@@ -322,7 +332,7 @@ const fn bwd_dkdv_smem(d: usize, atomic: bool, tma: bool) -> usize {
 }
 
 // Every case fits what an sm_90 block may opt into (227 KiB): the largest, the dK/dV kernel at D = 128 with three
-// stages and two consumer warpgroups, by 968 bytes (the fused one there has one: 177 KiB).
+// stages and two consumer warpgroups, by 968 bytes (the fused one there, with two stages, by 984).
 const _: () = {
     let mut i = 0;
     while i < 4 {
