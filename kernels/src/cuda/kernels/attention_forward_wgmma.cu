@@ -105,7 +105,8 @@
 
 // The ring's depth (the host reads this line for its shared-memory size: ops/attention.rs), and the register split
 // of the producer and consumer warpgroups (the header's Warps).
-#define FWD_STAGES 3
+#define FWD_BC 128
+#define FWD_STAGES 2
 #define FWD_PRODUCER_REGS 40
 #define FWD_CONSUMER_REGS_1 256
 #define FWD_CONSUMER_REGS_2 232
@@ -115,26 +116,39 @@
 #define FWD_BAR_TURN 1
 #define FWD_TURN_THREADS 256
 
+// The scores of a thread's S fragment over key tile j0..j0 + FWD_BC − 1 that the mask hides, or that lie past the
+// queries or keys, as bits: bit 4n + 2·hf + e for row row_base + 8·hf and key j0 + 8n + 2·tig + e (the fragment's
+// s[4n + 2·hf + e]). The consumers work them out before the tile's product, while S's registers are free: done per
+// element in the softmax, the general masks' position and document arithmetic sat beside S, P and O, and ptxas
+// spilled at D = 128. A loop, not unrolled: the bits are two registers.
+__device__ __forceinline__ unsigned long long fwd_hidden_bits(const AttnProblem& p, u32 row_base, u32 j0, u32 tig) {
+    unsigned long long bits = 0;
+#pragma unroll 1
+    for (u32 x = 0; x < FWD_BC / 2; ++x) {
+        const u32 i = row_base + 8 * ((x >> 1) & 1u);
+        const u32 j = j0 + (x >> 2) * 8 + 2 * tig + (x & 1u);
+        if (i >= p.q_len || j >= p.kv_len || !visible(p, i, j)) bits |= 1ull << x;
+    }
+    return bits;
+}
+
 // The online softmax of one key tile (keys j0..j0+63) on its score fragment `s` (s[4n + e]: row row_base + 8·(e / 2),
 // key j0 + 8n + 2·tig + (e % 2)): scaled to base 2; hidden pairs (when `masked`: a partial tile, or the last one past
 // Sk) selected to −inf; the running max m and sum l of the thread's two rows updated (across the quad by
 // shuffles); alpha = exp(m_old − m), by which the caller rescales O; P = exp(S − m) left in `s` (f32) and packed to
 // T in `pa` as the A fragments of P·V's four k-steps.
 template <typename T>
-__device__ __forceinline__ void wg_softmax(const AttnProblem& p, float (&s)[32], float (&m)[2], float (&l)[2],
-                                           float (&alpha)[2], u32 (&pa)[WG_BC / 16][4], u32 row_base, u32 j0,
-                                           bool masked, u32 tig, float scale2) {
+__device__ __forceinline__ void wg_softmax(float (&s)[FWD_BC / 2], float (&m)[2], float (&l)[2], float (&alpha)[2],
+                                           u32 (&pa)[FWD_BC / 16][4], unsigned long long hid, float scale2) {
 #pragma unroll
     for (u32 hf = 0; hf < 2; ++hf) {
-        u32 i = row_base + 8 * hf;
         float mx = m[hf];
 #pragma unroll
-        for (u32 n = 0; n < WG_BC / 8; ++n) {
+        for (u32 n = 0; n < FWD_BC / 8; ++n) {
 #pragma unroll
             for (u32 e = 0; e < 2; ++e) {
-                u32 j = j0 + n * 8 + 2 * tig + e;
                 float x = s[4 * n + 2 * hf + e] * scale2;
-                if (masked && (j >= p.kv_len || i >= p.q_len || !visible(p, i, j))) x = NEG_INF;
+                if ((hid >> (4 * n + 2 * hf + e)) & 1ull) x = NEG_INF;
                 s[4 * n + 2 * hf + e] = x;
                 mx = fmaxf(mx, x);
             }
@@ -146,7 +160,7 @@ __device__ __forceinline__ void wg_softmax(const AttnProblem& p, float (&s)[32],
         alpha[hf] = m[hf] == mx ? 1.0f : ex2_approx(m[hf] - base);
         float sum = 0.0f;
 #pragma unroll
-        for (u32 n = 0; n < WG_BC / 8; ++n) {
+        for (u32 n = 0; n < FWD_BC / 8; ++n) {
 #pragma unroll
             for (u32 e = 0; e < 2; ++e) {
                 float x = s[4 * n + 2 * hf + e];
@@ -162,7 +176,7 @@ __device__ __forceinline__ void wg_softmax(const AttnProblem& p, float (&s)[32],
     }
     // The accumulator fragment of S is the A fragment of P·V: keys 16t..16t+15 are s[8t..8t+7].
 #pragma unroll
-    for (u32 t = 0; t < WG_BC / 16; ++t)
+    for (u32 t = 0; t < FWD_BC / 16; ++t)
 #pragma unroll
         for (u32 r = 0; r < 4; ++r) pa[t][r] = pack2<T>(s[8 * t + 2 * r], s[8 * t + 2 * r + 1]);
 }
@@ -215,7 +229,7 @@ template <int D, int BR>
 __device__ __forceinline__ void fwd_produce(const AttnProblem& p, const CUtensorMap* qmap, const CUtensorMap* kmap,
                                             const CUtensorMap* vmap, unsigned char* qs, unsigned char* kv, u64* qbar,
                                             u64* full, u64* empty, u32 qt, u32 q_head, u32 kv_head, u32 k_tiles) {
-    constexpr u32 TILE_BYTES = WG_BC * D * 2;
+    constexpr u32 TILE_BYTES = FWD_BC * D * 2;
     u32 kt = next_tile(p, qt, 0, k_tiles);
     if (kt >= k_tiles) return;  // every key tile hidden: nothing to load
     mbarrier_arrive_expect_tx(qbar, BR * D * 2);
@@ -224,8 +238,8 @@ __device__ __forceinline__ void fwd_produce(const AttnProblem& p, const CUtensor
         const u32 st = n % FWD_STAGES, use = n / FWD_STAGES;
         mbarrier_wait(&empty[st], (use & 1u) ^ 1u);
         mbarrier_arrive_expect_tx(&full[st], 2 * TILE_BYTES);
-        fwd_tma_tile<D, WG_BC>(kv + st * TILE_BYTES, kmap, &full[st], kt * WG_BC, kv_head);
-        fwd_tma_tile<D, WG_BC>(kv + (FWD_STAGES + st) * TILE_BYTES, vmap, &full[st], kt * WG_BC, kv_head);
+        fwd_tma_tile<D, FWD_BC>(kv + st * TILE_BYTES, kmap, &full[st], kt * FWD_BC, kv_head);
+        fwd_tma_tile<D, FWD_BC>(kv + (FWD_STAGES + st) * TILE_BYTES, vmap, &full[st], kt * FWD_BC, kv_head);
     }
 }
 
@@ -235,7 +249,7 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnProblem& p, const CUten
                                                float* __restrict__ lse,
                                                const unsigned long long* __restrict__ v_bad) {
     constexpr u32 BR = 64 * NWG;
-    constexpr u32 TILE_BYTES = WG_BC * D * 2;
+    constexpr u32 TILE_BYTES = FWD_BC * D * 2;
     constexpr u32 Q_BYTES = BR * D * 2;
     unsigned char* smem = wg_smem();
     unsigned char* qs = smem;
@@ -243,8 +257,8 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnProblem& p, const CUten
     // K of stage st at smem + Q_BYTES + st·TILE_BYTES, V's at smem + Q_BYTES + (FWD_STAGES + st)·TILE_BYTES
     // (computed, not an array: an array indexed at run time would live in local memory).
     unsigned char* kv = smem + Q_BYTES;
-    float* pscr = reinterpret_cast<float*>(kv + 2 * FWD_STAGES * TILE_BYTES);  // [4·NWG warps][16][64]: P
-    u64* qbar = reinterpret_cast<u64*>(pscr + 4 * NWG * 16 * WG_BC);            // Q landed
+    float* pscr = reinterpret_cast<float*>(kv + 2 * FWD_STAGES * TILE_BYTES);  // [4·NWG warps][16][FWD_BC]: P
+    u64* qbar = reinterpret_cast<u64*>(pscr + 4 * NWG * 16 * FWD_BC);           // Q landed
     u64* full = qbar + 1;                                                         // [FWD_STAGES]: the stage landed
     u64* empty = full + FWD_STAGES;                                               // [FWD_STAGES]: the stage is free
     u64* csync = empty + FWD_STAGES;                                              // the consumers' barrier
@@ -252,7 +266,7 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnProblem& p, const CUten
     const u32 qt = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
     const u32 hk = h / (p.q_heads / p.kv_heads);
     const u32 kv_head = b * p.kv_heads + hk;  // the maps' third coordinate
-    const u32 k_tiles = (p.kv_len + WG_BC - 1) / WG_BC;
+    const u32 k_tiles = (p.kv_len + FWD_BC - 1) / FWD_BC;
     if (threadIdx.x == 0) {
         mbarrier_init(qbar, 1);
         for (u32 st = 0; st < FWD_STAGES; ++st) {
@@ -299,7 +313,13 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnProblem& p, const CUten
         // (Every key tile hidden: O = 0 and LSE = −inf below.)
         // This warpgroup's 64 rows of Q (a multiple of 1024 bytes into each block of the tile).
         const unsigned char* q_wg = qs + wg * 64 * 128;
-        const u64 bad_base = ((u64)b * p.kv_heads + hk) * k_tiles;
+        // V's non-finite rows come as one word per 64 rows of the head (the host's masks): words 2kt and 2kt + 1
+        // for key tile kt (read only for partial tiles).
+        const u32 k_words = (p.kv_len + 63) / 64;
+        const u64 bad_base = ((u64)b * p.kv_heads + hk) * k_words;
+        auto vbad = [&](u32 t, u32 half) {
+            return (v_bad && 2 * t + half < k_words) ? v_bad[bad_base + 2 * t + half] : 0ull;
+        };
         // Both warpgroups walk the same tiles (the block's, by next_tile), so they take as many turns each: one for
         // the first S, one per tile after.
         fwd_turn_first<NWG>(wg);
@@ -307,30 +327,34 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnProblem& p, const CUten
         mbarrier_wait(&full[0], 0);
         u32 next = next_tile(p, qt, kt + 1, k_tiles);
         int cls = classify(p, qt, kt);
-        unsigned long long vb = (cls == TILE_PARTIAL && v_bad) ? v_bad[bad_base + kt] : 0ull;
-        if (vb) {
+        // The first tile's hidden scores, worked out before its product (fwd_hidden_bits).
+        unsigned long long hid = cls == TILE_PARTIAL || (kt + 1) * FWD_BC > p.kv_len
+                                     ? fwd_hidden_bits(p, row_base, kt * FWD_BC, tig)
+                                     : 0ull;
+        unsigned long long vb = cls == TILE_PARTIAL ? vbad(kt, 0) : 0ull;
+        unsigned long long vb_hi = cls == TILE_PARTIAL ? vbad(kt, 1) : 0ull;
+        if (vb | vb_hi) {
             // Zero V's non-finite elements in the rows flagged (see the header).
-            wg_sanitize<D, T>(kv + FWD_STAGES * TILE_BYTES, vb, ct, CONSUMERS);
+            wg_sanitize<D, T, FWD_BC>(kv + FWD_STAGES * TILE_BYTES, vb, ct, CONSUMERS, vb_hi);
             wgmma_fence_proxy_async();
             fwd_consumer_sync(csync, cpar);
         }
 
         // S of the first tile, its softmax, its P in the A fragment.
-        float s[32];
+        float s[FWD_BC / 2];
 #pragma unroll
-        for (u32 i = 0; i < 32; ++i) s[i] = 0.0f;
+        for (u32 i = 0; i < FWD_BC / 2; ++i) s[i] = 0.0f;
         fwd_turn_wait<NWG>(wg);
         wgmma_fence();
 #pragma unroll
         for (u32 ks = 0; ks < D / 16; ++ks)
-            wg_mma_qk<T>(s, wg_desc_kmajor<BR>(q_wg, ks), wg_desc_kmajor<WG_BC>(kv, ks), ks > 0);
+            wg_mma_qk128<T>(s, wg_desc_kmajor<BR>(q_wg, ks), wg_desc_kmajor<FWD_BC>(kv, ks), ks > 0);
         wgmma_commit_group();
         fwd_turn_pass<NWG>(wg, false);  // (not the last turn: one per tile follows)
         wgmma_wait_group<0>();
         float alpha[2];
-        u32 pa[WG_BC / 16][4];
-        wg_softmax<T>(p, s, m, l, alpha, pa, row_base, kt * WG_BC, cls == TILE_PARTIAL || (kt + 1) * WG_BC > p.kv_len,
-                      tig, scale2);
+        u32 pa[FWD_BC / 16][4];
+        wg_softmax<T>(s, m, l, alpha, pa, hid, scale2);
 
         u32 n = 0;  // tile kt is the producer's n-th: in stage n % FWD_STAGES, its (n / FWD_STAGES)-th fill
         while (kt < k_tiles) {
@@ -338,27 +362,32 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnProblem& p, const CUten
             // the producer's (n + 1)-th.
             const u32 st = n % FWD_STAGES, st_next = (n + 1) % FWD_STAGES;
             const bool has_next = next < k_tiles;
-            unsigned long long vb_next = 0;
+            unsigned long long vb_next = 0, vb_next_hi = 0;
             int cls_next = TILE_HIDDEN;
             unsigned char* kn = kv + st_next * TILE_BYTES;
             if (has_next) {
                 mbarrier_wait(&full[st_next], ((n + 1) / FWD_STAGES) & 1u);
                 cls_next = classify(p, qt, next);
-                vb_next = (cls_next == TILE_PARTIAL && v_bad) ? v_bad[bad_base + next] : 0ull;
-                if (vb_next) {
-                    wg_sanitize<D, T>(kn + FWD_STAGES * TILE_BYTES, vb_next, ct, CONSUMERS);
+                // The next tile's hidden scores, worked out before its product, while S's registers are free.
+                hid = cls_next == TILE_PARTIAL || (next + 1) * FWD_BC > p.kv_len
+                          ? fwd_hidden_bits(p, row_base, next * FWD_BC, tig)
+                          : 0ull;
+                vb_next = cls_next == TILE_PARTIAL ? vbad(next, 0) : 0ull;
+                vb_next_hi = cls_next == TILE_PARTIAL ? vbad(next, 1) : 0ull;
+                if (vb_next | vb_next_hi) {
+                    wg_sanitize<D, T, FWD_BC>(kn + FWD_STAGES * TILE_BYTES, vb_next, ct, CONSUMERS, vb_next_hi);
                     wgmma_fence_proxy_async();
                     fwd_consumer_sync(csync, cpar);
                 }
             }
             // This warp's P of tile kt for the correction, before S of the next tile takes its registers.
-            float* ps = pscr + warp * 16 * WG_BC;
-            if (vb) {
+            float* ps = pscr + warp * 16 * FWD_BC;
+            if (vb | vb_hi) {
 #pragma unroll
-                for (u32 n = 0; n < WG_BC / 8; ++n)
+                for (u32 n = 0; n < FWD_BC / 8; ++n)
 #pragma unroll
                     for (u32 e = 0; e < 4; ++e)
-                        ps[(gid + 8 * (e >> 1)) * WG_BC + n * 8 + 2 * tig + (e & 1)] = s[4 * n + e];
+                        ps[(gid + 8 * (e >> 1)) * FWD_BC + n * 8 + 2 * tig + (e & 1)] = s[4 * n + e];
                 __syncwarp();
             }
 
@@ -366,42 +395,41 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnProblem& p, const CUten
             // the tensor cores do P·V. Every register a wgmma reads or writes is written before the fence (the PTX
             // ISA requires one between an ordinary access and the wgmma; the emulator cannot check this order).
 #pragma unroll
-            for (u32 i = 0; i < 32; ++i) s[i] = 0.0f;
+            for (u32 i = 0; i < FWD_BC / 2; ++i) s[i] = 0.0f;
             fwd_turn_wait<NWG>(wg);
             wgmma_fence();
             if (has_next) {
 #pragma unroll
                 for (u32 ks = 0; ks < D / 16; ++ks)
-                    wg_mma_qk<T>(s, wg_desc_kmajor<BR>(q_wg, ks), wg_desc_kmajor<WG_BC>(kn, ks), ks > 0);
+                    wg_mma_qk128<T>(s, wg_desc_kmajor<BR>(q_wg, ks), wg_desc_kmajor<FWD_BC>(kn, ks), ks > 0);
                 wgmma_commit_group();
             }
             unsigned char* vs_ = kv + (FWD_STAGES + st) * TILE_BYTES;
 #pragma unroll
-            for (u32 t = 0; t < WG_BC / 16; ++t) wg_mma_pv<T, D>(acc, pa[t], wg_desc_nmajor(vs_, t));
+            for (u32 t = 0; t < FWD_BC / 16; ++t) wg_mma_pv<T, D>(acc, pa[t], wg_desc_nmajor<FWD_BC>(vs_, t));
             wgmma_commit_group();
             // Issued: the other warpgroup's GEMMs go next, while this one runs the softmax below.
             fwd_turn_pass<NWG>(wg, !has_next);
-            u32 pa_next[WG_BC / 16][4];
+            u32 pa_next[FWD_BC / 16][4];
             if (has_next) {
                 wgmma_wait_group<1>();  // S of the next tile (the older group)
-                wg_softmax<T>(p, s, m, l, alpha, pa_next, row_base, next * WG_BC,
-                              cls_next == TILE_PARTIAL || (next + 1) * WG_BC > p.kv_len, tig, scale2);
+                wg_softmax<T>(s, m, l, alpha, pa_next, hid, scale2);
             }
             wgmma_wait_group<0>();  // O += P·V of this tile
             // Every wgmma on stage st has been waited for (S of tile kt at the iteration before): release it.
             mbarrier_arrive(&empty[st]);
 
-            if (vb) {
+            if (vb | vb_hi) {
                 // Each row that sees a flagged key adds what the zeroed elements held, times its P (from shared
                 // memory, so that no register array is indexed at run time).
-                const u32 j0 = kt * WG_BC;
-                for (u32 jj = 0; jj < WG_BC; ++jj) {
-                    if (!((vb >> jj) & 1ull)) continue;
+                const u32 j0 = kt * FWD_BC;
+                for (u32 jj = 0; jj < FWD_BC; ++jj) {
+                    if (!(((jj < 64 ? vb : vb_hi) >> (jj & 63)) & 1ull)) continue;
                     u32 j = j0 + jj;
 #pragma unroll
                     for (u32 hf = 0; hf < 2; ++hf) {
                         u32 i = row_base + 8 * hf;
-                        float pv = ps[(gid + 8 * hf) * WG_BC + jj];
+                        float pv = ps[(gid + 8 * hf) * FWD_BC + jj];
                         bool seen = i < p.q_len && j < p.kv_len && visible(p, i, j);
 #pragma unroll
                         for (u32 n = 0; n < D / 8; ++n) {
@@ -424,7 +452,7 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnProblem& p, const CUten
                     acc[4 * n + 3] *= alpha[1];
                 }
 #pragma unroll
-                for (u32 t = 0; t < WG_BC / 16; ++t)
+                for (u32 t = 0; t < FWD_BC / 16; ++t)
 #pragma unroll
                     for (u32 r = 0; r < 4; ++r) pa[t][r] = pa_next[t][r];
             }
@@ -433,6 +461,7 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnProblem& p, const CUten
             kt = next;
             next = has_next ? next_tile(p, qt, next + 1, k_tiles) : k_tiles;
             vb = vb_next;
+            vb_hi = vb_next_hi;
         }
     }
 

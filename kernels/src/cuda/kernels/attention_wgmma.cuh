@@ -49,6 +49,18 @@ __device__ __forceinline__ void wg_mma_qk<f16>(float (&s)[32], u64 dq, u64 dk, b
     wgmma_m64n64k16_f16<0, 0>(s, dq, dk, scale_d);
 }
 
+// The forward's 64×128 S += Q·Kᵀ over a 128-key tile (both in shared memory, K-major).
+template <typename T>
+__device__ __forceinline__ void wg_mma_qk128(float (&s)[64], u64 dq, u64 dk, bool scale_d);
+template <>
+__device__ __forceinline__ void wg_mma_qk128<bf16>(float (&s)[64], u64 dq, u64 dk, bool scale_d) {
+    wgmma_m64n128k16_bf16<0, 0>(s, dq, dk, scale_d);
+}
+template <>
+__device__ __forceinline__ void wg_mma_qk128<f16>(float (&s)[64], u64 dq, u64 dk, bool scale_d) {
+    wgmma_m64n128k16_f16<0, 0>(s, dq, dk, scale_d);
+}
+
 template <typename T, int D>
 __device__ __forceinline__ void wg_mma_pv(float (&o)[D / 2], const u32 (&a)[4], u64 dv);
 template <>
@@ -74,15 +86,17 @@ __device__ __forceinline__ unsigned char* wg_smem() {
     return raw + ((1024u - (wgmma_smem_addr(raw) & 1023u)) & 1023u);
 }
 
-// Sets the non-finite elements of the rows of a WG_BC-row tile flagged in `bad` to 0, thread t of the n sharing
-// the work (as wg_load_tile's); a wgmma_fence_proxy_async and a barrier of those threads must follow before a wgmma
-// reads the tile.
-template <int D, typename T>
-__device__ __forceinline__ void wg_sanitize(unsigned char* tile, unsigned long long bad, u32 t, u32 n) {
-    for (u32 x = t; x < WG_BC * D; x += n) {
+// Sets the non-finite elements of the rows of a ROWS-row tile (64 or 128) flagged in `bad` (rows 0..63) and
+// `bad_hi` (rows 64..127) to 0, thread t of the n sharing the work (as wg_load_tile's); a wgmma_fence_proxy_async
+// and a barrier of those threads must follow before a wgmma reads the tile.
+template <int D, typename T, int ROWS = WG_BC>
+__device__ __forceinline__ void wg_sanitize(unsigned char* tile, unsigned long long bad, u32 t, u32 n,
+                                            unsigned long long bad_hi = 0) {
+    static_assert(ROWS == 64 || ROWS == 128, "tiles of 64 or 128 rows");
+    for (u32 x = t; x < ROWS * D; x += n) {
         u32 r = x / D, d = x % D;
-        if (!((bad >> r) & 1ull)) continue;
-        T* e = reinterpret_cast<T*>(tile + wg_swz<WG_BC>(r, d / 8)) + (d % 8);
+        if (!(((r < 64 ? bad : bad_hi) >> (r & 63)) & 1ull)) continue;
+        T* e = reinterpret_cast<T*>(tile + wg_swz<ROWS>(r, d / 8)) + (d % 8);
         if (!isfinite(to_f32(*e))) *e = from_f32<T>(0.0f);
     }
 }
@@ -94,9 +108,10 @@ __device__ __forceinline__ u64 wg_desc_kmajor(const unsigned char* tile, u32 ks)
     return wgmma_desc(tile + (ks / 4) * (ROWS * 128) + (ks % 4) * 32, 16, 1024, WGMMA_SWIZZLE_128B);
 }
 
-// The descriptor of k-step `t` (rows 16t..16t+15) of a WG_BC-row tile read as an N-major B.
+// The descriptor of k-step `t` (rows 16t..16t+15) of a ROWS-row tile read as an N-major B.
+template <int ROWS = WG_BC>
 __device__ __forceinline__ u64 wg_desc_nmajor(const unsigned char* tile, u32 t) {
-    return wgmma_desc(tile + t * 16 * 128, WG_BC * 128, 1024, WGMMA_SWIZZLE_128B);
+    return wgmma_desc(tile + t * 16 * 128, ROWS * 128, 1024, WGMMA_SWIZZLE_128B);
 }
 
 // The first key tile at or after `kt` that the mask does not hide for query tile `qt` (k_tiles: none).

@@ -265,13 +265,13 @@ fn head_map(
 }
 
 /// The wgmma forward's tensor maps for Q, K and V (`attention_forward_wgmma.cu`'s header; [`head_map`]): boxes of
-/// `rows` (Q) or 64 (K, V) rows. `None` where the device refuses one: the caller takes the mma.sync kernels.
+/// `rows` (Q) or [`FWD_BC`] (K, V) rows. `None` where the device refuses one: the caller takes the mma.sync kernels.
 fn fwd_tma_maps(b: &Stream, p: &AttnParams<'_>, qkv: &Qkv<'_>, rows: usize) -> Option<[TensorMap; 3]> {
     let s = p.shape;
     Some([
         head_map(b, p, "q", &qkv.q, s.q_heads, s.q_len, rows)?,
-        head_map(b, p, "k", &qkv.k, s.kv_heads, s.kv_len, TC_TILE)?,
-        head_map(b, p, "v", &qkv.v, s.kv_heads, s.kv_len, TC_TILE)?,
+        head_map(b, p, "k", &qkv.k, s.kv_heads, s.kv_len, FWD_BC)?,
+        head_map(b, p, "v", &qkv.v, s.kv_heads, s.kv_len, FWD_BC)?,
     ])
 }
 
@@ -279,15 +279,20 @@ fn fwd_tma_maps(b: &Stream, p: &AttnParams<'_>, qkv: &Qkv<'_>, rows: usize) -> O
 /// text when the crate builds, so that the shared memory the host gives the kernel is the size the kernel lays out.
 const FWD_STAGES: usize = c_define(FORWARD_WGMMA_CODE, "FWD_STAGES");
 
+/// The wgmma forward's key tile (rows of K and V a stage holds, and the key tiles its mask summaries classify):
+/// `attention_forward_wgmma.cu`'s `#define FWD_BC`, read from the kernel's text.
+const FWD_BC: usize = c_define(FORWARD_WGMMA_CODE, "FWD_BC");
+
 /// Dynamic shared memory of the wgmma forward at head dim `d` with `nwg` consumer warpgroups: Q (64·`nwg` rows), K
-/// and V in each of the ring's stages, P's correction scratch (16 rows × 64 keys of f32 per consumer warp), the
-/// barriers (Q's, full and empty per stage, the consumers'), and 1024 for the kernel's alignment of its tiles (the
-/// 128B swizzle is on the address). Above 48 KiB, so the launch raises the kernel's limit (driver.rs).
+/// and V ([`FWD_BC`] rows each) in each of the ring's stages, P's correction scratch (16 rows × [`FWD_BC`] keys of
+/// f32 per consumer warp), the barriers (Q's, full and empty per stage, the consumers'), and 1024 for the kernel's
+/// alignment of its tiles (the 128B swizzle is on the address). Above 48 KiB, so the launch raises the kernel's limit
+/// (driver.rs).
 const fn fwd_wgmma_smem(d: usize, nwg: usize) -> usize {
-    (64 * nwg + 2 * FWD_STAGES * TC_TILE) * d * 2 + 4 * nwg * 16 * TC_TILE * 4 + 8 * (2 + 2 * FWD_STAGES) + 1024
+    (64 * nwg + 2 * FWD_STAGES * FWD_BC) * d * 2 + 4 * nwg * 16 * FWD_BC * 4 + 8 * (2 + 2 * FWD_STAGES) + 1024
 }
 
-// The largest case fits what an sm_90 block may opt into (227 KiB): 161 KiB with three stages.
+// The largest case fits what an sm_90 block may opt into (227 KiB): 225 KiB with two stages of 128 keys.
 const _: () = assert!(fwd_wgmma_smem(128, 2) <= 227 * 1024, "the wgmma forward's ring does not fit shared memory");
 
 /// The warp-specialised wgmma backward's ring of Q/dO stages (the TMA-fed dK/dV and fused kernels):
@@ -638,7 +643,7 @@ pub(crate) fn forward(b: &Stream, p: &AttnParams<'_>, out: AttnOut<'_>, qkv: Qkv
     let maps = if path == Path::Wgmma { fwd_tma_maps(b, p, &qkv, 64 * nwg) } else { None };
     if let Some([q_map, k_map, v_map]) = maps {
         let rows = 64 * nwg;
-        let pr = problem(b, p, (rows, TC_TILE))?;
+        let pr = problem(b, p, (rows, FWD_BC))?;
         let v_bad = nonfinite_masks(b, &qkv.v, s.batch * s.kv_heads, s.kv_len, s.head_dim)?;
         let v = ptr(b, "v", &qkv.v)?;
         let o = ptr_mut(b, "o", out.o)?;
