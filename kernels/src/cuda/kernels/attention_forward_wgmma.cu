@@ -14,8 +14,9 @@
 //   accumulator fragment's rows). With NWG = 2 the two take turns at issuing their products (Ping-pong, below).
 //   The register split fits the 64K registers: 128·40 + 128·256 (NWG = 1) and 128·40 + 256·232 (NWG = 2);
 //   setmaxnreg takes effect because the kernel has a cap at entry (__launch_bounds__(threads, 1)): ptxas reports
-//   that cap (168 registers at NWG = 2, 255 at NWG = 1; the same with the ping-pong and the third stage) and no
-//   spill or stack frame (nvrtc.rs's tests), where the single-role kernel before this one used 197 at D = 128. At
+//   that cap (168 registers at NWG = 2, 255 at NWG = 1) and no spill or stack frame (nvrtc.rs's tests) with key
+//   tiles of 128 because the mask is worked out before each tile's product (fwd_hidden_bits; per element in the
+//   softmax it spilled up to 128 bytes at D = 128). At
 //   NWG = 2 it also reports 16 named barriers: the turns' ids are in registers (FWD_BAR_TURN + g), so ptxas reserves
 //   them all; harmless at one block per SM, which the shared memory imposes anyway.
 //   Checked on the emulator (which models the TMA, the mbarriers, the named barriers and their deadlocks, not the
@@ -29,7 +30,7 @@
 // dimension, so the TMA writes them as zeros (never the next head's rows).
 //
 // Stages and barriers (mbarriers in dynamic shared memory after the scratch): K/V tiles go through a ring of
-// FWD_STAGES stages (K and V of 64 rows each). full[st]: 1 arrival (the producer's arrive.expect_tx of the stage's
+// FWD_STAGES (2) stages (K and V of FWD_BC = 128 rows each). full[st]: 1 arrival (the producer's arrive.expect_tx of the stage's
 // bytes, out-of-bounds zeros included) plus the copies' bytes; empty[st]: 128·NWG arrivals, one per consumer
 // thread, each after its last wgmma on the stage (P·V of the tile) has been waited for. The producer's n-th tile
 // goes into stage n % FWD_STAGES: it waits on empty with parity ((n / FWD_STAGES) & 1) ^ 1 (the first use passes at
@@ -64,16 +65,19 @@
 // Pipeline, per block:
 // 1. Q's tile goes global → shared by the TMA (rows past Sq zero-filled); it stays in shared memory as wgmma's A
 //    operand.
-// 2. Key tiles of BC = 64 rows, in order, skipping those the mask's tile summaries classify as hidden: K and V go
+// 2. Key tiles of FWD_BC = 128 rows (the host's key tile summaries are of 128 keys too), in order, skipping those
+//    the mask's tile summaries classify as hidden: K and V go
 //    global → shared by the TMA into the ring while the consumers compute on the tiles before; the consumers wait
 //    on the stage's full barrier before the tensor cores read it (the TMA writes through the async proxy, which
 //    wgmma reads: no proxy fence).
-// 3. Per tile, per warpgroup: S = Q·Kᵀ (64×64, D/16 wgmma m64n64k16 with both operands in shared memory); scaled
+// 3. Per tile, per warpgroup: S = Q·Kᵀ (64×128, D/16 wgmma m64n128k16 with both operands in shared memory: with
+//    64 keys, m64n64k16 reads as many bytes of shared memory per product as the SM delivers, 128 a cycle, so the
+//    tensor cores would wait on it; 128 keys read a quarter less per product, as FlashAttention-3's tiles); scaled
 //    to base 2; on a partial tile, or the last one past Sk, every hidden pair's score is selected to −inf (never
-//    multiplied); the online softmax per row on the accumulator fragment (wg_softmax: running max m and sum l,
+//    multiplied; which are hidden was worked out before the product, fwd_hidden_bits); the online softmax per row on the accumulator fragment (wg_softmax: running max m and sum l,
 //    reduced across the four lanes of a quad by shuffles; each exponential one ex2.approx); O rescaled by
 //    exp(m_old − m); P = exp(S − m) rounded to T, packed in registers straight into wgmma's A fragment (the
-//    accumulator fragment's layout is the A fragment's, ptx_hopper.cuh); O += P·V (4 wgmma m64nDk16 with A from
+//    accumulator fragment's layout is the A fragment's, ptx_hopper.cuh); O += P·V (8 wgmma m64nDk16 with A from
 //    registers, V from shared memory N-major).
 //    The products of consecutive tiles overlap the softmax (FlashAttention-3's intra-warpgroup pipelining): with
 //    tile i's P in registers, the warpgroup issues S(i+1) = Q·K(i+1)ᵀ and O += P(i)·V(i) as two commit groups,
@@ -81,8 +85,10 @@
 //    those of P(i) are the product's operand until it completes) while the tensor cores compute P(i)·V(i), then
 //    waits for that and rescales O. The result is the same arithmetic in the same order as one tile at a time.
 //    With two warpgroups each issues its batches in its turn (Ping-pong, above): while one runs the softmax of tile
-//    i+1, the other's S(i+1) and P(i)·V(i) run on the tensor cores. The ring's FWD_STAGES (3) stages let the TMA
-//    run up to two tiles ahead of the tile being multiplied.
+//    i+1, the other's S(i+1) and P(i)·V(i) run on the tensor cores. The ring's FWD_STAGES (2) stages let the TMA
+//    run a tile (128 keys) ahead of the tile being multiplied.
+//    Against the mma.sync kernel (64-key tiles) the result differs by P's rounding to 16 bits, taken against other
+//    running maxima; the sums are otherwise the same.
 // 4. O / l is written (T or f32), and LSE = m + ln l (−inf and O = 0 for a row that saw no key).
 //
 // Shared memory (dynamic, aligned here to 1024 bytes: the 128B swizzle is on the address): every tile is rows of
@@ -92,19 +98,22 @@
 // 128B layout (rows = M or N, 64 elements of K per row: LBO unused, SBO = 1024 from one 8-row group to the next);
 // for V, read as the B of P·V (B = V's transpose viewed as N×K = D×keys), it is the N-major 128B layout (128-byte
 // rows of 64 n = d, one per k = key: SBO = 1024 from keys 0-7 to keys 8-15, LBO = 64·128 from one 64-wide d block
-// to the next). Q: BR×D; K and V: FWD_STAGES (3) stages of 64×D each; then 16 KiB per warpgroup for P on the rare
-// tile that needs a non-finite correction (below); then the barriers (64 bytes). 161 KiB at D = 128, NWG = 2 (of the
-// 227 KiB an sm_90 block may opt into: the host asks for it, and the driver wrapper raises the kernel's limit).
+// to the next). Q: BR×D; K and V: FWD_STAGES (2) stages of FWD_BC×D each; then 32 KiB per warpgroup for P on the
+// rare tile that needs a non-finite correction (below); then the barriers (48 bytes). 224 KiB at D = 128, NWG = 2
+// (of the 227 KiB an sm_90 block may opt into: the host asks for it, and the driver wrapper raises the kernel's
+// limit); a third stage would need 288 KiB.
 //
 // Non-finite values behind the mask: as attention_forward_tc.cu. On a partial tile that holds a non-finite V row
-// (the host's per-tile row masks), V's non-finite elements are set to 0 in shared memory by the consumers before
-// the product (then fence.proxy.async and csync), and each row that sees such a key then adds P·V[j, d] for those elements from global memory.
+// (the host's masks, one word per 64 rows: two a tile), V's non-finite elements are set to 0 in shared memory by the consumers before
+// the product (then fence.proxy.async and csync), and each row that sees such a key then adds P·V[j, d] for those
+// elements from global memory.
 //
 // Every loop over a register array (fragments, accumulators) is unrolled with constant bounds: an array indexed at
 // run time is placed in local memory.
 
-// The ring's depth (the host reads this line for its shared-memory size: ops/attention.rs), and the register split
-// of the producer and consumer warpgroups (the header's Warps).
+// The key tile and the ring's depth (the host reads these lines for its tile summaries, tensor maps and
+// shared-memory size: ops/attention.rs), and the register split of the producer and consumer warpgroups (the
+// header's Warps).
 #define FWD_BC 128
 #define FWD_STAGES 2
 #define FWD_PRODUCER_REGS 40
