@@ -224,6 +224,23 @@ __device__ __forceinline__ u32 bwd_hidden_bits(const AttnProblem& p, u32 row_lo,
     return bits;
 }
 
+// Two 64×64 products over the head dim, issued as one group and waited for: x = a·bᵀ and y = c·dᵀ, each operand a
+// 64-row tile in shared memory read K-major (dkdv: Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ; dq: S = Q·Kᵀ and dP = dO·Vᵀ).
+template <int D, typename T>
+__device__ __forceinline__ void bwd_score_pair(float (&x)[32], float (&y)[32], const unsigned char* a,
+                                               const unsigned char* b, const unsigned char* c, const unsigned char* d) {
+#pragma unroll
+    for (u32 i = 0; i < 32; ++i) x[i] = y[i] = 0.0f;
+    wgmma_fence();
+#pragma unroll
+    for (u32 ks = 0; ks < D / 16; ++ks) {
+        wg_mma_qk<T>(x, wg_desc_kmajor<WG_BC>(a, ks), wg_desc_kmajor<WG_BC>(b, ks), ks > 0);
+        wg_mma_qk<T>(y, wg_desc_kmajor<WG_BC>(c, ks), wg_desc_kmajor<WG_BC>(d, ks), ks > 0);
+    }
+    wgmma_commit_group();
+    wgmma_wait_group<0>();
+}
+
 // The start of a kernel's roles (the header's Warps), with NWG consumer warpgroups. With the TMA: thread 0
 // initialises the barriers (bars[0], the kept tiles, 1 arrival; full[st] = bars[1 + st], 1 arrival; empty[st] =
 // bars[1 + S + st], one per consumer thread, 128·NWG), then after the block's only __syncthreads the producer
@@ -468,16 +485,7 @@ __device__ __forceinline__ void attn_bwd_wgmma_dkdv(const AttnProblem& p, BwdMap
                 const u32 hid = masked ? bwd_hidden_bits<true>(p, j_lo, i0, tig) : 0u;
                 // Sᵀ and dPᵀ: 64 keys × 64 queries; st[4n + e]: key j_lo + 8·(e / 2), query i0 + 8n + 2·tig + (e % 2).
                 float st[32], dpt[32];
-#pragma unroll
-                for (u32 i = 0; i < 32; ++i) st[i] = dpt[i] = 0.0f;
-                wgmma_fence();
-#pragma unroll
-                for (u32 ks = 0; ks < D / 16; ++ks) {
-                    wg_mma_qk<T>(st, wg_desc_kmajor<WG_BC>(ks_, ks), wg_desc_kmajor<WG_BC>(qs, ks), ks > 0);
-                    wg_mma_qk<T>(dpt, wg_desc_kmajor<WG_BC>(vs_, ks), wg_desc_kmajor<WG_BC>(dos, ks), ks > 0);
-                }
-                wgmma_commit_group();
-                wgmma_wait_group<0>();
+                bwd_score_pair<D, T>(st, dpt, ks_, qs, vs_, dos);
                 // Pᵀ and dSᵀ.
 #pragma unroll
                 for (u32 n = 0; n < 8; ++n) {
@@ -812,16 +820,7 @@ __device__ __forceinline__ void attn_bwd_wgmma_dq(const AttnProblem& p, BwdMaps 
             // The hidden elements of this thread's S fragment, worked out before the products (bwd_hidden_bits).
             const u32 hid = masked ? bwd_hidden_bits<false>(p, i_lo, j0, tig) : 0u;
             // S and dP: 64 queries × 64 keys; s[4n + e]: row i_lo + 8·(e / 2), key j0 + 8n + 2·tig + (e % 2).
-#pragma unroll
-            for (u32 i = 0; i < 32; ++i) s[i] = dp[i] = 0.0f;
-            wgmma_fence();
-#pragma unroll
-            for (u32 ks = 0; ks < D / 16; ++ks) {
-                wg_mma_qk<T>(s, wg_desc_kmajor<WG_BC>(qs, ks), wg_desc_kmajor<WG_BC>(ks_, ks), ks > 0);
-                wg_mma_qk<T>(dp, wg_desc_kmajor<WG_BC>(dos, ks), wg_desc_kmajor<WG_BC>(vs_, ks), ks > 0);
-            }
-            wgmma_commit_group();
-            wgmma_wait_group<0>();
+            bwd_score_pair<D, T>(s, dp, qs, ks_, dos, vs_);
 #pragma unroll
             for (u32 n = 0; n < 8; ++n) {
 #pragma unroll
