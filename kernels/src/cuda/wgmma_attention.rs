@@ -7,7 +7,7 @@
 //! deterministic one; the forward's and the backward's TMA loads (zero fill past a head's rows; the backward's
 //! cp.async fallback, forced, bit for bit against them); the backward's warp-specialised rings (`ws_backward`: many
 //! tiles per block, and blocks the mask hides whole); the two consumer warpgroups' shared tiles sanitised for one of
-//! them (`shared_nonfinite`). tests/attention_wgmma.rs and tests/attention_wgmma_backward.rs
+//! them (`shared_nonfinite`); the forward's non-finite V rows in either half of a 128-key tile (`forward_nonfinite`). tests/attention_wgmma.rs and tests/attention_wgmma_backward.rs
 //! have the wider cases.
 
 use crate::attention::{AttnGrads, AttnMask, AttnOut, AttnParams, AttnSaved, AttnShape, Positions, Qkv};
@@ -283,6 +283,48 @@ fn run_forward(b: &dyn Backend, p: &AttnParams<'_>, x: [&[f32]; 3]) -> [Vec<f32>
 }
 
 on_emulator_and_sm90!(tma_forward => tails_do_not_leak);
+
+/// The forward's non-finite V rows in a 128-key tile the mask shows in part (`attention_forward_wgmma.cu`'s header):
+/// 128 queries and 128 keys at the same positions, causal, so key tile 0 is partial for both consumer warpgroups; a
+/// NaN in V row 30 (the tile's first 64 rows, the first word of its row masks) and then in row 100 (the second). The
+/// queries before the poisoned key have O and LSE bit for bit those of a run without the NaN (their P for it is a
+/// hidden 0, against the zeroed element), every query from it on has NaN in O (the correction adds P·NaN back). Head
+/// dims 64 and 128.
+fn forward_nonfinite_halves(b: CudaBackend) {
+    let wg = b.with_attention_path(AttentionPath::Wgmma);
+    for d in [64, 128] {
+        let shape = AttnShape { batch: 1, q_heads: 2, kv_heads: 1, q_len: 128, kv_len: 128, head_dim: d };
+        let p = AttnParams::new(shape).with_mask(AttnMask::causal());
+        let (q, k, v) = (
+            uniform_nonzero(shape.q_elems(), 11),
+            uniform_nonzero(shape.kv_elems(), 12),
+            uniform_nonzero(shape.kv_elems(), 13),
+        );
+        let before = loads().fwd_tma;
+        let clean = run_forward(&wg, &p, [&q, &k, &v]);
+        assert_eq!(loads().fwd_tma, before + 1, "d {d}: no TMA forward ran");
+        for row in [30, 100] {
+            let mut poisoned = v.clone();
+            poisoned[row * d + 5] = f32::NAN;
+            let got = run_forward(&wg, &p, [&q, &k, &poisoned]);
+            for h in 0..2 {
+                for i in 0..128 {
+                    let at = (h * 128 + i) * d;
+                    let (o, o_clean) = (&got[0][at..at + d], &clean[0][at..at + d]);
+                    if i < row {
+                        let same = o.iter().zip(o_clean).all(|(g, c)| g.to_bits() == c.to_bits());
+                        assert!(same, "d {d}, V row {row}: head {h}, query {i} changed");
+                        assert_eq!(got[1][h * 128 + i].to_bits(), clean[1][h * 128 + i].to_bits(), "d {d}: LSE");
+                    } else {
+                        assert!(o[5].is_nan(), "d {d}, V row {row}: head {h}, query {i} lost the NaN");
+                    }
+                }
+            }
+        }
+    }
+}
+
+on_emulator_and_sm90!(forward_nonfinite => forward_nonfinite_halves);
 
 /// The forward's K/V ring and its consumer warpgroups' turns (`attention_forward_wgmma.cu`'s header) over many key
 /// tiles: 130 queries (two consumer warpgroups a block, and a second block of 2 rows) and 50 (one warpgroup), 586
