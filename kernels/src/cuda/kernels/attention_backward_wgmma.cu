@@ -41,7 +41,7 @@
 //   entry, which ptxas reports, is 168 (384 threads, __launch_bounds__(384, 1)); setmaxnreg.inc raises the consumers
 //   to 240 and ptxas holds their code to that. At
 //   D = 128 the body keeps dK and dV's accumulators (128 registers) beside Sᵀ and dPᵀ's fragments (64) through the
-//   elementwise phase: it fits 240 because the mask is worked out before the products (bwd_hidden_bits), while only
+//   elementwise phase: it fits 240 because the mask is worked out before the products (wg_hidden_bits), while only
 //   the accumulators are live; with the general masks' position and document arithmetic done per element beside the
 //   fragments it spilled 692 bytes at 232 and 384 at 240 (BENCHMARKS.md has the figures). The dq body takes 156 at
 //   D = 128 (its cp.async kernel; 182 with the mask worked out per element).
@@ -205,25 +205,6 @@ __device__ __forceinline__ u32 bwd_next_pair(const AttnProblem& p, u32 x, u32 pa
     return x;
 }
 
-// The elements of a thread's score fragment that the mask hides, or that lie past the queries or keys, as bits: bit
-// 4n + e for the fragment's element [4n + e], at row row_lo + 8·(e / 2) and column col0 + 8n + 2·tig + (e % 2) (rows
-// are keys in dkdv's Sᵀ, KEY_ROWS, and queries in dq's S). The bodies work them out before their products, while
-// only the gradients' accumulators are live: done per element between the products and the packing, the general
-// masks' position and document arithmetic sat beside the two score fragments, the registers that kept dkdv at D = 128
-// to one consumer warpgroup. A loop, not unrolled: the bits are one register.
-template <bool KEY_ROWS>
-__device__ __forceinline__ u32 bwd_hidden_bits(const AttnProblem& p, u32 row_lo, u32 col0, u32 tig) {
-    u32 bits = 0;
-#pragma unroll 1
-    for (u32 x = 0; x < 32; ++x) {
-        const u32 row = row_lo + 8 * ((x >> 1) & 1u);
-        const u32 col = col0 + (x >> 2) * 8 + 2 * tig + (x & 1u);
-        const u32 i = KEY_ROWS ? col : row, j = KEY_ROWS ? row : col;
-        if (i >= p.q_len || j >= p.kv_len || !visible(p, i, j)) bits |= 1u << x;
-    }
-    return bits;
-}
-
 // Two 64×64 products over the head dim, issued as one group and waited for: x = a·bᵀ and y = c·dᵀ, each operand a
 // 64-row tile in shared memory read K-major (dkdv: Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ; dq: S = Q·Kᵀ and dP = dO·Vᵀ).
 template <int D, typename T>
@@ -234,8 +215,8 @@ __device__ __forceinline__ void bwd_score_pair(float (&x)[32], float (&y)[32], c
     wgmma_fence();
 #pragma unroll
     for (u32 ks = 0; ks < D / 16; ++ks) {
-        wg_mma_qk<T>(x, wg_desc_kmajor<WG_BC>(a, ks), wg_desc_kmajor<WG_BC>(b, ks), ks > 0);
-        wg_mma_qk<T>(y, wg_desc_kmajor<WG_BC>(c, ks), wg_desc_kmajor<WG_BC>(d, ks), ks > 0);
+        wg_mma_qk<T, WG_BC>(x, wg_desc_kmajor<WG_BC>(a, ks), wg_desc_kmajor<WG_BC>(b, ks), ks > 0);
+        wg_mma_qk<T, WG_BC>(y, wg_desc_kmajor<WG_BC>(c, ks), wg_desc_kmajor<WG_BC>(d, ks), ks > 0);
     }
     wgmma_commit_group();
     wgmma_wait_group<0>();
@@ -480,9 +461,9 @@ __device__ __forceinline__ void attn_bwd_wgmma_dkdv(const AttnProblem& p, BwdMap
             float* ps = scr + (g * 4 + warp) * 2 * 16 * 64;
             float* ss = ps + 16 * 64;
             if (mine) {
-                // The pair's hidden elements of this thread (bwd_hidden_bits), worked out before the products while
-                // only dK and dV's accumulators are live.
-                const u32 hid = masked ? bwd_hidden_bits<true>(p, j_lo, i0, tig) : 0u;
+                // The pair's hidden elements of this thread (wg_hidden_bits: 32 of them), worked out before the
+                // products while only dK and dV's accumulators are live.
+                const u32 hid = masked ? static_cast<u32>(wg_hidden_bits<WG_BC, true>(p, j_lo, i0, tig)) : 0u;
                 // Sᵀ and dPᵀ: 64 keys × 64 queries; st[4n + e]: key j_lo + 8·(e / 2), query i0 + 8n + 2·tig + (e % 2).
                 float st[32], dpt[32];
                 bwd_score_pair<D, T>(st, dpt, ks_, qs, vs_, dos);
@@ -817,8 +798,8 @@ __device__ __forceinline__ void attn_bwd_wgmma_dq(const AttnProblem& p, BwdMaps 
         }
         float s[32], dp[32];
         if (mine) {
-            // The hidden elements of this thread's S fragment, worked out before the products (bwd_hidden_bits).
-            const u32 hid = masked ? bwd_hidden_bits<false>(p, i_lo, j0, tig) : 0u;
+            // The hidden elements of this thread's S fragment, worked out before the products (wg_hidden_bits).
+            const u32 hid = masked ? static_cast<u32>(wg_hidden_bits<WG_BC, false>(p, i_lo, j0, tig)) : 0u;
             // S and dP: 64 queries × 64 keys; s[4n + e]: row i_lo + 8·(e / 2), key j0 + 8n + 2·tig + (e % 2).
             bwd_score_pair<D, T>(s, dp, qs, ks_, dos, vs_);
 #pragma unroll

@@ -15,7 +15,7 @@
 //   The register split fits the 64K registers: 128·40 + 128·256 (NWG = 1) and 128·40 + 256·232 (NWG = 2);
 //   setmaxnreg takes effect because the kernel has a cap at entry (__launch_bounds__(threads, 1)): ptxas reports
 //   that cap (168 registers at NWG = 2, 255 at NWG = 1) and no spill or stack frame (nvrtc.rs's tests) with key
-//   tiles of 128 because the mask is worked out before each tile's product (fwd_hidden_bits; per element in the
+//   tiles of 128 because the mask is worked out before each tile's product (wg_hidden_bits; per element in the
 //   softmax it spilled up to 128 bytes at D = 128). At
 //   NWG = 2 it also reports 16 named barriers: the turns' ids are in registers (FWD_BAR_TURN + g), so ptxas reserves
 //   them all; harmless at one block per SM, which the shared memory imposes anyway.
@@ -74,7 +74,7 @@
 //    64 keys, m64n64k16 reads as many bytes of shared memory per product as the SM delivers, 128 a cycle, so the
 //    tensor cores would wait on it; 128 keys read a quarter less per product, as FlashAttention-3's tiles); scaled
 //    to base 2; on a partial tile, or the last one past Sk, every hidden pair's score is selected to −inf (never
-//    multiplied; which are hidden was worked out before the product, fwd_hidden_bits); the online softmax per row on the accumulator fragment (wg_softmax: running max m and sum l,
+//    multiplied; which are hidden was worked out before the product, wg_hidden_bits); the online softmax per row on the accumulator fragment (wg_softmax: running max m and sum l,
 //    reduced across the four lanes of a quad by shuffles; each exponential one ex2.approx); O rescaled by
 //    exp(m_old − m); P = exp(S − m) rounded to T, packed in registers straight into wgmma's A fragment (the
 //    accumulator fragment's layout is the A fragment's, ptx_hopper.cuh); O += P·V (8 wgmma m64nDk16 with A from
@@ -124,22 +124,6 @@
 // 256 threads. Ids 1 and 2: 0 is __syncthreads'.
 #define FWD_BAR_TURN 1
 #define FWD_TURN_THREADS 256
-
-// The scores of a thread's S fragment over key tile j0..j0 + FWD_BC − 1 that the mask hides, or that lie past the
-// queries or keys, as bits: bit 4n + 2·hf + e for row row_base + 8·hf and key j0 + 8n + 2·tig + e (the fragment's
-// s[4n + 2·hf + e]). The consumers work them out before the tile's product, while S's registers are free: done per
-// element in the softmax, the general masks' position and document arithmetic sat beside S, P and O, and ptxas
-// spilled at D = 128. A loop, not unrolled: the bits are two registers.
-__device__ __forceinline__ unsigned long long fwd_hidden_bits(const AttnProblem& p, u32 row_base, u32 j0, u32 tig) {
-    unsigned long long bits = 0;
-#pragma unroll 1
-    for (u32 x = 0; x < FWD_BC / 2; ++x) {
-        const u32 i = row_base + 8 * ((x >> 1) & 1u);
-        const u32 j = j0 + (x >> 2) * 8 + 2 * tig + (x & 1u);
-        if (i >= p.q_len || j >= p.kv_len || !visible(p, i, j)) bits |= 1ull << x;
-    }
-    return bits;
-}
 
 // The online softmax of one key tile (keys j0..j0+63) on its score fragment `s` (s[4n + e]: row row_base + 8·(e / 2),
 // key j0 + 8n + 2·tig + (e % 2)): scaled to base 2; hidden pairs (when `masked`: a partial tile, or the last one past
@@ -336,10 +320,14 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnProblem& p, const CUten
         mbarrier_wait(&full[0], 0);
         u32 next = next_tile(p, qt, kt + 1, k_tiles);
         int cls = classify(p, qt, kt);
-        // The first tile's hidden scores, worked out before its product (fwd_hidden_bits).
-        unsigned long long hid = cls == TILE_PARTIAL || (kt + 1) * FWD_BC > p.kv_len
-                                     ? fwd_hidden_bits(p, row_base, kt * FWD_BC, tig)
-                                     : 0ull;
+        // A tile's hidden scores (wg_hidden_bits; none unless the tile is partial or the last one past Sk), worked
+        // out before its product, while S's registers are free.
+        auto hidden_scores = [&](u32 t, int c) {
+            return c == TILE_PARTIAL || (t + 1) * FWD_BC > p.kv_len
+                       ? wg_hidden_bits<FWD_BC, false>(p, row_base, t * FWD_BC, tig)
+                       : 0ull;
+        };
+        unsigned long long hid = hidden_scores(kt, cls);
         unsigned long long vb = cls == TILE_PARTIAL ? vbad(kt, 0) : 0ull;
         unsigned long long vb_hi = cls == TILE_PARTIAL ? vbad(kt, 1) : 0ull;
         if (vb | vb_hi) {
@@ -357,7 +345,7 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnProblem& p, const CUten
         wgmma_fence();
 #pragma unroll
         for (u32 ks = 0; ks < D / 16; ++ks)
-            wg_mma_qk128<T>(s, wg_desc_kmajor<BR>(q_wg, ks), wg_desc_kmajor<FWD_BC>(kv, ks), ks > 0);
+            wg_mma_qk<T, FWD_BC>(s, wg_desc_kmajor<BR>(q_wg, ks), wg_desc_kmajor<FWD_BC>(kv, ks), ks > 0);
         wgmma_commit_group();
         fwd_turn_pass<NWG>(wg, false);  // (not the last turn: one per tile follows)
         wgmma_wait_group<0>();
@@ -377,10 +365,7 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnProblem& p, const CUten
             if (has_next) {
                 mbarrier_wait(&full[st_next], ((n + 1) / FWD_STAGES) & 1u);
                 cls_next = classify(p, qt, next);
-                // The next tile's hidden scores, worked out before its product, while S's registers are free.
-                hid = cls_next == TILE_PARTIAL || (next + 1) * FWD_BC > p.kv_len
-                          ? fwd_hidden_bits(p, row_base, next * FWD_BC, tig)
-                          : 0ull;
+                hid = hidden_scores(next, cls_next);
                 vb_next = cls_next == TILE_PARTIAL ? vbad(next, 0) : 0ull;
                 vb_next_hi = cls_next == TILE_PARTIAL ? vbad(next, 1) : 0ull;
                 if (vb_next | vb_next_hi) {
@@ -410,7 +395,7 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnProblem& p, const CUten
             if (has_next) {
 #pragma unroll
                 for (u32 ks = 0; ks < D / 16; ++ks)
-                    wg_mma_qk128<T>(s, wg_desc_kmajor<BR>(q_wg, ks), wg_desc_kmajor<FWD_BC>(kn, ks), ks > 0);
+                    wg_mma_qk<T, FWD_BC>(s, wg_desc_kmajor<BR>(q_wg, ks), wg_desc_kmajor<FWD_BC>(kn, ks), ks > 0);
                 wgmma_commit_group();
             }
             unsigned char* vs_ = kv + (FWD_STAGES + st) * TILE_BYTES;

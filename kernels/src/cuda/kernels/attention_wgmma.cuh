@@ -36,28 +36,24 @@ __device__ __forceinline__ void wg_load_tile(unsigned char* dst, const T* src, u
     }
 }
 
-// The wgmma of T: 64×64 S += Q·Kᵀ (both in shared memory, K-major) and 64×D O += P·V (P in registers as the A
-// fragment, V an N-major B).
-template <typename T>
-__device__ __forceinline__ void wg_mma_qk(float (&s)[32], u64 dq, u64 dk, bool scale_d);
+// The wgmma of T: 64×N S += Q·Kᵀ over N keys (64, the backward's tiles; 128, the forward's), both in shared memory,
+// K-major, and 64×D O += P·V (P in registers as the A fragment, V an N-major B).
+template <typename T, int N>
+__device__ __forceinline__ void wg_mma_qk(float (&s)[N / 2], u64 dq, u64 dk, bool scale_d);
 template <>
-__device__ __forceinline__ void wg_mma_qk<bf16>(float (&s)[32], u64 dq, u64 dk, bool scale_d) {
+__device__ __forceinline__ void wg_mma_qk<bf16, 64>(float (&s)[32], u64 dq, u64 dk, bool scale_d) {
     wgmma_m64n64k16_bf16<0, 0>(s, dq, dk, scale_d);
 }
 template <>
-__device__ __forceinline__ void wg_mma_qk<f16>(float (&s)[32], u64 dq, u64 dk, bool scale_d) {
+__device__ __forceinline__ void wg_mma_qk<f16, 64>(float (&s)[32], u64 dq, u64 dk, bool scale_d) {
     wgmma_m64n64k16_f16<0, 0>(s, dq, dk, scale_d);
 }
-
-// The forward's 64×128 S += Q·Kᵀ over a 128-key tile (both in shared memory, K-major).
-template <typename T>
-__device__ __forceinline__ void wg_mma_qk128(float (&s)[64], u64 dq, u64 dk, bool scale_d);
 template <>
-__device__ __forceinline__ void wg_mma_qk128<bf16>(float (&s)[64], u64 dq, u64 dk, bool scale_d) {
+__device__ __forceinline__ void wg_mma_qk<bf16, 128>(float (&s)[64], u64 dq, u64 dk, bool scale_d) {
     wgmma_m64n128k16_bf16<0, 0>(s, dq, dk, scale_d);
 }
 template <>
-__device__ __forceinline__ void wg_mma_qk128<f16>(float (&s)[64], u64 dq, u64 dk, bool scale_d) {
+__device__ __forceinline__ void wg_mma_qk<f16, 128>(float (&s)[64], u64 dq, u64 dk, bool scale_d) {
     wgmma_m64n128k16_f16<0, 0>(s, dq, dk, scale_d);
 }
 
@@ -112,6 +108,26 @@ __device__ __forceinline__ u64 wg_desc_kmajor(const unsigned char* tile, u32 ks)
 template <int ROWS = WG_BC>
 __device__ __forceinline__ u64 wg_desc_nmajor(const unsigned char* tile, u32 t) {
     return wgmma_desc(tile + t * 16 * 128, ROWS * 128, 1024, WGMMA_SWIZZLE_128B);
+}
+
+// The elements of a thread's score fragment over COLS columns (64 or 128) that the mask hides, or that lie past the
+// queries or keys, as bits: bit 4n + 2h + e for the fragment's element [4n + 2h + e], at row row_lo + 8h and column
+// col0 + 8n + 2·tig + e (the accumulator fragment's layout; rows are keys in the backward's Sᵀ, KEY_ROWS, else
+// queries). The kernels work them out before their products, while only their accumulators are live: per element,
+// between the products and the softmax or the packing, the general masks' position and document arithmetic sat
+// beside the score fragments, and ptxas spilled at D = 128. A loop, not unrolled: the bits stay in registers.
+template <int COLS, bool KEY_ROWS>
+__device__ __forceinline__ unsigned long long wg_hidden_bits(const AttnProblem& p, u32 row_lo, u32 col0, u32 tig) {
+    static_assert(COLS == 64 || COLS == 128, "fragments of 64 or 128 columns");
+    unsigned long long bits = 0;
+#pragma unroll 1
+    for (u32 x = 0; x < COLS / 2; ++x) {
+        const u32 row = row_lo + 8 * ((x >> 1) & 1u);
+        const u32 col = col0 + (x >> 2) * 8 + 2 * tig + (x & 1u);
+        const u32 i = KEY_ROWS ? col : row, j = KEY_ROWS ? row : col;
+        if (i >= p.q_len || j >= p.kv_len || !visible(p, i, j)) bits |= 1ull << x;
+    }
+    return bits;
 }
 
 // The first key tile at or after `kt` that the mask does not hide for query tile `qt` (k_tiles: none).
