@@ -338,14 +338,13 @@ const fn bwd_dkdv_smem(d: usize, atomic: bool, tma: bool) -> usize {
 
 // Every case fits what an sm_90 block may opt into (227 KiB): the largest, the dK/dV kernel at D = 128 with three
 // stages and two consumer warpgroups, by 968 bytes (the fused one there, with two stages, by 984).
-const _: () = {
-    let mut i = 0;
-    while i < 4 {
-        let (d, atomic) = ([64, 128][i / 2], i % 2 == 1);
-        assert!(bwd_dkdv_smem(d, atomic, true) <= 227 * 1024, "the wgmma backward's ring does not fit");
-        i += 1;
-    }
-};
+const _: () = assert!(
+    bwd_dkdv_smem(64, false, true) <= 227 * 1024
+        && bwd_dkdv_smem(64, true, true) <= 227 * 1024
+        && bwd_dkdv_smem(128, false, true) <= 227 * 1024
+        && bwd_dkdv_smem(128, true, true) <= 227 * 1024,
+    "the wgmma backward's ring does not fit"
+);
 
 /// The launch of the wgmma backward's dK/dV or fused kernel (`atomic`) at head dim `d`, fed by the TMA or not: a
 /// block per [`bwd_dkdv_wgs`] key tiles of one (batch, key/value head), the producer warpgroup and the consumers
