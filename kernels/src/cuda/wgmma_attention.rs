@@ -7,7 +7,8 @@
 //! deterministic one; the forward's and the backward's TMA loads (zero fill past a head's rows; the backward's
 //! cp.async fallback, forced, bit for bit against them); the backward's warp-specialised rings (`ws_backward`: many
 //! tiles per block, and blocks the mask hides whole); the two consumer warpgroups' shared tiles sanitised for one of
-//! them (`shared_nonfinite`); the forward's non-finite V rows in either half of a 128-key tile (`forward_nonfinite`). tests/attention_wgmma.rs and tests/attention_wgmma_backward.rs
+//! them (`shared_nonfinite`); the forward's non-finite V rows in either half of a 128-key tile (`forward_nonfinite`);
+//! the forward exactly as mma.sync's where every key fits one tile of both (`single_key_tile`). tests/attention_wgmma.rs and tests/attention_wgmma_backward.rs
 //! have the wider cases.
 
 use crate::attention::{AttnGrads, AttnMask, AttnOut, AttnParams, AttnSaved, AttnShape, Positions, Qkv};
@@ -328,7 +329,8 @@ on_emulator_and_sm90!(forward_nonfinite => forward_nonfinite_halves);
 
 /// The forward's K/V ring and its consumer warpgroups' turns (`attention_forward_wgmma.cu`'s header) over many key
 /// tiles: 130 queries (two consumer warpgroups a block, and a second block of 2 rows) and 50 (one warpgroup), 586
-/// keys (ten tiles, so that each stage of the ring is refilled and its barriers' parities go both ways), grouped
+/// keys (five tiles of 128, so that each of the ring's two stages is refilled and its barriers' parities go both
+/// ways), grouped
 /// queries, bf16, head dims 64 and 128, with no mask; with a window (hidden tiles skipped at both ends of the walk);
 /// and causal with the keys placed after the first block's queries (every tile of that block hidden: nothing loaded,
 /// no turn taken, while the second block's warpgroups take theirs). Against the mma.sync kernel on the same device
@@ -374,6 +376,42 @@ fn long_ring(b: CudaBackend) {
 }
 
 on_emulator_and_sm90!(ring_and_turns => long_ring);
+
+/// Where every key fits one tile of both forwards (64 keys or fewer: one 128-key tile of the wgmma kernel, one 64-key
+/// tile of the mma.sync one), their P are rounded against the same maxima, so on the emulator, where both sum
+/// exactly and round once, the wgmma forward's O and LSE match the mma.sync one's to 1e-6 (1e-2 on a GPU): the
+/// 128-wide products, the masked half of the tile past the keys, and the softmax's bits, checked exactly. 130 and 50
+/// queries, 64 and 37 keys, head dims 64 and 128, no mask and causal with the queries at the end of the keys.
+fn one_key_tile(b: CudaBackend) {
+    let wg = b.with_attention_path(AttentionPath::Wgmma);
+    let mma = wg.clone().with_attention_path(AttentionPath::Mma);
+    let against_mma = if wg.is_emulated() { 1e-6 } else { 1e-2 };
+    for (d, sq, sk) in [(64, 130, 64), (128, 130, 37), (128, 50, 64)] {
+        let shape = AttnShape { batch: 1, q_heads: 2, kv_heads: 1, q_len: sq, kv_len: sk, head_dim: d };
+        let end = Positions::Offset(sk as i64 - sq as i64);
+        let seed = 90 + d as u64 + sk as u64;
+        let (q, k, v) = (
+            uniform_nonzero(shape.q_elems(), seed),
+            uniform_nonzero(shape.kv_elems(), seed + 1),
+            uniform_nonzero(shape.kv_elems(), seed + 2),
+        );
+        for (mi, mask) in
+            [AttnMask::default(), AttnMask::causal().with_positions(end, Positions::Offset(0))].into_iter().enumerate()
+        {
+            let p = AttnParams::new(shape).with_mask(mask);
+            let got = run_forward(&wg, &p, [&q, &k, &v]);
+            let want = run_forward(&mma, &p, [&q, &k, &v]);
+            for (n, name) in ["O", "LSE"].into_iter().enumerate() {
+                for (i, (g, m)) in got[n].iter().zip(&want[n]).enumerate() {
+                    let near = *g == *m || (g - m).abs() <= against_mma * (1.0 + m.abs());
+                    assert!(near, "d {d}, {sq}×{sk}, mask {mi}, {name}[{i}]: {g} against mma.sync's {m}");
+                }
+            }
+        }
+    }
+}
+
+on_emulator_and_sm90!(single_key_tile => one_key_tile);
 
 /// The backward's loads (`attention_backward_wgmma.cu`'s header, Loads): the TMA-fed kernels, and the cp.async ones
 /// that run where the device refuses a tensor map (forced here by refusing them), on grouped queries under a causal
