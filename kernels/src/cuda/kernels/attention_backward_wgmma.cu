@@ -133,10 +133,15 @@
 // additions varies from run to run on a GPU: dQ is not bit-reproducible (dK and dV are, as in dkdv).
 // attn_bwd_dq_convert then writes dq = workspace·scale in its type (or adds it, GradMode::Accumulate).
 // dS (queries × keys, the A operand of dQ += dS·K) is dSᵀ's fragment transposed: every warp writes its dSᵀ rows to
-// the correction scratch (f32), a barrier, and each thread reads its rows of dS as the A fragment. The product runs
-// in chunks of 64 columns of D (a 32-float accumulator, added to the workspace after each), K read N-major. When K's
-// tile holds non-finite rows (k_bad), a sanitized copy of it serves the partial pairs' dQ products (as dq's
-// sanitizing), each visible pair adding back, from global memory, what the zeroed elements contribute.
+// the correction scratch (f32), a barrier of both consumer warpgroups, and each thread reads its rows of dS as the A
+// fragment. The product runs in chunks of 64 columns of D (a 32-float accumulator, added to the workspace after
+// each), K read N-major, over the keys of the block's tiles the pair does not hide: chunk c of the loop's n-th pair
+// is consumer warpgroup (c + n) % NWG's, which reads every tile's dSᵀ from the scratch (at D = 128 each warpgroup
+// has a chunk, at D = 64 they take the pairs in turn). So each dQ element takes one atomic addition a block (128
+// keys), as FlashAttention-2 and -3's backward, not one a key tile: half the atomic traffic of a warpgroup adding its
+// own tile's 64 × D. When a K tile holds non-finite rows (k_bad), a sanitized copy of it serves the partial pairs'
+// dQ products (as dq's sanitizing), each visible pair adding back, from global memory, what the zeroed elements
+// contribute.
 //
 // Non-finite values behind the mask: as attention_backward_tc.cu. On a partial tile pair whose tiles hold non-finite
 // rows, the non-finite elements of the operand a hidden 0 multiplies are set to 0 in shared memory first (Q and dO in
@@ -551,69 +556,78 @@ __device__ __forceinline__ void attn_bwd_wgmma_dkdv(const AttnProblem& p, BwdMap
             }
             if (ATOMIC) {
                 bwd_consumer_sync<TMA, NWG>();  // every warp's dSᵀ is in the scratch
-                if (mine) {
-                    // dQ += dS·K over this warpgroup's keys: this thread's rows of dS (queries il = 16·warp + gid +
-                    // 8·(r % 2)), keys 16t + 8·(r / 2) + 2·tig and the next, read from its warps' dSᵀ rows (key jl at
-                    // sg[(jl / 16)·2048 + 1024 + (jl % 16)·64]).
-                    const float* sg = scr + g * 4 * 2048;
-                    u32 sa[4][4];
+                // dQ += dS·K over the block's keys (every tile the pair does not hide), by chunks of 64 columns of D:
+                // chunk c of the loop's n-th pair is warpgroup (c + n) % NWG's (at D = 128 a chunk each, at D = 64
+                // the pairs alternate), so that each dQ element takes one atomic addition a block, not one a key tile.
+                // This thread's rows of dS (queries il = 16·warp + gid + 8·(r % 2)), keys 16s + 8·(r / 2) + 2·tig and
+                // the next of tile t, are read from tile t's warps' dSᵀ rows (key jl at sg[(jl / 16)·2048 + 1024 +
+                // (jl % 16)·64 + il]).
+                const u32 i_lo = i0 + warp * 16 + gid;  // this thread's dQ rows: i_lo and i_lo + 8
 #pragma unroll
-                    for (u32 t = 0; t < 4; ++t) {
+                for (u32 c = 0; c < D / 64; ++c) {
+                    if ((c + n) % NWG != g) continue;
+                    float dqc[32];
 #pragma unroll
-                        for (u32 r = 0; r < 4; ++r) {
-                            u32 il = warp * 16 + gid + 8 * (r & 1);
-                            u32 jl = 16 * t + 8 * (r >> 1) + 2 * tig;
-                            const float* col = sg + (jl >> 4) * 2048 + 1024 + (jl & 15) * 64 + il;
-                            sa[t][r] = pack2<T>(col[0], col[64]);
+                    for (u32 i = 0; i < 32; ++i) dqc[i] = 0.0f;
+                    bool added = false;
+#pragma unroll
+                    for (u32 t = 0; t < NWG; ++t) {
+                        const int cls_t = t == g ? cls : t < tiles ? classify(p, qt, kt0 + t) : TILE_HIDDEN;
+                        if (cls_t == TILE_HIDDEN) continue;
+                        const float* sg = scr + t * 4 * 2048;
+                        u32 sa[4][4];
+#pragma unroll
+                        for (u32 s4 = 0; s4 < 4; ++s4) {
+#pragma unroll
+                            for (u32 r = 0; r < 4; ++r) {
+                                u32 il = warp * 16 + gid + 8 * (r & 1);
+                                u32 jl = 16 * s4 + 8 * (r >> 1) + 2 * tig;
+                                const float* col = sg + (jl >> 4) * 2048 + 1024 + (jl & 15) * 64 + il;
+                                sa[s4][r] = pack2<T>(col[0], col[64]);
+                            }
                         }
-                    }
-                    const unsigned long long kb = cls == TILE_PARTIAL ? kbad(kt) : 0ull;
-                    const unsigned char* kq = kb ? kc_ : ks_;
-                    const u32 i_lo = i0 + warp * 16 + gid;  // this thread's dQ rows: i_lo and i_lo + 8
-#pragma unroll
-                    for (u32 c = 0; c < D / 64; ++c) {
-                        float dqc[32];
-#pragma unroll
-                        for (u32 i = 0; i < 32; ++i) dqc[i] = 0.0f;
+                        // Tile t's K, or its sanitized copy where the pair is partial and K has non-finite rows.
+                        const unsigned long long kb = cls_t == TILE_PARTIAL ? kbad(kt0 + t) : 0ull;
+                        const unsigned char* kq = smem + (kb ? 2 * NWG + 2 * S + t : t) * TB;
                         wgmma_fence();
 #pragma unroll
-                        for (u32 t = 0; t < 4; ++t)
-                            wg_mma_pv<T, 64>(dqc, sa[t], wg_desc_nmajor(kq + c * WG_BC * 128, t));
+                        for (u32 s4 = 0; s4 < 4; ++s4)
+                            wg_mma_pv<T, 64>(dqc, sa[s4], wg_desc_nmajor(kq + c * WG_BC * 128, s4));
                         wgmma_commit_group();
                         wgmma_wait_group<0>();
-                        if (kb) {
-                            for (u32 jl = 0; jl < WG_BC; ++jl) {
-                                if (!((kb >> jl) & 1ull)) continue;
-                                u32 j = kt * WG_BC + jl;
+                        added = true;
+                        for (u32 jl = 0; kb && jl < WG_BC; ++jl) {
+                            if (!((kb >> jl) & 1ull)) continue;
+                            u32 j = (kt0 + t) * WG_BC + jl;
 #pragma unroll
-                                for (u32 hf = 0; hf < 2; ++hf) {
-                                    u32 il = warp * 16 + gid + 8 * hf;
-                                    float dsv = sg[(jl >> 4) * 2048 + 1024 + (jl & 15) * 64 + il];
-                                    u32 i = i0 + il;
-                                    bool seen = i < p.q_len && j < p.kv_len && visible(p, i, j);
+                            for (u32 hf = 0; hf < 2; ++hf) {
+                                u32 il = warp * 16 + gid + 8 * hf;
+                                float dsv = sg[(jl >> 4) * 2048 + 1024 + (jl & 15) * 64 + il];
+                                u32 i = i0 + il;
+                                bool seen = i < p.q_len && j < p.kv_len && visible(p, i, j);
 #pragma unroll
-                                    for (u32 n = 0; n < 8; ++n) {
+                                for (u32 nn = 0; nn < 8; ++nn) {
 #pragma unroll
-                                        for (u32 e = 0; e < 2; ++e) {
-                                            float kx = seen ? to_f32(k[(k_head + j) * D + c * 64 + n * 8 + 2 * tig + e])
-                                                            : 0.0f;
-                                            if (seen && !isfinite(kx)) dqc[4 * n + 2 * hf + e] += dsv * kx;
-                                        }
+                                    for (u32 e = 0; e < 2; ++e) {
+                                        float kx = seen ? to_f32(k[(k_head + j) * D + c * 64 + nn * 8 + 2 * tig + e])
+                                                        : 0.0f;
+                                        if (seen && !isfinite(kx)) dqc[4 * nn + 2 * hf + e] += dsv * kx;
                                     }
                                 }
                             }
                         }
+                    }
+                    if (!added) continue;
 #pragma unroll
-                        for (u32 hf = 0; hf < 2; ++hf) {
-                            u32 i = i_lo + 8 * hf;
-                            if (i >= p.q_len) continue;
+                    for (u32 hf = 0; hf < 2; ++hf) {
+                        u32 i = i_lo + 8 * hf;
+                        if (i >= p.q_len) continue;
 #pragma unroll
-                            for (u32 n = 0; n < 8; ++n)
+                        for (u32 nn = 0; nn < 8; ++nn)
 #pragma unroll
-                                for (u32 e = 0; e < 2; ++e)
-                                    atomicAdd(dq_ws + (q_head + i) * D + c * 64 + n * 8 + 2 * tig + e,
-                                              dqc[4 * n + 2 * hf + e]);
-                        }
+                            for (u32 e = 0; e < 2; ++e)
+                                atomicAdd(dq_ws + (q_head + i) * D + c * 64 + nn * 8 + 2 * tig + e,
+                                          dqc[4 * nn + 2 * hf + e]);
                     }
                 }
             }
