@@ -7,7 +7,9 @@
 //! or key row confined to the gradients that see it. (The conformance families with the path forced are in
 //! `attention_wgmma.rs`.) The non-deterministic variant (`CudaBackend::with_deterministic_backward(false)`) on the
 //! same cases: against the reference, dK/dV bit-identical to the deterministic path's and dQ close to it, and the
-//! NaN confinement with dQ compared within a tolerance. The shapes are small: the emulator computes each wgmma exactly, in double.
+//! NaN confinement with dQ compared within a tolerance; the ordered one (`WgmmaBackward::Ordered`) the same against
+//! the reference and the split backward, two runs bit-identical, and the NaN confinement exact. The shapes are
+//! small: the emulator computes each wgmma exactly, in double.
 #![cfg(feature = "cuda")]
 
 #[allow(unused_macros)] // test_device!: this binary runs on the emulator and a GPU only
@@ -15,7 +17,7 @@ mod common;
 
 use half::{bf16, f16};
 use longctx_kernels::attention::{AttnMask, AttnParams, AttnShape, Positions};
-use longctx_kernels::cuda::AttentionPath;
+use longctx_kernels::cuda::{AttentionPath, WgmmaBackward};
 use longctx_kernels::testing::{reference_f64, uniform_nonzero};
 use longctx_kernels::{AttnGrads, AttnSaved, Backend, Buffer, CudaBackend, DType, Dims, GradMode, Qkv, View, ViewMut};
 
@@ -263,25 +265,35 @@ fn nan_confined_dq(be: &dyn Backend, exact: bool) {
     }
 }
 
-/// The backend with the non-deterministic backward (`attention_backward_wgmma.cu`'s fused kernel and dQ's atomic
-/// workspace).
-fn atomic(be: &CudaBackend) -> CudaBackend {
-    be.clone().with_deterministic_backward(false)
+/// The backend with a one-kernel backward (`attention_backward_wgmma.cu`'s fused kernel and dQ's f32 workspace, the
+/// additions in any order or in turns).
+fn one_kernel(be: &CudaBackend, how: WgmmaBackward) -> CudaBackend {
+    be.clone().with_wgmma_backward(how)
 }
 
 /// The atomic backward against the f64 reference (the same tolerances) and the deterministic one on the same
 /// device: dK and dV bit-identical (the same arithmetic in the same order), dQ within one rounding of its type of
 /// the deterministic dQ's scale (its f32 sums added in another order).
 fn atomic_matches_reference(be: &CudaBackend) {
-    let ab = atomic(be);
-    assert!(be.deterministic_backward() && !ab.deterministic_backward());
+    one_kernel_matches_reference(be, WgmmaBackward::Atomic)
+}
+
+/// [`atomic_matches_reference`] for the ordered backward (deterministic too, dQ's sums in another order than the
+/// split backward's).
+fn ordered_matches_reference(be: &CudaBackend) {
+    one_kernel_matches_reference(be, WgmmaBackward::Ordered)
+}
+
+fn one_kernel_matches_reference(be: &CudaBackend, how: WgmmaBackward) {
+    let ab = one_kernel(be, how);
+    assert!(be.deterministic_backward() && ab.deterministic_backward() == (how == WgmmaBackward::Ordered));
     for case in cases() {
         let (got, want) = run(&ab, &case, Poison::None);
         let (det, _) = run(be, &case, Poison::None);
-        assert_near_reference(&case, "atomic ", &got, &want);
+        assert_near_reference(&case, &format!("{how:?} "), &got, &want);
         for (name, g, d) in [("dK", &got[1], &det[1]), ("dV", &got[2], &det[2])] {
             let same = g.iter().zip(d.iter()).all(|(x, y)| x.to_bits() == y.to_bits());
-            assert!(same, "{case:?}: atomic {name} differs from the deterministic one");
+            assert!(same, "{case:?}: {how:?} {name} differs from the split one");
         }
         let det_q: Vec<f64> = det[0].iter().map(|&x| x as f64).collect();
         let e = rel_err(&got[0], &det_q);
@@ -290,14 +302,22 @@ fn atomic_matches_reference(be: &CudaBackend) {
             DType::F16 => 1.0 / 1024.0,
             DType::F32 => 1e-5,
         };
-        eprintln!("{case:?}: atomic dQ against the deterministic one {e:.2e}");
-        assert!(e <= tol_q, "{case:?}: atomic dQ {e:.3e} from the deterministic one, over {tol_q:.0e}");
+        eprintln!("{case:?}: {how:?} dQ against the split one {e:.2e}");
+        assert!(e <= tol_q, "{case:?}: {how:?} dQ {e:.3e} from the split one, over {tol_q:.0e}");
     }
 }
 
 /// The atomic backward's NaN confinement ([`nan_confined`], dQ compared within a tolerance).
 fn atomic_nan_confined(be: &CudaBackend) {
-    nan_confined_dq(&atomic(be), false)
+    nan_confined_dq(&one_kernel(be, WgmmaBackward::Atomic), false)
+}
+
+/// The ordered backward: two runs bit-identical ([`deterministic`]), and the NaN confinement with dQ's rows that
+/// cannot see the NaN bit-identical to a clean run's (their sums in the same order).
+fn ordered_deterministic_and_confined(be: &CudaBackend) {
+    let ob = one_kernel(be, WgmmaBackward::Ordered);
+    deterministic(&ob);
+    nan_confined_dq(&ob, true)
 }
 
 /// The emulated backend (deterministic backward, whatever the environment says), or None (saying why) without a
@@ -339,4 +359,12 @@ macro_rules! on_emulator_and_gpu {
     };
 }
 
-on_emulator_and_gpu!(matches_reference, deterministic, nan_confined, atomic_matches_reference, atomic_nan_confined);
+on_emulator_and_gpu!(
+    matches_reference,
+    deterministic,
+    nan_confined,
+    atomic_matches_reference,
+    atomic_nan_confined,
+    ordered_matches_reference,
+    ordered_deterministic_and_confined,
+);

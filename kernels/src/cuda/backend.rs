@@ -8,7 +8,7 @@ use std::time::Duration;
 use super::alloc::CudaAllocation;
 use super::device::{DeviceEvent, MemoryStats};
 use super::ops;
-use super::path::AttentionPath;
+use super::path::{AttentionPath, WgmmaBackward};
 use super::stream::Stream;
 use crate::attention::{AttnGrads, AttnOptions, AttnOut, AttnPartial, AttnSaved, Qkv};
 use crate::backend::{AdamwState, Backend, GradMode, LinearGrads, NormGrads, NormParams, ProjectionGrads};
@@ -70,35 +70,53 @@ impl CudaBackend {
         self.stream.attn_path
     }
 
-    /// This backend with the wgmma attention backward deterministic (`true`, the default unless
-    /// `LONGCTX_CUDA_ATTN_DETERMINISTIC=0`) or not; its forks inherit it. Only the wgmma path has the
-    /// non-deterministic variant; the others ignore this.
+    /// This backend with the wgmma attention backward computing dQ by `how` (the default: [`WgmmaBackward::Split`],
+    /// unless `LONGCTX_CUDA_ATTN_DETERMINISTIC` names another); its forks inherit it. Only the wgmma path has the
+    /// choice; the others ignore it.
     ///
-    /// The trade: the deterministic backward runs two kernels, dK/dV per key tile and dQ per query tile, each
-    /// computing S and dP for every visible tile pair (7 tile products per pair), every gradient element summed by
-    /// one thread in a fixed order, so two runs give the same bits. The non-deterministic one runs one kernel per key
-    /// tile that also adds each pair's dQ contribution to an f32 workspace with atomic additions (5 products per
-    /// pair), then converts it into dQ: about 2/7 fewer tensor-core FLOPs, but dQ's bits vary with the order of the
-    /// additions, and it takes a workspace of 4 bytes per dQ element (`batch·q_heads·q_len·head_dim·4` bytes) for
-    /// the call. The trainer keeps the deterministic backward (it builds its backends with [`CudaBackend::new`]
-    /// and never calls this; only `LONGCTX_CUDA_ATTN_DETERMINISTIC=0` in its environment would change it); choose
-    /// this one explicitly, where reproducible gradients do not matter and it measures faster (not yet measured on
-    /// a GPU).
+    /// The trade, in tile products per (query tile, key tile) pair the mask does not hide:
+    /// - [`Split`](WgmmaBackward::Split): two kernels, dK/dV per key block and dQ per query block, each computing S
+    ///   and dP (7 products a pair); every gradient element summed by one thread in a fixed order, so two runs give
+    ///   the same bits. No workspace.
+    /// - [`Ordered`](WgmmaBackward::Ordered): one kernel per key block of 128 keys (5 products a pair) that adds each
+    ///   pair's dQ contribution to an f32 workspace, the key blocks taking turns for each (query tile, 64 columns of
+    ///   D) through a flag in global memory, in a fixed order: the same bits every run. A block waits only for blocks
+    ///   launched before it (the GPU dispatches blocks in order); the order (the last key block first) is the one in
+    ///   which a causal mask's blocks reach each query tile, so their turns come without waiting, while with no mask
+    ///   every block reaches query tile 0 at once and the k-th block of a head waits for k turns at the start.
+    /// - [`Atomic`](WgmmaBackward::Atomic): the same kernel with the additions in whatever order they land: dQ's
+    ///   bits vary from run to run.
+    ///
+    /// The two one-kernel variants take a workspace of 4 bytes per dQ element (`batch·q_heads·q_len·head_dim·4`
+    /// bytes) for the call. The trainer keeps `Split` (it builds its backends with [`CudaBackend::new`] and never
+    /// calls this; only `LONGCTX_CUDA_ATTN_DETERMINISTIC` in its environment would change it) until a GPU run shows
+    /// which deterministic one is faster (none has run on a GPU yet).
     ///
     /// ```no_run
-    /// # use longctx_kernels::{cuda::AttentionPath, CudaBackend};
-    /// let emu = CudaBackend::emulated()?.with_attention_path(AttentionPath::Wgmma).with_deterministic_backward(false);
-    /// assert!(!emu.deterministic_backward());
+    /// # use longctx_kernels::{cuda::{AttentionPath, WgmmaBackward}, CudaBackend};
+    /// let emu = CudaBackend::emulated()?.with_attention_path(AttentionPath::Wgmma).with_wgmma_backward(WgmmaBackward::Ordered);
+    /// assert!(emu.deterministic_backward());
     /// # Ok::<(), longctx_kernels::KernelError>(())
     /// ```
-    pub fn with_deterministic_backward(mut self, deterministic: bool) -> Self {
-        self.stream.attn_deterministic = deterministic;
+    pub fn with_wgmma_backward(mut self, how: WgmmaBackward) -> Self {
+        self.stream.attn_backward = how;
         self
     }
 
-    /// Whether the wgmma attention backward is deterministic ([`CudaBackend::with_deterministic_backward`]).
+    /// How the wgmma attention backward computes dQ ([`CudaBackend::with_wgmma_backward`]).
+    pub fn wgmma_backward(&self) -> WgmmaBackward {
+        self.stream.attn_backward
+    }
+
+    /// This backend with a deterministic wgmma attention backward ([`WgmmaBackward::Split`]) or the atomic one
+    /// ([`WgmmaBackward::Atomic`]): [`CudaBackend::with_wgmma_backward`] in two words.
+    pub fn with_deterministic_backward(self, deterministic: bool) -> Self {
+        self.with_wgmma_backward(if deterministic { WgmmaBackward::Split } else { WgmmaBackward::Atomic })
+    }
+
+    /// Whether the wgmma attention backward gives the same bits every run ([`WgmmaBackward::deterministic`]).
     pub fn deterministic_backward(&self) -> bool {
-        self.stream.attn_deterministic
+        self.stream.attn_backward.deterministic()
     }
 
     /// The backend as a shared `dyn Backend` (what ranks and plans hold); also in the build without the `cuda`

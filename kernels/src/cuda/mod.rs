@@ -32,9 +32,10 @@
 //! - `LONGCTX_CUDA_ATTN_ROWS=64|128`: the tensor-core forward's query rows per block at head dim 64.
 //! - `LONGCTX_CUDA_ATTN_PATH=auto|wgmma|mma|general`: which attention kernels run ([`AttentionPath`]; a backend's
 //!   own choice, [`CudaBackend::with_attention_path`], overrides it).
-//! - `LONGCTX_CUDA_ATTN_DETERMINISTIC=0`: the wgmma attention backward's non-deterministic variant (atomic dQ, fewer
-//!   FLOPs, a workspace; [`CudaBackend::with_deterministic_backward`] states the trade). Unset or `1`: the
-//!   deterministic kernels, which the trainer keeps.
+//! - `LONGCTX_CUDA_ATTN_DETERMINISTIC=1|split|ordered|0|atomic`: how the wgmma attention backward computes dQ
+//!   ([`WgmmaBackward`]; [`CudaBackend::with_wgmma_backward`] states the trade). Unset, `1` or `split`: the two
+//!   deterministic kernels, which the trainer keeps; `ordered`: one kernel, deterministic, fewer FLOPs, a workspace;
+//!   `0` or `atomic`: one kernel, not deterministic in dQ.
 //! - `LONGCTX_EMU_THREADS`, `LONGCTX_EMU_CACHE`: the emulator's worker threads and its compiled-kernel cache.
 //! - `LONGCTX_NVRTC_ARCHS` (tests): the architectures the NVRTC compile tests cover (default `sm_80,sm_90`).
 //!
@@ -98,6 +99,6 @@ mod wgmma_probe;
 pub use backend::CudaBackend;
 #[cfg(feature = "cuda")]
 pub use device::MemoryStats;
-pub use path::AttentionPath;
+pub use path::{AttentionPath, WgmmaBackward};
 #[cfg(not(feature = "cuda"))]
 pub use stub::{CudaBackend, MemoryStats};

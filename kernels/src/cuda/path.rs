@@ -1,8 +1,7 @@
 //! [`AttentionPath`]: which attention kernels the CUDA backend runs, chosen per backend
 //! ([`CudaBackend::with_attention_path`](crate::CudaBackend::with_attention_path)) or for the process
 //! (`LONGCTX_CUDA_ATTN_PATH`). In every build, so that code naming it compiles without the `cuda` feature. Also
-//! whether the wgmma backward stays deterministic ([`deterministic_backward_from_env`],
-//! `LONGCTX_CUDA_ATTN_DETERMINISTIC`).
+//! how the wgmma backward computes dQ ([`WgmmaBackward`], `LONGCTX_CUDA_ATTN_DETERMINISTIC`).
 
 use crate::error::{KernelError, Result};
 
@@ -62,41 +61,74 @@ impl std::str::FromStr for AttentionPath {
     }
 }
 
-/// Whether the wgmma attention backward stays deterministic, as `LONGCTX_CUDA_ATTN_DETERMINISTIC` says: unset,
-/// empty or `1`: yes (the default, and what the trainer runs); `0`: the atomic variant
-/// ([`CudaBackend::with_deterministic_backward`](crate::CudaBackend::with_deterministic_backward) explains the trade).
+/// How the wgmma attention backward computes dQ
+/// ([`CudaBackend::with_wgmma_backward`](crate::CudaBackend::with_wgmma_backward) states the trade; the other paths
+/// have one way). Counted in tile products: S and dP, then dV, dK and dQ, for each (query tile, key tile) pair the
+/// mask does not hide.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum WgmmaBackward {
+    /// Two kernels, dK/dV per key block and dQ per query block, each computing S and dP (7 products a pair); every
+    /// gradient element summed by one thread in a fixed order. Deterministic; the default.
+    #[default]
+    Split,
+    /// One kernel per key block (5 products a pair) that adds each pair's dQ contribution to an f32 workspace, the
+    /// key blocks taking turns for each query tile in a fixed order. Deterministic.
+    Ordered,
+    /// The same kernel with the additions in whatever order they land. Not deterministic in dQ.
+    Atomic,
+}
+
+impl WgmmaBackward {
+    /// Whether two runs give the same bits.
+    pub fn deterministic(self) -> bool {
+        self != Self::Atomic
+    }
+}
+
+/// The wgmma backward `LONGCTX_CUDA_ATTN_DETERMINISTIC` names: unset, empty, `1` or `split`: [`WgmmaBackward::Split`]
+/// (the default, and what the trainer runs); `ordered`: [`WgmmaBackward::Ordered`]; `0` or `atomic`:
+/// [`WgmmaBackward::Atomic`].
 ///
 /// Errors: [`KernelError::InvalidArgument`] for any other value.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // read by the backend, which the build without CUDA stubs
-pub(crate) fn deterministic_backward_from_env() -> Result<bool> {
+pub(crate) fn wgmma_backward_from_env() -> Result<WgmmaBackward> {
     match std::env::var("LONGCTX_CUDA_ATTN_DETERMINISTIC") {
-        Ok(s) => parse_deterministic(&s),
-        Err(_) => Ok(true),
+        Ok(s) => parse_wgmma_backward(&s),
+        Err(_) => Ok(WgmmaBackward::Split),
     }
 }
 
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-fn parse_deterministic(s: &str) -> Result<bool> {
+fn parse_wgmma_backward(s: &str) -> Result<WgmmaBackward> {
     match s.trim() {
-        "" | "1" => Ok(true),
-        "0" => Ok(false),
+        "" | "1" | "split" => Ok(WgmmaBackward::Split),
+        "ordered" => Ok(WgmmaBackward::Ordered),
+        "0" | "atomic" => Ok(WgmmaBackward::Atomic),
         other => Err(KernelError::InvalidArgument {
             name: "LONGCTX_CUDA_ATTN_DETERMINISTIC",
-            why: format!("`{other}` is neither 0 nor 1"),
+            why: format!("`{other}` is none of 1, split, ordered, 0, atomic"),
         }),
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{parse_deterministic, AttentionPath};
+    use super::{parse_wgmma_backward, AttentionPath, WgmmaBackward};
 
     #[test]
-    fn deterministic_is_the_default_and_0_turns_it_off() {
-        assert!(matches!(parse_deterministic(""), Ok(true)));
-        assert!(matches!(parse_deterministic(" 1"), Ok(true)));
-        assert!(matches!(parse_deterministic("0"), Ok(false)));
-        let err = parse_deterministic("no").err().map(|e| e.to_string()).unwrap_or_default();
+    fn split_is_the_default_and_the_others_are_named() {
+        for (s, want) in [
+            ("", WgmmaBackward::Split),
+            (" 1", WgmmaBackward::Split),
+            ("split", WgmmaBackward::Split),
+            ("ordered ", WgmmaBackward::Ordered),
+            ("0", WgmmaBackward::Atomic),
+            ("atomic", WgmmaBackward::Atomic),
+        ] {
+            assert_eq!(parse_wgmma_backward(s).ok(), Some(want), "{s:?}");
+        }
+        assert!(WgmmaBackward::Ordered.deterministic() && !WgmmaBackward::Atomic.deterministic());
+        let err = parse_wgmma_backward("no").err().map(|e| e.to_string()).unwrap_or_default();
         assert!(err.contains("LONGCTX_CUDA_ATTN_DETERMINISTIC") && err.contains("`no`"), "{err}");
     }
 

@@ -16,9 +16,8 @@ pub(crate) struct Stream {
     pub(crate) device: Arc<dyn Device>,
     /// Which attention kernels run (forks keep it).
     pub(crate) attn_path: AttentionPath,
-    /// Whether the wgmma attention backward is the deterministic pair of kernels (true, the default) or the atomic
-    /// variant (forks keep it).
-    pub(crate) attn_deterministic: bool,
+    /// How the wgmma attention backward computes dQ (forks keep it).
+    pub(crate) attn_backward: super::WgmmaBackward,
 }
 
 impl Stream {
@@ -28,7 +27,7 @@ impl Stream {
         Ok(Self {
             device,
             attn_path: AttentionPath::from_env()?,
-            attn_deterministic: super::path::deterministic_backward_from_env()?,
+            attn_backward: super::path::wgmma_backward_from_env()?,
         })
     }
 

@@ -37,6 +37,15 @@ impl CudaBackend {
     pub fn attention_path(&self) -> super::AttentionPath {
         match self._never {}
     }
+    /// This backend with the wgmma backward computing dQ by `how` (no value of this type exists in this build).
+    pub fn with_wgmma_backward(self, how: super::WgmmaBackward) -> Self {
+        let _ = how;
+        match self._never {}
+    }
+    /// How the wgmma backward computes dQ (no value of this type exists in this build).
+    pub fn wgmma_backward(&self) -> super::WgmmaBackward {
+        match self._never {}
+    }
     /// This backend with a deterministic attention backward or not (no value of this type exists in this build).
     pub fn with_deterministic_backward(self, deterministic: bool) -> Self {
         let _ = deterministic;

@@ -441,6 +441,8 @@ void tma_store(Site site, const void* src, const void* map, int rank, const int*
 void tma_store_commit();
 void tma_store_wait(int pending);
 void named_barrier(Site site, unsigned int id, unsigned int count, bool wait);
+// Waits until the u32 at `flag` (global memory, another block's to set) holds `v` (ptx.cuh: flag_wait_eq).
+void flag_wait_eq(Site site, const unsigned int* flag, unsigned int v);
 [[noreturn]] void trap(Site site, const char* what);
 [[noreturn]] void assert_fail(const char* expr, Site site, const char* func);
 

@@ -48,8 +48,10 @@
 //! truncation; `ex2.approx`, `__expf` and the other fast intrinsics are exact; there is no FMA contraction (nvcc
 //! contracts by default); atomics are sequentially consistent; within a block, threads only interleave at barriers,
 //! collectives and mbarrier waits (so a spin-wait on a plain shared variable written by another thread of the block
-//! hangs, where the GPU's independent thread scheduling would let it finish; spin on an mbarrier instead); blocks of a
-//! grid cannot wait for each other. TMA: one proxy (the proxy fences are no-ops, so a missing `fence.proxy.async` is
+//! hangs, where the GPU's independent thread scheduling would let it finish; spin on an mbarrier instead); a block
+//! waits for another only through ptx.cuh's flags (`flag_wait_eq`: the workers take blocks in the order of their
+//! linear index, as the GPU dispatches them, so a block waiting for one of lower index waits for a block that runs or
+//! has run; the wait yields the OS thread, and ends the launch with an error after 60 seconds). TMA: one proxy (the proxy fences are no-ops, so a missing `fence.proxy.async` is
 //! not caught), a copy lands whole at a poll (never partly, never without a poll), and its global reads are not checked
 //! against the allocations (`EmulatedDevice::tensor_map` refuses a map reaching past its buffer; a map encoded
 //! otherwise may read past it); TMA stores (`cp.async.bulk.tensor` shared → global, bulk async-groups) are performed

@@ -6,12 +6,14 @@
 // then switches straight to the next runnable fiber (a FIFO, first filled in thread order); the last to arrive at a
 // barrier completes it, makes the waiters runnable and goes on. When nothing is runnable the scheduler regains
 // control: either every thread has exited, or the block is deadlocked, which is reported with where each thread waits.
-// Nothing here needs locks: a block is one OS thread; blocks share only the launch's atomic block counter.
+// Nothing here needs locks: a block is one OS thread; blocks share only the launch's atomic block counter (and what
+// kernels share through global memory: atomics, and the flags by which one block waits for another, flag_wait_eq).
 //
 // A warp collective is gathered in the warp's slots: each lane writes its operands, the last lane to arrive computes
 // every lane's result (so the whole collective happens at one instant, as on the GPU) and each lane reads its own.
 #include <dlfcn.h>
 #include <link.h>
+#include <sched.h>
 
 #include <cstdarg>
 #include <string>
@@ -916,6 +918,32 @@ unsigned char* dynamic_smem() { return self()->block->dyn_smem; }
 
 void syncthreads(Site site) { block_barrier(self(), site, -1, 0); }
 int syncthreads_reduce(Site site, int op, int pred) { return block_barrier(self(), site, op, pred); }
+
+// Another block's progress, which runs on another worker (workers take blocks in the order of their linear index, as
+// the GPU dispatches them): the OS thread is yielded between reads and no other fiber of this block runs meanwhile
+// (none could set a flag meant for another block). A wait that outlasts 60 seconds, or that another block's failure
+// has made hopeless, ends the launch with an error rather than a hang.
+void flag_wait_eq(Site site, const unsigned int* flag, unsigned int v) {
+    Fiber* f = self();
+    timespec t0, t;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (unsigned long long n = 0;; ++n) {
+        unsigned int x = __atomic_load_n(flag, __ATOMIC_ACQUIRE);
+        if (x == v) return;
+        if (__atomic_load_n(f->block->launch->abort, __ATOMIC_ACQUIRE))
+            fail(f, "%s:%d: another block failed while this one waited for the flag at %p to hold %u", site.file,
+                 site.line, static_cast<const void*>(flag), v);
+        if ((n & 1023) == 1023) {
+            clock_gettime(CLOCK_MONOTONIC, &t);
+            if (t.tv_sec - t0.tv_sec > 60)
+                fail(f,
+                     "%s:%d: waited 60 s for the flag at %p to hold %u (it holds %u): no block of a lower index sets "
+                     "it (a block may wait only for those)",
+                     site.file, site.line, static_cast<const void*>(flag), v, x);
+        }
+        sched_yield();
+    }
+}
 
 void named_barrier(Site site, unsigned int id, unsigned int count, bool wait) {
     named_barrier_at(self(), site, id, count, wait);

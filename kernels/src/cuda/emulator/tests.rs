@@ -30,7 +30,7 @@ static MMA: KernelSource = source!(
     ["mma_ldmatrix_bf16", "mma_ldmatrix_f16", "mma_by_hand_bf16", "mma_by_hand_f16", "ldmatrix_layout"]
 );
 static CP_ASYNC: KernelSource = source!("cp_async.cu", ["cp_async_copy"]);
-static ATOMICS: KernelSource = source!("atomics.cu", ["atomics"]);
+static ATOMICS: KernelSource = source!("atomics.cu", ["atomics", "flags_in_order"]);
 static CONVERT: KernelSource = source!("convert.cu", ["narrow", "widen"]);
 static ERRORS: KernelSource = source!(
     "errors.cu",
@@ -440,6 +440,29 @@ fn atomics_from_blocks_running_in_parallel() {
     assert_eq!(cas.read::<i32>()[0], 3 * total as i32);
     assert!((0..total as i32).contains(&exch.read::<i32>()[0]));
     assert!(bits.read::<u32>().iter().all(|&w| w == u32::MAX));
+}
+
+#[test]
+fn blocks_take_turns_through_flags_and_a_failure_ends_the_waits() {
+    // Four OS threads: blocks wait for blocks running on other workers (or done before them).
+    let mut e = Emulator::new(&[&ATOMICS]).unwrap();
+    e.threads = 4;
+    let blocks = 64usize;
+    let launch = |fail_block: i32| {
+        let (flag, order, counter) = (Buf::zeroed(&e, 4), Buf::zeroed(&e, 4 * blocks), Buf::zeroed(&e, 4));
+        let mut a = args(&[&flag, &order, &counter]);
+        a.push(fail_block);
+        let r = run(&e, &ATOMICS, "flags_in_order", LaunchConfig::linear(blocks as u32, 32), &a);
+        (r, order.read::<u32>())
+    };
+    let (r, order) = launch(-1);
+    r.unwrap();
+    assert_eq!(order, (0..blocks as u32).collect::<Vec<_>>());
+    let t0 = Instant::now();
+    let (r, _) = launch(3);
+    let err = device_error(r, "flags_in_order");
+    assert!(err.contains("__trap()") || err.contains("another block failed"), "{err}");
+    assert!(t0.elapsed().as_secs() < 30, "the waits ended by the timeout, not by the failure: {err}");
 }
 
 #[test]

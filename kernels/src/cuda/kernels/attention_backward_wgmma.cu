@@ -143,6 +143,28 @@
 // dQ products (as dq's sanitizing), each visible pair adding back, from global memory, what the zeroed elements
 // contribute.
 //
+// ordered: the fused kernel with its dQ additions in a fixed order (WgmmaBackward::Ordered, chosen explicitly:
+// CudaBackend::with_wgmma_backward; deterministic, 5 products a pair; FlashAttention-3's deterministic backward does
+// the same with a semaphore per query tile). Each (batch, query head, query tile, chunk of 64 columns of D) has a
+// turn flag in global memory (u32); a block adds its share of a chunk only when the flag holds its own index, and
+// then hands the turn on. The order: the blocks take the key blocks from the last (order index o = blockIdx.x is
+// key block nb − 1 − o, kt0 = (nb − 1 − o)·NWG), and each query tile's turns go in order index among the blocks that
+// visit it (bwd_block_visits: the walk's test, bwd_next_pair's). So a block waits only for blocks of lower linear
+// index, which the GPU dispatched before it (ptx.cuh's flags: progress), and under a causal mask, where key block kb
+// reaches query tile qt after qt − kb pairs of its walk, the blocks reach each query tile in their turns' order:
+// higher key blocks first, each before the next needs the turn. With no mask every block reaches query tile 0 at
+// once and the k-th block of a head waits k turns there (then each stays that far behind the one before).
+// Before the kernel, attn_bwd_dq_turns_w<NWG> finds each query tile's first and last visiting block (scans from
+// either end; the first is where every flag of the tile starts, the last ends the chain). In the kernel, per pair and
+// chunk, the owning warpgroup (the fused kernel's) computes its chunk of dQ (the wait comes after the products: the
+// turn is often there by then; waiting before them, ptxas spilled 100 bytes at D = 128), then its thread 0 waits for
+// the turn (flag_wait_eq(flag, blockIdx.x): ld.acquire.gpu), the warpgroup's barrier (bwd_warpgroup_sync: named
+// barrier BWD_BAR_WG + g, 128 threads), every thread's red.global.add of its elements (atomicAdd, whose result is
+// unused: the order is now the turns'), __threadfence, the barrier again, and thread 0 stores the next visiting
+// block's index (bwd_next_turn, found at once where the visiting blocks are consecutive; BWD_NO_TURN after the last)
+// with st.release.gpu. Each dQ element is so the sum, in f32, of its key blocks' shares from the last key block down,
+// the same bits every run; the cp.async kernel (64 keys a block) sums other shares than the TMA one (128).
+
 // Non-finite values behind the mask: as attention_backward_tc.cu. On a partial tile pair whose tiles hold non-finite
 // rows, the non-finite elements of the operand a hidden 0 multiplies are set to 0 in shared memory first (Q and dO in
 // dkdv, K in dq), and each visible pair then adds back, from global memory, what those elements contribute.
@@ -210,6 +232,30 @@ __device__ __forceinline__ u32 bwd_next_pair(const AttnProblem& p, u32 x, u32 pa
     return x;
 }
 
+// Whether the key block of order index o (ORDERED's, the header's "ordered": key tiles (nb − 1 − o)·NWG.. of the
+// nb = ⌈k_tiles / NWG⌉ blocks) visits query tile qt: the mask does not hide it for one of the block's tiles at least
+// (bwd_next_pair's test).
+template <u32 NWG>
+__device__ __forceinline__ bool bwd_block_visits(const AttnProblem& p, u32 qt, u32 o) {
+    const u32 k_tiles = (p.kv_len + WG_BC - 1) / WG_BC;
+    const u32 kt0 = ((k_tiles + NWG - 1) / NWG - 1 - o) * NWG;
+    for (u32 t = 0; t < NWG && kt0 + t < k_tiles; ++t)
+        if (classify(p, qt, kt0 + t) != TILE_HIDDEN) return true;
+    return false;
+}
+
+// The order index of the block after block o that visits query tile qt (the turn block o hands on), or BWD_NO_TURN
+// when o is the last (`last`, attn_bwd_dq_turns'). Found at once where the visiting blocks are consecutive (causal,
+// windows, documents in order); scanned past the others.
+#define BWD_NO_TURN 0xffffffffu
+template <u32 NWG>
+__device__ __forceinline__ u32 bwd_next_turn(const AttnProblem& p, u32 qt, u32 o, u32 last) {
+    if (o >= last) return BWD_NO_TURN;
+    u32 n = o + 1;
+    while (n < last && !bwd_block_visits<NWG>(p, qt, n)) ++n;
+    return n;
+}
+
 // Two 64×64 products over the head dim, issued as one group and waited for: x = a·bᵀ and y = c·dᵀ, each operand a
 // 64-row tile in shared memory read K-major (dkdv: Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ; dq: S = Q·Kᵀ and dP = dO·Vᵀ).
 template <int D, typename T>
@@ -265,6 +311,22 @@ __device__ __forceinline__ void bwd_consumer_sync() {
         __syncthreads();
 }
 
+// One consumer warpgroup's barrier (g's): named barrier BWD_BAR_WG + g (ids 2 and 3) of its 128 threads with two
+// consumer warpgroups; otherwise the consumers' (the one warpgroup's). Each id a constant: with the id in a register
+// ptxas reserves all 16 barriers and, in the ordered kernel at D = 128, spilled a register.
+#define BWD_BAR_WG 2
+template <bool TMA, u32 NWG>
+__device__ __forceinline__ void bwd_warpgroup_sync(u32 g) {
+    if constexpr (NWG == 2) {
+        if (g == 0)
+            named_barrier_sync(BWD_BAR_WG, 128);
+        else
+            named_barrier_sync(BWD_BAR_WG + 1, 128);
+    } else {
+        bwd_consumer_sync<TMA, NWG>();
+    }
+}
+
 // The dK/dV producer (thread 0 of warpgroup 0 in the TMA-fed dkdv and fused kernels), for the block's `tiles` key
 // tiles from kt0 (NWG, fewer at the end of the keys): nothing when the mask hides every pair; else their K and V
 // once on kvbar (tile g's at smem + g·TB and smem + (NWG + g)·TB), then the visible pairs' Q and dO in the
@@ -298,7 +360,7 @@ __device__ __forceinline__ void bwd_dkdv_produce(const AttnProblem& p, BwdMaps m
 // two cannot drift apart; ATOMIC adds the sanitized copy of K, the dSᵀ scratch written every pair, and dQ's atomics.
 // With TMA the block is the producer warpgroup and NWG consumer warpgroups, each with a key tile of its own (the
 // header's Warps); without, one warpgroup that loads and computes (NWG = 1).
-template <int D, typename T, typename G, bool ATOMIC, bool TMA, u32 NWG, u32 STAGES = BWD_STAGES>
+template <int D, typename T, typename G, bool ATOMIC, bool TMA, u32 NWG, u32 STAGES = BWD_STAGES, bool ORDERED = false>
 __device__ __forceinline__ void attn_bwd_wgmma_dkdv(const AttnProblem& p, BwdMaps maps, G* __restrict__ dk,
                                                     G* __restrict__ dv,
                                                     float* __restrict__ dq_ws, const T* __restrict__ q,
@@ -307,8 +369,11 @@ __device__ __forceinline__ void attn_bwd_wgmma_dkdv(const AttnProblem& p, BwdMap
                                                     const float* __restrict__ delta,
                                                     const unsigned long long* __restrict__ q_bad,
                                                     const unsigned long long* __restrict__ do_bad,
-                                                    const unsigned long long* __restrict__ k_bad, int accumulate) {
+                                                    const unsigned long long* __restrict__ k_bad, int accumulate,
+                                                    u32* __restrict__ dq_turn = nullptr,
+                                                    const u32* __restrict__ dq_last = nullptr) {
     static_assert(NWG == 1 || (TMA && NWG == 2), "two consumer warpgroups need the producer's TMA loads");
+    static_assert(ATOMIC || !ORDERED, "the ordered dQ additions are the fused kernel's");
     unsigned char* smem = wg_smem();
     constexpr u32 TB = WG_BC * D * 2;
     constexpr u32 NC = 128 * NWG;  // consumer threads
@@ -329,7 +394,8 @@ __device__ __forceinline__ void attn_bwd_wgmma_dkdv(const AttnProblem& p, BwdMap
 
     const u32 hk = blockIdx.y, b = blockIdx.z;
     const u32 k_tiles = (p.kv_len + WG_BC - 1) / WG_BC;
-    const u32 kt0 = blockIdx.x * NWG;  // the block's first key tile
+    // The block's first key tile: ORDERED walks the key blocks from the last (the header's "ordered").
+    const u32 kt0 = (ORDERED ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * NWG;
     const u32 tiles = k_tiles - kt0 < NWG ? k_tiles - kt0 : NWG;  // its key tiles (fewer at the end of the keys)
     if (!bwd_roles<TMA, S, NWG>(bars, [&] {
             bwd_dkdv_produce<D, NWG, S>(p, maps, smem, &bars[0], full, empty, kt0, tiles, hk, b);
@@ -617,17 +683,32 @@ __device__ __forceinline__ void attn_bwd_wgmma_dkdv(const AttnProblem& p, BwdMap
                             }
                         }
                     }
-                    if (!added) continue;
+                    if (!ORDERED && !added) continue;
+                    // ORDERED: the chunk's turn (the header's "ordered"): its flag holds this block's index once
+                    // every block before it in the order has added its share. (The flag's address is worked out where
+                    // it is used.)
+                    auto turn = [&] { return dq_turn + ((u64)(b * p.q_heads + h) * q_tiles + qt) * (D / 64) + c; };
+                    if (ORDERED) {
+                        if ((ct & 127) == 0) flag_wait_eq(turn(), blockIdx.x);
+                        bwd_warpgroup_sync<TMA, NWG>(g);
+                    }
 #pragma unroll
                     for (u32 hf = 0; hf < 2; ++hf) {
                         u32 i = i_lo + 8 * hf;
-                        if (i >= p.q_len) continue;
+                        if (!added || i >= p.q_len) continue;
 #pragma unroll
                         for (u32 nn = 0; nn < 8; ++nn)
 #pragma unroll
                             for (u32 e = 0; e < 2; ++e)
                                 atomicAdd(dq_ws + (q_head + i) * D + c * 64 + nn * 8 + 2 * tig + e,
                                           dqc[4 * nn + 2 * hf + e]);
+                    }
+                    if (ORDERED) {
+                        // Every thread's additions reach the device's memory before the turn passes on.
+                        __threadfence();
+                        bwd_warpgroup_sync<TMA, NWG>(g);
+                        if ((ct & 127) == 0)
+                            flag_release(turn(), bwd_next_turn<NWG>(p, qt, blockIdx.x, dq_last[qt]));
                     }
                 }
             }
@@ -903,6 +984,32 @@ __device__ __forceinline__ void attn_bwd_dq_convert(G* __restrict__ dq, const fl
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
         store_grad(dq + i, ws[i] * scale, accumulate != 0);
 }
+
+// ORDERED's turns (the header's "ordered"), before its kernel: for every query tile, the first and the last key block
+// (by order index, of ⌈k_tiles / NWG⌉) that visits it (the mask does not hide it for every tile of the block); the
+// flag of each of its 64-column chunks, in every (batch, query head), starts at the first, and dq_last[qt] holds the
+// last (BWD_NO_TURN for both when no block visits it). One thread a query tile: the scans stop at the first visiting
+// block from either end.
+template <u32 NWG>
+__device__ __forceinline__ void attn_bwd_dq_turns(const AttnProblem& p, u32* __restrict__ dq_turn,
+                                                  u32* __restrict__ dq_last, u32 chunks) {
+    const u32 q_tiles = (p.q_len + WG_BC - 1) / WG_BC;
+    const u32 nb = ((p.kv_len + WG_BC - 1) / WG_BC + NWG - 1) / NWG;
+    for (u32 qt = blockIdx.x * blockDim.x + threadIdx.x; qt < q_tiles; qt += gridDim.x * blockDim.x) {
+        u32 first = 0;
+        while (first < nb && !bwd_block_visits<NWG>(p, qt, first)) ++first;
+        u32 last = BWD_NO_TURN;
+        if (first < nb) {
+            last = nb - 1;
+            while (!bwd_block_visits<NWG>(p, qt, last)) --last;
+        } else {
+            first = BWD_NO_TURN;
+        }
+        dq_last[qt] = last;
+        for (u32 bh = 0; bh < p.batch * p.q_heads; ++bh)
+            for (u32 c = 0; c < chunks; ++c) dq_turn[((u64)bh * q_tiles + qt) * chunks + c] = first;
+    }
+}
 // ---- End of the non-deterministic variant.
 
 // attn_bwd_wgmma_{dkdv,dq,fused}_<inputs>_d<D>_<gradients>: the cp.async kernels (dkdv and dq with the arguments of
@@ -955,6 +1062,24 @@ __device__ __forceinline__ void attn_bwd_dq_convert(G* __restrict__ dq, const fl
         attn_bwd_wgmma_dkdv<dd, tt, gt, true, true, BWD_FUSED_WGS_D##dd, BWD_FUSED_STAGES_D##dd>(                    \
             p, BwdMaps{&q_map, &k_map, &v_map, &do_map}, dk, dv, dq_ws, q, k, v, dout, lse, delta, q_bad, do_bad,     \
             k_bad, accumulate);                                                                                     \
+    }                                                                                                               \
+    extern "C" __global__ void __launch_bounds__(128, 1) attn_bwd_wgmma_ordered_##tn##_d##dd##_##gn(               \
+        AttnProblem p, gt* dk, gt* dv, float* dq_ws, const tt* q, const tt* k, const tt* v, const tt* dout,          \
+        const float* lse, const float* delta, const unsigned long long* q_bad, const unsigned long long* do_bad,     \
+        const unsigned long long* k_bad, int accumulate, u32* dq_turn, const u32* dq_last) {                       \
+        attn_bwd_wgmma_dkdv<dd, tt, gt, true, false, 1, BWD_STAGES, true>(p, BwdMaps{}, dk, dv, dq_ws, q, k, v,      \
+                                                                          dout, lse, delta, q_bad, do_bad, k_bad,   \
+                                                                          accumulate, dq_turn, dq_last);            \
+    }                                                                                                               \
+    extern "C" __global__ void __launch_bounds__(128 * (1 + BWD_FUSED_WGS_D##dd), 1)                             \
+        attn_bwd_wgmma_ordered_tma_##tn##_d##dd##_##gn(                                                             \
+            AttnProblem p, BWD_TMA_MAPS, gt* dk, gt* dv, float* dq_ws, const tt* q, const tt* k, const tt* v,        \
+            const tt* dout, const float* lse, const float* delta, const unsigned long long* q_bad,                   \
+            const unsigned long long* do_bad, const unsigned long long* k_bad, int accumulate, u32* dq_turn,          \
+            const u32* dq_last) {                                                                                   \
+        attn_bwd_wgmma_dkdv<dd, tt, gt, true, true, BWD_FUSED_WGS_D##dd, BWD_FUSED_STAGES_D##dd, true>(              \
+            p, BwdMaps{&q_map, &k_map, &v_map, &do_map}, dk, dv, dq_ws, q, k, v, dout, lse, delta, q_bad, do_bad,     \
+            k_bad, accumulate, dq_turn, dq_last);                                                                   \
     }
 #define BWD_WGMMA_TYPES(tn, tt)                                                                                    \
     BWD_WGMMA(tn, tt, 64, tn, tt) BWD_WGMMA(tn, tt, 64, f32, float) BWD_WGMMA(tn, tt, 128, tn, tt)                  \
@@ -970,3 +1095,11 @@ BWD_WGMMA_TYPES(f16, f16)
 BWD_DQ_CONVERT(bf16, bf16)
 BWD_DQ_CONVERT(f16, f16)
 BWD_DQ_CONVERT(f32, float)
+// attn_bwd_dq_turns_w<NWG>: the ordered kernels' turns (NWG: 1 for the cp.async kernel, BWD_FUSED_WGS_D<D> for the
+// TMA-fed ones).
+#define BWD_DQ_TURNS(nwg)                                                                                          \
+    extern "C" __global__ void attn_bwd_dq_turns_w##nwg(AttnProblem p, u32* dq_turn, u32* dq_last, u32 chunks) {   \
+        attn_bwd_dq_turns<nwg>(p, dq_turn, dq_last, chunks);                                                        \
+    }
+BWD_DQ_TURNS(1)
+BWD_DQ_TURNS(2)

@@ -225,3 +225,37 @@ __device__ __forceinline__ void named_barrier_arrive(u32 id, u32 threads LONGCTX
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 #endif
 }
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Flags between blocks of one grid (a block hands a turn to another through a u32 in global memory; one thread each).
+// - flag_wait_eq: ld.acquire.gpu.global.u32 until the flag holds `v` (__nanosleep between reads, so the spinning
+//   thread leaves its SM's issue slots to the others); what the thread that stored `v` wrote before its release is
+//   visible to this thread after, and, through a barrier, to the threads of its block that pass it.
+// - flag_release: st.release.gpu.global.u32 of `v`: this thread's earlier writes (and, cumulatively, those it
+//   observed, such as its block's writes ordered before a barrier it passed and each writer's __threadfence) become
+//   visible before the flag to a thread that acquires it.
+// Progress: a block may wait only for blocks of the same grid with lower linear indices. The GPU dispatches a grid's
+// blocks in the order of their linear index (what FlashAttention-3's deterministic backward and CUTLASS's stream-K
+// rely on, not a documented guarantee), so the block waited for is resident or done, and the lowest waiting block
+// always has what it waits for coming. The emulator's workers take blocks in that order too; its wait yields the OS
+// thread between reads and ends the launch with an error after 60 seconds, or when another block has failed.
+__device__ __forceinline__ void flag_wait_eq(const u32* flag, u32 v LONGCTX_PTX_CALLER) {
+#ifdef LONGCTX_EMU
+    ::emu::flag_wait_eq(LONGCTX_PTX_SITE, flag, v);
+#else
+    for (;;) {
+        u32 x;
+        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(x) : "l"(flag) : "memory");
+        if (x == v) break;
+        __nanosleep(32);
+    }
+#endif
+}
+
+__device__ __forceinline__ void flag_release(u32* flag, u32 v) {
+#ifdef LONGCTX_EMU
+    __atomic_store_n(flag, v, __ATOMIC_RELEASE);
+#else
+    asm volatile("st.release.gpu.global.u32 [%0], %1;\n" ::"l"(flag), "r"(v) : "memory");
+#endif
+}

@@ -15,6 +15,7 @@ use crate::cuda::includes::{PTX_HOPPER, PTX_TMA};
 use crate::cuda::path::AttentionPath;
 use crate::cuda::stream::Stream;
 use crate::cuda::tensor_map::{TensorMap, TensorMapDesc, TmaElem, TmaSwizzle};
+use crate::cuda::WgmmaBackward;
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::view::View;
@@ -79,8 +80,9 @@ pub(crate) static FORWARD_WGMMA: KernelSource = KernelSource {
 
 const BACKWARD_WGMMA_CODE: &str = include_str!("../kernels/attention_backward_wgmma.cu");
 
-/// The wgmma backward (sm_90a only, as [`FORWARD_WGMMA`]): `BACKWARD_TC`'s two kernels and arguments, the
-/// non-deterministic variant (`fused`), and each of them fed by the TMA (`_tma_`, [`bwd_tma_maps`]).
+/// The wgmma backward (sm_90a only, as [`FORWARD_WGMMA`]): `BACKWARD_TC`'s two kernels and arguments, the one-kernel
+/// variants (`fused`, and `ordered` with its turns' set-up `attn_bwd_dq_turns_w<NWG>`), each of them fed by the TMA
+/// (`_tma_`, [`bwd_tma_maps`]) or not.
 pub(crate) static BACKWARD_WGMMA: KernelSource = KernelSource {
     file: "attention_backward_wgmma.cu",
     code: BACKWARD_WGMMA_CODE,
@@ -136,6 +138,24 @@ pub(crate) static BACKWARD_WGMMA: KernelSource = KernelSource {
         "attn_bwd_dq_convert_bf16",
         "attn_bwd_dq_convert_f16",
         "attn_bwd_dq_convert_f32",
+        "attn_bwd_wgmma_ordered_bf16_d64_bf16",
+        "attn_bwd_wgmma_ordered_bf16_d64_f32",
+        "attn_bwd_wgmma_ordered_bf16_d128_bf16",
+        "attn_bwd_wgmma_ordered_bf16_d128_f32",
+        "attn_bwd_wgmma_ordered_f16_d64_f16",
+        "attn_bwd_wgmma_ordered_f16_d64_f32",
+        "attn_bwd_wgmma_ordered_f16_d128_f16",
+        "attn_bwd_wgmma_ordered_f16_d128_f32",
+        "attn_bwd_wgmma_ordered_tma_bf16_d64_bf16",
+        "attn_bwd_wgmma_ordered_tma_bf16_d64_f32",
+        "attn_bwd_wgmma_ordered_tma_bf16_d128_bf16",
+        "attn_bwd_wgmma_ordered_tma_bf16_d128_f32",
+        "attn_bwd_wgmma_ordered_tma_f16_d64_f16",
+        "attn_bwd_wgmma_ordered_tma_f16_d64_f32",
+        "attn_bwd_wgmma_ordered_tma_f16_d128_f16",
+        "attn_bwd_wgmma_ordered_tma_f16_d128_f32",
+        "attn_bwd_dq_turns_w1",
+        "attn_bwd_dq_turns_w2",
     ],
     includes: &[HEADER, PTX_TMA, PTX_HOPPER, WGMMA_HEADER],
 };
@@ -754,10 +774,11 @@ pub(crate) fn backward(
         // The TMA kernels' names (`_tma_`), the maps first among their arguments (their shared memory:
         // bwd_dkdv_smem, bwd_dq_smem).
         let tma = if maps.is_some() { "_tma" } else { "" };
-        if wgmma && !b.attn_deterministic {
+        if wgmma && b.attn_backward != WgmmaBackward::Split {
             let inputs = [q, k, v, dop, lse, delta.ptr()];
             let masks = [q_bad.ptr(), do_bad.ptr(), k_bad.ptr()];
-            return backward_atomic(b, &pr, s, [dq, dk, dv], inputs, masks, [qt, dqt, dkt], acc, maps);
+            let ordered = b.attn_backward == WgmmaBackward::Ordered;
+            return backward_fused(b, &pr, s, [dq, dk, dv], inputs, masks, [qt, dqt, dkt], acc, maps, ordered);
         }
         // The mma.sync kernels' tiles, LSE and Δ, and correction scratch (the wgmma kernels': bwd_dkdv_smem,
         // bwd_dq_smem).
@@ -835,13 +856,14 @@ fn bwd_args(pr: &Problem, maps: Option<&[TensorMap; 4]>) -> KernelArgs {
     args
 }
 
-/// The wgmma backward's non-deterministic variant ([`CudaBackend::with_deterministic_backward`]): the fused kernel
-/// per key tile (dK, dV, and dQ's contributions added to an f32 workspace; fed by the TMA with `maps`, else by
-/// cp.async), then dQ from the workspace.
+/// The wgmma backward's one-kernel variants ([`CudaBackend::with_wgmma_backward`]): the fused kernel per key block
+/// (dK, dV, and dQ's contributions added to an f32 workspace; fed by the TMA with `maps`, else by cp.async), in
+/// whatever order the additions land or, `ordered`, with the key blocks taking turns (their flags set up first by
+/// `attn_bwd_dq_turns_w<NWG>`), then dQ from the workspace.
 ///
-/// [`CudaBackend::with_deterministic_backward`]: crate::CudaBackend::with_deterministic_backward
+/// [`CudaBackend::with_wgmma_backward`]: crate::CudaBackend::with_wgmma_backward
 #[allow(clippy::too_many_arguments)]
-fn backward_atomic(
+fn backward_fused(
     b: &Stream,
     pr: &Problem,
     s: AttnShape,
@@ -851,6 +873,7 @@ fn backward_atomic(
     [qt, dqt, dkt]: [DType; 3],
     acc: i32,
     maps: Option<[TensorMap; 4]>,
+    ordered: bool,
 ) -> Result<()> {
     let d = s.head_dim;
     let n = s.q_elems();
@@ -858,13 +881,29 @@ fn backward_atomic(
     // SAFETY: `ws` holds `n` f32, just allocated.
     unsafe { b.memset32(ws.ptr(), 0, n)? };
     let tma = if maps.is_some() { "_tma" } else { "" };
-    let name = format!("attn_bwd_wgmma_fused{tma}_{}_d{d}_{}", super::suffix(qt), super::suffix(dkt));
+    let variant = if ordered { "ordered" } else { "fused" };
+    let name = format!("attn_bwd_wgmma_{variant}{tma}_{}_d{d}_{}", super::suffix(qt), super::suffix(dkt));
     let kf = kernel(&BACKWARD_WGMMA, &name)?;
     let mut args = bwd_args(pr, maps.as_ref());
     args.push(dk).push(dv).push(ws.ptr()).push(q).push(k).push(v).push(dop).push(lse).push(delta);
     args.push(q_bad).push(do_bad).push(k_bad).push(acc);
     let cfg = bwd_dkdv_launch(s, true, maps.is_some());
-    // SAFETY: as the deterministic kernels (the maps too); `ws` holds one f32 per element of dQ.
+    // The turns: a flag per (batch, query head, query tile, 64 columns of D), the last block of each query tile.
+    let q_tiles = s.q_len.div_ceil(TC_TILE);
+    let turns = if ordered { Some(b.scratch(4 * s.batch * s.q_heads * q_tiles * (d / 64))?) } else { None };
+    let last = if ordered { Some(b.scratch(4 * q_tiles)?) } else { None };
+    if let (Some(turns), Some(last)) = (&turns, &last) {
+        let nwg = bwd_dkdv_wgs(d, true, maps.is_some());
+        let kt = kernel(&BACKWARD_WGMMA, &format!("attn_bwd_dq_turns_w{nwg}"))?;
+        let mut targs = KernelArgs::new();
+        targs.push(pr.args).push(turns.ptr()).push(last.ptr()).push((d / 64) as u32);
+        let blocks = (q_tiles as u64).div_ceil(THREADS as u64).clamp(1, super::MAX_BLOCKS) as u32;
+        // SAFETY: `turns` holds one u32 per (batch, query head, query tile, chunk), `last` one per query tile.
+        unsafe { b.launch(&kt, LaunchConfig::linear(blocks, THREADS), &targs)? };
+        args.push(turns.ptr()).push(last.ptr());
+    }
+    // SAFETY: as the deterministic kernels (the maps too); `ws` holds one f32 per element of dQ; the ordered
+    // kernel's turns were just set up for this problem and this grid (bwd_dkdv_launch's, the same NWG).
     unsafe { b.launch(&kf, cfg, &args)? };
     let kc = kernel(&BACKWARD_WGMMA, &format!("attn_bwd_dq_convert_{}", super::suffix(dqt)))?;
     let mut args = KernelArgs::new();
