@@ -333,8 +333,8 @@ on_emulator_and_sm90!(forward_nonfinite => forward_nonfinite_halves);
 
 /// The forward's K/V ring and its consumer warpgroups' turns (`attention_forward_wgmma.cu`'s header) over many key
 /// tiles: 130 queries (two consumer warpgroups a block, and a second block of 2 rows) and 50 (one warpgroup), 586
-/// keys (five tiles of 128, so that each of the ring's two stages is refilled and its barriers' parities go both
-/// ways), grouped
+/// keys at D = 128 (five tiles of 128, so that each of the ring's two stages is refilled and its barriers' parities
+/// go both ways) and 850 at D = 64 (seven tiles, for its three stages), grouped
 /// queries, bf16, head dims 64 and 128, with no mask; with a window (hidden tiles skipped at both ends of the walk);
 /// and causal with the keys placed after the first block's queries (every tile of that block hidden: nothing loaded,
 /// no turn taken, while the second block's warpgroups take theirs). Against the mma.sync kernel on the same device
@@ -344,8 +344,8 @@ fn long_ring(b: CudaBackend) {
     let mma = wg.clone().with_attention_path(AttentionPath::Mma);
     let cpu = CpuBackend::new();
     let fwd_tol = fwd_against_mma(wg.is_emulated());
-    for (d, sq) in [(64, 130), (128, 130), (128, 50)] {
-        let shape = AttnShape { batch: 1, q_heads: 2, kv_heads: 1, q_len: sq, kv_len: 586, head_dim: d };
+    for (d, sq, sk) in [(64, 130, 850), (128, 130, 586), (128, 50, 586)] {
+        let shape = AttnShape { batch: 1, q_heads: 2, kv_heads: 1, q_len: sq, kv_len: sk, head_dim: d };
         let masks = [
             AttnMask::default(),
             AttnMask::default().with_positions(Positions::Offset(300), Positions::Offset(0)).with_window(100),

@@ -30,11 +30,12 @@
 // dimension, so the TMA writes them as zeros (never the next head's rows).
 //
 // Stages and barriers (mbarriers in dynamic shared memory after the scratch): K/V tiles go through a ring of
-// FWD_STAGES (2) stages (K and V of FWD_BC = 128 rows each). full[st]: 1 arrival (the producer's arrive.expect_tx of the stage's
-// bytes, out-of-bounds zeros included) plus the copies' bytes; empty[st]: 128·NWG arrivals, one per consumer
+// STAGES stages (fwd_stages<D>: FWD_STAGES_D64 = 3, FWD_STAGES_D128 = 2; K and V of FWD_BC = 128 rows each).
+// full[st]: 1 arrival (the producer's arrive.expect_tx of the stage's bytes, out-of-bounds zeros included) plus the
+// copies' bytes; empty[st]: 128·NWG arrivals, one per consumer
 // thread, each after its last wgmma on the stage (P·V of the tile) has been waited for. The producer's n-th tile
-// goes into stage n % FWD_STAGES: it waits on empty with parity ((n / FWD_STAGES) & 1) ^ 1 (the first use passes at
-// once), the consumers on full with parity (n / FWD_STAGES) & 1. qbar: Q's box, once. csync (128·NWG arrivals):
+// goes into stage n % STAGES: it waits on empty with parity ((n / STAGES) & 1) ^ 1 (the first use passes at
+// once), the consumers on full with parity (n / STAGES) & 1. qbar: Q's box, once. csync (128·NWG arrivals):
 // the consumers' own barrier (a __syncthreads would wait for the producer, which has left or waits on "empty"),
 // used after the rare non-finite sanitising of a V tile (below). Producer and consumers walk the same key tiles in
 // the same order (next_tile over the mask's tile summaries), so a hidden tile is never loaded, and nothing is
@@ -85,8 +86,8 @@
 //    those of P(i) are the product's operand until it completes) while the tensor cores compute P(i)·V(i), then
 //    waits for that and rescales O. The result is the same arithmetic in the same order as one tile at a time.
 //    With two warpgroups each issues its batches in its turn (Ping-pong, above): while one runs the softmax of tile
-//    i+1, the other's S(i+1) and P(i)·V(i) run on the tensor cores. The ring's FWD_STAGES (2) stages let the TMA
-//    run a tile (128 keys) ahead of the tile being multiplied.
+//    i+1, the other's S(i+1) and P(i)·V(i) run on the tensor cores. The ring's STAGES stages let the TMA
+//    run STAGES − 1 tiles (of 128 keys) ahead of the tile being multiplied.
 //    Against the mma.sync kernel (64-key tiles) the result differs by P's rounding to 16 bits, taken against other
 //    running maxima; the sums are otherwise the same.
 // 4. O / l is written (T or f32), and LSE = m + ln l (−inf and O = 0 for a row that saw no key).
@@ -98,10 +99,10 @@
 // 128B layout (rows = M or N, 64 elements of K per row: LBO unused, SBO = 1024 from one 8-row group to the next);
 // for V, read as the B of P·V (B = V's transpose viewed as N×K = D×keys), it is the N-major 128B layout (128-byte
 // rows of 64 n = d, one per k = key: SBO = 1024 from keys 0-7 to keys 8-15, LBO = 64·128 from one 64-wide d block
-// to the next). Q: BR×D; K and V: FWD_STAGES (2) stages of FWD_BC×D each; then 32 KiB per warpgroup for P on the
-// rare tile that needs a non-finite correction (below); then the barriers (48 bytes). 224 KiB at D = 128, NWG = 2
-// (of the 227 KiB an sm_90 block may opt into: the host asks for it, and the driver wrapper raises the kernel's
-// limit); a third stage would need 288 KiB.
+// to the next). Q: BR×D; K and V: STAGES stages of FWD_BC×D each; then 32 KiB per warpgroup for P on the
+// rare tile that needs a non-finite correction (below); then the barriers (8·(2 + 2·STAGES) bytes). 224 KiB at
+// D = 128, NWG = 2, with two stages (of the 227 KiB an sm_90 block may opt into: the host asks for it, and the driver
+// wrapper raises the kernel's limit; a third stage would need 288 KiB), 176 KiB at D = 64 with three.
 //
 // Non-finite values behind the mask: as attention_forward_tc.cu. On a partial tile that holds a non-finite V row
 // (the host's masks, one word per 64 rows: two a tile), V's non-finite elements are set to 0 in shared memory by the consumers before
@@ -111,11 +112,13 @@
 // Every loop over a register array (fragments, accumulators) is unrolled with constant bounds: an array indexed at
 // run time is placed in local memory.
 
-// The key tile and the ring's depth (the host reads these lines for its tile summaries, tensor maps and
-// shared-memory size: ops/attention.rs), and the register split of the producer and consumer warpgroups (the
-// header's Warps).
+// The key tile and the ring's depth at each head dim (the host reads these lines for its tile summaries, tensor maps
+// and shared-memory size: ops/attention.rs), and the register split of the producer and consumer warpgroups (the
+// header's Warps). Three stages at D = 64 (176 KiB with two consumer warpgroups): a tile's products take half the
+// time they take at D = 128, for the same number of loads in flight; at D = 128 a third would need 288 KiB.
 #define FWD_BC 128
-#define FWD_STAGES 2
+#define FWD_STAGES_D64 3
+#define FWD_STAGES_D128 2
 #define FWD_PRODUCER_REGS 40
 #define FWD_CONSUMER_REGS_1 256
 #define FWD_CONSUMER_REGS_2 232
@@ -124,6 +127,12 @@
 // 256 threads. Ids 1 and 2: 0 is __syncthreads'.
 #define FWD_BAR_TURN 1
 #define FWD_TURN_THREADS 256
+
+// The ring's depth at head dim D.
+template <int D>
+__device__ __forceinline__ constexpr u32 fwd_stages() {
+    return D == 64 ? FWD_STAGES_D64 : FWD_STAGES_D128;
+}
 
 // The online softmax of one key tile (keys j0..j0+63) on its score fragment `s` (s[4n + e]: row row_base + 8·(e / 2),
 // key j0 + 8n + 2·tig + (e % 2)): scaled to base 2; hidden pairs (when `masked`: a partial tile, or the last one past
@@ -216,23 +225,24 @@ __device__ __forceinline__ void fwd_turn_pass(u32 wg, bool last) {
 }
 
 // The producer (thread 0 of warpgroup 0): Q once on `qbar`, then the key tiles that are not hidden, in the consumers'
-// order (next_tile), the n-th into stage n % FWD_STAGES once the consumers have released it (its empty barrier's
-// phase before the (n / FWD_STAGES)-th: the first use of a stage passes at once).
+// order (next_tile), the n-th into stage n % STAGES once the consumers have released it (its empty barrier's
+// phase before the (n / STAGES)-th: the first use of a stage passes at once).
 template <int D, int BR>
 __device__ __forceinline__ void fwd_produce(const AttnProblem& p, const CUtensorMap* qmap, const CUtensorMap* kmap,
                                             const CUtensorMap* vmap, unsigned char* qs, unsigned char* kv, u64* qbar,
                                             u64* full, u64* empty, u32 qt, u32 q_head, u32 kv_head, u32 k_tiles) {
     constexpr u32 TILE_BYTES = FWD_BC * D * 2;
+    constexpr u32 STAGES = fwd_stages<D>();
     u32 kt = next_tile(p, qt, 0, k_tiles);
     if (kt >= k_tiles) return;  // every key tile hidden: nothing to load
     mbarrier_arrive_expect_tx(qbar, BR * D * 2);
     fwd_tma_tile<D, BR>(qs, qmap, qbar, qt * BR, q_head);
     for (u32 n = 0; kt < k_tiles; ++n, kt = next_tile(p, qt, kt + 1, k_tiles)) {
-        const u32 st = n % FWD_STAGES, use = n / FWD_STAGES;
+        const u32 st = n % STAGES, use = n / STAGES;
         mbarrier_wait(&empty[st], (use & 1u) ^ 1u);
         mbarrier_arrive_expect_tx(&full[st], 2 * TILE_BYTES);
         fwd_tma_tile<D, FWD_BC>(kv + st * TILE_BYTES, kmap, &full[st], kt * FWD_BC, kv_head);
-        fwd_tma_tile<D, FWD_BC>(kv + (FWD_STAGES + st) * TILE_BYTES, vmap, &full[st], kt * FWD_BC, kv_head);
+        fwd_tma_tile<D, FWD_BC>(kv + (STAGES + st) * TILE_BYTES, vmap, &full[st], kt * FWD_BC, kv_head);
     }
 }
 
@@ -247,14 +257,15 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnProblem& p, const CUten
     unsigned char* smem = wg_smem();
     unsigned char* qs = smem;
     constexpr u32 CONSUMERS = 128 * NWG;
-    // K of stage st at smem + Q_BYTES + st·TILE_BYTES, V's at smem + Q_BYTES + (FWD_STAGES + st)·TILE_BYTES
+    constexpr u32 STAGES = fwd_stages<D>();
+    // K of stage st at smem + Q_BYTES + st·TILE_BYTES, V's at smem + Q_BYTES + (STAGES + st)·TILE_BYTES
     // (computed, not an array: an array indexed at run time would live in local memory).
     unsigned char* kv = smem + Q_BYTES;
-    float* pscr = reinterpret_cast<float*>(kv + 2 * FWD_STAGES * TILE_BYTES);  // [4·NWG warps][16][FWD_BC]: P
+    float* pscr = reinterpret_cast<float*>(kv + 2 * STAGES * TILE_BYTES);  // [4·NWG warps][16][FWD_BC]: P
     u64* qbar = reinterpret_cast<u64*>(pscr + 4 * NWG * 16 * FWD_BC);           // Q landed
-    u64* full = qbar + 1;                                                         // [FWD_STAGES]: the stage landed
-    u64* empty = full + FWD_STAGES;                                               // [FWD_STAGES]: the stage is free
-    u64* csync = empty + FWD_STAGES;                                              // the consumers' barrier
+    u64* full = qbar + 1;                                                         // [STAGES]: the stage landed
+    u64* empty = full + STAGES;                                               // [STAGES]: the stage is free
+    u64* csync = empty + STAGES;                                              // the consumers' barrier
 
     const u32 qt = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
     const u32 hk = h / (p.q_heads / p.kv_heads);
@@ -262,7 +273,7 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnProblem& p, const CUten
     const u32 k_tiles = (p.kv_len + FWD_BC - 1) / FWD_BC;
     if (threadIdx.x == 0) {
         mbarrier_init(qbar, 1);
-        for (u32 st = 0; st < FWD_STAGES; ++st) {
+        for (u32 st = 0; st < STAGES; ++st) {
             mbarrier_init(&full[st], 1);
             mbarrier_init(&empty[st], CONSUMERS);
         }
@@ -332,7 +343,7 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnProblem& p, const CUten
         unsigned long long vb_hi = cls == TILE_PARTIAL ? vbad(kt, 1) : 0ull;
         if (vb | vb_hi) {
             // Zero V's non-finite elements in the rows flagged (see the header).
-            wg_sanitize<D, T, FWD_BC>(kv + FWD_STAGES * TILE_BYTES, vb, ct, CONSUMERS, vb_hi);
+            wg_sanitize<D, T, FWD_BC>(kv + STAGES * TILE_BYTES, vb, ct, CONSUMERS, vb_hi);
             wgmma_fence_proxy_async();
             fwd_consumer_sync(csync, cpar);
         }
@@ -353,23 +364,23 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnProblem& p, const CUten
         u32 pa[FWD_BC / 16][4];
         wg_softmax<T>(s, m, l, alpha, pa, hid, scale2);
 
-        u32 n = 0;  // tile kt is the producer's n-th: in stage n % FWD_STAGES, its (n / FWD_STAGES)-th fill
+        u32 n = 0;  // tile kt is the producer's n-th: in stage n % STAGES, its (n / STAGES)-th fill
         while (kt < k_tiles) {
             // Tile kt is in stage st, its P in pa (its alpha applied: O holds the tiles before it); tile `next` is
             // the producer's (n + 1)-th.
-            const u32 st = n % FWD_STAGES, st_next = (n + 1) % FWD_STAGES;
+            const u32 st = n % STAGES, st_next = (n + 1) % STAGES;
             const bool has_next = next < k_tiles;
             unsigned long long vb_next = 0, vb_next_hi = 0;
             int cls_next = TILE_HIDDEN;
             unsigned char* kn = kv + st_next * TILE_BYTES;
             if (has_next) {
-                mbarrier_wait(&full[st_next], ((n + 1) / FWD_STAGES) & 1u);
+                mbarrier_wait(&full[st_next], ((n + 1) / STAGES) & 1u);
                 cls_next = classify(p, qt, next);
                 hid = hidden_scores(next, cls_next);
                 vb_next = cls_next == TILE_PARTIAL ? vbad(next, 0) : 0ull;
                 vb_next_hi = cls_next == TILE_PARTIAL ? vbad(next, 1) : 0ull;
                 if (vb_next | vb_next_hi) {
-                    wg_sanitize<D, T, FWD_BC>(kn + FWD_STAGES * TILE_BYTES, vb_next, ct, CONSUMERS, vb_next_hi);
+                    wg_sanitize<D, T, FWD_BC>(kn + STAGES * TILE_BYTES, vb_next, ct, CONSUMERS, vb_next_hi);
                     wgmma_fence_proxy_async();
                     fwd_consumer_sync(csync, cpar);
                 }
@@ -398,7 +409,7 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnProblem& p, const CUten
                     wg_mma_qk<T, FWD_BC>(s, wg_desc_kmajor<BR>(q_wg, ks), wg_desc_kmajor<FWD_BC>(kn, ks), ks > 0);
                 wgmma_commit_group();
             }
-            unsigned char* vs_ = kv + (FWD_STAGES + st) * TILE_BYTES;
+            unsigned char* vs_ = kv + (STAGES + st) * TILE_BYTES;
 #pragma unroll
             for (u32 t = 0; t < FWD_BC / 16; ++t) wg_mma_pv<T, D>(acc, pa[t], wg_desc_nmajor<FWD_BC>(vs_, t));
             wgmma_commit_group();

@@ -295,28 +295,40 @@ fn fwd_tma_maps(b: &Stream, p: &AttnParams<'_>, qkv: &Qkv<'_>, rows: usize) -> O
     ])
 }
 
-/// The wgmma forward's ring of K/V stages: `attention_forward_wgmma.cu`'s `#define FWD_STAGES`, read from the kernel's
-/// text when the crate builds, so that the shared memory the host gives the kernel is the size the kernel lays out.
-const FWD_STAGES: usize = c_define(FORWARD_WGMMA_CODE, "FWD_STAGES");
+/// The wgmma forward's ring of K/V stages at head dim `d`: `attention_forward_wgmma.cu`'s `#define FWD_STAGES_D<d>`,
+/// read from the kernel's text when the crate builds, so that the shared memory the host gives the kernel is the
+/// size the kernel lays out.
+const fn fwd_stages(d: usize) -> usize {
+    if d == 64 {
+        c_define(FORWARD_WGMMA_CODE, "FWD_STAGES_D64")
+    } else {
+        c_define(FORWARD_WGMMA_CODE, "FWD_STAGES_D128")
+    }
+}
 
 /// The wgmma forward's key tile (rows of K and V a stage holds, and the key tiles its mask summaries classify):
 /// `attention_forward_wgmma.cu`'s `#define FWD_BC`, read from the kernel's text.
 const FWD_BC: usize = c_define(FORWARD_WGMMA_CODE, "FWD_BC");
 
 /// Dynamic shared memory of the wgmma forward at head dim `d` with `nwg` consumer warpgroups: Q (64·`nwg` rows), K
-/// and V ([`FWD_BC`] rows each) in each of the ring's stages, P's correction scratch (16 rows × [`FWD_BC`] keys of
+/// and V ([`FWD_BC`] rows each) in each of the ring's [`fwd_stages`], P's correction scratch (16 rows × [`FWD_BC`] keys of
 /// f32 per consumer warp), the barriers (Q's, full and empty per stage, the consumers'), and 1024 for the kernel's
 /// alignment of its tiles (the 128B swizzle is on the address). Above 48 KiB, so the launch raises the kernel's limit
 /// (driver.rs).
 const fn fwd_wgmma_smem(d: usize, nwg: usize) -> usize {
-    (64 * nwg + 2 * FWD_STAGES * FWD_BC) * d * 2 + 4 * nwg * 16 * FWD_BC * 4 + 8 * (2 + 2 * FWD_STAGES) + 1024
+    let stages = fwd_stages(d);
+    (64 * nwg + 2 * stages * FWD_BC) * d * 2 + 4 * nwg * 16 * FWD_BC * 4 + 8 * (2 + 2 * stages) + 1024
 }
 
-// The largest case fits what an sm_90 block may opt into (227 KiB): 225 KiB with two stages of 128 keys.
-const _: () = assert!(fwd_wgmma_smem(128, 2) <= 227 * 1024, "the wgmma forward's ring does not fit shared memory");
+// Every case fits what an sm_90 block may opt into (227 KiB): the largest 225 KiB at D = 128 with two stages of 128
+// keys (177 KiB at D = 64 with three).
+const _: () = assert!(
+    fwd_wgmma_smem(128, 2) <= 227 * 1024 && fwd_wgmma_smem(64, 2) <= 227 * 1024,
+    "the wgmma forward's ring does not fit shared memory"
+);
 
 /// The warp-specialised wgmma backward's ring of Q/dO stages (the TMA-fed dK/dV and fused kernels):
-/// `attention_backward_wgmma.cu`'s `#define BWD_STAGES`, read from the kernel's text as [`FWD_STAGES`].
+/// `attention_backward_wgmma.cu`'s `#define BWD_STAGES`, read from the kernel's text as [`fwd_stages`].
 const BWD_STAGES: usize = c_define(BACKWARD_WGMMA_CODE, "BWD_STAGES");
 
 /// Consumer warpgroups of the warp-specialised wgmma backward's dK/dV kernel, or its fused one (`atomic`), at head dim
