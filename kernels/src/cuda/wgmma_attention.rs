@@ -592,11 +592,12 @@ on_emulator_and_sm90!(shared_nonfinite => shared_tiles_nonfinite);
 /// the TMA (blocks of 128 keys) and by cp.async (64), while the emulator's workers run blocks side by side: no mask
 /// (every key block reaches every query tile at once and waits for its turn), causal, and documents that make the
 /// key blocks visiting a query tile not consecutive (keys in documents 0 and 1 by turns of 128 keys, queries in
-/// document 0: a turn passes over the blocks between). Within 1e-5 of the split backward's dQ.
+/// document 0: a turn passes over the blocks between). Two batches, two query heads on one key/value head (a flag per
+/// batch and query head). Within 1e-5 of the split backward's dQ.
 fn ordered_is_reproducible(b: CudaBackend) {
     let wg = b.with_attention_path(AttentionPath::Wgmma).with_deterministic_backward(true);
     let ordered = wg.clone().with_wgmma_backward(WgmmaBackward::Ordered);
-    let shape = AttnShape { batch: 1, q_heads: 2, kv_heads: 1, q_len: 192, kv_len: 640, head_dim: 64 };
+    let shape = AttnShape { batch: 2, q_heads: 2, kv_heads: 1, q_len: 192, kv_len: 640, head_dim: 64 };
     let q_doc = vec![0u32; shape.q_len];
     let k_doc: Vec<u32> = (0..shape.kv_len).map(|j| ((j / 128) % 2) as u32).collect();
     let masks = [
