@@ -757,9 +757,10 @@ mod on_device {
         }
         let peak = gemm_peak(&dev, (o.gemm, o.warmup, o.budget, o.reps)).map_err(|e| format!("GEMM: {e}"))?;
         println!(
-            "# longctx attention benchmark on {}: bf16, B=1, Hq={} Hkv={}; TFLOP/s count causal as half, backward as \
-             2.5x forward; median of up to {} timed calls after {} warm-up",
+            "# longctx attention benchmark on {} ({}): bf16, B=1, Hq={} Hkv={}; TFLOP/s count causal as half, backward \
+             as 2.5x forward; median of up to {} timed calls after {} warm-up",
             dev.describe(),
+            dev.attention_kernels(),
             o.hq,
             o.hkv,
             o.reps.1,

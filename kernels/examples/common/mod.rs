@@ -101,6 +101,18 @@ impl Device {
         }
     }
 
+    /// The attention kernels this device's backend runs (its path, and how the wgmma backward computes dQ), for a
+    /// benchmark's title; empty on the CPU, which has one kind.
+    pub fn attention_kernels(&self) -> String {
+        match self {
+            Device::Cpu(_) => String::new(),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(b) => {
+                format!("attention path {:?}, wgmma backward {:?}", b.attention_path(), b.wgmma_backward())
+            }
+        }
+    }
+
     /// Whether this is the host emulator (for which a benchmark keeps its sizes tiny).
     pub fn is_emulated(&self) -> bool {
         match self {
