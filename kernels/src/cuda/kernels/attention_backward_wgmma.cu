@@ -43,24 +43,28 @@
 //   D = 128 the body keeps dK and dV's accumulators (128 registers) beside Sᵀ and dPᵀ's fragments (64) through the
 //   elementwise phase: it fits 240 because the mask is worked out before the products (wg_hidden_bits), while only
 //   the accumulators are live; with the general masks' position and document arithmetic done per element beside the
-//   fragments it spilled 692 bytes at 232 and 384 at 240 (BENCHMARKS.md has the figures). The dq body takes 156 at
-//   D = 128 (its cp.async kernel; 182 with the mask worked out per element).
+//   fragments it spilled 692 bytes at 232 and 384 at 240 (BENCHMARKS.md has the figures). The dq body takes 221 at
+//   D = 128 (its cp.async kernel), 64 of them Q's and dO's A fragments (below).
 // The cp.async kernels (the fallback where the device refuses a tensor map) are one warpgroup: 128 threads that all
 // load and compute, as Loads (below) says.
 //
 // dkdv: a block for a tile of 64 key rows of one (batch, key/value head) per consumer warpgroup, dK and dV accumulators
 // in registers; K and V stay in shared memory. For every query head of the group and every query tile of 64 rows that
 // the mask does not hide: Q, dO (and their LSE, Δ) go global → shared; then
-//   Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (64×64 each: wgmma with both operands K-major in shared memory),
+//   Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (64×64 each: wgmma with both operands K-major in shared memory; K's and V's A
+//   fragments kept in registers, as dq keeps Q's and dO's, would take 64 more registers at D = 128 beside dK and dV's
+//   128 accumulators, over the 240 a consumer has),
 //   Pᵀ = exp(Sᵀ·scale − LSE), dSᵀ = Pᵀ∘(dPᵀ − Δ) on the accumulator fragments (hidden pairs selected to 0),
 //   dV += Pᵀ·dO and dK += dSᵀ·Q (wgmma with A from registers: Pᵀ and dSᵀ packed to T in the A fragment; dO and Q
 //   read N-major from the same tiles).
 // At the end dK·scale and dV are written (or added, GradMode::Accumulate).
 //
-// dq: a block for a tile of 64 query rows of one (batch, query head) per consumer warpgroup; Q and dO stay in shared
-// memory, dQ's accumulator in registers. For every key tile the mask does not hide: K and V go global → shared;
-// S = Q·Kᵀ, dP = dO·Vᵀ (both operands from shared memory), P and dS as above, dQ += dS·K (dS from registers, K
-// N-major). At the end dQ·scale is written (or added).
+// dq: a block for a tile of 64 query rows of one (batch, query head) per consumer warpgroup; Q and dO land in shared
+// memory once, and each warp reads its rows of them into A fragments (wg_load_a_frags, by ldmatrix; D/8 registers
+// each) kept for the block; dQ's accumulator in registers. For every key tile the mask does not hide: K and V go
+// global → shared; S = Q·Kᵀ, dP = dO·Vᵀ (A from those registers, K and V K-major from shared memory: half the
+// shared-memory bytes of a product with both operands there, which at 64×64 would read as much a cycle as the SM
+// delivers), P and dS as above, dQ += dS·K (dS from registers, K N-major). At the end dQ·scale is written (or added).
 //
 // Loads. Each kernel keeps a pair of 64-row tiles per consumer warpgroup (K and V in dkdv, Q and dO in dq) and
 // streams another (Q and dO of each visible (query head, query tile) pair in dkdv, K and V of each visible key tile
@@ -268,6 +272,26 @@ __device__ __forceinline__ void bwd_score_pair(float (&x)[32], float (&y)[32], c
     for (u32 ks = 0; ks < D / 16; ++ks) {
         wg_mma_qk<T, WG_BC>(x, wg_desc_kmajor<WG_BC>(a, ks), wg_desc_kmajor<WG_BC>(b, ks), ks > 0);
         wg_mma_qk<T, WG_BC>(y, wg_desc_kmajor<WG_BC>(c, ks), wg_desc_kmajor<WG_BC>(d, ks), ks > 0);
+    }
+    wgmma_commit_group();
+    wgmma_wait_group<0>();
+}
+
+// bwd_score_pair with the A operands in registers (dq: Q's and dO's fragments, wg_load_a_frags, kept for the block):
+// x = a·bᵀ and y = c·dᵀ, b and d 64-row tiles in shared memory read K-major. With both operands in shared memory a
+// 64×64 product reads as many bytes a cycle as the SM's shared memory delivers at the tensor cores' rate (the
+// forward's header); with A in registers, half.
+template <int D, typename T>
+__device__ __forceinline__ void bwd_score_pair_rs(float (&x)[32], float (&y)[32], const u32 (&a)[D / 16][4],
+                                                  const unsigned char* b, const u32 (&c)[D / 16][4],
+                                                  const unsigned char* d) {
+#pragma unroll
+    for (u32 i = 0; i < 32; ++i) x[i] = y[i] = 0.0f;
+    wgmma_fence();
+#pragma unroll
+    for (u32 ks = 0; ks < D / 16; ++ks) {
+        wg_mma_qk_rs<T>(x, a[ks], wg_desc_kmajor<WG_BC>(b, ks), ks > 0);
+        wg_mma_qk_rs<T>(y, c[ks], wg_desc_kmajor<WG_BC>(d, ks), ks > 0);
     }
     wgmma_commit_group();
     wgmma_wait_group<0>();
@@ -839,6 +863,9 @@ __device__ __forceinline__ void attn_bwd_wgmma_dq(const AttnProblem& p, BwdMaps 
     float dqa[D / 2];
 #pragma unroll
     for (u32 i = 0; i < D / 2; ++i) dqa[i] = 0.0f;
+    // Q's and dO's A fragments for this warp's rows, read from the tiles once they have landed (the first
+    // iteration), kept for the block: S and dP then read only K and V from shared memory.
+    u32 qf[D / 16][4], df[D / 16][4];
 
     // Key tiles that the mask does not hide for one of the block's query tiles (the producer's walk). cp.async
     // only: every thread's share of key tile `t`'s K and V into buffer c.
@@ -876,6 +903,12 @@ __device__ __forceinline__ void attn_bwd_wgmma_dq(const AttnProblem& p, BwdMaps 
         unsigned char* ks_ = ks0 + stg * TB;
         unsigned char* vs_ = ks0 + (S + stg) * TB;
         const u32 j0 = kt * WG_BC;
+        if (n == 0 && own) {
+            // Q and dO landed with the first tile (cp.async: in the groups waited for above; the TMA: on bars[0],
+            // waited for before the loop, whose async-proxy writes ordinary loads then see).
+            wg_load_a_frags<D>(qf, qs, warp, lane);
+            wg_load_a_frags<D>(df, dos, warp, lane);
+        }
         // This warpgroup's tile against the key tile (hidden: it computes nothing, and only keeps the barriers), and
         // whether any of the block's is partial (the sanitising of the shared K tile is everyone's). (With one
         // warpgroup the walk visits no key tile its query tile does not see.)
@@ -896,7 +929,7 @@ __device__ __forceinline__ void attn_bwd_wgmma_dq(const AttnProblem& p, BwdMaps 
             // The hidden elements of this thread's S fragment, worked out before the products (wg_hidden_bits).
             const u32 hid = masked ? static_cast<u32>(wg_hidden_bits<WG_BC, false>(p, i_lo, j0, tig)) : 0u;
             // S and dP: 64 queries × 64 keys; s[4n + e]: row i_lo + 8·(e / 2), key j0 + 8n + 2·tig + (e % 2).
-            bwd_score_pair<D, T>(s, dp, qs, ks_, dos, vs_);
+            bwd_score_pair_rs<D, T>(s, dp, qf, ks_, df, vs_);
 #pragma unroll
             for (u32 n = 0; n < 8; ++n) {
 #pragma unroll

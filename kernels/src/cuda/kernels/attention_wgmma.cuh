@@ -57,6 +57,29 @@ __device__ __forceinline__ void wg_mma_qk<f16, 128>(float (&s)[64], u64 dq, u64 
     wgmma_m64n128k16_f16<0, 0>(s, dq, dk, scale_d);
 }
 
+// The same 64×64 score product with A in registers (the backward's dQ kernel keeps Q's and dO's fragments for the
+// block: only B is read from shared memory, half the bytes a product of wg_mma_qk<T, 64> reads).
+template <typename T>
+__device__ __forceinline__ void wg_mma_qk_rs(float (&s)[32], const u32 (&a)[4], u64 dk, bool scale_d);
+template <>
+__device__ __forceinline__ void wg_mma_qk_rs<bf16>(float (&s)[32], const u32 (&a)[4], u64 dk, bool scale_d) {
+    wgmma_m64n64k16_bf16_rs<0>(s, a, dk, scale_d);
+}
+template <>
+__device__ __forceinline__ void wg_mma_qk_rs<f16>(float (&s)[32], const u32 (&a)[4], u64 dk, bool scale_d) {
+    wgmma_m64n64k16_f16_rs<0>(s, a, dk, scale_d);
+}
+
+// Warp `warp`'s A fragments of a 64-row tile (rows 16·warp..16·warp + 15) for its D/16 k-steps, by ldmatrix from the
+// tile layout: lane l addresses row 16·warp + l % 16, chunk 2·ks + l / 16, so the four matrices are the fragment's
+// a0..a3 (the accumulator fragment's layout, ptx_hopper.cuh). Warp-collective.
+template <int D>
+__device__ __forceinline__ void wg_load_a_frags(u32 (&f)[D / 16][4], const unsigned char* tile, u32 warp, u32 lane) {
+#pragma unroll
+    for (u32 ks = 0; ks < D / 16; ++ks)
+        ldmatrix_x4(f[ks], tile + wg_swz<WG_BC>(warp * 16 + (lane & 15), 2 * ks + (lane >> 4)));
+}
+
 template <typename T, int D>
 __device__ __forceinline__ void wg_mma_pv(float (&o)[D / 2], const u32 (&a)[4], u64 dv);
 template <>
