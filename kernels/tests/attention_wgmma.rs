@@ -4,7 +4,7 @@
 //! - the conformance suite's attention and non-finite families with the path forced (their 16-bit, head dim 64
 //!   cases are the ones that reach it: GQA, zigzag positions, windows across documents, rows that see no key,
 //!   poisoned outputs, accumulated gradients, a NaN or an infinity behind every kind of mask), against the f64
-//!   reference and the CPU;
+//!   reference and the CPU, with each way the backward computes dQ (`WgmmaBackward`);
 //! - shapes past one warpgroup's 64 rows and one 64-key tile (two warpgroups per forward block, a second query
 //!   block and a last key tile cut short, hidden and partial tiles skipped or masked), bf16 and f16, head dims 64
 //!   and 128, outputs and gradients in the input type and in f32, each mask kind: forward and backward against the
@@ -20,7 +20,7 @@ mod common;
 #[cfg(feature = "cuda")]
 mod wgmma {
     use longctx_kernels::attention::{AttnGrads, AttnMask, AttnOut, AttnParams, AttnSaved, AttnShape, Positions, Qkv};
-    use longctx_kernels::cuda::AttentionPath;
+    use longctx_kernels::cuda::{AttentionPath, WgmmaBackward};
     use longctx_kernels::testing::conformance::{self, Config, Family};
     use longctx_kernels::testing::uniform_nonzero;
     use longctx_kernels::{Backend, Buffer, CpuBackend, CudaBackend, DType, Dims, GradMode, View, ViewMut};
@@ -197,9 +197,16 @@ mod wgmma {
     fn conformance_families(emulated: bool, test: &str) {
         let Some(wg) = backend(emulated, test) else { return };
         let cfg = if emulated { Config::quick().with_cases(6) } else { Config::default() };
-        match conformance::check(&wg, &cfg, &[Family::Attention, Family::NonFinite]) {
-            Ok(report) => eprintln!("{test}: {report}"),
-            Err(failure) => panic!("{test}: {failure}"),
+        // Each way the wgmma backward computes dQ (the default, split, then the two one-kernel variants).
+        for how in [WgmmaBackward::Split, WgmmaBackward::Ordered, WgmmaBackward::Atomic] {
+            match conformance::check(
+                &wg.clone().with_wgmma_backward(how),
+                &cfg,
+                &[Family::Attention, Family::NonFinite],
+            ) {
+                Ok(report) => eprintln!("{test} ({how:?}): {report}"),
+                Err(failure) => panic!("{test} ({how:?}): {failure}"),
+            }
         }
     }
 
