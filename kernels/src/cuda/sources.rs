@@ -62,7 +62,12 @@ pub(crate) static WGMMA_PROBE: KernelSource = KernelSource {
 pub(crate) static TMA_PROBE: KernelSource = KernelSource {
     file: "tma_probe.cu",
     code: include_str!("kernels/tma_probe.cu"),
-    kernels: &["longctx_tma_probe", "longctx_tma_probe_try_wait", "longctx_tma_probe_wgmma"],
+    kernels: &[
+        "longctx_tma_probe",
+        "longctx_tma_probe_try_wait",
+        "longctx_tma_probe_wgmma",
+        "longctx_tma_probe_reduce",
+    ],
     includes: &[PTX_TMA, PTX_HOPPER],
 };
 

@@ -467,3 +467,60 @@ mod wgmma_on_tma_tiles {
         }
     }
 }
+
+/// The bulk reduce-add probe (`longctx_tma_probe_reduce`): 16 blocks of four warps each adding their 4 KiB to the same
+/// 4096 floats, which must hold (k % 7 + 1)·136 (the sum of 1..16), exactly.
+fn check_reduce(dst: &[f32]) {
+    let bad: Vec<String> = (0..4096)
+        .filter(|&i| dst[i] != ((i % 1024 % 7 + 1) * 136) as f32)
+        .map(|i| format!("[{i}] = {}", dst[i]))
+        .collect();
+    assert!(bad.is_empty(), "{} of 4096 wrong, the first: {}", bad.len(), bad[..8.min(bad.len())].join("; "));
+}
+
+const REDUCE_CONFIG: LaunchConfig = LaunchConfig { grid: [16, 1, 1], block: [128, 1, 1], shared_bytes: 0 };
+
+/// The reduce probe on the emulator in `mode`: the 4096 floats, or the error.
+fn reduce_emulated(mode: i32) -> Result<Vec<f32>, String> {
+    let dst = EmuBuf::new(emu(), &[0u8; 4 * 4096]);
+    let mut args = KernelArgs::new();
+    args.push(dst.ptr).push(mode);
+    let kernel = Kernel { source: &TMA_PROBE, name: "longctx_tma_probe_reduce" };
+    // SAFETY: `dst` holds the 4096 floats the probe adds to.
+    match unsafe { emu().launch(&kernel, &REDUCE_CONFIG, &args) } {
+        Ok(()) => Ok(dst.read_f32()),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+mod bulk_reduce_add {
+    use super::*;
+
+    #[test]
+    fn emulated() {
+        check_reduce(&reduce_emulated(0).unwrap_or_else(|e| panic!("{e}")));
+    }
+
+    #[test]
+    fn cuda() {
+        let Some(dev) = gpu("tma_probe::bulk_reduce_add::cuda") else { return };
+        let pd = dev.alloc(4 * 4096).unwrap();
+        // SAFETY: `pd` holds 4096 floats, zeroed here.
+        unsafe { dev.memset32(pd, 0, 4096) }.unwrap();
+        let mut args = KernelArgs::new();
+        args.push(pd).push(0i32);
+        let kernel = Kernel { source: &TMA_PROBE, name: "longctx_tma_probe_reduce" };
+        // SAFETY: `pd` holds the 4096 floats the probe adds to.
+        unsafe { dev.launch(&kernel, &REDUCE_CONFIG, &args) }.unwrap_or_else(|e| panic!("{e}"));
+        let mut out = vec![0u8; 4 * 4096];
+        // SAFETY: `pd` holds `out.len()` bytes.
+        unsafe { dev.download(&mut out, pd) }.unwrap();
+        check_reduce(&probe::f32s(&out));
+    }
+}
+
+#[test]
+fn emulated_a_bulk_reduce_of_a_size_not_a_multiple_of_16_is_an_error() {
+    let err = reduce_emulated(1).unwrap_err();
+    assert!(err.contains("cp.reduce.async.bulk") && err.contains("multiple of 16"), "{err}");
+}

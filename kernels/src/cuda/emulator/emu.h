@@ -438,6 +438,8 @@ unsigned long long mbar_arrive(Site site, void* bar, unsigned int tx_bytes);
 bool mbar_try_wait(Site site, void* bar, unsigned int parity, bool wait);
 void tma_load(Site site, void* dst, const void* map, void* bar, int rank, const int* coords);
 void tma_store(Site site, const void* src, const void* map, int rank, const int* coords);
+// cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 (ptx_tma.cuh: bulk_reduce_add_f32).
+void bulk_reduce_add_f32(Site site, float* dst, const void* src, unsigned int bytes);
 void tma_store_commit();
 void tma_store_wait(int pending);
 void named_barrier(Site site, unsigned int id, unsigned int count, bool wait);

@@ -56,7 +56,8 @@
 //! against the allocations (`EmulatedDevice::tensor_map` refuses a map reaching past its buffer; a map encoded
 //! otherwise may read past it); TMA stores (`cp.async.bulk.tensor` shared → global, bulk async-groups) are performed
 //! whole, reading shared memory then, at the `cp.async.bulk.wait_group` that covers them or when their thread exits (so
-//! reusing their source before `wait_group.read` shows in the output); no multicast, clusters, reductions or im2col;
+//! reusing their source before `wait_group.read` shows in the output), and so are the bulk reduce-adds of f32
+//! (`cp.reduce.async.bulk .add.f32`, each float added atomically); no multicast, clusters, tensor reductions or im2col;
 //! the emulator's maps are its own format (a driver-encoded map is refused). A swizzled box is laid out densely with
 //! the swizzle applied to the shared address; the probe's GPU cases (not yet run on a GPU) check that reading only for
 //! boxes whose inner dimension is the swizzle's whole span. `setmaxnreg` changes nothing (there is no register file to

@@ -253,6 +253,16 @@ struct TmaCopy {
     Site site;
 };
 
+// A bulk reduce-add (cp.reduce.async.bulk .add.f32, ptx_tma.cuh) waiting to be performed: its shared source (a
+// window address), global destination, size, and its thread's bulk async-group, as a TMA store's.
+struct BulkReduce {
+    unsigned int src;
+    float* dst;
+    unsigned int bytes;
+    unsigned int thread, group;
+    Site site;
+};
+
 // An mbarrier object, by its shared address: the PTX ISA's state (phase, pending arrivals, expected arrivals,
 // tx-count), the copies that will complete bytes on it, and the threads sleeping in try_wait until it changes.
 struct Mbar {
@@ -307,6 +317,7 @@ struct Block {
     unsigned int dyn_window;  // the shared-window address of dynamic shared memory (smem_window_addr)
     std::vector<Mbar> mbars;  // initialised mbarriers, in order of initialisation
     std::vector<TmaCopy> stores;  // TMA stores issued and not yet performed (TmaCopy::thread, ::group)
+    std::vector<BulkReduce> reductions;  // bulk reduce-adds issued and not yet performed
     NamedBar nbars[kNamedBarriers];
     std::vector<Fiber*> queue;  // runnable fibers, a ring
     std::size_t q_head = 0, q_len = 0;
@@ -817,6 +828,7 @@ bool run_block(Block& b, unsigned long long linear) {
     }
     b.mbars.clear();
     b.stores.clear();
+    b.reductions.clear();
     for (NamedBar& n : b.nbars) {
         n.arrived = 0;
         n.waiting.clear();
@@ -1579,6 +1591,37 @@ void perform_stores(Fiber* f, unsigned int below, bool all) {
     }
     b.stores.resize(kept);
     for (const TmaCopy& c : now) land_copy(f, c, true);
+    // The bulk reduce-adds: each float of the source added to its destination with an atomic addition (other blocks
+    // may add to the same floats at once, as on the GPU, whose additions to one address are atomic too).
+    std::vector<BulkReduce> due;
+    kept = 0;
+    for (std::size_t i = 0; i < b.reductions.size(); i++) {
+        BulkReduce& r = b.reductions[i];
+        if (r.thread == f->linear && (all || r.group < below)) due.push_back(r);
+        else b.reductions[kept++] = r;
+    }
+    b.reductions.resize(kept);
+    for (const BulkReduce& r : due) {
+        const float* src = reinterpret_cast<const float*>(host_of(b, r.src, r.bytes));
+        if (!src)
+            fail(f, "the bulk reduce-add issued at %s:%d reads shared address 0x%x (%u bytes), outside the block's "
+                    "shared memory", r.site.file, r.site.line, r.src, r.bytes);
+        for (unsigned int i = 0; i < r.bytes / 4; i++) atomicAdd(r.dst + i, src[i]);
+    }
+}
+
+void bulk_reduce_add_f32(Site site, float* dst, const void* src, unsigned int bytes) {
+    Fiber* f = self();
+    const unsigned int a = smem_window_addr(site, src);
+    if (bytes == 0 || bytes % 16 != 0 || a % 16 != 0 || reinterpret_cast<std::uintptr_t>(dst) % 16 != 0)
+        fail(f,
+             "cp.reduce.async.bulk at %s:%d: %u bytes from shared address 0x%x to %p (the size must be a positive "
+             "multiple of 16, both addresses 16-byte aligned)",
+             site.file, site.line, bytes, a, static_cast<void*>(dst));
+    if (!host_of(*f->block, a, bytes))
+        fail(f, "cp.reduce.async.bulk at %s:%d reads %u bytes from shared address 0x%x, past the block's shared memory",
+             site.file, site.line, bytes, a);
+    f->block->reductions.push_back(BulkReduce{a, dst, bytes, f->linear, f->bulk_committed, site});
 }
 
 void tma_store(Site site, const void* src, const void* map, int rank, const int* coords) {

@@ -130,20 +130,25 @@
 // largest, dkdv and fused at D = 128, are within the 227 KiB an sm_90 block may opt into, by 968 and 984 bytes (a
 // compile-time check in ops/attention.rs); fused there with a third stage would take 257 KiB.
 //
-// fused: the non-deterministic variant (AttentionBackward::Atomic, chosen explicitly only:
-// CudaBackend::with_deterministic_backward(false); the trainer keeps the kernels above). dkdv's kernel body
-// instantiated with ATOMIC: each visible tile pair also adds its dQ contribution, dS·K, to an f32 workspace with
-// atomicAdd, so S and dP are computed once per pair (5 products where dkdv and dq take 7). The order of the atomic
-// additions varies from run to run on a GPU: dQ is not bit-reproducible (dK and dV are, as in dkdv).
-// attn_bwd_dq_convert then writes dq = workspace·scale in its type (or adds it, GradMode::Accumulate).
+// fused: the non-deterministic variant (WgmmaBackward::Atomic, chosen explicitly only:
+// CudaBackend::with_wgmma_backward; the trainer keeps the kernels above). dkdv's kernel body instantiated with
+// ATOMIC: each visible tile pair also adds its dQ contribution, dS·K, to an f32 workspace, so S and dP are computed
+// once per pair (5 products where dkdv and dq take 7). The additions are bulk reduce-adds (cp.reduce.async.bulk
+// .add.f32, ptx_tma.cuh; FlashAttention-3's): each warp writes its 16 rows of a 64-column chunk to its Pᵀ scratch
+// (free by then: the correction read it before) in the workspace's own order (bwd_dq_ws_offset: the accumulator
+// fragment's, 4 KiB contiguous a warp, written without bank conflicts), fences them for the async proxy, and its
+// lane 0 adds the 4 KiB with one instruction, waiting for the read before the scratch is used again. Each addition
+// is atomic; their order varies from run to run on a GPU: dQ is not bit-reproducible (dK and dV are, as in dkdv).
+// attn_bwd_dq_convert then writes dq = workspace·scale in its type (or adds it, GradMode::Accumulate), reading the
+// workspace's order.
 // dS (queries × keys, the A operand of dQ += dS·K) is dSᵀ's fragment transposed: every warp writes its dSᵀ rows to
 // the correction scratch (f32), a barrier of both consumer warpgroups, and each thread reads its rows of dS as the A
 // fragment. The product runs in chunks of 64 columns of D (a 32-float accumulator, added to the workspace after
 // each), K read N-major, over the keys of the block's tiles the pair does not hide: chunk c of the loop's n-th pair
 // is consumer warpgroup (c + n) % NWG's, which reads every tile's dSᵀ from the scratch (at D = 128 each warpgroup
-// has a chunk, at D = 64 they take the pairs in turn). So each dQ element takes one atomic addition a block (128
-// keys), as FlashAttention-2 and -3's backward, not one a key tile: half the atomic traffic of a warpgroup adding its
-// own tile's 64 × D. When a K tile holds non-finite rows (k_bad), a sanitized copy of it serves the partial pairs'
+// has a chunk, at D = 64 they take the pairs in turn). So each dQ element takes one addition a block (128 keys), as
+// FlashAttention-2 and -3's backward, not one a key tile: half the reduction traffic of a warpgroup adding its own
+// tile's 64 × D. When a K tile holds non-finite rows (k_bad), a sanitized copy of it serves the partial pairs'
 // dQ products (as dq's sanitizing), each visible pair adding back, from global memory, what the zeroed elements
 // contribute.
 //
@@ -163,9 +168,9 @@
 // chunk, the owning warpgroup (the fused kernel's) computes its chunk of dQ (the wait comes after the products: the
 // turn is often there by then; waiting before them, ptxas spilled 100 bytes at D = 128), then its thread 0 waits for
 // the turn (flag_wait_eq(flag, blockIdx.x): ld.acquire.gpu), the warpgroup's barrier (bwd_warpgroup_sync: named
-// barrier BWD_BAR_WG + g, 128 threads), every thread's red.global.add of its elements (atomicAdd, whose result is
-// unused: the order is now the turns'), __threadfence, the barrier again, and thread 0 stores the next visiting
-// block's index (bwd_next_turn, found at once where the visiting blocks are consecutive; BWD_NO_TURN after the last)
+// barrier BWD_BAR_WG + g, 128 threads), each warp's bulk reduce-add as above, waited for until its additions are done
+// (cp.async.bulk.wait_group 0, not only its read), __threadfence, the barrier again, and thread 0 stores the next
+// visiting block's index (bwd_next_turn, found at once where the visiting blocks are consecutive; BWD_NO_TURN after the last)
 // with st.release.gpu. Each dQ element is so the sum, in f32, of its key blocks' shares from the last key block down,
 // the same bits every run; the cp.async kernel (64 keys a block) sums other shares than the TMA one (128).
 
@@ -378,6 +383,17 @@ __device__ __forceinline__ void bwd_dkdv_produce(const AttnProblem& p, BwdMaps m
         bwd_tma_pair<D>(qs + st * TB, maps.q, qs + (STAGES + st) * TB, maps.dout, &full[st],
                         (x % q_tiles) * WG_BC, b * p.q_heads + hk * group + x / q_tiles);
     }
+}
+
+// The f32 dQ workspace of the one-kernel variants, in the order their warps add to it: for each (batch·query head bh,
+// query tile qt, 64 columns c of D), 4 warps × 1024 floats, warp w's holding rows 16w..16w+15 of the tile as its
+// accumulator fragment lies, word (n·2 + hf)·64 + lane·2 + e holding the fragment's element 4n + 2hf + e (row gid +
+// 8hf, column 8n + 2tig + e): each 4 KiB contiguous, so a warp adds its share with one bulk reduce-add, written to
+// shared memory without bank conflicts. Rows past the queries are there too (attn_bwd_dq_convert skips them). The
+// offset of warp w's 1024 floats:
+template <int D>
+__device__ __forceinline__ u64 bwd_dq_ws_offset(u32 bh, u32 q_tiles, u32 qt, u32 c, u32 w) {
+    return ((((u64)bh * q_tiles + qt) * (D / 64) + c) * 4 + w) * 1024;
 }
 
 // dkdv, and with ATOMIC the non-deterministic variant's fused kernel (the header's "fused"): one body, so that the
@@ -648,11 +664,10 @@ __device__ __forceinline__ void attn_bwd_wgmma_dkdv(const AttnProblem& p, BwdMap
                 bwd_consumer_sync<TMA, NWG>();  // every warp's dSᵀ is in the scratch
                 // dQ += dS·K over the block's keys (every tile the pair does not hide), by chunks of 64 columns of D:
                 // chunk c of the loop's n-th pair is warpgroup (c + n) % NWG's (at D = 128 a chunk each, at D = 64
-                // the pairs alternate), so that each dQ element takes one atomic addition a block, not one a key tile.
+                // the pairs alternate), so that each dQ element takes one addition a block, not one a key tile.
                 // This thread's rows of dS (queries il = 16·warp + gid + 8·(r % 2)), keys 16s + 8·(r / 2) + 2·tig and
                 // the next of tile t, are read from tile t's warps' dSᵀ rows (key jl at sg[(jl / 16)·2048 + 1024 +
                 // (jl % 16)·64 + il]).
-                const u32 i_lo = i0 + warp * 16 + gid;  // this thread's dQ rows: i_lo and i_lo + 8
 #pragma unroll
                 for (u32 c = 0; c < D / 64; ++c) {
                     if ((c + n) % NWG != g) continue;
@@ -716,19 +731,33 @@ __device__ __forceinline__ void attn_bwd_wgmma_dkdv(const AttnProblem& p, BwdMap
                         if ((ct & 127) == 0) flag_wait_eq(turn(), blockIdx.x);
                         bwd_warpgroup_sync<TMA, NWG>(g);
                     }
-#pragma unroll
-                    for (u32 hf = 0; hf < 2; ++hf) {
-                        u32 i = i_lo + 8 * hf;
-                        if (!added || i >= p.q_len) continue;
+                    if (added) {
+                        // The warp's 16 rows of the chunk go to its Pᵀ scratch (free here: the correction read it
+                        // before) in the workspace's order (bwd_dq_ws_offset), then one bulk reduce-add of its 4 KiB.
+                        float* stage = scr + (g * 4 + warp) * 2 * 16 * 64;
 #pragma unroll
                         for (u32 nn = 0; nn < 8; ++nn)
 #pragma unroll
-                            for (u32 e = 0; e < 2; ++e)
-                                atomicAdd(dq_ws + (q_head + i) * D + c * 64 + nn * 8 + 2 * tig + e,
-                                          dqc[4 * nn + 2 * hf + e]);
+                            for (u32 hf = 0; hf < 2; ++hf)
+#pragma unroll
+                                for (u32 e = 0; e < 2; ++e)
+                                    stage[(nn * 2 + hf) * 64 + lane * 2 + e] = dqc[4 * nn + 2 * hf + e];
+                        tma_fence_proxy_async();
+                        __syncwarp();
+                        if (lane == 0) {
+                            bulk_reduce_add_f32(dq_ws + bwd_dq_ws_offset<D>(b * p.q_heads + h, q_tiles, qt, c, warp),
+                                                stage, 16 * 64 * 4);
+                            tma_store_commit();
+                            // ORDERED: the additions done before the turn passes on; else the scratch free again.
+                            if (ORDERED)
+                                tma_store_wait<0>();
+                            else
+                                tma_store_wait_read<0>();
+                        }
+                        __syncwarp();
                     }
                     if (ORDERED) {
-                        // Every thread's additions reach the device's memory before the turn passes on.
+                        // Every warp's additions reach the device's memory before the turn passes on.
                         __threadfence();
                         bwd_warpgroup_sync<TMA, NWG>(g);
                         if ((ct & 127) == 0)
@@ -1011,11 +1040,22 @@ __device__ __forceinline__ void attn_bwd_wgmma_dq(const AttnProblem& p, BwdMaps 
 // ---- The non-deterministic variant's dQ (the header's "fused").
 
 // dq = ws·scale in G (or added, accumulate), `n` elements, grid-stride.
-template <typename G>
+template <typename G, int D>
 __device__ __forceinline__ void attn_bwd_dq_convert(G* __restrict__ dq, const float* __restrict__ ws, u64 n,
-                                                    float scale, int accumulate) {
-    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
-        store_grad(dq + i, ws[i] * scale, accumulate != 0);
+                                                    u32 q_len, float scale, int accumulate) {
+    const u32 q_tiles = (q_len + WG_BC - 1) / WG_BC;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+        // dQ's element i: (bh, row, d); its place in the workspace (bwd_dq_ws_offset's order).
+        const u32 d = static_cast<u32>(i % D);
+        const u64 rows = i / D;
+        const u32 row = static_cast<u32>(rows % q_len);
+        const u32 bh = static_cast<u32>(rows / q_len);
+        const u32 r = row % WG_BC, x = d % 64;
+        const u32 lane = (r % 8) * 4 + (x % 8) / 2, hf = (r % 16) / 8;
+        const u64 at = bwd_dq_ws_offset<D>(bh, q_tiles, row / WG_BC, d / 64, r / 16) + ((x / 8) * 2 + hf) * 64 +
+                       lane * 2 + x % 2;
+        store_grad(dq + i, ws[at] * scale, accumulate != 0);
+    }
 }
 
 // ORDERED's turns (the header's "ordered"), before its kernel: for every query tile, the first and the last key block
@@ -1119,15 +1159,18 @@ __device__ __forceinline__ void attn_bwd_dq_turns(const AttnProblem& p, u32* __r
     BWD_WGMMA(tn, tt, 128, f32, float)
 BWD_WGMMA_TYPES(bf16, bf16)
 BWD_WGMMA_TYPES(f16, f16)
-// attn_bwd_dq_convert_<gradients>: the atomic variant's dQ from its f32 workspace.
-#define BWD_DQ_CONVERT(gn, gt)                                                                                     \
-    extern "C" __global__ void attn_bwd_dq_convert_##gn(gt* dq, const float* ws, u64 n, float scale,              \
-                                                        int accumulate) {                                           \
-        attn_bwd_dq_convert<gt>(dq, ws, n, scale, accumulate);                                                      \
+// attn_bwd_dq_convert_d<D>_<gradients>: the one-kernel variants' dQ from their f32 workspace.
+#define BWD_DQ_CONVERT(dd, gn, gt)                                                                                 \
+    extern "C" __global__ void attn_bwd_dq_convert_d##dd##_##gn(gt* dq, const float* ws, u64 n, u32 q_len,         \
+                                                                float scale, int accumulate) {                      \
+        attn_bwd_dq_convert<gt, dd>(dq, ws, n, q_len, scale, accumulate);                                           \
     }
-BWD_DQ_CONVERT(bf16, bf16)
-BWD_DQ_CONVERT(f16, f16)
-BWD_DQ_CONVERT(f32, float)
+BWD_DQ_CONVERT(64, bf16, bf16)
+BWD_DQ_CONVERT(64, f16, f16)
+BWD_DQ_CONVERT(64, f32, float)
+BWD_DQ_CONVERT(128, bf16, bf16)
+BWD_DQ_CONVERT(128, f16, f16)
+BWD_DQ_CONVERT(128, f32, float)
 // attn_bwd_dq_turns_w<NWG>: the ordered kernels' turns (NWG: 1 for the cp.async kernel, BWD_FUSED_WGS_D<D> for the
 // TMA-fed ones).
 #define BWD_DQ_TURNS(nwg)                                                                                          \

@@ -259,6 +259,23 @@ __device__ __forceinline__ void tma_store_4d(const CUtensorMap* map, const void*
 #endif
 }
 
+// The bulk reduce-add (cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32, bulk_reduce_add_f32): adds the
+// `bytes` / 4 floats at `src` (shared memory) to those at `dst` (global memory), element by element, each addition
+// atomic (others may add to the same floats at once), asynchronously, in the thread's bulk async-group like a TMA
+// store: committed by tma_store_commit, its source free for reuse after tma_store_wait_read, its additions done after
+// tma_store_wait. Both addresses 16-byte aligned, `bytes` a positive multiple of 16. The source, written by ordinary
+// stores, must be made visible to the async proxy first (tma_fence_proxy_async by its writers, then a barrier among
+// them). The emulator performs it, reading shared memory then, at the wait that covers it (or when its thread exits).
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, const void* src, u32 bytes LONGCTX_PTX_CALLER) {
+#ifdef LONGCTX_EMU
+    ::emu::bulk_reduce_add_f32(LONGCTX_PTX_SITE, dst, src, bytes);
+#else
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst),
+                 "r"(tma_smem_addr(src)), "r"(bytes)
+                 : "memory");
+#endif
+}
+
 __device__ __forceinline__ void tma_store_commit() {
 #ifdef LONGCTX_EMU
     ::emu::tma_store_commit();

@@ -213,3 +213,26 @@ extern "C" __global__ void __launch_bounds__(128, 1)
         d[row * 64 + col] = acc[i];
     }
 }
+
+// The bulk reduce-add (bulk_reduce_add_f32, ptx_tma.cuh: cp.reduce.async.bulk .add.f32), as the wgmma backward's
+// one-kernel variants add their dQ shares: every block's four warps each write 1024 floats to their own 4 KiB of
+// shared memory (thread t of warp w, its 32 floats at words 32·i + lane: word k of warp w holding (block + 1)·(k % 7 +
+// 1)), fence them for the async proxy, and lane 0 adds them to dst[1024·w..] with one bulk reduce-add, waiting for
+// its read before the block ends. All blocks add to the same 4096 floats, so dst[1024·w + k] = (k % 7 + 1)·Σ (b + 1),
+// exact in f32 whatever the order. `mode` 1: a size that is not a multiple of 16 (an error on the emulator).
+extern "C" __global__ void __launch_bounds__(128, 1) longctx_tma_probe_reduce(float* dst, int mode) {
+    __shared__ __align__(128) float stage[4][1024];
+    const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    for (u32 i = 0; i < 32; i++) {
+        const u32 k = 32 * i + lane;
+        stage[warp][k] = static_cast<float>((blockIdx.x + 1) * (k % 7 + 1));
+    }
+    tma_fence_proxy_async();
+    __syncwarp();
+    if (lane == 0) {
+        bulk_reduce_add_f32(dst + 1024 * warp, stage[warp], mode == 1 ? 4092 : 4096);
+        tma_store_commit();
+        tma_store_wait_read<0>();
+    }
+    __syncwarp();
+}

@@ -135,9 +135,12 @@ pub(crate) static BACKWARD_WGMMA: KernelSource = KernelSource {
         "attn_bwd_wgmma_dkdv_tma_f16_d128_f32",
         "attn_bwd_wgmma_dq_tma_f16_d128_f32",
         "attn_bwd_wgmma_fused_tma_f16_d128_f32",
-        "attn_bwd_dq_convert_bf16",
-        "attn_bwd_dq_convert_f16",
-        "attn_bwd_dq_convert_f32",
+        "attn_bwd_dq_convert_d64_bf16",
+        "attn_bwd_dq_convert_d64_f16",
+        "attn_bwd_dq_convert_d64_f32",
+        "attn_bwd_dq_convert_d128_bf16",
+        "attn_bwd_dq_convert_d128_f16",
+        "attn_bwd_dq_convert_d128_f32",
         "attn_bwd_wgmma_ordered_bf16_d64_bf16",
         "attn_bwd_wgmma_ordered_bf16_d64_f32",
         "attn_bwd_wgmma_ordered_bf16_d128_bf16",
@@ -889,9 +892,12 @@ fn backward_fused(
 ) -> Result<()> {
     let d = s.head_dim;
     let n = s.q_elems();
-    let ws = b.scratch(4 * n)?;
-    // SAFETY: `ws` holds `n` f32, just allocated.
-    unsafe { b.memset32(ws.ptr(), 0, n)? };
+    let q_tiles = s.q_len.div_ceil(TC_TILE);
+    // The workspace: whole query tiles (the kernel's bwd_dq_ws_offset order, rows past the queries included).
+    let ws_elems = s.batch * s.q_heads * q_tiles * TC_TILE * d;
+    let ws = b.scratch(4 * ws_elems)?;
+    // SAFETY: `ws` holds `ws_elems` f32, just allocated.
+    unsafe { b.memset32(ws.ptr(), 0, ws_elems)? };
     let tma = if maps.is_some() { "_tma" } else { "" };
     let variant = if ordered { "ordered" } else { "fused" };
     let name = format!("attn_bwd_wgmma_{variant}{tma}_{}_d{d}_{}", super::suffix(qt), super::suffix(dkt));
@@ -901,7 +907,6 @@ fn backward_fused(
     args.push(q_bad).push(do_bad).push(k_bad).push(acc);
     let cfg = bwd_dkdv_launch(s, true, maps.is_some());
     // The turns: a flag per (batch, query head, query tile, 64 columns of D), the last block of each query tile.
-    let q_tiles = s.q_len.div_ceil(TC_TILE);
     let turns = if ordered { Some(b.scratch(4 * s.batch * s.q_heads * q_tiles * (d / 64))?) } else { None };
     let last = if ordered { Some(b.scratch(4 * q_tiles)?) } else { None };
     if let (Some(turns), Some(last)) = (&turns, &last) {
@@ -914,14 +919,15 @@ fn backward_fused(
         unsafe { b.launch(&kt, LaunchConfig::linear(blocks, THREADS), &targs)? };
         args.push(turns.ptr()).push(last.ptr());
     }
-    // SAFETY: as the deterministic kernels (the maps too); `ws` holds one f32 per element of dQ; the ordered
-    // kernel's turns were just set up for this problem and this grid (bwd_dkdv_launch's, the same NWG).
+    // SAFETY: as the deterministic kernels (the maps too); `ws` holds one f32 per element of dQ's whole query
+    // tiles; the ordered kernel's turns were just set up for this problem and this grid (bwd_dkdv_launch's, the
+    // same NWG).
     unsafe { b.launch(&kf, cfg, &args)? };
-    let kc = kernel(&BACKWARD_WGMMA, &format!("attn_bwd_dq_convert_{}", super::suffix(dqt)))?;
+    let kc = kernel(&BACKWARD_WGMMA, &format!("attn_bwd_dq_convert_d{d}_{}", super::suffix(dqt)))?;
     let mut args = KernelArgs::new();
-    args.push(dq).push(ws.ptr()).push(n as u64).push(pr.args.scale).push(acc);
+    args.push(dq).push(ws.ptr()).push(n as u64).push(s.q_len as u32).push(pr.args.scale).push(acc);
     let blocks = (n as u64).div_ceil(THREADS as u64).clamp(1, super::MAX_BLOCKS) as u32;
-    // SAFETY: `dq` and `ws` hold `n` elements of their types.
+    // SAFETY: `dq` holds `n` elements of its type, `ws` the workspace the kernel reads them from.
     unsafe { b.launch(&kc, LaunchConfig::linear(blocks, THREADS), &args) }
 }
 
