@@ -230,27 +230,30 @@ __device__ __forceinline__ void bwd_tma_pair(unsigned char* a, const CUtensorMap
 // every K/V stage. The host reads it.
 #define BWD_DQ_WGS 2
 
+// Whether a dK/dV block of key tiles kt0..kt0 + tiles − 1 visits query tile qt: the mask does not hide it for one of
+// the block's tiles at least (the walk's test, bwd_next_pair's, and ORDERED's turns', bwd_block_visits').
+__device__ __forceinline__ bool bwd_visits(const AttnProblem& p, u32 qt, u32 kt0, u32 tiles) {
+    for (u32 t = 0; t < tiles; ++t)
+        if (classify(p, qt, kt0 + t) != TILE_HIDDEN) return true;
+    return false;
+}
+
 // The first (query head of the group, query tile) pair at or after x that the mask does not hide for every one of
 // key tiles kt0..kt0 + tiles − 1, a dK/dV block's (pair x: head hk·group + x / q_tiles, tile x % q_tiles; `pairs`:
 // none). Producer and consumers walk the same.
 __device__ __forceinline__ u32 bwd_next_pair(const AttnProblem& p, u32 x, u32 pairs, u32 q_tiles, u32 kt0,
                                              u32 tiles) {
-    for (; x < pairs; ++x)
-        for (u32 t = 0; t < tiles; ++t)
-            if (classify(p, x % q_tiles, kt0 + t) != TILE_HIDDEN) return x;
+    while (x < pairs && !bwd_visits(p, x % q_tiles, kt0, tiles)) ++x;
     return x;
 }
 
 // Whether the key block of order index o (ORDERED's, the header's "ordered": key tiles (nb − 1 − o)·NWG.. of the
-// nb = ⌈k_tiles / NWG⌉ blocks) visits query tile qt: the mask does not hide it for one of the block's tiles at least
-// (bwd_next_pair's test).
+// nb = ⌈k_tiles / NWG⌉ blocks, fewer at the end of the keys) visits query tile qt.
 template <u32 NWG>
 __device__ __forceinline__ bool bwd_block_visits(const AttnProblem& p, u32 qt, u32 o) {
     const u32 k_tiles = (p.kv_len + WG_BC - 1) / WG_BC;
     const u32 kt0 = ((k_tiles + NWG - 1) / NWG - 1 - o) * NWG;
-    for (u32 t = 0; t < NWG && kt0 + t < k_tiles; ++t)
-        if (classify(p, qt, kt0 + t) != TILE_HIDDEN) return true;
-    return false;
+    return bwd_visits(p, qt, kt0, k_tiles - kt0 < NWG ? k_tiles - kt0 : NWG);
 }
 
 // The order index of the block after block o that visits query tile qt (the turn block o hands on), or BWD_NO_TURN
@@ -543,13 +546,20 @@ __device__ __forceinline__ void attn_bwd_wgmma_dkdv(const AttnProblem& p, BwdMap
             const u64 q_head = ((u64)b * p.q_heads + h) * p.q_len;
             const T* qg = q + q_head * D;
             const T* dog = dout + q_head * D;
-            // This warpgroup's tile against the pair (hidden: it computes nothing, and only keeps the barriers), and
-            // whether any of the block's is partial (the sanitising of the shared Q and dO tiles is everyone's).
+            // Each of the block's tiles against the pair (key tile kt0 + t's class in bits 2t..2t + 1 of classes;
+            // hidden where the block has none: one register, where an array of them left ptxas a register short in
+            // the ordered kernel at D = 128), this warpgroup's (cls; hidden: it computes nothing, and only keeps the
+            // barriers), and whether any is partial (the sanitising of the shared Q and dO tiles is everyone's).
             // (With one warpgroup the walk visits no pair its tile hides.)
-            const int cls = own ? classify(p, qt, kt) : TILE_HIDDEN;
-            bool partial = cls == TILE_PARTIAL;
+            u32 classes = 0;
 #pragma unroll
-            for (u32 t = 0; t < NWG; ++t) partial |= t != g && t < tiles && classify(p, qt, kt0 + t) == TILE_PARTIAL;
+            for (u32 t = 0; t < NWG; ++t)
+                classes |= static_cast<u32>(t < tiles ? classify(p, qt, kt0 + t) : TILE_HIDDEN) << (2 * t);
+            auto class_of = [&](u32 t) { return static_cast<int>((classes >> (2 * t)) & 3u); };
+            const int cls = class_of(g);
+            bool partial = false;
+#pragma unroll
+            for (u32 t = 0; t < NWG; ++t) partial |= class_of(t) == TILE_PARTIAL;
             const bool mine = NWG == 1 || cls != TILE_HIDDEN;
             const u32 i0 = qt * WG_BC;
             unsigned char* qs = qs0 + stg * TB;
@@ -677,7 +687,7 @@ __device__ __forceinline__ void attn_bwd_wgmma_dkdv(const AttnProblem& p, BwdMap
                     bool added = false;
 #pragma unroll
                     for (u32 t = 0; t < NWG; ++t) {
-                        const int cls_t = t == g ? cls : t < tiles ? classify(p, qt, kt0 + t) : TILE_HIDDEN;
+                        const int cls_t = class_of(t);
                         if (cls_t == TILE_HIDDEN) continue;
                         const float* sg = scr + t * 4 * 2048;
                         u32 sa[4][4];
@@ -734,19 +744,18 @@ __device__ __forceinline__ void attn_bwd_wgmma_dkdv(const AttnProblem& p, BwdMap
                     if (added) {
                         // The warp's 16 rows of the chunk go to its Pᵀ scratch (free here: the correction read it
                         // before) in the workspace's order (bwd_dq_ws_offset), then one bulk reduce-add of its 4 KiB.
-                        float* stage = scr + (g * 4 + warp) * 2 * 16 * 64;
 #pragma unroll
                         for (u32 nn = 0; nn < 8; ++nn)
 #pragma unroll
                             for (u32 hf = 0; hf < 2; ++hf)
 #pragma unroll
                                 for (u32 e = 0; e < 2; ++e)
-                                    stage[(nn * 2 + hf) * 64 + lane * 2 + e] = dqc[4 * nn + 2 * hf + e];
+                                    ps[(nn * 2 + hf) * 64 + lane * 2 + e] = dqc[4 * nn + 2 * hf + e];
                         tma_fence_proxy_async();
                         __syncwarp();
                         if (lane == 0) {
                             bulk_reduce_add_f32(dq_ws + bwd_dq_ws_offset<D>(b * p.q_heads + h, q_tiles, qt, c, warp),
-                                                stage, 16 * 64 * 4);
+                                                ps, 16 * 64 * 4);
                             tma_store_commit();
                             // ORDERED: the additions done before the turn passes on; else the scratch free again.
                             if (ORDERED)

@@ -907,9 +907,12 @@ fn backward_fused(
     args.push(q_bad).push(do_bad).push(k_bad).push(acc);
     let cfg = bwd_dkdv_launch(s, true, maps.is_some());
     // The turns: a flag per (batch, query head, query tile, 64 columns of D), the last block of each query tile.
-    let turns = if ordered { Some(b.scratch(4 * s.batch * s.q_heads * q_tiles * (d / 64))?) } else { None };
-    let last = if ordered { Some(b.scratch(4 * q_tiles)?) } else { None };
-    if let (Some(turns), Some(last)) = (&turns, &last) {
+    let turns = if ordered {
+        Some((b.scratch(4 * s.batch * s.q_heads * q_tiles * (d / 64))?, b.scratch(4 * q_tiles)?))
+    } else {
+        None
+    };
+    if let Some((turns, last)) = &turns {
         let nwg = bwd_dkdv_wgs(d, true, maps.is_some());
         let kt = kernel(&BACKWARD_WGMMA, &format!("attn_bwd_dq_turns_w{nwg}"))?;
         let mut targs = KernelArgs::new();
